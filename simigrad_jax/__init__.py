@@ -1,0 +1,49 @@
+"""simigrad-jax: adaptive batch-size training for JAX (SimiGrad).
+
+In-graph (runs inside your jit / pmap / shard_map step):
+  transform, SimilarityState, value_and_half_grads, HalfGrads,
+  scale_by_lr_factor, LrFactorState.
+Host side (Python decisions between steps):
+  Controller, lr_factor, similarity, similarity_stats, set_lr_factor,
+  BucketPolicy, BatchPlan, plan_batch, bucket_shapes.
+"""
+
+from simigrad_jax.host.batch_plan import BatchPlan
+from simigrad_jax.host.batch_plan import BucketPolicy
+from simigrad_jax.host.batch_plan import bucket_shapes
+from simigrad_jax.host.batch_plan import plan_batch
+from simigrad_jax.host.batch_plan import representable_batch_sizes
+from simigrad_jax.host.controller import Controller
+from simigrad_jax.host.lr_rules import lr_factor
+from simigrad_jax.host.state_access import lr_factor_of
+from simigrad_jax.host.state_access import set_lr_factor
+from simigrad_jax.host.state_access import similarity
+from simigrad_jax.host.state_access import similarity_stats
+from simigrad_jax.ingraph.half_batch import value_and_half_grads
+from simigrad_jax.ingraph.lr_scaling import LrFactorState
+from simigrad_jax.ingraph.lr_scaling import scale_by_lr_factor
+from simigrad_jax.ingraph.transform import HalfGrads
+from simigrad_jax.ingraph.transform import SimilarityState
+from simigrad_jax.ingraph.transform import transform
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BatchPlan",
+    "BucketPolicy",
+    "Controller",
+    "HalfGrads",
+    "LrFactorState",
+    "SimilarityState",
+    "bucket_shapes",
+    "lr_factor",
+    "lr_factor_of",
+    "plan_batch",
+    "representable_batch_sizes",
+    "scale_by_lr_factor",
+    "set_lr_factor",
+    "similarity",
+    "similarity_stats",
+    "transform",
+    "value_and_half_grads",
+]

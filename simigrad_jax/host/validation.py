@@ -1,0 +1,49 @@
+"""Host: checks of user-given settings, with errors that name the value and the valid range."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import numpy as np
+
+
+def is_bool(value: Any) -> bool:
+  return isinstance(value, (bool, np.bool_))
+
+
+def is_int(value: Any) -> bool:
+  """An integer that is not a bool (NumPy integers included)."""
+  return isinstance(value, (int, np.integer)) and not is_bool(value)
+
+
+def is_real(value: Any) -> bool:
+  """A real number that is not a bool (NumPy numbers included)."""
+  return isinstance(value, (int, float, np.integer, np.floating)) and not is_bool(value)
+
+
+def check_int(name: str, value: Any, minimum: int = 1) -> int:
+  """Returns ``value`` as an int, or raises ValueError naming it and the valid range."""
+  if not is_int(value):
+    raise ValueError(
+        f"{name} must be an integer >= {minimum}, got {value!r} ({type(value).__name__})")
+  if int(value) < minimum:
+    raise ValueError(f"{name} must be an integer >= {minimum}, got {int(value)}")
+  return int(value)
+
+
+def check_bool(name: str, value: Any) -> bool:
+  """Returns ``value`` as a bool; refuses anything but True and False."""
+  if not is_bool(value):
+    raise ValueError(f"{name} must be True or False, got {value!r} ({type(value).__name__})")
+  return bool(value)
+
+
+def check_real(name: str, value: Any, valid: str, ok: Callable[[float], bool]) -> float:
+  """Returns ``float(value)`` if it is a real, non-NaN number with ``ok(value)``.
+
+  ``valid`` describes the accepted range for the error message, e.g. ``"[-1, 1]"``.
+  """
+  if not is_real(value) or math.isnan(float(value)) or not ok(float(value)):
+    raise ValueError(f"{name} must be a number in {valid}, got {value!r}")
+  return float(value)
