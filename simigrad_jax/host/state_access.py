@@ -1,0 +1,120 @@
+"""Host: read the similarity from, and write the learning-rate factor into, an optax state.
+
+The states are found by name anywhere inside a chained or wrapped optax state
+(``optax.chain``, ``optax.inject_hyperparams``, ``optax.MultiSteps``, ...) with
+``optax.tree_utils``. They may be replicated the ``jax.pmap`` way (a leading
+device axis) or the ``jax.shard_map`` way (one global array); in both cases
+the host reads the copy on this process's first device, which is enough since
+every device holds the same value.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from simigrad_jax.ingraph.lr_scaling import LrFactorState
+from simigrad_jax.ingraph.transform import SimilarityState
+
+
+def _find(opt_state: Any, state_type: type, producer: str):
+  found = optax.tree_utils.tree_get_all_with_path(opt_state, state_type.__name__)
+  if not found:
+    raise ValueError(
+        f"no {state_type.__name__} in this optimizer state; chain {producer} into the optimizer"
+    )
+  if len(found) > 1:
+    paths = [jax.tree_util.keystr(tuple(path)) for path, _ in found]
+    raise ValueError(f"{len(found)} {state_type.__name__}s in this optimizer state, at {paths}; expected one")
+  return found[0][1]
+
+
+def _first_copy(value) -> Any:
+  if isinstance(value, jax.Array):
+    value = value.addressable_data(0)
+  return value
+
+
+def similarity_stats(opt_state: Any) -> dict[str, float | bool | int]:
+  """Returns everything :func:`simigrad_jax.transform` measured at the last step, in one transfer.
+
+  Args:
+    opt_state: an optimizer state containing a :class:`SimilarityState`.
+
+  Returns:
+    A dict with ``similarity`` (NaN when the step gave no measurement),
+    ``norm_a``, ``norm_b``, ``norm_mean`` (floats), ``measured`` and
+    ``grads_finite`` (bools) and ``nonfinite_count`` (int).
+
+  Example:
+    >>> import jax.numpy as jnp, optax, simigrad_jax
+    >>> state = optax.chain(simigrad_jax.transform("batch"), optax.sgd(0.1)).init(jnp.zeros(2))
+    >>> simigrad_jax.similarity_stats(state)["measured"]
+    False
+  """
+  state = _find(opt_state, SimilarityState, "simigrad_jax.transform")
+  host = jax.device_get([_first_copy(v) for v in state])
+  values = {name: np.asarray(v).reshape(-1)[0] for name, v in zip(SimilarityState._fields, host)}
+  measured = bool(values["measured"])
+  return {
+      "similarity": float(values["similarity"]) if measured else math.nan,
+      "norm_a": float(values["norm_a"]),
+      "norm_b": float(values["norm_b"]),
+      "norm_mean": float(values["norm_mean"]),
+      "measured": measured,
+      "grads_finite": bool(values["grads_finite"]),
+      "nonfinite_count": int(values["nonfinite_count"]),
+  }
+
+
+def similarity(opt_state: Any) -> float:
+  """Returns the last step's cosine similarity of the two half-batch gradients, NaN if none.
+
+  NaN means the last step gave no measurement (non-finite gradients, a
+  zero-norm half, or no step taken yet); :class:`simigrad_jax.Controller`
+  leaves the batch size unchanged on NaN.
+
+  Args:
+    opt_state: an optimizer state containing a :class:`SimilarityState`
+      (from :func:`simigrad_jax.transform`), at any depth.
+
+  Returns:
+    A Python float in [-1, 1], or NaN.
+  """
+  return similarity_stats(opt_state)["similarity"]
+
+
+def set_lr_factor(opt_state: Any, factor: float) -> Any:
+  """Returns ``opt_state`` with the learning-rate factor of :func:`scale_by_lr_factor` set to ``factor``.
+
+  The new value has the old one's float32 dtype, shape and device placement,
+  so a jitted, pmapped or shard_mapped step runs with it without recompiling.
+
+  Args:
+    opt_state: an optimizer state containing one :class:`LrFactorState`.
+    factor: the new factor, finite and > 0 (e.g. from :func:`lr_factor`).
+
+  Returns:
+    The new optimizer state (the input is not modified).
+  """
+  factor = float(factor)
+  if not math.isfinite(factor) or factor <= 0:
+    raise ValueError(f"the learning-rate factor must be finite and > 0, got {factor}")
+  old = _find(opt_state, LrFactorState, "simigrad_jax.scale_by_lr_factor()").lr_factor
+  new_value = np.full(np.shape(old), factor, dtype=np.asarray(_first_copy(old)).dtype)
+  if isinstance(old, jax.Array):
+    # Keep the placement: committed arrays (pmap and shard_map layouts) stay
+    # where they were; an uncommitted one stays free for jit to place.
+    new_value = jax.device_put(new_value, old.sharding) if old.committed else jnp.asarray(new_value)
+  return optax.tree_utils.tree_set(opt_state, lr_factor=new_value)
+
+
+def lr_factor_of(opt_state: Any) -> float:
+  """Returns the learning-rate factor currently held in ``opt_state``."""
+  old = _find(opt_state, LrFactorState, "simigrad_jax.scale_by_lr_factor()").lr_factor
+  return float(np.asarray(jax.device_get(_first_copy(old))).reshape(-1)[0])

@@ -1,0 +1,264 @@
+"""simigrad_jax.transform against a float64 NumPy reference, under pmap and shard_map."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+import simigrad_jax
+
+AXIS = "batch"
+
+
+def random_grads(rng, num_devices, mixed_dtypes):
+  """Per-device gradients (leading device axis) of a pytree with mixed shapes and dtypes."""
+  shapes = {"conv": (3, 3, 2, 4), "dense": {"kernel": (7, 5), "bias": (5,)}, "scale": ()}
+  leaves, treedef = jax.tree.flatten(shapes, is_leaf=lambda s: isinstance(s, tuple))
+  dtypes = [jnp.bfloat16 if mixed_dtypes and i % 2 else jnp.float32 for i in range(len(leaves))]
+  # A shared signal plus per-device noise, so the halves are similar but not equal.
+  arrays = [
+      (rng.normal(size=shape) + 0.7 * rng.normal(size=(num_devices,) + shape)).astype(dtype)
+      for shape, dtype in zip(leaves, dtypes)
+  ]
+  return jax.tree.unflatten(treedef, arrays)
+
+
+def reference(per_device, first_half, second_half):
+  """float64 mean over all devices and cos between the means of two device subsets."""
+  as64 = lambda t: [np.asarray(x, np.float64) for x in jax.tree.leaves(t)]
+  leaves = as64(per_device)
+  mean = [x.mean(axis=0) for x in leaves]
+  flat = lambda sel: np.concatenate([x[sel].mean(axis=0).ravel() for x in leaves])
+  g_a, g_b = flat(first_half), flat(second_half)
+  cos = g_a @ g_b / (np.linalg.norm(g_a) * np.linalg.norm(g_b))
+  return mean, cos, np.linalg.norm(g_a), np.linalg.norm(g_b), np.linalg.norm((g_a + g_b) / 2)
+
+
+def tolerance(mixed_dtypes):
+  return dict(rtol=3e-2, atol=3e-2) if mixed_dtypes else dict(rtol=2e-5, atol=2e-5)
+
+
+def map_over_devices(fn, num_devices, mapper):
+  """Maps ``fn(*per_device_args)`` over ``num_devices`` devices; inputs carry a leading device axis."""
+  devices = jax.devices()[:num_devices]
+  if mapper == "pmap":
+    return jax.pmap(fn, axis_name=AXIS, devices=devices)
+  mesh = Mesh(np.array(devices), (AXIS,))
+
+  def per_block(*args):
+    return fn(*jax.tree.map(lambda x: x[0], args))
+
+  mapped = jax.shard_map(per_block, mesh=mesh, in_specs=P(AXIS), out_specs=P())
+  # Outputs are replicated: give them the pmap layout (leading device axis) for the checks.
+  return jax.jit(lambda *args: jax.tree.map(lambda x: jnp.broadcast_to(x, (num_devices,) + x.shape),
+                                            mapped(*args)))
+
+
+@functools.lru_cache(maxsize=None)
+def compiled_device_split(num_devices, mapper, reduction):
+  tx = simigrad_jax.transform(AXIS, reduction=reduction)
+
+  def step(grads):
+    return tx.update(grads, tx.init(grads))
+
+  return map_over_devices(step, num_devices, mapper)
+
+
+@pytest.mark.parametrize("mixed_dtypes", [False, True], ids=["f32", "f32+bf16"])
+@pytest.mark.parametrize("reduction", ["scatter", "stacked"])
+@pytest.mark.parametrize("mapper", ["pmap", "shard_map"])
+@pytest.mark.parametrize("num_devices", [2, 4, 8])
+def test_device_halves_match_numpy(num_devices, mapper, reduction, mixed_dtypes):
+  grads = random_grads(np.random.default_rng(num_devices), num_devices, mixed_dtypes)
+  mean, state = compiled_device_split(num_devices, mapper, reduction)(grads)
+  half = num_devices // 2
+  ref_mean, ref_cos, ref_na, ref_nb, ref_nm = reference(grads, slice(0, half), slice(half, None))
+  tol = tolerance(mixed_dtypes)
+  for got, want, leaf in zip(jax.tree.leaves(mean), ref_mean, jax.tree.leaves(grads)):
+    assert got.dtype == leaf.dtype  # the mean keeps each leaf's dtype, like lax.pmean
+    for device_copy in np.asarray(got, np.float64):
+      np.testing.assert_allclose(device_copy, want, **tol)
+  assert state.similarity.dtype == jnp.float32
+  np.testing.assert_allclose(state.similarity, ref_cos, **tol)
+  np.testing.assert_allclose(state.norm_a, ref_na, **tol)
+  np.testing.assert_allclose(state.norm_b, ref_nb, **tol)
+  np.testing.assert_allclose(state.norm_mean, ref_nm, **tol)
+  assert np.all(state.measured) and np.all(state.grads_finite)
+  assert 0.0 < float(state.similarity[0]) < 0.999  # the halves differ; not the gradient trap
+
+
+@functools.lru_cache(maxsize=None)
+def compiled_local_split(num_devices, mapper):
+  tx = simigrad_jax.transform(AXIS)
+
+  def step(first, second):
+    updates = jax.tree.map(lambda a, b: (a + b) / 2, first, second)
+    return tx.update(updates, tx.init(updates), half_grads=simigrad_jax.HalfGrads(first, second))
+
+  return map_over_devices(step, num_devices, mapper)
+
+
+@pytest.mark.parametrize("mapper", ["pmap", "shard_map"])
+@pytest.mark.parametrize("num_devices", [1, 3, 8])
+def test_local_halves_match_numpy(num_devices, mapper):
+  rng = np.random.default_rng(10 + num_devices)
+  first = random_grads(rng, num_devices, mixed_dtypes=False)
+  second = random_grads(rng, num_devices, mixed_dtypes=False)
+  mean, state = compiled_local_split(num_devices, mapper)(first, second)
+  # Reference: the halves are "first halves of every device" vs "second halves of every device".
+  both = jax.tree.map(lambda a, b: np.concatenate([a, b]), first, second)
+  ref_mean, ref_cos, ref_na, ref_nb, _ = reference(
+      both, slice(0, num_devices), slice(num_devices, None))
+  for got, want in zip(jax.tree.leaves(mean), ref_mean):
+    np.testing.assert_allclose(np.asarray(got)[0], want, rtol=2e-5, atol=2e-5)
+  np.testing.assert_allclose(state.similarity, ref_cos, rtol=2e-5, atol=2e-5)
+  np.testing.assert_allclose(state.norm_a, ref_na, rtol=2e-5)
+  np.testing.assert_allclose(state.norm_b, ref_nb, rtol=2e-5)
+
+
+def test_odd_device_count_without_half_grads_is_refused():
+  with pytest.raises(ValueError, match=r"3 device\(s\).*value_and_half_grads"):
+    compiled_device_split(3, "pmap", "scatter")(random_grads(np.random.default_rng(0), 3, False))
+
+
+def test_value_and_half_grads_equals_separate_gradients():
+  loss = lambda w, batch: jnp.mean((batch["x"] @ w - batch["y"]) ** 2)
+  rng = np.random.default_rng(0)
+  batch = {"x": jnp.asarray(rng.normal(size=(6, 3)), jnp.float32),
+           "y": jnp.asarray(rng.normal(size=(6,)), jnp.float32)}
+  w = jnp.asarray(rng.normal(size=(3,)), jnp.float32)
+  value, grads, halves = jax.jit(simigrad_jax.value_and_half_grads(loss))(w, batch)
+  first = jax.tree.map(lambda x: x[:3], batch)
+  second = jax.tree.map(lambda x: x[3:], batch)
+  np.testing.assert_allclose(value, loss(w, batch), rtol=1e-6)
+  np.testing.assert_allclose(grads, jax.grad(loss)(w, batch), rtol=1e-5)
+  np.testing.assert_allclose(halves.first, jax.grad(loss)(w, first), rtol=1e-5)
+  np.testing.assert_allclose(halves.second, jax.grad(loss)(w, second), rtol=1e-5)
+  with pytest.raises(ValueError, match="5 examples"):
+    simigrad_jax.value_and_half_grads(loss)(w, jax.tree.map(lambda x: x[:5], batch))
+
+
+def test_shard_map_gradient_trap_is_caught_and_pcast_fixes_it():
+  """Under shard_map, grad of P()-replicated params is already summed: refuse it."""
+  mesh = Mesh(np.array(jax.devices()), (AXIS,))
+  opt = optax.chain(simigrad_jax.transform(AXIS), optax.sgd(0.1))
+  loss = lambda w, x: jnp.mean(jnp.sum((x - w) ** 2, axis=-1))
+
+  def make_step(pcast):
+    def step(w, opt_state, x):
+      w_for_grad = jax.lax.pcast(w, AXIS, to="varying") if pcast else w
+      grads = jax.grad(loss)(w_for_grad, x)
+      updates, opt_state = opt.update(grads, opt_state, w)
+      return optax.apply_updates(w, updates), opt_state
+    return jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), P(), P(AXIS)), out_specs=P()))
+
+  w = jnp.zeros(4)
+  x = jnp.asarray(np.random.default_rng(0).normal(size=(16, 4)), jnp.float32)
+  with pytest.raises(ValueError, match="pcast"):
+    make_step(pcast=False)(w, opt.init(w), x)
+  new_w, state = make_step(pcast=True)(w, opt.init(w), x)
+  # Reference: device d sees rows 2d, 2d+1; grad of the mean over a device's rows is 2(w - mean x).
+  per_device = 2 * (0 - np.asarray(x).reshape(8, 2, 4).mean(axis=1))
+  _, ref_cos, *_ = reference(per_device, slice(0, 4), slice(4, None))
+  sim = simigrad_jax.similarity(state)
+  assert sim != 1.0
+  np.testing.assert_allclose(sim, ref_cos, rtol=1e-5)
+  np.testing.assert_allclose(new_w, -0.1 * per_device.mean(axis=0), rtol=1e-5)
+
+
+def test_vmap_with_named_axis():
+  tx = simigrad_jax.transform(AXIS)
+  grads = random_grads(np.random.default_rng(3), 4, mixed_dtypes=False)
+  mean, state = jax.vmap(lambda g: tx.update(g, tx.init(g)), axis_name=AXIS)(grads)
+  ref_mean, ref_cos, *_ = reference(grads, slice(0, 2), slice(2, None))
+  np.testing.assert_allclose(state.similarity, ref_cos, rtol=2e-5)
+  np.testing.assert_allclose(jax.tree.leaves(mean)[0][0], ref_mean[0], rtol=2e-5, atol=1e-6)
+
+
+@functools.lru_cache(maxsize=None)
+def compiled_chain_step(nonfinite):
+  inner = optax.sgd(0.5, momentum=0.9)
+  if nonfinite == "propagate":
+    inner = optax.apply_if_finite(inner, max_consecutive_errors=100)
+  opt = optax.chain(simigrad_jax.transform(AXIS, nonfinite=nonfinite), inner)
+
+  def step(params, opt_state, grads):
+    updates, opt_state = opt.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  return opt, jax.pmap(step, axis_name=AXIS)
+
+
+def replicate(tree, n=8):
+  return jax.tree.map(lambda x: jnp.stack([jnp.asarray(x)] * n), tree)
+
+
+@pytest.mark.parametrize("nonfinite", ["zero", "propagate"])
+@pytest.mark.parametrize("bad_value", [np.nan, np.inf])
+def test_nonfinite_gradient_never_leaks(nonfinite, bad_value):
+  opt, step = compiled_chain_step(nonfinite)
+  params = {"w": jnp.ones(5)}
+  opt_state = replicate(opt.init(params))
+  params = replicate(params)
+  good = {"w": jnp.asarray(np.random.default_rng(0).normal(size=(8, 5)), jnp.float32)}
+  params, opt_state = step(params, opt_state, good)  # momentum is now non-zero
+  before = jax.tree.map(np.asarray, (params, opt_state))
+  bad = {"w": good["w"].at[3, 2].set(bad_value)}  # one entry on one device
+  params, opt_state = step(params, opt_state, bad)
+  for leaf in jax.tree.leaves((params, opt_state)):
+    assert np.all(np.isfinite(np.asarray(leaf, np.float64)))
+  stats = simigrad_jax.similarity_stats(opt_state)
+  assert stats["grads_finite"] is False and stats["measured"] is False
+  assert stats["nonfinite_count"] == 1
+  assert np.isnan(stats["similarity"])  # the host sees "no measurement"
+  # Every device took the same decision.
+  assert np.all(np.asarray(params["w"]) == np.asarray(params["w"])[0])
+  if nonfinite == "propagate":  # apply_if_finite skipped the whole step: nothing moved.
+    np.testing.assert_array_equal(params["w"], before[0]["w"])
+  else:  # zero update: only momentum moves the parameters.
+    assert not np.array_equal(np.asarray(params["w"]), before[0]["w"])
+  params, opt_state = step(params, opt_state, good)  # recovers on the next finite step
+  assert simigrad_jax.similarity_stats(opt_state)["measured"] is True
+
+
+def test_zero_norm_half_gives_no_measurement_and_no_nan():
+  tx = simigrad_jax.transform(AXIS)
+  step = jax.pmap(lambda g: tx.update(g, tx.init(g)), axis_name=AXIS)
+  grads = np.random.default_rng(0).normal(size=(8, 4)).astype(np.float32)
+  for zeroed in (slice(0, 4), slice(None)):  # first half zero; everything zero
+    g = grads.copy()
+    g[zeroed] = 0
+    mean, state = step(jnp.asarray(g))
+    assert not np.any(state.measured)
+    assert np.all(np.isfinite(state.similarity)) and np.all(state.similarity == 0)
+    np.testing.assert_allclose(mean[0], g.mean(axis=0), rtol=1e-6, atol=1e-7)
+
+
+def test_bad_arguments_are_refused():
+  with pytest.raises(ValueError, match="reduction='ring'"):
+    simigrad_jax.transform(AXIS, reduction="ring")
+  with pytest.raises(ValueError, match="nonfinite='skip'"):
+    simigrad_jax.transform(AXIS, nonfinite="skip")
+
+
+def test_similarity_is_found_inside_wrapped_states():
+  params = jnp.zeros(3)
+  chained = optax.chain(simigrad_jax.transform(AXIS), optax.adam(1e-3))
+  for opt in (
+      chained,
+      optax.MultiSteps(chained, every_k_schedule=2),
+      optax.inject_hyperparams(lambda learning_rate: optax.chain(
+          simigrad_jax.transform(AXIS), optax.sgd(learning_rate)))(learning_rate=0.1),
+  ):
+    stats = simigrad_jax.similarity_stats(opt.init(params))
+    assert stats["measured"] is False and np.isnan(stats["similarity"])
+  with pytest.raises(ValueError, match="no SimilarityState"):
+    simigrad_jax.similarity(optax.sgd(0.1).init(params))
+  twice = optax.chain(simigrad_jax.transform(AXIS), simigrad_jax.transform(AXIS))
+  with pytest.raises(ValueError, match="2 SimilarityStates"):
+    simigrad_jax.similarity(twice.init(params))
