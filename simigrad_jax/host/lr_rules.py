@@ -1,0 +1,67 @@
+"""Host: the learning-rate factor that follows the batch size."""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+from simigrad_jax.host import validation
+
+LrRule = Literal["sqrt", "linear", "none"]
+LR_RULES: tuple[str, ...] = ("sqrt", "linear", "none")
+
+
+def lr_factor(
+    batch_size: int,
+    base_batch_size: int,
+    rule: LrRule = "sqrt",
+    lr_adjust_factor: float | None = None,
+) -> float:
+  """Returns the factor by which the base learning rate is multiplied at ``batch_size``.
+
+  ``sqrt`` (the reference's rule) gives ``sqrt(B / B0)``, ``linear`` gives
+  ``B / B0`` and ``none`` gives 1. With ``lr_adjust_factor`` f the factor r
+  becomes ``(r - 1) * f + 1``, damping (f < 1) or amplifying (f > 1) the change,
+  as in the reference.
+
+  Args:
+    batch_size: the current global batch size B (>= 1).
+    base_batch_size: the batch size B0 the base learning rate was tuned for
+      (the initial global batch size).
+    rule: ``"sqrt"``, ``"linear"`` or ``"none"`` (the reference's
+      ``disable_lr_adjust``).
+    lr_adjust_factor: optional finite f >= 0.
+
+  Returns:
+    The factor, a Python float (> 0 unless f > 1 drives it to or below 0,
+    which is refused).
+
+  Example:
+    >>> import simigrad_jax
+    >>> simigrad_jax.lr_factor(512, 128)
+    2.0
+    >>> simigrad_jax.lr_factor(512, 128, lr_adjust_factor=0.5)
+    1.5
+  """
+  batch_size = validation.check_int("batch_size", batch_size)
+  base_batch_size = validation.check_int("base_batch_size", base_batch_size)
+  ratio = batch_size / base_batch_size
+  if rule == "sqrt":
+    factor = math.sqrt(ratio)
+  elif rule == "linear":
+    factor = ratio
+  elif rule == "none":
+    factor = 1.0
+  else:
+    raise ValueError(f"rule={rule!r} is not valid; choose one of {LR_RULES}")
+  if lr_adjust_factor is not None:
+    lr_adjust_factor = validation.check_real(
+        "lr_adjust_factor", lr_adjust_factor, "[0, inf)", lambda f: 0 <= f < math.inf)
+    factor = (factor - 1.0) * lr_adjust_factor + 1.0
+  if factor <= 0:
+    raise ValueError(
+        f"lr_factor would be {factor} (<= 0) at batch_size={batch_size}, "
+        f"base_batch_size={base_batch_size}, lr_adjust_factor={lr_adjust_factor}; "
+        "use an lr_adjust_factor <= 1 when the batch shrinks"
+    )
+  return factor

@@ -1,0 +1,122 @@
+"""The learning-rate factor: the rule, and setting it in a compiled step without recompiling."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import Mesh
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import simigrad_jax
+
+
+@pytest.mark.parametrize(
+    "batch_size, base, rule, adjust, expected",
+    [
+        (512, 128, "sqrt", None, 2.0),
+        (32, 128, "sqrt", None, 0.5),
+        (200, 128, "sqrt", None, math.sqrt(200 / 128)),
+        (512, 128, "linear", None, 4.0),
+        (512, 128, "none", None, 1.0),
+        (512, 128, "sqrt", 0.5, 1.5),  # (2 - 1) * 0.5 + 1
+        (512, 128, "linear", 0.0, 1.0),
+        (32, 128, "linear", 0.5, 0.625),  # (0.25 - 1) * 0.5 + 1
+        (np.int64(512), np.int32(128), "sqrt", None, 2.0),
+    ],
+)
+def test_lr_factor_rules(batch_size, base, rule, adjust, expected):
+  assert simigrad_jax.lr_factor(batch_size, base, rule, adjust) == pytest.approx(expected, rel=1e-12)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(batch_size=0, base_batch_size=128), "batch_size must be an integer >= 1, got 0"),
+        (dict(batch_size=12.5, base_batch_size=128), "batch_size .* got 12.5"),
+        (dict(batch_size=True, base_batch_size=128), "batch_size .* got True"),
+        (dict(batch_size=64, base_batch_size=-1), "base_batch_size .* got -1"),
+        (dict(batch_size=64, base_batch_size=128, rule="cubic"), "rule='cubic'"),
+        (dict(batch_size=64, base_batch_size=128, lr_adjust_factor=-0.5), "lr_adjust_factor .* -0.5"),
+        (dict(batch_size=64, base_batch_size=128, lr_adjust_factor=float("nan")), "lr_adjust_factor"),
+        (dict(batch_size=1, base_batch_size=128, rule="linear", lr_adjust_factor=2.0), "<= 0"),
+    ],
+)
+def test_lr_factor_refuses_bad_input(kwargs, message):
+  with pytest.raises(ValueError, match=message):
+    simigrad_jax.lr_factor(**kwargs)
+
+
+def make_optimizer():
+  return optax.chain(optax.sgd(0.1, momentum=0.9), simigrad_jax.scale_by_lr_factor())
+
+
+def test_set_lr_factor_under_jit_scales_updates_without_retracing():
+  opt = make_optimizer()
+  traces = []
+
+  @jax.jit
+  def update(grads, state):
+    traces.append(1)
+    return opt.update(grads, state)
+
+  state = opt.init(jnp.zeros(3))
+  for factor in (1.0, 2.0, 0.25):
+    state = simigrad_jax.set_lr_factor(state, factor)
+    assert simigrad_jax.lr_factor_of(state) == factor
+    fresh = opt.init(jnp.zeros(3))  # same momentum history: compare one step from zero
+    fresh = simigrad_jax.set_lr_factor(fresh, factor)
+    updates, _ = update(jnp.ones(3), fresh)
+    np.testing.assert_allclose(updates, -0.1 * factor * np.ones(3), rtol=1e-6)
+  assert len(traces) == 1
+
+
+def test_set_lr_factor_keeps_pmap_and_shard_map_layouts():
+  opt = make_optimizer()
+  params = jnp.zeros(2)
+  n = jax.device_count()
+  traces = []
+
+  def step(grads, state):
+    traces.append(1)
+    return opt.update(grads, state)
+
+  pmapped = jax.pmap(step, axis_name="batch")
+  state = jax.tree.map(lambda x: jnp.stack([x] * n), opt.init(params))
+  grads = jnp.ones((n, 2))
+  _, state = pmapped(grads, state)  # now laid out across the 8 devices
+  _, state = pmapped(grads, state)  # traced for that layout
+  traces_before = len(traces)
+  sharding = state[1].lr_factor.sharding
+  state = simigrad_jax.set_lr_factor(state, 3.0)
+  assert state[1].lr_factor.shape == (n,) and state[1].lr_factor.sharding == sharding
+  updates, _ = pmapped(grads, state)  # momentum trace after three steps: 1 + 0.9 + 0.81
+  np.testing.assert_allclose(updates, -0.1 * 3.0 * 2.71 * np.ones((n, 2)), rtol=1e-6)
+  assert len(traces) == traces_before
+
+  mesh = Mesh(np.array(jax.devices()), ("batch",))
+  shard_mapped = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=P(), out_specs=P()))
+  replicated = NamedSharding(mesh, P())
+  state = jax.device_put(opt.init(params), replicated)
+  shard_mapped(jnp.ones(2), state)
+  traces_before = len(traces)
+  state = simigrad_jax.set_lr_factor(state, 0.5)
+  assert state[1].lr_factor.sharding == replicated
+  updates, _ = shard_mapped(jnp.ones(2), state)
+  np.testing.assert_allclose(updates, [-0.05, -0.05], rtol=1e-6)
+  assert len(traces) == traces_before  # the new factor needed no new trace
+
+
+@pytest.mark.parametrize("bad", [0.0, -1.0, float("inf"), float("nan")])
+def test_set_lr_factor_refuses_bad_values(bad):
+  state = make_optimizer().init(jnp.zeros(2))
+  with pytest.raises(ValueError, match="finite and > 0"):
+    simigrad_jax.set_lr_factor(state, bad)
+
+
+def test_set_lr_factor_needs_the_transformation():
+  with pytest.raises(ValueError, match="no LrFactorState.*scale_by_lr_factor"):
+    simigrad_jax.set_lr_factor(optax.sgd(0.1).init(jnp.zeros(2)), 2.0)
