@@ -1,0 +1,411 @@
+"""Realising a global batch size as devices x micro-batch x accumulation steps.
+
+Host side: plain Python and NumPy, pure functions, no JAX.
+
+The controller asks for a global batch size ``B`` (any integer, changing about
+10% per optimizer step). A data-parallel step over ``n`` devices runs
+``k`` accumulation steps of ``micro`` rows per device, ``n * k * micro`` rows in
+all. JAX compiles one step function per micro-batch shape, so the shapes come
+from a small grid fixed up front by a :class:`BucketPolicy`: ``max``,
+``ceil(max / 2)``, ``ceil(max / 4)``, ... down to ``min``, i.e. about
+``log2(max / min) + 1`` shapes (at most ``log2(max / min) + 2``), every one of
+which can be compiled ahead of time (:func:`bucket_shapes` lists those a range
+of batch sizes needs). ``k = ceil(B / (n * max))`` is always the fewest
+accumulation steps that fit ``B``.
+
+How the realised size relates to the requested one:
+
+* ``padding=True`` (exact): the realised size *equals* the request. ``micro``
+  is the smallest grid shape with ``n * k * micro >= B`` and the
+  ``n * k * micro - B`` spare rows are padding with weight 0. With
+  ``min == max`` this is the single-shape "pad" mode (one compiled shape, up
+  to ``n * max - 1`` padded rows); with a grid, fewer than half the rows are
+  padding whenever ``B >= n * min``.
+* ``padding=False`` (round): nothing is ever padded; the realised size is a
+  *representable* size ``S = n * k * g`` (``g`` a grid shape,
+  ``k = ceil(S / (n * max))``) next to the request, rounded in the direction of
+  the change from the previous size as the reference does: a grow never ends
+  below the previous size, a shrink never above it.
+
+:func:`plan_batch` first clamps the request to optional bounds
+``[lower, upper]``; with ``padding=False`` it then rounds only to sizes inside
+them (and raises if there are none).
+
+Examples are laid out so that every device holds the same number of real rows,
+give or take one (the two device halves measured for similarity stay balanced);
+padding sits at the end of each device's rows.
+"""
+
+import dataclasses
+
+import numpy as np
+
+from simigrad_jax.host import validation
+
+__all__ = [
+    "BatchPlan",
+    "BucketPolicy",
+    "bucket_shapes",
+    "plan_batch",
+    "representable_batch_sizes",
+]
+
+
+def _check_bounds(lower, upper) -> tuple[int, int | None]:
+  """Validates optional bounds; returns ``(lower or 1, upper or None)``."""
+  lo = 1 if lower is None else validation.check_int("lower", lower)
+  hi = None if upper is None else validation.check_int("upper", upper)
+  if hi is not None and hi < lo:
+    raise ValueError(f"upper must be an int >= lower={lo}, got {hi!r}")
+  return lo, hi
+
+
+def _check_policy(policy) -> tuple[int, ...]:
+  """Returns the policy's shape grid, or raises ValueError if not a policy."""
+  if not isinstance(policy, BucketPolicy):
+    raise ValueError(f"policy must be a BucketPolicy, got {policy!r}")
+  return policy.micro_batch_sizes()
+
+
+def _unrealisable(n: int, grid: tuple[int, ...], lo: int, hi) -> ValueError:
+  """The error for ``padding=False`` bounds that hold no representable size."""
+  return ValueError(
+      f"no batch size in [lower={lo}, upper={hi}] is realisable without "
+      f"padding on {n} devices with micro-batch sizes {grid}: the "
+      "representable sizes are n * k * g with k = ceil(size / (n * max)); "
+      "widen the bounds or use padding=True")
+
+
+@dataclasses.dataclass(frozen=True)
+class BucketPolicy:
+  """The grid of micro-batch shapes a run compiles, and whether it pads.
+
+  Attributes:
+    max_micro_batch_size: rows per device per micro-step of the largest
+      compiled shape (what fits in device memory).
+    min_micro_batch_size: smallest compiled shape; ``None`` means equal to
+      ``max_micro_batch_size`` (a single shape).
+    padding: ``True`` realises every requested size exactly by padding the
+      last rows of each device with weight-0 rows; ``False`` never pads and
+      rounds the request to a size the shapes realise exactly.
+  """
+
+  max_micro_batch_size: int
+  min_micro_batch_size: int | None = None
+  padding: bool = True
+
+  def __post_init__(self):
+    top = validation.check_int("max_micro_batch_size", self.max_micro_batch_size)
+    if self.min_micro_batch_size is not None:
+      low = self.min_micro_batch_size
+      if not validation.is_int(low) or not 1 <= low <= top:
+        raise ValueError(
+            "min_micro_batch_size must be None or an int in "
+            f"[1, max_micro_batch_size={top}], got {low!r}")
+    validation.check_bool("padding", self.padding)
+
+  def micro_batch_sizes(self) -> tuple[int, ...]:
+    """Returns the grid of compiled micro-batch shapes, ascending.
+
+    Halves from ``max`` (``g -> ceil(g / 2)``, so every entry is an integer and
+    ``max`` is always in the grid) while the result stays ``>= min``. When
+    ``min`` is not hit exactly, the smallest entry is the last one ``>= min``.
+
+    Returns:
+      A tuple of ``len <= log2(max / min) + 2`` ints, ending with ``max``.
+
+    Example:
+      >>> BucketPolicy(96, 10).micro_batch_sizes()
+      (12, 24, 48, 96)
+      >>> BucketPolicy(100, 10).micro_batch_sizes()
+      (13, 25, 50, 100)
+    """
+    top = int(self.max_micro_batch_size)
+    low = top if self.min_micro_batch_size is None else int(
+        self.min_micro_batch_size)
+    sizes = [top]
+    while sizes[-1] > 1 and -(-sizes[-1] // 2) >= low:
+      sizes.append(-(-sizes[-1] // 2))
+    return tuple(reversed(sizes))
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchPlan:
+  """How one optimizer step realises its global batch.
+
+  Attributes:
+    requested_batch_size: the size the controller asked for.
+    global_batch_size: the realised size: the number of real examples this
+      optimizer step trains on.
+    num_devices: data-parallel devices.
+    micro_batch_size: rows per device per micro-step (the compiled shape).
+    accumulation_steps: micro-steps per optimizer step.
+    padded_examples: rows of padding (weight 0), all devices and micro-steps
+      together; always 0 with ``padding=False``.
+  """
+
+  requested_batch_size: int
+  global_batch_size: int
+  num_devices: int
+  micro_batch_size: int
+  accumulation_steps: int
+  padded_examples: int
+
+  def __post_init__(self):
+    for name in ("requested_batch_size", "global_batch_size", "num_devices",
+                 "micro_batch_size", "accumulation_steps"):
+      validation.check_int(name, getattr(self, name))
+    validation.check_int("padded_examples", self.padded_examples, minimum=0)
+    if self.global_batch_size + self.padded_examples != self.rows_per_step:
+      raise ValueError(
+          "global_batch_size + padded_examples must equal num_devices * "
+          f"micro_batch_size * accumulation_steps = {self.rows_per_step}, got "
+          f"{self.global_batch_size} + {self.padded_examples}")
+
+  @property
+  def rows_per_step(self) -> int:
+    """Rows computed per optimizer step, real and padding."""
+    return self.num_devices * self.micro_batch_size * self.accumulation_steps
+
+  @property
+  def padding_fraction(self) -> float:
+    """Fraction of the computed rows that are padding, in ``[0, 1)``."""
+    return self.padded_examples / self.rows_per_step
+
+  def example_layout(self) -> np.ndarray:
+    """Returns which example sits in each row of the step.
+
+    Example ``e`` goes to device ``d = e % n`` at position ``p = e // n`` of
+    that device's rows, i.e. micro-step ``p // micro``, row ``p % micro``. Real
+    counts per device differ by at most one and padding ends each device.
+
+    Returns:
+      An int64 array of shape ``(accumulation_steps, num_devices,
+      micro_batch_size)`` holding the example index in
+      ``[0, global_batch_size)``, or ``-1`` for a padding row.
+
+    Example:
+      >>> plan = plan_batch(5, 2, BucketPolicy(2))
+      >>> plan.example_layout().tolist()
+      [[[0, 2], [1, 3]], [[4, -1], [-1, -1]]]
+    """
+    n, micro = self.num_devices, self.micro_batch_size
+    layout = np.full((self.accumulation_steps, n, micro), -1, np.int64)
+    e = np.arange(self.global_batch_size, dtype=np.int64)
+    p = e // n
+    layout[p // micro, e % n, p % micro] = e
+    return layout
+
+  def example_weights(self) -> np.ndarray:
+    """Returns the weight of each row: 1 for a real example, 0 for padding.
+
+    Returns:
+      A float32 array shaped like :meth:`example_layout`; it sums to
+      ``global_batch_size``.
+    """
+    return (self.example_layout() >= 0).astype(np.float32)
+
+
+def _fit(size: int, n: int, grid: tuple[int, ...]) -> tuple[int, int]:
+  """Fewest steps ``k``, then the smallest shape ``g``: ``n*k*g >= size``."""
+  k = -(-size // (n * grid[-1]))
+  return k, next(g for g in grid if n * k * g >= size)
+
+
+def _round_up(size: int, n: int, grid: tuple[int, ...]) -> int:
+  """Smallest representable size ``>= size``."""
+  k, g = _fit(size, n, grid)
+  return n * k * g
+
+
+def _round_down(size: int, n: int, grid: tuple[int, ...]) -> int | None:
+  """Largest representable size ``<= size``, or None if there is none."""
+  top = grid[-1]
+  k = -(-size // (n * top))
+  for g in reversed(grid):
+    if k * (top - g) >= top:  # n*k*g would need fewer steps: not in band k.
+      break
+    if n * k * g <= size:
+      return n * k * g
+  return n * (k - 1) * top if k > 1 else None
+
+
+def _round(size: int, previous: int | None, n: int, grid: tuple[int, ...],
+           lo: int, hi: int | None) -> int:
+  """Rounds ``size`` (already in bounds) to a representable size in bounds."""
+  up = _round_up(size, n, grid)
+  up = None if hi is not None and up > hi else up
+  down = _round_down(size, n, grid)
+  down = None if down is not None and down < lo else down
+  if up is None and down is None:
+    raise _unrealisable(n, grid, lo, hi)
+  if previous is None or size == previous:  # nearest, ties to the larger
+    if up is None or down is None:
+      return down if up is None else up
+    return up if up - size <= size - down else down
+  if size > previous:  # grow: never back below previous
+    return up if up is not None else down
+  return down if down is not None else up  # shrink: never above previous
+
+
+def plan_batch(
+    batch_size: int,
+    num_devices: int,
+    policy: BucketPolicy,
+    *,
+    previous_batch_size: int | None = None,
+    lower: int | None = None,
+    upper: int | None = None,
+) -> BatchPlan:
+  """Plans how to realise a requested global batch size on the shape grid.
+
+  The request is first clamped to ``[lower, upper]``. With
+  ``policy.padding`` it is then realised exactly: ``k = ceil(B / (n * max))``
+  micro-steps of the smallest grid shape that fits, spare rows padded. Without
+  padding it is rounded to a representable size ``S = n * k * g`` in bounds:
+
+  * request above ``previous_batch_size`` (grow): the smallest representable
+    size ``>= request``; if none is ``<= upper``, the largest one in bounds.
+  * request below ``previous_batch_size`` (shrink): the largest representable
+    size ``<= request``; if none is ``>= lower`` (e.g. the request is below
+    ``n * min``), the smallest one in bounds.
+  * ``previous_batch_size`` None or equal: the nearest representable size in
+    bounds, ties to the larger.
+
+  Args:
+    batch_size: requested global batch size, an int ``>= 1``.
+    num_devices: data-parallel devices, an int ``>= 1``.
+    policy: the shape grid and padding mode.
+    previous_batch_size: the realised size of the previous step, which sets
+      the direction of rounding; ignored with ``padding=True``.
+    lower: smallest allowed global batch size (default 1).
+    upper: largest allowed global batch size (default unbounded).
+
+  Returns:
+    A :class:`BatchPlan`.
+
+  Raises:
+    ValueError: on a bad argument, or with ``padding=False`` when no
+      representable size lies in ``[lower, upper]``.
+
+  Example:
+    >>> plan_batch(100, 8, BucketPolicy(16, 4)).micro_batch_size
+    16
+    >>> plan = plan_batch(100, 8, BucketPolicy(16, 4, padding=False),
+    ...                   previous_batch_size=90)
+    >>> plan.global_batch_size, plan.accumulation_steps
+    (128, 1)
+
+  .. note::
+    Rounding keeps the direction when ``previous_batch_size`` is itself
+    representable and in bounds (as every realised size is): a grow never
+    ends below it, a shrink never above it, and the size stays at
+    ``previous_batch_size`` only when no representable size in bounds lies
+    beyond it in that direction. A previous size that is not representable
+    (say an unrepresentable initial batch) gives no such guarantee. Pass the
+    same bounds to :func:`bucket_shapes` and every call here.
+  """
+  size = validation.check_int("batch_size", batch_size)
+  n = validation.check_int("num_devices", num_devices)
+  grid = _check_policy(policy)
+  previous = None if previous_batch_size is None else validation.check_int(
+      "previous_batch_size", previous_batch_size)
+  lo, hi = _check_bounds(lower, upper)
+  target = max(size, lo) if hi is None else min(max(size, lo), hi)
+  if not policy.padding:
+    target = _round(target, previous, n, grid, lo, hi)
+  k, micro = _fit(target, n, grid)
+  return BatchPlan(
+      requested_batch_size=size,
+      global_batch_size=target,
+      num_devices=n,
+      micro_batch_size=micro,
+      accumulation_steps=k,
+      padded_examples=n * k * micro - target,
+  )
+
+
+def bucket_shapes(policy: BucketPolicy, num_devices: int, lower: int,
+                  upper: int) -> tuple[int, ...]:
+  """Returns every micro-batch shape a run within ``[lower, upper]`` can use.
+
+  Exactly the set of :func:`plan_batch` ``(..., lower=lower, upper=upper)``
+  micro-batch sizes over all requests and previous sizes in ``[lower, upper]``:
+  the shapes to compile ahead of time. Computed per accumulation count ``k``,
+  stopping once the remaining ``k`` can only use ``max``, so it is fast for any
+  ``upper``.
+
+  Args:
+    policy: the shape grid and padding mode.
+    num_devices: data-parallel devices, an int ``>= 1``.
+    lower: smallest global batch size, an int ``>= 1``.
+    upper: largest global batch size, an int ``>= lower``.
+
+  Returns:
+    The shapes, ascending; a subset of ``policy.micro_batch_sizes()``.
+
+  Raises:
+    ValueError: on a bad argument, or with ``padding=False`` when no
+      representable size lies in ``[lower, upper]``.
+
+  Example:
+    >>> bucket_shapes(BucketPolicy(64, 8), 8, 32, 4096)
+    (8, 16, 32, 64)
+    >>> bucket_shapes(BucketPolicy(64, 8), 8, 100, 4096)
+    (16, 32, 64)
+  """
+  n = validation.check_int("num_devices", num_devices)
+  lo, hi = _check_bounds(validation.check_int("lower", lower), validation.check_int("upper", upper))
+  grid = _check_policy(policy)
+  top = grid[-1]
+  shapes = set()
+  for k in range(-(-lo // (n * top)), -(-hi // (n * top)) + 1):
+    start = n * (k - 1) * top + 1  # band k: sizes that need exactly k steps
+    a, b = max(start, lo), min(n * k * top, hi)
+    if policy.padding:  # every shape between those of the band's two ends
+      g_a, g_b = _fit(a, n, grid)[1], _fit(b, n, grid)[1]
+      band = [g for g in grid if g_a <= g <= g_b]
+    else:  # start > n*(k-1)*top keeps only sizes that need k steps
+      band = [g for g in grid if a <= n * k * g <= b]
+    shapes.update(band)
+    if a == start and all(g == top for g in band):
+      break  # later bands need fewer shapes still: only ``top``
+  if not shapes:
+    raise _unrealisable(n, grid, lo, hi)
+  return tuple(sorted(shapes))
+
+
+def representable_batch_sizes(policy: BucketPolicy, num_devices: int,
+                              lower: int, upper: int) -> list[int]:
+  """Returns the sizes in ``[lower, upper]`` a ``padding=False`` run realises.
+
+  ``S`` is representable iff ``S == n * k * g`` for a grid shape ``g`` and
+  ``k = ceil(S / (n * max))``, the fewest micro-steps.
+
+  Args:
+    policy: a policy with ``padding=False``.
+    num_devices: data-parallel devices, an int ``>= 1``.
+    lower: smallest size, an int ``>= 1``.
+    upper: largest size, an int ``>= lower``.
+
+  Returns:
+    The representable sizes, ascending (possibly empty).
+
+  Example:
+    >>> representable_batch_sizes(BucketPolicy(4, 1, padding=False), 2, 1, 20)
+    [2, 4, 8, 16]
+  """
+  n = validation.check_int("num_devices", num_devices)
+  lo, hi = _check_bounds(validation.check_int("lower", lower), validation.check_int("upper", upper))
+  grid = _check_policy(policy)
+  if policy.padding:
+    raise ValueError(
+        "representable_batch_sizes needs a policy with padding=False, got "
+        f"{policy!r}; with padding every size is realised exactly")
+  top = grid[-1]
+  return [
+      n * k * g
+      for k in range(-(-lo // (n * top)), -(-hi // (n * top)) + 1)
+      for g in grid
+      if k * (top - g) < top and lo <= n * k * g <= hi
+  ]
