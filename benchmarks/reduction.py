@@ -1,0 +1,509 @@
+"""Benchmark: the step reduction of ``simigrad_jax.transform`` against ``lax.pmean``.
+
+Times, on all local devices (by default 8 simulated CPU devices), the reduction
+of per-device gradients shaped like ResNet-18 for CIFAR-10 (about 11.2M
+float32 parameters), and counts the bytes that each variant's compiled
+collectives move per device:
+
+* ``pmean``: ``jax.lax.pmean(grads, "batch")`` in a ``jax.pmap`` (the baseline).
+* ``transform``: the default ``simigrad_jax.transform("batch")`` update
+  (``reduction="scatter"``) in a ``jax.pmap``.
+* ``stacked``: ``simigrad_jax.transform("batch", reduction="stacked")`` in a
+  ``jax.pmap``.
+* ``transform_shard_map``: the default transform under ``jax.shard_map``
+  (``check_vma=True``, gradients passed with ``P("batch")``), the twin of
+  ``transform``.
+
+Bytes are read from the compiled HLO text (``fn.lower(...).compile().as_text()``)
+with the ring model, per device, for a replica group of ``n`` devices: an
+all-reduce of ``S`` bytes moves ``2 (n - 1) / n * S``; a reduce-scatter of an
+``S``-byte input and an all-gather of an ``S``-byte output move
+``(n - 1) / n * S`` each; an all-to-all of ``S`` input bytes moves
+``(n - 1) / n * S`` and a collective-permute moves its whole operand. Expected
+(SPEC.md, "Facts measured"): ``pmean`` 1.0x, ``transform`` 1.5x, ``stacked``
+2.0x.
+
+NOTE: CPU timings mostly measure local memory work (masking, concatenating,
+padding) and the in-process emulation of collectives; they do NOT rank the
+variants for GPUs, where the bytes on the wire dominate. Judge the variants by
+their collective bytes (see SPEC.md) and time them on GPUs.
+
+Usage::
+
+  python benchmarks/reduction.py                       # full size, table only
+  python benchmarks/reduction.py --out /tmp/red.json   # also write JSON
+  python benchmarks/reduction.py --params 20000 --repeats 2
+
+JSON written to ``--out``::
+
+  {"devices": 8, "params": N,
+   "variants": {NAME: {"seconds": median, "collective_bytes": bytes, ...}}}
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+
+def _configure_host_devices(count: int = 8) -> None:
+  """Asks XLA for ``count`` CPU devices unless the user already chose a count.
+
+  Must run before JAX is imported; appends to any existing ``XLA_FLAGS``.
+  """
+  flags = os.environ.get("XLA_FLAGS", "")
+  if "--xla_force_host_platform_device_count" not in flags:
+    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}".strip()
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+if __name__ == "__main__":
+  _configure_host_devices()
+
+# pylint: disable=g-import-not-at-top,wrong-import-position
+import argparse  # noqa: E402
+import json  # noqa: E402
+import re  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+from collections.abc import Callable, Sequence  # noqa: E402
+from typing import Any, NamedTuple  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax import lax  # noqa: E402
+from jax.sharding import Mesh, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import simigrad_jax  # noqa: E402
+
+AXIS = "batch"
+RESNET18_CIFAR_PARAMS = 11_173_962  # with base width 64 (channels 64..512)
+VARIANTS = ("pmean", "transform", "stacked", "transform_shard_map")
+NUM_CLASSES = 10
+
+# ----------------------------------------------------------------------------
+# The gradient pytree: ResNet-18 for CIFAR (3x3 stem, 4 stages of 2 blocks).
+# ----------------------------------------------------------------------------
+
+
+def resnet18_shapes(base_width: int = 64) -> dict[str, Any]:
+  """Parameter shapes of ResNet-18 for CIFAR-10 (Flax layout, HWIO kernels).
+
+  Args:
+    base_width: channels of the first stage; the stages have ``base_width``
+      times 1, 2, 4 and 8 channels. 64 gives the standard 11,173,962 params.
+
+  Returns:
+    A nested dict of shape tuples: conv kernels, batch-norm scales and biases,
+    and the final dense layer.
+  """
+
+  def batch_norm(channels):
+    return {"scale": (channels,), "bias": (channels,)}
+
+  shapes: dict[str, Any] = {
+      "stem_conv": {"kernel": (3, 3, 3, base_width)},
+      "stem_bn": batch_norm(base_width),
+  }
+  in_channels = base_width
+  for stage in range(4):
+    channels = base_width * 2**stage
+    for block in range(2):
+      block_shapes = {
+          "conv1": {"kernel": (3, 3, in_channels, channels)},
+          "bn1": batch_norm(channels),
+          "conv2": {"kernel": (3, 3, channels, channels)},
+          "bn2": batch_norm(channels),
+      }
+      if in_channels != channels:  # first block of stages 2-4: projection shortcut
+        block_shapes["shortcut_conv"] = {"kernel": (1, 1, in_channels, channels)}
+        block_shapes["shortcut_bn"] = batch_norm(channels)
+      shapes[f"stage{stage + 1}_block{block}"] = block_shapes
+      in_channels = channels
+  shapes["dense"] = {"kernel": (in_channels, NUM_CLASSES), "bias": (NUM_CLASSES,)}
+  return shapes
+
+
+def _is_shape(node: Any) -> bool:
+  return isinstance(node, tuple) and all(isinstance(d, int) for d in node)
+
+
+def count_params(shapes: Any) -> int:
+  """Number of parameters in a pytree of shape tuples."""
+  return sum(int(np.prod(s)) for s in jax.tree.leaves(shapes, is_leaf=_is_shape))
+
+
+def width_for_params(target: int) -> int:
+  """The base width whose ResNet-18 parameter count is closest to ``target``."""
+  best_width, best_error = 1, None
+  for width in range(1, 4097):
+    error = abs(count_params(resnet18_shapes(width)) - target)
+    if best_error is None or error < best_error:
+      best_width, best_error = width, error
+    elif count_params(resnet18_shapes(width)) > target:
+      break  # the count grows with the width: no closer one follows
+  return best_width
+
+
+# ----------------------------------------------------------------------------
+# Collective bytes from compiled HLO text (ring model).
+# ----------------------------------------------------------------------------
+
+_COLLECTIVE_OPS = (
+    "all-reduce-start", "all-reduce", "reduce-scatter", "all-gather-start", "all-gather",
+    "ragged-all-to-all", "all-to-all", "collective-permute-start", "collective-permute",
+    "collective-broadcast",
+)
+# One instruction: "[ROOT] %name = SHAPE opcode(operands), attributes". The
+# opcode must follow the shape directly (not an operand such as "%all-reduce"),
+# and "-done" ops never match (the opcode must be followed by "(").
+_COLLECTIVE_RE = re.compile(
+    r"^\s*(?:ROOT\s+)?%?(?P<name>[^\s=]+)\s*=\s*(?P<shape>.*?)(?<=[\s)\]}])"
+    r"(?P<op>" + "|".join(re.escape(op) for op in _COLLECTIVE_OPS) + r")"
+    r"\((?P<operands>[^)]*)\)(?P<attrs>.*)$"
+)
+_DEFINITION_RE = re.compile(
+    r"^\s*(?:ROOT\s+)?%?(?P<name>[^\s=]+)\s*=\s*(?P<shape>.+?)\s+[a-z][\w\-]*\("
+)
+_ARRAY_RE = re.compile(r"\b(?P<dtype>[a-z][a-z0-9]*)\[(?P<dims>[0-9,]*)\]")
+_EXPLICIT_GROUPS_RE = re.compile(r"replica_groups=\{(?P<groups>(?:\{[0-9,\s]*\},?\s*)*)\}")
+_IOTA_GROUPS_RE = re.compile(r"replica_groups=\[(?P<dims>[0-9,]+)\]<=")
+
+
+class Collective(NamedTuple):
+  """One collective op found in compiled HLO, with its ring-model traffic."""
+
+  kind: str  # all-reduce, reduce-scatter, all-gather, all-to-all, collective-permute, ...
+  name: str  # the HLO instruction name
+  group_size: int  # devices in its replica group
+  payload_bytes: int  # S: all-reduce operand, reduce-scatter input, all-gather output, ...
+  bytes: float  # ring-model bytes each device sends
+
+
+def _array_sizes(shape_text: str) -> list[int]:
+  """Bytes of every array in an HLO shape string (tuples flattened, in order)."""
+  sizes = []
+  for match in _ARRAY_RE.finditer(shape_text):
+    dtype = match.group("dtype")
+    if dtype == "pred":
+      bits = 8
+    else:
+      width = re.match(r"[a-z]+(\d+)", dtype)
+      if width is None:  # token and other non-array types
+        continue
+      bits = int(width.group(1))
+    dims = [int(d) for d in match.group("dims").split(",") if d]
+    sizes.append(int(np.prod(dims, dtype=np.int64)) * bits // 8)
+  return sizes
+
+
+def _group_size(attrs: str, default: int) -> int:
+  """Devices per replica group, from explicit or iota ``replica_groups``."""
+  iota = _IOTA_GROUPS_RE.search(attrs)
+  if iota:
+    dims = [int(d) for d in iota.group("dims").split(",") if d]
+    return int(np.prod(dims[1:])) if len(dims) > 1 else dims[0]
+  explicit = _EXPLICIT_GROUPS_RE.search(attrs)
+  if explicit:
+    first = re.search(r"\{([0-9,\s]*)\}", explicit.group("groups"))
+    if first and first.group(1).strip():
+      return len([d for d in first.group(1).split(",") if d.strip()])
+  return default  # replica_groups={} or absent: every device
+
+
+def parse_collectives(hlo_text: str, num_devices: int) -> list[Collective]:
+  """Finds the collectives in compiled HLO text and their ring-model bytes per device.
+
+  Handles tuple-shaped (combined) collectives, the async ``-start`` forms
+  (counted once; ``-done`` ignored), collectives wrapped in async computations,
+  explicit (``{{0,1},{2,3}}``) and iota (``[2,2]<=[4]``) replica groups, and
+  operands printed with or without their shapes.
+
+  Args:
+    hlo_text: the text of ``jax.jit(f).lower(...).compile().as_text()``.
+    num_devices: the group size when ``replica_groups`` is empty.
+
+  Returns:
+    One :class:`Collective` per collective op, in program order.
+  """
+  lines = hlo_text.splitlines()
+  defined: dict[str, str] = {}
+  for line in lines:
+    match = _DEFINITION_RE.match(line)
+    if match:
+      defined[match.group("name").lstrip("%")] = match.group("shape")
+
+  def operand_sizes(operands: str) -> list[int] | None:
+    if _ARRAY_RE.search(operands):  # old style: shapes printed with the operands
+      return _array_sizes(operands)
+    sizes = []
+    for name in re.findall(r"%?([\w.\-]+)", operands):
+      if name not in defined:
+        return None
+      sizes.extend(_array_sizes(defined[name]))
+    return sizes
+
+  found = []
+  for line in lines:
+    match = _COLLECTIVE_RE.match(line)
+    if not match:
+      continue
+    op = match.group("op")
+    kind = op.removesuffix("-start")
+    result = _array_sizes(match.group("shape"))
+    operands = operand_sizes(match.group("operands"))
+    n = _group_size(match.group("attrs"), num_devices)
+    if kind == "all-reduce":
+      payload = sum(operands) if operands is not None else sum(result)
+      moved = 2 * (n - 1) / n * payload
+    elif kind == "reduce-scatter":
+      payload = sum(operands) if operands is not None else n * sum(result)
+      moved = (n - 1) / n * payload
+    elif kind == "all-gather":
+      if op == "all-gather-start":  # result is (inputs..., outputs...)
+        outputs = result[len(result) // 2:]
+        payload = sum(outputs) if outputs else n * sum(operands or [])
+      else:
+        payload = sum(result)
+      moved = (n - 1) / n * payload
+    elif kind in ("all-to-all", "ragged-all-to-all"):
+      payload = sum(operands) if operands is not None else sum(result)
+      moved = (n - 1) / n * payload
+    else:  # collective-permute, collective-broadcast: the whole operand once
+      payload = sum(operands) if operands is not None else (result[0] if result else 0)
+      moved = float(payload)
+    found.append(Collective(kind, match.group("name").lstrip("%"), n, int(payload), moved))
+  return found
+
+
+# ----------------------------------------------------------------------------
+# The variants.
+# ----------------------------------------------------------------------------
+
+
+class Variant(NamedTuple):
+  """A reduction to benchmark: its jittable function and its arguments."""
+
+  fn: Any  # a jax.pmap / jax.jit function with .lower
+  args: tuple[Any, ...]
+  per_device_output: bool  # outputs carry a leading device axis (pmap)
+
+
+def _transform_state(tx, mesh: Mesh, stacked: bool):
+  state = tx.init(None)
+  if stacked:  # pmap: one copy per device along a leading axis
+    num_devices = mesh.devices.size
+    state = jax.tree.map(lambda x: jnp.broadcast_to(x, (num_devices,) + x.shape), state)
+    return jax.device_put(state, NamedSharding(mesh, P(AXIS)))
+  return jax.device_put(state, NamedSharding(mesh, P()))
+
+
+def build_variants(grads, mesh: Mesh) -> dict[str, Variant]:
+  """The four variants over ``mesh``, all taking ``grads`` (leading device axis)."""
+  devices = list(mesh.devices.flat)
+  variants = {
+      "pmean": Variant(
+          jax.pmap(lambda g: lax.pmean(g, AXIS), axis_name=AXIS, devices=devices), (grads,), True
+      )
+  }
+  for name, reduction in (("transform", "scatter"), ("stacked", "stacked")):
+    tx = simigrad_jax.transform(AXIS, reduction=reduction)
+    variants[name] = Variant(
+        jax.pmap(lambda g, s, tx=tx: tx.update(g, s), axis_name=AXIS, devices=devices),
+        (grads, _transform_state(tx, mesh, stacked=True)),
+        True,
+    )
+
+  tx = simigrad_jax.transform(AXIS)
+
+  def per_block(g, s):
+    return tx.update(jax.tree.map(lambda x: x[0], g), s)
+
+  mapped = jax.shard_map(
+      per_block, mesh=mesh, in_specs=(P(AXIS), P()), out_specs=(P(), P()), check_vma=True
+  )
+  variants["transform_shard_map"] = Variant(
+      jax.jit(mapped), (grads, _transform_state(tx, mesh, stacked=False)), False
+  )
+  return variants
+
+
+def make_grads(shapes: Any, mesh: Mesh, seed: int = 0):
+  """Random float32 per-device gradients (leading device axis), sharded over ``mesh``."""
+  num_devices = mesh.devices.size
+  leaves, treedef = jax.tree.flatten(shapes, is_leaf=_is_shape)
+  sharding = NamedSharding(mesh, P(AXIS))
+
+  def generate(key):
+    keys = jax.random.split(key, len(leaves))
+    return [jax.random.normal(k, (num_devices,) + s, jnp.float32) for k, s in zip(keys, leaves)]
+
+  out = jax.jit(generate, out_shardings=[sharding] * len(leaves))(jax.random.key(seed))
+  return jax.tree.unflatten(treedef, out)
+
+
+def _time(call: Callable[[], Any], repeats: int, warmup: int = 2) -> list[float]:
+  for _ in range(warmup):
+    jax.block_until_ready(call())
+  seconds = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(call())
+    seconds.append(time.perf_counter() - start)
+  return seconds
+
+
+def _device0(tree, per_device_output: bool):
+  return jax.tree.map(lambda x: np.asarray(x[0] if per_device_output else x), tree)
+
+
+def run_variant(variant: Variant, num_devices: int, repeats: int) -> dict[str, Any]:
+  """Compiles, times and measures the collective bytes of one variant."""
+  start = time.perf_counter()
+  compiled = variant.fn.lower(*variant.args).compile()
+  compile_seconds = time.perf_counter() - start
+  hlo = compiled.as_text()
+  collectives = parse_collectives(hlo, num_devices)
+  seconds = _time(lambda: compiled(*variant.args), repeats)
+  output = compiled(*variant.args)
+  return {
+      "seconds": statistics.median(seconds),
+      "min_seconds": min(seconds),
+      "compile_seconds": compile_seconds,
+      "collective_bytes": sum(c.bytes for c in collectives),
+      "collectives": [c._asdict() for c in collectives],
+      "_hlo": hlo,
+      "_output": output,
+  }
+
+
+# ----------------------------------------------------------------------------
+# Main.
+# ----------------------------------------------------------------------------
+
+
+def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument(
+      "--params", type=int, default=RESNET18_CIFAR_PARAMS,
+      help="target parameter count; channel widths are scaled to approach it "
+      f"(default {RESNET18_CIFAR_PARAMS}, ResNet-18 for CIFAR)",
+  )
+  parser.add_argument("--repeats", type=int, default=20, help="timed runs per variant")
+  parser.add_argument("--out", default=None, help="write the results as JSON to this path")
+  parser.add_argument("--hlo-dir", default=None, help="write each variant's compiled HLO here")
+  parser.add_argument(
+      "--variants", default=",".join(VARIANTS),
+      help="comma-separated subset of " + ",".join(VARIANTS),
+  )
+  return parser.parse_args(argv)
+
+
+def _format_table(results: dict[str, Any]) -> str:
+  variants = results["variants"]
+  base = variants.get("pmean")
+  header = (f"{'variant':<22}{'median s':>11}{'min s':>11}{'time/pmean':>12}"
+            f"{'collective MB':>15}{'bytes/pmean':>13}{'compile s':>11}")
+  rows = [header, "-" * len(header)]
+  for name, v in variants.items():
+    time_ratio = f"{v['seconds'] / base['seconds']:.2f}x" if base else "-"
+    byte_ratio = (f"{v['collective_bytes'] / base['collective_bytes']:.3f}x"
+                  if base and base["collective_bytes"] else "-")
+    rows.append(f"{name:<22}{v['seconds']:>11.4f}{v['min_seconds']:>11.4f}{time_ratio:>12}"
+                f"{v['collective_bytes'] / 1e6:>15.2f}{byte_ratio:>13}"
+                f"{v['compile_seconds']:>11.2f}")
+  rows.append("")
+  rows.append("collectives per device (ring model):")
+  for name, v in variants.items():
+    parts = [f"{c['kind']}[n={c['group_size']}] {c['payload_bytes']:,}B -> {c['bytes']:,.0f}B"
+             for c in v["collectives"]]
+    rows.append(f"  {name}: " + ("; ".join(parts) if parts else "(none)"))
+  return "\n".join(rows)
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+  """Runs the benchmark; prints a table, writes JSON to ``--out``, returns the results.
+
+  Args:
+    argv: command-line arguments (``sys.argv[1:]`` when None).
+
+  Returns:
+    ``{"devices": n, "params": N, "variants": {name: {"seconds": ...,
+    "collective_bytes": ..., ...}}}`` plus descriptive extra keys.
+  """
+  args = _parse_args(argv)
+  names = [name.strip() for name in args.variants.split(",") if name.strip()]
+  unknown = sorted(set(names) - set(VARIANTS))
+  if unknown:
+    raise ValueError(f"unknown variants {unknown}; choose from {VARIANTS}")
+  devices = jax.devices()
+  num_devices = len(devices)
+  if num_devices < 2 or num_devices % 2:
+    raise RuntimeError(f"need an even number (>= 2) of devices, found {num_devices}")
+  mesh = Mesh(np.array(devices), (AXIS,))
+
+  width = width_for_params(args.params)
+  shapes = resnet18_shapes(width)
+  num_params = count_params(shapes)
+  grads = make_grads(shapes, mesh)
+  all_variants = build_variants(grads, mesh)
+  print(f"{num_devices} x {devices[0].platform} devices; ResNet-18 (base width {width}), "
+        f"{num_params:,} float32 params ({4 * num_params / 1e6:.1f} MB) per device; "
+        f"{args.repeats} timed runs each", flush=True)
+
+  variants: dict[str, Any] = {}
+  reference, reference_name = None, None
+  for name in names:
+    variant = all_variants[name]
+    result = run_variant(variant, num_devices, args.repeats)
+    hlo, output = result.pop("_hlo"), result.pop("_output")
+    if args.hlo_dir:
+      os.makedirs(args.hlo_dir, exist_ok=True)
+      with open(os.path.join(args.hlo_dir, f"{name}.hlo.txt"), "w") as f:
+        f.write(hlo)
+    mean = output if name == "pmean" else output[0]
+    mean = _device0(mean, variant.per_device_output)
+    if reference is None:
+      reference, reference_name = mean, name
+    result[f"max_abs_diff_vs_{reference_name}"] = float(max(
+        np.max(np.abs(a - b)) for a, b in zip(jax.tree.leaves(mean), jax.tree.leaves(reference))
+    ))
+    if name != "pmean":
+      state = _device0(output[1], variant.per_device_output)
+      result["similarity"] = float(state.similarity)
+    variants[name] = result
+    print(f"  {name}: median {result['seconds']:.4f} s, "
+          f"{result['collective_bytes'] / 1e6:.2f} MB collectives", flush=True)
+    del output, mean
+
+  base = variants.get("pmean")
+  if base:
+    for v in variants.values():
+      v["time_ratio_to_pmean"] = v["seconds"] / base["seconds"]
+      v["bytes_ratio_to_pmean"] = (v["collective_bytes"] / base["collective_bytes"]
+                                   if base["collective_bytes"] else None)
+  results = {
+      "devices": num_devices,
+      "params": num_params,
+      "variants": variants,
+      "target_params": args.params,
+      "base_width": width,
+      "platform": devices[0].platform,
+      "repeats": args.repeats,
+      "jax_version": jax.__version__,
+      "note": "CPU timings mostly measure local memory work and do not rank the "
+              "variants for GPUs; judge by collective bytes (SPEC.md).",
+  }
+  print()
+  print(_format_table(results))
+  if args.out:
+    with open(args.out, "w") as f:
+      json.dump(results, f, indent=2)
+    print(f"\nwrote {args.out}")
+  return results
+
+
+if __name__ == "__main__":
+  main(sys.argv[1:])
