@@ -1,0 +1,464 @@
+"""Host: per-step metrics to a JSON-lines file and TensorBoard, and a progress bar.
+
+Plain Python; nothing here is traced. A training loop writes one record per
+optimizer step (and one per evaluation) with :class:`MetricsWriter`; every
+number the controller decided from belongs in it, so that a run can be
+explained afterwards from ``metrics.jsonl`` alone (:mod:`simigrad_jax.plot`
+draws it).
+
+The file format is one JSON object per line, each with an integer ``"step"``.
+JSON has no NaN or infinity: non-finite floats are written as ``null`` (the
+TensorBoard scalar keeps the real value). Each line is written in one call and
+flushed, so a crash loses at most the line being written; such a torn last
+line is dropped when the file is read or reopened.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import pathlib
+import shutil
+import tempfile
+import time
+from collections.abc import Mapping
+from typing import Any, TextIO
+
+import numpy as np
+import tqdm
+
+from simigrad_jax.host import validation
+
+logger = logging.getLogger("simigrad_jax")
+
+__all__ = ["METRICS_FILENAME", "MetricsWriter", "ProgressBar", "read_metrics"]
+
+METRICS_FILENAME = "metrics.jsonl"
+TENSORBOARD_DIRNAME = "tensorboard"
+
+
+# ------------------------------------------------------------------ file format
+
+def _parse_line(line: bytes) -> dict[str, Any] | None:
+  """The JSON object on ``line``, or None if it is not one."""
+  try:
+    value = json.loads(line)
+  except ValueError:  # json.JSONDecodeError and UnicodeDecodeError alike
+    return None
+  return value if isinstance(value, dict) else None
+
+
+def _split_records(
+    data: bytes, path: os.PathLike | str,
+) -> tuple[list[tuple[bytes, dict[str, Any]]], bytes | None]:
+  """Splits a metrics file into its records and a torn last line.
+
+  Returns:
+    ``(entries, torn)``: ``entries`` holds ``(line, record)`` per record in
+    file order, each line newline-terminated and otherwise verbatim; ``torn``
+    is the unterminated last line that is not a complete JSON object (a crash
+    mid-write), or None. Blank lines are skipped.
+
+  Raises:
+    ValueError: for a line other than the last that is not a JSON object.
+  """
+  lines = data.split(b"\n")
+  tail = lines.pop()  # b"" when the file ends with a newline
+  entries = []
+  for number, line in enumerate(lines, start=1):
+    if not line.strip():
+      continue
+    record = _parse_line(line)
+    if record is None:
+      raise ValueError(
+          f"{os.fspath(path)}: line {number} is not a JSON object: {line[:80]!r}")
+    entries.append((line + b"\n", record))
+  torn = None
+  if tail.strip():
+    record = _parse_line(tail)
+    if record is None:
+      torn = tail
+    else:  # complete but for its newline
+      entries.append((tail + b"\n", record))
+  return entries, torn
+
+
+def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
+  """Returns the records of a metrics file in order, skipping a torn last line.
+
+  Args:
+    path: a JSON-lines file, e.g. the ``metrics.jsonl`` of a
+      :class:`MetricsWriter`.
+
+  Returns:
+    One dict per line. Non-finite floats were written as JSON ``null`` and
+    come back as None.
+
+  Raises:
+    FileNotFoundError: if ``path`` does not exist.
+    ValueError: if a line other than an unterminated last one is not a JSON
+      object (the message names the line).
+
+  Example:
+    >>> with MetricsWriter(f"{workdir}/read", tensorboard=False) as writer:
+    ...   writer.write({"step": 1, "loss": float("nan")})
+    >>> read_metrics(f"{workdir}/read/metrics.jsonl")
+    [{'step': 1, 'loss': None}]
+  """
+  path = pathlib.Path(path)
+  entries, torn = _split_records(path.read_bytes(), path)
+  if torn is not None:
+    logger.warning("%s: ignoring a torn last line (%d bytes)", path, len(torn))
+  return [record for _, record in entries]
+
+
+def _atomic_write(path: pathlib.Path, lines: list[bytes]) -> None:
+  """Replaces ``path`` by ``lines`` via a synced temporary file in its folder."""
+  fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+  try:
+    with os.fdopen(fd, "wb") as f:
+      f.writelines(lines)
+      f.flush()
+      os.fsync(f.fileno())
+    if path.exists():
+      shutil.copymode(path, tmp)
+    os.replace(tmp, path)
+  except BaseException:
+    if os.path.exists(tmp):
+      os.unlink(tmp)
+    raise
+  try:  # make the rename itself durable where the platform allows it
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+  except OSError:
+    return
+  try:
+    os.fsync(dir_fd)
+  except OSError:
+    pass
+  finally:
+    os.close(dir_fd)
+
+
+def _prepare_for_append(path: pathlib.Path, resume_step: int | None) -> None:
+  """Drops a torn last line and, on resume, the records after ``resume_step``."""
+  if not path.exists():
+    return
+  data = path.read_bytes()
+  if resume_step is None:
+    if not data or data.endswith(b"\n"):
+      return
+    cut = data.rfind(b"\n") + 1
+    tail = data[cut:]
+    if _parse_line(tail) is not None or not tail.strip():
+      with open(path, "ab") as f:  # complete but for its newline
+        f.write(b"\n")
+    else:
+      logger.warning("%s: dropping a torn last line (%d bytes)", path, len(tail))
+      _atomic_write(path, [data[:cut]])
+    return
+  entries, torn = _split_records(data, path)
+  if torn is not None:
+    logger.warning("%s: dropping a torn last line (%d bytes)", path, len(torn))
+  kept = []
+  for line, record in entries:
+    step = record.get("step")
+    if not validation.is_int(step):
+      raise ValueError(
+          f"{path}: cannot resume at step {resume_step}: record {line[:80]!r} "
+          "has no integer 'step'")
+    if step <= resume_step:
+      kept.append(line)
+  if len(kept) < len(entries):
+    logger.info("%s: resuming after step %d, dropping %d of %d records",
+                path, resume_step, len(entries) - len(kept), len(entries))
+  _atomic_write(path, kept)
+
+
+def _to_json(value: Any, where: str) -> Any:
+  """``value`` as plain JSON data; non-finite floats become None."""
+  if value is None or isinstance(value, str):
+    return value
+  if validation.is_bool(value):
+    return bool(value)
+  if validation.is_int(value):
+    return int(value)
+  if validation.is_real(value):
+    value = float(value)
+    return value if math.isfinite(value) else None
+  if isinstance(value, Mapping):
+    out = {}
+    for key, item in value.items():
+      if not isinstance(key, str):
+        raise TypeError(f"{where} has a non-string key {key!r}; JSON keys are strings")
+      out[key] = _to_json(item, f"{where}[{key!r}]")
+    return out
+  if isinstance(value, (list, tuple)):
+    return [_to_json(item, f"{where}[{i}]") for i, item in enumerate(value)]
+  if hasattr(value, "__array__"):  # NumPy and JAX arrays
+    array = np.asarray(value)
+    if array.dtype.kind in "biuf":
+      return _to_json(array.item() if array.ndim == 0 else array.tolist(), where)
+  raise TypeError(
+      f"{where} must be JSON data (numbers, strings, None, lists, dicts), "
+      f"got {value!r} ({type(value).__name__})")
+
+
+def _scalar(value: Any) -> float | None:
+  """A numeric scalar (bool, int, float, 0-d array) as a float, else None."""
+  if validation.is_bool(value) or validation.is_real(value):
+    return float(value)
+  if hasattr(value, "__array__"):
+    array = np.asarray(value)
+    if array.ndim == 0 and array.dtype.kind in "biuf":
+      return float(array)
+  return None
+
+
+# ----------------------------------------------------------------------- writer
+
+class MetricsWriter:
+  """Writes one JSON object per line to <workdir>/metrics.jsonl and the numeric values to TensorBoard event files.
+
+  Every top-level numeric value of a record (bool, int, float, NumPy or 0-d
+  JAX scalar; finite or not) other than ``"step"`` also becomes a TensorBoard
+  scalar with the key as its tag and ``"step"`` as its step. Other values
+  (strings, lists, dicts, None) go to the JSON file only. Non-finite floats
+  are written to the file as ``null``, since JSON has no NaN.
+
+  Args:
+    workdir: the run's folder, created if missing. The records go to
+      ``<workdir>/metrics.jsonl`` (appended to, never truncated unless
+      resuming) and the event files to ``<workdir>/tensorboard``.
+    tensorboard: whether to write TensorBoard event files (tensorboardX).
+    resume_step: for a run resumed from a checkpoint taken after step
+      ``resume_step``: records with a larger step are first removed from the
+      file (atomically: a synced temporary file replaces it), so the steps
+      that are run again are not logged twice; TensorBoard is told to hide
+      its own events from step ``resume_step + 1`` on (``purge_step``).
+    enabled: False makes a writer that checks records but writes nothing and
+      creates no files (for processes other than 0 in a multi-host run).
+
+  Raises:
+    ValueError: for a bad setting, or, when resuming, a file with a corrupt
+      line or a record without an integer ``"step"``.
+
+  Example:
+    >>> with MetricsWriter(f"{workdir}/run", tensorboard=False) as writer:
+    ...   writer.write({"step": 1, "batch_size": 128, "similarity": 0.05})
+    ...   writer.write({"step": 2, "batch_size": 140, "similarity": 0.12})
+    >>> [r["batch_size"] for r in read_metrics(writer.path)]
+    [128, 140]
+
+  Note:
+    A torn last line left by a crash is dropped when the file is reopened, so
+    appending never glues a new record onto half an old one. Lines are
+    flushed, not synced: a process crash loses at most the line being
+    written, a power loss what the OS had not yet written.
+  """
+
+  def __init__(
+      self,
+      workdir: str | os.PathLike,
+      *,
+      tensorboard: bool = True,
+      resume_step: int | None = None,
+      enabled: bool = True,
+  ):
+    tensorboard = validation.check_bool("tensorboard", tensorboard)
+    self._enabled = validation.check_bool("enabled", enabled)
+    self._resume_step = None if resume_step is None else validation.check_int(
+        "resume_step", resume_step, 0)
+    self._workdir = pathlib.Path(workdir)
+    self._path = self._workdir / METRICS_FILENAME
+    self._file: TextIO | None = None
+    self._tensorboard = None
+    self._closed = False
+    if not self._enabled:
+      return
+    self._workdir.mkdir(parents=True, exist_ok=True)
+    _prepare_for_append(self._path, self._resume_step)
+    self._file = open(self._path, "a", encoding="utf-8")
+    if tensorboard:
+      try:
+        import tensorboardX  # pylint: disable=g-import-not-at-top
+        # tensorboardX names event files by the second and host; the suffix
+        # keeps a writer reopened within the same second from overwriting.
+        self._tensorboard = tensorboardX.SummaryWriter(
+            str(self._workdir / TENSORBOARD_DIRNAME),
+            purge_step=None if self._resume_step is None else self._resume_step + 1,
+            filename_suffix=f".{time.time_ns()}")
+      except BaseException:
+        self._file.close()
+        raise
+
+  @property
+  def path(self) -> pathlib.Path:
+    """The JSON-lines file, ``<workdir>/metrics.jsonl``."""
+    return self._path
+
+  @property
+  def enabled(self) -> bool:
+    """Whether this writer writes anything."""
+    return self._enabled
+
+  def write(self, record: Mapping[str, Any]) -> None:
+    """Appends one record to the file (flushed) and its numbers to TensorBoard.
+
+    Args:
+      record: a mapping with string keys and an integer ``"step"`` >= 0; the
+        values are JSON data (numbers, strings, None, lists, dicts) or NumPy /
+        JAX arrays of numbers.
+
+    Raises:
+      ValueError: if ``"step"`` is missing or not an integer >= 0.
+      TypeError: for a record that is not a mapping, a non-string key or a
+        value that is not JSON data (the message names it).
+      RuntimeError: if the writer was closed.
+    """
+    if not isinstance(record, Mapping):
+      raise TypeError(
+          f"record must be a mapping, got {record!r} ({type(record).__name__})")
+    if "step" not in record:
+      raise ValueError(f"record must have an integer 'step', got keys {sorted(map(str, record))}")
+    step = validation.check_int("record['step']", record["step"], 0)
+    data = _to_json(record, "record")
+    data["step"] = step
+    line = json.dumps(data, allow_nan=False) + "\n"
+    if self._closed:
+      raise RuntimeError(f"MetricsWriter for {self._path} is closed")
+    if not self._enabled:
+      return
+    self._file.write(line)
+    self._file.flush()
+    if self._tensorboard is not None:
+      for key, value in record.items():
+        number = None if key == "step" else _scalar(value)
+        if number is not None:
+          self._tensorboard.add_scalar(key, number, step)
+
+  def flush(self) -> None:
+    """Pushes pending TensorBoard events and file contents to the OS."""
+    if self._file is not None and not self._closed:
+      self._file.flush()
+    if self._tensorboard is not None and not self._closed:
+      self._tensorboard.flush()
+
+  def close(self) -> None:
+    """Flushes and closes the file and the event writer; safe to call twice."""
+    if self._closed:
+      return
+    self._closed = True
+    try:
+      if self._tensorboard is not None:
+        self._tensorboard.close()
+    finally:
+      if self._file is not None:
+        self._file.close()
+
+  def __enter__(self) -> MetricsWriter:
+    return self
+
+  def __exit__(self, *exc_info) -> None:
+    self.close()
+
+
+# ------------------------------------------------------------------ progress bar
+
+def _format_postfix(value: Any) -> str:
+  """A compact display of a postfix value: 4 significant digits for floats."""
+  if validation.is_bool(value) or isinstance(value, str):
+    return str(value)
+  if validation.is_int(value):
+    return str(int(value))
+  number = _scalar(value)
+  if number is None:
+    return str(value)
+  if np.asarray(value).dtype.kind in "iu":  # 0-d integer arrays
+    return str(int(number))
+  return f"{number:.4g}"
+
+
+class ProgressBar:
+  """A tqdm progress bar over examples with loss, batch size and similarity in its postfix.
+
+  Counting examples rather than steps keeps the bar honest when the batch size
+  changes every step.
+
+  Args:
+    total_examples: the number of examples the run (or epoch) will see; None
+      or 0 when unknown (a counter without a bar).
+    initial: examples already seen, e.g. when resuming.
+    desc: the bar's label.
+    enabled: False makes a bar that only counts (for processes other than 0,
+      or quiet runs).
+    file: where the bar is drawn (default: ``sys.stderr``, as tqdm does).
+
+  Example:
+    >>> with ProgressBar(1000, enabled=False) as bar:
+    ...   bar.update(256, loss=0.1234567, batch=256, sim=0.05)
+    >>> bar.n, bar.postfix
+    (256, {'loss': '0.1235', 'batch': '256', 'sim': '0.05'})
+  """
+
+  def __init__(
+      self,
+      total_examples: int | None,
+      *,
+      initial: int = 0,
+      desc: str = "train",
+      enabled: bool = True,
+      file: TextIO | None = None,
+  ):
+    self._total = None if total_examples is None else validation.check_int(
+        "total_examples", total_examples, 0)
+    self._n = validation.check_int("initial", initial, 0)
+    if not isinstance(desc, str):
+      raise ValueError(f"desc must be a string, got {desc!r} ({type(desc).__name__})")
+    self._enabled = validation.check_bool("enabled", enabled)
+    self._postfix: dict[str, str] = {}
+    self._bar = None
+    if self._enabled:
+      self._bar = tqdm.tqdm(
+          total=self._total, initial=self._n, desc=desc, unit=" ex",
+          unit_scale=True, dynamic_ncols=True, file=file)
+
+  @property
+  def n(self) -> int:
+    """Examples counted so far, ``initial`` included."""
+    return self._n
+
+  @property
+  def postfix(self) -> dict[str, str]:
+    """The postfix last shown, as formatted strings."""
+    return dict(self._postfix)
+
+  def update(self, examples: int, **postfix: Any) -> None:
+    """Counts ``examples`` more and replaces the postfix if any is given.
+
+    Args:
+      examples: the number of examples in the step just taken (>= 0).
+      **postfix: values to show, e.g. ``loss=0.123, batch=256, sim=0.05``;
+        floats are shown with 4 significant digits.
+    """
+    examples = validation.check_int("examples", examples, 0)
+    self._n += examples
+    if postfix:
+      self._postfix = {key: _format_postfix(value) for key, value in postfix.items()}
+    if self._bar is not None:
+      if postfix:
+        self._bar.set_postfix(self._postfix, refresh=False)
+      self._bar.update(examples)
+
+  def close(self) -> None:
+    """Draws the final state and releases the bar; safe to call twice."""
+    if self._bar is not None:
+      self._bar.close()
+      self._bar = None
+
+  def __enter__(self) -> ProgressBar:
+    return self
+
+  def __exit__(self, *exc_info) -> None:
+    self.close()
