@@ -1,0 +1,422 @@
+"""Tests for simigrad_jax.host.step_compiler on a tiny shard_map step over 8 CPU devices."""
+
+import doctest
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import jax
+from jax.sharding import Mesh
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from simigrad_jax.host import step_compiler
+from simigrad_jax.host.step_compiler import StepCompileError
+from simigrad_jax.host.step_compiler import StepCompiler
+from simigrad_jax.host.step_compiler import enable_persistent_cache
+
+N = 8  # devices, from conftest
+FEATURES, OUT = 4, 3
+TIMEOUT = 20.0  # seconds; generous upper bound for anything we wait on
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def mesh(devices):
+  return Mesh(np.array(devices), ("batch",))
+
+
+def _body(w, x):
+  return jax.lax.psum(x @ w, "batch")
+
+
+class Lowerer:
+  """``lower(micro)`` for a tiny data-parallel step; records every call.
+
+  The step maps global ``x`` of shape ``(N * micro, FEATURES)`` (sharded by
+  rows) and replicated ``w`` to ``sum_d x_d @ w`` of shape ``(micro, OUT)``.
+  ``fail`` sizes raise; ``gates[m]`` blocks ``lower(m)`` until set;
+  ``started[m]`` is set when ``lower(m)`` begins.
+  """
+
+  def __init__(self, mesh, fail=(), gated=()):
+    self.mesh = mesh
+    self.step = jax.jit(jax.shard_map(
+        _body, mesh=mesh, in_specs=(P(), P("batch")), out_specs=P()))
+    self.fail = set(fail)
+    self.gates = {m: threading.Event() for m in gated}
+    self.started = {m: threading.Event() for m in gated}
+    self.calls = []
+    self.threads = []
+    self._lock = threading.Lock()
+
+  def __call__(self, micro):
+    with self._lock:
+      self.calls.append(micro)
+      self.threads.append(threading.current_thread())
+    if micro in self.gates:
+      self.started[micro].set()
+      assert self.gates[micro].wait(TIMEOUT)
+    if micro in self.fail:
+      raise ValueError(f"no step for {micro}")
+    w = jax.ShapeDtypeStruct((FEATURES, OUT), jnp.float32,
+                             sharding=NamedSharding(self.mesh, P()))
+    x = jax.ShapeDtypeStruct((N * micro, FEATURES), jnp.float32,
+                             sharding=NamedSharding(self.mesh, P("batch")))
+    return self.step.lower(w, x)
+
+
+def check_runs(compiled, micro, seed=0):
+  """Runs ``compiled`` on real data of the ``micro`` shape against NumPy."""
+  rng = np.random.default_rng(seed + micro)
+  w = rng.normal(size=(FEATURES, OUT)).astype(np.float32)
+  x = rng.normal(size=(N * micro, FEATURES)).astype(np.float32)
+  out = np.asarray(compiled(jnp.asarray(w), jnp.asarray(x)))
+  expected = x.reshape(N, micro, FEATURES).sum(0) @ w
+  assert out.shape == (micro, OUT)
+  np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def wait_until(predicate, timeout=TIMEOUT):
+  deadline = time.monotonic() + timeout
+  while not predicate():
+    assert time.monotonic() < deadline, "timed out"
+    time.sleep(0.005)
+
+
+# ------------------------------------------------------------------- compile
+
+
+def test_get_returns_a_working_step_per_size_compiled_once(mesh):
+  lower = Lowerer(mesh)
+  with StepCompiler(lower) as compiler:
+    compiler.prefetch([1, 2, 4])
+    for micro in [1, 2, 4, 2, 1, 4]:
+      compiled = compiler.get(micro)
+      assert isinstance(compiled, jax.stages.Compiled)
+      check_runs(compiled, micro)
+    assert compiler.get(2) is compiler.get(2)
+    with pytest.raises(TypeError):  # compiled for one shape only
+      compiler.get(2)(jnp.ones((FEATURES, OUT)), jnp.ones((N, FEATURES)))
+    stats = compiler.stats()
+  assert sorted(lower.calls) == [1, 2, 4]
+  assert stats["compiles"] == 3
+  assert stats["compiled_sizes"] == [1, 2, 4]
+  assert stats["compile_seconds"] > 0
+
+
+def test_prefetch_compiles_in_one_background_thread_in_order(mesh):
+  lower = Lowerer(mesh)
+  with StepCompiler(lower, name="toy") as compiler:
+    compiler.prefetch([4, 1, 2])
+    wait_until(lambda: compiler.stats()["compiled_sizes"] == [1, 2, 4])
+    assert lower.calls == [4, 1, 2]
+    main = threading.current_thread()
+    assert all(t is not main and t.name == "toy-compiler"
+               for t in lower.threads)
+    assert len(set(lower.threads)) == 1
+    for micro in [4, 1, 2]:  # all ready: no stall
+      check_runs(compiler.get(micro), micro)
+    stats = compiler.stats()
+  assert stats["compile_wait_seconds"] < 1e-3
+  assert stats["compile_seconds"] > 0
+  assert stats["compiles"] == 3
+
+
+def test_get_of_unknown_size_compiles_synchronously_and_counts_wait(mesh):
+  lower = Lowerer(mesh)
+  with StepCompiler(lower) as compiler:
+    check_runs(compiler.get(3), 3)
+    stats = compiler.stats()
+  assert lower.calls == [3]
+  assert lower.threads == [threading.current_thread()]
+  assert stats["compiles"] == 1
+  assert stats["compile_wait_seconds"] > 0
+  # The wait includes the whole lower + compile, done in this thread.
+  assert stats["compile_wait_seconds"] >= stats["compile_seconds"]
+
+
+def test_prefetch_skips_compiled_and_duplicate_sizes(mesh):
+  lower = Lowerer(mesh)
+  with StepCompiler(lower) as compiler:
+    compiler.get(2)
+    compiler.prefetch([2])
+    compiler.prefetch([2, 5, 5, 2])
+    wait_until(lambda: compiler.stats()["compiled_sizes"] == [2, 5])
+    compiler.prefetch([5, 2])
+    time.sleep(0.05)
+    assert lower.calls == [2, 5]
+    assert compiler.stats()["compiles"] == 2
+
+
+def test_get_waits_for_a_size_compiling_in_the_background(mesh):
+  lower = Lowerer(mesh, gated=[2])
+  results = []
+  with StepCompiler(lower) as compiler:
+    compiler.prefetch([2])
+    assert lower.started[2].wait(TIMEOUT)
+    getter = threading.Thread(target=lambda: results.append(compiler.get(2)))
+    getter.start()
+    time.sleep(0.2)
+    assert getter.is_alive()  # blocked on the background compile
+    lower.gates[2].set()
+    getter.join(TIMEOUT)
+    assert not getter.is_alive()
+    check_runs(results[0], 2)
+    stats = compiler.stats()
+  assert lower.calls == [2]  # waited, did not compile again
+  assert stats["compiles"] == 1
+  assert stats["compile_wait_seconds"] >= 0.2
+
+
+def test_get_takes_over_a_queued_size_instead_of_waiting(mesh):
+  lower = Lowerer(mesh, gated=[1])
+  with StepCompiler(lower) as compiler:
+    compiler.prefetch([1, 2])
+    assert lower.started[1].wait(TIMEOUT)
+    check_runs(compiler.get(2), 2)  # 1 is still blocked in the worker
+    assert lower.calls == [1, 2]
+    assert lower.threads[1] is threading.current_thread()
+    assert compiler.stats()["compiled_sizes"] == [2]
+    lower.gates[1].set()
+    check_runs(compiler.get(1), 1)
+  assert lower.calls == [1, 2]
+
+
+def test_concurrent_gets_of_one_size_compile_it_once(mesh):
+  lower = Lowerer(mesh, gated=[3])
+  results = []
+  barrier = threading.Barrier(4)
+
+  def fetch():
+    barrier.wait()
+    results.append(compiler.get(3))
+
+  with StepCompiler(lower) as compiler:
+    getters = [threading.Thread(target=fetch) for _ in range(4)]
+    for t in getters:
+      t.start()
+    assert lower.started[3].wait(TIMEOUT)
+    time.sleep(0.1)  # let the other three reach get()
+    lower.gates[3].set()
+    for t in getters:
+      t.join(TIMEOUT)
+    stats = compiler.stats()
+  assert lower.calls == [3]
+  assert len(results) == 4 and all(r is results[0] for r in results)
+  assert stats["compiles"] == 1
+
+
+# -------------------------------------------------------------------- errors
+
+
+def test_background_failure_surfaces_in_get_for_that_size_only(mesh):
+  lower = Lowerer(mesh, fail=[3])
+  with StepCompiler(lower) as compiler:
+    compiler.prefetch([2, 3, 4])
+    wait_until(lambda: compiler.stats()["compiled_sizes"] == [2, 4])
+    for _ in range(2):  # raised every time, not retried
+      with pytest.raises(StepCompileError, match="micro_batch_size=3") as err:
+        compiler.get(3)
+      assert isinstance(err.value.__cause__, ValueError)
+      assert "no step for 3" in str(err.value)
+    compiler.prefetch([3])
+    check_runs(compiler.get(2), 2)
+    check_runs(compiler.get(4), 4)
+    stats = compiler.stats()
+  assert sorted(lower.calls) == [2, 3, 4]
+  assert stats["compiles"] == 2
+  assert stats["compiled_sizes"] == [2, 4]
+
+
+def test_synchronous_failure_and_bad_lower_result(mesh):
+  lower = Lowerer(mesh, fail=[1])
+  with StepCompiler(lower, background=False, name="sync") as compiler:
+    with pytest.raises(StepCompileError, match="'sync'.*micro_batch_size=1"):
+      compiler.get(1)
+    check_runs(compiler.get(2), 2)
+  # lower() returning the jitted function instead of its Lowered.
+  with StepCompiler(lambda micro: lower.step) as compiler:
+    compiler.prefetch([5])
+    with pytest.raises(StepCompileError, match="micro_batch_size=5") as err:
+      compiler.get(5)
+    assert isinstance(err.value.__cause__, TypeError)
+    assert "jax.stages.Lowered" in str(err.value)
+    assert compiler.stats()["compiles"] == 0
+
+
+def test_background_false_compiles_only_on_demand(mesh):
+  lower = Lowerer(mesh)
+  with StepCompiler(lower, background=False) as compiler:
+    compiler.prefetch([1, 2])
+    time.sleep(0.05)
+    assert lower.calls == []
+    check_runs(compiler.get(1), 1)
+    stats = compiler.stats()
+  assert lower.calls == [1]
+  assert lower.threads == [threading.current_thread()]
+  assert stats["compiled_sizes"] == [1]
+  assert stats["compile_wait_seconds"] > 0
+
+
+# --------------------------------------------------------------------- close
+
+
+def test_close_waits_for_running_compile_and_cancels_the_rest(mesh):
+  lower = Lowerer(mesh, gated=[1])
+  compiler = StepCompiler(lower)
+  compiler.prefetch([1, 2, 4])
+  assert lower.started[1].wait(TIMEOUT)
+  closer = threading.Thread(target=compiler.close)
+  closer.start()
+  time.sleep(0.2)
+  assert closer.is_alive()  # waits for the running compile
+  lower.gates[1].set()
+  closer.join(TIMEOUT)
+  assert not closer.is_alive()
+  assert lower.calls == [1]  # 2 and 4 were cancelled
+  assert compiler.stats()["compiled_sizes"] == [1]
+  compiler.close()  # idempotent
+  compiler.close()
+  with pytest.raises(RuntimeError, match="closed"):
+    compiler.prefetch([2])
+  check_runs(compiler.get(1), 1)  # compiled variants stay usable
+  check_runs(compiler.get(2), 2)  # cancelled ones compile on demand
+  assert lower.calls == [1, 2]
+
+
+def test_context_manager_closes(mesh):
+  lower = Lowerer(mesh)
+  with StepCompiler(lower) as compiler:
+    compiler.prefetch([1])
+    compiler.get(1)
+  with pytest.raises(RuntimeError, match="closed"):
+    compiler.prefetch([2])
+  assert "compiled_sizes=[1]" in repr(compiler)
+
+
+# ---------------------------------------------------------------- validation
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.0, True, "2", None])
+def test_get_refuses_bad_sizes(mesh, bad):
+  lower = Lowerer(mesh)
+  with StepCompiler(lower) as compiler:
+    with pytest.raises(ValueError, match="micro_batch_size"):
+      compiler.get(bad)
+  assert lower.calls == []
+
+
+@pytest.mark.parametrize("bad", [[1, 0], [2, 1.5], 4, "12", None])
+def test_prefetch_refuses_bad_sizes_and_schedules_nothing(mesh, bad):
+  lower = Lowerer(mesh)
+  with StepCompiler(lower) as compiler:
+    with pytest.raises(ValueError, match=r"micro_batch_size|must be an"):
+      compiler.prefetch(bad)
+    time.sleep(0.05)
+  assert lower.calls == []
+  assert compiler.stats()["compiled_sizes"] == []
+
+
+def test_constructor_refuses_bad_arguments():
+  with pytest.raises(ValueError, match="lower must be a callable"):
+    StepCompiler(3)
+  with pytest.raises(ValueError, match="background"):
+    StepCompiler(lambda m: None, background="yes")
+  with pytest.raises(ValueError, match="name"):
+    StepCompiler(lambda m: None, name=7)
+
+
+def test_numpy_sizes_are_accepted(mesh):
+  lower = Lowerer(mesh)
+  with StepCompiler(lower, background=False) as compiler:
+    compiler.prefetch(np.array([1, 2]))
+    check_runs(compiler.get(np.int64(2)), 2)
+  assert lower.calls == [2]
+
+
+def test_doctests():
+  result = doctest.testmod(step_compiler)
+  assert result.attempted > 0 and result.failed == 0
+
+
+# ----------------------------------------------------------- persistent cache
+
+
+_CACHE_SCRIPT = textwrap.dedent("""
+    import json, os, sys, time
+    import jax, jax.numpy as jnp
+    from simigrad_jax.host.step_compiler import enable_persistent_cache
+
+    cache_dir, other_dir = sys.argv[1], sys.argv[2]
+    hits = []
+    jax.monitoring.register_event_listener(
+        lambda event, **kw: hits.append(event)
+        if event == "/jax/compilation_cache/cache_hits" else None)
+    if other_dir:  # a cache already open elsewhere must be switched away from
+      enable_persistent_cache(other_dir)
+      jax.jit(lambda x: x * 2).lower(
+          jax.ShapeDtypeStruct((3,), jnp.float32)).compile()
+      hits.clear()
+
+    def f(x):
+      for i in range(12):
+        x = jnp.tanh(x @ x.T + i)
+      return x
+
+    enable_persistent_cache(cache_dir)
+    start = time.perf_counter()
+    jax.jit(f).lower(jax.ShapeDtypeStruct((32, 32), jnp.float32)).compile()
+    seconds = time.perf_counter() - start
+    print(json.dumps({"seconds": seconds, "hits": len(hits)}))
+""")
+
+
+def _run_cache_script(cache_dir, other_dir=""):
+  env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu",
+             XLA_FLAGS="--xla_force_host_platform_device_count=8")
+  proc = subprocess.run(
+      [sys.executable, "-c", _CACHE_SCRIPT, str(cache_dir), str(other_dir)],
+      env=env, capture_output=True, text=True, timeout=120, check=False)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_persistent_cache_makes_a_second_process_start_warm(tmp_path):
+  cache_dir, other_dir = tmp_path / "cache", tmp_path / "other"
+  cold = _run_cache_script(cache_dir, other_dir)
+  entries = sorted(os.listdir(cache_dir))
+  assert cold["hits"] == 0
+  assert entries and all(e.startswith("jit_f-") for e in entries), entries
+  assert not any(e.startswith("jit_f-") for e in os.listdir(other_dir))
+
+  warm = _run_cache_script(cache_dir)
+  assert warm["hits"] == 1  # loaded from disk, not compiled
+  assert sorted(os.listdir(cache_dir)) == entries  # nothing new written
+  assert warm["seconds"] < 10 * cold["seconds"] + 0.5  # loose: times are noisy
+  print(f"persistent cache: cold compile {cold['seconds']:.3f} s, "
+        f"warm {warm['seconds']:.3f} s")
+
+
+@pytest.mark.parametrize("bad", [3, "", b"/tmp/x"])
+def test_enable_persistent_cache_refuses_bad_paths(bad):
+  before = jax.config.jax_compilation_cache_dir
+  with pytest.raises(ValueError, match="cache_dir"):
+    enable_persistent_cache(bad)
+  assert jax.config.jax_compilation_cache_dir == before
+
+
+def test_enable_persistent_cache_refuses_a_file(tmp_path):
+  path = tmp_path / "a_file"
+  path.write_text("x")
+  before = jax.config.jax_compilation_cache_dir
+  with pytest.raises(ValueError, match="a_file"):
+    enable_persistent_cache(path)
+  assert jax.config.jax_compilation_cache_dir == before
