@@ -6,6 +6,8 @@ In-graph (runs inside your jit / pmap / shard_map step):
 Host side (Python decisions between steps):
   Controller, lr_factor, similarity, similarity_stats, set_lr_factor,
   BucketPolicy, BatchPlan, plan_batch, bucket_shapes.
+Training engine (host side): Trainer, with EpochSampler, ArraySource,
+  TfdsSource, StepCompiler, Checkpointer, MetricsWriter, ProgressBar.
 """
 
 from simigrad_jax.host.batch_plan import BatchPlan
@@ -13,12 +15,22 @@ from simigrad_jax.host.batch_plan import BucketPolicy
 from simigrad_jax.host.batch_plan import bucket_shapes
 from simigrad_jax.host.batch_plan import plan_batch
 from simigrad_jax.host.batch_plan import representable_batch_sizes
+from simigrad_jax.host.checkpointing import Checkpointer
 from simigrad_jax.host.controller import Controller
 from simigrad_jax.host.lr_rules import lr_factor
+from simigrad_jax.host.metrics import MetricsWriter
+from simigrad_jax.host.metrics import ProgressBar
+from simigrad_jax.host.metrics import read_metrics
+from simigrad_jax.host.sampler import EpochSampler
+from simigrad_jax.host.sources import ArraySource
+from simigrad_jax.host.sources import TfdsSource
 from simigrad_jax.host.state_access import lr_factor_of
 from simigrad_jax.host.state_access import set_lr_factor
 from simigrad_jax.host.state_access import similarity
 from simigrad_jax.host.state_access import similarity_stats
+from simigrad_jax.host.step_compiler import StepCompiler
+from simigrad_jax.host.step_compiler import enable_persistent_cache
+from simigrad_jax.host.trainer import Trainer
 from simigrad_jax.ingraph.half_batch import value_and_half_grads
 from simigrad_jax.ingraph.lr_scaling import LrFactorState
 from simigrad_jax.ingraph.lr_scaling import scale_by_lr_factor
@@ -29,16 +41,26 @@ from simigrad_jax.ingraph.transform import transform
 __version__ = "0.1.0"
 
 __all__ = [
+    "ArraySource",
     "BatchPlan",
     "BucketPolicy",
+    "Checkpointer",
     "Controller",
+    "EpochSampler",
     "HalfGrads",
     "LrFactorState",
+    "MetricsWriter",
+    "ProgressBar",
     "SimilarityState",
+    "StepCompiler",
+    "TfdsSource",
+    "Trainer",
     "bucket_shapes",
+    "enable_persistent_cache",
     "lr_factor",
     "lr_factor_of",
     "plan_batch",
+    "read_metrics",
     "representable_batch_sizes",
     "scale_by_lr_factor",
     "set_lr_factor",

@@ -1,0 +1,243 @@
+"""The training engine: exact gradients through padding and accumulation, data coverage, resume, multi-host."""
+
+import json
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import simigrad_jax
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+DRIVER = ROOT / "tests" / "train_driver.py"
+
+
+class TinyMLP(nn.Module):
+
+  @nn.compact
+  def __call__(self, x):
+    return nn.Dense(3)(nn.tanh(nn.Dense(8)(x)))
+
+
+def dataset(num_examples=200, seed=0):
+  rng = np.random.default_rng(seed)
+  x = rng.normal(size=(num_examples, 5)).astype(np.float32)
+  y = rng.integers(0, 3, size=num_examples).astype(np.int32)
+  return {"x": x, "y": y, "index": np.arange(num_examples, dtype=np.int32)}
+
+
+def mlp_loss(params, model_state, batch, weights, rng):
+  del weights, rng
+  logits = TinyMLP().apply({"params": params}, batch["x"])
+  return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]), model_state
+
+
+def make_trainer(workdir, data, controller, *, loss_fn=mlp_loss, params=None, model_state=None,
+                 learning_rate=0.1, **kwargs):
+  if params is None:
+    params = TinyMLP().init(jax.random.key(0), np.zeros((1, 5), np.float32))["params"]
+  optimizer = optax.chain(simigrad_jax.transform("batch"), optax.sgd(learning_rate),
+                          simigrad_jax.scale_by_lr_factor())
+  kwargs.setdefault("max_micro_batch_size", 8)
+  return simigrad_jax.Trainer(
+      loss_fn=loss_fn, params=params, model_state=model_state, optimizer=optimizer,
+      source=simigrad_jax.ArraySource(data), controller=controller, workdir=workdir,
+      progress=False, tensorboard=False, seed=3, **kwargs)
+
+
+@pytest.mark.parametrize("mode, max_micro", [("recompile", 8), ("recompile", 2), ("pad", 16)],
+                         ids=["one-micro-step", "accumulate-3", "pad-one-shape"])
+def test_one_step_is_the_exact_mean_gradient_step(tmp_path, mode, max_micro):
+  """Padding rows and accumulation change nothing: one step equals plain SGD on the 44 examples."""
+  data = dataset()
+  controller = simigrad_jax.Controller(44, 0.0, enable_adjust=False)
+  trainer = make_trainer(tmp_path, data, controller, mode=mode, max_micro_batch_size=max_micro)
+  params0 = jax.tree.map(np.asarray, TinyMLP().init(jax.random.key(0), data["x"][:1])["params"])
+  summary = trainer.train(num_steps=1)
+  trainer.close()
+
+  indices = simigrad_jax.EpochSampler(len(data["y"]), 3).indices_at(0, 44)
+  x, y = data["x"][indices], data["y"][indices]
+  per_example = lambda p: optax.softmax_cross_entropy_with_integer_labels(
+      TinyMLP().apply({"params": p}, x), y)
+  loss, grads = jax.value_and_grad(lambda p: jnp.mean(per_example(p)))(params0)
+  expected = jax.tree.map(lambda p, g: p - 0.1 * g, params0, grads)
+  got = jax.tree.map(lambda a: np.asarray(a.addressable_data(0)), trainer.state["params"])
+  for want, have in zip(jax.tree.leaves(expected), jax.tree.leaves(got)):
+    np.testing.assert_allclose(have, want, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(summary["loss"], loss, rtol=1e-5)
+  # The similarity: example e sits on device e % 8; devices 0-3 are half A.
+  jac = jax.jacobian(lambda p: per_example(p))(params0)
+  flat = np.concatenate([np.asarray(j).reshape(44, -1) for j in jax.tree.leaves(jac)], axis=1)
+  in_a = (np.arange(44) % 8) < 4
+  g_a, g_b = flat[in_a].sum(0) * 2 / 44, flat[~in_a].sum(0) * 2 / 44
+  cos = g_a @ g_b / np.linalg.norm(g_a) / np.linalg.norm(g_b)
+  np.testing.assert_allclose(summary["similarity"], cos, rtol=1e-4, atol=1e-5)
+
+
+def test_every_example_once_per_epoch_while_the_batch_size_moves(tmp_path):
+  data = dataset(num_examples=120)
+  controller = simigrad_jax.Controller(20, 0.5, batch_size_lower_bound=8, batch_size_upper_bound=64)
+  trainer = make_trainer(tmp_path, data, controller, max_micro_batch_size=4)
+  trained = []  # per optimizer step: the indices of the real rows placed on the devices
+  place = trainer._place
+
+  def recording_place(plan, loaded):
+    step_data = place(plan, loaded)
+    rows = [np.asarray(batch["index"])[np.asarray(weights) > 0]
+            for batch, weights in step_data.micro_batches]
+    trained.append(np.sort(np.concatenate(rows)))
+    return step_data
+
+  trainer._place = recording_place
+  summary = trainer.train(num_epochs=3)
+  trainer.close()
+  records = [r for r in simigrad_jax.read_metrics(tmp_path / "metrics.jsonl") if "batch_size" in r]
+  assert sum(len(t) for t in trained) == summary["examples_seen"] == 360
+  start = 0
+  for step_rows, record in zip(trained, records, strict=True):
+    expected = trainer.sampler.indices_at(start, record["batch_size"])
+    np.testing.assert_array_equal(step_rows, np.sort(expected))
+    start += record["batch_size"]
+  for epoch in range(3):  # the per-step sets tile each epoch's permutation exactly
+    assert sorted(trainer.sampler.indices_at(epoch * 120, 120)) == list(range(120))
+  assert len({r["batch_size"] for r in records}) >= 4  # the batch size really moved
+  stats = trainer.compile_stats()
+  # Every shape is compiled once (plus the apply step), whatever the order of visits.
+  assert stats["compiles"] == len(stats["compiled_micro_batch_sizes"]) + 1
+  assert set(stats["compiled_micro_batch_sizes"]) <= set(trainer.shapes)
+
+
+class BatchNormModel(nn.Module):
+
+  @nn.compact
+  def __call__(self, x, mask):
+    x = nn.BatchNorm(use_running_average=False, momentum=0.9, axis_name="batch")(x, mask=mask)
+    return nn.Dense(3)(x)
+
+
+def test_batchnorm_statistics_cover_all_devices_and_skip_padding(tmp_path):
+  data = dataset()
+  variables = BatchNormModel().init(jax.random.key(0), data["x"][:2], np.ones((2, 1), bool))
+  # init outside the mapped step: BatchNorm needs the axis only when it runs inside it.
+
+  def bn_loss(params, model_state, batch, weights, rng):
+    del rng
+    logits, updates = BatchNormModel().apply(
+        {"params": params, **model_state}, batch["x"], (weights > 0)[:, None], mutable=["batch_stats"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]), updates
+
+  controller = simigrad_jax.Controller(44, 0.0, enable_adjust=False)
+  trainer = make_trainer(tmp_path, data, controller, loss_fn=bn_loss, params=variables["params"],
+                         model_state={"batch_stats": variables["batch_stats"]})
+  trainer.train(num_steps=1)
+  trainer.close()
+  indices = simigrad_jax.EpochSampler(len(data["y"]), 3).indices_at(0, 44)
+  mean = np.asarray(trainer.state["model_state"]["batch_stats"]["BatchNorm_0"]["mean"].addressable_data(0))
+  # Flax's cross-device BatchNorm averages the devices' masked means (example e sits on
+  # device e % 8; here 6 or 5 real rows each, padding excluded): running mean = 0.1 * that.
+  x = data["x"][indices]
+  device_means = np.stack([x[np.arange(44) % 8 == d].mean(axis=0) for d in range(8)])
+  np.testing.assert_allclose(mean, 0.1 * device_means.mean(axis=0), rtol=1e-5, atol=1e-6)
+  assert not np.allclose(mean, 0.1 * x[:40].mean(axis=0), atol=1e-4)  # padding rows would shift it
+
+
+def test_nonfinite_step_is_skipped_and_counted(tmp_path):
+  data = dataset(num_examples=64)
+  data["x"][5] = np.nan
+  # Index 5 lands in a middle step of the epoch for seed 3 (checked below: not the first).
+  controller = simigrad_jax.Controller(16, 0.3, batch_size_lower_bound=8, batch_size_upper_bound=32)
+  trainer = make_trainer(tmp_path, data, controller)
+  trainer.train(num_epochs=1)
+  trainer.close()
+  records = [r for r in simigrad_jax.read_metrics(tmp_path / "metrics.jsonl") if "batch_size" in r]
+  bad = [r for r in records if not r["grads_finite"]]
+  assert len(bad) == 1 and bad[0]["similarity"] is None  # NaN is written as null
+  assert bad[0]["decision"] == "nonfinite"
+  assert records.index(bad[0]) > 0
+  before = records[records.index(bad[0]) - 1]  # the controller's size did not move
+  assert bad[0]["next_batch_size"] == before["next_batch_size"]
+  assert records[-1]["nonfinite_steps"] == 1
+  for leaf in jax.tree.leaves(trainer.state):
+    assert np.all(np.isfinite(np.asarray(leaf.addressable_data(0))))
+
+
+def test_refuses_a_data_set_smaller_than_the_largest_batch(tmp_path):
+  controller = simigrad_jax.Controller(16, 0.3, batch_size_upper_bound=500)
+  with pytest.raises(ValueError, match="200 examples, fewer than the largest batch size 500"):
+    make_trainer(tmp_path, dataset(), controller)
+
+
+def test_refuses_an_optimizer_without_the_transform(tmp_path):
+  params = TinyMLP().init(jax.random.key(0), np.zeros((1, 5), np.float32))["params"]
+  with pytest.raises(ValueError, match="no SimilarityState: chain simigrad_jax.transform"):
+    simigrad_jax.Trainer(
+        loss_fn=mlp_loss, params=params, optimizer=optax.sgd(0.1),
+        source=simigrad_jax.ArraySource(dataset()), controller=simigrad_jax.Controller(16, 0.3),
+        workdir=tmp_path, max_micro_batch_size=8)
+
+
+def run_driver(workdir, *extra, processes=None):
+  env = dict(os.environ, PYTHONPATH=str(ROOT))
+  env.pop("XLA_FLAGS", None)
+  command = [sys.executable, str(DRIVER), "--workdir", str(workdir), *extra]
+  return subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+
+
+def step_records(workdir):
+  return [r for r in simigrad_jax.read_metrics(pathlib.Path(workdir) / "metrics.jsonl")
+          if "loss" in r]
+
+
+@pytest.fixture(scope="module")
+def straight_run(tmp_path_factory):
+  workdir = tmp_path_factory.mktemp("straight")
+  result = run_driver(workdir, "--steps", "12")
+  assert result.returncode == 0, result.stderr[-3000:]
+  return step_records(workdir)
+
+
+def test_sigkill_and_resume_continue_exactly(straight_run, tmp_path):
+  killed = run_driver(tmp_path, "--steps", "12", "--kill-at", "8")
+  assert killed.returncode == -9  # SIGKILL: no clean-up, no final checkpoint
+  resumed = run_driver(tmp_path, "--steps", "12")
+  assert resumed.returncode == 0, resumed.stderr[-3000:]
+  records = step_records(tmp_path)
+  assert [r["step"] for r in records] == list(range(1, 13))  # no step duplicated or lost
+  for key in ("batch_size", "lr_factor", "examples_seen", "micro_batch_size", "next_batch_size"):
+    assert [r[key] for r in records] == [r[key] for r in straight_run], key
+  np.testing.assert_allclose([r["loss"] for r in records], [r["loss"] for r in straight_run],
+                             rtol=1e-5, atol=1e-5)
+
+
+def free_port():
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def test_two_processes_take_the_same_decisions_as_one(straight_run, tmp_path):
+  coordinator = f"127.0.0.1:{free_port()}"
+  env = dict(os.environ, PYTHONPATH=str(ROOT))
+  env.pop("XLA_FLAGS", None)
+  procs = [subprocess.Popen(
+      [sys.executable, str(DRIVER), "--workdir", str(tmp_path), "--steps", "12",
+       "--num-processes", "2", "--process-id", str(i), "--coordinator", coordinator],
+      env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+  outputs = [p.communicate(timeout=300) for p in procs]
+  for p, (_, err) in zip(procs, outputs):
+    assert p.returncode == 0, err[-3000:]
+  records = step_records(tmp_path)
+  assert [r["batch_size"] for r in records] == [r["batch_size"] for r in straight_run]
+  np.testing.assert_allclose([r["loss"] for r in records], [r["loss"] for r in straight_run],
+                             rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose([r["similarity"] for r in records],
+                             [r["similarity"] for r in straight_run], rtol=1e-4, atol=1e-5)
