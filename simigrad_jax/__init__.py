@@ -17,6 +17,9 @@ from simigrad_jax.host.batch_plan import plan_batch
 from simigrad_jax.host.batch_plan import representable_batch_sizes
 from simigrad_jax.host.checkpointing import Checkpointer
 from simigrad_jax.host.controller import Controller
+from simigrad_jax.host.controllers import controller_names
+from simigrad_jax.host.controllers import make_controller
+from simigrad_jax.host.controllers import register_controller
 from simigrad_jax.host.lr_rules import lr_factor
 from simigrad_jax.host.metrics import MetricsWriter
 from simigrad_jax.host.metrics import ProgressBar
@@ -56,11 +59,14 @@ __all__ = [
     "TfdsSource",
     "Trainer",
     "bucket_shapes",
+    "controller_names",
     "enable_persistent_cache",
     "lr_factor",
     "lr_factor_of",
+    "make_controller",
     "plan_batch",
     "read_metrics",
+    "register_controller",
     "representable_batch_sizes",
     "scale_by_lr_factor",
     "set_lr_factor",

@@ -86,7 +86,8 @@ def test_one_step_is_the_exact_mean_gradient_step(tmp_path, mode, max_micro):
 def test_every_example_once_per_epoch_while_the_batch_size_moves(tmp_path):
   data = dataset(num_examples=120)
   controller = simigrad_jax.Controller(20, 0.5, batch_size_lower_bound=8, batch_size_upper_bound=64)
-  trainer = make_trainer(tmp_path, data, controller, max_micro_batch_size=4)
+  schedule = lambda epochs: 1.0 if epochs < 1 else 0.5  # step decay after the first epoch
+  trainer = make_trainer(tmp_path, data, controller, max_micro_batch_size=4, lr_schedule=schedule)
   trained = []  # per optimizer step: the indices of the real rows placed on the devices
   place = trainer._place
 
@@ -110,6 +111,14 @@ def test_every_example_once_per_epoch_while_the_batch_size_moves(tmp_path):
   for epoch in range(3):  # the per-step sets tile each epoch's permutation exactly
     assert sorted(trainer.sampler.indices_at(epoch * 120, 120)) == list(range(120))
   assert len({r["batch_size"] for r in records}) >= 4  # the batch size really moved
+  # The learning-rate factor: sqrt(B / B0) times the schedule at the examples seen before the step.
+  for record in records:
+    seen_before_step = record["examples_seen"] - record["batch_size"]
+    assert record["schedule_factor"] == schedule(seen_before_step / 120)
+  requested = [20] + [r["next_batch_size"] for r in records[:-1]]
+  for record, size in zip(records, requested):
+    np.testing.assert_allclose(record["lr_factor"], np.sqrt(size / 20) * record["schedule_factor"],
+                               rtol=1e-6)
   stats = trainer.compile_stats()
   # Every shape is compiled once (plus the apply step), whatever the order of visits.
   assert stats["compiles"] == len(stats["compiled_micro_batch_sizes"]) + 1

@@ -223,7 +223,7 @@ class Controller:
 
   # ------------------------------------------------------------------ actions
 
-  def update(self, similarity: float) -> int:
+  def update(self, similarity: float, stats: Mapping[str, Any] | None = None) -> int:
     """Takes the similarity measured at this step; returns the next batch size.
 
     Call once after every optimizer step, with the similarity measured at the
@@ -233,10 +233,14 @@ class Controller:
     Args:
       similarity: the cosine similarity of the two half-batch gradients (any
         value ``float()`` accepts: Python, NumPy or 0-d JAX scalars).
+      stats: the step's other measurements (loss, half norms, ...), which
+        :class:`simigrad_jax.Trainer` passes to every controller; SimiGrad's
+        rule uses the similarity alone and ignores them.
 
     Returns:
       The batch size for the next step (also :attr:`batch_size`).
     """
+    del stats
     s = float(similarity)
     self._step += 1
     self._last_similarity = s

@@ -95,6 +95,12 @@ class Trainer:
     max_checkpoints: how many checkpoints to keep.
     eval_fn: optional ``eval_fn(params, model_state) -> dict`` run at every
       epoch end; its numbers are logged with an ``eval_`` prefix.
+    lr_schedule: optional ``lr_schedule(epochs) -> float``, a multiplier of
+      the base learning rate as a function of the epochs trained so far
+      (fractional, counted in examples, so it does not depend on how many
+      steps the changing batch size took). It multiplies the batch-size factor
+      and is written into the optimizer state with it, so it costs no
+      recompilation. E.g. step decay at epochs 80 and 120, or a warm-up.
     background_compile: compile the other shapes in a background thread.
     compilation_cache_dir: optional persistent compilation cache directory.
     tensorboard: also write TensorBoard event files.
@@ -129,6 +135,7 @@ class Trainer:
       checkpoint_every_steps: int | None = None,
       max_checkpoints: int = 3,
       eval_fn: Callable[[Any, Any], Mapping[str, float]] | None = None,
+      lr_schedule: Callable[[float], float] | None = None,
       background_compile: bool = True,
       compilation_cache_dir: str | os.PathLike | None = None,
       tensorboard: bool = True,
@@ -148,6 +155,7 @@ class Trainer:
     self.loss_fn, self.optimizer, self.source, self.controller = loss_fn, optimizer, source, controller
     self.mode, self.lr_rule, self.lr_adjust_factor = mode, lr_rule, lr_adjust_factor
     self.seed, self.eval_fn, self.axis_name = seed, eval_fn, axis_name
+    self.lr_schedule = lr_schedule
     self.checkpoint_every_steps = checkpoint_every_steps
     self.base_batch_size = controller.initial_batch_size
 
@@ -207,6 +215,7 @@ class Trainer:
     self._data_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="simigrad-data")
     self._is_main = jax.process_index() == 0
     self._lr_used = state_access.lr_factor_of(self.state["opt_state"])
+    self._schedule_factor = 1.0
     self._metrics = MetricsWriter(workdir, tensorboard=tensorboard, resume_step=self.step,
                                   enabled=self._is_main)
     self._progress_enabled = progress and self._is_main
@@ -300,6 +309,7 @@ class Trainer:
     total_examples = (math.inf if num_epochs is None
                       else int(round(num_epochs * self.sampler.num_examples)))
     max_steps = math.inf if num_steps is None else int(num_steps)
+    self._set_lr_factor(self.controller.batch_size)
     self._compiler.prefetch(self._shapes_by_distance(self.controller.batch_size))
     progress = ProgressBar(
         total_examples if math.isfinite(total_examples) else 0,
@@ -383,7 +393,7 @@ class Trainer:
                                   total_weight, counters)
     params, opt_state, self._acc, stats_vector = self._apply(state["params"], state["opt_state"], acc)
     # Load the next step's rows while the devices work.
-    lr_used = self._lr_used
+    lr_used, schedule_used = self._lr_used, self._schedule_factor
     next_pending = self._submit_data(self.controller.batch_size, total_examples)
     stats = dict(zip(train_step.STEP_STATS,
                      np.asarray(jax.device_get(stats_vector.addressable_data(0))).tolist()))
@@ -392,13 +402,14 @@ class Trainer:
       self._nonfinite_steps += 1
       model_state = state["model_state"]  # BatchNorm statistics of a bad step are dropped too
     similarity = stats["similarity"] if stats["measured"] else math.nan
-    next_batch_size = self.controller.update(similarity)
-    lr_next = lr_rules.lr_factor(next_batch_size, self.base_batch_size, self.lr_rule,
-                                 self.lr_adjust_factor)
-    opt_state = state_access.set_lr_factor(opt_state, lr_next)
-    self._lr_used = float(np.float32(lr_next))  # the value the next step runs with
+    observed = {**stats, "similarity": similarity, "grads_finite": grads_finite,
+                "batch_size": plan.global_batch_size, "examples_seen": self.sampler.examples_seen,
+                "epochs": self.sampler.examples_seen / self.sampler.num_examples,
+                "epoch_end": self.sampler.epoch > epoch_before}
+    next_batch_size = self.controller.update(similarity, stats=observed)
     self.state = {"params": params, "opt_state": opt_state, "model_state": model_state}
     self.step += 1
+    self._set_lr_factor(next_batch_size)
 
     step_seconds = time.perf_counter() - step_start
     compile_stats = self.compile_stats()
@@ -413,6 +424,7 @@ class Trainer:
         "lr_factor": lr_used,
         "next_batch_size": next_batch_size,
         "next_lr_factor": self._lr_used,
+        "schedule_factor": schedule_used,
         "decision": self.controller.last_decision,
         "similarity_target": self.controller.config["similarity_target"],
         "loss": stats["loss"],
@@ -429,6 +441,18 @@ class Trainer:
     self._metrics.write(record)
     record["epoch_end"] = self.sampler.epoch > epoch_before
     return record, next_pending
+
+  def _set_lr_factor(self, batch_size: int) -> None:
+    """Writes the learning-rate factor for ``batch_size`` at the current progress into the state."""
+    epochs = self.sampler.examples_seen / self.sampler.num_examples
+    self._schedule_factor = 1.0 if self.lr_schedule is None else float(self.lr_schedule(epochs))
+    factor = lr_rules.lr_factor(batch_size, self.base_batch_size, self.lr_rule,
+                                self.lr_adjust_factor) * self._schedule_factor
+    if not math.isfinite(factor) or factor <= 0:
+      raise ValueError(f"the learning-rate factor at epoch {epochs:.3f} would be {factor} "
+                       f"(schedule {self._schedule_factor}); it must be finite and > 0")
+    self.state["opt_state"] = state_access.set_lr_factor(self.state["opt_state"], factor)
+    self._lr_used = float(np.float32(factor))  # the value the next step runs with
 
   def _evaluate(self) -> dict[str, float]:
     if self.eval_fn is None:
