@@ -1,0 +1,553 @@
+"""Benchmark: switching the batch size every step, "recompile" against "pad".
+
+Trains a small Flax CNN on scikit-learn's handwritten digits (1,797 8x8 images,
+bundled, no download) with :class:`simigrad_jax.Trainer` on all local devices
+(by default 8 simulated CPU devices), while the global batch size sweeps the
+whole range ``[--lower, --upper]`` (default [8, 1600]) up and down (214
+steps by default: two round trips), in each of the Trainer's two modes:
+
+* ``recompile``: one compiled micro-step per micro-batch shape of the bucket
+  grid (``max_micro_batch_size`` 300 and ``min_micro_batch_size`` 1 give the
+  10 shapes 1, 2, 3, 5, 10, 19, 38, 75, 150, 300 rows per device), compiled
+  ahead of time in a background thread (the Trainer's default);
+* ``pad``: one compiled shape (300 rows per device); smaller batches are
+  filled with zero-weight padding rows.
+
+The schedule: the batch size moves exactly as SimiGrad's rule moves it, one
+rule step per optimizer step (grow ``B -> max(B + 1, int(1.1 B))`` up to the
+upper bound, then shrink ``B -> min(B - 1, int(0.9 B))`` down to the lower
+bound, and again), so it crosses every bucket, in both directions, at the
+fastest pace the controller can. It is fed to the Trainer's
+:class:`simigrad_jax.Controller` as ``batch_sizes_to_profile`` (one step per
+size), so both modes train on the same sizes and the same examples. A real run
+changes the size at most this fast, and usually stays in a few buckets.
+
+Measured per mode (from the Trainer's per-step ``metrics.jsonl`` and summary):
+
+* ``steps``; ``buckets_visited``: distinct micro-batch shapes the steps ran;
+* ``compiles`` and ``compile_seconds``: as the Trainer counts them (the
+  micro-step shapes compiled plus the one apply step), read after
+  ``Trainer.close()``, which finishes the compile in progress and cancels
+  queued ones (so a short run may compile fewer shapes than its grid has);
+* ``compile_wait_seconds``: time steps were blocked waiting for a compile.
+  Each shape is compiled once, so a step can only wait at the first visit of
+  a shape whose background compile has not finished yet;
+* ``wall_seconds``: the sum of the steps' seconds (data wait, compile wait,
+  compute; what ``Trainer.train`` reports); ``total_seconds``: wall time of
+  set-up (building the Trainer, which compiles the apply step), ``train()``
+  (which also writes metrics and epoch-end checkpoints between steps:
+  ``between_steps_seconds``) and ``close()``. The model's parameters are
+  initialised before the clock starts, and before the timed runs an untimed
+  2-step primer run pays the process's one-time costs (Flax's first init,
+  eager ops, orbax's first save), so they are not charged to the first mode;
+* the compile-wait share of ``wall_seconds``: overall, and after warm-up
+  under two definitions of warm-up: after the first step (which has to wait for its shape:
+  nothing compiles before ``train()`` starts); and after all shapes compiled
+  (the steps after the first one whose record shows every shape of the grid
+  compiled; no step can wait then, so this share is 0 by construction and
+  ``warmup_end_step`` / ``warmup_end_seconds`` say how long that warm-up
+  lasted). The target for ``recompile`` with background compilation is under
+  1% after warm-up. The sweep crosses a bucket every few steps, so when a
+  step is much faster than a compile (small models on CPU) the first pass up
+  the range outruns the background compiler and waits: the after-first-step
+  share then measures that, amortised over ``--steps``;
+* ``data_seconds``: time steps spent gathering and placing rows (including
+  waiting for the background loader), and its share of ``wall_seconds``;
+* ``padding_fraction``: padded rows / all rows computed (real + padding),
+  over the run: ``pad`` mode's waste (``recompile`` pads a little too, up to
+  the next grid shape);
+* ``examples_per_second``: real examples / ``wall_seconds`` (also after the
+  first step).
+
+NOTE: CPU timings are noisy (other processes, the 8 simulated devices share
+the host's cores, and on a 2-core host a background compile competes with the
+step for the CPU). Compare the modes by the ratios printed within one run
+(``recompile / pad``), not by absolute seconds across runs or machines. On
+GPUs the device computes while the host compiles, and the pad mode's waste
+costs device time in proportion to ``padding_fraction``.
+
+With ``--persistent-cache DIR`` the Trainers use JAX's on-disk compilation
+cache (process-wide): a second run of this script then loads executables
+instead of compiling them, and the pad mode's single shape (300) can be a
+cache hit of the recompile mode's largest one.
+
+Usage::
+
+  python benchmarks/switching.py                          # table only
+  python benchmarks/switching.py --out /tmp/switching.json
+  python benchmarks/switching.py --quick                  # small, for tests:
+                                                          # MLP, [8, 64], 4 shapes
+
+JSON written to ``--out``::
+
+  {"devices": 8, "schedule": [...], ...,
+   "modes": {"recompile": {"steps", "buckets_visited", "compiles",
+                           "compile_seconds", "compile_wait_seconds",
+                           "wall_seconds", "data_seconds",
+                           "padding_fraction", ...},
+             "pad": {...}},
+   "ratios": {"recompile_over_pad": {...}}}
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+
+def _configure_host_devices(count: int = 8) -> None:
+  """Asks XLA for ``count`` CPU devices unless the user already chose a count.
+
+  Must run before JAX is imported; appends to any existing ``XLA_FLAGS``.
+  """
+  flags = os.environ.get("XLA_FLAGS", "")
+  if "--xla_force_host_platform_device_count" not in flags:
+    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}".strip()
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+if __name__ == "__main__":
+  _configure_host_devices()
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# pylint: disable=g-import-not-at-top,wrong-import-position
+import argparse  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+import pathlib  # noqa: E402
+import shutil  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from collections.abc import Sequence  # noqa: E402
+from typing import Any  # noqa: E402
+
+import flax.linen as nn  # noqa: E402
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+
+import simigrad_jax  # noqa: E402
+
+MODES = ("recompile", "pad")
+AXIS = "batch"
+
+# Required keys of each mode's entry in the JSON (machine-read).
+REQUIRED_KEYS = ("steps", "buckets_visited", "compiles", "compile_seconds",
+                 "compile_wait_seconds", "wall_seconds", "data_seconds", "padding_fraction")
+
+FULL = {"lower": 8, "upper": 1600, "max_micro": 300, "steps": 214, "model": "cnn"}
+QUICK = {"lower": 8, "upper": 64, "max_micro": 8, "steps": 24, "model": "mlp"}
+
+
+# ----------------------------------------------------------------------------
+# Model and data.
+# ----------------------------------------------------------------------------
+
+
+class SmallCNN(nn.Module):
+  """Two 3x3 convolutions and two dense layers for 8x8x1 digit images."""
+
+  @nn.compact
+  def __call__(self, x):
+    x = nn.relu(nn.Conv(16, (3, 3))(x))
+    x = nn.relu(nn.Conv(32, (3, 3), strides=(2, 2))(x))
+    x = x.reshape((x.shape[0], -1))
+    x = nn.relu(nn.Dense(64)(x))
+    return nn.Dense(10)(x)
+
+
+class MLP(nn.Module):
+  """One hidden layer over the flattened 8x8 image."""
+
+  @nn.compact
+  def __call__(self, x):
+    x = x.reshape((x.shape[0], -1))
+    return nn.Dense(10)(nn.relu(nn.Dense(64)(x)))
+
+
+MODELS = {"cnn": SmallCNN, "mlp": MLP}
+
+
+def load_digits_data() -> dict[str, np.ndarray]:
+  """scikit-learn's digits: float32 images (N, 8, 8, 1) in [0, 1], int32 labels."""
+  from sklearn.datasets import load_digits  # pylint: disable=import-outside-toplevel
+  digits = load_digits()
+  images = (digits.images / 16.0).astype(np.float32)[..., None]
+  return {"image": images, "label": digits.target.astype(np.int32)}
+
+
+def make_loss_fn(model: nn.Module):
+
+  def loss_fn(params, model_state, batch, weights, rng):
+    del weights, rng
+    logits = model.apply({"params": params}, batch["image"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]), model_state
+
+  return loss_fn
+
+
+# ----------------------------------------------------------------------------
+# The schedule.
+# ----------------------------------------------------------------------------
+
+
+def rule_sweep(lower: int, upper: int, steps: int) -> list[int]:
+  """``steps`` batch sizes that move as fast as SimiGrad's rule can, up and down.
+
+  Starts at ``lower``; grows ``B -> max(B + 1, int(B * 1.1))`` until ``upper``,
+  then shrinks ``B -> max(1, min(B - 1, int(B * 0.9)))`` until ``lower``, and
+  repeats (clamped to the bounds, as the controller clamps).
+
+  Example:
+    >>> rule_sweep(8, 12, 9)
+    [8, 9, 10, 11, 12, 10, 9, 8, 9]
+  """
+  if not 1 <= lower <= upper:
+    raise ValueError(f"need 1 <= lower <= upper, got lower={lower}, upper={upper}")
+  sizes, size, growing = [], lower, True
+  for _ in range(steps):
+    sizes.append(size)
+    if lower == upper:
+      continue
+    if growing and size >= upper:
+      growing = False
+    elif not growing and size <= lower:
+      growing = True
+    size = max(size + 1, int(size * 1.1)) if growing else max(1, min(size - 1, int(size * 0.9)))
+    size = min(max(size, lower), upper)
+  return sizes
+
+
+# ----------------------------------------------------------------------------
+# One mode.
+# ----------------------------------------------------------------------------
+
+
+def _share(part: float, whole: float) -> float:
+  return part / whole if whole > 0 else math.nan
+
+
+def _summarize(mode: str, records: list[dict[str, Any]], summary: dict[str, Any],
+               final_stats: dict[str, Any], shapes: Sequence[int],
+               timings: dict[str, float]) -> dict[str, Any]:
+  """The per-mode numbers from the step records, the train summary and compile stats."""
+  steps = [r for r in records if "batch_size" in r]
+  if not steps:
+    raise RuntimeError(f"{mode}: no step records were written")
+  seconds = np.array([r["step_seconds"] for r in steps])
+  waits = np.array([r["compile_wait_step_seconds"] for r in steps])
+  data = np.array([r["data_seconds"] for r in steps])
+  examples = np.array([r["batch_size"] for r in steps])
+  padded = np.array([r["padded_examples"] for r in steps])
+  micro = [r["micro_batch_size"] for r in steps]
+  visited = sorted(set(micro))
+  wall = float(seconds.sum())
+
+  # Warm-up ends when every shape of the grid is compiled (None: never, in this run).
+  all_shapes = set(shapes)
+  warm_index = next((i for i, r in enumerate(steps)
+                     if all_shapes <= set(r["compiled_micro_batch_sizes"])), None)
+  after = slice(warm_index + 1, None) if warm_index is not None else slice(len(steps), None)
+  switches = sum(a != b for a, b in zip(micro, micro[1:]))
+
+  result = {
+      "steps": len(steps),
+      "buckets_visited": len(visited),
+      "visited_micro_batch_sizes": visited,
+      "grid_micro_batch_sizes": list(shapes),
+      "shape_switches": switches,
+      "compiles": int(final_stats["compiles"]),
+      "micro_step_compiles": int(final_stats["compiles"]) - 1,
+      "compiled_micro_batch_sizes": list(final_stats["compiled_micro_batch_sizes"]),
+      "compile_seconds": float(final_stats["compile_seconds"]),
+      "compile_wait_seconds": float(final_stats["compile_wait_seconds"]),
+      "steps_that_waited": int(np.sum(waits > 0)),
+      "wall_seconds": wall,
+      "total_seconds": timings["total"],
+      "setup_seconds": timings["setup"],
+      "apply_compile_seconds": timings["apply_compile"],
+      "train_seconds": timings["train"],
+      "close_seconds": timings["close"],
+      "between_steps_seconds": timings["train"] - wall,
+      "compile_wait_share": _share(float(waits.sum()), wall),
+      "compile_wait_share_after_first_step": _share(float(waits[1:].sum()),
+                                                    float(seconds[1:].sum())),
+      "compile_wait_share_after_all_compiled": _share(float(waits[after].sum()),
+                                                      float(seconds[after].sum())),
+      "warmup_end_step": None if warm_index is None else int(steps[warm_index]["step"]),
+      "warmup_end_seconds": None if warm_index is None else float(seconds[:warm_index + 1].sum()),
+      "data_seconds": float(data.sum()),
+      "data_share": _share(float(data.sum()), wall),
+      "examples": int(examples.sum()),
+      "rows_computed": int(examples.sum() + padded.sum()),
+      "padded_examples": int(padded.sum()),
+      "padding_fraction": float(padded.sum() / (examples.sum() + padded.sum())),
+      "examples_per_second": _share(float(examples.sum()), wall),
+      "examples_per_second_after_first_step": _share(float(examples[1:].sum()),
+                                                     float(seconds[1:].sum())),
+      "median_step_seconds": float(np.median(seconds)),
+      "first_step_seconds": float(seconds[0]),
+      "final_loss": summary.get("loss"),
+      "batch_sizes": [int(b) for b in examples],
+  }
+  # The train summary and the records agree on the totals (both from the Trainer).
+  result["trainer_wall_seconds"] = float(summary["wall_seconds"])
+  result["trainer_data_seconds"] = float(summary["data_seconds"])
+  return result
+
+
+def _make_optimizer() -> optax.GradientTransformation:
+  return optax.chain(simigrad_jax.transform(AXIS), optax.sgd(0.05, momentum=0.9),
+                     simigrad_jax.scale_by_lr_factor())
+
+
+def init_params(model_name: str, data: dict[str, np.ndarray], seed: int = 0) -> Any:
+  """The model's initial parameters as NumPy arrays (each Trainer copies them to the devices)."""
+  model = MODELS[model_name]()
+  return jax.tree.map(np.asarray, model.init(jax.random.key(seed), data["image"][:1])["params"])
+
+
+def prime_process(model_name: str, data: dict[str, np.ndarray], root: pathlib.Path) -> float:
+  """Runs a throwaway 2-step Trainer (pad mode, 1 row per device), untimed; returns its seconds.
+
+  The first Trainer of a process pays one-time costs (Flax's first init of
+  the model, eager ops compiled once per process, orbax's first save of the
+  state's structure) that would otherwise be charged to whichever mode runs
+  first. Its one compiled shape (1 row per device, pad mode) is not reused:
+  every Trainer lowers and compiles its own steps ahead of time.
+  """
+  start = time.perf_counter()
+  params = init_params(model_name, data)
+  controller = simigrad_jax.Controller(8, 0.1, batch_size_lower_bound=8, batch_size_upper_bound=8)
+  workdir = pathlib.Path(tempfile.mkdtemp(prefix="primer-", dir=root))
+  with simigrad_jax.Trainer(
+      loss_fn=make_loss_fn(MODELS[model_name]()), params=params, optimizer=_make_optimizer(),
+      source=simigrad_jax.ArraySource(data), controller=controller, workdir=workdir,
+      max_micro_batch_size=1, mode="pad", tensorboard=False, progress=False,
+      axis_name=AXIS) as trainer:
+    trainer.train(num_steps=2)
+  shutil.rmtree(workdir, ignore_errors=True)
+  return time.perf_counter() - start
+
+
+def run_mode(mode: str, *, data: dict[str, np.ndarray], schedule: list[int], lower: int,
+             upper: int, max_micro: int, model_name: str, workdir: pathlib.Path,
+             persistent_cache: str | None, seed: int = 0) -> dict[str, Any]:
+  """Trains ``len(schedule)`` steps in one mode; returns its numbers."""
+  model = MODELS[model_name]()
+  # Flax's first init of a model runs many small eager ops that compile once
+  # per process (about 1.5 s for the CNN): not part of the measured set-up.
+  params = init_params(model_name, data, seed)
+  total_start = time.perf_counter()
+  optimizer = _make_optimizer()
+  controller = simigrad_jax.Controller(
+      schedule[0], similarity_target=0.1, batch_size_lower_bound=lower,
+      batch_size_upper_bound=upper, batch_sizes_to_profile=schedule)
+  trainer = simigrad_jax.Trainer(
+      loss_fn=make_loss_fn(model), params=params, optimizer=optimizer,
+      source=simigrad_jax.ArraySource(data), controller=controller, workdir=workdir,
+      max_micro_batch_size=max_micro, min_micro_batch_size=1, mode=mode, seed=seed,
+      compilation_cache_dir=persistent_cache, tensorboard=False, progress=False,
+      axis_name=AXIS)
+  setup = time.perf_counter() - total_start
+  apply_compile_seconds = trainer.compile_stats()["compile_seconds"]  # nothing else compiled yet
+  try:
+    train_start = time.perf_counter()
+    summary = trainer.train(num_steps=len(schedule))
+    train = time.perf_counter() - train_start
+  finally:
+    close_start = time.perf_counter()
+    trainer.close()
+    close = time.perf_counter() - close_start
+  final_stats = trainer.compile_stats()
+  timings = {"setup": setup, "train": train, "close": close,
+             "total": time.perf_counter() - total_start, "apply_compile": apply_compile_seconds}
+  records = simigrad_jax.read_metrics(workdir / "metrics.jsonl")
+  return _summarize(mode, records, summary, final_stats, trainer.shapes, timings)
+
+
+# ----------------------------------------------------------------------------
+# Main.
+# ----------------------------------------------------------------------------
+
+
+def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--quick", action="store_true",
+                      help=f"a small run for tests: {QUICK} unless given below")
+  parser.add_argument("--steps", type=int, default=None,
+                      help=f"optimizer steps per mode (default {FULL['steps']}, two sweeps)")
+  parser.add_argument("--lower", type=int, default=None, help="smallest global batch size")
+  parser.add_argument("--upper", type=int, default=None,
+                      help="largest global batch size (at most 1797, the digits)")
+  parser.add_argument("--max-micro-batch-size", type=int, default=None,
+                      help="rows per device of the largest shape (the pad mode's one shape)")
+  parser.add_argument("--model", choices=sorted(MODELS), default=None)
+  parser.add_argument("--modes", default=",".join(MODES),
+                      help="comma-separated subset of " + ",".join(MODES))
+  parser.add_argument("--out", default=None, help="write the results as JSON to this path")
+  parser.add_argument("--workdir", default=None,
+                      help="keep each mode's run (metrics.jsonl, checkpoints) in a new "
+                      "sub-directory here (default: a temporary directory, deleted)")
+  parser.add_argument("--persistent-cache", default=None, metavar="DIR",
+                      help="JAX persistent compilation cache directory (process-wide)")
+  args = parser.parse_args(argv)
+  preset = QUICK if args.quick else FULL
+  for key, name in (("steps", "steps"), ("lower", "lower"), ("upper", "upper"),
+                    ("max_micro", "max_micro_batch_size"), ("model", "model")):
+    if getattr(args, name) is None:
+      setattr(args, name, preset[key])
+  return args
+
+
+def _format_table(results: dict[str, Any]) -> str:
+  modes = results["modes"]
+  rows = [
+      ("steps", "steps", "d"),
+      ("buckets visited", "buckets_visited", "d"),
+      ("shape switches", "shape_switches", "d"),
+      ("compiles (incl. apply)", "compiles", "d"),
+      ("compile s", "compile_seconds", ".2f"),
+      ("compile wait s", "compile_wait_seconds", ".2f"),
+      ("steps that waited", "steps_that_waited", "d"),
+      ("wall s (sum of steps)", "wall_seconds", ".2f"),
+      ("total s (incl. set-up)", "total_seconds", ".2f"),
+      ("  set-up s", "setup_seconds", ".2f"),
+      ("    apply-step compile s", "apply_compile_seconds", ".2f"),
+      ("  between steps s (ckpt, log)", "between_steps_seconds", ".2f"),
+      ("wait share, overall", "compile_wait_share", ".2%"),
+      ("wait share, after 1st step", "compile_wait_share_after_first_step", ".2%"),
+      ("wait share, after all compiled", "compile_wait_share_after_all_compiled", ".2%"),
+      ("warm-up ends at step", "warmup_end_step", "d"),
+      ("warm-up s", "warmup_end_seconds", ".2f"),
+      ("data s", "data_seconds", ".2f"),
+      ("data share", "data_share", ".2%"),
+      ("examples", "examples", "d"),
+      ("rows computed", "rows_computed", "d"),
+      ("padding fraction", "padding_fraction", ".2%"),
+      ("examples/s", "examples_per_second", ".0f"),
+      ("examples/s after 1st step", "examples_per_second_after_first_step", ".0f"),
+      ("median step s", "median_step_seconds", ".4f"),
+  ]
+  names = list(modes)
+  show_ratio = names == list(MODES)
+  header = f"{'':<32}" + "".join(f"{name:>12}" for name in names)
+  if show_ratio:
+    header += f"{'recomp/pad':>12}"
+  lines = [header, "-" * len(header)]
+
+  def cell(value, fmt):
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+      return f"{'-':>12}"
+    return f"{format(value, fmt):>12}"
+
+  for label, key, fmt in rows:
+    line = f"{label:<32}" + "".join(cell(modes[name].get(key), fmt) for name in names)
+    if show_ratio:
+      ratio = results["ratios"]["recompile_over_pad"].get(key)
+      line += f"{'-':>12}" if ratio is None else f"{ratio:>11.2f}x"
+    lines.append(line)
+  return "\n".join(lines)
+
+
+_RATIO_KEYS = ("wall_seconds", "total_seconds", "compile_seconds", "data_seconds",
+               "rows_computed", "examples_per_second", "examples_per_second_after_first_step",
+               "median_step_seconds")
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+  """Runs the benchmark; prints a table, writes JSON to ``--out``, returns the results.
+
+  Args:
+    argv: command-line arguments (``sys.argv[1:]`` when None).
+
+  Returns:
+    ``{"modes": {"recompile": {...}, "pad": {...}}, "ratios": {...}, ...}``
+    (see the module docstring for the keys).
+  """
+  args = _parse_args(argv)
+  modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+  unknown = sorted(set(modes) - set(MODES))
+  if unknown or not modes:
+    raise ValueError(f"unknown modes {unknown}; choose from {MODES}")
+  if args.steps < 1:
+    raise ValueError(f"--steps must be >= 1, got {args.steps}")
+  data = load_digits_data()
+  if args.upper > len(data["label"]):
+    raise ValueError(f"--upper {args.upper} exceeds the {len(data['label'])} digits examples")
+  schedule = rule_sweep(args.lower, args.upper, args.steps)
+  devices = jax.devices()
+  grid = simigrad_jax.BucketPolicy(args.max_micro_batch_size, 1).micro_batch_sizes()
+  shapes = simigrad_jax.bucket_shapes(simigrad_jax.BucketPolicy(args.max_micro_batch_size, 1),
+                                      len(devices), args.lower, args.upper)
+  print(f"{len(devices)} x {devices[0].platform} devices; {args.model} on digits "
+        f"({len(data['label'])} examples); batch sizes {args.lower}..{args.upper} "
+        f"(rule-paced sweep, {args.steps} steps per mode); max micro-batch "
+        f"{args.max_micro_batch_size}: recompile grid {list(shapes)}, pad shape "
+        f"[{args.max_micro_batch_size}]", flush=True)
+
+  if args.workdir:
+    root = pathlib.Path(args.workdir).absolute()
+    root.mkdir(parents=True, exist_ok=True)
+    cleanup = None
+  else:
+    root = pathlib.Path(tempfile.mkdtemp(prefix="simigrad-switching-"))
+    cleanup = root
+  results_by_mode: dict[str, Any] = {}
+  try:
+    primer_seconds = prime_process(args.model, data, root)
+    for mode in modes:
+      workdir = pathlib.Path(tempfile.mkdtemp(prefix=f"{mode}-", dir=root))
+      result = run_mode(mode, data=data, schedule=schedule, lower=args.lower,
+                        upper=args.upper, max_micro=args.max_micro_batch_size,
+                        model_name=args.model, workdir=workdir,
+                        persistent_cache=args.persistent_cache)
+      result["workdir"] = None if cleanup else str(workdir)
+      results_by_mode[mode] = result
+      print(f"  {mode}: {result['steps']} steps, {result['buckets_visited']} buckets, "
+            f"{result['wall_seconds']:.2f} s of steps, compile wait "
+            f"{result['compile_wait_seconds']:.2f} s", flush=True)
+  finally:
+    if cleanup is not None:
+      shutil.rmtree(cleanup, ignore_errors=True)
+
+  ratios = {}
+  if all(m in results_by_mode for m in MODES):
+    rec, pad = results_by_mode["recompile"], results_by_mode["pad"]
+    ratios["recompile_over_pad"] = {
+        key: (rec[key] / pad[key] if pad[key] else None) for key in _RATIO_KEYS}
+  results = {
+      "devices": len(devices),
+      "platform": devices[0].platform,
+      "jax_version": jax.__version__,
+      "model": args.model,
+      "data": "sklearn digits",
+      "lower": args.lower,
+      "upper": args.upper,
+      "max_micro_batch_size": args.max_micro_batch_size,
+      "micro_batch_grid": list(grid),
+      "schedule": schedule,
+      "quick": bool(args.quick),
+      "persistent_cache": args.persistent_cache,
+      "primer_seconds": primer_seconds,
+      "same_batch_sizes": len({tuple(r["batch_sizes"]) for r in results_by_mode.values()}) == 1,
+      "warmup_definitions": {
+          "after_first_step": "steps 2..N (the first step waits for its shape's compile)",
+          "after_all_compiled": "steps after the first whose record shows every grid shape "
+                                "compiled",
+      },
+      "note": "CPU timings are noisy; compare the modes by the ratios within one run.",
+      "modes": results_by_mode,
+      "ratios": ratios,
+  }
+  print()
+  print(_format_table(results))
+  if args.out:
+    with open(args.out, "w") as f:
+      json.dump(results, f, indent=2)
+    print(f"\nwrote {args.out}")
+  return results
+
+
+if __name__ == "__main__":
+  main(sys.argv[1:])
