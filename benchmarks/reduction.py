@@ -46,19 +46,10 @@ import os
 import sys
 
 
-def _configure_host_devices(count: int = 8) -> None:
-  """Asks XLA for ``count`` CPU devices unless the user already chose a count.
-
-  Must run before JAX is imported; appends to any existing ``XLA_FLAGS``.
-  """
-  flags = os.environ.get("XLA_FLAGS", "")
-  if "--xla_force_host_platform_device_count" not in flags:
-    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}".strip()
-  os.environ.setdefault("JAX_PLATFORMS", "cpu")
-
-
 if __name__ == "__main__":
-  _configure_host_devices()
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  from benchmarks import common  # noqa: E402  (imports no JAX)
+  common.prepare_script()
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
 import argparse  # noqa: E402

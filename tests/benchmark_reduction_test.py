@@ -1,24 +1,15 @@
 """benchmarks/reduction.py: a tiny run, its JSON schema and the ring-model byte ratios."""
 
-import importlib.util
 import json
-import pathlib
-import sys
 
 import pytest
-
-_SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "reduction.py"
 
 
 @pytest.fixture(scope="module")
 def reduction():
-  """The benchmark script, imported as a module (benchmarks/ is not a package)."""
-  spec = importlib.util.spec_from_file_location("benchmark_reduction", _SCRIPT)
-  module = importlib.util.module_from_spec(spec)
-  sys.modules[spec.name] = module
-  spec.loader.exec_module(module)
-  yield module
-  sys.modules.pop(spec.name, None)
+  """The benchmark script's module."""
+  from benchmarks import reduction as module  # pylint: disable=import-outside-toplevel
+  return module
 
 
 def test_full_size_tree_is_resnet18_for_cifar(reduction):

@@ -1,28 +1,18 @@
 """benchmarks/switching.py: a quick run of both modes, its JSON schema and its compile counts."""
 
-import importlib.util
 import json
 import math
 import numbers
-import pathlib
-import sys
 
 import pytest
 
 import simigrad_jax
 
-_SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "switching.py"
-
-
 @pytest.fixture(scope="module")
 def switching():
-  """The benchmark script, imported as a module (benchmarks/ is not a package)."""
-  spec = importlib.util.spec_from_file_location("benchmark_switching", _SCRIPT)
-  module = importlib.util.module_from_spec(spec)
-  sys.modules[spec.name] = module
-  spec.loader.exec_module(module)
-  yield module
-  sys.modules.pop(spec.name, None)
+  """The benchmark script's module."""
+  from benchmarks import switching as module  # pylint: disable=import-outside-toplevel
+  return module
 
 
 @pytest.fixture(scope="module")
