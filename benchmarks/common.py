@@ -25,3 +25,15 @@ def prepare_script() -> None:
   configure_host_devices()
   if REPOSITORY_ROOT not in sys.path:
     sys.path.insert(0, REPOSITORY_ROOT)
+
+
+def report(results: dict, table: str, out: str | None) -> dict:
+  """Prints ``table``, writes ``results`` as JSON to ``out`` when given, and returns ``results``."""
+  import json  # pylint: disable=import-outside-toplevel
+  print()
+  print(table)
+  if out:
+    with open(out, "w") as f:
+      json.dump(results, f, indent=2)
+    print(f"\nwrote {out}")
+  return results

@@ -53,7 +53,6 @@ if __name__ == "__main__":
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
 import argparse  # noqa: E402
-import json  # noqa: E402
 import re  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
@@ -68,6 +67,7 @@ from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import simigrad_jax  # noqa: E402
+from benchmarks import common  # noqa: E402
 
 AXIS = "batch"
 RESNET18_CIFAR_PARAMS = 11_173_962  # with base width 64 (channels 64..512)
@@ -487,13 +487,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
       "note": "CPU timings mostly measure local memory work and do not rank the "
               "variants for GPUs; judge by collective bytes (SPEC.md).",
   }
-  print()
-  print(_format_table(results))
-  if args.out:
-    with open(args.out, "w") as f:
-      json.dump(results, f, indent=2)
-    print(f"\nwrote {args.out}")
-  return results
+  return common.report(results, _format_table(results), args.out)
 
 
 if __name__ == "__main__":

@@ -102,7 +102,6 @@ if __name__ == "__main__":
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
 import argparse  # noqa: E402
-import json  # noqa: E402
 import math  # noqa: E402
 import pathlib  # noqa: E402
 import shutil  # noqa: E402
@@ -117,6 +116,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import simigrad_jax  # noqa: E402
+from benchmarks import common  # noqa: E402
 
 MODES = ("recompile", "pad")
 AXIS = "batch"
@@ -530,13 +530,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
       "modes": results_by_mode,
       "ratios": ratios,
   }
-  print()
-  print(_format_table(results))
-  if args.out:
-    with open(args.out, "w") as f:
-      json.dump(results, f, indent=2)
-    print(f"\nwrote {args.out}")
-  return results
+  return common.report(results, _format_table(results), args.out)
 
 
 if __name__ == "__main__":
