@@ -103,22 +103,25 @@ def compiled_local_split(num_devices, mapper):
   return map_over_devices(step, num_devices, mapper)
 
 
+@pytest.mark.parametrize("mixed_dtypes", [False, True], ids=["f32", "f32+bf16"])
 @pytest.mark.parametrize("mapper", ["pmap", "shard_map"])
 @pytest.mark.parametrize("num_devices", [1, 3, 8])
-def test_local_halves_match_numpy(num_devices, mapper):
+def test_local_halves_match_numpy(num_devices, mapper, mixed_dtypes):
   rng = np.random.default_rng(10 + num_devices)
-  first = random_grads(rng, num_devices, mixed_dtypes=False)
-  second = random_grads(rng, num_devices, mixed_dtypes=False)
+  first = random_grads(rng, num_devices, mixed_dtypes)
+  second = random_grads(rng, num_devices, mixed_dtypes)
   mean, state = compiled_local_split(num_devices, mapper)(first, second)
   # Reference: the halves are "first halves of every device" vs "second halves of every device".
   both = jax.tree.map(lambda a, b: np.concatenate([a, b]), first, second)
   ref_mean, ref_cos, ref_na, ref_nb, _ = reference(
       both, slice(0, num_devices), slice(num_devices, None))
-  for got, want in zip(jax.tree.leaves(mean), ref_mean):
-    np.testing.assert_allclose(np.asarray(got)[0], want, rtol=2e-5, atol=2e-5)
-  np.testing.assert_allclose(state.similarity, ref_cos, rtol=2e-5, atol=2e-5)
-  np.testing.assert_allclose(state.norm_a, ref_na, rtol=2e-5)
-  np.testing.assert_allclose(state.norm_b, ref_nb, rtol=2e-5)
+  tol = tolerance(mixed_dtypes)
+  for got, want, leaf in zip(jax.tree.leaves(mean), ref_mean, jax.tree.leaves(first)):
+    assert got.dtype == leaf.dtype
+    np.testing.assert_allclose(np.asarray(got, np.float64)[0], want, **tol)
+  np.testing.assert_allclose(state.similarity, ref_cos, **tol)
+  np.testing.assert_allclose(state.norm_a, ref_na, **tol)
+  np.testing.assert_allclose(state.norm_b, ref_nb, **tol)
 
 
 def test_odd_device_count_without_half_grads_is_refused():
