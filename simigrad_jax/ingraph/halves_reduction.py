@@ -101,19 +101,24 @@ def _unflatten_into(
 
 def reduce_halves(
     mean_shares,
-    diff_shares,
     axis_name: str,
     reduction: Reduction = "scatter",
+    *,
+    diff_shares=None,
+    diff_sign: jax.Array | None = None,
 ) -> tuple[object, HalfStatistics]:
   """Reduces per-device ``(m_i, d_i)`` shares to ``M`` and the half statistics.
 
   Args:
     mean_shares: this device's share ``m_i`` of the mean gradient (a pytree).
-    diff_shares: this device's share ``d_i`` of the half-difference, same
-      structure and dtypes as ``mean_shares``.
     axis_name: the mapped axis to reduce over.
     reduction: ``"scatter"`` (1.5x the bytes of an all-reduce) or
       ``"stacked"`` (2x).
+    diff_shares: this device's share ``d_i`` of the half-difference, same
+      structure and dtypes as ``mean_shares`` (the local-halves split).
+    diff_sign: instead of ``diff_shares``, a scalar ``s_i`` with
+      ``d_i = s_i * m_i`` (the device split: +1 on the first half of the
+      devices, -1 on the second), applied to the flattened vector in one pass.
 
   Returns:
     ``(mean, stats)``: ``mean`` is ``M = mean_i m_i`` with the structure and
@@ -122,9 +127,11 @@ def reduce_halves(
   """
   if reduction not in REDUCTIONS:
     raise ValueError(f"reduction={reduction!r} is not one of {REDUCTIONS}")
+  if (diff_shares is None) == (diff_sign is None):
+    raise ValueError("give exactly one of diff_shares and diff_sign")
   num_devices = lax.axis_size(axis_name)
   mean_leaves, treedef = jax.tree.flatten(mean_shares)
-  diff_leaves = treedef.flatten_up_to(diff_shares)
+  diff_leaves = None if diff_shares is None else treedef.flatten_up_to(diff_shares)
   out_leaves: list = [None] * len(mean_leaves)
   local_stats = jnp.zeros((5,), jnp.float32)
   # Like lax.pmean, the gathered mean is the same on every device; say so to
@@ -133,7 +140,10 @@ def reduce_halves(
 
   for dtype, indices in _dtype_groups(mean_leaves).items():
     flat_mean = _flatten(mean_leaves, indices)
-    flat_diff = _flatten(diff_leaves, indices).astype(dtype)
+    if diff_leaves is None:
+      flat_diff = flat_mean * diff_sign.astype(dtype)
+    else:
+      flat_diff = _flatten(diff_leaves, indices).astype(dtype)
     length = flat_mean.shape[0]
     stacked = jnp.stack([flat_mean, flat_diff])
     if reduction == "stacked":

@@ -157,14 +157,16 @@ def transform(
             "pass them as half_grads=..."
         )
       in_first_half = lax.axis_index(axis_name) < num_devices // 2
-      diff_shares = jax.tree.map(lambda g: jnp.where(in_first_half, g, -g), updates)
+      mean, stats = halves_reduction.reduce_halves(
+          updates, axis_name, reduction, diff_sign=jnp.where(in_first_half, 1.0, -1.0))
     else:
       first, second = half_grads
       diff_shares = jax.tree.map(
           lambda g, a, b: ((a.astype(jnp.float32) - b.astype(jnp.float32)) / 2).astype(g.dtype),
           updates, first, second,
       )
-    mean, stats = halves_reduction.reduce_halves(updates, diff_shares, axis_name, reduction)
+      mean, stats = halves_reduction.reduce_halves(
+          updates, axis_name, reduction, diff_shares=diff_shares)
 
     grads_finite = stats.nonfinite == 0
     positive = (stats.sq_norm_a > 0) & (stats.sq_norm_b > 0)
