@@ -1,5 +1,7 @@
 """Controllers by name: the registry the trainer and the train configs use."""
 
+import pathlib
+
 import pytest
 
 import simigrad_jax
@@ -22,3 +24,196 @@ def test_unknown_name_and_duplicate_registration_are_refused():
     simigrad_jax.make_controller("adaptive", initial_batch_size=8)
   with pytest.raises(ValueError, match="'fixed' is already registered"):
     simigrad_jax.register_controller("fixed", simigrad_jax.Controller)
+
+
+# ----------------------------------------------------- every registered controller
+
+import json  # noqa: E402
+import math  # noqa: E402
+
+import flax.linen as nn  # noqa: E402
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+
+# One configuration per registered name, all starting at 16 within [8, 64].
+OPTIONS = {
+    "simigrad": dict(initial_batch_size=16, similarity_target=0.3, batch_size_lower_bound=8,
+                     batch_size_upper_bound=64),
+    "fixed": dict(initial_batch_size=16),
+    "linear": dict(initial_batch_size=16, final_batch_size=64, ramp_epochs=1.5),
+    "geometric": dict(initial_batch_size=16, final_batch_size=64, ramp_epochs=1.5,
+                      interval_epochs=0.5),
+    "decreasing": dict(initial_batch_size=16, final_batch_size=8, ramp_epochs=1.0),
+    "loss_plateau": dict(initial_batch_size=16, factor=2.0, patience=1, threshold=0.5,
+                         batch_size_upper_bound=64),
+    "gns": dict(initial_batch_size=16, multiple=0.5, ema_decay=0.5, batch_size_lower_bound=8,
+                batch_size_upper_bound=64),
+}
+STATS_KEYS = ("loss", "norm_a", "norm_b", "norm_mean", "batch_size", "examples_seen", "epochs",
+              "epoch_end", "grads_finite")
+
+
+def test_every_name_has_options_here():
+  assert set(OPTIONS) == set(simigrad_jax.controller_names()) == {
+      "simigrad", "fixed", "linear", "geometric", "decreasing", "loss_plateau", "gns"}
+
+
+def fake_stats(step, batch_size, rng):
+  """Plausible trainer stats for one step (epochs of 100 examples)."""
+  na, nb = rng.uniform(0.5, 1.5, size=2)
+  return {"loss": float(2.0 / (1 + step) + rng.uniform(0, 0.2)), "norm_a": float(na),
+          "norm_b": float(nb), "norm_mean": float(rng.uniform(0.3, 1.0) * min(na, nb)),
+          "batch_size": batch_size, "examples_seen": 0, "epochs": step * batch_size / 100,
+          "epoch_end": step % 5 == 4, "grads_finite": True}
+
+
+def drive(controller, steps, seed=0, start=0):
+  rng = np.random.default_rng(seed)
+  out = []
+  for step in range(start + steps):
+    stats = fake_stats(step, controller.batch_size, rng)
+    similarity = float(rng.uniform(-0.2, 0.6))
+    if step < start:
+      continue
+    out.append((controller.update(similarity, stats=stats), controller.last_decision))
+  return out
+
+
+@pytest.mark.parametrize("name", sorted(OPTIONS))
+def test_interface(name):
+  c = simigrad_jax.make_controller(name, **OPTIONS[name])
+  assert c.batch_size == c.initial_batch_size == 16
+  for key in ("batch_size_lower_bound", "batch_size_upper_bound", "similarity_target"):
+    assert key in c.config
+  assert (c.config["similarity_target"] is None) == (name not in ("simigrad", "fixed"))
+  assert c.last_decision is None
+  sizes = drive(c, 30)
+  lower = c.config["batch_size_lower_bound"] or 1
+  upper = c.config["batch_size_upper_bound"] or math.inf
+  assert all(type(b) is int and lower <= b <= upper for b, _ in sizes)
+  assert all(isinstance(d, str) for _, d in sizes)
+  if name != "fixed":
+    assert len({b for b, _ in sizes}) > 1, sizes  # these settings move the size
+  state = c.state_dict()
+  assert json.loads(json.dumps(state)) == state  # plain JSON
+  c.set_batch_size(lower)
+  assert c.batch_size == lower
+  with pytest.raises(ValueError, match="batch_size must"):
+    c.set_batch_size(0)
+
+
+# The SimiGrad controller reads only the similarity (the trainer sends NaN for a non-finite step).
+NONFINITE_CASES = [(name, bad) for name in sorted(OPTIONS)
+                   for bad in ({"similarity": math.nan}, {"similarity": math.inf},
+                               {"grads_finite": False})
+                   if not (name in ("simigrad", "fixed") and "grads_finite" in bad)]
+
+
+@pytest.mark.parametrize("name, bad", NONFINITE_CASES)
+def test_nonfinite_holds_and_counts(name, bad):
+  c = simigrad_jax.make_controller(name, **OPTIONS[name])
+  drive(c, 7)
+  before, count = c.batch_size, c.nonfinite_count
+  stats = fake_stats(7, c.batch_size, np.random.default_rng(1))
+  stats["grads_finite"] = bad.get("grads_finite", True)
+  assert c.update(bad.get("similarity", 0.1), stats=stats) == before
+  assert c.last_decision == "nonfinite" and c.nonfinite_count == count + 1
+
+
+@pytest.mark.parametrize("name", sorted(OPTIONS))
+def test_state_round_trip_resumes_exactly(name):
+  whole = simigrad_jax.make_controller(name, **OPTIONS[name])
+  expected = drive(whole, 40)
+  first = simigrad_jax.make_controller(name, **OPTIONS[name])
+  drive(first, 17)
+  resumed = simigrad_jax.make_controller(name, **OPTIONS[name])
+  resumed.load_state_dict(json.loads(json.dumps(first.state_dict())))
+  assert drive(resumed, 23, start=17) == expected[17:]
+  assert resumed.state_dict() == whole.state_dict()
+
+
+# ------------------------------------------------------------ in the real Trainer
+
+class _TinyMLP(nn.Module):
+
+  @nn.compact
+  def __call__(self, x):
+    return nn.Dense(3)(nn.tanh(nn.Dense(8)(x)))
+
+
+def _loss(params, model_state, batch, weights, rng):
+  del weights, rng
+  logits = _TinyMLP().apply({"params": params}, batch["x"])
+  return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]), model_state
+
+
+def _train(workdir, name, num_steps, cache_dir):
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(120, 5)).astype(np.float32)
+  y = (x[:, :3] + rng.normal(size=(120, 3))).argmax(-1).astype(np.int32)
+  params = _TinyMLP().init(jax.random.key(0), x[:1])["params"]
+  optimizer = optax.chain(simigrad_jax.transform("batch"), optax.sgd(0.3, momentum=0.9),
+                          simigrad_jax.scale_by_lr_factor())
+  trainer = simigrad_jax.Trainer(
+      loss_fn=_loss, params=params, optimizer=optimizer,
+      source=simigrad_jax.ArraySource({"x": x, "y": y}),
+      controller=simigrad_jax.make_controller(name, **OPTIONS[name]), workdir=workdir,
+      max_micro_batch_size=8, seed=2, progress=False, tensorboard=False,
+      compilation_cache_dir=cache_dir)
+  with trainer:
+    trainer.train(num_steps=num_steps)
+  return [(r["batch_size"], r["next_batch_size"], r["decision"])
+          for r in simigrad_jax.read_metrics(pathlib.Path(workdir) / "metrics.jsonl")
+          if "batch_size" in r]
+
+
+@pytest.mark.parametrize("name", ["gns", "loss_plateau", "geometric"])
+def test_trainer_runs_and_resumes_each_controller_exactly(name, tmp_path, devices):
+  del devices
+  cache = tmp_path / "cache"
+  straight = _train(tmp_path / "straight", name, 20, cache)
+  assert len(straight) == 20
+  assert len({b for b, _, _ in straight}) > 1, straight  # the size moved in the real loop
+  assert {d for _, _, d in straight} <= {"grow", "shrink", "hold", "clamped", "warmup"}
+  _train(tmp_path / "resumed", name, 9, cache)
+  assert _train(tmp_path / "resumed", name, 20, cache) == straight
+
+
+# The options train/train.py gives every registered controller, plus each one's own.
+OWN_OPTIONS = {
+    "simigrad": dict(similarity_target=0.1),
+    "fixed": dict(),
+    "linear": dict(final_batch_size=256, ramp_epochs=4.0),
+    "geometric": dict(final_batch_size=256, ramp_epochs=4.0, interval_epochs=1.0),
+    "decreasing": dict(final_batch_size=8, ramp_epochs=4.0),
+    "loss_plateau": dict(factor=2.0),
+    "gns": dict(multiple=0.5),
+}
+
+
+@pytest.mark.parametrize("name", sorted(OWN_OPTIONS))
+@pytest.mark.parametrize("upper", [None, 128])
+def test_every_name_takes_the_train_configs_bounds(name, upper):
+  assert set(OWN_OPTIONS) == set(simigrad_jax.controller_names())
+  c = simigrad_jax.make_controller(name, initial_batch_size=32, batch_size_lower_bound=8,
+                                   batch_size_upper_bound=upper, **OWN_OPTIONS[name])
+  lower, top = c.config["batch_size_lower_bound"], c.config["batch_size_upper_bound"]
+  assert lower is not None and 8 <= lower <= 32
+  assert top is None or 32 <= top <= (upper or math.inf)
+  sizes = [b for b, _ in drive(c, 60)]
+  assert all(lower <= b <= (top or math.inf) for b in sizes)
+  if name in ("linear", "geometric") and upper == 128:
+    assert max(sizes) == 128  # the schedule is clamped to the upper bound
+
+
+@pytest.mark.parametrize("name", ["linear", "geometric", "decreasing", "loss_plateau", "gns"])
+def test_missing_stats_change_nothing(name):
+  c = simigrad_jax.make_controller(name, **OPTIONS[name])
+  drive(c, 5)
+  before = c.state_dict()
+  with pytest.raises(ValueError, match=r"controller needs update\(similarity, stats=...\)"):
+    c.update(0.1)
+  with pytest.raises(ValueError, match="got \\['unrelated'\\]"):
+    c.update(0.1, stats={"unrelated": 1})
+  assert c.state_dict() == before
