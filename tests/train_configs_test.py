@@ -1,0 +1,130 @@
+"""Every config in train/configs builds and takes two real optimizer steps at a tiny size.
+
+TFDS data sets come from ``tfds.testing.mock_data`` (random records of the
+real shapes); the digits and the text configs use their real data. Each run
+checks the model's output shapes, a finite loss, and that the controller moved
+the batch size after the first step.
+"""
+
+import importlib
+import math
+import pathlib
+
+import jax
+import numpy as np
+import pytest
+import tensorflow_datasets as tfds
+
+import simigrad_jax
+from train import train
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+CONFIGS = sorted(p.stem for p in (ROOT / "train" / "configs").glob("*.py")
+                 if p.stem not in ("__init__", "default"))
+
+COMMON = dict(num_steps=2, mode="pad", initial_batch_size=16, batch_size_lower_bound=8,
+              batch_size_upper_bound=32, max_micro_batch_size=4, eval_examples=12,
+              eval_batch_size=8, progress=False, tensorboard=False, plot=False)
+# Per config: the same recipe and building blocks at a size that compiles in seconds on a
+# CPU (ResNets keep their block type and stem, with two one-block stages).
+TINY = {
+    "cifar10_resnet18": dict(resnet_filters=4, resnet_stage_sizes=(1, 1)),
+    "imagenet_resnet50": dict(resnet_filters=2, resnet_stage_sizes=(1, 1),
+                              host_image_size=40, image_size=32, decode_threads=2),
+    "bert_pretrain": dict(bert_layers=1, bert_hidden=16, bert_heads=2, bert_mlp=32,
+                          seq_length=32, records_per_example=2),
+    "bert_tiny": dict(bert_layers=1, bert_hidden=16, bert_heads=2, bert_mlp=32, seq_length=32),
+    "mnist_mlp": dict(mnist_source="tfds", mlp_hidden=(16,)),
+    "mnist_cnn": dict(mnist_source="tfds", cnn_features=(4, 8), cnn_dense=16),
+    "digits_demo": dict(cnn_features=(4, 8), cnn_dense=16),
+}
+
+
+def load_config(name):
+  return importlib.import_module(f"train.configs.{name}").get_config()
+
+
+def tiny_config(name, **extra):
+  config = load_config(name)
+  config.update(COMMON)
+  config.update(TINY.get(name, {}))
+  config.update(extra)
+  return config
+
+
+def test_every_config_has_a_tiny_setting_and_documents_its_hardware_and_runtime():
+  assert set(CONFIGS) >= {"digits_demo", "mnist_mlp", "mnist_cnn", "cifar10_resnet18",
+                          "imagenet_resnet50", "bert_pretrain", "bert_tiny"}
+  assert set(TINY) == set(CONFIGS)
+  for name in CONFIGS:
+    doc = importlib.import_module(f"train.configs.{name}").__doc__
+    assert "Hardware:" in doc and "Runtime:" in doc, name
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_config_takes_two_steps_and_the_batch_size_moves(name, tmp_path, devices):
+  config = tiny_config(name)
+  with tfds.testing.mock_data(num_examples=128):
+    experiment = train.create_experiment(config, devices=devices)
+    # Shapes: the model maps one evaluation batch to logits of the expected shape.
+    batch = experiment.datasets.train.get_batch(np.arange(3))
+    variables = {"params": experiment.params, **(experiment.model_state or {})}
+    logits = jax.eval_shape(experiment.predict, variables, batch)
+    if config.model == "bert":
+      assert batch["tokens"].shape == (3, config.seq_length)
+      assert logits.shape == (3, config.seq_length, experiment.datasets.vocab_size)
+    else:
+      image_shape = experiment.datasets.train.element_spec["image"][0]
+      assert batch["image"].shape == (3,) + tuple(image_shape)
+      assert logits.shape == (3, experiment.datasets.num_classes)
+    trainer = train.create_trainer(experiment, tmp_path)
+    with trainer:
+      trainer.train(num_steps=config.num_steps)
+    results = experiment.evaluate(experiment.params, experiment.model_state)
+  assert 0.0 <= results["accuracy"] <= 1.0 and math.isfinite(results["loss"])
+  records = [r for r in simigrad_jax.read_metrics(tmp_path / "metrics.jsonl") if "batch_size" in r]
+  assert [r["step"] for r in records] == [1, 2]
+  assert all(math.isfinite(r["loss"]) for r in records)
+  assert all(r["grads_finite"] and -1 <= r["similarity"] <= 1 for r in records)
+  assert records[0]["batch_size"] == 16
+  assert records[0]["next_batch_size"] != 16 and records[0]["decision"] in ("grow", "shrink")
+  assert records[1]["batch_size"] == records[0]["next_batch_size"]
+  new_params = jax.tree.map(lambda a: np.asarray(a.addressable_data(0)), trainer.state["params"])
+  assert jax.tree.map(np.shape, new_params) == jax.tree.map(np.shape, experiment.params)
+  assert jax.tree.leaves(jax.tree.map(lambda a, b: not np.array_equal(a, b), new_params,
+                                      experiment.params))  # trained
+
+
+def test_unknown_controller_and_bad_values_are_refused(devices):
+  with pytest.raises(ValueError, match="unknown controller 'simigard'"):
+    train.create_experiment(tiny_config("digits_demo", controller="simigard"), devices=devices)
+  with pytest.raises(ValueError, match="similarity_target"):
+    train.create_experiment(tiny_config("digits_demo", similarity_target=2.0), devices=devices)
+  with pytest.raises(ValueError, match="unknown optimizer 'adam'"):
+    train.create_experiment(tiny_config("digits_demo", optimizer="adam"), devices=devices)
+  with pytest.raises(ValueError, match="config.platform='gpu' is not valid"):
+    train.create_experiment(tiny_config("digits_demo", platform="gpu"), devices=None)
+  with pytest.raises(ValueError, match="even number of devices"):
+    train.create_experiment(tiny_config("digits_demo"), devices=devices[:3])
+  with pytest.raises(ValueError, match="must be a JSON object"):
+    train.create_controller(tiny_config("digits_demo", controller_options="{multiple: 1}"), 8)
+  with pytest.raises(ValueError, match="refused its options"):
+    train.create_controller(tiny_config("digits_demo", controller_options='{"colour": 1}'), 8)
+
+
+@pytest.mark.skipif("gns" not in simigrad_jax.controller_names(), reason="no 'gns' controller")
+def test_other_registered_controllers_take_their_options_as_json():
+  config = tiny_config("digits_demo", controller="gns", controller_options='{"multiple": 0.5}')
+  controller = train.create_controller(config, 8)
+  assert controller.config["multiple"] == 0.5
+  assert (controller.batch_size, controller.config["batch_size_upper_bound"]) == (16, 32)
+
+
+def test_fixed_controller_keeps_the_batch_size(tmp_path, devices):
+  config = tiny_config("digits_demo", controller="fixed")
+  experiment = train.create_experiment(config, devices=devices)
+  with train.create_trainer(experiment, tmp_path) as trainer:
+    trainer.train(num_steps=2)
+  records = [r for r in simigrad_jax.read_metrics(tmp_path / "metrics.jsonl") if "batch_size" in r]
+  assert [r["batch_size"] for r in records] == [16, 16]
+  assert all(r["similarity"] is not None for r in records)  # still measured and logged

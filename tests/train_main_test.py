@@ -1,0 +1,103 @@
+"""``python -m train``: config files and overrides, the workdir, resume without duplicated steps, errors."""
+
+import json
+import os
+import pathlib
+import re
+import shlex
+import subprocess
+import sys
+
+import pytest
+from absl import flags
+from ml_collections import config_flags
+
+# ml_collections loads config files with importlib's deprecated load_module().
+pytestmark = pytest.mark.filterwarnings("ignore:the load_module:DeprecationWarning")
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+CONFIG_DIR = ROOT / "train" / "configs"
+CONFIGS = sorted(p for p in CONFIG_DIR.glob("*.py") if p.stem != "__init__")
+README = (ROOT / "README.md").read_text()
+README_COMMANDS = [line for block in re.findall(r"^```bash\n(.*?)^```", README, re.S | re.M)
+                   for line in block.splitlines() if "python -m train " in line]
+MAIN_FLAGS = set(re.findall(r'DEFINE_\w+\(\s*"(\w+)"', (ROOT / "train" / "__main__.py").read_text()))
+# The digits demo at a size that compiles once and trains in seconds.
+SMALL = ["--config.mode=pad", "--config.cnn_features=(4, 8)", "--config.cnn_dense=16",
+         "--config.tensorboard=False"]
+
+
+def parse(config_path, *overrides):
+  """Parses a config file and overrides the way ``python -m train`` does, in a fresh flag set."""
+  argv = ["train", "--config", str(config_path), *overrides]
+  values = flags.FlagValues()
+  config_flags.DEFINE_config_file("config", None, "", flag_values=values, lock_config=True,
+                                  sys_argv=argv)
+  values(argv)
+  return values.config
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
+def test_every_config_file_takes_command_line_overrides(path):
+  config = parse(path, "--config.num_epochs=2", "--config.seed=3",
+                 "--config.similarity_target=0.25", "--config.batch_size_upper_bound=4096",
+                 "--config.smooth_factor=0.5", "--config.batch_sizes_to_profile=(64, 128)",
+                 "--config.lr_adjust_factor=0.5", "--config.controller=fixed")
+  assert (config.num_epochs, config.seed, config.similarity_target) == (2, 3, 0.25)
+  assert (config.batch_size_upper_bound, config.smooth_factor) == (4096, 0.5)
+  assert tuple(config.batch_sizes_to_profile) == (64, 128) and config.controller == "fixed"
+  with pytest.raises(Exception, match="similarity_targt"):  # a typo is refused
+    parse(path, "--config.similarity_targt=0.1")
+
+
+def run_train(workdir, *args):
+  env = dict(os.environ, PYTHONPATH=str(ROOT))
+  env.pop("XLA_FLAGS", None)  # python -m train sets up its simulated devices itself
+  command = [sys.executable, "-m", "train", "--config", "train/configs/digits_demo.py",
+             "--workdir", str(workdir), *args]
+  return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_runs_resumes_and_appends_without_duplicating_steps(tmp_path):
+  first = run_train(tmp_path, *SMALL, "--config.num_epochs=1", "--config.seed=3")
+  assert first.returncode == 0, first.stderr[-3000:]
+  assert "devices: 8 x cpu" in first.stdout and "epoch 1/1" in first.stdout
+  assert "final test accuracy" in first.stdout and str(tmp_path / "metrics.png") in first.stdout
+  lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+  steps_before = [json.loads(x)["step"] for x in lines if "batch_size" in x]
+
+  second = run_train(tmp_path, *SMALL, "--config.num_epochs=2", "--config.seed=3")
+  assert second.returncode == 0, second.stderr[-3000:]
+  assert f"resuming from the checkpoint at step {steps_before[-1]}" in second.stdout
+  assert "epoch 2/2" in second.stdout and "epoch 1/2" not in second.stdout
+  records = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+  assert (tmp_path / "metrics.jsonl").read_text().splitlines()[:len(lines)] == lines
+  steps = [r["step"] for r in records if "batch_size" in r]
+  assert steps == list(range(1, len(steps) + 1)) and len(steps) > len(steps_before)
+  assert [r["epoch"] for r in records if "eval_accuracy" in r] == [0, 1]
+  assert records[-1]["examples_seen"] == 2 * 1500
+
+  again = run_train(tmp_path, *SMALL, "--config.num_epochs=2", "--config.seed=3")
+  assert again.returncode == 0, again.stderr[-3000:]
+  assert "nothing to train" in again.stdout
+  assert [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()
+          if "batch_size" in x] == steps
+
+
+def test_a_bad_controller_name_fails_before_training(tmp_path):
+  result = run_train(tmp_path, "--config.controller=simigard")
+  assert result.returncode != 0
+  assert "unknown controller 'simigard'" in result.stderr
+  assert not (tmp_path / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize("command", README_COMMANDS)
+def test_readme_train_commands_name_real_configs_options_and_flags(command):
+  """The README's ``python -m train`` lines (GPU ones included) parse: config file, overrides, flags."""
+  args = shlex.split(command.split("python -m train ", 1)[1])
+  config_path = ROOT / args[args.index("--config") + 1]
+  overrides = [a for a in args if a.startswith("--config.")]
+  parse(config_path, *overrides)
+  for arg in args:
+    if arg.startswith("--") and not arg.startswith("--config"):
+      assert arg[2:].split("=")[0] in MAIN_FLAGS, arg

@@ -1,0 +1,68 @@
+"""The entry point: ``python -m train --config train/configs/<name>.py [--workdir DIR] [--config.KEY=VALUE ...]``.
+
+Trains the experiment of the config file in ``--workdir`` (default
+``/tmp/simigrad/<config name>``), resuming from the newest checkpoint there.
+Any config value can be overridden, e.g. ``--config.num_epochs=2
+--config.similarity_target=0.2 --config.seed=3``.
+
+Several hosts: start the same command on every host with ``--distributed``
+(or ``SIMIGRAD_DISTRIBUTED=1``); it calls ``jax.distributed.initialize()``,
+which finds the coordinator by itself on Cloud TPU, SLURM and Open MPI, or
+takes ``--coordinator_address``, ``--num_processes`` and ``--process_id``.
+The workdir must be on a file system every host sees.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import sys
+
+from absl import app
+from absl import flags
+from absl import logging
+from ml_collections import config_flags
+
+FLAGS = flags.FLAGS
+config_flags.DEFINE_config_file(
+    "config", None, "An experiment config file, e.g. train/configs/digits_demo.py.",
+    lock_config=True)
+flags.DEFINE_string("workdir", None, "Checkpoints, metrics and plots (default: "
+                    "/tmp/simigrad/<config name>). A run resumes from the newest checkpoint here.")
+flags.DEFINE_bool("distributed", os.environ.get("SIMIGRAD_DISTRIBUTED", "") not in ("", "0"),
+                  "Call jax.distributed.initialize() first (multi-host; default from "
+                  "$SIMIGRAD_DISTRIBUTED).")
+flags.DEFINE_string("coordinator_address", None, "jax.distributed: host:port of process 0.")
+flags.DEFINE_integer("num_processes", None, "jax.distributed: the number of processes.")
+flags.DEFINE_integer("process_id", None, "jax.distributed: this process's id.")
+flags.mark_flags_as_required(["config"])
+
+
+def simulate_cpu_devices(count: int) -> None:
+  """Asks XLA for ``count`` CPU devices, unless JAX is already running or the flag is set."""
+  flag = "--xla_force_host_platform_device_count"
+  if "jax" in sys.modules or flag in os.environ.get("XLA_FLAGS", "") or count <= 1:
+    return
+  os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}={count}".strip()
+
+
+def main(argv: list[str]) -> None:
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  if not FLAGS["verbosity"].present:  # orbax logs every save at INFO
+    logging.set_verbosity(logging.WARNING)
+  config = FLAGS.config
+  simulate_cpu_devices(config.num_cpu_devices)
+  import jax  # pylint: disable=import-outside-toplevel
+
+  if FLAGS.distributed:
+    jax.distributed.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
+  from train import train  # pylint: disable=import-outside-toplevel
+
+  name = pathlib.Path(config_flags.get_config_filename(FLAGS["config"])).stem
+  workdir = FLAGS.workdir or os.path.join("/tmp/simigrad", name)
+  train.train_and_evaluate(config, workdir, title=f"SimiGrad: {name}")
+
+
+if __name__ == "__main__":
+  app.run(main)

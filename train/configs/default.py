@@ -1,0 +1,121 @@
+"""Every option of ``python -m train``, with its default; each experiment's config starts from these.
+
+Override any of them on the command line, e.g. ``--config.similarity_target=0.1
+--config.num_epochs=2 --config.batch_size_upper_bound=4096``. An unknown name
+or a value of the wrong type is refused by ml_collections before anything
+runs; bad values are refused with a message naming the option.
+"""
+
+import ml_collections
+from ml_collections import config_dict
+
+
+def get_config() -> ml_collections.ConfigDict:
+  """The default config (an MLP on scikit-learn's digits, 8 simulated CPU devices)."""
+  config = ml_collections.ConfigDict()
+
+  # ---------------------------------------------------------------- run
+  config.seed = 0  # data order, initialisation, augmentation and masking keys.
+  config.num_epochs = 8.0  # may be fractional.
+  config.num_steps = config_dict.placeholder(int)  # stop earlier, after this optimizer step.
+  # Devices: "auto" = the default backend's devices if there are an even number >= 2
+  # (SimiGrad compares two halves of the devices), else the CPU's simulated devices;
+  # "default" = the default backend's devices, refusing an odd count; "cpu" = the CPU's.
+  config.platform = "default"
+  config.num_cpu_devices = 8  # simulated CPU devices, set before JAX starts (python -m train).
+
+  # ---------------------------------------------------------------- data
+  # "digits" | "mnist" | "tfds" | "tfds_resized" | "text" | "tfds_text" (train/input_pipeline.py).
+  config.dataset = "digits"
+  config.data_seed = 0  # the digits' fixed train/test split.
+  config.tfds_name = ""  # e.g. "cifar10", "imagenet2012", "lm1b".
+  config.train_split = "train"
+  config.eval_split = "test"
+  config.data_dir = config_dict.placeholder(str)  # TFDS data_dir (None: TFDS's default).
+  config.download = False  # let TFDS download and prepare missing data.
+  config.num_classes = 10
+  config.image_mean = ()  # per-channel mean on the 0-255 scale; () = divide by 255.
+  config.image_std = ()
+  config.host_image_size = 256  # "tfds_resized": the square the host decodes and crops to.
+  config.decode_threads = 16  # "tfds_resized": host decoding threads.
+  # Local files (MNIST, tinyshakespeare); a relative path starts at the repository root.
+  config.local_data_dir = "../shared/data"
+  config.mnist_source = "auto"  # "auto" (local files when present, else TFDS) | "local" | "tfds".
+  config.text_files = ""  # comma-separated paths or globs; "" = tinyshakespeare or pydoc_data.
+  config.eval_fraction = 0.05  # "text": the held-out tail of the text.
+  config.text_feature = "text"  # "tfds_text": the feature holding the text.
+  config.records_per_example = 1  # "tfds_text": records packed into one example.
+  config.eval_examples = config_dict.placeholder(int)  # evaluate on the first N only.
+  config.eval_batch_size = 512
+
+  # ---------------------------------------------------------------- augmentation (in-graph)
+  config.augment = "none"  # "none" | "crop_flip" (CIFAR) | "inception" (ImageNet).
+  config.crop_padding = 4  # "crop_flip": zero padding before the random crop.
+  config.image_size = 224  # "inception": the crop's side (eval: the central crop).
+
+  # ---------------------------------------------------------------- model
+  config.model = "mlp"  # "mlp" | "cnn" | "resnet18" | "resnet34" | "resnet50" | "resnet101" | "bert".
+  config.dtype = "float32"  # compute dtype of ResNet and BERT ("bfloat16" on GPUs); params stay float32.
+  config.mlp_hidden = (128,)
+  config.cnn_features = (32, 64)
+  config.cnn_dense = 128
+  config.resnet_filters = 64
+  config.resnet_stage_sizes = ()  # blocks per stage; () = the named ResNet's, e.g. (2, 2, 2, 2).
+  config.resnet_stem = "imagenet"  # "imagenet" (7x7/2 + max pool) | "cifar" (3x3/1).
+  config.sync_batchnorm = True  # BatchNorm statistics over all devices; False: per device.
+  config.bn_momentum = 0.9  # running average: new = momentum * old + (1 - momentum) * batch.
+  config.label_smoothing = 0.0
+  config.seq_length = 128  # BERT: tokens (bytes) per example.
+  config.bert_hidden = 768
+  config.bert_layers = 12
+  config.bert_heads = 12
+  config.bert_mlp = 3072
+  config.dropout = 0.0
+  config.mask_rate = 0.15  # BERT: share of tokens to predict.
+
+  # ---------------------------------------------------------------- optimizer
+  config.optimizer = "sgd"  # "sgd" | "adamw" | "lamb".
+  config.learning_rate = 0.05  # at the initial batch size; scaled by the lr rule.
+  config.momentum = 0.9
+  config.nesterov = False
+  config.weight_decay = 0.0
+  config.b1 = 0.9  # adamw, lamb.
+  config.b2 = 0.999
+  config.eps = 1e-6
+  config.grad_clip_norm = 0.0  # 0: no clipping.
+  config.lr_schedule = "constant"  # "constant" | "step" | "cosine", a function of epochs.
+  config.lr_decay_epochs = ()  # "step": epochs at which the lr is multiplied by lr_decay_factor.
+  config.lr_decay_factor = 0.1
+  config.warmup_epochs = 0.0  # linear warm-up, in epochs (fractional).
+  config.reduction = "scatter"  # simigrad_jax.transform's collectives: "scatter" | "stacked".
+
+  # ---------------------------------------------------------------- batch-size controller
+  config.controller = "simigrad"  # "simigrad" | "fixed" (the baseline) | any registered name.
+  config.initial_batch_size = 32  # B_0, the global batch the learning rate is set for.
+  config.similarity_target = 0.1  # cosine similarity to hold, in [-1, 1].
+  config.batch_size_lower_bound = config_dict.placeholder(int)  # None: the number of devices.
+  config.batch_size_upper_bound = config_dict.placeholder(int)  # None: the data set's size.
+  config.enable_adjust = True  # "simigrad": False keeps the batch fixed (similarity still logged).
+  config.smooth_factor = config_dict.placeholder(float)  # exponential smoothing of B, in [0, 1).
+  config.dead_band = 0.0  # no change while |similarity - target| <= dead_band.
+  config.controller_warmup_steps = 0  # no change for the first steps.
+  config.batch_sizes_to_profile = ()  # visit these sizes first, e.g. "(64, 128, 256)".
+  config.profile_steps_per_size = 1
+  config.verbose = False  # log every decision (logger "simigrad_jax").
+  # More keyword arguments for the controller, as a JSON object, e.g. for "gns":
+  # --config.controller_options='{"multiple": 0.5}'.
+  config.controller_options = ""
+  config.lr_rule = "sqrt"  # lr factor sqrt(B / B_0) | "linear" B / B_0 | "none".
+  config.lr_adjust_factor = config_dict.placeholder(float)  # factor r -> (r - 1) * f + 1.
+
+  # ---------------------------------------------------------------- engine
+  config.max_micro_batch_size = 64  # rows per device per micro-step (accumulate beyond).
+  config.min_micro_batch_size = config_dict.placeholder(int)  # smallest compiled shape.
+  config.mode = "recompile"  # "recompile" (power-of-two shapes) | "pad" (one shape).
+  config.checkpoint_every_steps = config_dict.placeholder(int)  # None: at epoch ends only.
+  config.max_checkpoints = 3
+  config.compilation_cache_dir = config_dict.placeholder(str)  # JAX's persistent cache.
+  config.tensorboard = True
+  config.progress = True
+  config.plot = True  # draw <workdir>/metrics.png at the end.
+  return config

@@ -1,0 +1,169 @@
+"""Console output of a training run: the start line, one line per epoch, the summary table.
+
+Host side, process 0 only. Per-epoch lines are printed with ``tqdm.write`` so
+they appear above the progress bar; their batch-size and similarity averages
+come from the step records of that epoch in ``metrics.jsonl``, which is read
+incrementally (each line once).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+from typing import Any, Callable
+
+import jax
+import numpy as np
+import tqdm
+
+from simigrad_jax.host.metrics import read_metrics
+
+
+def _mean(values: list[float]) -> float:
+  values = [v for v in values if v is not None and math.isfinite(v)]
+  return float(np.mean(values)) if values else math.nan
+
+
+class EpochPrinter:
+  """An ``eval_fn`` for the Trainer that evaluates and prints one line per finished epoch.
+
+  Args:
+    evaluate: ``evaluate(params, model_state) -> {"accuracy", "loss"}``.
+    workdir: the run's workdir (its ``metrics.jsonl`` is read).
+    num_epochs: the run's length, for the ``epoch e/N`` column.
+    eval_name: what the evaluation set is called ("test", "validation", ...).
+    enabled: print (process 0); otherwise only evaluate.
+
+  Set ``trainer`` once the Trainer exists: the line shows its step and
+  examples seen.
+  """
+
+  def __init__(self, evaluate: Callable[[Any, Any], dict[str, float]] | None,
+               workdir: pathlib.Path, num_epochs: float, *, eval_name: str = "eval",
+               enabled: bool = True):
+    self.evaluate, self.enabled, self.eval_name = evaluate, enabled, eval_name
+    self.num_epochs = num_epochs
+    self.trainer: Any = None
+    self._path = pathlib.Path(workdir) / "metrics.jsonl"
+    self._offset = 0
+    self._steps: dict[int, list[dict[str, Any]]] = {}  # epoch -> its step records
+
+  def _read_new_records(self) -> None:
+    if not self._path.exists():
+      return
+    with open(self._path, "rb") as f:
+      f.seek(self._offset)
+      data = f.read()
+    complete = data[:data.rfind(b"\n") + 1]
+    self._offset += len(complete)
+    for line in complete.splitlines():
+      try:
+        record = json.loads(line)
+      except ValueError:
+        continue
+      if isinstance(record, dict) and "batch_size" in record and "epoch" in record:
+        self._steps.setdefault(record["epoch"], []).append(record)
+
+  def __call__(self, params: Any, model_state: Any) -> dict[str, float]:
+    results = self.evaluate(params, model_state)
+    if not self.enabled or self.trainer is None:
+      return results
+    self._read_new_records()
+    epoch = self.trainer.sampler.epoch - 1  # the epoch just finished
+    steps = self._steps.pop(epoch, [])
+    for old in [e for e in self._steps if e < epoch]:
+      del self._steps[old]
+    examples = sum(r["batch_size"] for r in steps)
+    average = examples / len(steps) if steps else math.nan
+    similarity = _mean([r["similarity"] for r in steps])
+    total = f"{self.num_epochs:g}"
+    tqdm.tqdm.write(
+        f"epoch {epoch + 1:>{len(total)}}/{total}  "
+        f"{self.eval_name} accuracy {results['accuracy']:.4f}  loss {results['loss']:.4f}  |  "
+        f"batch size {average:6.1f} avg, {self.trainer.controller.batch_size} next  "
+        f"similarity {similarity:+.3f} avg  |  step {self.trainer.step}  "
+        f"examples {self.trainer.sampler.examples_seen:,}")
+    return results
+
+
+def print_start(experiment: Any, trainer: Any) -> None:
+  """One paragraph: what trains on which devices, with which controller, and where the files go."""
+  config, data = experiment.config, experiment.datasets
+  devices = experiment.devices
+  controller = trainer.controller
+  bounds = (f"[{controller.config.get('batch_size_lower_bound') or 1}, "
+            f"{controller.config.get('batch_size_upper_bound') or len(data.train)}]")
+  target = controller.config.get("similarity_target")
+  lines = [
+      f"simigrad-jax: {config.model} on {data.description}: {len(data.train):,} training "
+      f"examples" + (f", {len(data.eval):,} for evaluation" if data.eval is not None else ""),
+      f"  devices: {len(devices)} x {devices[0].platform} ({jax.process_count()} process(es))",
+      f"  controller: {config.controller}, initial batch {config.initial_batch_size}, "
+      f"bounds {bounds}" + (f", similarity target {target}" if target is not None else "")
+      + f"; lr {config.optimizer} {config.learning_rate} x {config.lr_rule}(B / B0)",
+      f"  workdir: {trainer.workdir}",
+  ]
+  if trainer.step:
+    lines.append(f"  resuming from the checkpoint at step {trainer.step} "
+                 f"({trainer.sampler.examples_seen:,} examples seen)")
+  print("\n".join(lines), flush=True)
+
+
+def summarize(workdir: pathlib.Path, run: dict[str, Any], devices: list[Any],
+              seconds: float) -> dict[str, Any]:
+  """The whole run's numbers (resumed parts included) from ``metrics.jsonl`` and this invocation's ``run`` summary."""
+  path = pathlib.Path(workdir) / "metrics.jsonl"
+  records = read_metrics(path) if path.exists() else []
+  steps = [r for r in records if "batch_size" in r]
+  evals = [r for r in records if "eval_accuracy" in r]
+  last = steps[-1] if steps else {}
+  examples = last.get("examples_seen", run["examples_seen"])
+  count = last.get("step", run["steps"])
+  return {
+      "eval_accuracy": evals[-1]["eval_accuracy"] if evals else run.get("eval_accuracy"),
+      "eval_loss": evals[-1].get("eval_loss") if evals else run.get("eval_loss"),
+      "steps": count,
+      "examples_seen": examples,
+      "average_batch_size": examples / count if count else math.nan,
+      "final_batch_size": run["final_batch_size"],
+      "last_loss": last.get("loss"),
+      "steps_this_run": run["run_steps"],
+      "compiles": run["compiles"],
+      "compile_seconds": run["compile_seconds"],
+      "compile_wait_seconds": run["compile_wait_seconds"],
+      "compiled_micro_batch_sizes": run["compiled_micro_batch_sizes"],
+      "devices": f"{len(devices)} x {devices[0].platform}",
+      "seconds": seconds,
+      "metrics": str(path),
+      "tensorboard": str(pathlib.Path(workdir) / "tensorboard"),
+      "checkpoints": str(pathlib.Path(workdir) / "checkpoints"),
+  }
+
+
+def print_summary(summary: dict[str, Any]) -> None:
+  """The summary table and where the files are."""
+  accuracy = summary["eval_accuracy"]
+  if not summary["steps_this_run"]:
+    print(f"nothing to train: the run in this workdir is complete ({summary['steps']:,} steps); "
+          "give more --config.num_epochs to continue it, or a new --workdir", flush=True)
+  rows = [
+      (f"final {summary.get('eval_name', 'eval')} accuracy",
+       "n/a" if accuracy is None else f"{accuracy:.4f}"),
+      ("average batch size", f"{summary['average_batch_size']:.1f}"),
+      ("final batch size", summary["final_batch_size"]),
+      ("optimizer steps", f"{summary['steps']:,} ({summary['steps_this_run']:,} in this run)"),
+      ("examples seen", f"{summary['examples_seen']:,}"),
+      ("compiles", f"{summary['compiles']} (micro-batch sizes "
+                   f"{sorted(summary['compiled_micro_batch_sizes'])} + the update; "
+                   f"{summary['compile_seconds']:.1f} s, "
+                   f"{summary['compile_wait_seconds']:.1f} s waited)"),
+      ("devices", summary["devices"]),
+      ("runtime", f"{summary['seconds']:.1f} s"),
+      ("metrics", summary["metrics"]),
+      ("tensorboard", f"tensorboard --logdir {summary['tensorboard']}"),
+  ]
+  if summary.get("plot"):
+    rows.append(("plot", summary["plot"]))
+  width = max(len(name) for name, _ in rows)
+  print("\n".join(f"{name:<{width}}  {value}" for name, value in rows), flush=True)

@@ -1,0 +1,409 @@
+"""The training loop of every config: data, model, loss, optimizer and controller, run by ``simigrad_jax.Trainer``.
+
+:func:`create_experiment` turns a config into everything the Trainer needs
+(nothing is trained); :func:`train_and_evaluate` runs it in a workdir,
+resuming from the newest checkpoint there, and writes the metrics, the plot
+and the summary. Two tasks share the loop:
+
+* image classification (``mlp``, ``cnn``, ``resnet*``): softmax cross-entropy,
+  in-graph augmentation, BatchNorm statistics as model state, evaluated for
+  accuracy and loss on the evaluation split;
+* masked language modelling (``bert``): BERT's 15% masking drawn in-graph,
+  cross-entropy on the masked positions (averaged per example), evaluated for
+  masked-token accuracy and loss with a fixed mask.
+
+The loss functions run on one device's rows inside the Trainer's step and
+return per-example losses; the Trainer weights them (padding rows 0) into the
+exact mean over the global batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import pathlib
+import time
+from typing import Any, Callable, Mapping
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+
+import simigrad_jax
+from simigrad_jax import plot
+from train import input_pipeline
+from train import models
+from train import optimizers
+from train import preprocess
+from train import report
+
+PLATFORMS: tuple[str, ...] = ("default", "auto", "cpu")
+DTYPES: dict[str, Any] = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+AUGMENTATIONS: tuple[str, ...] = ("none", "crop_flip", "inception")
+
+
+@dataclasses.dataclass
+class Experiment:
+  """Everything one config trains, before any training.
+
+  Attributes:
+    config: the config.
+    datasets: the training and evaluation sources.
+    model: the flax module.
+    params: the initial parameters.
+    model_state: the initial non-trainable state (BatchNorm statistics), or None.
+    loss_fn: ``loss_fn(params, model_state, batch, weights, rng) ->
+      (per_example_losses, new_model_state)`` for the Trainer.
+    predict: ``predict(variables, batch) -> logits`` in evaluation mode, the
+      batch as the sources give it (uint8 images are normalised, ImageNet's
+      center-cropped; BERT's tokens are not masked).
+    evaluate: ``evaluate(params, model_state) -> {"accuracy", "loss"}`` on the
+      evaluation split, or None when there is none.
+    optimizer: the optax chain (transform -> optimizer -> lr factor).
+    lr_schedule: the learning-rate multiplier against epochs.
+    controller: the batch-size controller.
+    devices: the devices to train on.
+  """
+
+  config: ml_collections.ConfigDict
+  datasets: input_pipeline.Datasets
+  model: Any
+  params: Any
+  model_state: Any
+  loss_fn: Callable[..., Any]
+  predict: Callable[[Any, Any], jax.Array]
+  evaluate: Callable[[Any, Any], dict[str, float]] | None
+  optimizer: optax.GradientTransformation
+  lr_schedule: Callable[[float], float]
+  controller: Any
+  devices: list[jax.Device]
+
+
+# ------------------------------------------------------------------ devices
+
+
+def training_devices(config: ml_collections.ConfigDict) -> list[jax.Device]:
+  """The devices ``config.platform`` asks for (see the config's comment).
+
+  Raises:
+    ValueError: for an unknown platform, or an odd number of devices (the
+      similarity compares the two halves of the devices).
+  """
+  if config.platform not in PLATFORMS:
+    raise ValueError(f"config.platform={config.platform!r} is not valid; choose one of {PLATFORMS}")
+  devices = jax.devices("cpu") if config.platform == "cpu" else jax.devices()
+  if config.platform == "auto" and (len(devices) < 2 or len(devices) % 2):
+    cpus = jax.devices("cpu")
+    if len(cpus) >= 2 and len(cpus) % 2 == 0:
+      logging.warning("%d %s device(s): training on %d CPU devices instead (platform 'auto')",
+                      len(devices), devices[0].platform, len(cpus))
+      devices = cpus
+  return check_device_count(devices)
+
+
+def check_device_count(devices: list[jax.Device]) -> list[jax.Device]:
+  """Returns ``devices`` if they are an even number >= 2, else raises ValueError saying what to do."""
+  if len(devices) < 2 or len(devices) % 2:
+    raise ValueError(
+        f"SimiGrad compares the gradients of two halves of the devices, which needs an even "
+        f"number of devices; found {len(devices)} {devices[0].platform} device(s). Use "
+        "--config.platform=cpu with --config.num_cpu_devices=8 for simulated CPU devices.")
+  return list(devices)
+
+
+# ------------------------------------------------------------------ controller
+
+
+def create_controller(config: ml_collections.ConfigDict, num_devices: int) -> Any:
+  """The batch-size controller ``config.controller`` with the config's options.
+
+  ``"simigrad"`` and ``"fixed"`` get every reference option (similarity
+  target, bounds, smoothing, dead band, warm-up, profiling, verbose); any other
+  registered controller (``simigrad_jax.controller_names()``) gets the initial
+  size and the bounds. All get ``config.controller_options`` (a JSON object)
+  on top. A missing lower bound becomes the number of devices, so that no
+  device ever holds only padding. ``"fixed"`` without a profile keeps its
+  bounds at the initial size, so only the shapes it uses are compiled.
+
+  Raises:
+    ValueError: for an unknown controller, bad options or bad JSON.
+  """
+  lower = config.batch_size_lower_bound
+  options: dict[str, Any] = {
+      "initial_batch_size": config.initial_batch_size,
+      "batch_size_lower_bound": num_devices if lower is None else lower,
+      "batch_size_upper_bound": config.batch_size_upper_bound,
+  }
+  profile = tuple(config.batch_sizes_to_profile) or None
+  if config.controller in ("simigrad", "fixed"):
+    options.update(
+        similarity_target=config.similarity_target, smooth_factor=config.smooth_factor,
+        dead_band=config.dead_band, warmup_steps=config.controller_warmup_steps,
+        batch_sizes_to_profile=profile, profile_steps_per_size=config.profile_steps_per_size,
+        verbose=config.verbose)
+    if config.controller == "simigrad":
+      options["enable_adjust"] = config.enable_adjust
+    elif profile is None:
+      options["batch_size_lower_bound"] = options["batch_size_upper_bound"] = (
+          config.initial_batch_size)
+  if config.controller_options:
+    try:
+      extra = json.loads(config.controller_options)
+    except ValueError as e:
+      raise ValueError(f"config.controller_options must be a JSON object, got "
+                       f"{config.controller_options!r}: {e}") from e
+    if not isinstance(extra, dict):
+      raise ValueError(f"config.controller_options must be a JSON object, got "
+                       f"{config.controller_options!r}")
+    options.update(extra)
+  try:
+    return simigrad_jax.make_controller(config.controller, **options)
+  except TypeError as e:  # an option the controller does not take
+    raise ValueError(f"controller {config.controller!r} refused its options "
+                     f"{sorted(options)}: {e}") from e
+
+
+# ------------------------------------------------------------------ image classification
+
+
+def _image_fns(config, model, datasets):
+  """``(prepare(images, rng, train) -> float32 images, ...)`` for the config's augmentation."""
+  if config.augment not in AUGMENTATIONS:
+    raise ValueError(f"config.augment={config.augment!r} is not valid; choose one of {AUGMENTATIONS}")
+  mean, std = datasets.image_mean, datasets.image_std
+
+  def prepare(images, rng, train: bool):
+    if config.augment == "crop_flip" and train:
+      images = preprocess.random_crop_and_flip(rng, images, config.crop_padding)
+    elif config.augment == "inception":
+      images = (preprocess.random_resized_crop_and_flip(rng, images, config.image_size) if train
+                else preprocess.center_crop(images, config.image_size))
+    if images.dtype == jnp.uint8 or mean is not None:
+      return preprocess.normalize(images, mean, std)
+    return images.astype(jnp.float32)
+
+  def loss_fn(params, model_state, batch, weights, rng):
+    images = prepare(batch["image"], rng, True)
+    variables = {"params": params, **(model_state or {})}
+    mask = weights > 0
+    if model_state:
+      logits, new_state = model.apply(variables, images, train=True, mask=mask,
+                                      mutable=list(model_state))
+    else:
+      logits, new_state = model.apply(variables, images, train=True, mask=mask), model_state
+    labels = jax.nn.one_hot(batch["label"].astype(jnp.int32), datasets.num_classes)
+    if config.label_smoothing:
+      labels = optax.smooth_labels(labels, config.label_smoothing)
+    return optax.softmax_cross_entropy(logits.astype(jnp.float32), labels), new_state
+
+  def predict(variables, batch):
+    return model.apply(variables, prepare(batch["image"], None, False), train=False)
+
+  @jax.jit
+  def eval_step(variables, batch, weights):
+    logits = predict(variables, batch)
+    labels = batch["label"].astype(jnp.int32)
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), labels)
+    correct = (jnp.argmax(logits, -1) == labels).astype(jnp.float32)
+    return jnp.sum(correct * weights), jnp.sum(losses * weights), jnp.sum(weights)
+
+  return loss_fn, predict, eval_step
+
+
+# ------------------------------------------------------------------ masked language modelling
+
+
+def _mlm_fns(config, model, datasets):
+  mask_args = dict(mask_rate=config.mask_rate, mask_id=input_pipeline.MASK_ID,
+                   pad_id=input_pipeline.PAD_ID, first_regular_id=input_pipeline.FIRST_BYTE_ID,
+                   vocab_size=datasets.vocab_size)
+
+  def masked_losses(params, tokens, rng, train: bool):
+    mask_rng, dropout_rng = jax.random.split(rng)
+    inputs, targets = preprocess.mask_tokens(mask_rng, tokens, **mask_args)
+    logits = model.apply({"params": params}, inputs, train=train,
+                         rngs={"dropout": dropout_rng} if train else None)
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), tokens)
+    correct = jnp.argmax(logits, -1) == tokens
+    return losses, correct, targets.astype(jnp.float32)
+
+  def loss_fn(params, model_state, batch, weights, rng):
+    del weights
+    losses, _, targets = masked_losses(params, batch["tokens"], rng, True)
+    per_example = jnp.sum(losses * targets, -1) / jnp.maximum(jnp.sum(targets, -1), 1.0)
+    return per_example, model_state
+
+  def predict(variables, batch):
+    return model.apply({"params": variables["params"]}, batch["tokens"], train=False)
+
+  @jax.jit
+  def eval_step(variables, batch, weights, rng):
+    losses, correct, targets = masked_losses(variables["params"], batch["tokens"], rng, False)
+    targets = targets * weights[:, None]
+    return (jnp.sum(correct * targets), jnp.sum(losses * targets), jnp.sum(targets))
+
+  return loss_fn, predict, eval_step
+
+
+def _make_evaluate(config, datasets, eval_step, text: bool):
+  """``evaluate(params, model_state) -> {"accuracy", "loss"}`` over the evaluation split."""
+  if datasets.eval is None:
+    return None
+
+  def evaluate(params, model_state):
+    variables = jax.device_put({"params": params, **(model_state or {})}, jax.local_devices()[0])
+    totals = np.zeros(3)
+    for i, (batch, weights) in enumerate(input_pipeline.eval_batches(datasets.eval,
+                                                                     config.eval_batch_size)):
+      args = (variables, batch, weights)
+      if text:  # a fixed mask per batch, the same at every evaluation
+        args += (jax.random.fold_in(jax.random.key(config.seed + 1), i),)
+      totals += np.array(jax.device_get(eval_step(*args)), np.float64)
+    count = max(totals[2], 1.0)
+    return {"accuracy": totals[0] / count, "loss": totals[1] / count}
+
+  return evaluate
+
+
+# ------------------------------------------------------------------ assembly
+
+
+def create_experiment(config: ml_collections.ConfigDict,
+                      devices: list[jax.Device] | None = None) -> Experiment:
+  """Builds the data, model, loss, evaluation, optimizer and controller of ``config``.
+
+  Args:
+    config: the experiment config (``train/configs/``).
+    devices: the devices to train on (default: :func:`training_devices`).
+
+  Returns:
+    An :class:`Experiment`; nothing is trained or compiled for training yet.
+
+  Raises:
+    ValueError: for a bad config value, with the option's name.
+  """
+  if config.dtype not in DTYPES:
+    raise ValueError(f"config.dtype={config.dtype!r} is not valid; choose one of {tuple(DTYPES)}")
+  devices = training_devices(config) if devices is None else check_device_count(devices)
+  controller = create_controller(config, len(devices))  # cheap checks first
+  optimizer = optimizers.create_optimizer(config)
+  lr_schedule = optimizers.create_lr_schedule(config)
+  datasets = input_pipeline.create_datasets(config)
+  model = models.create_model(config, num_classes=datasets.num_classes,
+                              vocab_size=datasets.vocab_size, dtype=DTYPES[config.dtype])
+  # The RBG generator compiles an initialisation in seconds where threefry takes
+  # half a minute for a ResNet on a CPU; same seed, same backend: same parameters.
+  key = jax.random.key(config.seed, impl="rbg")
+  spec = datasets.train.element_spec
+  if config.model == "bert":
+    if config.dataset not in ("text", "tfds_text"):
+      raise ValueError(f"model 'bert' needs a text data set, not {config.dataset!r}")
+    params = jax.jit(lambda k: model.init(k, jnp.zeros((1, config.seq_length), jnp.int32),
+                                          train=False)["params"])(key)
+    model_state = None
+    loss_fn, predict, eval_step = _mlm_fns(config, model, datasets)
+  else:
+    if "image" not in spec:
+      raise ValueError(f"model {config.model!r} needs an image data set, not {config.dataset!r}")
+    shape, dtype = spec["image"]
+    if config.augment == "inception":
+      shape = (config.image_size, config.image_size) + tuple(shape[2:])
+    dummy = jnp.zeros((1,) + tuple(shape), jnp.float32)
+    variables = jax.jit(lambda k: model.init(k, dummy, train=False))(key)
+    variables = jax.tree.map(np.asarray, variables)
+    params = variables.pop("params")
+    model_state = variables or None
+    loss_fn, predict, eval_step = _image_fns(config, model, datasets)
+  params = jax.tree.map(np.asarray, params)
+  evaluate = _make_evaluate(config, datasets, eval_step, text=config.model == "bert")
+  return Experiment(config, datasets, model, params, model_state, loss_fn, predict, evaluate,
+                    optimizer, lr_schedule, controller, list(devices))
+
+
+def max_micro_batch_size(configured: int, upper: int, num_devices: int) -> int:
+  """``configured``, halved while half of it still holds ``upper / num_devices`` rows.
+
+  The Trainer compiles every shape of the grid ``max, max/2, ...`` down to the
+  smallest one the bounds need; shapes larger than the upper bound can use
+  are never run, so they are not put on the grid.
+  """
+  per_device = -(-upper // num_devices)
+  size = configured
+  while size % 2 == 0 and size // 2 >= per_device:
+    size //= 2
+  return size
+
+
+def create_trainer(experiment: Experiment, workdir: str | os.PathLike,
+                   eval_fn: Callable[[Any, Any], Mapping[str, float]] | None = None
+                   ) -> simigrad_jax.Trainer:
+  """The :class:`simigrad_jax.Trainer` of ``experiment`` in ``workdir`` (resumes from its newest checkpoint)."""
+  config = experiment.config
+  upper = (experiment.controller.config.get("batch_size_upper_bound")
+           or len(experiment.datasets.train))
+  return simigrad_jax.Trainer(
+      loss_fn=experiment.loss_fn, params=experiment.params, optimizer=experiment.optimizer,
+      source=experiment.datasets.train, controller=experiment.controller, workdir=workdir,
+      max_micro_batch_size=max_micro_batch_size(config.max_micro_batch_size, upper,
+                                                len(experiment.devices)),
+      model_state=experiment.model_state,
+      mode=config.mode, min_micro_batch_size=config.min_micro_batch_size,
+      lr_rule=config.lr_rule, lr_adjust_factor=config.lr_adjust_factor, seed=config.seed,
+      checkpoint_every_steps=config.checkpoint_every_steps,
+      max_checkpoints=config.max_checkpoints,
+      eval_fn=eval_fn if eval_fn is not None else experiment.evaluate,
+      lr_schedule=experiment.lr_schedule,
+      compilation_cache_dir=config.compilation_cache_dir, tensorboard=config.tensorboard,
+      progress=config.progress, devices=experiment.devices)
+
+
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.PathLike,
+                       *, title: str | None = None) -> dict[str, Any]:
+  """Trains ``config`` in ``workdir`` and reports: per-epoch lines, a summary table, the plot.
+
+  Re-running with the same workdir resumes from its newest checkpoint and
+  appends to ``metrics.jsonl`` without repeating a step; a finished run trains
+  nothing and reports again.
+
+  Args:
+    config: the experiment config.
+    workdir: where checkpoints, ``metrics.jsonl``, TensorBoard events,
+      ``config.json`` and ``metrics.png`` go (created if missing).
+    title: the plot's title.
+
+  Returns:
+    The whole run's summary (resumed parts included): ``eval_accuracy``,
+    ``steps``, ``examples_seen``, ``average_batch_size``,
+    ``final_batch_size``, ``compiles``, ``seconds`` and the file paths.
+  """
+  start = time.perf_counter()
+  workdir = pathlib.Path(workdir).absolute()
+  workdir.mkdir(parents=True, exist_ok=True)
+  experiment = create_experiment(config)
+  is_main = jax.process_index() == 0
+  if is_main:
+    (workdir / "config.json").write_text(config.to_json(indent=2) + "\n")
+  printer = report.EpochPrinter(experiment.evaluate, workdir, config.num_epochs,
+                                eval_name=experiment.datasets.eval_name, enabled=is_main)
+  trainer = create_trainer(experiment, workdir, printer if experiment.evaluate else None)
+  printer.trainer = trainer
+  if is_main:
+    report.print_start(experiment, trainer)
+  with trainer:
+    run = trainer.train(num_epochs=config.num_epochs, num_steps=config.num_steps)
+    if config.batch_sizes_to_profile and is_main and hasattr(trainer.controller, "save_profile"):
+      trainer.controller.save_profile(workdir / "similarity_profile.json")
+  summary = report.summarize(workdir, run, experiment.devices, time.perf_counter() - start)
+  summary["eval_name"] = experiment.datasets.eval_name
+  if is_main:
+    if config.plot and summary["steps"]:
+      summary["plot"] = str(plot.plot_metrics(
+          workdir / "metrics.jsonl", workdir / "metrics.png",
+          title=title or f"SimiGrad: {experiment.datasets.description}, {config.model}"))
+    report.print_summary(summary)
+    (workdir / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
+  return summary
