@@ -1,12 +1,34 @@
-"""A small Trainer run in its own process, for the resume-after-SIGKILL and multi-host tests.
+"""A small Trainer run in its own process, for the kill-and-resume and multi-host tests.
 
-python tests/train_driver.py --workdir DIR --steps N [--kill-at K]
+python tests/train_driver.py --workdir DIR --steps N
+    [--kill-at K | --kill-in-save K | --kill-in-compile J]
     [--num-processes P --process-id I --coordinator 127.0.0.1:PORT]
+    [--disagree-at K] [--similarity-target X] [--max-micro-batch-size M]
+    [--compile-cache DIR] [--mode recompile|pad] [--checkpoint-every C]
+    [--agreement-timeout SECONDS]
 
-Trains an MLP on a fixed synthetic classification set over 8 devices in all
-(8 // P simulated CPU devices per process). With --kill-at K the process
-SIGKILLs itself right after step K's metrics line is written: no clean-up, no
-final checkpoint. Prints one JSON summary line at the end.
+Trains an MLP on a fixed synthetic classification set (600 examples) over 8
+devices in all (8 // P simulated CPU devices per process). Prints one JSON
+summary line at the end (process 0).
+
+Fault injection (the process SIGKILLs itself: no clean-up, no final checkpoint):
+
+* ``--kill-at K``: right after step K's metrics line is written;
+* ``--kill-in-save K``: right after the checkpoint of step K was handed to
+  orbax, while its asynchronous save is still writing;
+* ``--kill-in-compile J``: 20 ms into the J-th micro-step compile of the
+  background compile thread (that compile is slowed down so the kill lands
+  inside it).
+
+Test-only trace: every process appends to ``<workdir>/trace.<process>.jsonl``
+a ``start`` line (the step it resumed from), a ``step`` line per completed
+step (its decision and the sorted indices of the examples this process
+trained on), and a ``kill`` line before a SIGKILL. Process 1 of a multi-host
+run writes no metrics file, so its trace is where its decisions show.
+
+Forced disagreements (multi-host, process 1 only): ``--disagree-at K`` makes
+process 1's controller pick a different next batch size at step K;
+``--similarity-target`` set per process gives them different settings.
 """
 
 import argparse
@@ -14,16 +36,25 @@ import json
 import os
 import signal
 import sys
+import threading
+import time
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--workdir", required=True)
 parser.add_argument("--steps", type=int, required=True)
 parser.add_argument("--kill-at", type=int, default=None)
+parser.add_argument("--kill-in-save", type=int, default=None)
+parser.add_argument("--kill-in-compile", type=int, default=None)
 parser.add_argument("--num-processes", type=int, default=1)
 parser.add_argument("--process-id", type=int, default=0)
 parser.add_argument("--coordinator", default=None)
 parser.add_argument("--mode", default="recompile")
 parser.add_argument("--checkpoint-every", type=int, default=3)
+parser.add_argument("--compile-cache", default=None)
+parser.add_argument("--similarity-target", type=float, default=0.3)
+parser.add_argument("--max-micro-batch-size", type=int, default=8)
+parser.add_argument("--disagree-at", type=int, default=None)
+parser.add_argument("--agreement-timeout", type=float, default=60.0)
 args = parser.parse_args()
 
 os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={8 // args.num_processes}"
@@ -34,14 +65,20 @@ import jax  # noqa: E402
 
 if args.num_processes > 1:
   jax.distributed.initialize(args.coordinator, num_processes=args.num_processes,
-                             process_id=args.process_id)
+                             process_id=args.process_id, initialization_timeout=60)
 
 import flax.linen as nn  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import simigrad_jax  # noqa: E402
-from simigrad_jax.host import metrics as metrics_module  # noqa: E402
+from simigrad_jax.host import step_compiler as step_compiler_module  # noqa: E402
+from simigrad_jax.host import trainer as trainer_module  # noqa: E402
+
+trainer_module.AGREEMENT_TIMEOUT_SECONDS = args.agreement_timeout
+
+if args.compile_cache:  # before the model's first eager ops, so that they come from the cache too
+  simigrad_jax.enable_persistent_cache(args.compile_cache)
 
 
 class MLP(nn.Module):
@@ -65,26 +102,121 @@ def loss_fn(params, model_state, batch, weights, rng):
   return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]), model_state
 
 
-if args.kill_at is not None:
-  original_write = metrics_module.MetricsWriter.write
+process = jax.process_index()
+trace_file = None  # opened on first use (the Trainer creates the workdir)
 
-  def write_then_die(self, record):
-    original_write(self, record)
-    if record.get("step") == args.kill_at and "loss" in record:
-      os.kill(os.getpid(), signal.SIGKILL)
 
-  metrics_module.MetricsWriter.write = write_then_die
+def trace(record):
+  global trace_file
+  if trace_file is None:
+    trace_file = open(os.path.join(args.workdir, f"trace.{process}.jsonl"), "a", encoding="utf-8")
+  trace_file.write(json.dumps(record) + "\n")
+  trace_file.flush()
+
+
+def die(kind, **details):
+  trace({"event": "kill", "kind": kind, **details})
+  os.kill(os.getpid(), signal.SIGKILL)
+
+
+# --- kill inside a background compile: slow the J-th background job down and kill 20 ms into it.
+if args.kill_in_compile is not None:
+  original_run = step_compiler_module.StepCompiler._run
+  background_jobs = []
+
+  def run_then_die(self, job):
+    if threading.current_thread().name.endswith("-compiler"):
+      background_jobs.append(job.size)
+      if len(background_jobs) == args.kill_in_compile:
+        lower = self._lower
+
+        def slow_lower(micro):
+          lowered = lower(micro)
+          time.sleep(5.0)  # the kill lands while this job is in progress
+          return lowered
+
+        self._lower = slow_lower
+        trace({"event": "compile_started", "size": job.size, "job": len(background_jobs)})
+        threading.Timer(0.02, die, args=("compile",),
+                        kwargs={"size": job.size, "job": len(background_jobs)}).start()
+    return original_run(self, job)
+
+  step_compiler_module.StepCompiler._run = run_then_die
 
 params = MLP().init(jax.random.key(0), np.zeros((1, 8), np.float32))["params"]
 optimizer = optax.chain(simigrad_jax.transform("batch"), optax.sgd(0.2, momentum=0.9),
                         simigrad_jax.scale_by_lr_factor())
-controller = simigrad_jax.Controller(48, 0.3, batch_size_lower_bound=16, batch_size_upper_bound=160)
+controller = simigrad_jax.Controller(48, args.similarity_target, batch_size_lower_bound=16,
+                                     batch_size_upper_bound=160)
+if args.disagree_at is not None and process == 1:
+  original_update = controller.update
+
+  def update_differently(similarity, stats=None):
+    size = original_update(similarity, stats)
+    if controller.step == args.disagree_at:  # a different decision on this process only
+      controller.set_batch_size(size + 1 if size < 160 else size - 1)
+    return controller.batch_size
+
+  controller.update = update_differently
+
 trainer = simigrad_jax.Trainer(
     loss_fn=loss_fn, params=params, optimizer=optimizer,
     source=simigrad_jax.ArraySource(synthetic_data()), controller=controller,
-    workdir=args.workdir, max_micro_batch_size=8, mode=args.mode, seed=1,
-    checkpoint_every_steps=args.checkpoint_every, progress=False, tensorboard=False)
-summary = trainer.train(num_steps=args.steps)
-trainer.close()
-if jax.process_index() == 0:
+    workdir=args.workdir, max_micro_batch_size=args.max_micro_batch_size, mode=args.mode, seed=1,
+    checkpoint_every_steps=args.checkpoint_every, progress=False, tensorboard=False,
+    compilation_cache_dir=args.compile_cache)
+trace({"event": "start", "pid": os.getpid(), "step": trainer.step,
+       "examples_seen": trainer.sampler.examples_seen,
+       "skipped_checkpoints": [s for s, _ in trainer._checkpointer.skipped]})
+
+# --- the examples each step trained on (this process's real rows), logged once the step is done.
+placed = []
+original_place = trainer._place
+
+
+def recording_place(plan, loaded):
+  step_data = original_place(plan, loaded)
+  rows = []
+  for batch, weights in step_data.micro_batches:
+    index = np.concatenate([np.asarray(s.data) for s in
+                            sorted(batch["index"].addressable_shards, key=lambda s: s.index[0].start)])
+    weight = np.concatenate([np.asarray(s.data) for s in
+                             sorted(weights.addressable_shards, key=lambda s: s.index[0].start)])
+    rows.append(index[weight > 0])
+  placed.append(np.sort(np.concatenate(rows)).tolist())
+  return step_data
+
+
+trainer._place = recording_place
+original_step = trainer._train_one_step
+
+
+def step_then_maybe_die(pending, total_examples):
+  record, next_pending = original_step(pending, total_examples)
+  trace({"event": "step", **{k: record[k] for k in (
+      "step", "batch_size", "next_batch_size", "lr_factor", "next_lr_factor", "decision", "loss",
+      "similarity", "examples_seen")}, "indices": placed.pop()})
+  if record["step"] == args.kill_at:
+    die("between_steps", step=record["step"])
+  return record, next_pending
+
+
+trainer._train_one_step = step_then_maybe_die
+
+if args.kill_in_save is not None:
+  checkpointer = trainer._checkpointer
+  original_save = checkpointer.save
+
+  def save_then_die(step, state, host):
+    original_save(step, state, host)
+    if step == args.kill_in_save:
+      pending = [n for n in os.listdir(checkpointer.directory) if "tmp" in n]
+      die("save", step=step, tmp_dirs=pending, finished=os.path.isdir(
+          os.path.join(checkpointer.directory, str(step))))
+
+  checkpointer.save = save_then_die
+
+with trainer:
+  summary = trainer.train(num_steps=args.steps)
+if process == 0:
   print(json.dumps({k: v for k, v in summary.items() if not isinstance(v, list)}))

@@ -22,22 +22,29 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import itertools
+import json
+import logging
 import math
 import os
 import pathlib
 import time
+import zlib
 from typing import Any, Callable, Literal, Mapping
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from simigrad_jax.host import batch_plan
 from simigrad_jax.host import lr_rules
 from simigrad_jax.host import state_access
+from simigrad_jax.host import validation
+from simigrad_jax.host.checkpointing import CheckpointMismatchError
 from simigrad_jax.host.checkpointing import Checkpointer
 from simigrad_jax.host.controller import Controller
 from simigrad_jax.host.metrics import MetricsWriter
@@ -49,8 +56,18 @@ from simigrad_jax.ingraph import train_step
 from simigrad_jax.ingraph.lr_scaling import LrFactorState
 from simigrad_jax.ingraph.transform import SimilarityState
 
+logger = logging.getLogger("simigrad_jax")
+
 Mode = Literal["recompile", "pad"]
 MODES: tuple[str, ...] = ("recompile", "pad")
+# What the Trainer reads from a controller (see simigrad_jax.host.controllers).
+_CONTROLLER_ATTRIBUTES = ("batch_size", "initial_batch_size", "config", "last_decision", "update",
+                          "set_batch_size", "state_dict", "load_state_dict")
+_CONTROLLER_CONFIG_KEYS = ("batch_size_lower_bound", "batch_size_upper_bound", "similarity_target")
+
+
+class ProcessDisagreementError(RuntimeError):
+  """The processes of a multi-host run set up or decided differently (a collective would deadlock)."""
 
 
 @dataclasses.dataclass
@@ -106,14 +123,38 @@ class Trainer:
     tensorboard: also write TensorBoard event files.
     progress: show a progress bar (process 0 only).
     axis_name: the data-parallel axis name used by the transform.
-    devices: the devices to train on (default: all, over every process).
+    devices: the devices to train on (default: all, over every process); an
+      even number, since the similarity compares the two device halves.
+
+  Raises:
+    ValueError: for any setting or input that could not train as asked,
+      before anything is compiled or trained; the message names the value
+      and what is valid. Among them: a controller that adapts without
+      ``batch_size_upper_bound`` or with bounds the data set cannot fill; a
+      similarity controller whose ``batch_size_lower_bound`` is below
+      ``num_devices // 2 + 1`` (the second device half would hold no example,
+      the similarity could not be measured and the size would never move
+      again); non-finite initial parameters; a ``loss_fn`` that fails on the
+      source's rows or does not return one loss per row; a workdir whose
+      checkpoints belong to another model, seed, data set or controller.
+    ProcessDisagreementError: in a multi-host run, when the processes were
+      built with different settings, or (checked after every step, before the
+      next uses it) took different decisions; also when another process does
+      not reach the set-up check within :data:`AGREEMENT_TIMEOUT_SECONDS`.
 
   Example:
     >>> trainer = simigrad_jax.Trainer(loss_fn=loss_fn, params=params,  # doctest: +SKIP
     ...     optimizer=optimizer, source=simigrad_jax.ArraySource({"x": x, "y": y}),
-    ...     controller=simigrad_jax.Controller(64, 0.1), workdir="/tmp/run",
-    ...     max_micro_batch_size=32)
+    ...     controller=simigrad_jax.Controller(64, 0.1, batch_size_lower_bound=16,
+    ...                                        batch_size_upper_bound=1024),
+    ...     workdir="/tmp/run", max_micro_batch_size=32)
     >>> summary = trainer.train(num_epochs=3)  # doctest: +SKIP
+
+  Note:
+    A step whose gradient is NaN or infinite on any device keeps the
+    parameters, the optimizer state (momentum, Adam's moments and counters)
+    and the model state as they were, like ``optax.apply_if_finite``; the
+    controller holds the batch size and ``nonfinite_steps`` counts it.
   """
 
   def __init__(
@@ -143,14 +184,52 @@ class Trainer:
       axis_name: str = "batch",
       devices: list[jax.Device] | None = None,
   ):
+    # Every setting is checked before anything is created, compiled or trained,
+    # so that a bad value fails in seconds, not after the first GPU-hour.
     if mode not in MODES:
       raise ValueError(f"mode={mode!r} is not valid; choose one of {MODES}")
     if lr_rule not in lr_rules.LR_RULES:
       raise ValueError(f"lr_rule={lr_rule!r} is not valid; choose one of {lr_rules.LR_RULES}")
+    _check_callable("loss_fn", loss_fn)
+    for name, fn in (("eval_fn", eval_fn), ("lr_schedule", lr_schedule)):
+      if fn is not None:
+        _check_callable(name, fn)
+    if not (callable(getattr(optimizer, "init", None)) and callable(getattr(optimizer, "update", None))):
+      raise ValueError(f"optimizer must be an optax GradientTransformation (with init and update), "
+                       f"got {optimizer!r:.200}")
+    _check_controller(controller)
+    num_examples = _check_source(source)
+    max_micro = validation.check_int("max_micro_batch_size", max_micro_batch_size, 1)
+    if min_micro_batch_size is not None and (
+        not validation.is_int(min_micro_batch_size) or not 1 <= min_micro_batch_size <= max_micro):
+      raise ValueError(f"min_micro_batch_size must be None or an integer in [1, max_micro_batch_size="
+                       f"{max_micro}], got {min_micro_batch_size!r}")
+    seed = validation.check_int("seed", seed, 0)
+    if checkpoint_every_steps is not None:
+      checkpoint_every_steps = validation.check_int("checkpoint_every_steps", checkpoint_every_steps, 1)
+    max_checkpoints = validation.check_int("max_checkpoints", max_checkpoints, 1)
+    for name, flag in (("background_compile", background_compile), ("tensorboard", tensorboard),
+                       ("progress", progress)):
+      validation.check_bool(name, flag)
+    if not isinstance(axis_name, str) or not axis_name:
+      raise ValueError(f"axis_name must be a non-empty string, got {axis_name!r}")
     workdir = pathlib.Path(workdir).absolute()
     if not workdir.parent.is_dir():
       raise ValueError(f"the workdir's parent {str(workdir.parent)!r} does not exist")
-    workdir.mkdir(exist_ok=True)
+    if workdir.exists() and not workdir.is_dir():
+      raise ValueError(f"workdir {str(workdir)!r} exists and is not a directory")
+    devices = _check_devices(devices)
+    _check_finite_params(params)
+    probe_state = optimizer.init(params)
+    for state_type, name in ((SimilarityState, "simigrad_jax.transform"),
+                             (LrFactorState, "simigrad_jax.scale_by_lr_factor()")):
+      if not optax.tree_utils.tree_get_all_with_path(probe_state, state_type.__name__):
+        raise ValueError(f"the optimizer has no {state_type.__name__}: chain {name} into it")
+    self.num_devices = len(devices)
+    self.lower, self.upper = _check_bounds(controller, self.num_devices, num_examples)
+    for size in (self.lower, controller.initial_batch_size, self.upper):
+      lr_rules.lr_factor(size, controller.initial_batch_size, lr_rule, lr_adjust_factor)
+
     self.workdir = workdir
     self.loss_fn, self.optimizer, self.source, self.controller = loss_fn, optimizer, source, controller
     self.mode, self.lr_rule, self.lr_adjust_factor = mode, lr_rule, lr_adjust_factor
@@ -159,58 +238,85 @@ class Trainer:
     self.checkpoint_every_steps = checkpoint_every_steps
     self.base_batch_size = controller.initial_batch_size
 
-    devices = list(jax.devices() if devices is None else devices)
     self.mesh = Mesh(np.array(devices), (axis_name,))
-    self.num_devices = len(devices)
     self._local_positions = _local_device_positions(devices)
     self._replicated = NamedSharding(self.mesh, P())
     self._sharded = NamedSharding(self.mesh, P(axis_name))
 
-    self.lower = controller.config["batch_size_lower_bound"] or 1
-    self.upper = controller.config["batch_size_upper_bound"]
-    num_examples = len(source)
-    largest = self.upper if self.upper is not None else controller.batch_size
-    if largest > num_examples:
-      raise ValueError(
-          f"the data set has {num_examples} examples, fewer than the largest batch size "
-          f"{largest} (batch_size_upper_bound): a step would repeat examples; lower the bound")
-    max_micro = int(max_micro_batch_size)
     if mode == "pad":
       self.policy = batch_plan.BucketPolicy(max_micro, max_micro, padding=True)
     else:
       grid = batch_plan.BucketPolicy(max_micro, min_micro_batch_size or 1, padding=True)
-      shape_upper = self.upper if self.upper is not None else num_examples
-      needed = batch_plan.bucket_shapes(grid, self.num_devices, self.lower, shape_upper)
+      needed = batch_plan.bucket_shapes(grid, self.num_devices, self.lower, self.upper)
       # Smaller requests (the last step of a run) pad up to the smallest needed shape.
       self.policy = batch_plan.BucketPolicy(max_micro, min(needed), padding=True)
     self.shapes = self.policy.micro_batch_sizes()
 
-    probe_state = optimizer.init(params)
-    for state_type, name in ((SimilarityState, "simigrad_jax.transform"),
-                             (LrFactorState, "simigrad_jax.scale_by_lr_factor()")):
-      if not optax.tree_utils.tree_get_all_with_path(probe_state, state_type.__name__):
-        raise ValueError(f"the optimizer has no {state_type.__name__}: chain {name} into it")
+    # Multi-host: every process must run the same program; a difference would
+    # deadlock the first collective, so compare the settings first.
+    self._agree("settings", set_up=True, values={
+        "controller": controller.config, "batch_size": controller.batch_size, "seed": seed,
+        "mode": mode, "shapes": list(self.shapes), "lr_rule": lr_rule,
+        "lr_adjust_factor": lr_adjust_factor, "num_examples": num_examples,
+        "element_spec": {k: [list(shape), str(dtype)] for k, (shape, dtype)
+                         in sorted(source.element_spec.items())},
+        "num_devices": self.num_devices, "checkpoint_every_steps": checkpoint_every_steps,
+        "params": [[jax.tree_util.keystr(path), list(np.shape(x)), str(getattr(x, "dtype", ""))]
+                   for path, x in jax.tree_util.tree_flatten_with_path(params)[0]],
+    })
 
+    workdir.mkdir(exist_ok=True)
     self.sampler = EpochSampler(num_examples, seed)
     self.state = jax.device_put(
         {"params": params, "opt_state": probe_state, "model_state": model_state}, self._replicated)
     self.step = 0
     self._nonfinite_steps = 0
     self._checkpointer = Checkpointer(workdir / "checkpoints", max_to_keep=max_checkpoints)
-    self._resume()
+    try:
+      self._resume()
+      self._agree("resumed state", set_up=True, values={
+          "step": self.step, "controller": controller.state_dict(),
+          "sampler": self.sampler.state_dict()})
+      if compilation_cache_dir is not None:
+        enable_persistent_cache(compilation_cache_dir)
+      self._acc = train_step.zero_accumulator(params, self.mesh, axis_name)
+      checked_loss = _checked_loss_fn(loss_fn, model_state)
+      micro = jax.jit(train_step.make_micro_step(checked_loss, self.mesh, axis_name, seed),
+                      donate_argnums=(2,))
+      # Trace (not compile) the first step's micro-step now: a model, loss or data set
+      # that do not fit each other fail here, with the features named. The trace is
+      # reused when that shape is compiled.
+      first_shape = self._plan(controller.batch_size, None).micro_batch_size
+      try:
+        traced = {first_shape: micro.trace(*self._abstract_micro_args(first_shape))}
+      except _LossContractError:
+        raise
+      except Exception as error:
+        raise ValueError(
+            f"loss_fn fails on one device's rows of this source (features "
+            f"{ {k: (tuple(s), str(d)) for k, (s, d) in source.element_spec.items()} }, "
+            f"{first_shape} rows): {type(error).__name__}: {error}") from error
 
-    if compilation_cache_dir is not None:
-      enable_persistent_cache(compilation_cache_dir)
-    self._acc = train_step.zero_accumulator(params, self.mesh, axis_name)
-    micro = jax.jit(train_step.make_micro_step(loss_fn, self.mesh, axis_name, seed),
-                    donate_argnums=(2,))
-    self._compiler = StepCompiler(lambda m: micro.lower(*self._abstract_micro_args(m)),
-                                  background=background_compile, name="micro_step")
-    apply = jax.jit(train_step.make_apply_step(optimizer, self.mesh, axis_name),
-                    donate_argnums=(0, 1, 2))
-    start = time.perf_counter()
-    self._apply = apply.lower(*_abstract(
-        (self.state["params"], self.state["opt_state"], self._acc))).compile()
+      def lower(micro_batch_size: int) -> jax.stages.Lowered:
+        first = traced.pop(micro_batch_size, None)
+        return first.lower() if first is not None else micro.lower(
+            *self._abstract_micro_args(micro_batch_size))
+
+      self._compiler = StepCompiler(lower, background=background_compile, name="micro_step")
+      apply = jax.jit(_skip_nonfinite(train_step.make_apply_step(optimizer, self.mesh, axis_name)),
+                      donate_argnums=(0, 1, 2),
+                      out_shardings=(self._replicated, self._replicated, self._sharded,
+                                     self._replicated))
+      start = time.perf_counter()
+      try:
+        self._apply = apply.lower(*_abstract(
+            (self.state["params"], self.state["opt_state"], self._acc))).compile()
+      except NameError as error:  # e.g. "unbound axis name: data"
+        raise ValueError(f"the optimizer's simigrad_jax.transform must use the Trainer's "
+                         f"axis_name={axis_name!r}: {error}") from error
+    except BaseException:
+      self._checkpointer.close()
+      raise
     self._apply_compile_seconds = time.perf_counter() - start
     self._data_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="simigrad-data")
     self._is_main = jax.process_index() == 0
@@ -233,17 +339,36 @@ class Trainer:
             batch, weights, total_weight, counters)
 
   def _resume(self) -> None:
+    """Continues from the newest readable checkpoint in the workdir, if any."""
     if self._checkpointer.latest_step() is None:
       return
-    state, host, step = self._checkpointer.restore(self.state)
+    directory = self._checkpointer.directory
+    try:
+      state, host, step = self._checkpointer.restore(self.state)
+    except CheckpointMismatchError as error:
+      raise ValueError(f"the workdir {str(self.workdir)!r} holds checkpoints of another run: "
+                       f"{error}") from error
+    if host.get("seed") != self.seed:
+      raise ValueError(f"the checkpoint at step {step} in {directory} was made with "
+                       f"seed={host.get('seed')!r}, this run has seed={self.seed}; use the same "
+                       "seed to resume, or a new workdir")
+    try:  # both refuse without changing anything
+      self.sampler.load_state_dict(host["sampler"])
+      self.controller.load_state_dict(host["controller"])
+    except (KeyError, TypeError, ValueError) as error:
+      raise ValueError(f"the checkpoint at step {step} in {directory} does not match this run's "
+                       f"settings: {error}; resume with the settings it was made with, or use a "
+                       "new workdir") from error
     self.state = state
-    self.controller.load_state_dict(host["controller"])
-    self.sampler.load_state_dict(host["sampler"])
     self.step = int(host["step"])
     self._nonfinite_steps = int(host.get("nonfinite_steps", 0))
-    if host.get("seed") != self.seed:
-      raise ValueError(f"the checkpoint at step {step} was made with seed={host.get('seed')}, "
-                       f"this run has seed={self.seed}")
+    skipped = self._checkpointer.skipped
+    if skipped:
+      logger.warning("resumed from the checkpoint at step %d in %s after skipping %d unreadable "
+                     "newer one(s): %s", step, directory, len(skipped),
+                     "; ".join(f"step {s}: {why}" for s, why in skipped))
+    else:
+      logger.info("resumed from the checkpoint at step %d in %s", step, directory)
 
   def save_checkpoint(self) -> None:
     """Saves the current state as the checkpoint of the current step (once per step)."""
@@ -306,6 +431,11 @@ class Trainer:
     """
     if num_epochs is None and num_steps is None:
       raise ValueError("give num_epochs or num_steps")
+    if num_epochs is not None:
+      num_epochs = validation.check_real("num_epochs", num_epochs, "(0, inf) (finite)",
+                                         lambda x: 0 < x < math.inf)
+    if num_steps is not None:
+      num_steps = validation.check_int("num_steps", num_steps, 0)
     total_examples = (math.inf if num_epochs is None
                       else int(round(num_epochs * self.sampler.num_examples)))
     max_steps = math.inf if num_steps is None else int(num_steps)
@@ -409,7 +539,15 @@ class Trainer:
     next_batch_size = self.controller.update(similarity, stats=observed)
     self.state = {"params": params, "opt_state": opt_state, "model_state": model_state}
     self.step += 1
-    self._set_lr_factor(next_batch_size)
+    factors = self._lr_factor(next_batch_size)
+    # Multi-host: the next step's shapes and learning rate follow this decision; every
+    # process must hold the same one before any of them uses it.
+    self._agree(f"decision of step {self.step}", {
+        "step": self.step, "batch_size": plan.global_batch_size,
+        "examples_seen": self.sampler.examples_seen, "similarity": similarity,
+        "decision": self.controller.last_decision, "next_batch_size": next_batch_size,
+        "next_lr_factor": float(np.float32(factors[0]))})
+    self._set_lr_factor(next_batch_size, factors)
 
     step_seconds = time.perf_counter() - step_start
     compile_stats = self.compile_stats()
@@ -442,15 +580,46 @@ class Trainer:
     record["epoch_end"] = self.sampler.epoch > epoch_before
     return record, next_pending
 
-  def _set_lr_factor(self, batch_size: int) -> None:
-    """Writes the learning-rate factor for ``batch_size`` at the current progress into the state."""
+  def _agree(self, what: str, values: Mapping[str, Any], set_up: bool = False) -> None:
+    """Raises :class:`ProcessDisagreementError` unless every process holds the same ``values``.
+
+    Nothing happens with one process. Each value is compared as JSON; the
+    error names each differing key with every process's value. Per step, one
+    small all-gather over the processes; at set-up (``set_up=True``) the
+    values go through jax.distributed's key-value store instead, so that a
+    process that failed before reaching this point is reported after
+    :data:`AGREEMENT_TIMEOUT_SECONDS` rather than leaving the others waiting.
+    """
+    if jax.process_count() == 1:
+      return
+    texts = [json.dumps(values[key], sort_keys=True, default=str) for key in values]
+    gathered = _gather_texts_with_timeout(texts, what) if set_up else _gather_texts(texts)
+    differing = [i for i in range(len(texts)) if len({row[i] for row in gathered}) > 1]
+    if not differing:
+      return
+    details = "; ".join(
+        f"{key}: " + ", ".join(f"process {p} has {row[i]}" for p, row in enumerate(gathered))
+        for i, key in enumerate(values) if i in differing)
+    raise ProcessDisagreementError(
+        f"the {jax.process_count()} processes disagree on the {what} ({details}). All processes "
+        "must run with the same settings and take the same decisions, or the next collective "
+        "would deadlock; build the Trainer with the same settings, data set and code on every "
+        "process")
+
+  def _lr_factor(self, batch_size: int) -> tuple[float, float]:
+    """``(learning-rate factor, schedule factor)`` for ``batch_size`` at the current progress."""
     epochs = self.sampler.examples_seen / self.sampler.num_examples
-    self._schedule_factor = 1.0 if self.lr_schedule is None else float(self.lr_schedule(epochs))
+    schedule = 1.0 if self.lr_schedule is None else float(self.lr_schedule(epochs))
     factor = lr_rules.lr_factor(batch_size, self.base_batch_size, self.lr_rule,
-                                self.lr_adjust_factor) * self._schedule_factor
+                                self.lr_adjust_factor) * schedule
     if not math.isfinite(factor) or factor <= 0:
       raise ValueError(f"the learning-rate factor at epoch {epochs:.3f} would be {factor} "
-                       f"(schedule {self._schedule_factor}); it must be finite and > 0")
+                       f"(lr_schedule returned {schedule}); it must be finite and > 0")
+    return factor, schedule
+
+  def _set_lr_factor(self, batch_size: int, factors: tuple[float, float] | None = None) -> None:
+    """Writes the learning-rate factor for ``batch_size`` at the current progress into the state."""
+    factor, self._schedule_factor = self._lr_factor(batch_size) if factors is None else factors
     self.state["opt_state"] = state_access.set_lr_factor(self.state["opt_state"], factor)
     self._lr_used = float(np.float32(factor))  # the value the next step runs with
 
@@ -483,6 +652,235 @@ class Trainer:
 
   def __exit__(self, *exc):
     self.close()
+
+
+_TEXT_WIDTH = 512  # bytes per compared value in the agreement check (longer ones: a CRC prefix)
+# How long a process waits at set-up for the others to reach the same point (multi-host).
+AGREEMENT_TIMEOUT_SECONDS = 300.0
+_agreement_rounds = itertools.count()
+
+
+def _gather_texts_with_timeout(texts: list[str], what: str) -> list[list[str]]:
+  """Every process's ``texts`` through jax.distributed's key-value store, waiting at most
+  :data:`AGREEMENT_TIMEOUT_SECONDS` for each process (falls back to an all-gather)."""
+  try:
+    from jax._src import distributed  # pylint: disable=import-outside-toplevel
+    client = distributed.global_state.client
+  except (ImportError, AttributeError):
+    client = None
+  if client is None:
+    return _gather_texts(texts)
+  key = f"simigrad_jax/agreement/{next(_agreement_rounds)}"
+  client.key_value_set(f"{key}/{jax.process_index()}", json.dumps(texts))
+  gathered = []
+  for process in range(jax.process_count()):
+    try:
+      gathered.append(json.loads(client.blocking_key_value_get(
+          f"{key}/{process}", int(AGREEMENT_TIMEOUT_SECONDS * 1000))))
+    except Exception as error:  # pylint: disable=broad-except  (a timeout, as the runtime reports it)
+      raise ProcessDisagreementError(
+          f"process {process} did not reach the Trainer's check of the {what} within "
+          f"{AGREEMENT_TIMEOUT_SECONDS:g} s: it failed before it (see its log) or is far behind "
+          f"({type(error).__name__}: {_first_line(error)})") from error
+  return gathered
+
+
+def _first_line(error: BaseException) -> str:
+  return (str(error).strip().splitlines() or [""])[0][:300]
+
+
+def _gather_texts(texts: list[str]) -> list[list[str]]:
+  """Every process's ``texts`` (same length on all), via one all-gather of fixed-width bytes."""
+  rows = np.zeros((len(texts), _TEXT_WIDTH), np.uint8)
+  for i, text in enumerate(texts):
+    data = text.encode()
+    if len(data) > _TEXT_WIDTH:
+      data = f"crc32={zlib.crc32(data):08x} ".encode() + data[:_TEXT_WIDTH - 24] + b"..."
+    rows[i, :len(data)] = np.frombuffer(data, np.uint8)
+  gathered = np.asarray(multihost_utils.process_allgather(rows))  # (processes, texts, width)
+  return [[bytes(row).rstrip(b"\0").decode(errors="replace") for row in process]
+          for process in gathered]
+
+
+class _LossContractError(ValueError):
+  """``loss_fn`` returned something other than per-example losses and a model state."""
+
+
+def _checked_loss_fn(loss_fn: train_step.PerExampleLossFn, model_state: Any) -> train_step.PerExampleLossFn:
+  """``loss_fn``, checked at trace time: one loss per row, and the model state's structure kept."""
+  state_structure = jax.tree.structure(model_state)
+
+  def checked(params, state, batch, weights, rng):
+    out = loss_fn(params, state, batch, weights, rng)
+    if not isinstance(out, (tuple, list)) or len(out) != 2:
+      raise _LossContractError(
+          f"loss_fn must return (per_example_losses, new_model_state), got {type(out).__name__}")
+    losses, new_state = out
+    if jnp.shape(losses) != weights.shape:
+      raise _LossContractError(
+          f"loss_fn must return one loss per row, shape {weights.shape}, got shape "
+          f"{jnp.shape(losses)}: the Trainer weights the rows itself (padding rows have weight "
+          "0), so a mean over the rows would count padding")
+    if jax.tree.structure(new_state) != state_structure:
+      raise _LossContractError(
+          f"loss_fn must return a model state with the structure of model_state "
+          f"({state_structure}), got {jax.tree.structure(new_state)}")
+    return losses, new_state
+
+  return checked
+
+
+def _skip_nonfinite(apply_step: Callable[..., Any]) -> Callable[..., Any]:
+  """Wraps the apply step: a step whose gradients are not finite keeps the parameters and the
+  optimizer state (all but the SimilarityState, which records the event), like
+  ``optax.apply_if_finite``; the transform alone would only zero the update, and momentum, weight
+  decay or Adam's count would still move."""
+  finite_index = train_step.STEP_STATS.index("grads_finite")
+
+  def apply_or_keep(params, opt_state, acc):
+    new_params, new_opt_state, cleared, stats = apply_step(params, opt_state, acc)
+    finite = stats[finite_index] > 0
+
+    def keep(new, old):
+      if jax.dtypes.issubdtype(new.dtype, jax.dtypes.prng_key):
+        data = jnp.where(finite, jax.random.key_data(new), jax.random.key_data(old))
+        return jax.random.wrap_key_data(data, impl=jax.random.key_impl(new))
+      return jnp.where(finite, new, old)
+
+    def keep_state(new, old):
+      if isinstance(new, SimilarityState):
+        return new
+      return jax.tree.map(keep, new, old)
+
+    params = jax.tree.map(keep, new_params, params)
+    opt_state = jax.tree.map(keep_state, new_opt_state, opt_state,
+                             is_leaf=lambda x: isinstance(x, SimilarityState))
+    return params, opt_state, cleared, stats
+
+  return apply_or_keep
+
+
+def _check_callable(name: str, fn: Any) -> None:
+  if not callable(fn):
+    raise ValueError(f"{name} must be callable, got {fn!r:.200} ({type(fn).__name__})")
+
+
+def _check_controller(controller: Any) -> None:
+  """Refuses anything without the controller interface the Trainer uses."""
+  if isinstance(controller, (str, Mapping)):
+    raise ValueError(
+        f"controller must be a controller object, got {controller!r:.200}; build one with "
+        "simigrad_jax.make_controller(name, **options) or simigrad_jax.Controller(...)")
+  missing = [a for a in _CONTROLLER_ATTRIBUTES if not hasattr(controller, a)]
+  if missing:
+    raise ValueError(f"controller {controller!r:.200} lacks {missing}; a controller needs "
+                     f"{list(_CONTROLLER_ATTRIBUTES)} (see simigrad_jax.host.controllers)")
+  config = controller.config
+  if not isinstance(config, Mapping) or any(k not in config for k in _CONTROLLER_CONFIG_KEYS):
+    raise ValueError(f"controller.config must be a dict with the keys {list(_CONTROLLER_CONFIG_KEYS)} "
+                     f"(None where one does not apply), got {config!r:.300}")
+  for name in ("batch_size", "initial_batch_size"):
+    validation.check_int(f"controller.{name}", getattr(controller, name), 1)
+
+
+def _check_source(source: Any) -> int:
+  """Refuses anything that is not a random-access source; returns its length."""
+  missing = [a for a in ("__len__", "get_batch", "element_spec") if not hasattr(source, a)]
+  if missing:
+    raise ValueError(f"source must be a random-access source (len(), get_batch(indices), "
+                     f"element_spec) such as simigrad_jax.ArraySource; {source!r:.200} lacks {missing}")
+  num_examples = len(source)
+  if not validation.is_int(num_examples) or num_examples < 1:
+    raise ValueError(f"the source must hold at least 1 example, got len(source)={num_examples!r}")
+  spec = source.element_spec
+  if not isinstance(spec, Mapping) or not spec:
+    raise ValueError(f"source.element_spec must be a non-empty dict of name -> (shape, dtype), "
+                     f"got {spec!r:.200}")
+  return int(num_examples)
+
+
+def _check_devices(devices: Any) -> list[jax.Device]:
+  """The training devices: all by default; an even number (two halves), each once."""
+  devices = list(jax.devices() if devices is None else devices)
+  if not all(isinstance(d, jax.Device) for d in devices):
+    raise ValueError(f"devices must be a list of jax.Device, got {devices!r:.200}")
+  if len(set(devices)) != len(devices):
+    raise ValueError(f"devices must be distinct, got {devices}")
+  if len(devices) < 2 or len(devices) % 2:
+    raise ValueError(
+        f"the Trainer splits the devices into two halves to measure the similarity: it needs an "
+        f"even number of devices >= 2, got {len(devices)}")
+  return devices
+
+
+def _check_finite_params(params: Any) -> None:
+  """Refuses initial parameters with NaN or infinite entries (every step would be skipped)."""
+  leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+  if not leaves:
+    raise ValueError("params holds no arrays: there is nothing to train")
+  inexact = [(path, leaf) for path, leaf in leaves
+             if jnp.issubdtype(jnp.result_type(leaf), jnp.inexact)]
+  finite = np.asarray(_all_finite([leaf for _, leaf in inexact])) if inexact else []
+  for (path, _), ok in zip(inexact, finite):
+    if not ok:
+      raise ValueError(f"params{jax.tree_util.keystr(path)} holds NaN or infinite values: every "
+                       "step would be skipped; initialise the model with finite values")
+
+
+@jax.jit
+def _all_finite(leaves: list[jax.Array]) -> jax.Array:
+  """One bool per leaf: all its entries are finite (one compiled call for the whole tree)."""
+  return jnp.stack([jnp.all(jnp.isfinite(leaf)) for leaf in leaves])
+
+
+def _profile_sizes(controller: Any) -> list[int]:
+  """The batch sizes a controller's pending profile will visit (SimiGrad's Controller)."""
+  try:
+    plan = controller.state_dict().get("profile_plan")
+  except Exception:  # pylint: disable=broad-except  (not every controller has one)
+    return []
+  return [int(b) for b in plan["sizes"]] if isinstance(plan, Mapping) and plan.get("sizes") else []
+
+
+def _check_bounds(controller: Any, num_devices: int, num_examples: int) -> tuple[int, int]:
+  """The smallest and largest global batch sizes of the run, after checking them.
+
+  Refuses sizes the data set cannot fill, an adaptive controller without an
+  upper bound, and, for a controller that needs the similarity, sizes so small
+  that the second device half holds no example (the similarity is then never
+  measured and the size never moves again).
+  """
+  config = controller.config
+  lower, upper = config["batch_size_lower_bound"], config["batch_size_upper_bound"]
+  adapting = config.get("enable_adjust", True) is not False
+  profile = _profile_sizes(controller)
+  sizes = [controller.batch_size, controller.initial_batch_size, *profile]
+  if upper is None and adapting:
+    raise ValueError(
+        f"batch_size_upper_bound=None lets the controller grow the global batch without limit, "
+        f"past the data set's {num_examples} examples (a step would repeat examples); set "
+        f"batch_size_upper_bound to at most {num_examples}")
+  largest = max(sizes + ([upper] if upper is not None else []))
+  if largest > num_examples:
+    what = "batch_size_upper_bound" if largest == upper else "the controller's batch size"
+    raise ValueError(
+        f"the data set has {num_examples} examples, fewer than the largest batch size {largest} "
+        f"({what}): a step would repeat examples; lower the bound")
+  floor = num_devices // 2 + 1
+  if config["similarity_target"] is not None:
+    smallest = min([lower if lower is not None else 1] if adapting else sizes)
+    smallest = min([smallest] + profile)
+    if smallest < floor:
+      what = (f"batch_sizes_to_profile holds {min(profile)}" if profile and min(profile) == smallest
+              else f"batch_size_lower_bound={lower!r} lets the global batch shrink to {smallest}"
+              if adapting else f"the batch size is {smallest}")
+      if adapting or profile:
+        raise ValueError(
+            f"{what}, but on {num_devices} devices a batch below {floor} leaves devices "
+            f"[{num_devices // 2}, {num_devices}) (the second half) without an example: the "
+            f"similarity cannot be measured and the batch size would stay there; use sizes >= "
+            f"{floor} (set batch_size_lower_bound >= {floor})")
+  return (lower if lower is not None else 1), largest
 
 
 def _gather_rows(array: np.ndarray, take: np.ndarray, real: np.ndarray) -> np.ndarray:

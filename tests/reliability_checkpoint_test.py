@@ -1,0 +1,284 @@
+"""Corrupt checkpoints: a damaged newest checkpoint is detected, reported, and skipped for the previous one.
+
+Damage: truncated, emptied or deleted files, garbled JSON, and random single
+bit flips anywhere in the checkpoint. orbax alone reads some of these without
+an error and returns wrong values (a flipped bit in an array's data file or a
+digit of the JSON); the Checkpointer's checksums catch them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pathlib
+import random
+import re
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+import pytest
+
+import simigrad_jax
+from reliability_helpers import SEED
+from simigrad_jax.host.checkpointing import CheckpointMismatchError
+from simigrad_jax.host.checkpointing import Checkpointer
+
+pytestmark = [
+    pytest.mark.reliability,
+    # orbax's reader leaves un-awaited coroutines behind when a damaged file fails a read.
+    pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning"),
+]
+
+
+def _files(directory: pathlib.Path, pattern: str) -> list[pathlib.Path]:
+  found = sorted(p for p in directory.glob(pattern) if p.is_file())
+  assert found, f"no {pattern} in {directory}"
+  return found
+
+
+def truncate_array_data(step_dir):
+  for f in _files(step_dir, "state/**/d/*"):
+    os.truncate(f, f.stat().st_size // 2)
+
+
+def flip_bit_in_array_data(step_dir):
+  f = max(_files(step_dir, "state/**/d/*"), key=lambda p: p.stat().st_size)
+  data = bytearray(f.read_bytes())
+  data[len(data) // 2] ^= 0x10
+  f.write_bytes(bytes(data))
+
+
+def change_a_digit_of_the_json(step_dir):
+  """A plausible-looking change orbax cannot see: the sampler position moves by one."""
+  f = _files(step_dir, "host/metadata")[0]
+  text, count = re.subn(r'"examples_seen": (\d+)', lambda m: f'"examples_seen": {int(m[1]) + 1}',
+                        f.read_text(), count=1)
+  assert count == 1
+  f.write_text(text)
+
+
+def truncate_json(step_dir):
+  f = _files(step_dir, "host/metadata")[0]
+  f.write_text(f.read_text()[:40])
+
+
+def delete_the_manifest(step_dir):
+  for f in _files(step_dir, "state/**/manifest.ocdbt"):
+    f.unlink()
+
+
+def delete_the_arrays(step_dir):
+  shutil.rmtree(step_dir / "state")
+
+
+def empty_every_file(step_dir):
+  for f in _files(step_dir, "**/*"):
+    f.write_bytes(b"")
+
+
+def garble_the_metadata(step_dir):
+  (step_dir / "state" / "_METADATA").write_text('{"tree_metadata": ')
+
+
+CORRUPTIONS = [truncate_array_data, flip_bit_in_array_data, change_a_digit_of_the_json, truncate_json,
+               delete_the_manifest, delete_the_arrays, empty_every_file, garble_the_metadata]
+
+
+def small_state(scale: float):
+  return {"w": jnp.arange(4000, dtype=jnp.float32).reshape(40, 100) * scale,
+          "b": jnp.full((7,), scale, jnp.float32), "count": jnp.int32(scale),
+          "key": jax.random.key(int(scale))}
+
+
+def saved_steps(root, steps=(1, 2, 3)):
+  ckpt = Checkpointer(root, max_to_keep=5)
+  for step in steps:
+    ckpt.save(step, small_state(float(step)), {"step": step, "examples_seen": 100 * step})
+  ckpt.close()
+
+
+def assert_state_equal(got, want):
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    if jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key):
+      a, b = jax.random.key_data(a), jax.random.key_data(b)
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("corrupt", CORRUPTIONS, ids=lambda f: f.__name__)
+def test_damaged_newest_checkpoint_falls_back_to_the_previous_one(corrupt, tmp_path, caplog):
+  root = tmp_path / "checkpoints"
+  saved_steps(root)
+  corrupt(root / "3")
+  ckpt = Checkpointer(root)
+  with caplog.at_level(logging.WARNING, logger="simigrad_jax"):
+    state, host, step = ckpt.restore(small_state(0.0))
+  assert step == 2 and host == {"step": 2, "examples_seen": 200}
+  assert_state_equal(state, small_state(2.0))
+  assert "checkpoint at step 3" in caplog.text and "unreadable" in caplog.text  # it says so
+  assert [s for s, _ in ckpt.skipped] == [3]
+  # The damaged one is moved aside (kept for inspection), so step 3 can be saved again.
+  assert ckpt.all_steps() == [1, 2] and len(ckpt.quarantined) == 1
+  assert pathlib.Path(ckpt.quarantined[0]).is_dir()
+  ckpt.save(3, small_state(3.0), {"step": 3, "examples_seen": 300})
+  ckpt.wait()
+  state, host, step = ckpt.restore(small_state(0.0))
+  assert step == 3 and host["examples_seen"] == 300
+  ckpt.close()
+
+
+def test_two_damaged_checkpoints_fall_back_two_steps(tmp_path, caplog):
+  root = tmp_path / "checkpoints"
+  saved_steps(root)
+  truncate_array_data(root / "3")
+  change_a_digit_of_the_json(root / "2")
+  ckpt = Checkpointer(root)
+  with caplog.at_level(logging.WARNING, logger="simigrad_jax"):
+    _, host, step = ckpt.restore(small_state(0.0))
+  assert step == 1 and host["step"] == 1
+  assert [s for s, _ in ckpt.skipped] == [3, 2]
+  ckpt.close()
+
+
+def test_every_checkpoint_damaged_is_an_error_naming_each(tmp_path):
+  root = tmp_path / "checkpoints"
+  saved_steps(root, steps=(1, 2))
+  truncate_json(root / "1")
+  delete_the_arrays(root / "2")
+  ckpt = Checkpointer(root)
+  with pytest.raises(ValueError, match=r"no readable checkpoint in .*step 2: .*; step 1: "):
+    ckpt.restore(small_state(0.0))
+  assert ckpt.all_steps() == [1, 2]  # nothing moved when nothing could be restored
+  ckpt.close()
+
+
+def test_a_checkpoint_of_another_model_is_refused_not_skipped(tmp_path):
+  root = tmp_path / "checkpoints"
+  saved_steps(root, steps=(1, 2))
+  ckpt = Checkpointer(root)
+  other = {**small_state(0.0), "w": jnp.zeros((40, 99), jnp.float32)}
+  with pytest.raises(CheckpointMismatchError,
+                     match=r"step 2 .* different model or optimizer: \['w'\] is float32\[40, 100\] "
+                           r"there and float32\[40, 99\] here"):
+    ckpt.restore(other)
+  assert ckpt.all_steps() == [1, 2]
+  ckpt.close()
+
+
+def test_random_bit_flips_never_restore_wrong_values(tmp_path):
+  """Flip one random bit of one file of the newest checkpoint, 40 times.
+
+  Each time the restore must return step 2 exactly or fall back to step 1
+  exactly; it never returns values that differ from what was saved. Counts how
+  often orbax alone (no checksums) would have restored wrong values silently.
+  """
+  base = tmp_path / "base"
+  saved_steps(base, steps=(1, 2))
+  files = [p for p in (base / "2").rglob("*") if p.is_file() and p.stat().st_size]
+  # Two flips in three hit the array data or the JSON, the damage orbax can miss.
+  payload_files = [p for p in files if p.parent.name == "d" or p.name == "metadata"]
+  rng = random.Random(SEED)
+  outcomes = {"exact": 0, "fallback": 0, "orbax_alone_wrong": 0}
+  for trial in range(40):
+    root = tmp_path / f"trial{trial}"
+    shutil.copytree(base, root)
+    target = root / rng.choice(payload_files if trial % 3 else files).relative_to(base)
+    data = bytearray(target.read_bytes())
+    data[rng.randrange(len(data))] ^= 1 << rng.randrange(8)
+    target.write_bytes(bytes(data))
+    # What orbax alone returns for this damage.
+    manager = ocp.CheckpointManager(root, options=ocp.CheckpointManagerOptions(create=False))
+    try:
+      raw = manager.restore(2, args=ocp.args.Composite(
+          state=ocp.args.StandardRestore(small_state(0.0)), host=ocp.args.JsonRestore()))
+      payload = raw.host.get("payload", {}) if isinstance(raw.host, dict) else {}
+      same = payload.get("host") == {"step": 2, "examples_seen": 200} and all(
+          np.array_equal(np.asarray(jax.random.key_data(a) if jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key) else a),
+                         np.asarray(jax.random.key_data(b) if jax.dtypes.issubdtype(b.dtype, jax.dtypes.prng_key) else b))
+          for a, b in zip(jax.tree.leaves(raw.state), jax.tree.leaves(small_state(2.0))))
+      outcomes["orbax_alone_wrong"] += not same
+    except Exception:  # pylint: disable=broad-except  (orbax noticed)
+      pass
+    manager.close()
+    ckpt = Checkpointer(root)
+    state, host, step = ckpt.restore(small_state(0.0))
+    ckpt.close()
+    assert_state_equal(state, small_state(float(step)))
+    assert host == {"step": step, "examples_seen": 100 * step}
+    outcomes["exact" if step == 2 else "fallback"] += 1
+  print(f"\nbit flips: {outcomes}")
+  assert outcomes["fallback"] >= outcomes["orbax_alone_wrong"]
+
+
+# ------------------------------------------------------------ in the Trainer
+
+
+class _Data:
+  """The trainer test's tiny MLP problem."""
+
+  @staticmethod
+  def make_trainer(workdir, **kwargs):
+    from trainer_test import TinyMLP, dataset, mlp_loss  # pylint: disable=import-outside-toplevel
+    params = TinyMLP().init(jax.random.key(0), np.zeros((1, 5), np.float32))["params"]
+    optimizer = optax.chain(simigrad_jax.transform("batch"), optax.sgd(0.1, momentum=0.9),
+                            simigrad_jax.scale_by_lr_factor())
+    controller = simigrad_jax.Controller(24, 0.3, batch_size_lower_bound=8, batch_size_upper_bound=64)
+    return simigrad_jax.Trainer(
+        loss_fn=mlp_loss, params=params, optimizer=optimizer,
+        source=simigrad_jax.ArraySource(dataset(num_examples=200)), controller=controller,
+        workdir=workdir, max_micro_batch_size=4, seed=3, checkpoint_every_steps=2,
+        progress=False, tensorboard=False, **kwargs)
+
+
+def _records(workdir):
+  return [r for r in simigrad_jax.read_metrics(pathlib.Path(workdir) / "metrics.jsonl") if "loss" in r]
+
+
+@pytest.fixture(scope="module")
+def straight_trainer_run(tmp_path_factory):
+  workdir = tmp_path_factory.mktemp("straight_trainer")
+  with _Data.make_trainer(workdir) as trainer:
+    trainer.train(num_steps=8)
+  return _records(workdir)
+
+
+@pytest.mark.parametrize("corrupt", [flip_bit_in_array_data, change_a_digit_of_the_json],
+                         ids=lambda f: f.__name__)
+def test_trainer_resumes_from_the_previous_checkpoint_and_continues_exactly(
+    corrupt, straight_trainer_run, tmp_path, caplog):
+  with _Data.make_trainer(tmp_path) as trainer:
+    trainer.train(num_steps=6)  # checkpoints at steps 2, 4, 6
+  corrupt(tmp_path / "checkpoints" / "6")
+  with caplog.at_level(logging.WARNING, logger="simigrad_jax"):
+    trainer = _Data.make_trainer(tmp_path)
+  assert trainer.step == 4
+  assert "checkpoint at step 6" in caplog.text and "resumed from the checkpoint at step 4" in caplog.text
+  with trainer:
+    trainer.train(num_steps=8)
+  records = _records(tmp_path)
+  assert [r["step"] for r in records] == list(range(1, 9))
+  for key in ("batch_size", "lr_factor", "next_batch_size", "examples_seen"):
+    assert [r[key] for r in records] == [r[key] for r in straight_trainer_run], key
+  np.testing.assert_allclose([r["loss"] for r in records], [r["loss"] for r in straight_trainer_run],
+                             rtol=0, atol=1e-5)
+  assert 6 in Checkpointer(tmp_path / "checkpoints").all_steps()  # step 6 was saved again
+  assert list((tmp_path / "checkpoints.unreadable").iterdir())  # the damaged one, kept aside
+
+
+def test_a_checkpoint_written_before_checksums_still_restores(tmp_path, caplog):
+  """Checkpoints of an older simigrad_jax (host JSON without checksums) restore, with a warning."""
+  manager = ocp.CheckpointManager(tmp_path / "checkpoints")
+  manager.save(5, args=ocp.args.Composite(state=ocp.args.StandardSave(small_state(5.0)),
+                                          host=ocp.args.JsonSave({"step": 5})))
+  manager.wait_until_finished()
+  manager.close()
+  ckpt = Checkpointer(tmp_path / "checkpoints")
+  with caplog.at_level(logging.WARNING, logger="simigrad_jax"):
+    state, host, step = ckpt.restore(small_state(0.0))
+  assert step == 5 and host == {"step": 5}
+  assert_state_equal(state, small_state(5.0))
+  assert "has no checksums" in caplog.text
+  ckpt.close()

@@ -1,0 +1,109 @@
+"""Non-finite gradients: NaN and Inf injected through the loss skip the step and change nothing.
+
+Some examples carry a ``poison`` value (NaN or +Inf) that multiplies their
+loss, so every step that trains one of them has a non-finite loss and
+gradient on one device. Such a step must leave the parameters and the whole
+optimizer state as they were (momentum, weight decay and Adam's counters
+would otherwise still move them: the transform alone only zeroes the
+update), keep the controller's batch size, count the event in the metrics,
+and training must go on with finite numbers.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+import simigrad_jax
+from simigrad_jax.ingraph.transform import SimilarityState
+from trainer_test import TinyMLP
+
+pytestmark = pytest.mark.reliability
+
+POISON = {7: np.nan, 130: np.inf}  # example index -> loss multiplier
+
+
+def poisoned_data(num_examples=200):
+  rng = np.random.default_rng(0)
+  poison = np.zeros(num_examples, np.float32)
+  for index, value in POISON.items():
+    poison[index] = value
+  return {"x": rng.normal(size=(num_examples, 5)).astype(np.float32),
+          "y": rng.integers(0, 3, size=num_examples).astype(np.int32),
+          "poison": poison, "index": np.arange(num_examples, dtype=np.int32)}
+
+
+def poisoned_loss(params, model_state, batch, weights, rng):
+  del weights, rng
+  logits = TinyMLP().apply({"params": params}, batch["x"])
+  losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
+  return losses * (1.0 + batch["poison"]), model_state  # NaN or Inf for the poisoned examples
+
+
+def host(tree):
+  return jax.tree.map(lambda x: np.asarray(jax.random.key_data(x) if jax.dtypes.issubdtype(
+      x.dtype, jax.dtypes.prng_key) else x.addressable_data(0)).copy(), tree)
+
+
+OPTIMIZERS = {
+    "sgd-momentum-weight-decay": lambda: optax.chain(
+        simigrad_jax.transform("batch"), optax.add_decayed_weights(5e-4), optax.sgd(0.1, momentum=0.9),
+        simigrad_jax.scale_by_lr_factor()),
+    "adam": lambda: optax.chain(simigrad_jax.transform("batch"), optax.adam(1e-2),
+                                simigrad_jax.scale_by_lr_factor()),
+}
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_nonfinite_steps_are_skipped_and_counted(name, tmp_path):
+  data = poisoned_data()
+  controller = simigrad_jax.Controller(24, 0.3, batch_size_lower_bound=8, batch_size_upper_bound=64)
+  trainer = simigrad_jax.Trainer(
+      loss_fn=poisoned_loss, params=TinyMLP().init(jax.random.key(0), data["x"][:1])["params"],
+      optimizer=OPTIMIZERS[name](), source=simigrad_jax.ArraySource(data), controller=controller,
+      workdir=tmp_path, max_micro_batch_size=4, seed=3, progress=False, tensorboard=False)
+  snapshots = []  # per step: the state before and after, and the controller's size before
+  original = trainer._train_one_step
+
+  def recording_step(pending, total_examples):
+    before = host({"params": trainer.state["params"], "opt_state": trainer.state["opt_state"]})
+    size_before = controller.batch_size
+    record, next_pending = original(pending, total_examples)
+    after = host({"params": trainer.state["params"], "opt_state": trainer.state["opt_state"]})
+    snapshots.append((record, before, after, size_before))
+    return record, next_pending
+
+  trainer._train_one_step = recording_step
+  with trainer:
+    trainer.train(num_epochs=3)
+
+  records = [r for r in simigrad_jax.read_metrics(tmp_path / "metrics.jsonl") if "loss" in r]
+  bad = [s for s in snapshots if not s[0]["grads_finite"]]
+  # Every epoch trains each poisoned example once: 2 bad steps per epoch (1 if both share a step).
+  assert 3 <= len(bad) <= 6, [s[0]["step"] for s in bad]
+  assert {np.isnan(r["loss"]) for r, *_ in bad} == {True, False}  # NaN and Inf losses alike
+  for record, before, after, size_before in bad:
+    assert record["decision"] == "nonfinite" and np.isnan(record["similarity"])
+    assert record["next_batch_size"] == size_before  # the controller's size held
+    # Parameters and optimizer state are as before the step, except the similarity record.
+    for path, old in jax.tree_util.tree_flatten_with_path(before)[0]:
+      new = dict(jax.tree_util.tree_flatten_with_path(after)[0])[path]
+      if "SimilarityState" not in jax.tree_util.keystr(path) and not any(
+          getattr(k, "name", None) in SimilarityState._fields for k in path):
+        np.testing.assert_array_equal(new, old, err_msg=jax.tree_util.keystr(path))
+  good = [s for s in snapshots if s[0]["grads_finite"]]
+  assert len(good) > len(bad)
+  moved = [s for s in good if not np.array_equal(s[1]["params"]["Dense_0"]["kernel"],
+                                                 s[2]["params"]["Dense_0"]["kernel"])]
+  assert len(moved) == len(good)  # finite steps do train
+  # Counted: in the metrics, the controller and the transform's state; and all is finite.
+  assert records[-1]["nonfinite_steps"] == len(bad)
+  assert [r["step"] for r in records if r["grads_finite"] is False] == [s[0]["step"] for s in bad]
+  assert controller.nonfinite_count == len(bad)
+  assert simigrad_jax.similarity_stats(trainer.state["opt_state"])["nonfinite_count"] == len(bad)
+  for leaf in jax.tree.leaves(host(trainer.state)):
+    assert np.all(np.isfinite(leaf))
+  assert all(np.isfinite(r["loss"]) for r in records if r["grads_finite"])
+  print(f"\n{name}: {len(bad)} of {len(records)} steps non-finite (NaN and Inf), all skipped")
