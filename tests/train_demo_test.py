@@ -13,8 +13,10 @@ def test_digits_demo_reaches_its_accuracy_and_writes_its_files(tmp_path, capsys)
   config.progress = False
   summary = train.train_and_evaluate(config, tmp_path)
   # Measured with the default config on 8 simulated CPU devices: final test accuracy
-  # 0.983 (seed 0), 0.990 (1), 0.980 (2), 0.983 (3), 0.980 (4); 214 steps for seed 0.
-  assert summary["eval_accuracy"] >= 0.96
+  # 0.976 (seed 0), 0.976 (1), 0.970 (2), 0.980 (3), 0.980 (4) of 297 images; 247 steps and
+  # an average batch of 91 for seed 0. The margin allows a different CPU's rounding to
+  # take another path.
+  assert summary["eval_accuracy"] >= 0.95
 
   records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
   steps = [r for r in records if "batch_size" in r]
