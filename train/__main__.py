@@ -47,6 +47,7 @@ def simulate_cpu_devices(count: int) -> None:
 
 
 def main(argv: list[str]) -> None:
+  """Sets up the devices (and the multi-host runtime), then trains the config in the workdir."""
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   if not FLAGS["verbosity"].present:  # orbax logs every save at INFO
@@ -56,7 +57,8 @@ def main(argv: list[str]) -> None:
   import jax  # pylint: disable=import-outside-toplevel
 
   if FLAGS.distributed:
-    jax.distributed.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
+    jax.distributed.initialize(coordinator_address=FLAGS.coordinator_address,
+                               num_processes=FLAGS.num_processes, process_id=FLAGS.process_id)
   from train import train  # pylint: disable=import-outside-toplevel
 
   name = pathlib.Path(config_flags.get_config_filename(FLAGS["config"])).stem
