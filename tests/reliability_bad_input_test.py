@@ -1,4 +1,4 @@
-"""Bad settings and inputs: each is refused with a message naming the value and what is valid, before any step.
+"""Bad settings and inputs: each refused before any step, naming the value and what is valid.
 
 A table of cases over the Trainer, its controller, data and checkpoints. For
 every case the test also checks that nothing was trained: the workdir's
@@ -71,8 +71,8 @@ def trainer(workdir, *, hidden=8, data=None, **overrides):
 
 def nan_params():
   params = TinyMLP().init(jax.random.key(0), np.zeros((1, 5), np.float32))["params"]
-  return jax.tree.map(lambda x: x, {**params, "Dense_0": {**params["Dense_0"],
-                                                          "kernel": params["Dense_0"]["kernel"].at[0, 0].set(jnp.nan)}})
+  kernel = params["Dense_0"]["kernel"].at[0, 0].set(jnp.nan)
+  return {**params, "Dense_0": {**params["Dense_0"], "kernel": kernel}}
 
 
 def mean_loss(params, model_state, batch, weights, rng):
@@ -212,7 +212,8 @@ CASES = [
          r"holds checkpoints of another run: the checkpoint at step 4 .* different model or optimizer: "
          r".*\['Dense_1'\]\['kernel'\] is float32\[5, 8\] there and float32\[5, 16\] here",
          resume=True),
-    Case("checkpoint with another similarity target", resume_with(controller=controller(similarity_target=0.5)),
+    Case("checkpoint with another similarity target",
+         resume_with(controller=controller(similarity_target=0.5)),
          ValueError, r"the checkpoint at step 4 .* does not match this run's settings: state config differs "
                      r"from this controller's in: similarity_target \(saved 0.3, here 0.5\)", resume=True),
     Case("checkpoint with another seed", resume_with(seed=4), ValueError,

@@ -24,7 +24,6 @@ import pytest
 
 import simigrad_jax
 from reliability_helpers import SEED
-from simigrad_jax.host.checkpointing import CheckpointMismatchError
 from simigrad_jax.host.checkpointing import Checkpointer
 
 pytestmark = [
@@ -101,11 +100,14 @@ def saved_steps(root, steps=(1, 2, 3)):
   ckpt.close()
 
 
+def _numbers(x):
+  """An array's values as NumPy (a PRNG key's data)."""
+  return np.asarray(jax.random.key_data(x) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x)
+
+
 def assert_state_equal(got, want):
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-    if jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key):
-      a, b = jax.random.key_data(a), jax.random.key_data(b)
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    np.testing.assert_array_equal(_numbers(a), _numbers(b))
 
 
 @pytest.mark.parametrize("corrupt", CORRUPTIONS, ids=lambda f: f.__name__)
@@ -160,7 +162,7 @@ def test_a_checkpoint_of_another_model_is_refused_not_skipped(tmp_path):
   saved_steps(root, steps=(1, 2))
   ckpt = Checkpointer(root)
   other = {**small_state(0.0), "w": jnp.zeros((40, 99), jnp.float32)}
-  with pytest.raises(CheckpointMismatchError,
+  with pytest.raises(simigrad_jax.CheckpointMismatchError,
                      match=r"step 2 .* different model or optimizer: \['w'\] is float32\[40, 100\] "
                            r"there and float32\[40, 99\] here"):
     ckpt.restore(other)
@@ -177,7 +179,9 @@ def test_random_bit_flips_never_restore_wrong_values(tmp_path):
   """
   base = tmp_path / "base"
   saved_steps(base, steps=(1, 2))
-  files = [p for p in (base / "2").rglob("*") if p.is_file() and p.stat().st_size]
+  # Sorted by folder and size: orbax names data files at random, their sizes do not change.
+  files = sorted((p for p in (base / "2").rglob("*") if p.is_file() and p.stat().st_size),
+                 key=lambda p: (str(p.parent.relative_to(base)), p.stat().st_size, p.name))
   # Two flips in three hit the array data or the JSON, the damage orbax can miss.
   payload_files = [p for p in files if p.parent.name == "d" or p.name == "metadata"]
   rng = random.Random(SEED)
@@ -196,8 +200,7 @@ def test_random_bit_flips_never_restore_wrong_values(tmp_path):
           state=ocp.args.StandardRestore(small_state(0.0)), host=ocp.args.JsonRestore()))
       payload = raw.host.get("payload", {}) if isinstance(raw.host, dict) else {}
       same = payload.get("host") == {"step": 2, "examples_seen": 200} and all(
-          np.array_equal(np.asarray(jax.random.key_data(a) if jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key) else a),
-                         np.asarray(jax.random.key_data(b) if jax.dtypes.issubdtype(b.dtype, jax.dtypes.prng_key) else b))
+          np.array_equal(_numbers(a), _numbers(b))
           for a, b in zip(jax.tree.leaves(raw.state), jax.tree.leaves(small_state(2.0))))
       outcomes["orbax_alone_wrong"] += not same
     except Exception:  # pylint: disable=broad-except  (orbax noticed)

@@ -113,12 +113,3 @@ def finished_checkpoints(workdir: os.PathLike) -> list[int]:
     return []
   return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit())
 
-
-def rss_mb(pid: int | str = "self") -> tuple[float, float]:
-  """``(VmRSS, VmHWM)`` of a process in MiB, from /proc."""
-  values = {}
-  for line in pathlib.Path(f"/proc/{pid}/status").read_text().splitlines():
-    key, _, rest = line.partition(":")
-    if key in ("VmRSS", "VmHWM"):
-      values[key] = int(rest.split()[0]) / 1024
-  return values["VmRSS"], values["VmHWM"]

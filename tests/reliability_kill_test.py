@@ -160,6 +160,6 @@ def test_killed_run_resumes_exactly(name, straight, compile_cache, tmp_path):
   assert everything == once + again
   for e in redone:  # a redone step trained exactly what the resumed run trained at that step
     assert e["indices"] == final[e["step"]]["indices"]
-  print(f"\n{name}: kills {[run['kill']['kind'] + '@' + str(run['kill'].get('step', run['start']['step'])) for run in runs[:-1]]}, "
-        f"restored from {[run['start']['step'] for run in runs[1:]]}, "
+  kills = [f"{run['kill']['kind']}@{run['kill'].get('step', run['start']['step'])}" for run in runs[:-1]]
+  print(f"\n{name}: kills {kills}, restored from {[run['start']['step'] for run in runs[1:]]}, "
         f"examples trained twice {sum(again.values())}")

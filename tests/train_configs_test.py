@@ -91,8 +91,8 @@ def test_config_takes_two_steps_and_the_batch_size_moves(name, tmp_path, devices
   assert records[1]["batch_size"] == records[0]["next_batch_size"]
   new_params = jax.tree.map(lambda a: np.asarray(a.addressable_data(0)), trainer.state["params"])
   assert jax.tree.map(np.shape, new_params) == jax.tree.map(np.shape, experiment.params)
-  assert jax.tree.leaves(jax.tree.map(lambda a, b: not np.array_equal(a, b), new_params,
-                                      experiment.params))  # trained
+  changed = jax.tree.map(lambda a, b: not np.array_equal(a, b), new_params, experiment.params)
+  assert any(jax.tree.leaves(changed))  # trained
 
 
 def test_unknown_controller_and_bad_values_are_refused(devices):

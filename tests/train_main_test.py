@@ -21,7 +21,8 @@ CONFIGS = sorted(p for p in CONFIG_DIR.glob("*.py") if p.stem != "__init__")
 README = (ROOT / "README.md").read_text()
 README_COMMANDS = [line for block in re.findall(r"^```bash\n(.*?)^```", README, re.S | re.M)
                    for line in block.splitlines() if "python -m train " in line]
-MAIN_FLAGS = set(re.findall(r'DEFINE_\w+\(\s*"(\w+)"', (ROOT / "train" / "__main__.py").read_text()))
+MAIN_FLAGS = set(re.findall(r'DEFINE_\w+\(\s*"(\w+)"',
+                            (ROOT / "train" / "__main__.py").read_text()))
 # The digits demo at a size that compiles once and trains in seconds.
 SMALL = ["--config.mode=pad", "--config.cnn_features=(4, 8)", "--config.cnn_dense=16",
          "--config.tensorboard=False"]

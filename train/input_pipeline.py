@@ -140,7 +140,8 @@ class ResizedImageSource:
     return self._length
 
   def __repr__(self) -> str:
-    return f"ResizedImageSource({self._name!r}, {self._split!r}, {len(self)} examples, {self.size}px)"
+    return (f"ResizedImageSource({self._name!r}, {self._split!r}, {len(self)} examples, "
+            f"{self.size}px)")
 
   @property
   def element_spec(self) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
@@ -185,9 +186,9 @@ def load_digits(test_size: int = DIGITS_TEST_SIZE, seed: int = 0
   Returns:
     ``(train, test)`` dicts of ``image`` and ``label`` (int32) arrays.
   """
-  from sklearn.datasets import load_digits as sklearn_digits  # pylint: disable=import-outside-toplevel
+  from sklearn import datasets  # pylint: disable=import-outside-toplevel
 
-  digits = sklearn_digits()
+  digits = datasets.load_digits()
   images = (digits.images / 16.0).astype(np.float32)[..., None]
   labels = digits.target.astype(np.int32)
   order = np.random.default_rng(seed).permutation(len(labels))

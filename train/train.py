@@ -173,7 +173,8 @@ def create_controller(config: ml_collections.ConfigDict, num_devices: int) -> An
 def _image_fns(config, model, datasets):
   """``(prepare(images, rng, train) -> float32 images, ...)`` for the config's augmentation."""
   if config.augment not in AUGMENTATIONS:
-    raise ValueError(f"config.augment={config.augment!r} is not valid; choose one of {AUGMENTATIONS}")
+    raise ValueError(f"config.augment={config.augment!r} is not valid; "
+                     f"choose one of {AUGMENTATIONS}")
   mean, std = datasets.image_mean, datasets.image_std
 
   def prepare(images, rng, train: bool):

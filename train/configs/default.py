@@ -54,8 +54,10 @@ def get_config() -> ml_collections.ConfigDict:
   config.image_size = 224  # "inception": the crop's side (eval: the central crop).
 
   # ---------------------------------------------------------------- model
-  config.model = "mlp"  # "mlp" | "cnn" | "resnet18" | "resnet34" | "resnet50" | "resnet101" | "bert".
-  config.dtype = "float32"  # compute dtype of ResNet and BERT ("bfloat16" on GPUs); params stay float32.
+  # "mlp" | "cnn" | "resnet18" | "resnet34" | "resnet50" | "resnet101" | "bert".
+  config.model = "mlp"
+  # Compute dtype of ResNets and BERT ("bfloat16" on GPUs); parameters stay float32.
+  config.dtype = "float32"
   config.mlp_hidden = (128,)
   config.cnn_features = (32, 64)
   config.cnn_dense = 128
