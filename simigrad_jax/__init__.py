@@ -5,9 +5,12 @@ In-graph (runs inside your jit / pmap / shard_map step):
   scale_by_lr_factor, LrFactorState.
 Host side (Python decisions between steps):
   Controller, lr_factor, similarity, similarity_stats, set_lr_factor,
-  BucketPolicy, BatchPlan, plan_batch, bucket_shapes.
+  BucketPolicy, BatchPlan, plan_batch, bucket_shapes; other controllers by
+  name: make_controller, controller_names, controller_options.
 Training engine (host side): Trainer, with EpochSampler, ArraySource,
   TfdsSource, StepCompiler, Checkpointer, MetricsWriter, ProgressBar.
+Errors: CheckpointMismatchError (a checkpoint from another run),
+  ProcessDisagreementError (hosts disagree on a decision), StepCompileError.
 """
 
 from simigrad_jax.host.batch_plan import BatchPlan
@@ -15,9 +18,11 @@ from simigrad_jax.host.batch_plan import BucketPolicy
 from simigrad_jax.host.batch_plan import bucket_shapes
 from simigrad_jax.host.batch_plan import plan_batch
 from simigrad_jax.host.batch_plan import representable_batch_sizes
+from simigrad_jax.host.checkpointing import CheckpointMismatchError
 from simigrad_jax.host.checkpointing import Checkpointer
 from simigrad_jax.host.controller import Controller
 from simigrad_jax.host.controllers import controller_names
+from simigrad_jax.host.controllers import controller_options
 from simigrad_jax.host.controllers import make_controller
 from simigrad_jax.host.controllers import register_controller
 from simigrad_jax.host.lr_rules import lr_factor
@@ -31,8 +36,10 @@ from simigrad_jax.host.state_access import lr_factor_of
 from simigrad_jax.host.state_access import set_lr_factor
 from simigrad_jax.host.state_access import similarity
 from simigrad_jax.host.state_access import similarity_stats
+from simigrad_jax.host.step_compiler import StepCompileError
 from simigrad_jax.host.step_compiler import StepCompiler
 from simigrad_jax.host.step_compiler import enable_persistent_cache
+from simigrad_jax.host.trainer import ProcessDisagreementError
 from simigrad_jax.host.trainer import Trainer
 from simigrad_jax.ingraph.half_batch import value_and_half_grads
 from simigrad_jax.ingraph.lr_scaling import LrFactorState
@@ -47,19 +54,23 @@ __all__ = [
     "ArraySource",
     "BatchPlan",
     "BucketPolicy",
+    "CheckpointMismatchError",
     "Checkpointer",
     "Controller",
     "EpochSampler",
     "HalfGrads",
     "LrFactorState",
     "MetricsWriter",
+    "ProcessDisagreementError",
     "ProgressBar",
     "SimilarityState",
+    "StepCompileError",
     "StepCompiler",
     "TfdsSource",
     "Trainer",
     "bucket_shapes",
     "controller_names",
+    "controller_options",
     "enable_persistent_cache",
     "lr_factor",
     "lr_factor_of",

@@ -26,6 +26,26 @@ def test_unknown_name_and_duplicate_registration_are_refused():
     simigrad_jax.register_controller("fixed", simigrad_jax.Controller)
 
 
+def test_misspelt_and_foreign_options_are_refused_with_the_valid_names():
+  with pytest.raises(TypeError, match=r"make_controller\('simigrad'\) got unknown option\(s\) "
+                     r"'similarty_target' \(did you mean 'similarity_target'\?\); 'simigrad' takes "
+                     r"\[.*'similarity_target'.*\]"):
+    simigrad_jax.make_controller("simigrad", initial_batch_size=8, similarty_target=0.1)
+  # The factories that pass options on: the class's options, less those the factory sets.
+  with pytest.raises(TypeError, match=r"unknown option\(s\) 'enable_adjust'; 'fixed' takes"):
+    simigrad_jax.make_controller("fixed", initial_batch_size=8, enable_adjust=True)
+  with pytest.raises(TypeError, match=r"'multiple'; 'geometric' takes \[.*'final_batch_size'"):
+    simigrad_jax.make_controller("geometric", initial_batch_size=8, final_batch_size=64,
+                                 ramp_epochs=1.0, multiple=2.0)
+  assert "shape" not in simigrad_jax.controller_options("linear")
+  assert "shape" in simigrad_jax.controller_options("decreasing")
+  assert "final_batch_size" in simigrad_jax.controller_options("linear")
+  assert "enable_adjust" not in simigrad_jax.controller_options("fixed")
+  assert "similarity_target" in simigrad_jax.controller_options("fixed")
+  with pytest.raises(ValueError, match="unknown controller 'adaptive'"):
+    simigrad_jax.controller_options("adaptive")
+
+
 # ----------------------------------------------------- every registered controller
 
 import json  # noqa: E402

@@ -36,6 +36,8 @@ whole state as plain JSON (``state_dict``) that resumes exactly.
 
 from __future__ import annotations
 
+import difflib
+import inspect
 import logging
 import math
 from collections.abc import Mapping
@@ -91,7 +93,39 @@ def make_controller(name: str, **options: Any) -> Any:
   """
   if name not in _FACTORIES:
     raise ValueError(f"unknown controller {name!r}; choose one of {controller_names()}")
+  accepted = controller_options(name)
+  unknown = sorted(set(options) - set(accepted)) if accepted is not None else []
+  if unknown:
+    hints = [f"{u!r} (did you mean {close[0]!r}?)" if (close := difflib.get_close_matches(
+        u, accepted, n=1)) else repr(u) for u in unknown]
+    raise TypeError(f"make_controller({name!r}) got unknown option(s) {', '.join(hints)}; "
+                    f"{name!r} takes {sorted(accepted)}")
   return _FACTORIES[name](**options)
+
+
+def controller_options(name: str) -> tuple[str, ...] | None:
+  """The keyword options ``make_controller(name, ...)`` accepts (None: the factory does not say).
+
+  Read from the factory's signature; a factory that passes ``**options`` on to
+  a class names it in ``forwards_options_to`` (and the options it sets
+  itself in ``sets_options``).
+  """
+  if name not in _FACTORIES:
+    raise ValueError(f"unknown controller {name!r}; choose one of {controller_names()}")
+  return _option_names(_FACTORIES[name])
+
+
+def _option_names(factory: Callable[..., Any]) -> tuple[str, ...] | None:
+  params = inspect.signature(factory).parameters.values()
+  names = {p.name for p in params
+           if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)}
+  if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+    target = getattr(factory, "forwards_options_to", None)
+    forwarded = None if target is None else _option_names(target)
+    if forwarded is None:
+      return None
+    names |= set(forwarded) - set(getattr(factory, "sets_options", ()))
+  return tuple(sorted(names))
 
 
 def _fixed(initial_batch_size: int, similarity_target: float = 0.0, **options: Any) -> Controller:
@@ -870,6 +904,12 @@ class GnsController(_BaseController):
   def _log_details(self):
     return f" (noise scale {self.noise_scale}, target {self.target_batch_size})"
 
+
+for _factory, _target, _sets in ((_fixed, Controller, ("enable_adjust",)),
+                                 (_linear, ScheduleController, ("shape",)),
+                                 (_geometric, ScheduleController, ("shape",)),
+                                 (_decreasing, ScheduleController, ())):
+  _factory.forwards_options_to, _factory.sets_options = _target, _sets
 
 register_controller("simigrad", Controller)
 register_controller("fixed", _fixed)
