@@ -54,7 +54,7 @@ bundled 8x8 digits (1,797 images: 1,257 train, 180 validation, 360 test);
 
 Usage::
 
-  python benchmarks/pareto.py --quick --out docs/pareto_quick.json  # < 10 min on 2 cores
+  python benchmarks/pareto.py --quick --profile --out docs/pareto_quick.json  # < 10 min on 2 cores
   python benchmarks/pareto.py --out /tmp/pareto.json --profile      # the full grid
   # Add learning-rate variants of the adaptive runs, reusing every run already done:
   python benchmarks/pareto.py --profile --reuse /tmp/pareto.json --out /tmp/pareto_lr.json \
@@ -103,6 +103,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
+from jax.experimental.compilation_cache import compilation_cache  # noqa: E402
 
 import simigrad_jax  # noqa: E402
 from benchmarks import common  # noqa: E402
@@ -1026,6 +1027,19 @@ def _validate(args: argparse.Namespace, num_train: int) -> None:
     raise ValueError(f"unknown schedules {unknown}; choose from linear, geometric, loss_plateau")
 
 
+# The process-wide JAX settings the trainers' compilation cache changes; main puts them back,
+# so that later compiles in the same process do not write into the deleted temporary cache.
+_CACHE_SETTINGS = ("jax_enable_compilation_cache", "jax_compilation_cache_dir",
+                   "jax_persistent_cache_min_compile_time_secs",
+                   "jax_persistent_cache_min_entry_size_bytes")
+
+
+def _restore_cache_settings(settings: dict[str, Any]) -> None:
+  for name, value in settings.items():
+    jax.config.update(name, value)
+  compilation_cache.reset_cache()
+
+
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   """Runs the benchmark; prints a table, writes JSON to ``--out`` and the PNG; returns the results.
 
@@ -1056,6 +1070,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
       tempfile.mkdtemp(prefix="simigrad-pareto-"))
   root.mkdir(parents=True, exist_ok=True)
   started = time.perf_counter()
+  cache_settings = {name: getattr(jax.config, name) for name in _CACHE_SETTINGS}
   runs: list[dict[str, Any]] = []
   profile = None
   try:
@@ -1104,6 +1119,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                               at_epochs=(0.0, round(e / 4, 3), round(e / 2, 3),
                                          round(3 * e / 4, 3), e))
   finally:
+    _restore_cache_settings(cache_settings)
     if not keep:
       shutil.rmtree(root, ignore_errors=True)
 
