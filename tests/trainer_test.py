@@ -250,3 +250,54 @@ def test_two_processes_take_the_same_decisions_as_one(straight_run, tmp_path):
                              rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose([r["similarity"] for r in records],
                              [r["similarity"] for r in straight_run], rtol=1e-4, atol=1e-5)
+
+
+def test_a_step_whose_shape_is_compiling_runs_on_a_compiled_shape(tmp_path):
+  """compile_fallback: same examples, same update, no compile wait after the first step."""
+  data = dataset()
+
+  def run(workdir, fallback, gate=None):
+    # Sizes 44, 44, then back to 16: micro-batch shapes 8 and 2 on 8 devices.
+    controller = simigrad_jax.Controller(16, 0.0, enable_adjust=False, batch_size_lower_bound=16,
+                                         batch_size_upper_bound=44, batch_sizes_to_profile=(44,),
+                                         profile_steps_per_size=2)
+    trainer = make_trainer(workdir, data, controller, compile_fallback=fallback)
+    first = trainer._plan(controller.batch_size, None).micro_batch_size
+    if gate is not None:  # every shape but the first step's compiles once the gate opens
+      lower = trainer._compiler._lower
+
+      def gated_lower(size):
+        if size != first:
+          gate.wait(timeout=30)  # (without a fallback the steps would wait this long, then fail)
+        return lower(size)
+
+      trainer._compiler._lower = gated_lower
+    try:
+      summary = trainer.train(num_steps=5)
+    finally:
+      if gate is not None:
+        gate.set()
+      trainer.close()
+    records = [r for r in simigrad_jax.read_metrics(workdir / "metrics.jsonl") if "batch_size" in r]
+    params = jax.tree.map(lambda a: np.asarray(a.addressable_data(0)), trainer.state["params"])
+    return first, summary, records, params
+
+  import threading  # pylint: disable=import-outside-toplevel
+  first, summary, records, params = run(tmp_path / "fallback", True, threading.Event())
+  _, _, exact_records, exact_params = run(tmp_path / "exact", False)
+  sizes = [r["batch_size"] for r in records]
+  assert sizes == [r["batch_size"] for r in exact_records] and {16, 44} <= set(sizes)
+  assert len({r["micro_batch_size"] for r in exact_records}) == 2  # two shapes when exact
+  for record, exact in zip(records, exact_records):
+    assert record["micro_batch_size"] == first  # the only shape compiled
+    assert record["compile_fallback"] == (exact["micro_batch_size"] != first)
+    assert not exact["compile_fallback"]
+    steps = -(-record["batch_size"] // (8 * first))
+    assert record["accumulation_steps"] == steps
+    assert record["padded_examples"] == 8 * first * steps - record["batch_size"]
+    np.testing.assert_allclose(record["loss"], exact["loss"], rtol=1e-5)
+    np.testing.assert_allclose(record["similarity"], exact["similarity"], rtol=1e-4, atol=1e-5)
+  assert summary["compile_fallback_steps"] == sum(r["compile_fallback"] for r in records) >= 2
+  assert all(r["compile_wait_step_seconds"] == 0 for r in records[1:])
+  for want, have in zip(jax.tree.leaves(exact_params), jax.tree.leaves(params)):
+    np.testing.assert_allclose(have, want, rtol=1e-5, atol=1e-6)

@@ -119,6 +119,13 @@ class Trainer:
       and is written into the optimizer state with it, so it costs no
       recompilation. E.g. step decay at epochs 80 and 120, or a warm-up.
     background_compile: compile the other shapes in a background thread.
+    compile_fallback: in ``"recompile"`` mode, run a step whose micro-batch
+      shape is still compiling on the nearest shape already compiled instead
+      of waiting (the same examples and global batch, with more accumulation
+      steps or zero-weight padding; the record's ``compile_fallback`` says
+      so), so that only the first step waits for a compile. With BatchNorm
+      the statistics are those of the fallback's micro-batches. Used with one
+      process only: every process must run the same shapes.
     compilation_cache_dir: optional persistent compilation cache directory.
     tensorboard: also write TensorBoard event files.
     progress: show a progress bar (process 0 only).
@@ -178,6 +185,7 @@ class Trainer:
       eval_fn: Callable[[Any, Any], Mapping[str, float]] | None = None,
       lr_schedule: Callable[[float], float] | None = None,
       background_compile: bool = True,
+      compile_fallback: bool = True,
       compilation_cache_dir: str | os.PathLike | None = None,
       tensorboard: bool = True,
       progress: bool = True,
@@ -209,7 +217,7 @@ class Trainer:
       checkpoint_every_steps = validation.check_int("checkpoint_every_steps", checkpoint_every_steps, 1)
     max_checkpoints = validation.check_int("max_checkpoints", max_checkpoints, 1)
     for name, flag in (("background_compile", background_compile), ("tensorboard", tensorboard),
-                       ("progress", progress)):
+                       ("progress", progress), ("compile_fallback", compile_fallback)):
       validation.check_bool(name, flag)
     if not isinstance(axis_name, str) or not axis_name:
       raise ValueError(f"axis_name must be a non-empty string, got {axis_name!r}")
@@ -251,6 +259,9 @@ class Trainer:
       # Smaller requests (the last step of a run) pad up to the smallest needed shape.
       self.policy = batch_plan.BucketPolicy(max_micro, min(needed), padding=True)
     self.shapes = self.policy.micro_batch_sizes()
+    # Processes decide from their own compile progress, so they could pick different shapes.
+    self._compile_fallback = (compile_fallback and background_compile and mode == "recompile"
+                              and jax.process_count() == 1)
 
     # Multi-host: every process must run the same program; a difference would
     # deadlock the first collective, so compare the settings first.
@@ -384,6 +395,25 @@ class Trainer:
     return batch_plan.plan_batch(batch_size, self.num_devices, self.policy,
                                  previous_batch_size=previous, lower=1, upper=None)
 
+  def _ready_plan(self, plan: batch_plan.BatchPlan) -> batch_plan.BatchPlan:
+    """``plan``, or while its shape is still compiling, the same batch on the nearest compiled shape.
+
+    The nearest in log scale (ties: the larger shape, fewer micro-steps) with
+    the fewest accumulation steps that hold the batch; the examples and their
+    devices are those of ``plan`` (the device halves hold the same examples).
+    """
+    if not self._compile_fallback:
+      return plan
+    ready = [g for g in self._compiler.stats()["compiled_sizes"] if g in self.shapes]
+    if not ready or plan.micro_batch_size in ready:
+      return plan
+    self._compiler.prefetch([plan.micro_batch_size])  # (a no-op when queued or compiling)
+    micro = min(ready, key=lambda g: (abs(math.log(g / plan.micro_batch_size)), -g))
+    steps = -(-plan.global_batch_size // (self.num_devices * micro))
+    return dataclasses.replace(
+        plan, micro_batch_size=micro, accumulation_steps=steps,
+        padded_examples=self.num_devices * micro * steps - plan.global_batch_size)
+
   def _local_rows(self, first_example: int, count: int):
     """Loads this process's rows among the next ``count`` examples (runs in the data thread)."""
     indices = self.sampler.indices_at(first_example, count)
@@ -426,7 +456,8 @@ class Trainer:
 
     Returns:
       A summary dict: steps, examples seen, average batch size, final batch
-      size, last loss and similarity, the compile and data timings, and the
+      size, last loss and similarity, the compile and data timings (and
+      ``compile_fallback_steps``: steps run on a fallback shape), and the
       last evaluation (if any).
     """
     if num_epochs is None and num_steps is None:
@@ -445,7 +476,8 @@ class Trainer:
         total_examples if math.isfinite(total_examples) else 0,
         initial=min(self.sampler.examples_seen, total_examples) if math.isfinite(total_examples) else 0,
         enabled=self._progress_enabled)
-    run = {"examples": 0, "steps": 0, "wall": 0.0, "data": 0.0, "last": {}, "eval": {}}
+    run = {"examples": 0, "steps": 0, "wall": 0.0, "data": 0.0, "fallback": 0, "last": {},
+           "eval": {}}
     next_data = self._submit_data(self.controller.batch_size, total_examples)
     try:
       while self.step < max_steps and self.sampler.examples_seen < total_examples:
@@ -454,6 +486,7 @@ class Trainer:
         run["steps"] += 1
         run["wall"] += record["step_seconds"]
         run["data"] += record["data_seconds"]
+        run["fallback"] += record["compile_fallback"]
         run["last"] = record
         progress.update(record["batch_size"], loss=record["loss"], batch=record["batch_size"],
                         sim=record["similarity"])
@@ -475,7 +508,8 @@ class Trainer:
         "average_batch_size": run["examples"] / run["steps"] if run["steps"] else math.nan,
         "final_batch_size": self.controller.batch_size,
         "loss": last.get("loss"), "similarity": last.get("similarity"),
-        "wall_seconds": run["wall"], "data_seconds": run["data"], **compile_stats,
+        "wall_seconds": run["wall"], "data_seconds": run["data"],
+        "compile_fallback_steps": run["fallback"], **compile_stats,
         **run["eval"],
     }
 
@@ -499,7 +533,8 @@ class Trainer:
     remaining = total_examples - self.sampler.examples_seen
     if remaining < batch_size:
       batch_size = int(remaining)  # the run's last step lands exactly on num_epochs
-    plan = self._plan(batch_size, None)
+    exact = self._plan(batch_size, None)
+    plan = self._ready_plan(exact)
     start, loaded_count, future = pending
     wait_start = time.perf_counter()
     if start == self.sampler.examples_seen and loaded_count >= plan.global_batch_size:
@@ -559,6 +594,7 @@ class Trainer:
         "micro_batch_size": plan.micro_batch_size,
         "accumulation_steps": plan.accumulation_steps,
         "padded_examples": plan.padded_examples,
+        "compile_fallback": plan != exact,
         "lr_factor": lr_used,
         "next_batch_size": next_batch_size,
         "next_lr_factor": self._lr_used,
