@@ -41,7 +41,7 @@ def test_rule_sweep_moves_like_the_controller_up_and_down(switching):
 def test_quick_run_schema(quick_run, devices):
   written, returned = quick_run
   assert written["devices"] == len(devices) == 8
-  assert set(written["modes"]) == {"recompile", "pad"}
+  assert set(written["modes"]) == {"recompile", "recompile_wait", "pad"}
   for mode, result in written["modes"].items():
     for key in ("steps", "buckets_visited", "compiles", "compile_seconds",
                 "compile_wait_seconds", "wall_seconds", "data_seconds", "padding_fraction"):
@@ -62,15 +62,22 @@ def test_quick_run_schema(quick_run, devices):
   assert written["modes"]["recompile"]["examples"] == written["modes"]["pad"]["examples"]
 
 
-def test_recompile_compiles_each_visited_shape_once(quick_run):
-  result = quick_run[0]["modes"]["recompile"]
+@pytest.mark.parametrize("mode", ["recompile", "recompile_wait"])
+def test_recompile_compiles_each_visited_shape_once(quick_run, mode):
+  result = quick_run[0]["modes"][mode]
   visited = result["visited_micro_batch_sizes"]
   compiled = result["compiled_micro_batch_sizes"]
-  assert result["buckets_visited"] == len(visited) >= 3
+  # Waiting, each step runs its own shape; with the fallback, the compiled ones (at least one).
+  assert result["buckets_visited"] == len(visited) >= (3 if mode == "recompile_wait" else 1)
   assert set(visited) <= set(compiled) <= set(result["grid_micro_batch_sizes"])
   # One compile per shape (prefetched shapes included) plus the apply step.
   assert result["compiles"] == len(compiled) + 1
   assert result["steps_that_waited"] <= len(visited)  # only a first visit can wait
+  if mode == "recompile":  # a shape still compiling is replaced by a compiled one
+    assert result["steps_that_waited"] <= 1
+    assert result["compile_wait_share_after_first_step"] == 0
+  else:
+    assert result["compile_fallback_steps"] == 0
 
 
 def test_pad_compiles_one_shape(quick_run):
@@ -86,6 +93,9 @@ def test_pad_compiles_one_shape(quick_run):
 def test_padding_fraction_matches_the_plans(quick_run):
   written = quick_run[0]
   for mode, result in written["modes"].items():
+    assert result["rows_computed"] == result["examples"] + result["padded_examples"]
+    if result["compile_fallback_steps"]:  # steps on another shape than their plan's
+      continue
     low = written["max_micro_batch_size"] if mode == "pad" else 1
     policy = simigrad_jax.BucketPolicy(written["max_micro_batch_size"], low)
     plans = [simigrad_jax.plan_batch(b, 8, policy) for b in written["schedule"]]
