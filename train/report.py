@@ -132,6 +132,7 @@ def summarize(workdir: pathlib.Path, run: dict[str, Any], devices: list[Any],
       "compiles": run["compiles"],
       "compile_seconds": run["compile_seconds"],
       "compile_wait_seconds": run["compile_wait_seconds"],
+      "compile_fallback_steps": run.get("compile_fallback_steps", 0),
       "compiled_micro_batch_sizes": run["compiled_micro_batch_sizes"],
       "devices": f"{len(devices)} x {devices[0].platform}",
       "seconds": seconds,
@@ -157,7 +158,8 @@ def print_summary(summary: dict[str, Any]) -> None:
       ("compiles", f"{summary['compiles']} (micro-batch sizes "
                    f"{sorted(summary['compiled_micro_batch_sizes'])} + the update; "
                    f"{summary['compile_seconds']:.1f} s, "
-                   f"{summary['compile_wait_seconds']:.1f} s waited)"),
+                   f"{summary['compile_wait_seconds']:.1f} s waited, "
+                   f"{summary['compile_fallback_steps']} steps on a fallback shape)"),
       ("devices", summary["devices"]),
       ("runtime", f"{summary['seconds']:.1f} s"),
       ("metrics", summary["metrics"]),
