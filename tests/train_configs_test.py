@@ -128,3 +128,11 @@ def test_fixed_controller_keeps_the_batch_size(tmp_path, devices):
   records = [r for r in simigrad_jax.read_metrics(tmp_path / "metrics.jsonl") if "batch_size" in r]
   assert [r["batch_size"] for r in records] == [16, 16]
   assert all(r["similarity"] is not None for r in records)  # still measured and logged
+
+
+def test_every_option_of_the_default_config_is_in_the_readme_table():
+  import re  # pylint: disable=import-outside-toplevel
+  readme = (ROOT / "README.md").read_text()
+  table = readme[readme.index("### Every config option"):readme.index("### Files a run leaves")]
+  documented = set(re.findall(r"`(\w+)`", table))
+  assert not set(load_config("default").keys()) - documented

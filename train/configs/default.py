@@ -114,6 +114,8 @@ def get_config() -> ml_collections.ConfigDict:
   config.max_micro_batch_size = 64  # rows per device per micro-step (accumulate beyond).
   config.min_micro_batch_size = config_dict.placeholder(int)  # smallest compiled shape.
   config.mode = "recompile"  # "recompile" (power-of-two shapes) | "pad" (one shape).
+  # Run a step whose shape is still compiling on a compiled one (one process only).
+  config.compile_fallback = True
   config.checkpoint_every_steps = config_dict.placeholder(int)  # None: at epoch ends only.
   config.max_checkpoints = 3
   config.compilation_cache_dir = config_dict.placeholder(str)  # JAX's persistent cache.
