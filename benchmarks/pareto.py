@@ -59,6 +59,10 @@ Usage::
   # Add learning-rate variants of the adaptive runs, reusing every run already done:
   python benchmarks/pareto.py --profile --reuse /tmp/pareto.json --out /tmp/pareto_lr.json \
       --adaptive-lr-multipliers 1,2 --adaptive-lr-rules sqrt,linear
+  # SimiGrad with more Controller options, one variant per JSON object:
+  python benchmarks/pareto.py --reuse docs/pareto_mnist.json --targets 0.2,0.3,0.4 \
+      --bounds 16:1024 --gns "" --schedules "" --out /tmp/variants.json \
+      --simigrad-options '[{}, {"smooth_factor": 0.5}, {"dead_band": 0.1}]'
 
 JSON written to ``--out`` (machine-read)::
 
@@ -129,14 +133,16 @@ FULL = {
     "fixed": (16, 32, 64, 128, 256, 512, 1024), "lr_multipliers": (0.25, 0.5, 1.0, 2.0, 4.0),
     "targets": (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7), "bounds": ((16, 256), (16, 1024)),
     "gns": (0.25, 0.5, 1.0, 2.0, 4.0), "schedules": ("linear", "geometric", "loss_plateau"),
-    "adaptive_lr_multipliers": (1.0, 2.0), "adaptive_lr_rules": ("sqrt", "linear"),
+    "simigrad_options": ({},), "adaptive_lr_multipliers": (1.0, 2.0),
+    "adaptive_lr_rules": ("sqrt", "linear"),
 }
 QUICK = {
     "dataset": "digits", "epochs": 8, "seeds": (0, 1), "hidden": 32,
     "fixed": (16, 32, 64, 128, 256, 512), "lr_multipliers": (0.5, 1.0, 2.0),
     "targets": (0.0, 0.1, 0.2, 0.3, 0.5, 0.7), "bounds": ((16, 512),),
     "gns": (0.25, 0.5, 1.0, 2.0, 4.0), "schedules": ("linear", "geometric", "loss_plateau"),
-    "adaptive_lr_multipliers": None, "adaptive_lr_rules": ("sqrt", "linear"),
+    "simigrad_options": ({},), "adaptive_lr_multipliers": None,
+    "adaptive_lr_rules": ("sqrt", "linear"),
 }
 
 
@@ -257,6 +263,11 @@ def lr_schedule_fn(name: str, epochs: float) -> Callable[[float], float]:
   raise ValueError(f"--lr-schedule must be one of {LR_SCHEDULES}, got {name!r}")
 
 
+# The SimiGrad options the grid sets; --simigrad-options adds others (e.g. smooth_factor).
+_SIMIGRAD_GRID_KEYS = ("initial_batch_size", "similarity_target", "batch_size_lower_bound",
+                       "batch_size_upper_bound")
+
+
 @dataclasses.dataclass(frozen=True)
 class RunSpec:
   """One training run: a controller by name with its options, a learning rate and a seed."""
@@ -277,7 +288,8 @@ class RunSpec:
     if self.controller == "fixed":
       return f"B={o['initial_batch_size']}"
     if self.controller == "simigrad":
-      return (f"s={o['similarity_target']:g} [{o['batch_size_lower_bound']},"
+      extra = "".join(f" {k}={v:g}" for k, v in self.options if k not in _SIMIGRAD_GRID_KEYS)
+      return (f"s={o['similarity_target']:g}{extra} [{o['batch_size_lower_bound']},"
               f"{o['batch_size_upper_bound']}]")
     if self.controller == "gns":
       return (f"m={o['multiple']:g} [{o['batch_size_lower_bound']},"
@@ -453,10 +465,11 @@ def _adaptive_specs_at(args: argparse.Namespace, grid: dict[str, Any], lr: float
   for seed in grid["seeds"]:
     for lower, upper in grid["bounds"]:
       for target in grid["targets"]:
-        specs.append(RunSpec("simigrad", (
-            ("initial_batch_size", b0), ("similarity_target", float(target)),
-            ("batch_size_lower_bound", lower), ("batch_size_upper_bound", upper)),
-            lr, multiplier, seed, rule))
+        for extra in grid["simigrad_options"]:
+          specs.append(RunSpec("simigrad", (
+              ("initial_batch_size", b0), ("similarity_target", float(target)),
+              ("batch_size_lower_bound", lower), ("batch_size_upper_bound", upper),
+              *sorted(extra.items())), lr, multiplier, seed, rule))
       for m in grid["gns"]:
         specs.append(RunSpec("gns", (
             ("initial_batch_size", b0), ("multiple", float(m)),
@@ -934,6 +947,22 @@ def _ints(text: str) -> tuple[int, ...]:
   return tuple(int(x) for x in text.split(",") if x.strip())
 
 
+def _option_sets(text: str) -> tuple[dict[str, float], ...]:
+  """A JSON list of objects of numeric SimiGrad options (not the ones the grid sets)."""
+  try:
+    value = json.loads(text)
+  except ValueError as e:
+    raise argparse.ArgumentTypeError(f"not JSON: {e}") from e
+  if not isinstance(value, list) or not value or not all(isinstance(v, dict) for v in value):
+    raise argparse.ArgumentTypeError(f"want a non-empty JSON list of objects, got {text!r}")
+  for options in value:
+    for key, v in options.items():
+      if key in _SIMIGRAD_GRID_KEYS or isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise argparse.ArgumentTypeError(
+            f"{key}={v!r}: give numeric options other than {_SIMIGRAD_GRID_KEYS}")
+  return tuple(value)
+
+
 def _bounds(text: str) -> tuple[tuple[int, int], ...]:
   pairs = []
   for part in text.split(","):
@@ -957,6 +986,10 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   parser.add_argument("--targets", type=_floats, default=None, help="SimiGrad similarity targets")
   parser.add_argument("--bounds", type=_bounds, default=None,
                       help="adaptive batch-size bounds as lower:upper pairs, e.g. 16:512,32:1024")
+  parser.add_argument("--simigrad-options", type=_option_sets, default=None,
+                      help="more SimiGrad Controller options as a JSON list of objects, one "
+                      "variant each, e.g. '[{}, {\"smooth_factor\": 0.5}, {\"dead_band\": 0.1}]' "
+                      "(default: [{}])")
   parser.add_argument("--gns", type=_floats, default=None, help="noise-scale multiples")
   parser.add_argument("--schedules", default=None,
                       help="comma-separated: linear, geometric, loss_plateau ('' for none)")
@@ -989,7 +1022,8 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   for key, value in (("dataset", args.dataset), ("epochs", args.epochs), ("seeds", args.seeds),
                      ("hidden", args.hidden), ("fixed", args.fixed),
                      ("lr_multipliers", args.lr_multipliers), ("targets", args.targets),
-                     ("bounds", args.bounds), ("gns", args.gns)):
+                     ("bounds", args.bounds), ("gns", args.gns),
+                     ("simigrad_options", args.simigrad_options)):
     if value is not None:
       grid[key] = value
   if args.schedules is not None:
@@ -1141,6 +1175,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
       "base_batch_size": args.base_batch_size, "lr_schedule": args.lr_schedule,
       "lr_multipliers": list(grid["lr_multipliers"]), "optimizer": "sgd(momentum=0.9)",
       "adaptive_lr_rules": list(grid["adaptive_lr_rules"]),
+      "simigrad_options": list(grid["simigrad_options"]),
       "adaptive_lr_multipliers": list(adaptive_multipliers),
       "reused_from": args.reuse, "reused_runs": 0 if cache is None else cache.reused,
       "devices": len(devices), "platform": devices[0].platform, "jax_version": jax.__version__,

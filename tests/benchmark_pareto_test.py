@@ -8,6 +8,7 @@ import numbers
 import numpy as np
 import pytest
 
+import simigrad_jax
 from benchmarks import pareto
 
 TINY = ["--quick", "--epochs", "1", "--seeds", "0,1", "--fixed", "16,64", "--lr-multipliers", "1",
@@ -277,3 +278,20 @@ def test_reuse_refuses_a_different_experiment_and_matches_exactly(tiny_run, tmp_
                 dataclasses.replace(spec, options=(("initial_batch_size", 32),))):
     assert cache.lookup(other) is None
   assert cache.reused == 1
+
+
+def test_simigrad_option_variants_are_separate_settings():
+  args = pareto._parse_args(["--quick", "--targets", "0.3", "--bounds", "16:128", "--gns", "",
+                             "--schedules", "", "--seeds", "0",
+                             "--simigrad-options", '[{}, {"smooth_factor": 0.5}]'])
+  specs = pareto.adaptive_specs(args, args.grid, [(0.2, 1.0, "sqrt")], num_train=1257)
+  assert [s.label() for s in specs] == ["s=0.3 [16,128]", "s=0.3 smooth_factor=0.5 [16,128]"]
+  assert specs[1].settings_dict()["smooth_factor"] == 0.5
+  assert "smooth_factor" not in specs[0].settings_dict()
+  # Each variant is a controller the registry builds.
+  controller = simigrad_jax.make_controller("simigrad", **dict(specs[1].options))
+  assert controller.config["smooth_factor"] == 0.5
+  for bad in ('{"smooth_factor": 0.5}', '[{"similarity_target": 0.1}]', '[{"verbose": true}]',
+              "[{"):
+    with pytest.raises(SystemExit):
+      pareto._parse_args(["--simigrad-options", bad])
