@@ -233,7 +233,7 @@ def test_background_failure_surfaces_in_get_for_that_size_only(mesh):
     stats = compiler.stats()
   assert sorted(lower.calls) == [2, 3, 4]
   assert stats["compiles"] == 2
-  assert stats["compiled_sizes"] == [2, 4]
+  assert stats["compiled_sizes"] == [2, 4] and stats["failed_sizes"] == [3]
 
 
 def test_synchronous_failure_and_bad_lower_result(mesh):

@@ -6,6 +6,7 @@ import pathlib
 import socket
 import subprocess
 import sys
+import time
 
 import flax.linen as nn
 import jax
@@ -301,3 +302,27 @@ def test_a_step_whose_shape_is_compiling_runs_on_a_compiled_shape(tmp_path):
   assert all(r["compile_wait_step_seconds"] == 0 for r in records[1:])
   for want, have in zip(jax.tree.leaves(exact_params), jax.tree.leaves(params)):
     np.testing.assert_allclose(have, want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_shape_that_fails_to_compile_is_raised_not_replaced(tmp_path):
+  """The fallback covers a shape still compiling, never one whose compile failed."""
+  controller = simigrad_jax.Controller(16, 0.0, enable_adjust=False, batch_size_lower_bound=16,
+                                       batch_size_upper_bound=44, batch_sizes_to_profile=(44,))
+  trainer = make_trainer(tmp_path, dataset(), controller)
+  first = trainer._plan(16, None).micro_batch_size
+  broken = trainer._plan(44, None).micro_batch_size
+  lower = trainer._compiler._lower
+
+  def failing_lower(size):
+    if size == broken:
+      raise RuntimeError("out of memory (injected)")
+    return lower(size)
+
+  trainer._compiler._lower = failing_lower
+  trainer._compiler.prefetch([first, broken])
+  while broken not in trainer._compiler.stats()["failed_sizes"]:
+    time.sleep(0.01)
+  with pytest.raises(simigrad_jax.StepCompileError, match=f"micro_batch_size={broken} failed with "
+                     r"RuntimeError: out of memory \(injected\)"):
+    trainer.train(num_steps=3)
+  trainer.close()

@@ -236,8 +236,10 @@ class StepCompiler:
     Returns:
       A dict with ``compiles`` (successful compiles), ``compile_seconds``
       (total lower + compile time in any thread, failed attempts included),
-      ``compile_wait_seconds`` (total time :meth:`get` blocked) and
-      ``compiled_sizes`` (sorted list of the sizes ready to use).
+      ``compile_wait_seconds`` (total time :meth:`get` blocked),
+      ``compiled_sizes`` (sorted list of the sizes ready to use) and
+      ``failed_sizes`` (those whose lowering or compile failed; :meth:`get`
+      raises for them).
     """
     with self._lock:
       return {
@@ -247,6 +249,9 @@ class StepCompiler:
           "compiled_sizes": sorted(
               size for size, job in self._jobs.items()
               if job.done.is_set() and job.error is None),
+          "failed_sizes": sorted(
+              size for size, job in self._jobs.items()
+              if job.done.is_set() and job.error is not None),
       }
 
   def close(self) -> None:

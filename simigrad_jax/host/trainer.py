@@ -404,8 +404,10 @@ class Trainer:
     """
     if not self._compile_fallback:
       return plan
-    ready = [g for g in self._compiler.stats()["compiled_sizes"] if g in self.shapes]
-    if not ready or plan.micro_batch_size in ready:
+    stats = self._compiler.stats()
+    ready = [g for g in stats["compiled_sizes"] if g in self.shapes]
+    # A failed shape is not replaced: getting it raises, rather than falling back for ever.
+    if not ready or plan.micro_batch_size in ready + stats["failed_sizes"]:
       return plan
     self._compiler.prefetch([plan.micro_batch_size])  # (a no-op when queued or compiling)
     micro = min(ready, key=lambda g: (abs(math.log(g / plan.micro_batch_size)), -g))
