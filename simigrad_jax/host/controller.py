@@ -62,7 +62,83 @@ DECISIONS: tuple[str, ...] = (
     "nonfinite")
 
 
-class Controller:
+class BoundedBatchSize:
+  """What every controller shares: a batch size within optional bounds, and its counters.
+
+  Holds the validated bounds, B_0, the current size, the update count, the
+  non-finite count and the last decision and similarity; gives them as
+  read-only properties, and :meth:`set_batch_size`. Subclasses call
+  :meth:`_init_bounded_batch_size` first and keep ``_batch_size``,
+  ``_step``, ``_nonfinite``, ``_last_decision`` and ``_last_similarity`` up
+  to date in ``update``.
+  """
+
+  def _init_bounded_batch_size(self, initial_batch_size: Any, lower: Any, upper: Any) -> None:
+    self._lower = None if lower is None else validation.check_int(
+        "batch_size_lower_bound", lower, 1)
+    self._upper = None if upper is None else validation.check_int(
+        "batch_size_upper_bound", upper, 1)
+    if None not in (self._lower, self._upper) and self._lower > self._upper:
+      raise ValueError(
+          f"batch_size_lower_bound ({self._lower}) must not exceed "
+          f"batch_size_upper_bound ({self._upper})")
+    self._initial = self._check_size("initial_batch_size", initial_batch_size)
+    self._batch_size = self._initial
+    self._step = 0
+    self._nonfinite = 0
+    self._last_decision: str | None = None
+    self._last_similarity: float | None = None
+
+  @property
+  def batch_size(self) -> int:
+    """The global batch size to use for the next optimizer step."""
+    return self._batch_size
+
+  @property
+  def initial_batch_size(self) -> int:
+    """B_0, the size the learning rate is tuned for."""
+    return self._initial
+
+  @property
+  def step(self) -> int:
+    """The number of :meth:`update` calls so far."""
+    return self._step
+
+  @property
+  def nonfinite_count(self) -> int:
+    """How many updates were non-finite (and kept the size)."""
+    return self._nonfinite
+
+  @property
+  def last_decision(self) -> str | None:
+    """Why the last update kept or moved the size (one of the module's ``DECISIONS``)."""
+    return self._last_decision
+
+  @property
+  def last_similarity(self) -> float | None:
+    """The similarity passed to the last update (None before the first)."""
+    return self._last_similarity
+
+  def set_batch_size(self, batch_size: int) -> None:
+    """Adopts a batch size chosen elsewhere (e.g. the size a plan realised).
+
+    Args:
+      batch_size: an integer >= 1 within the bounds.
+    """
+    self._batch_size = self._check_size("batch_size", batch_size)
+
+  def _check_size(self, name: str, value: Any) -> int:
+    size = validation.check_int(name, value, 1)
+    lower = 1 if self._lower is None else self._lower
+    upper = math.inf if self._upper is None else self._upper
+    if not lower <= size <= upper:
+      raise ValueError(
+          f"{name} must lie within [batch_size_lower_bound, "
+          f"batch_size_upper_bound] = [{lower}, {upper}], got {size}")
+    return size
+
+
+class Controller(BoundedBatchSize):
   """Turns each step's gradient similarity into the next global batch size.
 
   This is SimiGrad's rule (see the module docstring for the reference): with
@@ -130,15 +206,8 @@ class Controller:
     self._target = validation.check_real(
         "similarity_target", similarity_target, "[-1, 1]",
         lambda x: -1.0 <= x <= 1.0)
-    self._lower = None if batch_size_lower_bound is None else validation.check_int(
-        "batch_size_lower_bound", batch_size_lower_bound, 1)
-    self._upper = None if batch_size_upper_bound is None else validation.check_int(
-        "batch_size_upper_bound", batch_size_upper_bound, 1)
-    if None not in (self._lower, self._upper) and self._lower > self._upper:
-      raise ValueError(
-          f"batch_size_lower_bound ({self._lower}) must not exceed "
-          f"batch_size_upper_bound ({self._upper})")
-    self._initial = self._check_size("initial_batch_size", initial_batch_size)
+    self._init_bounded_batch_size(initial_batch_size, batch_size_lower_bound,
+                                  batch_size_upper_bound)
     self._enable_adjust = validation.check_bool("enable_adjust", enable_adjust)
     self._smooth = None if smooth_factor is None else validation.check_real(
         "smooth_factor", smooth_factor, "[0, 1)", lambda x: 0.0 <= x < 1.0)
@@ -147,12 +216,6 @@ class Controller:
         lambda x: 0.0 <= x < math.inf)
     self._warmup = validation.check_int("warmup_steps", warmup_steps, 0)
     self._verbose = validation.check_bool("verbose", verbose)
-
-    self._batch_size = self._initial
-    self._step = 0
-    self._nonfinite = 0
-    self._last_decision: str | None = None
-    self._last_similarity: float | None = None
     # The profile in progress: {"sizes", "steps_per_size", "position",
     # "count", "return_to"}; return_to is None while it waits for warm-up.
     self._plan: dict[str, Any] | None = None
@@ -163,36 +226,6 @@ class Controller:
       validation.check_int("profile_steps_per_size", profile_steps_per_size, 1)
 
   # ---------------------------------------------------------------- read-only
-
-  @property
-  def batch_size(self) -> int:
-    """The global batch size to use for the next optimizer step."""
-    return self._batch_size
-
-  @property
-  def initial_batch_size(self) -> int:
-    """B_0, the size the learning rate is tuned for."""
-    return self._initial
-
-  @property
-  def step(self) -> int:
-    """The number of :meth:`update` calls so far."""
-    return self._step
-
-  @property
-  def nonfinite_count(self) -> int:
-    """How many updates received a NaN or infinite similarity."""
-    return self._nonfinite
-
-  @property
-  def last_decision(self) -> str | None:
-    """Why the last update kept or moved the size (one of ``DECISIONS``)."""
-    return self._last_decision
-
-  @property
-  def last_similarity(self) -> float | None:
-    """The similarity passed to the last update (None before the first)."""
-    return self._last_similarity
 
   @property
   def profiling(self) -> bool:
@@ -263,14 +296,6 @@ class Controller:
           "simigrad step %d: similarity %r (target %r): %s, batch size %d -> %d",
           self._step, s, self._target, decision, before, self._batch_size)
     return self._batch_size
-
-  def set_batch_size(self, batch_size: int) -> None:
-    """Adopts a batch size chosen elsewhere (e.g. the size a plan realised).
-
-    Args:
-      batch_size: an integer >= 1 within the bounds.
-    """
-    self._batch_size = self._check_size("batch_size", batch_size)
 
   def start_profile(
       self, batch_sizes: Sequence[int], steps_per_size: int = 1) -> None:
@@ -419,16 +444,6 @@ class Controller:
     self._plan, self._samples = plan, samples
 
   # ---------------------------------------------------------------- internals
-
-  def _check_size(self, name: str, value: Any) -> int:
-    size = validation.check_int(name, value, 1)
-    lower = 1 if self._lower is None else self._lower
-    upper = math.inf if self._upper is None else self._upper
-    if not lower <= size <= upper:
-      raise ValueError(
-          f"{name} must lie within [batch_size_lower_bound, "
-          f"batch_size_upper_bound] = [{lower}, {upper}], got {size}")
-    return size
 
   def _adapt(self, s: float) -> str:
     """Applies the rule (with dead band, smoothing, bounds); returns why."""

@@ -44,6 +44,7 @@ from collections.abc import Mapping
 from typing import Any, Callable
 
 from simigrad_jax.host import validation
+from simigrad_jax.host.controller import BoundedBatchSize
 from simigrad_jax.host.controller import Controller
 
 logger = logging.getLogger("simigrad_jax")
@@ -148,7 +149,7 @@ def _fixed(initial_batch_size: int, similarity_target: float = 0.0, **options: A
 # ----------------------------------------------------------------------------
 
 
-class _BaseController:
+class _BaseController(BoundedBatchSize):
   """Step counting, non-finite handling, bounds, logging and JSON state for the controllers here.
 
   Subclasses set ``KIND`` and ``REQUIRED_STATS`` (the keys of ``stats`` that
@@ -164,51 +165,11 @@ class _BaseController:
 
   def _init_base(self, initial_batch_size: Any, lower: Any, upper: Any,
                  warmup_steps: Any = 0, verbose: Any = False) -> None:
-    self._lower = None if lower is None else validation.check_int("batch_size_lower_bound", lower, 1)
-    self._upper = None if upper is None else validation.check_int("batch_size_upper_bound", upper, 1)
-    if None not in (self._lower, self._upper) and self._lower > self._upper:
-      raise ValueError(f"batch_size_lower_bound ({self._lower}) must not exceed "
-                       f"batch_size_upper_bound ({self._upper})")
-    self._initial = self._check_size("initial_batch_size", initial_batch_size)
+    self._init_bounded_batch_size(initial_batch_size, lower, upper)
     self._warmup = validation.check_int("warmup_steps", warmup_steps, 0)
     self._verbose = validation.check_bool("verbose", verbose)
-    self._batch_size = self._initial
-    self._step = 0
-    self._nonfinite = 0
-    self._last_decision: str | None = None
-    self._last_similarity: float | None = None
 
   # ---------------------------------------------------------------- read-only
-
-  @property
-  def batch_size(self) -> int:
-    """The global batch size to use for the next optimizer step."""
-    return self._batch_size
-
-  @property
-  def initial_batch_size(self) -> int:
-    """B_0, the size the learning rate is tuned for."""
-    return self._initial
-
-  @property
-  def step(self) -> int:
-    """The number of :meth:`update` calls so far."""
-    return self._step
-
-  @property
-  def nonfinite_count(self) -> int:
-    """How many updates were non-finite (and kept the size)."""
-    return self._nonfinite
-
-  @property
-  def last_decision(self) -> str | None:
-    """Why the last update kept or moved the size (one of ``DECISIONS``)."""
-    return self._last_decision
-
-  @property
-  def last_similarity(self) -> float | None:
-    """The similarity passed to the last update (None before the first)."""
-    return self._last_similarity
 
   @property
   def config(self) -> dict[str, Any]:
@@ -267,14 +228,6 @@ class _BaseController:
       logger.info("%s step %d: %s, batch size %d -> %d%s", self.KIND, self._step, decision,
                   before, self._batch_size, self._log_details())
     return self._batch_size
-
-  def set_batch_size(self, batch_size: int) -> None:
-    """Adopts a batch size chosen elsewhere (e.g. the size a plan realised).
-
-    Args:
-      batch_size: an integer >= 1 within the bounds.
-    """
-    self._batch_size = self._check_size("batch_size", batch_size)
 
   # -------------------------------------------------------------- checkpoints
 
@@ -338,15 +291,6 @@ class _BaseController:
       setattr(self, name, value)
 
   # ---------------------------------------------------------------- internals
-
-  def _check_size(self, name: str, value: Any) -> int:
-    size = validation.check_int(name, value, 1)
-    lower = 1 if self._lower is None else self._lower
-    upper = math.inf if self._upper is None else self._upper
-    if not lower <= size <= upper:
-      raise ValueError(f"{name} must lie within [batch_size_lower_bound, "
-                       f"batch_size_upper_bound] = [{lower}, {upper}], got {size}")
-    return size
 
   def _clamp(self, size: int) -> int:
     if self._upper is not None:
