@@ -806,6 +806,11 @@ _MARKERS = {"fixed": "s", "simigrad": "o", "gns": "^", "linear": "v", "geometric
             "loss_plateau": "P"}
 
 
+def _short_label(controller: str, label: str) -> str:
+  """A point's name on the plot: a schedule's name, or the label without its bounds."""
+  return controller if controller in ("linear", "geometric", "loss_plateau") else label.split(" [")[0]
+
+
 def plot(results: dict[str, Any], png_path: str | os.PathLike) -> pathlib.Path:
   """Draws accuracy against average batch size (with the fixed front), batch size over training
   and, when profiled, similarity against batch size. Returns the PNG path."""
@@ -838,10 +843,8 @@ def plot(results: dict[str, Any], png_path: str | os.PathLike) -> pathlib.Path:
                 color=_COLORS[name], capsize=2, lw=0.8, label=name, zorder=3,
                 ls="-" if name == "fixed" else "none")
     for g in mine:
-      text = g["label"].split(" [")[0]
-      if name in ("linear", "geometric", "loss_plateau"):
-        text = name
-      ax.annotate(text, (g["avg_batch_size_mean"], 100 * g["test_accuracy_mean"]),
+      ax.annotate(_short_label(name, g["label"]),
+                  (g["avg_batch_size_mean"], 100 * g["test_accuracy_mean"]),
                   textcoords="offset points", xytext=(3, 3), fontsize=6, color=_COLORS[name])
   ax.set_xscale("log", base=2)
   ax.set_xlabel("average batch size (examples / optimizer steps)")
@@ -862,8 +865,8 @@ def plot(results: dict[str, Any], png_path: str | os.PathLike) -> pathlib.Path:
     trace = run["trace"]
     ax.plot(trace["epochs"], trace["batch_size"], color=_COLORS.get(run["controller"], "gray"),
             lw=1, alpha=0.8)
-    ax.annotate(run["label"].split(" [")[0] if run["controller"] in ("simigrad", "gns")
-                else run["controller"], (trace["epochs"][-1], trace["batch_size"][-1]),
+    ax.annotate(_short_label(run["controller"], run["label"]),
+                (trace["epochs"][-1], trace["batch_size"][-1]),
                 fontsize=6, color=_COLORS.get(run["controller"], "gray"))
   ax.set_yscale("log", base=2)
   ax.set_xlabel("epochs")

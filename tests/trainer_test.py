@@ -6,6 +6,7 @@ import pathlib
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import flax.linen as nn
@@ -283,7 +284,6 @@ def test_a_step_whose_shape_is_compiling_runs_on_a_compiled_shape(tmp_path):
     params = jax.tree.map(lambda a: np.asarray(a.addressable_data(0)), trainer.state["params"])
     return first, summary, records, params
 
-  import threading  # pylint: disable=import-outside-toplevel
   first, summary, records, params = run(tmp_path / "fallback", True, threading.Event())
   _, _, exact_records, exact_params = run(tmp_path / "exact", False)
   sizes = [r["batch_size"] for r in records]
