@@ -111,6 +111,7 @@ from jax.experimental.compilation_cache import compilation_cache  # noqa: E402
 
 import simigrad_jax  # noqa: E402
 from benchmarks import common  # noqa: E402
+from train import input_pipeline  # noqa: E402
 from simigrad_jax.host import lr_rules  # noqa: E402
 from simigrad_jax.host.controllers import noise_scale_estimates  # noqa: E402
 
@@ -174,10 +175,8 @@ def _split(x: np.ndarray, y: np.ndarray, num_val: int, num_test: int, seed: int 
 
 def load_digits() -> Dataset:
   """scikit-learn's bundled 8x8 digits: 1,257 train, 180 validation, 360 test (fixed split)."""
-  from sklearn.datasets import load_digits as sklearn_digits  # pylint: disable=import-outside-toplevel
-  digits = sklearn_digits()
-  x = (digits.data / 16.0).astype(np.float32)
-  y = digits.target.astype(np.int32)
+  images, y = input_pipeline.digits_arrays()
+  x = images.reshape(len(y), -1)
   train, val, test = _split(x, y, num_val=180, num_test=360)
   return Dataset("digits", train, val, test)
 

@@ -123,6 +123,7 @@ import optax  # noqa: E402
 
 import simigrad_jax  # noqa: E402
 from benchmarks import common  # noqa: E402
+from train import input_pipeline  # noqa: E402
 
 MODES = ("recompile", "recompile_wait", "pad")
 AXIS = "batch"
@@ -166,10 +167,8 @@ MODELS = {"cnn": SmallCNN, "mlp": MLP}
 
 def load_digits_data() -> dict[str, np.ndarray]:
   """scikit-learn's digits: float32 images (N, 8, 8, 1) in [0, 1], int32 labels."""
-  from sklearn.datasets import load_digits  # pylint: disable=import-outside-toplevel
-  digits = load_digits()
-  images = (digits.images / 16.0).astype(np.float32)[..., None]
-  return {"image": images, "label": digits.target.astype(np.int32)}
+  images, labels = input_pipeline.digits_arrays()
+  return {"image": images, "label": labels}
 
 
 def make_loss_fn(model: nn.Module):

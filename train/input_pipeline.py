@@ -179,6 +179,15 @@ def resize_and_center_crop(image: np.ndarray, size: int) -> np.ndarray:
   return np.asarray(picture.crop((left, top, left + size, top + size)), np.uint8)
 
 
+def digits_arrays() -> tuple[np.ndarray, np.ndarray]:
+  """scikit-learn's 1,797 digits in their bundled order: float32 ``[N, 8, 8, 1]`` images in
+  [0, 1] and int32 labels."""
+  from sklearn import datasets  # pylint: disable=import-outside-toplevel
+
+  digits = datasets.load_digits()
+  return (digits.images / 16.0).astype(np.float32)[..., None], digits.target.astype(np.int32)
+
+
 def load_digits(test_size: int = DIGITS_TEST_SIZE, seed: int = 0
                 ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
   """scikit-learn's digits as float32 ``[8, 8, 1]`` images in [0, 1], shuffled once and split.
@@ -186,11 +195,7 @@ def load_digits(test_size: int = DIGITS_TEST_SIZE, seed: int = 0
   Returns:
     ``(train, test)`` dicts of ``image`` and ``label`` (int32) arrays.
   """
-  from sklearn import datasets  # pylint: disable=import-outside-toplevel
-
-  digits = datasets.load_digits()
-  images = (digits.images / 16.0).astype(np.float32)[..., None]
-  labels = digits.target.astype(np.int32)
+  images, labels = digits_arrays()
   order = np.random.default_rng(seed).permutation(len(labels))
   test, train = order[:test_size], order[test_size:]
   return ({"image": images[train], "label": labels[train]},
