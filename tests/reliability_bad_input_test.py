@@ -169,13 +169,13 @@ CASES = [
          r"batch_size_upper_bound=None lets the controller grow the global batch without limit, past "
          r"the data set's 200 examples .*set batch_size_upper_bound to at most 200"),
     Case("lower bound that leaves a device half empty", lambda w: trainer(
-        w, controller=controller(batch_size_lower_bound=2)), ValueError,
-         r"batch_size_lower_bound=2 lets the global batch shrink to 2, but on 8 devices a batch below 5 "
-         r"leaves devices \[4, 8\) .*set batch_size_lower_bound >= 5"),
+        w, controller=controller(batch_size_lower_bound=1)), ValueError,
+         r"batch_size_lower_bound=1 lets the global batch shrink to 1, but a batch below 2 "
+         r"leaves the odd devices .*set batch_size_lower_bound >= 2"),
     Case("profiled size that leaves a device half empty", lambda w: trainer(
         w, controller=simigrad_jax.Controller(24, 0.3, enable_adjust=False, batch_size_lower_bound=1,
-                                              batch_size_upper_bound=64, batch_sizes_to_profile=[2, 32])),
-         ValueError, r"batch_sizes_to_profile holds 2, but on 8 devices a batch below 5"),
+                                              batch_size_upper_bound=64, batch_sizes_to_profile=[1, 32])),
+         ValueError, r"batch_sizes_to_profile holds 1, but a batch below 2"),
     Case("odd number of devices", lambda w: trainer(w, devices=jax.devices()[:3]), ValueError,
          r"needs an even number of devices >= 2, got 3"),
     Case("batch the devices cannot divide without padding", lambda w: simigrad_jax.plan_batch(

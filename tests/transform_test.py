@@ -11,6 +11,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import simigrad_jax
+from simigrad_jax.ingraph import halves_reduction
 
 AXIS = "batch"
 
@@ -60,24 +61,54 @@ def map_over_devices(fn, num_devices, mapper):
 
 
 @functools.lru_cache(maxsize=None)
-def compiled_device_split(num_devices, mapper, reduction):
+def compiled_device_split(num_devices, mapper, reduction, small_leaf_size=None):
+  """The transform's update, mapped; ``small_leaf_size`` overrides the bucketing threshold."""
   tx = simigrad_jax.transform(AXIS, reduction=reduction)
 
   def step(grads):
     return tx.update(grads, tx.init(grads))
 
-  return map_over_devices(step, num_devices, mapper)
+  return bucketing(map_over_devices(step, num_devices, mapper), small_leaf_size)
 
 
+def bucketing(fn, small_leaf_size):
+  """``fn``, traced with leaves of ``small_leaf_size`` entries or more reduced on their own."""
+  if small_leaf_size is None:
+    return fn
+
+  def traced_with_threshold(*args):
+    saved = halves_reduction.SMALL_LEAF_SIZE
+    halves_reduction.SMALL_LEAF_SIZE = small_leaf_size
+    try:
+      return fn(*args)
+    finally:
+      halves_reduction.SMALL_LEAF_SIZE = saved
+
+  return traced_with_threshold
+
+
+# The device halves are the even and the odd devices, as the reference splits its ranks.
+EVEN, ODD = slice(0, None, 2), slice(1, None, 2)
+# (reduction, small_leaf_size). The hierarchical reduction twice: with the small leaves of
+# this tree in one bucket per dtype, and (threshold 1) with every leaf its own bucket, padded
+# where its size is not a multiple of the device count.
+REDUCTIONS = pytest.mark.parametrize(
+    "reduction,small_leaf_size",
+    [("hierarchical", None), ("hierarchical", 1), ("scatter", None), ("stacked", None)],
+    ids=["hierarchical", "hierarchical-per-leaf", "scatter", "stacked"])
+LOCAL_REDUCTIONS = pytest.mark.parametrize(
+    "reduction,small_leaf_size", [("hierarchical", None), ("hierarchical", 1), ("scatter", None)],
+    ids=["hierarchical", "hierarchical-per-leaf", "scatter"])
+
+
+@REDUCTIONS
 @pytest.mark.parametrize("mixed_dtypes", [False, True], ids=["f32", "f32+bf16"])
-@pytest.mark.parametrize("reduction", ["scatter", "stacked"])
 @pytest.mark.parametrize("mapper", ["pmap", "shard_map"])
 @pytest.mark.parametrize("num_devices", [2, 4, 8])
-def test_device_halves_match_numpy(num_devices, mapper, reduction, mixed_dtypes):
+def test_device_halves_match_numpy(num_devices, mapper, reduction, mixed_dtypes, small_leaf_size):
   grads = random_grads(np.random.default_rng(num_devices), num_devices, mixed_dtypes)
-  mean, state = compiled_device_split(num_devices, mapper, reduction)(grads)
-  half = num_devices // 2
-  ref_mean, ref_cos, ref_na, ref_nb, ref_nm = reference(grads, slice(0, half), slice(half, None))
+  mean, state = compiled_device_split(num_devices, mapper, reduction, small_leaf_size)(grads)
+  ref_mean, ref_cos, ref_na, ref_nb, ref_nm = reference(grads, EVEN, ODD)
   tol = tolerance(mixed_dtypes)
   for got, want, leaf in zip(jax.tree.leaves(mean), ref_mean, jax.tree.leaves(grads)):
     assert got.dtype == leaf.dtype  # the mean keeps each leaf's dtype, like lax.pmean
@@ -93,24 +124,26 @@ def test_device_halves_match_numpy(num_devices, mapper, reduction, mixed_dtypes)
 
 
 @functools.lru_cache(maxsize=None)
-def compiled_local_split(num_devices, mapper):
-  tx = simigrad_jax.transform(AXIS)
+def compiled_local_split(num_devices, mapper, reduction="hierarchical", small_leaf_size=None):
+  tx = simigrad_jax.transform(AXIS, reduction=reduction)
 
   def step(first, second):
     updates = jax.tree.map(lambda a, b: (a + b) / 2, first, second)
     return tx.update(updates, tx.init(updates), half_grads=simigrad_jax.HalfGrads(first, second))
 
-  return map_over_devices(step, num_devices, mapper)
+  return bucketing(map_over_devices(step, num_devices, mapper), small_leaf_size)
 
 
+@LOCAL_REDUCTIONS
 @pytest.mark.parametrize("mixed_dtypes", [False, True], ids=["f32", "f32+bf16"])
 @pytest.mark.parametrize("mapper", ["pmap", "shard_map"])
 @pytest.mark.parametrize("num_devices", [1, 3, 8])
-def test_local_halves_match_numpy(num_devices, mapper, mixed_dtypes):
+def test_local_halves_match_numpy(num_devices, mapper, reduction, mixed_dtypes, small_leaf_size):
   rng = np.random.default_rng(10 + num_devices)
   first = random_grads(rng, num_devices, mixed_dtypes)
   second = random_grads(rng, num_devices, mixed_dtypes)
-  mean, state = compiled_local_split(num_devices, mapper)(first, second)
+  mean, state = compiled_local_split(num_devices, mapper, reduction, small_leaf_size)(
+      first, second)
   # Reference: the halves are "first halves of every device" vs "second halves of every device".
   both = jax.tree.map(lambda a, b: np.concatenate([a, b]), first, second)
   ref_mean, ref_cos, ref_na, ref_nb, _ = reference(
@@ -167,7 +200,7 @@ def test_shard_map_gradient_trap_is_caught_and_pcast_fixes_it():
   new_w, state = make_step(pcast=True)(w, opt.init(w), x)
   # Reference: device d sees rows 2d, 2d+1; grad of the mean over a device's rows is 2(w - mean x).
   per_device = 2 * (0 - np.asarray(x).reshape(8, 2, 4).mean(axis=1))
-  _, ref_cos, *_ = reference(per_device, slice(0, 4), slice(4, None))
+  _, ref_cos, *_ = reference(per_device, EVEN, ODD)
   sim = simigrad_jax.similarity(state)
   assert sim != 1.0
   np.testing.assert_allclose(sim, ref_cos, rtol=1e-5)
@@ -178,7 +211,7 @@ def test_vmap_with_named_axis():
   tx = simigrad_jax.transform(AXIS)
   grads = random_grads(np.random.default_rng(3), 4, mixed_dtypes=False)
   mean, state = jax.vmap(lambda g: tx.update(g, tx.init(g)), axis_name=AXIS)(grads)
-  ref_mean, ref_cos, *_ = reference(grads, slice(0, 2), slice(2, None))
+  ref_mean, ref_cos, *_ = reference(grads, EVEN, ODD)
   np.testing.assert_allclose(state.similarity, ref_cos, rtol=2e-5)
   np.testing.assert_allclose(jax.tree.leaves(mean)[0][0], ref_mean[0], rtol=2e-5, atol=1e-6)
 
@@ -233,7 +266,7 @@ def test_zero_norm_half_gives_no_measurement_and_no_nan():
   tx = simigrad_jax.transform(AXIS)
   step = jax.pmap(lambda g: tx.update(g, tx.init(g)), axis_name=AXIS)
   grads = np.random.default_rng(0).normal(size=(8, 4)).astype(np.float32)
-  for zeroed in (slice(0, 4), slice(None)):  # first half zero; everything zero
+  for zeroed in (EVEN, slice(None)):  # first half (the even devices) zero; everything zero
     g = grads.copy()
     g[zeroed] = 0
     mean, state = step(jnp.asarray(g))

@@ -138,10 +138,9 @@ class Trainer:
       before anything is compiled or trained; the message names the value
       and what is valid. Among them: a controller that adapts without
       ``batch_size_upper_bound`` or with bounds the data set cannot fill; a
-      similarity controller whose ``batch_size_lower_bound`` is below
-      ``num_devices // 2 + 1`` (the second device half would hold no example,
-      the similarity could not be measured and the size would never move
-      again); non-finite initial parameters; a ``loss_fn`` that fails on the
+      similarity controller whose ``batch_size_lower_bound`` is below 2 (the
+      second device half would hold no example, the similarity could not be
+      measured and the size would never move again); non-finite initial parameters; a ``loss_fn`` that fails on the
       source's rows or does not return one loss per row; a workdir whose
       checkpoints belong to another model, seed, data set or controller.
     ProcessDisagreementError: in a multi-host run, when the processes were
@@ -904,7 +903,9 @@ def _check_bounds(controller: Any, num_devices: int, num_examples: int) -> tuple
     raise ValueError(
         f"the data set has {num_examples} examples, fewer than the largest batch size {largest} "
         f"({what}): a step would repeat examples; lower the bound")
-  floor = num_devices // 2 + 1
+  # Example e of a step goes to device e % n, and the halves are the even and the odd
+  # devices: a batch of 1 leaves the second half without an example.
+  floor = 2
   if config["similarity_target"] is not None:
     smallest = min([lower if lower is not None else 1] if adapting else sizes)
     smallest = min([smallest] + profile)
@@ -914,10 +915,9 @@ def _check_bounds(controller: Any, num_devices: int, num_examples: int) -> tuple
               if adapting else f"the batch size is {smallest}")
       if adapting or profile:
         raise ValueError(
-            f"{what}, but on {num_devices} devices a batch below {floor} leaves devices "
-            f"[{num_devices // 2}, {num_devices}) (the second half) without an example: the "
-            f"similarity cannot be measured and the batch size would stay there; use sizes >= "
-            f"{floor} (set batch_size_lower_bound >= {floor})")
+            f"{what}, but a batch below {floor} leaves the odd devices (the second half) "
+            f"without an example: the similarity cannot be measured and the batch size would "
+            f"stay there; use sizes >= {floor} (set batch_size_lower_bound >= {floor})")
   return (lower if lower is not None else 1), largest
 
 

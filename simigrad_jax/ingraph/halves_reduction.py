@@ -2,31 +2,40 @@
 
 Runs inside a step mapped over a named axis (``jax.pmap`` or ``jax.shard_map``).
 
-Every device ``i`` contributes a pair of pytrees ``(m_i, d_i)``: ``m_i`` is its
-share of the mean gradient and ``d_i`` its share of the half-difference, so that
-over ``n`` devices
+The two halves are formed in one of two ways:
 
-  M = mean_i m_i = (g_A + g_B) / 2      (the full mean gradient)
-  D = mean_i d_i = (g_A - g_B) / 2      (half the difference of the half means)
+* the device split (:func:`reduce_device_halves`): as in the reference
+  implementation, the devices are split by the parity of their index on the
+  axis. ``g_A`` is the mean gradient of the even devices (0, 2, 4, ...), ``g_B``
+  that of the odd devices (1, 3, 5, ...).
+* the local split (:func:`reduce_local_halves`): every device splits its own
+  batch in two and contributes a pair ``(m_i, d_i)``: its share ``m_i`` of the
+  mean gradient and ``d_i = (a_i - b_i) / 2`` of the half-difference. Then
+  ``M = mean_i m_i = (g_A + g_B) / 2``, ``D = mean_i d_i``, ``g_A = M + D`` and
+  ``g_B = M - D``.
 
-and the two half-mean gradients are ``g_A = M + D`` and ``g_B = M - D``. When the
-halves are sets of devices, ``d_i = +m_i`` on the first half and ``-m_i`` on the
-second; when each device splits its own batch, ``d_i = (a_i - b_i) / 2``. One
-reduction of the stacked pair ``(m, d)`` gives both the mean gradient and the
-similarity statistics, whichever way the halves were formed.
+Both return what ``lax.pmean`` would (the mean gradient, in each leaf's own
+dtype) plus float32 :class:`HalfStatistics`, identical on every device.
 
-Two variants move different numbers of bytes (ring model, relative to one plain
-all-reduce of the gradient):
+Reductions, with the bytes each device sends relative to one plain ring
+all-reduce of the gradient:
 
-* ``"scatter"`` (default, 1.5x): reduce-scatter the stacked pair (each device
-  receives a ``1/n`` shard of ``M`` and ``D``), take the dot products on the
-  shards, psum five scalars, all-gather the mean shard.
-* ``"stacked"`` (2x): one psum of the stacked pair; every device then holds the
-  whole ``M`` and ``D`` and takes the dot products itself. Simpler; kept for
-  comparison.
+* ``"hierarchical"`` (default, 1.0x for the device split): per bucket of
+  leaves, reduce-scatter within each parity group (the even devices; the odd
+  devices), so that devices ``2j`` and ``2j + 1`` hold the same two pieces of
+  their own group's sum; each keeps one piece and swaps the other with its
+  partner, takes the dot products and norms on the piece it now holds for both
+  halves, computes its piece of the mean, and one tiled all-gather over all
+  devices assembles the mean. The sends add up to ``2 (n - 1) / n`` of the
+  gradient, exactly what an all-reduce sends. No whole-gradient concatenation,
+  stack or copy: large leaves are reduced in place, small leaves share one
+  bucket per dtype. With the local split there are two vectors to reduce, so
+  it reduce-scatters ``m`` and ``d`` per bucket (1.5x).
+* ``"scatter"`` (1.5x): leaves concatenated per dtype; the pair ``(m, d)``
+  stacked and reduce-scattered; all-gather of the mean. Kept for comparison.
+* ``"stacked"`` (2x): one psum of the stacked pair. Kept for comparison.
 
-Leaves are grouped by dtype and each group is flattened into one vector, so the
-collectives run in the gradient's own dtype (bfloat16 gradients move bfloat16
+Collectives run in the gradient's own dtype (bfloat16 gradients move bfloat16
 bytes), while every dot product and norm is accumulated in float32.
 """
 
@@ -38,8 +47,12 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-Reduction = Literal["scatter", "stacked"]
-REDUCTIONS: tuple[str, ...] = ("scatter", "stacked")
+Reduction = Literal["hierarchical", "scatter", "stacked"]
+REDUCTIONS: tuple[str, ...] = ("hierarchical", "scatter", "stacked")
+
+# Leaves with fewer entries than this are concatenated into one bucket per dtype,
+# so that biases and normalisation scales do not each cost three collectives.
+SMALL_LEAF_SIZE = 1 << 16
 
 
 class HalfStatistics(NamedTuple):
@@ -48,8 +61,8 @@ class HalfStatistics(NamedTuple):
   dot_ab: jax.Array  # <g_A, g_B>
   sq_norm_a: jax.Array  # |g_A|^2
   sq_norm_b: jax.Array  # |g_B|^2
-  sq_norm_mean: jax.Array  # |(g_A + g_B) / 2|^2
-  nonfinite: jax.Array  # number of non-finite entries in the reduced M or D
+  sq_norm_mean: jax.Array  # |M|^2, M the returned mean (in the gradient's dtype)
+  finite: jax.Array  # bool: every statistic is finite (no NaN or infinity in the gradients)
 
 
 def tracks_varying(axis_name: str) -> bool:
@@ -62,20 +75,235 @@ def tracks_varying(axis_name: str) -> bool:
   return index_type is not None and axis_name in index_type.varying
 
 
-def _partial_statistics(mean_part: jax.Array, diff_part: jax.Array) -> jax.Array:
-  """Float32 [dot_ab, |a|^2, |b|^2, |m|^2, nonfinite] of one slice of M and D."""
-  mean_part = mean_part.astype(jnp.float32)
-  diff_part = diff_part.astype(jnp.float32)
-  half_a = mean_part + diff_part
-  half_b = mean_part - diff_part
-  nonfinite = jnp.sum(~jnp.isfinite(mean_part)) + jnp.sum(~jnp.isfinite(diff_part))
-  return jnp.stack([
-      jnp.vdot(half_a, half_b),
-      jnp.vdot(half_a, half_a),
-      jnp.vdot(half_b, half_b),
-      jnp.vdot(mean_part, mean_part),
-      nonfinite.astype(jnp.float32),
-  ])
+def device_parity(axis_name: str) -> jax.Array:
+  """0 on the devices of the first half (even index on the axis), 1 on the second (odd)."""
+  return lax.axis_index(axis_name) % 2
+
+
+def check_even_axis(axis_name: str) -> int:
+  """The size of ``axis_name``; raises unless it is even (the device split needs two halves)."""
+  num_devices = lax.axis_size(axis_name)
+  if num_devices % 2:
+    raise ValueError(
+        f"axis {axis_name!r} has {num_devices} device(s); splitting devices into "
+        "two halves needs an even count. Split each device's batch instead: "
+        "compute the half gradients with simigrad_jax.value_and_half_grads and "
+        "pass them as half_grads=..."
+    )
+  return num_devices
+
+
+# ------------------------------------------------------------------ statistics
+
+
+def _finish(dot_ab, sq_a, sq_b, sq_mean) -> HalfStatistics:
+  """Packs summed float32 statistics; a NaN or infinite entry anywhere makes a norm non-finite."""
+  finite = jnp.isfinite(sq_a) & jnp.isfinite(sq_b) & jnp.isfinite(dot_ab) & jnp.isfinite(sq_mean)
+  return HalfStatistics(dot_ab, sq_a, sq_b, sq_mean, finite)
+
+
+def _pair_statistics(half_a: jax.Array, half_b: jax.Array, mean: jax.Array) -> jax.Array:
+  """Float32 ``[<a, b>, |a|^2, |b|^2, |mean|^2]`` of matching pieces of the halves and the mean.
+
+  One variadic reduction of float32 products: XLA reads each piece once and
+  makes no float32 copy of a bfloat16 piece.
+  """
+  half_a = half_a.astype(jnp.float32)
+  half_b = half_b.astype(jnp.float32)
+  mean = mean.astype(jnp.float32)
+  products = (half_a * half_b, half_a * half_a, half_b * half_b, mean * mean)
+  zero = jnp.zeros((), jnp.float32)
+  sums = lax.reduce(products, (zero,) * 4,
+                    lambda x, y: tuple(a + b for a, b in zip(x, y)), (0,))
+  return jnp.stack(sums)
+
+
+# ------------------------------------------------------------------ buckets of leaves
+
+
+def _buckets(leaves: list[jax.Array]) -> list[list[int]]:
+  """Leaf indices per bucket: every large leaf alone, the small ones of each dtype together."""
+  buckets: list[list[int]] = []
+  small: dict[jnp.dtype, list[int]] = {}
+  for index, leaf in enumerate(leaves):
+    if leaf.size >= SMALL_LEAF_SIZE:
+      buckets.append([index])
+    else:
+      small.setdefault(jnp.dtype(leaf.dtype), []).append(index)
+  return buckets + [indices for indices in small.values() if indices]
+
+
+def _flat_bucket(leaves: list[jax.Array], indices: list[int], multiple: int) -> jax.Array:
+  """The bucket's leaves as one vector, zero-padded to a multiple of ``multiple``."""
+  if len(indices) == 1:
+    flat = jnp.ravel(leaves[indices[0]])  # a view: no copy
+  else:
+    flat = jnp.concatenate([jnp.ravel(leaves[i]) for i in indices])
+  padding = -flat.shape[0] % multiple
+  return jnp.pad(flat, (0, padding)) if padding else flat
+
+
+def _unflatten_bucket(flat: jax.Array, leaves: list[jax.Array], indices: list[int],
+                      out: list) -> None:
+  offset = 0
+  for i in indices:
+    size = leaves[i].size
+    piece = flat if (len(indices) == 1 and flat.shape[0] == size) else flat[offset:offset + size]
+    out[i] = piece.reshape(leaves[i].shape)
+    offset += size
+
+
+def _gather_kwargs(axis_name: str) -> dict[str, str]:
+  # Like lax.pmean, the gathered mean is the same on every device; say so to
+  # shard_map's type system so that a step can keep its outputs replicated (P()).
+  return {"to": "invarying"} if tracks_varying(axis_name) else {}
+
+
+# ------------------------------------------------------------------ the device split
+
+
+class _GroupsUnsupported(Exception):
+  """This trace cannot reduce-scatter within device groups (``jax.vmap`` cannot)."""
+
+
+def _scatter_within(flat: jax.Array, axis_name: str, groups: list[list[int]]) -> jax.Array:
+  try:
+    return lax.psum_scatter(flat, axis_name, tiled=True, axis_index_groups=groups)
+  except NotImplementedError as error:
+    raise _GroupsUnsupported() from error
+
+
+def reduce_device_halves(
+    grads, axis_name: str, reduction: Reduction = "hierarchical", *,
+    zero_nonfinite: bool = False,
+) -> tuple[object, HalfStatistics]:
+  """Reduces each device's own gradient to the mean and the statistics of the parity halves.
+
+  Args:
+    grads: this device's gradient (a pytree).
+    axis_name: the mapped axis to reduce over; its size must be even.
+    reduction: ``"hierarchical"`` (one all-reduce's bytes), ``"scatter"`` or
+      ``"stacked"`` (see the module docstring).
+    zero_nonfinite: return a zero mean when ``stats.finite`` is False.
+
+  Returns:
+    ``(mean, stats)``: ``mean`` as ``lax.pmean(grads, axis_name)`` returns it,
+    and the :class:`HalfStatistics` of ``g_A`` (even devices) and ``g_B``
+    (odd devices).
+  """
+  _check_reduction(reduction)
+  num_devices = check_even_axis(axis_name)
+  parity = device_parity(axis_name)
+  groups = [list(range(0, num_devices, 2)), list(range(1, num_devices, 2))]
+  sign = 1 - 2 * parity  # +1 on the first half, -1 on the second: d_i = sign * m_i
+  if reduction != "hierarchical":
+    return _reduce_concatenated(grads, None, axis_name, reduction, zero_nonfinite, diff_sign=sign)
+  try:
+    return _reduce_hierarchical(grads, axis_name, num_devices, parity, groups, zero_nonfinite)
+  except _GroupsUnsupported:
+    # Under jax.vmap with a named axis there is no network to save bytes on.
+    return _reduce_concatenated(grads, None, axis_name, "scatter", zero_nonfinite, diff_sign=sign)
+
+
+def _reduce_hierarchical(grads, axis_name: str, num_devices: int, parity: jax.Array,
+                         groups: list[list[int]], zero_nonfinite: bool
+                         ) -> tuple[object, HalfStatistics]:
+  """The device split's ``"hierarchical"`` reduction (see the module docstring)."""
+  half = num_devices // 2
+  partners = [(i, i ^ 1) for i in range(num_devices)]
+  leaves, treedef = jax.tree.flatten(grads)
+  buckets = _buckets(leaves)
+  pieces = []
+  partial = jnp.zeros((4,), jnp.float32)
+  for indices in buckets:
+    flat = _flat_bucket(leaves, indices, num_devices)
+    dtype = flat.dtype
+    # Device 2j and 2j + 1 receive pieces (2j, 2j + 1) of their own group's sum.
+    own = _scatter_within(flat, axis_name, groups).reshape(2, -1)
+    kept = lax.dynamic_index_in_dim(own, parity, keepdims=False)  # piece 2j + parity
+    sent = lax.dynamic_index_in_dim(own, 1 - parity, keepdims=False)
+    other = lax.ppermute(sent, axis_name, partners)  # the other group's sum of the kept piece
+    mean_piece = (kept + other) / jnp.asarray(num_devices, dtype)
+    partial = partial + _pair_statistics(kept, other, mean_piece)
+    pieces.append(mean_piece)
+
+  # On an odd device "kept" is the second half's sum: swap the norms before summing.
+  dot, sq_kept, sq_other, sq_mean = partial
+  first = parity == 0
+  sums = lax.psum(jnp.stack([dot, jnp.where(first, sq_kept, sq_other),
+                             jnp.where(first, sq_other, sq_kept), sq_mean]), axis_name)
+  scale = 1.0 / float(half * half)  # the groups' sums are half times their means
+  stats = _finish(sums[0] * scale, sums[1] * scale, sums[2] * scale, sums[3])
+  return _gather_mean(pieces, buckets, leaves, treedef, axis_name, stats, zero_nonfinite), stats
+
+
+def _gather_mean(pieces: list[jax.Array], buckets: list[list[int]], leaves: list[jax.Array],
+                 treedef, axis_name: str, stats: HalfStatistics, zero_nonfinite: bool):
+  """All-gathers each bucket's piece of the mean into the gradient's structure.
+
+  With ``zero_nonfinite``, the pieces are zeroed first when a statistic is not
+  finite: a ``1 / n`` piece is cheaper to mask than the gathered gradient.
+  """
+  out: list = [None] * len(leaves)
+  for piece, indices in zip(pieces, buckets):
+    if zero_nonfinite:
+      piece = jnp.where(stats.finite, piece, jnp.zeros_like(piece))
+    flat_mean = lax.all_gather(piece, axis_name, tiled=True, **_gather_kwargs(axis_name))
+    _unflatten_bucket(flat_mean, leaves, indices, out)
+  return jax.tree.unflatten(treedef, out)
+
+
+# ------------------------------------------------------------------ the local split
+
+
+def reduce_local_halves(
+    mean_shares, diff_shares, axis_name: str, reduction: Reduction = "hierarchical", *,
+    zero_nonfinite: bool = False,
+) -> tuple[object, HalfStatistics]:
+  """Reduces per-device ``(m_i, d_i)`` shares to ``M`` and the statistics of ``M +- D``.
+
+  Args:
+    mean_shares: this device's share ``m_i`` of the mean gradient (a pytree).
+    diff_shares: its share ``d_i`` of the half-difference, same structure and
+      dtypes as ``mean_shares``.
+    axis_name: the mapped axis to reduce over (any size, 1 included).
+    reduction: ``"hierarchical"`` (per bucket: reduce-scatter ``m`` and ``d``,
+      statistics on the shards, all-gather the mean; 1.5x an all-reduce),
+      ``"scatter"`` or ``"stacked"`` (see the module docstring).
+    zero_nonfinite: return a zero mean when ``stats.finite`` is False.
+
+  Returns:
+    ``(mean, stats)``: ``mean = M`` with the structure and dtypes of
+    ``mean_shares``, and the :class:`HalfStatistics` of ``M + D`` and ``M - D``.
+  """
+  _check_reduction(reduction)
+  if reduction != "hierarchical":
+    return _reduce_concatenated(mean_shares, diff_shares, axis_name, reduction, zero_nonfinite)
+  num_devices = lax.axis_size(axis_name)
+  leaves, treedef = jax.tree.flatten(mean_shares)
+  diff_leaves = treedef.flatten_up_to(diff_shares)
+  buckets = _buckets(leaves)
+  pieces = []
+  partial = jnp.zeros((4,), jnp.float32)
+  for indices in buckets:
+    flat_mean = _flat_bucket(leaves, indices, num_devices)
+    flat_diff = _flat_bucket(diff_leaves, indices, num_devices).astype(flat_mean.dtype)
+    count = jnp.asarray(num_devices, flat_mean.dtype)
+    mean_shard = lax.psum_scatter(flat_mean, axis_name, tiled=True) / count
+    diff_shard = lax.psum_scatter(flat_diff, axis_name, tiled=True) / count
+    mean32, diff32 = mean_shard.astype(jnp.float32), diff_shard.astype(jnp.float32)
+    partial = partial + _pair_statistics(mean32 + diff32, mean32 - diff32, mean_shard)
+    pieces.append(mean_shard)
+  stats = _finish(*lax.psum(partial, axis_name))
+  return _gather_mean(pieces, buckets, leaves, treedef, axis_name, stats, zero_nonfinite), stats
+
+
+# ------------------------------------------------------------------ concatenated variants
+
+
+def _check_reduction(reduction: str) -> None:
+  if reduction not in REDUCTIONS:
+    raise ValueError(f"reduction={reduction!r} is not valid; choose one of {REDUCTIONS}")
 
 
 def _dtype_groups(leaves: list[jax.Array]) -> dict[jnp.dtype, list[int]]:
@@ -85,80 +313,44 @@ def _dtype_groups(leaves: list[jax.Array]) -> dict[jnp.dtype, list[int]]:
   return groups
 
 
-def _flatten(leaves: list[jax.Array], indices: list[int]) -> jax.Array:
-  return jnp.concatenate([jnp.ravel(leaves[i]) for i in indices])
+def _reduce_concatenated(mean_shares, diff_shares, axis_name: str, reduction: Reduction,
+                         zero_nonfinite: bool, *, diff_sign: jax.Array | None = None
+                         ) -> tuple[object, HalfStatistics]:
+  """``"scatter"`` and ``"stacked"``: every leaf of a dtype in one vector, ``(m, d)`` stacked.
 
-
-def _unflatten_into(
-    flat: jax.Array, leaves: list[jax.Array], indices: list[int], out: list
-) -> None:
-  offset = 0
-  for i in indices:
-    size = leaves[i].size
-    out[i] = flat[offset:offset + size].reshape(leaves[i].shape)
-    offset += size
-
-
-def reduce_halves(
-    mean_shares,
-    axis_name: str,
-    reduction: Reduction = "scatter",
-    *,
-    diff_shares=None,
-    diff_sign: jax.Array | None = None,
-) -> tuple[object, HalfStatistics]:
-  """Reduces per-device ``(m_i, d_i)`` shares to ``M`` and the half statistics.
-
-  Args:
-    mean_shares: this device's share ``m_i`` of the mean gradient (a pytree).
-    axis_name: the mapped axis to reduce over.
-    reduction: ``"scatter"`` (1.5x the bytes of an all-reduce) or
-      ``"stacked"`` (2x).
-    diff_shares: this device's share ``d_i`` of the half-difference, same
-      structure and dtypes as ``mean_shares`` (the local-halves split).
-    diff_sign: instead of ``diff_shares``, a scalar ``s_i`` with
-      ``d_i = s_i * m_i`` (the device split: +1 on the first half of the
-      devices, -1 on the second), applied to the flattened vector in one pass.
-
-  Returns:
-    ``(mean, stats)``: ``mean`` is ``M = mean_i m_i`` with the structure and
-    dtypes of ``mean_shares`` (what ``lax.pmean`` would return), and ``stats``
-    the global :class:`HalfStatistics`, identical on every device.
+  ``d_i`` is ``diff_shares`` or, for the device split, ``diff_sign * m_i``.
   """
-  if reduction not in REDUCTIONS:
-    raise ValueError(f"reduction={reduction!r} is not one of {REDUCTIONS}")
-  if (diff_shares is None) == (diff_sign is None):
-    raise ValueError("give exactly one of diff_shares and diff_sign")
   num_devices = lax.axis_size(axis_name)
   mean_leaves, treedef = jax.tree.flatten(mean_shares)
   diff_leaves = None if diff_shares is None else treedef.flatten_up_to(diff_shares)
   out_leaves: list = [None] * len(mean_leaves)
-  local_stats = jnp.zeros((5,), jnp.float32)
-  # Like lax.pmean, the gathered mean is the same on every device; say so to
-  # shard_map's type system so that it can leave the step replicated (P()).
-  gather_kwargs = {"to": "invarying"} if tracks_varying(axis_name) else {}
-
+  partial = jnp.zeros((4,), jnp.float32)
   for dtype, indices in _dtype_groups(mean_leaves).items():
-    flat_mean = _flatten(mean_leaves, indices)
+    flat_mean = jnp.concatenate([jnp.ravel(mean_leaves[i]) for i in indices])
     if diff_leaves is None:
       flat_diff = flat_mean * diff_sign.astype(dtype)
     else:
-      flat_diff = _flatten(diff_leaves, indices).astype(dtype)
+      flat_diff = jnp.concatenate([jnp.ravel(diff_leaves[i]) for i in indices]).astype(dtype)
     length = flat_mean.shape[0]
     stacked = jnp.stack([flat_mean, flat_diff])
+    count = jnp.asarray(num_devices, dtype)
     if reduction == "stacked":
-      summed = lax.psum(stacked, axis_name) / jnp.asarray(num_devices, dtype)
-      local_stats = local_stats + _partial_statistics(summed[0], summed[1])
+      summed = lax.psum(stacked, axis_name) / count
+      mean32, diff32 = summed[0].astype(jnp.float32), summed[1].astype(jnp.float32)
+      partial = partial + _pair_statistics(mean32 + diff32, mean32 - diff32, summed[0])
       flat_out = summed[0]
     else:
       padded_length = -(-length // num_devices) * num_devices
       stacked = jnp.pad(stacked, ((0, 0), (0, padded_length - length)))
-      shard = lax.psum_scatter(stacked, axis_name, scatter_dimension=1, tiled=True)
-      shard = shard / jnp.asarray(num_devices, dtype)
-      local_stats = local_stats + _partial_statistics(shard[0], shard[1])
-      flat_out = lax.all_gather(shard[0], axis_name, tiled=True, **gather_kwargs)[:length]
-    _unflatten_into(flat_out, mean_leaves, indices, out_leaves)
-
+      shard = lax.psum_scatter(stacked, axis_name, scatter_dimension=1, tiled=True) / count
+      mean32, diff32 = shard[0].astype(jnp.float32), shard[1].astype(jnp.float32)
+      partial = partial + _pair_statistics(mean32 + diff32, mean32 - diff32, shard[0])
+      flat_out = lax.all_gather(shard[0], axis_name, tiled=True,
+                                **_gather_kwargs(axis_name))[:length]
+    _unflatten_bucket(flat_out, mean_leaves, indices, out_leaves)
   if reduction == "scatter":
-    local_stats = lax.psum(local_stats, axis_name)
-  return jax.tree.unflatten(treedef, out_leaves), HalfStatistics(*local_stats)
+    partial = lax.psum(partial, axis_name)
+  stats = _finish(*partial)
+  if zero_nonfinite:
+    out_leaves = [jnp.where(stats.finite, m, jnp.zeros_like(m)) for m in out_leaves]
+  return jax.tree.unflatten(treedef, out_leaves), stats

@@ -67,7 +67,7 @@ def _check_not_already_reduced(leaves: list[jax.Array], axis_name: str) -> None:
 def transform(
     axis_name: str,
     *,
-    reduction: halves_reduction.Reduction = "scatter",
+    reduction: halves_reduction.Reduction = "hierarchical",
     nonfinite: NonFinitePolicy = "zero",
 ) -> optax.GradientTransformationExtraArgs:
   """Averages per-device gradients and measures the cosine similarity of two half-batch means.
@@ -75,9 +75,10 @@ def transform(
   Use it in place of ``lax.pmean(grads, axis_name)`` inside a step mapped over
   ``axis_name`` (``jax.pmap`` or ``jax.shard_map``): it receives each device's
   OWN gradient, returns the mean gradient over the axis, and stores in its
-  state ``cos(g_A, g_B)``, where ``g_A`` is the mean gradient of devices
-  ``[0, n/2)`` and ``g_B`` that of devices ``[n/2, n)``, taken over all leaves
-  flattened into one vector and accumulated in float32. The host reads it with
+  state ``cos(g_A, g_B)``, where ``g_A`` is the mean gradient of the devices
+  with an even index on the axis (0, 2, 4, ...) and ``g_B`` that of the odd
+  ones (1, 3, 5, ...), as the reference implementation splits its ranks,
+  taken over all leaves as one vector and accumulated in float32. The host reads it with
   :func:`simigrad_jax.similarity` and feeds it to :class:`simigrad_jax.Controller`.
 
   With one device or an odd number of devices the device halves do not exist;
@@ -89,9 +90,12 @@ def transform(
 
   Args:
     axis_name: the name of the mapped data-parallel axis.
-    reduction: ``"scatter"`` (default: reduce-scatter, dot products on the
-      shards, all-gather; about 1.5x the bytes of one all-reduce) or
-      ``"stacked"`` (one all-reduce of both halves; 2x the bytes).
+    reduction: ``"hierarchical"`` (default: reduce-scatter within each half,
+      a swap of pieces between partner devices, dot products on the pieces,
+      one all-gather; exactly the bytes of one all-reduce, and no copy of
+      the whole gradient), or, for comparison, ``"scatter"`` (1.5x the
+      bytes) or ``"stacked"`` (2x). With ``half_grads`` the two halves must
+      both be reduced: 1.5x.
     nonfinite: what the update is when any device's gradient has a NaN or
       infinity: ``"zero"`` (default) returns zeros; ``"propagate"`` returns the
       non-finite mean, identical on every device, for a following
@@ -116,9 +120,10 @@ def transform(
     ...     stacked(params), stacked(opt.init(params)), jnp.ones((n, 3)))
 
   Note:
-    Nothing is ever NaN in the state: when the reduced gradient has a
-    non-finite entry, ``grads_finite`` is False, ``measured`` is False and the
-    norms read 0; when a half's mean gradient is exactly zero the similarity
+    Nothing is ever NaN in the state: when either half's mean gradient has a
+    non-finite entry (detected from the float32 norms, so a gradient whose
+    squared norm overflows float32, above about 1.8e19, counts as non-finite
+    too), ``grads_finite`` is False, ``measured`` is False and the norms read 0; when a half's mean gradient is exactly zero the similarity
     is undefined and ``measured`` is False. With cross-device BatchNorm
     (``axis_name`` on the norm layer) each device's gradient also flows
     through the shared batch statistics, so the halves are not purely from
@@ -148,30 +153,22 @@ def transform(
     leaves = jax.tree.leaves(updates)
     _check_not_already_reduced(leaves, axis_name)
     if half_grads is None:
-      num_devices = lax.axis_size(axis_name)
-      if num_devices % 2:
-        raise ValueError(
-            f"axis {axis_name!r} has {num_devices} device(s); splitting devices into "
-            "two halves needs an even count. Split each device's batch instead: "
-            "compute the half gradients with simigrad_jax.value_and_half_grads and "
-            "pass them as half_grads=..."
-        )
-      in_first_half = lax.axis_index(axis_name) < num_devices // 2
-      mean, stats = halves_reduction.reduce_halves(
-          updates, axis_name, reduction, diff_sign=jnp.where(in_first_half, 1.0, -1.0))
+      mean, stats = halves_reduction.reduce_device_halves(
+          updates, axis_name, reduction, zero_nonfinite=nonfinite == "zero")
     else:
       first, second = half_grads
       diff_shares = jax.tree.map(
           lambda g, a, b: ((a.astype(jnp.float32) - b.astype(jnp.float32)) / 2).astype(g.dtype),
           updates, first, second,
       )
-      mean, stats = halves_reduction.reduce_halves(
-          updates, axis_name, reduction, diff_shares=diff_shares)
+      mean, stats = halves_reduction.reduce_local_halves(
+          updates, diff_shares, axis_name, reduction, zero_nonfinite=nonfinite == "zero")
 
-    grads_finite = stats.nonfinite == 0
+    grads_finite = stats.finite
     positive = (stats.sq_norm_a > 0) & (stats.sq_norm_b > 0)
     measured = grads_finite & positive
-    safe_denominator = jnp.where(measured, jnp.sqrt(stats.sq_norm_a * stats.sq_norm_b), 1.0)
+    safe_denominator = jnp.where(
+        measured, jnp.sqrt(stats.sq_norm_a) * jnp.sqrt(stats.sq_norm_b), 1.0)
     similarity = jnp.where(measured, jnp.clip(stats.dot_ab / safe_denominator, -1.0, 1.0), 0.0)
 
     def finite_norm(sq_norm):
@@ -186,8 +183,6 @@ def transform(
         grads_finite=grads_finite,
         nonfinite_count=state.nonfinite_count + (~grads_finite).astype(jnp.int32),
     )
-    if nonfinite == "zero":
-      mean = jax.tree.map(lambda m: jnp.where(grads_finite, m, jnp.zeros_like(m)), mean)
     return mean, new_state
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
