@@ -29,8 +29,9 @@ changes the size at most this fast, and usually stays in a few buckets.
 Measured per mode (from the Trainer's per-step ``metrics.jsonl`` and summary):
 
 * ``steps``; ``buckets_visited``: distinct micro-batch shapes the steps ran;
-* ``compiles`` and ``compile_seconds``: as the Trainer counts them (the
-  micro-step shapes compiled plus the one apply step), read after
+* ``compiles`` and ``compile_seconds``: as the Trainer counts them (one
+  program per shape for steps of one micro-batch per device, a micro-step per
+  shape that accumulated, and the update of accumulated steps), read after
   ``Trainer.close()``, which finishes the compile in progress and cancels
   queued ones (so a short run may compile fewer shapes than its grid has);
 * ``compile_wait_seconds``: time steps were blocked waiting for a compile.
@@ -252,7 +253,9 @@ def _summarize(mode: str, records: list[dict[str, Any]], summary: dict[str, Any]
       "grid_micro_batch_sizes": list(shapes),
       "shape_switches": switches,
       "compiles": int(final_stats["compiles"]),
-      "micro_step_compiles": int(final_stats["compiles"]) - 1,
+      "step_compiles": len(final_stats["compiled_step_sizes"]),
+      "accumulation_compiles": len(final_stats["compiled_accumulation_sizes"]),
+      "update_compiled": bool(final_stats["update_compiled"]),
       "compiled_micro_batch_sizes": list(final_stats["compiled_micro_batch_sizes"]),
       "compile_seconds": float(final_stats["compile_seconds"]),
       "compile_wait_seconds": float(final_stats["compile_wait_seconds"]),

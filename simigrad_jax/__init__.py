@@ -39,7 +39,7 @@ from simigrad_jax.host.state_access import similarity_stats
 from simigrad_jax.host.step_compiler import StepCompileError
 from simigrad_jax.host.step_compiler import StepCompiler
 from simigrad_jax.host.step_compiler import enable_persistent_cache
-from simigrad_jax.host.trainer import ProcessDisagreementError
+from simigrad_jax.host.process_agreement import ProcessDisagreementError
 from simigrad_jax.host.trainer import Trainer
 from simigrad_jax.ingraph.half_batch import value_and_half_grads
 from simigrad_jax.ingraph.lr_scaling import LrFactorState

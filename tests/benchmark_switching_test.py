@@ -70,8 +70,11 @@ def test_recompile_compiles_each_visited_shape_once(quick_run, mode):
   # Waiting, each step runs its own shape; with the fallback, the compiled ones (at least one).
   assert result["buckets_visited"] == len(visited) >= (3 if mode == "recompile_wait" else 1)
   assert set(visited) <= set(compiled) <= set(result["grid_micro_batch_sizes"])
-  # One compile per shape (prefetched shapes included) plus the apply step.
-  assert result["compiles"] == len(compiled) + 1
+  # One compile per program (prefetched ones included): a step program per shape, a
+  # micro-step per shape that accumulated, the update of accumulated steps.
+  assert result["compiles"] == (result["step_compiles"] + result["accumulation_compiles"]
+                                + result["update_compiled"])
+  assert result["step_compiles"] <= len(compiled)
   assert result["steps_that_waited"] <= len(visited)  # only a first visit can wait
   if mode == "recompile":  # a shape still compiling is replaced by a compiled one
     assert result["steps_that_waited"] <= 1
@@ -86,7 +89,9 @@ def test_pad_compiles_one_shape(quick_run):
   assert result["buckets_visited"] == 1
   assert result["visited_micro_batch_sizes"] == result["compiled_micro_batch_sizes"] == [
       written["max_micro_batch_size"]]
-  assert result["compiles"] == 2  # the one micro-step shape and the apply step
+  # The one shape's step program, and the micro-step and update if a batch outgrew it.
+  assert result["step_compiles"] == 1
+  assert result["compiles"] == 1 + result["accumulation_compiles"] + result["update_compiled"]
   assert result["compile_wait_share_after_first_step"] == 0
 
 

@@ -64,21 +64,26 @@ def test_nonfinite_steps_are_skipped_and_counted(name, tmp_path):
       loss_fn=poisoned_loss, params=TinyMLP().init(jax.random.key(0), data["x"][:1])["params"],
       optimizer=OPTIMIZERS[name](), source=simigrad_jax.ArraySource(data), controller=controller,
       workdir=tmp_path, max_micro_batch_size=4, seed=3, progress=False, tensorboard=False)
-  snapshots = []  # per step: the state before and after, and the controller's size before
-  original = trainer._train_one_step
+  runs = []  # per step: the state before and after, and the controller's size before
+  original_run = trainer._programs.run
 
-  def recording_step(pending, total_examples):
-    before = host({"params": trainer.state["params"], "opt_state": trainer.state["opt_state"]})
+  def recording_run(state, data, step_inputs):
+    before = host({"params": state["params"], "opt_state": state["opt_state"]})  # not donated yet
     size_before = controller.batch_size
-    record, next_pending = original(pending, total_examples)
-    after = host({"params": trainer.state["params"], "opt_state": trainer.state["opt_state"]})
-    snapshots.append((record, before, after, size_before))
-    return record, next_pending
+    new_state, stats = original_run(state, data, step_inputs)
+    runs.append((before, host({"params": new_state["params"],
+                               "opt_state": new_state["opt_state"]}), size_before))
+    return new_state, stats
 
-  trainer._train_one_step = recording_step
+  trainer._programs.run = recording_run
+  decided = []  # the step records as the trainer built them (NaN and Inf losses intact)
+  original_decide = trainer._read_and_decide
+  trainer._read_and_decide = lambda dispatched: decided.append(original_decide(dispatched)) or (
+      decided[-1])
   with trainer:
     trainer.train(num_epochs=3)
 
+  snapshots = [(record, *run) for record, run in zip(decided, runs, strict=True)]
   records = [r for r in simigrad_jax.read_metrics(tmp_path / "metrics.jsonl") if "loss" in r]
   bad = [s for s in snapshots if not s[0]["grads_finite"]]
   # Every epoch trains each poisoned example once: 2 bad steps per epoch (1 if both share a step).

@@ -71,22 +71,22 @@ trainer = simigrad_jax.Trainer(
 
 samples = []  # (step, rss, hwm, live objects)
 sizes = []
-original = trainer._train_one_step
+original = trainer._read_and_decide
 
 
-def sampling_step(pending, total_examples):
-  record, next_pending = original(pending, total_examples)
+def sampling_step(dispatched):
+  record = original(dispatched)
   sizes.append(record["batch_size"])
   step = record["step"]
   if step >= args.warmup and (step - args.warmup) % args.sample_every == 0 or step == args.steps:
     gc.collect()
     rss, hwm = memory_mb()
     samples.append({"step": step, "rss_mb": rss, "hwm_mb": hwm, "objects": len(gc.get_objects()),
-                    "compiles": record["compiles"]})
-  return record, next_pending
+                    "compiles": trainer.compile_stats()["compiles"]})
+  return record
 
 
-trainer._train_one_step = sampling_step
+trainer._read_and_decide = sampling_step
 start = time.perf_counter()
 with trainer:
   summary = trainer.train(num_steps=args.steps)

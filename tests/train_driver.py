@@ -73,9 +73,9 @@ import optax  # noqa: E402
 
 import simigrad_jax  # noqa: E402
 from simigrad_jax.host import step_compiler as step_compiler_module  # noqa: E402
-from simigrad_jax.host import trainer as trainer_module  # noqa: E402
+from simigrad_jax.host import process_agreement  # noqa: E402
 
-trainer_module.AGREEMENT_TIMEOUT_SECONDS = args.agreement_timeout
+process_agreement.AGREEMENT_TIMEOUT_SECONDS = args.agreement_timeout
 
 if args.compile_cache:  # before the model's first eager ops, so that they come from the cache too
   simigrad_jax.enable_persistent_cache(args.compile_cache)
@@ -171,11 +171,11 @@ trace({"event": "start", "pid": os.getpid(), "step": trainer.step,
 
 # --- the examples each step trained on (this process's real rows), logged once the step is done.
 placed = []
-original_place = trainer._place
+original_take = trainer._data.take
 
 
-def recording_place(plan, loaded):
-  step_data = original_place(plan, loaded)
+def recording_take(plan, start, step):
+  step_data, seconds = original_take(plan, start, step)
   rows = []
   for batch, weights in step_data.micro_batches:
     index = np.concatenate([np.asarray(s.data) for s in
@@ -184,24 +184,24 @@ def recording_place(plan, loaded):
                              sorted(weights.addressable_shards, key=lambda s: s.index[0].start)])
     rows.append(index[weight > 0])
   placed.append(np.sort(np.concatenate(rows)).tolist())
-  return step_data
+  return step_data, seconds
 
 
-trainer._place = recording_place
-original_step = trainer._train_one_step
+trainer._data.take = recording_take
+original_decide = trainer._read_and_decide
 
 
-def step_then_maybe_die(pending, total_examples):
-  record, next_pending = original_step(pending, total_examples)
+def decide_then_maybe_die(dispatched):
+  record = original_decide(dispatched)
   trace({"event": "step", **{k: record[k] for k in (
       "step", "batch_size", "next_batch_size", "lr_factor", "next_lr_factor", "decision", "loss",
       "similarity", "examples_seen")}, "indices": placed.pop()})
-  if record["step"] == args.kill_at:
+  if record["step"] == args.kill_at:  # the next step is not dispatched yet
     die("between_steps", step=record["step"])
-  return record, next_pending
+  return record
 
 
-trainer._train_one_step = step_then_maybe_die
+trainer._read_and_decide = decide_then_maybe_die
 
 if args.kill_in_save is not None:
   checkpointer = trainer._checkpointer

@@ -91,16 +91,16 @@ def test_every_example_once_per_epoch_while_the_batch_size_moves(tmp_path):
   schedule = lambda epochs: 1.0 if epochs < 1 else 0.5  # step decay after the first epoch
   trainer = make_trainer(tmp_path, data, controller, max_micro_batch_size=4, lr_schedule=schedule)
   trained = []  # per optimizer step: the indices of the real rows placed on the devices
-  place = trainer._place
+  take = trainer._data.take
 
-  def recording_place(plan, loaded):
-    step_data = place(plan, loaded)
+  def recording_take(plan, start, step):
+    step_data, seconds = take(plan, start, step)
     rows = [np.asarray(batch["index"])[np.asarray(weights) > 0]
             for batch, weights in step_data.micro_batches]
     trained.append(np.sort(np.concatenate(rows)))
-    return step_data
+    return step_data, seconds
 
-  trainer._place = recording_place
+  trainer._data.take = recording_take
   summary = trainer.train(num_epochs=3)
   trainer.close()
   records = [r for r in simigrad_jax.read_metrics(tmp_path / "metrics.jsonl") if "batch_size" in r]
@@ -122,8 +122,11 @@ def test_every_example_once_per_epoch_while_the_batch_size_moves(tmp_path):
     np.testing.assert_allclose(record["lr_factor"], np.sqrt(size / 20) * record["schedule_factor"],
                                rtol=1e-6)
   stats = trainer.compile_stats()
-  # Every shape is compiled once (plus the apply step), whatever the order of visits.
-  assert stats["compiles"] == len(stats["compiled_micro_batch_sizes"]) + 1
+  # Every program is compiled once, whatever the order of visits: one per shape for steps of
+  # one micro-batch, a micro-step per shape that accumulated, and the update after those.
+  assert stats["compiles"] == (len(stats["compiled_step_sizes"])
+                               + len(stats["compiled_accumulation_sizes"])
+                               + stats["update_compiled"])
   assert set(stats["compiled_micro_batch_sizes"]) <= set(trainer.shapes)
 
 
@@ -266,14 +269,13 @@ def test_a_step_whose_shape_is_compiling_runs_on_a_compiled_shape(tmp_path):
     trainer = make_trainer(workdir, data, controller, compile_fallback=fallback)
     first = trainer._plan(controller.batch_size, None).micro_batch_size
     if gate is not None:  # every shape but the first step's compiles once the gate opens
-      lower = trainer._compiler._lower
+      for compiler in (trainer._programs.fused_compiler, trainer._programs.micro_compiler):
+        def gated_lower(size, lower=compiler._lower):
+          if size != first:
+            gate.wait(timeout=30)  # (without a fallback the steps would wait this long, then fail)
+          return lower(size)
 
-      def gated_lower(size):
-        if size != first:
-          gate.wait(timeout=30)  # (without a fallback the steps would wait this long, then fail)
-        return lower(size)
-
-      trainer._compiler._lower = gated_lower
+        compiler._lower = gated_lower
     try:
       summary = trainer.train(num_steps=5)
     finally:
@@ -311,16 +313,17 @@ def test_a_shape_that_fails_to_compile_is_raised_not_replaced(tmp_path):
   trainer = make_trainer(tmp_path, dataset(), controller)
   first = trainer._plan(16, None).micro_batch_size
   broken = trainer._plan(44, None).micro_batch_size
-  lower = trainer._compiler._lower
+  compiler = trainer._programs.fused_compiler
+  lower = compiler._lower
 
   def failing_lower(size):
     if size == broken:
       raise RuntimeError("out of memory (injected)")
     return lower(size)
 
-  trainer._compiler._lower = failing_lower
-  trainer._compiler.prefetch([first, broken])
-  while broken not in trainer._compiler.stats()["failed_sizes"]:
+  compiler._lower = failing_lower
+  compiler.prefetch([first, broken])
+  while broken not in compiler.stats()["failed_sizes"]:
     time.sleep(0.01)
   with pytest.raises(simigrad_jax.StepCompileError, match=f"micro_batch_size={broken} failed with "
                      r"RuntimeError: out of memory \(injected\)"):

@@ -156,7 +156,7 @@ def print_summary(summary: dict[str, Any]) -> None:
       ("optimizer steps", f"{summary['steps']:,} ({summary['steps_this_run']:,} in this run)"),
       ("examples seen", f"{summary['examples_seen']:,}"),
       ("compiles", f"{summary['compiles']} (micro-batch sizes "
-                   f"{sorted(summary['compiled_micro_batch_sizes'])} + the update; "
+                   f"{sorted(summary['compiled_micro_batch_sizes'])}; "
                    f"{summary['compile_seconds']:.1f} s, "
                    f"{summary['compile_wait_seconds']:.1f} s waited, "
                    f"{summary['compile_fallback_steps']} steps on a fallback shape)"),

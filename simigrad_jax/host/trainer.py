@@ -5,78 +5,64 @@ Every optimizer step:
 1. the controller's global batch size is planned onto the devices
    (:func:`simigrad_jax.plan_batch`): micro-batch shape, accumulation steps,
    padding;
-2. the sampler hands out exactly that many examples (position counted in
-   examples, so nothing is dropped or repeated within an epoch); each process
-   loads only the rows of its own devices;
-3. the compiled micro-step for that shape runs once per accumulation step
-   (compiled ahead of time; the other shapes compile in a background thread);
-4. the apply step averages the gradients, measures the similarity
-   (:func:`simigrad_jax.transform`) and updates the parameters; the host reads
-   one small vector of statistics;
-5. the controller picks the next batch size and the learning-rate factor
-   follows it, written into the optimizer state with no recompilation;
-6. metrics go to JSONL and TensorBoard; checkpoints are saved with orbax.
+2. the step's examples (the next ones of the epoch's permutation, counted in
+   examples, so nothing is dropped or repeated within an epoch) are on the
+   devices already when the batch size is the one expected, else they are
+   placed now (:mod:`simigrad_jax.host.step_data`); each process loads only
+   the rows of its own devices;
+3. the step's compiled program runs (:mod:`simigrad_jax.host.step_programs`):
+   one program for gradient, reduction and update when the step holds one
+   micro-batch per device, else micro-steps then the update. The transform
+   averages the gradients and measures the similarity; the host reads one
+   small vector of statistics;
+4. the controller picks the next batch size, the learning-rate factor follows
+   it, and the next step is dispatched at once;
+5. while the devices run it, the last step's metrics go to JSONL and
+   TensorBoard and the progress bar moves; checkpoints are saved with orbax.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
-import dataclasses
-import itertools
-import json
 import logging
 import math
 import os
-import pathlib
+import statistics
 import time
-import zlib
 from typing import Any, Callable, Literal, Mapping
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from simigrad_jax.host import batch_plan
 from simigrad_jax.host import lr_rules
+from simigrad_jax.host import process_agreement
 from simigrad_jax.host import state_access
+from simigrad_jax.host import trainer_checks
 from simigrad_jax.host import validation
 from simigrad_jax.host.checkpointing import CheckpointMismatchError
 from simigrad_jax.host.checkpointing import Checkpointer
 from simigrad_jax.host.controller import Controller
 from simigrad_jax.host.metrics import MetricsWriter
 from simigrad_jax.host.metrics import ProgressBar
+from simigrad_jax.host.process_agreement import ProcessDisagreementError
 from simigrad_jax.host.sampler import EpochSampler
-from simigrad_jax.host.step_compiler import StepCompiler
 from simigrad_jax.host.step_compiler import enable_persistent_cache
+from simigrad_jax.host.step_data import StepDataLoader
+from simigrad_jax.host.step_data import local_device_positions
+from simigrad_jax.host.step_data import speculative_count
+from simigrad_jax.host.step_programs import StepPrograms
+from simigrad_jax.host.step_programs import host_scalars
 from simigrad_jax.ingraph import train_step
-from simigrad_jax.ingraph.lr_scaling import LrFactorState
-from simigrad_jax.ingraph.transform import SimilarityState
 
 logger = logging.getLogger("simigrad_jax")
 
 Mode = Literal["recompile", "pad"]
 MODES: tuple[str, ...] = ("recompile", "pad")
-# What the Trainer reads from a controller (see simigrad_jax.host.controllers).
-_CONTROLLER_ATTRIBUTES = ("batch_size", "initial_batch_size", "config", "last_decision", "update",
-                          "set_batch_size", "state_dict", "load_state_dict")
-_CONTROLLER_CONFIG_KEYS = ("batch_size_lower_bound", "batch_size_upper_bound", "similarity_target")
 
-
-class ProcessDisagreementError(RuntimeError):
-  """The processes of a multi-host run set up or decided differently (a collective would deadlock)."""
-
-
-@dataclasses.dataclass
-class _StepData:
-  """One optimizer step's rows, already on the devices."""
-
-  plan: batch_plan.BatchPlan
-  micro_batches: list[tuple[Any, Any]]  # (batch, weights) per accumulation step
-  seconds: float  # host time spent gathering and placing them
+__all__ = ["MODES", "ProcessDisagreementError", "Trainer"]
 
 
 class Trainer:
@@ -133,6 +119,15 @@ class Trainer:
     devices: the devices to train on (default: all, over every process); an
       even number, since the similarity compares the two device halves.
 
+  Each step's record (``metrics.jsonl``) also carries ``host_seconds``: the
+  host's time on the critical path, from reading the previous step's
+  statistics to dispatching this step (deciding the batch size, placing the
+  data when it was not placed ahead, dispatching). Metrics, TensorBoard, the
+  progress bar and checkpoint bookkeeping of a step run after the next step is
+  dispatched, while the devices work; a step that ends an epoch or is
+  checkpointed writes its record before the checkpoint, so that a resumed run
+  holds exactly the records up to its checkpoint.
+
   Raises:
     ValueError: for any setting or input that could not train as asked,
       before anything is compiled or trained; the message names the value
@@ -146,7 +141,8 @@ class Trainer:
     ProcessDisagreementError: in a multi-host run, when the processes were
       built with different settings, or (checked after every step, before the
       next uses it) took different decisions; also when another process does
-      not reach the set-up check within :data:`AGREEMENT_TIMEOUT_SECONDS`.
+      not reach the set-up check within
+      :data:`simigrad_jax.host.process_agreement.AGREEMENT_TIMEOUT_SECONDS`.
 
   Example:
     >>> trainer = simigrad_jax.Trainer(loss_fn=loss_fn, params=params,  # doctest: +SKIP
@@ -155,6 +151,7 @@ class Trainer:
     ...                                        batch_size_upper_bound=1024),
     ...     workdir="/tmp/run", max_micro_batch_size=32)
     >>> summary = trainer.train(num_epochs=3)  # doctest: +SKIP
+    >>> trainer.step_memory()["temp_bytes"]  # doctest: +SKIP
 
   Note:
     A step whose gradient is NaN or infinite on any device keeps the
@@ -197,15 +194,12 @@ class Trainer:
       raise ValueError(f"mode={mode!r} is not valid; choose one of {MODES}")
     if lr_rule not in lr_rules.LR_RULES:
       raise ValueError(f"lr_rule={lr_rule!r} is not valid; choose one of {lr_rules.LR_RULES}")
-    _check_callable("loss_fn", loss_fn)
+    trainer_checks.check_callable("loss_fn", loss_fn)
     for name, fn in (("eval_fn", eval_fn), ("lr_schedule", lr_schedule)):
       if fn is not None:
-        _check_callable(name, fn)
-    if not (callable(getattr(optimizer, "init", None)) and callable(getattr(optimizer, "update", None))):
-      raise ValueError(f"optimizer must be an optax GradientTransformation (with init and update), "
-                       f"got {optimizer!r:.200}")
-    _check_controller(controller)
-    num_examples = _check_source(source)
+        trainer_checks.check_callable(name, fn)
+    trainer_checks.check_controller(controller)
+    num_examples = trainer_checks.check_source(source)
     max_micro = validation.check_int("max_micro_batch_size", max_micro_batch_size, 1)
     if min_micro_batch_size is not None and (
         not validation.is_int(min_micro_batch_size) or not 1 <= min_micro_batch_size <= max_micro):
@@ -220,20 +214,12 @@ class Trainer:
       validation.check_bool(name, flag)
     if not isinstance(axis_name, str) or not axis_name:
       raise ValueError(f"axis_name must be a non-empty string, got {axis_name!r}")
-    workdir = pathlib.Path(workdir).absolute()
-    if not workdir.parent.is_dir():
-      raise ValueError(f"the workdir's parent {str(workdir.parent)!r} does not exist")
-    if workdir.exists() and not workdir.is_dir():
-      raise ValueError(f"workdir {str(workdir)!r} exists and is not a directory")
-    devices = _check_devices(devices)
-    _check_finite_params(params)
-    probe_state = optimizer.init(params)
-    for state_type, name in ((SimilarityState, "simigrad_jax.transform"),
-                             (LrFactorState, "simigrad_jax.scale_by_lr_factor()")):
-      if not optax.tree_utils.tree_get_all_with_path(probe_state, state_type.__name__):
-        raise ValueError(f"the optimizer has no {state_type.__name__}: chain {name} into it")
+    workdir = trainer_checks.check_workdir(workdir)
+    devices = trainer_checks.check_devices(devices)
+    trainer_checks.check_finite_params(params)
+    probe_state = trainer_checks.checked_optimizer_state(optimizer, params)
     self.num_devices = len(devices)
-    self.lower, self.upper = _check_bounds(controller, self.num_devices, num_examples)
+    self.lower, self.upper = trainer_checks.check_bounds(controller, self.num_devices, num_examples)
     for size in (self.lower, controller.initial_batch_size, self.upper):
       lr_rules.lr_factor(size, controller.initial_batch_size, lr_rule, lr_adjust_factor)
 
@@ -246,7 +232,6 @@ class Trainer:
     self.base_batch_size = controller.initial_batch_size
 
     self.mesh = Mesh(np.array(devices), (axis_name,))
-    self._local_positions = _local_device_positions(devices)
     self._replicated = NamedSharding(self.mesh, P())
     self._sharded = NamedSharding(self.mesh, P(axis_name))
 
@@ -261,10 +246,11 @@ class Trainer:
     # Processes decide from their own compile progress, so they could pick different shapes.
     self._compile_fallback = (compile_fallback and background_compile and mode == "recompile"
                               and jax.process_count() == 1)
+    self._programs_need_accumulation = self.upper > self.num_devices * max_micro
 
     # Multi-host: every process must run the same program; a difference would
     # deadlock the first collective, so compare the settings first.
-    self._agree("settings", set_up=True, values={
+    process_agreement.agree("settings", set_up=True, values={
         "controller": controller.config, "batch_size": controller.batch_size, "seed": seed,
         "mode": mode, "shapes": list(self.shapes), "lr_rule": lr_rule,
         "lr_adjust_factor": lr_adjust_factor, "num_examples": num_examples,
@@ -284,51 +270,27 @@ class Trainer:
     self._checkpointer = Checkpointer(workdir / "checkpoints", max_to_keep=max_checkpoints)
     try:
       self._resume()
-      self._agree("resumed state", set_up=True, values={
+      process_agreement.agree("resumed state", set_up=True, values={
           "step": self.step, "controller": controller.state_dict(),
           "sampler": self.sampler.state_dict()})
       if compilation_cache_dir is not None:
         enable_persistent_cache(compilation_cache_dir)
-      self._acc = train_step.zero_accumulator(params, self.mesh, axis_name)
-      checked_loss = _checked_loss_fn(loss_fn, model_state)
-      micro = jax.jit(train_step.make_micro_step(checked_loss, self.mesh, axis_name, seed),
-                      donate_argnums=(2,))
-      # Trace (not compile) the first step's micro-step now: a model, loss or data set
-      # that do not fit each other fail here, with the features named. The trace is
-      # reused when that shape is compiled.
-      first_shape = self._plan(controller.batch_size, None).micro_batch_size
-      try:
-        traced = {first_shape: micro.trace(*self._abstract_micro_args(first_shape))}
-      except _LossContractError:
-        raise
-      except Exception as error:
-        raise ValueError(
-            f"loss_fn fails on one device's rows of this source (features "
-            f"{ {k: (tuple(s), str(d)) for k, (s, d) in source.element_spec.items()} }, "
-            f"{first_shape} rows): {type(error).__name__}: {error}") from error
-
-      def lower(micro_batch_size: int) -> jax.stages.Lowered:
-        first = traced.pop(micro_batch_size, None)
-        return first.lower() if first is not None else micro.lower(
-            *self._abstract_micro_args(micro_batch_size))
-
-      self._compiler = StepCompiler(lower, background=background_compile, name="micro_step")
-      apply = jax.jit(_skip_nonfinite(train_step.make_apply_step(optimizer, self.mesh, axis_name)),
-                      donate_argnums=(0, 1, 2),
-                      out_shardings=(self._replicated, self._replicated, self._sharded,
-                                     self._replicated))
-      start = time.perf_counter()
-      try:
-        self._apply = apply.lower(*_abstract(
-            (self.state["params"], self.state["opt_state"], self._acc))).compile()
-      except NameError as error:  # e.g. "unbound axis name: data"
-        raise ValueError(f"the optimizer's simigrad_jax.transform must use the Trainer's "
-                         f"axis_name={axis_name!r}: {error}") from error
+      self._programs = StepPrograms(
+          loss_fn=trainer_checks.checked_loss_fn(loss_fn, model_state), optimizer=optimizer,
+          mesh=self.mesh, axis_name=axis_name, seed=seed, state=self.state,
+          element_spec=source.element_spec,
+          needs_accumulation=self._programs_need_accumulation,
+          background=background_compile, compile_fallback=self._compile_fallback)
+      # A model, loss, optimizer or data set that do not fit each other fail here.
+      self._programs.trace(self._plan(controller.batch_size).micro_batch_size)
     except BaseException:
       self._checkpointer.close()
+      if hasattr(self, "_programs"):
+        self._programs.close()
       raise
-    self._apply_compile_seconds = time.perf_counter() - start
-    self._data_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="simigrad-data")
+    self._data = StepDataLoader(source, self.sampler, self._sharded, self._replicated,
+                                local_device_positions(devices), self.num_devices,
+                                place_ahead=jax.process_count() == 1)
     self._is_main = jax.process_index() == 0
     self._lr_used = state_access.lr_factor_of(self.state["opt_state"])
     self._schedule_factor = 1.0
@@ -337,16 +299,6 @@ class Trainer:
     self._progress_enabled = progress and self._is_main
 
   # ------------------------------------------------------------------ set-up
-
-  def _abstract_micro_args(self, micro: int) -> tuple:
-    rows = self.num_devices * micro
-    batch = {name: jax.ShapeDtypeStruct((rows,) + tuple(shape), dtype, sharding=self._sharded)
-             for name, (shape, dtype) in self.source.element_spec.items()}
-    weights = jax.ShapeDtypeStruct((rows,), jnp.float32, sharding=self._sharded)
-    total_weight = jax.ShapeDtypeStruct((), jnp.float32, sharding=self._replicated)
-    counters = jax.ShapeDtypeStruct((2,), jnp.int32, sharding=self._replicated)
-    return (*_abstract((self.state["params"], self.state["model_state"], self._acc)),
-            batch, weights, total_weight, counters)
 
   def _resume(self) -> None:
     """Continues from the newest readable checkpoint in the workdir, if any."""
@@ -388,61 +340,26 @@ class Trainer:
             "sampler": self.sampler.state_dict(), "nonfinite_steps": self._nonfinite_steps}
     self._checkpointer.save(self.step, self.state, host)
 
-  # ------------------------------------------------------------------ data
+  # ------------------------------------------------------------------ planning
 
-  def _plan(self, batch_size: int, previous: int | None) -> batch_plan.BatchPlan:
+  def _plan(self, batch_size: int, previous: int | None = None) -> batch_plan.BatchPlan:
     return batch_plan.plan_batch(batch_size, self.num_devices, self.policy,
                                  previous_batch_size=previous, lower=1, upper=None)
 
-  def _ready_plan(self, plan: batch_plan.BatchPlan) -> batch_plan.BatchPlan:
-    """``plan``, or while its shape is still compiling, the same batch on the nearest compiled shape.
+  def _shapes_by_distance(self, batch_size: int) -> list[int]:
+    current = self._plan(batch_size).micro_batch_size
+    return sorted(self.shapes, key=lambda m: (abs(math.log(m / current)), m))
 
-    The nearest in log scale (ties: the larger shape, fewer micro-steps) with
-    the fewest accumulation steps that hold the batch; the examples and their
-    devices are those of ``plan`` (the device halves hold the same examples).
-    """
-    if not self._compile_fallback:
-      return plan
-    stats = self._compiler.stats()
-    ready = [g for g in stats["compiled_sizes"] if g in self.shapes]
-    # A failed shape is not replaced: getting it raises, rather than falling back for ever.
-    if not ready or plan.micro_batch_size in ready + stats["failed_sizes"]:
-      return plan
-    self._compiler.prefetch([plan.micro_batch_size])  # (a no-op when queued or compiling)
-    micro = min(ready, key=lambda g: (abs(math.log(g / plan.micro_batch_size)), -g))
-    steps = -(-plan.global_batch_size // (self.num_devices * micro))
-    return dataclasses.replace(
-        plan, micro_batch_size=micro, accumulation_steps=steps,
-        padded_examples=self.num_devices * micro * steps - plan.global_batch_size)
-
-  def _local_rows(self, first_example: int, count: int):
-    """Loads this process's rows among the next ``count`` examples (runs in the data thread)."""
-    indices = self.sampler.indices_at(first_example, count)
-    examples = np.arange(count)
-    mine = np.isin(examples % self.num_devices, self._local_positions)
-    return examples[mine], self.source.get_batch(indices[mine])
-
-  def _place(self, plan: batch_plan.BatchPlan, loaded) -> _StepData:
-    """Arranges loaded rows into the plan's micro-batches on the devices."""
-    start = time.perf_counter()
-    local_examples, rows = loaded
-    layout = plan.example_layout()[:, self._local_positions, :]  # (k, local, micro)
-    weights = plan.example_weights()[:, self._local_positions, :]
-    where = np.searchsorted(local_examples, np.maximum(layout, 0))
-    micro_batches = []
-    for j in range(plan.accumulation_steps):
-      take = where[j].reshape(-1)
-      real = layout[j].reshape(-1) >= 0
-      local = {name: _gather_rows(array, take, real) for name, array in rows.items()}
-      micro_batches.append((self._to_devices(local, plan.micro_batch_size),
-                            self._to_devices(weights[j].reshape(-1).astype(np.float32), plan.micro_batch_size)))
-    return _StepData(plan, micro_batches, time.perf_counter() - start)
-
-  def _to_devices(self, local_tree, micro: int):
-    rows = self.num_devices * micro
-    return jax.tree.map(
-        lambda x: jax.make_array_from_process_local_data(self._sharded, x, (rows,) + x.shape[1:]),
-        local_tree)
+  def _accumulating_shapes(self, batch_size: int) -> list[int]:
+    """Micro-step shapes to compile ahead: the largest when a batch can exceed one micro-batch
+    per device, and the first step's (the compile fallback accumulates on it while a larger
+    shape compiles)."""
+    shapes = []
+    if self._programs_need_accumulation:
+      shapes.append(max(self.shapes))
+    if self._compile_fallback:
+      shapes.append(self._plan(batch_size).micro_batch_size)
+    return list(dict.fromkeys(shapes))
 
   # ------------------------------------------------------------------ training
 
@@ -458,8 +375,9 @@ class Trainer:
     Returns:
       A summary dict: steps, examples seen, average batch size, final batch
       size, last loss and similarity, the compile and data timings (and
-      ``compile_fallback_steps``: steps run on a fallback shape), and the
-      last evaluation (if any).
+      ``compile_fallback_steps``: steps run on a fallback shape), the median
+      ``host_seconds`` (the host's critical path between steps), and the last
+      evaluation (if any).
     """
     if num_epochs is None and num_steps is None:
       raise ValueError("give num_epochs or num_steps")
@@ -471,35 +389,45 @@ class Trainer:
     total_examples = (math.inf if num_epochs is None
                       else int(round(num_epochs * self.sampler.num_examples)))
     max_steps = math.inf if num_steps is None else int(num_steps)
-    self._set_lr_factor(self.controller.batch_size)
-    self._compiler.prefetch(self._shapes_by_distance(self.controller.batch_size))
+    batch_size = self.controller.batch_size
+    self._set_lr_factor(batch_size)
+    self._programs.prefetch(self._shapes_by_distance(batch_size),
+                            self._accumulating_shapes(batch_size))
     progress = ProgressBar(
         total_examples if math.isfinite(total_examples) else 0,
         initial=min(self.sampler.examples_seen, total_examples) if math.isfinite(total_examples) else 0,
         enabled=self._progress_enabled)
     run = {"examples": 0, "steps": 0, "wall": 0.0, "data": 0.0, "fallback": 0, "last": {},
-           "eval": {}}
-    next_data = self._submit_data(self.controller.batch_size, total_examples)
+           "eval": {}, "host": []}
+    self._submit_data(batch_size, total_examples)
+    self._last_read = None
+    pending = None  # the last step's record, written once the next step is dispatched
     try:
       while self.step < max_steps and self.sampler.examples_seen < total_examples:
-        record, next_data = self._train_one_step(next_data, total_examples)
-        run["examples"] += record["batch_size"]
-        run["steps"] += 1
-        run["wall"] += record["step_seconds"]
-        run["data"] += record["data_seconds"]
-        run["fallback"] += record["compile_fallback"]
-        run["last"] = record
-        progress.update(record["batch_size"], loss=record["loss"], batch=record["batch_size"],
-                        sim=record["similarity"])
+        dispatched = self._dispatch(total_examples)
+        if pending is not None:  # bookkeeping of the last step, while the devices work
+          self._finish(pending, run, progress)
+          pending = None
+        record = self._read_and_decide(dispatched)
+        checkpoint = record["epoch_end"] or (self.checkpoint_every_steps
+                                             and self.step % self.checkpoint_every_steps == 0)
+        if not checkpoint:
+          pending = record
+          continue
+        # Records up to a checkpoint are written before it, so a resume finds exactly those.
+        self._finish(record, run, progress)
         if record["epoch_end"]:
           run["eval"] = self._evaluate()
-        if (record["epoch_end"] or (self.checkpoint_every_steps
-                                    and self.step % self.checkpoint_every_steps == 0)):
-          self.save_checkpoint()
+        self.save_checkpoint()
+      if pending is not None:
+        self._finish(pending, run, progress)
+        pending = None
       if run["steps"]:
         self.save_checkpoint()
       self._checkpointer.wait()
     finally:
+      if pending is not None:
+        self._finish(pending, run, progress)
       progress.close()
     compile_stats = self.compile_stats()
     last = run["last"]
@@ -510,96 +438,89 @@ class Trainer:
         "final_batch_size": self.controller.batch_size,
         "loss": last.get("loss"), "similarity": last.get("similarity"),
         "wall_seconds": run["wall"], "data_seconds": run["data"],
+        "host_seconds_median": statistics.median(run["host"]) if run["host"] else math.nan,
         "compile_fallback_steps": run["fallback"], **compile_stats,
         **run["eval"],
     }
 
-  def _shapes_by_distance(self, batch_size: int) -> list[int]:
-    current = self._plan(batch_size, None).micro_batch_size
-    return sorted(self.shapes, key=lambda m: (abs(math.log(m / current)), m))
-
-  def _submit_data(self, batch_size: int, total_examples: float):
-    """Starts loading the rows for the next step, for up to one grow of ``batch_size``."""
+  def _submit_data(self, batch_size: int, total_examples: float) -> None:
+    """Starts loading the next step's rows (for up to one grow of ``batch_size``) and placing
+    them for ``batch_size`` unchanged."""
     start = self.sampler.examples_seen
-    most = max(batch_size + 1, int(batch_size * 1.1))
-    if self.upper is not None:
-      most = min(most, self.upper)
-    most = max(most, batch_size)
-    most = int(min(most, total_examples - start)) if math.isfinite(total_examples) else most
-    return start, most, self._data_pool.submit(self._local_rows, start, max(most, 1))
+    remaining = total_examples - start
+    expected = None
+    if remaining > 0:
+      expected = self._programs.ready_plan(self._plan(int(min(batch_size, remaining))))
+    count = speculative_count(batch_size, self.upper, remaining)
+    self._data.submit(start, count, self.step, expected)
 
-  def _train_one_step(self, pending, total_examples: float):
-    step_start = time.perf_counter()
+  def _dispatch(self, total_examples: float) -> dict[str, Any]:
+    """Plans the controller's batch size, takes its examples and dispatches the step."""
+    start = time.perf_counter()
     batch_size = self.controller.batch_size
     remaining = total_examples - self.sampler.examples_seen
     if remaining < batch_size:
       batch_size = int(remaining)  # the run's last step lands exactly on num_epochs
-    exact = self._plan(batch_size, None)
-    plan = self._ready_plan(exact)
-    start, loaded_count, future = pending
-    wait_start = time.perf_counter()
-    if start == self.sampler.examples_seen and loaded_count >= plan.global_batch_size:
-      loaded = future.result()
-    else:  # the speculative load does not cover this step (e.g. after a resume)
-      future.result()
-      loaded = self._local_rows(self.sampler.examples_seen, plan.global_batch_size)
-    data = self._place(plan, loaded)
-    data_seconds = (time.perf_counter() - wait_start)
-    compile_before = self._compiler.stats()["compile_wait_seconds"]
-
+    exact = self._plan(batch_size)
+    plan = self._programs.ready_plan(exact)
+    data, data_seconds = self._data.take(plan, self.sampler.examples_seen, self.step)
     epoch_before = self.sampler.epoch
     self.sampler.take(plan.global_batch_size)
-    state, acc = self.state, self._acc
-    model_state = state["model_state"]
-    total_weight = jax.device_put(np.float32(plan.global_batch_size), self._replicated)
-    for j, (batch, weights) in enumerate(data.micro_batches):
-      compiled = self._compiler.get(plan.micro_batch_size)
-      counters = jax.device_put(np.array([self.step, j], np.int32), self._replicated)
-      acc, model_state = compiled(state["params"], model_state, acc, batch, weights,
-                                  total_weight, counters)
-    params, opt_state, self._acc, stats_vector = self._apply(state["params"], state["opt_state"], acc)
+    step_inputs = host_scalars([plan.global_batch_size, self._lr_used], np.float32,
+                               self._replicated)
+    wait_before = self._programs.stats()["compile_wait_seconds"]
+    self.state, stats = self._programs.run(self.state, data, step_inputs)
+    compile_wait = self._programs.stats()["compile_wait_seconds"] - wait_before
+    host_seconds = (time.perf_counter() - self._last_read if self._last_read is not None
+                    else math.nan)
     # Load the next step's rows while the devices work.
-    lr_used, schedule_used = self._lr_used, self._schedule_factor
-    next_pending = self._submit_data(self.controller.batch_size, total_examples)
-    stats = dict(zip(train_step.STEP_STATS,
-                     np.asarray(jax.device_get(stats_vector.addressable_data(0))).tolist()))
+    self._submit_data(self.controller.batch_size, total_examples)
+    return {"start": start, "plan": plan, "exact": exact, "stats": stats,
+            "data_seconds": data_seconds, "epoch_before": epoch_before,
+            "compile_wait": compile_wait, "host_seconds": host_seconds - compile_wait,
+            "lr_used": self._lr_used, "schedule_used": self._schedule_factor}
+
+  def _read_and_decide(self, dispatched: dict[str, Any]) -> dict[str, Any]:
+    """Waits for the step's statistics, lets the controller decide, and returns the step's record."""
+    plan = dispatched["plan"]
+    stats = dict(zip(train_step.STEP_STATS, np.asarray(
+        jax.device_get(dispatched["stats"].addressable_data(0))).tolist()))
+    read = time.perf_counter()
+    step_seconds = read - (self._last_read if self._last_read is not None else dispatched["start"])
+    self._last_read = read
     grads_finite = bool(stats["grads_finite"])
     if not grads_finite:
       self._nonfinite_steps += 1
-      model_state = state["model_state"]  # BatchNorm statistics of a bad step are dropped too
     similarity = stats["similarity"] if stats["measured"] else math.nan
+    epoch_end = self.sampler.epoch > dispatched["epoch_before"]
     observed = {**stats, "similarity": similarity, "grads_finite": grads_finite,
                 "batch_size": plan.global_batch_size, "examples_seen": self.sampler.examples_seen,
                 "epochs": self.sampler.examples_seen / self.sampler.num_examples,
-                "epoch_end": self.sampler.epoch > epoch_before}
+                "epoch_end": epoch_end}
     next_batch_size = self.controller.update(similarity, stats=observed)
-    self.state = {"params": params, "opt_state": opt_state, "model_state": model_state}
     self.step += 1
     factors = self._lr_factor(next_batch_size)
     # Multi-host: the next step's shapes and learning rate follow this decision; every
     # process must hold the same one before any of them uses it.
-    self._agree(f"decision of step {self.step}", {
+    process_agreement.agree(f"decision of step {self.step}", {
         "step": self.step, "batch_size": plan.global_batch_size,
         "examples_seen": self.sampler.examples_seen, "similarity": similarity,
         "decision": self.controller.last_decision, "next_batch_size": next_batch_size,
         "next_lr_factor": float(np.float32(factors[0]))})
     self._set_lr_factor(next_batch_size, factors)
-
-    step_seconds = time.perf_counter() - step_start
-    compile_stats = self.compile_stats()
-    record = {
+    return {
         "step": self.step,
-        "epoch": epoch_before,
+        "epoch": dispatched["epoch_before"],
         "examples_seen": self.sampler.examples_seen,
         "batch_size": plan.global_batch_size,
         "micro_batch_size": plan.micro_batch_size,
         "accumulation_steps": plan.accumulation_steps,
         "padded_examples": plan.padded_examples,
-        "compile_fallback": plan != exact,
-        "lr_factor": lr_used,
+        "compile_fallback": plan != dispatched["exact"],
+        "lr_factor": dispatched["lr_used"],
         "next_batch_size": next_batch_size,
         "next_lr_factor": self._lr_used,
-        "schedule_factor": schedule_used,
+        "schedule_factor": dispatched["schedule_used"],
         "decision": self.controller.last_decision,
         "similarity_target": self.controller.config["similarity_target"],
         "loss": stats["loss"],
@@ -609,39 +530,26 @@ class Trainer:
         "nonfinite_steps": self._nonfinite_steps,
         "step_seconds": step_seconds,
         "examples_per_second": plan.global_batch_size / step_seconds,
-        "data_seconds": data_seconds,
-        "compile_wait_step_seconds": compile_stats["compile_wait_seconds"] - compile_before,
-        **compile_stats,
+        "data_seconds": dispatched["data_seconds"],
+        "host_seconds": dispatched["host_seconds"],
+        "compile_wait_step_seconds": dispatched["compile_wait"],
+        "epoch_end": epoch_end,
     }
-    self._metrics.write(record)
-    record["epoch_end"] = self.sampler.epoch > epoch_before
-    return record, next_pending
 
-  def _agree(self, what: str, values: Mapping[str, Any], set_up: bool = False) -> None:
-    """Raises :class:`ProcessDisagreementError` unless every process holds the same ``values``.
-
-    Nothing happens with one process. Each value is compared as JSON; the
-    error names each differing key with every process's value. Per step, one
-    small all-gather over the processes; at set-up (``set_up=True``) the
-    values go through jax.distributed's key-value store instead, so that a
-    process that failed before reaching this point is reported after
-    :data:`AGREEMENT_TIMEOUT_SECONDS` rather than leaving the others waiting.
-    """
-    if jax.process_count() == 1:
-      return
-    texts = [json.dumps(values[key], sort_keys=True, default=str) for key in values]
-    gathered = _gather_texts_with_timeout(texts, what) if set_up else _gather_texts(texts)
-    differing = [i for i in range(len(texts)) if len({row[i] for row in gathered}) > 1]
-    if not differing:
-      return
-    details = "; ".join(
-        f"{key}: " + ", ".join(f"process {p} has {row[i]}" for p, row in enumerate(gathered))
-        for i, key in enumerate(values) if i in differing)
-    raise ProcessDisagreementError(
-        f"the {jax.process_count()} processes disagree on the {what} ({details}). All processes "
-        "must run with the same settings and take the same decisions, or the next collective "
-        "would deadlock; build the Trainer with the same settings, data set and code on every "
-        "process")
+  def _finish(self, record: dict[str, Any], run: dict[str, Any], progress: ProgressBar) -> None:
+    """A step's bookkeeping: its metrics record, the run's totals and the progress bar."""
+    self._metrics.write({**{k: v for k, v in record.items() if k != "epoch_end"},
+                         **self.compile_stats()})
+    run["examples"] += record["batch_size"]
+    run["steps"] += 1
+    run["wall"] += record["step_seconds"]
+    run["data"] += record["data_seconds"]
+    run["fallback"] += record["compile_fallback"]
+    if math.isfinite(record["host_seconds"]):
+      run["host"].append(record["host_seconds"])
+    run["last"] = record
+    progress.update(record["batch_size"], loss=record["loss"], batch=record["batch_size"],
+                    sim=record["similarity"])
 
   def _lr_factor(self, batch_size: int) -> tuple[float, float]:
     """``(learning-rate factor, schedule factor)`` for ``batch_size`` at the current progress."""
@@ -655,10 +563,10 @@ class Trainer:
     return factor, schedule
 
   def _set_lr_factor(self, batch_size: int, factors: tuple[float, float] | None = None) -> None:
-    """Writes the learning-rate factor for ``batch_size`` at the current progress into the state."""
+    """Sets the learning-rate factor the next step runs with (it is written into the optimizer
+    state in-graph, at no recompilation)."""
     factor, self._schedule_factor = self._lr_factor(batch_size) if factors is None else factors
-    self.state["opt_state"] = state_access.set_lr_factor(self.state["opt_state"], factor)
-    self._lr_used = float(np.float32(factor))  # the value the next step runs with
+    self._lr_used = float(np.float32(factor))
 
   def _evaluate(self) -> dict[str, float]:
     if self.eval_fn is None:
@@ -670,18 +578,31 @@ class Trainer:
     return results
 
   def compile_stats(self) -> dict[str, Any]:
-    """Compiles so far (micro-step shapes plus the apply step), their seconds, and the seconds steps waited."""
-    stats = self._compiler.stats()
-    return {"compiles": stats["compiles"] + 1,
-            "compile_seconds": stats["compile_seconds"] + self._apply_compile_seconds,
-            "compile_wait_seconds": stats["compile_wait_seconds"],
-            "compiled_micro_batch_sizes": stats["compiled_sizes"]}
+    """Compiles so far (programs per shape plus the update of accumulated steps), their seconds,
+    the seconds steps waited for them, and the compiled micro-batch shapes."""
+    return self._programs.stats()
+
+  def step_memory(self, micro_batch_size: int | None = None) -> dict[str, int]:
+    """XLA's compiled memory of the one-micro-batch step program for that shape.
+
+    Args:
+      micro_batch_size: rows per device (default: the shape of the
+        controller's current batch size). Compiled if it is not yet.
+
+    Returns:
+      ``argument_bytes``, ``output_bytes``, ``alias_bytes`` (outputs that reuse
+      the donated parameters and optimizer state) and ``temp_bytes``, per
+      device, from ``compiled.memory_analysis()``.
+    """
+    if micro_batch_size is None:
+      micro_batch_size = self._plan(self.controller.batch_size).micro_batch_size
+    return self._programs.memory(micro_batch_size)
 
   def close(self) -> None:
     """Waits for saves and compiles, and closes the metrics files."""
     self._checkpointer.close()
-    self._compiler.close()
-    self._data_pool.shutdown(wait=True)
+    self._programs.close()
+    self._data.close()
     self._metrics.close()
 
   def __enter__(self):
@@ -691,258 +612,6 @@ class Trainer:
     self.close()
 
 
-_TEXT_WIDTH = 512  # bytes per compared value in the agreement check (longer ones: a CRC prefix)
-# How long a process waits at set-up for the others to reach the same point (multi-host).
-AGREEMENT_TIMEOUT_SECONDS = 300.0
-_agreement_rounds = itertools.count()
-
-
-def _gather_texts_with_timeout(texts: list[str], what: str) -> list[list[str]]:
-  """Every process's ``texts`` through jax.distributed's key-value store, waiting at most
-  :data:`AGREEMENT_TIMEOUT_SECONDS` for each process (falls back to an all-gather)."""
-  try:
-    from jax._src import distributed  # pylint: disable=import-outside-toplevel
-    client = distributed.global_state.client
-  except (ImportError, AttributeError):
-    client = None
-  if client is None:
-    return _gather_texts(texts)
-  key = f"simigrad_jax/agreement/{next(_agreement_rounds)}"
-  client.key_value_set(f"{key}/{jax.process_index()}", json.dumps(texts))
-  gathered = []
-  for process in range(jax.process_count()):
-    try:
-      gathered.append(json.loads(client.blocking_key_value_get(
-          f"{key}/{process}", int(AGREEMENT_TIMEOUT_SECONDS * 1000))))
-    except Exception as error:  # pylint: disable=broad-except  (a timeout, as the runtime reports it)
-      raise ProcessDisagreementError(
-          f"process {process} did not reach the Trainer's check of the {what} within "
-          f"{AGREEMENT_TIMEOUT_SECONDS:g} s: it failed before it (see its log) or is far behind "
-          f"({type(error).__name__}: {_first_line(error)})") from error
-  return gathered
-
-
-def _first_line(error: BaseException) -> str:
-  return (str(error).strip().splitlines() or [""])[0][:300]
-
-
-def _gather_texts(texts: list[str]) -> list[list[str]]:
-  """Every process's ``texts`` (same length on all), via one all-gather of fixed-width bytes."""
-  rows = np.zeros((len(texts), _TEXT_WIDTH), np.uint8)
-  for i, text in enumerate(texts):
-    data = text.encode()
-    if len(data) > _TEXT_WIDTH:
-      data = f"crc32={zlib.crc32(data):08x} ".encode() + data[:_TEXT_WIDTH - 24] + b"..."
-    rows[i, :len(data)] = np.frombuffer(data, np.uint8)
-  gathered = np.asarray(multihost_utils.process_allgather(rows))  # (processes, texts, width)
-  return [[bytes(row).rstrip(b"\0").decode(errors="replace") for row in process]
-          for process in gathered]
-
-
-class _LossContractError(ValueError):
-  """``loss_fn`` returned something other than per-example losses and a model state."""
-
-
-def _checked_loss_fn(loss_fn: train_step.PerExampleLossFn, model_state: Any) -> train_step.PerExampleLossFn:
-  """``loss_fn``, checked at trace time: one loss per row, and the model state's structure kept."""
-  state_structure = jax.tree.structure(model_state)
-
-  def checked(params, state, batch, weights, rng):
-    out = loss_fn(params, state, batch, weights, rng)
-    if not isinstance(out, (tuple, list)) or len(out) != 2:
-      raise _LossContractError(
-          f"loss_fn must return (per_example_losses, new_model_state), got {type(out).__name__}")
-    losses, new_state = out
-    if jnp.shape(losses) != weights.shape:
-      raise _LossContractError(
-          f"loss_fn must return one loss per row, shape {weights.shape}, got shape "
-          f"{jnp.shape(losses)}: the Trainer weights the rows itself (padding rows have weight "
-          "0), so a mean over the rows would count padding")
-    if jax.tree.structure(new_state) != state_structure:
-      raise _LossContractError(
-          f"loss_fn must return a model state with the structure of model_state "
-          f"({state_structure}), got {jax.tree.structure(new_state)}")
-    return losses, new_state
-
-  return checked
-
-
-def _skip_nonfinite(apply_step: Callable[..., Any]) -> Callable[..., Any]:
-  """Wraps the apply step: a step whose gradients are not finite keeps the parameters and the
-  optimizer state (all but the SimilarityState, which records the event), like
-  ``optax.apply_if_finite``; the transform alone would only zero the update, and momentum, weight
-  decay or Adam's count would still move."""
-  finite_index = train_step.STEP_STATS.index("grads_finite")
-
-  def apply_or_keep(params, opt_state, acc):
-    new_params, new_opt_state, cleared, stats = apply_step(params, opt_state, acc)
-    finite = stats[finite_index] > 0
-
-    def keep(new, old):
-      if jax.dtypes.issubdtype(new.dtype, jax.dtypes.prng_key):
-        data = jnp.where(finite, jax.random.key_data(new), jax.random.key_data(old))
-        return jax.random.wrap_key_data(data, impl=jax.random.key_impl(new))
-      return jnp.where(finite, new, old)
-
-    def keep_state(new, old):
-      if isinstance(new, SimilarityState):
-        return new
-      return jax.tree.map(keep, new, old)
-
-    params = jax.tree.map(keep, new_params, params)
-    opt_state = jax.tree.map(keep_state, new_opt_state, opt_state,
-                             is_leaf=lambda x: isinstance(x, SimilarityState))
-    return params, opt_state, cleared, stats
-
-  return apply_or_keep
-
-
-def _check_callable(name: str, fn: Any) -> None:
-  if not callable(fn):
-    raise ValueError(f"{name} must be callable, got {fn!r:.200} ({type(fn).__name__})")
-
-
-def _check_controller(controller: Any) -> None:
-  """Refuses anything without the controller interface the Trainer uses."""
-  if isinstance(controller, (str, Mapping)):
-    raise ValueError(
-        f"controller must be a controller object, got {controller!r:.200}; build one with "
-        "simigrad_jax.make_controller(name, **options) or simigrad_jax.Controller(...)")
-  missing = [a for a in _CONTROLLER_ATTRIBUTES if not hasattr(controller, a)]
-  if missing:
-    raise ValueError(f"controller {controller!r:.200} lacks {missing}; a controller needs "
-                     f"{list(_CONTROLLER_ATTRIBUTES)} (see simigrad_jax.host.controllers)")
-  config = controller.config
-  if not isinstance(config, Mapping) or any(k not in config for k in _CONTROLLER_CONFIG_KEYS):
-    raise ValueError(f"controller.config must be a dict with the keys {list(_CONTROLLER_CONFIG_KEYS)} "
-                     f"(None where one does not apply), got {config!r:.300}")
-  for name in ("batch_size", "initial_batch_size"):
-    validation.check_int(f"controller.{name}", getattr(controller, name), 1)
-
-
-def _check_source(source: Any) -> int:
-  """Refuses anything that is not a random-access source; returns its length."""
-  missing = [a for a in ("__len__", "get_batch", "element_spec") if not hasattr(source, a)]
-  if missing:
-    raise ValueError(f"source must be a random-access source (len(), get_batch(indices), "
-                     f"element_spec) such as simigrad_jax.ArraySource; {source!r:.200} lacks {missing}")
-  num_examples = len(source)
-  if not validation.is_int(num_examples) or num_examples < 1:
-    raise ValueError(f"the source must hold at least 1 example, got len(source)={num_examples!r}")
-  spec = source.element_spec
-  if not isinstance(spec, Mapping) or not spec:
-    raise ValueError(f"source.element_spec must be a non-empty dict of name -> (shape, dtype), "
-                     f"got {spec!r:.200}")
-  return int(num_examples)
-
-
-def _check_devices(devices: Any) -> list[jax.Device]:
-  """The training devices: all by default; an even number (two halves), each once."""
-  devices = list(jax.devices() if devices is None else devices)
-  if not all(isinstance(d, jax.Device) for d in devices):
-    raise ValueError(f"devices must be a list of jax.Device, got {devices!r:.200}")
-  if len(set(devices)) != len(devices):
-    raise ValueError(f"devices must be distinct, got {devices}")
-  if len(devices) < 2 or len(devices) % 2:
-    raise ValueError(
-        f"the Trainer splits the devices into two halves to measure the similarity: it needs an "
-        f"even number of devices >= 2, got {len(devices)}")
-  return devices
-
-
-def _check_finite_params(params: Any) -> None:
-  """Refuses initial parameters with NaN or infinite entries (every step would be skipped)."""
-  leaves = jax.tree_util.tree_flatten_with_path(params)[0]
-  if not leaves:
-    raise ValueError("params holds no arrays: there is nothing to train")
-  inexact = [(path, leaf) for path, leaf in leaves
-             if jnp.issubdtype(jnp.result_type(leaf), jnp.inexact)]
-  finite = np.asarray(_all_finite([leaf for _, leaf in inexact])) if inexact else []
-  for (path, _), ok in zip(inexact, finite):
-    if not ok:
-      raise ValueError(f"params{jax.tree_util.keystr(path)} holds NaN or infinite values: every "
-                       "step would be skipped; initialise the model with finite values")
-
-
-@jax.jit
-def _all_finite(leaves: list[jax.Array]) -> jax.Array:
-  """One bool per leaf: all its entries are finite (one compiled call for the whole tree)."""
-  return jnp.stack([jnp.all(jnp.isfinite(leaf)) for leaf in leaves])
-
-
-def _profile_sizes(controller: Any) -> list[int]:
-  """The batch sizes a controller's pending profile will visit (SimiGrad's Controller)."""
-  try:
-    plan = controller.state_dict().get("profile_plan")
-  except Exception:  # pylint: disable=broad-except  (not every controller has one)
-    return []
-  return [int(b) for b in plan["sizes"]] if isinstance(plan, Mapping) and plan.get("sizes") else []
-
-
-def _check_bounds(controller: Any, num_devices: int, num_examples: int) -> tuple[int, int]:
-  """The smallest and largest global batch sizes of the run, after checking them.
-
-  Refuses sizes the data set cannot fill, an adaptive controller without an
-  upper bound, and, for a controller that needs the similarity, sizes so small
-  that the second device half holds no example (the similarity is then never
-  measured and the size never moves again).
-  """
-  config = controller.config
-  lower, upper = config["batch_size_lower_bound"], config["batch_size_upper_bound"]
-  adapting = config.get("enable_adjust", True) is not False
-  profile = _profile_sizes(controller)
-  sizes = [controller.batch_size, controller.initial_batch_size, *profile]
-  if upper is None and adapting:
-    raise ValueError(
-        f"batch_size_upper_bound=None lets the controller grow the global batch without limit, "
-        f"past the data set's {num_examples} examples (a step would repeat examples); set "
-        f"batch_size_upper_bound to at most {num_examples}")
-  largest = max(sizes + ([upper] if upper is not None else []))
-  if largest > num_examples:
-    what = "batch_size_upper_bound" if largest == upper else "the controller's batch size"
-    raise ValueError(
-        f"the data set has {num_examples} examples, fewer than the largest batch size {largest} "
-        f"({what}): a step would repeat examples; lower the bound")
-  # Example e of a step goes to device e % n, and the halves are the even and the odd
-  # devices: a batch of 1 leaves the second half without an example.
-  floor = 2
-  if config["similarity_target"] is not None:
-    smallest = min([lower if lower is not None else 1] if adapting else sizes)
-    smallest = min([smallest] + profile)
-    if smallest < floor:
-      what = (f"batch_sizes_to_profile holds {min(profile)}" if profile and min(profile) == smallest
-              else f"batch_size_lower_bound={lower!r} lets the global batch shrink to {smallest}"
-              if adapting else f"the batch size is {smallest}")
-      if adapting or profile:
-        raise ValueError(
-            f"{what}, but a batch below {floor} leaves the odd devices (the second half) "
-            f"without an example: the similarity cannot be measured and the batch size would "
-            f"stay there; use sizes >= {floor} (set batch_size_lower_bound >= {floor})")
-  return (lower if lower is not None else 1), largest
-
-
-def _gather_rows(array: np.ndarray, take: np.ndarray, real: np.ndarray) -> np.ndarray:
-  """``array[take]`` where ``real``, zero rows elsewhere (padding)."""
-  out = np.zeros((len(take),) + array.shape[1:], array.dtype)
-  out[real] = array[take[real]]
-  return out
-
-
 def _host_copy(tree: Any) -> Any:
   """A NumPy copy of a replicated tree, read from this process's first device."""
   return jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), tree)
-
-
-def _abstract(tree: Any) -> Any:
-  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
-
-
-def _local_device_positions(devices: list[jax.Device]) -> np.ndarray:
-  """Positions in the mesh of this process's devices (they must be contiguous)."""
-  positions = np.array([i for i, d in enumerate(devices) if d.process_index == jax.process_index()])
-  if positions.size == 0:
-    raise ValueError("none of the training devices belongs to this process")
-  if np.any(np.diff(positions) != 1):
-    raise ValueError(f"this process's devices sit at mesh positions {positions.tolist()}; "
-                     "they must be contiguous (order the devices by process)")
-  return positions

@@ -1,17 +1,26 @@
-"""In-graph: the data-parallel micro-step and apply step that the training engine compiles.
+"""In-graph: the data-parallel steps that the training engine compiles, one set per shape.
 
-Both run inside ``jax.shard_map`` over a one-axis mesh with ``check_vma=False``
+All run inside ``jax.shard_map`` over a one-axis mesh with ``check_vma=False``
 (the semantics of ``jax.pmap``: each device computes its own gradient).
 
+* :func:`make_fused_step`, for a step of one micro-batch: gradient, reduction
+  and update in ONE program, so there is no accumulator to allocate or round
+  trip through memory, and XLA can overlap the reduction with the backward
+  pass.
 * :func:`make_micro_step` adds one micro-batch's gradient to each device's
-  accumulator. The loss is the weighted SUM over the device's rows times
-  ``num_devices / total_weight``, so that averaging the accumulators over
-  devices gives exactly the mean gradient over the step's real examples
-  (padding rows have weight 0 and contribute nothing).
-* :func:`make_apply_step` hands the accumulated per-device gradient to the
-  optimizer, whose :func:`simigrad_jax.transform` averages it over devices and
-  measures the half-batch similarity, applies the update, clears the
-  accumulator, and returns every number the host needs in one small vector.
+  accumulator, and :func:`make_apply_step` then updates from the accumulated
+  gradient, for a step of several micro-batches.
+
+The loss is the weighted SUM over a device's rows times
+``num_devices / total_weight``, so that averaging over devices gives exactly
+the mean gradient over the step's real examples (padding rows have weight 0
+and contribute nothing). The optimizer's :func:`simigrad_jax.transform`
+averages the per-device gradients and measures the half-batch similarity; the
+step returns every number the host needs in one small float32 vector
+(:data:`STEP_STATS`). The learning-rate factor arrives as an input and is
+written into the optimizer state in-graph, so the host never rewrites the
+state between steps. A step whose gradient is not finite keeps the
+parameters, the optimizer state and the model state as they were.
 """
 
 from __future__ import annotations
@@ -33,6 +42,8 @@ PerExampleLossFn = Callable[[Any, Any, Any, jax.Array, jax.Array], tuple[jax.Arr
 STEP_STATS: tuple[str, ...] = (
     "loss", "similarity", "norm_a", "norm_b", "norm_mean", "measured", "grads_finite",
     "nonfinite_count")
+# step_inputs: float32 [total real examples of the step, learning-rate factor].
+STEP_INPUTS: tuple[str, ...] = ("total_weight", "lr_factor")
 
 
 class Accumulator(NamedTuple):
@@ -42,27 +53,98 @@ class Accumulator(NamedTuple):
   loss: jax.Array  # float32[num_devices]: each device's share of the step's mean loss.
 
 
-def zero_accumulator(params: Any, mesh: Mesh, axis_name: str) -> Accumulator:
-  """Returns a zero :class:`Accumulator` laid out one row per device of ``mesh``."""
+def abstract_accumulator(params: Any, mesh: Mesh, axis_name: str) -> Accumulator:
+  """The :class:`Accumulator`'s shapes, dtypes and shardings, as placeholders (nothing allocated)."""
   num_devices = mesh.shape[axis_name]
   sharding = jax.sharding.NamedSharding(mesh, P(axis_name))
+  return Accumulator(
+      grads=jax.tree.map(lambda p: jax.ShapeDtypeStruct((num_devices,) + jnp.shape(p),
+                                                        jnp.result_type(p), sharding=sharding),
+                         params),
+      loss=jax.ShapeDtypeStruct((num_devices,), jnp.float32, sharding=sharding))
 
-  def zeros(shape, dtype):
-    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)()
 
-  grads = jax.tree.map(lambda p: zeros((num_devices,) + p.shape, p.dtype), params)
-  return Accumulator(grads=grads, loss=zeros((num_devices,), jnp.float32))
+def zero_accumulator(params: Any, mesh: Mesh, axis_name: str) -> Accumulator:
+  """Returns a zero :class:`Accumulator` laid out one row per device of ``mesh``."""
+  abstract = abstract_accumulator(params, mesh, axis_name)
+  return jax.jit(lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), abstract),
+                 out_shardings=jax.tree.map(lambda a: a.sharding, abstract))()
 
 
-def make_micro_step(
-    loss_fn: PerExampleLossFn, mesh: Mesh, axis_name: str, seed: int = 0
-) -> Callable[..., tuple[Accumulator, Any]]:
-  """Returns ``micro_step(params, model_state, acc, batch, weights, total_weight, counters)``.
+def _device_gradient(loss_fn, num_devices, axis_name, seed, params, model_state, batch, weights,
+                     total_weight, counters):
+  """One device's share of the step's mean loss, its gradient and the new model state."""
+  rng = jax.random.key(seed)
+  for value in (counters[0], counters[1], lax.axis_index(axis_name)):
+    rng = jax.random.fold_in(rng, value)
+
+  def weighted_loss(p):
+    losses, new_state = loss_fn(p, model_state, batch, weights, rng)
+    scale = num_devices / total_weight
+    return jnp.sum(losses.astype(jnp.float32) * weights) * scale, new_state
+
+  (loss, new_state), grads = jax.value_and_grad(weighted_loss, has_aux=True)(params)
+  return loss, grads, lax.pmean(new_state, axis_name)
+
+
+def _keep_if_nonfinite(finite: jax.Array, new: Any, old: Any) -> Any:
+  """``new`` where the step's gradients were finite, else ``old`` (like ``optax.apply_if_finite``).
+
+  The :class:`SimilarityState` always takes the new value: it records the
+  event. The transform alone would only zero the update, and momentum, weight
+  decay or Adam's count would still move.
+  """
+
+  def keep(new_leaf, old_leaf):
+    if jax.dtypes.issubdtype(new_leaf.dtype, jax.dtypes.prng_key):
+      data = jnp.where(finite, jax.random.key_data(new_leaf), jax.random.key_data(old_leaf))
+      return jax.random.wrap_key_data(data, impl=jax.random.key_impl(new_leaf))
+    return jnp.where(finite, new_leaf, old_leaf)
+
+  def keep_state(new_node, old_node):
+    if isinstance(new_node, SimilarityState):
+      return new_node
+    return jax.tree.map(keep, new_node, old_node)
+
+  return jax.tree.map(keep_state, new, old, is_leaf=lambda x: isinstance(x, SimilarityState))
+
+
+def _update(optimizer, axis_name, params, opt_state, grads, loss, lr_factor):
+  """The optimizer step from per-device gradients: new params and state, and the stats vector."""
+  updates, new_opt_state = optimizer.update(
+      grads, optax.tree_utils.tree_set(opt_state, lr_factor=lr_factor), params)
+  new_params = optax.apply_updates(params, updates)
+  similarity_state = optax.tree_utils.tree_get(new_opt_state, SimilarityState.__name__)
+  stats = jnp.stack([
+      lax.pmean(loss, axis_name),
+      similarity_state.similarity,
+      similarity_state.norm_a,
+      similarity_state.norm_b,
+      similarity_state.norm_mean,
+      similarity_state.measured.astype(jnp.float32),
+      similarity_state.grads_finite.astype(jnp.float32),
+      similarity_state.nonfinite_count.astype(jnp.float32),
+  ])
+  finite = similarity_state.grads_finite
+  return (_keep_if_nonfinite(finite, new_params, params),
+          _keep_if_nonfinite(finite, new_opt_state, opt_state), finite, stats)
+
+
+def make_fused_step(
+    loss_fn: PerExampleLossFn, optimizer: optax.GradientTransformation, mesh: Mesh,
+    axis_name: str, seed: int = 0,
+) -> Callable[..., tuple[Any, Any, Any, jax.Array]]:
+  """Returns ``step(params, opt_state, model_state, batch, weights, step_inputs, counters)``.
+
+  One optimizer step over one micro-batch per device, in one program.
 
   Args:
     loss_fn: ``loss_fn(params, model_state, batch, weights, rng) ->
       (per_example_losses, new_model_state)`` on one device's rows; models with
       BatchNorm should use ``weights`` as the normalisation mask.
+    optimizer: an optax optimizer whose chain contains
+      :func:`simigrad_jax.transform` over ``axis_name`` (it does the averaging)
+      and :func:`simigrad_jax.scale_by_lr_factor`.
     mesh: a one-axis mesh over the data-parallel devices.
     axis_name: the mesh axis name.
     seed: the run's seed; the key handed to ``loss_fn`` is derived from it,
@@ -70,26 +152,54 @@ def make_micro_step(
       the same numbers.
 
   Returns:
+    A function (to be jitted) from replicated ``params``, ``opt_state`` and
+    ``model_state``, a batch and weights sharded on their leading axis,
+    ``step_inputs`` (float32 :data:`STEP_INPUTS`) and ``counters`` (int32
+    ``[optimizer_step, micro_step]``), to the new params, optimizer state and
+    model state and a float32 vector of the :data:`STEP_STATS` (identical on
+    every device).
+  """
+  num_devices = mesh.shape[axis_name]
+
+  def per_device(params, opt_state, model_state, batch, weights, step_inputs, counters):
+    loss, grads, new_model_state = _device_gradient(
+        loss_fn, num_devices, axis_name, seed, params, model_state, batch, weights,
+        step_inputs[0], counters)
+    params, opt_state, finite, stats = _update(optimizer, axis_name, params, opt_state, grads,
+                                               loss, step_inputs[1])
+    model_state = _keep_if_nonfinite(finite, new_model_state, model_state)
+    return params, opt_state, model_state, stats
+
+  return jax.shard_map(
+      per_device, mesh=mesh,
+      in_specs=(P(), P(), P(), P(axis_name), P(axis_name), P(), P()),
+      out_specs=(P(), P(), P(), P()), check_vma=False)
+
+
+def make_micro_step(
+    loss_fn: PerExampleLossFn, mesh: Mesh, axis_name: str, seed: int = 0
+) -> Callable[..., tuple[Accumulator, Any]]:
+  """Returns ``micro_step(params, model_state, acc, batch, weights, step_inputs, counters)``.
+
+  Args:
+    loss_fn: as for :func:`make_fused_step`.
+    mesh: a one-axis mesh over the data-parallel devices.
+    axis_name: the mesh axis name.
+    seed: as for :func:`make_fused_step`.
+
+  Returns:
     A function (to be jitted) from replicated ``params`` and ``model_state``,
     the device-sharded :class:`Accumulator`, a batch and weights sharded on
-    their leading axis, the step's total real example count (float32) and
+    their leading axis, ``step_inputs`` (float32 :data:`STEP_INPUTS`) and
     ``counters`` (int32 ``[optimizer_step, micro_step]``), to the new
     accumulator and the new model state (averaged over devices).
   """
   num_devices = mesh.shape[axis_name]
 
-  def per_device(params, model_state, acc, batch, weights, total_weight, counters):
-    rng = jax.random.key(seed)
-    for value in (counters[0], counters[1], lax.axis_index(axis_name)):
-      rng = jax.random.fold_in(rng, value)
-
-    def weighted_loss(p):
-      losses, new_state = loss_fn(p, model_state, batch, weights, rng)
-      scale = num_devices / total_weight
-      return jnp.sum(losses.astype(jnp.float32) * weights) * scale, new_state
-
-    (loss, new_state), grads = jax.value_and_grad(weighted_loss, has_aux=True)(params)
-    new_state = lax.pmean(new_state, axis_name)
+  def per_device(params, model_state, acc, batch, weights, step_inputs, counters):
+    loss, grads, new_state = _device_gradient(
+        loss_fn, num_devices, axis_name, seed, params, model_state, batch, weights,
+        step_inputs[0], counters)
     grads = jax.tree.map(lambda a, g: a + g[None].astype(a.dtype), acc.grads, grads)
     return Accumulator(grads=grads, loss=acc.loss + loss[None]), new_state
 
@@ -101,39 +211,32 @@ def make_micro_step(
 
 def make_apply_step(
     optimizer: optax.GradientTransformation, mesh: Mesh, axis_name: str
-) -> Callable[..., tuple[Any, Any, Accumulator, jax.Array]]:
-  """Returns ``apply_step(params, opt_state, acc) -> (params, opt_state, zero_acc, stats)``.
+) -> Callable[..., tuple[Any, Any, Accumulator, Any, jax.Array]]:
+  """Returns ``apply_step(params, opt_state, acc, model_state_before, model_state, step_inputs)``.
 
   Args:
     optimizer: an optax optimizer whose chain contains
-      :func:`simigrad_jax.transform` over ``axis_name`` (it does the averaging).
+      :func:`simigrad_jax.transform` over ``axis_name`` (it does the averaging)
+      and :func:`simigrad_jax.scale_by_lr_factor`.
     mesh: a one-axis mesh over the data-parallel devices.
     axis_name: the mesh axis name.
 
   Returns:
     A function (to be jitted) returning the new replicated params and
-    optimizer state, the cleared accumulator and a float32 vector of the
-    :data:`STEP_STATS` (identical on every device).
+    optimizer state, the cleared accumulator, the model state (the one from
+    the micro-steps, or ``model_state_before`` when the gradients were not
+    finite) and a float32 vector of the :data:`STEP_STATS` (identical on every
+    device).
   """
 
-  def per_device(params, opt_state, acc):
+  def per_device(params, opt_state, acc, model_state_before, model_state, step_inputs):
     grads = jax.tree.map(lambda g: g[0], acc.grads)
-    updates, opt_state = optimizer.update(grads, opt_state, params)
-    params = optax.apply_updates(params, updates)
-    similarity_state = optax.tree_utils.tree_get(opt_state, SimilarityState.__name__)
-    stats = jnp.stack([
-        lax.pmean(acc.loss[0], axis_name),
-        similarity_state.similarity,
-        similarity_state.norm_a,
-        similarity_state.norm_b,
-        similarity_state.norm_mean,
-        similarity_state.measured.astype(jnp.float32),
-        similarity_state.grads_finite.astype(jnp.float32),
-        similarity_state.nonfinite_count.astype(jnp.float32),
-    ])
+    params, opt_state, finite, stats = _update(optimizer, axis_name, params, opt_state, grads,
+                                               acc.loss[0], step_inputs[1])
     cleared = jax.tree.map(jnp.zeros_like, acc)
-    return params, opt_state, cleared, stats
+    model_state = _keep_if_nonfinite(finite, model_state, model_state_before)
+    return params, opt_state, cleared, model_state, stats
 
   return jax.shard_map(
-      per_device, mesh=mesh, in_specs=(P(), P(), P(axis_name)),
-      out_specs=(P(), P(), P(axis_name), P()), check_vma=False)
+      per_device, mesh=mesh, in_specs=(P(), P(), P(axis_name), P(), P(), P()),
+      out_specs=(P(), P(), P(axis_name), P(), P()), check_vma=False)

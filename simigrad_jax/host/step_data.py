@@ -1,0 +1,157 @@
+"""Host: load a step's examples and lay them out on the devices, ahead of the step.
+
+The examples of a step are the next ones of the epoch's permutation, whatever
+the batch size (:class:`simigrad_jax.EpochSampler`); each process loads only
+its own devices' rows. While the devices run a step, a data thread loads the
+rows for the next one, enough for one grow of the batch size, and places them
+on the devices for the plan it expects (the batch size unchanged). If the
+controller then decides that size, the step starts with no host work; if not,
+the loaded rows are laid out for the new plan at once. With several processes
+every transfer to the devices stays in the main thread, in the same order on
+every process (a transfer to a global sharding must not race the per-step
+agreement's collectives), so only the loading runs ahead.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import math
+import time
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+
+from simigrad_jax.host import batch_plan
+from simigrad_jax.host.sampler import EpochSampler
+from simigrad_jax.host.step_programs import StepBatch
+
+
+@dataclasses.dataclass
+class _Pending:
+  """A load (and an expected placement) under way in the data thread."""
+
+  start: int  # the first example (position in the run's example stream)
+  count: int  # examples loaded from there
+  step: int  # the optimizer step the placement is for
+  plan: batch_plan.BatchPlan | None  # the plan placed ahead, if any
+  future: concurrent.futures.Future  # -> (local examples, rows, StepBatch | None)
+
+
+class StepDataLoader:
+  """Loads and places the examples of each optimizer step, one step ahead.
+
+  Args:
+    source: a random-access source (``get_batch(indices)``).
+    sampler: the run's :class:`simigrad_jax.EpochSampler` (read, not advanced).
+    sharded: the data sharding (leading axis over the devices).
+    replicated: the replicated sharding (for the counters).
+    local_positions: this process's devices' positions on the mesh.
+    num_devices: devices on the mesh.
+    place_ahead: also place the expected plan's rows in the data thread (one
+      process only).
+  """
+
+  def __init__(self, source: Any, sampler: EpochSampler, sharded: NamedSharding,
+               replicated: NamedSharding, local_positions: np.ndarray, num_devices: int,
+               place_ahead: bool):
+    self._place_ahead = place_ahead
+    self._source, self._sampler = source, sampler
+    self._sharded, self._replicated = sharded, replicated
+    self._local_positions = local_positions
+    self._num_devices = num_devices
+    self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="simigrad-data")
+    self._pending: _Pending | None = None
+
+  def submit(self, start: int, count: int, step: int,
+             expected: batch_plan.BatchPlan | None) -> None:
+    """Starts loading ``count`` examples from ``start`` and placing them for ``expected``."""
+    count = max(count, 1)
+    if not self._place_ahead or (expected is not None and expected.global_batch_size > count):
+      expected = None
+
+    def load():
+      loaded = self._local_rows(start, count)
+      placed = None if expected is None else self.place(expected, loaded, step)
+      return loaded, placed
+
+    self._pending = _Pending(start, count, step, expected, self._pool.submit(load))
+
+  def take(self, plan: batch_plan.BatchPlan, start: int, step: int) -> tuple[StepBatch, float]:
+    """The step's data on the devices, and the seconds the host spent waiting and placing."""
+    began = time.perf_counter()
+    pending, self._pending = self._pending, None
+    if pending is not None and pending.start == start and pending.count >= plan.global_batch_size:
+      loaded, placed = pending.future.result()
+      if placed is None or pending.plan != plan or pending.step != step:
+        placed = self.place(plan, loaded, step)
+    else:  # nothing loaded for this step (the first one, or after a resume)
+      if pending is not None:
+        pending.future.result()
+      placed = self.place(plan, self._local_rows(start, plan.global_batch_size), step)
+    return placed, time.perf_counter() - began
+
+  def _local_rows(self, first_example: int, count: int):
+    """Loads this process's rows among the next ``count`` examples (runs in the data thread)."""
+    indices = self._sampler.indices_at(first_example, count)
+    examples = np.arange(count)
+    mine = np.isin(examples % self._num_devices, self._local_positions)
+    return examples[mine], self._source.get_batch(indices[mine])
+
+  def place(self, plan: batch_plan.BatchPlan, loaded, step: int) -> StepBatch:
+    """Arranges loaded rows into the plan's micro-batches on the devices."""
+    local_examples, rows = loaded
+    layout = plan.example_layout()[:, self._local_positions, :]  # (k, local, micro)
+    weights = plan.example_weights()[:, self._local_positions, :]
+    where = np.searchsorted(local_examples, np.maximum(layout, 0))
+    micro_batches, counters = [], []
+    for j in range(plan.accumulation_steps):
+      take = where[j].reshape(-1)
+      real = layout[j].reshape(-1) >= 0
+      local = {name: _gather_rows(array, take, real) for name, array in rows.items()}
+      micro_batches.append((self._to_devices(local, plan.micro_batch_size),
+                            self._to_devices(weights[j].reshape(-1).astype(np.float32),
+                                             plan.micro_batch_size)))
+      counters.append(jax.device_put(np.array([step, j], np.int32), self._replicated))
+    return StepBatch(plan, micro_batches, counters)
+
+  def _to_devices(self, local_tree, micro: int):
+    rows = self._num_devices * micro
+    return jax.tree.map(
+        lambda x: jax.make_array_from_process_local_data(self._sharded, x, (rows,) + x.shape[1:]),
+        local_tree)
+
+  def close(self) -> None:
+    """Waits for the load under way."""
+    self._pool.shutdown(wait=True)
+
+
+def speculative_count(batch_size: int, upper: int | None, remaining: float) -> int:
+  """How many examples to load ahead: enough for one grow of ``batch_size`` (the reference rule)."""
+  most = max(batch_size + 1, int(batch_size * 1.1))
+  if upper is not None:
+    most = min(most, upper)
+  most = max(most, batch_size)
+  return int(min(most, remaining)) if math.isfinite(remaining) else most
+
+
+def _gather_rows(array: np.ndarray, take: np.ndarray, real: np.ndarray) -> np.ndarray:
+  """``array[take]`` where ``real``, zero rows elsewhere (padding)."""
+  out = np.zeros((len(take),) + array.shape[1:], array.dtype)
+  out[real] = array[take[real]]
+  return out
+
+
+
+
+def local_device_positions(devices: list[jax.Device]) -> np.ndarray:
+  """Positions in the mesh of this process's devices (they must be contiguous)."""
+  positions = np.array([i for i, d in enumerate(devices) if d.process_index == jax.process_index()])
+  if positions.size == 0:
+    raise ValueError("none of the training devices belongs to this process")
+  if np.any(np.diff(positions) != 1):
+    raise ValueError(f"this process's devices sit at mesh positions {positions.tolist()}; "
+                     "they must be contiguous (order the devices by process)")
+  return positions

@@ -1,0 +1,322 @@
+"""Host: the compiled programs of a training step, per micro-batch shape, and running a plan.
+
+A step of one micro-batch per device runs ONE compiled program (gradient,
+reduction and update: :func:`simigrad_jax.ingraph.train_step.make_fused_step`),
+one per micro-batch shape of the grid. A step of several micro-batches
+accumulates with the micro-step of its shape, then applies the update
+(:func:`~simigrad_jax.ingraph.train_step.make_micro_step` and
+:func:`~simigrad_jax.ingraph.train_step.make_apply_step`). Every program is
+compiled ahead of time from placeholders, in background threads
+(:class:`simigrad_jax.StepCompiler`), so that a new shape need not stall the
+loop; while a step's program is still compiling, the compile fallback runs the
+same examples on the nearest program already compiled.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import math
+import time
+from typing import Any, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from simigrad_jax.host import batch_plan
+from simigrad_jax.host import trainer_checks
+from simigrad_jax.host.step_compiler import StepCompiler
+from simigrad_jax.ingraph import train_step
+
+
+@dataclasses.dataclass
+class StepBatch:
+  """One optimizer step's inputs, already on the devices."""
+
+  plan: batch_plan.BatchPlan
+  micro_batches: list[tuple[Any, Any]]  # (batch, weights) per accumulation step
+  counters: list[jax.Array]  # int32 [optimizer_step, micro_step] per accumulation step
+
+
+def abstract(tree: Any) -> Any:
+  """Placeholders (shape, dtype, sharding) for the arrays of ``tree``."""
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+
+
+class StepPrograms:
+  """Compiles and runs the programs of a data-parallel training step for every micro-batch shape.
+
+  Args:
+    loss_fn: the per-example loss (see :class:`simigrad_jax.Trainer`), already
+      checked.
+    optimizer: the optax optimizer, with :func:`simigrad_jax.transform` over
+      ``axis_name`` and :func:`simigrad_jax.scale_by_lr_factor`.
+    mesh: a one-axis mesh over the data-parallel devices.
+    axis_name: its axis name.
+    seed: the run's seed (per-step random keys derive from it).
+    state: the replicated ``{"params", "opt_state", "model_state"}`` (its
+      shapes, dtypes and shardings make the placeholders; nothing is kept).
+    element_spec: the source's ``{name: (shape, dtype)}`` per example.
+    needs_accumulation: whether a planned step can hold several micro-batches
+      (the accumulation programs are then compiled in the background from the
+      start; otherwise only when the fallback or a plan first needs them).
+    background: compile in background threads.
+    compile_fallback: let :meth:`ready_plan` replace a plan whose program is
+      still compiling.
+
+  Raises:
+    ValueError: when ``loss_fn``, the optimizer and the data do not fit each
+      other; found by tracing the first shape's program (see :meth:`trace`).
+  """
+
+  def __init__(self, *, loss_fn: train_step.PerExampleLossFn,
+               optimizer: optax.GradientTransformation, mesh: Mesh, axis_name: str, seed: int,
+               state: Mapping[str, Any], element_spec: Mapping[str, tuple[Any, Any]],
+               needs_accumulation: bool, background: bool, compile_fallback: bool):
+    self.mesh, self.axis_name = mesh, axis_name
+    self.num_devices = mesh.shape[axis_name]
+    self._replicated = NamedSharding(mesh, P())
+    self._sharded = NamedSharding(mesh, P(axis_name))
+    self._element_spec = element_spec
+    self._state = abstract(dict(state))
+    self._acc_abstract = train_step.abstract_accumulator(state["params"], mesh, axis_name)
+    self._acc = None  # allocated when a step first accumulates
+    self._background = background
+    self._compile_fallback = compile_fallback
+
+    self._fused = jax.jit(train_step.make_fused_step(loss_fn, optimizer, mesh, axis_name, seed),
+                          donate_argnums=(0, 1, 2))
+    self._micro = jax.jit(train_step.make_micro_step(loss_fn, mesh, axis_name, seed),
+                          donate_argnums=(2,))
+    self._apply_jit = jax.jit(
+        train_step.make_apply_step(optimizer, mesh, axis_name), donate_argnums=(0, 1, 2),
+        out_shardings=(self._replicated, self._replicated, self._sharded, self._replicated,
+                       self._replicated))
+    self._traced: dict[int, jax.stages.Traced] = {}
+    self.fused_compiler = StepCompiler(self._lower_fused, background=background,
+                                       name="fused_step")
+    self.micro_compiler = StepCompiler(self._lower_micro, background=background,
+                                       name="micro_step")
+    self._apply_pool = concurrent.futures.ThreadPoolExecutor(
+        1, thread_name_prefix="simigrad-apply-compiler")
+    self._apply_future: concurrent.futures.Future | None = None
+    self._apply_compile_seconds = 0.0
+    self._apply_wait_seconds = 0.0
+    if needs_accumulation or compile_fallback:
+      self._start_apply_compile()
+
+  # ------------------------------------------------------------------ compiling
+
+  def _step_args(self, micro: int) -> tuple:
+    rows = self.num_devices * micro
+    batch = {name: jax.ShapeDtypeStruct((rows,) + tuple(shape), dtype, sharding=self._sharded)
+             for name, (shape, dtype) in self._element_spec.items()}
+    weights = jax.ShapeDtypeStruct((rows,), jnp.float32, sharding=self._sharded)
+    step_inputs = jax.ShapeDtypeStruct((len(train_step.STEP_INPUTS),), jnp.float32,
+                                       sharding=self._replicated)
+    counters = jax.ShapeDtypeStruct((2,), jnp.int32, sharding=self._replicated)
+    return batch, weights, step_inputs, counters
+
+  def _fused_args(self, micro: int) -> tuple:
+    state = self._state
+    return (state["params"], state["opt_state"], state["model_state"], *self._step_args(micro))
+
+  def _micro_args(self, micro: int) -> tuple:
+    state = self._state
+    return (state["params"], state["model_state"], self._acc_abstract, *self._step_args(micro))
+
+  def trace(self, micro: int) -> None:
+    """Traces (does not compile) the one-micro-batch program of shape ``micro``.
+
+    A model, loss, optimizer or data set that do not fit each other fail here
+    in seconds; the trace is reused when that shape is compiled.
+
+    Raises:
+      ValueError: naming the features, the rows and the error; or the
+        ``loss_fn`` contract error as it is.
+    """
+    try:
+      self._traced[micro] = self._fused.trace(*self._fused_args(micro))
+    except trainer_checks.LossContractError:
+      raise
+    except NameError as error:  # e.g. "unbound axis name: data"
+      raise ValueError(f"the optimizer's simigrad_jax.transform must use the Trainer's "
+                       f"axis_name={self.axis_name!r}: {error}") from error
+    except Exception as error:
+      spec = {k: (tuple(s), str(d)) for k, (s, d) in self._element_spec.items()}
+      raise ValueError(
+          f"loss_fn fails on one device's rows of this source (features {spec}, {micro} "
+          f"rows): {type(error).__name__}: {error}") from error
+
+  def _lower_fused(self, micro: int) -> jax.stages.Lowered:
+    traced = self._traced.pop(micro, None)
+    return traced.lower() if traced is not None else self._fused.lower(*self._fused_args(micro))
+
+  def _lower_micro(self, micro: int) -> jax.stages.Lowered:
+    return self._micro.lower(*self._micro_args(micro))
+
+  def _compile_apply(self) -> jax.stages.Compiled:
+    start = time.perf_counter()
+    state = self._state
+    compiled = self._apply_jit.lower(
+        state["params"], state["opt_state"], self._acc_abstract, state["model_state"],
+        state["model_state"], self._step_args(1)[2]).compile()
+    self._apply_compile_seconds = time.perf_counter() - start
+    return compiled
+
+  def _start_apply_compile(self) -> None:
+    if self._apply_future is None:
+      if self._background:
+        self._apply_future = self._apply_pool.submit(self._compile_apply)
+      else:
+        self._apply_future = concurrent.futures.Future()
+        self._apply_future.set_result(self._compile_apply())
+
+  def _apply_program(self) -> jax.stages.Compiled:
+    self._start_apply_compile()
+    start = time.perf_counter()
+    done = self._apply_future.done()
+    compiled = self._apply_future.result()
+    if not done:
+      self._apply_wait_seconds += time.perf_counter() - start
+    return compiled
+
+  def prefetch(self, micro_batch_sizes: list[int], accumulating: list[int] = ()) -> None:
+    """Queues one-micro-batch programs for ``micro_batch_sizes`` and micro-steps for
+    ``accumulating``, each in the order given, for the background compilers."""
+    self.fused_compiler.prefetch(micro_batch_sizes)
+    if accumulating:
+      self._start_apply_compile()
+      self.micro_compiler.prefetch(accumulating)
+
+  # ------------------------------------------------------------------ choosing
+
+  def _ready(self, micro: int, accumulation_steps: int, compiled: Mapping[str, list[int]]) -> bool:
+    if accumulation_steps == 1 and micro in compiled["fused"]:
+      return True
+    apply_ready = self._apply_future is not None and self._apply_future.done()
+    return apply_ready and micro in compiled["micro"]
+
+  def ready_plan(self, plan: batch_plan.BatchPlan) -> batch_plan.BatchPlan:
+    """``plan``, or while its program is still compiling, the same batch on the nearest compiled one.
+
+    The nearest shape in log scale (ties: the larger shape, fewer
+    micro-steps) whose program is compiled, with the fewest accumulation
+    steps that hold the batch: a larger shape pads with zero-weight rows, a
+    smaller one accumulates. The examples and their devices are those of
+    ``plan``. A shape whose compile FAILED is not replaced: running it raises.
+    """
+    if not self._compile_fallback:
+      return plan
+    fused, micro = self.fused_compiler.stats(), self.micro_compiler.stats()
+    compiled = {"fused": fused["compiled_sizes"], "micro": micro["compiled_sizes"]}
+    needed = plan.micro_batch_size
+    failed = fused["failed_sizes"] if plan.accumulation_steps == 1 else micro["failed_sizes"]
+    if self._ready(needed, plan.accumulation_steps, compiled) or needed in failed:
+      return plan
+    if plan.accumulation_steps == 1:
+      self.fused_compiler.prefetch([needed])  # (a no-op when queued or compiling)
+    else:
+      self.micro_compiler.prefetch([needed])
+    candidates = []
+    for size in sorted(set(compiled["fused"]) | set(compiled["micro"])):
+      steps = -(-plan.global_batch_size // (self.num_devices * size))
+      if self._ready(size, steps, compiled):
+        candidates.append((abs(math.log(size / needed)), -size, size, steps))
+    if not candidates:
+      return plan
+    _, _, size, steps = min(candidates)
+    return dataclasses.replace(
+        plan, micro_batch_size=size, accumulation_steps=steps,
+        padded_examples=self.num_devices * size * steps - plan.global_batch_size)
+
+  # ------------------------------------------------------------------ running
+
+  def run(self, state: Mapping[str, Any], data: StepBatch,
+          step_inputs: jax.Array) -> tuple[dict[str, Any], jax.Array]:
+    """Dispatches one optimizer step; returns the new state and the stats vector (not waited for).
+
+    Args:
+      state: the replicated ``{"params", "opt_state", "model_state"}``; its
+        arrays are donated.
+      data: the step's micro-batches, as :attr:`StepBatch.plan` lays them out.
+      step_inputs: float32 :data:`~simigrad_jax.ingraph.train_step.STEP_INPUTS`,
+        replicated.
+
+    Returns:
+      ``(new_state, stats)``: ``stats`` is the float32 vector of
+      :data:`~simigrad_jax.ingraph.train_step.STEP_STATS`.
+    """
+    plan = data.plan
+    params, opt_state, model_state = state["params"], state["opt_state"], state["model_state"]
+    if plan.accumulation_steps == 1:
+      (batch, weights), = data.micro_batches
+      program = self.fused_compiler.get(plan.micro_batch_size)
+      params, opt_state, model_state, stats = program(
+          params, opt_state, model_state, batch, weights, step_inputs, data.counters[0])
+    else:
+      program = self.micro_compiler.get(plan.micro_batch_size)
+      apply = self._apply_program()
+      acc = self._acc
+      if acc is None:
+        acc = train_step.zero_accumulator(params, self.mesh, self.axis_name)
+      accumulated_state = model_state
+      for (batch, weights), counters in zip(data.micro_batches, data.counters):
+        acc, accumulated_state = program(params, accumulated_state, acc, batch, weights,
+                                         step_inputs, counters)
+      params, opt_state, self._acc, model_state, stats = apply(
+          params, opt_state, acc, model_state, accumulated_state, step_inputs)
+    return {"params": params, "opt_state": opt_state, "model_state": model_state}, stats
+
+  # ------------------------------------------------------------------ reporting
+
+  def memory(self, micro_batch_size: int) -> dict[str, int]:
+    """Compiled memory of the one-micro-batch program of that shape (compiling it if needed).
+
+    Returns:
+      ``argument_bytes``, ``output_bytes``, ``alias_bytes`` (outputs that
+      reuse donated arguments) and ``temp_bytes``, from XLA's
+      ``memory_analysis()``.
+    """
+    analysis = self.fused_compiler.get(micro_batch_size).memory_analysis()
+    return {"micro_batch_size": micro_batch_size,
+            "argument_bytes": int(analysis.argument_size_in_bytes),
+            "output_bytes": int(analysis.output_size_in_bytes),
+            "alias_bytes": int(analysis.alias_size_in_bytes),
+            "temp_bytes": int(analysis.temp_size_in_bytes)}
+
+  def stats(self) -> dict[str, Any]:
+    """Compiles so far, their seconds, the seconds steps waited, and the compiled shapes.
+
+    ``compiled_step_sizes`` are the shapes with a one-micro-batch program,
+    ``compiled_accumulation_sizes`` those with a micro-step, and
+    ``update_compiled`` says whether the update of accumulated steps is.
+    """
+    fused, micro = self.fused_compiler.stats(), self.micro_compiler.stats()
+    apply_compiled = (self._apply_future is not None and self._apply_future.done()
+                      and self._apply_future.exception() is None)
+    return {"compiles": fused["compiles"] + micro["compiles"] + int(apply_compiled),
+            "compile_seconds": (fused["compile_seconds"] + micro["compile_seconds"]
+                                + self._apply_compile_seconds),
+            "compile_wait_seconds": (fused["compile_wait_seconds"] + micro["compile_wait_seconds"]
+                                     + self._apply_wait_seconds),
+            "compiled_micro_batch_sizes": sorted(set(fused["compiled_sizes"])
+                                                 | set(micro["compiled_sizes"])),
+            "compiled_step_sizes": fused["compiled_sizes"],
+            "compiled_accumulation_sizes": micro["compiled_sizes"],
+            "update_compiled": apply_compiled}
+
+  def close(self) -> None:
+    """Cancels queued compiles and waits for those in progress."""
+    self.fused_compiler.close()
+    self.micro_compiler.close()
+    self._apply_pool.shutdown(wait=True, cancel_futures=True)
+
+
+def host_scalars(values: list[float], dtype, sharding: NamedSharding) -> jax.Array:
+  """A small replicated vector for a step's inputs (one host-to-device transfer)."""
+  return jax.device_put(np.asarray(values, dtype), sharding)

@@ -1,0 +1,202 @@
+"""Host: the Trainer's checks of its settings, model, data and controller, before any step.
+
+Every setting is checked before anything is created, compiled or trained, so
+that a bad value fails in seconds, not after the first GPU-hour; each error
+names the value and what would be valid.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+from typing import Any, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from simigrad_jax.host import validation
+from simigrad_jax.ingraph import train_step
+from simigrad_jax.ingraph.lr_scaling import LrFactorState
+from simigrad_jax.ingraph.transform import SimilarityState
+
+# What the Trainer reads from a controller (see simigrad_jax.host.controllers).
+_CONTROLLER_ATTRIBUTES = ("batch_size", "initial_batch_size", "config", "last_decision", "update",
+                          "set_batch_size", "state_dict", "load_state_dict")
+_CONTROLLER_CONFIG_KEYS = ("batch_size_lower_bound", "batch_size_upper_bound", "similarity_target")
+
+
+class LossContractError(ValueError):
+  """``loss_fn`` returned something other than per-example losses and a model state."""
+
+
+def checked_loss_fn(loss_fn: train_step.PerExampleLossFn, model_state: Any) -> train_step.PerExampleLossFn:
+  """``loss_fn``, checked at trace time: one loss per row, and the model state's structure kept."""
+  state_structure = jax.tree.structure(model_state)
+
+  def checked(params, state, batch, weights, rng):
+    out = loss_fn(params, state, batch, weights, rng)
+    if not isinstance(out, (tuple, list)) or len(out) != 2:
+      raise LossContractError(
+          f"loss_fn must return (per_example_losses, new_model_state), got {type(out).__name__}")
+    losses, new_state = out
+    if jnp.shape(losses) != weights.shape:
+      raise LossContractError(
+          f"loss_fn must return one loss per row, shape {weights.shape}, got shape "
+          f"{jnp.shape(losses)}: the Trainer weights the rows itself (padding rows have weight "
+          "0), so a mean over the rows would count padding")
+    if jax.tree.structure(new_state) != state_structure:
+      raise LossContractError(
+          f"loss_fn must return a model state with the structure of model_state "
+          f"({state_structure}), got {jax.tree.structure(new_state)}")
+    return losses, new_state
+
+  return checked
+
+
+def check_callable(name: str, fn: Any) -> None:
+  if not callable(fn):
+    raise ValueError(f"{name} must be callable, got {fn!r:.200} ({type(fn).__name__})")
+
+
+def check_controller(controller: Any) -> None:
+  """Refuses anything without the controller interface the Trainer uses."""
+  if isinstance(controller, (str, Mapping)):
+    raise ValueError(
+        f"controller must be a controller object, got {controller!r:.200}; build one with "
+        "simigrad_jax.make_controller(name, **options) or simigrad_jax.Controller(...)")
+  missing = [a for a in _CONTROLLER_ATTRIBUTES if not hasattr(controller, a)]
+  if missing:
+    raise ValueError(f"controller {controller!r:.200} lacks {missing}; a controller needs "
+                     f"{list(_CONTROLLER_ATTRIBUTES)} (see simigrad_jax.host.controllers)")
+  config = controller.config
+  if not isinstance(config, Mapping) or any(k not in config for k in _CONTROLLER_CONFIG_KEYS):
+    raise ValueError(f"controller.config must be a dict with the keys {list(_CONTROLLER_CONFIG_KEYS)} "
+                     f"(None where one does not apply), got {config!r:.300}")
+  for name in ("batch_size", "initial_batch_size"):
+    validation.check_int(f"controller.{name}", getattr(controller, name), 1)
+
+
+def check_source(source: Any) -> int:
+  """Refuses anything that is not a random-access source; returns its length."""
+  missing = [a for a in ("__len__", "get_batch", "element_spec") if not hasattr(source, a)]
+  if missing:
+    raise ValueError(f"source must be a random-access source (len(), get_batch(indices), "
+                     f"element_spec) such as simigrad_jax.ArraySource; {source!r:.200} lacks {missing}")
+  num_examples = len(source)
+  if not validation.is_int(num_examples) or num_examples < 1:
+    raise ValueError(f"the source must hold at least 1 example, got len(source)={num_examples!r}")
+  spec = source.element_spec
+  if not isinstance(spec, Mapping) or not spec:
+    raise ValueError(f"source.element_spec must be a non-empty dict of name -> (shape, dtype), "
+                     f"got {spec!r:.200}")
+  return int(num_examples)
+
+
+def check_devices(devices: Any) -> list[jax.Device]:
+  """The training devices: all by default; an even number (two halves), each once."""
+  devices = list(jax.devices() if devices is None else devices)
+  if not all(isinstance(d, jax.Device) for d in devices):
+    raise ValueError(f"devices must be a list of jax.Device, got {devices!r:.200}")
+  if len(set(devices)) != len(devices):
+    raise ValueError(f"devices must be distinct, got {devices}")
+  if len(devices) < 2 or len(devices) % 2:
+    raise ValueError(
+        f"the Trainer splits the devices into two halves to measure the similarity: it needs an "
+        f"even number of devices >= 2, got {len(devices)}")
+  return devices
+
+
+def check_finite_params(params: Any) -> None:
+  """Refuses initial parameters with NaN or infinite entries (every step would be skipped)."""
+  leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+  if not leaves:
+    raise ValueError("params holds no arrays: there is nothing to train")
+  inexact = [(path, leaf) for path, leaf in leaves
+             if jnp.issubdtype(jnp.result_type(leaf), jnp.inexact)]
+  finite = np.asarray(_all_finite([leaf for _, leaf in inexact])) if inexact else []
+  for (path, _), ok in zip(inexact, finite):
+    if not ok:
+      raise ValueError(f"params{jax.tree_util.keystr(path)} holds NaN or infinite values: every "
+                       "step would be skipped; initialise the model with finite values")
+
+
+@jax.jit
+def _all_finite(leaves: list[jax.Array]) -> jax.Array:
+  """One bool per leaf: all its entries are finite (one compiled call for the whole tree)."""
+  return jnp.stack([jnp.all(jnp.isfinite(leaf)) for leaf in leaves])
+
+
+def _profile_sizes(controller: Any) -> list[int]:
+  """The batch sizes a controller's pending profile will visit (SimiGrad's Controller)."""
+  try:
+    plan = controller.state_dict().get("profile_plan")
+  except Exception:  # pylint: disable=broad-except  (not every controller has one)
+    return []
+  return [int(b) for b in plan["sizes"]] if isinstance(plan, Mapping) and plan.get("sizes") else []
+
+
+def check_bounds(controller: Any, num_devices: int, num_examples: int) -> tuple[int, int]:
+  """The smallest and largest global batch sizes of the run, after checking them.
+
+  Refuses sizes the data set cannot fill, an adaptive controller without an
+  upper bound, and, for a controller that needs the similarity, sizes so small
+  that the second device half holds no example (the similarity is then never
+  measured and the size never moves again).
+  """
+  config = controller.config
+  lower, upper = config["batch_size_lower_bound"], config["batch_size_upper_bound"]
+  adapting = config.get("enable_adjust", True) is not False
+  profile = _profile_sizes(controller)
+  sizes = [controller.batch_size, controller.initial_batch_size, *profile]
+  if upper is None and adapting:
+    raise ValueError(
+        f"batch_size_upper_bound=None lets the controller grow the global batch without limit, "
+        f"past the data set's {num_examples} examples (a step would repeat examples); set "
+        f"batch_size_upper_bound to at most {num_examples}")
+  largest = max(sizes + ([upper] if upper is not None else []))
+  if largest > num_examples:
+    what = "batch_size_upper_bound" if largest == upper else "the controller's batch size"
+    raise ValueError(
+        f"the data set has {num_examples} examples, fewer than the largest batch size {largest} "
+        f"({what}): a step would repeat examples; lower the bound")
+  # Example e of a step goes to device e % n, and the halves are the even and the odd
+  # devices: a batch of 1 leaves the second half without an example.
+  floor = 2
+  if config["similarity_target"] is not None:
+    smallest = min([lower if lower is not None else 1] if adapting else sizes)
+    smallest = min([smallest] + profile)
+    if smallest < floor:
+      what = (f"batch_sizes_to_profile holds {min(profile)}" if profile and min(profile) == smallest
+              else f"batch_size_lower_bound={lower!r} lets the global batch shrink to {smallest}"
+              if adapting else f"the batch size is {smallest}")
+      if adapting or profile:
+        raise ValueError(
+            f"{what}, but a batch below {floor} leaves the odd devices (the second half) "
+            f"without an example: the similarity cannot be measured and the batch size would "
+            f"stay there; use sizes >= {floor} (set batch_size_lower_bound >= {floor})")
+  return (lower if lower is not None else 1), largest
+
+
+def check_workdir(workdir: str | os.PathLike) -> pathlib.Path:
+  """The absolute workdir; its parent must exist, and it must be a directory if it exists."""
+  workdir = pathlib.Path(workdir).absolute()
+  if not workdir.parent.is_dir():
+    raise ValueError(f"the workdir's parent {str(workdir.parent)!r} does not exist")
+  if workdir.exists() and not workdir.is_dir():
+    raise ValueError(f"workdir {str(workdir)!r} exists and is not a directory")
+  return workdir
+
+
+def checked_optimizer_state(optimizer: Any, params: Any) -> Any:
+  """``optimizer.init(params)``, refusing an optimizer without the two SimiGrad transformations."""
+  if not (callable(getattr(optimizer, "init", None)) and callable(getattr(optimizer, "update", None))):
+    raise ValueError(f"optimizer must be an optax GradientTransformation (with init and update), "
+                     f"got {optimizer!r:.200}")
+  state = optimizer.init(params)
+  for state_type, name in ((SimilarityState, "simigrad_jax.transform"),
+                           (LrFactorState, "simigrad_jax.scale_by_lr_factor()")):
+    if not optax.tree_utils.tree_get_all_with_path(state, state_type.__name__):
+      raise ValueError(f"the optimizer has no {state_type.__name__}: chain {name} into it")
+  return state
