@@ -22,11 +22,14 @@ in four variants, side by side in one process:
   :class:`simigrad_jax.Controller` starting at the fixed size, bounds
   [batch / 4, 4 x batch], ``--similarity-target``; its batch moves, so its
   average batch size (and the share of padding rows its shape grid adds) is
-  reported beside its examples/s. ``max_micro_batch_size`` is 4 x batch /
-  devices, so every size runs in one micro-step (a ``recompile`` grid of
-  power-of-two shapes). With gradient accumulation, the last micro-step of a
-  size that is not a multiple of devices x micro-batch can leave a device
-  with padding rows only, and masked BatchNorm statistics over no row are NaN.
+  reported beside its examples/s. ``max_micro_batch_size`` is batch /
+  devices as in ``trainer_fixed`` (larger sizes accumulate gradients over
+  micro-steps), except for models with BatchNorm: there it is 4 x batch /
+  devices, so that every size runs in one micro-step. With accumulation, the
+  last micro-step of a size that is not a multiple of devices x micro-batch
+  can leave a device with padding rows only, and masked BatchNorm statistics
+  over no row are NaN: the step is skipped as non-finite and the controller
+  holds the size, so every later step fails the same way.
 
 Every variant reads its rows from the same NumPy arrays in the same order (a
 seeded :class:`simigrad_jax.EpochSampler`); the plain loops gather them on the
@@ -325,11 +328,12 @@ class TrainerLoop:
                adaptive: bool, similarity_target: float, workdir: pathlib.Path):
     n = jax.device_count()
     max_micro = batch_size // n
+    if adaptive and spec.batch_norm:
+      max_micro *= 4  # one micro-step at every size: no device holds only padding rows
     if adaptive:
       controller = simigrad_jax.Controller(
           batch_size, similarity_target, batch_size_lower_bound=max(batch_size // 4, n),
           batch_size_upper_bound=4 * batch_size)
-      max_micro *= 4  # one micro-step at every size: no device ever holds only padding
     else:
       controller = simigrad_jax.Controller(
           batch_size, similarity_target, batch_size_lower_bound=batch_size,
@@ -399,6 +403,7 @@ class TrainerLoop:
     examples = sum(r["batch_size"] for r in records)
     return {
         "average_batch_size": examples / len(records),
+        "average_accumulation_steps": float(np.mean([r["accumulation_steps"] for r in records])),
         "padding_fraction": sum(r["padded_examples"] for r in records) / (
             examples + sum(r["padded_examples"] for r in records)),
         "host_critical_seconds": float(np.median(critical)) if critical else None,

@@ -50,6 +50,25 @@ def test_layout_and_every_number_finite_and_positive(quick_run, overhead, device
       assert value is None or (isinstance(value, int) and value >= 0), name
 
 
+def _numbers(tree, where=""):
+  """Every number in a JSON tree, with where it is."""
+  if isinstance(tree, dict):
+    for key, value in tree.items():
+      yield from _numbers(value, f"{where}.{key}")
+  elif isinstance(tree, list):
+    for i, value in enumerate(tree):
+      yield from _numbers(value, f"{where}[{i}]")
+  elif isinstance(tree, numbers.Real) and not isinstance(tree, bool):
+    yield where, tree
+
+
+def test_every_number_in_the_json_is_finite_and_not_negative(quick_run):
+  found = dict(_numbers(quick_run[0]))
+  assert len(found) > 50
+  for where, value in found.items():
+    assert math.isfinite(value) and value >= 0, (where, value)
+
+
 def test_ratios_are_relative_to_plain(quick_run):
   variants = quick_run[0]["variants"]
   plain = variants["plain"]
