@@ -1,0 +1,607 @@
+"""Benchmark: what a SimiGrad step costs against the plain data-parallel loop.
+
+Trains the same model on the same random data, on all local devices (by
+default 8 simulated CPU devices), at the same global batch size (default 256)
+in four variants, side by side in one process:
+
+* ``plain``: the loop a user writes without SimiGrad: a ``jax.pmap`` step
+  (``value_and_grad`` of the mean cross-entropy, ``lax.pmean(grads, "batch")``,
+  ``optax.sgd(lr)``, parameters and optimizer state donated), dispatched
+  asynchronously: no host read per step, the host only blocks at the end of
+  a timed window;
+* ``transform``: the same loop with ``optax.chain(simigrad_jax.transform("batch"),
+  optax.sgd(lr))`` in place of the ``pmean``, reading the similarity on the
+  host after every step (``simigrad_jax.similarity(opt_state)``), as a user
+  who feeds a controller must;
+* ``trainer_fixed``: :class:`simigrad_jax.Trainer` with a controller that
+  holds the batch at the fixed size (``enable_adjust=False``, both bounds at
+  that size), ``max_micro_batch_size`` = batch / devices (one micro-step per
+  optimizer step), TensorBoard on, progress bar off, checkpoints only at epoch
+  ends and at the end of ``train()``;
+* ``trainer_adaptive``: the Trainer adapting: SimiGrad's
+  :class:`simigrad_jax.Controller` starting at the fixed size, bounds
+  [batch / 4, 4 x batch], ``--similarity-target``; its batch moves, so its
+  average batch size (and the share of padding rows its shape grid adds) is
+  reported beside its examples/s. ``max_micro_batch_size`` is batch /
+  devices as in ``trainer_fixed`` (larger sizes accumulate gradients over
+  micro-steps), except for models with BatchNorm: there it is 4 x batch /
+  devices, so that every size runs in one micro-step. With accumulation, the
+  last micro-step of a size that is not a multiple of devices x micro-batch
+  can leave a device with padding rows only, and masked BatchNorm statistics
+  over no row are NaN: the step is skipped as non-finite and the controller
+  holds the size, so every later step fails the same way.
+
+Every variant reads its rows from the same NumPy arrays in the same order (a
+seeded :class:`simigrad_jax.EpochSampler`); the plain loops gather them on the
+host thread, the Trainer in its background data thread. The data set holds
+enough examples that the fixed-size variants finish the whole benchmark within
+one epoch (so they save no epoch-end checkpoint); the adaptive variant's larger
+batches may cross epochs, and then it saves asynchronously at each epoch end,
+as any run does.
+
+Timing: every variant is built and warmed up first (compiled, and
+``--warmup-steps`` steps run; the Trainers also wait until every shape their
+bounds can reach is compiled). Then ``--rounds`` rounds each time every
+variant over ``--steps`` optimizer steps, the variants' order rotating by one
+each round, so machine noise hits all variants alike; the reported
+examples/s of a variant is the median over rounds. A window of the pmap loops
+runs from the first dispatch to ``block_until_ready`` on the last step's
+outputs. A Trainer window is one ``trainer.train(num_steps=...)`` call (the
+Trainer resumes its step count, ``num_steps`` is absolute) timed from the
+outside, so it includes everything the engine does between steps (planning,
+data placement, the statistics read, the controller, metrics and TensorBoard
+writes), up to the call of its end-of-run checkpoint save: that save and its
+wait happen once per run, not once per step, and are reported separately as
+``checkpoint_seconds``. ``ratio_to_plain`` is the variant's median examples/s
+over plain's; ``ratio_to_plain_paired`` the median over rounds of the ratio
+within each round.
+
+Also reported, where the Trainer provides them (None otherwise): the median of
+the step records' ``host_critical_seconds`` (host time on the step's critical
+path) and the compiled memory of its step (``trainer.step_memory()``:
+``argument_bytes``, ``temp_bytes``), against the plain step's
+``compiled.memory_analysis()`` (``argument_size_in_bytes``,
+``temp_size_in_bytes``) and its memory traffic (``cost_analysis()``'s
+``bytes accessed``; the pmap loops' ``step_memory`` holds all three).
+Goals, printed as PASS/FAIL: ``trainer_fixed`` at least 0.90x plain and
+``transform`` at least 0.95x plain.
+
+Models (``--model``): ``mlp``, a perceptron 784-1024-1024-10 on 784-dimensional
+inputs; ``resnet``, a small ResNet-18-style network (``train.models.ResNet``,
+CIFAR stem, 8 base filters, one block per stage) with per-device BatchNorm on
+32x32x3 inputs, its statistics averaged over devices every step in every
+variant (the Trainer averages them after each micro-step). The data are
+standard normal inputs labelled by a random linear teacher (10 classes).
+
+NOTE: CPU timings are noisy (other processes; the simulated devices share the
+host's cores). Compare variants by the ratios within one run. On a CPU the
+devices and the host share cores, so host work between steps costs the
+devices time; on accelerators it only costs time when it is on the critical
+path.
+
+Usage::
+
+  python benchmarks/overhead.py                          # MLP, table only
+  python benchmarks/overhead.py --model all --out /tmp/overhead.json
+  python benchmarks/overhead.py --quick                  # tiny, for tests
+
+JSON written to ``--out``::
+
+  {"devices": 8, "global_batch_size": 256, "steps": ..., "rounds": ...,
+   "models": {MODEL: {"params": ..., "plain_step_memory": {...},
+                      "variants": {NAME: {"examples_per_second", "ratio_to_plain",
+                                          "ratio_to_plain_paired",
+                                          "examples_per_second_rounds",
+                                          "average_batch_size", "host_critical_seconds",
+                                          "step_memory", ...}},
+                      "goals": {NAME: {"min_ratio", "ratio", "pass"}}}},
+   "variants": {...}, "goals": {...}}   # the first model's, again at the top
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+
+if __name__ == "__main__":
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  from benchmarks import common  # noqa: E402  (imports no JAX)
+  common.prepare_script()
+
+# pylint: disable=g-import-not-at-top,wrong-import-position
+import argparse  # noqa: E402
+import dataclasses  # noqa: E402
+import math  # noqa: E402
+import pathlib  # noqa: E402
+import shutil  # noqa: E402
+import statistics  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from collections.abc import Callable, Sequence  # noqa: E402
+from typing import Any  # noqa: E402
+
+import flax.linen as nn  # noqa: E402
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from jax import lax  # noqa: E402
+
+import simigrad_jax  # noqa: E402
+from benchmarks import common  # noqa: E402
+from train import models  # noqa: E402
+
+AXIS = "batch"
+VARIANTS = ("plain", "transform", "trainer_fixed", "trainer_adaptive")
+# Minimum examples/s relative to plain.
+GOALS = {"trainer_fixed": 0.90, "transform": 0.95}
+NUM_CLASSES = 10
+LEARNING_RATE = 0.05
+SEED = 0
+# The compiled step's memory: XLA's argument and temporary bytes, and its memory traffic.
+MEMORY_KEYS = ("argument_bytes", "temp_bytes", "bytes_accessed")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+  """A model of the benchmark and the shape of one input example."""
+
+  description: str
+  build: Callable[[], nn.Module]
+  input_shape: tuple[int, ...]
+  batch_norm: bool = False
+
+
+def _resnet(filters: int, stages: tuple[int, ...]) -> nn.Module:
+  return models.ResNet(stage_sizes=stages, block_cls=models.ResNetBlock,
+                       num_classes=NUM_CLASSES, num_filters=filters, stem="cifar")
+
+
+FULL_MODELS = {
+    "mlp": ModelSpec("MLP 784-1024-1024-10",
+                     lambda: models.MLP(NUM_CLASSES, hidden=(1024, 1024)), (784,)),
+    "resnet": ModelSpec("ResNet (CIFAR stem, 8 filters, blocks 1-1-1-1), 32x32x3",
+                        lambda: _resnet(8, (1, 1, 1, 1)), (32, 32, 3), batch_norm=True),
+}
+QUICK_MODELS = {
+    "mlp": ModelSpec("MLP 64-32-10", lambda: models.MLP(NUM_CLASSES, hidden=(32,)), (64,)),
+    "resnet": ModelSpec("ResNet (CIFAR stem, 4 filters, blocks 1-1), 8x8x3",
+                        lambda: _resnet(4, (1, 1)), (8, 8, 3), batch_norm=True),
+}
+FULL = {"batch_size": 256, "steps": {"mlp": 30, "resnet": 10}, "rounds": 5, "warmup_steps": 3}
+QUICK = {"batch_size": 32, "steps": {"mlp": 3, "resnet": 3}, "rounds": 2, "warmup_steps": 2}
+
+
+# ----------------------------------------------------------------------------
+# Model, loss and data, shared by every variant.
+# ----------------------------------------------------------------------------
+
+
+def make_data(spec: ModelSpec, num_examples: int, seed: int = SEED) -> dict[str, np.ndarray]:
+  """Standard normal inputs, labelled by the argmax of a random linear teacher."""
+  rng = np.random.default_rng(seed)
+  x = rng.standard_normal((num_examples,) + spec.input_shape, dtype=np.float32)
+  teacher = rng.standard_normal((int(np.prod(spec.input_shape)), NUM_CLASSES), dtype=np.float32)
+  y = (x.reshape(num_examples, -1) @ teacher).argmax(-1).astype(np.int32)
+  return {"x": x, "y": y}
+
+
+def init_model(spec: ModelSpec, seed: int = SEED) -> tuple[Any, Any]:
+  """``(params, model_state)`` as NumPy arrays; ``model_state`` is None without BatchNorm."""
+  variables = spec.build().init(jax.random.key(seed), np.zeros((1,) + spec.input_shape, np.float32))
+  variables = jax.tree.map(np.asarray, variables)
+  model_state = {"batch_stats": variables["batch_stats"]} if spec.batch_norm else None
+  return variables["params"], model_state
+
+
+def per_example_losses(model: nn.Module, params: Any, model_state: Any, x: jax.Array,
+                       y: jax.Array, mask: jax.Array | None = None) -> tuple[jax.Array, Any]:
+  """Cross-entropy per example and the new model state (BatchNorm statistics, if any)."""
+  if model_state is None:
+    logits = model.apply({"params": params}, x)
+  else:
+    logits, model_state = model.apply({"params": params, **model_state}, x, train=True,
+                                      mask=mask, mutable=["batch_stats"])
+  return optax.softmax_cross_entropy_with_integer_labels(logits, y), model_state
+
+
+def make_trainer_loss_fn(model: nn.Module) -> Callable[..., tuple[jax.Array, Any]]:
+  """The Trainer's ``loss_fn``: padding rows (weight 0) are masked out of BatchNorm."""
+
+  def loss_fn(params, model_state, batch, weights, rng):
+    del rng
+    return per_example_losses(model, params, model_state, batch["x"], batch["y"], weights > 0)
+
+  return loss_fn
+
+
+def count_params(params: Any) -> int:
+  return int(sum(np.size(leaf) for leaf in jax.tree.leaves(params)))
+
+
+# ----------------------------------------------------------------------------
+# The variants. Each has run(steps) -> (examples, seconds) and details() -> dict.
+# ----------------------------------------------------------------------------
+
+
+def _replicate(tree: Any, n: int) -> Any:
+  return jax.tree.map(lambda a: np.broadcast_to(a, (n,) + np.shape(a)).copy(), tree)
+
+
+class PmapLoop:
+  """A user's own ``jax.pmap`` loop: ``pmean`` (plain) or ``simigrad_jax.transform``.
+
+  Args:
+    spec: the model.
+    data: the arrays every variant reads.
+    batch_size: the global batch size (a multiple of the device count).
+    use_transform: chain ``simigrad_jax.transform`` instead of ``lax.pmean``,
+      and read the similarity on the host after every step.
+  """
+
+  def __init__(self, spec: ModelSpec, data: dict[str, np.ndarray], batch_size: int,
+               use_transform: bool):
+    self._data, self._batch_size = data, batch_size
+    self._use_transform = use_transform
+    self._n = jax.local_device_count()
+    model = spec.build()
+    if use_transform:
+      optimizer = optax.chain(simigrad_jax.transform(AXIS), optax.sgd(LEARNING_RATE))
+    else:
+      optimizer = optax.sgd(LEARNING_RATE)
+
+    def step(params, model_state, opt_state, x, y):
+
+      def mean_loss(p):
+        losses, new_state = per_example_losses(model, p, model_state, x, y)
+        return losses.mean(), new_state
+
+      (loss, new_state), grads = jax.value_and_grad(mean_loss, has_aux=True)(params)
+      if not use_transform:
+        grads = lax.pmean(grads, AXIS)
+      new_state = lax.pmean(new_state, AXIS)  # BatchNorm statistics, as the Trainer does
+      updates, opt_state = optimizer.update(grads, opt_state, params)
+      return optax.apply_updates(params, updates), new_state, opt_state, lax.pmean(loss, AXIS)
+
+    self._step = jax.pmap(step, axis_name=AXIS, donate_argnums=(0, 1, 2))
+    params, model_state = init_model(spec)
+    self._state = _replicate((params, model_state, optimizer.init(params)), self._n)
+    self._sampler = simigrad_jax.EpochSampler(len(data["y"]), SEED)
+    self.last_similarity = math.nan
+
+  def _next_batch(self, advance: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    rows = (self._sampler.take if advance else self._sampler.peek)(self._batch_size)
+    return tuple(a[rows].reshape((self._n, -1) + a.shape[1:])
+                 for a in (self._data["x"], self._data["y"]))
+
+  def memory(self) -> dict[str, int]:
+    """The compiled step's argument and temporary bytes, and the bytes it accesses.
+
+    From XLA's ``memory_analysis()`` (``argument_size_in_bytes``,
+    ``temp_size_in_bytes``) and ``cost_analysis()`` (``bytes accessed``: the
+    memory traffic, which memory-bound work on an accelerator scales with).
+    """
+    compiled = self._step.lower(*self._state, *self._next_batch(False)).compile()
+    analysis = compiled.memory_analysis()
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    return {"argument_bytes": int(analysis.argument_size_in_bytes),
+            "temp_bytes": int(analysis.temp_size_in_bytes),
+            "bytes_accessed": int(cost.get("bytes accessed", 0))}
+
+  def warm_up(self, steps: int) -> None:
+    """Compiles the step and runs ``steps`` steps, untimed."""
+    self.run(steps)
+
+  def run(self, steps: int) -> tuple[int, float]:
+    """Runs ``steps`` optimizer steps; returns (examples, seconds until the last finished)."""
+    start = time.perf_counter()
+    loss = None
+    for _ in range(steps):
+      params, model_state, opt_state, loss = self._step(*self._state, *self._next_batch())
+      self._state = (params, model_state, opt_state)
+      if self._use_transform:
+        self.last_similarity = simigrad_jax.similarity(opt_state)
+    jax.block_until_ready((self._state, loss))
+    return steps * self._batch_size, time.perf_counter() - start
+
+  def details(self) -> dict[str, Any]:
+    return {"average_batch_size": float(self._batch_size), "step_memory": self.memory()}
+
+  def close(self) -> None:
+    pass
+
+
+class TrainerLoop:
+  """:class:`simigrad_jax.Trainer` on the same model and data, timed per ``train()`` call.
+
+  Args:
+    spec: the model.
+    data: the arrays every variant reads.
+    batch_size: the initial (and, unless ``adaptive``, fixed) global batch size.
+    adaptive: adapt the batch within [batch / 4, 4 x batch] with SimiGrad's rule.
+    similarity_target: the adaptive controller's target.
+    workdir: a fresh directory for the Trainer's metrics and checkpoints.
+  """
+
+  def __init__(self, spec: ModelSpec, data: dict[str, np.ndarray], batch_size: int,
+               adaptive: bool, similarity_target: float, workdir: pathlib.Path):
+    n = jax.device_count()
+    max_micro = batch_size // n
+    if adaptive and spec.batch_norm:
+      max_micro *= 4  # one micro-step at every size: no device holds only padding rows
+    if adaptive:
+      controller = simigrad_jax.Controller(
+          batch_size, similarity_target, batch_size_lower_bound=max(batch_size // 4, n),
+          batch_size_upper_bound=4 * batch_size)
+    else:
+      controller = simigrad_jax.Controller(
+          batch_size, similarity_target, batch_size_lower_bound=batch_size,
+          batch_size_upper_bound=batch_size, enable_adjust=False)
+    params, model_state = init_model(spec)
+    self.workdir = workdir
+    self.trainer = simigrad_jax.Trainer(
+        loss_fn=make_trainer_loss_fn(spec.build()), params=params, model_state=model_state,
+        optimizer=optax.chain(simigrad_jax.transform(AXIS), optax.sgd(LEARNING_RATE),
+                              simigrad_jax.scale_by_lr_factor()),
+        source=simigrad_jax.ArraySource(data), controller=controller, workdir=workdir,
+        max_micro_batch_size=max_micro, seed=SEED, tensorboard=True, progress=False,
+        axis_name=AXIS,
+        # Only warm-up steps can find their shape still compiling (the timed ones start
+        # after every shape compiled): let them wait rather than accumulate on a smaller one.
+        compile_fallback=False)
+    # train() ends with a checkpoint save: mark when the step loop is over.
+    self._save_calls: list[float] = []
+    save = self.trainer.save_checkpoint
+
+    def marked_save() -> None:
+      self._save_calls.append(time.perf_counter())
+      save()
+
+    self.trainer.save_checkpoint = marked_save
+    self.checkpoint_seconds: list[float] = []
+    self.timed_steps: list[tuple[int, int]] = []  # (first, last) step of each timed window
+
+  def wait_for_compiles(self, timeout: float = 600.0) -> None:
+    """Blocks until every shape the controller's bounds can reach is compiled."""
+    deadline = time.perf_counter() + timeout
+    while not set(self.trainer.shapes) <= set(
+        self.trainer.compile_stats()["compiled_micro_batch_sizes"]):
+      if time.perf_counter() > deadline:
+        raise TimeoutError(f"the Trainer's shapes {self.trainer.shapes} did not compile "
+                           f"within {timeout} s")
+      time.sleep(0.05)
+
+  def warm_up(self, steps: int) -> None:
+    """Trains ``steps`` steps, untimed, and waits until every reachable shape is compiled."""
+    self.trainer.train(num_steps=self.trainer.step + steps)
+    self.wait_for_compiles()
+
+  def run(self, steps: int) -> tuple[int, float]:
+    """Trains ``steps`` more steps; returns (examples, seconds up to the final save)."""
+    first = self.trainer.step + 1
+    calls_before = len(self._save_calls)
+    start = time.perf_counter()
+    summary = self.trainer.train(num_steps=self.trainer.step + steps)
+    end = time.perf_counter()
+    loop_end = self._save_calls[-1] if len(self._save_calls) > calls_before else end
+    self.checkpoint_seconds.append(end - loop_end)
+    self.timed_steps.append((first, self.trainer.step))
+    return int(summary["run_examples"]), loop_end - start
+
+  def details(self) -> dict[str, Any]:
+    """Numbers from the timed windows' step records and the Trainer's own reports."""
+    records = [r for r in simigrad_jax.read_metrics(self.workdir / "metrics.jsonl")
+               if "batch_size" in r and any(a <= r["step"] <= b for a, b in self.timed_steps)]
+    critical = [r.get("host_critical_seconds") for r in records]
+    critical = [c for c in critical if c is not None]
+    step_memory = getattr(self.trainer, "step_memory", None)
+    memory = None
+    if step_memory is not None:
+      reported = step_memory()
+      memory = {key: reported.get(key) for key in MEMORY_KEYS}
+    examples = sum(r["batch_size"] for r in records)
+    return {
+        "average_batch_size": examples / len(records),
+        "average_accumulation_steps": float(np.mean([r["accumulation_steps"] for r in records])),
+        "padding_fraction": sum(r["padded_examples"] for r in records) / (
+            examples + sum(r["padded_examples"] for r in records)),
+        "host_critical_seconds": float(np.median(critical)) if critical else None,
+        "record_step_seconds": float(np.median([r["step_seconds"] for r in records])),
+        "record_data_seconds": float(np.median([r["data_seconds"] for r in records])),
+        "checkpoint_seconds": float(np.median(self.checkpoint_seconds)),
+        "compile_fallback_steps": int(sum(bool(r.get("compile_fallback")) for r in records)),
+        "nonfinite_steps": int(sum(not r["grads_finite"] for r in records)),
+        "timed_steps": len(records),
+        "step_memory": memory,
+    }
+
+  def close(self) -> None:
+    self.trainer.close()
+
+
+# ----------------------------------------------------------------------------
+# Timing.
+# ----------------------------------------------------------------------------
+
+
+def time_rounds(variants: dict[str, Any], steps: int, rounds: int) -> dict[str, list[float]]:
+  """Examples/s of each variant per round; the order rotates by one each round."""
+  names = list(variants)
+  rates: dict[str, list[float]] = {name: [] for name in names}
+  for r in range(rounds):
+    order = names[r % len(names):] + names[:r % len(names)]
+    for name in order:
+      examples, seconds = variants[name].run(steps)
+      rates[name].append(examples / seconds)
+    print(f"    round {r + 1}/{rounds}: " + ", ".join(
+        f"{name} {rates[name][-1]:,.0f}/s" for name in names), flush=True)
+  return rates
+
+
+def _goals(variants: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+  return {name: {"min_ratio": least, "ratio": variants[name]["ratio_to_plain"],
+                 "pass": variants[name]["ratio_to_plain"] >= least}
+          for name, least in GOALS.items() if name in variants}
+
+
+def run_model(name: str, spec: ModelSpec, *, batch_size: int, steps: int, rounds: int,
+              warmup_steps: int, similarity_target: float, root: pathlib.Path) -> dict[str, Any]:
+  """Builds, warms up and times the four variants on one model; returns its results."""
+  n = jax.device_count()
+  # The fixed-size variants stay within the first epoch; the adaptive one's upper bound fits.
+  num_examples = max((warmup_steps + rounds * steps) * batch_size, 4 * batch_size)
+  data = make_data(spec, num_examples)
+  params, _ = init_model(spec)
+  print(f"  {name}: {spec.description}, {count_params(params):,} parameters, "
+        f"{num_examples:,} examples", flush=True)
+  variants: dict[str, Any] = {}
+  try:
+    variants["plain"] = PmapLoop(spec, data, batch_size, use_transform=False)
+    variants["transform"] = PmapLoop(spec, data, batch_size, use_transform=True)
+    for variant, adaptive in (("trainer_fixed", False), ("trainer_adaptive", True)):
+      workdir = pathlib.Path(tempfile.mkdtemp(prefix=f"{name}-{variant}-", dir=root))
+      variants[variant] = TrainerLoop(spec, data, batch_size, adaptive, similarity_target,
+                                      workdir)
+    for variant in variants.values():
+      variant.warm_up(warmup_steps)
+    rates = time_rounds(variants, steps, rounds)
+    details = {variant: loop.details() for variant, loop in variants.items()}
+  finally:
+    for variant in variants.values():
+      variant.close()
+  plain_rate = statistics.median(rates["plain"])
+  results: dict[str, Any] = {}
+  for variant in variants:
+    rate = statistics.median(rates[variant])
+    results[variant] = {
+        "examples_per_second": rate,
+        "ratio_to_plain": rate / plain_rate,
+        "ratio_to_plain_paired": statistics.median(
+            a / b for a, b in zip(rates[variant], rates["plain"])),
+        "examples_per_second_rounds": rates[variant],
+        "host_critical_seconds": None,
+        "step_memory": None,
+        **details[variant],
+    }
+  return {"description": spec.description, "params": count_params(params),
+          "num_examples": num_examples, "steps": steps,
+          "plain_step_memory": results["plain"]["step_memory"],
+          "variants": results, "goals": _goals(results)}
+
+
+# ----------------------------------------------------------------------------
+# Main.
+# ----------------------------------------------------------------------------
+
+
+def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--model", choices=(*FULL_MODELS, "all"), default="mlp")
+  parser.add_argument("--quick", action="store_true",
+                      help=f"tiny models and sizes, for tests: {QUICK} unless given below")
+  parser.add_argument("--steps", type=int, default=None,
+                      help=f"optimizer steps per variant per round (default {FULL['steps']})")
+  parser.add_argument("--rounds", type=int, default=None,
+                      help=f"timed rounds (default {FULL['rounds']}); the median is reported")
+  parser.add_argument("--warmup-steps", type=int, default=None,
+                      help=f"untimed steps per variant first (default {FULL['warmup_steps']})")
+  parser.add_argument("--batch-size", type=int, default=None,
+                      help=f"the global batch size (default {FULL['batch_size']})")
+  parser.add_argument("--similarity-target", type=float, default=0.3,
+                      help="trainer_adaptive's similarity target")
+  parser.add_argument("--out", default=None, help="write the results as JSON to this path")
+  args = parser.parse_args(argv)
+  preset = QUICK if args.quick else FULL
+  for key in ("batch_size", "rounds", "warmup_steps"):
+    if getattr(args, key) is None:
+      setattr(args, key, preset[key])
+  for key in ("steps", "rounds", "warmup_steps"):
+    value = getattr(args, key)
+    if value is not None and value < 1:
+      raise ValueError(f"--{key.replace('_', '-')} must be >= 1, got {value}")
+  n = jax.device_count()
+  if n % 2 or args.batch_size % n or args.batch_size // 4 < n // 2 + 1:
+    raise ValueError(f"--batch-size must be a multiple of the {n} devices (an even count) and "
+                     f"at least {4 * (n // 2 + 1)}, got {args.batch_size}")
+  return args
+
+
+def _format_table(results: dict[str, Any]) -> str:
+  columns = (f"{'variant':<18}{'examples/s':>11}{'vs plain':>10}{'paired':>9}{'avg batch':>10}"
+             f"{'padding':>9}{'host crit s':>12}{'arg MB':>8}{'temp MB':>8}{'traffic MB':>11}"
+             "  goal")
+  lines = []
+  for name, model in results["models"].items():
+    lines += [f"{name} ({model['description']}): global batch {results['global_batch_size']}, "
+              f"{model['steps']} steps x {results['rounds']} rounds, median examples/s",
+              columns, "-" * len(columns)]
+    for variant, row in model["variants"].items():
+      memory = row["step_memory"] or {}
+      cells = [f"{variant:<18}{row['examples_per_second']:>11,.0f}",
+               f"{row['ratio_to_plain']:>9.3f}x{row['ratio_to_plain_paired']:>8.3f}x",
+               f"{row['average_batch_size']:>10.1f}",
+               _cell(row.get("padding_fraction"), 9, ".1%"),
+               _cell(row["host_critical_seconds"], 12, ".4f")]
+      cells += [_cell(memory.get(key), width, ".1f", 2**-20)
+                for key, width in zip(MEMORY_KEYS, (8, 8, 11))]
+      goal = model["goals"].get(variant)
+      if goal:
+        cells.append(f"  >= {goal['min_ratio']:.2f}x {'PASS' if goal['pass'] else 'FAIL'}")
+      lines.append("".join(cells))
+    lines.append("")
+  return "\n".join(lines).rstrip()
+
+
+def _cell(value: float | None, width: int, fmt: str, scale: float = 1.0) -> str:
+  return f"{'-':>{width}}" if value is None else f"{format(value * scale, fmt):>{width}}"
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+  """Runs the benchmark; prints a table, writes JSON to ``--out``, returns the results.
+
+  Args:
+    argv: command-line arguments (``sys.argv[1:]`` when None).
+
+  Returns:
+    ``{"devices", "global_batch_size", "models": {MODEL: {"variants": {...},
+    "goals": {...}, ...}}, "variants": {...}, "goals": {...}}`` (see the module
+    docstring).
+  """
+  args = _parse_args(argv)
+  specs = QUICK_MODELS if args.quick else FULL_MODELS
+  names = list(specs) if args.model == "all" else [args.model]
+  preset = QUICK if args.quick else FULL
+  devices = jax.devices()
+  print(f"{len(devices)} x {devices[0].platform} devices; global batch {args.batch_size}; "
+        f"{args.rounds} rounds after {args.warmup_steps} warm-up steps", flush=True)
+  root = pathlib.Path(tempfile.mkdtemp(prefix="simigrad-overhead-"))
+  models_results = {}
+  try:
+    for name in names:
+      models_results[name] = run_model(
+          name, specs[name], batch_size=args.batch_size,
+          steps=args.steps or preset["steps"][name], rounds=args.rounds,
+          warmup_steps=args.warmup_steps, similarity_target=args.similarity_target, root=root)
+  finally:
+    shutil.rmtree(root, ignore_errors=True)
+  first = models_results[names[0]]
+  results = {
+      "devices": len(devices),
+      "platform": devices[0].platform,
+      "jax_version": jax.__version__,
+      "global_batch_size": args.batch_size,
+      "rounds": args.rounds,
+      "warmup_steps": args.warmup_steps,
+      "similarity_target": args.similarity_target,
+      "quick": bool(args.quick),
+      "note": "CPU timings are noisy; compare the variants by the ratios within one run.",
+      "models": models_results,
+      "variants": first["variants"],
+      "goals": first["goals"],
+  }
+  return common.report(results, _format_table(results), args.out)
+
+
+if __name__ == "__main__":
+  main(sys.argv[1:])
