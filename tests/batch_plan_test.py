@@ -84,12 +84,18 @@ def check_layout(plan):
   assert ((layout >= 0) | (layout == -1)).all()
   per_device = (layout >= 0).sum(axis=(0, 2))
   assert per_device.max() - per_device.min() <= 1
+  per_step_device = (layout >= 0).sum(axis=2)  # (k, n)
+  assert (per_step_device.max(axis=1) - per_step_device.min(axis=1) <= 1).all()
   for d in range(n):
-    rows = layout[:, d, :].reshape(-1)  # position p = step * micro + row
+    # Position p of a device sits in micro-step p % k, row p // k.
+    rows = layout[:, d, :].T.reshape(-1)
     num_real = int((rows >= 0).sum())
     assert (rows[num_real:] == -1).all()  # padding ends each device
     np.testing.assert_array_equal(rows[:num_real],
                                   d + n * np.arange(num_real))
+  if plan.global_batch_size >= n and (micro >= 2 or k == 1):
+    # Every device holds real rows in every micro-step (BatchNorm masks never empty).
+    assert (per_step_device >= 1).all(), per_step_device
 
 
 def effective_min(policy):
@@ -166,8 +172,8 @@ def test_plan_example_values():
   plan = plan_batch(300, 8, BucketPolicy(16, 4))  # k = 3, 3 * 8 * 16 = 384
   assert (plan.accumulation_steps, plan.micro_batch_size) == (3, 16)
   plan = plan_batch(5, 2, BucketPolicy(2))
-  assert plan.example_layout().tolist() == [[[0, 2], [1, 3]],
-                                            [[4, -1], [-1, -1]]]
+  assert plan.example_layout().tolist() == [[[0, 4], [1, -1]],
+                                            [[2, -1], [3, -1]]]
 
 
 # ---------------------------------------------------------------- padding=False

@@ -164,6 +164,33 @@ def test_batchnorm_statistics_cover_all_devices_and_skip_padding(tmp_path):
   assert not np.allclose(mean, 0.1 * x[:40].mean(axis=0), atol=1e-4)  # padding rows would shift it
 
 
+def test_batchnorm_with_accumulation_never_sees_a_device_of_padding_alone(tmp_path):
+  """35 examples as 2 micro-steps of 4 rows x 8 devices: filling micro-steps in order left the
+  second with 3 real rows, so 5 devices normalised padding alone (NaN statistics) and every
+  step was skipped. Dealt round-robin, each micro-step has real rows on every device."""
+  data = dataset()
+  variables = BatchNormModel().init(jax.random.key(0), data["x"][:2], np.ones((2, 1), bool))
+
+  def bn_loss(params, model_state, batch, weights, rng):
+    del rng
+    logits, updates = BatchNormModel().apply(
+        {"params": params, **model_state}, batch["x"], (weights > 0)[:, None], mutable=["batch_stats"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]), updates
+
+  controller = simigrad_jax.Controller(35, 0.0, enable_adjust=False)
+  trainer = make_trainer(tmp_path, data, controller, loss_fn=bn_loss, params=variables["params"],
+                         model_state={"batch_stats": variables["batch_stats"]},
+                         max_micro_batch_size=4)
+  summary = trainer.train(num_steps=3)
+  trainer.close()
+  records = [r for r in simigrad_jax.read_metrics(tmp_path / "metrics.jsonl") if "batch_size" in r]
+  assert [r["accumulation_steps"] for r in records] == [2, 2, 2]
+  assert summary["steps"] == 3
+  assert all(r["grads_finite"] for r in records), [r["decision"] for r in records]
+  for leaf in jax.tree.leaves(trainer.state["model_state"]):
+    assert np.all(np.isfinite(np.asarray(leaf.addressable_data(0))))
+
+
 def test_nonfinite_step_is_skipped_and_counted(tmp_path):
   data = dataset(num_examples=64)
   data["x"][5] = np.nan

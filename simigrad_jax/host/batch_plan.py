@@ -176,8 +176,13 @@ class BatchPlan:
     """Returns which example sits in each row of the step.
 
     Example ``e`` goes to device ``d = e % n`` at position ``p = e // n`` of
-    that device's rows, i.e. micro-step ``p // micro``, row ``p % micro``. Real
-    counts per device differ by at most one and padding ends each device.
+    that device's rows, and a device deals its positions round-robin over the
+    micro-steps: micro-step ``p % accumulation_steps``, row
+    ``p // accumulation_steps``. Real counts per device differ by at most one,
+    in every micro-step too, and padding ends each device's rows in every
+    micro-step. So when the batch holds at least one example per device and
+    a micro-step more than one row per device, every device has real rows in
+    every micro-step (a masked BatchNorm never sees a device of padding alone).
 
     Returns:
       An int64 array of shape ``(accumulation_steps, num_devices,
@@ -187,13 +192,13 @@ class BatchPlan:
     Example:
       >>> plan = plan_batch(5, 2, BucketPolicy(2))
       >>> plan.example_layout().tolist()
-      [[[0, 2], [1, 3]], [[4, -1], [-1, -1]]]
+      [[[0, 4], [1, -1]], [[2, -1], [3, -1]]]
     """
-    n, micro = self.num_devices, self.micro_batch_size
-    layout = np.full((self.accumulation_steps, n, micro), -1, np.int64)
+    n, k = self.num_devices, self.accumulation_steps
+    layout = np.full((k, n, self.micro_batch_size), -1, np.int64)
     e = np.arange(self.global_batch_size, dtype=np.int64)
     p = e // n
-    layout[p // micro, e % n, p % micro] = e
+    layout[p % k, e % n, p // k] = e
     return layout
 
   def example_weights(self) -> np.ndarray:
