@@ -24,12 +24,7 @@ in four variants, side by side in one process:
   average batch size (and the share of padding rows its shape grid adds) is
   reported beside its examples/s. ``max_micro_batch_size`` is batch /
   devices as in ``trainer_fixed`` (larger sizes accumulate gradients over
-  micro-steps), except for models with BatchNorm: there it is 4 x batch /
-  devices, so that every size runs in one micro-step. With accumulation, the
-  last micro-step of a size that is not a multiple of devices x micro-batch
-  can leave a device with padding rows only, and masked BatchNorm statistics
-  over no row are NaN: the step is skipped as non-finite and the controller
-  holds the size, so every later step fails the same way.
+  micro-steps).
 
 Every variant reads its rows from the same NumPy arrays in the same order (a
 seeded :class:`simigrad_jax.EpochSampler`); the plain loops gather them on the
@@ -57,7 +52,7 @@ over plain's; ``ratio_to_plain_paired`` the median over rounds of the ratio
 within each round.
 
 Also reported, where the Trainer provides them (None otherwise): the median of
-the step records' ``host_critical_seconds`` (host time on the step's critical
+the step records' ``host_seconds`` (host time on the step's critical
 path) and the compiled memory of its step (``trainer.step_memory()``:
 ``argument_bytes``, ``temp_bytes``), against the plain step's
 ``compiled.memory_analysis()`` (``argument_size_in_bytes``,
@@ -92,7 +87,7 @@ JSON written to ``--out``::
                       "variants": {NAME: {"examples_per_second", "ratio_to_plain",
                                           "ratio_to_plain_paired",
                                           "examples_per_second_rounds",
-                                          "average_batch_size", "host_critical_seconds",
+                                          "average_batch_size", "host_seconds",
                                           "step_memory", ...}},
                       "goals": {NAME: {"min_ratio", "ratio", "pass"}}}},
    "variants": {...}, "goals": {...}}   # the first model's, again at the top
@@ -328,8 +323,6 @@ class TrainerLoop:
                adaptive: bool, similarity_target: float, workdir: pathlib.Path):
     n = jax.device_count()
     max_micro = batch_size // n
-    if adaptive and spec.batch_norm:
-      max_micro *= 4  # one micro-step at every size: no device holds only padding rows
     if adaptive:
       controller = simigrad_jax.Controller(
           batch_size, similarity_target, batch_size_lower_bound=max(batch_size // 4, n),
@@ -393,7 +386,7 @@ class TrainerLoop:
     """Numbers from the timed windows' step records and the Trainer's own reports."""
     records = [r for r in simigrad_jax.read_metrics(self.workdir / "metrics.jsonl")
                if "batch_size" in r and any(a <= r["step"] <= b for a, b in self.timed_steps)]
-    critical = [r.get("host_critical_seconds") for r in records]
+    critical = [r.get("host_seconds") for r in records]
     critical = [c for c in critical if c is not None]
     step_memory = getattr(self.trainer, "step_memory", None)
     memory = None
@@ -406,7 +399,7 @@ class TrainerLoop:
         "average_accumulation_steps": float(np.mean([r["accumulation_steps"] for r in records])),
         "padding_fraction": sum(r["padded_examples"] for r in records) / (
             examples + sum(r["padded_examples"] for r in records)),
-        "host_critical_seconds": float(np.median(critical)) if critical else None,
+        "host_seconds": float(np.median(critical)) if critical else None,
         "record_step_seconds": float(np.median([r["step_seconds"] for r in records])),
         "record_data_seconds": float(np.median([r["data_seconds"] for r in records])),
         "checkpoint_seconds": float(np.median(self.checkpoint_seconds)),
@@ -480,7 +473,7 @@ def run_model(name: str, spec: ModelSpec, *, batch_size: int, steps: int, rounds
         "ratio_to_plain_paired": statistics.median(
             a / b for a, b in zip(rates[variant], rates["plain"])),
         "examples_per_second_rounds": rates[variant],
-        "host_critical_seconds": None,
+        "host_seconds": None,
         "step_memory": None,
         **details[variant],
     }
@@ -521,15 +514,15 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if value is not None and value < 1:
       raise ValueError(f"--{key.replace('_', '-')} must be >= 1, got {value}")
   n = jax.device_count()
-  if n % 2 or args.batch_size % n or args.batch_size // 4 < n // 2 + 1:
-    raise ValueError(f"--batch-size must be a multiple of the {n} devices (an even count) and "
-                     f"at least {4 * (n // 2 + 1)}, got {args.batch_size}")
+  if n % 2 or args.batch_size % n:
+    raise ValueError(f"--batch-size must be a multiple of the {n} devices (an even count), "
+                     f"got {args.batch_size}")
   return args
 
 
 def _format_table(results: dict[str, Any]) -> str:
   columns = (f"{'variant':<18}{'examples/s':>11}{'vs plain':>10}{'paired':>9}{'avg batch':>10}"
-             f"{'padding':>9}{'host crit s':>12}{'arg MB':>8}{'temp MB':>8}{'traffic MB':>11}"
+             f"{'padding':>9}{'host s':>12}{'arg MB':>8}{'temp MB':>8}{'traffic MB':>11}"
              "  goal")
   lines = []
   for name, model in results["models"].items():
@@ -542,7 +535,7 @@ def _format_table(results: dict[str, Any]) -> str:
                f"{row['ratio_to_plain']:>9.3f}x{row['ratio_to_plain_paired']:>8.3f}x",
                f"{row['average_batch_size']:>10.1f}",
                _cell(row.get("padding_fraction"), 9, ".1%"),
-               _cell(row["host_critical_seconds"], 12, ".4f")]
+               _cell(row["host_seconds"], 12, ".4f")]
       cells += [_cell(memory.get(key), width, ".1f", 2**-20)
                 for key, width in zip(MEMORY_KEYS, (8, 8, 11))]
       goal = model["goals"].get(variant)
