@@ -192,28 +192,15 @@ class Trainer:
     # so that a bad value fails in seconds, not after the first GPU-hour.
     if mode not in MODES:
       raise ValueError(f"mode={mode!r} is not valid; choose one of {MODES}")
-    if lr_rule not in lr_rules.LR_RULES:
-      raise ValueError(f"lr_rule={lr_rule!r} is not valid; choose one of {lr_rules.LR_RULES}")
-    trainer_checks.check_callable("loss_fn", loss_fn)
-    for name, fn in (("eval_fn", eval_fn), ("lr_schedule", lr_schedule)):
-      if fn is not None:
-        trainer_checks.check_callable(name, fn)
+    max_micro, seed, checkpoint_every_steps, max_checkpoints = trainer_checks.check_settings(
+        lr_rule=lr_rule, loss_fn=loss_fn, eval_fn=eval_fn, lr_schedule=lr_schedule,
+        max_micro_batch_size=max_micro_batch_size, min_micro_batch_size=min_micro_batch_size,
+        seed=seed, checkpoint_every_steps=checkpoint_every_steps,
+        max_checkpoints=max_checkpoints, axis_name=axis_name,
+        flags={"background_compile": background_compile, "tensorboard": tensorboard,
+               "progress": progress, "compile_fallback": compile_fallback})
     trainer_checks.check_controller(controller)
     num_examples = trainer_checks.check_source(source)
-    max_micro = validation.check_int("max_micro_batch_size", max_micro_batch_size, 1)
-    if min_micro_batch_size is not None and (
-        not validation.is_int(min_micro_batch_size) or not 1 <= min_micro_batch_size <= max_micro):
-      raise ValueError(f"min_micro_batch_size must be None or an integer in [1, max_micro_batch_size="
-                       f"{max_micro}], got {min_micro_batch_size!r}")
-    seed = validation.check_int("seed", seed, 0)
-    if checkpoint_every_steps is not None:
-      checkpoint_every_steps = validation.check_int("checkpoint_every_steps", checkpoint_every_steps, 1)
-    max_checkpoints = validation.check_int("max_checkpoints", max_checkpoints, 1)
-    for name, flag in (("background_compile", background_compile), ("tensorboard", tensorboard),
-                       ("progress", progress), ("compile_fallback", compile_fallback)):
-      validation.check_bool(name, flag)
-    if not isinstance(axis_name, str) or not axis_name:
-      raise ValueError(f"axis_name must be a non-empty string, got {axis_name!r}")
     workdir = trainer_checks.check_workdir(workdir)
     devices = trainer_checks.check_devices(devices)
     trainer_checks.check_finite_params(params)
