@@ -1,4 +1,4 @@
-"""What every benchmark script does before importing JAX. Imports nothing heavy."""
+"""What every benchmark script does before JAX starts. Imports nothing heavy at import time."""
 
 from __future__ import annotations
 
@@ -11,20 +11,21 @@ REPOSITORY_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def configure_host_devices(count: int = 8) -> None:
   """Asks XLA for ``count`` CPU devices unless the user already chose a count.
 
-  Must run before JAX is imported; appends to any existing ``XLA_FLAGS`` and
-  defaults ``JAX_PLATFORMS`` to ``cpu`` (set it yourself to benchmark GPUs).
+  Must run before JAX starts its backend; keeps any existing ``XLA_FLAGS``,
+  adds the thread pool size and collective timeouts of
+  ``simigrad_jax.simulated_cpu_devices_env`` (which see), and defaults
+  ``JAX_PLATFORMS`` to ``cpu`` (set it yourself to benchmark GPUs).
   """
-  flags = os.environ.get("XLA_FLAGS", "")
-  if "--xla_force_host_platform_device_count" not in flags:
-    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}".strip()
-  os.environ.setdefault("JAX_PLATFORMS", "cpu")
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")  # read when JAX is imported, so first
+  from simigrad_jax.host import cpu_devices  # pylint: disable=import-outside-toplevel
+  os.environ.update(cpu_devices.simulated_cpu_devices_env(count))
 
 
 def prepare_script() -> None:
-  """When a benchmark runs as a script: simulated devices, and the repository on the import path."""
-  configure_host_devices()
+  """When a benchmark runs as a script: the repository on the import path, and simulated devices."""
   if REPOSITORY_ROOT not in sys.path:
     sys.path.insert(0, REPOSITORY_ROOT)
+  configure_host_devices()
 
 
 def report(results: dict, table: str, out: str | None) -> dict:

@@ -9,6 +9,7 @@ Host side (Python decisions between steps):
   name: make_controller, controller_names, controller_options.
 Training engine (host side): Trainer, with EpochSampler, ArraySource,
   TfdsSource, StepCompiler, Checkpointer, MetricsWriter, ProgressBar.
+Simulated CPU devices: simulated_cpu_devices_env (set before JAX starts).
 Errors: CheckpointMismatchError (a checkpoint from another run),
   ProcessDisagreementError (hosts disagree on a decision), StepCompileError.
 """
@@ -25,6 +26,7 @@ from simigrad_jax.host.controllers import controller_names
 from simigrad_jax.host.controllers import controller_options
 from simigrad_jax.host.controllers import make_controller
 from simigrad_jax.host.controllers import register_controller
+from simigrad_jax.host.cpu_devices import simulated_cpu_devices_env
 from simigrad_jax.host.lr_rules import lr_factor
 from simigrad_jax.host.metrics import MetricsWriter
 from simigrad_jax.host.metrics import ProgressBar
@@ -83,6 +85,7 @@ __all__ = [
     "set_lr_factor",
     "similarity",
     "similarity_stats",
+    "simulated_cpu_devices_env",
     "transform",
     "value_and_half_grads",
 ]

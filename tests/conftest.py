@@ -1,13 +1,14 @@
-"""Test set-up: 8 simulated CPU devices, configured before JAX is imported."""
+"""Test set-up: 8 simulated CPU devices, configured before JAX starts its backend."""
 
 import os
 
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-).strip()
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")  # read when JAX is imported
 
-import jax  # noqa: E402  (must come after XLA_FLAGS)
+from simigrad_jax.host.cpu_devices import simulated_cpu_devices_env  # noqa: E402
+
+os.environ.update(simulated_cpu_devices_env(8))  # read when the CPU backend starts
+
+import jax  # noqa: E402
 import pytest  # noqa: E402
 
 

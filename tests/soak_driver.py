@@ -27,9 +27,12 @@ parser.add_argument("--warmup", type=int, default=300)
 parser.add_argument("--sample-every", type=int, default=250)
 args = parser.parse_args()
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 os.environ["JAX_PLATFORMS"] = "cpu"
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from simigrad_jax.host.cpu_devices import simulated_cpu_devices_env  # noqa: E402
+
+os.environ.update(simulated_cpu_devices_env(8))
 
 import numpy as np  # noqa: E402
 import optax  # noqa: E402

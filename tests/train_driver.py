@@ -57,9 +57,12 @@ parser.add_argument("--disagree-at", type=int, default=None)
 parser.add_argument("--agreement-timeout", type=float, default=60.0)
 args = parser.parse_args()
 
-os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={8 // args.num_processes}"
 os.environ["JAX_PLATFORMS"] = "cpu"
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from simigrad_jax.host.cpu_devices import simulated_cpu_devices_env  # noqa: E402
+
+os.environ.update(simulated_cpu_devices_env(8 // args.num_processes))
 
 import jax  # noqa: E402
 

@@ -39,11 +39,16 @@ flags.mark_flags_as_required(["config"])
 
 
 def simulate_cpu_devices(count: int) -> None:
-  """Asks XLA for ``count`` CPU devices, unless JAX is already running or the flag is set."""
-  flag = "--xla_force_host_platform_device_count"
-  if "jax" in sys.modules or flag in os.environ.get("XLA_FLAGS", "") or count <= 1:
+  """Asks XLA for ``count`` CPU devices (or the count already in XLA_FLAGS), unless JAX is running.
+
+  Uses ``simigrad_jax.simulated_cpu_devices_env``: the device count plus the
+  thread pool size and collective timeouts that keep collectives on simulated
+  devices from deadlocking.
+  """
+  if "jax" in sys.modules or count <= 1:
     return
-  os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}={count}".strip()
+  from simigrad_jax.host import cpu_devices  # pylint: disable=import-outside-toplevel
+  os.environ.update(cpu_devices.simulated_cpu_devices_env(count))
 
 
 def main(argv: list[str]) -> None:
