@@ -1,4 +1,12 @@
-"""In-graph: gradients of the two halves of one device's batch, for the local-halves split."""
+"""In-graph: gradients of the two halves of one device's batch, for the local-halves split.
+
+The two halves run as two sequential ``value_and_grad`` passes of the same
+shape as the model's own, so the step costs about one full-batch gradient in
+time and at most one half's activations plus one extra gradient in temporary
+memory. (Mapping ``value_and_grad`` over the halves with ``jax.vmap`` batches
+the weight-gradient contractions into grouped ones, which are slow, and keeps
+both halves' activations alive at once.)
+"""
 
 from __future__ import annotations
 
@@ -10,14 +18,16 @@ import jax.numpy as jnp
 from simigrad_jax.ingraph.transform import HalfGrads
 
 
-def _split_in_two(batch: Any) -> Any:
+def _split_in_two(batch: Any) -> tuple[Any, Any]:
+  """The first and second halves of ``batch`` along its leading (example) axis."""
   leaves = jax.tree.leaves(batch)
   if not leaves:
     raise ValueError("value_and_half_grads needs a batch with at least one array")
   sizes = {leaf.shape[0] if leaf.ndim else None for leaf in leaves}
   if len(sizes) != 1 or None in sizes:
     raise ValueError(
-        f"every array in the batch needs the same leading (example) axis; got sizes {sorted(map(str, sizes))}"
+        "every array in the batch needs the same leading (example) axis; "
+        f"got sizes {sorted(map(str, sizes))}"
     )
   (size,) = sizes
   if size % 2:
@@ -25,7 +35,42 @@ def _split_in_two(batch: Any) -> Any:
         f"the local batch has {size} examples; splitting it into two equal halves "
         "needs an even number (pad it with a zero-weight example)"
     )
-  return jax.tree.map(lambda x: x.reshape((2, size // 2) + x.shape[1:]), batch)
+  half = size // 2
+  return jax.tree.map(lambda x: x[:half], batch), jax.tree.map(lambda x: x[half:], batch)
+
+
+def _is_inexact(x: Any) -> bool:
+  return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
+
+
+def _after(tree: Any, grads: Any) -> tuple[Any, bool]:
+  """``tree`` unchanged, but computed only once every leaf of ``grads`` is.
+
+  XLA schedules independent work in any order, and on CPU it interleaves two
+  independent passes layer by layer, which keeps both halves' activations
+  alive. A data dependency orders them: ``zero`` is read from every gradient
+  leaf (so it exists only when the whole first pass has finished), is exactly
+  +0.0 even when a gradient is not finite, and ``x - (+0.0)`` is ``x`` bit for
+  bit. XLA does not fold a floating-point ``y * 0`` (NaN semantics), so the
+  dependency survives compilation. Only floating-point leaves can carry it.
+
+  Returns:
+    ``(tree, carried)``: the ordered tree, and whether any leaf carried the
+    dependency.
+  """
+  totals = [jnp.sum(jnp.real(g), dtype=jnp.float32)
+            for g in jax.tree.leaves(grads) if _is_inexact(g)]
+  if not totals or not any(_is_inexact(x) for x in jax.tree.leaves(tree)):
+    return tree, False
+  total = sum(totals[1:], totals[0])
+  zero = jnp.abs(jnp.where(jnp.isfinite(total), total, 0.0) * 0.0)
+  return jax.tree.map(lambda x: x - zero.astype(x.dtype) if _is_inexact(x) else x, tree), True
+
+
+def _average(a: jax.Array, b: jax.Array) -> jax.Array:
+  """``(a + b) / 2`` computed in at least float32, returned in ``a``'s dtype."""
+  dtype = jnp.promote_types(a.dtype, jnp.float32)
+  return ((a.astype(dtype) + b.astype(dtype)) / 2).astype(a.dtype)
 
 
 def value_and_half_grads(
@@ -34,17 +79,23 @@ def value_and_half_grads(
   """Wraps ``loss_fn`` to return its value, its gradient and the two half-batch gradients.
 
   The batch (any pytree of arrays with a shared leading example axis) is cut
-  into its first and second halves; ``loss_fn`` runs on each half (one
-  vectorised pass, so the cost is that of one full-batch gradient), and the
-  full gradient is the average of the two. Pass the result to
-  :func:`simigrad_jax.transform` as ``half_grads`` to measure the similarity
-  on one device, or on an odd number of devices.
+  into its first and second halves, and ``jax.value_and_grad(loss_fn)`` runs
+  on each half in turn: the second pass is ordered after the first (by a
+  zero-valued data dependency of the second half's floating-point inputs, or of
+  the parameters when the batch has none), so only one half's activations are
+  alive at a time. The full gradient is the average of the two half gradients,
+  computed in at least float32. The cost is about that of one full-batch
+  gradient; the program holds the model twice, so it compiles in about twice
+  the time. Pass the result to :func:`simigrad_jax.transform` as
+  ``half_grads`` to measure the similarity on one device, or on an odd number
+  of devices.
 
   Args:
     loss_fn: ``loss_fn(params, batch, *args)`` returning a scalar loss that is a
       MEAN over the examples of ``batch`` (or ``(loss, aux)`` with
       ``has_aux``). The halves have equal size, so the average of the two half
       losses and gradients is exactly the full-batch loss and gradient.
+      ``*args`` are passed whole to both halves.
     has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
 
   Returns:
@@ -52,7 +103,9 @@ def value_and_half_grads(
     ``value`` is the full-batch loss (with ``has_aux``: ``(loss, aux)`` where
     every leaf of ``aux`` has a leading axis of 2, one entry per half),
     ``grads`` the full-batch gradient, and ``half_grads`` a
-    :class:`HalfGrads` of the two half gradients.
+    :class:`HalfGrads` of the two half gradients. Calling it raises
+    ``ValueError`` when the batch has an odd number of examples or leaves of
+    different leading sizes.
 
   Example:
     >>> import jax, jax.numpy as jnp, optax, simigrad_jax
@@ -68,25 +121,26 @@ def value_and_half_grads(
 
   Note:
     With BatchNorm in training mode each half is normalised with its own
-    statistics, which is what makes the two halves independent.
+    statistics, which is what makes the two halves independent; the average of
+    the half gradients is then the gradient of the average of the two
+    half-batch losses (not of one loss normalised over the whole batch).
   """
   value_and_grad = jax.value_and_grad(loss_fn, has_aux=has_aux)
 
   def wrapped(params, batch, *args):
-    halves = _split_in_two(batch)
-    in_axes = (None, 0) + (None,) * len(args)
-    values, grads = jax.vmap(value_and_grad, in_axes=in_axes)(params, halves, *args)
-    first = jax.tree.map(lambda g: g[0], grads)
-    second = jax.tree.map(lambda g: g[1], grads)
-    mean_grads = jax.tree.map(
-        lambda a, b: ((a.astype(jnp.float32) + b.astype(jnp.float32)) / 2).astype(a.dtype),
-        first, second,
-    )
+    first_half, second_half = _split_in_two(batch)
+    value_a, first = value_and_grad(params, first_half, *args)
+    second_half, carried = _after(second_half, first)
+    if not carried:
+      params, _ = _after(params, first)
+    value_b, second = value_and_grad(params, second_half, *args)
+    mean_grads = jax.tree.map(_average, first, second)
     if has_aux:
-      loss, aux = values
-      value = (jnp.mean(loss), aux)
+      (loss_a, aux_a), (loss_b, aux_b) = value_a, value_b
+      aux = jax.tree.map(lambda a, b: jnp.stack([a, b]), aux_a, aux_b)
+      value = (jnp.mean(jnp.stack([loss_a, loss_b])), aux)
     else:
-      value = jnp.mean(values)
+      value = jnp.mean(jnp.stack([value_a, value_b]))
     return value, mean_grads, HalfGrads(first, second)
 
   return wrapped
