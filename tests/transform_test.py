@@ -280,6 +280,57 @@ def test_bad_arguments_are_refused():
     simigrad_jax.transform(AXIS, reduction="ring")
   with pytest.raises(ValueError, match="nonfinite='skip'"):
     simigrad_jax.transform(AXIS, nonfinite="skip")
+  for bad in ("", 0, ("batch",)):
+    with pytest.raises(ValueError, match=r"axis_name=.* is not valid: give the name of the mapped"):
+      simigrad_jax.transform(bad)
+
+
+def test_half_grads_that_do_not_match_the_gradient_are_refused():
+  tx = simigrad_jax.transform()
+  grads = {"w": jnp.ones((3, 2)), "b": jnp.ones(2)}
+  state = tx.init(grads)
+  with pytest.raises(ValueError, match="without an axis name .* pass half_grads"):
+    tx.update(grads, state)
+  with pytest.raises(ValueError, match=r"half_grads.second has the tree structure"):
+    tx.update(grads, state, half_grads=simigrad_jax.HalfGrads(grads, {"w": grads["w"]}))
+  with pytest.raises(ValueError, match=r"half_grads.first\['w'\] has shape \(2, 3\), the "
+                     r"gradient \(3, 2\)"):
+    tx.update(grads, state, half_grads=simigrad_jax.HalfGrads({"w": jnp.ones((2, 3)),
+                                                               "b": jnp.ones(2)}, grads))
+  with pytest.raises(ValueError, match="must be a simigrad_jax.HalfGrads"):
+    tx.update(grads, state, half_grads=(grads, grads))
+
+
+@pytest.mark.parametrize("mesh_kind", ["auto", "explicit"])
+def test_plain_jit_step_over_a_sharded_batch(mesh_kind):
+  """No pmap, no shard_map: the halves are the batch's first and second half, exactly."""
+  devices = jax.devices()
+  if mesh_kind == "auto":
+    mesh = Mesh(np.array(devices), ("data",))
+  else:  # jax.make_mesh gives explicit axes
+    mesh = jax.make_mesh((len(devices),), ("data",))
+  rng = np.random.default_rng(7)
+  x = rng.normal(size=(32, 4)).astype(np.float32)
+  y = rng.normal(size=(32,)).astype(np.float32)
+  batch = jax.device_put({"x": x, "y": y}, jax.sharding.NamedSharding(mesh, P("data")))
+  loss = lambda w, b: jnp.mean((b["x"] @ w - b["y"]) ** 2)
+  opt = optax.chain(simigrad_jax.transform(), optax.sgd(0.1))
+
+  @jax.jit
+  def step(w, state, b):
+    _, grads, halves = simigrad_jax.value_and_half_grads(loss)(w, b)
+    updates, state = opt.update(grads, state, w, half_grads=halves)
+    return optax.apply_updates(w, updates), state
+
+  w = jnp.zeros(4)
+  with jax.set_mesh(mesh):
+    new_w, state = step(w, opt.init(w), batch)
+  as64 = lambda g: np.asarray(g, np.float64)
+  g_a = as64(jax.grad(loss)(w, {"x": x[:16], "y": y[:16]}))
+  g_b = as64(jax.grad(loss)(w, {"x": x[16:], "y": y[16:]}))
+  np.testing.assert_allclose(simigrad_jax.similarity(state),
+                             g_a @ g_b / np.linalg.norm(g_a) / np.linalg.norm(g_b), rtol=1e-5)
+  np.testing.assert_allclose(new_w, -0.1 * (g_a + g_b) / 2, rtol=1e-5, atol=1e-7)
 
 
 def test_similarity_is_found_inside_wrapped_states():

@@ -257,7 +257,7 @@ def _gather_mean(pieces: list[jax.Array], buckets: list[list[int]], leaves: list
 
 
 def reduce_local_halves(
-    mean_shares, diff_shares, axis_name: str, reduction: Reduction = "hierarchical", *,
+    mean_shares, diff_shares, axis_name: str | None, reduction: Reduction = "hierarchical", *,
     zero_nonfinite: bool = False,
 ) -> tuple[object, HalfStatistics]:
   """Reduces per-device ``(m_i, d_i)`` shares to ``M`` and the statistics of ``M +- D``.
@@ -266,7 +266,9 @@ def reduce_local_halves(
     mean_shares: this device's share ``m_i`` of the mean gradient (a pytree).
     diff_shares: its share ``d_i`` of the half-difference, same structure and
       dtypes as ``mean_shares``.
-    axis_name: the mapped axis to reduce over (any size, 1 included).
+    axis_name: the mapped axis to reduce over (any size, 1 included), or
+      None in a plain ``jax.jit`` step: the shares are then the global
+      ``M`` and ``D`` already (XLA's partitioner does any reduction).
     reduction: ``"hierarchical"`` (per bucket: reduce-scatter ``m`` and ``d``,
       statistics on the shards, all-gather the mean; 1.5x an all-reduce),
       ``"scatter"`` or ``"stacked"`` (see the module docstring).
@@ -277,6 +279,8 @@ def reduce_local_halves(
     ``mean_shares``, and the :class:`HalfStatistics` of ``M + D`` and ``M - D``.
   """
   _check_reduction(reduction)
+  if axis_name is None:
+    return _global_halves(mean_shares, diff_shares, zero_nonfinite)
   if reduction != "hierarchical":
     return _reduce_concatenated(mean_shares, diff_shares, axis_name, reduction, zero_nonfinite)
   num_devices = lax.axis_size(axis_name)
@@ -296,6 +300,19 @@ def reduce_local_halves(
     pieces.append(mean_shard)
   stats = _finish(*lax.psum(partial, axis_name))
   return _gather_mean(pieces, buckets, leaves, treedef, axis_name, stats, zero_nonfinite), stats
+
+
+def _global_halves(mean, diff, zero_nonfinite: bool) -> tuple[object, HalfStatistics]:
+  """The statistics of ``M +- D`` for global arrays (a plain ``jax.jit`` step): no collective."""
+  diff_leaves = jax.tree.structure(mean).flatten_up_to(diff)
+  partial = jnp.zeros((4,), jnp.float32)
+  for m, d in zip(jax.tree.leaves(mean), diff_leaves):
+    m32, d32 = jnp.ravel(m).astype(jnp.float32), jnp.ravel(d).astype(jnp.float32)
+    partial = partial + _pair_statistics(m32 + d32, m32 - d32, jnp.ravel(m))
+  stats = _finish(*partial)
+  if zero_nonfinite:
+    mean = jax.tree.map(lambda x: jnp.where(stats.finite, x, jnp.zeros_like(x)), mean)
+  return mean, stats
 
 
 # ------------------------------------------------------------------ concatenated variants

@@ -64,8 +64,25 @@ def _check_not_already_reduced(leaves: list[jax.Array], axis_name: str) -> None:
       )
 
 
+def _check_half_grads(updates: Any, half_grads: Any) -> None:
+  """Refuses half gradients whose structure or shapes differ from the gradient's."""
+  if not isinstance(half_grads, HalfGrads):
+    raise ValueError(f"half_grads must be a simigrad_jax.HalfGrads(first, second), got "
+                     f"{type(half_grads).__name__}")
+  expected = jax.tree.structure(updates)
+  for name, half in zip(HalfGrads._fields, half_grads):
+    if jax.tree.structure(half) != expected:
+      raise ValueError(f"half_grads.{name} has the tree structure {jax.tree.structure(half)}, "
+                       f"the gradient {expected}: compute both from the same parameters")
+    for (path, g), h in zip(jax.tree_util.tree_flatten_with_path(updates)[0],
+                            jax.tree.leaves(half)):
+      if jnp.shape(g) != jnp.shape(h):
+        raise ValueError(f"half_grads.{name}{jax.tree_util.keystr(path)} has shape "
+                         f"{jnp.shape(h)}, the gradient {jnp.shape(g)}")
+
+
 def transform(
-    axis_name: str,
+    axis_name: str | None = None,
     *,
     reduction: halves_reduction.Reduction = "hierarchical",
     nonfinite: NonFinitePolicy = "zero",
@@ -88,8 +105,16 @@ def transform(
   device's batch" and "second half of every device's batch", an equally
   unbiased split, and ``half_grads`` may be used with any device count.
 
+  In a plain ``jax.jit`` step over a batch sharded on a mesh (no pmap, no
+  shard_map), leave ``axis_name`` out and pass ``half_grads``: the gradients
+  are then already global arrays, the transform issues no collective of its
+  own (XLA's partitioner reduces the sums over the mesh), and the halves are
+  the first and the second half of the batch as ``value_and_half_grads``
+  split it.
+
   Args:
-    axis_name: the name of the mapped data-parallel axis.
+    axis_name: the name of the mapped data-parallel axis, or None in a plain
+      ``jax.jit`` step (then ``half_grads`` is required).
     reduction: ``"hierarchical"`` (default: reduce-scatter within each half,
       a swap of pieces between partner devices, dot products on the pieces,
       one all-gather; exactly the bytes of one all-reduce, and no copy of
@@ -129,6 +154,11 @@ def transform(
     through the shared batch statistics, so the halves are not purely from
     their own data; the mean is still exact.
   """
+  if axis_name is not None and (not isinstance(axis_name, str) or not axis_name):
+    raise ValueError(
+        f"axis_name={axis_name!r} is not valid: give the name of the mapped data-parallel axis "
+        "(a non-empty string, as in jax.pmap(..., axis_name='batch')) or None for a plain "
+        "jax.jit step, which then passes half_grads")
   if reduction not in halves_reduction.REDUCTIONS:
     raise ValueError(
         f"reduction={reduction!r} is not valid; choose one of {halves_reduction.REDUCTIONS}"
@@ -151,7 +181,15 @@ def transform(
   def update_fn(updates, state, params=None, *, half_grads: HalfGrads | None = None, **extra):
     del params, extra
     leaves = jax.tree.leaves(updates)
-    _check_not_already_reduced(leaves, axis_name)
+    if axis_name is not None:
+      _check_not_already_reduced(leaves, axis_name)
+    elif half_grads is None:
+      raise ValueError(
+          "simigrad_jax.transform() without an axis name runs in a plain jax.jit step, where "
+          "there are no device halves to compare: pass half_grads=... from "
+          "simigrad_jax.value_and_half_grads, or give the mapped axis name")
+    if half_grads is not None:
+      _check_half_grads(updates, half_grads)
     if half_grads is None:
       mean, stats = halves_reduction.reduce_device_halves(
           updates, axis_name, reduction, zero_nonfinite=nonfinite == "zero")
