@@ -12,7 +12,15 @@ in four variants, side by side in one process:
 * ``transform``: the same loop with ``optax.chain(simigrad_jax.transform("batch"),
   optax.sgd(lr))`` in place of the ``pmean``, reading the similarity on the
   host after every step (``simigrad_jax.similarity(opt_state)``), as a user
-  who feeds a controller must;
+  who feeds a controller must. Both loops gather the next step's rows on the
+  host and send them to the devices right after dispatching a step, while
+  the devices compute, and this one reads the similarity after that: the
+  order README recommends;
+* ``transform_read_late``: the same, but reading each step's similarity after
+  dispatching the next step, as a loop whose controller decides one step
+  late would (not a goal): the host never waits for the devices before
+  dispatching, so this isolates the transform's own cost from the per-step
+  wait that any loop reading a device value every step pays;
 * ``trainer_fixed``: :class:`simigrad_jax.Trainer` with a controller that
   holds the batch at the fixed size (``enable_adjust=False``, both bounds at
   that size), ``max_micro_batch_size`` = batch / devices (one micro-step per
@@ -118,6 +126,7 @@ from typing import Any  # noqa: E402
 
 import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from jax import lax  # noqa: E402
@@ -127,7 +136,7 @@ from benchmarks import common  # noqa: E402
 from train import models  # noqa: E402
 
 AXIS = "batch"
-VARIANTS = ("plain", "transform", "trainer_fixed", "trainer_adaptive")
+VARIANTS = ("plain", "transform", "transform_read_late", "trainer_fixed", "trainer_adaptive")
 # Minimum examples/s relative to plain.
 GOALS = {"trainer_fixed": 0.90, "transform": 0.95}
 NUM_CLASSES = 10
@@ -223,6 +232,17 @@ def _replicate(tree: Any, n: int) -> Any:
   return jax.tree.map(lambda a: np.broadcast_to(a, (n,) + np.shape(a)).copy(), tree)
 
 
+@jax.jit
+def _copy(tree: Any) -> Any:
+  return jax.tree.map(jnp.copy, tree)
+
+
+def _similarity_state(opt_state: Any) -> Any:
+  """A copy of the step's SimilarityState (one small dispatch): the optimizer state itself is
+  donated to the next step."""
+  return _copy(optax.tree_utils.tree_get(opt_state, simigrad_jax.SimilarityState.__name__))
+
+
 class PmapLoop:
   """A user's own ``jax.pmap`` loop: ``pmean`` (plain) or ``simigrad_jax.transform``.
 
@@ -232,12 +252,14 @@ class PmapLoop:
     batch_size: the global batch size (a multiple of the device count).
     use_transform: chain ``simigrad_jax.transform`` instead of ``lax.pmean``,
       and read the similarity on the host after every step.
+    read_late: read each step's similarity after dispatching the next step
+      (default: before).
   """
 
   def __init__(self, spec: ModelSpec, data: dict[str, np.ndarray], batch_size: int,
-               use_transform: bool):
+               use_transform: bool, read_late: bool = False):
     self._data, self._batch_size = data, batch_size
-    self._use_transform = use_transform
+    self._use_transform, self._read_late = use_transform, read_late
     self._n = jax.local_device_count()
     model = spec.build()
     if use_transform:
@@ -259,14 +281,18 @@ class PmapLoop:
       return optax.apply_updates(params, updates), new_state, opt_state, lax.pmean(loss, AXIS)
 
     self._step = jax.pmap(step, axis_name=AXIS, donate_argnums=(0, 1, 2))
+    # A batch with a leading device axis, one slice per device, as pmap takes it.
+    self._sharding = jax.sharding.NamedSharding(
+        jax.sharding.Mesh(np.array(jax.local_devices()), (AXIS,)), jax.sharding.PartitionSpec(AXIS))
     params, model_state = init_model(spec)
     self._state = _replicate((params, model_state, optimizer.init(params)), self._n)
     self._sampler = simigrad_jax.EpochSampler(len(data["y"]), SEED)
     self.last_similarity = math.nan
 
-  def _next_batch(self, advance: bool = True) -> tuple[np.ndarray, np.ndarray]:
+  def _next_batch(self, advance: bool = True) -> tuple[jax.Array, jax.Array]:
+    """The next rows, gathered on the host and sent to the devices (asynchronously)."""
     rows = (self._sampler.take if advance else self._sampler.peek)(self._batch_size)
-    return tuple(a[rows].reshape((self._n, -1) + a.shape[1:])
+    return tuple(jax.device_put(a[rows].reshape((self._n, -1) + a.shape[1:]), self._sharding)
                  for a in (self._data["x"], self._data["y"]))
 
   def memory(self) -> dict[str, int]:
@@ -292,11 +318,20 @@ class PmapLoop:
     """Runs ``steps`` optimizer steps; returns (examples, seconds until the last finished)."""
     start = time.perf_counter()
     loss = None
-    for _ in range(steps):
-      params, model_state, opt_state, loss = self._step(*self._state, *self._next_batch())
+    batch = self._next_batch()
+    previous_state = None
+    for i in range(steps):
+      params, model_state, opt_state, loss = self._step(*self._state, *batch)
       self._state = (params, model_state, opt_state)
-      if self._use_transform:
+      if self._use_transform and self._read_late and previous_state is not None:
+        self.last_similarity = simigrad_jax.similarity(previous_state)  # the step before
+      if i + 1 < steps:
+        batch = self._next_batch()  # host work while the devices compute the step
+      if self._use_transform and not self._read_late:
         self.last_similarity = simigrad_jax.similarity(opt_state)
+      previous_state = _similarity_state(opt_state) if self._read_late else None
+    if self._use_transform and self._read_late:
+      self.last_similarity = simigrad_jax.similarity(opt_state)
     jax.block_until_ready((self._state, loss))
     return steps * self._batch_size, time.perf_counter() - start
 
@@ -452,6 +487,8 @@ def run_model(name: str, spec: ModelSpec, *, batch_size: int, steps: int, rounds
   try:
     variants["plain"] = PmapLoop(spec, data, batch_size, use_transform=False)
     variants["transform"] = PmapLoop(spec, data, batch_size, use_transform=True)
+    variants["transform_read_late"] = PmapLoop(spec, data, batch_size, use_transform=True,
+                                               read_late=True)
     for variant, adaptive in (("trainer_fixed", False), ("trainer_adaptive", True)):
       workdir = pathlib.Path(tempfile.mkdtemp(prefix=f"{name}-{variant}-", dir=root))
       variants[variant] = TrainerLoop(spec, data, batch_size, adaptive, similarity_target,
