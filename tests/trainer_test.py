@@ -138,20 +138,25 @@ class BatchNormModel(nn.Module):
     return nn.Dense(3)(x)
 
 
+def bn_loss(params, model_state, batch, weights, rng):
+  """The BatchNormModel's per-example losses, padding rows masked out of the statistics."""
+  del rng
+  logits, updates = BatchNormModel().apply(
+      {"params": params, **model_state}, batch["x"], (weights > 0)[:, None], mutable=["batch_stats"])
+  return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]), updates
+
+
+def make_bn_trainer(workdir, data, controller, **kwargs):
+  # init outside the mapped step: BatchNorm needs the axis only when it runs inside it.
+  variables = BatchNormModel().init(jax.random.key(0), data["x"][:2], np.ones((2, 1), bool))
+  return make_trainer(workdir, data, controller, loss_fn=bn_loss, params=variables["params"],
+                      model_state={"batch_stats": variables["batch_stats"]}, **kwargs)
+
+
 def test_batchnorm_statistics_cover_all_devices_and_skip_padding(tmp_path):
   data = dataset()
-  variables = BatchNormModel().init(jax.random.key(0), data["x"][:2], np.ones((2, 1), bool))
-  # init outside the mapped step: BatchNorm needs the axis only when it runs inside it.
-
-  def bn_loss(params, model_state, batch, weights, rng):
-    del rng
-    logits, updates = BatchNormModel().apply(
-        {"params": params, **model_state}, batch["x"], (weights > 0)[:, None], mutable=["batch_stats"])
-    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]), updates
-
   controller = simigrad_jax.Controller(44, 0.0, enable_adjust=False)
-  trainer = make_trainer(tmp_path, data, controller, loss_fn=bn_loss, params=variables["params"],
-                         model_state={"batch_stats": variables["batch_stats"]})
+  trainer = make_bn_trainer(tmp_path, data, controller)
   trainer.train(num_steps=1)
   trainer.close()
   indices = simigrad_jax.EpochSampler(len(data["y"]), 3).indices_at(0, 44)
@@ -169,18 +174,8 @@ def test_batchnorm_with_accumulation_never_sees_a_device_of_padding_alone(tmp_pa
   second with 3 real rows, so 5 devices normalised padding alone (NaN statistics) and every
   step was skipped. Dealt round-robin, each micro-step has real rows on every device."""
   data = dataset()
-  variables = BatchNormModel().init(jax.random.key(0), data["x"][:2], np.ones((2, 1), bool))
-
-  def bn_loss(params, model_state, batch, weights, rng):
-    del rng
-    logits, updates = BatchNormModel().apply(
-        {"params": params, **model_state}, batch["x"], (weights > 0)[:, None], mutable=["batch_stats"])
-    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]), updates
-
   controller = simigrad_jax.Controller(35, 0.0, enable_adjust=False)
-  trainer = make_trainer(tmp_path, data, controller, loss_fn=bn_loss, params=variables["params"],
-                         model_state={"batch_stats": variables["batch_stats"]},
-                         max_micro_batch_size=4)
+  trainer = make_bn_trainer(tmp_path, data, controller, max_micro_batch_size=4)
   summary = trainer.train(num_steps=3)
   trainer.close()
   records = [r for r in simigrad_jax.read_metrics(tmp_path / "metrics.jsonl") if "batch_size" in r]
