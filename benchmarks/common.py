@@ -28,6 +28,22 @@ def prepare_script() -> None:
   configure_host_devices()
 
 
+def apply_preset(args, preset: dict, keys=None) -> None:
+  """Sets every flag of ``args`` left unset (None) to its preset value.
+
+  Args:
+    args: the parsed ``argparse.Namespace``; flags the user gave win.
+    preset: the ``--quick`` or the full preset, ``{key: value}``.
+    keys: which keys to fill: an iterable of names shared by flag and preset,
+      or a mapping ``{flag name: preset key}``; all of ``preset`` when None.
+  """
+  pairs = keys.items() if isinstance(keys, dict) else (
+      (key, key) for key in (preset if keys is None else keys))
+  for name, key in pairs:
+    if getattr(args, name) is None:
+      setattr(args, name, preset[key])
+
+
 def report(results: dict, table: str, out: str | None) -> dict:
   """Prints ``table``, writes ``results`` as JSON to ``out`` when given, and returns ``results``."""
   import json  # pylint: disable=import-outside-toplevel

@@ -258,10 +258,7 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                       help=f"timed runs per variant and batch size (default {FULL['repeats']})")
   parser.add_argument("--out", default=None, help="write the results as JSON to this path")
   args = parser.parse_args(argv)
-  preset = QUICK if args.quick else FULL
-  for key, value in preset.items():
-    if getattr(args, key) is None:
-      setattr(args, key, value)
+  common.apply_preset(args, QUICK if args.quick else FULL)
   odd = [size for size in args.batch_sizes if size <= 0 or size % 2]
   if odd:
     parser.error(f"batch sizes must be positive and even, got {odd}")

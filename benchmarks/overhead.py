@@ -543,9 +543,7 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   parser.add_argument("--out", default=None, help="write the results as JSON to this path")
   args = parser.parse_args(argv)
   preset = QUICK if args.quick else FULL
-  for key in ("batch_size", "rounds", "warmup_steps"):
-    if getattr(args, key) is None:
-      setattr(args, key, preset[key])
+  common.apply_preset(args, preset, ("batch_size", "rounds", "warmup_steps"))
   for key in ("steps", "rounds", "warmup_steps"):
     value = getattr(args, key)
     if value is not None and value < 1:

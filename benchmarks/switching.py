@@ -393,11 +393,9 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   parser.add_argument("--persistent-cache", default=None, metavar="DIR",
                       help="JAX persistent compilation cache directory (process-wide)")
   args = parser.parse_args(argv)
-  preset = QUICK if args.quick else FULL
-  for key, name in (("steps", "steps"), ("lower", "lower"), ("upper", "upper"),
-                    ("max_micro", "max_micro_batch_size"), ("model", "model")):
-    if getattr(args, name) is None:
-      setattr(args, name, preset[key])
+  common.apply_preset(args, QUICK if args.quick else FULL, {
+      "steps": "steps", "lower": "lower", "upper": "upper",
+      "max_micro_batch_size": "max_micro", "model": "model"})
   return args
 
 
