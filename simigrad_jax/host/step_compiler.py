@@ -230,6 +230,12 @@ class StepCompiler:
           "below)") from job.error
     return job.compiled
 
+  @property
+  def wait_seconds(self) -> float:
+    """Total time :meth:`get` has blocked so far (``stats()["compile_wait_seconds"]``)."""
+    with self._lock:
+      return self._wait_seconds
+
   def stats(self) -> dict[str, Any]:
     """Returns compile counts and times so far.
 

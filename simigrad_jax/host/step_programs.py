@@ -289,6 +289,11 @@ class StepPrograms:
             "alias_bytes": int(analysis.alias_size_in_bytes),
             "temp_bytes": int(analysis.temp_size_in_bytes)}
 
+  def wait_seconds(self) -> float:
+    """Seconds steps have waited for compiles so far (cheap enough for every step)."""
+    return (self.fused_compiler.wait_seconds + self.micro_compiler.wait_seconds
+            + self._apply_wait_seconds)
+
   def stats(self) -> dict[str, Any]:
     """Compiles so far, their seconds, the seconds steps waited, and the compiled shapes.
 
@@ -302,8 +307,7 @@ class StepPrograms:
     return {"compiles": fused["compiles"] + micro["compiles"] + int(apply_compiled),
             "compile_seconds": (fused["compile_seconds"] + micro["compile_seconds"]
                                 + self._apply_compile_seconds),
-            "compile_wait_seconds": (fused["compile_wait_seconds"] + micro["compile_wait_seconds"]
-                                     + self._apply_wait_seconds),
+            "compile_wait_seconds": self.wait_seconds(),
             "compiled_micro_batch_sizes": sorted(set(fused["compiled_sizes"])
                                                  | set(micro["compiled_sizes"])),
             "compiled_step_sizes": fused["compiled_sizes"],

@@ -458,13 +458,13 @@ class Trainer:
     if self._step_inputs[0] != inputs:  # (unchanged at a fixed batch: no transfer)
       self._step_inputs = (inputs, host_scalars(list(inputs), np.float32, self._replicated))
     step_inputs = self._step_inputs[1]
-    wait_before = self._programs.stats()["compile_wait_seconds"]
+    wait_before = self._programs.wait_seconds()
     # The host's critical path ends here: the program call is the runtime's (on CPU the
     # simulated devices are host threads, and the call runs part of the step).
     host_seconds = (time.perf_counter() - self._last_read if self._last_read is not None
                     else math.nan)
     self.state, stats = self._programs.run(self.state, data, step_inputs)
-    compile_wait = self._programs.stats()["compile_wait_seconds"] - wait_before
+    compile_wait = self._programs.wait_seconds() - wait_before
     # Load the next step's rows while the devices work.
     self._submit_data(self.controller.batch_size, total_examples, self.step + 1)
     return {"start": start, "plan": plan, "exact": exact, "stats": stats,
