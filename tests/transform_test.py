@@ -344,6 +344,7 @@ def test_similarity_is_found_inside_wrapped_states():
   ):
     stats = simigrad_jax.similarity_stats(opt.init(params))
     assert stats["measured"] is False and np.isnan(stats["similarity"])
+    assert np.isnan(simigrad_jax.similarity(opt.init(params)))
   with pytest.raises(ValueError, match="no SimilarityState"):
     simigrad_jax.similarity(optax.sgd(0.1).init(params))
   twice = optax.chain(simigrad_jax.transform(AXIS), simigrad_jax.transform(AXIS))
