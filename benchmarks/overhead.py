@@ -2,13 +2,17 @@
 
 Trains the same model on the same random data, on all local devices (by
 default 8 simulated CPU devices), at the same global batch size (default 256)
-in four variants, side by side in one process:
+in six variants, side by side in one process:
 
 * ``plain``: the loop a user writes without SimiGrad: a ``jax.pmap`` step
   (``value_and_grad`` of the mean cross-entropy, ``lax.pmean(grads, "batch")``,
   ``optax.sgd(lr)``, parameters and optimizer state donated), dispatched
   asynchronously: no host read per step, the host only blocks at the end of
   a timed window;
+* ``plain_read``: the same loop reading the loss of every step on the host
+  (after sending the next batch), as a loop that decides anything from a
+  device value every step must: the price of that wait alone, without
+  SimiGrad, for comparison with ``transform``;
 * ``transform``: the same loop with ``optax.chain(simigrad_jax.transform("batch"),
   optax.sgd(lr))`` in place of the ``pmean``, reading the similarity on the
   host after every step (``simigrad_jax.similarity(opt_state)``), as a user
@@ -136,7 +140,8 @@ from benchmarks import common  # noqa: E402
 from train import models  # noqa: E402
 
 AXIS = "batch"
-VARIANTS = ("plain", "transform", "transform_read_late", "trainer_fixed", "trainer_adaptive")
+VARIANTS = ("plain", "plain_read", "transform", "transform_read_late", "trainer_fixed",
+            "trainer_adaptive")
 # Minimum examples/s relative to plain.
 GOALS = {"trainer_fixed": 0.90, "transform": 0.95}
 NUM_CLASSES = 10
@@ -254,12 +259,14 @@ class PmapLoop:
       and read the similarity on the host after every step.
     read_late: read each step's similarity after dispatching the next step
       (default: before).
+    read_loss: without the transform, read each step's loss on the host where
+      the transform loop reads the similarity.
   """
 
   def __init__(self, spec: ModelSpec, data: dict[str, np.ndarray], batch_size: int,
-               use_transform: bool, read_late: bool = False):
+               use_transform: bool, read_late: bool = False, read_loss: bool = False):
     self._data, self._batch_size = data, batch_size
-    self._use_transform, self._read_late = use_transform, read_late
+    self._use_transform, self._read_late, self._read_loss = use_transform, read_late, read_loss
     self._n = jax.local_device_count()
     model = spec.build()
     if use_transform:
@@ -288,6 +295,7 @@ class PmapLoop:
     self._state = _replicate((params, model_state, optimizer.init(params)), self._n)
     self._sampler = simigrad_jax.EpochSampler(len(data["y"]), SEED)
     self.last_similarity = math.nan
+    self.last_loss = math.nan
 
   def _next_batch(self, advance: bool = True) -> tuple[jax.Array, jax.Array]:
     """The next rows, gathered on the host and sent to the devices (asynchronously)."""
@@ -329,6 +337,8 @@ class PmapLoop:
         batch = self._next_batch()  # host work while the devices compute the step
       if self._use_transform and not self._read_late:
         self.last_similarity = simigrad_jax.similarity(opt_state)
+      if self._read_loss:
+        self.last_loss = float(np.asarray(loss.addressable_data(0)).reshape(-1)[0])
       previous_state = _similarity_state(opt_state) if self._read_late else None
     if self._use_transform and self._read_late:
       self.last_similarity = simigrad_jax.similarity(opt_state)
@@ -475,7 +485,7 @@ def _goals(variants: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
 
 def run_model(name: str, spec: ModelSpec, *, batch_size: int, steps: int, rounds: int,
               warmup_steps: int, similarity_target: float, root: pathlib.Path) -> dict[str, Any]:
-  """Builds, warms up and times the four variants on one model; returns its results."""
+  """Builds, warms up and times every variant on one model; returns its results."""
   n = jax.device_count()
   # The fixed-size variants stay within the first epoch; the adaptive one's upper bound fits.
   num_examples = max((warmup_steps + rounds * steps) * batch_size, 4 * batch_size)
@@ -486,6 +496,8 @@ def run_model(name: str, spec: ModelSpec, *, batch_size: int, steps: int, rounds
   variants: dict[str, Any] = {}
   try:
     variants["plain"] = PmapLoop(spec, data, batch_size, use_transform=False)
+    variants["plain_read"] = PmapLoop(spec, data, batch_size, use_transform=False,
+                                      read_loss=True)
     variants["transform"] = PmapLoop(spec, data, batch_size, use_transform=True)
     variants["transform_read_late"] = PmapLoop(spec, data, batch_size, use_transform=True,
                                                read_late=True)

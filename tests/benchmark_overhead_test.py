@@ -92,7 +92,7 @@ def test_batch_sizes_and_trainer_records(quick_run):
   written = quick_run[0]
   batch = written["global_batch_size"]
   variants = written["variants"]
-  for name in ("plain", "transform", "trainer_fixed"):
+  for name in ("plain", "plain_read", "transform", "trainer_fixed"):
     assert variants[name]["average_batch_size"] == batch, name
   adaptive = variants["trainer_adaptive"]
   assert batch // 4 <= adaptive["average_batch_size"] <= 4 * batch
