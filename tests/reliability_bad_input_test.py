@@ -176,8 +176,18 @@ CASES = [
         w, controller=simigrad_jax.Controller(24, 0.3, enable_adjust=False, batch_size_lower_bound=1,
                                               batch_size_upper_bound=64, batch_sizes_to_profile=[1, 32])),
          ValueError, r"batch_sizes_to_profile holds 1, but a batch below 2"),
-    Case("odd number of devices", lambda w: trainer(w, devices=jax.devices()[:3]), ValueError,
-         r"needs an even number of devices >= 2, got 3"),
+    Case("device split on an odd number of devices", lambda w: trainer(
+        w, devices=jax.devices()[:3], halves="device"), ValueError,
+         r"halves='device' compares the even devices with the odd ones, which needs an even number "
+         r"of devices, got 3; use halves='local'"),
+    Case("unknown split", lambda w: trainer(w, halves="random"), ValueError,
+         r"halves='random' is not valid; choose one of \('auto', 'device', 'local'\)"),
+    Case("no devices", lambda w: trainer(w, devices=[]), ValueError,
+         r"devices is empty: give at least one jax.Device"),
+    Case("lower bound that leaves the local split's second half empty", lambda w: trainer(
+        w, devices=jax.devices()[:1], controller=controller(batch_size_lower_bound=1)), ValueError,
+         r"a batch below 2 leaves the second half \(the step's odd-numbered examples\) without an "
+         r"example"),
     Case("batch the devices cannot divide without padding", lambda w: simigrad_jax.plan_batch(
         13, 8, simigrad_jax.BucketPolicy(4, 4, padding=False), lower=10, upper=15), ValueError,
          r"no batch size in \[lower=10, upper=15\] is realisable without padding on 8 devices with "
