@@ -69,6 +69,11 @@ def trainer(workdir, *, hidden=8, data=None, **overrides):
   return simigrad_jax.Trainer(**kwargs)
 
 
+def without_extra_args(inner):
+  """``inner`` behind an update that takes no keyword arguments (so no ``half_grads``)."""
+  return optax.GradientTransformation(inner.init, lambda u, s, p=None: inner.update(u, s, p))
+
+
 def nan_params():
   params = TinyMLP().init(jax.random.key(0), np.zeros((1, 5), np.float32))["params"]
   kernel = params["Dense_0"]["kernel"].at[0, 0].set(jnp.nan)
@@ -197,6 +202,10 @@ CASES = [
          ValueError, r"the optimizer has no SimilarityState: chain simigrad_jax.transform into it"),
     Case("optimizer without the lr factor", lambda w: trainer(w, optimizer=optimizer(lr_factor=False)),
          ValueError, r"no LrFactorState: chain simigrad_jax.scale_by_lr_factor\(\) into it"),
+    Case("local split with an optimizer that cannot take half_grads", lambda w: trainer(
+        w, devices=jax.devices()[:3], optimizer=without_extra_args(optimizer())), ValueError,
+         r"with halves='local' the optimizer's update must take half_grads=\.\.\. and pass it on "
+         r"to simigrad_jax.transform"),
     Case("transform on another axis name", lambda w: trainer(w, optimizer=optimizer("data")), ValueError,
          r"the optimizer's simigrad_jax.transform must use the Trainer's axis_name='batch'"),
     Case("NaN in the initial parameters", lambda w: trainer(w, params=nan_params()), ValueError,

@@ -83,8 +83,8 @@ class Trainer:
     controller: a :class:`simigrad_jax.Controller` (or one with its interface).
     workdir: where metrics and checkpoints go; a run resumes from the newest
       checkpoint found there. Its parent must exist.
-    max_micro_batch_size: the most rows per device per micro-step (with the
-      local split, rounded up to even; each of the two passes holds half).
+    max_micro_batch_size: the most rows per device per micro-step (rounded up
+      to even with the local split, whose two passes hold half each).
     model_state: non-trainable state (e.g. BatchNorm statistics), or None.
     mode: ``"recompile"`` (one compiled micro-step per shape of a power-of-two
       grid, compiled ahead in the background) or ``"pad"`` (one shape; smaller
@@ -117,14 +117,11 @@ class Trainer:
     tensorboard: also write TensorBoard event files.
     progress: show a progress bar (process 0 only).
     axis_name: the data-parallel axis name used by the transform.
-    devices: the devices to train on (default: all, over every process); any
-      number from 1.
-    halves: the two halves the similarity compares (half A: the step's
-      even-numbered examples, B: the odd ones; see
-      :mod:`simigrad_jax.host.step_layout`): ``"device"`` (the even devices
-      against the odd ones), ``"local"`` (two blocks of rows on every device,
-      one gradient pass each; any device count), or ``"auto"`` (default:
-      ``"device"`` on an even number of devices, else ``"local"``).
+    devices: the devices to train on (default: all, over every process), 1 or more.
+    halves: the split into the two halves the similarity compares
+      (:mod:`simigrad_jax.host.step_layout`): ``"device"`` (even devices
+      against odd ones), ``"local"`` (two blocks of rows per device), or
+      ``"auto"`` (``"device"`` on an even number of devices, else ``"local"``).
 
   Each step's record (``metrics.jsonl``) also carries ``host_seconds``: the
   host's time on the critical path, from reading the previous step's
@@ -589,9 +586,9 @@ class Trainer:
       the donated parameters and optimizer state) and ``temp_bytes``, per
       device, from ``compiled.memory_analysis()``.
     """
-    micro = (self.layout.plan(self.controller.batch_size).micro_batch_size if micro_batch_size is None
-             else self.layout.slot_rows(micro_batch_size))
-    return self._programs.memory(micro)
+    if micro_batch_size is None:
+      return self._programs.memory(self.layout.plan(self.controller.batch_size).micro_batch_size)
+    return self._programs.memory(self.layout.slot_rows(micro_batch_size))
 
   def close(self) -> None:
     """Waits for saves and compiles, and closes the metrics files."""

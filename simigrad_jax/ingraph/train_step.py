@@ -130,9 +130,10 @@ def _device_gradient(loss_fn, num_devices, axis_name, seed, local, params, model
     (loss, new_state), grads = value_and_grad(params, batch, weights, rng)
     return loss, grads, lax.pmean(new_state, axis_name)
   first, second = half_batch.split_in_two((batch, weights))
-  ((loss_a, state_a), grads_a), ((loss_b, state_b), grads_b) = half_batch.value_and_grads_in_turn(
+  pass_a, pass_b = half_batch.value_and_grads_in_turn(
       value_and_grad, params, (*first, jax.random.fold_in(rng, 0)),
       (*second, jax.random.fold_in(rng, 1)))
+  ((loss_a, state_a), grads_a), ((loss_b, state_b), grads_b) = pass_a, pass_b
   new_state = jax.tree.map(lambda a, b: (a + b) / 2, state_a, state_b)
   return loss_a + loss_b, (grads_a, grads_b), lax.pmean(new_state, axis_name)
 
