@@ -32,8 +32,7 @@ The two halves are formed in one of two ways (``halves``):
   share, while the mean gradient is their sum over ``total_weight``, exactly
   the one the device split returns.
 
-The
-step returns every number the host needs in one small float32 vector
+The step returns every number the host needs in one small float32 vector
 (:data:`STEP_STATS`). The learning-rate factor arrives as an input and is
 written into the optimizer state in-graph, so the host never rewrites the
 state between steps. A step whose gradient is not finite keeps the
@@ -134,7 +133,8 @@ def _device_gradient(loss_fn, num_devices, axis_name, seed, local, params, model
       value_and_grad, params, (*first, jax.random.fold_in(rng, 0)),
       (*second, jax.random.fold_in(rng, 1)))
   ((loss_a, state_a), grads_a), ((loss_b, state_b), grads_b) = pass_a, pass_b
-  new_state = jax.tree.map(lambda a, b: (a + b) / 2, state_a, state_b)
+  new_state = jax.tree.map(lambda a, b: ((a + b) / 2).astype(jnp.result_type(a)),
+                           state_a, state_b)
   return loss_a + loss_b, (grads_a, grads_b), lax.pmean(new_state, axis_name)
 
 
