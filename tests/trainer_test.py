@@ -343,16 +343,19 @@ def test_two_processes_take_the_same_decisions_as_one(straight_run, tmp_path):
                              [r["similarity"] for r in straight_run], rtol=1e-4, atol=1e-5)
 
 
-def test_a_step_whose_shape_is_compiling_runs_on_a_compiled_shape(tmp_path):
+@pytest.mark.parametrize("num_devices, max_micro", [(8, 8), (3, 16)])
+def test_a_step_whose_shape_is_compiling_runs_on_a_compiled_shape(tmp_path, num_devices, max_micro):
   """compile_fallback: same examples, same update, no compile wait after the first step."""
   data = dataset()
 
   def run(workdir, fallback, gate=None):
-    # Sizes 44, 44, then back to 16: micro-batch shapes 8 and 2 on 8 devices.
+    # Sizes 44, 44, then back to 16: micro-batch shapes (rows per slot) 8 and 2 on 8 devices,
+    # 8 and 4 on the 6 slots of 3 devices (the local split).
     controller = simigrad_jax.Controller(16, 0.0, enable_adjust=False, batch_size_lower_bound=16,
                                          batch_size_upper_bound=44, batch_sizes_to_profile=(44,),
                                          profile_steps_per_size=2)
-    trainer = make_trainer(workdir, data, controller, compile_fallback=fallback)
+    trainer = make_trainer(workdir, data, controller, compile_fallback=fallback,
+                           devices=jax.devices()[:num_devices], max_micro_batch_size=max_micro)
     first = trainer.layout.plan(controller.batch_size).micro_batch_size
     if gate is not None:  # every shape but the first step's compiles once the gate opens
       for compiler in (trainer._programs.fused_compiler, trainer._programs.micro_compiler):
@@ -370,20 +373,21 @@ def test_a_step_whose_shape_is_compiling_runs_on_a_compiled_shape(tmp_path):
       trainer.close()
     records = [r for r in simigrad_jax.read_metrics(workdir / "metrics.jsonl") if "batch_size" in r]
     params = jax.tree.map(lambda a: np.asarray(a.addressable_data(0)), trainer.state["params"])
-    return first, summary, records, params
+    return first, summary, records, params, trainer.layout
 
-  first, summary, records, params = run(tmp_path / "fallback", True, threading.Event())
-  _, _, exact_records, exact_params = run(tmp_path / "exact", False)
+  first, summary, records, params, layout = run(tmp_path / "fallback", True, threading.Event())
+  _, _, exact_records, exact_params, _ = run(tmp_path / "exact", False)
   sizes = [r["batch_size"] for r in records]
   assert sizes == [r["batch_size"] for r in exact_records] and {16, 44} <= set(sizes)
   assert len({r["micro_batch_size"] for r in exact_records}) == 2  # two shapes when exact
+  rows = layout.device_rows(first)  # the only shape compiled, in rows per device
   for record, exact in zip(records, exact_records):
-    assert record["micro_batch_size"] == first  # the only shape compiled
-    assert record["compile_fallback"] == (exact["micro_batch_size"] != first)
+    assert record["micro_batch_size"] == rows
+    assert record["compile_fallback"] == (exact["micro_batch_size"] != rows)
     assert not exact["compile_fallback"]
-    steps = -(-record["batch_size"] // (8 * first))
+    steps = -(-record["batch_size"] // (layout.num_slots * first))
     assert record["accumulation_steps"] == steps
-    assert record["padded_examples"] == 8 * first * steps - record["batch_size"]
+    assert record["padded_examples"] == layout.num_slots * first * steps - record["batch_size"]
     np.testing.assert_allclose(record["loss"], exact["loss"], rtol=1e-5)
     np.testing.assert_allclose(record["similarity"], exact["similarity"], rtol=1e-4, atol=1e-5)
   assert summary["compile_fallback_steps"] == sum(r["compile_fallback"] for r in records) >= 2
