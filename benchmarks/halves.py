@@ -150,7 +150,7 @@ def make_steps(loss: Callable[..., Any],
         loss, has_aux=True)(params, batch, model_state)
     updates, opt_state = optimizer.update(grads, opt_state, params)
     new_state = jax.tree.map(lambda s: jnp.mean(s, axis=0), new_states)
-    stats = jnp.stack([value, _cosine(*half_grads)])
+    stats = jnp.stack([value, _cosine(half_grads.first, half_grads.second)])
     return optax.apply_updates(params, updates), new_state, opt_state, stats
 
   return {"plain": plain, "halves": halves}

@@ -69,6 +69,11 @@ def trainer(workdir, *, hidden=8, data=None, **overrides):
   return simigrad_jax.Trainer(**kwargs)
 
 
+def without_extra_args(inner):
+  """``inner`` behind an update that takes no keyword arguments (so no ``half_grads``)."""
+  return optax.GradientTransformation(inner.init, lambda u, s, p=None: inner.update(u, s, p))
+
+
 def nan_params():
   params = TinyMLP().init(jax.random.key(0), np.zeros((1, 5), np.float32))["params"]
   kernel = params["Dense_0"]["kernel"].at[0, 0].set(jnp.nan)
@@ -176,8 +181,18 @@ CASES = [
         w, controller=simigrad_jax.Controller(24, 0.3, enable_adjust=False, batch_size_lower_bound=1,
                                               batch_size_upper_bound=64, batch_sizes_to_profile=[1, 32])),
          ValueError, r"batch_sizes_to_profile holds 1, but a batch below 2"),
-    Case("odd number of devices", lambda w: trainer(w, devices=jax.devices()[:3]), ValueError,
-         r"needs an even number of devices >= 2, got 3"),
+    Case("device split on an odd number of devices", lambda w: trainer(
+        w, devices=jax.devices()[:3], halves="device"), ValueError,
+         r"halves='device' compares the even devices with the odd ones, which needs an even number "
+         r"of devices, got 3; use halves='local'"),
+    Case("unknown split", lambda w: trainer(w, halves="random"), ValueError,
+         r"halves='random' is not valid; choose one of \('auto', 'device', 'local'\)"),
+    Case("no devices", lambda w: trainer(w, devices=[]), ValueError,
+         r"devices is empty: give at least one jax.Device"),
+    Case("lower bound that leaves the local split's second half empty", lambda w: trainer(
+        w, devices=jax.devices()[:1], controller=controller(batch_size_lower_bound=1)), ValueError,
+         r"a batch below 2 leaves the second half \(the step's odd-numbered examples\) without an "
+         r"example"),
     Case("batch the devices cannot divide without padding", lambda w: simigrad_jax.plan_batch(
         13, 8, simigrad_jax.BucketPolicy(4, 4, padding=False), lower=10, upper=15), ValueError,
          r"no batch size in \[lower=10, upper=15\] is realisable without padding on 8 devices with "
@@ -187,6 +202,10 @@ CASES = [
          ValueError, r"the optimizer has no SimilarityState: chain simigrad_jax.transform into it"),
     Case("optimizer without the lr factor", lambda w: trainer(w, optimizer=optimizer(lr_factor=False)),
          ValueError, r"no LrFactorState: chain simigrad_jax.scale_by_lr_factor\(\) into it"),
+    Case("local split with an optimizer that cannot take half_grads", lambda w: trainer(
+        w, devices=jax.devices()[:3], optimizer=without_extra_args(optimizer())), ValueError,
+         r"with halves='local' the optimizer's update must take half_grads=\.\.\. and pass it on "
+         r"to simigrad_jax.transform"),
     Case("transform on another axis name", lambda w: trainer(w, optimizer=optimizer("data")), ValueError,
          r"the optimizer's simigrad_jax.transform must use the Trainer's axis_name='batch'"),
     Case("NaN in the initial parameters", lambda w: trainer(w, params=nan_params()), ValueError,

@@ -11,6 +11,9 @@ decisions and examples at every step, losses within 1e-5, and the only
 examples trained twice are those of the steps after the checkpoint each
 resume started from (the newest finished checkpoint at that moment).
 
+The scenarios run on 8 devices (the device split); two more run on 3 devices
+and on 1 (the local split: each device's rows in two halves).
+
 The kill points are drawn from SIMIGRAD_RELIABILITY_SEED (tests/reliability_helpers.py).
 """
 
@@ -41,8 +44,8 @@ COMPARED = ("batch_size", "lr_factor", "next_batch_size", "next_lr_factor", "dec
             "examples_seen", "micro_batch_size", "accumulation_steps", "schedule_factor")
 
 
-def _scenarios() -> dict[str, list[list[str]]]:
-  """Named kill sequences: the driver arguments of each killed run, in order."""
+def _scenarios() -> dict[str, tuple[int, list[list[str]]]]:
+  """Named kill sequences: the device count, and the driver arguments of each killed run."""
   rng = random.Random(SEED)
   saves = list(range(3, STEPS, 3))
   between = rng.randrange(1, STEPS)
@@ -52,15 +55,18 @@ def _scenarios() -> dict[str, list[list[str]]]:
   chain_save = rng.choice([s for s in saves if s > chain_kill])
   chain_last = rng.randrange(chain_save + 1, STEPS)
   chain_job = rng.choice([1, 2])
+  local_kill, local_save = rng.randrange(1, STEPS), rng.choice(saves)
   return {
-      f"between-steps-{between}": [["--kill-at", between]],
-      f"in-save-{in_save}": [["--kill-in-save", in_save]],
-      f"in-compile-job{job}": [["--kill-in-compile", job]],
+      f"between-steps-{between}": (8, [["--kill-at", between]]),
+      f"in-save-{in_save}": (8, [["--kill-in-save", in_save]]),
+      f"in-compile-job{job}": (8, [["--kill-in-compile", job]]),
       # Four kills of one run: between steps, during a save, during the resumed run's
       # background compile, and between steps again.
-      f"chain-{chain_kill}-save{chain_save}-compile{chain_job}-{chain_last}": [
+      f"chain-{chain_kill}-save{chain_save}-compile{chain_job}-{chain_last}": (8, [
           ["--kill-at", chain_kill], ["--kill-in-save", chain_save],
-          ["--kill-in-compile", chain_job], ["--kill-at", chain_last]],
+          ["--kill-in-compile", chain_job], ["--kill-at", chain_last]]),
+      f"3-devices-between-steps-{local_kill}": (3, [["--kill-at", local_kill]]),
+      f"1-device-in-save-{local_save}": (1, [["--kill-in-save", local_save]]),
   }
 
 
@@ -75,16 +81,22 @@ def compile_cache(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory, compile_cache):
-  """The uninterrupted run, made once per test session (shared by pytest-xdist workers)."""
+  """``get(num_devices)``: the uninterrupted run, made once per test session and device count
+  (shared by pytest-xdist workers)."""
   shared = tmp_path_factory.getbasetemp()
   if os.environ.get("PYTEST_XDIST_WORKER"):
     shared = shared.parent  # this session's folder, the same for every xdist worker
-  workdir = shared / "reliability_kill_straight"
-  with open(shared / "reliability_kill_straight.lock", "w") as lock:
+  return lambda num_devices: _straight_run(shared, compile_cache, num_devices)
+
+
+def _straight_run(shared, compile_cache, num_devices):
+  workdir = shared / f"reliability_kill_straight{num_devices}"
+  with open(shared / f"reliability_kill_straight{num_devices}.lock", "w") as lock:
     fcntl.flock(lock, fcntl.LOCK_EX)
     if not (workdir / "done").exists():
       shutil.rmtree(workdir, ignore_errors=True)
-      result = run_driver(workdir, "--steps", STEPS, "--compile-cache", compile_cache)
+      result = run_driver(workdir, "--steps", STEPS, "--compile-cache", compile_cache,
+                          "--devices", num_devices)
       assert result.returncode == 0, result.stderr[-3000:]
       (workdir / "done").write_text("")
   records = step_records(workdir)
@@ -106,16 +118,17 @@ def _ordered_examples(event: dict) -> list[tuple[int, int]]:
 
 @pytest.mark.parametrize("name", list(SCENARIOS))
 def test_killed_run_resumes_exactly(name, straight, compile_cache, tmp_path):
-  straight_records, straight_steps = straight
-  stages = SCENARIOS[name]
+  num_devices, stages = SCENARIOS[name]
+  straight_records, straight_steps = straight(num_devices)
+  common = ("--steps", STEPS, "--compile-cache", compile_cache, "--devices", num_devices)
   restore_expected = []  # per resume: the newest finished checkpoint when it started
   for i, stage in enumerate(stages):
     if i:
       restore_expected.append((finished_checkpoints(tmp_path) or [0])[-1])
-    killed = run_driver(tmp_path, "--steps", STEPS, "--compile-cache", compile_cache, *stage)
+    killed = run_driver(tmp_path, *common, *stage)
     assert killed.returncode == -9, f"{stage}: not killed (rc {killed.returncode}): {killed.stderr[-2000:]}"
   restore_expected.append((finished_checkpoints(tmp_path) or [0])[-1])
-  resumed = run_driver(tmp_path, "--steps", STEPS, "--compile-cache", compile_cache)
+  resumed = run_driver(tmp_path, *common)
   assert resumed.returncode == 0, resumed.stderr[-3000:]
 
   # The metrics file reads like the uninterrupted run's: every step once, same decisions.

@@ -34,14 +34,15 @@ DECISION_KEYS = ("batch_size", "next_batch_size", "lr_factor", "next_lr_factor",
                  "similarity", "loss", "examples_seen")
 
 
-def test_every_process_takes_the_same_decision_at_every_step(tmp_path, caches):
-  """... and after a resume from a damaged checkpoint, both fall back to the same one."""
-  results = run_processes(tmp_path, [["--steps", STEPS, *caches[i]] for i in range(2)],
+def _run_and_check_agreement(workdir, steps, per_process_args):
+  """Two processes train ``steps`` steps; returns process 0's trace after checking that both
+  took the same decisions at every step from their own rows, which together are the step's."""
+  results = run_processes(workdir, [["--steps", steps, *extra] for extra in per_process_args],
                           timeout=TIMEOUT_SECONDS)
   for process, (code, _, err, _) in enumerate(results):
     assert code == 0, f"process {process}: rc {code}\n{err[-3000:]}"
-  traces = [[e for e in read_trace(tmp_path, p) if e["event"] == "step"] for p in (0, 1)]
-  assert [e["step"] for e in traces[0]] == [e["step"] for e in traces[1]] == list(range(1, STEPS + 1))
+  traces = [[e for e in read_trace(workdir, p) if e["event"] == "step"] for p in (0, 1)]
+  assert [e["step"] for e in traces[0]] == [e["step"] for e in traces[1]] == list(range(1, steps + 1))
   sampler = simigrad_jax.EpochSampler(600, 1)
   for first, second in zip(*traces):
     for key in DECISION_KEYS:  # identical decisions, bit for bit
@@ -51,9 +52,15 @@ def test_every_process_takes_the_same_decision_at_every_step(tmp_path, caches):
     start = first["examples_seen"] - first["batch_size"]
     assert sorted(first["indices"] + second["indices"]) == sorted(
         sampler.indices_at(start, first["batch_size"]).tolist())
-  assert len({e["batch_size"] for e in traces[0]}) >= 4  # the decisions really moved
   # Process 0's metrics file shows the same decisions.
-  assert [r["batch_size"] for r in step_records(tmp_path)] == [e["batch_size"] for e in traces[0]]
+  assert [r["batch_size"] for r in step_records(workdir)] == [e["batch_size"] for e in traces[0]]
+  return traces[0]
+
+
+def test_every_process_takes_the_same_decision_at_every_step(tmp_path, caches):
+  """... and after a resume from a damaged checkpoint, both fall back to the same one."""
+  trace = _run_and_check_agreement(tmp_path, STEPS, caches)
+  assert len({e["batch_size"] for e in trace}) >= 4  # the decisions really moved
 
   # Resume both processes after damaging the newest checkpoint: both fall back to the same one.
   data = max((tmp_path / "checkpoints" / str(STEPS) / "state").rglob("d/*"), key=lambda p: p.stat().st_size)
@@ -68,13 +75,19 @@ def test_every_process_takes_the_same_decision_at_every_step(tmp_path, caches):
   starts = [[e for e in read_trace(tmp_path, p) if e["event"] == "start"][-1] for p in (0, 1)]
   assert starts[0]["step"] == starts[1]["step"] == STEPS - 3  # the previous checkpoint
   assert starts[0]["skipped_checkpoints"] == starts[1]["skipped_checkpoints"] == [STEPS]
-  resumed = [[e for e in read_trace(tmp_path, p) if e["event"] == "step"][len(traces[0]):] for p in (0, 1)]
+  resumed = [[e for e in read_trace(tmp_path, p) if e["event"] == "step"][len(trace):] for p in (0, 1)]
   assert [e["step"] for e in resumed[0]] == list(range(STEPS - 2, STEPS + 5))
   for first, second in zip(*resumed):
     for key in DECISION_KEYS:
       assert first[key] == second[key], (first["step"], key, first[key], second[key])
-  for before, after in zip(traces[0][STEPS - 3:], resumed[0]):  # the redone steps, exactly again
+  for before, after in zip(trace[STEPS - 3:], resumed[0]):  # the redone steps, exactly again
     assert {k: before[k] for k in DECISION_KEYS} == {k: after[k] for k in DECISION_KEYS}
+
+
+def test_the_local_split_over_two_processes_of_three_devices(tmp_path, caches):
+  """6 devices in all, each splitting its rows into the two halves: the same agreement."""
+  trace = _run_and_check_agreement(tmp_path, 6, [[*cache, "--devices", 6] for cache in caches])
+  assert len({e["batch_size"] for e in trace}) >= 3  # the decisions really moved
 
 
 def test_different_settings_are_refused_before_any_step(tmp_path, caches):

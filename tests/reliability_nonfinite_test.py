@@ -56,14 +56,16 @@ OPTIMIZERS = {
 }
 
 
-@pytest.mark.parametrize("name", list(OPTIMIZERS))
-def test_nonfinite_steps_are_skipped_and_counted(name, tmp_path):
+@pytest.mark.parametrize("name, num_devices", [(name, 8) for name in OPTIMIZERS] + [
+    ("sgd-momentum-weight-decay", 3)])  # 3 devices: the local split, NaN or Inf in one half
+def test_nonfinite_steps_are_skipped_and_counted(name, num_devices, tmp_path):
   data = poisoned_data()
   controller = simigrad_jax.Controller(24, 0.3, batch_size_lower_bound=8, batch_size_upper_bound=64)
   trainer = simigrad_jax.Trainer(
       loss_fn=poisoned_loss, params=TinyMLP().init(jax.random.key(0), data["x"][:1])["params"],
       optimizer=OPTIMIZERS[name](), source=simigrad_jax.ArraySource(data), controller=controller,
-      workdir=tmp_path, max_micro_batch_size=4, seed=3, progress=False, tensorboard=False)
+      workdir=tmp_path, max_micro_batch_size=4, seed=3, progress=False, tensorboard=False,
+      devices=jax.devices()[:num_devices])
   runs = []  # per step: the state before and after, and the controller's size before
   original_run = trainer._programs.run
 

@@ -104,8 +104,11 @@ def test_unknown_controller_and_bad_values_are_refused(devices):
     train.create_experiment(tiny_config("digits_demo", optimizer="adam"), devices=devices)
   with pytest.raises(ValueError, match="config.platform='gpu' is not valid"):
     train.create_experiment(tiny_config("digits_demo", platform="gpu"), devices=None)
-  with pytest.raises(ValueError, match="even number of devices"):
-    train.create_experiment(tiny_config("digits_demo"), devices=devices[:3])
+  with pytest.raises(ValueError, match=r"config.halves='device' compares the even devices with "
+                     r"the odd ones, which needs an even number of devices, got 3"):
+    train.create_experiment(tiny_config("digits_demo", halves="device"), devices=devices[:3])
+  with pytest.raises(ValueError, match=r"config.halves='sideways' is not valid"):
+    train.create_experiment(tiny_config("digits_demo", halves="sideways"), devices=devices)
   with pytest.raises(ValueError, match="must be a JSON object"):
     train.create_controller(tiny_config("digits_demo", controller_options="{multiple: 1}"), 8)
   with pytest.raises(ValueError, match="refused its options"):
@@ -118,6 +121,29 @@ def test_other_registered_controllers_take_their_options_as_json():
   controller = train.create_controller(config, 8)
   assert controller.config["multiple"] == 0.5
   assert (controller.batch_size, controller.config["batch_size_upper_bound"]) == (16, 32)
+
+
+@pytest.mark.parametrize("num_devices, halves", [(1, "auto"), (3, "auto"), (8, "local")])
+def test_any_device_count_trains_with_the_local_split(num_devices, halves, tmp_path, devices):
+  config = tiny_config("digits_demo", halves=halves, batch_size_lower_bound=None)
+  experiment = train.create_experiment(config, devices=devices[:num_devices])
+  assert experiment.halves == "local"
+  # No lower bound given: one example per half of every device.
+  assert experiment.controller.config["batch_size_lower_bound"] == 2 * num_devices
+  with train.create_trainer(experiment, tmp_path) as trainer:
+    trainer.train(num_steps=2)
+  records = [r for r in simigrad_jax.read_metrics(tmp_path / "metrics.jsonl") if "batch_size" in r]
+  assert trainer.halves == "local" and len(records) == 2
+  assert all(math.isfinite(r["loss"]) and -1 <= r["similarity"] <= 1 for r in records)
+  assert all(r["micro_batch_size"] % 2 == 0 for r in records)  # two blocks of rows per device
+
+
+def test_platform_auto_takes_every_device_of_the_default_backend():
+  """No parity filter any more: "auto" and "default" take the accelerators, however many (here,
+  with none, the 8 simulated CPU devices); "cpu" the CPU's."""
+  for platform in ("auto", "default"):
+    assert train.training_devices(tiny_config("digits_demo", platform=platform)) == jax.devices()
+  assert train.training_devices(tiny_config("digits_demo", platform="cpu")) == jax.devices("cpu")
 
 
 def test_fixed_controller_keeps_the_batch_size(tmp_path, devices):

@@ -5,11 +5,12 @@ python tests/train_driver.py --workdir DIR --steps N
     [--num-processes P --process-id I --coordinator 127.0.0.1:PORT]
     [--disagree-at K] [--similarity-target X] [--max-micro-batch-size M]
     [--compile-cache DIR] [--mode recompile|pad] [--checkpoint-every C]
-    [--agreement-timeout SECONDS]
+    [--agreement-timeout SECONDS] [--devices D] [--halves auto|device|local]
 
-Trains an MLP on a fixed synthetic classification set (600 examples) over 8
-devices in all (8 // P simulated CPU devices per process). Prints one JSON
-summary line at the end (process 0).
+Trains an MLP on a fixed synthetic classification set (600 examples) over D
+devices in all (default 8; D // P simulated CPU devices per process), with
+the Trainer's ``halves`` split. Prints one JSON summary line at the end
+(process 0).
 
 Fault injection (the process SIGKILLs itself: no clean-up, no final checkpoint):
 
@@ -55,6 +56,8 @@ parser.add_argument("--similarity-target", type=float, default=0.3)
 parser.add_argument("--max-micro-batch-size", type=int, default=8)
 parser.add_argument("--disagree-at", type=int, default=None)
 parser.add_argument("--agreement-timeout", type=float, default=60.0)
+parser.add_argument("--devices", type=int, default=8)
+parser.add_argument("--halves", default="auto")
 args = parser.parse_args()
 
 os.environ["JAX_PLATFORMS"] = "cpu"
@@ -62,7 +65,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from simigrad_jax.host.cpu_devices import simulated_cpu_devices_env  # noqa: E402
 
-os.environ.update(simulated_cpu_devices_env(8 // args.num_processes))
+os.environ.update(simulated_cpu_devices_env(args.devices // args.num_processes))
 
 import jax  # noqa: E402
 
@@ -167,7 +170,7 @@ trainer = simigrad_jax.Trainer(
     source=simigrad_jax.ArraySource(synthetic_data()), controller=controller,
     workdir=args.workdir, max_micro_batch_size=args.max_micro_batch_size, mode=args.mode, seed=1,
     checkpoint_every_steps=args.checkpoint_every, progress=False, tensorboard=False,
-    compilation_cache_dir=args.compile_cache)
+    compilation_cache_dir=args.compile_cache, halves=args.halves)
 trace({"event": "start", "pid": os.getpid(), "step": trainer.step,
        "examples_seen": trainer.sampler.examples_seen,
        "skipped_checkpoints": [s for s, _ in trainer._checkpointer.skipped]})

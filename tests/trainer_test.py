@@ -55,41 +55,69 @@ def make_trainer(workdir, data, controller, *, loss_fn=mlp_loss, params=None, mo
       progress=False, tensorboard=False, seed=3, **kwargs)
 
 
-@pytest.mark.parametrize("mode, max_micro", [("recompile", 8), ("recompile", 2), ("pad", 16)],
-                         ids=["one-micro-step", "accumulate-3", "pad-one-shape"])
-def test_one_step_is_the_exact_mean_gradient_step(tmp_path, mode, max_micro):
-  """Padding rows and accumulation change nothing: one step equals plain SGD on the 44 examples."""
+# (devices, halves, mode, max_micro_batch_size, micro-batch rows per device, micro-steps)
+EXACT_CASES = {
+    "8-device-one-micro-step": (8, "device", "recompile", 8, 8, 1),
+    "8-device-accumulate-3": (8, "device", "recompile", 2, 2, 3),
+    "8-device-pad-one-shape": (8, "device", "pad", 16, 16, 1),
+    "8-local": (8, "local", "recompile", 8, 8, 1),
+    "3-local-one-micro-step": (3, "auto", "recompile", 64, 16, 1),
+    "3-local-accumulate-4": (3, "auto", "recompile", 4, 4, 4),
+    "3-local-pad-odd-max": (3, "local", "pad", 9, 10, 2),
+    "1-local-one-micro-step": (1, "auto", "recompile", 64, 64, 1),
+    "1-local-accumulate-6": (1, "auto", "recompile", 8, 8, 6),
+}
+
+
+@pytest.mark.parametrize("case", EXACT_CASES)
+def test_one_step_is_the_exact_mean_gradient_step(tmp_path, case):
+  """Padding rows, accumulation and the split change nothing: one step equals plain SGD on the
+  45 examples (in float64), and the similarity is that of the even- and odd-numbered examples."""
+  num_devices, halves, mode, max_micro, rows, steps = EXACT_CASES[case]
   data = dataset()
-  controller = simigrad_jax.Controller(44, 0.0, enable_adjust=False)
-  trainer = make_trainer(tmp_path, data, controller, mode=mode, max_micro_batch_size=max_micro)
+  controller = simigrad_jax.Controller(45, 0.0, enable_adjust=False)
+  trainer = make_trainer(tmp_path, data, controller, mode=mode, max_micro_batch_size=max_micro,
+                         devices=jax.devices()[:num_devices], halves=halves,
+                         background_compile=False)
   params0 = jax.tree.map(np.asarray, TinyMLP().init(jax.random.key(0), data["x"][:1])["params"])
   summary = trainer.train(num_steps=1)
   trainer.close()
+  record, = [r for r in simigrad_jax.read_metrics(tmp_path / "metrics.jsonl") if "loss" in r]
+  assert (record["micro_batch_size"], record["accumulation_steps"]) == (rows, steps)
+  assert trainer.halves == ("device" if num_devices % 2 == 0 and halves != "local" else "local")
 
-  indices = simigrad_jax.EpochSampler(len(data["y"]), 3).indices_at(0, 44)
-  x, y = data["x"][indices], data["y"][indices]
-  per_example = lambda p: optax.softmax_cross_entropy_with_integer_labels(
-      TinyMLP().apply({"params": p}, x), y)
-  loss, grads = jax.value_and_grad(lambda p: jnp.mean(per_example(p)))(params0)
-  expected = jax.tree.map(lambda p, g: p - 0.1 * g, params0, grads)
+  indices = simigrad_jax.EpochSampler(len(data["y"]), 3).indices_at(0, 45)
+  with jax.enable_x64(True):
+    params64 = jax.tree.map(lambda a: np.asarray(a, np.float64), params0)
+    x, y = np.asarray(data["x"][indices], np.float64), data["y"][indices]
+    per_example = lambda p: optax.softmax_cross_entropy_with_integer_labels(
+        TinyMLP().apply({"params": p}, x), y)
+    loss, grads = jax.value_and_grad(lambda p: jnp.mean(per_example(p)))(params64)
+    expected = jax.tree.map(lambda p, g: np.asarray(p - 0.1 * g), params64, grads)
+    jac = jax.jacobian(per_example)(params64)
   got = jax.tree.map(lambda a: np.asarray(a.addressable_data(0)), trainer.state["params"])
   for want, have in zip(jax.tree.leaves(expected), jax.tree.leaves(got)):
     np.testing.assert_allclose(have, want, rtol=1e-5, atol=1e-6)
   np.testing.assert_allclose(summary["loss"], loss, rtol=1e-5)
-  # The similarity: example e sits on device e % 8; the even devices are half A.
-  jac = jax.jacobian(lambda p: per_example(p))(params0)
-  flat = np.concatenate([np.asarray(j).reshape(44, -1) for j in jax.tree.leaves(jac)], axis=1)
-  in_a = (np.arange(44) % 8) % 2 == 0
-  g_a, g_b = flat[in_a].sum(0) * 2 / 44, flat[~in_a].sum(0) * 2 / 44
+  # The halves: the step's even-numbered examples (23) against its odd-numbered ones (22).
+  flat = np.concatenate([np.asarray(j).reshape(45, -1) for j in jax.tree.leaves(jac)], axis=1)
+  g_a, g_b = flat[0::2].mean(0), flat[1::2].mean(0)
   cos = g_a @ g_b / np.linalg.norm(g_a) / np.linalg.norm(g_b)
   np.testing.assert_allclose(summary["similarity"], cos, rtol=1e-4, atol=1e-5)
+  if trainer.halves == "local":  # each half normalised by its own count
+    np.testing.assert_allclose([record["norm_a"], record["norm_b"]],
+                               [np.linalg.norm(g_a), np.linalg.norm(g_b)], rtol=1e-5)
+  np.testing.assert_allclose(record["norm_mean"], np.linalg.norm(23 / 45 * g_a + 22 / 45 * g_b),
+                             rtol=1e-5)
 
 
-def test_every_example_once_per_epoch_while_the_batch_size_moves(tmp_path):
+@pytest.mark.parametrize("num_devices", [8, 3, 1])
+def test_every_example_once_per_epoch_while_the_batch_size_moves(tmp_path, num_devices):
   data = dataset(num_examples=120)
   controller = simigrad_jax.Controller(20, 0.5, batch_size_lower_bound=8, batch_size_upper_bound=64)
   schedule = lambda epochs: 1.0 if epochs < 1 else 0.5  # step decay after the first epoch
-  trainer = make_trainer(tmp_path, data, controller, max_micro_batch_size=4, lr_schedule=schedule)
+  trainer = make_trainer(tmp_path, data, controller, max_micro_batch_size=4, lr_schedule=schedule,
+                         devices=jax.devices()[:num_devices])
   trained = []  # per optimizer step: the indices of the real rows placed on the devices
   take = trainer._data.take
 
@@ -169,6 +197,24 @@ def test_batchnorm_statistics_cover_all_devices_and_skip_padding(tmp_path):
   assert not np.allclose(mean, 0.1 * x[:40].mean(axis=0), atol=1e-4)  # padding rows would shift it
 
 
+def test_batchnorm_statistics_of_the_local_split_are_per_half(tmp_path):
+  """3 devices, 45 examples in 6 slots of 8 rows: each half's pass normalises with its own rows
+  over all devices (padding excluded), and the running mean averages the two halves'."""
+  data = dataset()
+  controller = simigrad_jax.Controller(45, 0.0, enable_adjust=False)
+  trainer = make_bn_trainer(tmp_path, data, controller, devices=jax.devices()[:3],
+                            max_micro_batch_size=64, background_compile=False)
+  trainer.train(num_steps=1)
+  trainer.close()
+  x = data["x"][simigrad_jax.EpochSampler(len(data["y"]), 3).indices_at(0, 45)]
+  slot = np.arange(45) % 6  # example e: device slot // 2, half slot % 2
+  half_means = [np.mean([x[slot == 2 * d + h].mean(axis=0) for d in range(3)], axis=0)
+                for h in (0, 1)]
+  mean = np.asarray(trainer.state["model_state"]["batch_stats"]["BatchNorm_0"]["mean"]
+                    .addressable_data(0))
+  np.testing.assert_allclose(mean, 0.1 * np.mean(half_means, axis=0), rtol=1e-5, atol=1e-6)
+
+
 def test_batchnorm_with_accumulation_never_sees_a_device_of_padding_alone(tmp_path):
   """35 examples as 2 micro-steps of 4 rows x 8 devices: filling micro-steps in order left the
   second with 3 real rows, so 5 devices normalised padding alone (NaN statistics) and every
@@ -204,6 +250,24 @@ def test_nonfinite_step_is_skipped_and_counted(tmp_path):
   assert records[-1]["nonfinite_steps"] == 1
   for leaf in jax.tree.leaves(trainer.state):
     assert np.all(np.isfinite(np.asarray(leaf.addressable_data(0))))
+
+
+def test_a_last_step_of_one_example_is_trained_with_the_local_split(tmp_path):
+  """The second half of a one-example step is empty: the step trains, unmeasured, not skipped."""
+  data = dataset()
+  controller = simigrad_jax.Controller(16, 0.0, enable_adjust=False)
+  trainer = make_trainer(tmp_path, data, controller, devices=jax.devices()[:3],
+                         background_compile=False)
+  trainer.train(num_epochs=32 / 200)
+  before = jax.tree.map(lambda a: np.asarray(a.addressable_data(0)), trainer.state["params"])
+  summary = trainer.train(num_epochs=33 / 200)
+  trainer.close()
+  last = [r for r in simigrad_jax.read_metrics(tmp_path / "metrics.jsonl") if "loss" in r][-1]
+  assert (summary["examples_seen"], last["batch_size"]) == (33, 1)
+  assert last["grads_finite"] and last["similarity"] is None and last["norm_b"] == 0.0
+  after = jax.tree.map(lambda a: np.asarray(a.addressable_data(0)), trainer.state["params"])
+  assert any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(before),
+                                                      jax.tree.leaves(after)))
 
 
 def test_refuses_a_data_set_smaller_than_the_largest_batch(tmp_path):
@@ -279,17 +343,20 @@ def test_two_processes_take_the_same_decisions_as_one(straight_run, tmp_path):
                              [r["similarity"] for r in straight_run], rtol=1e-4, atol=1e-5)
 
 
-def test_a_step_whose_shape_is_compiling_runs_on_a_compiled_shape(tmp_path):
+@pytest.mark.parametrize("num_devices, max_micro", [(8, 8), (3, 16)])
+def test_a_step_whose_shape_is_compiling_runs_on_a_compiled_shape(tmp_path, num_devices, max_micro):
   """compile_fallback: same examples, same update, no compile wait after the first step."""
   data = dataset()
 
   def run(workdir, fallback, gate=None):
-    # Sizes 44, 44, then back to 16: micro-batch shapes 8 and 2 on 8 devices.
+    # Sizes 44, 44, then back to 16: micro-batch shapes (rows per slot) 8 and 2 on 8 devices,
+    # 8 and 4 on the 6 slots of 3 devices (the local split).
     controller = simigrad_jax.Controller(16, 0.0, enable_adjust=False, batch_size_lower_bound=16,
                                          batch_size_upper_bound=44, batch_sizes_to_profile=(44,),
                                          profile_steps_per_size=2)
-    trainer = make_trainer(workdir, data, controller, compile_fallback=fallback)
-    first = trainer._plan(controller.batch_size, None).micro_batch_size
+    trainer = make_trainer(workdir, data, controller, compile_fallback=fallback,
+                           devices=jax.devices()[:num_devices], max_micro_batch_size=max_micro)
+    first = trainer.layout.plan(controller.batch_size).micro_batch_size
     if gate is not None:  # every shape but the first step's compiles once the gate opens
       for compiler in (trainer._programs.fused_compiler, trainer._programs.micro_compiler):
         def gated_lower(size, lower=compiler._lower):
@@ -306,20 +373,21 @@ def test_a_step_whose_shape_is_compiling_runs_on_a_compiled_shape(tmp_path):
       trainer.close()
     records = [r for r in simigrad_jax.read_metrics(workdir / "metrics.jsonl") if "batch_size" in r]
     params = jax.tree.map(lambda a: np.asarray(a.addressable_data(0)), trainer.state["params"])
-    return first, summary, records, params
+    return first, summary, records, params, trainer.layout
 
-  first, summary, records, params = run(tmp_path / "fallback", True, threading.Event())
-  _, _, exact_records, exact_params = run(tmp_path / "exact", False)
+  first, summary, records, params, layout = run(tmp_path / "fallback", True, threading.Event())
+  _, _, exact_records, exact_params, _ = run(tmp_path / "exact", False)
   sizes = [r["batch_size"] for r in records]
   assert sizes == [r["batch_size"] for r in exact_records] and {16, 44} <= set(sizes)
   assert len({r["micro_batch_size"] for r in exact_records}) == 2  # two shapes when exact
+  rows = layout.device_rows(first)  # the only shape compiled, in rows per device
   for record, exact in zip(records, exact_records):
-    assert record["micro_batch_size"] == first  # the only shape compiled
-    assert record["compile_fallback"] == (exact["micro_batch_size"] != first)
+    assert record["micro_batch_size"] == rows
+    assert record["compile_fallback"] == (exact["micro_batch_size"] != rows)
     assert not exact["compile_fallback"]
-    steps = -(-record["batch_size"] // (8 * first))
+    steps = -(-record["batch_size"] // (layout.num_slots * first))
     assert record["accumulation_steps"] == steps
-    assert record["padded_examples"] == 8 * first * steps - record["batch_size"]
+    assert record["padded_examples"] == layout.num_slots * first * steps - record["batch_size"]
     np.testing.assert_allclose(record["loss"], exact["loss"], rtol=1e-5)
     np.testing.assert_allclose(record["similarity"], exact["similarity"], rtol=1e-4, atol=1e-5)
   assert summary["compile_fallback_steps"] == sum(r["compile_fallback"] for r in records) >= 2
@@ -333,8 +401,8 @@ def test_a_shape_that_fails_to_compile_is_raised_not_replaced(tmp_path):
   controller = simigrad_jax.Controller(16, 0.0, enable_adjust=False, batch_size_lower_bound=16,
                                        batch_size_upper_bound=44, batch_sizes_to_profile=(44,))
   trainer = make_trainer(tmp_path, dataset(), controller)
-  first = trainer._plan(16, None).micro_batch_size
-  broken = trainer._plan(44, None).micro_batch_size
+  first = trainer.layout.plan(16).micro_batch_size
+  broken = trainer.layout.plan(44).micro_batch_size
   compiler = trainer._programs.fused_compiler
   lower = compiler._lower
 

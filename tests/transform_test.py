@@ -157,6 +157,45 @@ def test_local_halves_match_numpy(num_devices, mapper, reduction, mixed_dtypes, 
   np.testing.assert_allclose(state.norm_b, ref_nb, **tol)
 
 
+@functools.lru_cache(maxsize=None)
+def compiled_unequal_local_split(num_devices, reduction, small_leaf_size=None):
+  """The local split with halves of different sizes: ``share`` is the first half's fraction."""
+  tx = simigrad_jax.transform(AXIS, reduction=reduction)
+
+  def step(first, second, share):
+    updates = jax.tree.map(lambda a, b: share * a + (1 - share) * b, first, second)
+    halves = simigrad_jax.HalfGrads(first, second, share)
+    return tx.update(updates, tx.init(updates), half_grads=halves)
+
+  return bucketing(map_over_devices(step, num_devices, "shard_map"), small_leaf_size)
+
+
+@LOCAL_REDUCTIONS
+@pytest.mark.parametrize("share", [0.3, 1.0])
+def test_local_halves_of_unequal_size_match_numpy(reduction, small_leaf_size, share):
+  """M = share * g_A + (1 - share) * g_B is returned, and g_A, g_B are measured, not their mean."""
+  rng = np.random.default_rng(5)
+  first, second = random_grads(rng, 3, False), random_grads(rng, 3, False)
+  if share == 1.0:  # the second half holds no example: its gradient is zero
+    second = jax.tree.map(np.zeros_like, second)
+  mean, state = compiled_unequal_local_split(3, reduction, small_leaf_size)(
+      first, second, np.full(3, share, np.float32))
+  as64 = lambda t: [np.asarray(x, np.float64).mean(axis=0) for x in jax.tree.leaves(t)]
+  g_a, g_b = as64(first), as64(second)
+  for got, a, b in zip(jax.tree.leaves(mean), g_a, g_b):
+    np.testing.assert_allclose(np.asarray(got)[0], share * a + (1 - share) * b, rtol=2e-5,
+                               atol=2e-5)
+  flat_a = np.concatenate([x.ravel() for x in g_a])
+  flat_b = np.concatenate([x.ravel() for x in g_b])
+  np.testing.assert_allclose(state.norm_a, np.linalg.norm(flat_a), rtol=2e-5)
+  np.testing.assert_allclose(state.norm_b, np.linalg.norm(flat_b), rtol=2e-5, atol=2e-5)
+  if share == 1.0:
+    assert not np.any(state.measured) and np.all(state.grads_finite)
+  else:
+    cos = flat_a @ flat_b / np.linalg.norm(flat_a) / np.linalg.norm(flat_b)
+    np.testing.assert_allclose(state.similarity, cos, rtol=2e-5, atol=2e-5)
+
+
 def test_odd_device_count_without_half_grads_is_refused():
   with pytest.raises(ValueError, match=r"3 device\(s\).*value_and_half_grads"):
     compiled_device_split(3, "pmap", "scatter")(random_grads(np.random.default_rng(0), 3, False))
@@ -299,6 +338,10 @@ def test_half_grads_that_do_not_match_the_gradient_are_refused():
                                                                "b": jnp.ones(2)}, grads))
   with pytest.raises(ValueError, match="must be a simigrad_jax.HalfGrads"):
     tx.update(grads, state, half_grads=(grads, grads))
+  with pytest.raises(ValueError, match=r"half_grads.share must lie in \[0, 1\].*got 1.5"):
+    tx.update(grads, state, half_grads=simigrad_jax.HalfGrads(grads, grads, 1.5))
+  with pytest.raises(ValueError, match=r"half_grads.share must be a scalar.*shape \(2,\)"):
+    tx.update(grads, state, half_grads=simigrad_jax.HalfGrads(grads, grads, jnp.ones(2)))
 
 
 @pytest.mark.parametrize("mesh_kind", ["auto", "explicit"])

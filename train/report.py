@@ -98,7 +98,8 @@ def print_start(experiment: Any, trainer: Any) -> None:
   lines = [
       f"simigrad-jax: {config.model} on {data.description}: {len(data.train):,} training "
       f"examples" + (f", {len(data.eval):,} for evaluation" if data.eval is not None else ""),
-      f"  devices: {len(devices)} x {devices[0].platform} ({jax.process_count()} process(es))",
+      f"  devices: {describe_devices(devices, experiment.halves)} "
+      f"({jax.process_count()} process(es))",
       f"  controller: {config.controller}, initial batch {config.initial_batch_size}, "
       f"bounds {bounds}" + (f", similarity target {target}" if target is not None else "")
       + f"; lr {config.optimizer} {config.learning_rate} x {config.lr_rule}(B / B0)",
@@ -110,8 +111,13 @@ def print_start(experiment: Any, trainer: Any) -> None:
   print("\n".join(lines), flush=True)
 
 
+def describe_devices(devices: list[Any], halves: str) -> str:
+  """E.g. ``8 x cpu, device halves`` or ``3 x cpu, local halves``: the devices and the split."""
+  return f"{len(devices)} x {devices[0].platform}, {halves} halves"
+
+
 def summarize(workdir: pathlib.Path, run: dict[str, Any], devices: list[Any],
-              seconds: float) -> dict[str, Any]:
+              seconds: float, halves: str) -> dict[str, Any]:
   """The whole run's numbers (resumed parts included) from ``metrics.jsonl`` and this invocation's ``run`` summary."""
   path = pathlib.Path(workdir) / "metrics.jsonl"
   records = read_metrics(path) if path.exists() else []
@@ -134,7 +140,7 @@ def summarize(workdir: pathlib.Path, run: dict[str, Any], devices: list[Any],
       "compile_wait_seconds": run["compile_wait_seconds"],
       "compile_fallback_steps": run["compile_fallback_steps"],
       "compiled_micro_batch_sizes": run["compiled_micro_batch_sizes"],
-      "devices": f"{len(devices)} x {devices[0].platform}",
+      "devices": describe_devices(devices, halves),
       "seconds": seconds,
       "metrics": str(path),
       "tensorboard": str(pathlib.Path(workdir) / "tensorboard"),

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import logging
 import os
 import pathlib
 import time
@@ -35,6 +34,7 @@ import optax
 
 import simigrad_jax
 from simigrad_jax import plot
+from simigrad_jax.host import step_layout
 from train import input_pipeline
 from train import models
 from train import optimizers
@@ -67,6 +67,9 @@ class Experiment:
     lr_schedule: the learning-rate multiplier against epochs.
     controller: the batch-size controller.
     devices: the devices to train on.
+    halves: the split of each step into the two halves the similarity
+      compares: ``"device"`` or ``"local"`` (``config.halves`` resolved for
+      the devices).
   """
 
   config: ml_collections.ConfigDict
@@ -81,6 +84,7 @@ class Experiment:
   lr_schedule: Callable[[float], float]
   controller: Any
   devices: list[jax.Device]
+  halves: str
 
 
 # ------------------------------------------------------------------ devices
@@ -89,53 +93,62 @@ class Experiment:
 def training_devices(config: ml_collections.ConfigDict) -> list[jax.Device]:
   """The devices ``config.platform`` asks for (see the config's comment).
 
+  ``"default"`` and ``"auto"``: the default backend's devices, i.e. every
+  accelerator, however many (one included), or the CPU's (simulated) devices
+  when there is none; ``"cpu"``: the CPU's devices.
+
   Raises:
-    ValueError: for an unknown platform, or an odd number of devices (the
-      similarity compares the two halves of the devices).
+    ValueError: for an unknown platform.
   """
   if config.platform not in PLATFORMS:
     raise ValueError(f"config.platform={config.platform!r} is not valid; choose one of {PLATFORMS}")
-  devices = jax.devices("cpu") if config.platform == "cpu" else jax.devices()
-  if config.platform == "auto" and (len(devices) < 2 or len(devices) % 2):
-    cpus = jax.devices("cpu")
-    if len(cpus) >= 2 and len(cpus) % 2 == 0:
-      logging.warning("%d %s device(s): training on %d CPU devices instead (platform 'auto')",
-                      len(devices), devices[0].platform, len(cpus))
-      devices = cpus
-  return check_device_count(devices)
+  return check_device_count(jax.devices("cpu") if config.platform == "cpu" else jax.devices())
 
 
 def check_device_count(devices: list[jax.Device]) -> list[jax.Device]:
-  """Returns ``devices`` if they are an even number >= 2, else raises ValueError saying what to do."""
-  if len(devices) < 2 or len(devices) % 2:
-    raise ValueError(
-        f"SimiGrad compares the gradients of two halves of the devices, which needs an even "
-        f"number of devices; found {len(devices)} {devices[0].platform} device(s). Use "
-        "--config.platform=cpu with --config.num_cpu_devices=8 for simulated CPU devices.")
+  """Returns ``devices`` as a list if there is at least one, else raises ValueError."""
+  if not devices:
+    raise ValueError("no devices to train on; --config.platform=cpu trains on the CPU's "
+                     "(--config.num_cpu_devices simulated) devices")
   return list(devices)
+
+
+def training_halves(config: ml_collections.ConfigDict, num_devices: int) -> str:
+  """``config.halves`` for ``num_devices`` devices: ``"device"`` or ``"local"``.
+
+  Raises:
+    ValueError: for an unknown name, or ``"device"`` on an odd number of devices.
+  """
+  try:
+    return step_layout.resolve_halves(config.halves, num_devices)
+  except ValueError as error:
+    raise ValueError(f"config.{error}") from error
 
 
 # ------------------------------------------------------------------ controller
 
 
-def create_controller(config: ml_collections.ConfigDict, num_devices: int) -> Any:
+def create_controller(config: ml_collections.ConfigDict, num_devices: int,
+                      halves: str = "device") -> Any:
   """The batch-size controller ``config.controller`` with the config's options.
 
   ``"simigrad"`` and ``"fixed"`` get every reference option (similarity
   target, bounds, smoothing, dead band, warm-up, profiling, verbose); any other
   registered controller (``simigrad_jax.controller_names()``) gets the initial
   size and the bounds. All get ``config.controller_options`` (a JSON object)
-  on top. A missing lower bound becomes the number of devices, so that no
-  device ever holds only padding. ``"fixed"`` without a profile keeps its
-  bounds at the initial size, so only the shapes it uses are compiled.
+  on top. A missing lower bound becomes the number of devices (with the local
+  split, twice that: one per half of a device), so that no device (half)
+  ever holds only padding. ``"fixed"`` without a profile keeps its bounds at
+  the initial size, so only the shapes it uses are compiled.
 
   Raises:
     ValueError: for an unknown controller, bad options or bad JSON.
   """
   lower = config.batch_size_lower_bound
+  slots = num_devices * (2 if halves == "local" else 1)
   options: dict[str, Any] = {
       "initial_batch_size": config.initial_batch_size,
-      "batch_size_lower_bound": num_devices if lower is None else lower,
+      "batch_size_lower_bound": slots if lower is None else lower,
       "batch_size_upper_bound": config.batch_size_upper_bound,
   }
   profile = tuple(config.batch_sizes_to_profile) or None
@@ -290,7 +303,8 @@ def create_experiment(config: ml_collections.ConfigDict,
   if config.dtype not in DTYPES:
     raise ValueError(f"config.dtype={config.dtype!r} is not valid; choose one of {tuple(DTYPES)}")
   devices = training_devices(config) if devices is None else check_device_count(devices)
-  controller = create_controller(config, len(devices))  # cheap checks first
+  halves = training_halves(config, len(devices))  # cheap checks first
+  controller = create_controller(config, len(devices), halves)
   optimizer = optimizers.create_optimizer(config)
   lr_schedule = optimizers.create_lr_schedule(config)
   datasets = input_pipeline.create_datasets(config)
@@ -322,7 +336,7 @@ def create_experiment(config: ml_collections.ConfigDict,
   params = jax.tree.map(np.asarray, params)
   evaluate = _make_evaluate(config, datasets, eval_step, text=config.model == "bert")
   return Experiment(config, datasets, model, params, model_state, loss_fn, predict, evaluate,
-                    optimizer, lr_schedule, controller, list(devices))
+                    optimizer, lr_schedule, controller, list(devices), halves)
 
 
 def max_micro_batch_size(configured: int, upper: int, num_devices: int) -> int:
@@ -360,7 +374,7 @@ def create_trainer(experiment: Experiment, workdir: str | os.PathLike,
       eval_fn=eval_fn if eval_fn is not None else experiment.evaluate,
       lr_schedule=experiment.lr_schedule,
       compilation_cache_dir=config.compilation_cache_dir, tensorboard=config.tensorboard,
-      progress=config.progress, devices=experiment.devices)
+      progress=config.progress, devices=experiment.devices, halves=experiment.halves)
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.PathLike,
@@ -399,7 +413,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
     run = trainer.train(num_epochs=config.num_epochs, num_steps=config.num_steps)
     if config.batch_sizes_to_profile and is_main and hasattr(trainer.controller, "save_profile"):
       trainer.controller.save_profile(workdir / "similarity_profile.json")
-  summary = report.summarize(workdir, run, experiment.devices, time.perf_counter() - start)
+  summary = report.summarize(workdir, run, experiment.devices, time.perf_counter() - start,
+                             experiment.halves)
   summary["eval_name"] = experiment.datasets.eval_name
   if is_main:
     if config.plot and summary["steps"]:

@@ -2,7 +2,9 @@
 
 The examples of a step are the next ones of the epoch's permutation, whatever
 the batch size (:class:`simigrad_jax.EpochSampler`); each process loads only
-its own devices' rows. While the devices run a step, a data thread loads the
+its own devices' rows. Rows are laid out per slot: a slot is a device, or
+with the local split one of the two blocks of a device's rows
+(:mod:`simigrad_jax.host.step_layout`). While the devices run a step, a data thread loads the
 rows for the next one, enough for one grow of the batch size, and places them
 on the devices for the plan it expects (the batch size unchanged). If the
 controller then decides that size, the step starts with no host work; if not,
@@ -48,20 +50,21 @@ class StepDataLoader:
     sampler: the run's :class:`simigrad_jax.EpochSampler` (read, not advanced).
     sharded: the data sharding (leading axis over the devices).
     replicated: the replicated sharding (for the counters).
-    local_positions: this process's devices' positions on the mesh.
-    num_devices: devices on the mesh.
+    local_slots: this process's slots (positions in the plans' device axis),
+      in the order of its rows on the devices.
+    num_slots: the slots of the mesh (the plans' ``num_devices``).
     place_ahead: also place the expected plan's rows in the data thread (one
       process only).
   """
 
   def __init__(self, source: Any, sampler: EpochSampler, sharded: NamedSharding,
-               replicated: NamedSharding, local_positions: np.ndarray, num_devices: int,
+               replicated: NamedSharding, local_slots: np.ndarray, num_slots: int,
                place_ahead: bool):
     self._place_ahead = place_ahead
     self._source, self._sampler = source, sampler
     self._sharded, self._replicated = sharded, replicated
-    self._local_positions = local_positions
-    self._num_devices = num_devices
+    self._local_slots = local_slots
+    self._num_slots = num_slots
     self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="simigrad-data")
     self._pending: _Pending | None = None
 
@@ -97,14 +100,14 @@ class StepDataLoader:
     """Loads this process's rows among the next ``count`` examples (runs in the data thread)."""
     indices = self._sampler.indices_at(first_example, count)
     examples = np.arange(count)
-    mine = np.isin(examples % self._num_devices, self._local_positions)
+    mine = np.isin(examples % self._num_slots, self._local_slots)
     return examples[mine], self._source.get_batch(indices[mine])
 
   def place(self, plan: batch_plan.BatchPlan, loaded, step: int) -> StepBatch:
     """Arranges loaded rows into the plan's micro-batches on the devices."""
     local_examples, rows = loaded
-    layout = plan.example_layout()[:, self._local_positions, :]  # (k, local, micro)
-    weights = plan.example_weights()[:, self._local_positions, :]
+    layout = plan.example_layout()[:, self._local_slots, :]  # (k, local slots, micro)
+    weights = plan.example_weights()[:, self._local_slots, :]
     where = np.searchsorted(local_examples, np.maximum(layout, 0))
     micro_batches, counters = [], []
     for j in range(plan.accumulation_steps):
@@ -118,7 +121,7 @@ class StepDataLoader:
     return StepBatch(plan, micro_batches, counters)
 
   def _to_devices(self, local_tree, micro: int):
-    rows = self._num_devices * micro
+    rows = self._num_slots * micro
     return jax.tree.map(
         lambda x: jax.make_array_from_process_local_data(self._sharded, x, (rows,) + x.shape[1:]),
         local_tree)

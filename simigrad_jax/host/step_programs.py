@@ -10,6 +10,10 @@ compiled ahead of time from placeholders, in background threads
 (:class:`simigrad_jax.StepCompiler`), so that a new shape need not stall the
 loop; while a step's program is still compiling, the compile fallback runs the
 same examples on the nearest program already compiled.
+
+Shapes are counted in rows per slot: a slot is a device, or with the local
+split one of the two blocks of a device's rows
+(:mod:`simigrad_jax.host.step_layout`); what is reported is rows per device.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from jax.sharding import PartitionSpec as P
 
 from simigrad_jax.host import batch_plan
 from simigrad_jax.host import trainer_checks
+from simigrad_jax.host.step_layout import StepLayout
 from simigrad_jax.host.step_compiler import StepCompiler
 from simigrad_jax.ingraph import train_step
 
@@ -57,6 +62,8 @@ class StepPrograms:
       ``axis_name`` and :func:`simigrad_jax.scale_by_lr_factor`.
     mesh: a one-axis mesh over the data-parallel devices.
     axis_name: its axis name.
+    layout: the step layout (halves, slots); shapes (``micro``) are in
+      rows per slot.
     seed: the run's seed (per-step random keys derive from it).
     state: the replicated ``{"params", "opt_state", "model_state"}`` (its
       shapes, dtypes and shardings make the placeholders; nothing is kept).
@@ -74,26 +81,29 @@ class StepPrograms:
   """
 
   def __init__(self, *, loss_fn: train_step.PerExampleLossFn,
-               optimizer: optax.GradientTransformation, mesh: Mesh, axis_name: str, seed: int,
-               state: Mapping[str, Any], element_spec: Mapping[str, tuple[Any, Any]],
-               needs_accumulation: bool, background: bool, compile_fallback: bool):
-    self.mesh, self.axis_name = mesh, axis_name
-    self.num_devices = mesh.shape[axis_name]
+               optimizer: optax.GradientTransformation, mesh: Mesh, axis_name: str,
+               layout: StepLayout, seed: int, state: Mapping[str, Any],
+               element_spec: Mapping[str, tuple[Any, Any]], needs_accumulation: bool,
+               background: bool, compile_fallback: bool):
+    self.mesh, self.axis_name, self.layout = mesh, axis_name, layout
+    self.num_slots = layout.num_slots
     self._replicated = NamedSharding(mesh, P())
     self._sharded = NamedSharding(mesh, P(axis_name))
     self._element_spec = element_spec
     self._state = abstract(dict(state))
-    self._acc_abstract = train_step.abstract_accumulator(state["params"], mesh, axis_name)
+    halves = layout.halves
+    self._acc_abstract = train_step.abstract_accumulator(state["params"], mesh, axis_name, halves)
     self._acc = None  # allocated when a step first accumulates
     self._background = background
     self._compile_fallback = compile_fallback
 
-    self._fused = jax.jit(train_step.make_fused_step(loss_fn, optimizer, mesh, axis_name, seed),
-                          donate_argnums=(0, 1, 2))
-    self._micro = jax.jit(train_step.make_micro_step(loss_fn, mesh, axis_name, seed),
+    self._fused = jax.jit(
+        train_step.make_fused_step(loss_fn, optimizer, mesh, axis_name, seed, halves),
+        donate_argnums=(0, 1, 2))
+    self._micro = jax.jit(train_step.make_micro_step(loss_fn, mesh, axis_name, seed, halves),
                           donate_argnums=(2,))
     self._apply_jit = jax.jit(
-        train_step.make_apply_step(optimizer, mesh, axis_name), donate_argnums=(0, 1, 2),
+        train_step.make_apply_step(optimizer, mesh, axis_name, halves), donate_argnums=(0, 1, 2),
         out_shardings=(self._replicated, self._replicated, self._sharded, self._replicated,
                        self._replicated))
     self._traced: dict[int, jax.stages.Traced] = {}
@@ -112,7 +122,7 @@ class StepPrograms:
   # ------------------------------------------------------------------ compiling
 
   def _step_args(self, micro: int) -> tuple:
-    rows = self.num_devices * micro
+    rows = self.num_slots * micro
     batch = {name: jax.ShapeDtypeStruct((rows,) + tuple(shape), dtype, sharding=self._sharded)
              for name, (shape, dtype) in self._element_spec.items()}
     weights = jax.ShapeDtypeStruct((rows,), jnp.float32, sharding=self._sharded)
@@ -141,7 +151,7 @@ class StepPrograms:
     """
     try:
       self._traced[micro] = self._fused.trace(*self._fused_args(micro))
-    except trainer_checks.LossContractError:
+    except (trainer_checks.LossContractError, train_step.HalvesContractError):
       raise
     except NameError as error:  # e.g. "unbound axis name: data"
       raise ValueError(f"the optimizer's simigrad_jax.transform must use the Trainer's "
@@ -149,8 +159,8 @@ class StepPrograms:
     except Exception as error:
       spec = {k: (tuple(s), str(d)) for k, (s, d) in self._element_spec.items()}
       raise ValueError(
-          f"loss_fn fails on one device's rows of this source (features {spec}, {micro} "
-          f"rows): {type(error).__name__}: {error}") from error
+          f"loss_fn fails on one device's rows of this source (features {spec}, "
+          f"{self.layout.device_rows(micro)} rows): {type(error).__name__}: {error}") from error
 
   def _lower_fused(self, micro: int) -> jax.stages.Lowered:
     traced = self._traced.pop(micro, None)
@@ -224,7 +234,7 @@ class StepPrograms:
       self.micro_compiler.prefetch([needed])
     candidates = []
     for size in sorted(set(compiled["fused"]) | set(compiled["micro"])):
-      steps = -(-plan.global_batch_size // (self.num_devices * size))
+      steps = -(-plan.global_batch_size // (self.num_slots * size))
       if self._ready(size, steps, compiled):
         candidates.append((abs(math.log(size / needed)), -size, size, steps))
     if not candidates:
@@ -232,7 +242,7 @@ class StepPrograms:
     _, _, size, steps = min(candidates)
     return dataclasses.replace(
         plan, micro_batch_size=size, accumulation_steps=steps,
-        padded_examples=self.num_devices * size * steps - plan.global_batch_size)
+        padded_examples=self.num_slots * size * steps - plan.global_batch_size)
 
   # ------------------------------------------------------------------ running
 
@@ -263,7 +273,7 @@ class StepPrograms:
       apply = self._apply_program()
       acc = self._acc
       if acc is None:
-        acc = train_step.zero_accumulator(params, self.mesh, self.axis_name)
+        acc = train_step.zero_accumulator(params, self.mesh, self.axis_name, self.layout.halves)
       accumulated_state = model_state
       for (batch, weights), counters in zip(data.micro_batches, data.counters):
         acc, accumulated_state = program(params, accumulated_state, acc, batch, weights,
@@ -274,16 +284,16 @@ class StepPrograms:
 
   # ------------------------------------------------------------------ reporting
 
-  def memory(self, micro_batch_size: int) -> dict[str, int]:
-    """Compiled memory of the one-micro-batch program of that shape (compiling it if needed).
+  def memory(self, micro: int) -> dict[str, int]:
+    """Compiled memory of the one-micro-batch program of shape ``micro`` (compiling it if needed).
 
     Returns:
-      ``argument_bytes``, ``output_bytes``, ``alias_bytes`` (outputs that
-      reuse donated arguments) and ``temp_bytes``, from XLA's
-      ``memory_analysis()``.
+      ``micro_batch_size`` (rows per device), ``argument_bytes``,
+      ``output_bytes``, ``alias_bytes`` (outputs that reuse donated
+      arguments) and ``temp_bytes``, from XLA's ``memory_analysis()``.
     """
-    analysis = self.fused_compiler.get(micro_batch_size).memory_analysis()
-    return {"micro_batch_size": micro_batch_size,
+    analysis = self.fused_compiler.get(micro).memory_analysis()
+    return {"micro_batch_size": self.layout.device_rows(micro),
             "argument_bytes": int(analysis.argument_size_in_bytes),
             "output_bytes": int(analysis.output_size_in_bytes),
             "alias_bytes": int(analysis.alias_size_in_bytes),
@@ -298,20 +308,22 @@ class StepPrograms:
     """Compiles so far, their seconds, the seconds steps waited, and the compiled shapes.
 
     ``compiled_step_sizes`` are the shapes with a one-micro-batch program,
-    ``compiled_accumulation_sizes`` those with a micro-step, and
-    ``update_compiled`` says whether the update of accumulated steps is.
+    ``compiled_accumulation_sizes`` those with a micro-step (all in rows per
+    device), and ``update_compiled`` says whether the update of accumulated
+    steps is.
     """
     fused, micro = self.fused_compiler.stats(), self.micro_compiler.stats()
     apply_compiled = (self._apply_future is not None and self._apply_future.done()
                       and self._apply_future.exception() is None)
+    rows = lambda sizes: [self.layout.device_rows(size) for size in sizes]
     return {"compiles": fused["compiles"] + micro["compiles"] + int(apply_compiled),
             "compile_seconds": (fused["compile_seconds"] + micro["compile_seconds"]
                                 + self._apply_compile_seconds),
             "compile_wait_seconds": self.wait_seconds(),
-            "compiled_micro_batch_sizes": sorted(set(fused["compiled_sizes"])
-                                                 | set(micro["compiled_sizes"])),
-            "compiled_step_sizes": fused["compiled_sizes"],
-            "compiled_accumulation_sizes": micro["compiled_sizes"],
+            "compiled_micro_batch_sizes": rows(sorted(set(fused["compiled_sizes"])
+                                                      | set(micro["compiled_sizes"]))),
+            "compiled_step_sizes": rows(fused["compiled_sizes"]),
+            "compiled_accumulation_sizes": rows(micro["compiled_sizes"]),
             "update_compiled": apply_compiled}
 
   def close(self) -> None:

@@ -36,10 +36,10 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from simigrad_jax.host import batch_plan
 from simigrad_jax.host import lr_rules
 from simigrad_jax.host import process_agreement
 from simigrad_jax.host import state_access
+from simigrad_jax.host import step_layout
 from simigrad_jax.host import trainer_checks
 from simigrad_jax.host import validation
 from simigrad_jax.host.checkpointing import CheckpointMismatchError
@@ -83,7 +83,8 @@ class Trainer:
     controller: a :class:`simigrad_jax.Controller` (or one with its interface).
     workdir: where metrics and checkpoints go; a run resumes from the newest
       checkpoint found there. Its parent must exist.
-    max_micro_batch_size: the most rows per device per micro-step.
+    max_micro_batch_size: the most rows per device per micro-step (rounded up
+      to even with the local split, whose two passes hold half each).
     model_state: non-trainable state (e.g. BatchNorm statistics), or None.
     mode: ``"recompile"`` (one compiled micro-step per shape of a power-of-two
       grid, compiled ahead in the background) or ``"pad"`` (one shape; smaller
@@ -116,8 +117,11 @@ class Trainer:
     tensorboard: also write TensorBoard event files.
     progress: show a progress bar (process 0 only).
     axis_name: the data-parallel axis name used by the transform.
-    devices: the devices to train on (default: all, over every process); an
-      even number, since the similarity compares the two device halves.
+    devices: the devices to train on (default: all, over every process), 1 or more.
+    halves: the split into the two halves the similarity compares
+      (:mod:`simigrad_jax.host.step_layout`): ``"device"`` (even devices
+      against odd ones), ``"local"`` (two blocks of rows per device), or
+      ``"auto"`` (``"device"`` on an even number of devices, else ``"local"``).
 
   Each step's record (``metrics.jsonl``) also carries ``host_seconds``: the
   host's time on the critical path, from reading the previous step's
@@ -134,10 +138,12 @@ class Trainer:
       and what is valid. Among them: a controller that adapts without
       ``batch_size_upper_bound`` or with bounds the data set cannot fill; a
       similarity controller whose ``batch_size_lower_bound`` is below 2 (the
-      second device half would hold no example, the similarity could not be
-      measured and the size would never move again); non-finite initial parameters; a ``loss_fn`` that fails on the
-      source's rows or does not return one loss per row; a workdir whose
-      checkpoints belong to another model, seed, data set or controller.
+      second half would hold no example, the similarity could not be
+      measured and the size would never move again); ``halves="device"`` on
+      an odd number of devices; non-finite initial parameters; a ``loss_fn``
+      that fails on the source's rows or does not return one loss per row; a
+      workdir whose checkpoints belong to another model, seed, data set or
+      controller.
     ProcessDisagreementError: in a multi-host run, when the processes were
       built with different settings, or (checked after every step, before the
       next uses it) took different decisions; also when another process does
@@ -187,6 +193,7 @@ class Trainer:
       progress: bool = True,
       axis_name: str = "batch",
       devices: list[jax.Device] | None = None,
+      halves: str = "auto",
   ):
     # Every setting is checked before anything is created, compiled or trained,
     # so that a bad value fails in seconds, not after the first GPU-hour.
@@ -203,10 +210,11 @@ class Trainer:
     num_examples = trainer_checks.check_source(source)
     workdir = trainer_checks.check_workdir(workdir)
     devices = trainer_checks.check_devices(devices)
+    self.num_devices = len(devices)
+    self.halves = step_layout.resolve_halves(halves, self.num_devices)
     trainer_checks.check_finite_params(params)
     probe_state = trainer_checks.checked_optimizer_state(optimizer, params)
-    self.num_devices = len(devices)
-    self.lower, self.upper = trainer_checks.check_bounds(controller, self.num_devices, num_examples)
+    self.lower, self.upper = trainer_checks.check_bounds(controller, num_examples, self.halves)
     for size in (self.lower, controller.initial_batch_size, self.upper):
       lr_rules.lr_factor(size, controller.initial_batch_size, lr_rule, lr_adjust_factor)
 
@@ -222,18 +230,16 @@ class Trainer:
     self._replicated = NamedSharding(self.mesh, P())
     self._sharded = NamedSharding(self.mesh, P(axis_name))
 
-    if mode == "pad":
-      self.policy = batch_plan.BucketPolicy(max_micro, max_micro, padding=True)
-    else:
-      grid = batch_plan.BucketPolicy(max_micro, min_micro_batch_size or 1, padding=True)
-      needed = batch_plan.bucket_shapes(grid, self.num_devices, self.lower, self.upper)
-      # Smaller requests (the last step of a run) pad up to the smallest needed shape.
-      self.policy = batch_plan.BucketPolicy(max_micro, min(needed), padding=True)
-    self.shapes = self.policy.micro_batch_sizes()
+    # Plans and compiled shapes count rows per slot (a device, or half of one: see
+    # step_layout); self.shapes are rows per device.
+    self.layout = step_layout.StepLayout.create(
+        self.halves, self.num_devices, mode=mode, max_micro=max_micro,
+        min_micro=min_micro_batch_size, lower=self.lower, upper=self.upper)
+    self.shapes = tuple(self.layout.device_rows(g) for g in self.layout.grid)
     # Processes decide from their own compile progress, so they could pick different shapes.
     self._compile_fallback = (compile_fallback and background_compile and mode == "recompile"
                               and jax.process_count() == 1)
-    self._programs_need_accumulation = self.upper > self.num_devices * max_micro
+    self._programs_need_accumulation = self.upper > self.layout.num_slots * max(self.layout.grid)
 
     # Multi-host: every process must run the same program; a difference would
     # deadlock the first collective, so compare the settings first.
@@ -243,7 +249,8 @@ class Trainer:
         "lr_adjust_factor": lr_adjust_factor, "num_examples": num_examples,
         "element_spec": {k: [list(shape), str(dtype)] for k, (shape, dtype)
                          in sorted(source.element_spec.items())},
-        "num_devices": self.num_devices, "checkpoint_every_steps": checkpoint_every_steps,
+        "num_devices": self.num_devices, "halves": self.halves,
+        "checkpoint_every_steps": checkpoint_every_steps,
         "params": [[jax.tree_util.keystr(path), list(np.shape(x)), str(getattr(x, "dtype", ""))]
                    for path, x in jax.tree_util.tree_flatten_with_path(params)[0]],
     })
@@ -264,24 +271,24 @@ class Trainer:
         enable_persistent_cache(compilation_cache_dir)
       self._programs = StepPrograms(
           loss_fn=trainer_checks.checked_loss_fn(loss_fn, model_state), optimizer=optimizer,
-          mesh=self.mesh, axis_name=axis_name, seed=seed, state=self.state,
+          mesh=self.mesh, axis_name=axis_name, layout=self.layout, seed=seed, state=self.state,
           element_spec=source.element_spec,
           needs_accumulation=self._programs_need_accumulation,
           background=background_compile, compile_fallback=self._compile_fallback)
       # A model, loss, optimizer or data set that do not fit each other fail here.
-      self._programs.trace(self._plan(controller.batch_size).micro_batch_size)
+      self._programs.trace(self.layout.plan(controller.batch_size).micro_batch_size)
     except BaseException:
       self._checkpointer.close()
       if hasattr(self, "_programs"):
         self._programs.close()
       raise
     self._data = StepDataLoader(source, self.sampler, self._sharded, self._replicated,
-                                local_device_positions(devices), self.num_devices,
-                                place_ahead=jax.process_count() == 1)
+                                self.layout.slot_positions(local_device_positions(devices)),
+                                self.layout.num_slots, place_ahead=jax.process_count() == 1)
     self._is_main = jax.process_index() == 0
     self._lr_used = state_access.lr_factor_of(self.state["opt_state"])
     self._schedule_factor = 1.0
-    self._step_inputs: tuple[tuple[float, float] | None, Any] = (None, None)
+    self._step_inputs: tuple[tuple[float, ...] | None, Any] = (None, None)
     self._metrics = MetricsWriter(workdir, tensorboard=tensorboard, resume_step=self.step,
                                   enabled=self._is_main)
     self._progress_enabled = progress and self._is_main
@@ -330,23 +337,15 @@ class Trainer:
 
   # ------------------------------------------------------------------ planning
 
-  def _plan(self, batch_size: int, previous: int | None = None) -> batch_plan.BatchPlan:
-    return batch_plan.plan_batch(batch_size, self.num_devices, self.policy,
-                                 previous_batch_size=previous, lower=1, upper=None)
-
-  def _shapes_by_distance(self, batch_size: int) -> list[int]:
-    current = self._plan(batch_size).micro_batch_size
-    return sorted(self.shapes, key=lambda m: (abs(math.log(m / current)), m))
-
   def _accumulating_shapes(self, batch_size: int) -> list[int]:
     """Micro-step shapes to compile ahead: the largest when a batch can exceed one micro-batch
     per device, and the first step's (the compile fallback accumulates on it while a larger
     shape compiles)."""
     shapes = []
     if self._programs_need_accumulation:
-      shapes.append(max(self.shapes))
+      shapes.append(max(self.layout.grid))
     if self._compile_fallback:
-      shapes.append(self._plan(batch_size).micro_batch_size)
+      shapes.append(self.layout.plan(batch_size).micro_batch_size)
     return list(dict.fromkeys(shapes))
 
   # ------------------------------------------------------------------ training
@@ -379,7 +378,7 @@ class Trainer:
     max_steps = math.inf if num_steps is None else int(num_steps)
     batch_size = self.controller.batch_size
     self._set_lr_factor(batch_size)
-    self._programs.prefetch(self._shapes_by_distance(batch_size),
+    self._programs.prefetch(self.layout.shapes_by_distance(batch_size),
                             self._accumulating_shapes(batch_size))
     progress = ProgressBar(
         total_examples if math.isfinite(total_examples) else 0,
@@ -438,7 +437,7 @@ class Trainer:
     remaining = total_examples - start
     expected = None
     if remaining > 0:
-      expected = self._programs.ready_plan(self._plan(int(min(batch_size, remaining))))
+      expected = self._programs.ready_plan(self.layout.plan(int(min(batch_size, remaining))))
     count = speculative_count(batch_size, self.upper, remaining)
     self._data.submit(start, count, step, expected)
 
@@ -449,12 +448,13 @@ class Trainer:
     remaining = total_examples - self.sampler.examples_seen
     if remaining < batch_size:
       batch_size = int(remaining)  # the run's last step lands exactly on num_epochs
-    exact = self._plan(batch_size)
+    exact = self.layout.plan(batch_size)
     plan = self._programs.ready_plan(exact)
     data, data_seconds = self._data.take(plan, self.sampler.examples_seen, self.step)
     epoch_before = self.sampler.epoch
     self.sampler.take(plan.global_batch_size)
-    inputs = (float(plan.global_batch_size), self._lr_used)
+    inputs = (float(plan.global_batch_size), self._lr_used,
+              float(self.layout.first_half_weight(plan.global_batch_size)))
     if self._step_inputs[0] != inputs:  # (unchanged at a fixed batch: no transfer)
       self._step_inputs = (inputs, host_scalars(list(inputs), np.float32, self._replicated))
     step_inputs = self._step_inputs[1]
@@ -505,7 +505,7 @@ class Trainer:
         "epoch": dispatched["epoch_before"],
         "examples_seen": self.sampler.examples_seen,
         "batch_size": plan.global_batch_size,
-        "micro_batch_size": plan.micro_batch_size,
+        "micro_batch_size": self.layout.device_rows(plan.micro_batch_size),
         "accumulation_steps": plan.accumulation_steps,
         "padded_examples": plan.padded_examples,
         "compile_fallback": plan != dispatched["exact"],
@@ -587,8 +587,8 @@ class Trainer:
       device, from ``compiled.memory_analysis()``.
     """
     if micro_batch_size is None:
-      micro_batch_size = self._plan(self.controller.batch_size).micro_batch_size
-    return self._programs.memory(micro_batch_size)
+      return self._programs.memory(self.layout.plan(self.controller.batch_size).micro_batch_size)
+    return self._programs.memory(self.layout.slot_rows(micro_batch_size))
 
   def close(self) -> None:
     """Waits for saves and compiles, and closes the metrics files."""

@@ -96,16 +96,14 @@ def check_source(source: Any) -> int:
 
 
 def check_devices(devices: Any) -> list[jax.Device]:
-  """The training devices: all by default; an even number (two halves), each once."""
+  """The training devices: all by default; at least one, each once."""
   devices = list(jax.devices() if devices is None else devices)
   if not all(isinstance(d, jax.Device) for d in devices):
     raise ValueError(f"devices must be a list of jax.Device, got {devices!r:.200}")
+  if not devices:
+    raise ValueError("devices is empty: give at least one jax.Device (None: all of them)")
   if len(set(devices)) != len(devices):
     raise ValueError(f"devices must be distinct, got {devices}")
-  if len(devices) < 2 or len(devices) % 2:
-    raise ValueError(
-        f"the Trainer splits the devices into two halves to measure the similarity: it needs an "
-        f"even number of devices >= 2, got {len(devices)}")
   return devices
 
 
@@ -138,13 +136,14 @@ def _profile_sizes(controller: Any) -> list[int]:
   return [int(b) for b in plan["sizes"]] if isinstance(plan, Mapping) and plan.get("sizes") else []
 
 
-def check_bounds(controller: Any, num_devices: int, num_examples: int) -> tuple[int, int]:
+def check_bounds(controller: Any, num_examples: int, halves: str) -> tuple[int, int]:
   """The smallest and largest global batch sizes of the run, after checking them.
 
   Refuses sizes the data set cannot fill, an adaptive controller without an
   upper bound, and, for a controller that needs the similarity, sizes so small
-  that the second device half holds no example (the similarity is then never
-  measured and the size never moves again).
+  that the second half holds no example (the similarity is then never
+  measured and the size never moves again). Under either split (``halves``)
+  half B holds the step's odd-numbered examples, so a batch needs 2.
   """
   config = controller.config
   lower, upper = config["batch_size_lower_bound"], config["batch_size_upper_bound"]
@@ -162,9 +161,11 @@ def check_bounds(controller: Any, num_devices: int, num_examples: int) -> tuple[
     raise ValueError(
         f"the data set has {num_examples} examples, fewer than the largest batch size {largest} "
         f"({what}): a step would repeat examples; lower the bound")
-  # Example e of a step goes to device e % n, and the halves are the even and the odd
-  # devices: a batch of 1 leaves the second half without an example.
+  # Half B holds the odd-numbered examples of a step (simigrad_jax.host.step_layout):
+  # a batch of 1 leaves it without an example.
   floor = 2
+  second_half = ("the odd devices (the second half)" if halves == "device"
+                 else "the second half (the step's odd-numbered examples)")
   if config["similarity_target"] is not None:
     smallest = min([lower if lower is not None else 1] if adapting else sizes)
     smallest = min([smallest] + profile)
@@ -174,7 +175,7 @@ def check_bounds(controller: Any, num_devices: int, num_examples: int) -> tuple[
               if adapting else f"the batch size is {smallest}")
       if adapting or profile:
         raise ValueError(
-            f"{what}, but a batch below {floor} leaves the odd devices (the second half) "
+            f"{what}, but a batch below {floor} leaves {second_half} "
             f"without an example: the similarity cannot be measured and the batch size would "
             f"stay there; use sizes >= {floor} (set batch_size_lower_bound >= {floor})")
   return (lower if lower is not None else 1), largest

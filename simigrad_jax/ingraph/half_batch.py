@@ -18,8 +18,12 @@ import jax.numpy as jnp
 from simigrad_jax.ingraph.transform import HalfGrads
 
 
-def _split_in_two(batch: Any) -> tuple[Any, Any]:
-  """The first and second halves of ``batch`` along its leading (example) axis."""
+def split_in_two(batch: Any) -> tuple[Any, Any]:
+  """The first and second halves of ``batch`` along its leading (example) axis.
+
+  Raises:
+    ValueError: when the leaves' leading sizes differ, or the size is odd.
+  """
   leaves = jax.tree.leaves(batch)
   if not leaves:
     raise ValueError("value_and_half_grads needs a batch with at least one array")
@@ -32,8 +36,11 @@ def _split_in_two(batch: Any) -> tuple[Any, Any]:
   (size,) = sizes
   if size % 2:
     raise ValueError(
-        f"the local batch has {size} examples; splitting it into two equal halves "
-        "needs an even number (pad it with a zero-weight example)"
+        f"the batch has {size} examples (per device inside pmap or shard_map); "
+        "value_and_half_grads splits it into two equal halves, which needs an even "
+        "number: give each device an even number of rows (under pmap or shard_map, "
+        "a global batch that is a multiple of 2 x the device count), or drop one "
+        "example; simigrad_jax.Trainer pads with a zero-weight row itself"
     )
   half = size // 2
   return jax.tree.map(lambda x: x[:half], batch), jax.tree.map(lambda x: x[half:], batch)
@@ -65,6 +72,33 @@ def _after(tree: Any, grads: Any) -> tuple[Any, bool]:
   total = sum(totals[1:], totals[0])
   zero = jnp.abs(jnp.where(jnp.isfinite(total), total, 0.0) * 0.0)
   return jax.tree.map(lambda x: x - zero.astype(x.dtype) if _is_inexact(x) else x, tree), True
+
+
+def value_and_grads_in_turn(
+    value_and_grad: Callable[..., tuple[Any, Any]], params: Any,
+    first_args: tuple[Any, ...], second_args: tuple[Any, ...],
+) -> tuple[tuple[Any, Any], tuple[Any, Any]]:
+  """Two passes of ``value_and_grad``, the second ordered after the first's gradients.
+
+  Only one pass's activations are alive at a time: the second pass's
+  floating-point arguments (or, when they have none, the parameters) carry a
+  zero-valued data dependency on every leaf of the first pass's gradient.
+
+  Args:
+    value_and_grad: ``value_and_grad(params, *args) -> (value, grads)``.
+    params: the parameters, the same for both passes.
+    first_args: the first pass's other arguments.
+    second_args: the second pass's.
+
+  Returns:
+    ``((value_a, grads_a), (value_b, grads_b))``.
+  """
+  value_a, first = value_and_grad(params, *first_args)
+  second_args, carried = _after(second_args, first)
+  if not carried:
+    params, _ = _after(params, first)
+  value_b, second = value_and_grad(params, *second_args)
+  return (value_a, first), (value_b, second)
 
 
 def _average(a: jax.Array, b: jax.Array) -> jax.Array:
@@ -128,12 +162,9 @@ def value_and_half_grads(
   value_and_grad = jax.value_and_grad(loss_fn, has_aux=has_aux)
 
   def wrapped(params, batch, *args):
-    first_half, second_half = _split_in_two(batch)
-    value_a, first = value_and_grad(params, first_half, *args)
-    second_half, carried = _after(second_half, first)
-    if not carried:
-      params, _ = _after(params, first)
-    value_b, second = value_and_grad(params, second_half, *args)
+    first_half, second_half = split_in_two(batch)
+    (value_a, first), (value_b, second) = value_and_grads_in_turn(
+        value_and_grad, params, (first_half, *args), (second_half, *args))
     mean_grads = jax.tree.map(_average, first, second)
     if has_aux:
       (loss_a, aux_a), (loss_b, aux_b) = value_a, value_b

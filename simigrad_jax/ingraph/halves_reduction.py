@@ -11,8 +11,9 @@ The two halves are formed in one of two ways:
 * the local split (:func:`reduce_local_halves`): every device splits its own
   batch in two and contributes a pair ``(m_i, d_i)``: its share ``m_i`` of the
   mean gradient and ``d_i = (a_i - b_i) / 2`` of the half-difference. Then
-  ``M = mean_i m_i = (g_A + g_B) / 2``, ``D = mean_i d_i``, ``g_A = M + D`` and
-  ``g_B = M - D``.
+  ``M = mean_i m_i = s g_A + (1 - s) g_B`` (``s`` the first half's share of
+  the examples, 1/2 for equal halves), ``D = mean_i d_i = (g_A - g_B) / 2``,
+  ``g_A = M + 2 (1 - s) D`` and ``g_B = M - 2 s D``.
 
 Both return what ``lax.pmean`` would (the mean gradient, in each leaf's own
 dtype) plus float32 :class:`HalfStatistics`, identical on every device.
@@ -258,9 +259,9 @@ def _gather_mean(pieces: list[jax.Array], buckets: list[list[int]], leaves: list
 
 def reduce_local_halves(
     mean_shares, diff_shares, axis_name: str | None, reduction: Reduction = "hierarchical", *,
-    zero_nonfinite: bool = False,
+    zero_nonfinite: bool = False, share: float | jax.Array = 0.5,
 ) -> tuple[object, HalfStatistics]:
-  """Reduces per-device ``(m_i, d_i)`` shares to ``M`` and the statistics of ``M +- D``.
+  """Reduces per-device ``(m_i, d_i)`` shares to ``M`` and the statistics of the two halves.
 
   Args:
     mean_shares: this device's share ``m_i`` of the mean gradient (a pytree).
@@ -273,16 +274,20 @@ def reduce_local_halves(
       statistics on the shards, all-gather the mean; 1.5x an all-reduce),
       ``"scatter"`` or ``"stacked"`` (see the module docstring).
     zero_nonfinite: return a zero mean when ``stats.finite`` is False.
+    share: the first half's fraction of the examples, ``M = share * g_A +
+      (1 - share) * g_B`` (a scalar, may be traced).
 
   Returns:
     ``(mean, stats)``: ``mean = M`` with the structure and dtypes of
-    ``mean_shares``, and the :class:`HalfStatistics` of ``M + D`` and ``M - D``.
+    ``mean_shares``, and the :class:`HalfStatistics` of ``g_A = M + 2 (1 -
+    share) D`` and ``g_B = M - 2 share D``.
   """
   _check_reduction(reduction)
   if axis_name is None:
-    return _global_halves(mean_shares, diff_shares, zero_nonfinite)
+    return _global_halves(mean_shares, diff_shares, zero_nonfinite, share)
   if reduction != "hierarchical":
-    return _reduce_concatenated(mean_shares, diff_shares, axis_name, reduction, zero_nonfinite)
+    return _reduce_concatenated(mean_shares, diff_shares, axis_name, reduction, zero_nonfinite,
+                                share=share)
   num_devices = lax.axis_size(axis_name)
   leaves, treedef = jax.tree.flatten(mean_shares)
   diff_leaves = treedef.flatten_up_to(diff_shares)
@@ -295,20 +300,32 @@ def reduce_local_halves(
     count = jnp.asarray(num_devices, flat_mean.dtype)
     mean_shard = lax.psum_scatter(flat_mean, axis_name, tiled=True) / count
     diff_shard = lax.psum_scatter(flat_diff, axis_name, tiled=True) / count
-    mean32, diff32 = mean_shard.astype(jnp.float32), diff_shard.astype(jnp.float32)
-    partial = partial + _pair_statistics(mean32 + diff32, mean32 - diff32, mean_shard)
+    partial = partial + _pair_statistics(*_halves(mean_shard, diff_shard, share), mean_shard)
     pieces.append(mean_shard)
   stats = _finish(*lax.psum(partial, axis_name))
   return _gather_mean(pieces, buckets, leaves, treedef, axis_name, stats, zero_nonfinite), stats
 
 
-def _global_halves(mean, diff, zero_nonfinite: bool) -> tuple[object, HalfStatistics]:
-  """The statistics of ``M +- D`` for global arrays (a plain ``jax.jit`` step): no collective."""
+def _halves(mean: jax.Array, diff: jax.Array, share) -> tuple[jax.Array, jax.Array]:
+  """Float32 ``(g_A, g_B) = (M + 2 (1 - s) D, M - 2 s D)``; ``(M + D, M - D)`` for ``s = 1/2``.
+
+  A half with no example (``s`` 0 or 1) is exactly zero, not the rounding
+  left over from ``M - 2 D``, so that its similarity reads as not measured.
+  """
+  mean32, diff32 = mean.astype(jnp.float32), diff.astype(jnp.float32)
+  if isinstance(share, float) and share == 0.5:
+    return mean32 + diff32, mean32 - diff32
+  share = jnp.asarray(share, jnp.float32)
+  first = jnp.where(share > 0, mean32 + (2 * (1 - share)) * diff32, 0.0)
+  return first, jnp.where(share < 1, mean32 - (2 * share) * diff32, 0.0)
+
+
+def _global_halves(mean, diff, zero_nonfinite: bool, share) -> tuple[object, HalfStatistics]:
+  """The statistics of the halves for global arrays (a plain ``jax.jit`` step): no collective."""
   diff_leaves = jax.tree.structure(mean).flatten_up_to(diff)
   partial = jnp.zeros((4,), jnp.float32)
   for m, d in zip(jax.tree.leaves(mean), diff_leaves):
-    m32, d32 = jnp.ravel(m).astype(jnp.float32), jnp.ravel(d).astype(jnp.float32)
-    partial = partial + _pair_statistics(m32 + d32, m32 - d32, jnp.ravel(m))
+    partial = partial + _pair_statistics(*_halves(jnp.ravel(m), jnp.ravel(d), share), jnp.ravel(m))
   stats = _finish(*partial)
   if zero_nonfinite:
     mean = jax.tree.map(lambda x: jnp.where(stats.finite, x, jnp.zeros_like(x)), mean)
@@ -331,8 +348,8 @@ def _dtype_groups(leaves: list[jax.Array]) -> dict[jnp.dtype, list[int]]:
 
 
 def _reduce_concatenated(mean_shares, diff_shares, axis_name: str, reduction: Reduction,
-                         zero_nonfinite: bool, *, diff_sign: jax.Array | None = None
-                         ) -> tuple[object, HalfStatistics]:
+                         zero_nonfinite: bool, *, diff_sign: jax.Array | None = None,
+                         share: float | jax.Array = 0.5) -> tuple[object, HalfStatistics]:
   """``"scatter"`` and ``"stacked"``: every leaf of a dtype in one vector, ``(m, d)`` stacked.
 
   ``d_i`` is ``diff_shares`` or, for the device split, ``diff_sign * m_i``.
@@ -353,15 +370,13 @@ def _reduce_concatenated(mean_shares, diff_shares, axis_name: str, reduction: Re
     count = jnp.asarray(num_devices, dtype)
     if reduction == "stacked":
       summed = lax.psum(stacked, axis_name) / count
-      mean32, diff32 = summed[0].astype(jnp.float32), summed[1].astype(jnp.float32)
-      partial = partial + _pair_statistics(mean32 + diff32, mean32 - diff32, summed[0])
+      partial = partial + _pair_statistics(*_halves(summed[0], summed[1], share), summed[0])
       flat_out = summed[0]
     else:
       padded_length = -(-length // num_devices) * num_devices
       stacked = jnp.pad(stacked, ((0, 0), (0, padded_length - length)))
       shard = lax.psum_scatter(stacked, axis_name, scatter_dimension=1, tiled=True) / count
-      mean32, diff32 = shard[0].astype(jnp.float32), shard[1].astype(jnp.float32)
-      partial = partial + _pair_statistics(mean32 + diff32, mean32 - diff32, shard[0])
+      partial = partial + _pair_statistics(*_halves(shard[0], shard[1], share), shard[0])
       flat_out = lax.all_gather(shard[0], axis_name, tiled=True,
                                 **_gather_kwargs(axis_name))[:length]
     _unflatten_bucket(flat_out, mean_leaves, indices, out_leaves)

@@ -15,8 +15,24 @@ The loss is the weighted SUM over a device's rows times
 ``num_devices / total_weight``, so that averaging over devices gives exactly
 the mean gradient over the step's real examples (padding rows have weight 0
 and contribute nothing). The optimizer's :func:`simigrad_jax.transform`
-averages the per-device gradients and measures the half-batch similarity; the
-step returns every number the host needs in one small float32 vector
+averages the per-device gradients and measures the half-batch similarity.
+
+The two halves are formed in one of two ways (``halves``):
+
+* ``"device"``: each device computes one gradient over its rows, and the
+  transform compares the even devices with the odd ones.
+* ``"local"``: each device's rows arrive as two equal blocks, the first
+  half's rows then the second half's (padded with zero-weight rows), and the
+  device takes one gradient per block in two passes, one after the other (as
+  :func:`simigrad_jax.value_and_half_grads` does). The per-half weighted sums
+  are kept apart through the micro-steps; at the update they are normalised
+  by each half's real-example count over the whole step and all devices
+  (``first_half_weight`` and ``total_weight - first_half_weight``) and given
+  to the transform as :class:`simigrad_jax.HalfGrads` with the first half's
+  share, while the mean gradient is their sum over ``total_weight``, exactly
+  the one the device split returns.
+
+The step returns every number the host needs in one small float32 vector
 (:data:`STEP_STATS`). The learning-rate factor arrives as an input and is
 written into the optimizer state in-graph, so the host never rewrites the
 state between steps. A step whose gradient is not finite keeps the
@@ -34,6 +50,8 @@ from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from simigrad_jax.ingraph import half_batch
+from simigrad_jax.ingraph.transform import HalfGrads
 from simigrad_jax.ingraph.transform import SimilarityState
 
 # loss_fn(params, model_state, batch, weights, rng) -> (per_example_losses, new_model_state)
@@ -42,49 +60,102 @@ PerExampleLossFn = Callable[[Any, Any, Any, jax.Array, jax.Array], tuple[jax.Arr
 STEP_STATS: tuple[str, ...] = (
     "loss", "similarity", "norm_a", "norm_b", "norm_mean", "measured", "grads_finite",
     "nonfinite_count")
-# step_inputs: float32 [total real examples of the step, learning-rate factor].
-STEP_INPUTS: tuple[str, ...] = ("total_weight", "lr_factor")
+# step_inputs: float32 [real examples of the step, learning-rate factor, real examples of the
+# first half (read with halves="local")].
+STEP_INPUTS: tuple[str, ...] = ("total_weight", "lr_factor", "first_half_weight")
+HALVES: tuple[str, ...] = ("device", "local")
+
+
+class HalvesContractError(ValueError):
+  """The optimizer does not pass ``half_grads`` on to :func:`simigrad_jax.transform`."""
 
 
 class Accumulator(NamedTuple):
   """Per-device running sums of one optimizer step (leading device axis, sharded)."""
 
-  grads: Any  # pytree like params, each leaf with a leading device axis.
+  # Pytree like params (halves="device"), or a pair of them, the first and the second
+  # half's sums (halves="local"); each leaf with a leading device axis.
+  grads: Any
   loss: jax.Array  # float32[num_devices]: each device's share of the step's mean loss.
 
 
-def abstract_accumulator(params: Any, mesh: Mesh, axis_name: str) -> Accumulator:
+def _check_halves(halves: str) -> bool:
+  """Whether ``halves`` is the local split; raises for a name that is neither."""
+  if halves not in HALVES:
+    raise ValueError(f"halves={halves!r} is not valid; choose one of {HALVES}")
+  return halves == "local"
+
+
+def abstract_accumulator(params: Any, mesh: Mesh, axis_name: str,
+                         halves: str = "device") -> Accumulator:
   """The :class:`Accumulator`'s shapes, dtypes and shardings, as placeholders (nothing allocated)."""
   num_devices = mesh.shape[axis_name]
   sharding = jax.sharding.NamedSharding(mesh, P(axis_name))
+  grads = (params, params) if _check_halves(halves) else params
   return Accumulator(
       grads=jax.tree.map(lambda p: jax.ShapeDtypeStruct((num_devices,) + jnp.shape(p),
                                                         jnp.result_type(p), sharding=sharding),
-                         params),
+                         grads),
       loss=jax.ShapeDtypeStruct((num_devices,), jnp.float32, sharding=sharding))
 
 
-def zero_accumulator(params: Any, mesh: Mesh, axis_name: str) -> Accumulator:
+def zero_accumulator(params: Any, mesh: Mesh, axis_name: str,
+                     halves: str = "device") -> Accumulator:
   """Returns a zero :class:`Accumulator` laid out one row per device of ``mesh``."""
-  abstract = abstract_accumulator(params, mesh, axis_name)
+  abstract = abstract_accumulator(params, mesh, axis_name, halves)
   return jax.jit(lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), abstract),
                  out_shardings=jax.tree.map(lambda a: a.sharding, abstract))()
 
 
-def _device_gradient(loss_fn, num_devices, axis_name, seed, params, model_state, batch, weights,
-                     total_weight, counters):
-  """One device's share of the step's mean loss, its gradient and the new model state."""
+def _device_gradient(loss_fn, num_devices, axis_name, seed, local, params, model_state, batch,
+                     weights, total_weight, counters):
+  """One device's share of the step's mean loss, its gradient and the new model state.
+
+  With the local split the gradient is the pair of the two halves' (the
+  first and the second block of rows) shares, from two passes in turn, each
+  with its own random key; the new model state is the mean of the two passes'.
+  """
   rng = jax.random.key(seed)
   for value in (counters[0], counters[1], lax.axis_index(axis_name)):
     rng = jax.random.fold_in(rng, value)
+  scale = num_devices / total_weight
 
-  def weighted_loss(p):
-    losses, new_state = loss_fn(p, model_state, batch, weights, rng)
-    scale = num_devices / total_weight
-    return jnp.sum(losses.astype(jnp.float32) * weights) * scale, new_state
+  def weighted_loss(p, rows, row_weights, key):
+    losses, new_state = loss_fn(p, model_state, rows, row_weights, key)
+    return jnp.sum(losses.astype(jnp.float32) * row_weights) * scale, new_state
 
-  (loss, new_state), grads = jax.value_and_grad(weighted_loss, has_aux=True)(params)
-  return loss, grads, lax.pmean(new_state, axis_name)
+  value_and_grad = jax.value_and_grad(weighted_loss, has_aux=True)
+  if not local:
+    (loss, new_state), grads = value_and_grad(params, batch, weights, rng)
+    return loss, grads, lax.pmean(new_state, axis_name)
+  first, second = half_batch.split_in_two((batch, weights))
+  pass_a, pass_b = half_batch.value_and_grads_in_turn(
+      value_and_grad, params, (*first, jax.random.fold_in(rng, 0)),
+      (*second, jax.random.fold_in(rng, 1)))
+  ((loss_a, state_a), grads_a), ((loss_b, state_b), grads_b) = pass_a, pass_b
+  new_state = jax.tree.map(lambda a, b: ((a + b) / 2).astype(jnp.result_type(a)),
+                           state_a, state_b)
+  return loss_a + loss_b, (grads_a, grads_b), lax.pmean(new_state, axis_name)
+
+
+def _optimizer_inputs(local, grads, step_inputs):
+  """The gradient and keyword arguments the optimizer's update takes.
+
+  Local split: the mean is the sum of the two halves' shares, and each half
+  is normalised by its own share of the step's real examples (a half with
+  none gets a zero gradient, which the transform reports as not measured).
+  """
+  if not local:
+    return grads, {}
+  first, second = grads
+  share = step_inputs[2] / step_inputs[0]
+
+  def rescale(tree, fraction):
+    factor = jnp.where(fraction > 0, 1 / jnp.where(fraction > 0, fraction, 1), 0)
+    return jax.tree.map(lambda g: (g.astype(jnp.float32) * factor).astype(g.dtype), tree)
+
+  mean = jax.tree.map(lambda a, b: a + b, first, second)
+  return mean, {"half_grads": HalfGrads(rescale(first, share), rescale(second, 1 - share), share)}
 
 
 def _keep_if_nonfinite(finite: jax.Array, new: Any, old: Any) -> Any:
@@ -109,10 +180,18 @@ def _keep_if_nonfinite(finite: jax.Array, new: Any, old: Any) -> Any:
   return jax.tree.map(keep_state, new, old, is_leaf=lambda x: isinstance(x, SimilarityState))
 
 
-def _update(optimizer, axis_name, params, opt_state, grads, loss, lr_factor):
+def _update(optimizer, axis_name, local, params, opt_state, grads, loss, step_inputs):
   """The optimizer step from per-device gradients: new params and state, and the stats vector."""
-  updates, new_opt_state = optimizer.update(
-      grads, optax.tree_utils.tree_set(opt_state, lr_factor=lr_factor), params)
+  grads, extra = _optimizer_inputs(local, grads, step_inputs)
+  with_lr = optax.tree_utils.tree_set(opt_state, lr_factor=step_inputs[1])
+  try:
+    updates, new_opt_state = optimizer.update(grads, with_lr, params, **extra)
+  except TypeError as error:
+    if not extra:
+      raise
+    raise HalvesContractError(
+        f"with halves='local' the optimizer's update must take half_grads=... and pass it on to "
+        f"simigrad_jax.transform (optax.chain does): {error}") from error
   new_params = optax.apply_updates(params, updates)
   similarity_state = optax.tree_utils.tree_get(new_opt_state, SimilarityState.__name__)
   stats = jnp.stack([
@@ -132,7 +211,7 @@ def _update(optimizer, axis_name, params, opt_state, grads, loss, lr_factor):
 
 def make_fused_step(
     loss_fn: PerExampleLossFn, optimizer: optax.GradientTransformation, mesh: Mesh,
-    axis_name: str, seed: int = 0,
+    axis_name: str, seed: int = 0, halves: str = "device",
 ) -> Callable[..., tuple[Any, Any, Any, jax.Array]]:
   """Returns ``step(params, opt_state, model_state, batch, weights, step_inputs, counters)``.
 
@@ -150,6 +229,9 @@ def make_fused_step(
     seed: the run's seed; the key handed to ``loss_fn`` is derived from it,
       the optimizer step, the micro-step and the device, so a resumed run draws
       the same numbers.
+    halves: ``"device"`` (the even devices against the odd ones) or
+      ``"local"`` (each device's first block of rows against its second; the
+      rows per device must be even).
 
   Returns:
     A function (to be jitted) from replicated ``params``, ``opt_state`` and
@@ -160,13 +242,14 @@ def make_fused_step(
     every device).
   """
   num_devices = mesh.shape[axis_name]
+  local = _check_halves(halves)
 
   def per_device(params, opt_state, model_state, batch, weights, step_inputs, counters):
     loss, grads, new_model_state = _device_gradient(
-        loss_fn, num_devices, axis_name, seed, params, model_state, batch, weights,
+        loss_fn, num_devices, axis_name, seed, local, params, model_state, batch, weights,
         step_inputs[0], counters)
-    params, opt_state, finite, stats = _update(optimizer, axis_name, params, opt_state, grads,
-                                               loss, step_inputs[1])
+    params, opt_state, finite, stats = _update(optimizer, axis_name, local, params, opt_state,
+                                               grads, loss, step_inputs)
     model_state = _keep_if_nonfinite(finite, new_model_state, model_state)
     return params, opt_state, model_state, stats
 
@@ -177,7 +260,8 @@ def make_fused_step(
 
 
 def make_micro_step(
-    loss_fn: PerExampleLossFn, mesh: Mesh, axis_name: str, seed: int = 0
+    loss_fn: PerExampleLossFn, mesh: Mesh, axis_name: str, seed: int = 0,
+    halves: str = "device",
 ) -> Callable[..., tuple[Accumulator, Any]]:
   """Returns ``micro_step(params, model_state, acc, batch, weights, step_inputs, counters)``.
 
@@ -186,6 +270,8 @@ def make_micro_step(
     mesh: a one-axis mesh over the data-parallel devices.
     axis_name: the mesh axis name.
     seed: as for :func:`make_fused_step`.
+    halves: as for :func:`make_fused_step`; the accumulator must be made with
+      the same value.
 
   Returns:
     A function (to be jitted) from replicated ``params`` and ``model_state``,
@@ -195,10 +281,11 @@ def make_micro_step(
     accumulator and the new model state (averaged over devices).
   """
   num_devices = mesh.shape[axis_name]
+  local = _check_halves(halves)
 
   def per_device(params, model_state, acc, batch, weights, step_inputs, counters):
     loss, grads, new_state = _device_gradient(
-        loss_fn, num_devices, axis_name, seed, params, model_state, batch, weights,
+        loss_fn, num_devices, axis_name, seed, local, params, model_state, batch, weights,
         step_inputs[0], counters)
     grads = jax.tree.map(lambda a, g: a + g[None].astype(a.dtype), acc.grads, grads)
     return Accumulator(grads=grads, loss=acc.loss + loss[None]), new_state
@@ -210,7 +297,7 @@ def make_micro_step(
 
 
 def make_apply_step(
-    optimizer: optax.GradientTransformation, mesh: Mesh, axis_name: str
+    optimizer: optax.GradientTransformation, mesh: Mesh, axis_name: str, halves: str = "device",
 ) -> Callable[..., tuple[Any, Any, Accumulator, Any, jax.Array]]:
   """Returns ``apply_step(params, opt_state, acc, model_state_before, model_state, step_inputs)``.
 
@@ -220,6 +307,7 @@ def make_apply_step(
       and :func:`simigrad_jax.scale_by_lr_factor`.
     mesh: a one-axis mesh over the data-parallel devices.
     axis_name: the mesh axis name.
+    halves: as for :func:`make_fused_step`.
 
   Returns:
     A function (to be jitted) returning the new replicated params and
@@ -228,11 +316,12 @@ def make_apply_step(
     finite) and a float32 vector of the :data:`STEP_STATS` (identical on every
     device).
   """
+  local = _check_halves(halves)
 
   def per_device(params, opt_state, acc, model_state_before, model_state, step_inputs):
     grads = jax.tree.map(lambda g: g[0], acc.grads)
-    params, opt_state, finite, stats = _update(optimizer, axis_name, params, opt_state, grads,
-                                               acc.loss[0], step_inputs[1])
+    params, opt_state, finite, stats = _update(optimizer, axis_name, local, params, opt_state,
+                                               grads, acc.loss[0], step_inputs)
     cleared = jax.tree.map(jnp.zeros_like, acc)
     model_state = _keep_if_nonfinite(finite, model_state, model_state_before)
     return params, opt_state, cleared, model_state, stats

@@ -25,17 +25,26 @@ class SimilarityState(NamedTuple):
   similarity: jax.Array  # float32 cos(g_A, g_B) of the last step; 0 where not measured.
   norm_a: jax.Array  # float32 |g_A|, the first half's mean-gradient norm; 0 if non-finite.
   norm_b: jax.Array  # float32 |g_B|, the second half's mean-gradient norm; 0 if non-finite.
-  norm_mean: jax.Array  # float32 |(g_A + g_B) / 2|, the mean-gradient norm; 0 if non-finite.
+  norm_mean: jax.Array  # float32 |M|, M the returned mean gradient; 0 if non-finite.
   measured: jax.Array  # bool: gradients finite and both half norms positive.
   grads_finite: jax.Array  # bool: every entry of the reduced gradients was finite.
   nonfinite_count: jax.Array  # int32: steps so far whose gradients were not finite.
 
 
 class HalfGrads(NamedTuple):
-  """The two gradients of one device's batch split into halves (see :func:`value_and_half_grads`)."""
+  """The two gradients of one device's batch split into halves (see :func:`value_and_half_grads`).
+
+  Averaged over the devices, ``first`` and ``second`` are the mean gradients
+  ``g_A`` and ``g_B`` of the two halves. The gradient passed to the transform
+  with them must average to ``M = share * g_A + (1 - share) * g_B``, the mean
+  gradient over the examples of both halves.
+  """
 
   first: Any  # gradient pytree of the first half of the local batch.
   second: Any  # gradient pytree of the second half of the local batch.
+  # The first half's fraction of the examples, a scalar in [0, 1] (may be traced);
+  # None: the halves are equal (0.5).
+  share: Any = None
 
 
 def _check_not_already_reduced(leaves: list[jax.Array], axis_name: str) -> None:
@@ -69,8 +78,15 @@ def _check_half_grads(updates: Any, half_grads: Any) -> None:
   if not isinstance(half_grads, HalfGrads):
     raise ValueError(f"half_grads must be a simigrad_jax.HalfGrads(first, second), got "
                      f"{type(half_grads).__name__}")
+  share = half_grads.share
+  if share is not None and jnp.shape(share) != ():
+    raise ValueError(f"half_grads.share must be a scalar (the first half's fraction of the "
+                     f"examples), got shape {jnp.shape(share)}")
+  if isinstance(share, (int, float)) and not 0 <= share <= 1:
+    raise ValueError(f"half_grads.share must lie in [0, 1] (the first half's fraction of the "
+                     f"examples), got {share!r}")
   expected = jax.tree.structure(updates)
-  for name, half in zip(HalfGrads._fields, half_grads):
+  for name, half in (("first", half_grads.first), ("second", half_grads.second)):
     if jax.tree.structure(half) != expected:
       raise ValueError(f"half_grads.{name} has the tree structure {jax.tree.structure(half)}, "
                        f"the gradient {expected}: compute both from the same parameters")
@@ -104,6 +120,13 @@ def transform(
   computes them in one pass). The halves are then "first half of every
   device's batch" and "second half of every device's batch", an equally
   unbiased split, and ``half_grads`` may be used with any device count.
+
+  Halves of different sizes (an odd number of examples, or padding) are
+  exact too: give ``HalfGrads(first, second, share)`` with ``share`` the first
+  half's fraction of the examples and a gradient that averages to
+  ``share * g_A + (1 - share) * g_B``; the transform returns that mean and
+  measures ``g_A`` against ``g_B``. A half with no example has a zero
+  gradient: its similarity is not measured, and the mean stays exact.
 
   In a plain ``jax.jit`` step over a batch sharded on a mesh (no pmap, no
   shard_map), leave ``axis_name`` out and pass ``half_grads``: the gradients
@@ -194,13 +217,14 @@ def transform(
       mean, stats = halves_reduction.reduce_device_halves(
           updates, axis_name, reduction, zero_nonfinite=nonfinite == "zero")
     else:
-      first, second = half_grads
       diff_shares = jax.tree.map(
           lambda g, a, b: ((a.astype(jnp.float32) - b.astype(jnp.float32)) / 2).astype(g.dtype),
-          updates, first, second,
+          updates, half_grads.first, half_grads.second,
       )
+      share = 0.5 if half_grads.share is None else half_grads.share
       mean, stats = halves_reduction.reduce_local_halves(
-          updates, diff_shares, axis_name, reduction, zero_nonfinite=nonfinite == "zero")
+          updates, diff_shares, axis_name, reduction, zero_nonfinite=nonfinite == "zero",
+          share=share)
 
     grads_finite = stats.finite
     positive = (stats.sq_norm_a > 0) & (stats.sq_norm_b > 0)

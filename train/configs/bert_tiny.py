@@ -8,7 +8,7 @@ with every Python (``pydoc_data.topics``, about 0.5 MB); ``--config.text_files``
 for your own. The last 5% of the text is held out for evaluation (masked-token
 accuracy). Tokenization is byte-level (see ``bert_pretrain``).
 
-Hardware: a CPU (8 simulated devices) or any even number of accelerators.
+Hardware: a CPU (8 simulated devices) or any number of accelerators.
 Runtime: about 3 minutes on a 2-core CPU (measured on tinyshakespeare: 314 s
 of CPU time, 126 optimizer steps, average batch 131 growing to 300-600).
 Result: held-out masked-byte accuracy 0.230 and loss 3.09 after 2 epochs,

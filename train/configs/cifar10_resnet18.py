@@ -14,7 +14,7 @@ image builder needs TensorFlow: ``pip install -e ".[tensorflow]"``, then
 ``tfds build cifar10 --file_format=array_record``), or set ``--config.download=True``
 where TFDS can download.
 
-Hardware: one host with 8 GPUs (any even number works; 2 x 4 hosts with
+Hardware: one host with 8 GPUs (any number works; 2 x 4 hosts with
 ``--distributed``). Memory: up to 256 images per GPU per micro-step, well
 under 16 GB. Runtime: expected about 1-3 hours on 8 current GPUs for the
 200 epochs (10M images); the host decodes images in one data thread, which

@@ -18,11 +18,15 @@ def get_config() -> ml_collections.ConfigDict:
   config.seed = 0  # data order, initialisation, augmentation and masking keys.
   config.num_epochs = 8.0  # may be fractional.
   config.num_steps = config_dict.placeholder(int)  # stop earlier, after this optimizer step.
-  # Devices: "auto" = the default backend's devices if there are an even number >= 2
-  # (SimiGrad compares two halves of the devices), else the CPU's simulated devices;
-  # "default" = the default backend's devices, refusing an odd count; "cpu" = the CPU's.
+  # Devices: "default" or "auto" = the default backend's devices: every accelerator, however
+  # many, or the CPU's simulated devices when there is none; "cpu" = the CPU's.
   config.platform = "default"
   config.num_cpu_devices = 8  # simulated CPU devices, set before JAX starts (python -m train).
+  # The two halves the similarity compares (half A: each step's even-numbered examples, B: the
+  # odd ones): "device" = the even devices against the odd ones (the reference's split; an even
+  # number of devices); "local" = two blocks of rows on every device, one gradient pass each
+  # (any number of devices); "auto" = "device" on an even number of devices, else "local".
+  config.halves = "auto"
 
   # ---------------------------------------------------------------- data
   # "digits" | "mnist" | "tfds" | "tfds_resized" | "text" | "tfds_text" (train/input_pipeline.py).

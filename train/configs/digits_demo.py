@@ -8,10 +8,12 @@ Measured: final test accuracy 0.976 (seed 0; 0.970-0.980 over seeds 0-4),
 247 optimizer steps, average batch 91, the batch growing to 300-500 by the
 end.
 
-Hardware: any; on a machine without an even number (>= 2) of accelerators it
-trains on 8 simulated CPU devices. Runtime: 20-50 s measured on a shared,
-busy 2-core machine (about 25 s of CPU time, a good part of it compiling the
-six micro-batch shapes in the background).
+Hardware: any; on the machine's accelerators, however many, or on 8 simulated
+CPU devices when it has none (``--config.platform=cpu
+--config.num_cpu_devices=N`` for N CPU devices, 1 included; an odd count
+uses the local split). Runtime: 20-50 s measured on a shared, busy 2-core
+machine (about 25 s of CPU time, a good part of it compiling the six
+micro-batch shapes in the background).
 """
 
 from train.configs import default

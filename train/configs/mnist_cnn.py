@@ -1,6 +1,6 @@
 """MNIST with the flax examples' small CNN: the same data as ``mnist_mlp``.
 
-Hardware: a CPU (8 simulated devices) or any even number of accelerators.
+Hardware: a CPU (8 simulated devices) or any number of accelerators.
 Runtime: about 2 minutes for 10 epochs of the 5,000 local images on a 2-core
 CPU (measured: 121 s of CPU time; test accuracy 0.974, average batch 71);
 seconds per epoch of the full 60,000 on a GPU host.

