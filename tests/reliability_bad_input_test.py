@@ -74,6 +74,12 @@ def without_extra_args(inner):
   return optax.GradientTransformation(inner.init, lambda u, s, p=None: inner.update(u, s, p))
 
 
+def dropping_extra_args(inner):
+  """``inner`` behind an update that takes keyword arguments but does not pass them on."""
+  return optax.GradientTransformationExtraArgs(
+      inner.init, lambda u, s, p=None, **extra: inner.update(u, s, p))
+
+
 def nan_params():
   params = TinyMLP().init(jax.random.key(0), np.zeros((1, 5), np.float32))["params"]
   kernel = params["Dense_0"]["kernel"].at[0, 0].set(jnp.nan)
@@ -206,6 +212,15 @@ CASES = [
         w, devices=jax.devices()[:3], optimizer=without_extra_args(optimizer())), ValueError,
          r"with halves='local' the optimizer's update must take half_grads=\.\.\. and pass it on "
          r"to simigrad_jax.transform"),
+    # On 8 devices the transform could measure the device halves instead: refused too.
+    Case("local split on 8 devices with an optimizer that drops half_grads", lambda w: trainer(
+        w, halves="local", optimizer=dropping_extra_args(optimizer())), ValueError,
+         r"the optimizer's update was given half_grads=\.\.\., but simigrad_jax.transform did "
+         r"not receive them, so it would compare the device halves instead"),
+    Case("local split with an optimizer that drops half_grads", lambda w: trainer(
+        w, devices=jax.devices()[:3], optimizer=dropping_extra_args(optimizer())), ValueError,
+         r"the optimizer's update was given half_grads=\.\.\., but simigrad_jax.transform did "
+         r"not receive them, so it would compare the device halves instead"),
     Case("transform on another axis name", lambda w: trainer(w, optimizer=optimizer("data")), ValueError,
          r"the optimizer's simigrad_jax.transform must use the Trainer's axis_name='batch'"),
     Case("NaN in the initial parameters", lambda w: trainer(w, params=nan_params()), ValueError,

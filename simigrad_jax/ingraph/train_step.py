@@ -41,6 +41,7 @@ parameters, the optimizer state and the model state as they were.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -51,7 +52,9 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from simigrad_jax.ingraph import half_batch
+from simigrad_jax.ingraph import transform
 from simigrad_jax.ingraph.transform import HalfGrads
+from simigrad_jax.ingraph.transform import HalvesContractError
 from simigrad_jax.ingraph.transform import SimilarityState
 
 # loss_fn(params, model_state, batch, weights, rng) -> (per_example_losses, new_model_state)
@@ -64,10 +67,6 @@ STEP_STATS: tuple[str, ...] = (
 # first half (read with halves="local")].
 STEP_INPUTS: tuple[str, ...] = ("total_weight", "lr_factor", "first_half_weight")
 HALVES: tuple[str, ...] = ("device", "local")
-
-
-class HalvesContractError(ValueError):
-  """The optimizer does not pass ``half_grads`` on to :func:`simigrad_jax.transform`."""
 
 
 class Accumulator(NamedTuple):
@@ -185,7 +184,8 @@ def _update(optimizer, axis_name, local, params, opt_state, grads, loss, step_in
   grads, extra = _optimizer_inputs(local, grads, step_inputs)
   with_lr = optax.tree_utils.tree_set(opt_state, lr_factor=step_inputs[1])
   try:
-    updates, new_opt_state = optimizer.update(grads, with_lr, params, **extra)
+    with transform.expecting_half_grads() if extra else contextlib.nullcontext():
+      updates, new_opt_state = optimizer.update(grads, with_lr, params, **extra)
   except TypeError as error:
     if not extra:
       raise

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from collections.abc import Iterator
 from typing import Any, Literal, NamedTuple
 
 import jax
@@ -45,6 +48,31 @@ class HalfGrads(NamedTuple):
   # The first half's fraction of the examples, a scalar in [0, 1] (may be traced);
   # None: the halves are equal (0.5).
   share: Any = None
+
+
+class HalvesContractError(ValueError):
+  """The optimizer does not pass ``half_grads`` on to :func:`transform`."""
+
+
+# Trace time only: True while a caller that passes half_grads runs the optimizer's update.
+_EXPECTING_HALF_GRADS = contextvars.ContextVar("simigrad_jax_expecting_half_grads",
+                                               default=False)
+
+
+@contextlib.contextmanager
+def expecting_half_grads() -> Iterator[None]:
+  """While tracing the block, a :func:`transform` reached without ``half_grads`` raises.
+
+  A wrapper around the transform that takes extra keyword arguments but does
+  not pass them on would make the transform measure the device split where
+  the caller asked for the local one; a caller that passes ``half_grads`` to
+  ``optimizer.update`` runs it inside this block to refuse that.
+  """
+  token = _EXPECTING_HALF_GRADS.set(True)
+  try:
+    yield
+  finally:
+    _EXPECTING_HALF_GRADS.reset(token)
 
 
 def _check_not_already_reduced(leaves: list[jax.Array], axis_name: str) -> None:
@@ -203,6 +231,11 @@ def transform(
 
   def update_fn(updates, state, params=None, *, half_grads: HalfGrads | None = None, **extra):
     del params, extra
+    if half_grads is None and _EXPECTING_HALF_GRADS.get():
+      raise HalvesContractError(
+          "the optimizer's update was given half_grads=..., but simigrad_jax.transform did not "
+          "receive them, so it would compare the device halves instead: a wrapper in the "
+          "optimizer takes extra keyword arguments and does not pass them on (optax.chain does)")
     leaves = jax.tree.leaves(updates)
     if axis_name is not None:
       _check_not_already_reduced(leaves, axis_name)
