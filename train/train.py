@@ -145,7 +145,7 @@ def create_controller(config: ml_collections.ConfigDict, num_devices: int,
     ValueError: for an unknown controller, bad options or bad JSON.
   """
   lower = config.batch_size_lower_bound
-  slots = num_devices * (2 if halves == "local" else 1)
+  slots = num_devices * step_layout.blocks_per_device(halves)
   options: dict[str, Any] = {
       "initial_batch_size": config.initial_batch_size,
       "batch_size_lower_bound": slots if lower is None else lower,

@@ -79,7 +79,7 @@ class StepLayout:
     Returns:
       A :class:`StepLayout`.
     """
-    per = _slots_per_device(halves)
+    per = blocks_per_device(halves)
     top = _ceil_div(max_micro, per)
     if mode == "pad":
       return cls(halves, num_devices, batch_plan.BucketPolicy(top, top, padding=True))
@@ -90,7 +90,7 @@ class StepLayout:
   @property
   def slots_per_device(self) -> int:
     """Blocks of rows per device per micro-step: 1 (device split) or 2 (local split)."""
-    return _slots_per_device(self.halves)
+    return blocks_per_device(self.halves)
 
   @property
   def num_slots(self) -> int:
@@ -153,7 +153,8 @@ def resolve_halves(halves: str, num_devices: int) -> str:
   return halves
 
 
-def _slots_per_device(halves: str) -> int:
+def blocks_per_device(halves: str) -> int:
+  """Blocks of rows per device per micro-step under the split ``halves``: 2 if local, else 1."""
   return 2 if halves == "local" else 1
 
 
