@@ -11,7 +11,8 @@ Training engine (host side): Trainer, with EpochSampler, ArraySource,
   TfdsSource, StepCompiler, Checkpointer, MetricsWriter, ProgressBar.
 Simulated CPU devices: simulated_cpu_devices_env (set before JAX starts).
 Errors: CheckpointMismatchError (a checkpoint from another run),
-  ProcessDisagreementError (hosts disagree on a decision), StepCompileError.
+  ProcessDisagreementError (hosts disagree on a decision), StepCompileError,
+  HalvesContractError (an optimizer that does not pass half_grads on).
 """
 
 from simigrad_jax.host.batch_plan import BatchPlan
@@ -47,6 +48,7 @@ from simigrad_jax.ingraph.half_batch import value_and_half_grads
 from simigrad_jax.ingraph.lr_scaling import LrFactorState
 from simigrad_jax.ingraph.lr_scaling import scale_by_lr_factor
 from simigrad_jax.ingraph.transform import HalfGrads
+from simigrad_jax.ingraph.transform import HalvesContractError
 from simigrad_jax.ingraph.transform import SimilarityState
 from simigrad_jax.ingraph.transform import transform
 
@@ -61,6 +63,7 @@ __all__ = [
     "Controller",
     "EpochSampler",
     "HalfGrads",
+    "HalvesContractError",
     "LrFactorState",
     "MetricsWriter",
     "ProcessDisagreementError",
