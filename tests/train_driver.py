@@ -6,6 +6,7 @@ python tests/train_driver.py --workdir DIR --steps N
     [--disagree-at K] [--similarity-target X] [--max-micro-batch-size M]
     [--compile-cache DIR] [--mode recompile|pad] [--checkpoint-every C]
     [--agreement-timeout SECONDS] [--devices D] [--halves auto|device|local]
+    [--hold-compiles K] [--no-compile-fallback]
 
 Trains an MLP on a fixed synthetic classification set (600 examples) over D
 devices in all (default 8; D // P simulated CPU devices per process), with
@@ -26,6 +27,14 @@ a ``start`` line (the step it resumed from), a ``step`` line per completed
 step (its decision and the sorted indices of the examples this process
 trained on), and a ``kill`` line before a SIGKILL. Process 1 of a multi-host
 run writes no metrics file, so its trace is where its decisions show.
+
+Compile timing: ``--hold-compiles K`` holds the compile of every
+one-micro-batch program but the first step's until this process has finished
+step K (each process may hold its own number of steps; micro-steps still
+compile), so the compile fallback has shapes to cover, with accumulation;
+``--no-compile-fallback`` waits for every shape instead. Each ``step`` line
+also has the step's ``micro_batch_size`` and ``compile_fallback``, and an
+``end`` line has the final parameters.
 
 Forced disagreements (multi-host, process 1 only): ``--disagree-at K`` makes
 process 1's controller pick a different next batch size at step K;
@@ -58,6 +67,8 @@ parser.add_argument("--disagree-at", type=int, default=None)
 parser.add_argument("--agreement-timeout", type=float, default=60.0)
 parser.add_argument("--devices", type=int, default=8)
 parser.add_argument("--halves", default="auto")
+parser.add_argument("--hold-compiles", type=int, default=None)
+parser.add_argument("--no-compile-fallback", action="store_true")
 args = parser.parse_args()
 
 os.environ["JAX_PLATFORMS"] = "cpu"
@@ -170,10 +181,24 @@ trainer = simigrad_jax.Trainer(
     source=simigrad_jax.ArraySource(synthetic_data()), controller=controller,
     workdir=args.workdir, max_micro_batch_size=args.max_micro_batch_size, mode=args.mode, seed=1,
     checkpoint_every_steps=args.checkpoint_every, progress=False, tensorboard=False,
-    compilation_cache_dir=args.compile_cache, halves=args.halves)
+    compilation_cache_dir=args.compile_cache, halves=args.halves,
+    compile_fallback=not args.no_compile_fallback)
 trace({"event": "start", "pid": os.getpid(), "step": trainer.step,
        "examples_seen": trainer.sampler.examples_seen,
        "skipped_checkpoints": [s for s, _ in trainer._checkpointer.skipped]})
+
+# --- hold every compile but the first step's shape until this process has finished step K.
+compiles_released = threading.Event()
+if args.hold_compiles is not None:
+  first_shape = trainer.layout.plan(controller.batch_size).micro_batch_size
+  held_compiler = trainer._programs.fused_compiler  # (micro-steps compile: the fallback's)
+
+  def held_lower(size, lower=held_compiler._lower):
+    if size != first_shape:
+      compiles_released.wait(timeout=30)  # (a step that needs the shape waits this long)
+    return lower(size)
+
+  held_compiler._lower = held_lower
 
 # --- the examples each step trained on (this process's real rows), logged once the step is done.
 placed = []
@@ -201,7 +226,10 @@ def decide_then_maybe_die(dispatched):
   record = original_decide(dispatched)
   trace({"event": "step", **{k: record[k] for k in (
       "step", "batch_size", "next_batch_size", "lr_factor", "next_lr_factor", "decision", "loss",
-      "similarity", "examples_seen")}, "indices": placed.pop()})
+      "similarity", "examples_seen", "micro_batch_size", "compile_fallback")},
+      "indices": placed.pop()})
+  if record["step"] == args.hold_compiles:
+    compiles_released.set()
   if record["step"] == args.kill_at:  # the next step is not dispatched yet
     die("between_steps", step=record["step"])
   return record
@@ -223,6 +251,11 @@ if args.kill_in_save is not None:
   checkpointer.save = save_then_die
 
 with trainer:
-  summary = trainer.train(num_steps=args.steps)
+  try:
+    summary = trainer.train(num_steps=args.steps)
+  finally:
+    compiles_released.set()
+  trace({"event": "end", "params": [np.asarray(leaf.addressable_data(0)).ravel().tolist()
+                                    for leaf in jax.tree.leaves(trainer.state["params"])]})
 if process == 0:
   print(json.dumps({k: v for k, v in summary.items() if not isinstance(v, list)}))

@@ -28,23 +28,41 @@ AGREEMENT_TIMEOUT_SECONDS = 300.0
 _agreement_rounds = itertools.count()
 
 
-def agree(what: str, values: Mapping[str, Any], set_up: bool = False) -> None:
+def agree(what: str, values: Mapping[str, Any], set_up: bool = False, *,
+          report: Any = None) -> list[Any] | None:
   """Raises :class:`ProcessDisagreementError` unless every process holds the same ``values``.
 
-  Nothing happens with one process. Each value is compared as JSON; the
+  Nothing is compared with one process. Each value is compared as JSON; the
   error names each differing key with every process's value. Per step, one
   small all-gather over the processes; at set-up (``set_up=True``) the
   values go through jax.distributed's key-value store instead, so that a
   process that failed before reaching this point is reported after
   :data:`AGREEMENT_TIMEOUT_SECONDS` rather than leaving the others waiting.
+
+  Args:
+    what: what is compared, for the error message.
+    values: the values every process must hold, by name.
+    set_up: go through the key-value store, with a timeout (see above).
+    report: optional: this process's own value, NOT compared, sent along in
+      the same exchange (JSON of at most 512 bytes).
+
+  Returns:
+    None without ``report``; else every process's ``report``, by process
+    index (the same list on every process).
   """
-  if jax.process_count() == 1:
-    return
   texts = [json.dumps(values[key], sort_keys=True, default=str) for key in values]
-  gathered = _gather_texts_with_timeout(texts, what) if set_up else _gather_texts(texts)
+  report_text = None if report is None else json.dumps(report, sort_keys=True)
+  if report_text is not None and len(report_text.encode()) > _TEXT_WIDTH:
+    raise ValueError(f"a report of {len(report_text.encode())} bytes does not fit the "
+                     f"{_TEXT_WIDTH} bytes that the exchange sends per value: {report_text[:80]}...")
+  if jax.process_count() == 1:
+    return None if report is None else [report]
+  sent = texts + ([] if report_text is None else [report_text])
+  gathered = _gather_texts_with_timeout(sent, what) if set_up else _gather_texts(sent)
+  reports = None if report is None else [json.loads(row[len(texts)]) for row in gathered]
   differing = [i for i in range(len(texts)) if len({row[i] for row in gathered}) > 1]
   if not differing:
-    return
+    return reports
   details = "; ".join(
       f"{key}: " + ", ".join(f"process {p} has {row[i]}" for p, row in enumerate(gathered))
       for i, key in enumerate(values) if i in differing)

@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import math
+import operator
 import time
 from typing import Any, Mapping
 
@@ -74,6 +76,11 @@ class StepPrograms:
     background: compile in background threads.
     compile_fallback: let :meth:`ready_plan` replace a plan whose program is
       still compiling.
+    shared_compiles: several processes run the steps together, so a plan
+      may only be replaced by a shape compiled on every one of them:
+      :meth:`ready_plan` then uses the view that :meth:`agree_on_compiles`
+      last set from every process's :meth:`compiled_report`, and waits for
+      the exact shape until a first view is set.
 
   Raises:
     ValueError: when ``loss_fn``, the optimizer and the data do not fit each
@@ -84,7 +91,7 @@ class StepPrograms:
                optimizer: optax.GradientTransformation, mesh: Mesh, axis_name: str,
                layout: StepLayout, seed: int, state: Mapping[str, Any],
                element_spec: Mapping[str, tuple[Any, Any]], needs_accumulation: bool,
-               background: bool, compile_fallback: bool):
+               background: bool, compile_fallback: bool, shared_compiles: bool = False):
     self.mesh, self.axis_name, self.layout = mesh, axis_name, layout
     self.num_slots = layout.num_slots
     self._replicated = NamedSharding(mesh, P())
@@ -96,6 +103,9 @@ class StepPrograms:
     self._acc = None  # allocated when a step first accumulates
     self._background = background
     self._compile_fallback = compile_fallback
+    self._shared_compiles = shared_compiles and compile_fallback
+    self._grid = sorted(layout.grid)  # the shapes a report's bitmasks index
+    self._agreed: dict[str, Any] | None = None  # what every process has compiled (shared_compiles)
 
     self._fused = jax.jit(
         train_step.make_fused_step(loss_fn, optimizer, mesh, axis_name, seed, halves),
@@ -205,11 +215,45 @@ class StepPrograms:
 
   # ------------------------------------------------------------------ choosing
 
-  def _ready(self, micro: int, accumulation_steps: int, compiled: Mapping[str, list[int]]) -> bool:
-    if accumulation_steps == 1 and micro in compiled["fused"]:
-      return True
-    apply_ready = self._apply_future is not None and self._apply_future.done()
-    return apply_ready and micro in compiled["micro"]
+  def _compiled_here(self) -> dict[str, Any]:
+    """The shapes this process has compiled (or failed to compile) so far."""
+    fused, micro = self.fused_compiler.stats(), self.micro_compiler.stats()
+    return {"fused": set(fused["compiled_sizes"]), "micro": set(micro["compiled_sizes"]),
+            "apply": self._apply_future is not None and self._apply_future.done(),
+            "failed_fused": set(fused["failed_sizes"]), "failed_micro": set(micro["failed_sizes"])}
+
+  def compiled_report(self) -> dict[str, int] | None:
+    """This process's compiled shapes for the other processes; None unless ``shared_compiles``.
+
+    Bitmasks over the layout's grid of shapes (bit ``i``: the ``i``-th
+    smallest), so the report stays a few small integers however long the run.
+    """
+    if not self._shared_compiles:
+      return None
+    here = self._compiled_here()
+    mask = lambda sizes: sum(1 << i for i, size in enumerate(self._grid) if size in sizes)
+    return {key: (int(value) if key == "apply" else mask(value)) for key, value in here.items()}
+
+  def agree_on_compiles(self, reports: list[dict[str, int]]) -> None:
+    """Sets the view :meth:`ready_plan` uses to what EVERY process reported compiled.
+
+    Every process passes the same ``reports`` (one per process, gathered at
+    a step's agreement), so every process takes the same fallback decision
+    at the next step and the collectives of the step match.
+    """
+    sizes = lambda mask: {size for i, size in enumerate(self._grid) if mask >> i & 1}
+    every = lambda key: functools.reduce(operator.and_, (r[key] for r in reports))
+    anyone = lambda key: functools.reduce(operator.or_, (r[key] for r in reports))
+    self._agreed = {"fused": sizes(every("fused")), "micro": sizes(every("micro")),
+                    "apply": bool(every("apply")), "failed_fused": sizes(anyone("failed_fused")),
+                    "failed_micro": sizes(anyone("failed_micro"))}
+
+  @staticmethod
+  def _ready(micro: int, accumulation_steps: int, compiled: Mapping[str, Any]) -> bool:
+    # One micro-batch runs the fused program (see run), several the micro-step and the update.
+    if accumulation_steps == 1:
+      return micro in compiled["fused"]
+    return compiled["apply"] and micro in compiled["micro"]
 
   def ready_plan(self, plan: batch_plan.BatchPlan) -> batch_plan.BatchPlan:
     """``plan``, or while its program is still compiling, the same batch on the nearest compiled one.
@@ -219,13 +263,19 @@ class StepPrograms:
     steps that hold the batch: a larger shape pads with zero-weight rows, a
     smaller one accumulates. The examples and their devices are those of
     ``plan``. A shape whose compile FAILED is not replaced: running it raises.
+    With ``shared_compiles``, "compiled" means compiled on every process, as
+    the last :meth:`agree_on_compiles` said.
     """
     if not self._compile_fallback:
       return plan
-    fused, micro = self.fused_compiler.stats(), self.micro_compiler.stats()
-    compiled = {"fused": fused["compiled_sizes"], "micro": micro["compiled_sizes"]}
+    if self._shared_compiles:
+      if self._agreed is None:
+        return plan
+      compiled = self._agreed
+    else:
+      compiled = self._compiled_here()
     needed = plan.micro_batch_size
-    failed = fused["failed_sizes"] if plan.accumulation_steps == 1 else micro["failed_sizes"]
+    failed = compiled["failed_fused"] if plan.accumulation_steps == 1 else compiled["failed_micro"]
     if self._ready(needed, plan.accumulation_steps, compiled) or needed in failed:
       return plan
     if plan.accumulation_steps == 1:

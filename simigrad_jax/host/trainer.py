@@ -111,8 +111,9 @@ class Trainer:
       of waiting (the same examples and global batch, with more accumulation
       steps or zero-weight padding; the record's ``compile_fallback`` says
       so), so that only the first step waits for a compile. With BatchNorm
-      the statistics are those of the fallback's micro-batches. Used with one
-      process only: every process must run the same shapes.
+      the statistics are those of the fallback's micro-batches. With several
+      processes, the fallback shape is one that every process had compiled
+      at the previous step's agreement, so every process runs the same one.
     compilation_cache_dir: optional persistent compilation cache directory.
     tensorboard: also write TensorBoard event files.
     progress: show a progress bar (process 0 only).
@@ -236,9 +237,9 @@ class Trainer:
         self.halves, self.num_devices, mode=mode, max_micro=max_micro,
         min_micro=min_micro_batch_size, lower=self.lower, upper=self.upper)
     self.shapes = tuple(self.layout.device_rows(g) for g in self.layout.grid)
-    # Processes decide from their own compile progress, so they could pick different shapes.
-    self._compile_fallback = (compile_fallback and background_compile and mode == "recompile"
-                              and jax.process_count() == 1)
+    # With several processes, a fallback uses only shapes that every process reported compiled
+    # at the last step's agreement, so all of them pick the same shape.
+    self._compile_fallback = compile_fallback and background_compile and mode == "recompile"
     self._programs_need_accumulation = self.upper > self.layout.num_slots * max(self.layout.grid)
 
     # Multi-host: every process must run the same program; a difference would
@@ -274,7 +275,8 @@ class Trainer:
           mesh=self.mesh, axis_name=axis_name, layout=self.layout, seed=seed, state=self.state,
           element_spec=source.element_spec,
           needs_accumulation=self._programs_need_accumulation,
-          background=background_compile, compile_fallback=self._compile_fallback)
+          background=background_compile, compile_fallback=self._compile_fallback,
+          shared_compiles=jax.process_count() > 1)
       # A model, loss, optimizer or data set that do not fit each other fail here.
       self._programs.trace(self.layout.plan(controller.batch_size).micro_batch_size)
     except BaseException:
@@ -494,11 +496,15 @@ class Trainer:
     factors = self._lr_factor(next_batch_size)
     # Multi-host: the next step's shapes and learning rate follow this decision; every
     # process must hold the same one before any of them uses it.
-    process_agreement.agree(f"decision of step {self.step}", {
+    # The compiled shapes ride along: the next step falls back only to a shape compiled on all.
+    compiled_reports = process_agreement.agree(f"decision of step {self.step}", {
         "step": self.step, "batch_size": plan.global_batch_size,
         "examples_seen": self.sampler.examples_seen, "similarity": similarity,
         "decision": self.controller.last_decision, "next_batch_size": next_batch_size,
-        "next_lr_factor": float(np.float32(factors[0]))})
+        "next_lr_factor": float(np.float32(factors[0]))},
+        report=self._programs.compiled_report())
+    if compiled_reports is not None:
+      self._programs.agree_on_compiles(compiled_reports)
     self._set_lr_factor(next_batch_size, factors)
     return {
         "step": self.step,
