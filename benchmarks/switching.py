@@ -15,7 +15,15 @@ steps by default: two round trips), in each of three set-ups of the Trainer:
 * ``recompile_wait``: the same with ``compile_fallback=False``: such a step
   waits for its compile;
 * ``pad``: one compiled shape (300 rows per device); smaller batches are
-  filled with zero-weight padding rows.
+  filled with zero-weight padding rows;
+* ``recompile_2proc``: ``recompile`` on the same devices split over 2
+  processes (``jax.distributed`` on 127.0.0.1, half the devices each, every
+  process loading its own devices' rows), as on a pod of 2 hosts: every step
+  the processes check that they took the same decision and exchange which
+  shapes each has compiled, and a step falls back only to a shape compiled
+  on both. It adds ``agreement_seconds_per_step`` (the median seconds a step
+  spends in that exchange) and, against ``recompile`` in one process, the
+  ``recompile_2proc_over_recompile`` ratios.
 
 The schedule: the batch size moves exactly as SimiGrad's rule moves it, one
 rule step per optimizer step (grow ``B -> max(B + 1, int(1.1 B))`` up to the
@@ -109,9 +117,12 @@ if __name__ == "__main__":
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
 import argparse  # noqa: E402
+import json  # noqa: E402
 import math  # noqa: E402
 import pathlib  # noqa: E402
 import shutil  # noqa: E402
+import socket  # noqa: E402
+import subprocess  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Sequence  # noqa: E402
@@ -124,9 +135,12 @@ import optax  # noqa: E402
 
 import simigrad_jax  # noqa: E402
 from benchmarks import common  # noqa: E402
+from simigrad_jax.host import cpu_devices  # noqa: E402
 from train import input_pipeline  # noqa: E402
 
-MODES = ("recompile", "recompile_wait", "pad")
+MODES = ("recompile", "recompile_wait", "pad", "recompile_2proc")
+MULTI_PROCESS_MODES = {"recompile_2proc": ("recompile", 2)}  # mode: (the mode it runs, processes)
+PROCESS_TIMEOUT_SECONDS = 1800  # a multi-process mode's processes are killed after this
 AXIS = "batch"
 
 # Required keys of each mode's entry in the JSON (machine-read).
@@ -285,6 +299,7 @@ def _summarize(mode: str, records: list[dict[str, Any]], summary: dict[str, Any]
       "examples_per_second_after_first_step": _share(float(examples[1:].sum()),
                                                      float(seconds[1:].sum())),
       "median_step_seconds": float(np.median(seconds)),
+      "agreement_seconds_per_step": float(np.median([r["agreement_seconds"] for r in steps])),
       "first_step_seconds": float(seconds[0]),
       "final_loss": summary.get("loss"),
       "batch_sizes": [int(b) for b in examples],
@@ -306,19 +321,22 @@ def init_params(model_name: str, data: dict[str, np.ndarray], seed: int = 0) -> 
   return jax.tree.map(np.asarray, model.init(jax.random.key(seed), data["image"][:1])["params"])
 
 
-def prime_process(model_name: str, data: dict[str, np.ndarray], root: pathlib.Path) -> float:
+def prime_process(model_name: str, data: dict[str, np.ndarray], root: pathlib.Path,
+                  workdir: pathlib.Path | None = None) -> float:
   """Runs a throwaway 2-step Trainer (pad mode, 1 row per device), untimed; returns its seconds.
 
   The first Trainer of a process pays one-time costs (Flax's first init of
   the model, eager ops compiled once per process, orbax's first save of the
   state's structure) that would otherwise be charged to whichever mode runs
   first. Its one compiled shape (1 row per device, pad mode) is not reused:
-  every Trainer lowers and compiles its own steps ahead of time.
+  every Trainer lowers and compiles its own steps ahead of time. Its workdir
+  is a new directory under ``root`` unless ``workdir`` is given (the
+  processes of a multi-process run share one).
   """
   start = time.perf_counter()
   params = init_params(model_name, data)
   controller = simigrad_jax.Controller(8, 0.1, batch_size_lower_bound=8, batch_size_upper_bound=8)
-  workdir = pathlib.Path(tempfile.mkdtemp(prefix="primer-", dir=root))
+  workdir = workdir or pathlib.Path(tempfile.mkdtemp(prefix="primer-", dir=root))
   with simigrad_jax.Trainer(
       loss_fn=make_loss_fn(MODELS[model_name]()), params=params, optimizer=_make_optimizer(),
       source=simigrad_jax.ArraySource(data), controller=controller, workdir=workdir,
@@ -331,8 +349,8 @@ def prime_process(model_name: str, data: dict[str, np.ndarray], root: pathlib.Pa
 
 def run_mode(mode: str, *, data: dict[str, np.ndarray], schedule: list[int], lower: int,
              upper: int, max_micro: int, model_name: str, workdir: pathlib.Path,
-             persistent_cache: str | None, seed: int = 0) -> dict[str, Any]:
-  """Trains ``len(schedule)`` steps in one mode; returns its numbers."""
+             persistent_cache: str | None, seed: int = 0) -> dict[str, Any] | None:
+  """Trains ``len(schedule)`` steps in one mode; returns its numbers (None on process > 0)."""
   model = MODELS[model_name]()
   # Flax's first init of a model runs many small eager ops that compile once
   # per process (about 1.5 s for the CNN): not part of the measured set-up.
@@ -363,8 +381,77 @@ def run_mode(mode: str, *, data: dict[str, np.ndarray], schedule: list[int], low
   final_stats = trainer.compile_stats()
   timings = {"setup": setup, "train": train, "close": close,
              "total": time.perf_counter() - total_start, "apply_compile": apply_compile_seconds}
+  if jax.process_index() != 0:
+    return None  # process 0 writes the metrics
   records = simigrad_jax.read_metrics(workdir / "metrics.jsonl")
   return _summarize(mode, records, summary, final_stats, trainer.shapes, timings)
+
+
+def run_processes_mode(mode: str, args: argparse.Namespace, root: pathlib.Path,
+                       num_devices: int) -> tuple[dict[str, Any], pathlib.Path]:
+  """Runs a multi-process mode: this script in each process, on its share of ``num_devices``.
+
+  Every process runs the same sweep in one shared workdir; process 0 writes
+  the mode's numbers. Returns them and the workdir (with each process's log). Raises RuntimeError, with each
+  process's last output, when a process fails or runs past
+  :data:`PROCESS_TIMEOUT_SECONDS`.
+  """
+  base_mode, num_processes = MULTI_PROCESS_MODES[mode]
+  if num_devices % num_processes:
+    raise ValueError(f"{mode} splits the {num_devices} devices over {num_processes} processes: "
+                     f"give a device count divisible by {num_processes}")
+  workdir = pathlib.Path(tempfile.mkdtemp(prefix=f"{mode}-", dir=root))
+  result_file = workdir / "result.json"
+  with socket.socket() as probe:
+    probe.bind(("127.0.0.1", 0))
+    coordinator = f"127.0.0.1:{probe.getsockname()[1]}"
+  env = {key: value for key, value in os.environ.items() if key not in ("XLA_FLAGS", "PJRT_NPROC")}
+  env.update(cpu_devices.simulated_cpu_devices_env(num_devices // num_processes, environ=env))
+  env["PYTHONPATH"] = os.pathsep.join(filter(None, [common.REPOSITORY_ROOT,
+                                                     env.get("PYTHONPATH")]))
+  command = [sys.executable, os.path.abspath(__file__), "--modes", base_mode,
+             "--steps", str(args.steps), "--lower", str(args.lower), "--upper", str(args.upper),
+             "--max-micro-batch-size", str(args.max_micro_batch_size), "--model", args.model,
+             "--workdir", str(workdir), "--coordinator", coordinator,
+             "--num-processes", str(num_processes), "--result-file", str(result_file)]
+  if args.persistent_cache:
+    command += ["--persistent-cache", args.persistent_cache]
+  logs = [workdir / f"process{i}.log" for i in range(num_processes)]
+  processes = []
+  for i, log in enumerate(logs):
+    with open(log, "w") as out:
+      processes.append(subprocess.Popen(command + ["--process-id", str(i)], env=env,
+                                        stdout=out, stderr=subprocess.STDOUT))
+  deadline = time.monotonic() + PROCESS_TIMEOUT_SECONDS
+  codes = []
+  for process in processes:
+    try:
+      codes.append(process.wait(timeout=max(1.0, deadline - time.monotonic())))
+    except subprocess.TimeoutExpired:
+      process.kill()
+      codes.append(f"killed after {PROCESS_TIMEOUT_SECONDS} s")
+  if any(code != 0 for code in codes) or not result_file.exists():
+    tails = "\n".join(f"--- process {i} (exit {code}):\n{log.read_text()[-2000:]}"
+                      for i, (code, log) in enumerate(zip(codes, logs)))
+    raise RuntimeError(f"{mode}: the {num_processes} processes did not finish\n{tails}")
+  result = json.loads(result_file.read_text())
+  result.update({"processes": num_processes, "devices_per_process": num_devices // num_processes})
+  return result, workdir
+
+
+def _run_as_process(args: argparse.Namespace) -> None:
+  """One process of a multi-process mode: joins the others and runs ``args.modes`` (one mode)."""
+  jax.distributed.initialize(args.coordinator, num_processes=args.num_processes,
+                             process_id=args.process_id, initialization_timeout=120)
+  data = load_digits_data()
+  root = pathlib.Path(args.workdir)
+  schedule = rule_sweep(args.lower, args.upper, args.steps)
+  prime_process(args.model, data, root, root / "primer")  # one-time costs, untimed
+  result = run_mode(args.modes, data=data, schedule=schedule, lower=args.lower, upper=args.upper,
+                    max_micro=args.max_micro_batch_size, model_name=args.model,
+                    workdir=root / "run", persistent_cache=args.persistent_cache)
+  if result is not None:
+    pathlib.Path(args.result_file).write_text(json.dumps(result))
 
 
 # ----------------------------------------------------------------------------
@@ -392,6 +479,10 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                       "sub-directory here (default: a temporary directory, deleted)")
   parser.add_argument("--persistent-cache", default=None, metavar="DIR",
                       help="JAX persistent compilation cache directory (process-wide)")
+  # One process of a multi-process mode (the benchmark starts them itself).
+  for flag in ("--coordinator", "--num-processes", "--process-id", "--result-file"):
+    parser.add_argument(flag, default=None, type=int if "process" in flag else str,
+                        help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
   common.apply_preset(args, QUICK if args.quick else FULL, {
       "steps": "steps", "lower": "lower", "upper": "upper",
@@ -428,23 +519,26 @@ def _format_table(results: dict[str, Any]) -> str:
       ("examples/s", "examples_per_second", ".0f"),
       ("examples/s after 1st step", "examples_per_second_after_first_step", ".0f"),
       ("median step s", "median_step_seconds", ".4f"),
+      ("agreement s per step (median)", "agreement_seconds_per_step", ".4f"),
   ]
   names = list(modes)
-  show_ratio = {"recompile", "pad"} <= set(names)
-  header = f"{'':<32}" + "".join(f"{name:>12}" for name in names)
-  if show_ratio:
-    header += f"{'recomp/pad':>12}"
+  ratio_columns = [(name, label) for name, label in (("recompile_over_pad", "recomp/pad"),
+                                                      ("recompile_2proc_over_recompile", "2proc/1proc"))
+                   if name in results["ratios"]]
+  width = max([12] + [len(name) + 2 for name in names])
+  header = f"{'':<32}" + "".join(f"{name:>{width}}" for name in names)
+  header += "".join(f"{label:>12}" for _, label in ratio_columns)
   lines = [header, "-" * len(header)]
 
   def cell(value, fmt):
     if value is None or (isinstance(value, float) and math.isnan(value)):
-      return f"{'-':>12}"
-    return f"{format(value, fmt):>12}"
+      return f"{'-':>{width}}"
+    return f"{format(value, fmt):>{width}}"
 
   for label, key, fmt in rows:
     line = f"{label:<32}" + "".join(cell(modes[name].get(key), fmt) for name in names)
-    if show_ratio:
-      ratio = results["ratios"]["recompile_over_pad"].get(key)
+    for name, _ in ratio_columns:
+      ratio = results["ratios"][name].get(key)
       line += f"{'-':>12}" if ratio is None else f"{ratio:>11.2f}x"
     lines.append(line)
   return "\n".join(lines)
@@ -466,6 +560,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     (see the module docstring for the keys).
   """
   args = _parse_args(argv)
+  if args.process_id is not None:
+    _run_as_process(args)
+    return {}
   modes = [m.strip() for m in args.modes.split(",") if m.strip()]
   unknown = sorted(set(modes) - set(MODES))
   if unknown or not modes:
@@ -497,11 +594,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   try:
     primer_seconds = prime_process(args.model, data, root)
     for mode in modes:
-      workdir = pathlib.Path(tempfile.mkdtemp(prefix=f"{mode}-", dir=root))
-      result = run_mode(mode, data=data, schedule=schedule, lower=args.lower,
-                        upper=args.upper, max_micro=args.max_micro_batch_size,
-                        model_name=args.model, workdir=workdir,
-                        persistent_cache=args.persistent_cache)
+      if mode in MULTI_PROCESS_MODES:
+        result, workdir = run_processes_mode(mode, args, root, len(devices))
+      else:
+        workdir = pathlib.Path(tempfile.mkdtemp(prefix=f"{mode}-", dir=root))
+        result = run_mode(mode, data=data, schedule=schedule, lower=args.lower,
+                          upper=args.upper, max_micro=args.max_micro_batch_size,
+                          model_name=args.model, workdir=workdir,
+                          persistent_cache=args.persistent_cache)
       result["workdir"] = None if cleanup else str(workdir)
       results_by_mode[mode] = result
       print(f"  {mode}: {result['steps']} steps, {result['buckets_visited']} buckets, "
@@ -512,10 +612,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
       shutil.rmtree(cleanup, ignore_errors=True)
 
   ratios = {}
-  if {"recompile", "pad"} <= set(results_by_mode):
-    rec, pad = results_by_mode["recompile"], results_by_mode["pad"]
-    ratios["recompile_over_pad"] = {
-        key: (rec[key] / pad[key] if pad[key] else None) for key in _RATIO_KEYS}
+  for numerator, denominator in (("recompile", "pad"), ("recompile_2proc", "recompile")):
+    if {numerator, denominator} <= set(results_by_mode):
+      top, bottom = results_by_mode[numerator], results_by_mode[denominator]
+      ratios[f"{numerator}_over_{denominator}"] = {
+          key: (top[key] / bottom[key] if bottom[key] else None) for key in _RATIO_KEYS}
   results = {
       "devices": len(devices),
       "platform": devices[0].platform,

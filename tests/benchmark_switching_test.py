@@ -41,7 +41,7 @@ def test_rule_sweep_moves_like_the_controller_up_and_down(switching):
 def test_quick_run_schema(quick_run, devices):
   written, returned = quick_run
   assert written["devices"] == len(devices) == 8
-  assert set(written["modes"]) == {"recompile", "recompile_wait", "pad"}
+  assert set(written["modes"]) == {"recompile", "recompile_wait", "pad", "recompile_2proc"}
   for mode, result in written["modes"].items():
     for key in ("steps", "buckets_visited", "compiles", "compile_seconds",
                 "compile_wait_seconds", "wall_seconds", "data_seconds", "padding_fraction"):
@@ -62,7 +62,7 @@ def test_quick_run_schema(quick_run, devices):
   assert written["modes"]["recompile"]["examples"] == written["modes"]["pad"]["examples"]
 
 
-@pytest.mark.parametrize("mode", ["recompile", "recompile_wait"])
+@pytest.mark.parametrize("mode", ["recompile", "recompile_wait", "recompile_2proc"])
 def test_recompile_compiles_each_visited_shape_once(quick_run, mode):
   result = quick_run[0]["modes"][mode]
   visited = result["visited_micro_batch_sizes"]
@@ -76,7 +76,7 @@ def test_recompile_compiles_each_visited_shape_once(quick_run, mode):
                                 + result["update_compiled"])
   assert result["step_compiles"] <= len(compiled)
   assert result["steps_that_waited"] <= len(visited)  # only a first visit can wait
-  if mode == "recompile":  # a shape still compiling is replaced by a compiled one
+  if mode != "recompile_wait":  # a shape still compiling is replaced by a compiled one
     assert result["steps_that_waited"] <= 1
     assert result["compile_wait_share_after_first_step"] == 0
   else:
@@ -119,3 +119,19 @@ def test_both_modes_train_the_same_model(quick_run):
   modes = quick_run[0]["modes"]
   assert modes["recompile"]["batch_sizes"] == modes["pad"]["batch_sizes"]
   assert modes["recompile"]["final_loss"] == pytest.approx(modes["pad"]["final_loss"], rel=1e-4)
+
+
+def test_two_processes_run_the_same_sweep_and_report_their_agreement(quick_run):
+  """recompile_2proc: 2 processes x 4 devices train what 1 process x 8 devices trains."""
+  written = quick_run[0]
+  two, one = written["modes"]["recompile_2proc"], written["modes"]["recompile"]
+  assert two["processes"] == 2 and two["devices_per_process"] == 4
+  assert two["batch_sizes"] == one["batch_sizes"] == written["schedule"]
+  assert two["examples"] == one["examples"]
+  # The processes exchanged their decision every step (one process needs no exchange).
+  assert two["agreement_seconds_per_step"] > one["agreement_seconds_per_step"] >= 0
+  ratios = written["ratios"]["recompile_2proc_over_recompile"]
+  assert ratios["examples_per_second"] == pytest.approx(
+      two["examples_per_second"] / one["examples_per_second"])
+  # The same model: the fallback shapes differ with compile timing, the trajectory does not.
+  assert two["final_loss"] == pytest.approx(one["final_loss"], rel=1e-4)

@@ -497,6 +497,7 @@ class Trainer:
     # Multi-host: the next step's shapes and learning rate follow this decision; every
     # process must hold the same one before any of them uses it.
     # The compiled shapes ride along: the next step falls back only to a shape compiled on all.
+    agreement_start = time.perf_counter()
     compiled_reports = process_agreement.agree(f"decision of step {self.step}", {
         "step": self.step, "batch_size": plan.global_batch_size,
         "examples_seen": self.sampler.examples_seen, "similarity": similarity,
@@ -505,6 +506,7 @@ class Trainer:
         report=self._programs.compiled_report())
     if compiled_reports is not None:
       self._programs.agree_on_compiles(compiled_reports)
+    agreement_seconds = time.perf_counter() - agreement_start
     self._set_lr_factor(next_batch_size, factors)
     return {
         "step": self.step,
@@ -530,6 +532,7 @@ class Trainer:
         "examples_per_second": plan.global_batch_size / step_seconds,
         "data_seconds": dispatched["data_seconds"],
         "host_seconds": dispatched["host_seconds"],
+        "agreement_seconds": agreement_seconds,
         "compile_wait_step_seconds": dispatched["compile_wait"],
         "epoch_end": epoch_end,
     }
