@@ -405,6 +405,24 @@ def test_persistent_cache_makes_a_second_process_start_warm(tmp_path):
         f"warm {warm['seconds']:.3f} s")
 
 
+def test_persistent_cache_settings_puts_the_settings_back(tmp_path):
+  names = step_compiler._CACHE_SETTINGS  # pylint: disable=protected-access
+  before = {name: getattr(jax.config, name) for name in names}
+  cache_dir = tmp_path / "cache"
+  spec = jax.ShapeDtypeStruct((5,), jnp.float32)
+  with pytest.raises(KeyError):  # put back on the way out of an error too
+    with step_compiler.persistent_cache_settings():
+      enable_persistent_cache(cache_dir)
+      assert jax.config.jax_compilation_cache_dir == str(cache_dir)
+      jax.jit(lambda x: x * 7.0).lower(spec).compile()
+      raise KeyError("out")
+  entries = os.listdir(cache_dir)
+  assert entries  # written inside the block
+  assert {name: getattr(jax.config, name) for name in names} == before
+  jax.jit(lambda x: x + 3.0).lower(spec).compile()
+  assert os.listdir(cache_dir) == entries  # and nothing after it
+
+
 @pytest.mark.parametrize("bad", [3, "", b"/tmp/x"])
 def test_enable_persistent_cache_refuses_bad_paths(bad):
   before = jax.config.jax_compilation_cache_dir
