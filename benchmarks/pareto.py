@@ -89,6 +89,7 @@ if __name__ == "__main__":
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
 import argparse  # noqa: E402
+import contextlib  # noqa: E402
 import dataclasses  # noqa: E402
 import gzip  # noqa: E402
 import hashlib  # noqa: E402
@@ -107,7 +108,6 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
-from jax.experimental.compilation_cache import compilation_cache  # noqa: E402
 
 import simigrad_jax  # noqa: E402
 from benchmarks import common  # noqa: E402
@@ -1063,19 +1063,6 @@ def _validate(args: argparse.Namespace, num_train: int) -> None:
     raise ValueError(f"unknown schedules {unknown}; choose from linear, geometric, loss_plateau")
 
 
-# The process-wide JAX settings the trainers' compilation cache changes; main puts them back,
-# so that later compiles in the same process do not write into the deleted temporary cache.
-_CACHE_SETTINGS = ("jax_enable_compilation_cache", "jax_compilation_cache_dir",
-                   "jax_persistent_cache_min_compile_time_secs",
-                   "jax_persistent_cache_min_entry_size_bytes")
-
-
-def _restore_cache_settings(settings: dict[str, Any]) -> None:
-  for name, value in settings.items():
-    jax.config.update(name, value)
-  compilation_cache.reset_cache()
-
-
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   """Runs the benchmark; prints a table, writes JSON to ``--out`` and the PNG; returns the results.
 
@@ -1106,10 +1093,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
       tempfile.mkdtemp(prefix="simigrad-pareto-"))
   root.mkdir(parents=True, exist_ok=True)
   started = time.perf_counter()
-  cache_settings = {name: getattr(jax.config, name) for name in _CACHE_SETTINGS}
   runs: list[dict[str, Any]] = []
   profile = None
-  try:
+  with contextlib.ExitStack() as cleanup:
+    if not keep:
+      cleanup.callback(shutil.rmtree, root, ignore_errors=True)
+    # The trainers point JAX's process-wide cache into root; put the settings back before it goes.
+    cleanup.enter_context(simigrad_jax.persistent_cache_settings())
     exp = Experiment(dataset, hidden=grid["hidden"], epochs=grid["epochs"],
                      lr_schedule=args.lr_schedule, root=root, keep_workdirs=keep)
 
@@ -1154,10 +1144,6 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         profile = run_profile(exp, batch_size=b0, lr=lr0, sizes=sizes, steps_per_size=steps,
                               at_epochs=(0.0, round(e / 4, 3), round(e / 2, 3),
                                          round(3 * e / 4, 3), e))
-  finally:
-    _restore_cache_settings(cache_settings)
-    if not keep:
-      shutil.rmtree(root, ignore_errors=True)
 
   groups = group_runs(runs)
   select_by_validation(groups)

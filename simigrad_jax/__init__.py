@@ -10,6 +10,8 @@ Host side (Python decisions between steps):
 Training engine (host side): Trainer, with EpochSampler, ArraySource,
   TfdsSource, StepCompiler, Checkpointer, MetricsWriter, ProgressBar.
 Simulated CPU devices: simulated_cpu_devices_env (set before JAX starts).
+JAX's persistent compilation cache: enable_persistent_cache (process-wide),
+  persistent_cache_settings (puts those settings back).
 Errors: CheckpointMismatchError (a checkpoint from another run),
   ProcessDisagreementError (hosts disagree on a decision), StepCompileError,
   HalvesContractError (an optimizer that does not pass half_grads on).
@@ -42,6 +44,7 @@ from simigrad_jax.host.state_access import similarity_stats
 from simigrad_jax.host.step_compiler import StepCompileError
 from simigrad_jax.host.step_compiler import StepCompiler
 from simigrad_jax.host.step_compiler import enable_persistent_cache
+from simigrad_jax.host.step_compiler import persistent_cache_settings
 from simigrad_jax.host.process_agreement import ProcessDisagreementError
 from simigrad_jax.host.trainer import Trainer
 from simigrad_jax.ingraph.half_batch import value_and_half_grads
@@ -80,6 +83,7 @@ __all__ = [
     "lr_factor",
     "lr_factor_of",
     "make_controller",
+    "persistent_cache_settings",
     "plan_batch",
     "read_metrics",
     "register_controller",

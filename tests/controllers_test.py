@@ -175,14 +175,15 @@ def _train(workdir, name, num_steps, cache_dir):
   params = _TinyMLP().init(jax.random.key(0), x[:1])["params"]
   optimizer = optax.chain(simigrad_jax.transform("batch"), optax.sgd(0.3, momentum=0.9),
                           simigrad_jax.scale_by_lr_factor())
-  trainer = simigrad_jax.Trainer(
-      loss_fn=_loss, params=params, optimizer=optimizer,
-      source=simigrad_jax.ArraySource({"x": x, "y": y}),
-      controller=simigrad_jax.make_controller(name, **OPTIONS[name]), workdir=workdir,
-      max_micro_batch_size=8, seed=2, progress=False, tensorboard=False,
-      compilation_cache_dir=cache_dir)
-  with trainer:
-    trainer.train(num_steps=num_steps)
+  with simigrad_jax.persistent_cache_settings():  # the Trainer's cache is process-wide
+    trainer = simigrad_jax.Trainer(
+        loss_fn=_loss, params=params, optimizer=optimizer,
+        source=simigrad_jax.ArraySource({"x": x, "y": y}),
+        controller=simigrad_jax.make_controller(name, **OPTIONS[name]), workdir=workdir,
+        max_micro_batch_size=8, seed=2, progress=False, tensorboard=False,
+        compilation_cache_dir=cache_dir)
+    with trainer:
+      trainer.train(num_steps=num_steps)
   return [(r["batch_size"], r["next_batch_size"], r["decision"])
           for r in simigrad_jax.read_metrics(pathlib.Path(workdir) / "metrics.jsonl")
           if "batch_size" in r]

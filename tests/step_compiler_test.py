@@ -379,14 +379,26 @@ _CACHE_SCRIPT = textwrap.dedent("""
 """)
 
 
-def _run_cache_script(cache_dir, other_dir=""):
+def _start_cache_script(cache_dir, other_dir=""):
   env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu",
              XLA_FLAGS="--xla_force_host_platform_device_count=8")
-  proc = subprocess.run(
+  return subprocess.Popen(
       [sys.executable, "-c", _CACHE_SCRIPT, str(cache_dir), str(other_dir)],
-      env=env, capture_output=True, text=True, timeout=120, check=False)
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  return json.loads(proc.stdout.strip().splitlines()[-1])
+      env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _finish_cache_script(proc):
+  try:
+    stdout, stderr = proc.communicate(timeout=120)
+  finally:
+    proc.kill()
+  assert proc.returncode == 0, stderr[-3000:]
+  assert "Error reading persistent compilation cache" not in stderr, stderr[-3000:]
+  return json.loads(stdout.strip().splitlines()[-1])
+
+
+def _run_cache_script(cache_dir, other_dir=""):
+  return _finish_cache_script(_start_cache_script(cache_dir, other_dir))
 
 
 def test_persistent_cache_makes_a_second_process_start_warm(tmp_path):
@@ -403,6 +415,34 @@ def test_persistent_cache_makes_a_second_process_start_warm(tmp_path):
   assert warm["seconds"] < 10 * cold["seconds"] + 0.5  # loose: times are noisy
   print(f"persistent cache: cold compile {cold['seconds']:.3f} s, "
         f"warm {warm['seconds']:.3f} s")
+
+
+def test_two_processes_filling_one_cache_at_once_leave_an_entry_a_third_loads(tmp_path):
+  cache_dir = tmp_path / "cache"
+  writers = [_start_cache_script(cache_dir) for _ in range(2)]  # both miss, both write
+  assert [_finish_cache_script(proc)["hits"] for proc in writers] == [0, 0]
+  entries = sorted(os.listdir(cache_dir))
+  assert len([e for e in entries if e.startswith("jit_f-")]) == 1, entries
+  warm = _run_cache_script(cache_dir)
+  assert warm["hits"] == 1 and sorted(os.listdir(cache_dir)) == entries
+
+
+def test_persistent_cache_settings_puts_the_settings_back(tmp_path):
+  names = step_compiler._CACHE_SETTINGS  # pylint: disable=protected-access
+  before = {name: getattr(jax.config, name) for name in names}
+  cache_dir = tmp_path / "cache"
+  spec = jax.ShapeDtypeStruct((5,), jnp.float32)
+  with pytest.raises(KeyError):  # put back on the way out of an error too
+    with step_compiler.persistent_cache_settings():
+      enable_persistent_cache(cache_dir)
+      assert jax.config.jax_compilation_cache_dir == str(cache_dir)
+      jax.jit(lambda x: x * 7.0).lower(spec).compile()
+      raise KeyError("out")
+  entries = os.listdir(cache_dir)
+  assert entries  # written inside the block
+  assert {name: getattr(jax.config, name) for name in names} == before
+  jax.jit(lambda x: x + 3.0).lower(spec).compile()
+  assert os.listdir(cache_dir) == entries  # and nothing after it
 
 
 @pytest.mark.parametrize("bad", [3, "", b"/tmp/x"])

@@ -22,9 +22,11 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 CONFIGS = sorted(p.stem for p in (ROOT / "train" / "configs").glob("*.py")
                  if p.stem not in ("__init__", "default"))
 
+# In-process runs: no persistent compilation cache, whose settings are process-wide.
 COMMON = dict(num_steps=2, mode="pad", initial_batch_size=16, batch_size_lower_bound=8,
               batch_size_upper_bound=32, max_micro_batch_size=4, eval_examples=12,
-              eval_batch_size=8, progress=False, tensorboard=False, plot=False)
+              eval_batch_size=8, progress=False, tensorboard=False, plot=False,
+              compilation_cache=False)
 # Per config: the same recipe and building blocks at a size that compiles in seconds on a
 # CPU (ResNets keep their block type and stem, with two one-block stages).
 TINY = {
@@ -154,6 +156,20 @@ def test_fixed_controller_keeps_the_batch_size(tmp_path, devices):
   records = [r for r in simigrad_jax.read_metrics(tmp_path / "metrics.jsonl") if "batch_size" in r]
   assert [r["batch_size"] for r in records] == [16, 16]
   assert all(r["similarity"] is not None for r in records)  # still measured and logged
+
+
+def test_the_compilation_cache_is_in_the_workdir_unless_the_config_says_otherwise(tmp_path):
+  config = load_config("digits_demo")
+  assert train.compilation_cache_dir(config, tmp_path) == tmp_path / "compilation_cache"
+  config.compilation_cache_dir = str(tmp_path / "shared")
+  assert train.compilation_cache_dir(config, tmp_path / "run") == tmp_path / "shared"
+  config.compilation_cache_dir = "~/jax_cache"
+  assert train.compilation_cache_dir(config, tmp_path) == pathlib.Path.home() / "jax_cache"
+  config.compilation_cache = False
+  assert train.compilation_cache_dir(config, tmp_path) is None
+  config.compilation_cache, config.compilation_cache_dir = True, ""
+  with pytest.raises(ValueError, match="config.compilation_cache_dir is empty"):
+    train.compilation_cache_dir(config, tmp_path)
 
 
 def test_every_option_of_the_default_config_is_in_the_readme_table():

@@ -2,6 +2,7 @@
 
 import json
 
+import simigrad_jax
 from train import train
 from train.configs import digits_demo
 
@@ -11,7 +12,8 @@ STEP_KEYS = {"step", "batch_size", "similarity", "lr_factor", "loss", "examples_
 def test_digits_demo_reaches_its_accuracy_and_writes_its_files(tmp_path, capsys):
   config = digits_demo.get_config()
   config.progress = False
-  summary = train.train_and_evaluate(config, tmp_path)
+  with simigrad_jax.persistent_cache_settings():  # the run's cache settings are process-wide
+    summary = train.train_and_evaluate(config, tmp_path)
   # Measured with the default config on 8 simulated CPU devices: final test accuracy
   # 0.976 (seed 0), 0.976 (1), 0.970 (2), 0.980 (3), 0.980 (4) of 297 images; 247 steps and
   # an average batch of 91 for seed 0. The margin allows a different CPU's rounding to
@@ -33,11 +35,13 @@ def test_digits_demo_reaches_its_accuracy_and_writes_its_files(tmp_path, capsys)
   assert (tmp_path / "metrics.png").stat().st_size > 20_000
   assert list((tmp_path / "tensorboard").iterdir())
   assert json.loads((tmp_path / "config.json").read_text())["similarity_target"] == 0.5
+  assert list((tmp_path / "compilation_cache").iterdir())  # on by default, in the workdir
 
   out = capsys.readouterr().out
   epoch_lines = [line for line in out.splitlines() if line.startswith("epoch ")]
   assert len(epoch_lines) == 15 and epoch_lines[-1].startswith("epoch 15/15  test accuracy ")
   assert all("batch size" in line and "similarity" in line for line in epoch_lines)
+  assert f"compilation cache: {tmp_path / 'compilation_cache'}" in out
   for row in ("final test accuracy", "average batch size", "final batch size",
               "optimizer steps", "examples seen", "compiles", "runtime",
               str(tmp_path / "metrics.jsonl"), str(tmp_path / "metrics.png")):

@@ -1,7 +1,10 @@
 """The entry point: ``python -m train --config train/configs/<name>.py [--workdir DIR] [--config.KEY=VALUE ...]``.
 
 Trains the experiment of the config file in ``--workdir`` (default
-``/tmp/simigrad/<config name>``), resuming from the newest checkpoint there.
+``/tmp/simigrad/<config name>``), resuming from the newest checkpoint there,
+with JAX's persistent compilation cache in ``<workdir>/compilation_cache``
+(``--config.compilation_cache_dir`` to put it elsewhere,
+``--config.compilation_cache=False`` to turn it off).
 Any config value can be overridden, e.g. ``--config.num_epochs=2
 --config.similarity_target=0.2 --config.seed=3``.
 

@@ -104,11 +104,19 @@ def print_start(experiment: Any, trainer: Any) -> None:
       f"bounds {bounds}" + (f", similarity target {target}" if target is not None else "")
       + f"; lr {config.optimizer} {config.learning_rate} x {config.lr_rule}(B / B0)",
       f"  workdir: {trainer.workdir}",
+      f"  compilation cache: {compilation_cache_dir() or 'off'}",
   ]
   if trainer.step:
     lines.append(f"  resuming from the checkpoint at step {trainer.step} "
                  f"({trainer.sampler.examples_seen:,} examples seen)")
   print("\n".join(lines), flush=True)
+
+
+def compilation_cache_dir() -> str | None:
+  """The directory of JAX's persistent compilation cache in this process, or None when it is off."""
+  if not jax.config.jax_enable_compilation_cache:
+    return None
+  return jax.config.jax_compilation_cache_dir
 
 
 def describe_devices(devices: list[Any], halves: str) -> str:

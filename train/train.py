@@ -353,10 +353,41 @@ def max_micro_batch_size(configured: int, upper: int, num_devices: int) -> int:
   return size
 
 
+def compilation_cache_dir(config: ml_collections.ConfigDict,
+                          workdir: str | os.PathLike) -> pathlib.Path | None:
+  """Where a run of ``config`` in ``workdir`` keeps JAX's persistent compilation cache.
+
+  Args:
+    config: the experiment config.
+    workdir: the run's workdir.
+
+  Returns:
+    ``config.compilation_cache_dir`` when it is set (``~`` expanded), else
+    ``<workdir>/compilation_cache``, as an absolute path; None when
+    ``config.compilation_cache`` is False.
+
+  Raises:
+    ValueError: for an empty ``config.compilation_cache_dir``.
+  """
+  if not config.compilation_cache:
+    return None
+  if config.compilation_cache_dir is None:
+    return pathlib.Path(workdir).absolute() / "compilation_cache"
+  if not config.compilation_cache_dir:
+    raise ValueError("config.compilation_cache_dir is empty; leave it unset for "
+                     "<workdir>/compilation_cache, or set config.compilation_cache=False")
+  return pathlib.Path(config.compilation_cache_dir).expanduser().absolute()
+
+
 def create_trainer(experiment: Experiment, workdir: str | os.PathLike,
                    eval_fn: Callable[[Any, Any], Mapping[str, float]] | None = None
                    ) -> simigrad_jax.Trainer:
-  """The :class:`simigrad_jax.Trainer` of ``experiment`` in ``workdir`` (resumes from its newest checkpoint)."""
+  """The :class:`simigrad_jax.Trainer` of ``experiment`` in ``workdir`` (resumes from its newest checkpoint).
+
+  The Trainer turns on JAX's persistent compilation cache in
+  :func:`compilation_cache_dir` unless the config turns it off: a
+  process-wide setting (see ``simigrad_jax.persistent_cache_settings``).
+  """
   config = experiment.config
   upper = (experiment.controller.config.get("batch_size_upper_bound")
            or len(experiment.datasets.train))
@@ -373,7 +404,8 @@ def create_trainer(experiment: Experiment, workdir: str | os.PathLike,
       max_checkpoints=config.max_checkpoints,
       eval_fn=eval_fn if eval_fn is not None else experiment.evaluate,
       lr_schedule=experiment.lr_schedule,
-      compilation_cache_dir=config.compilation_cache_dir, tensorboard=config.tensorboard,
+      compilation_cache_dir=compilation_cache_dir(config, workdir),
+      tensorboard=config.tensorboard,
       progress=config.progress, devices=experiment.devices, halves=experiment.halves)
 
 
@@ -383,7 +415,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
 
   Re-running with the same workdir resumes from its newest checkpoint and
   appends to ``metrics.jsonl`` without repeating a step; a finished run trains
-  nothing and reports again.
+  nothing and reports again. JAX's persistent compilation cache is on before
+  the first compile (in ``<workdir>/compilation_cache`` unless the config
+  says otherwise), so a second run or a resume loads its executables from
+  disk. That changes process-wide ``jax.config`` settings: a caller that
+  compiles other things afterwards can run this inside
+  ``simigrad_jax.persistent_cache_settings()``.
 
   Args:
     config: the experiment config.
@@ -399,6 +436,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
   start = time.perf_counter()
   workdir = pathlib.Path(workdir).absolute()
   workdir.mkdir(parents=True, exist_ok=True)
+  cache_dir = compilation_cache_dir(config, workdir)
+  if cache_dir is not None:  # before the model's first compile, so that it is cached too
+    simigrad_jax.enable_persistent_cache(cache_dir)
   experiment = create_experiment(config)
   is_main = jax.process_index() == 0
   if is_main:

@@ -15,16 +15,18 @@ shardings.
 
 :func:`enable_persistent_cache` turns on JAX's on-disk compilation cache, so a
 second run of the same script (or a resumed one) loads the executables instead
-of compiling them again.
+of compiling them again; :func:`persistent_cache_settings` puts the
+process-wide settings it changes back afterwards.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import jax
@@ -36,6 +38,7 @@ __all__ = [
     "StepCompileError",
     "StepCompiler",
     "enable_persistent_cache",
+    "persistent_cache_settings",
 ]
 
 
@@ -379,4 +382,45 @@ def enable_persistent_cache(cache_dir: str | os.PathLike) -> None:
   if previous is not None and os.path.abspath(previous) != path:
     # JAX opens its cache once, on the first compile after a directory is
     # set; without a reset it would keep writing to the previous directory.
+    compilation_cache.reset_cache()
+
+
+# The process-wide ``jax.config`` settings that enable_persistent_cache changes.
+_CACHE_SETTINGS = ("jax_enable_compilation_cache", "jax_compilation_cache_dir",
+                   "jax_persistent_cache_min_compile_time_secs",
+                   "jax_persistent_cache_min_entry_size_bytes")
+
+
+@contextlib.contextmanager
+def persistent_cache_settings() -> Iterator[None]:
+  """Puts JAX's persistent-cache settings back as they were when the block exits.
+
+  :func:`enable_persistent_cache` (and so a :class:`simigrad_jax.Trainer`
+  given ``compilation_cache_dir``) changes process-wide ``jax.config``
+  settings. Run it inside this block when the process goes on to compile
+  other things afterwards (tests, benchmarks, notebooks), so that later
+  compiles do not write into that directory, which may be gone by then.
+
+  On exit, normal or not, the four settings :func:`enable_persistent_cache`
+  sets are restored to the values they had on entry and JAX's cache is reset,
+  so that the next compile opens the restored directory (or none).
+  Executables already compiled stay in memory.
+
+  Yields:
+    Nothing.
+
+  Example:
+    >>> import tempfile
+    >>> before = jax.config.jax_compilation_cache_dir
+    >>> with tempfile.TemporaryDirectory() as cache_dir, persistent_cache_settings():
+    ...   enable_persistent_cache(cache_dir)
+    >>> jax.config.jax_compilation_cache_dir == before
+    True
+  """
+  saved = {name: getattr(jax.config, name) for name in _CACHE_SETTINGS}
+  try:
+    yield
+  finally:
+    for name, value in saved.items():
+      jax.config.update(name, value)
     compilation_cache.reset_cache()

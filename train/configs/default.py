@@ -122,7 +122,10 @@ def get_config() -> ml_collections.ConfigDict:
   config.compile_fallback = True
   config.checkpoint_every_steps = config_dict.placeholder(int)  # None: at epoch ends only.
   config.max_checkpoints = 3
-  config.compilation_cache_dir = config_dict.placeholder(str)  # JAX's persistent cache.
+  # JAX's persistent compilation cache: a second run or a resume loads its executables from
+  # here instead of compiling them. False leaves JAX's own cache settings as they are.
+  config.compilation_cache = True
+  config.compilation_cache_dir = config_dict.placeholder(str)  # None: <workdir>/compilation_cache.
   config.tensorboard = True
   config.progress = True
   config.plot = True  # draw <workdir>/metrics.png at the end.
