@@ -11,7 +11,8 @@ Training engine (host side): Trainer, with EpochSampler, ArraySource,
   TfdsSource, StepCompiler, Checkpointer, MetricsWriter, ProgressBar.
 Simulated CPU devices: simulated_cpu_devices_env (set before JAX starts).
 Errors: CheckpointMismatchError (a checkpoint from another run),
-  ProcessDisagreementError (hosts disagree on a decision), StepCompileError,
+  ProcessDisagreementError (hosts disagree on a decision), ProcessLostError
+  (a host stopped answering), StepCompileError,
   HalvesContractError (an optimizer that does not pass half_grads on).
 """
 
@@ -43,6 +44,7 @@ from simigrad_jax.host.step_compiler import StepCompileError
 from simigrad_jax.host.step_compiler import StepCompiler
 from simigrad_jax.host.step_compiler import enable_persistent_cache
 from simigrad_jax.host.process_agreement import ProcessDisagreementError
+from simigrad_jax.host.process_agreement import ProcessLostError
 from simigrad_jax.host.trainer import Trainer
 from simigrad_jax.ingraph.half_batch import value_and_half_grads
 from simigrad_jax.ingraph.lr_scaling import LrFactorState
@@ -67,6 +69,7 @@ __all__ = [
     "LrFactorState",
     "MetricsWriter",
     "ProcessDisagreementError",
+    "ProcessLostError",
     "ProgressBar",
     "SimilarityState",
     "StepCompileError",
