@@ -12,7 +12,8 @@ Training engine (host side): Trainer, with EpochSampler, ArraySource,
 Simulated CPU devices: simulated_cpu_devices_env (set before JAX starts).
 Errors: CheckpointMismatchError (a checkpoint from another run),
   ProcessDisagreementError (hosts disagree on a decision), ProcessLostError
-  (a host stopped answering), StepCompileError,
+  (a host stopped answering; exit_on_lost_process ends a script on one),
+  StepCompileError,
   HalvesContractError (an optimizer that does not pass half_grads on).
 """
 
@@ -45,6 +46,7 @@ from simigrad_jax.host.step_compiler import StepCompiler
 from simigrad_jax.host.step_compiler import enable_persistent_cache
 from simigrad_jax.host.process_agreement import ProcessDisagreementError
 from simigrad_jax.host.process_agreement import ProcessLostError
+from simigrad_jax.host.process_agreement import exit_on_lost_process
 from simigrad_jax.host.trainer import Trainer
 from simigrad_jax.ingraph.half_batch import value_and_half_grads
 from simigrad_jax.ingraph.lr_scaling import LrFactorState
@@ -80,6 +82,7 @@ __all__ = [
     "controller_names",
     "controller_options",
     "enable_persistent_cache",
+    "exit_on_lost_process",
     "lr_factor",
     "lr_factor_of",
     "make_controller",

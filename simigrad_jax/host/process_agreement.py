@@ -11,15 +11,22 @@ reported by its index (:class:`ProcessLostError`) once the others have waited
 :data:`AGREEMENT_TIMEOUT_SECONDS` for it, instead of leaving them waiting in a
 collective. A collective that loses a peer mid-step fails with a transport
 error that names no process; :func:`roll_call` then finds out which processes
-are missing.
+are missing. A collective that never returns (NCCL, or gloo when the peer died
+in the middle of it) cannot raise at all: the :class:`Watchdog` then names the
+lost process and ends this one.
 """
 
 from __future__ import annotations
 
 import itertools
 import json
+import os
+import sys
+import threading
+import time
+import traceback
 import zlib
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, NoReturn, Sequence
 
 import jax
 import numpy as np
@@ -49,8 +56,10 @@ _TEXT_WIDTH = 512  # bytes per compared value in the all-gather fallback (longer
 # How long a process waits for the others at each check (set-up and every step), by default.
 AGREEMENT_TIMEOUT_SECONDS = 300.0
 _KEY = "simigrad_jax/agreement"
+_HEARTBEAT_KEY = "simigrad_jax/heartbeat"
 _agreement_rounds = itertools.count()
 _lost: set[int] = set()  # the processes this one found missing (for good: a lost peer never returns)
+_last_check = time.monotonic()  # when this process last entered or left a check
 
 
 def agree(what: str, values: Mapping[str, Any], set_up: bool = False,
@@ -148,10 +157,20 @@ def _gather_texts(texts: list[str], what: str = "values", *, timeout: float | No
     ProcessLostError: a process did not arrive within ``timeout`` (named).
     ProcessDisagreementError: the processes are at different checks.
   """
+  global _last_check
   client = _client()
   if client is None:
     return _allgather_texts(texts)
-  timeout = _timeout(timeout)
+  _last_check = time.monotonic()
+  try:
+    return _exchange_texts(client, texts, what, _timeout(timeout), set_up)
+  finally:
+    _last_check = time.monotonic()
+
+
+def _exchange_texts(client: Any, texts: list[str], what: str, timeout: float,
+                    set_up: bool) -> list[list[str]]:
+  """:func:`_gather_texts` through the key-value store."""
   # Two slots, used in turn: a process can only write round r + 2 after every process has
   # passed round r + 1's barrier, so after reading round r.
   round_ = next(_agreement_rounds)
@@ -182,6 +201,84 @@ def _gather_texts(texts: list[str], what: str = "values", *, timeout: float | No
         f"(check {round_}), " + ", ".join(f"process {p} at the {w} (check {r})"
                                           for p, (r, w, _) in sorted(behind.items())))
   return [entries[p][2] for p in range(jax.process_count())]
+
+
+class Watchdog:
+  """Multi-host: ends this process, naming the lost one, when it waits for a lost process in vain.
+
+  A collective whose peer died may never return (NCCL; gloo when the peer
+  died in the middle of it), and Python cannot interrupt it, so no check can
+  raise. While a watchdog runs, a thread of every process writes a heartbeat
+  to jax.distributed's key-value store about once a second. When this process
+  has not been at a check of the processes (every step has one) for
+  ``timeout`` seconds, and a peer's heartbeat has not changed for half of
+  that, this process waits for a lost one: the watchdog prints the
+  :class:`ProcessLostError` that names it and ends the process with status 1
+  (a process that lost a peer cannot end by itself: jax.distributed's
+  shutdown would wait for the peer). Nothing runs with one process.
+
+  Args:
+    timeout: the agreement timeout, in seconds.
+  """
+
+  def __init__(self, timeout: float):
+    self._timeout = timeout
+    self._stopped = threading.Event()
+    self._client = _client() if jax.process_count() > 1 else None
+    if self._client is not None:
+      threading.Thread(target=self._watch, name="simigrad-watchdog", daemon=True).start()
+
+  def close(self) -> None:
+    """Stops the heartbeats and the watching."""
+    self._stopped.set()
+
+  def _watch(self) -> None:
+    period = min(1.0, self._timeout / 5)
+    me = jax.process_index()
+    peers = [p for p in range(jax.process_count()) if p != me]
+    beats = itertools.count()
+    seen: dict[int, tuple[str | None, float]] = {}  # peer -> (its last heartbeat, when it changed)
+    while not self._stopped.wait(period):
+      try:
+        self._client.key_value_set(f"{_HEARTBEAT_KEY}/{me}", str(next(beats)), allow_overwrite=True)
+        now = time.monotonic()
+        waiting = now - _last_check
+        if waiting < self._timeout / 2:  # read the peers' heartbeats only while waiting long
+          seen.clear()
+          continue
+        beat = {int(key.rsplit("/", 1)[1]): value
+                for key, value in self._client.key_value_dir_get(f"{_HEARTBEAT_KEY}/")}
+        for p in peers:
+          if p not in seen or seen[p][0] != beat.get(p):
+            seen[p] = (beat.get(p), now)
+        silent = [p for p in peers if now - seen[p][1] >= self._timeout / 2]
+      except Exception:  # pylint: disable=broad-except  (the runtime is going down: JAX reports it)
+        continue
+      # (A lost process already reported in the main thread needs no second report.)
+      if (silent and waiting >= self._timeout + period and not _lost.issuperset(silent)
+          and not self._stopped.is_set()):
+        _lost.update(silent)
+        exit_on_lost_process(ProcessLostError(
+            f"{_processes(silent)} sent no heartbeat for {self._timeout / 2:g} s, and process "
+            f"{me} has waited {waiting:.0f} s since its last check of the processes (in a "
+            f"collective that does not return without the lost process): ending process {me}. "
+            f"{_RESTART}", silent))
+
+
+def exit_on_lost_process(error: ProcessLostError) -> NoReturn:
+  """Prints ``error`` (with its traceback, if it was raised) and ends this process with status 1.
+
+  A process that lost a peer cannot end normally: jax.distributed's shutdown
+  at exit, and a checkpoint commit under way, wait for the lost process until
+  its heartbeat timeout (``heartbeat_timeout_seconds`` of
+  ``jax.distributed.initialize``, 100 s by default), then abort. A script
+  calls this on a :class:`ProcessLostError`; the :class:`Watchdog` calls it
+  itself.
+  """
+  sys.stdout.flush()
+  sys.stderr.write("".join(traceback.format_exception(error)))
+  sys.stderr.flush()
+  os._exit(1)
 
 
 def lost_processes() -> frozenset[int]:

@@ -129,7 +129,10 @@ class Trainer:
     agreement_timeout_seconds: several hosts: how long a process waits for
       the others at a check (the settings, every step's decision, every
       checkpoint; and after a step failed) before it raises
-      :class:`ProcessLostError` naming the missing ones. Default
+      :class:`ProcessLostError` naming the missing ones. A process that
+      waits this long in a collective while a peer's heartbeats have stopped
+      is ended with the same error by a watchdog
+      (:class:`simigrad_jax.host.process_agreement.Watchdog`). Default
       :data:`simigrad_jax.host.process_agreement.AGREEMENT_TIMEOUT_SECONDS`
       (300); keep it above the longest time a process may wait for another
       at a step's end.
@@ -282,6 +285,8 @@ class Trainer:
     self.step = 0
     self._nonfinite_steps = 0
     self._checkpointer = Checkpointer(workdir / "checkpoints", max_to_keep=max_checkpoints)
+    # Multi-host: names a lost process when this one waits for it in a collective (until close).
+    self._watchdog = process_agreement.Watchdog(self._agreement_timeout)
     try:
       self._resume()
       process_agreement.agree("resumed state", set_up=True, timeout=self._agreement_timeout,
@@ -298,6 +303,7 @@ class Trainer:
       # A model, loss, optimizer or data set that do not fit each other fail here.
       self._programs.trace(self.layout.plan(controller.batch_size).micro_batch_size)
     except BaseException:
+      self._watchdog.close()
       self._checkpointer.close()
       if hasattr(self, "_programs"):
         self._programs.close()
@@ -645,6 +651,7 @@ class Trainer:
     self._programs.close()
     self._data.close()
     self._metrics.close()
+    self._watchdog.close()
 
   def __enter__(self):
     return self

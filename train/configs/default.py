@@ -123,6 +123,8 @@ def get_config() -> ml_collections.ConfigDict:
   config.checkpoint_every_steps = config_dict.placeholder(int)  # None: at epoch ends only.
   config.max_checkpoints = 3
   config.compilation_cache_dir = config_dict.placeholder(str)  # JAX's persistent cache.
+  # Several hosts: seconds a process waits for the others before it names a lost one.
+  config.agreement_timeout_seconds = 300.0
   config.tensorboard = True
   config.progress = True
   config.plot = True  # draw <workdir>/metrics.png at the end.
