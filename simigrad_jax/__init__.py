@@ -13,7 +13,9 @@ Simulated CPU devices: simulated_cpu_devices_env (set before JAX starts).
 JAX's persistent compilation cache: enable_persistent_cache (process-wide),
   persistent_cache_settings (puts those settings back).
 Errors: CheckpointMismatchError (a checkpoint from another run),
-  ProcessDisagreementError (hosts disagree on a decision), StepCompileError,
+  ProcessDisagreementError (hosts disagree on a decision), ProcessLostError
+  (a host stopped answering; exit_on_lost_process ends a script on one),
+  StepCompileError,
   HalvesContractError (an optimizer that does not pass half_grads on).
 """
 
@@ -46,6 +48,8 @@ from simigrad_jax.host.step_compiler import StepCompiler
 from simigrad_jax.host.step_compiler import enable_persistent_cache
 from simigrad_jax.host.step_compiler import persistent_cache_settings
 from simigrad_jax.host.process_agreement import ProcessDisagreementError
+from simigrad_jax.host.process_agreement import ProcessLostError
+from simigrad_jax.host.process_agreement import exit_on_lost_process
 from simigrad_jax.host.trainer import Trainer
 from simigrad_jax.ingraph.half_batch import value_and_half_grads
 from simigrad_jax.ingraph.lr_scaling import LrFactorState
@@ -70,6 +74,7 @@ __all__ = [
     "LrFactorState",
     "MetricsWriter",
     "ProcessDisagreementError",
+    "ProcessLostError",
     "ProgressBar",
     "SimilarityState",
     "StepCompileError",
@@ -80,6 +85,7 @@ __all__ = [
     "controller_names",
     "controller_options",
     "enable_persistent_cache",
+    "exit_on_lost_process",
     "lr_factor",
     "lr_factor_of",
     "make_controller",

@@ -164,6 +164,8 @@ CASES = [
     Case("keep 0 checkpoints", lambda w: trainer(w, max_checkpoints=0), ValueError,
          r"max_checkpoints must be an integer >= 1, got 0"),
     Case("negative seed", lambda w: trainer(w, seed=-1), ValueError, r"seed must be an integer >= 0, got -1"),
+    Case("agreement timeout 0", lambda w: trainer(w, agreement_timeout_seconds=0), ValueError,
+         r"agreement_timeout_seconds must be a number in \(0, inf\) \(finite\), got 0"),
     Case("workdir parent missing", lambda w: trainer(w / "no" / "such" / "run"), ValueError,
          r"the workdir's parent '.*/no/such' does not exist"),
     Case("workdir is a file", lambda w: _path_file(w / "file"), ValueError,

@@ -14,6 +14,7 @@ import pathlib
 import random
 import re
 import shutil
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -129,6 +130,29 @@ def test_damaged_newest_checkpoint_falls_back_to_the_previous_one(corrupt, tmp_p
   ckpt.wait()
   state, host, step = ckpt.restore(small_state(0.0))
   assert step == 3 and host["examples_seen"] == 300
+  ckpt.close()
+
+
+def test_a_bounded_wait_says_whether_the_save_has_finished(tmp_path):
+  """``wait(timeout)`` (the multi-host Trainer's rounds) returns False while the save is under
+  way, True once it has finished, and raises the save's error."""
+  ckpt = Checkpointer(tmp_path / "checkpoints")
+  ckpt.save(1, small_state(1.0), {"step": 1})
+  release, finish = threading.Event(), ckpt._manager.wait_until_finished
+  ckpt._manager.wait_until_finished = lambda: (release.wait(), finish())
+  assert ckpt.wait(timeout=0.05) is False
+  assert ckpt.wait(timeout=0.05) is False  # the same wait goes on
+  release.set()
+  assert ckpt.wait(timeout=30) is True and ckpt.all_steps() == [1]
+
+  def failed_save():
+    raise OSError("disk full")
+
+  ckpt._manager.wait_until_finished = failed_save
+  with pytest.raises(OSError, match="disk full"):
+    ckpt.wait(timeout=30)
+  ckpt._manager.wait_until_finished = finish
+  assert ckpt.wait(timeout=30) is True
   ckpt.close()
 
 

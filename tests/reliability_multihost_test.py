@@ -84,8 +84,14 @@ def test_every_process_takes_the_same_decision_at_every_step(tmp_path, caches):
   for first, second in zip(*resumed):
     for key in DECISION_KEYS:
       assert first[key] == second[key], (first["step"], key, first[key], second[key])
-  for before, after in zip(trace[STEPS - 3:], resumed[0]):  # the redone steps, exactly again
-    assert {k: before[k] for k in DECISION_KEYS} == {k: after[k] for k in DECISION_KEYS}
+  for before, after in zip(trace[STEPS - 3:], resumed[0]):  # the redone steps, again
+    # The same decisions; the numbers up to rounding, since a step may run on a compile-fallback
+    # shape in one run and not in the other.
+    for key in DECISION_KEYS:
+      if key in ("loss", "similarity"):
+        assert after[key] == pytest.approx(before[key], rel=1e-5, abs=1e-5), (after["step"], key)
+      else:
+        assert after[key] == before[key], (after["step"], key)
 
 
 def test_the_local_split_over_two_processes_of_three_devices(tmp_path, caches):

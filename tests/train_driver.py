@@ -1,7 +1,7 @@
 """A small Trainer run in its own process, for the kill-and-resume and multi-host tests.
 
 python tests/train_driver.py --workdir DIR --steps N
-    [--kill-at K | --kill-in-save K | --kill-in-compile J]
+    [--kill-at K | --kill-in-save K | --kill-in-compile J | --freeze-at K]
     [--num-processes P --process-id I --coordinator 127.0.0.1:PORT]
     [--disagree-at K] [--similarity-target X] [--max-micro-batch-size M]
     [--compile-cache DIR] [--mode recompile|pad] [--checkpoint-every C]
@@ -20,13 +20,19 @@ Fault injection (the process SIGKILLs itself: no clean-up, no final checkpoint):
   orbax, while its asynchronous save is still writing;
 * ``--kill-in-compile J``: 20 ms into the J-th micro-step compile of the
   background compile thread (that compile is slowed down so the kill lands
-  inside it).
+  inside it);
+* ``--freeze-at K``: SIGSTOP right after step K (every thread stops, the
+  sockets stay open, so a peer waits in its next collective as for a process
+  that died in the middle of it); SIGKILL after twice the agreement timeout
+  and 5 s.
 
 Test-only trace: every process appends to ``<workdir>/trace.<process>.jsonl``
 a ``start`` line (the step it resumed from), a ``step`` line per completed
 step (its decision and the sorted indices of the examples this process
-trained on), and a ``kill`` line before a SIGKILL. Process 1 of a multi-host
-run writes no metrics file, so its trace is where its decisions show.
+trained on), a ``kill`` line before a SIGKILL, and a ``lost`` line (the
+processes a ProcessLostError names, and when) before the process exits with
+status 1 on one. Process 1 of a multi-host run writes no metrics file, so its
+trace is where its decisions show.
 
 Compile timing: ``--hold-compiles K`` holds the compile of every
 one-micro-batch program but the first step's until this process has finished
@@ -45,6 +51,7 @@ import argparse
 import json
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -55,6 +62,7 @@ parser.add_argument("--steps", type=int, required=True)
 parser.add_argument("--kill-at", type=int, default=None)
 parser.add_argument("--kill-in-save", type=int, default=None)
 parser.add_argument("--kill-in-compile", type=int, default=None)
+parser.add_argument("--freeze-at", type=int, default=None)
 parser.add_argument("--num-processes", type=int, default=1)
 parser.add_argument("--process-id", type=int, default=0)
 parser.add_argument("--coordinator", default=None)
@@ -90,9 +98,6 @@ import optax  # noqa: E402
 
 import simigrad_jax  # noqa: E402
 from simigrad_jax.host import step_compiler as step_compiler_module  # noqa: E402
-from simigrad_jax.host import process_agreement  # noqa: E402
-
-process_agreement.AGREEMENT_TIMEOUT_SECONDS = args.agreement_timeout
 
 if args.compile_cache:  # before the model's first eager ops, so that they come from the cache too
   simigrad_jax.enable_persistent_cache(args.compile_cache)
@@ -132,8 +137,29 @@ def trace(record):
 
 
 def die(kind, **details):
-  trace({"event": "kill", "kind": kind, **details})
+  trace({"event": "kill", "kind": kind, "time": time.time(), **details})
   os.kill(os.getpid(), signal.SIGKILL)
+
+
+def freeze(**details):
+  trace({"event": "kill", "kind": "freeze", "time": time.time(), **details})
+  seconds = 2 * args.agreement_timeout + 5
+  subprocess.Popen(["sh", "-c", f"sleep {seconds}; kill -9 {os.getpid()}"], start_new_session=True)
+  os.kill(os.getpid(), signal.SIGSTOP)
+
+
+def exit_if_lost(kind, error, tb):
+  """A ProcessLostError ends the process at once, as in ``python -m train``."""
+  if isinstance(error, simigrad_jax.ProcessLostError):
+    try:
+      trace({"event": "lost", "time": time.time(), "processes": list(error.processes),
+             "message": str(error)})
+    finally:
+      simigrad_jax.exit_on_lost_process(error)
+  sys.__excepthook__(kind, error, tb)
+
+
+sys.excepthook = exit_if_lost
 
 
 # --- kill inside a background compile: slow the J-th background job down and kill 20 ms into it.
@@ -182,7 +208,8 @@ trainer = simigrad_jax.Trainer(
     workdir=args.workdir, max_micro_batch_size=args.max_micro_batch_size, mode=args.mode, seed=1,
     checkpoint_every_steps=args.checkpoint_every, progress=False, tensorboard=False,
     compilation_cache_dir=args.compile_cache, halves=args.halves,
-    compile_fallback=not args.no_compile_fallback)
+    compile_fallback=not args.no_compile_fallback,
+    agreement_timeout_seconds=args.agreement_timeout)
 trace({"event": "start", "pid": os.getpid(), "step": trainer.step,
        "examples_seen": trainer.sampler.examples_seen,
        "skipped_checkpoints": [s for s, _ in trainer._checkpointer.skipped]})
@@ -232,6 +259,8 @@ def decide_then_maybe_die(dispatched):
     compiles_released.set()
   if record["step"] == args.kill_at:  # the next step is not dispatched yet
     die("between_steps", step=record["step"])
+  if record["step"] == args.freeze_at:
+    freeze(step=record["step"])
   return record
 
 

@@ -12,7 +12,10 @@ Several hosts: start the same command on every host with ``--distributed``
 (or ``SIMIGRAD_DISTRIBUTED=1``); it calls ``jax.distributed.initialize()``,
 which finds the coordinator by itself on Cloud TPU, SLURM and Open MPI, or
 takes ``--coordinator_address``, ``--num_processes`` and ``--process_id``.
-The workdir must be on a file system every host sees.
+The workdir must be on a file system every host sees. When a process dies, the
+others end with a ``ProcessLostError`` that names it (exit status 1, within
+``config.agreement_timeout_seconds``); start the same command again on every
+host to resume from the newest checkpoint.
 """
 
 from __future__ import annotations
@@ -67,11 +70,15 @@ def main(argv: list[str]) -> None:
   if FLAGS.distributed:
     jax.distributed.initialize(coordinator_address=FLAGS.coordinator_address,
                                num_processes=FLAGS.num_processes, process_id=FLAGS.process_id)
+  import simigrad_jax  # pylint: disable=import-outside-toplevel
   from train import train  # pylint: disable=import-outside-toplevel
 
   name = pathlib.Path(config_flags.get_config_filename(FLAGS["config"])).stem
   workdir = FLAGS.workdir or os.path.join("/tmp/simigrad", name)
-  train.train_and_evaluate(config, workdir, title=f"SimiGrad: {name}")
+  try:
+    train.train_and_evaluate(config, workdir, title=f"SimiGrad: {name}")
+  except simigrad_jax.ProcessLostError as error:  # a normal exit would wait for the lost process
+    simigrad_jax.exit_on_lost_process(error)
 
 
 if __name__ == "__main__":

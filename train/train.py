@@ -406,7 +406,8 @@ def create_trainer(experiment: Experiment, workdir: str | os.PathLike,
       lr_schedule=experiment.lr_schedule,
       compilation_cache_dir=compilation_cache_dir(config, workdir),
       tensorboard=config.tensorboard,
-      progress=config.progress, devices=experiment.devices, halves=experiment.halves)
+      progress=config.progress, devices=experiment.devices, halves=experiment.halves,
+      agreement_timeout_seconds=config.agreement_timeout_seconds)
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.PathLike,

@@ -23,9 +23,11 @@ written before these records existed are restored unverified, with a warning.
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import logging
 import os
+import threading
 import zlib
 from typing import Any
 
@@ -80,6 +82,7 @@ class Checkpointer:
     if isinstance(max_to_keep, bool) or not isinstance(max_to_keep, int) or max_to_keep < 1:
       raise ValueError(f"max_to_keep must be an integer >= 1, got {max_to_keep!r}")
     self.directory = directory
+    self._waiting: concurrent.futures.Future | None = None  # a bounded wait() under way
     self.skipped: list[tuple[int, str]] = []
     self.quarantined: list[str] = []
     self._manager = ocp.CheckpointManager(
@@ -215,9 +218,30 @@ class Checkpointer:
     self.quarantined = [destination for _, destination in moves]
     self._manager.reload()
 
-  def wait(self) -> None:
-    """Blocks until a background save has finished."""
-    self._manager.wait_until_finished()
+  def wait(self, timeout: float | None = None) -> bool:
+    """Waits until a background save has finished; returns whether it has.
+
+    Args:
+      timeout: wait at most this many seconds (None: until it has finished).
+        The wait goes on in a helper thread, which the next call joins: in a
+        multi-host run a save's commit waits for every process, so a lost
+        process would block it for orbax's own timeout (20 minutes).
+    """
+    if timeout is None and self._waiting is None:
+      self._manager.wait_until_finished()
+      return True
+    if self._waiting is None:
+      self._waiting = concurrent.futures.Future()
+      threading.Thread(target=_settle, args=(self._waiting, self._manager.wait_until_finished),
+                       name="simigrad-checkpoint-wait", daemon=True).start()
+    try:
+      self._waiting.result(timeout)
+    except concurrent.futures.TimeoutError:
+      return False
+    finally:
+      if self._waiting.done():
+        self._waiting = None
+    return True
 
   def close(self) -> None:
     self._manager.wait_until_finished()
@@ -226,6 +250,14 @@ class Checkpointer:
 
 def _first_line(error: BaseException) -> str:
   return (str(error).strip().splitlines() or [""])[0][:400]
+
+
+def _settle(future: concurrent.futures.Future, fn: Any) -> None:
+  """Runs ``fn()`` and settles ``future`` with its result or error."""
+  try:
+    future.set_result(fn())
+  except BaseException as error:  # pylint: disable=broad-except  (handed to the waiting thread)
+    future.set_exception(error)
 
 
 def _crc32(payload: Any) -> int:

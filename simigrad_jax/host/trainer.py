@@ -48,6 +48,7 @@ from simigrad_jax.host.controller import Controller
 from simigrad_jax.host.metrics import MetricsWriter
 from simigrad_jax.host.metrics import ProgressBar
 from simigrad_jax.host.process_agreement import ProcessDisagreementError
+from simigrad_jax.host.process_agreement import ProcessLostError
 from simigrad_jax.host.sampler import EpochSampler
 from simigrad_jax.host.step_compiler import enable_persistent_cache
 from simigrad_jax.host.step_data import StepDataLoader
@@ -62,7 +63,10 @@ logger = logging.getLogger("simigrad_jax")
 Mode = Literal["recompile", "pad"]
 MODES: tuple[str, ...] = ("recompile", "pad")
 
-__all__ = ["MODES", "ProcessDisagreementError", "Trainer"]
+# Multi-host: how long a process waits for a checkpoint save before it checks on the others.
+_SAVE_WAIT_ROUND_SECONDS = 1.0
+
+__all__ = ["MODES", "ProcessDisagreementError", "ProcessLostError", "Trainer"]
 
 
 class Trainer:
@@ -123,6 +127,16 @@ class Trainer:
       (:mod:`simigrad_jax.host.step_layout`): ``"device"`` (even devices
       against odd ones), ``"local"`` (two blocks of rows per device), or
       ``"auto"`` (``"device"`` on an even number of devices, else ``"local"``).
+    agreement_timeout_seconds: several hosts: how long a process waits for
+      the others at a check (the settings, every step's decision, every
+      checkpoint; and after a step failed) before it raises
+      :class:`ProcessLostError` naming the missing ones. A process that
+      waits this long in a collective while a peer's heartbeats have stopped
+      is ended with the same error by a watchdog
+      (:class:`simigrad_jax.host.process_agreement.Watchdog`). Default
+      :data:`simigrad_jax.host.process_agreement.AGREEMENT_TIMEOUT_SECONDS`
+      (300); keep it above the longest time a process may wait for another
+      at a step's end.
 
   Each step's record (``metrics.jsonl``) also carries ``host_seconds``: the
   host's time on the critical path, from reading the previous step's
@@ -147,9 +161,12 @@ class Trainer:
       controller.
     ProcessDisagreementError: in a multi-host run, when the processes were
       built with different settings, or (checked after every step, before the
-      next uses it) took different decisions; also when another process does
-      not reach the set-up check within
-      :data:`simigrad_jax.host.process_agreement.AGREEMENT_TIMEOUT_SECONDS`.
+      next uses it) took different decisions.
+    ProcessLostError: (a ProcessDisagreementError) in a multi-host run, when
+      another process does not reach a check, or does not answer after a step
+      failed (a collective that lost a peer), within
+      ``agreement_timeout_seconds``; it names the missing processes. Restart
+      all processes to resume from the newest checkpoint.
 
   Example:
     >>> trainer = simigrad_jax.Trainer(loss_fn=loss_fn, params=params,  # doctest: +SKIP
@@ -195,6 +212,7 @@ class Trainer:
       axis_name: str = "batch",
       devices: list[jax.Device] | None = None,
       halves: str = "auto",
+      agreement_timeout_seconds: float | None = None,
   ):
     # Every setting is checked before anything is created, compiled or trained,
     # so that a bad value fails in seconds, not after the first GPU-hour.
@@ -207,6 +225,11 @@ class Trainer:
         max_checkpoints=max_checkpoints, axis_name=axis_name,
         flags={"background_compile": background_compile, "tensorboard": tensorboard,
                "progress": progress, "compile_fallback": compile_fallback})
+    if agreement_timeout_seconds is None:
+      agreement_timeout_seconds = process_agreement.AGREEMENT_TIMEOUT_SECONDS
+    self._agreement_timeout = validation.check_real(
+        "agreement_timeout_seconds", agreement_timeout_seconds, "(0, inf) (finite)",
+        lambda x: 0 < x < math.inf)
     trainer_checks.check_controller(controller)
     num_examples = trainer_checks.check_source(source)
     workdir = trainer_checks.check_workdir(workdir)
@@ -244,7 +267,7 @@ class Trainer:
 
     # Multi-host: every process must run the same program; a difference would
     # deadlock the first collective, so compare the settings first.
-    process_agreement.agree("settings", set_up=True, values={
+    process_agreement.agree("settings", set_up=True, timeout=self._agreement_timeout, values={
         "controller": controller.config, "batch_size": controller.batch_size, "seed": seed,
         "mode": mode, "shapes": list(self.shapes), "lr_rule": lr_rule,
         "lr_adjust_factor": lr_adjust_factor, "num_examples": num_examples,
@@ -263,11 +286,13 @@ class Trainer:
     self.step = 0
     self._nonfinite_steps = 0
     self._checkpointer = Checkpointer(workdir / "checkpoints", max_to_keep=max_checkpoints)
+    # Multi-host: names a lost process when this one waits for it in a collective (until close).
+    self._watchdog = process_agreement.Watchdog(self._agreement_timeout)
     try:
       self._resume()
-      process_agreement.agree("resumed state", set_up=True, values={
-          "step": self.step, "controller": controller.state_dict(),
-          "sampler": self.sampler.state_dict()})
+      process_agreement.agree("resumed state", set_up=True, timeout=self._agreement_timeout,
+                              values={"step": self.step, "controller": controller.state_dict(),
+                                      "sampler": self.sampler.state_dict()})
       if compilation_cache_dir is not None:
         enable_persistent_cache(compilation_cache_dir)
       self._programs = StepPrograms(
@@ -280,6 +305,7 @@ class Trainer:
       # A model, loss, optimizer or data set that do not fit each other fail here.
       self._programs.trace(self.layout.plan(controller.batch_size).micro_batch_size)
     except BaseException:
+      self._watchdog.close()
       self._checkpointer.close()
       if hasattr(self, "_programs"):
         self._programs.close()
@@ -333,9 +359,27 @@ class Trainer:
     """Saves the current state as the checkpoint of the current step (once per step)."""
     if self._checkpointer.latest_step() == self.step:
       return
+    self._wait_for_saves(f"checkpoint of step {self.step}")
     host = {"step": self.step, "seed": self.seed, "controller": self.controller.state_dict(),
             "sampler": self.sampler.state_dict(), "nonfinite_steps": self._nonfinite_steps}
     self._checkpointer.save(self.step, self.state, host)
+
+  def _wait_for_saves(self, what: str) -> None:
+    """Waits until the last checkpoint save has finished on every process.
+
+    Multi-host: orbax's commit waits for every process with a timeout of 20
+    minutes, so the processes wait in rounds of at most
+    ``_SAVE_WAIT_ROUND_SECONDS`` and tell each other after each round whether
+    theirs has finished (all of them go on together): a process lost
+    meanwhile is reported within the agreement timeout.
+    """
+    if jax.process_count() == 1:
+      self._checkpointer.wait()
+      return
+    while True:
+      finished = self._checkpointer.wait(timeout=_SAVE_WAIT_ROUND_SECONDS)
+      if all(process_agreement.gather(what, finished, timeout=self._agreement_timeout)):
+        return
 
   # ------------------------------------------------------------------ planning
 
@@ -413,7 +457,11 @@ class Trainer:
         pending = None
       if run["steps"]:
         self.save_checkpoint()
-      self._checkpointer.wait()
+      self._wait_for_saves(f"end of the run at step {self.step}")
+    except jax.errors.JaxRuntimeError as error:
+      # Multi-host: a collective that lost a peer fails with an error that names no process.
+      process_agreement.roll_call(f"step {self.step + 1}", error, self._agreement_timeout)
+      raise
     finally:
       if pending is not None:
         self._finish(pending, run, progress)
@@ -498,11 +546,13 @@ class Trainer:
     # process must hold the same one before any of them uses it.
     # The compiled shapes ride along: the next step falls back only to a shape compiled on all.
     agreement_start = time.perf_counter()
-    compiled_reports = process_agreement.agree(f"decision of step {self.step}", {
+    decision = {
         "step": self.step, "batch_size": plan.global_batch_size,
         "examples_seen": self.sampler.examples_seen, "similarity": similarity,
         "decision": self.controller.last_decision, "next_batch_size": next_batch_size,
-        "next_lr_factor": float(np.float32(factors[0]))},
+        "next_lr_factor": float(np.float32(factors[0]))}
+    compiled_reports = process_agreement.agree(
+        f"decision of step {self.step}", decision, timeout=self._agreement_timeout,
         report=self._programs.compiled_report())
     if compiled_reports is not None:
       self._programs.agree_on_compiles(compiled_reports)
@@ -600,11 +650,17 @@ class Trainer:
     return self._programs.memory(self.layout.slot_rows(micro_batch_size))
 
   def close(self) -> None:
-    """Waits for saves and compiles, and closes the metrics files."""
-    self._checkpointer.close()
+    """Waits for saves and compiles, and closes the metrics files.
+
+    After a :class:`ProcessLostError` it does not wait for a checkpoint
+    save under way: the save would wait for the lost process.
+    """
+    if not process_agreement.lost_processes():
+      self._checkpointer.close()
     self._programs.close()
     self._data.close()
     self._metrics.close()
+    self._watchdog.close()
 
   def __enter__(self):
     return self

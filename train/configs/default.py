@@ -126,6 +126,8 @@ def get_config() -> ml_collections.ConfigDict:
   # here instead of compiling them. False leaves JAX's own cache settings as they are.
   config.compilation_cache = True
   config.compilation_cache_dir = config_dict.placeholder(str)  # None: <workdir>/compilation_cache.
+  # Several hosts: seconds a process waits for the others before it names a lost one.
+  config.agreement_timeout_seconds = 300.0
   config.tensorboard = True
   config.progress = True
   config.plot = True  # draw <workdir>/metrics.png at the end.
