@@ -121,8 +121,6 @@ import json  # noqa: E402
 import math  # noqa: E402
 import pathlib  # noqa: E402
 import shutil  # noqa: E402
-import socket  # noqa: E402
-import subprocess  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Sequence  # noqa: E402
@@ -135,7 +133,7 @@ import optax  # noqa: E402
 
 import simigrad_jax  # noqa: E402
 from benchmarks import common  # noqa: E402
-from simigrad_jax.host import cpu_devices  # noqa: E402
+from benchmarks import local_processes  # noqa: E402
 from train import input_pipeline  # noqa: E402
 
 MODES = ("recompile", "recompile_wait", "pad", "recompile_2proc")
@@ -392,49 +390,24 @@ def run_processes_mode(mode: str, args: argparse.Namespace, root: pathlib.Path,
   """Runs a multi-process mode: this script in each process, on its share of ``num_devices``.
 
   Every process runs the same sweep in one shared workdir; process 0 writes
-  the mode's numbers. Returns them and the workdir (with each process's log). Raises RuntimeError, with each
-  process's last output, when a process fails or runs past
-  :data:`PROCESS_TIMEOUT_SECONDS`.
+  the mode's numbers. Returns them and the workdir (with each process's
+  log). Raises RuntimeError, with each process's last output, when a
+  process fails or runs past :data:`PROCESS_TIMEOUT_SECONDS`.
   """
   base_mode, num_processes = MULTI_PROCESS_MODES[mode]
   if num_devices % num_processes:
     raise ValueError(f"{mode} splits the {num_devices} devices over {num_processes} processes: "
                      f"give a device count divisible by {num_processes}")
   workdir = pathlib.Path(tempfile.mkdtemp(prefix=f"{mode}-", dir=root))
-  result_file = workdir / "result.json"
-  with socket.socket() as probe:
-    probe.bind(("127.0.0.1", 0))
-    coordinator = f"127.0.0.1:{probe.getsockname()[1]}"
-  env = {key: value for key, value in os.environ.items() if key not in ("XLA_FLAGS", "PJRT_NPROC")}
-  env.update(cpu_devices.simulated_cpu_devices_env(num_devices // num_processes, environ=env))
-  env["PYTHONPATH"] = os.pathsep.join(filter(None, [common.REPOSITORY_ROOT,
-                                                     env.get("PYTHONPATH")]))
-  command = [sys.executable, os.path.abspath(__file__), "--modes", base_mode,
-             "--steps", str(args.steps), "--lower", str(args.lower), "--upper", str(args.upper),
-             "--max-micro-batch-size", str(args.max_micro_batch_size), "--model", args.model,
-             "--workdir", str(workdir), "--coordinator", coordinator,
-             "--num-processes", str(num_processes), "--result-file", str(result_file)]
+  script = [os.path.abspath(__file__), "--modes", base_mode, "--steps", args.steps,
+            "--lower", args.lower, "--upper", args.upper,
+            "--max-micro-batch-size", args.max_micro_batch_size, "--model", args.model,
+            "--workdir", workdir]
   if args.persistent_cache:
-    command += ["--persistent-cache", args.persistent_cache]
-  logs = [workdir / f"process{i}.log" for i in range(num_processes)]
-  processes = []
-  for i, log in enumerate(logs):
-    with open(log, "w") as out:
-      processes.append(subprocess.Popen(command + ["--process-id", str(i)], env=env,
-                                        stdout=out, stderr=subprocess.STDOUT))
-  deadline = time.monotonic() + PROCESS_TIMEOUT_SECONDS
-  codes = []
-  for process in processes:
-    try:
-      codes.append(process.wait(timeout=max(1.0, deadline - time.monotonic())))
-    except subprocess.TimeoutExpired:
-      process.kill()
-      codes.append(f"killed after {PROCESS_TIMEOUT_SECONDS} s")
-  if any(code != 0 for code in codes) or not result_file.exists():
-    tails = "\n".join(f"--- process {i} (exit {code}):\n{log.read_text()[-2000:]}"
-                      for i, (code, log) in enumerate(zip(codes, logs)))
-    raise RuntimeError(f"{mode}: the {num_processes} processes did not finish\n{tails}")
-  result = json.loads(result_file.read_text())
+    script += ["--persistent-cache", args.persistent_cache]
+  result = local_processes.run_local_processes(
+      script, num_processes=num_processes, devices_per_process=num_devices // num_processes,
+      workdir=workdir, timeout=PROCESS_TIMEOUT_SECONDS, what=mode)
   result.update({"processes": num_processes, "devices_per_process": num_devices // num_processes})
   return result, workdir
 
