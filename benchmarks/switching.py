@@ -139,6 +139,8 @@ from train import input_pipeline  # noqa: E402
 MODES = ("recompile", "recompile_wait", "pad", "recompile_2proc")
 MULTI_PROCESS_MODES = {"recompile_2proc": ("recompile", 2)}  # mode: (the mode it runs, processes)
 PROCESS_TIMEOUT_SECONDS = 1800  # a multi-process mode's processes are killed after this
+# The modes compared in "ratios" (as "<numerator>_over_<denominator>"), with their column labels.
+RATIOS = (("recompile", "pad", "recomp/pad"), ("recompile_2proc", "recompile", "2proc/1proc"))
 AXIS = "batch"
 
 # Required keys of each mode's entry in the JSON (machine-read).
@@ -495,9 +497,9 @@ def _format_table(results: dict[str, Any]) -> str:
       ("agreement s per step (median)", "agreement_seconds_per_step", ".4f"),
   ]
   names = list(modes)
-  ratio_columns = [(name, label) for name, label in (("recompile_over_pad", "recomp/pad"),
-                                                      ("recompile_2proc_over_recompile", "2proc/1proc"))
-                   if name in results["ratios"]]
+  ratio_columns = [(f"{numerator}_over_{denominator}", label)
+                   for numerator, denominator, label in RATIOS
+                   if f"{numerator}_over_{denominator}" in results["ratios"]]
   width = max([12] + [len(name) + 2 for name in names])
   header = f"{'':<32}" + "".join(f"{name:>{width}}" for name in names)
   header += "".join(f"{label:>12}" for _, label in ratio_columns)
@@ -585,7 +587,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
       shutil.rmtree(cleanup, ignore_errors=True)
 
   ratios = {}
-  for numerator, denominator in (("recompile", "pad"), ("recompile_2proc", "recompile")):
+  for numerator, denominator, _ in RATIOS:
     if {numerator, denominator} <= set(results_by_mode):
       top, bottom = results_by_mode[numerator], results_by_mode[denominator]
       ratios[f"{numerator}_over_{denominator}"] = {
