@@ -196,6 +196,40 @@ def test_local_halves_of_unequal_size_match_numpy(reduction, small_leaf_size, sh
     np.testing.assert_allclose(state.similarity, cos, rtol=2e-5, atol=2e-5)
 
 
+def test_statistics_of_long_leaves_are_summed_in_blocks_and_match_numpy():
+  # Pieces of 4 * 1024 entries or more are reduced as blocks side by side; 8 * 5001 + 3
+  # entries give pieces of 5002 (padding included): 4 blocks of 1250 and a tail of 2.
+  rng = np.random.default_rng(7)
+  shape = (8 * 5001 + 3,)
+  grads = {"long": (rng.normal(size=shape) + 0.7 * rng.normal(size=(8,) + shape)).astype(np.float32),
+           "short": rng.normal(size=(8, 5)).astype(np.float32)}
+  assert 5002 >= 1024 * halves_reduction.STATISTICS_BLOCKS and 5002 % halves_reduction.STATISTICS_BLOCKS
+  _, state = compiled_device_split(8, "pmap", "hierarchical")(grads)
+  _, ref_cos, ref_na, ref_nb, ref_nm = reference(grads, EVEN, ODD)
+  tol = tolerance(False)
+  np.testing.assert_allclose(state.similarity, ref_cos, **tol)
+  np.testing.assert_allclose(state.norm_a, ref_na, **tol)
+  np.testing.assert_allclose(state.norm_b, ref_nb, **tol)
+  np.testing.assert_allclose(state.norm_mean, ref_nm, **tol)
+
+
+def test_norm_of_the_mean_of_opposite_halves_is_zero_not_nan():
+  # |M|^2 is derived from <g_A, g_B>, |g_A|^2 and |g_B|^2. For g_B = -g_A (1 + 1e-6 noise)
+  # their rounding adds up below zero (with this seed): it is clamped, the norm is not NaN.
+  rng = np.random.default_rng(0)
+  half = rng.normal(size=(4, 3, 3, 2, 4)).astype(np.float32)
+  noise = (1 + 1e-6 * rng.normal(size=half.shape)).astype(np.float32)
+  per_device = np.stack([half[i // 2] if i % 2 == 0 else -half[i // 2] * noise[i // 2]
+                         for i in range(8)])
+  zeros = lambda *shape: np.zeros((8,) + shape, np.float32)
+  _, state = compiled_device_split(8, "pmap", "hierarchical")(
+      {"conv": per_device, "dense": {"kernel": zeros(7, 5), "bias": zeros(5)}, "scale": zeros()})
+  assert np.all(state.grads_finite) and np.all(state.measured)
+  np.testing.assert_allclose(state.similarity, -1.0, atol=1e-6)
+  assert np.all(np.isfinite(state.norm_mean))
+  assert float(state.norm_mean[0]) <= 1e-3 * float(state.norm_a[0])
+
+
 def test_odd_device_count_without_half_grads_is_refused():
   with pytest.raises(ValueError, match=r"3 device\(s\).*value_and_half_grads"):
     compiled_device_split(3, "pmap", "scatter")(random_grads(np.random.default_rng(0), 3, False))

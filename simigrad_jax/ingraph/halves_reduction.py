@@ -62,7 +62,7 @@ class HalfStatistics(NamedTuple):
   dot_ab: jax.Array  # <g_A, g_B>
   sq_norm_a: jax.Array  # |g_A|^2
   sq_norm_b: jax.Array  # |g_B|^2
-  sq_norm_mean: jax.Array  # |M|^2, M the returned mean (in the gradient's dtype)
+  sq_norm_mean: jax.Array  # |M|^2, M = s g_A + (1 - s) g_B in float32 (the returned mean before rounding to a bf16 gradient's dtype)
   finite: jax.Array  # bool: every statistic is finite (no NaN or infinity in the gradients)
 
 
@@ -98,25 +98,58 @@ def check_even_axis(axis_name: str) -> int:
 
 
 def _finish(dot_ab, sq_a, sq_b, sq_mean) -> HalfStatistics:
-  """Packs summed float32 statistics; a NaN or infinite entry anywhere makes a norm non-finite."""
+  """Packs summed float32 statistics; a NaN or infinite entry anywhere makes a norm non-finite.
+
+  ``sq_mean`` was derived from the other three (see :func:`_pair_statistics`);
+  it carries their absolute rounding, so it is clamped at 0 for halves that
+  nearly cancel (``jnp.maximum`` keeps a NaN).
+  """
+  sq_mean = jnp.maximum(sq_mean, 0.0)
   finite = jnp.isfinite(sq_a) & jnp.isfinite(sq_b) & jnp.isfinite(dot_ab) & jnp.isfinite(sq_mean)
   return HalfStatistics(dot_ab, sq_a, sq_b, sq_mean, finite)
 
 
-def _pair_statistics(half_a: jax.Array, half_b: jax.Array, mean: jax.Array) -> jax.Array:
-  """Float32 ``[<a, b>, |a|^2, |b|^2, |mean|^2]`` of matching pieces of the halves and the mean.
+# Independent blocks per vector in the statistics' reduction (see _pair_statistics).
+STATISTICS_BLOCKS = 4
+
+
+def _pair_statistics(half_a: jax.Array, half_b: jax.Array,
+                     share: float | jax.Array = 0.5) -> jax.Array:
+  """Float32 ``[<a, b>, |a|^2, |b|^2, |s a + (1 - s) b|^2]`` of matching pieces of the halves.
+
+  The last is derived, ``s^2 |a|^2 + (1 - s)^2 |b|^2 + 2 s (1 - s) <a, b>``,
+  at no pass over the gradient. All four are linear in the sums, so pieces'
+  statistics add up to the whole gradient's.
 
   One variadic reduction of float32 products: XLA reads each piece once and
-  makes no float32 copy of a bfloat16 piece.
+  makes no float32 copy of a bfloat16 piece. The vectors are cut into
+  :data:`STATISTICS_BLOCKS` contiguous blocks whose products are reduced side
+  by side: XLA:CPU emits a reduction to a scalar as one sequential loop, paced
+  by the latency of its float additions, and independent accumulators let that
+  loop overlap them (8 devices of 233k elements: 2.0 ms -> 1.2 ms a step).
+  Blocked sums also round less than one running sum.
   """
   half_a = half_a.astype(jnp.float32)
   half_b = half_b.astype(jnp.float32)
-  mean = mean.astype(jnp.float32)
-  products = (half_a * half_b, half_a * half_a, half_b * half_b, mean * mean)
+  length = half_a.shape[0]
+  blocks = STATISTICS_BLOCKS if length >= 1024 * STATISTICS_BLOCKS else 1
+  width = length // blocks
+  products = []
+  for block in range(blocks):
+    a = half_a[block * width:(block + 1) * width]
+    b = half_b[block * width:(block + 1) * width]
+    products += [a * b, a * a, b * b]
   zero = jnp.zeros((), jnp.float32)
-  sums = lax.reduce(products, (zero,) * 4,
-                    lambda x, y: tuple(a + b for a, b in zip(x, y)), (0,))
-  return jnp.stack(sums)
+  sums = lax.reduce(tuple(products), (zero,) * len(products),
+                    lambda x, y: tuple(p + q for p, q in zip(x, y)), (0,))
+  totals = jnp.stack(sums).reshape(blocks, 3).sum(axis=0)
+  if blocks * width < length:  # the last length % blocks elements
+    a, b = half_a[blocks * width:], half_b[blocks * width:]
+    totals = totals + jnp.stack([jnp.sum(a * b), jnp.sum(a * a), jnp.sum(b * b)])
+  dot, sq_a, sq_b = totals
+  share = jnp.asarray(share, jnp.float32)
+  sq_mean = share * share * sq_a + (1 - share) * (1 - share) * sq_b + 2 * share * (1 - share) * dot
+  return jnp.stack([dot, sq_a, sq_b, sq_mean])
 
 
 # ------------------------------------------------------------------ buckets of leaves
@@ -225,7 +258,7 @@ def _reduce_hierarchical(grads, axis_name: str, num_devices: int, parity: jax.Ar
     sent = lax.dynamic_index_in_dim(own, 1 - parity, keepdims=False)
     other = lax.ppermute(sent, axis_name, partners)  # the other group's sum of the kept piece
     mean_piece = (kept + other) / jnp.asarray(num_devices, dtype)
-    partial = partial + _pair_statistics(kept, other, mean_piece)
+    partial = partial + _pair_statistics(kept, other)
     pieces.append(mean_piece)
 
   # On an odd device "kept" is the second half's sum: swap the norms before summing.
@@ -233,8 +266,8 @@ def _reduce_hierarchical(grads, axis_name: str, num_devices: int, parity: jax.Ar
   first = parity == 0
   sums = lax.psum(jnp.stack([dot, jnp.where(first, sq_kept, sq_other),
                              jnp.where(first, sq_other, sq_kept), sq_mean]), axis_name)
-  scale = 1.0 / float(half * half)  # the groups' sums are half times their means
-  stats = _finish(sums[0] * scale, sums[1] * scale, sums[2] * scale, sums[3])
+  sums = sums / float(half * half)  # the groups' sums are half times their means
+  stats = _finish(*sums)
   return _gather_mean(pieces, buckets, leaves, treedef, axis_name, stats, zero_nonfinite), stats
 
 
@@ -300,7 +333,7 @@ def reduce_local_halves(
     count = jnp.asarray(num_devices, flat_mean.dtype)
     mean_shard = lax.psum_scatter(flat_mean, axis_name, tiled=True) / count
     diff_shard = lax.psum_scatter(flat_diff, axis_name, tiled=True) / count
-    partial = partial + _pair_statistics(*_halves(mean_shard, diff_shard, share), mean_shard)
+    partial = partial + _pair_statistics(*_halves(mean_shard, diff_shard, share), share)
     pieces.append(mean_shard)
   stats = _finish(*lax.psum(partial, axis_name))
   return _gather_mean(pieces, buckets, leaves, treedef, axis_name, stats, zero_nonfinite), stats
@@ -325,7 +358,7 @@ def _global_halves(mean, diff, zero_nonfinite: bool, share) -> tuple[object, Hal
   diff_leaves = jax.tree.structure(mean).flatten_up_to(diff)
   partial = jnp.zeros((4,), jnp.float32)
   for m, d in zip(jax.tree.leaves(mean), diff_leaves):
-    partial = partial + _pair_statistics(*_halves(jnp.ravel(m), jnp.ravel(d), share), jnp.ravel(m))
+    partial = partial + _pair_statistics(*_halves(jnp.ravel(m), jnp.ravel(d), share), share)
   stats = _finish(*partial)
   if zero_nonfinite:
     mean = jax.tree.map(lambda x: jnp.where(stats.finite, x, jnp.zeros_like(x)), mean)
@@ -370,13 +403,13 @@ def _reduce_concatenated(mean_shares, diff_shares, axis_name: str, reduction: Re
     count = jnp.asarray(num_devices, dtype)
     if reduction == "stacked":
       summed = lax.psum(stacked, axis_name) / count
-      partial = partial + _pair_statistics(*_halves(summed[0], summed[1], share), summed[0])
+      partial = partial + _pair_statistics(*_halves(summed[0], summed[1], share), share)
       flat_out = summed[0]
     else:
       padded_length = -(-length // num_devices) * num_devices
       stacked = jnp.pad(stacked, ((0, 0), (0, padded_length - length)))
       shard = lax.psum_scatter(stacked, axis_name, scatter_dimension=1, tiled=True) / count
-      partial = partial + _pair_statistics(*_halves(shard[0], shard[1], share), shard[0])
+      partial = partial + _pair_statistics(*_halves(shard[0], shard[1], share), share)
       flat_out = lax.all_gather(shard[0], axis_name, tiled=True,
                                 **_gather_kwargs(axis_name))[:length]
     _unflatten_bucket(flat_out, mean_leaves, indices, out_leaves)

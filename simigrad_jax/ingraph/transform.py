@@ -28,7 +28,7 @@ class SimilarityState(NamedTuple):
   similarity: jax.Array  # float32 cos(g_A, g_B) of the last step; 0 where not measured.
   norm_a: jax.Array  # float32 |g_A|, the first half's mean-gradient norm; 0 if non-finite.
   norm_b: jax.Array  # float32 |g_B|, the second half's mean-gradient norm; 0 if non-finite.
-  norm_mean: jax.Array  # float32 |M|, M the returned mean gradient; 0 if non-finite.
+  norm_mean: jax.Array  # float32 |M|, M the mean gradient (before rounding to a bf16 dtype); 0 if non-finite.
   measured: jax.Array  # bool: gradients finite and both half norms positive.
   grads_finite: jax.Array  # bool: every entry of the reduced gradients was finite.
   nonfinite_count: jax.Array  # int32: steps so far whose gradients were not finite.
