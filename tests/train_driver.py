@@ -212,7 +212,7 @@ trainer = simigrad_jax.Trainer(
     agreement_timeout_seconds=args.agreement_timeout)
 trace({"event": "start", "pid": os.getpid(), "step": trainer.step,
        "examples_seen": trainer.sampler.examples_seen,
-       "skipped_checkpoints": [s for s, _ in trainer._checkpointer.skipped]})
+       "skipped_checkpoints": [s for s, _ in trainer._checkpoints.checkpointer.skipped]})
 
 # --- hold every compile but the first step's shape until this process has finished step K.
 compiles_released = threading.Event()
@@ -267,7 +267,7 @@ def decide_then_maybe_die(dispatched):
 trainer._read_and_decide = decide_then_maybe_die
 
 if args.kill_in_save is not None:
-  checkpointer = trainer._checkpointer
+  checkpointer = trainer._checkpoints.checkpointer
   original_save = checkpointer.save
 
   def save_then_die(step, state, host):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Callable, Literal
 
 from simigrad_jax.host import validation
 
@@ -65,3 +65,40 @@ def lr_factor(
         "use an lr_adjust_factor <= 1 when the batch shrinks"
     )
   return factor
+
+
+def scheduled_lr_factor(
+    batch_size: int,
+    base_batch_size: int,
+    rule: LrRule,
+    lr_adjust_factor: float | None,
+    lr_schedule: Callable[[float], float] | None,
+    epochs: float,
+) -> tuple[float, float]:
+  """The batch-size factor of :func:`lr_factor` times a schedule's factor at ``epochs``.
+
+  Args:
+    batch_size, base_batch_size, rule, lr_adjust_factor: as for
+      :func:`lr_factor`.
+    lr_schedule: a function of the epochs trained (fractional) that returns a
+      factor, or None (1).
+    epochs: the epochs trained so far.
+
+  Returns:
+    ``(factor, schedule factor)``.
+
+  Raises:
+    ValueError: the product is not finite and > 0 (the schedule returned 0,
+      a negative value or NaN).
+
+  Example:
+    >>> from simigrad_jax.host import lr_rules
+    >>> lr_rules.scheduled_lr_factor(512, 128, "sqrt", None, lambda e: 0.5, 1.0)
+    (1.0, 0.5)
+  """
+  schedule = 1.0 if lr_schedule is None else float(lr_schedule(epochs))
+  factor = lr_factor(batch_size, base_batch_size, rule, lr_adjust_factor) * schedule
+  if not math.isfinite(factor) or factor <= 0:
+    raise ValueError(f"the learning-rate factor at epoch {epochs:.3f} would be {factor} "
+                     f"(lr_schedule returned {schedule}); it must be finite and > 0")
+  return factor, schedule

@@ -26,7 +26,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import statistics
 import time
 from typing import Any, Callable, Literal, Mapping
 
@@ -42,13 +41,13 @@ from simigrad_jax.host import state_access
 from simigrad_jax.host import step_layout
 from simigrad_jax.host import trainer_checks
 from simigrad_jax.host import validation
-from simigrad_jax.host.checkpointing import CheckpointMismatchError
-from simigrad_jax.host.checkpointing import Checkpointer
 from simigrad_jax.host.controller import Controller
 from simigrad_jax.host.metrics import MetricsWriter
 from simigrad_jax.host.metrics import ProgressBar
 from simigrad_jax.host.process_agreement import ProcessDisagreementError
 from simigrad_jax.host.process_agreement import ProcessLostError
+from simigrad_jax.host.run_checkpoints import RunCheckpoints
+from simigrad_jax.host.run_totals import RunTotals
 from simigrad_jax.host.sampler import EpochSampler
 from simigrad_jax.host.step_compiler import enable_persistent_cache
 from simigrad_jax.host.step_data import StepDataLoader
@@ -62,9 +61,6 @@ logger = logging.getLogger("simigrad_jax")
 
 Mode = Literal["recompile", "pad"]
 MODES: tuple[str, ...] = ("recompile", "pad")
-
-# Multi-host: how long a process waits for a checkpoint save before it checks on the others.
-_SAVE_WAIT_ROUND_SECONDS = 1.0
 
 __all__ = ["MODES", "ProcessDisagreementError", "ProcessLostError", "Trainer"]
 
@@ -267,17 +263,12 @@ class Trainer:
 
     # Multi-host: every process must run the same program; a difference would
     # deadlock the first collective, so compare the settings first.
-    process_agreement.agree("settings", set_up=True, timeout=self._agreement_timeout, values={
-        "controller": controller.config, "batch_size": controller.batch_size, "seed": seed,
-        "mode": mode, "shapes": list(self.shapes), "lr_rule": lr_rule,
-        "lr_adjust_factor": lr_adjust_factor, "num_examples": num_examples,
-        "element_spec": {k: [list(shape), str(dtype)] for k, (shape, dtype)
-                         in sorted(source.element_spec.items())},
-        "num_devices": self.num_devices, "halves": self.halves,
-        "checkpoint_every_steps": checkpoint_every_steps,
-        "params": [[jax.tree_util.keystr(path), list(np.shape(x)), str(getattr(x, "dtype", ""))]
-                   for path, x in jax.tree_util.tree_flatten_with_path(params)[0]],
-    })
+    process_agreement.agree("settings", set_up=True, timeout=self._agreement_timeout,
+                            values=trainer_checks.settings_to_agree(
+        controller=controller, source=source, params=params, seed=seed, mode=mode,
+        shapes=list(self.shapes), lr_rule=lr_rule, lr_adjust_factor=lr_adjust_factor,
+        num_examples=num_examples, num_devices=self.num_devices, halves=self.halves,
+        checkpoint_every_steps=checkpoint_every_steps))
 
     workdir.mkdir(exist_ok=True)
     self.sampler = EpochSampler(num_examples, seed)
@@ -285,11 +276,15 @@ class Trainer:
         {"params": params, "opt_state": probe_state, "model_state": model_state}, self._replicated)
     self.step = 0
     self._nonfinite_steps = 0
-    self._checkpointer = Checkpointer(workdir / "checkpoints", max_to_keep=max_checkpoints)
+    self._checkpoints = RunCheckpoints(workdir / "checkpoints", seed=seed,
+                                       max_to_keep=max_checkpoints,
+                                       agreement_timeout=self._agreement_timeout)
     # Multi-host: names a lost process when this one waits for it in a collective (until close).
     self._watchdog = process_agreement.Watchdog(self._agreement_timeout)
     try:
-      self._resume()
+      resumed = self._checkpoints.resume(self.state, self.sampler, controller)
+      if resumed is not None:
+        self.state, self.step, self._nonfinite_steps = resumed
       process_agreement.agree("resumed state", set_up=True, timeout=self._agreement_timeout,
                               values={"step": self.step, "controller": controller.state_dict(),
                                       "sampler": self.sampler.state_dict()})
@@ -306,7 +301,7 @@ class Trainer:
       self._programs.trace(self.layout.plan(controller.batch_size).micro_batch_size)
     except BaseException:
       self._watchdog.close()
-      self._checkpointer.close()
+      self._checkpoints.close()
       if hasattr(self, "_programs"):
         self._programs.close()
       raise
@@ -323,63 +318,10 @@ class Trainer:
 
   # ------------------------------------------------------------------ set-up
 
-  def _resume(self) -> None:
-    """Continues from the newest readable checkpoint in the workdir, if any."""
-    if self._checkpointer.latest_step() is None:
-      return
-    directory = self._checkpointer.directory
-    try:
-      state, host, step = self._checkpointer.restore(self.state)
-    except CheckpointMismatchError as error:
-      raise ValueError(f"the workdir {str(self.workdir)!r} holds checkpoints of another run: "
-                       f"{error}") from error
-    if host.get("seed") != self.seed:
-      raise ValueError(f"the checkpoint at step {step} in {directory} was made with "
-                       f"seed={host.get('seed')!r}, this run has seed={self.seed}; use the same "
-                       "seed to resume, or a new workdir")
-    try:  # both refuse without changing anything
-      self.sampler.load_state_dict(host["sampler"])
-      self.controller.load_state_dict(host["controller"])
-    except (KeyError, TypeError, ValueError) as error:
-      raise ValueError(f"the checkpoint at step {step} in {directory} does not match this run's "
-                       f"settings: {error}; resume with the settings it was made with, or use a "
-                       "new workdir") from error
-    self.state = state
-    self.step = int(host["step"])
-    self._nonfinite_steps = int(host.get("nonfinite_steps", 0))
-    skipped = self._checkpointer.skipped
-    if skipped:
-      logger.warning("resumed from the checkpoint at step %d in %s after skipping %d unreadable "
-                     "newer one(s): %s", step, directory, len(skipped),
-                     "; ".join(f"step {s}: {why}" for s, why in skipped))
-    else:
-      logger.info("resumed from the checkpoint at step %d in %s", step, directory)
-
   def save_checkpoint(self) -> None:
     """Saves the current state as the checkpoint of the current step (once per step)."""
-    if self._checkpointer.latest_step() == self.step:
-      return
-    self._wait_for_saves(f"checkpoint of step {self.step}")
-    host = {"step": self.step, "seed": self.seed, "controller": self.controller.state_dict(),
-            "sampler": self.sampler.state_dict(), "nonfinite_steps": self._nonfinite_steps}
-    self._checkpointer.save(self.step, self.state, host)
-
-  def _wait_for_saves(self, what: str) -> None:
-    """Waits until the last checkpoint save has finished on every process.
-
-    Multi-host: orbax's commit waits for every process with a timeout of 20
-    minutes, so the processes wait in rounds of at most
-    ``_SAVE_WAIT_ROUND_SECONDS`` and tell each other after each round whether
-    theirs has finished (all of them go on together): a process lost
-    meanwhile is reported within the agreement timeout.
-    """
-    if jax.process_count() == 1:
-      self._checkpointer.wait()
-      return
-    while True:
-      finished = self._checkpointer.wait(timeout=_SAVE_WAIT_ROUND_SECONDS)
-      if all(process_agreement.gather(what, finished, timeout=self._agreement_timeout)):
-        return
+    self._checkpoints.save(self.step, self.state, sampler=self.sampler,
+                           controller=self.controller, nonfinite_steps=self._nonfinite_steps)
 
   # ------------------------------------------------------------------ planning
 
@@ -430,8 +372,7 @@ class Trainer:
         total_examples if math.isfinite(total_examples) else 0,
         initial=min(self.sampler.examples_seen, total_examples) if math.isfinite(total_examples) else 0,
         enabled=self._progress_enabled)
-    run = {"examples": 0, "steps": 0, "wall": 0.0, "data": 0.0, "fallback": 0, "last": {},
-           "eval": {}, "host": []}
+    run = RunTotals()
     self._submit_data(batch_size, total_examples, self.step)
     self._last_read = None
     pending = None  # the last step's record, written once the next step is dispatched
@@ -450,14 +391,14 @@ class Trainer:
         # Records up to a checkpoint are written before it, so a resume finds exactly those.
         self._finish(record, run, progress)
         if record["epoch_end"]:
-          run["eval"] = self._evaluate()
+          run.evaluation = self._evaluate()
         self.save_checkpoint()
       if pending is not None:
         self._finish(pending, run, progress)
         pending = None
-      if run["steps"]:
+      if run.steps:
         self.save_checkpoint()
-      self._wait_for_saves(f"end of the run at step {self.step}")
+      self._checkpoints.wait(f"end of the run at step {self.step}")
     except jax.errors.JaxRuntimeError as error:
       # Multi-host: a collective that lost a peer fails with an error that names no process.
       process_agreement.roll_call(f"step {self.step + 1}", error, self._agreement_timeout)
@@ -466,19 +407,9 @@ class Trainer:
       if pending is not None:
         self._finish(pending, run, progress)
       progress.close()
-    compile_stats = self.compile_stats()
-    last = run["last"]
-    return {
-        "steps": self.step, "examples_seen": self.sampler.examples_seen,
-        "run_steps": run["steps"], "run_examples": run["examples"],
-        "average_batch_size": run["examples"] / run["steps"] if run["steps"] else math.nan,
-        "final_batch_size": self.controller.batch_size,
-        "loss": last.get("loss"), "similarity": last.get("similarity"),
-        "wall_seconds": run["wall"], "data_seconds": run["data"],
-        "host_seconds_median": statistics.median(run["host"]) if run["host"] else math.nan,
-        "compile_fallback_steps": run["fallback"], **compile_stats,
-        **run["eval"],
-    }
+    return {"steps": self.step, "examples_seen": self.sampler.examples_seen,
+            "final_batch_size": self.controller.batch_size, **self.compile_stats(),
+            **run.summary()}
 
   def _submit_data(self, batch_size: int, total_examples: float, step: int) -> None:
     """Starts loading the rows of step ``step`` (0-based; for up to one grow of ``batch_size``)
@@ -587,31 +518,19 @@ class Trainer:
         "epoch_end": epoch_end,
     }
 
-  def _finish(self, record: dict[str, Any], run: dict[str, Any], progress: ProgressBar) -> None:
+  def _finish(self, record: dict[str, Any], run: RunTotals, progress: ProgressBar) -> None:
     """A step's bookkeeping: its metrics record, the run's totals and the progress bar."""
     self._metrics.write({**{k: v for k, v in record.items() if k != "epoch_end"},
                          **self.compile_stats()})
-    run["examples"] += record["batch_size"]
-    run["steps"] += 1
-    run["wall"] += record["step_seconds"]
-    run["data"] += record["data_seconds"]
-    run["fallback"] += record["compile_fallback"]
-    if math.isfinite(record["host_seconds"]):
-      run["host"].append(record["host_seconds"])
-    run["last"] = record
+    run.add(record)
     progress.update(record["batch_size"], loss=record["loss"], batch=record["batch_size"],
                     sim=record["similarity"])
 
   def _lr_factor(self, batch_size: int) -> tuple[float, float]:
     """``(learning-rate factor, schedule factor)`` for ``batch_size`` at the current progress."""
-    epochs = self.sampler.examples_seen / self.sampler.num_examples
-    schedule = 1.0 if self.lr_schedule is None else float(self.lr_schedule(epochs))
-    factor = lr_rules.lr_factor(batch_size, self.base_batch_size, self.lr_rule,
-                                self.lr_adjust_factor) * schedule
-    if not math.isfinite(factor) or factor <= 0:
-      raise ValueError(f"the learning-rate factor at epoch {epochs:.3f} would be {factor} "
-                       f"(lr_schedule returned {schedule}); it must be finite and > 0")
-    return factor, schedule
+    return lr_rules.scheduled_lr_factor(
+        batch_size, self.base_batch_size, self.lr_rule, self.lr_adjust_factor, self.lr_schedule,
+        self.sampler.examples_seen / self.sampler.num_examples)
 
   def _set_lr_factor(self, batch_size: int, factors: tuple[float, float] | None = None) -> None:
     """Sets the learning-rate factor the next step runs with (it is written into the optimizer
@@ -655,8 +574,7 @@ class Trainer:
     After a :class:`ProcessLostError` it does not wait for a checkpoint
     save under way: the save would wait for the lost process.
     """
-    if not process_agreement.lost_processes():
-      self._checkpointer.close()
+    self._checkpoints.close()
     self._programs.close()
     self._data.close()
     self._metrics.close()

@@ -230,3 +230,28 @@ def check_settings(*, lr_rule: str, loss_fn: Any, eval_fn: Any, lr_schedule: Any
   if not isinstance(axis_name, str) or not axis_name:
     raise ValueError(f"axis_name must be a non-empty string, got {axis_name!r}")
   return max_micro, seed, checkpoint_every_steps, max_checkpoints
+
+
+def settings_to_agree(*, controller: Any, source: Any, params: Any, **settings: Any
+                      ) -> dict[str, Any]:
+  """What every process of a multi-host run must share, as JSON-able values to compare.
+
+  A difference would deadlock the first collective, so the processes compare
+  these before anything is compiled.
+
+  Args:
+    controller: the run's controller (its settings and batch size).
+    source: the data source (its ``element_spec``).
+    params: the parameters (their paths, shapes and dtypes; not their values).
+    **settings: further JSON-able settings (seed, mode, shapes, ...).
+
+  Returns:
+    A dict of the values.
+  """
+  return {
+      "controller": controller.config, "batch_size": controller.batch_size, **settings,
+      "element_spec": {k: [list(shape), str(dtype)] for k, (shape, dtype)
+                       in sorted(source.element_spec.items())},
+      "params": [[jax.tree_util.keystr(path), list(np.shape(x)), str(getattr(x, "dtype", ""))]
+                 for path, x in jax.tree_util.tree_flatten_with_path(params)[0]],
+  }
