@@ -17,7 +17,8 @@ restarts the pipeline there: its position comes from the sampler, so a resume
 needs no iterator state.
 
 A worker that dies makes grain raise within about a second; the reader then
-closes its pipeline and re-raises. Pipelines are closed by :meth:`StreamReader.close`,
+closes its pipeline and re-raises. A worker whose training process died (a
+SIGKILL closes nothing) ends itself within a second. Pipelines are closed by :meth:`StreamReader.close`,
 and at interpreter exit for any reader left open (an open grain iterator
 otherwise leaves tracebacks and shared memory behind).
 """
@@ -25,8 +26,11 @@ otherwise leaves tracebacks and shared memory behind).
 from __future__ import annotations
 
 import atexit
+import functools
 import gc
+import os
 import threading
+import time
 import weakref
 from typing import Any
 
@@ -43,6 +47,7 @@ BAD_KEY = "__simigrad_bad_records__"
 # restarts the pipeline there rather than reading through the gap.
 _MAX_GAP = 4096
 _STREAM_SPAN = 1 << 50  # positions a pipeline covers (never reached)
+_PARENT_POLL_SECONDS = 0.5
 _open_readers: weakref.WeakSet = weakref.WeakSet()
 
 
@@ -199,7 +204,8 @@ class StreamReader:
     iter_dataset = dataset.to_iter_dataset(grain.ReadOptions(
         num_threads=self._source.read_threads, prefetch_buffer_size=size))
     iter_dataset = iter_dataset.mp_prefetch(grain.MultiprocessingOptions(
-        num_workers=self._source.num_workers, per_worker_buffer_size=size))
+        num_workers=self._source.num_workers, per_worker_buffer_size=size),
+        worker_init_fn=functools.partial(exit_with_parent, os.getpid()))
     self._iterator = iter(iter_dataset)
     self._next = first
     self.restarts += 1
@@ -218,6 +224,22 @@ class StreamReader:
       self._closed = True
       self._close_pipeline()
     _open_readers.discard(self)
+
+
+def exit_with_parent(parent: int, worker: int, num_workers: int) -> None:
+  """Runs in each worker: ends it within a second of the training process's death.
+
+  A training process killed by SIGKILL closes nothing; its workers would
+  otherwise live on, blocked on a full queue, holding its output pipes open.
+  """
+  del worker, num_workers
+
+  def watch():
+    while os.getppid() == parent:
+      time.sleep(_PARENT_POLL_SECONDS)
+    os._exit(1)  # pylint: disable=protected-access
+
+  threading.Thread(target=watch, name="simigrad-parent-watch", daemon=True).start()
 
 
 @atexit.register
