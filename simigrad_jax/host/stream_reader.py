@@ -209,6 +209,7 @@ class StreamReader:
     self._iterator = iter(iter_dataset)
     self._next = first
     self.restarts += 1
+    _close_at_exit()
 
   def _close_pipeline(self) -> None:
     iterator, self._iterator = self._iterator, None
@@ -242,7 +243,17 @@ def exit_with_parent(parent: int, worker: int, num_workers: int) -> None:
   threading.Thread(target=watch, name="simigrad-parent-watch", daemon=True).start()
 
 
-@atexit.register
 def _close_open_readers() -> None:
   for reader in list(_open_readers):
     reader.close()
+
+
+@functools.cache
+def _close_at_exit() -> None:
+  """Closes open readers at exit, before multiprocessing's own exit handler ends the workers.
+
+  Exit handlers run last-registered first, so this registers once a pipeline
+  exists (multiprocessing registers its handler when grain starts); closing
+  after it would leave the workers' queued shared memory behind.
+  """
+  atexit.register(_close_open_readers)
