@@ -5,8 +5,9 @@ Plain Python and NumPy; nothing here is traced.
 The stream is the endless sequence of examples of an
 :class:`~simigrad_jax.host.sampler.EpochSampler` (epoch after epoch); its
 position ``p`` is the number of examples served before. A grain pipeline
-``MapDataset.range(start, ...).map(element).to_iter_dataset().mp_prefetch()``
-reads position after position from ``start``; its workers decode ahead of
+``MapDataset.range(...).map(chunk).to_iter_dataset().mp_prefetch()`` reads
+position after position from ``start``, a few consecutive positions per
+element (:class:`StreamChunk`); its workers decode ahead of
 what the Trainer asked for, whatever batch size it asks for next. The data
 thread asks for a window of positions per step (the step's rows and the
 speculative ones of a grow, :mod:`simigrad_jax.host.step_data`); windows only
@@ -39,7 +40,7 @@ import numpy as np
 from simigrad_jax.host import grain_source
 from simigrad_jax.host.sampler import EpochSampler
 
-__all__ = ["StreamElement", "StreamReader"]
+__all__ = ["StreamChunk", "StreamElement", "StreamReader"]
 
 POSITION_KEY = "__simigrad_stream_position__"
 BAD_KEY = "__simigrad_bad_records__"
@@ -48,6 +49,7 @@ BAD_KEY = "__simigrad_bad_records__"
 _MAX_GAP = 4096
 _STREAM_SPAN = 1 << 50  # positions a pipeline covers (never reached)
 _PARENT_POLL_SECONDS = 0.5
+_CHUNK = 8  # positions a worker decodes and hands over at once
 _open_readers: weakref.WeakSet = weakref.WeakSet()
 
 
@@ -90,7 +92,31 @@ class StreamElement:
       if got != self.spec:
         raise ValueError(f"augment made record {index} (stream position {position}) into "
                          f"{got}, but the element spec is {self.spec}")
-    return {**example, POSITION_KEY: np.int64(position), BAD_KEY: np.asarray(bad, np.int64)}
+    return {**example, POSITION_KEY: np.int64(position), BAD_KEY: bad}
+
+
+class StreamChunk:
+  """Chunk ``c`` of a pipeline from ``first``: positions ``first + c * size ...``, stacked.
+
+  Workers hand over one chunk of rows at a time: one shared-memory transfer
+  and one copy per feature and chunk, not per example.
+
+  Args:
+    element: the :class:`StreamElement`.
+    first: the pipeline's first position.
+    size: positions per chunk.
+  """
+
+  def __init__(self, element: StreamElement, first: int, size: int):
+    self.element, self.first, self.size = element, first, size
+
+  def __call__(self, chunk: int) -> dict[str, Any]:
+    start = self.first + int(chunk) * self.size
+    rows = [self.element(p) for p in range(start, start + self.size)]
+    out = {name: np.stack([row[name] for row in rows]) for name in self.element.spec}
+    out[POSITION_KEY] = np.arange(start, start + self.size, dtype=np.int64)
+    out[BAD_KEY] = [(int(row[POSITION_KEY]), row[BAD_KEY]) for row in rows if row[BAD_KEY]]
+    return out
 
 
 class StreamReader:
@@ -175,21 +201,25 @@ class StreamReader:
     if self._iterator is None or missing or first > self._next + max(_MAX_GAP, len(positions)):
       self._start(first)
     while self._next <= last:
-      element = next(self._iterator)
-      position = int(element[POSITION_KEY])
-      if position != self._next:
-        raise RuntimeError(f"the grain pipeline yielded stream position {position}, expected "
-                           f"{self._next}")
-      self._buffer[position] = self._keep(element)
-      self._next += 1
+      chunk = next(self._iterator)
+      first_position = int(chunk[POSITION_KEY][0])
+      if first_position != self._next:
+        raise RuntimeError(f"the grain pipeline yielded stream position {first_position}, "
+                           f"expected {self._next}")
+      for position, bad in chunk[BAD_KEY]:
+        self._source.note_bad_records(bad, f"stream position {position}")
+      rows = {name: np.array(chunk[name]) for name in self._spec}  # out of shared memory
+      for row in range(len(chunk[POSITION_KEY])):
+        self._buffer[self._next] = {name: rows[name][row] for name in self._spec}
+        self._next += 1
     return [self._buffer[int(p)] for p in positions]
 
   def _keep(self, element: dict[str, Any]) -> dict[str, np.ndarray]:
-    """Copies an element out of grain's shared memory, and counts its skipped records."""
-    bad = np.asarray(element[BAD_KEY]).tolist()
-    if bad:
-      self._source.note_bad_records(bad, f"stream position {int(element[POSITION_KEY])}")
-    return {name: np.array(element[name]) for name in self._spec}
+    """An element read in this process, its skipped records counted."""
+    if element[BAD_KEY]:
+      self._source.note_bad_records(element[BAD_KEY],
+                                    f"stream position {int(element[POSITION_KEY])}")
+    return {name: element[name] for name in self._spec}
 
   def _start(self, first: int) -> None:
     """Starts a pipeline that yields positions ``first, first + 1, ...``."""
@@ -199,12 +229,13 @@ class StreamReader:
     if not flags.FLAGS.is_parsed():  # grain's workers read absl flags
       flags.FLAGS.mark_as_parsed()
     self._close_pipeline()
-    size = self._source.buffer_size
-    dataset = grain.MapDataset.range(first, first + _STREAM_SPAN).map(self._element)
+    chunk = min(_CHUNK, self._source.buffer_size)
+    chunks = max(self._source.buffer_size // chunk, 1)  # each worker's read-ahead, in chunks
+    dataset = grain.MapDataset.range(_STREAM_SPAN).map(StreamChunk(self._element, first, chunk))
     iter_dataset = dataset.to_iter_dataset(grain.ReadOptions(
-        num_threads=self._source.read_threads, prefetch_buffer_size=size))
+        num_threads=self._source.read_threads, prefetch_buffer_size=chunks))
     iter_dataset = iter_dataset.mp_prefetch(grain.MultiprocessingOptions(
-        num_workers=self._source.num_workers, per_worker_buffer_size=size),
+        num_workers=self._source.num_workers, per_worker_buffer_size=chunks),
         worker_init_fn=functools.partial(exit_with_parent, os.getpid()))
     self._iterator = iter(iter_dataset)
     self._next = first
