@@ -8,7 +8,8 @@ Host side (Python decisions between steps):
   BucketPolicy, BatchPlan, plan_batch, bucket_shapes; other controllers by
   name: make_controller, controller_names, controller_options.
 Training engine (host side): Trainer, with EpochSampler, ArraySource,
-  TfdsSource, StepCompiler, Checkpointer, MetricsWriter, ProgressBar.
+  TfdsSource, GrainSource (grain-style data, decoded ahead in worker
+  processes; BadRecordError), StepCompiler, Checkpointer, MetricsWriter, ProgressBar.
 Simulated CPU devices: simulated_cpu_devices_env (set before JAX starts).
 JAX's persistent compilation cache: enable_persistent_cache (process-wide),
   persistent_cache_settings (puts those settings back).
@@ -32,6 +33,8 @@ from simigrad_jax.host.controllers import controller_options
 from simigrad_jax.host.controllers import make_controller
 from simigrad_jax.host.controllers import register_controller
 from simigrad_jax.host.cpu_devices import simulated_cpu_devices_env
+from simigrad_jax.host.grain_source import BadRecordError
+from simigrad_jax.host.grain_source import GrainSource
 from simigrad_jax.host.lr_rules import lr_factor
 from simigrad_jax.host.metrics import MetricsWriter
 from simigrad_jax.host.metrics import ProgressBar
@@ -63,12 +66,14 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ArraySource",
+    "BadRecordError",
     "BatchPlan",
     "BucketPolicy",
     "CheckpointMismatchError",
     "Checkpointer",
     "Controller",
     "EpochSampler",
+    "GrainSource",
     "HalfGrads",
     "HalvesContractError",
     "LrFactorState",

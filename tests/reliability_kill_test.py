@@ -12,7 +12,10 @@ examples trained twice are those of the steps after the checkpoint each
 resume started from (the newest finished checkpoint at that moment).
 
 The scenarios run on 8 devices (the device split); two more run on 3 devices
-and on 1 (the local split: each device's rows in two halves).
+and on 1 (the local split: each device's rows in two halves). Two read the
+rows through a GrainSource with a worker process decoding ahead (killed
+between steps, and during a save) and must match the uninterrupted run that
+reads them from memory.
 
 The kill points are drawn from SIMIGRAD_RELIABILITY_SEED (tests/reliability_helpers.py).
 """
@@ -56,6 +59,7 @@ def _scenarios() -> dict[str, tuple[int, list[list[str]]]]:
   chain_last = rng.randrange(chain_save + 1, STEPS)
   chain_job = rng.choice([1, 2])
   local_kill, local_save = rng.randrange(1, STEPS), rng.choice(saves)
+  grain_kill, grain_save = rng.randrange(1, STEPS), rng.choice(saves)
   return {
       f"between-steps-{between}": (8, [["--kill-at", between]]),
       f"in-save-{in_save}": (8, [["--kill-in-save", in_save]]),
@@ -67,9 +71,12 @@ def _scenarios() -> dict[str, tuple[int, list[list[str]]]]:
           ["--kill-in-compile", chain_job], ["--kill-at", chain_last]]),
       f"3-devices-between-steps-{local_kill}": (3, [["--kill-at", local_kill]]),
       f"1-device-in-save-{local_save}": (1, [["--kill-in-save", local_save]]),
+      f"grain-workers-between-steps-{grain_kill}-save{grain_save}": (8, [
+          ["--kill-at", grain_kill], ["--kill-in-save", grain_save]]),
   }
 
 
+GRAIN = ["--grain-workers", 1]  # the run's rows through a GrainSource and a worker process
 SCENARIOS = _scenarios()
 KIND = {"--kill-at": "between_steps", "--kill-in-save": "save", "--kill-in-compile": "compile"}
 
@@ -120,7 +127,8 @@ def _ordered_examples(event: dict) -> list[tuple[int, int]]:
 def test_killed_run_resumes_exactly(name, straight, compile_cache, tmp_path):
   num_devices, stages = SCENARIOS[name]
   straight_records, straight_steps = straight(num_devices)
-  common = ("--steps", STEPS, "--compile-cache", compile_cache, "--devices", num_devices)
+  common = ("--steps", STEPS, "--compile-cache", compile_cache, "--devices", num_devices,
+            *(GRAIN if name.startswith("grain") else ()))
   restore_expected = []  # per resume: the newest finished checkpoint when it started
   for i, stage in enumerate(stages):
     if i:

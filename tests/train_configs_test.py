@@ -29,15 +29,16 @@ COMMON = dict(num_steps=2, mode="pad", initial_batch_size=16, batch_size_lower_b
               compilation_cache=False)
 # Per config: the same recipe and building blocks at a size that compiles in seconds on a
 # CPU (ResNets keep their block type and stem, with two one-block stages).
+# The TFDS image sets decode in one grain worker process (the TFDS MNIST ones in this one).
 TINY = {
-    "cifar10_resnet18": dict(resnet_filters=4, resnet_stage_sizes=(1, 1)),
-    "imagenet_resnet50": dict(resnet_filters=2, resnet_stage_sizes=(1, 1),
+    "cifar10_resnet18": dict(resnet_filters=4, resnet_stage_sizes=(1, 1), num_workers=1),
+    "imagenet_resnet50": dict(resnet_filters=2, resnet_stage_sizes=(1, 1), num_workers=1,
                               host_image_size=40, image_size=32, decode_threads=2),
     "bert_pretrain": dict(bert_layers=1, bert_hidden=16, bert_heads=2, bert_mlp=32,
                           seq_length=32, records_per_example=2),
     "bert_tiny": dict(bert_layers=1, bert_hidden=16, bert_heads=2, bert_mlp=32, seq_length=32),
-    "mnist_mlp": dict(mnist_source="tfds", mlp_hidden=(16,)),
-    "mnist_cnn": dict(mnist_source="tfds", cnn_features=(4, 8), cnn_dense=16),
+    "mnist_mlp": dict(mnist_source="tfds", mlp_hidden=(16,), num_workers=0),
+    "mnist_cnn": dict(mnist_source="tfds", cnn_features=(4, 8), cnn_dense=16, num_workers=0),
     "digits_demo": dict(cnn_features=(4, 8), cnn_dense=16),
 }
 
@@ -79,6 +80,9 @@ def test_config_takes_two_steps_and_the_batch_size_moves(name, tmp_path, devices
       image_shape = experiment.datasets.train.element_spec["image"][0]
       assert batch["image"].shape == (3,) + tuple(image_shape)
       assert logits.shape == (3, experiment.datasets.num_classes)
+    if config.dataset in ("tfds", "tfds_resized") or config.get("mnist_source") == "tfds":
+      assert isinstance(experiment.datasets.train, simigrad_jax.GrainSource)
+      assert experiment.datasets.train.num_workers == config.num_workers
     trainer = train.create_trainer(experiment, tmp_path)
     with trainer:
       trainer.train(num_steps=config.num_steps)

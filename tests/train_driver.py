@@ -6,12 +6,13 @@ python tests/train_driver.py --workdir DIR --steps N
     [--disagree-at K] [--similarity-target X] [--max-micro-batch-size M]
     [--compile-cache DIR] [--mode recompile|pad] [--checkpoint-every C]
     [--agreement-timeout SECONDS] [--devices D] [--halves auto|device|local]
-    [--hold-compiles K] [--no-compile-fallback]
+    [--hold-compiles K] [--no-compile-fallback] [--grain-workers W]
 
 Trains an MLP on a fixed synthetic classification set (600 examples) over D
 devices in all (default 8; D // P simulated CPU devices per process), with
 the Trainer's ``halves`` split. Prints one JSON summary line at the end
-(process 0).
+(process 0). ``--grain-workers W`` reads the same rows through a
+:class:`simigrad_jax.GrainSource` with W worker processes.
 
 Fault injection (the process SIGKILLs itself: no clean-up, no final checkpoint):
 
@@ -77,6 +78,7 @@ parser.add_argument("--devices", type=int, default=8)
 parser.add_argument("--halves", default="auto")
 parser.add_argument("--hold-compiles", type=int, default=None)
 parser.add_argument("--no-compile-fallback", action="store_true")
+parser.add_argument("--grain-workers", type=int, default=None)
 args = parser.parse_args()
 
 os.environ["JAX_PLATFORMS"] = "cpu"
@@ -202,9 +204,19 @@ if args.disagree_at is not None and process == 1:
 
   controller.update = update_differently
 
+if args.grain_workers is None:
+  source = simigrad_jax.ArraySource(synthetic_data())
+else:
+  import driver_records  # noqa: E402  (a module grain's spawned workers can import)
+
+  # Spawned worker processes re-run the main script unless it has no __file__; this script has
+  # no `if __name__ == "__main__"` guard, so it hides its path from them.
+  del sys.modules["__main__"].__file__
+  source = simigrad_jax.GrainSource(driver_records.Rows(synthetic_data()),
+                                    num_workers=args.grain_workers, buffer_size=16)
 trainer = simigrad_jax.Trainer(
     loss_fn=loss_fn, params=params, optimizer=optimizer,
-    source=simigrad_jax.ArraySource(synthetic_data()), controller=controller,
+    source=source, controller=controller,
     workdir=args.workdir, max_micro_batch_size=args.max_micro_batch_size, mode=args.mode, seed=1,
     checkpoint_every_steps=args.checkpoint_every, progress=False, tensorboard=False,
     compilation_cache_dir=args.compile_cache, halves=args.halves,

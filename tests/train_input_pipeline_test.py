@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import tensorflow_datasets as tfds
 
+import simigrad_jax
 from train import input_pipeline
 from train import optimizers
 from train import preprocess
@@ -19,7 +20,8 @@ SHARED_DATA = pathlib.Path(__file__).resolve().parents[2] / "shared" / "data"
 
 def test_resized_image_source_serves_fixed_squares_of_any_size_images():
   with tfds.testing.mock_data(num_examples=6):
-    source = input_pipeline.ResizedImageSource("imagenet2012", "train", 16, num_threads=2)
+    source = simigrad_jax.GrainSource(
+        input_pipeline.ResizedImageSource("imagenet2012", "train", 16), num_threads=2)
     raw = tfds.data_source("imagenet2012", split="train", download=False)
     shapes = {raw[i]["image"].shape for i in range(6)}
     batch = source.get_batch(np.array([[0, 5], [-1, 2]]))

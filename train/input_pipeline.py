@@ -19,6 +19,13 @@ Data sets (``config.dataset``):
   (``config.tfds_name``, e.g. ``"cifar10"``), through ``tfds.data_source``.
 * ``"tfds_resized"``: a TFDS set with images of any size (``"imagenet2012"``):
   :class:`ResizedImageSource` decodes, resizes and center-crops on the host.
+
+The TFDS image sets (TFDS MNIST too) are read through
+:class:`simigrad_jax.GrainSource`: in a one-process run ``config.num_workers``
+grain worker processes read and decode the training examples ahead, in the
+Trainer's order (default: the available cores minus one; 0 reads in the
+training process). ``config.on_bad_record`` says what a record that cannot be
+decoded does: ``"raise"`` (an error naming it) or ``"skip"``.
 * ``"text"``: byte-level tokens of local text files (``config.text_files``;
   by default tinyshakespeare from ``config.local_data_dir`` when present, else
   the Python documentation that ships with every Python,
@@ -34,7 +41,6 @@ any text, and makes sequences about 4x longer than WordPiece for English.
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import glob
 import gzip
@@ -99,7 +105,7 @@ def _check_indices(indices: Any, length: int) -> tuple[tuple[int, ...], np.ndarr
 
 
 class ResizedImageSource:
-  """A TFDS image set with images of any size, served as fixed-size uint8 squares.
+  """A TFDS image set with images of any size, as grain-style data of fixed-size uint8 squares.
 
   Each record's image (decoded by TFDS with Pillow) is resized so that its
   shorter side is ``size`` pixels (bilinear, antialiased) and its central
@@ -107,8 +113,8 @@ class ResizedImageSource:
   random-resized crop from that square in-graph
   (:func:`train.preprocess.random_resized_crop_and_flip`) and evaluation its
   central crop, so the host work is deterministic and a resumed run sees the
-  same pixels. Several images are decoded at once in a thread pool (Pillow
-  releases the GIL while it decodes and resizes).
+  same pixels. ``source[i]`` is example ``i``; wrap it in a
+  :class:`simigrad_jax.GrainSource` to decode in worker processes.
 
   Args:
     name: the TFDS name, e.g. ``"imagenet2012"``.
@@ -116,11 +122,10 @@ class ResizedImageSource:
     size: the side of the square served.
     data_dir: where TFDS keeps the prepared (ArrayRecord) data.
     download: let TFDS download and prepare the data if it is missing.
-    num_threads: decoding threads.
   """
 
   def __init__(self, name: str, split: str, size: int, *, data_dir: str | None = None,
-               download: bool = False, num_threads: int = 16):
+               download: bool = False):
     import tensorflow_datasets as tfds  # pylint: disable=import-outside-toplevel
 
     if not isinstance(size, int) or size < 1:
@@ -133,8 +138,6 @@ class ResizedImageSource:
           f"access; prepare it in ArrayRecord format there first. TFDS says: {e}") from e
     self._name, self._split, self.size = name, split, size
     self._length = len(self._ds)
-    self._pool = concurrent.futures.ThreadPoolExecutor(num_threads,
-                                                       thread_name_prefix="resize")
 
   def __len__(self) -> int:
     return self._length
@@ -149,19 +152,13 @@ class ResizedImageSource:
     return {"image": ((self.size, self.size, 3), np.dtype(np.uint8)),
             "label": ((), np.dtype(np.int64))}
 
-  def _load(self, index: int) -> tuple[np.ndarray, int]:
+  def __getitem__(self, index: int) -> dict[str, np.ndarray]:
+    """Example ``index``: its image decoded, resized and center-cropped, and its label."""
+    if not 0 <= index < self._length:
+      raise IndexError(f"index must be in [0, {self._length}), got {index}")
     record = self._ds[index]
-    return resize_and_center_crop(np.asarray(record["image"]), self.size), int(record["label"])
-
-  def get_batch(self, indices: np.ndarray) -> dict[str, np.ndarray]:
-    """The examples at ``indices`` (``-1``: an all-zero row), resized and cropped."""
-    shape, flat = _check_indices(indices, self._length)
-    images = np.zeros((len(flat), self.size, self.size, 3), np.uint8)
-    labels = np.zeros((len(flat),), np.int64)
-    rows = np.flatnonzero(flat >= 0)
-    for row, (image, label) in zip(rows, self._pool.map(self._load, flat[rows].tolist())):
-      images[row], labels[row] = image, label
-    return {"image": images.reshape(shape + images.shape[1:]), "label": labels.reshape(shape)}
+    return {"image": resize_and_center_crop(np.asarray(record["image"]), self.size),
+            "label": np.int64(record["label"])}
 
 
 def resize_and_center_crop(image: np.ndarray, size: int) -> np.ndarray:
@@ -429,6 +426,8 @@ def create_datasets(config: ml_collections.ConfigDict) -> Datasets:
   """
   kind = config.dataset
   tfds_options = {"data_dir": config.data_dir, "download": config.download}
+  grain_options = {"num_workers": config.num_workers, "on_bad_record": config.on_bad_record,
+                   "num_threads": config.decode_threads}
   if kind == "digits":
     train, test = load_digits(seed=config.data_seed)
     out = Datasets(simigrad_jax.ArraySource(train), simigrad_jax.ArraySource(test),
@@ -447,19 +446,18 @@ def create_datasets(config: ml_collections.ConfigDict) -> Datasets:
       out = Datasets(simigrad_jax.ArraySource(train), simigrad_jax.ArraySource(test),
                      num_classes=10, description=f"MNIST from {directory}")
     else:
-      features = ("image", "label")
-      out = Datasets(
-          simigrad_jax.TfdsSource("mnist", config.train_split, features=features, **tfds_options),
-          simigrad_jax.TfdsSource("mnist", config.eval_split, features=features, **tfds_options),
-          num_classes=10, description="TFDS mnist")
+      make = lambda split: simigrad_jax.GrainSource(simigrad_jax.TfdsSource(
+          "mnist", split, features=("image", "label"), **tfds_options), **grain_options)
+      out = Datasets(make(config.train_split), make(config.eval_split),
+                     num_classes=10, description="TFDS mnist")
   elif kind in ("tfds", "tfds_resized"):
     if kind == "tfds":
-      features = ("image", "label")
-      make = lambda split: simigrad_jax.TfdsSource(config.tfds_name, split, features=features,
-                                                   **tfds_options)
+      records = lambda split: simigrad_jax.TfdsSource(config.tfds_name, split,
+                                                      features=("image", "label"), **tfds_options)
     else:
-      make = lambda split: ResizedImageSource(config.tfds_name, split, config.host_image_size,
-                                              num_threads=config.decode_threads, **tfds_options)
+      records = lambda split: ResizedImageSource(config.tfds_name, split, config.host_image_size,
+                                                 **tfds_options)
+    make = lambda split: simigrad_jax.GrainSource(records(split), **grain_options)
     out = Datasets(make(config.train_split), make(config.eval_split),
                    num_classes=config.num_classes,
                    image_mean=tuple(config.image_mean) or None,

@@ -54,7 +54,7 @@ ElementSpec = dict[str, tuple[tuple[int, ...], np.dtype]]
 _TFDS_SPEC = re.compile(r"tfds:(?P<name>[^:\[\]]+?(?::\d+\.\d+\.\d+)?):(?P<split>.+)")
 
 
-def _check_indices(indices: Any, length: int) -> tuple[np.ndarray, np.ndarray]:
+def check_indices(indices: Any, length: int) -> tuple[np.ndarray, np.ndarray]:
   """Returns ``(flat int64 indices, flat padding mask)`` after checking them.
 
   Raises:
@@ -144,7 +144,7 @@ class ArraySource:
       IndexError: for an index outside ``[0, len(self))`` other than ``-1``.
     """
     shape = np.shape(indices)
-    flat, pad = _check_indices(indices, self._length)
+    flat, pad = check_indices(indices, self._length)
     safe = np.where(pad, 0, flat)
     batch = {}
     for name, array in self._arrays.items():
@@ -257,6 +257,21 @@ class TfdsSource:
     """The shape and dtype of one example of each selected feature."""
     return dict(self._spec)
 
+  def __getitem__(self, index: int) -> dict[str, np.ndarray]:
+    """Record ``index``'s selected features as arrays (text: 0-d object arrays).
+
+    With ``__len__`` this makes the source grain-style random-access data,
+    e.g. for :class:`simigrad_jax.GrainSource` (it pickles into worker
+    processes).
+
+    Raises:
+      IndexError: for an index outside ``[0, len(self))``.
+    """
+    if not validation.is_int(index) or not 0 <= int(index) < self._length:
+      raise IndexError(f"index must be an int in [0, {self._length}), got {index!r}")
+    record = self._ds[int(index)]
+    return {f: _to_numpy(record[f]) for f in self._features}
+
   def get_batch(self, indices: np.ndarray) -> dict[str, np.ndarray]:
     """Returns the examples at ``indices``, with zero rows for ``-1``.
 
@@ -274,7 +289,7 @@ class TfdsSource:
       IndexError: for an index outside ``[0, len(self))`` other than ``-1``.
     """
     shape = np.shape(indices)
-    flat, pad = _check_indices(indices, self._length)
+    flat, pad = check_indices(indices, self._length)
     batch = {}
     for f, (elem_shape, dtype) in self._spec.items():
       batch[f] = np.zeros((len(flat),) + elem_shape, dtype)

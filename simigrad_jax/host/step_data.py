@@ -12,6 +12,11 @@ the loaded rows are laid out for the new plan at once. With several processes
 every transfer to the devices stays in the main thread, in the same order on
 every process (a transfer to a global sharding must not race the per-step
 agreement's collectives), so only the loading runs ahead.
+
+A source with a ``reader(sampler)`` method (:class:`simigrad_jax.GrainSource`)
+serves a one-process run's rows by stream position through that reader, whose
+worker processes decode ahead along the sampler's order; with several
+processes each one reads only its rows, through ``get_batch``.
 """
 
 from __future__ import annotations
@@ -67,6 +72,9 @@ class StepDataLoader:
     self._num_slots = num_slots
     self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="simigrad-data")
     self._pending: _Pending | None = None
+    # A one-process run reads along the stream (every row is this process's), decoded ahead.
+    streams = hasattr(source, "reader") and len(local_slots) == num_slots
+    self._reader = source.reader(sampler) if streams else None
 
   def submit(self, start: int, count: int, step: int,
              expected: batch_plan.BatchPlan | None) -> None:
@@ -101,6 +109,8 @@ class StepDataLoader:
     indices = self._sampler.indices_at(first_example, count)
     examples = np.arange(count)
     mine = np.isin(examples % self._num_slots, self._local_slots)
+    if self._reader is not None:
+      return examples[mine], self._reader.read(first_example + examples[mine])
     return examples[mine], self._source.get_batch(indices[mine])
 
   def place(self, plan: batch_plan.BatchPlan, loaded, step: int) -> StepBatch:
@@ -127,8 +137,12 @@ class StepDataLoader:
         local_tree)
 
   def close(self) -> None:
-    """Waits for the load under way."""
-    self._pool.shutdown(wait=True)
+    """Waits for the load under way, and stops the source's reader (its worker processes)."""
+    try:
+      self._pool.shutdown(wait=True)
+    finally:
+      if self._reader is not None:
+        self._reader.close()
 
 
 def speculative_count(batch_size: int, upper: int | None, remaining: float) -> int:

@@ -36,6 +36,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from simigrad_jax.host import lr_rules
+from simigrad_jax.host import grain_source
 from simigrad_jax.host import process_agreement
 from simigrad_jax.host import state_access
 from simigrad_jax.host import step_layout
@@ -78,8 +79,11 @@ class Trainer:
     optimizer: an optax optimizer containing ``simigrad_jax.transform(axis_name)``
       and, last, ``simigrad_jax.scale_by_lr_factor()``.
     source: a random-access data source (``len()``, ``get_batch(indices)``,
-      ``element_spec``), e.g. :class:`simigrad_jax.ArraySource` or
-      :class:`simigrad_jax.TfdsSource`.
+      ``element_spec``), e.g. :class:`simigrad_jax.ArraySource`,
+      :class:`simigrad_jax.TfdsSource` or :class:`simigrad_jax.GrainSource`;
+      or any grain-style random-access data (``__len__``, ``__getitem__``
+      giving a dict of arrays, e.g. a ``grain.MapDataset``), which is read
+      through a :class:`simigrad_jax.GrainSource` with its defaults.
     controller: a :class:`simigrad_jax.Controller` (or one with its interface).
     workdir: where metrics and checkpoints go; a run resumes from the newest
       checkpoint found there. Its parent must exist.
@@ -227,6 +231,7 @@ class Trainer:
         "agreement_timeout_seconds", agreement_timeout_seconds, "(0, inf) (finite)",
         lambda x: 0 < x < math.inf)
     trainer_checks.check_controller(controller)
+    source = grain_source.as_source(source)
     num_examples = trainer_checks.check_source(source)
     workdir = trainer_checks.check_workdir(workdir)
     devices = trainer_checks.check_devices(devices)

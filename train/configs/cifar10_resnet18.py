@@ -17,8 +17,9 @@ where TFDS can download.
 Hardware: one host with 8 GPUs (any number works; 2 x 4 hosts with
 ``--distributed``). Memory: up to 256 images per GPU per micro-step, well
 under 16 GB. Runtime: expected about 1-3 hours on 8 current GPUs for the
-200 epochs (10M images); the host decodes images in one data thread, which
-can be the bottleneck. Not measured here (no GPU host with the data).
+200 epochs (10M images); the host decodes images in ``num_workers`` grain
+worker processes (default: the cores minus one). Not measured here (no GPU
+host with the data).
 """
 
 from train.configs import default

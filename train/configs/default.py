@@ -41,7 +41,11 @@ def get_config() -> ml_collections.ConfigDict:
   config.image_mean = ()  # per-channel mean on the 0-255 scale; () = divide by 255.
   config.image_std = ()
   config.host_image_size = 256  # "tfds_resized": the square the host decodes and crops to.
-  config.decode_threads = 16  # "tfds_resized": host decoding threads.
+  # TFDS image sets: grain worker processes that decode the training examples ahead (one
+  # process only; None: the available cores minus one; 0: in the training process).
+  config.num_workers = config_dict.placeholder(int)
+  config.decode_threads = 16  # TFDS image sets: threads that decode evaluation batches.
+  config.on_bad_record = "raise"  # a record that cannot be decoded: "raise" | "skip" (and log).
   # Local files (MNIST, tinyshakespeare); a relative path starts at the repository root.
   config.local_data_dir = "../shared/data"
   config.mnist_source = "auto"  # "auto" (local files when present, else TFDS) | "local" | "tfds".

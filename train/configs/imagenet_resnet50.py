@@ -15,13 +15,14 @@ parameters in float32.
 Data: TFDS ``imagenet2012`` (manual download of the ILSVRC 2012 archives into
 ``<data_dir>/downloads/manual``, then ``tfds build imagenet2012
 --file_format=array_record``; train 1,281,167, validation 50,000 images),
-read through ``tfds.data_source`` and decoded with Pillow in
-``decode_threads`` threads.
+read through ``tfds.data_source`` and decoded with Pillow in ``num_workers``
+grain worker processes (default: the cores minus one).
 
 Hardware: 8 GPUs with >= 40 GB each per host, or several hosts with
 ``--distributed`` (the workdir on a shared file system). Runtime: expected
-about 1-2 days for 90 epochs on one 8-GPU host, usually bound by host JPEG
-decoding (about 1,000-2,000 images/s per 16 threads); not measured here.
+about 1-2 days for 90 epochs on one 8-GPU host; one core decodes about 600
+images/s (``benchmarks/input.py``), so a host needs about 35-45 cores to feed
+the 8 GPUs' estimated 20,000 images/s. Not measured here.
 """
 
 from train.configs import default
@@ -36,7 +37,6 @@ def get_config():
   config.eval_split = "validation"
   config.num_classes = 1000
   config.host_image_size = 256
-  config.decode_threads = 16
   config.image_size = 224
   config.image_mean = (123.675, 116.28, 103.53)  # train/preprocess.py: IMAGENET_MEAN
   config.image_std = (58.395, 57.12, 57.375)
