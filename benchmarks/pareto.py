@@ -341,7 +341,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
       old = cache.profile if cache else None
       if (old and old["batch_size"] == b0 and old["sizes"] == sizes and old["steps_per_size"] == steps
           and math.isclose(old["learning_rate"], lr0, rel_tol=1e-9)):
-        profile = {**old, "reused_from": args.reuse}
+        profile = {**old, "reused_from": old.get("reused_from") or cache.profile_from}
       else:
         profile = run_profile(exp, batch_size=b0, lr=lr0, sizes=sizes, steps_per_size=steps,
                               at_epochs=(0.0, round(e / 4, 3), round(e / 2, 3),

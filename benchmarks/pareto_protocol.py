@@ -245,7 +245,7 @@ class RunCache:
   def __init__(self, paths: str | Sequence[str], expected: dict[str, Any]):
     self.paths = [paths] if isinstance(paths, str) else list(paths)
     self.runs: list[tuple[str, dict[str, Any]]] = []
-    self.profile = None
+    self.profile, self.profile_from = None, None
     for path in self.paths:
       with open(path, encoding="utf-8") as f:
         earlier = json.load(f)
@@ -254,7 +254,8 @@ class RunCache:
           raise ValueError(f"--reuse {path}: {key} is {earlier.get(key)!r}, this run has "
                            f"{expected[key]!r}")
       self.runs += [(path, run) for run in earlier["runs"]]
-      self.profile = self.profile or earlier.get("profile")
+      if self.profile is None and earlier.get("profile"):
+        self.profile, self.profile_from = earlier["profile"], path
     self.reused = 0
     self._taken: set[str] = set()
 

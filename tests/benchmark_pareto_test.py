@@ -4,6 +4,7 @@ import dataclasses
 import json
 import math
 import numbers
+import pathlib
 
 import numpy as np
 import pytest
@@ -335,4 +336,19 @@ def test_variant_names():
              "simigrad ema_decay=0.9": {}, "simigrad": {}, "geometric": {}}
   assert pareto_analysis.variant_names(summary) == [
       "simigrad", "simigrad ema_decay=0.9", "gns", "geometric"]
+
+
+
+def test_readme_tables_are_generated_from_the_committed_json():
+  root = pathlib.Path(__file__).resolve().parent.parent
+  readme = (root / "README.md").read_text()
+  for name in ("pareto_mnist",):
+    start = f"<!-- {name} tables: python benchmarks/pareto.py --markdown docs/{name}.json -->\n"
+    end = f"\n<!-- end {name} tables -->"
+    assert start in readme and end in readme, name
+    block = readme[readme.index(start) + len(start):readme.index(end)]
+    results = json.loads((root / "docs" / f"{name}.json").read_text())
+    assert block == pareto_report.markdown_tables(results), (
+        f"README's {name} tables differ from docs/{name}.json; regenerate them with "
+        f"python benchmarks/pareto.py --markdown docs/{name}.json")
 
