@@ -46,21 +46,28 @@ recording the similarity measured at each size and the gradient noise scale
 (from the same steps' half-batch norms), so that similarity against batch
 size can be compared with ``1 / (1 + 2 B_simple / B)`` (SPEC.md).
 
-Data: ``--dataset mnist`` (real MNIST from ``../shared/data``), ``digits``
-(scikit-learn's) or ``auto`` (MNIST when its files are there); see
-``benchmarks/pareto_images.py``.
+Tasks: ``--task images`` (the default) trains the MLP on ``--dataset mnist``
+(real MNIST from ``../shared/data``), ``digits`` (scikit-learn's) or ``auto``
+(MNIST when its files are there); see ``benchmarks/pareto_images.py``.
+``--task mlm`` trains ``train/configs/bert_tiny.py``'s masked language model,
+made smaller, on ``../shared/data/tinyshakespeare.txt`` with LAMB, and scores
+masked-token accuracy and loss on held-out text; see
+``benchmarks/pareto_mlm.py``. The protocol is the same for both.
 
 Where things live: this file is the command line; ``pareto_protocol.py`` the
 run specs, the grid, one run's record and reusing runs; ``pareto_analysis.py``
 grouping over seeds, selection by validation, the fixed front and the summary
 (one entry per controller, and per set of extra SimiGrad options, e.g.
 ``"simigrad ema_decay=0.9"``); ``pareto_report.py`` the printed table, the
-plot and README's markdown tables; ``pareto_images.py`` the image task.
+plot and README's markdown tables; ``pareto_images.py`` and ``pareto_mlm.py``
+the tasks.
 
 Usage::
 
   python benchmarks/pareto.py --quick --profile --out docs/pareto_quick.json  # < 10 min on 2 cores
   python benchmarks/pareto.py --out /tmp/pareto.json --profile      # the full grid
+  python benchmarks/pareto.py --task mlm --quick --out /tmp/mlm.json  # ~10 min on 2 cores
+  python benchmarks/pareto.py --task mlm --out docs/pareto_mlm.json   # ~1 h on 2 cores
   # Add learning-rate variants of the adaptive runs, reusing every run already done:
   python benchmarks/pareto.py --profile --reuse /tmp/pareto.json --out /tmp/pareto_lr.json \
       --adaptive-lr-multipliers 1,2 --adaptive-lr-rules sqrt,linear
@@ -115,8 +122,8 @@ import jax  # noqa: E402
 import simigrad_jax  # noqa: E402
 from benchmarks import common  # noqa: E402
 from benchmarks.pareto_analysis import group_runs, select_by_validation, select_fixed, summarize  # noqa: E402,E501
-from benchmarks.pareto_images import (BASE_LR, DATASETS, FULL, QUICK, Experiment,  # noqa: E402
-                                      load_dataset, run_profile)
+from benchmarks import pareto_images  # noqa: E402
+from benchmarks import pareto_mlm  # noqa: E402
 from benchmarks.pareto_protocol import (LR_SCHEDULES, SIMIGRAD_GRID_KEYS, RunCache,  # noqa: E402
                                         adaptive_specs, base_lr_for, compact, fixed_specs)
 from benchmarks.pareto_report import format_table, lr_text, markdown_tables, plot  # noqa: E402
@@ -160,14 +167,27 @@ def _bounds(text: str) -> tuple[tuple[int, int], ...]:
   return tuple(pairs)
 
 
+# The tasks: each module has FULL and QUICK grids, BASE_LR per data set and setup() -> experiment.
+TASKS = {"images": pareto_images, "mlm": pareto_mlm}
+
+
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--task", choices=tuple(TASKS), default="images",
+                      help="images: an MLP on MNIST or digits; mlm: a small BERT's masked LM on "
+                      "tinyshakespeare")
   parser.add_argument("--quick", action="store_true",
-                      help="the small grid (digits, 8 epochs, 2 seeds): under 10 minutes on 2 cores")
-  parser.add_argument("--dataset", choices=DATASETS, default=None)
+                      help="the small grid: about 5 (images: digits, 8 epochs, 2 seeds) to 10 "
+                      "(mlm) minutes on 2 cores")
+  parser.add_argument("--dataset", choices=pareto_images.DATASETS, default=None,
+                      help="the image task's data set")
   parser.add_argument("--epochs", type=float, default=None)
   parser.add_argument("--seeds", type=_ints, default=None, help="e.g. 0,1,2")
-  parser.add_argument("--hidden", type=int, default=None, help="the MLP's hidden width")
+  parser.add_argument("--hidden", type=int, default=None, help="the model's hidden width")
+  parser.add_argument("--train-windows", type=int, default=None,
+                      help="mlm: how many text windows to train on")
+  parser.add_argument("--eval-examples", type=int, default=None,
+                      help="mlm: windows in each of validation and test")
   parser.add_argument("--fixed", type=_ints, default=None, help="fixed batch sizes, e.g. 16,64,256")
   parser.add_argument("--lr-multipliers", type=_floats, default=None,
                       help="the per-batch-size learning-rate grid around the sqrt-scaled base")
@@ -185,9 +205,11 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                       help="B_0 of every adaptive run")
   parser.add_argument("--base-lr", type=float, default=None,
                       help="the learning rate at --base-batch-size, sqrt-scaled to other sizes "
-                      f"(default per data set: {BASE_LR})")
+                      f"(default per data set: {pareto_images.BASE_LR}, {pareto_mlm.BASE_LR})")
   parser.add_argument("--base-batch-size", type=int, default=32)
-  parser.add_argument("--lr-schedule", choices=LR_SCHEDULES, default="cosine")
+  parser.add_argument("--lr-schedule", choices=LR_SCHEDULES, default=None,
+                      help="the learning-rate schedule in epochs (default: the task's, cosine for "
+                      "images, warmup_cosine for mlm)")
   parser.add_argument("--adaptive-lr-multipliers", type=_floats, default=None,
                       help="learning-rate multipliers (of the sqrt-scaled base at B_0) for the "
                       "adaptive runs; quick default: the one selected for the fixed batch B_0; "
@@ -212,12 +234,18 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   parser.add_argument("--png", default=None, help="the plot (default: --out with .png)")
   parser.add_argument("--workdir", default=None, help="keep every run's workdir under this path")
   args = parser.parse_args(argv)
-  grid = dict(QUICK if args.quick else FULL)
+  task = TASKS[args.task]
+  grid = dict(task.QUICK if args.quick else task.FULL)
+  if args.dataset is not None and args.task != "images":
+    parser.error("--dataset is for --task images")
+  if args.task != "mlm" and (args.train_windows is not None or args.eval_examples is not None):
+    parser.error("--train-windows and --eval-examples are for --task mlm")
   for key, value in (("dataset", args.dataset), ("epochs", args.epochs), ("seeds", args.seeds),
                      ("hidden", args.hidden), ("fixed", args.fixed),
                      ("lr_multipliers", args.lr_multipliers), ("targets", args.targets),
                      ("bounds", args.bounds), ("gns", args.gns),
-                     ("simigrad_options", args.simigrad_options)):
+                     ("simigrad_options", args.simigrad_options),
+                     ("train_windows", args.train_windows), ("eval_examples", args.eval_examples)):
     if value is not None:
       grid[key] = value
   if args.schedules is not None:
@@ -227,6 +255,8 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   if args.adaptive_lr_rules is not None:
     grid["adaptive_lr_rules"] = tuple(r.strip() for r in args.adaptive_lr_rules.split(",")
                                       if r.strip())
+  if args.lr_schedule is None:
+    args.lr_schedule = grid["lr_schedule"]
   args.grid = grid
   return args
 
@@ -235,6 +265,8 @@ def _validate(args: argparse.Namespace, num_train: int) -> None:
   grid = args.grid
   if args.keep_reused and not args.reuse:
     raise ValueError("--keep-reused needs --reuse")
+  if args.profile and args.task != "images":
+    raise ValueError("--profile is for --task images")
   if not grid["seeds"] or not grid["fixed"] or not grid["lr_multipliers"]:
     raise ValueError("need at least one seed, fixed batch size and learning-rate multiplier")
   if grid["epochs"] <= 0:
@@ -273,19 +305,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
       print(markdown_tables(json.load(f)))
     return {}
   grid = args.grid
-  dataset = load_dataset(grid["dataset"])
-  if args.base_lr is None:
-    args.base_lr = BASE_LR[dataset.name]
-  num_train = len(dataset.train["y"])
-  _validate(args, num_train)
-  devices = jax.devices()
-  print(f"{len(devices)} x {devices[0].platform} devices; {dataset.describe()}; MLP(hidden="
-        f"{grid['hidden']}); {grid['epochs']:g} epochs; lr {args.base_lr} at B="
-        f"{args.base_batch_size}, sqrt-scaled, x{list(grid['lr_multipliers'])}; "
-        f"{args.lr_schedule} schedule; seeds {list(grid['seeds'])}", flush=True)
-  if dataset.note:
-    print(f"NOTE: {dataset.note}", flush=True)
-
+  task = TASKS[args.task]
   keep = args.workdir is not None
   root = pathlib.Path(args.workdir).absolute() if keep else pathlib.Path(
       tempfile.mkdtemp(prefix="simigrad-pareto-"))
@@ -298,13 +318,25 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
       cleanup.callback(shutil.rmtree, root, ignore_errors=True)
     # The trainers point JAX's process-wide cache into root; put the settings back before it goes.
     cleanup.enter_context(simigrad_jax.persistent_cache_settings())
-    exp = Experiment(dataset, hidden=grid["hidden"], epochs=grid["epochs"],
-                     lr_schedule=args.lr_schedule, root=root, keep_workdirs=keep)
+    exp = task.setup(grid, lr_schedule=args.lr_schedule, root=root, keep_workdirs=keep)
+    info = exp.info()
+    if args.base_lr is None:
+      args.base_lr = task.BASE_LR[info["dataset"]]
+    num_train = exp.num_train
+    _validate(args, num_train)
+    devices = jax.devices()
+    print(f"{len(devices)} x {devices[0].platform} devices; {info['description']}; "
+          f"{grid['epochs']:g} epochs; lr {args.base_lr} at B={args.base_batch_size}, "
+          f"sqrt-scaled, x{list(grid['lr_multipliers'])}; {args.lr_schedule} schedule; seeds "
+          f"{list(grid['seeds'])}", flush=True)
+    if info["dataset_note"]:
+      print(f"NOTE: {info['dataset_note']}", flush=True)
 
     cache = None if args.reuse is None else RunCache(args.reuse, {
-        "dataset": dataset.name, "epochs": grid["epochs"], "hidden": grid["hidden"],
-        "lr_schedule": args.lr_schedule, "base_lr": args.base_lr,
-        "base_batch_size": args.base_batch_size, "initial_batch_size": args.initial_batch_size})
+        "task": args.task, "dataset": info["dataset"], "epochs": grid["epochs"],
+        "hidden": grid["hidden"], "lr_schedule": args.lr_schedule, "base_lr": args.base_lr,
+        "base_batch_size": args.base_batch_size, "initial_batch_size": args.initial_batch_size,
+        **{k: v for k, v in info.items() if k in ("num_train", "num_val", "seq_length")}})
 
     def execute(specs):
       for spec in specs:
@@ -343,7 +375,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
           and math.isclose(old["learning_rate"], lr0, rel_tol=1e-9)):
         profile = {**old, "reused_from": old.get("reused_from") or cache.profile_from}
       else:
-        profile = run_profile(exp, batch_size=b0, lr=lr0, sizes=sizes, steps_per_size=steps,
+        profile = pareto_images.run_profile(exp, batch_size=b0, lr=lr0, sizes=sizes, steps_per_size=steps,
                               at_epochs=(0.0, round(e / 4, 3), round(e / 2, 3),
                                          round(3 * e / 4, 3), e))
 
@@ -355,15 +387,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
       "groups": groups,
       "summary": summary,
       "profile": profile,
-      "dataset": dataset.name,
-      "dataset_note": dataset.note or None,
-      "num_train": num_train, "num_val": len(dataset.val["y"]),
-      "num_test": len(dataset.test["y"]),
+      "task": args.task,
+      **{k: v for k, v in info.items() if k != "description"},
       "epochs": grid["epochs"], "seeds": list(grid["seeds"]), "hidden": grid["hidden"],
       "quick": bool(args.quick),
       "initial_batch_size": args.initial_batch_size, "base_lr": args.base_lr,
       "base_batch_size": args.base_batch_size, "lr_schedule": args.lr_schedule,
-      "lr_multipliers": list(grid["lr_multipliers"]), "optimizer": "sgd(momentum=0.9)",
+      "lr_multipliers": list(grid["lr_multipliers"]),
       "adaptive_lr_rules": list(grid["adaptive_lr_rules"]),
       "simigrad_options": list(grid["simigrad_options"]),
       "adaptive_lr_multipliers": list(adaptive_multipliers),

@@ -55,12 +55,13 @@ def group_runs(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     acc, acc_sd = mean_std(r["test_accuracy"] for r in members)
     val, _ = mean_std(r["val_accuracy"] for r in members)
     val_loss, _ = mean_std(r["val_loss"] for r in members)
+    test_loss, test_loss_sd = mean_std(r["test_loss"] for r in members)
     avg_b, avg_b_sd = mean_std(r["avg_batch_size"] for r in members)
     out.append({
         "controller": members[0]["controller"], "label": members[0]["label"],
         "settings": members[0]["settings"], "seeds": [r["seed"] for r in members],
         "test_accuracy_mean": acc, "test_accuracy_std": acc_sd, "val_accuracy_mean": val,
-        "val_loss_mean": val_loss,
+        "val_loss_mean": val_loss, "test_loss_mean": test_loss, "test_loss_std": test_loss_sd,
         "avg_batch_size_mean": avg_b, "avg_batch_size_std": avg_b_sd,
         "steps_mean": float(np.mean([r["steps"] for r in members])),
         "wall_seconds_mean": float(np.mean([r["wall_seconds"] for r in members])),

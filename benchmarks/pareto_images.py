@@ -41,7 +41,7 @@ BASE_LR = {"digits": 0.2, "mnist": 0.05}
 
 # The grids. "bounds" are (lower, upper) pairs for the adaptive controllers.
 FULL = {
-    "dataset": "auto", "epochs": 8, "seeds": (0, 1, 2), "hidden": 64,
+    "dataset": "auto", "lr_schedule": "cosine", "epochs": 8, "seeds": (0, 1, 2), "hidden": 64,
     "fixed": (16, 32, 64, 128, 256, 512, 1024), "lr_multipliers": (0.25, 0.5, 1.0, 2.0, 4.0),
     "targets": (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7), "bounds": ((16, 256), (16, 1024)),
     "gns": (0.25, 0.5, 1.0, 2.0, 4.0), "schedules": ("linear", "geometric", "loss_plateau"),
@@ -49,7 +49,7 @@ FULL = {
     "adaptive_lr_rules": ("sqrt", "linear"),
 }
 QUICK = {
-    "dataset": "digits", "epochs": 8, "seeds": (0, 1), "hidden": 32,
+    "dataset": "digits", "lr_schedule": "cosine", "epochs": 8, "seeds": (0, 1), "hidden": 32,
     "fixed": (16, 32, 64, 128, 256, 512), "lr_multipliers": (0.5, 1.0, 2.0),
     "targets": (0.0, 0.1, 0.2, 0.3, 0.5, 0.7), "bounds": ((16, 512),),
     "gns": (0.25, 0.5, 1.0, 2.0, 4.0), "schedules": ("linear", "geometric", "loss_plateau"),
@@ -219,6 +219,13 @@ class Experiment:
   def num_train(self) -> int:
     return len(self.dataset.train["y"])
 
+  def info(self) -> dict[str, Any]:
+    """What the result JSON records about the task: data set, split sizes, model, optimizer."""
+    return {"dataset": self.dataset.name, "dataset_note": self.dataset.note or None,
+            "num_train": self.num_train, "num_val": len(self.dataset.val["y"]),
+            "num_test": len(self.dataset.test["y"]), "optimizer": "sgd(momentum=0.9)",
+            "description": f"{self.dataset.describe()}; MLP(hidden={self.model.hidden})"}
+
   def run(self, spec: RunSpec) -> dict[str, Any]:
     """Trains one run for the epoch budget; returns its JSON record (:func:`train_run`)."""
     return train_run(self, spec)
@@ -298,4 +305,11 @@ def run_profile(exp: Experiment, *, batch_size: int, lr: float, sizes: Sequence[
       per_size[str(b)]["predicted"] = 1.0 / (1.0 + 2.0 * noise / b) if math.isfinite(noise) else 0.0
     out["points"].append({"epochs": at, "noise_scale": noise, "per_size": per_size})
   return out
+
+
+def setup(grid: dict[str, Any], *, lr_schedule: str, root: pathlib.Path,
+          keep_workdirs: bool = False) -> Experiment:
+  """The task's experiment for a grid (``dataset``, ``hidden``, ``epochs``)."""
+  return Experiment(load_dataset(grid["dataset"]), hidden=grid["hidden"], epochs=grid["epochs"],
+                    lr_schedule=lr_schedule, root=root, keep_workdirs=keep_workdirs)
 

@@ -24,7 +24,7 @@ import numpy as np
 import simigrad_jax
 from benchmarks.pareto_analysis import SIMIGRAD_GRID_KEYS
 
-LR_SCHEDULES = ("cosine", "step", "constant")
+LR_SCHEDULES = ("cosine", "step", "constant", "warmup_cosine")
 
 # Keys every run in the JSON has (machine-read), with their types.
 RUN_KEYS = {"controller": str, "seed": int, "test_accuracy": float, "avg_batch_size": float,
@@ -37,10 +37,13 @@ def lr_schedule_fn(name: str, epochs: float) -> Callable[[float], float]:
     return lambda e: 1.0
   if name == "step":  # x0.1 at 50% and again at 75% of training
     return lambda e: 1.0 if e < 0.5 * epochs else 0.1 if e < 0.75 * epochs else 0.01
+  cosine = lambda e: 0.02 + 0.98 * 0.5 * (1.0 + math.cos(math.pi * min(e / epochs, 1.0)))  # noqa: E731
   if name == "cosine":  # from 1 to 0.02
-    return lambda e: 0.02 + 0.98 * 0.5 * (1.0 + math.cos(math.pi * min(e / epochs, 1.0)))
+    return cosine
+  if name == "warmup_cosine":  # linear from 0.02 to 1 over the first 10%, then cosine to 0.02
+    return lambda e: max(0.02, min(1.0, e / (0.1 * epochs))) if e < 0.1 * epochs else cosine(
+        (e - 0.1 * epochs) / 0.9)
   raise ValueError(f"--lr-schedule must be one of {LR_SCHEDULES}, got {name!r}")
-
 
 
 @dataclasses.dataclass(frozen=True)
@@ -227,9 +230,11 @@ def _adaptive_specs_at(args: argparse.Namespace, grid: dict[str, Any], lr: float
 
 
 
-# What must agree between an earlier result and this run for its runs to be reused.
-REUSE_KEYS = ("dataset", "epochs", "hidden", "lr_schedule", "base_lr", "base_batch_size",
+# What must agree between an earlier result and this run for its runs to be reused (at least;
+# a task adds its own, e.g. the split sizes). Results from before tasks existed are "images".
+REUSE_KEYS = ("task", "dataset", "epochs", "hidden", "lr_schedule", "base_lr", "base_batch_size",
               "initial_batch_size")
+_REUSE_DEFAULTS = {"task": "images"}
 
 
 class RunCache:
@@ -237,7 +242,8 @@ class RunCache:
 
   A run is reused when its controller, seed and settings (learning rate
   included) equal a spec's; the experiment's data set, epochs, model and
-  learning-rate schedule must be the same (:data:`REUSE_KEYS`). Earlier files
+  learning-rate schedule must be the same (every key of ``expected``, at
+  least :data:`REUSE_KEYS`). Earlier files
   are searched in the order given. A reused run keeps the ``reused_from`` of
   the file that first trained it.
   """
@@ -249,10 +255,10 @@ class RunCache:
     for path in self.paths:
       with open(path, encoding="utf-8") as f:
         earlier = json.load(f)
-      for key in REUSE_KEYS:
-        if earlier.get(key) != expected[key]:
-          raise ValueError(f"--reuse {path}: {key} is {earlier.get(key)!r}, this run has "
-                           f"{expected[key]!r}")
+      for key in expected:
+        have = earlier.get(key, _REUSE_DEFAULTS.get(key))
+        if have != expected[key]:
+          raise ValueError(f"--reuse {path}: {key} is {have!r}, this run has {expected[key]!r}")
       self.runs += [(path, run) for run in earlier["runs"]]
       if self.profile is None and earlier.get("profile"):
         self.profile, self.profile_from = earlier["profile"], path

@@ -148,7 +148,9 @@ def plot(results: dict[str, Any], png_path: str | os.PathLike) -> pathlib.Path:
   ax.set_xscale("log", base=2)
   ax.set_xlabel("average batch size (examples / optimizer steps)")
   ax.set_ylabel("final test accuracy (%)  [mean +- sd over seeds]")
-  ax.set_title(f"{results['dataset']}, {results['epochs']:g} epochs, "
+  task = "masked LM on " if results.get("task") == "mlm" else ""
+  ax.set_title(f"{task}{results['dataset']}, {results['epochs']:g} "
+               f"epoch{'' if results['epochs'] == 1 else 's'}, "
                f"{len(results['seeds'])} seeds", fontsize=10)
   ax.grid(True, which="both", alpha=0.3)
   ax.legend(fontsize=8, loc="lower left")
@@ -242,16 +244,20 @@ def markdown_tables(results: dict[str, Any]) -> str:
                  and g["selected"])
     lines.append(f"| {name} | {_setting_text(group)} | {100 * match['test_accuracy']:.2f} | "
                  f"{match['avg_batch_size']:.0f} | {match['steps_ratio_to_best_fixed']:.2f}x |")
-  lines += ["", "| controller | setting | lr | test accuracy % (sd) | avg batch | steps |",
-            "|---|---|---|---|---|---|"]
+  # Masked-LM results also give the held-out loss (the accuracy of a small model is coarse).
+  losses = results.get("task") == "mlm"
+  lines += ["", "| controller | setting | lr | test accuracy % (sd) |"
+            + (" test loss (sd) |" if losses else "") + " avg batch | steps |",
+            "|---|---|---|---|---|---|" + ("---|" if losses else "")]
   for name in ["fixed"] + variant_names(summary):
     mine = [g for g in groups if variant(g) == name and g["selected"]]
     if name != "fixed":
       front = pareto_front([(g["avg_batch_size_mean"], g["test_accuracy_mean"]) for g in mine])
       mine = [g for g in mine if (g["avg_batch_size_mean"], g["test_accuracy_mean"]) in front]
     for g in sorted(mine, key=lambda g: g["avg_batch_size_mean"]):
+      loss = f"{g['test_loss_mean']:.3f} ({g['test_loss_std']:.3f}) | " if losses else ""
       lines.append(f"| {name} | {_setting_text(g)} | {lr_text(g['settings'])} | "
                    f"{100 * g['test_accuracy_mean']:.2f} ({100 * g['test_accuracy_std']:.2f}) | "
-                   f"{g['avg_batch_size_mean']:.0f} | {g['steps_mean']:.0f} |")
+                   f"{loss}{g['avg_batch_size_mean']:.0f} | {g['steps_mean']:.0f} |")
   return "\n".join(lines)
 
