@@ -4,12 +4,17 @@ import dataclasses
 import json
 import math
 import numbers
+import pathlib
 
 import numpy as np
 import pytest
 
 import simigrad_jax
 from benchmarks import pareto
+from benchmarks import pareto_analysis
+from benchmarks import pareto_images
+from benchmarks import pareto_protocol
+from benchmarks import pareto_report
 
 TINY = ["--quick", "--epochs", "1", "--seeds", "0,1", "--fixed", "16,64", "--lr-multipliers", "1",
         "--targets", "0.3",
@@ -43,7 +48,7 @@ def test_json_schema(tiny_run, devices):
   assert len(runs) == 10
   assert sorted({r["controller"] for r in runs}) == ["fixed", "geometric", "gns", "simigrad"]
   for run in runs:
-    for key, kind in pareto.RUN_KEYS.items():
+    for key, kind in pareto_protocol.RUN_KEYS.items():
       value = run[key]
       assert isinstance(value, kind) and not isinstance(value, bool), (key, value)
       if isinstance(value, numbers.Real):
@@ -120,17 +125,17 @@ def test_png_is_readable(tiny_run):
 
 def test_pareto_front_by_hand():
   points = [(16, 0.95), (32, 0.96), (64, 0.94), (128, 0.94), (256, 0.90), (512, 0.91)]
-  assert pareto.pareto_front(points) == [(32, 0.96), (128, 0.94), (512, 0.91)]
-  front = pareto.pareto_front(points)
-  assert pareto.front_accuracy(front, 10) == 0.96
-  assert pareto.front_accuracy(front, 40) == 0.94
-  assert pareto.front_accuracy(front, 128) == 0.94
-  assert pareto.front_accuracy(front, 200) == 0.91
-  assert pareto.front_accuracy(front, 600) is None
+  assert pareto_analysis.pareto_front(points) == [(32, 0.96), (128, 0.94), (512, 0.91)]
+  front = pareto_analysis.pareto_front(points)
+  assert pareto_analysis.front_accuracy(front, 10) == 0.96
+  assert pareto_analysis.front_accuracy(front, 40) == 0.94
+  assert pareto_analysis.front_accuracy(front, 128) == 0.94
+  assert pareto_analysis.front_accuracy(front, 200) == 0.91
+  assert pareto_analysis.front_accuracy(front, 600) is None
   # Interpolated in log2(B): 64 is halfway between 32 and 128.
-  assert pareto.interpolated_front(front, 64) == pytest.approx(0.95)
-  assert pareto.interpolated_front(front, 256) == pytest.approx(0.925)
-  assert pareto.interpolated_front(front, 8) == 0.96 and pareto.interpolated_front(front, 513) is None
+  assert pareto_analysis.interpolated_front(front, 64) == pytest.approx(0.95)
+  assert pareto_analysis.interpolated_front(front, 256) == pytest.approx(0.925)
+  assert pareto_analysis.interpolated_front(front, 8) == 0.96 and pareto_analysis.interpolated_front(front, 513) is None
 
 
 def _group(controller, accuracy, batch, label, val=None, steps=100.0, **settings):
@@ -152,10 +157,10 @@ def test_selection_by_validation_and_summary_by_hand():
       _group("simigrad", 0.92, 300, "s=0.5", steps=20, similarity_target=0.5),
       _group("gns", 0.90, 40, "m=1", steps=150, multiple=1.0),
   ]
-  best = pareto.select_fixed(groups)
+  best = pareto_analysis.select_fixed(groups)
   assert best[32] is groups[2]  # better validation accuracy, worse test accuracy
   assert [g["selected"] for g in groups] == [True, False, True, True, True, True, True, True]
-  summary = pareto.summarize(groups)
+  summary = pareto_analysis.summarize(groups)
   assert summary["fixed_front"] == [{"avg_batch_size": 32, "test_accuracy": 0.96},
                                     {"avg_batch_size": 128, "test_accuracy": 0.93}]
   assert summary["best_fixed"]["batch_size"] == 32
@@ -171,7 +176,7 @@ def test_selection_by_validation_and_summary_by_hand():
   g = summary["gns"]
   assert g["on_or_beyond_front"] == 0 and g["matches_best_fixed"] is None
   assert g["best_gap_points"] == pytest.approx(-3.0)
-  table = pareto.format_table(groups, summary)
+  table = pareto_report.format_table(groups, summary)
   assert "simigrad: 2/2 settings on or beyond the fixed front (1 beyond the largest fixed batch)" in table
   assert "up to avg B=90.0 (s=0.2" in table and "gns: 0/1" in table
 
@@ -179,16 +184,16 @@ def test_selection_by_validation_and_summary_by_hand():
 # ------------------------------------------------------------------ data and settings
 
 def test_mnist_absent_falls_back_to_digits(tmp_path):
-  assert not pareto.mnist_available(tmp_path)
-  dataset = pareto.load_dataset("mnist", data_dir=tmp_path)
+  assert not pareto_images.mnist_available(tmp_path)
+  dataset = pareto_images.load_dataset("mnist", data_dir=tmp_path)
   assert dataset.name == "digits" and "fell back" in dataset.note
-  assert pareto.load_dataset("auto", data_dir=tmp_path).name == "digits"
+  assert pareto_images.load_dataset("auto", data_dir=tmp_path).name == "digits"
   with pytest.raises(ValueError, match="--dataset must be one of"):
-    pareto.load_dataset("cifar10")
+    pareto_images.load_dataset("cifar10")
 
 
 def test_digits_split_is_fixed_and_a_partition():
-  a, b = pareto.load_digits(), pareto.load_digits()
+  a, b = pareto_images.load_digits(), pareto_images.load_digits()
   np.testing.assert_array_equal(a.train["x"], b.train["x"])
   sizes = [len(s["y"]) for s in (a.train, a.val, a.test)]
   assert sizes == [1257, 180, 360]
@@ -201,20 +206,25 @@ def test_digits_split_is_fixed_and_a_partition():
   assert total == pytest.approx(everything.data.sum() / 16.0, rel=1e-6)
 
 
-@pytest.mark.skipif(not pareto.mnist_available(), reason="MNIST files not in ../shared/data")
+@pytest.mark.skipif(not pareto_images.mnist_available(), reason="MNIST files not in ../shared/data")
 def test_mnist_split():
-  dataset = pareto.load_mnist()
+  dataset = pareto_images.load_mnist()
   assert [len(s["y"]) for s in (dataset.train, dataset.val, dataset.test)] == [4500, 500, 10000]
   assert dataset.train["x"].shape[1] == 784 and dataset.train["x"].dtype == np.float32
   assert 0.0 <= dataset.test["x"].min() and dataset.test["x"].max() <= 1.0
   assert sorted(np.unique(dataset.test["y"])) == list(range(10))
 
 
-@pytest.mark.parametrize("name", pareto.LR_SCHEDULES)
+@pytest.mark.parametrize("name", pareto_protocol.LR_SCHEDULES)
 def test_lr_schedules_are_positive_and_start_at_one(name):
-  f = pareto.lr_schedule_fn(name, 8)
+  f = pareto_protocol.lr_schedule_fn(name, 8)
   values = [f(e) for e in np.linspace(0, 8, 33)]
-  assert values[0] == 1.0 and min(values) > 0
+  assert min(values) > 0 and max(values) <= 1.0
+  if name == "warmup_cosine":  # up over the first 10%, then down
+    assert values[0] == 0.02 and f(0.4) == pytest.approx(0.5) and f(0.8) == 1.0
+    assert np.all(np.diff(values[4:]) <= 0)
+  else:
+    assert values[0] == 1.0
   if name != "constant":
     assert values[-1] <= 0.02 + 1e-12
 
@@ -239,7 +249,7 @@ def test_adaptive_lr_variants_and_reuse(tiny_run, tmp_path):
                        "--bounds", "16:128", "--adaptive-lr-rules", "sqrt,linear",
                        "--reuse", str(first), "--out", str(tmp_path / "again.json")])
   # The 4 fixed runs and the 2 sqrt-rule SimiGrad runs are taken from the first result.
-  assert again["reused_runs"] == 6 and again["reused_from"] == str(first)
+  assert again["reused_runs"] == 6 and again["reused_from"] == [str(first)]
   reused = [r for r in again["runs"] if r.get("reused")]
   assert {(r["controller"], r["settings"]["lr_rule"]) for r in reused} == {
       ("fixed", "sqrt"), ("simigrad", "sqrt")}
@@ -269,9 +279,9 @@ def test_reuse_refuses_a_different_experiment_and_matches_exactly(tiny_run, tmp_
   with pytest.raises(ValueError, match="epochs is 2, this run has 1"):
     pareto.main(TINY + ["--reuse", str(first)])
   first.write_text(json.dumps(written))
-  expected = {k: written[k] for k in pareto.REUSE_KEYS}
-  cache = pareto.RunCache(str(first), expected)
-  spec = pareto.RunSpec("fixed", (("initial_batch_size", 64),), 0.2 * math.sqrt(2), 1.0, 1)
+  expected = {k: written[k] for k in pareto_protocol.REUSE_KEYS}
+  cache = pareto_protocol.RunCache([str(first)], expected)
+  spec = pareto_protocol.RunSpec("fixed", (("initial_batch_size", 64),), 0.2 * math.sqrt(2), 1.0, 1)
   assert cache.lookup(spec)["settings"]["initial_batch_size"] == 64
   for other in (dataclasses.replace(spec, seed=2), dataclasses.replace(spec, lr=0.3),
                 dataclasses.replace(spec, lr_rule="linear"),
@@ -284,7 +294,7 @@ def test_simigrad_option_variants_are_separate_settings():
   args = pareto._parse_args(["--quick", "--targets", "0.3", "--bounds", "16:128", "--gns", "",
                              "--schedules", "", "--seeds", "0",
                              "--simigrad-options", '[{}, {"smooth_factor": 0.5}]'])
-  specs = pareto.adaptive_specs(args, args.grid, [(0.2, 1.0, "sqrt")], num_train=1257)
+  specs = pareto_protocol.adaptive_specs(args, args.grid, [(0.2, 1.0, "sqrt")], num_train=1257)
   assert [s.label() for s in specs] == ["s=0.3 [16,128]", "s=0.3 smooth_factor=0.5 [16,128]"]
   assert specs[1].settings_dict()["smooth_factor"] == 0.5
   assert "smooth_factor" not in specs[0].settings_dict()
@@ -295,3 +305,55 @@ def test_simigrad_option_variants_are_separate_settings():
               "[{"):
     with pytest.raises(SystemExit):
       pareto._parse_args(["--simigrad-options", bad])
+
+
+def test_keep_reused_adds_runs_to_an_earlier_result(tiny_run, tmp_path):
+  written, _, _ = tiny_run
+  first = tmp_path / "first.json"
+  first.write_text(json.dumps(written))
+  with pytest.raises(ValueError, match="--keep-reused needs --reuse"):
+    pareto.main(TINY + ["--keep-reused"])
+  added = pareto.main(["--quick", "--epochs", "1", "--seeds", "0", "--fixed", "16,64",
+                       "--lr-multipliers", "1", "--targets", "0.3", "--gns", "", "--schedules", "",
+                       "--bounds", "16:128", "--adaptive-lr-rules", "sqrt",
+                       "--simigrad-options", '[{"ema_decay": 0.9}]', "--reuse", str(first),
+                       "--keep-reused", "--out", str(tmp_path / "added.json")])
+  # The one new run is trained; all 10 earlier runs are kept, each once.
+  assert len(added["runs"]) == 11 and added["reused_runs"] == 10
+  new = [r for r in added["runs"] if not r.get("reused")]
+  assert [(r["controller"], r["settings"]["ema_decay"]) for r in new] == [("simigrad", 0.9)]
+  assert all(r["reused_from"] == str(first) for r in added["runs"] if r.get("reused"))
+  # Summarised per variant: the plain rule and the model rule apart.
+  assert added["summary"]["simigrad"]["settings"] == 1
+  assert added["summary"]["simigrad ema_decay=0.9"]["settings"] == 1
+  assert {"gns", "geometric"} <= set(added["summary"])
+  tables = pareto_report.markdown_tables(added)
+  assert "| simigrad ema_decay=0.9 | target 0.3, [16, 128] |" in tables
+
+
+def test_variant_names():
+  plain = _group("simigrad", 0.9, 60, "s=0.1", similarity_target=0.1, learning_rate=0.1)
+  model = _group("simigrad", 0.9, 60, "s=0.1", similarity_target=0.1, ema_decay=0.9)
+  assert pareto_analysis.variant(plain) == "simigrad"
+  assert pareto_analysis.variant(model) == "simigrad ema_decay=0.9"
+  assert pareto_analysis.variant(_group("gns", 0.9, 60, "m=1", multiple=1.0)) == "gns"
+  summary = {"fixed_front": [], "best_fixed": {}, "tolerance_points": 0.5, "gns": {},
+             "simigrad ema_decay=0.9": {}, "simigrad": {}, "geometric": {}}
+  assert pareto_analysis.variant_names(summary) == [
+      "simigrad", "simigrad ema_decay=0.9", "gns", "geometric"]
+
+
+
+def test_readme_tables_are_generated_from_the_committed_json():
+  root = pathlib.Path(__file__).resolve().parent.parent
+  readme = (root / "README.md").read_text()
+  for name in ("pareto_mnist", "pareto_mlm"):
+    start = f"<!-- {name} tables: python benchmarks/pareto.py --markdown docs/{name}.json -->\n"
+    end = f"\n<!-- end {name} tables -->"
+    assert start in readme and end in readme, name
+    block = readme[readme.index(start) + len(start):readme.index(end)]
+    results = json.loads((root / "docs" / f"{name}.json").read_text())
+    assert block == pareto_report.markdown_tables(results), (
+        f"README's {name} tables differ from docs/{name}.json; regenerate them with "
+        f"python benchmarks/pareto.py --markdown docs/{name}.json")
+

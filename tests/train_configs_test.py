@@ -121,6 +121,16 @@ def test_unknown_controller_and_bad_values_are_refused(devices):
     train.create_controller(tiny_config("digits_demo", controller_options='{"colour": 1}'), 8)
 
 
+def test_similarity_ema_decay_turns_on_the_model_rule():
+  assert train.create_controller(tiny_config("digits_demo"), 8).config["ema_decay"] is None
+  controller = train.create_controller(tiny_config("digits_demo", similarity_ema_decay=0.9), 8)
+  assert controller.config["ema_decay"] == 0.9
+  controller.update(0.05)  # feeds the model: a noise scale, and a step towards its target size
+  assert controller.noise_scale == pytest.approx(16 * 0.95 / 0.1)
+  with pytest.raises(ValueError, match=r"ema_decay must be a number in \[0, 1\), got 1.5"):
+    train.create_controller(tiny_config("digits_demo", similarity_ema_decay=1.5), 8)
+
+
 @pytest.mark.skipif("gns" not in simigrad_jax.controller_names(), reason="no 'gns' controller")
 def test_other_registered_controllers_take_their_options_as_json():
   config = tiny_config("digits_demo", controller="gns", controller_options='{"multiple": 0.5}')

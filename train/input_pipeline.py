@@ -401,7 +401,7 @@ def resolve_local_dir(path: str) -> pathlib.Path:
   return candidate if candidate.is_absolute() else (REPO_ROOT / candidate).resolve()
 
 
-def _limit(source: Any, count: int | None) -> Any:
+def limit_examples(source: Any, count: int | None) -> Any:
   """The first ``count`` examples of ``source`` (all when None), as an ArraySource-like view."""
   if count is None or count >= len(source):
     return source
@@ -491,7 +491,7 @@ def create_datasets(config: ml_collections.ConfigDict) -> Datasets:
 
 def _finish(datasets: Datasets, config: ml_collections.ConfigDict) -> Datasets:
   if datasets.eval is not None:
-    datasets.eval = _limit(datasets.eval, config.eval_examples)
+    datasets.eval = limit_examples(datasets.eval, config.eval_examples)
   return datasets
 
 

@@ -133,7 +133,8 @@ def create_controller(config: ml_collections.ConfigDict, num_devices: int,
   """The batch-size controller ``config.controller`` with the config's options.
 
   ``"simigrad"`` and ``"fixed"`` get every reference option (similarity
-  target, bounds, smoothing, dead band, warm-up, profiling, verbose); any other
+  target, bounds, smoothing, dead band, warm-up, profiling, verbose) and the
+  model rule's ``ema_decay`` (``config.similarity_ema_decay``); any other
   registered controller (``simigrad_jax.controller_names()``) gets the initial
   size and the bounds. All get ``config.controller_options`` (a JSON object)
   on top. A missing lower bound becomes the number of devices (with the local
@@ -156,6 +157,7 @@ def create_controller(config: ml_collections.ConfigDict, num_devices: int,
     options.update(
         similarity_target=config.similarity_target, smooth_factor=config.smooth_factor,
         dead_band=config.dead_band, warmup_steps=config.controller_warmup_steps,
+        ema_decay=config.similarity_ema_decay,
         batch_sizes_to_profile=profile, profile_steps_per_size=config.profile_steps_per_size,
         verbose=config.verbose)
     if config.controller == "simigrad":
@@ -231,7 +233,12 @@ def _image_fns(config, model, datasets):
 # ------------------------------------------------------------------ masked language modelling
 
 
-def _mlm_fns(config, model, datasets):
+def mlm_fns(config: ml_collections.ConfigDict, model: Any, datasets: input_pipeline.Datasets
+            ) -> tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any]]:
+  """BERT's masked-LM ``(loss_fn, predict, eval_step)``; ``eval_step`` sums correct, loss, masked.
+
+  Used by :func:`create_experiment` and by ``benchmarks/pareto_mlm.py``.
+  """
   mask_args = dict(mask_rate=config.mask_rate, mask_id=input_pipeline.MASK_ID,
                    pad_id=input_pipeline.PAD_ID, first_regular_id=input_pipeline.FIRST_BYTE_ID,
                    vocab_size=datasets.vocab_size)
@@ -263,8 +270,14 @@ def _mlm_fns(config, model, datasets):
   return loss_fn, predict, eval_step
 
 
-def _make_evaluate(config, datasets, eval_step, text: bool):
-  """``evaluate(params, model_state) -> {"accuracy", "loss"}`` over the evaluation split."""
+def make_evaluate(config: ml_collections.ConfigDict, datasets: input_pipeline.Datasets,
+                  eval_step: Callable[..., Any], text: bool
+                  ) -> Callable[[Any, Any], dict[str, float]] | None:
+  """``evaluate(params, model_state) -> {"accuracy", "loss"}`` over ``datasets.eval``.
+
+  For text, each evaluation batch gets a fixed mask (from ``config.seed``), the
+  same at every evaluation and for every run with that seed setting.
+  """
   if datasets.eval is None:
     return None
 
@@ -320,7 +333,7 @@ def create_experiment(config: ml_collections.ConfigDict,
     params = jax.jit(lambda k: model.init(k, jnp.zeros((1, config.seq_length), jnp.int32),
                                           train=False)["params"])(key)
     model_state = None
-    loss_fn, predict, eval_step = _mlm_fns(config, model, datasets)
+    loss_fn, predict, eval_step = mlm_fns(config, model, datasets)
   else:
     if "image" not in spec:
       raise ValueError(f"model {config.model!r} needs an image data set, not {config.dataset!r}")
@@ -334,7 +347,7 @@ def create_experiment(config: ml_collections.ConfigDict,
     model_state = variables or None
     loss_fn, predict, eval_step = _image_fns(config, model, datasets)
   params = jax.tree.map(np.asarray, params)
-  evaluate = _make_evaluate(config, datasets, eval_step, text=config.model == "bert")
+  evaluate = make_evaluate(config, datasets, eval_step, text=config.model == "bert")
   return Experiment(config, datasets, model, params, model_state, loss_fn, predict, evaluate,
                     optimizer, lr_schedule, controller, list(devices), halves)
 

@@ -53,6 +53,7 @@ from typing import Any
 import numpy as np
 
 from simigrad_jax.host import validation
+from simigrad_jax.host.similarity_model import SimilarityModel
 
 logger = logging.getLogger("simigrad_jax")
 
@@ -152,7 +153,9 @@ class Controller(BoundedBatchSize):
   ``int(B * 1.1)`` is a Python float product truncated by ``int``, as in the
   reference, so size sequences match it bit for bit. Beyond the reference:
   ``dead_band`` (hysteresis), ``warmup_steps``, non-finite similarities held
-  and counted, profiling for several steps per size, and exact save/resume.
+  and counted, profiling for several steps per size, exact save/resume and,
+  with ``ema_decay``, a rule that acts on a moving average instead of each
+  step's similarity (below).
 
   Args:
     initial_batch_size: the global batch size of the first step (B_0).
@@ -167,6 +170,16 @@ class Controller(BoundedBatchSize):
     dead_band: no change while ``|s - similarity_target| <= dead_band``; 0 is
       the reference's behaviour.
     warmup_steps: the first this many updates never change the batch size.
+    ema_decay: None (the reference rule, the default) or d in [0, 1): the
+      model rule. Every finite similarity, measured at whatever size, feeds a
+      :class:`~simigrad_jax.host.similarity_model.SimilarityModel` (moving
+      averages with decay d of s and of B (1 - s), whose ratio gives the noise
+      scale ``B_simple``), and the batch moves towards the size where the
+      model predicts the target, ``B* = 2 t / (1 - t) B_simple``: by at most
+      the reference's step (to ``max(B + 1, int(B * 1.1))`` or
+      ``min(B - 1, int(B * 0.9))``), by less when B* is nearer, not at all
+      when ``round(B*) == B``. ``dead_band`` then compares the model's
+      similarity at B with the target. Needs a target in (0, 1).
     batch_sizes_to_profile: optional sizes to visit first (see
       :meth:`start_profile`); starts at once, or after the warm-up.
     profile_steps_per_size: steps spent at each profiled size.
@@ -199,6 +212,7 @@ class Controller(BoundedBatchSize):
       smooth_factor: float | None = None,
       dead_band: float = 0.0,
       warmup_steps: int = 0,
+      ema_decay: float | None = None,
       batch_sizes_to_profile: Sequence[int] | None = None,
       profile_steps_per_size: int = 1,
       verbose: bool = False,
@@ -215,6 +229,10 @@ class Controller(BoundedBatchSize):
         "dead_band", dead_band, "[0, inf) (finite)",
         lambda x: 0.0 <= x < math.inf)
     self._warmup = validation.check_int("warmup_steps", warmup_steps, 0)
+    self._model = None if ema_decay is None else SimilarityModel(ema_decay)
+    if self._model is not None and not 0.0 < self._target < 1.0:
+      raise ValueError(f"ema_decay (the model rule) needs a similarity_target in (0, 1), got "
+                       f"{self._target!r}; the model reaches 0 and 1 only at B = 0 and B = inf")
     self._verbose = validation.check_bool("verbose", verbose)
     # The profile in progress: {"sizes", "steps_per_size", "position",
     # "count", "return_to"}; return_to is None while it waits for warm-up.
@@ -252,7 +270,18 @@ class Controller(BoundedBatchSize):
         "smooth_factor": self._smooth,
         "dead_band": self._dead_band,
         "warmup_steps": self._warmup,
+        "ema_decay": None if self._model is None else self._model.decay,
     }
+
+  @property
+  def noise_scale(self) -> float | None:
+    """With ``ema_decay``: the model's ``B_simple`` (inf: noise dominates); else None."""
+    return None if self._model is None else self._model.noise_scale
+
+  @property
+  def model_similarity(self) -> float | None:
+    """With ``ema_decay``: the similarity the model predicts at :attr:`batch_size`; else None."""
+    return None if self._model is None else self._model.similarity_at(self._batch_size)
 
   # ------------------------------------------------------------------ actions
 
@@ -278,7 +307,10 @@ class Controller(BoundedBatchSize):
     self._step += 1
     self._last_similarity = s
     before = self._batch_size
-    if not math.isfinite(s):
+    finite = math.isfinite(s)
+    if finite and self._model is not None:
+      self._model.observe(s, before)  # Measured at the size that ran: every finite step counts.
+    if not finite:
       self._nonfinite += 1
       decision = "nonfinite"
     elif self._step <= self._warmup:
@@ -292,9 +324,12 @@ class Controller(BoundedBatchSize):
       decision = self._adapt(s)
     self._last_decision = decision
     if self._verbose:
+      model = "" if self._model is None else (
+          f" (model: noise scale {self.noise_scale!r}, similarity at {before} "
+          f"{self._model.similarity_at(before)!r})")
       logger.info(
-          "simigrad step %d: similarity %r (target %r): %s, batch size %d -> %d",
-          self._step, s, self._target, decision, before, self._batch_size)
+          "simigrad step %d: similarity %r (target %r): %s, batch size %d -> %d%s",
+          self._step, s, self._target, decision, before, self._batch_size, model)
     return self._batch_size
 
   def start_profile(
@@ -383,6 +418,7 @@ class Controller(BoundedBatchSize):
         "profile_plan": None if self._plan is None else {
             **self._plan, "sizes": list(self._plan["sizes"])},
         "profile": self.profile,
+        "similarity_model": None if self._model is None else self._model.state_dict(),
     }
 
   def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -404,7 +440,8 @@ class Controller(BoundedBatchSize):
       raise ValueError(
           f"state version must be {STATE_VERSION}, got {got!r}")
     if state.get("config") is not None:
-      ours, theirs = self.config, state["config"]
+      # States saved before ema_decay existed used the reference rule.
+      ours, theirs = self.config, {"ema_decay": None, **state["config"]}
       differing = [k for k in ours if theirs.get(k, "<missing>") != ours[k]]
       if differing:
         details = ", ".join(
@@ -437,25 +474,29 @@ class Controller(BoundedBatchSize):
            "similarity": float(s["similarity"]),
            "step": validation.check_int("sample step", s["step"], 1)}
           for s in state["profile"]]
+      model = state.get("similarity_model")
+      if (model is None) != (self._model is None):
+        raise ValueError(
+            f"the state {'lacks' if model is None else 'has'} a similarity model; this "
+            f"controller {'uses' if self._model is not None else 'does not use'} ema_decay")
+      model = None if model is None else SimilarityModel.parse_state(model)
     except (KeyError, TypeError) as e:
       raise ValueError(f"malformed controller state: {e!r}") from e
     self._batch_size, self._step, self._nonfinite = batch_size, step, nonfinite
     self._last_decision, self._last_similarity = decision, None
     self._plan, self._samples = plan, samples
+    if model is not None:
+      self._model.load_parsed_state(model)
 
   # ---------------------------------------------------------------- internals
 
   def _adapt(self, s: float) -> str:
     """Applies the rule (with dead band, smoothing, bounds); returns why."""
     b = self._batch_size
-    if abs(s - self._target) <= self._dead_band:
+    step = self._model_step() if self._model is not None else self._reference_step(s)
+    if step is None:
       return "hold"
-    if s < self._target:
-      grow, new = True, max(b + 1, int(b * 1.1))
-    elif b > 1:
-      grow, new = False, max(1, min(b - 1, int(b * 0.9)))
-    else:
-      return "hold"
+    grow, new = step
     if self._smooth is not None:
       blended = b * self._smooth + new * (1 - self._smooth)
       new = max(b + 1, int(blended)) if grow else max(1, min(b - 1, int(blended)))
@@ -468,6 +509,30 @@ class Controller(BoundedBatchSize):
     if clamped != new:
       return "clamped"
     return "grow" if grow else "shrink"
+
+  def _reference_step(self, s: float) -> tuple[bool, int] | None:
+    """The reference's step from this step's similarity: (grow?, new size), or None to hold."""
+    b = self._batch_size
+    if abs(s - self._target) <= self._dead_band:
+      return None
+    if s < self._target:
+      return True, max(b + 1, int(b * 1.1))
+    if b > 1:
+      return False, max(1, min(b - 1, int(b * 0.9)))
+    return None
+
+  def _model_step(self) -> tuple[bool, int] | None:
+    """The model rule's step towards ``B*`` (at most the reference's step), or None to hold."""
+    b = self._batch_size
+    if abs(self._model.similarity_at(b) - self._target) <= self._dead_band:
+      return None
+    goal = self._model.batch_size_for(self._target)
+    goal = goal if math.isinf(goal) else round(goal)
+    if goal > b:
+      return True, min(goal, max(b + 1, int(b * 1.1)))
+    if goal < b and b > 1:
+      return False, max(goal, 1, min(b - 1, int(b * 0.9)))
+    return None
 
   def _begin_profile(self) -> None:
     self._plan["return_to"] = self._batch_size

@@ -13,7 +13,8 @@ JSON) for exact resume.
 Registered names (:func:`make_controller`):
 
 * ``"simigrad"``: :class:`simigrad_jax.Controller`, the reference rule on the
-  half-batch gradient similarity.
+  half-batch gradient similarity (with ``ema_decay``: the model rule, on a
+  moving estimate of the noise scale read from the similarities).
 * ``"fixed"``: a constant batch size (the baseline).
 * ``"linear"``, ``"geometric"``: :class:`ScheduleController`, a batch size
   that moves from ``initial_batch_size`` to ``final_batch_size`` over
