@@ -25,6 +25,8 @@ def test_layout_and_every_number_finite(quick_run):
   shares = written["data_wait_share_by_bucket"]
   assert list(shares) == [str(b) for b in module.QUICK["batch_sizes"]]
   assert all(0 <= s <= 1 for s in shares.values())
+  consumed = written["trainer_images_per_second_by_bucket"]
+  assert list(consumed) == list(shares) and all(r > 0 for r in consumed.values())
   one, two = (written["workers"][w]["rounds"] for w in ("1", "2"))
   assert len(one) == len(two) == module.QUICK["rounds"]
   assert rates[1] == pytest.approx(float(np.median(one)))
