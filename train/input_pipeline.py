@@ -53,6 +53,7 @@ import ml_collections
 import numpy as np
 
 import simigrad_jax
+from simigrad_jax.host.sources import check_indices
 
 PAD_ID = 0
 MASK_ID = 1
@@ -86,19 +87,6 @@ class Datasets:
   image_std: tuple[float, ...] | None = None
   description: str = ""
   eval_name: str = "test"
-
-
-def _check_indices(indices: Any, length: int) -> tuple[tuple[int, ...], np.ndarray]:
-  """``(shape, flat int64 indices)`` after checking every index is in ``[0, length)`` or -1."""
-  idx = np.asarray(indices)
-  if idx.size and idx.dtype.kind not in "iu":
-    raise ValueError(f"indices must be integers, got dtype {idx.dtype}")
-  flat = idx.astype(np.int64).reshape(-1)
-  bad = (flat < -1) | (flat >= length)
-  if bad.any():
-    raise IndexError(f"indices must be in [0, {length}) or -1 for padding, "
-                     f"got {flat[bad][:8].tolist()}")
-  return idx.shape, flat
 
 
 # ------------------------------------------------------------------ images
@@ -296,7 +284,8 @@ class TextWindowSource:
 
   def get_batch(self, indices: np.ndarray) -> dict[str, np.ndarray]:
     """The windows at ``indices``; ``-1`` gives a row of PAD."""
-    shape, flat = _check_indices(indices, len(self))
+    shape = np.shape(indices)
+    flat, _ = check_indices(indices, len(self))
     rows = self._windows[np.maximum(flat, 0)]
     rows[flat < 0] = PAD_ID
     return {"tokens": rows.reshape(shape + (self.seq_length,))}
@@ -363,7 +352,8 @@ class TfdsTextSource:
 
   def get_batch(self, indices: np.ndarray) -> dict[str, np.ndarray]:
     """The examples at ``indices``; ``-1`` gives a row of PAD."""
-    shape, flat = _check_indices(indices, self._length)
+    shape = np.shape(indices)
+    flat, _ = check_indices(indices, self._length)
     rows = np.full((len(flat), self.seq_length), PAD_ID, np.int32)
     for row in np.flatnonzero(flat >= 0):
       rows[row] = self._example(int(flat[row]))
