@@ -106,11 +106,11 @@ class StepDataLoader:
 
   def _local_rows(self, first_example: int, count: int):
     """Loads this process's rows among the next ``count`` examples (runs in the data thread)."""
-    indices = self._sampler.indices_at(first_example, count)
     examples = np.arange(count)
     mine = np.isin(examples % self._num_slots, self._local_slots)
-    if self._reader is not None:
+    if self._reader is not None:  # by stream position: the reader knows the sampler's order
       return examples[mine], self._reader.read(first_example + examples[mine])
+    indices = self._sampler.indices_at(first_example, count)
     return examples[mine], self._source.get_batch(indices[mine])
 
   def place(self, plan: batch_plan.BatchPlan, loaded, step: int) -> StepBatch:
