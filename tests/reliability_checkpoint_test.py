@@ -46,10 +46,17 @@ def truncate_array_data(step_dir):
 
 
 def flip_bit_in_array_data(step_dir):
-  f = max(_files(step_dir, "state/**/d/*"), key=lambda p: p.stat().st_size)
-  data = bytearray(f.read_bytes())
-  data[len(data) // 2] ^= 0x10
-  f.write_bytes(bytes(data))
+  """One flipped bit in the middle of every data file.
+
+  orbax writes each process's b-tree under ``ocdbt.process_<i>/d/`` and merges
+  it into ``state/d/``; small arrays are stored inline in the nodes, so which
+  copy a restore reads depends on the sizes. Every copy gets the flip, so the
+  restore reads a damaged one whatever the layout.
+  """
+  for f in _files(step_dir, "state/**/d/*"):
+    data = bytearray(f.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    f.write_bytes(bytes(data))
 
 
 def change_a_digit_of_the_json(step_dir):
