@@ -128,6 +128,30 @@ class BoundedBatchSize:
     """
     self._batch_size = self._check_size("batch_size", batch_size)
 
+  def _check_saved_config(self, saved: Mapping[str, Any]) -> None:
+    """Raises a ValueError naming every setting in which a saved ``config`` differs from ours."""
+    ours = self.config
+    differing = [k for k in ours if saved.get(k, "<missing>") != ours[k]]
+    if differing:
+      details = ", ".join(f"{k} (saved {saved.get(k, '<missing>')!r}, here {ours[k]!r})"
+                          for k in differing)
+      raise ValueError(f"state config differs from this controller's in: {details}")
+
+  def _parse_counters(self, state: Mapping[str, Any],
+                      decisions: tuple[str, ...]) -> tuple[int, int, int, str | None]:
+    """A saved state's ``(batch_size, step, nonfinite_count, last_decision)``, checked.
+
+    Raises ValueError for a value out of range, KeyError or TypeError for a
+    malformed state.
+    """
+    batch_size = self._check_size("batch_size", state["batch_size"])
+    step = validation.check_int("step", state["step"], 0)
+    nonfinite = validation.check_int("nonfinite_count", state["nonfinite_count"], 0)
+    decision = state["last_decision"]
+    if decision is not None and decision not in decisions:
+      raise ValueError(f"last_decision must be one of {decisions}, got {decision!r}")
+    return batch_size, step, nonfinite, decision
+
   def _check_size(self, name: str, value: Any) -> int:
     size = validation.check_int(name, value, 1)
     lower = 1 if self._lower is None else self._lower
@@ -441,21 +465,9 @@ class Controller(BoundedBatchSize):
           f"state version must be {STATE_VERSION}, got {got!r}")
     if state.get("config") is not None:
       # States saved before ema_decay existed used the reference rule.
-      ours, theirs = self.config, {"ema_decay": None, **state["config"]}
-      differing = [k for k in ours if theirs.get(k, "<missing>") != ours[k]]
-      if differing:
-        details = ", ".join(
-            f"{k} (saved {theirs.get(k, '<missing>')!r}, here {ours[k]!r})"
-            for k in differing)
-        raise ValueError(
-            f"state config differs from this controller's in: {details}")
+      self._check_saved_config({"ema_decay": None, **state["config"]})
     try:
-      batch_size = self._check_size("batch_size", state["batch_size"])
-      step = validation.check_int("step", state["step"], 0)
-      nonfinite = validation.check_int("nonfinite_count", state["nonfinite_count"], 0)
-      decision = state["last_decision"]
-      if decision is not None and decision not in DECISIONS:
-        raise ValueError(f"last_decision must be one of {DECISIONS}, got {decision!r}")
+      batch_size, step, nonfinite, decision = self._parse_counters(state, DECISIONS)
       plan = state["profile_plan"]
       if plan is not None:
         plan = {
