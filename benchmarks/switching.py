@@ -126,22 +126,24 @@ import time  # noqa: E402
 from collections.abc import Sequence  # noqa: E402
 from typing import Any  # noqa: E402
 
-import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
-import optax  # noqa: E402
 
 import simigrad_jax  # noqa: E402
 from benchmarks import common  # noqa: E402
 from benchmarks import local_processes  # noqa: E402
-from train import input_pipeline  # noqa: E402
+from benchmarks.switching_models import AXIS  # noqa: E402
+from benchmarks.switching_models import MODELS  # noqa: E402
+from benchmarks.switching_models import init_params  # noqa: E402
+from benchmarks.switching_models import load_digits_data  # noqa: E402
+from benchmarks.switching_models import make_loss_fn  # noqa: E402
+from benchmarks.switching_models import make_optimizer  # noqa: E402
 
 MODES = ("recompile", "recompile_wait", "pad", "recompile_2proc")
 MULTI_PROCESS_MODES = {"recompile_2proc": ("recompile", 2)}  # mode: (the mode it runs, processes)
 PROCESS_TIMEOUT_SECONDS = 1800  # a multi-process mode's processes are killed after this
 # The modes compared in "ratios" (as "<numerator>_over_<denominator>"), with their column labels.
 RATIOS = (("recompile", "pad", "recomp/pad"), ("recompile_2proc", "recompile", "2proc/1proc"))
-AXIS = "batch"
 
 # Required keys of each mode's entry in the JSON (machine-read).
 REQUIRED_KEYS = ("steps", "buckets_visited", "compiles", "compile_seconds",
@@ -149,51 +151,6 @@ REQUIRED_KEYS = ("steps", "buckets_visited", "compiles", "compile_seconds",
 
 FULL = {"lower": 8, "upper": 1600, "max_micro": 300, "steps": 214, "model": "cnn"}
 QUICK = {"lower": 8, "upper": 64, "max_micro": 8, "steps": 24, "model": "mlp"}
-
-
-# ----------------------------------------------------------------------------
-# Model and data.
-# ----------------------------------------------------------------------------
-
-
-class SmallCNN(nn.Module):
-  """Two 3x3 convolutions and two dense layers for 8x8x1 digit images."""
-
-  @nn.compact
-  def __call__(self, x):
-    x = nn.relu(nn.Conv(16, (3, 3))(x))
-    x = nn.relu(nn.Conv(32, (3, 3), strides=(2, 2))(x))
-    x = x.reshape((x.shape[0], -1))
-    x = nn.relu(nn.Dense(64)(x))
-    return nn.Dense(10)(x)
-
-
-class MLP(nn.Module):
-  """One hidden layer over the flattened 8x8 image."""
-
-  @nn.compact
-  def __call__(self, x):
-    x = x.reshape((x.shape[0], -1))
-    return nn.Dense(10)(nn.relu(nn.Dense(64)(x)))
-
-
-MODELS = {"cnn": SmallCNN, "mlp": MLP}
-
-
-def load_digits_data() -> dict[str, np.ndarray]:
-  """scikit-learn's digits: float32 images (N, 8, 8, 1) in [0, 1], int32 labels."""
-  images, labels = input_pipeline.digits_arrays()
-  return {"image": images, "label": labels}
-
-
-def make_loss_fn(model: nn.Module):
-
-  def loss_fn(params, model_state, batch, weights, rng):
-    del weights, rng
-    logits = model.apply({"params": params}, batch["image"])
-    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]), model_state
-
-  return loss_fn
 
 
 # ----------------------------------------------------------------------------
@@ -310,17 +267,6 @@ def _summarize(mode: str, records: list[dict[str, Any]], summary: dict[str, Any]
   return result
 
 
-def _make_optimizer() -> optax.GradientTransformation:
-  return optax.chain(simigrad_jax.transform(AXIS), optax.sgd(0.05, momentum=0.9),
-                     simigrad_jax.scale_by_lr_factor())
-
-
-def init_params(model_name: str, data: dict[str, np.ndarray], seed: int = 0) -> Any:
-  """The model's initial parameters as NumPy arrays (each Trainer copies them to the devices)."""
-  model = MODELS[model_name]()
-  return jax.tree.map(np.asarray, model.init(jax.random.key(seed), data["image"][:1])["params"])
-
-
 def prime_process(model_name: str, data: dict[str, np.ndarray], root: pathlib.Path,
                   workdir: pathlib.Path | None = None) -> float:
   """Runs a throwaway 2-step Trainer (pad mode, 1 row per device), untimed; returns its seconds.
@@ -338,7 +284,7 @@ def prime_process(model_name: str, data: dict[str, np.ndarray], root: pathlib.Pa
   controller = simigrad_jax.Controller(8, 0.1, batch_size_lower_bound=8, batch_size_upper_bound=8)
   workdir = workdir or pathlib.Path(tempfile.mkdtemp(prefix="primer-", dir=root))
   with simigrad_jax.Trainer(
-      loss_fn=make_loss_fn(MODELS[model_name]()), params=params, optimizer=_make_optimizer(),
+      loss_fn=make_loss_fn(MODELS[model_name]()), params=params, optimizer=make_optimizer(),
       source=simigrad_jax.ArraySource(data), controller=controller, workdir=workdir,
       max_micro_batch_size=1, mode="pad", tensorboard=False, progress=False,
       axis_name=AXIS) as trainer:
@@ -356,7 +302,7 @@ def run_mode(mode: str, *, data: dict[str, np.ndarray], schedule: list[int], low
   # per process (about 1.5 s for the CNN): not part of the measured set-up.
   params = init_params(model_name, data, seed)
   total_start = time.perf_counter()
-  optimizer = _make_optimizer()
+  optimizer = make_optimizer()
   controller = simigrad_jax.Controller(
       schedule[0], similarity_target=0.1, batch_size_lower_bound=lower,
       batch_size_upper_bound=upper, batch_sizes_to_profile=schedule)
