@@ -61,7 +61,8 @@ writes), up to the call of its end-of-run checkpoint save: that save and its
 wait happen once per run, not once per step, and are reported separately as
 ``checkpoint_seconds``. ``ratio_to_plain`` is the variant's median examples/s
 over plain's; ``ratio_to_plain_paired`` the median over rounds of the ratio
-within each round.
+within each round, and ``ratio_to_plain_paired_range`` its lowest and highest
+round: how far one run's ratio can stray on this machine.
 
 Also reported, where the Trainer provides them (None otherwise): the median of
 the step records' ``host_seconds`` (host time on the step's critical
@@ -98,6 +99,7 @@ JSON written to ``--out``::
    "models": {MODEL: {"params": ..., "plain_step_memory": {...},
                       "variants": {NAME: {"examples_per_second", "ratio_to_plain",
                                           "ratio_to_plain_paired",
+                                          "ratio_to_plain_paired_range",
                                           "examples_per_second_rounds",
                                           "average_batch_size", "host_seconds",
                                           "step_memory", ...}},
@@ -204,11 +206,12 @@ def run_model(name: str, spec: ModelSpec, *, batch_size: int, steps: int, rounds
   results: dict[str, Any] = {}
   for variant in variants:
     rate = statistics.median(rates[variant])
+    paired = [a / b for a, b in zip(rates[variant], rates["plain"])]
     results[variant] = {
         "examples_per_second": rate,
         "ratio_to_plain": rate / plain_rate,
-        "ratio_to_plain_paired": statistics.median(
-            a / b for a, b in zip(rates[variant], rates["plain"])),
+        "ratio_to_plain_paired": statistics.median(paired),
+        "ratio_to_plain_paired_range": [min(paired), max(paired)],
         "examples_per_second_rounds": rates[variant],
         "host_seconds": None,
         "step_memory": None,
@@ -256,7 +259,8 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def _format_table(results: dict[str, Any]) -> str:
-  columns = (f"{'variant':<18}{'examples/s':>11}{'vs plain':>10}{'paired':>9}{'avg batch':>10}"
+  columns = (f"{'variant':<18}{'examples/s':>11}{'vs plain':>10}{'paired':>9}"
+             f"{'paired range':>15}{'avg batch':>10}"
              f"{'padding':>9}{'host s':>12}{'arg MB':>8}{'temp MB':>8}{'traffic MB':>11}"
              "  goal")
   lines = []
@@ -268,6 +272,7 @@ def _format_table(results: dict[str, Any]) -> str:
       memory = row["step_memory"] or {}
       cells = [f"{variant:<18}{row['examples_per_second']:>11,.0f}",
                f"{row['ratio_to_plain']:>9.3f}x{row['ratio_to_plain_paired']:>8.3f}x",
+               "{:>15}".format("{:.3f}-{:.3f}".format(*row["ratio_to_plain_paired_range"])),
                f"{row['average_batch_size']:>10.1f}",
                _cell(row.get("padding_fraction"), 9, ".1%"),
                _cell(row["host_seconds"], 12, ".4f")]

@@ -74,9 +74,15 @@ def test_ratios_are_relative_to_plain(quick_run):
   plain = variants["plain"]
   assert plain["ratio_to_plain"] == 1.0
   assert plain["ratio_to_plain_paired"] == 1.0
+  assert plain["ratio_to_plain_paired_range"] == [1.0, 1.0]
   for name, variant in variants.items():
     assert variant["ratio_to_plain"] == pytest.approx(
         variant["examples_per_second"] / plain["examples_per_second"]), name
+    paired = [a / b for a, b in zip(variant["examples_per_second_rounds"],
+                                    plain["examples_per_second_rounds"])]
+    assert variant["ratio_to_plain_paired_range"] == pytest.approx([min(paired), max(paired)])
+    low, high = variant["ratio_to_plain_paired_range"]
+    assert low <= variant["ratio_to_plain_paired"] <= high, name
 
 
 def test_goals_follow_the_ratios(quick_run, overhead):
