@@ -396,6 +396,42 @@ def test_a_step_whose_shape_is_compiling_runs_on_a_compiled_shape(tmp_path, num_
     np.testing.assert_allclose(have, want, rtol=1e-5, atol=1e-6)
 
 
+def test_the_first_step_waits_for_the_programs_the_fallback_needs(tmp_path):
+  """A slow micro-step compile of the first shape is waited for at step 1, not at step 2.
+
+  Step 2's batch (44) outgrows one micro-batch of the first shape (16 = 8 devices x 2 rows),
+  and its own shape never compiles here; it can only accumulate on the first shape, whose
+  micro-step and update the first step must have waited for.
+  """
+  controller = simigrad_jax.Controller(16, 0.0, enable_adjust=False, batch_size_lower_bound=16,
+                                       batch_size_upper_bound=44, batch_sizes_to_profile=(16, 44),
+                                       profile_steps_per_size=1)
+  trainer = make_trainer(tmp_path, dataset(), controller)
+  first = trainer.layout.plan(16).micro_batch_size
+  gate = threading.Event()
+  delay_seconds = 1.0
+  for compiler in (trainer._programs.fused_compiler, trainer._programs.micro_compiler):
+    def slow_lower(size, lower=compiler._lower, micro_step=compiler is trainer._programs.micro_compiler):
+      if size != first:
+        gate.wait(timeout=30)
+      elif micro_step:
+        time.sleep(delay_seconds)
+      return lower(size)
+
+    compiler._lower = slow_lower
+  try:
+    trainer.train(num_steps=2)
+  finally:
+    gate.set()
+    trainer.close()
+  records = [r for r in simigrad_jax.read_metrics(tmp_path / "metrics.jsonl") if "batch_size" in r]
+  assert [r["batch_size"] for r in records] == [16, 44]
+  assert [r["compile_fallback"] for r in records] == [False, True]
+  assert [r["accumulation_steps"] for r in records] == [1, 3]  # 44 rows on 16-row micro-steps
+  assert records[0]["compile_wait_step_seconds"] > 0
+  assert records[1]["compile_wait_step_seconds"] == 0
+
+
 def test_a_shape_that_fails_to_compile_is_raised_not_replaced(tmp_path):
   """The fallback covers a shape still compiling, never one whose compile failed."""
   controller = simigrad_jax.Controller(16, 0.0, enable_adjust=False, batch_size_lower_bound=16,

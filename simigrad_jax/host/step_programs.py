@@ -126,6 +126,7 @@ class StepPrograms:
     self._apply_future: concurrent.futures.Future | None = None
     self._apply_compile_seconds = 0.0
     self._apply_wait_seconds = 0.0
+    self._fallback_ready = False  # see await_fallback
     if needs_accumulation or compile_fallback:
       self._start_apply_compile()
 
@@ -212,6 +213,23 @@ class StepPrograms:
     if accumulating:
       self._start_apply_compile()
       self.micro_compiler.prefetch(accumulating)
+
+  def await_fallback(self, micro: int) -> None:
+    """Waits until the compile fallback can hold a batch of any size on shape ``micro``.
+
+    That is the one-micro-batch program of ``micro``, its micro-step and the
+    update: a batch larger than one micro-batch of ``micro`` then accumulates
+    on it. Called once, at the first step (which waits for its own shape
+    anyway, and whose devices run while this waits), so that no later step
+    waits for a compile. The time blocked counts as compile wait. A no-op
+    without the fallback or once done.
+    """
+    if not self._compile_fallback or self._fallback_ready:
+      return
+    self.fused_compiler.get(micro)
+    self.micro_compiler.get(micro)
+    self._apply_program()
+    self._fallback_ready = True
 
   # ------------------------------------------------------------------ choosing
 

@@ -114,7 +114,9 @@ class Trainer:
       shape is still compiling on the nearest shape already compiled instead
       of waiting (the same examples and global batch, with more accumulation
       steps or zero-weight padding; the record's ``compile_fallback`` says
-      so), so that only the first step waits for a compile. With BatchNorm
+      so), so that only the first step waits for a compile (for its
+      shape's programs, and the micro-step and update that let a larger
+      batch accumulate on that shape, compiled while it runs). With BatchNorm
       the statistics are those of the fallback's micro-batches. With several
       processes, the fallback shape is one that every process had compiled
       at the previous step's agreement, so every process runs the same one.
@@ -450,6 +452,8 @@ class Trainer:
     host_seconds = (time.perf_counter() - self._last_read if self._last_read is not None
                     else math.nan)
     self.state, stats = self._programs.run(self.state, data, step_inputs)
+    # While the first step runs: the programs that let every later step fall back.
+    self._programs.await_fallback(plan.micro_batch_size)
     compile_wait = self._programs.wait_seconds() - wait_before
     # Load the next step's rows while the devices work.
     self._submit_data(self.controller.batch_size, total_examples, self.step + 1)
