@@ -103,6 +103,7 @@ class StepPrograms:
     self._acc = None  # allocated when a step first accumulates
     self._background = background
     self._compile_fallback = compile_fallback
+    self._needs_accumulation = needs_accumulation
     self._shared_compiles = shared_compiles and compile_fallback
     self._grid = sorted(layout.grid)  # the shapes a report's bitmasks index
     self._agreed: dict[str, Any] | None = None  # what every process has compiled (shared_compiles)
@@ -206,13 +207,24 @@ class StepPrograms:
       self._apply_wait_seconds += time.perf_counter() - start
     return compiled
 
-  def prefetch(self, micro_batch_sizes: list[int], accumulating: list[int] = ()) -> None:
-    """Queues one-micro-batch programs for ``micro_batch_sizes`` and micro-steps for
-    ``accumulating``, each in the order given, for the background compilers."""
-    self.fused_compiler.prefetch(micro_batch_sizes)
+  def prefetch_for(self, batch_size: int) -> None:
+    """Queues for the background compilers what a run starting at ``batch_size`` needs.
+
+    The one-micro-batch programs of the grid, nearest to ``batch_size``'s
+    shape first; the micro-step of the largest shape when a batch can
+    exceed one micro-batch per device; and with the fallback, the micro-step
+    of the first shape (the fallback accumulates on it while a larger shape
+    compiles), with the update for either.
+    """
+    self.fused_compiler.prefetch(self.layout.shapes_by_distance(batch_size))
+    accumulating = []
+    if self._needs_accumulation:
+      accumulating.append(max(self.layout.grid))
+    if self._compile_fallback:
+      accumulating.append(self.layout.plan(batch_size).micro_batch_size)
     if accumulating:
       self._start_apply_compile()
-      self.micro_compiler.prefetch(accumulating)
+      self.micro_compiler.prefetch(list(dict.fromkeys(accumulating)))
 
   def await_fallback(self, micro: int) -> None:
     """Waits until the compile fallback can hold a batch of any size on shape ``micro``.

@@ -265,8 +265,8 @@ class Trainer:
     self.shapes = tuple(self.layout.device_rows(g) for g in self.layout.grid)
     # With several processes, a fallback uses only shapes that every process reported compiled
     # at the last step's agreement, so all of them pick the same shape.
-    self._compile_fallback = compile_fallback and background_compile and mode == "recompile"
-    self._programs_need_accumulation = self.upper > self.layout.num_slots * max(self.layout.grid)
+    fallback = compile_fallback and background_compile and mode == "recompile"
+    needs_accumulation = self.upper > self.layout.num_slots * max(self.layout.grid)
 
     # Multi-host: every process must run the same program; a difference would
     # deadlock the first collective, so compare the settings first.
@@ -301,8 +301,8 @@ class Trainer:
           loss_fn=trainer_checks.checked_loss_fn(loss_fn, model_state), optimizer=optimizer,
           mesh=self.mesh, axis_name=axis_name, layout=self.layout, seed=seed, state=self.state,
           element_spec=source.element_spec,
-          needs_accumulation=self._programs_need_accumulation,
-          background=background_compile, compile_fallback=self._compile_fallback,
+          needs_accumulation=needs_accumulation,
+          background=background_compile, compile_fallback=fallback,
           shared_compiles=jax.process_count() > 1)
       # A model, loss, optimizer or data set that do not fit each other fail here.
       self._programs.trace(self.layout.plan(controller.batch_size).micro_batch_size)
@@ -329,19 +329,6 @@ class Trainer:
     """Saves the current state as the checkpoint of the current step (once per step)."""
     self._checkpoints.save(self.step, self.state, sampler=self.sampler,
                            controller=self.controller, nonfinite_steps=self._nonfinite_steps)
-
-  # ------------------------------------------------------------------ planning
-
-  def _accumulating_shapes(self, batch_size: int) -> list[int]:
-    """Micro-step shapes to compile ahead: the largest when a batch can exceed one micro-batch
-    per device, and the first step's (the compile fallback accumulates on it while a larger
-    shape compiles)."""
-    shapes = []
-    if self._programs_need_accumulation:
-      shapes.append(max(self.layout.grid))
-    if self._compile_fallback:
-      shapes.append(self.layout.plan(batch_size).micro_batch_size)
-    return list(dict.fromkeys(shapes))
 
   # ------------------------------------------------------------------ training
 
@@ -373,8 +360,7 @@ class Trainer:
     max_steps = math.inf if num_steps is None else int(num_steps)
     batch_size = self.controller.batch_size
     self._set_lr_factor(batch_size)
-    self._programs.prefetch(self.layout.shapes_by_distance(batch_size),
-                            self._accumulating_shapes(batch_size))
+    self._programs.prefetch_for(batch_size)
     progress = ProgressBar(
         total_examples if math.isfinite(total_examples) else 0,
         initial=min(self.sampler.examples_seen, total_examples) if math.isfinite(total_examples) else 0,
