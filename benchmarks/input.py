@@ -152,7 +152,7 @@ def decode_rates(blobs: list[bytes], workers, count: int, window: int, size: int
   Every reader starts first; the rounds then time ``count`` images of each
   pipeline, the order rotating.
   """
-  from simigrad_jax.host.sampler import EpochSampler  # pylint: disable=import-outside-toplevel
+  from simigrad_jax.data.sampler import EpochSampler  # pylint: disable=import-outside-toplevel
 
   work = DecodeCropFlip(size)
   records = JpegBlobs(blobs)
@@ -239,7 +239,7 @@ def data_wait_shares(blobs: list[bytes], batch_sizes, steps: int, workers: int, 
 
 
 def main(argv=None) -> dict:
-  from simigrad_jax.host import grain_source  # pylint: disable=import-outside-toplevel
+  from simigrad_jax.data import grain_source  # pylint: disable=import-outside-toplevel
 
   parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
   parser.add_argument("--quick", action="store_true", help="a small run (seconds), for tests")

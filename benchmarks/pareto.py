@@ -127,7 +127,7 @@ from benchmarks import pareto_mlm  # noqa: E402
 from benchmarks.pareto_protocol import (LR_SCHEDULES, SIMIGRAD_GRID_KEYS, RunCache,  # noqa: E402
                                         adaptive_specs, base_lr_for, compact, fixed_specs)
 from benchmarks.pareto_report import format_table, lr_text, markdown_tables, plot  # noqa: E402
-from simigrad_jax.host import lr_rules  # noqa: E402
+from simigrad_jax.controllers import learning_rate  # noqa: E402
 
 
 # ----------------------------------------------------------------------------
@@ -282,8 +282,8 @@ def _validate(args: argparse.Namespace, num_train: int) -> None:
     if not -1 <= target <= 1:
       raise ValueError(f"similarity target {target} must lie in [-1, 1]")
   rules = grid["adaptive_lr_rules"]
-  if not rules or set(rules) - set(lr_rules.LR_RULES):
-    raise ValueError(f"--adaptive-lr-rules must name some of {lr_rules.LR_RULES}, got {rules!r}")
+  if not rules or set(rules) - set(learning_rate.LR_RULES):
+    raise ValueError(f"--adaptive-lr-rules must name some of {learning_rate.LR_RULES}, got {rules!r}")
   unknown = sorted(set(grid["schedules"]) - {"linear", "geometric", "loss_plateau"})
   if unknown:
     raise ValueError(f"unknown schedules {unknown}; choose from linear, geometric, loss_plateau")

@@ -29,7 +29,7 @@ import simigrad_jax
 from benchmarks import common
 from benchmarks.pareto_analysis import mean_std
 from benchmarks.pareto_protocol import RunSpec, lr_schedule_fn, train_run
-from simigrad_jax.host.gns_controller import noise_scale_estimates
+from simigrad_jax.controllers.noise_scale import noise_scale_estimates
 from train import input_pipeline
 
 DATA_DIR = pathlib.Path(common.REPOSITORY_ROOT).parent / "shared" / "data"

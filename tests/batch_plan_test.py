@@ -1,4 +1,4 @@
-"""Tests for simigrad_jax.host.batch_plan against brute-force references."""
+"""Tests for simigrad_jax.engine.batch_plan against brute-force references."""
 
 import bisect
 import dataclasses
@@ -9,12 +9,12 @@ import time
 import numpy as np
 import pytest
 
-from simigrad_jax.host import batch_plan
-from simigrad_jax.host.batch_plan import BatchPlan
-from simigrad_jax.host.batch_plan import BucketPolicy
-from simigrad_jax.host.batch_plan import bucket_shapes
-from simigrad_jax.host.batch_plan import plan_batch
-from simigrad_jax.host.batch_plan import representable_batch_sizes
+from simigrad_jax.engine import batch_plan
+from simigrad_jax.engine.batch_plan import BatchPlan
+from simigrad_jax.engine.batch_plan import BucketPolicy
+from simigrad_jax.engine.batch_plan import bucket_shapes
+from simigrad_jax.engine.batch_plan import plan_batch
+from simigrad_jax.engine.batch_plan import representable_batch_sizes
 
 DEVICES = [1, 2, 3, 8]
 PAD_POLICIES = [

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 import simigrad_jax
-from simigrad_jax.host.controller import Controller
-from simigrad_jax.host.similarity_model import SimilarityModel
+from simigrad_jax.controllers.simigrad import Controller
+from simigrad_jax.controllers.similarity_model import SimilarityModel
 
 
 # ------------------------------------------------------------------ references
@@ -235,5 +235,5 @@ def test_a_state_saved_before_the_option_loads():
 
 def test_docstring_examples():
   import doctest  # pylint: disable=import-outside-toplevel
-  from simigrad_jax.host import similarity_model  # pylint: disable=import-outside-toplevel
+  from simigrad_jax.controllers import similarity_model  # pylint: disable=import-outside-toplevel
   assert doctest.testmod(similarity_model).failed == 0

@@ -1,4 +1,4 @@
-"""Tests for simigrad_jax.host.controller (host side: no JAX needed)."""
+"""Tests for simigrad_jax.controllers.simigrad (host side: no JAX needed)."""
 
 import json
 import logging
@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from simigrad_jax.host.controller import Controller
+from simigrad_jax.controllers.simigrad import Controller
 
 
 # ------------------------------------------------------------------ references

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 import simigrad_jax
-from simigrad_jax.host.gns_controller import GnsController
-from simigrad_jax.host.gns_controller import noise_scale_estimates
+from simigrad_jax.controllers.noise_scale import GnsController
+from simigrad_jax.controllers.noise_scale import noise_scale_estimates
 
 
 # ------------------------------------------------------------------ references

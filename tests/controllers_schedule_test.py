@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 import simigrad_jax
-from simigrad_jax.host.schedule_controllers import LossPlateauController
-from simigrad_jax.host.schedule_controllers import ScheduleController
+from simigrad_jax.controllers.schedules import LossPlateauController
+from simigrad_jax.controllers.schedules import ScheduleController
 
 
 # ------------------------------------------------------------------ schedules

@@ -9,8 +9,8 @@ import textwrap
 import pytest
 
 import simigrad_jax
-from simigrad_jax.host import cpu_devices
-from simigrad_jax.host.cpu_devices import simulated_cpu_devices_env
+from simigrad_jax.runtime import cpu_devices
+from simigrad_jax.runtime.cpu_devices import simulated_cpu_devices_env
 
 REPOSITORY_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COUNT = "--xla_force_host_platform_device_count"
@@ -83,7 +83,7 @@ def run_fresh_python(code, environ, timeout):
 def test_a_fresh_process_gets_8_devices_the_threads_and_runs_a_collective():
   code = """
       import collections, glob, json, os
-      from simigrad_jax.host.cpu_devices import simulated_cpu_devices_env
+      from simigrad_jax.runtime.cpu_devices import simulated_cpu_devices_env
       os.environ.update(simulated_cpu_devices_env(8))  # after importing jax, before using it
       import jax, jax.numpy as jnp
       total = jax.pmap(lambda x: jax.lax.psum(x, "i"), axis_name="i")(jnp.arange(8.0))
@@ -109,7 +109,7 @@ def test_a_full_dispatch_queue_does_not_starve_a_collective():
   """
   code = """
       import json, os
-      from simigrad_jax.host.cpu_devices import simulated_cpu_devices_env
+      from simigrad_jax.runtime.cpu_devices import simulated_cpu_devices_env
       os.environ.update(simulated_cpu_devices_env(8))
       import jax, jax.numpy as jnp, numpy as np
       def step(w, x):

@@ -11,7 +11,7 @@ import pytest
 import simigrad_jax
 from grain_records import JpegRecords
 from grain_records import flip
-from simigrad_jax.host.sampler import EpochSampler
+from simigrad_jax.data.sampler import EpochSampler
 
 N = 24
 
@@ -104,7 +104,7 @@ def test_a_script_that_does_not_close_its_reader_exits_cleanly(tmp_path):
       import numpy as np
       import simigrad_jax
       from grain_records import JpegRecords
-      from simigrad_jax.host.sampler import EpochSampler
+      from simigrad_jax.data.sampler import EpochSampler
 
       if __name__ == "__main__":
         source = simigrad_jax.GrainSource(JpegRecords(8), num_workers=1)

@@ -1,4 +1,4 @@
-"""Tests for simigrad_jax.host.metrics: the JSONL/TensorBoard writer and the progress bar."""
+"""Tests for simigrad_jax.runtime.metrics: the JSONL/TensorBoard writer and the progress bar."""
 
 import doctest
 import io
@@ -13,10 +13,10 @@ import pytest
 from tensorboardX.proto import event_pb2
 from tensorboardX.record_writer import masked_crc32c
 
-from simigrad_jax.host import metrics
-from simigrad_jax.host.metrics import MetricsWriter
-from simigrad_jax.host.metrics import ProgressBar
-from simigrad_jax.host.metrics import read_metrics
+from simigrad_jax.runtime import metrics
+from simigrad_jax.runtime.metrics import MetricsWriter
+from simigrad_jax.runtime.metrics import ProgressBar
+from simigrad_jax.runtime.metrics import read_metrics
 
 
 # ------------------------------------------------------------------- helpers

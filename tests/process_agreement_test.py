@@ -6,7 +6,7 @@ reliability_multihost_test.py and reliability_multihost_fallback_test.py.
 
 import pytest
 
-from simigrad_jax.host import process_agreement
+from simigrad_jax.runtime import process_agreement
 
 
 def test_one_process_gets_its_own_report_back_and_compares_nothing():

@@ -25,7 +25,7 @@ import pytest
 
 import simigrad_jax
 from reliability_helpers import SEED
-from simigrad_jax.host.checkpointing import Checkpointer
+from simigrad_jax.runtime.checkpointer import Checkpointer
 
 pytestmark = [
     pytest.mark.reliability,

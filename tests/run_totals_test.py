@@ -2,7 +2,7 @@
 
 import math
 
-from simigrad_jax.host.run_totals import RunTotals
+from simigrad_jax.engine.run_totals import RunTotals
 
 
 def record(batch_size, host_seconds, fallback=False, loss=1.0):

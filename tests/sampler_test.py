@@ -1,4 +1,4 @@
-"""Tests for simigrad_jax.host.sampler: every epoch serves each example once."""
+"""Tests for simigrad_jax.data.sampler: every epoch serves each example once."""
 
 import doctest
 import json
@@ -6,8 +6,8 @@ import json
 import numpy as np
 import pytest
 
-from simigrad_jax.host import sampler as sampler_lib
-from simigrad_jax.host.sampler import EpochSampler
+from simigrad_jax.data import sampler as sampler_lib
+from simigrad_jax.data.sampler import EpochSampler
 
 
 def serve(sampler, sizes):

@@ -1,4 +1,4 @@
-"""Tests for simigrad_jax.host.sources: in-memory arrays and TFDS without TensorFlow."""
+"""Tests for simigrad_jax.data.sources: in-memory arrays and TFDS without TensorFlow."""
 
 import doctest
 import re
@@ -8,13 +8,13 @@ import numpy as np
 import pytest
 import tensorflow_datasets as tfds
 
-from simigrad_jax.host import sources as sources_lib
-from simigrad_jax.host.batch_plan import BucketPolicy
-from simigrad_jax.host.batch_plan import plan_batch
-from simigrad_jax.host.sampler import EpochSampler
-from simigrad_jax.host.sources import ArraySource
-from simigrad_jax.host.sources import TfdsSource
-from simigrad_jax.host.sources import load_source
+from simigrad_jax.data import sources as sources_lib
+from simigrad_jax.engine.batch_plan import BucketPolicy
+from simigrad_jax.engine.batch_plan import plan_batch
+from simigrad_jax.data.sampler import EpochSampler
+from simigrad_jax.data.sources import ArraySource
+from simigrad_jax.data.sources import TfdsSource
+from simigrad_jax.data.sources import load_source
 
 
 def make_arrays(n=6):

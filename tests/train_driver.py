@@ -84,7 +84,7 @@ args = parser.parse_args()
 os.environ["JAX_PLATFORMS"] = "cpu"
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from simigrad_jax.host.cpu_devices import simulated_cpu_devices_env  # noqa: E402
+from simigrad_jax.runtime.cpu_devices import simulated_cpu_devices_env  # noqa: E402
 
 os.environ.update(simulated_cpu_devices_env(args.devices // args.num_processes))
 
@@ -99,7 +99,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import simigrad_jax  # noqa: E402
-from simigrad_jax.host import step_compiler as step_compiler_module  # noqa: E402
+from simigrad_jax.engine import compiler as compiler_module  # noqa: E402
 
 if args.compile_cache:  # before the model's first eager ops, so that they come from the cache too
   simigrad_jax.enable_persistent_cache(args.compile_cache)
@@ -166,7 +166,7 @@ sys.excepthook = exit_if_lost
 
 # --- kill inside a background compile: slow the J-th background job down and kill 20 ms into it.
 if args.kill_in_compile is not None:
-  original_run = step_compiler_module.StepCompiler._run
+  original_run = compiler_module.StepCompiler._run
   background_jobs = []
 
   def run_then_die(self, job):
@@ -186,7 +186,7 @@ if args.kill_in_compile is not None:
                         kwargs={"size": job.size, "job": len(background_jobs)}).start()
     return original_run(self, job)
 
-  step_compiler_module.StepCompiler._run = run_then_die
+  compiler_module.StepCompiler._run = run_then_die
 
 params = MLP().init(jax.random.key(0), np.zeros((1, 8), np.float32))["params"]
 optimizer = optax.chain(simigrad_jax.transform("batch"), optax.sgd(0.2, momentum=0.9),

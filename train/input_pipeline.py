@@ -53,7 +53,7 @@ import ml_collections
 import numpy as np
 
 import simigrad_jax
-from simigrad_jax.host.sources import check_indices
+from simigrad_jax.data.sources import check_indices
 
 PAD_ID = 0
 MASK_ID = 1

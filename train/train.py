@@ -34,7 +34,7 @@ import optax
 
 import simigrad_jax
 from simigrad_jax import plot
-from simigrad_jax.host import step_layout
+from simigrad_jax.engine import layout
 from train import input_pipeline
 from train import models
 from train import optimizers
@@ -120,7 +120,7 @@ def training_halves(config: ml_collections.ConfigDict, num_devices: int) -> str:
     ValueError: for an unknown name, or ``"device"`` on an odd number of devices.
   """
   try:
-    return step_layout.resolve_halves(config.halves, num_devices)
+    return layout.resolve_halves(config.halves, num_devices)
   except ValueError as error:
     raise ValueError(f"config.{error}") from error
 
@@ -146,7 +146,7 @@ def create_controller(config: ml_collections.ConfigDict, num_devices: int,
     ValueError: for an unknown controller, bad options or bad JSON.
   """
   lower = config.batch_size_lower_bound
-  slots = num_devices * step_layout.blocks_per_device(halves)
+  slots = num_devices * layout.blocks_per_device(halves)
   options: dict[str, Any] = {
       "initial_batch_size": config.initial_batch_size,
       "batch_size_lower_bound": slots if lower is None else lower,

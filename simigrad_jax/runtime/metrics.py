@@ -29,7 +29,7 @@ from typing import Any, TextIO
 import numpy as np
 import tqdm
 
-from simigrad_jax.host import validation
+from simigrad_jax import validation
 
 logger = logging.getLogger("simigrad_jax")
 

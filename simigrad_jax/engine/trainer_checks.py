@@ -16,13 +16,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from simigrad_jax.host import lr_rules
-from simigrad_jax.host import validation
-from simigrad_jax.ingraph import train_step
+from simigrad_jax.controllers import learning_rate
+from simigrad_jax import validation
+from simigrad_jax.engine import train_step
 from simigrad_jax.ingraph.lr_scaling import LrFactorState
 from simigrad_jax.ingraph.transform import SimilarityState
 
-# What the Trainer reads from a controller (see simigrad_jax.host.controllers).
+# What the Trainer reads from a controller (see simigrad_jax.controllers.registry).
 _CONTROLLER_ATTRIBUTES = ("batch_size", "initial_batch_size", "config", "last_decision", "update",
                           "set_batch_size", "state_dict", "load_state_dict")
 _CONTROLLER_CONFIG_KEYS = ("batch_size_lower_bound", "batch_size_upper_bound", "similarity_target")
@@ -70,7 +70,7 @@ def check_controller(controller: Any) -> None:
   missing = [a for a in _CONTROLLER_ATTRIBUTES if not hasattr(controller, a)]
   if missing:
     raise ValueError(f"controller {controller!r:.200} lacks {missing}; a controller needs "
-                     f"{list(_CONTROLLER_ATTRIBUTES)} (see simigrad_jax.host.controllers)")
+                     f"{list(_CONTROLLER_ATTRIBUTES)} (see simigrad_jax.controllers.registry)")
   config = controller.config
   if not isinstance(config, Mapping) or any(k not in config for k in _CONTROLLER_CONFIG_KEYS):
     raise ValueError(f"controller.config must be a dict with the keys {list(_CONTROLLER_CONFIG_KEYS)} "
@@ -161,7 +161,7 @@ def check_bounds(controller: Any, num_examples: int, halves: str) -> tuple[int, 
     raise ValueError(
         f"the data set has {num_examples} examples, fewer than the largest batch size {largest} "
         f"({what}): a step would repeat examples; lower the bound")
-  # Half B holds the odd-numbered examples of a step (simigrad_jax.host.step_layout):
+  # Half B holds the odd-numbered examples of a step (simigrad_jax.engine.layout):
   # a batch of 1 leaves it without an example.
   floor = 2
   second_half = ("the odd devices (the second half)" if halves == "device"
@@ -210,8 +210,8 @@ def check_settings(*, lr_rule: str, loss_fn: Any, eval_fn: Any, lr_schedule: Any
                    flags: Mapping[str, Any]) -> tuple[int, int, int | None, int]:
   """Checks the Trainer's plain settings; returns ``(max_micro, seed, checkpoint_every_steps,
   max_checkpoints)`` as ints."""
-  if lr_rule not in lr_rules.LR_RULES:
-    raise ValueError(f"lr_rule={lr_rule!r} is not valid; choose one of {lr_rules.LR_RULES}")
+  if lr_rule not in learning_rate.LR_RULES:
+    raise ValueError(f"lr_rule={lr_rule!r} is not valid; choose one of {learning_rate.LR_RULES}")
   check_callable("loss_fn", loss_fn)
   for name, fn in (("eval_fn", eval_fn), ("lr_schedule", lr_schedule)):
     if fn is not None:

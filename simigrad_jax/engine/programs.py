@@ -1,11 +1,11 @@
 """Host: the compiled programs of a training step, per micro-batch shape, and running a plan.
 
 A step of one micro-batch per device runs ONE compiled program (gradient,
-reduction and update: :func:`simigrad_jax.ingraph.train_step.make_fused_step`),
+reduction and update: :func:`simigrad_jax.engine.train_step.make_fused_step`),
 one per micro-batch shape of the grid. A step of several micro-batches
 accumulates with the micro-step of its shape, then applies the update
-(:func:`~simigrad_jax.ingraph.train_step.make_micro_step` and
-:func:`~simigrad_jax.ingraph.train_step.make_apply_step`). Every program is
+(:func:`~simigrad_jax.engine.train_step.make_micro_step` and
+:func:`~simigrad_jax.engine.train_step.make_apply_step`). Every program is
 compiled ahead of time from placeholders, in background threads
 (:class:`simigrad_jax.StepCompiler`), so that a new shape need not stall the
 loop; while a step's program is still compiling, the compile fallback runs the
@@ -13,7 +13,7 @@ same examples on the nearest program already compiled.
 
 Shapes are counted in rows per slot: a slot is a device, or with the local
 split one of the two blocks of a device's rows
-(:mod:`simigrad_jax.host.step_layout`); what is reported is rows per device.
+(:mod:`simigrad_jax.engine.layout`); what is reported is rows per device.
 """
 
 from __future__ import annotations
@@ -33,11 +33,11 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from simigrad_jax.host import batch_plan
-from simigrad_jax.host import trainer_checks
-from simigrad_jax.host.step_layout import StepLayout
-from simigrad_jax.host.step_compiler import StepCompiler
-from simigrad_jax.ingraph import train_step
+from simigrad_jax.engine import batch_plan
+from simigrad_jax.engine import trainer_checks
+from simigrad_jax.engine.layout import StepLayout
+from simigrad_jax.engine.compiler import StepCompiler
+from simigrad_jax.engine import train_step
 
 
 @dataclasses.dataclass
@@ -334,12 +334,12 @@ class StepPrograms:
       state: the replicated ``{"params", "opt_state", "model_state"}``; its
         arrays are donated.
       data: the step's micro-batches, as :attr:`StepBatch.plan` lays them out.
-      step_inputs: float32 :data:`~simigrad_jax.ingraph.train_step.STEP_INPUTS`,
+      step_inputs: float32 :data:`~simigrad_jax.engine.train_step.STEP_INPUTS`,
         replicated.
 
     Returns:
       ``(new_state, stats)``: ``stats`` is the float32 vector of
-      :data:`~simigrad_jax.ingraph.train_step.STEP_STATS`.
+      :data:`~simigrad_jax.engine.train_step.STEP_STATS`.
     """
     plan = data.plan
     params, opt_state, model_state = state["params"], state["opt_state"], state["model_state"]

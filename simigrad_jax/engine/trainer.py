@@ -8,9 +8,9 @@ Every optimizer step:
 2. the step's examples (the next ones of the epoch's permutation, counted in
    examples, so nothing is dropped or repeated within an epoch) are on the
    devices already when the batch size is the one expected, else they are
-   placed now (:mod:`simigrad_jax.host.step_data`); each process loads only
+   placed now (:mod:`simigrad_jax.engine.data_loader`); each process loads only
    the rows of its own devices;
-3. the step's compiled program runs (:mod:`simigrad_jax.host.step_programs`):
+3. the step's compiled program runs (:mod:`simigrad_jax.engine.programs`):
    one program for gradient, reduction and update when the step holds one
    micro-batch per device, else micro-steps then the update. The transform
    averages the gradients and measures the similarity; the host reads one
@@ -35,28 +35,28 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from simigrad_jax.host import lr_rules
-from simigrad_jax.host import grain_source
-from simigrad_jax.host import process_agreement
-from simigrad_jax.host import state_access
-from simigrad_jax.host import step_layout
-from simigrad_jax.host import trainer_checks
-from simigrad_jax.host import validation
-from simigrad_jax.host.controller import Controller
-from simigrad_jax.host.metrics import MetricsWriter
-from simigrad_jax.host.metrics import ProgressBar
-from simigrad_jax.host.process_agreement import ProcessDisagreementError
-from simigrad_jax.host.process_agreement import ProcessLostError
-from simigrad_jax.host.run_checkpoints import RunCheckpoints
-from simigrad_jax.host.run_totals import RunTotals
-from simigrad_jax.host.sampler import EpochSampler
-from simigrad_jax.host.step_compiler import enable_persistent_cache
-from simigrad_jax.host.step_data import StepDataLoader
-from simigrad_jax.host.step_data import local_device_positions
-from simigrad_jax.host.step_data import speculative_count
-from simigrad_jax.host.step_programs import StepPrograms
-from simigrad_jax.host.step_programs import host_scalars
-from simigrad_jax.ingraph import train_step
+from simigrad_jax.controllers import learning_rate
+from simigrad_jax.data import grain_source
+from simigrad_jax.runtime import process_agreement
+from simigrad_jax import optimizer_state
+from simigrad_jax.engine import layout
+from simigrad_jax.engine import trainer_checks
+from simigrad_jax import validation
+from simigrad_jax.controllers.simigrad import Controller
+from simigrad_jax.runtime.metrics import MetricsWriter
+from simigrad_jax.runtime.metrics import ProgressBar
+from simigrad_jax.runtime.process_agreement import ProcessDisagreementError
+from simigrad_jax.runtime.process_agreement import ProcessLostError
+from simigrad_jax.runtime.run_checkpoints import RunCheckpoints
+from simigrad_jax.engine.run_totals import RunTotals
+from simigrad_jax.data.sampler import EpochSampler
+from simigrad_jax.engine.compiler import enable_persistent_cache
+from simigrad_jax.engine.data_loader import StepDataLoader
+from simigrad_jax.engine.data_loader import local_device_positions
+from simigrad_jax.engine.data_loader import speculative_count
+from simigrad_jax.engine.programs import StepPrograms
+from simigrad_jax.engine.programs import host_scalars
+from simigrad_jax.engine import train_step
 
 logger = logging.getLogger("simigrad_jax")
 
@@ -126,7 +126,7 @@ class Trainer:
     axis_name: the data-parallel axis name used by the transform.
     devices: the devices to train on (default: all, over every process), 1 or more.
     halves: the split into the two halves the similarity compares
-      (:mod:`simigrad_jax.host.step_layout`): ``"device"`` (even devices
+      (:mod:`simigrad_jax.engine.layout`): ``"device"`` (even devices
       against odd ones), ``"local"`` (two blocks of rows per device), or
       ``"auto"`` (``"device"`` on an even number of devices, else ``"local"``).
     agreement_timeout_seconds: several hosts: how long a process waits for
@@ -135,8 +135,8 @@ class Trainer:
       :class:`ProcessLostError` naming the missing ones. A process that
       waits this long in a collective while a peer's heartbeats have stopped
       is ended with the same error by a watchdog
-      (:class:`simigrad_jax.host.process_agreement.Watchdog`). Default
-      :data:`simigrad_jax.host.process_agreement.AGREEMENT_TIMEOUT_SECONDS`
+      (:class:`simigrad_jax.runtime.process_agreement.Watchdog`). Default
+      :data:`simigrad_jax.runtime.process_agreement.AGREEMENT_TIMEOUT_SECONDS`
       (300); keep it above the longest time a process may wait for another
       at a step's end.
 
@@ -199,7 +199,7 @@ class Trainer:
       model_state: Any = None,
       mode: Mode = "recompile",
       min_micro_batch_size: int | None = None,
-      lr_rule: lr_rules.LrRule = "sqrt",
+      lr_rule: learning_rate.LrRule = "sqrt",
       lr_adjust_factor: float | None = None,
       seed: int = 0,
       checkpoint_every_steps: int | None = None,
@@ -238,12 +238,12 @@ class Trainer:
     workdir = trainer_checks.check_workdir(workdir)
     devices = trainer_checks.check_devices(devices)
     self.num_devices = len(devices)
-    self.halves = step_layout.resolve_halves(halves, self.num_devices)
+    self.halves = layout.resolve_halves(halves, self.num_devices)
     trainer_checks.check_finite_params(params)
     probe_state = trainer_checks.checked_optimizer_state(optimizer, params)
     self.lower, self.upper = trainer_checks.check_bounds(controller, num_examples, self.halves)
     for size in (self.lower, controller.initial_batch_size, self.upper):
-      lr_rules.lr_factor(size, controller.initial_batch_size, lr_rule, lr_adjust_factor)
+      learning_rate.lr_factor(size, controller.initial_batch_size, lr_rule, lr_adjust_factor)
 
     self.workdir = workdir
     self.loss_fn, self.optimizer, self.source, self.controller = loss_fn, optimizer, source, controller
@@ -259,7 +259,7 @@ class Trainer:
 
     # Plans and compiled shapes count rows per slot (a device, or half of one: see
     # step_layout); self.shapes are rows per device.
-    self.layout = step_layout.StepLayout.create(
+    self.layout = layout.StepLayout.create(
         self.halves, self.num_devices, mode=mode, max_micro=max_micro,
         min_micro=min_micro_batch_size, lower=self.lower, upper=self.upper)
     self.shapes = tuple(self.layout.device_rows(g) for g in self.layout.grid)
@@ -316,7 +316,7 @@ class Trainer:
                                 self.layout.slot_positions(local_device_positions(devices)),
                                 self.layout.num_slots, place_ahead=jax.process_count() == 1)
     self._is_main = jax.process_index() == 0
-    self._lr_used = state_access.lr_factor_of(self.state["opt_state"])
+    self._lr_used = optimizer_state.lr_factor_of(self.state["opt_state"])
     self._schedule_factor = 1.0
     self._step_inputs: tuple[tuple[float, ...] | None, Any] = (None, None)
     self._metrics = MetricsWriter(workdir, tensorboard=tensorboard, resume_step=self.step,
@@ -523,7 +523,7 @@ class Trainer:
 
   def _lr_factor(self, batch_size: int) -> tuple[float, float]:
     """``(learning-rate factor, schedule factor)`` for ``batch_size`` at the current progress."""
-    return lr_rules.scheduled_lr_factor(
+    return learning_rate.scheduled_lr_factor(
         batch_size, self.base_batch_size, self.lr_rule, self.lr_adjust_factor, self.lr_schedule,
         self.sampler.examples_seen / self.sampler.num_examples)
 

@@ -32,7 +32,7 @@ from typing import Any
 import jax
 from jax.experimental.compilation_cache import compilation_cache
 
-from simigrad_jax.host import validation
+from simigrad_jax import validation
 
 __all__ = [
     "StepCompileError",

@@ -1,7 +1,7 @@
 """Host: a training run's checkpoints: the host state saved beside the arrays, resume, waits.
 
 Plain Python between steps; nothing here is traced. The arrays (parameters,
-optimizer and model state) go through :class:`~simigrad_jax.host.checkpointing.
+optimizer and model state) go through :class:`~simigrad_jax.runtime.checkpointer.
 Checkpointer` (orbax); beside them each checkpoint holds what the host needs to
 continue exactly: the step, the seed, the controller's and the sampler's state
 and the count of non-finite steps.
@@ -15,9 +15,9 @@ from typing import Any, NamedTuple
 
 import jax
 
-from simigrad_jax.host import process_agreement
-from simigrad_jax.host.checkpointing import CheckpointMismatchError
-from simigrad_jax.host.checkpointing import Checkpointer
+from simigrad_jax.runtime import process_agreement
+from simigrad_jax.runtime.checkpointer import CheckpointMismatchError
+from simigrad_jax.runtime.checkpointer import Checkpointer
 
 logger = logging.getLogger("simigrad_jax")
 
@@ -62,7 +62,7 @@ class RunCheckpoints:
     Args:
       like: the train state whose structure, shapes and shardings the arrays
         are restored to.
-      sampler: the run's :class:`~simigrad_jax.host.sampler.EpochSampler`.
+      sampler: the run's :class:`~simigrad_jax.data.sampler.EpochSampler`.
       controller: the run's controller.
 
     Returns:

@@ -5,12 +5,12 @@ Plain Python and NumPy; nothing here is traced.
 :class:`GrainSource` wraps anything that maps a record index to an example
 (a ``grain.MapDataset`` such as ``grain.MapDataset.source(tfds.data_source(
 ...)).map(decode)``, a ``tfds.data_source``, a list) and serves it through the
-source contract of :mod:`simigrad_jax.host.sources` (``len``,
+source contract of :mod:`simigrad_jax.data.sources` (``len``,
 ``element_spec``, ``get_batch(indices)``). In a one-process run the Trainer
 reads its training rows through :meth:`GrainSource.reader` instead: a
-:class:`~simigrad_jax.host.stream_reader.StreamReader` whose grain worker
+:class:`~simigrad_jax.data.stream_reader.StreamReader` whose grain worker
 processes read, decode and augment the examples ahead, in the order of the
-run's :class:`~simigrad_jax.host.sampler.EpochSampler`. SimiGrad takes the
+run's :class:`~simigrad_jax.data.sampler.EpochSampler`. SimiGrad takes the
 next examples of that order whatever the batch size, so the workers can run
 ahead without knowing the next batch size, and the reader's position is the
 sampler's ``examples_seen``, which every checkpoint holds: a resume needs no
@@ -38,32 +38,20 @@ from typing import Any
 
 import numpy as np
 
-from simigrad_jax.host import validation
-from simigrad_jax.host.sources import check_indices
+from simigrad_jax import validation
+from simigrad_jax.data.record_reader import Augment
+from simigrad_jax.data.record_reader import BadRecordError
+from simigrad_jax.data.record_reader import ElementSpec
+from simigrad_jax.data.record_reader import RecordReader
+from simigrad_jax.data.record_reader import as_arrays
+from simigrad_jax.data.record_reader import spec_of
+from simigrad_jax.data.sources import check_indices
+from simigrad_jax.data.stream_reader import StreamReader
 
 __all__ = ["BadRecordError", "GrainSource", "as_source", "default_num_workers"]
 
-ElementSpec = dict[str, tuple[tuple[int, ...], np.dtype]]
-Augment = Callable[[dict[str, np.ndarray], np.random.Generator], Mapping[str, Any]]
 BAD_RECORD_POLICIES = ("raise", "skip")
-# Records tried after a bad one (skip) before giving up: a run of this many is a broken data set.
-_MAX_SUBSTITUTES = 100
 _logger = logging.getLogger("simigrad_jax")
-
-
-class BadRecordError(ValueError):
-  """A record could not be read or decoded, or does not match the element spec.
-
-  Attributes:
-    index: the record's index in the data.
-  """
-
-  def __init__(self, index: int, message: str):
-    super().__init__(message)
-    self.index = index
-
-  def __reduce__(self):  # raised in a grain worker process, re-raised in the training process
-    return (BadRecordError, (self.index, str(self)))
 
 
 def default_num_workers() -> int:
@@ -78,57 +66,6 @@ def default_num_workers() -> int:
   except AttributeError:  # not on Linux
     cores = os.cpu_count() or 1
   return max(cores - 1, 0)
-
-
-def _as_arrays(record: Any) -> dict[str, np.ndarray]:
-  if not isinstance(record, Mapping):
-    raise TypeError(f"a record must be a mapping of feature name to array, got "
-                    f"{type(record).__name__}")
-  return {name: np.asarray(value) for name, value in record.items()}
-
-
-def _spec_of(example: Mapping[str, np.ndarray]) -> ElementSpec:
-  return {name: (value.shape, value.dtype) for name, value in example.items()}
-
-
-class RecordReader:
-  """Reads record ``index`` as a dict of arrays of the element spec, under a bad-record policy.
-
-  Picklable (it travels to grain's worker processes) when ``data`` is.
-
-  Args:
-    data: the random-access data (``__len__``, ``__getitem__``).
-    spec: the element spec every record must match (None: any shapes).
-    on_bad_record: ``"raise"`` or ``"skip"`` (take the next readable record).
-  """
-
-  def __init__(self, data: Any, spec: ElementSpec | None, on_bad_record: str):
-    self.data, self.spec, self.on_bad_record = data, spec, on_bad_record
-
-  def _one(self, index: int) -> dict[str, np.ndarray]:
-    try:
-      example = _as_arrays(self.data[index])
-    except Exception as error:  # pylint: disable=broad-except
-      raise BadRecordError(index, f"record {index} could not be read or decoded: "
-                           f"{type(error).__name__}: {error}") from error
-    if self.spec is not None and _spec_of(example) != self.spec:
-      raise BadRecordError(index, f"record {index} has features {_spec_of(example)}, expected "
-                           f"{self.spec} (the element spec, from record 0 unless given)")
-    return example
-
-  def __call__(self, index: int) -> tuple[dict[str, np.ndarray], list[int]]:
-    """``(example, the bad records skipped to read it)``; raises BadRecordError under "raise"."""
-    bad = []
-    for attempt in range(_MAX_SUBSTITUTES + 1):
-      candidate = (index + attempt) % len(self.data)
-      try:
-        return self._one(candidate), bad
-      except BadRecordError:
-        if self.on_bad_record == "raise":
-          raise
-        bad.append(candidate)
-    raise BadRecordError(index, f"records {bad[0]}..{bad[-1]}: {len(bad)} bad records in a row "
-                         f"from record {index}; the data set looks broken")
 
 
 class GrainSource:
@@ -182,10 +119,10 @@ class GrainSource:
     num_threads = validation.check_int("num_threads", num_threads, 1)
     self.data, self.augment, self.on_bad_record = data, augment, on_bad_record
     if element_spec is None:
-      first = _as_arrays(data[0])
-      self._record_spec: ElementSpec | None = _spec_of(first)
+      first = as_arrays(data[0])
+      self._record_spec: ElementSpec | None = spec_of(first)
       spec = (self._record_spec if augment is None
-              else _spec_of(_as_arrays(augment(first, np.random.default_rng(0)))))
+              else spec_of(as_arrays(augment(first, np.random.default_rng(0)))))
     else:  # records of any shape (augment makes them fixed); checked after augment
       spec = {name: (tuple(shape), np.dtype(dtype)) for name, (shape, dtype) in element_spec.items()}
       self._record_spec = None if augment is not None else spec
@@ -251,15 +188,13 @@ class GrainSource:
     """A reader of the run's example stream in ``sampler``'s order, decoded ahead in workers.
 
     Args:
-      sampler: the run's :class:`~simigrad_jax.host.sampler.EpochSampler`
+      sampler: the run's :class:`~simigrad_jax.data.sampler.EpochSampler`
         (its order only; it is not advanced).
 
     Returns:
-      A :class:`~simigrad_jax.host.stream_reader.StreamReader`; close it.
+      A :class:`~simigrad_jax.data.stream_reader.StreamReader`; close it.
     """
-    from simigrad_jax.host import stream_reader  # pylint: disable=import-outside-toplevel
-
-    return stream_reader.StreamReader(self, sampler)
+    return StreamReader(self, sampler)
 
   def close(self) -> None:
     """Stops the threads of :meth:`get_batch`."""

@@ -41,14 +41,14 @@ import difflib
 import inspect
 from typing import Any, Callable
 
-from simigrad_jax.host import validation
-from simigrad_jax.host.controller import Controller
-from simigrad_jax.host.gns_controller import GnsController
-from simigrad_jax.host.schedule_controllers import LossPlateauController
-from simigrad_jax.host.schedule_controllers import ScheduleController
-from simigrad_jax.host.schedule_controllers import decreasing_schedule
-from simigrad_jax.host.schedule_controllers import geometric_schedule
-from simigrad_jax.host.schedule_controllers import linear_schedule
+from simigrad_jax import validation
+from simigrad_jax.controllers.simigrad import Controller
+from simigrad_jax.controllers.noise_scale import GnsController
+from simigrad_jax.controllers.schedules import LossPlateauController
+from simigrad_jax.controllers.schedules import ScheduleController
+from simigrad_jax.controllers.schedules import decreasing_schedule
+from simigrad_jax.controllers.schedules import geometric_schedule
+from simigrad_jax.controllers.schedules import linear_schedule
 
 _FACTORIES: dict[str, Callable[..., Any]] = {}
 

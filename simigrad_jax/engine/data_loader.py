@@ -4,7 +4,7 @@ The examples of a step are the next ones of the epoch's permutation, whatever
 the batch size (:class:`simigrad_jax.EpochSampler`); each process loads only
 its own devices' rows. Rows are laid out per slot: a slot is a device, or
 with the local split one of the two blocks of a device's rows
-(:mod:`simigrad_jax.host.step_layout`). While the devices run a step, a data thread loads the
+(:mod:`simigrad_jax.engine.layout`). While the devices run a step, a data thread loads the
 rows for the next one, enough for one grow of the batch size, and places them
 on the devices for the plan it expects (the batch size unchanged). If the
 controller then decides that size, the step starts with no host work; if not,
@@ -31,9 +31,9 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from simigrad_jax.host import batch_plan
-from simigrad_jax.host.sampler import EpochSampler
-from simigrad_jax.host.step_programs import StepBatch
+from simigrad_jax.engine import batch_plan
+from simigrad_jax.data.sampler import EpochSampler
+from simigrad_jax.engine.programs import StepBatch
 
 
 @dataclasses.dataclass

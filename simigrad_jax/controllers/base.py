@@ -1,4 +1,4 @@
-"""Host: what every batch-size controller of :mod:`simigrad_jax.host.controllers` shares.
+"""Host: what every batch-size controller of :mod:`simigrad_jax.controllers.registry` shares.
 
 :class:`BaseController` counts steps, holds the size on non-finite steps,
 applies the bounds, logs decisions and saves its state as plain JSON; the
@@ -12,8 +12,8 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from simigrad_jax.host import validation
-from simigrad_jax.host.controller import BoundedBatchSize
+from simigrad_jax import validation
+from simigrad_jax.controllers.simigrad import BoundedBatchSize
 
 logger = logging.getLogger("simigrad_jax")
 

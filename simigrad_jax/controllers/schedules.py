@@ -1,6 +1,6 @@
 """Host: batch-size controllers without gradient feedback: epoch schedules and the loss plateau rule.
 
-Registered in :mod:`simigrad_jax.host.controllers` as ``"linear"``,
+Registered in :mod:`simigrad_jax.controllers.registry` as ``"linear"``,
 ``"geometric"``, ``"decreasing"`` and ``"loss_plateau"``.
 """
 
@@ -9,9 +9,9 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from simigrad_jax.host import validation
-from simigrad_jax.host.controller_base import BaseController
-from simigrad_jax.host.controller_base import check_finite_float
+from simigrad_jax import validation
+from simigrad_jax.controllers.base import BaseController
+from simigrad_jax.controllers.base import check_finite_float
 
 # ----------------------------------------------------------------------------
 # Schedules: the batch size as a function of the epochs trained.

@@ -1,4 +1,4 @@
-"""Tests for simigrad_jax.host.step_compiler on a tiny shard_map step over 8 CPU devices."""
+"""Tests for simigrad_jax.engine.compiler on a tiny shard_map step over 8 CPU devices."""
 
 import doctest
 import json
@@ -17,10 +17,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from simigrad_jax.host import step_compiler
-from simigrad_jax.host.step_compiler import StepCompileError
-from simigrad_jax.host.step_compiler import StepCompiler
-from simigrad_jax.host.step_compiler import enable_persistent_cache
+from simigrad_jax.engine import compiler
+from simigrad_jax.engine.compiler import StepCompileError
+from simigrad_jax.engine.compiler import StepCompiler
+from simigrad_jax.engine.compiler import enable_persistent_cache
 
 N = 8  # devices, from conftest
 FEATURES, OUT = 4, 3
@@ -343,7 +343,7 @@ def test_numpy_sizes_are_accepted(mesh):
 
 
 def test_doctests():
-  result = doctest.testmod(step_compiler)
+  result = doctest.testmod(compiler)
   assert result.attempted > 0 and result.failed == 0
 
 
@@ -353,7 +353,7 @@ def test_doctests():
 _CACHE_SCRIPT = textwrap.dedent("""
     import json, os, sys, time
     import jax, jax.numpy as jnp
-    from simigrad_jax.host.step_compiler import enable_persistent_cache
+    from simigrad_jax.engine.compiler import enable_persistent_cache
 
     cache_dir, other_dir = sys.argv[1], sys.argv[2]
     hits = []
@@ -428,12 +428,12 @@ def test_two_processes_filling_one_cache_at_once_leave_an_entry_a_third_loads(tm
 
 
 def test_persistent_cache_settings_puts_the_settings_back(tmp_path):
-  names = step_compiler._CACHE_SETTINGS  # pylint: disable=protected-access
+  names = compiler._CACHE_SETTINGS  # pylint: disable=protected-access
   before = {name: getattr(jax.config, name) for name in names}
   cache_dir = tmp_path / "cache"
   spec = jax.ShapeDtypeStruct((5,), jnp.float32)
   with pytest.raises(KeyError):  # put back on the way out of an error too
-    with step_compiler.persistent_cache_settings():
+    with compiler.persistent_cache_settings():
       enable_persistent_cache(cache_dir)
       assert jax.config.jax_compilation_cache_dir == str(cache_dir)
       jax.jit(lambda x: x * 7.0).lower(spec).compile()

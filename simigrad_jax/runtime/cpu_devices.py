@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
-from simigrad_jax.host import validation
+from simigrad_jax import validation
 
 DEVICE_COUNT_FLAG = "xla_force_host_platform_device_count"
 
@@ -89,7 +89,7 @@ def simulated_cpu_devices_env(
 
   Example:
     >>> import os
-    >>> from simigrad_jax.host.cpu_devices import simulated_cpu_devices_env
+    >>> from simigrad_jax.runtime.cpu_devices import simulated_cpu_devices_env
     >>> env = simulated_cpu_devices_env(8, environ={"XLA_FLAGS": "--xla_dump_to=/tmp/hlo"})
     >>> env["XLA_FLAGS"].split()[:2]
     ['--xla_dump_to=/tmp/hlo', '--xla_force_host_platform_device_count=8']

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import Callable, Literal
 
-from simigrad_jax.host import validation
+from simigrad_jax import validation
 
 LrRule = Literal["sqrt", "linear", "none"]
 LR_RULES: tuple[str, ...] = ("sqrt", "linear", "none")
@@ -92,8 +92,8 @@ def scheduled_lr_factor(
       a negative value or NaN).
 
   Example:
-    >>> from simigrad_jax.host import lr_rules
-    >>> lr_rules.scheduled_lr_factor(512, 128, "sqrt", None, lambda e: 0.5, 1.0)
+    >>> from simigrad_jax.controllers import learning_rate
+    >>> learning_rate.scheduled_lr_factor(512, 128, "sqrt", None, lambda e: 0.5, 1.0)
     (1.0, 0.5)
   """
   schedule = 1.0 if lr_schedule is None else float(lr_schedule(epochs))

@@ -3,14 +3,14 @@
 Plain Python and NumPy; nothing here is traced.
 
 The stream is the endless sequence of examples of an
-:class:`~simigrad_jax.host.sampler.EpochSampler` (epoch after epoch); its
+:class:`~simigrad_jax.data.sampler.EpochSampler` (epoch after epoch); its
 position ``p`` is the number of examples served before. A grain pipeline
 ``MapDataset.range(...).map(chunk).to_iter_dataset().mp_prefetch()`` reads
 position after position from ``start``, a few consecutive positions per
 element (:class:`StreamChunk`); its workers decode ahead of
 what the Trainer asked for, whatever batch size it asks for next. The data
 thread asks for a window of positions per step (the step's rows and the
-speculative ones of a grow, :mod:`simigrad_jax.host.step_data`); windows only
+speculative ones of a grow, :mod:`simigrad_jax.engine.data_loader`); windows only
 move forward, and overlap by the speculative rows, so the reader keeps the
 examples from the start of the last window on. A window that starts before
 what the reader still holds, or far ahead of it (the first window, a resume),
@@ -33,12 +33,15 @@ import os
 import threading
 import time
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from simigrad_jax.host import grain_source
-from simigrad_jax.host.sampler import EpochSampler
+from simigrad_jax.data import record_reader
+from simigrad_jax.data.sampler import EpochSampler
+
+if TYPE_CHECKING:
+  from simigrad_jax.data.grain_source import GrainSource
 
 __all__ = ["StreamChunk", "StreamElement", "StreamReader"]
 
@@ -60,15 +63,15 @@ class StreamElement:
   with no workers).
 
   Args:
-    read: reads a record (a :class:`~simigrad_jax.host.grain_source.RecordReader`).
+    read: reads a record (a :class:`~simigrad_jax.data.record_reader.RecordReader`).
     augment: optional ``augment(example, rng)``; ``rng`` is seeded by
       ``(seed, p)``.
     spec: the element spec the augmented example must match.
     num_examples, seed, shuffle: the sampler's settings (its order).
   """
 
-  def __init__(self, read: grain_source.RecordReader, augment: grain_source.Augment | None,
-               spec: grain_source.ElementSpec, num_examples: int, seed: int, shuffle: bool):
+  def __init__(self, read: record_reader.RecordReader, augment: record_reader.Augment | None,
+               spec: record_reader.ElementSpec, num_examples: int, seed: int, shuffle: bool):
     self.read, self.augment, self.spec = read, augment, spec
     self.order = (num_examples, seed, shuffle)
     self._sampler: EpochSampler | None = None
@@ -125,19 +128,20 @@ class StreamReader:
   The worker processes start at once, reading from the sampler's position.
 
   Args:
-    source: the :class:`~simigrad_jax.host.grain_source.GrainSource` (its data,
+    source: the :class:`~simigrad_jax.data.grain_source.GrainSource` (its data,
       ``augment``, spec, worker and buffer settings, bad-record policy).
     sampler: the run's sampler (its order, and where to start reading).
 
   Example:
     >>> data = [{"x": np.array([i])} for i in range(5)]
-    >>> source = grain_source.GrainSource(data, num_workers=0)
+    >>> from simigrad_jax.data.grain_source import GrainSource
+    >>> source = GrainSource(data, num_workers=0)
     >>> with StreamReader(source, EpochSampler(5, seed=0, shuffle=False)) as reader:
     ...   reader.read(np.array([4, 5, 6]))["x"][:, 0].tolist()
     [4, 0, 1]
   """
 
-  def __init__(self, source: grain_source.GrainSource, sampler: EpochSampler):
+  def __init__(self, source: GrainSource, sampler: EpochSampler):
     self._source = source
     self._spec = source.element_spec
     self._element = StreamElement(source.record_reader(), source.augment, self._spec,

@@ -2,8 +2,8 @@
 
 Plain Python and NumPy; nothing here is traced.
 
-A source maps global example indices (from :class:`~simigrad_jax.host.sampler.
-EpochSampler`, laid out by a :class:`~simigrad_jax.host.batch_plan.BatchPlan`)
+A source maps global example indices (from :class:`~simigrad_jax.data.sampler.
+EpochSampler`, laid out by a :class:`~simigrad_jax.engine.batch_plan.BatchPlan`)
 to arrays. Every source has the same small contract:
 
 * ``len(source)``: the number of examples;
@@ -45,7 +45,7 @@ from typing import Any
 
 import numpy as np
 
-from simigrad_jax.host import validation
+from simigrad_jax import validation
 
 __all__ = ["ArraySource", "TfdsSource", "load_source"]
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import math
 
-from simigrad_jax.host import validation
-from simigrad_jax.host.controller_base import BaseController
-from simigrad_jax.host.controller_base import check_finite_float
+from simigrad_jax import validation
+from simigrad_jax.controllers.base import BaseController
+from simigrad_jax.controllers.base import check_finite_float
 
 
 def noise_scale_estimates(norm_a: float, norm_b: float, norm_mean: float,

@@ -36,7 +36,7 @@ import math
 
 import numpy as np
 
-from simigrad_jax.host import batch_plan
+from simigrad_jax.engine import batch_plan
 
 HALVES: tuple[str, ...] = ("auto", "device", "local")
 

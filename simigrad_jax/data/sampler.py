@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from simigrad_jax.host import validation
+from simigrad_jax import validation
 
 __all__ = ["EpochSampler", "STATE_VERSION"]
 

@@ -52,8 +52,8 @@ from typing import Any
 
 import numpy as np
 
-from simigrad_jax.host import validation
-from simigrad_jax.host.similarity_model import SimilarityModel
+from simigrad_jax import validation
+from simigrad_jax.controllers.similarity_model import SimilarityModel
 
 logger = logging.getLogger("simigrad_jax")
 
@@ -196,7 +196,7 @@ class Controller(BoundedBatchSize):
     warmup_steps: the first this many updates never change the batch size.
     ema_decay: None (the reference rule, the default) or d in [0, 1): the
       model rule. Every finite similarity, measured at whatever size, feeds a
-      :class:`~simigrad_jax.host.similarity_model.SimilarityModel` (moving
+      :class:`~simigrad_jax.controllers.similarity_model.SimilarityModel` (moving
       averages with decay d of s and of B (1 - s), whose ratio gives the noise
       scale ``B_simple``), and the batch moves towards the size where the
       model predicts the target, ``B* = 2 t / (1 - t) B_simple``: by at most

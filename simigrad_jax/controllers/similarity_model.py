@@ -29,7 +29,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from simigrad_jax.host import validation
+from simigrad_jax import validation
 
 
 class SimilarityModel:

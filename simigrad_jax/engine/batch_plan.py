@@ -40,7 +40,7 @@ import dataclasses
 
 import numpy as np
 
-from simigrad_jax.host import validation
+from simigrad_jax import validation
 
 __all__ = [
     "BatchPlan",
