@@ -1,59 +1,61 @@
 """simigrad-jax: adaptive batch-size training for JAX (SimiGrad).
 
-In-graph (runs inside your jit / pmap / shard_map step):
-  transform, SimilarityState, value_and_half_grads, HalfGrads,
-  scale_by_lr_factor, LrFactorState.
-Host side (Python decisions between steps):
-  Controller, lr_factor, similarity, similarity_stats, set_lr_factor,
-  BucketPolicy, BatchPlan, plan_batch, bucket_shapes; other controllers by
-  name: make_controller, controller_names, controller_options.
-Training engine (host side): Trainer, with EpochSampler, ArraySource,
-  TfdsSource, GrainSource (grain-style data, decoded ahead in worker
-  processes; BadRecordError), StepCompiler, Checkpointer, MetricsWriter, ProgressBar.
-Simulated CPU devices: simulated_cpu_devices_env (set before JAX starts).
-JAX's persistent compilation cache: enable_persistent_cache (process-wide),
-  persistent_cache_settings (puts those settings back).
-Errors: CheckpointMismatchError (a checkpoint from another run),
-  ProcessDisagreementError (hosts disagree on a decision), ProcessLostError
-  (a host stopped answering; exit_on_lost_process ends a script on one),
-  StepCompileError,
-  HalvesContractError (an optimizer that does not pass half_grads on).
+Start here:
+  transform: the optax transformation for your own pmap / shard_map / jit
+    step; it replaces ``lax.pmean(grads)`` and measures the similarity of the
+    two halves' gradients (SimilarityState).
+  scale_by_lr_factor, set_lr_factor: the learning rate follows the batch size
+    without recompiling (LrFactorState, lr_factor, lr_factor_of).
+  similarity, similarity_stats: read the step's similarity on the host.
+  Controller: SimiGrad's rule from similarity to the next global batch size;
+    make_controller(name, ...) builds the others (controller_names,
+    controller_options, register_controller for your own).
+  Trainer: the training engine (compiled shapes, data placement, metrics,
+    checkpoints, multi-host agreement) over a source: ArraySource, TfdsSource,
+    GrainSource (grain-style data decoded ahead in worker processes).
+
+Realising a batch size on the devices (host side):
+  plan_batch, BatchPlan, BucketPolicy, bucket_shapes, representable_batch_sizes.
+Your own step, in-graph: value_and_half_grads, HalfGrads.
+Run services: EpochSampler, Checkpointer, MetricsWriter, read_metrics,
+  ProgressBar, simulated_cpu_devices_env (set before JAX starts),
+  exit_on_lost_process.
+Engine internals, documented in their rooms: StepCompiler
+  (simigrad_jax.engine.compiler), enable_persistent_cache and
+  persistent_cache_settings (JAX's persistent compilation cache).
+
+Errors: every one derives from SimiGradError and keeps its built-in parent:
+  BadRecordError, CheckpointMismatchError, HalvesContractError,
+  LossContractError (ValueError); ProcessDisagreementError, ProcessLostError,
+  StepCompileError (RuntimeError).
+
+Rooms: ingraph/ (pure, runs under jit), controllers/, data/, runtime/ (host
+side), engine/ (the Trainer and its compiled step).
 """
 
+from simigrad_jax.controllers.learning_rate import lr_factor
+from simigrad_jax.controllers.registry import controller_names
+from simigrad_jax.controllers.registry import controller_options
+from simigrad_jax.controllers.registry import make_controller
+from simigrad_jax.controllers.registry import register_controller
+from simigrad_jax.controllers.simigrad import Controller
+from simigrad_jax.data.grain_source import GrainSource
+from simigrad_jax.data.record_reader import BadRecordError
+from simigrad_jax.data.sampler import EpochSampler
+from simigrad_jax.data.sources import ArraySource
+from simigrad_jax.data.sources import TfdsSource
 from simigrad_jax.engine.batch_plan import BatchPlan
 from simigrad_jax.engine.batch_plan import BucketPolicy
 from simigrad_jax.engine.batch_plan import bucket_shapes
 from simigrad_jax.engine.batch_plan import plan_batch
 from simigrad_jax.engine.batch_plan import representable_batch_sizes
-from simigrad_jax.runtime.checkpointer import CheckpointMismatchError
-from simigrad_jax.runtime.checkpointer import Checkpointer
-from simigrad_jax.controllers.simigrad import Controller
-from simigrad_jax.controllers.registry import controller_names
-from simigrad_jax.controllers.registry import controller_options
-from simigrad_jax.controllers.registry import make_controller
-from simigrad_jax.controllers.registry import register_controller
-from simigrad_jax.runtime.cpu_devices import simulated_cpu_devices_env
-from simigrad_jax.data.grain_source import BadRecordError
-from simigrad_jax.data.grain_source import GrainSource
-from simigrad_jax.controllers.learning_rate import lr_factor
-from simigrad_jax.runtime.metrics import MetricsWriter
-from simigrad_jax.runtime.metrics import ProgressBar
-from simigrad_jax.runtime.metrics import read_metrics
-from simigrad_jax.data.sampler import EpochSampler
-from simigrad_jax.data.sources import ArraySource
-from simigrad_jax.data.sources import TfdsSource
-from simigrad_jax.optimizer_state import lr_factor_of
-from simigrad_jax.optimizer_state import set_lr_factor
-from simigrad_jax.optimizer_state import similarity
-from simigrad_jax.optimizer_state import similarity_stats
 from simigrad_jax.engine.compiler import StepCompileError
 from simigrad_jax.engine.compiler import StepCompiler
 from simigrad_jax.engine.compiler import enable_persistent_cache
 from simigrad_jax.engine.compiler import persistent_cache_settings
-from simigrad_jax.runtime.process_agreement import ProcessDisagreementError
-from simigrad_jax.runtime.process_agreement import ProcessLostError
-from simigrad_jax.runtime.process_agreement import exit_on_lost_process
 from simigrad_jax.engine.trainer import Trainer
+from simigrad_jax.engine.trainer_checks import LossContractError
+from simigrad_jax.errors import SimiGradError
 from simigrad_jax.ingraph.half_batch import value_and_half_grads
 from simigrad_jax.ingraph.lr_scaling import LrFactorState
 from simigrad_jax.ingraph.lr_scaling import scale_by_lr_factor
@@ -61,6 +63,19 @@ from simigrad_jax.ingraph.transform import HalfGrads
 from simigrad_jax.ingraph.transform import HalvesContractError
 from simigrad_jax.ingraph.transform import SimilarityState
 from simigrad_jax.ingraph.transform import transform
+from simigrad_jax.optimizer_state import lr_factor_of
+from simigrad_jax.optimizer_state import set_lr_factor
+from simigrad_jax.optimizer_state import similarity
+from simigrad_jax.optimizer_state import similarity_stats
+from simigrad_jax.runtime.checkpointer import CheckpointMismatchError
+from simigrad_jax.runtime.checkpointer import Checkpointer
+from simigrad_jax.runtime.cpu_devices import simulated_cpu_devices_env
+from simigrad_jax.runtime.metrics import MetricsWriter
+from simigrad_jax.runtime.metrics import read_metrics
+from simigrad_jax.runtime.process_agreement import ProcessDisagreementError
+from simigrad_jax.runtime.process_agreement import ProcessLostError
+from simigrad_jax.runtime.process_agreement import exit_on_lost_process
+from simigrad_jax.runtime.progress import ProgressBar
 
 __version__ = "0.1.0"
 
@@ -76,11 +91,13 @@ __all__ = [
     "GrainSource",
     "HalfGrads",
     "HalvesContractError",
+    "LossContractError",
     "LrFactorState",
     "MetricsWriter",
     "ProcessDisagreementError",
     "ProcessLostError",
     "ProgressBar",
+    "SimiGradError",
     "SimilarityState",
     "StepCompileError",
     "StepCompiler",

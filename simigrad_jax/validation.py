@@ -47,3 +47,19 @@ def check_real(name: str, value: Any, valid: str, ok: Callable[[float], bool]) -
   if not is_real(value) or math.isnan(float(value)) or not ok(float(value)):
     raise ValueError(f"{name} must be a number in {valid}, got {value!r}")
   return float(value)
+
+
+def as_float(value: Any) -> float | None:
+  """A numeric scalar (bool, int, float, or a 0-d NumPy or JAX array) as a float, else None.
+
+  Example:
+    >>> as_float(np.float32(0.5)), as_float("0.5")
+    (0.5, None)
+  """
+  if is_bool(value) or is_real(value):
+    return float(value)
+  if hasattr(value, "__array__"):
+    array = np.asarray(value)
+    if array.ndim == 0 and array.dtype.kind in "biuf":
+      return float(array)
+  return None

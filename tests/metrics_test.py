@@ -15,7 +15,7 @@ from tensorboardX.record_writer import masked_crc32c
 
 from simigrad_jax.runtime import metrics
 from simigrad_jax.runtime.metrics import MetricsWriter
-from simigrad_jax.runtime.metrics import ProgressBar
+from simigrad_jax.runtime.progress import ProgressBar
 from simigrad_jax.runtime.metrics import read_metrics
 
 

@@ -12,6 +12,8 @@ from typing import Any
 
 import numpy as np
 
+from simigrad_jax.errors import SimiGradError
+
 __all__ = ["Augment", "BadRecordError", "ElementSpec", "RecordReader", "as_arrays", "spec_of"]
 
 ElementSpec = dict[str, tuple[tuple[int, ...], np.dtype]]
@@ -20,7 +22,7 @@ Augment = Callable[[dict[str, np.ndarray], np.random.Generator], Mapping[str, An
 _MAX_SUBSTITUTES = 100
 
 
-class BadRecordError(ValueError):
+class BadRecordError(SimiGradError, ValueError):
   """A record could not be read or decoded, or does not match the element spec.
 
   Attributes:

@@ -33,6 +33,7 @@ import jax
 from jax.experimental.compilation_cache import compilation_cache
 
 from simigrad_jax import validation
+from simigrad_jax.errors import SimiGradError
 
 __all__ = [
     "StepCompileError",
@@ -42,7 +43,7 @@ __all__ = [
 ]
 
 
-class StepCompileError(RuntimeError):
+class StepCompileError(SimiGradError, RuntimeError):
   """Lowering or compiling the step for one micro-batch size failed.
 
   Raised by :meth:`StepCompiler.get` for that size; the original exception is

@@ -44,7 +44,7 @@ from simigrad_jax.engine import trainer_checks
 from simigrad_jax import validation
 from simigrad_jax.controllers.simigrad import Controller
 from simigrad_jax.runtime.metrics import MetricsWriter
-from simigrad_jax.runtime.metrics import ProgressBar
+from simigrad_jax.runtime.progress import ProgressBar
 from simigrad_jax.runtime.process_agreement import ProcessDisagreementError
 from simigrad_jax.runtime.process_agreement import ProcessLostError
 from simigrad_jax.runtime.run_checkpoints import RunCheckpoints

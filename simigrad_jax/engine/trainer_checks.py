@@ -19,6 +19,7 @@ import optax
 from simigrad_jax.controllers import learning_rate
 from simigrad_jax import validation
 from simigrad_jax.engine import train_step
+from simigrad_jax.errors import SimiGradError
 from simigrad_jax.ingraph.lr_scaling import LrFactorState
 from simigrad_jax.ingraph.transform import SimilarityState
 
@@ -28,7 +29,7 @@ _CONTROLLER_ATTRIBUTES = ("batch_size", "initial_batch_size", "config", "last_de
 _CONTROLLER_CONFIG_KEYS = ("batch_size_lower_bound", "batch_size_upper_bound", "similarity_target")
 
 
-class LossContractError(ValueError):
+class LossContractError(SimiGradError, ValueError):
   """``loss_fn`` returned something other than per-example losses and a model state."""
 
 

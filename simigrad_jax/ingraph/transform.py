@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
+from simigrad_jax.errors import SimiGradError
 from simigrad_jax.ingraph import halves_reduction
 
 NonFinitePolicy = Literal["zero", "propagate"]
@@ -50,7 +51,7 @@ class HalfGrads(NamedTuple):
   share: Any = None
 
 
-class HalvesContractError(ValueError):
+class HalvesContractError(SimiGradError, ValueError):
   """The optimizer does not pass ``half_grads`` on to :func:`transform`."""
 
 

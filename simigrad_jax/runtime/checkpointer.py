@@ -38,16 +38,18 @@ import orbax.checkpoint as ocp
 from jax import lax
 from jax.experimental import multihost_utils
 
+from simigrad_jax.errors import SimiGradError
+
 logger = logging.getLogger("simigrad_jax")
 
 FORMAT = "simigrad_jax.checkpoint/1"
 
 
-class CheckpointMismatchError(ValueError):
+class CheckpointMismatchError(SimiGradError, ValueError):
   """A readable checkpoint that does not fit the state it is restored into (e.g. a different model)."""
 
 
-class _Unreadable(ValueError):
+class _Unreadable(SimiGradError, ValueError):
   """A checkpoint whose files are damaged or incomplete."""
 
 

@@ -1,4 +1,4 @@
-"""Host: per-step metrics to a JSON-lines file and TensorBoard, and a progress bar.
+"""Host: per-step metrics to a JSON-lines file and TensorBoard.
 
 Plain Python; nothing here is traced. A training loop writes one record per
 optimizer step (and one per evaluation) with :class:`MetricsWriter`; every
@@ -15,6 +15,7 @@ line is dropped when the file is read or reopened.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import math
@@ -27,13 +28,12 @@ from collections.abc import Mapping
 from typing import Any, TextIO
 
 import numpy as np
-import tqdm
 
 from simigrad_jax import validation
 
 logger = logging.getLogger("simigrad_jax")
 
-__all__ = ["METRICS_FILENAME", "MetricsWriter", "ProgressBar", "read_metrics"]
+__all__ = ["METRICS_FILENAME", "MetricsWriter", "read_metrics"]
 
 METRICS_FILENAME = "metrics.jsonl"
 TENSORBOARD_DIRNAME = "tensorboard"
@@ -205,18 +205,35 @@ def _to_json(value: Any, where: str) -> Any:
       f"got {value!r} ({type(value).__name__})")
 
 
-def _scalar(value: Any) -> float | None:
-  """A numeric scalar (bool, int, float, 0-d array) as a float, else None."""
-  if validation.is_bool(value) or validation.is_real(value):
-    return float(value)
-  if hasattr(value, "__array__"):
-    array = np.asarray(value)
-    if array.ndim == 0 and array.dtype.kind in "biuf":
-      return float(array)
-  return None
-
-
 # ----------------------------------------------------------------------- writer
+
+
+def tensorboard_available(wanted: bool | None = None) -> bool:
+  """Whether TensorBoard event files can be written (tensorboardX is installed).
+
+  Args:
+    wanted: None (write them if tensorboardX is installed), True (they must
+      be: raise if it is not) or False.
+
+  Returns:
+    Whether to write them.
+
+  Raises:
+    ModuleNotFoundError: ``wanted`` is True and tensorboardX is not installed.
+
+  Example:
+    >>> tensorboard_available(False)
+    False
+  """
+  if wanted is False:
+    return False
+  installed = importlib.util.find_spec("tensorboardX") is not None
+  if wanted and not installed:
+    raise ModuleNotFoundError(
+        "tensorboard=True needs tensorboardX, which is not installed: pip install "
+        "'simigrad-jax[tensorboard]' (or leave tensorboard=None to write event files only when "
+        "it is installed)", name="tensorboardX")
+  return installed
 
 class MetricsWriter:
   """Writes one JSON object per line to <workdir>/metrics.jsonl and the numeric values to TensorBoard event files.
@@ -231,7 +248,9 @@ class MetricsWriter:
     workdir: the run's folder, created if missing. The records go to
       ``<workdir>/metrics.jsonl`` (appended to, never truncated unless
       resuming) and the event files to ``<workdir>/tensorboard``.
-    tensorboard: whether to write TensorBoard event files (tensorboardX).
+    tensorboard: whether to write TensorBoard event files (with tensorboardX,
+      which the ``tensorboard`` and ``train`` extras install). None: when
+      tensorboardX is installed; True: raise if it is not.
     resume_step: for a run resumed from a checkpoint taken after step
       ``resume_step``: records with a larger step are first removed from the
       file (atomically: a synced temporary file replaces it), so the steps
@@ -262,11 +281,12 @@ class MetricsWriter:
       self,
       workdir: str | os.PathLike,
       *,
-      tensorboard: bool = True,
+      tensorboard: bool | None = None,
       resume_step: int | None = None,
       enabled: bool = True,
   ):
-    tensorboard = validation.check_bool("tensorboard", tensorboard)
+    tensorboard = tensorboard_available(
+        None if tensorboard is None else validation.check_bool("tensorboard", tensorboard))
     self._enabled = validation.check_bool("enabled", enabled)
     self._resume_step = None if resume_step is None else validation.check_int(
         "resume_step", resume_step, 0)
@@ -337,7 +357,7 @@ class MetricsWriter:
     if self._tensorboard is not None:
       # One Summary holding every scalar of the record: a tenth of the cost of one
       # add_scalar call per key, and the same events for TensorBoard's readers.
-      numbers = ((key, None if key == "step" else _scalar(value)) for key, value in record.items())
+      numbers = ((key, None if key == "step" else validation.as_float(value)) for key, value in record.items())
       values = [self._summary.Value(tag=key, simple_value=number)
                 for key, number in numbers if number is not None]
       if values:
@@ -364,106 +384,6 @@ class MetricsWriter:
         self._file.close()
 
   def __enter__(self) -> MetricsWriter:
-    return self
-
-  def __exit__(self, *exc_info) -> None:
-    self.close()
-
-
-# ------------------------------------------------------------------ progress bar
-
-def _format_postfix(value: Any) -> str:
-  """A compact display of a postfix value: 4 significant digits for floats."""
-  if validation.is_bool(value) or isinstance(value, str):
-    return str(value)
-  if validation.is_int(value):
-    return str(int(value))
-  number = _scalar(value)
-  if number is None:
-    return str(value)
-  if np.asarray(value).dtype.kind in "iu":  # 0-d integer arrays
-    return str(int(number))
-  return f"{number:.4g}"
-
-
-class ProgressBar:
-  """A tqdm progress bar over examples with loss, batch size and similarity in its postfix.
-
-  Counting examples rather than steps keeps the bar honest when the batch size
-  changes every step.
-
-  Args:
-    total_examples: the number of examples the run (or epoch) will see; None
-      or 0 when unknown (a counter without a bar).
-    initial: examples already seen, e.g. when resuming.
-    desc: the bar's label.
-    enabled: False makes a bar that only counts (for processes other than 0,
-      or quiet runs).
-    file: where the bar is drawn (default: ``sys.stderr``, as tqdm does).
-
-  Example:
-    >>> with ProgressBar(1000, enabled=False) as bar:
-    ...   bar.update(256, loss=0.1234567, batch=256, sim=0.05)
-    >>> bar.n, bar.postfix
-    (256, {'loss': '0.1235', 'batch': '256', 'sim': '0.05'})
-  """
-
-  def __init__(
-      self,
-      total_examples: int | None,
-      *,
-      initial: int = 0,
-      desc: str = "train",
-      enabled: bool = True,
-      file: TextIO | None = None,
-  ):
-    self._total = None if total_examples is None else validation.check_int(
-        "total_examples", total_examples, 0)
-    self._n = validation.check_int("initial", initial, 0)
-    if not isinstance(desc, str):
-      raise ValueError(f"desc must be a string, got {desc!r} ({type(desc).__name__})")
-    self._enabled = validation.check_bool("enabled", enabled)
-    self._postfix: dict[str, str] = {}
-    self._bar = None
-    if self._enabled:
-      self._bar = tqdm.tqdm(
-          total=self._total, initial=self._n, desc=desc, unit=" ex",
-          unit_scale=True, dynamic_ncols=True, file=file)
-
-  @property
-  def n(self) -> int:
-    """Examples counted so far, ``initial`` included."""
-    return self._n
-
-  @property
-  def postfix(self) -> dict[str, str]:
-    """The postfix last shown, as formatted strings."""
-    return dict(self._postfix)
-
-  def update(self, examples: int, **postfix: Any) -> None:
-    """Counts ``examples`` more and replaces the postfix if any is given.
-
-    Args:
-      examples: the number of examples in the step just taken (>= 0).
-      **postfix: values to show, e.g. ``loss=0.123, batch=256, sim=0.05``;
-        floats are shown with 4 significant digits.
-    """
-    examples = validation.check_int("examples", examples, 0)
-    self._n += examples
-    if postfix:
-      self._postfix = {key: _format_postfix(value) for key, value in postfix.items()}
-    if self._bar is not None:
-      if postfix:
-        self._bar.set_postfix(self._postfix, refresh=False)
-      self._bar.update(examples)
-
-  def close(self) -> None:
-    """Draws the final state and releases the bar; safe to call twice."""
-    if self._bar is not None:
-      self._bar.close()
-      self._bar = None
-
-  def __enter__(self) -> ProgressBar:
     return self
 
   def __exit__(self, *exc_info) -> None:

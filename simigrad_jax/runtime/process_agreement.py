@@ -32,8 +32,10 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
+from simigrad_jax.errors import SimiGradError
 
-class ProcessDisagreementError(RuntimeError):
+
+class ProcessDisagreementError(SimiGradError, RuntimeError):
   """The processes of a multi-host run set up or decided differently (a collective would deadlock)."""
 
 
