@@ -4,6 +4,8 @@ import json
 
 import pytest
 
+from benchmarks import hlo_collectives
+
 
 @pytest.fixture(scope="module")
 def reduction():
@@ -41,7 +43,7 @@ ENTRY %main (p0: f32[100], p1: bf16[8,4]) -> f32[] {
 
 
 def test_parser_handles_async_tuple_and_iota_forms(reduction):
-  found = reduction.parse_collectives(_SYNTHETIC_HLO, num_devices=8)
+  found = hlo_collectives.parse_collectives(_SYNTHETIC_HLO, num_devices=8)
   summary = [(c.kind, c.group_size, c.payload_bytes, c.bytes) for c in found]
   assert summary == [
       ("reduce-scatter", 4, 256, pytest.approx(192.0)),  # inside the async wrapper, once
@@ -109,7 +111,7 @@ def test_hierarchical_transform_sends_one_all_reduce_in_the_gradient_dtype(
   measured = {}
   for name, fn in (("transform", transform), ("pmean", pmean)):
     compiled = fn.lower(grads).compile()
-    collectives = reduction.parse_collectives(compiled.as_text(), len(devices))
+    collectives = hlo_collectives.parse_collectives(compiled.as_text(), len(devices))
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     measured[name] = (collectives, cost["bytes accessed"])
