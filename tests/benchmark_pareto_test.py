@@ -344,16 +344,16 @@ def test_variant_names():
 
 
 
-def test_readme_tables_are_generated_from_the_committed_json():
+def test_results_page_tables_are_generated_from_the_committed_json():
   root = pathlib.Path(__file__).resolve().parent.parent
-  readme = (root / "README.md").read_text()
+  page = (root / "docs" / "results.md").read_text()
   for name in ("pareto_mnist", "pareto_mlm"):
     start = f"<!-- {name} tables: python benchmarks/pareto.py --markdown docs/{name}.json -->\n"
     end = f"\n<!-- end {name} tables -->"
-    assert start in readme and end in readme, name
-    block = readme[readme.index(start) + len(start):readme.index(end)]
+    assert start in page and end in page, name
+    block = page[page.index(start) + len(start):page.index(end)]
     results = json.loads((root / "docs" / f"{name}.json").read_text())
     assert block == pareto_report.markdown_tables(results), (
-        f"README's {name} tables differ from docs/{name}.json; regenerate them with "
+        f"docs/results.md's {name} tables differ from docs/{name}.json; regenerate them with "
         f"python benchmarks/pareto.py --markdown docs/{name}.json")
 

@@ -186,9 +186,9 @@ def test_the_compilation_cache_is_in_the_workdir_unless_the_config_says_otherwis
     train.compilation_cache_dir(config, tmp_path)
 
 
-def test_every_option_of_the_default_config_is_in_the_readme_table():
+def test_every_option_of_the_default_config_is_in_the_docs_table():
   import re  # pylint: disable=import-outside-toplevel
-  readme = (ROOT / "README.md").read_text()
-  table = readme[readme.index("### Every config option"):readme.index("### Files a run leaves")]
+  page = (ROOT / "docs" / "training_scripts.md").read_text()
+  table = page[page.index("## Every config option"):page.index("## Files a run leaves")]
   documented = set(re.findall(r"`(\w+)`", table))
   assert not set(load_config("default").keys()) - documented

@@ -18,8 +18,8 @@ pytestmark = pytest.mark.filterwarnings("ignore:the load_module:DeprecationWarni
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CONFIG_DIR = ROOT / "train" / "configs"
 CONFIGS = sorted(p for p in CONFIG_DIR.glob("*.py") if p.stem != "__init__")
-README = (ROOT / "README.md").read_text()
-README_COMMANDS = [line for block in re.findall(r"^```bash\n(.*?)^```", README, re.S | re.M)
+DOCS = "".join(path.read_text() for path in [ROOT / "README.md", *sorted(ROOT.glob("docs/*.md"))])
+DOCS_COMMANDS = [line for block in re.findall(r"^```bash\n(.*?)^```", DOCS, re.S | re.M)
                    for line in block.splitlines() if "python -m train " in line]
 MAIN_FLAGS = set(re.findall(r'DEFINE_\w+\(\s*"(\w+)"',
                             (ROOT / "train" / "__main__.py").read_text()))
@@ -126,9 +126,9 @@ def test_a_bad_controller_name_fails_before_training(tmp_path):
   assert not (tmp_path / "metrics.jsonl").exists()
 
 
-@pytest.mark.parametrize("command", README_COMMANDS)
-def test_readme_train_commands_name_real_configs_options_and_flags(command):
-  """The README's ``python -m train`` lines (GPU ones included) parse: config file, overrides, flags."""
+@pytest.mark.parametrize("command", DOCS_COMMANDS)
+def test_docs_train_commands_name_real_configs_options_and_flags(command):
+  """The ``python -m train`` lines of README and docs/ (GPU ones included) parse: config, overrides, flags."""
   args = shlex.split(command.split("python -m train ", 1)[1])
   config_path = ROOT / args[args.index("--config") + 1]
   overrides = [a for a in args if a.startswith("--config.")]

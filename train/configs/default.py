@@ -97,7 +97,9 @@ def get_config() -> ml_collections.ConfigDict:
   config.lr_decay_epochs = ()  # "step": epochs at which the lr is multiplied by lr_decay_factor.
   config.lr_decay_factor = 0.1
   config.warmup_epochs = 0.0  # linear warm-up, in epochs (fractional).
-  config.reduction = "scatter"  # simigrad_jax.transform's collectives: "scatter" | "stacked".
+  # simigrad_jax.transform's collectives: "hierarchical" (the library's default, the bytes of
+  # one all-reduce) | "scatter" (1.5x) | "stacked" (2x).
+  config.reduction = "hierarchical"
 
   # ---------------------------------------------------------------- batch-size controller
   config.controller = "simigrad"  # "simigrad" | "fixed" (the baseline) | any registered name.
