@@ -19,7 +19,7 @@ in six variants, side by side in one process:
   who feeds a controller must. Both loops gather the next step's rows on the
   host and send them to the devices right after dispatching a step, while
   the devices compute, and this one reads the similarity after that: the
-  order README recommends;
+  order that keeps the devices busy;
 * ``transform_read_late``: the same, but reading each step's similarity after
   dispatching the next step, as a loop whose controller decides one step
   late would (not a goal): the host never waits for the devices before

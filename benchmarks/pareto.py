@@ -59,7 +59,7 @@ run specs, the grid, one run's record and reusing runs; ``pareto_analysis.py``
 grouping over seeds, selection by validation, the fixed front and the summary
 (one entry per controller, and per set of extra SimiGrad options, e.g.
 ``"simigrad ema_decay=0.9"``); ``pareto_report.py`` the printed table, the
-plot and README's markdown tables; ``pareto_images.py`` and ``pareto_mlm.py``
+plot and the markdown tables of docs/results.md; ``pareto_images.py`` and ``pareto_mlm.py``
 the tasks.
 
 Usage::
@@ -79,7 +79,7 @@ Usage::
   python benchmarks/pareto.py --profile --reuse docs/pareto_mnist.json --keep-reused \
       --targets 0.3,0.35 --bounds 16:1024 --gns "" --schedules "" \
       --simigrad-options '[{"ema_decay": 0.9}]' --out docs/pareto_mnist.json
-  # README's tables for a result:
+  # docs/results.md's tables for a result:
   python benchmarks/pareto.py --markdown docs/pareto_mnist.json
 
 JSON written to ``--out`` (machine-read)::
@@ -225,7 +225,7 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                       help="also keep every other run of the --reuse files in the result, so "
                       "that it adds this grid's runs to the earlier ones")
   parser.add_argument("--markdown", default=None, metavar="JSON",
-                      help="print README's tables for an earlier --out JSON and exit")
+                      help="print docs/results.md's tables for an earlier --out JSON and exit")
   parser.add_argument("--gns-ema-decay", type=float, default=0.9)
   parser.add_argument("--profile", action="store_true",
                       help="also profile similarity against batch size during a fixed run")

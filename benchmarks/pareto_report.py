@@ -201,12 +201,12 @@ def plot(results: dict[str, Any], png_path: str | os.PathLike) -> pathlib.Path:
 
 
 # ----------------------------------------------------------------------------
-# README tables (markdown), generated from a result JSON.
+# docs/results.md's tables (markdown), generated from a result JSON.
 # ----------------------------------------------------------------------------
 
 
 def _setting_text(group: dict[str, Any]) -> str:
-  """A setting in README's words: ``B=16``, ``target 0.3, [16, 1024]``, ``multiple 1, ...``."""
+  """A setting in the words of docs/results.md: ``B=16``, ``target 0.3, [16, 1024]``, ``multiple 1, ...``."""
   s = group["settings"]
   bounds = f"[{s.get('batch_size_lower_bound')}, {s.get('batch_size_upper_bound')}]"
   if group["controller"] == "fixed":
@@ -221,7 +221,7 @@ def _setting_text(group: dict[str, Any]) -> str:
 
 
 def markdown_tables(results: dict[str, Any]) -> str:
-  """README's two tables for a result: the headline measure per variant, then the settings.
+  """The two tables of docs/results.md for a result: the headline measure per variant, then the settings.
 
   The first gives, per controller variant, the largest average batch whose
   mean test accuracy stays within the tolerance of the best fixed batch. The

@@ -110,7 +110,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.enable_adjust = True  # "simigrad": False keeps the batch fixed (similarity still logged).
   config.smooth_factor = config_dict.placeholder(float)  # exponential smoothing of B, in [0, 1).
   config.dead_band = 0.0  # no change while |similarity - target| <= dead_band.
-  # The model rule's moving-average decay, in [0, 1) (README: "the model rule"); None: the reference.
+  # The model rule's moving-average decay, in [0, 1) (docs/design.md: "the model rule"); None: the reference.
   config.similarity_ema_decay = config_dict.placeholder(float)
   config.controller_warmup_steps = 0  # no change for the first steps.
   config.batch_sizes_to_profile = ()  # visit these sizes first, e.g. "(64, 128, 256)".
