@@ -241,3 +241,29 @@ def test_the_package_docstring_names_every_export():
   doc = simigrad_jax.__doc__
   missing = [name for name in simigrad_jax.__all__ if not re.search(rf"\b{name}\b", doc)]
   assert not missing, f"the package docstring does not mention {missing}"
+
+
+# Every name simigrad_jax exported before the package was split into rooms (version 0.1.0).
+NAMES_BEFORE_THE_ROOMS = (
+    "ArraySource", "BadRecordError", "BatchPlan", "BucketPolicy", "CheckpointMismatchError",
+    "Checkpointer", "Controller", "EpochSampler", "GrainSource", "HalfGrads", "HalvesContractError",
+    "LrFactorState", "MetricsWriter", "ProcessDisagreementError", "ProcessLostError", "ProgressBar",
+    "SimilarityState", "StepCompileError", "StepCompiler", "TfdsSource", "Trainer", "bucket_shapes",
+    "controller_names", "controller_options", "enable_persistent_cache", "exit_on_lost_process",
+    "lr_factor", "lr_factor_of", "make_controller", "persistent_cache_settings", "plan_batch",
+    "read_metrics", "register_controller", "representable_batch_sizes", "scale_by_lr_factor",
+    "set_lr_factor", "similarity", "similarity_stats", "simulated_cpu_devices_env", "transform",
+    "value_and_half_grads",
+)
+
+
+@pytest.mark.parametrize("name", NAMES_BEFORE_THE_ROOMS)
+def test_every_name_exported_before_still_imports(name):
+  assert name in simigrad_jax.__all__
+  assert getattr(simigrad_jax, name) is not None
+
+
+def test_all_lists_what_the_package_holds():
+  assert sorted(simigrad_jax.__all__) == sorted(set(simigrad_jax.__all__))
+  for name in simigrad_jax.__all__:
+    assert hasattr(simigrad_jax, name), name
