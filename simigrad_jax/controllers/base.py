@@ -123,7 +123,7 @@ class ProfilesBatchSizes(Protocol):
 
 
 def check_batch_size(name: str, value: Any, lower: int | None, upper: int | None) -> int:
-  """Returns ``value`` as an int within ``[lower, upper]`` (None: 1, unbounded), or raises ValueError."""
+  """Returns ``value`` as an int in ``[lower, upper]`` (None: 1, unbounded), or raises ValueError."""
   size = validation.check_int(name, value, 1)
   low = 1 if lower is None else lower
   high = math.inf if upper is None else upper
@@ -457,7 +457,7 @@ class BaseController:
 
 
 def check_state_header(state: Any, kind: str) -> None:
-  """Raises a ValueError unless ``state`` is a dict of this :data:`STATE_VERSION` saved by a ``kind`` controller."""
+  """Raises a ValueError unless ``state`` is a dict of :data:`STATE_VERSION` from a ``kind`` controller."""
   if not isinstance(state, Mapping) or state.get("version") != STATE_VERSION:
     got = state.get("version") if isinstance(state, Mapping) else state
     raise ValueError(f"state version must be {STATE_VERSION}, got {got!r}")

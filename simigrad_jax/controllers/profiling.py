@@ -70,7 +70,7 @@ class SimilarityProfile:
     return [dict(s) for s in self._samples]
 
   def plan(self, batch_sizes: Sequence[int], steps_per_size: int, check_size: SizeCheck) -> None:
-    """Plans a profile of ``batch_sizes``, ``steps_per_size`` samples each (it begins with :meth:`begin`).
+    """Plans a profile of ``batch_sizes``, ``steps_per_size`` samples each (:meth:`begin` begins it).
 
     Raises:
       ValueError: for an empty list or a size ``check_size`` refuses.
@@ -141,7 +141,7 @@ class SimilarityProfile:
 
   @classmethod
   def from_state(cls, state: Mapping[str, Any], check_size: SizeCheck) -> SimilarityProfile:
-    """A profile from :meth:`state_dict`'s entries in ``state``, checked (ValueError, KeyError, TypeError)."""
+    """A profile from :meth:`state_dict`'s entries in ``state``, checked (raises ValueError, KeyError)."""
     plan = state["profile_plan"]
     if plan is not None:
       plan = {

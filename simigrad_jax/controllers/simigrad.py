@@ -235,7 +235,7 @@ class Controller(ProfileMethods, BaseController):
     return {"_profile": profile, "_model": model}
 
   def _complete_old_state(self, state: Mapping[str, Any]) -> Mapping[str, Any]:
-    """Version-1 states saved before every controller shared one base say no kind; older ones no ema_decay."""
+    """Older version-1 states lack the kind (before the shared base) and ema_decay (before the model)."""
     state = {"controller": self.KIND, **state}
     if isinstance(state.get("config"), Mapping):
       state["config"] = {"controller": self.KIND, "ema_decay": None, **state["config"]}
