@@ -271,3 +271,11 @@ def test_states_saved_before_the_shared_base_still_load():
   with pytest.raises(ValueError, match=r"smooth_factor \(saved None, here 0.5\)"):
     simigrad_jax.Controller(64, 0.3, batch_size_upper_bound=512, ema_decay=0.9, warmup_steps=1,
                             smooth_factor=0.5).load_state_dict(SIMIGRAD_STATE_V1)
+
+
+def test_docstring_examples():
+  import doctest  # pylint: disable=import-outside-toplevel
+  from simigrad_jax.controllers import profiling, simigrad  # pylint: disable=import-outside-toplevel
+  for module in (base, profiling, registry, simigrad):
+    result = doctest.testmod(module)
+    assert result.attempted and not result.failed, module.__name__
