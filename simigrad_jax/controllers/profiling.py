@@ -171,6 +171,14 @@ class ProfileMethods:
 
   _profile: SimilarityProfile
 
+  def _init_profile(self, batch_sizes: Sequence[int] | None, steps_per_size: int) -> None:
+    """Starts with no samples, and a profile of ``batch_sizes`` if given (steps checked either way)."""
+    self._profile = SimilarityProfile()
+    if batch_sizes is not None:
+      self.start_profile(batch_sizes, steps_per_size)
+    else:
+      validation.check_int("profile_steps_per_size", steps_per_size, 1)
+
   @property
   def profiling(self) -> bool:
     """Whether a profile is in progress or waiting to begin."""
@@ -269,14 +277,10 @@ class ProfilingController(ProfileMethods):
       raise ValueError(f"ProfilingController wraps a batch-size controller (see "
                        f"simigrad_jax.controllers.BatchSizeController), got {controller!r:.200}")
     self._inner = controller
-    self._profile = SimilarityProfile()
     self._current: int | None = None  # The size of the next step while a profile runs.
     self._step = 0
     self._last_decision: str | None = None
-    if batch_sizes is not None:
-      self.start_profile(batch_sizes, steps_per_size)
-    else:
-      validation.check_int("profile_steps_per_size", steps_per_size, 1)
+    self._init_profile(batch_sizes, steps_per_size)
 
   def __getattr__(self, name: str) -> Any:
     if name.startswith("__") or name in ("_inner", "_profile"):

@@ -151,11 +151,7 @@ class Controller(ProfileMethods, BaseController):
       raise ValueError(f"ema_decay (the model rule) needs a similarity_target in (0, 1), got "
                        f"{self._target!r}; the model reaches 0 and 1 only at B = 0 and B = inf")
     # The profile in progress (which waits for the warm-up to end) and every sample so far.
-    self._profile = SimilarityProfile()
-    if batch_sizes_to_profile is not None:
-      self.start_profile(batch_sizes_to_profile, profile_steps_per_size)
-    else:
-      validation.check_int("profile_steps_per_size", profile_steps_per_size, 1)
+    self._init_profile(batch_sizes_to_profile, profile_steps_per_size)
 
   # ---------------------------------------------------------------- read-only
 
