@@ -1,1 +1,42 @@
-"""Host side: controllers that turn each step's measurements into the next global batch size."""
+"""Host side: controllers that turn each step's measurements into the next global batch size.
+
+The interface the Trainer reads is :class:`BatchSizeController`; every
+controller here derives from :class:`BaseController`, on which a new one is a
+rule of two or three methods (docs/controllers.md). :class:`ProfilingController`
+adds a similarity-versus-batch-size profile to any controller.
+
+Modules: ``base`` (the interface and the base class), ``simigrad``
+(:class:`Controller`, SimiGrad's rule), ``schedules`` (epoch schedules and the
+loss plateau rule), ``noise_scale`` (the gradient noise scale),
+``similarity_model`` (the noise scale read from the similarities),
+``profiling``, ``registry`` (controllers by name) and ``learning_rate`` (the
+learning-rate factor that follows the batch size).
+"""
+
+from simigrad_jax.controllers.base import BaseController
+from simigrad_jax.controllers.base import BatchSizeController
+from simigrad_jax.controllers.base import ProfilesBatchSizes
+from simigrad_jax.controllers.noise_scale import GnsController
+from simigrad_jax.controllers.profiling import ProfilingController
+from simigrad_jax.controllers.registry import controller_names
+from simigrad_jax.controllers.registry import controller_options
+from simigrad_jax.controllers.registry import make_controller
+from simigrad_jax.controllers.registry import register_controller
+from simigrad_jax.controllers.schedules import LossPlateauController
+from simigrad_jax.controllers.schedules import ScheduleController
+from simigrad_jax.controllers.simigrad import Controller
+
+__all__ = [
+    "BaseController",
+    "BatchSizeController",
+    "Controller",
+    "GnsController",
+    "LossPlateauController",
+    "ProfilesBatchSizes",
+    "ProfilingController",
+    "ScheduleController",
+    "controller_names",
+    "controller_options",
+    "make_controller",
+    "register_controller",
+]

@@ -126,8 +126,9 @@ class GnsController(BaseController):
         "max_change", max_change, "(1, inf)", lambda x: 1.0 < x < math.inf)
     if batch_size_lower_bound is not None:
       validation.check_int("batch_size_lower_bound", batch_size_lower_bound, 2)
-    self._init_base(initial_batch_size, batch_size_lower_bound, batch_size_upper_bound,
-                    warmup_steps, verbose)
+    super().__init__(initial_batch_size, batch_size_lower_bound=batch_size_lower_bound,
+                     batch_size_upper_bound=batch_size_upper_bound, warmup_steps=warmup_steps,
+                     verbose=verbose)
     self._ema_trace = 0.0
     self._ema_g2 = 0.0
     self._ema_count = 0
@@ -161,7 +162,7 @@ class GnsController(BaseController):
   def _debias(self) -> float:
     return 1.0 - self._decay ** self._ema_count
 
-  def _observe(self, similarity, stats, finite):
+  def observe(self, similarity, stats, finite):
     if not finite:
       return False
     values = [stats[k] for k in ("norm_a", "norm_b", "norm_mean", "batch_size")]
@@ -179,12 +180,12 @@ class GnsController(BaseController):
     self._last_estimates = (g2, trace)
     return True
 
-  def _decide(self):
+  def decide(self):
     b = self._batch_size
     target = self.target_batch_size
     if math.isinf(target):
       if self._max_change is None and self._upper is None:
-        return b, "hold"
+        return b
       new = self._upper if self._max_change is None else math.inf
     else:
       new = max(int(round(target)), 1)
@@ -193,21 +194,20 @@ class GnsController(BaseController):
         new = min(new, max(b + 1, int(b * self._max_change)))
       elif new < b:
         new = max(new, min(b - 1, math.ceil(b / self._max_change)), 1)
-    new = int(new)
-    return new, self._direction(new)
+    return int(new)
 
-  def _settings(self):
+  def settings(self):
     return {"multiple": self._multiple, "ema_decay": self._decay, "max_change": self._max_change,
             "warmup_steps": self._warmup}
 
-  def _dynamic_state(self):
+  def extra_state(self):
     return {"ema_trace": self._ema_trace, "ema_g2": self._ema_g2, "ema_count": self._ema_count}
 
-  def _parse_dynamic_state(self, state):
+  def parse_extra_state(self, state):
     return {"_ema_trace": check_finite_float("ema_trace", state["ema_trace"]),
             "_ema_g2": check_finite_float("ema_g2", state["ema_g2"]),
             "_ema_count": validation.check_int("ema_count", state["ema_count"], 0),
             "_last_estimates": None}
 
-  def _log_details(self):
-    return f" (noise scale {self.noise_scale}, target {self.target_batch_size})"
+  def _log_details(self, before):
+    return f"noise scale {self.noise_scale}, target {self.target_batch_size}"

@@ -1,14 +1,9 @@
-"""Host: batch-size controllers by name, all with the interface of :class:`simigrad_jax.Controller`.
+"""Host: batch-size controllers by name, for :class:`simigrad_jax.Trainer` and the train configs.
 
-The interface :class:`simigrad_jax.Trainer` relies on: ``batch_size`` and
-``initial_batch_size`` (ints), ``config`` (a dict with at least
-``batch_size_lower_bound``, ``batch_size_upper_bound`` and
-``similarity_target``, None where it does not apply), ``last_decision`` (str),
-``update(similarity, stats=None) -> int`` called once after every optimizer
-step (``stats`` holds the step's loss, half-gradient norms, realised batch
-size, examples seen, fractional epochs and whether the step ended an epoch),
-``set_batch_size(b)``, and ``state_dict()`` / ``load_state_dict()`` (plain
-JSON) for exact resume.
+Every controller here has the interface the Trainer reads,
+:class:`~simigrad_jax.controllers.base.BatchSizeController`, and derives from
+:class:`~simigrad_jax.controllers.base.BaseController`; a new one is made
+available by name with :func:`register_controller`.
 
 Registered names (:func:`make_controller`):
 
@@ -42,6 +37,7 @@ import inspect
 from typing import Any, Callable
 
 from simigrad_jax import validation
+from simigrad_jax.controllers.base import BatchSizeController
 from simigrad_jax.controllers.simigrad import Controller
 from simigrad_jax.controllers.noise_scale import GnsController
 from simigrad_jax.controllers.schedules import LossPlateauController
@@ -50,11 +46,22 @@ from simigrad_jax.controllers.schedules import decreasing_schedule
 from simigrad_jax.controllers.schedules import geometric_schedule
 from simigrad_jax.controllers.schedules import linear_schedule
 
-_FACTORIES: dict[str, Callable[..., Any]] = {}
+_FACTORIES: dict[str, Callable[..., BatchSizeController]] = {}
 
 
-def register_controller(name: str, factory: Callable[..., Any]) -> None:
-  """Makes ``make_controller(name, ...)`` build a controller with ``factory(**options)``."""
+def register_controller(name: str, factory: Callable[..., BatchSizeController]) -> None:
+  """Makes ``make_controller(name, ...)`` build a controller with ``factory(**options)``.
+
+  Args:
+    name: the new name (a name already registered is refused).
+    factory: a controller class or a function returning a controller; the
+      options :func:`make_controller` accepts are read from its signature.
+
+  Example (a whole controller written and registered: docs/controllers.md)::
+
+    simigrad_jax.register_controller("proportional", ProportionalController)
+    controller = simigrad_jax.make_controller("proportional", initial_batch_size=128)
+  """
   if name in _FACTORIES:
     raise ValueError(f"a controller named {name!r} is already registered")
   _FACTORIES[name] = factory
@@ -65,7 +72,7 @@ def controller_names() -> tuple[str, ...]:
   return tuple(sorted(_FACTORIES))
 
 
-def make_controller(name: str, **options: Any) -> Any:
+def make_controller(name: str, **options: Any) -> BatchSizeController:
   """Builds the batch-size controller called ``name``.
 
   Args:

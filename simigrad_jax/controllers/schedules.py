@@ -85,7 +85,8 @@ class ScheduleController(BaseController):
     self.KIND = shape  # What config["controller"] and the saved state call it.
     self._epochs = 0.0
     # Checks the given bounds (and B_0 within them), then narrows them to the reachable range.
-    self._init_base(b0, batch_size_lower_bound, batch_size_upper_bound, 0, verbose)
+    super().__init__(b0, batch_size_lower_bound=batch_size_lower_bound,
+                     batch_size_upper_bound=batch_size_upper_bound, verbose=verbose)
     self._lower = max(min(b0, b1), self._lower or 1)
     self._upper = min(max(b0, b1), self._upper or math.inf)
 
@@ -110,29 +111,28 @@ class ScheduleController(BaseController):
       value = b0 * (b1 / b0) ** p
     return int(round(value))
 
-  def _observe(self, similarity, stats, finite):
+  def observe(self, similarity, stats, finite):
     epochs = float(stats["epochs"])
     if not (finite and math.isfinite(epochs)):
       return False
     self._epochs = epochs
     return True
 
-  def _decide(self):  # The base class clamps to the bounds (decision "clamped").
-    new = self._unbounded_size_at(self._epochs)
-    return new, self._direction(new)
+  def decide(self):  # The base class clamps to the bounds (decision "clamped").
+    return self._unbounded_size_at(self._epochs)
 
-  def _settings(self):
+  def settings(self):
     return {"final_batch_size": self._final, "ramp_epochs": self._ramp, "shape": self._shape,
             "interval_epochs": self._interval}
 
-  def _dynamic_state(self):
+  def extra_state(self):
     return {"epochs": self._epochs}
 
-  def _parse_dynamic_state(self, state):
+  def parse_extra_state(self, state):
     return {"_epochs": check_finite_float("epochs", state["epochs"])}
 
-  def _log_details(self):
-    return f" (epochs {self._epochs:.3f})"
+  def _log_details(self, before):
+    return f"epochs {self._epochs:.3f}"
 
 
 def linear_schedule(initial_batch_size: int, final_batch_size: int, ramp_epochs: float,
@@ -226,7 +226,8 @@ class LossPlateauController(BaseController):
     self._threshold = validation.check_real("threshold", threshold, "[0, inf)",
                                             lambda x: 0.0 <= x < math.inf)
     self._cooldown = validation.check_int("cooldown", cooldown, 0)
-    self._init_base(initial_batch_size, batch_size_lower_bound, batch_size_upper_bound, 0, verbose)
+    super().__init__(initial_batch_size, batch_size_lower_bound=batch_size_lower_bound,
+                     batch_size_upper_bound=batch_size_upper_bound, verbose=verbose)
     self._lower = self._initial
     self._loss_sum = 0.0
     self._loss_weight = 0.0
@@ -246,7 +247,7 @@ class LossPlateauController(BaseController):
     """The best epoch loss so far (None before the first epoch ends)."""
     return self._best
 
-  def _observe(self, similarity, stats, finite):
+  def observe(self, similarity, stats, finite):
     loss, weight = stats["loss"], stats["batch_size"]
     finite = (finite and validation.is_real(loss) and math.isfinite(float(loss))
               and validation.is_real(weight) and math.isfinite(float(weight)) and float(weight) > 0)
@@ -277,23 +278,23 @@ class LossPlateauController(BaseController):
       self._cooldown_left = self._cooldown
       self._grow_pending = True
 
-  def _decide(self):
+  def decide(self):
     b = self._batch_size
     if not self._grow_pending:
-      return b, "hold"
+      return b
     self._grow_pending = False
-    return max(b + 1, int(round(b * self._factor))), "grow"
+    return max(b + 1, int(round(b * self._factor)))
 
-  def _settings(self):
+  def settings(self):
     return {"factor": self._factor, "patience": self._patience, "threshold": self._threshold,
             "cooldown": self._cooldown}
 
-  def _dynamic_state(self):
+  def extra_state(self):
     return {"loss_sum": self._loss_sum, "loss_weight": self._loss_weight, "best_loss": self._best,
             "bad_epochs": self._bad_epochs, "cooldown_left": self._cooldown_left,
             "epoch_losses": list(self._epoch_losses), "grow_pending": self._grow_pending}
 
-  def _parse_dynamic_state(self, state):
+  def parse_extra_state(self, state):
     best = state["best_loss"]
     return {
         "_loss_sum": check_finite_float("loss_sum", state["loss_sum"]),
@@ -305,5 +306,5 @@ class LossPlateauController(BaseController):
         "_grow_pending": validation.check_bool("grow_pending", state["grow_pending"]),
     }
 
-  def _log_details(self):
-    return f" (best epoch loss {self._best}, bad epochs {self._bad_epochs})"
+  def _log_details(self, before):
+    return f"best epoch loss {self._best}, bad epochs {self._bad_epochs}"

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from simigrad_jax.controllers import base as controller_base
 from simigrad_jax.controllers import learning_rate
 from simigrad_jax import validation
 from simigrad_jax.engine import train_step
@@ -23,10 +24,10 @@ from simigrad_jax.errors import SimiGradError
 from simigrad_jax.ingraph.lr_scaling import LrFactorState
 from simigrad_jax.ingraph.transform import SimilarityState
 
-# What the Trainer reads from a controller (see simigrad_jax.controllers.registry).
-_CONTROLLER_ATTRIBUTES = ("batch_size", "initial_batch_size", "config", "last_decision", "update",
-                          "set_batch_size", "state_dict", "load_state_dict")
-_CONTROLLER_CONFIG_KEYS = ("batch_size_lower_bound", "batch_size_upper_bound", "similarity_target")
+# What the Trainer reads from a controller: simigrad_jax.controllers.BatchSizeController.
+_CONTROLLER_ATTRIBUTES = controller_base.CONTROLLER_MEMBERS
+_CONTROLLER_METHODS = controller_base.CONTROLLER_METHODS
+_CONTROLLER_CONFIG_KEYS = controller_base.REQUIRED_CONFIG_KEYS
 
 
 class LossContractError(SimiGradError, ValueError):
@@ -63,15 +64,17 @@ def check_callable(name: str, fn: Any) -> None:
 
 
 def check_controller(controller: Any) -> None:
-  """Refuses anything without the controller interface the Trainer uses."""
+  """Refuses anything that is not a :class:`simigrad_jax.controllers.BatchSizeController`."""
   if isinstance(controller, (str, Mapping)):
     raise ValueError(
         f"controller must be a controller object, got {controller!r:.200}; build one with "
         "simigrad_jax.make_controller(name, **options) or simigrad_jax.Controller(...)")
-  missing = [a for a in _CONTROLLER_ATTRIBUTES if not hasattr(controller, a)]
-  if missing:
+  missing = [m for m in _CONTROLLER_ATTRIBUTES if not hasattr(controller, m)
+             or (m in _CONTROLLER_METHODS and not callable(getattr(controller, m)))]
+  if missing or not isinstance(controller, controller_base.BatchSizeController):
     raise ValueError(f"controller {controller!r:.200} lacks {missing}; a controller needs "
-                     f"{list(_CONTROLLER_ATTRIBUTES)} (see simigrad_jax.controllers.registry)")
+                     f"{list(_CONTROLLER_ATTRIBUTES)}, the methods callable (the members of "
+                     "simigrad_jax.controllers.BatchSizeController)")
   config = controller.config
   if not isinstance(config, Mapping) or any(k not in config for k in _CONTROLLER_CONFIG_KEYS):
     raise ValueError(f"controller.config must be a dict with the keys {list(_CONTROLLER_CONFIG_KEYS)} "
@@ -129,12 +132,10 @@ def _all_finite(leaves: list[jax.Array]) -> jax.Array:
 
 
 def _profile_sizes(controller: Any) -> list[int]:
-  """The batch sizes a controller's pending profile will visit (SimiGrad's Controller)."""
-  try:
-    plan = controller.state_dict().get("profile_plan")
-  except Exception:  # pylint: disable=broad-except  (not every controller has one)
+  """The batch sizes a controller's profile will visit (its ``profile_batch_sizes``, if it has one)."""
+  if not isinstance(controller, controller_base.ProfilesBatchSizes):
     return []
-  return [int(b) for b in plan["sizes"]] if isinstance(plan, Mapping) and plan.get("sizes") else []
+  return [int(b) for b in controller.profile_batch_sizes]
 
 
 def check_bounds(controller: Any, num_examples: int, halves: str) -> tuple[int, int]:
