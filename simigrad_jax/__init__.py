@@ -9,7 +9,10 @@ Start here:
   similarity, similarity_stats: read the step's similarity on the host.
   Controller: SimiGrad's rule from similarity to the next global batch size;
     make_controller(name, ...) builds the others (controller_names,
-    controller_options, register_controller for your own).
+    controller_options, register_controller for your own). Every controller
+    has the BatchSizeController interface; a new one derives from
+    BaseController (docs/controllers.md); ProfilingController records a
+    similarity-versus-batch-size profile around any controller.
   Trainer: the training engine (compiled shapes, data placement, metrics,
     checkpoints, multi-host agreement) over a source: ArraySource, TfdsSource,
     GrainSource (grain-style data decoded ahead in worker processes).
@@ -33,7 +36,10 @@ Rooms: ingraph/ (pure, runs under jit), controllers/, data/, runtime/ (host
 side), engine/ (the Trainer and its compiled step).
 """
 
+from simigrad_jax.controllers.base import BaseController
+from simigrad_jax.controllers.base import BatchSizeController
 from simigrad_jax.controllers.learning_rate import lr_factor
+from simigrad_jax.controllers.profiling import ProfilingController
 from simigrad_jax.controllers.registry import controller_names
 from simigrad_jax.controllers.registry import controller_options
 from simigrad_jax.controllers.registry import make_controller
@@ -82,7 +88,9 @@ __version__ = "0.1.0"
 __all__ = [
     "ArraySource",
     "BadRecordError",
+    "BaseController",
     "BatchPlan",
+    "BatchSizeController",
     "BucketPolicy",
     "CheckpointMismatchError",
     "Checkpointer",
@@ -96,6 +104,7 @@ __all__ = [
     "MetricsWriter",
     "ProcessDisagreementError",
     "ProcessLostError",
+    "ProfilingController",
     "ProgressBar",
     "SimiGradError",
     "SimilarityState",
