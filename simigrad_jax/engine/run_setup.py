@@ -59,7 +59,6 @@ class Run:
     state: the replicated ``{"params", "opt_state", "model_state"}`` (resumed).
     step: the optimizer steps done (resumed).
     nonfinite_steps: the steps whose gradient was not finite, so far.
-    upper: the largest global batch size of the run.
     checkpoints: saves and resumes the run.
     programs: the step's compiled programs.
     data: loads each step's examples ahead.
@@ -74,7 +73,6 @@ class Run:
   state: dict[str, Any]
   step: int
   nonfinite_steps: int
-  upper: int
   checkpoints: RunCheckpoints
   programs: StepPrograms
   data: StepDataLoader
@@ -161,13 +159,14 @@ def build_run(config: TrainerConfig, agreement: ProcessAgreement, *,
     raise
   data = StepDataLoader(source, sampler, NamedSharding(mesh, P(config.axis_name)), replicated,
                         layout.slot_positions(local_device_positions(devices)),
-                        layout.num_slots, place_ahead=jax.process_count() == 1)
+                        layout.num_slots, place_ahead=jax.process_count() == 1, upper=upper,
+                        plan_for=lambda batch_size: programs.ready_plan(layout.plan(batch_size)))
   step_inputs = StepInputs(
       base_batch_size=controller.initial_batch_size, lr_rule=config.lr_rule,
       lr_adjust_factor=config.lr_adjust_factor, lr_schedule=lr_schedule,
       lr_factor=optimizer_state.lr_factor_of(state["opt_state"]), replicated=replicated)
   return Run(workdir=workdir, source=source, mesh=mesh, layout=layout, sampler=sampler,
-             state=state, step=step, nonfinite_steps=nonfinite_steps, upper=upper,
+             state=state, step=step, nonfinite_steps=nonfinite_steps,
              checkpoints=checkpoints, programs=programs, data=data, step_inputs=step_inputs)
 
 

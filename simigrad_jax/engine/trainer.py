@@ -44,7 +44,6 @@ from simigrad_jax.engine import run_setup
 from simigrad_jax.engine import train_step
 from simigrad_jax.engine.config import MODES
 from simigrad_jax.engine.config import TrainerConfig
-from simigrad_jax.engine.data_loader import speculative_count
 from simigrad_jax.engine.hooks import CheckpointHook
 from simigrad_jax.engine.hooks import EvaluationHook
 from simigrad_jax.engine.hooks import MetricsHook
@@ -76,11 +75,9 @@ class Trainer:
     optimizer: an optax optimizer containing ``simigrad_jax.transform(axis_name)``
       and, last, ``simigrad_jax.scale_by_lr_factor()``.
     source: a random-access data source (``len()``, ``get_batch(indices)``,
-      ``element_spec``), e.g. :class:`simigrad_jax.ArraySource`,
-      :class:`simigrad_jax.TfdsSource` or :class:`simigrad_jax.GrainSource`;
-      or any grain-style random-access data (``__len__``, ``__getitem__``
-      giving a dict of arrays, e.g. a ``grain.MapDataset``), which is read
-      through a :class:`simigrad_jax.GrainSource` with its defaults.
+      ``element_spec``: :class:`simigrad_jax.ArraySource`, ``TfdsSource``,
+      ``GrainSource``), or grain-style data (``__len__``, ``__getitem__``
+      giving a dict of arrays), read through a ``GrainSource``.
     controller: a :class:`simigrad_jax.Controller` (or one with its interface).
     workdir: where metrics and checkpoints go; a run resumes from the newest
       checkpoint found there. Its parent must exist.
@@ -88,11 +85,9 @@ class Trainer:
     eval_fn: optional ``eval_fn(params, model_state) -> dict`` run at every
       epoch end; its numbers are logged with an ``eval_`` prefix.
     lr_schedule: optional ``lr_schedule(epochs) -> float``, a multiplier of
-      the base learning rate as a function of the epochs trained so far
-      (fractional, counted in examples, so it does not depend on how many
-      steps the changing batch size took). It multiplies the batch-size factor
-      and is written into the optimizer state with it, so it costs no
-      recompilation. E.g. step decay at epochs 80 and 120, or a warm-up.
+      the base learning rate after ``epochs`` epochs (fractional, counted in
+      examples, not steps), e.g. a step decay or a warm-up. It multiplies the
+      batch-size factor, at no recompilation.
     devices: the devices to train on (default: all, over every process), 1 or more.
     hooks: objects with ``on_step(record)``
       (:class:`~simigrad_jax.engine.hooks.StepHook`), given every step's
@@ -103,29 +98,19 @@ class Trainer:
     **settings: the fields of :class:`TrainerConfig` (``max_micro_batch_size``,
       which has no default, ``mode``, ``seed``, ``halves``, ...).
 
-  Each step's record (``metrics.jsonl``) also carries ``host_seconds``: the
-  host's time on the critical path, from reading the previous step's
-  statistics to calling this step's program (deciding the batch size, placing
-  the data when it was not placed ahead).
-
   Raises:
     ValueError: for any setting or input that could not train as asked,
-      before anything is compiled or trained; the message names the value
-      and what is valid. Among them: a controller that adapts without
-      ``batch_size_upper_bound`` or with bounds the data set cannot fill; a
-      similarity controller whose ``batch_size_lower_bound`` is below 2 (the
-      second half would hold no example); ``halves="device"`` on an odd
-      number of devices; non-finite initial parameters; a ``loss_fn`` that
-      fails on the source's rows or does not return one loss per row; a
-      workdir whose checkpoints belong to another model, seed, data set or
-      controller; a config given together with setting keywords.
+      before anything is compiled or trained, naming the value and what is
+      valid: e.g. bounds the data set cannot fill, a similarity controller's
+      lower bound below 2, ``halves="device"`` on an odd number of devices,
+      a ``loss_fn`` that does not return one loss per row, a workdir holding
+      another run's checkpoints, a config given with setting keywords.
     ProcessDisagreementError: in a multi-host run, when the processes were
-      built with different settings, or (checked after every step, before the
-      next uses it) took different decisions.
+      built with different settings or took different decisions.
     ProcessLostError: (a ProcessDisagreementError) in a multi-host run, when
-      another process does not reach a check, or does not answer after a step
-      failed, within ``agreement_timeout_seconds``; it names the missing
-      processes. Restart all processes to resume from the newest checkpoint.
+      another process does not reach a check within
+      ``agreement_timeout_seconds``; it names the missing processes. Restart
+      all processes to resume from the newest checkpoint.
 
   Example:
     >>> trainer = simigrad_jax.Trainer(loss_fn=loss_fn, params=params,  # doctest: +SKIP
@@ -134,7 +119,6 @@ class Trainer:
     ...                                        batch_size_upper_bound=1024),
     ...     workdir="/tmp/run", max_micro_batch_size=32)
     >>> summary = trainer.train(num_epochs=3)  # doctest: +SKIP
-    >>> trainer.step_memory()["temp_bytes"]  # doctest: +SKIP
 
   Note:
     A step whose gradient is NaN or infinite on any device keeps the
@@ -164,7 +148,7 @@ class Trainer:
     self.halves, self.num_devices = run.layout.halves, run.layout.num_devices
     self.shapes = run.layout.device_grid  # the compiled micro-batch shapes, rows per device
     self.sampler, self.state, self.step = run.sampler, run.state, run.step
-    self._nonfinite_steps, self._upper = run.nonfinite_steps, run.upper
+    self._nonfinite_steps = run.nonfinite_steps
     self._checkpoints, self._programs, self._data = run.checkpoints, run.programs, run.data
     self._step_inputs = run.step_inputs
     self._is_main = jax.process_index() == 0
@@ -208,7 +192,7 @@ class Trainer:
     batch_size = self.controller.batch_size
     self._step_inputs.set_lr_factor(self._step_inputs.lr_factors(batch_size, self._epochs()))
     self._programs.prefetch_for(batch_size)
-    self._submit_data(batch_size, total_examples, self.step)
+    self._data.submit_ahead(batch_size, total_examples, self.step)
     self._last_read = None
     pending = None  # the last step's record: its hooks run once the next step is dispatched
     try:
@@ -244,16 +228,6 @@ class Trainer:
     """The epochs trained so far (fractional, counted in examples)."""
     return self.sampler.examples_seen / self.sampler.num_examples
 
-  def _submit_data(self, batch_size: int, total_examples: float, step: int) -> None:
-    """Starts loading the rows of step ``step`` (0-based; for up to one grow of ``batch_size``)
-    and placing them for ``batch_size`` unchanged."""
-    start = self.sampler.examples_seen
-    remaining = total_examples - start
-    expected = None
-    if remaining > 0:
-      expected = self._programs.ready_plan(self.layout.plan(int(min(batch_size, remaining))))
-    self._data.submit(start, speculative_count(batch_size, self._upper, remaining), step, expected)
-
   def _dispatch(self, total_examples: float) -> DispatchedStep:
     """Plans the controller's batch size, takes its examples and dispatches the step."""
     start = time.perf_counter()
@@ -274,7 +248,7 @@ class Trainer:
     self._programs.await_fallback(plan.micro_batch_size)
     compile_wait = self._programs.wait_seconds() - wait_before
     # Load the next step's rows while the devices work.
-    self._submit_data(self.controller.batch_size, total_examples, self.step + 1)
+    self._data.submit_ahead(self.controller.batch_size, total_examples, self.step + 1)
     return DispatchedStep(
         plan=plan, exact_plan=exact, stats=stats, start=start, epoch=epoch,
         data_seconds=data_seconds, host_seconds=host_seconds, compile_wait_seconds=compile_wait,
