@@ -15,7 +15,9 @@ Start here:
     similarity-versus-batch-size profile around any controller.
   Trainer: the training engine (compiled shapes, data placement, metrics,
     checkpoints, multi-host agreement) over a source: ArraySource, TfdsSource,
-    GrainSource (grain-style data decoded ahead in worker processes).
+    GrainSource (grain-style data decoded ahead in worker processes). Its
+    settings are one TrainerConfig; every step gives a typed StepRecord to
+    its hooks (StepHook: metrics, progress, evaluation, checkpoints, yours).
 
 Realising a batch size on the devices (host side):
   plan_batch, BatchPlan, BucketPolicy, bucket_shapes, representable_batch_sizes.
@@ -59,6 +61,9 @@ from simigrad_jax.engine.compiler import StepCompileError
 from simigrad_jax.engine.compiler import StepCompiler
 from simigrad_jax.engine.compiler import enable_persistent_cache
 from simigrad_jax.engine.compiler import persistent_cache_settings
+from simigrad_jax.engine.config import TrainerConfig
+from simigrad_jax.engine.hooks import StepHook
+from simigrad_jax.engine.step_record import StepRecord
 from simigrad_jax.engine.trainer import Trainer
 from simigrad_jax.engine.trainer_checks import LossContractError
 from simigrad_jax.errors import SimiGradError
@@ -110,8 +115,11 @@ __all__ = [
     "SimilarityState",
     "StepCompileError",
     "StepCompiler",
+    "StepHook",
+    "StepRecord",
     "TfdsSource",
     "Trainer",
+    "TrainerConfig",
     "bucket_shapes",
     "controller_names",
     "controller_options",

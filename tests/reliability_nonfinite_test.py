@@ -85,7 +85,7 @@ def test_nonfinite_steps_are_skipped_and_counted(name, num_devices, tmp_path):
   with trainer:
     trainer.train(num_epochs=3)
 
-  snapshots = [(record, *run) for record, run in zip(decided, runs, strict=True)]
+  snapshots = [(record.as_dict(), *run) for record, run in zip(decided, runs, strict=True)]
   records = [r for r in simigrad_jax.read_metrics(tmp_path / "metrics.jsonl") if "loss" in r]
   bad = [s for s in snapshots if not s[0]["grads_finite"]]
   # Every epoch trains each poisoned example once: 2 bad steps per epoch (1 if both share a step).

@@ -79,8 +79,8 @@ original = trainer._read_and_decide
 
 def sampling_step(dispatched):
   record = original(dispatched)
-  sizes.append(record["batch_size"])
-  step = record["step"]
+  sizes.append(record.batch_size)
+  step = record.step
   if step >= args.warmup and (step - args.warmup) % args.sample_every == 0 or step == args.steps:
     gc.collect()
     rss, hwm = memory_mb()

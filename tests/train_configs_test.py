@@ -115,6 +115,11 @@ def test_unknown_controller_and_bad_values_are_refused(devices):
     train.create_experiment(tiny_config("digits_demo", halves="device"), devices=devices[:3])
   with pytest.raises(ValueError, match=r"config.halves='sideways' is not valid"):
     train.create_experiment(tiny_config("digits_demo", halves="sideways"), devices=devices)
+  # The Trainer's settings are checked before the data loads, named as the config's options.
+  with pytest.raises(ValueError, match=r"config.mode='fast' is not valid"):
+    train.create_experiment(tiny_config("digits_demo", mode="fast"), devices=devices)
+  with pytest.raises(ValueError, match=r"config.max_checkpoints must be an integer >= 1, got 0"):
+    train.create_experiment(tiny_config("digits_demo", max_checkpoints=0), devices=devices)
   with pytest.raises(ValueError, match="must be a JSON object"):
     train.create_controller(tiny_config("digits_demo", controller_options="{multiple: 1}"), 8)
   with pytest.raises(ValueError, match="refused its options"):

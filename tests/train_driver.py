@@ -263,16 +263,16 @@ original_decide = trainer._read_and_decide
 
 def decide_then_maybe_die(dispatched):
   record = original_decide(dispatched)
-  trace({"event": "step", **{k: record[k] for k in (
+  trace({"event": "step", **{k: getattr(record, k) for k in (
       "step", "batch_size", "next_batch_size", "lr_factor", "next_lr_factor", "decision", "loss",
       "similarity", "examples_seen", "micro_batch_size", "compile_fallback")},
       "indices": placed.pop()})
-  if record["step"] == args.hold_compiles:
+  if record.step == args.hold_compiles:
     compiles_released.set()
-  if record["step"] == args.kill_at:  # the next step is not dispatched yet
-    die("between_steps", step=record["step"])
-  if record["step"] == args.freeze_at:
-    freeze(step=record["step"])
+  if record.step == args.kill_at:  # the next step is not dispatched yet
+    die("between_steps", step=record.step)
+  if record.step == args.freeze_at:
+    freeze(step=record.step)
   return record
 
 

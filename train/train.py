@@ -19,6 +19,7 @@ exact mean over the global batch.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -33,6 +34,7 @@ import numpy as np
 import optax
 
 import simigrad_jax
+from simigrad_jax import TrainerConfig
 from simigrad_jax import plot
 from simigrad_jax.engine import layout
 from train import input_pipeline
@@ -69,7 +71,10 @@ class Experiment:
     devices: the devices to train on.
     halves: the split of each step into the two halves the similarity
       compares: ``"device"`` or ``"local"`` (``config.halves`` resolved for
-      the devices).
+      the devices by :meth:`TrainerConfig.halves_for`).
+    trainer_config: the Trainer's settings from the config, checked
+      (:func:`create_trainer` fits ``max_micro_batch_size`` to the bounds and
+      sets the compilation cache of the workdir).
   """
 
   config: ml_collections.ConfigDict
@@ -85,6 +90,7 @@ class Experiment:
   controller: Any
   devices: list[jax.Device]
   halves: str
+  trainer_config: TrainerConfig
 
 
 # ------------------------------------------------------------------ devices
@@ -113,16 +119,35 @@ def check_device_count(devices: list[jax.Device]) -> list[jax.Device]:
   return list(devices)
 
 
-def training_halves(config: ml_collections.ConfigDict, num_devices: int) -> str:
-  """``config.halves`` for ``num_devices`` devices: ``"device"`` or ``"local"``.
-
-  Raises:
-    ValueError: for an unknown name, or ``"device"`` on an odd number of devices.
-  """
+@contextlib.contextmanager
+def _named_as_config_options():
+  """Names the setting of a library error about a Trainer setting as the config's option."""
   try:
-    return layout.resolve_halves(config.halves, num_devices)
+    yield
   except ValueError as error:
     raise ValueError(f"config.{error}") from error
+
+
+def create_trainer_config(config: ml_collections.ConfigDict) -> TrainerConfig:
+  """The :class:`simigrad_jax.engine.config.TrainerConfig` of ``config``'s Trainer settings.
+
+  ``max_micro_batch_size`` is the configured one (:func:`create_trainer`
+  fits it to the bounds) and there is no compilation cache yet (it depends
+  on the workdir: :func:`compilation_cache_dir`).
+
+  Raises:
+    ValueError: for a bad setting, named as the config's option (``config.mode=...``).
+  """
+  with _named_as_config_options():
+    return TrainerConfig(
+        max_micro_batch_size=config.max_micro_batch_size, mode=config.mode,
+        min_micro_batch_size=config.min_micro_batch_size,
+        compile_fallback=config.compile_fallback, lr_rule=config.lr_rule,
+        lr_adjust_factor=config.lr_adjust_factor, seed=config.seed,
+        checkpoint_every_steps=config.checkpoint_every_steps,
+        max_checkpoints=config.max_checkpoints, tensorboard=config.tensorboard,
+        progress=config.progress, halves=config.halves,
+        agreement_timeout_seconds=config.agreement_timeout_seconds)
 
 
 # ------------------------------------------------------------------ controller
@@ -315,8 +340,10 @@ def create_experiment(config: ml_collections.ConfigDict,
   """
   if config.dtype not in DTYPES:
     raise ValueError(f"config.dtype={config.dtype!r} is not valid; choose one of {tuple(DTYPES)}")
+  trainer_config = create_trainer_config(config)  # cheap checks first
   devices = training_devices(config) if devices is None else check_device_count(devices)
-  halves = training_halves(config, len(devices))  # cheap checks first
+  with _named_as_config_options():
+    halves = trainer_config.halves_for(len(devices))
   controller = create_controller(config, len(devices), halves)
   optimizer = optimizers.create_optimizer(config)
   lr_schedule = optimizers.create_lr_schedule(config)
@@ -349,7 +376,7 @@ def create_experiment(config: ml_collections.ConfigDict,
   params = jax.tree.map(np.asarray, params)
   evaluate = make_evaluate(config, datasets, eval_step, text=config.model == "bert")
   return Experiment(config, datasets, model, params, model_state, loss_fn, predict, evaluate,
-                    optimizer, lr_schedule, controller, list(devices), halves)
+                    optimizer, lr_schedule, controller, list(devices), halves, trainer_config)
 
 
 def max_micro_batch_size(configured: int, upper: int, num_devices: int) -> int:
@@ -401,26 +428,19 @@ def create_trainer(experiment: Experiment, workdir: str | os.PathLike,
   :func:`compilation_cache_dir` unless the config turns it off: a
   process-wide setting (see ``simigrad_jax.persistent_cache_settings``).
   """
-  config = experiment.config
+  settings = experiment.trainer_config
   upper = (experiment.controller.config.get("batch_size_upper_bound")
            or len(experiment.datasets.train))
   return simigrad_jax.Trainer(
       loss_fn=experiment.loss_fn, params=experiment.params, optimizer=experiment.optimizer,
       source=experiment.datasets.train, controller=experiment.controller, workdir=workdir,
-      max_micro_batch_size=max_micro_batch_size(config.max_micro_batch_size, upper,
-                                                len(experiment.devices)),
       model_state=experiment.model_state,
-      mode=config.mode, min_micro_batch_size=config.min_micro_batch_size,
-      compile_fallback=config.compile_fallback,
-      lr_rule=config.lr_rule, lr_adjust_factor=config.lr_adjust_factor, seed=config.seed,
-      checkpoint_every_steps=config.checkpoint_every_steps,
-      max_checkpoints=config.max_checkpoints,
       eval_fn=eval_fn if eval_fn is not None else experiment.evaluate,
-      lr_schedule=experiment.lr_schedule,
-      compilation_cache_dir=compilation_cache_dir(config, workdir),
-      tensorboard=config.tensorboard,
-      progress=config.progress, devices=experiment.devices, halves=experiment.halves,
-      agreement_timeout_seconds=config.agreement_timeout_seconds)
+      lr_schedule=experiment.lr_schedule, devices=experiment.devices,
+      config=settings.replace(
+          max_micro_batch_size=max_micro_batch_size(settings.max_micro_batch_size, upper,
+                                                    len(experiment.devices)),
+          compilation_cache_dir=compilation_cache_dir(experiment.config, workdir)))
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.PathLike,

@@ -1,1 +1,2 @@
-"""The training engine: the Trainer, its batch plans, layouts, compiled step programs and the in-graph train step."""
+"""The training engine: the Trainer and its settings, building a run, step records and hooks,
+batch plans, layouts, compiled step programs and the in-graph train step."""

@@ -25,7 +25,7 @@ import concurrent.futures
 import dataclasses
 import math
 import time
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import numpy as np
@@ -60,12 +60,17 @@ class StepDataLoader:
     num_slots: the slots of the mesh (the plans' ``num_devices``).
     place_ahead: also place the expected plan's rows in the data thread (one
       process only).
+    upper: the run's largest global batch size (loads ahead stay below it).
+    plan_for: the plan a step of a given batch size would run now (the one
+      :meth:`submit_ahead` places for).
   """
 
   def __init__(self, source: Any, sampler: EpochSampler, sharded: NamedSharding,
                replicated: NamedSharding, local_slots: np.ndarray, num_slots: int,
-               place_ahead: bool):
+               place_ahead: bool, *, upper: int,
+               plan_for: Callable[[int], batch_plan.BatchPlan]):
     self._place_ahead = place_ahead
+    self._upper, self._plan_for = upper, plan_for
     self._source, self._sampler = source, sampler
     self._sharded, self._replicated = sharded, replicated
     self._local_slots = local_slots
@@ -75,6 +80,15 @@ class StepDataLoader:
     # A one-process run reads along the stream (every row is this process's), decoded ahead.
     streams = hasattr(source, "reader") and len(local_slots) == num_slots
     self._reader = source.reader(sampler) if streams else None
+
+  def submit_ahead(self, batch_size: int, total_examples: float, step: int) -> None:
+    """Starts loading the rows of step ``step`` (0-based) from the sampler's position, enough
+    for one grow of ``batch_size`` (short of ``total_examples``, the run's end), and placing
+    them for ``batch_size`` unchanged."""
+    start = self._sampler.examples_seen
+    remaining = total_examples - start
+    expected = self._plan_for(int(min(batch_size, remaining))) if remaining > 0 else None
+    self.submit(start, speculative_count(batch_size, self._upper, remaining), step, expected)
 
   def submit(self, start: int, count: int, step: int,
              expected: batch_plan.BatchPlan | None) -> None:

@@ -120,6 +120,11 @@ class StepLayout:
     """The compiled shapes, in rows per slot, ascending."""
     return self.policy.micro_batch_sizes()
 
+  @property
+  def device_grid(self) -> tuple[int, ...]:
+    """The compiled shapes, in rows per device, ascending."""
+    return tuple(self.device_rows(g) for g in self.grid)
+
   def plan(self, batch_size: int) -> batch_plan.BatchPlan:
     """``batch_size`` (exactly) on the slots: shape, micro-steps, padding."""
     return batch_plan.plan_batch(batch_size, self.num_slots, self.policy, lower=1, upper=None)
@@ -140,16 +145,25 @@ def resolve_halves(halves: str, num_devices: int) -> str:
 
   Raises:
     ValueError: for another name, or ``"device"`` on an odd number of devices.
+
+  Example:
+    >>> resolve_halves("auto", 3)
+    'local'
   """
-  if halves not in HALVES:
-    raise ValueError(f"halves={halves!r} is not valid; choose one of {HALVES}")
-  if halves == "auto":
+  if check_halves(halves) == "auto":
     halves = "device" if num_devices % 2 == 0 else "local"
   if halves == "device" and num_devices % 2:
     raise ValueError(
         f"halves='device' compares the even devices with the odd ones, which needs an even "
         f"number of devices, got {num_devices}; use halves='local' (each device's rows split "
         "in two) or 'auto', or an even number of devices")
+  return halves
+
+
+def check_halves(halves: str) -> str:
+  """Returns ``halves`` if it names a split (one of :data:`HALVES`), else raises ValueError."""
+  if halves not in HALVES:
+    raise ValueError(f"halves={halves!r} is not valid; choose one of {HALVES}")
   return halves
 
 

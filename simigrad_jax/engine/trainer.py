@@ -16,54 +16,50 @@ Every optimizer step:
    averages the gradients and measures the similarity; the host reads one
    small vector of statistics;
 4. the controller picks the next batch size, the learning-rate factor follows
-   it, and the next step is dispatched at once;
-5. while the devices run it, the last step's metrics go to JSONL and
-   TensorBoard and the progress bar moves; checkpoints are saved with orbax.
+   it, every process agrees on the decision, and the next step is dispatched
+   at once;
+5. while the devices run it, the last step's record
+   (:class:`~simigrad_jax.engine.step_record.StepRecord`) goes to the hooks
+   (:mod:`simigrad_jax.engine.hooks`): metrics to JSONL and TensorBoard, the
+   run's totals, the progress bar, yours; at an epoch's end the evaluation,
+   and checkpoints with orbax.
+
+The settings are a :class:`~simigrad_jax.engine.config.TrainerConfig`;
+building the run (checks, layout, agreement, resume, tracing) is
+:func:`~simigrad_jax.engine.run_setup.build_run`.
 """
 
 from __future__ import annotations
 
-import logging
 import math
 import os
 import time
-from typing import Any, Callable, Literal, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import jax
-import numpy as np
 import optax
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
 
-from simigrad_jax.controllers import learning_rate
-from simigrad_jax.data import grain_source
-from simigrad_jax.runtime import process_agreement
-from simigrad_jax import optimizer_state
-from simigrad_jax.engine import layout
-from simigrad_jax.engine import trainer_checks
 from simigrad_jax import validation
-from simigrad_jax.controllers.simigrad import Controller
+from simigrad_jax.engine import run_setup
+from simigrad_jax.engine import train_step
+from simigrad_jax.engine.config import MODES
+from simigrad_jax.engine.config import TrainerConfig
+from simigrad_jax.engine.hooks import CheckpointHook
+from simigrad_jax.engine.hooks import EvaluationHook
+from simigrad_jax.engine.hooks import MetricsHook
+from simigrad_jax.engine.hooks import ProgressHook
+from simigrad_jax.engine.hooks import StepHook
+from simigrad_jax.engine.hooks import check_hook
+from simigrad_jax.engine.run_totals import RunTotals
+from simigrad_jax.engine.step_record import DispatchedStep
+from simigrad_jax.engine.step_record import StepRecord
+from simigrad_jax.engine.step_record import StepStats
 from simigrad_jax.runtime.metrics import MetricsWriter
-from simigrad_jax.runtime.progress import ProgressBar
+from simigrad_jax.runtime.process_agreement import ProcessAgreement
 from simigrad_jax.runtime.process_agreement import ProcessDisagreementError
 from simigrad_jax.runtime.process_agreement import ProcessLostError
-from simigrad_jax.runtime.run_checkpoints import RunCheckpoints
-from simigrad_jax.engine.run_totals import RunTotals
-from simigrad_jax.data.sampler import EpochSampler
-from simigrad_jax.engine.compiler import enable_persistent_cache
-from simigrad_jax.engine.data_loader import StepDataLoader
-from simigrad_jax.engine.data_loader import local_device_positions
-from simigrad_jax.engine.data_loader import speculative_count
-from simigrad_jax.engine.programs import StepPrograms
-from simigrad_jax.engine.programs import host_scalars
-from simigrad_jax.engine import train_step
 
-logger = logging.getLogger("simigrad_jax")
-
-Mode = Literal["recompile", "pad"]
-MODES: tuple[str, ...] = ("recompile", "pad")
-
-__all__ = ["MODES", "ProcessDisagreementError", "ProcessLostError", "Trainer"]
+__all__ = ["MODES", "ProcessDisagreementError", "ProcessLostError", "Trainer", "TrainerConfig"]
 
 
 class Trainer:
@@ -79,94 +75,41 @@ class Trainer:
     optimizer: an optax optimizer containing ``simigrad_jax.transform(axis_name)``
       and, last, ``simigrad_jax.scale_by_lr_factor()``.
     source: a random-access data source (``len()``, ``get_batch(indices)``,
-      ``element_spec``), e.g. :class:`simigrad_jax.ArraySource`,
-      :class:`simigrad_jax.TfdsSource` or :class:`simigrad_jax.GrainSource`;
-      or any grain-style random-access data (``__len__``, ``__getitem__``
-      giving a dict of arrays, e.g. a ``grain.MapDataset``), which is read
-      through a :class:`simigrad_jax.GrainSource` with its defaults.
-    controller: a :class:`simigrad_jax.Controller` (or one with its interface).
+      ``element_spec``: :class:`simigrad_jax.ArraySource`, ``TfdsSource``,
+      ``GrainSource``), or grain-style data (``__len__``, ``__getitem__``
+      giving a dict of arrays), read through a ``GrainSource``.
+    controller: a :class:`simigrad_jax.Controller`, or any controller with the
+      :class:`simigrad_jax.BatchSizeController` interface.
     workdir: where metrics and checkpoints go; a run resumes from the newest
       checkpoint found there. Its parent must exist.
-    max_micro_batch_size: the most rows per device per micro-step (rounded up
-      to even with the local split, whose two passes hold half each).
     model_state: non-trainable state (e.g. BatchNorm statistics), or None.
-    mode: ``"recompile"`` (one compiled micro-step per shape of a power-of-two
-      grid, compiled ahead in the background) or ``"pad"`` (one shape; smaller
-      batches are padded with zero-weight rows).
-    min_micro_batch_size: the smallest compiled shape in ``recompile`` mode
-      (default 1; only the shapes the batch-size bounds need are compiled).
-    lr_rule: ``"sqrt"``, ``"linear"`` or ``"none"`` (see :func:`lr_factor`).
-    lr_adjust_factor: optional damping of the learning-rate factor.
-    seed: seeds the data order and the per-step random keys.
-    checkpoint_every_steps: save every this many steps (None: only at epoch
-      ends and at the end).
-    max_checkpoints: how many checkpoints to keep.
     eval_fn: optional ``eval_fn(params, model_state) -> dict`` run at every
       epoch end; its numbers are logged with an ``eval_`` prefix.
     lr_schedule: optional ``lr_schedule(epochs) -> float``, a multiplier of
-      the base learning rate as a function of the epochs trained so far
-      (fractional, counted in examples, so it does not depend on how many
-      steps the changing batch size took). It multiplies the batch-size factor
-      and is written into the optimizer state with it, so it costs no
-      recompilation. E.g. step decay at epochs 80 and 120, or a warm-up.
-    background_compile: compile the other shapes in a background thread.
-    compile_fallback: in ``"recompile"`` mode, run a step whose micro-batch
-      shape is still compiling on the nearest shape already compiled instead
-      of waiting (the same examples and global batch, with more accumulation
-      steps or zero-weight padding; the record's ``compile_fallback`` says
-      so), so that only the first step waits for a compile (for its
-      shape's programs, and the micro-step and update that let a larger
-      batch accumulate on that shape, compiled while it runs). With BatchNorm
-      the statistics are those of the fallback's micro-batches. With several
-      processes, the fallback shape is one that every process had compiled
-      at the previous step's agreement, so every process runs the same one.
-    compilation_cache_dir: optional persistent compilation cache directory.
-    tensorboard: also write TensorBoard event files.
-    progress: show a progress bar (process 0 only).
-    axis_name: the data-parallel axis name used by the transform.
+      the base learning rate after ``epochs`` epochs (fractional, counted in
+      examples, not steps), e.g. a step decay or a warm-up. It multiplies the
+      batch-size factor, at no recompilation.
     devices: the devices to train on (default: all, over every process), 1 or more.
-    halves: the split into the two halves the similarity compares
-      (:mod:`simigrad_jax.engine.layout`): ``"device"`` (even devices
-      against odd ones), ``"local"`` (two blocks of rows per device), or
-      ``"auto"`` (``"device"`` on an even number of devices, else ``"local"``).
-    agreement_timeout_seconds: several hosts: how long a process waits for
-      the others at a check (the settings, every step's decision, every
-      checkpoint; and after a step failed) before it raises
-      :class:`ProcessLostError` naming the missing ones. A process that
-      waits this long in a collective while a peer's heartbeats have stopped
-      is ended with the same error by a watchdog
-      (:class:`simigrad_jax.runtime.process_agreement.Watchdog`). Default
-      :data:`simigrad_jax.runtime.process_agreement.AGREEMENT_TIMEOUT_SECONDS`
-      (300); keep it above the longest time a process may wait for another
-      at a step's end.
-
-  Each step's record (``metrics.jsonl``) also carries ``host_seconds``: the
-  host's time on the critical path, from reading the previous step's
-  statistics to calling this step's program (deciding the batch size, placing
-  the data when it was not placed ahead). Metrics, TensorBoard, the
-  progress bar and checkpoint bookkeeping of a step run after the next step is
-  dispatched, while the devices work; a step that ends an epoch or is
-  checkpointed writes its record before the checkpoint, so that a resumed run
-  holds exactly the records up to its checkpoint.
+    hooks: objects with ``on_step(record)``
+      (:class:`~simigrad_jax.engine.hooks.StepHook`), given every step's
+      :class:`~simigrad_jax.engine.step_record.StepRecord` in order, after the
+      metrics and the progress bar (see :mod:`simigrad_jax.engine.hooks`).
+    config: the run's settings (:class:`TrainerConfig`); or give them as
+      keywords instead (not both):
+    **settings: the fields of :class:`TrainerConfig` (``max_micro_batch_size``,
+      which has no default, ``mode``, ``seed``, ``halves``, ...).
 
   Raises:
     ValueError: for any setting or input that could not train as asked,
-      before anything is compiled or trained; the message names the value
-      and what is valid. Among them: a controller that adapts without
-      ``batch_size_upper_bound`` or with bounds the data set cannot fill; a
-      similarity controller whose ``batch_size_lower_bound`` is below 2 (the
-      second half would hold no example, the similarity could not be
-      measured and the size would never move again); ``halves="device"`` on
-      an odd number of devices; non-finite initial parameters; a ``loss_fn``
-      that fails on the source's rows or does not return one loss per row; a
-      workdir whose checkpoints belong to another model, seed, data set or
-      controller.
+      before anything is compiled or trained, naming the value and what is
+      valid: e.g. bounds the data set cannot fill, a similarity controller's
+      lower bound below 2, ``halves="device"`` on an odd number of devices,
+      a ``loss_fn`` that does not return one loss per row, a workdir holding
+      another run's checkpoints, a config given with setting keywords.
     ProcessDisagreementError: in a multi-host run, when the processes were
-      built with different settings, or (checked after every step, before the
-      next uses it) took different decisions.
+      built with different settings or took different decisions.
     ProcessLostError: (a ProcessDisagreementError) in a multi-host run, when
-      another process does not reach a check, or does not answer after a step
-      failed (a collective that lost a peer), within
+      another process does not reach a check within
       ``agreement_timeout_seconds``; it names the missing processes. Restart
       all processes to resume from the newest checkpoint.
 
@@ -177,7 +120,6 @@ class Trainer:
     ...                                        batch_size_upper_bound=1024),
     ...     workdir="/tmp/run", max_micro_batch_size=32)
     >>> summary = trainer.train(num_epochs=3)  # doctest: +SKIP
-    >>> trainer.step_memory()["temp_bytes"]  # doctest: +SKIP
 
   Note:
     A step whose gradient is NaN or infinite on any device keeps the
@@ -187,150 +129,44 @@ class Trainer:
   """
 
   def __init__(
-      self,
-      *,
-      loss_fn: train_step.PerExampleLossFn,
-      params: Any,
-      optimizer: optax.GradientTransformation,
-      source: Any,
-      controller: Controller,
-      workdir: str | os.PathLike,
-      max_micro_batch_size: int,
-      model_state: Any = None,
-      mode: Mode = "recompile",
-      min_micro_batch_size: int | None = None,
-      lr_rule: learning_rate.LrRule = "sqrt",
-      lr_adjust_factor: float | None = None,
-      seed: int = 0,
-      checkpoint_every_steps: int | None = None,
-      max_checkpoints: int = 3,
+      self, *, loss_fn: train_step.PerExampleLossFn, params: Any,
+      optimizer: optax.GradientTransformation, source: Any, controller: Any,
+      workdir: str | os.PathLike, model_state: Any = None,
       eval_fn: Callable[[Any, Any], Mapping[str, float]] | None = None,
       lr_schedule: Callable[[float], float] | None = None,
-      background_compile: bool = True,
-      compile_fallback: bool = True,
-      compilation_cache_dir: str | os.PathLike | None = None,
-      tensorboard: bool = True,
-      progress: bool = True,
-      axis_name: str = "batch",
-      devices: list[jax.Device] | None = None,
-      halves: str = "auto",
-      agreement_timeout_seconds: float | None = None,
-  ):
-    # Every setting is checked before anything is created, compiled or trained,
-    # so that a bad value fails in seconds, not after the first GPU-hour.
-    if mode not in MODES:
-      raise ValueError(f"mode={mode!r} is not valid; choose one of {MODES}")
-    max_micro, seed, checkpoint_every_steps, max_checkpoints = trainer_checks.check_settings(
-        lr_rule=lr_rule, loss_fn=loss_fn, eval_fn=eval_fn, lr_schedule=lr_schedule,
-        max_micro_batch_size=max_micro_batch_size, min_micro_batch_size=min_micro_batch_size,
-        seed=seed, checkpoint_every_steps=checkpoint_every_steps,
-        max_checkpoints=max_checkpoints, axis_name=axis_name,
-        flags={"background_compile": background_compile, "tensorboard": tensorboard,
-               "progress": progress, "compile_fallback": compile_fallback})
-    if agreement_timeout_seconds is None:
-      agreement_timeout_seconds = process_agreement.AGREEMENT_TIMEOUT_SECONDS
-    self._agreement_timeout = validation.check_real(
-        "agreement_timeout_seconds", agreement_timeout_seconds, "(0, inf) (finite)",
-        lambda x: 0 < x < math.inf)
-    trainer_checks.check_controller(controller)
-    source = grain_source.as_source(source)
-    num_examples = trainer_checks.check_source(source)
-    workdir = trainer_checks.check_workdir(workdir)
-    devices = trainer_checks.check_devices(devices)
-    self.num_devices = len(devices)
-    self.halves = layout.resolve_halves(halves, self.num_devices)
-    trainer_checks.check_finite_params(params)
-    probe_state = trainer_checks.checked_optimizer_state(optimizer, params)
-    self.lower, self.upper = trainer_checks.check_bounds(controller, num_examples, self.halves)
-    for size in (self.lower, controller.initial_batch_size, self.upper):
-      learning_rate.lr_factor(size, controller.initial_batch_size, lr_rule, lr_adjust_factor)
-
-    self.workdir = workdir
-    self.loss_fn, self.optimizer, self.source, self.controller = loss_fn, optimizer, source, controller
-    self.mode, self.lr_rule, self.lr_adjust_factor = mode, lr_rule, lr_adjust_factor
-    self.seed, self.eval_fn, self.axis_name = seed, eval_fn, axis_name
-    self.lr_schedule = lr_schedule
-    self.checkpoint_every_steps = checkpoint_every_steps
-    self.base_batch_size = controller.initial_batch_size
-
-    self.mesh = Mesh(np.array(devices), (axis_name,))
-    self._replicated = NamedSharding(self.mesh, P())
-    self._sharded = NamedSharding(self.mesh, P(axis_name))
-
-    # Plans and compiled shapes count rows per slot (a device, or half of one: see
-    # step_layout); self.shapes are rows per device.
-    self.layout = layout.StepLayout.create(
-        self.halves, self.num_devices, mode=mode, max_micro=max_micro,
-        min_micro=min_micro_batch_size, lower=self.lower, upper=self.upper)
-    self.shapes = tuple(self.layout.device_rows(g) for g in self.layout.grid)
-    # With several processes, a fallback uses only shapes that every process reported compiled
-    # at the last step's agreement, so all of them pick the same shape.
-    fallback = compile_fallback and background_compile and mode == "recompile"
-    needs_accumulation = self.upper > self.layout.num_slots * max(self.layout.grid)
-
-    # Multi-host: every process must run the same program; a difference would
-    # deadlock the first collective, so compare the settings first.
-    process_agreement.agree("settings", set_up=True, timeout=self._agreement_timeout,
-                            values=trainer_checks.settings_to_agree(
-        controller=controller, source=source, params=params, seed=seed, mode=mode,
-        shapes=list(self.shapes), lr_rule=lr_rule, lr_adjust_factor=lr_adjust_factor,
-        num_examples=num_examples, num_devices=self.num_devices, halves=self.halves,
-        checkpoint_every_steps=checkpoint_every_steps))
-
-    workdir.mkdir(exist_ok=True)
-    self.sampler = EpochSampler(num_examples, seed)
-    self.state = jax.device_put(
-        {"params": params, "opt_state": probe_state, "model_state": model_state}, self._replicated)
-    self.step = 0
-    self._nonfinite_steps = 0
-    self._checkpoints = RunCheckpoints(workdir / "checkpoints", seed=seed,
-                                       max_to_keep=max_checkpoints,
-                                       agreement_timeout=self._agreement_timeout)
-    # Multi-host: names a lost process when this one waits for it in a collective (until close).
-    self._watchdog = process_agreement.Watchdog(self._agreement_timeout)
-    try:
-      resumed = self._checkpoints.resume(self.state, self.sampler, controller)
-      if resumed is not None:
-        self.state, self.step, self._nonfinite_steps = resumed
-      process_agreement.agree("resumed state", set_up=True, timeout=self._agreement_timeout,
-                              values={"step": self.step, "controller": controller.state_dict(),
-                                      "sampler": self.sampler.state_dict()})
-      if compilation_cache_dir is not None:
-        enable_persistent_cache(compilation_cache_dir)
-      self._programs = StepPrograms(
-          loss_fn=trainer_checks.checked_loss_fn(loss_fn, model_state), optimizer=optimizer,
-          mesh=self.mesh, axis_name=axis_name, layout=self.layout, seed=seed, state=self.state,
-          element_spec=source.element_spec,
-          needs_accumulation=needs_accumulation,
-          background=background_compile, compile_fallback=fallback,
-          shared_compiles=jax.process_count() > 1)
-      # A model, loss, optimizer or data set that do not fit each other fail here.
-      self._programs.trace(self.layout.plan(controller.batch_size).micro_batch_size)
-    except BaseException:
-      self._watchdog.close()
-      self._checkpoints.close()
-      if hasattr(self, "_programs"):
-        self._programs.close()
-      raise
-    self._data = StepDataLoader(source, self.sampler, self._sharded, self._replicated,
-                                self.layout.slot_positions(local_device_positions(devices)),
-                                self.layout.num_slots, place_ahead=jax.process_count() == 1)
+      devices: list[jax.Device] | None = None, hooks: Sequence[StepHook] = (),
+      config: TrainerConfig | None = None, **settings: Any):
+    # Everything is checked before anything is created, compiled or trained.
+    self.config = config = TrainerConfig.from_settings(config, settings)
+    self._hooks = [check_hook(hook) for hook in hooks]
+    self._agreement = ProcessAgreement(config.agreement_timeout_seconds)
+    run = run_setup.build_run(
+        config, self._agreement, loss_fn=loss_fn, params=params, optimizer=optimizer,
+        source=source, controller=controller, workdir=workdir, model_state=model_state,
+        eval_fn=eval_fn, lr_schedule=lr_schedule, devices=devices)
+    self.controller, self.eval_fn = controller, eval_fn
+    self.workdir, self.source, self.mesh, self.layout = run.workdir, run.source, run.mesh, run.layout
+    self.halves, self.num_devices = run.layout.halves, run.layout.num_devices
+    self.shapes = run.layout.device_grid  # the compiled micro-batch shapes, rows per device
+    self.sampler, self.state, self.step = run.sampler, run.state, run.step
+    self._nonfinite_steps = run.nonfinite_steps
+    self._checkpoints, self._programs, self._data = run.checkpoints, run.programs, run.data
+    self._step_inputs = run.step_inputs
     self._is_main = jax.process_index() == 0
-    self._lr_used = optimizer_state.lr_factor_of(self.state["opt_state"])
-    self._schedule_factor = 1.0
-    self._step_inputs: tuple[tuple[float, ...] | None, Any] = (None, None)
-    self._metrics = MetricsWriter(workdir, tensorboard=tensorboard, resume_step=self.step,
-                                  enabled=self._is_main)
-    self._progress_enabled = progress and self._is_main
+    self._metrics = MetricsHook(MetricsWriter(run.workdir, tensorboard=config.tensorboard,
+                                              resume_step=self.step, enabled=self._is_main))
+    self._checkpoint = CheckpointHook(self.save_checkpoint, config.checkpoint_every_steps)
+    self._last_read: float | None = None  # when the last step's statistics were read
 
-  # ------------------------------------------------------------------ set-up
+  def add_hook(self, hook: StepHook) -> None:
+    """Adds ``hook`` (an object with ``on_step(record)``) after the others, from the next
+    :meth:`train` call on."""
+    self._hooks.append(check_hook(hook))
 
   def save_checkpoint(self) -> None:
     """Saves the current state as the checkpoint of the current step (once per step)."""
     self._checkpoints.save(self.step, self.state, sampler=self.sampler,
                            controller=self.controller, nonfinite_steps=self._nonfinite_steps)
-
-  # ------------------------------------------------------------------ training
 
   def train(self, *, num_epochs: float | None = None, num_steps: int | None = None) -> dict[str, Any]:
     """Trains until ``num_epochs`` epochs of examples or ``num_steps`` optimizer steps.
@@ -348,199 +184,121 @@ class Trainer:
       ``host_seconds`` (the host's critical path between steps), and the last
       evaluation (if any).
     """
-    if num_epochs is None and num_steps is None:
-      raise ValueError("give num_epochs or num_steps")
-    if num_epochs is not None:
-      num_epochs = validation.check_real("num_epochs", num_epochs, "(0, inf) (finite)",
-                                         lambda x: 0 < x < math.inf)
-    if num_steps is not None:
-      num_steps = validation.check_int("num_steps", num_steps, 0)
-    total_examples = (math.inf if num_epochs is None
-                      else int(round(num_epochs * self.sampler.num_examples)))
-    max_steps = math.inf if num_steps is None else int(num_steps)
+    total_examples, max_steps = _run_length(num_epochs, num_steps, self.sampler.num_examples)
+    totals = RunTotals()
+    progress = ProgressHook(total_examples, self.sampler.examples_seen,
+                            enabled=self.config.progress and self._is_main)
+    evaluation = EvaluationHook(self.eval_fn, lambda: self.state, self._metrics.writer)
+    hooks = [self._metrics, totals, progress, *self._hooks, evaluation, self._checkpoint]
     batch_size = self.controller.batch_size
-    self._set_lr_factor(batch_size)
+    self._step_inputs.set_lr_factor(self._step_inputs.lr_factors(batch_size, self._epochs()))
     self._programs.prefetch_for(batch_size)
-    progress = ProgressBar(
-        total_examples if math.isfinite(total_examples) else 0,
-        initial=min(self.sampler.examples_seen, total_examples) if math.isfinite(total_examples) else 0,
-        enabled=self._progress_enabled)
-    run = RunTotals()
-    self._submit_data(batch_size, total_examples, self.step)
+    self._data.submit_ahead(batch_size, total_examples, self.step)
     self._last_read = None
-    pending = None  # the last step's record, written once the next step is dispatched
+    pending = None  # the last step's record: its hooks run once the next step is dispatched
     try:
       while self.step < max_steps and self.sampler.examples_seen < total_examples:
         dispatched = self._dispatch(total_examples)
-        if pending is not None:  # bookkeeping of the last step, while the devices work
-          self._finish(pending, run, progress)
+        if pending is not None:  # the last step's bookkeeping, while the devices work
+          self._run_hooks(hooks, pending)
           pending = None
         record = self._read_and_decide(dispatched)
-        checkpoint = record["epoch_end"] or (self.checkpoint_every_steps
-                                             and self.step % self.checkpoint_every_steps == 0)
-        if not checkpoint:
+        if self._checkpoint.due(record):  # records up to a checkpoint are written before it
+          self._run_hooks(hooks, record)
+        else:
           pending = record
-          continue
-        # Records up to a checkpoint are written before it, so a resume finds exactly those.
-        self._finish(record, run, progress)
-        if record["epoch_end"]:
-          run.evaluation = self._evaluate()
-        self.save_checkpoint()
       if pending is not None:
-        self._finish(pending, run, progress)
+        self._run_hooks(hooks, pending)
         pending = None
-      if run.steps:
+      if totals.steps:
         self.save_checkpoint()
       self._checkpoints.wait(f"end of the run at step {self.step}")
     except jax.errors.JaxRuntimeError as error:
       # Multi-host: a collective that lost a peer fails with an error that names no process.
-      process_agreement.roll_call(f"step {self.step + 1}", error, self._agreement_timeout)
+      self._agreement.roll_call(f"step {self.step + 1}", error)
       raise
     finally:
       if pending is not None:
-        self._finish(pending, run, progress)
+        self._run_hooks(hooks, pending)
       progress.close()
     return {"steps": self.step, "examples_seen": self.sampler.examples_seen,
             "final_batch_size": self.controller.batch_size, **self.compile_stats(),
-            **run.summary()}
+            **totals.summary(), **evaluation.results}
 
-  def _submit_data(self, batch_size: int, total_examples: float, step: int) -> None:
-    """Starts loading the rows of step ``step`` (0-based; for up to one grow of ``batch_size``)
-    and placing them for ``batch_size`` unchanged."""
-    start = self.sampler.examples_seen
-    remaining = total_examples - start
-    expected = None
-    if remaining > 0:
-      expected = self._programs.ready_plan(self.layout.plan(int(min(batch_size, remaining))))
-    count = speculative_count(batch_size, self.upper, remaining)
-    self._data.submit(start, count, step, expected)
+  def _epochs(self) -> float:
+    """The epochs trained so far (fractional, counted in examples)."""
+    return self.sampler.examples_seen / self.sampler.num_examples
 
-  def _dispatch(self, total_examples: float) -> dict[str, Any]:
+  def _dispatch(self, total_examples: float) -> DispatchedStep:
     """Plans the controller's batch size, takes its examples and dispatches the step."""
     start = time.perf_counter()
-    batch_size = self.controller.batch_size
+    # The run's last step lands exactly on num_epochs.
     remaining = total_examples - self.sampler.examples_seen
-    if remaining < batch_size:
-      batch_size = int(remaining)  # the run's last step lands exactly on num_epochs
-    exact = self.layout.plan(batch_size)
+    exact = self.layout.plan(int(min(self.controller.batch_size, remaining)))
     plan = self._programs.ready_plan(exact)
     data, data_seconds = self._data.take(plan, self.sampler.examples_seen, self.step)
-    epoch_before = self.sampler.epoch
+    epoch = self.sampler.epoch
     self.sampler.take(plan.global_batch_size)
-    inputs = (float(plan.global_batch_size), self._lr_used,
-              float(self.layout.first_half_weight(plan.global_batch_size)))
-    if self._step_inputs[0] != inputs:  # (unchanged at a fixed batch: no transfer)
-      self._step_inputs = (inputs, host_scalars(list(inputs), np.float32, self._replicated))
-    step_inputs = self._step_inputs[1]
+    step_inputs = self._step_inputs.on_devices(plan.global_batch_size)
     wait_before = self._programs.wait_seconds()
     # The host's critical path ends here: the program call is the runtime's (on CPU the
     # simulated devices are host threads, and the call runs part of the step).
-    host_seconds = (time.perf_counter() - self._last_read if self._last_read is not None
-                    else math.nan)
+    host_seconds = math.nan if self._last_read is None else time.perf_counter() - self._last_read
     self.state, stats = self._programs.run(self.state, data, step_inputs)
     # While the first step runs: the programs that let every later step fall back.
     self._programs.await_fallback(plan.micro_batch_size)
     compile_wait = self._programs.wait_seconds() - wait_before
     # Load the next step's rows while the devices work.
-    self._submit_data(self.controller.batch_size, total_examples, self.step + 1)
-    return {"start": start, "plan": plan, "exact": exact, "stats": stats,
-            "data_seconds": data_seconds, "epoch_before": epoch_before,
-            "compile_wait": compile_wait, "host_seconds": host_seconds,
-            "lr_used": self._lr_used, "schedule_used": self._schedule_factor}
+    self._data.submit_ahead(self.controller.batch_size, total_examples, self.step + 1)
+    return DispatchedStep(
+        plan=plan, exact_plan=exact, stats=stats, start=start, epoch=epoch,
+        data_seconds=data_seconds, host_seconds=host_seconds, compile_wait_seconds=compile_wait,
+        lr_factor=self._step_inputs.lr_factor, schedule_factor=self._step_inputs.schedule_factor)
 
-  def _read_and_decide(self, dispatched: dict[str, Any]) -> dict[str, Any]:
-    """Waits for the step's statistics, lets the controller decide, and returns the step's record."""
-    plan = dispatched["plan"]
-    stats = dict(zip(train_step.STEP_STATS, np.asarray(
-        jax.device_get(dispatched["stats"].addressable_data(0))).tolist()))
+  def _read_and_decide(self, dispatched: DispatchedStep) -> StepRecord:
+    """Waits for the step's statistics, lets the controller decide, agrees on the decision with
+    the other processes, and returns the step's record."""
+    stats = StepStats.read(dispatched.stats)
     read = time.perf_counter()
-    step_seconds = read - (self._last_read if self._last_read is not None else dispatched["start"])
+    step_seconds = read - (dispatched.start if self._last_read is None else self._last_read)
     self._last_read = read
-    grads_finite = bool(stats["grads_finite"])
-    if not grads_finite:
-      self._nonfinite_steps += 1
-    similarity = stats["similarity"] if stats["measured"] else math.nan
-    epoch_end = self.sampler.epoch > dispatched["epoch_before"]
-    observed = {**stats, "similarity": similarity, "grads_finite": grads_finite,
-                "batch_size": plan.global_batch_size, "examples_seen": self.sampler.examples_seen,
-                "epochs": self.sampler.examples_seen / self.sampler.num_examples,
-                "epoch_end": epoch_end}
-    next_batch_size = self.controller.update(similarity, stats=observed)
+    self._nonfinite_steps += not stats.grads_finite
+    batch_size, examples_seen = dispatched.plan.global_batch_size, self.sampler.examples_seen
+    epoch_end = self.sampler.epoch > dispatched.epoch
+    next_batch_size = self.controller.update(stats.similarity, stats=stats.for_controller(
+        batch_size=batch_size, examples_seen=examples_seen, epochs=self._epochs(),
+        epoch_end=epoch_end))
     self.step += 1
-    factors = self._lr_factor(next_batch_size)
-    # Multi-host: the next step's shapes and learning rate follow this decision; every
-    # process must hold the same one before any of them uses it.
-    # The compiled shapes ride along: the next step falls back only to a shape compiled on all.
-    agreement_start = time.perf_counter()
-    decision = {
-        "step": self.step, "batch_size": plan.global_batch_size,
-        "examples_seen": self.sampler.examples_seen, "similarity": similarity,
-        "decision": self.controller.last_decision, "next_batch_size": next_batch_size,
-        "next_lr_factor": float(np.float32(factors[0]))}
-    compiled_reports = process_agreement.agree(
-        f"decision of step {self.step}", decision, timeout=self._agreement_timeout,
-        report=self._programs.compiled_report())
-    if compiled_reports is not None:
-      self._programs.agree_on_compiles(compiled_reports)
-    agreement_seconds = time.perf_counter() - agreement_start
-    self._set_lr_factor(next_batch_size, factors)
-    return {
-        "step": self.step,
-        "epoch": dispatched["epoch_before"],
-        "examples_seen": self.sampler.examples_seen,
-        "batch_size": plan.global_batch_size,
-        "micro_batch_size": self.layout.device_rows(plan.micro_batch_size),
-        "accumulation_steps": plan.accumulation_steps,
-        "padded_examples": plan.padded_examples,
-        "compile_fallback": plan != dispatched["exact"],
-        "lr_factor": dispatched["lr_used"],
-        "next_batch_size": next_batch_size,
-        "next_lr_factor": self._lr_used,
-        "schedule_factor": dispatched["schedule_used"],
-        "decision": self.controller.last_decision,
-        "similarity_target": self.controller.config["similarity_target"],
-        "loss": stats["loss"],
-        "similarity": similarity,
-        "norm_a": stats["norm_a"], "norm_b": stats["norm_b"], "norm_mean": stats["norm_mean"],
-        "grads_finite": grads_finite,
-        "nonfinite_steps": self._nonfinite_steps,
-        "step_seconds": step_seconds,
-        "examples_per_second": plan.global_batch_size / step_seconds,
-        "data_seconds": dispatched["data_seconds"],
-        "host_seconds": dispatched["host_seconds"],
-        "agreement_seconds": agreement_seconds,
-        "compile_wait_step_seconds": dispatched["compile_wait"],
-        "epoch_end": epoch_end,
-    }
+    self._step_inputs.set_lr_factor(self._step_inputs.lr_factors(next_batch_size, self._epochs()))
+    agreement_seconds = self._agree_on_decision({
+        "step": self.step, "batch_size": batch_size, "examples_seen": examples_seen,
+        "similarity": stats.similarity, "decision": self.controller.last_decision,
+        "next_batch_size": next_batch_size, "next_lr_factor": self._step_inputs.lr_factor})
+    return StepRecord.create(
+        dispatched, stats, step=self.step, examples_seen=examples_seen,
+        micro_batch_size=self.layout.device_rows(dispatched.plan.micro_batch_size),
+        decision=self.controller.last_decision,
+        similarity_target=self.controller.config["similarity_target"],
+        next_batch_size=next_batch_size, next_lr_factor=self._step_inputs.lr_factor,
+        nonfinite_steps=self._nonfinite_steps, step_seconds=step_seconds,
+        agreement_seconds=agreement_seconds, epoch_end=epoch_end)
 
-  def _finish(self, record: dict[str, Any], run: RunTotals, progress: ProgressBar) -> None:
-    """A step's bookkeeping: its metrics record, the run's totals and the progress bar."""
-    self._metrics.write({**{k: v for k, v in record.items() if k != "epoch_end"},
-                         **self.compile_stats()})
-    run.add(record)
-    progress.update(record["batch_size"], loss=record["loss"], batch=record["batch_size"],
-                    sim=record["similarity"])
+  def _agree_on_decision(self, decision: dict[str, Any]) -> float:
+    """Multi-host: the next step's shapes and learning rate follow ``decision``; every process
+    must hold the same one before any of them uses it. The compiled shapes ride along: the next
+    step falls back only to a shape compiled on all. Returns the seconds it took."""
+    start = time.perf_counter()
+    reports = self._agreement.agree(f"decision of step {self.step}", decision,
+                                    report=self._programs.compiled_report())
+    if reports is not None:
+      self._programs.agree_on_compiles(reports)
+    return time.perf_counter() - start
 
-  def _lr_factor(self, batch_size: int) -> tuple[float, float]:
-    """``(learning-rate factor, schedule factor)`` for ``batch_size`` at the current progress."""
-    return learning_rate.scheduled_lr_factor(
-        batch_size, self.base_batch_size, self.lr_rule, self.lr_adjust_factor, self.lr_schedule,
-        self.sampler.examples_seen / self.sampler.num_examples)
-
-  def _set_lr_factor(self, batch_size: int, factors: tuple[float, float] | None = None) -> None:
-    """Sets the learning-rate factor the next step runs with (it is written into the optimizer
-    state in-graph, at no recompilation)."""
-    factor, self._schedule_factor = self._lr_factor(batch_size) if factors is None else factors
-    self._lr_used = float(np.float32(factor))
-
-  def _evaluate(self) -> dict[str, float]:
-    if self.eval_fn is None:
-      return {}
-    params, model_state = _host_copy((self.state["params"], self.state["model_state"]))
-    results = {f"eval_{k}": float(v) for k, v in self.eval_fn(params, model_state).items()}
-    self._metrics.write({"step": self.step, "epoch": self.sampler.epoch - 1,
-                         "examples_seen": self.sampler.examples_seen, **results})
-    return results
+  def _run_hooks(self, hooks: list[StepHook], record: StepRecord) -> None:
+    """A step's bookkeeping: its record, with the compile counters as they are now, to each hook."""
+    record = record.with_compile_stats(self._programs.stats())
+    for hook in hooks:
+      hook.on_step(record)
 
   def compile_stats(self) -> dict[str, Any]:
     """Compiles so far (programs per shape plus the update of accumulated steps), their seconds,
@@ -572,8 +330,8 @@ class Trainer:
     self._checkpoints.close()
     self._programs.close()
     self._data.close()
-    self._metrics.close()
-    self._watchdog.close()
+    self._metrics.writer.close()
+    self._agreement.close()
 
   def __enter__(self):
     return self
@@ -582,6 +340,16 @@ class Trainer:
     self.close()
 
 
-def _host_copy(tree: Any) -> Any:
-  """A NumPy copy of a replicated tree, read from this process's first device."""
-  return jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), tree)
+def _run_length(num_epochs: float | None, num_steps: int | None,
+                num_examples: int) -> tuple[float, float]:
+  """``(examples, steps)`` at which a ``train`` call stops (inf: no limit), after checking them."""
+  if num_epochs is None and num_steps is None:
+    raise ValueError("give num_epochs or num_steps")
+  total_examples = max_steps = math.inf
+  if num_epochs is not None:
+    num_epochs = validation.check_real("num_epochs", num_epochs, "(0, inf) (finite)",
+                                       lambda x: 0 < x < math.inf)
+    total_examples = int(round(num_epochs * num_examples))
+  if num_steps is not None:
+    max_steps = validation.check_int("num_steps", num_steps, 0)
+  return total_examples, max_steps

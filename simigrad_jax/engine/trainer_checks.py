@@ -1,8 +1,9 @@
-"""Host: the Trainer's checks of its settings, model, data and controller, before any step.
+"""Host: the Trainer's checks of its model, data, devices and controller, before any step.
 
-Every setting is checked before anything is created, compiled or trained, so
+Every object is checked before anything is created, compiled or trained, so
 that a bad value fails in seconds, not after the first GPU-hour; each error
-names the value and what would be valid.
+names the value and what would be valid. The settings are checked by
+:class:`simigrad_jax.engine.config.TrainerConfig`.
 """
 
 from __future__ import annotations
@@ -16,9 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from simigrad_jax.controllers import base as controller_base
-from simigrad_jax.controllers import learning_rate
 from simigrad_jax import validation
+from simigrad_jax.controllers import base as controller_base
 from simigrad_jax.engine import train_step
 from simigrad_jax.errors import SimiGradError
 from simigrad_jax.ingraph.lr_scaling import LrFactorState
@@ -204,56 +204,3 @@ def checked_optimizer_state(optimizer: Any, params: Any) -> Any:
     if not optax.tree_utils.tree_get_all_with_path(state, state_type.__name__):
       raise ValueError(f"the optimizer has no {state_type.__name__}: chain {name} into it")
   return state
-
-
-def check_settings(*, lr_rule: str, loss_fn: Any, eval_fn: Any, lr_schedule: Any,
-                   max_micro_batch_size: Any, min_micro_batch_size: Any, seed: Any,
-                   checkpoint_every_steps: Any, max_checkpoints: Any, axis_name: Any,
-                   flags: Mapping[str, Any]) -> tuple[int, int, int | None, int]:
-  """Checks the Trainer's plain settings; returns ``(max_micro, seed, checkpoint_every_steps,
-  max_checkpoints)`` as ints."""
-  if lr_rule not in learning_rate.LR_RULES:
-    raise ValueError(f"lr_rule={lr_rule!r} is not valid; choose one of {learning_rate.LR_RULES}")
-  check_callable("loss_fn", loss_fn)
-  for name, fn in (("eval_fn", eval_fn), ("lr_schedule", lr_schedule)):
-    if fn is not None:
-      check_callable(name, fn)
-  max_micro = validation.check_int("max_micro_batch_size", max_micro_batch_size, 1)
-  if min_micro_batch_size is not None and (
-      not validation.is_int(min_micro_batch_size) or not 1 <= min_micro_batch_size <= max_micro):
-    raise ValueError(f"min_micro_batch_size must be None or an integer in [1, max_micro_batch_size="
-                     f"{max_micro}], got {min_micro_batch_size!r}")
-  seed = validation.check_int("seed", seed, 0)
-  if checkpoint_every_steps is not None:
-    checkpoint_every_steps = validation.check_int("checkpoint_every_steps", checkpoint_every_steps, 1)
-  max_checkpoints = validation.check_int("max_checkpoints", max_checkpoints, 1)
-  for name, flag in flags.items():
-    validation.check_bool(name, flag)
-  if not isinstance(axis_name, str) or not axis_name:
-    raise ValueError(f"axis_name must be a non-empty string, got {axis_name!r}")
-  return max_micro, seed, checkpoint_every_steps, max_checkpoints
-
-
-def settings_to_agree(*, controller: Any, source: Any, params: Any, **settings: Any
-                      ) -> dict[str, Any]:
-  """What every process of a multi-host run must share, as JSON-able values to compare.
-
-  A difference would deadlock the first collective, so the processes compare
-  these before anything is compiled.
-
-  Args:
-    controller: the run's controller (its settings and batch size).
-    source: the data source (its ``element_spec``).
-    params: the parameters (their paths, shapes and dtypes; not their values).
-    **settings: further JSON-able settings (seed, mode, shapes, ...).
-
-  Returns:
-    A dict of the values.
-  """
-  return {
-      "controller": controller.config, "batch_size": controller.batch_size, **settings,
-      "element_spec": {k: [list(shape), str(dtype)] for k, (shape, dtype)
-                       in sorted(source.element_spec.items())},
-      "params": [[jax.tree_util.keystr(path), list(np.shape(x)), str(getattr(x, "dtype", ""))]
-                 for path, x in jax.tree_util.tree_flatten_with_path(params)[0]],
-  }

@@ -14,12 +14,16 @@ error that names no process; :func:`roll_call` then finds out which processes
 are missing. A collective that never returns (NCCL, or gloo when the peer died
 in the middle of it) cannot raise at all: the :class:`Watchdog` then names the
 lost process and ends this one.
+
+A run holds one :class:`ProcessAgreement` (its timeout and its watchdog) and
+hands it to what needs to agree; with one process every check is a no-op.
 """
 
 from __future__ import annotations
 
 import itertools
 import json
+import math
 import os
 import sys
 import threading
@@ -32,6 +36,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
+from simigrad_jax import validation
 from simigrad_jax.errors import SimiGradError
 
 
@@ -151,6 +156,81 @@ def roll_call(what: str, error: BaseException, timeout: float | None = None) -> 
         f"{_first_line(error)}): died, or blocked or failing too (see the process's log). "
         f"{_RESTART}",
         lost.processes) from error
+
+
+def check_timeout(timeout: Any, name: str = "agreement_timeout_seconds") -> float:
+  """Returns ``timeout`` as a float if it is a finite number of seconds > 0, else raises ValueError.
+
+  Args:
+    timeout: the seconds a process waits for the others at a check.
+    name: the setting's name, for the message.
+
+  Returns:
+    ``float(timeout)``.
+
+  Example:
+    >>> check_timeout(30)
+    30.0
+  """
+  return validation.check_real(name, timeout, "(0, inf) (finite)", lambda x: 0 < x < math.inf)
+
+
+class ProcessAgreement:
+  """The checks that keep the processes of a run in step, with one timeout; no-ops with one process.
+
+  One object per run, handed to everything that must agree with the other
+  processes (the Trainer's set-up and steps, the checkpoints): it holds the
+  timeout and, once started, the :class:`Watchdog`. Its methods are
+  :func:`agree`, :func:`gather` and :func:`roll_call` with that timeout.
+
+  Args:
+    timeout: how long a process waits for the others at a check before it
+      raises :class:`ProcessLostError` naming the missing ones (seconds,
+      finite, > 0).
+
+  Example:
+    >>> agreement = ProcessAgreement(timeout=60.0)
+    >>> agreement.agree("decision of step 1", {"batch_size": 48}) is None  # one process
+    True
+    >>> agreement.gather("checkpoint saved", True)
+    [True]
+  """
+
+  def __init__(self, timeout: float = AGREEMENT_TIMEOUT_SECONDS):
+    self.timeout = check_timeout(timeout, "timeout")
+    self._watchdog: Watchdog | None = None
+
+  @property
+  def num_processes(self) -> int:
+    """The processes of the run (``jax.process_count()``)."""
+    return jax.process_count()
+
+  def agree(self, what: str, values: Mapping[str, Any], *, set_up: bool = False,
+            report: Any = None) -> list[Any] | None:
+    """:func:`agree` with this object's timeout."""
+    return agree(what, values, set_up, self.timeout, report=report)
+
+  def gather(self, what: str, value: Any) -> list[Any]:
+    """:func:`gather` with this object's timeout."""
+    return gather(what, value, self.timeout)
+
+  def roll_call(self, what: str, error: BaseException) -> None:
+    """:func:`roll_call` with this object's timeout."""
+    roll_call(what, error, self.timeout)
+
+  def lost_processes(self) -> frozenset[int]:
+    """The processes found missing at a check (see :func:`lost_processes`)."""
+    return lost_processes()
+
+  def start_watchdog(self) -> None:
+    """Starts the :class:`Watchdog` (heartbeats; nothing with one process), until :meth:`close`."""
+    if self._watchdog is None:
+      self._watchdog = Watchdog(self.timeout)
+
+  def close(self) -> None:
+    """Stops the watchdog, if it runs."""
+    if self._watchdog is not None:
+      self._watchdog.close()
 
 
 _RESTART = ("Restart all processes with the same command: they resume from the newest checkpoint "

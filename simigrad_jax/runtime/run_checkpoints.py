@@ -13,11 +13,9 @@ import logging
 import os
 from typing import Any, NamedTuple
 
-import jax
-
-from simigrad_jax.runtime import process_agreement
 from simigrad_jax.runtime.checkpointer import CheckpointMismatchError
 from simigrad_jax.runtime.checkpointer import Checkpointer
+from simigrad_jax.runtime.process_agreement import ProcessAgreement
 
 logger = logging.getLogger("simigrad_jax")
 
@@ -40,21 +38,22 @@ class RunCheckpoints:
     directory: where the checkpoints go (created if missing).
     seed: the run's seed; a checkpoint made with another seed is refused.
     max_to_keep: how many checkpoints are kept.
-    agreement_timeout: multi-host, the seconds a process waits for the others
-      before it reports them lost.
+    agreement: the run's :class:`~simigrad_jax.runtime.process_agreement.
+      ProcessAgreement`: with several processes, they wait for each other's
+      saves through it, and a lost one is reported within its timeout.
 
   Example::
 
     checkpoints = RunCheckpoints(workdir / "checkpoints", seed=0, max_to_keep=3,
-                                 agreement_timeout=300.0)
+                                 agreement=ProcessAgreement(timeout=300.0))
     resumed = checkpoints.resume(state, sampler, controller)
   """
 
   def __init__(self, directory: str | os.PathLike, *, seed: int, max_to_keep: int,
-               agreement_timeout: float):
+               agreement: ProcessAgreement):
     self.checkpointer = Checkpointer(directory, max_to_keep=max_to_keep)
     self.seed = seed
-    self._agreement_timeout = agreement_timeout
+    self._agreement = agreement
 
   def resume(self, like: Any, sampler: Any, controller: Any) -> Resumed | None:
     """Restores the newest readable checkpoint into ``sampler`` and ``controller``.
@@ -127,12 +126,12 @@ class RunCheckpoints:
     Args:
       what: names the wait in a report of a lost process.
     """
-    if jax.process_count() == 1:
+    if self._agreement.num_processes == 1:
       self.checkpointer.wait()
       return
     while True:
       finished = self.checkpointer.wait(timeout=SAVE_WAIT_ROUND_SECONDS)
-      if all(process_agreement.gather(what, finished, timeout=self._agreement_timeout)):
+      if all(self._agreement.gather(what, finished)):
         return
 
   def close(self) -> None:
@@ -141,5 +140,5 @@ class RunCheckpoints:
     After a lost process it does not wait for a save under way: the save
     would wait for the lost process.
     """
-    if not process_agreement.lost_processes():
+    if not self._agreement.lost_processes():
       self.checkpointer.close()

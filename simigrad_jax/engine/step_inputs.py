@@ -1,0 +1,74 @@
+"""Host: the scalars each step's program takes, the learning-rate factor among them.
+
+A step's program takes three float32 scalars (:data:`simigrad_jax.engine.
+train_step.STEP_INPUTS`): the step's real examples, the learning-rate factor
+and half A's real examples. The learning-rate factor follows the batch size
+the controller decides (:func:`simigrad_jax.lr_factor`), times the schedule's
+factor at the epochs trained so far; the program writes it into the optimizer
+state, so a new factor costs no recompilation. The scalars go to the devices
+only when they change (at a fixed batch size, no transfer).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+
+from simigrad_jax.controllers import learning_rate
+from simigrad_jax.engine.layout import StepLayout
+from simigrad_jax.engine.programs import host_scalars
+
+
+class StepInputs:
+  """The learning-rate factor the next step runs with, and a step's scalars on the devices.
+
+  Args:
+    base_batch_size: the batch size the base learning rate was tuned for
+      (the controller's initial one).
+    lr_rule: ``"sqrt"``, ``"linear"`` or ``"none"``.
+    lr_adjust_factor: optional damping of the factor.
+    lr_schedule: optional ``lr_schedule(epochs) -> float``, a multiplier of
+      the base learning rate.
+    lr_factor: the factor to start from (the optimizer state's).
+    replicated: the replicated sharding of the scalars.
+
+  Example::
+
+    inputs.set_lr_factor(inputs.lr_factors(next_batch_size, epochs))
+    state, stats = program(state, data, inputs.on_devices(plan.global_batch_size))
+  """
+
+  def __init__(self, *, base_batch_size: int, lr_rule: learning_rate.LrRule,
+               lr_adjust_factor: float | None, lr_schedule: Callable[[float], float] | None,
+               lr_factor: float, replicated: NamedSharding):
+    self.base_batch_size = base_batch_size
+    self.lr_rule, self.lr_adjust_factor, self.lr_schedule = lr_rule, lr_adjust_factor, lr_schedule
+    self.lr_factor = lr_factor  # as float32 holds it
+    self.schedule_factor = 1.0
+    self._replicated = replicated
+    self._placed: tuple[tuple[float, ...] | None, jax.Array | None] = (None, None)
+
+  def lr_factors(self, batch_size: int, epochs: float) -> tuple[float, float]:
+    """``(learning-rate factor, schedule factor)`` for ``batch_size`` after ``epochs`` epochs.
+
+    Raises:
+      ValueError: the factor is not finite and > 0.
+    """
+    return learning_rate.scheduled_lr_factor(batch_size, self.base_batch_size, self.lr_rule,
+                                             self.lr_adjust_factor, self.lr_schedule, epochs)
+
+  def set_lr_factor(self, factors: tuple[float, float]) -> None:
+    """Makes ``factors`` (from :meth:`lr_factors`) those of the next step."""
+    factor, self.schedule_factor = factors
+    self.lr_factor = float(np.float32(factor))
+
+  def on_devices(self, batch_size: int) -> jax.Array:
+    """The scalars of a step of ``batch_size`` real examples at the current factor, on the devices."""
+    inputs = (float(batch_size), self.lr_factor,
+              float(StepLayout.first_half_weight(batch_size)))
+    if self._placed[0] != inputs:
+      self._placed = (inputs, host_scalars(list(inputs), np.float32, self._replicated))
+    return self._placed[1]
