@@ -25,7 +25,7 @@ BAD_SETTINGS = [
     ("max_checkpoints", 0, r"max_checkpoints must be an integer >= 1, got 0"),
     ("background_compile", 1, r"background_compile must be True or False, got 1 \(int\)"),
     ("compile_fallback", "yes", r"compile_fallback must be True or False, got 'yes'"),
-    ("tensorboard", None, r"tensorboard must be True or False, got None"),
+    ("tensorboard", "yes", r"tensorboard must be True or False, got 'yes'"),
     ("progress", 0, r"progress must be True or False, got 0"),
     ("compilation_cache_dir", 3, r"compilation_cache_dir must be None or a path"),
     ("axis_name", "", r"axis_name must be a non-empty string, got ''"),
@@ -104,3 +104,8 @@ def test_a_config_with_setting_keywords_is_refused_before_anything_is_built(tmp_
 
 def test_doctests():
   assert doctest.testmod(config_module).failed == 0
+
+
+def test_tensorboard_defaults_to_when_tensorboardx_is_installed():
+  assert simigrad_jax.TrainerConfig(max_micro_batch_size=4).tensorboard is None
+  assert simigrad_jax.TrainerConfig(max_micro_batch_size=4, tensorboard=False).tensorboard is False
