@@ -32,7 +32,7 @@ Engine internals, documented in their rooms: StepCompiler
 Errors: every one derives from SimiGradError and keeps its built-in parent:
   BadRecordError, CheckpointMismatchError, HalvesContractError,
   LossContractError, UnsafePathError (ValueError); ProcessDisagreementError,
-  ProcessLostError, StepCompileError (RuntimeError).
+  ProcessLostError, StepCompileError, WorkdirLockedError (RuntimeError).
 
 Rooms: ingraph/ (pure, runs under jit), controllers/, data/, runtime/ (host
 side), engine/ (the Trainer and its compiled step).
@@ -88,6 +88,7 @@ from simigrad_jax.runtime.process_agreement import ProcessDisagreementError
 from simigrad_jax.runtime.process_agreement import ProcessLostError
 from simigrad_jax.runtime.process_agreement import exit_on_lost_process
 from simigrad_jax.runtime.progress import ProgressBar
+from simigrad_jax.runtime.workdir import WorkdirLockedError
 
 __version__ = "0.1.0"
 
@@ -122,6 +123,7 @@ __all__ = [
     "Trainer",
     "TrainerConfig",
     "UnsafePathError",
+    "WorkdirLockedError",
     "bucket_shapes",
     "controller_names",
     "controller_options",
