@@ -31,8 +31,8 @@ Engine internals, documented in their rooms: StepCompiler
 
 Errors: every one derives from SimiGradError and keeps its built-in parent:
   BadRecordError, CheckpointMismatchError, HalvesContractError,
-  LossContractError (ValueError); ProcessDisagreementError, ProcessLostError,
-  StepCompileError (RuntimeError).
+  LossContractError, UnsafePathError (ValueError); ProcessDisagreementError,
+  ProcessLostError, StepCompileError, WorkdirLockedError (RuntimeError).
 
 Rooms: ingraph/ (pure, runs under jit), controllers/, data/, runtime/ (host
 side), engine/ (the Trainer and its compiled step).
@@ -67,6 +67,7 @@ from simigrad_jax.engine.step_record import StepRecord
 from simigrad_jax.engine.trainer import Trainer
 from simigrad_jax.engine.trainer_checks import LossContractError
 from simigrad_jax.errors import SimiGradError
+from simigrad_jax.files import UnsafePathError
 from simigrad_jax.ingraph.half_batch import value_and_half_grads
 from simigrad_jax.ingraph.lr_scaling import LrFactorState
 from simigrad_jax.ingraph.lr_scaling import scale_by_lr_factor
@@ -87,6 +88,7 @@ from simigrad_jax.runtime.process_agreement import ProcessDisagreementError
 from simigrad_jax.runtime.process_agreement import ProcessLostError
 from simigrad_jax.runtime.process_agreement import exit_on_lost_process
 from simigrad_jax.runtime.progress import ProgressBar
+from simigrad_jax.runtime.workdir import WorkdirLockedError
 
 __version__ = "0.1.0"
 
@@ -120,6 +122,8 @@ __all__ = [
     "TfdsSource",
     "Trainer",
     "TrainerConfig",
+    "UnsafePathError",
+    "WorkdirLockedError",
     "bucket_shapes",
     "controller_names",
     "controller_options",

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import io
 import math
 import os
 import pathlib
@@ -27,6 +28,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from simigrad_jax import files
 from simigrad_jax import validation
 from simigrad_jax.runtime.metrics import read_metrics
 
@@ -190,8 +192,9 @@ def plot_metrics(
   axes[-1].set_xlabel(x_label)
   figure.suptitle(str(metrics_path) if title is None else title)
   png_path.parent.mkdir(parents=True, exist_ok=True)
-  figure.savefig(png_path, dpi=110, format="png")
-  return png_path
+  image = io.BytesIO()
+  figure.savefig(image, dpi=110, format="png")
+  return files.write_atomic(png_path, image.getvalue())
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,7 +1,8 @@
 """The package's rooms: imports go down the floors only, no import cycle, and a light core install.
 
-Floors: the ground floor (``errors``, ``validation``, ``ingraph/``: pure code
-that runs under jit and the checks everything shares); the host rooms
+Floors: the ground floor (``errors``, ``validation``, ``files``, ``ingraph/``:
+pure code that runs under jit, the checks and the safe file writes everything
+shares); the host rooms
 (``controllers/``, ``data/``, ``runtime/``, ``optimizer_state``), each importing
 only the ground floor and itself; the ``engine/`` and ``plot``, which may import
 anything below them; the package's ``__init__`` on top.
@@ -25,7 +26,7 @@ import simigrad_jax
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "simigrad_jax"
 FLOORS = {
-    "errors": 0, "validation": 0, "ingraph": 0,
+    "errors": 0, "validation": 0, "files": 0, "ingraph": 0,
     "controllers": 1, "data": 1, "runtime": 1, "optimizer_state": 1,
     "engine": 2, "plot": 2,
     "__init__": 3,

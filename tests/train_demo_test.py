@@ -34,7 +34,8 @@ def test_digits_demo_reaches_its_accuracy_and_writes_its_files(tmp_path, capsys)
   assert all(-1.0 <= r["similarity"] <= 1.0 for r in steps)
   assert (tmp_path / "metrics.png").stat().st_size > 20_000
   assert list((tmp_path / "tensorboard").iterdir())
-  assert json.loads((tmp_path / "config.json").read_text())["similarity_target"] == 0.5
+  starts = json.loads((tmp_path / "config.json").read_text())["starts"]
+  assert len(starts) == 1 and starts[0]["config"]["similarity_target"] == 0.5
   assert list((tmp_path / "compilation_cache").iterdir())  # on by default, in the workdir
 
   out = capsys.readouterr().out

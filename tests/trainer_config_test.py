@@ -28,6 +28,7 @@ BAD_SETTINGS = [
     ("tensorboard", "yes", r"tensorboard must be True or False, got 'yes'"),
     ("progress", 0, r"progress must be True or False, got 0"),
     ("compilation_cache_dir", 3, r"compilation_cache_dir must be None or a path"),
+    ("allow_shared_workdir", "no", r"allow_shared_workdir must be True or False, got 'no'"),
     ("axis_name", "", r"axis_name must be a non-empty string, got ''"),
     ("halves", "random", r"halves='random' is not valid; choose one of \('auto', 'device', 'local'\)"),
     ("agreement_timeout_seconds", 0,

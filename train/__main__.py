@@ -1,7 +1,9 @@
 """The entry point: ``python -m train --config train/configs/<name>.py [--workdir DIR] [--config.KEY=VALUE ...]``.
 
 Trains the experiment of the config file in ``--workdir`` (default
-``/tmp/simigrad/<config name>``), resuming from the newest checkpoint there,
+``$XDG_CACHE_HOME/simigrad/<config name>``, i.e. ``~/.cache/simigrad/<config
+name>``: a folder of this user's, created ``0700``; see :func:`default_workdir`),
+resuming from the newest checkpoint there,
 with JAX's persistent compilation cache in ``<workdir>/compilation_cache``
 (``--config.compilation_cache_dir`` to put it elsewhere,
 ``--config.compilation_cache=False`` to turn it off).
@@ -34,7 +36,8 @@ config_flags.DEFINE_config_file(
     "config", None, "An experiment config file, e.g. train/configs/digits_demo.py.",
     lock_config=True)
 flags.DEFINE_string("workdir", None, "Checkpoints, metrics and plots (default: "
-                    "/tmp/simigrad/<config name>). A run resumes from the newest checkpoint here.")
+                    "$XDG_CACHE_HOME/simigrad/<config name>, ~/.cache/simigrad/<config name> "
+                    "without it). A run resumes from the newest checkpoint here.")
 flags.DEFINE_bool("distributed", os.environ.get("SIMIGRAD_DISTRIBUTED", "") not in ("", "0"),
                   "Call jax.distributed.initialize() first (multi-host; default from "
                   "$SIMIGRAD_DISTRIBUTED).")
@@ -57,6 +60,19 @@ def simulate_cpu_devices(count: int) -> None:
   os.environ.update(cpu_devices.simulated_cpu_devices_env(count))
 
 
+def default_workdir(config_name: str) -> str:
+  """``$XDG_CACHE_HOME/simigrad/<config_name>``, or ``~/.cache/simigrad/<config_name>``.
+
+  A folder of this user's, not a shared one such as ``/tmp`` (where another
+  user could make it first); ``$XDG_CACHE_HOME`` counts only when absolute,
+  as the XDG specification says.
+  """
+  cache = os.environ.get("XDG_CACHE_HOME", "")
+  if not os.path.isabs(cache):
+    cache = os.path.join(os.path.expanduser("~"), ".cache")
+  return os.path.join(cache, "simigrad", config_name)
+
+
 def main(argv: list[str]) -> None:
   """Sets up the devices (and the multi-host runtime), then trains the config in the workdir."""
   if len(argv) > 1:
@@ -74,7 +90,7 @@ def main(argv: list[str]) -> None:
   from train import train  # pylint: disable=import-outside-toplevel
 
   name = pathlib.Path(config_flags.get_config_filename(FLAGS["config"])).stem
-  workdir = FLAGS.workdir or os.path.join("/tmp/simigrad", name)
+  workdir = FLAGS.workdir or default_workdir(name)
   try:
     train.train_and_evaluate(config, workdir, title=f"SimiGrad: {name}")
   except simigrad_jax.ProcessLostError as error:  # a normal exit would wait for the lost process

@@ -35,8 +35,13 @@ import optax
 
 import simigrad_jax
 from simigrad_jax import TrainerConfig
+from simigrad_jax import files
 from simigrad_jax import plot
 from simigrad_jax.engine import layout
+from simigrad_jax.runtime.process_agreement import ProcessAgreement
+from simigrad_jax.runtime.workdir import WorkdirLock
+from simigrad_jax.runtime.workdir import open_workdir
+from train import config_history
 from train import input_pipeline
 from train import models
 from train import optimizers
@@ -147,6 +152,7 @@ def create_trainer_config(config: ml_collections.ConfigDict) -> TrainerConfig:
         checkpoint_every_steps=config.checkpoint_every_steps,
         max_checkpoints=config.max_checkpoints, tensorboard=config.tensorboard,
         progress=config.progress, halves=config.halves,
+        allow_shared_workdir=config.allow_shared_workdir,
         agreement_timeout_seconds=config.agreement_timeout_seconds)
 
 
@@ -449,39 +455,59 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
 
   Re-running with the same workdir resumes from its newest checkpoint and
   appends to ``metrics.jsonl`` without repeating a step; a finished run trains
-  nothing and reports again. JAX's persistent compilation cache is on before
-  the first compile (in ``<workdir>/compilation_cache`` unless the config
-  says otherwise), so a second run or a resume loads its executables from
-  disk. That changes process-wide ``jax.config`` settings: a caller that
+  nothing and reports again. One run per workdir: it is locked before
+  anything in it is read or written, and a second run fails at once naming
+  the first (:mod:`simigrad_jax.runtime.workdir`); it must belong to this
+  user and be writable by no other, unless ``config.allow_shared_workdir``.
+  JAX's persistent compilation cache is on before the first compile (in
+  ``<workdir>/compilation_cache`` unless the config says otherwise), so a
+  second run or a resume loads its executables from disk. That changes process-wide ``jax.config`` settings: a caller that
   compiles other things afterwards can run this inside
   ``simigrad_jax.persistent_cache_settings()``.
 
   Args:
     config: the experiment config.
     workdir: where checkpoints, ``metrics.jsonl``, TensorBoard events,
-      ``config.json`` and ``metrics.png`` go (created if missing).
+      ``config.json`` (every start's config: :mod:`train.config_history`) and
+      ``metrics.png`` go (created ``0700`` if missing).
     title: the plot's title.
 
   Returns:
     The whole run's summary (resumed parts included): ``eval_accuracy``,
     ``steps``, ``examples_seen``, ``average_batch_size``,
     ``final_batch_size``, ``compiles``, ``seconds`` and the file paths.
+
+  Raises:
+    simigrad_jax.WorkdirLockedError: another run holds the workdir.
+    simigrad_jax.UnsafePathError: another user could change the workdir or
+      the cache, or ``config.json`` is a symlink.
   """
   start = time.perf_counter()
-  workdir = pathlib.Path(workdir).absolute()
-  workdir.mkdir(parents=True, exist_ok=True)
+  with open_workdir(workdir, allow_shared=config.allow_shared_workdir,
+                    agreement=ProcessAgreement(config.agreement_timeout_seconds)) as held:
+    return _train_and_evaluate_in(config, held, start=start, title=title)
+
+
+def _train_and_evaluate_in(config: ml_collections.ConfigDict, held: WorkdirLock, *,
+                           start: float, title: str | None) -> dict[str, Any]:
+  """:func:`train_and_evaluate` in a workdir whose lock this process holds."""
+  workdir = held.path
+  is_main = jax.process_index() == 0
+  if is_main:  # refused now, not after training, if it is not a history this run can extend
+    config_history.read_starts(workdir)
   cache_dir = compilation_cache_dir(config, workdir)
   if cache_dir is not None:  # before the model's first compile, so that it is cached too
-    simigrad_jax.enable_persistent_cache(cache_dir)
+    simigrad_jax.enable_persistent_cache(cache_dir, allow_shared=config.allow_shared_workdir)
   experiment = create_experiment(config)
-  is_main = jax.process_index() == 0
-  if is_main:
-    (workdir / "config.json").write_text(config.to_json(indent=2) + "\n")
   printer = report.EpochPrinter(experiment.evaluate, workdir, config.num_epochs,
                                 eval_name=experiment.datasets.eval_name, enabled=is_main)
-  trainer = create_trainer(experiment, workdir, printer if experiment.evaluate else None)
+  trainer = create_trainer(experiment, held, printer if experiment.evaluate else None)
   printer.trainer = trainer
   if is_main:
+    config_history.append_start(
+        workdir, json.loads(config.to_json()), resumed_at_step=trainer.step,
+        devices=report.describe_devices(experiment.devices, experiment.halves),
+        processes=jax.process_count())
     report.print_start(experiment, trainer)
   with trainer:
     run = trainer.train(num_epochs=config.num_epochs, num_steps=config.num_steps)
@@ -496,5 +522,5 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
           workdir / "metrics.jsonl", workdir / "metrics.png",
           title=title or f"SimiGrad: {experiment.datasets.description}, {config.model}"))
     report.print_summary(summary)
-    (workdir / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
+    files.write_atomic(workdir / "summary.json", json.dumps(summary, indent=2, default=str) + "\n")
   return summary

@@ -23,6 +23,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from simigrad_jax import files
 from simigrad_jax import validation
 from simigrad_jax.controllers.base import STATE_VERSION
 from simigrad_jax.controllers.base import BatchSizeController
@@ -130,8 +131,7 @@ class SimilarityProfile:
         "samples": self.samples,
         "summary": {str(b): v for b, v in self.summary().items()},
     }
-    with open(path, "w", encoding="utf-8") as f:
-      json.dump(data, f, indent=2)
+    files.write_atomic(path, json.dumps(data, indent=2))
 
   def state_dict(self) -> dict[str, Any]:
     """``{"profile_plan", "profile"}`` as plain JSON data."""

@@ -23,17 +23,23 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import logging
 import os
+import pathlib
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import jax
+from jax._src import compilation_cache as jax_compilation_cache
 from jax.experimental.compilation_cache import compilation_cache
 
+from simigrad_jax import files
 from simigrad_jax import validation
 from simigrad_jax.errors import SimiGradError
+
+logger = logging.getLogger("simigrad_jax")
 
 __all__ = [
     "StepCompileError",
@@ -334,7 +340,7 @@ def _check_sizes(micro_batch_sizes: Any) -> list[int]:
           for size in micro_batch_sizes]
 
 
-def enable_persistent_cache(cache_dir: str | os.PathLike) -> None:
+def enable_persistent_cache(cache_dir: str | os.PathLike, *, allow_shared: bool = False) -> None:
   """Turns on JAX's persistent (on-disk) compilation cache in ``cache_dir``.
 
   Every compile from then on (``jax.jit`` calls and AOT ``.compile()`` alike,
@@ -352,14 +358,24 @@ def enable_persistent_cache(cache_dir: str | os.PathLike) -> None:
   before the first compile you want cached. Calling it again with another
   directory switches the cache (the one already open is dropped).
 
+  An entry JAX cannot read (a process killed while writing it, a damaged
+  disk) is compiled again and replaced, where JAX alone would warn and
+  compile it again on every later run.
+
   Args:
-    cache_dir: a directory path; created if missing. Treat it as trusted
-      code: whoever can write to it can make this process run arbitrary
-      executables.
+    cache_dir: a directory path; created if missing (``0700``). Treat it as
+      trusted code: whoever can write to it can make this process run
+      arbitrary executables. So it must belong to this user and be writable
+      by no other (nor its parents: see
+      :func:`simigrad_jax.files.check_private_dir`), and the group's and
+      other users' permissions are taken off it: they could read the programs.
+    allow_shared: skip those checks and leave its mode as it is: for a
+      cache on a shared file system whose users you trust.
 
   Raises:
     ValueError: if ``cache_dir`` is not a non-empty path or exists and is
       not a directory.
+    UnsafePathError: (a ValueError) another user could change the cache.
 
   Example:
     >>> import tempfile
@@ -374,7 +390,7 @@ def enable_persistent_cache(cache_dir: str | os.PathLike) -> None:
   path = os.path.abspath(raw)
   if os.path.exists(path) and not os.path.isdir(path):
     raise ValueError(f"cache_dir must be a directory, got the file {path!r}")
-  os.makedirs(path, exist_ok=True)
+  files.make_private_dir(path, what="compilation cache", allow_shared=allow_shared, tighten=True)
   previous = jax.config.jax_compilation_cache_dir
   jax.config.update("jax_enable_compilation_cache", True)
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
@@ -384,6 +400,47 @@ def enable_persistent_cache(cache_dir: str | os.PathLike) -> None:
     # JAX opens its cache once, on the first compile after a directory is
     # set; without a reset it would keep writing to the previous directory.
     compilation_cache.reset_cache()
+  _replace_unreadable_entries()
+
+
+class _ReplacingCache(jax_compilation_cache.CacheInterface):
+  """JAX's cache, but an entry that exists when JAX writes it is replaced.
+
+  JAX writes an entry only after its read found none or could not use the one
+  there (it warns "Error reading persistent compilation cache entry" and
+  compiles again); its own cache then keeps the unreadable entry ("if a cache
+  item with the same key already exists, no action will be taken"), and
+  every later run warns and compiles again.
+  """
+
+  def __init__(self, cache: jax_compilation_cache.CacheInterface):
+    self._cache = cache
+    self._path = cache._path  # pylint: disable=protected-access
+
+  def get(self, key: str) -> bytes | None:
+    return self._cache.get(key)
+
+  def put(self, key: str, value: bytes) -> None:
+    entry = pathlib.Path(self._path) / f"{key}-cache"
+    if entry.exists():  # JAX could not read it (or another thread wrote it meanwhile)
+      logger.warning("replacing the unreadable compilation cache entry %s", entry)
+      entry.unlink(missing_ok=True)
+    self._cache.put(key, value)
+
+
+def _replace_unreadable_entries() -> None:
+  """Opens JAX's cache now, inside a :class:`_ReplacingCache`.
+
+  Uses JAX's private module (checked for here): with another JAX where it
+  differs, the cache stays as JAX makes it.
+  """
+  if not all(hasattr(jax_compilation_cache, name) for name in
+             ("_initialize_cache", "_cache", "CacheInterface", "LRUCache")):
+    return
+  jax_compilation_cache._initialize_cache()  # pylint: disable=protected-access
+  cache = jax_compilation_cache._cache  # pylint: disable=protected-access
+  if isinstance(cache, jax_compilation_cache.LRUCache):
+    jax_compilation_cache._cache = _ReplacingCache(cache)  # pylint: disable=protected-access
 
 
 # The process-wide ``jax.config`` settings that enable_persistent_cache changes.

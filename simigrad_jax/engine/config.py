@@ -23,7 +23,7 @@ from simigrad_jax.runtime import process_agreement
 Mode = Literal["recompile", "pad"]
 MODES: tuple[str, ...] = ("recompile", "pad")
 
-_FLAGS = ("background_compile", "compile_fallback", "progress")
+_FLAGS = ("background_compile", "compile_fallback", "progress", "allow_shared_workdir")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -58,6 +58,15 @@ class TrainerConfig:
       the previous step's agreement, so every process runs the same one.
     compilation_cache_dir: optional persistent compilation cache directory
       (:func:`simigrad_jax.enable_persistent_cache`, a process-wide setting).
+    allow_shared_workdir: use a workdir (and compilation cache) that other
+      users can change. By default the run refuses one that belongs to
+      another user, or that a group or other users can write to (or whose
+      parent folders they can: :func:`simigrad_jax.files.check_private_dir`),
+      and keeps its checkpoints and cache unreadable by other users. True
+      turns that off, for a shared file system of a pod whose folders are
+      group-writable by design. The risk: whoever else can write there can
+      change the run's checkpoints and metrics, or make it run code of their
+      choosing through the compilation cache, whose programs JAX loads and runs.
     tensorboard: also write TensorBoard event files: None (the default) when
       tensorboardX is installed (the ``tensorboard`` and ``train`` extras),
       True to require it, False never.
@@ -101,6 +110,7 @@ class TrainerConfig:
   background_compile: bool = True
   compile_fallback: bool = True
   compilation_cache_dir: str | os.PathLike | None = None
+  allow_shared_workdir: bool = False
   tensorboard: bool | None = None
   progress: bool = True
   axis_name: str = "batch"

@@ -10,8 +10,10 @@
 3. agree: with several processes, every one must run the same program (a
    difference would deadlock the first collective), so they compare their
    settings first;
-4. resume from the newest checkpoint in the workdir, if any, and agree on it;
-5. trace the first step's program, so that a model, loss, optimizer and data
+4. take the workdir: checked, private, and locked for this run before anything
+   in it is read or written (:mod:`simigrad_jax.runtime.workdir`);
+5. resume from the newest checkpoint in the workdir, if any, and agree on it;
+6. trace the first step's program, so that a model, loss, optimizer and data
    that do not fit each other fail now; the programs compile in the
    background (:class:`~simigrad_jax.engine.programs.StepPrograms`).
 """
@@ -29,6 +31,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from simigrad_jax import files
 from simigrad_jax import optimizer_state
 from simigrad_jax.controllers import learning_rate
 from simigrad_jax.data import grain_source
@@ -44,6 +47,8 @@ from simigrad_jax.engine.programs import StepPrograms
 from simigrad_jax.engine.step_inputs import StepInputs
 from simigrad_jax.runtime.process_agreement import ProcessAgreement
 from simigrad_jax.runtime.run_checkpoints import RunCheckpoints
+from simigrad_jax.runtime.workdir import WorkdirLock
+from simigrad_jax.runtime.workdir import open_workdir
 
 
 @dataclasses.dataclass
@@ -52,6 +57,8 @@ class Run:
 
   Attributes:
     workdir: the absolute workdir.
+    workdir_lock: the run's lock on it, when the run took it (None: the
+      caller holds it, and releases it).
     source: the random-access data source.
     mesh: the one-axis mesh over the training devices.
     layout: the split into halves and the grid of compiled shapes.
@@ -66,6 +73,7 @@ class Run:
   """
 
   workdir: pathlib.Path
+  workdir_lock: WorkdirLock | None
   source: Any
   mesh: Mesh
   layout: StepLayout
@@ -106,6 +114,7 @@ def build_run(config: TrainerConfig, agreement: ProcessAgreement, *,
       resumed states.
   """
   source = grain_source.as_source(source)
+  given_workdir = workdir
   num_examples, workdir, devices, opt_state, lower, upper = _check_objects(
       config, loss_fn=loss_fn, params=params, optimizer=optimizer, source=source,
       controller=controller, workdir=workdir, eval_fn=eval_fn, lr_schedule=lr_schedule,
@@ -121,17 +130,19 @@ def build_run(config: TrainerConfig, agreement: ProcessAgreement, *,
       config, layout, controller=controller, source=source, params=params,
       num_examples=num_examples))
 
-  workdir.mkdir(exist_ok=True)
   sampler = EpochSampler(num_examples, config.seed)
   state = jax.device_put({"params": params, "opt_state": opt_state, "model_state": model_state},
                          replicated)
   step = nonfinite_steps = 0
-  checkpoints = RunCheckpoints(workdir / "checkpoints", seed=config.seed,
-                               max_to_keep=config.max_checkpoints, agreement=agreement)
+  workdir_lock = _lock_workdir(given_workdir, workdir, config, agreement)
+  checkpoints = programs = None
   # Multi-host: names a lost process when this one waits for it in a collective (until closed).
   agreement.start_watchdog()
-  programs = None
   try:
+    checkpoints = RunCheckpoints(
+        files.make_private_dir(workdir / "checkpoints", what="checkpoint folder", tighten=True,
+                               allow_shared=config.allow_shared_workdir),
+        seed=config.seed, max_to_keep=config.max_checkpoints, agreement=agreement)
     resumed = checkpoints.resume(state, sampler, controller)
     if resumed is not None:
       state, step, nonfinite_steps = resumed
@@ -139,7 +150,8 @@ def build_run(config: TrainerConfig, agreement: ProcessAgreement, *,
                     values={"step": step, "controller": controller.state_dict(),
                             "sampler": sampler.state_dict()})
     if config.compilation_cache_dir is not None:
-      enable_persistent_cache(config.compilation_cache_dir)
+      enable_persistent_cache(config.compilation_cache_dir,
+                              allow_shared=config.allow_shared_workdir)
     # With several processes, a fallback uses only shapes that every process reported compiled
     # at the last step's agreement, so all of them pick the same shape.
     programs = StepPrograms(
@@ -153,9 +165,12 @@ def build_run(config: TrainerConfig, agreement: ProcessAgreement, *,
     programs.trace(layout.plan(controller.batch_size).micro_batch_size)
   except BaseException:
     agreement.close()
-    checkpoints.close()
+    if checkpoints is not None:
+      checkpoints.close()
     if programs is not None:
       programs.close()
+    if workdir_lock is not None:
+      workdir_lock.close()
     raise
   data = StepDataLoader(source, sampler, NamedSharding(mesh, P(config.axis_name)), replicated,
                         layout.slot_positions(local_device_positions(devices)),
@@ -165,9 +180,17 @@ def build_run(config: TrainerConfig, agreement: ProcessAgreement, *,
       base_batch_size=controller.initial_batch_size, lr_rule=config.lr_rule,
       lr_adjust_factor=config.lr_adjust_factor, lr_schedule=lr_schedule,
       lr_factor=optimizer_state.lr_factor_of(state["opt_state"]), replicated=replicated)
-  return Run(workdir=workdir, source=source, mesh=mesh, layout=layout, sampler=sampler,
-             state=state, step=step, nonfinite_steps=nonfinite_steps,
+  return Run(workdir=workdir, workdir_lock=workdir_lock, source=source, mesh=mesh, layout=layout,
+             sampler=sampler, state=state, step=step, nonfinite_steps=nonfinite_steps,
              checkpoints=checkpoints, programs=programs, data=data, step_inputs=step_inputs)
+
+
+def _lock_workdir(given: Any, workdir: pathlib.Path, config: TrainerConfig,
+                  agreement: ProcessAgreement) -> WorkdirLock | None:
+  """Takes the workdir for this run (None when ``given`` is this process's held lock on it)."""
+  if isinstance(given, WorkdirLock) and given.held and given.path == workdir:
+    return None
+  return open_workdir(workdir, allow_shared=config.allow_shared_workdir, agreement=agreement)
 
 
 def _check_objects(config: TrainerConfig, *, loss_fn: Any, params: Any, optimizer: Any,

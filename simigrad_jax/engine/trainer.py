@@ -81,7 +81,11 @@ class Trainer:
     controller: a :class:`simigrad_jax.Controller`, or any controller with the
       :class:`simigrad_jax.BatchSizeController` interface.
     workdir: where metrics and checkpoints go; a run resumes from the newest
-      checkpoint found there. Its parent must exist.
+      checkpoint found there. Its parent must exist; it is created ``0700``.
+      One run per workdir: the Trainer holds its lock until :meth:`close`
+      (a :class:`~simigrad_jax.runtime.workdir.WorkdirLock` this process
+      holds is used as it is). It must belong to this user and be writable
+      by no other (see ``allow_shared_workdir``).
     model_state: non-trainable state (e.g. BatchNorm statistics), or None.
     eval_fn: optional ``eval_fn(params, model_state) -> dict`` run at every
       epoch end; its numbers are logged with an ``eval_`` prefix.
@@ -105,7 +109,11 @@ class Trainer:
       valid: e.g. bounds the data set cannot fill, a similarity controller's
       lower bound below 2, ``halves="device"`` on an odd number of devices,
       a ``loss_fn`` that does not return one loss per row, a workdir holding
-      another run's checkpoints, a config given with setting keywords.
+      another run's checkpoints, a config given with setting keywords;
+      :class:`~simigrad_jax.files.UnsafePathError` for a workdir or cache
+      other users can change.
+    WorkdirLockedError: another run (or Trainer) holds the workdir; the
+      message names it.
     ProcessDisagreementError: in a multi-host run, when the processes were
       built with different settings or took different decisions.
     ProcessLostError: (a ProcessDisagreementError) in a multi-host run, when
@@ -146,6 +154,7 @@ class Trainer:
         eval_fn=eval_fn, lr_schedule=lr_schedule, devices=devices)
     self.controller, self.eval_fn = controller, eval_fn
     self.workdir, self.source, self.mesh, self.layout = run.workdir, run.source, run.mesh, run.layout
+    self._workdir_lock = run.workdir_lock
     self.halves, self.num_devices = run.layout.halves, run.layout.num_devices
     self.shapes = run.layout.device_grid  # the compiled micro-batch shapes, rows per device
     self.sampler, self.state, self.step = run.sampler, run.state, run.step
@@ -322,7 +331,7 @@ class Trainer:
     return self._programs.memory(self.layout.slot_rows(micro_batch_size))
 
   def close(self) -> None:
-    """Waits for saves and compiles, and closes the metrics files.
+    """Waits for saves and compiles, closes the metrics files and releases the workdir.
 
     After a :class:`ProcessLostError` it does not wait for a checkpoint
     save under way: the save would wait for the lost process.
@@ -332,6 +341,8 @@ class Trainer:
     self._data.close()
     self._metrics.writer.close()
     self._agreement.close()
+    if self._workdir_lock is not None:  # the last: the files above are complete
+      self._workdir_lock.close()
 
   def __enter__(self):
     return self

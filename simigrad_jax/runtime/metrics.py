@@ -21,14 +21,13 @@ import logging
 import math
 import os
 import pathlib
-import shutil
-import tempfile
 import time
 from collections.abc import Mapping
 from typing import Any, TextIO
 
 import numpy as np
 
+from simigrad_jax import files
 from simigrad_jax import validation
 
 logger = logging.getLogger("simigrad_jax")
@@ -114,35 +113,10 @@ def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
   return [record for _, record in entries]
 
 
-def _atomic_write(path: pathlib.Path, lines: list[bytes]) -> None:
-  """Replaces ``path`` by ``lines`` via a synced temporary file in its folder."""
-  fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-  try:
-    with os.fdopen(fd, "wb") as f:
-      f.writelines(lines)
-      f.flush()
-      os.fsync(f.fileno())
-    if path.exists():
-      shutil.copymode(path, tmp)
-    os.replace(tmp, path)
-  except BaseException:
-    if os.path.exists(tmp):
-      os.unlink(tmp)
-    raise
-  try:  # make the rename itself durable where the platform allows it
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-  except OSError:
-    return
-  try:
-    os.fsync(dir_fd)
-  except OSError:
-    pass
-  finally:
-    os.close(dir_fd)
-
-
 def _prepare_for_append(path: pathlib.Path, resume_step: int | None) -> None:
   """Drops a torn last line and, on resume, the records after ``resume_step``."""
+  if path.is_symlink():  # never read or write a run's metrics through a link
+    raise files.refuse_symlink(path)
   if not path.exists():
     return
   data = path.read_bytes()
@@ -152,11 +126,11 @@ def _prepare_for_append(path: pathlib.Path, resume_step: int | None) -> None:
     cut = data.rfind(b"\n") + 1
     tail = data[cut:]
     if _parse_line(tail) is not None or not tail.strip():
-      with open(path, "ab") as f:  # complete but for its newline
-        f.write(b"\n")
+      with files.open_for_append(path) as f:  # complete but for its newline
+        f.write("\n")
     else:
       logger.warning("%s: dropping a torn last line (%d bytes)", path, len(tail))
-      _atomic_write(path, [data[:cut]])
+      files.write_atomic(path, data[:cut])
     return
   entries, torn = _split_records(data, path)
   if torn is not None:
@@ -173,7 +147,7 @@ def _prepare_for_append(path: pathlib.Path, resume_step: int | None) -> None:
   if len(kept) < len(entries):
     logger.info("%s: resuming after step %d, dropping %d of %d records",
                 path, resume_step, len(entries) - len(kept), len(entries))
-  _atomic_write(path, kept)
+  files.write_atomic(path, b"".join(kept))
 
 
 def _to_json(value: Any, where: str) -> Any:
@@ -299,7 +273,7 @@ class MetricsWriter:
       return
     self._workdir.mkdir(parents=True, exist_ok=True)
     _prepare_for_append(self._path, self._resume_step)
-    self._file = open(self._path, "a", encoding="utf-8")
+    self._file = files.open_for_append(self._path)
     if tensorboard:
       try:
         import tensorboardX  # pylint: disable=g-import-not-at-top

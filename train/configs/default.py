@@ -134,6 +134,10 @@ def get_config() -> ml_collections.ConfigDict:
   # here instead of compiling them. False leaves JAX's own cache settings as they are.
   config.compilation_cache = True
   config.compilation_cache_dir = config_dict.placeholder(str)  # None: <workdir>/compilation_cache.
+  # Use a workdir (and compilation cache) that other users can change: one that is not this
+  # user's, or that a group or others can write to. Only for a shared file system whose users
+  # you trust: they could change the checkpoints or, through the cache, run code in this run.
+  config.allow_shared_workdir = False
   # Several hosts: seconds a process waits for the others before it names a lost one.
   config.agreement_timeout_seconds = 300.0
   config.tensorboard = True

@@ -1,0 +1,267 @@
+"""Host: files and folders that other users cannot change under a run.
+
+A run's files are written by this process alone, in folders no other user
+can write to:
+
+* :func:`write_atomic` writes a whole file (``config.json``,
+  ``summary.json``, ``metrics.png``, a similarity profile, a rewritten
+  ``metrics.jsonl``) to a temporary file in the same folder, syncs it and
+  renames it over the old one: a reader sees the old file or the new one,
+  never half of one, and a symlink in its place is replaced, never written
+  through.
+* :func:`open_for_append` opens a file to append to without following a
+  symlink.
+* :func:`make_private_dir` creates a folder (``0700``) and checks that it and
+  its parents belong to this user (or root) and that no other user can write
+  to them (:func:`check_private_dir`); otherwise another user could replace
+  the run's checkpoints, its metrics, or the compiled programs of JAX's
+  persistent cache, which JAX loads and runs.
+
+Example:
+  >>> import tempfile
+  >>> folder = make_private_dir(tempfile.mkdtemp() + "/run")
+  >>> oct(folder.stat().st_mode & 0o777)
+  '0o700'
+  >>> write_atomic(folder / "summary.json", '{"steps": 3}\\n').read_text()
+  '{"steps": 3}\\n'
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import pathlib
+import stat
+import tempfile
+from typing import TextIO
+
+from simigrad_jax.errors import SimiGradError
+
+logger = logging.getLogger("simigrad_jax")
+
+__all__ = ["UnsafePathError", "check_private_dir", "make_private_dir", "open_for_append",
+           "open_nofollow", "refuse_symlink", "write_atomic"]
+
+# How to turn the folder checks off, for the messages.
+ALLOW_SHARED = ("allow_shared_workdir=True (TrainerConfig; --config.allow_shared_workdir=True "
+                "for python -m train)")
+
+
+class UnsafePathError(SimiGradError, ValueError):
+  """A folder other users can change (their own, or writable by them), or a symlink where a file is written.
+
+  The message names the path, its owner and mode, and what would be valid.
+  """
+
+
+def current_uid() -> int:
+  """The user the process acts as (its effective uid): the owner a private folder must have."""
+  return os.geteuid()
+
+
+def _user(uid: int) -> str:
+  """``"alice (uid 1000)"``, or ``"uid 1000"`` for a uid without a name."""
+  try:
+    import pwd  # pylint: disable=import-outside-toplevel
+    return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
+  except (ImportError, KeyError):
+    return f"uid {uid}"
+
+
+def _new_file_mode() -> int:
+  """The mode ``open()`` would give a new file: ``0o666`` less the process's umask."""
+  # The umask can only be read by setting it; the tightest value stands in for the instant
+  # between the two calls, so a file another thread creates then is private, never open.
+  umask = os.umask(0o077)
+  os.umask(umask)
+  return 0o666 & ~umask
+
+
+def write_atomic(path: str | os.PathLike, data: bytes | str) -> pathlib.Path:
+  """Replaces the file ``path`` by ``data`` through a synced temporary file in its folder.
+
+  A reader (or a crash) sees the old content or the new one, never a mix. A
+  symlink at ``path`` is replaced by the file (a warning names its target),
+  never followed. An existing file keeps its mode; a new one gets
+  ``0o666`` less the umask, as ``open()`` would give it.
+
+  Args:
+    path: the file to write; its folder must exist.
+    data: the content (``str`` is written as UTF-8).
+
+  Returns:
+    ``path`` as a :class:`pathlib.Path`.
+
+  Example:
+    >>> import tempfile
+    >>> path = pathlib.Path(tempfile.mkdtemp()) / "config.json"
+    >>> write_atomic(path, b"{}").read_bytes()
+    b'{}'
+  """
+  path = pathlib.Path(path)
+  if isinstance(data, str):
+    data = data.encode()
+  try:
+    old = os.lstat(path)
+  except FileNotFoundError:
+    old = None
+  if old is not None and stat.S_ISLNK(old.st_mode):
+    logger.warning("%s is a symlink to %s; replacing the link by the file, not writing through it",
+                   path, os.readlink(path))
+  mode = (stat.S_IMODE(old.st_mode) if old is not None and stat.S_ISREG(old.st_mode)
+          else _new_file_mode())
+  # mkstemp creates the file exclusively (O_EXCL), so it never opens a planted one.
+  fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+  try:
+    with os.fdopen(fd, "wb") as f:
+      f.write(data)
+      f.flush()
+      os.fchmod(f.fileno(), mode)
+      os.fsync(f.fileno())
+    os.replace(tmp, path)  # renames over the entry: a symlink there is replaced, not followed
+  except BaseException:
+    if os.path.lexists(tmp):
+      os.unlink(tmp)
+    raise
+  _sync_folder(path.parent)
+  return path
+
+
+def _sync_folder(folder: pathlib.Path) -> None:
+  """Makes a rename in ``folder`` durable where the platform allows it."""
+  try:
+    dir_fd = os.open(folder, os.O_RDONLY)
+  except OSError:
+    return
+  try:
+    os.fsync(dir_fd)
+  except OSError:
+    pass
+  finally:
+    os.close(dir_fd)
+
+
+def open_for_append(path: str | os.PathLike) -> TextIO:
+  """Opens the file ``path`` (created if missing) to append UTF-8 text to, refusing a symlink.
+
+  Raises:
+    UnsafePathError: ``path`` is a symlink (the message names its target).
+  """
+  return os.fdopen(open_nofollow(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT), "a",
+                   encoding="utf-8")
+
+
+def open_nofollow(path: str | os.PathLike, flags: int, mode: int = 0o666) -> int:
+  """``os.open(path, flags | O_NOFOLLOW | O_CLOEXEC, mode)``: a file descriptor, never through a symlink.
+
+  Raises:
+    UnsafePathError: ``path`` is a symlink (the message names its target).
+  """
+  path = pathlib.Path(path)
+  try:
+    return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+  except OSError as error:
+    if error.errno == errno.ELOOP or path.is_symlink():
+      raise refuse_symlink(path) from error
+    raise
+
+
+def refuse_symlink(path: pathlib.Path) -> UnsafePathError:
+  """The error for a symlink found where a run's file is kept (to raise)."""
+  return UnsafePathError(
+      f"{path} is a symlink to {os.readlink(path)!r}; a run never writes or reads its files "
+      f"through a symlink (another user may have planted it): remove the link, or use another "
+      f"workdir")
+
+
+def check_private_dir(path: str | os.PathLike, *, what: str = "workdir") -> None:
+  """Raises :class:`UnsafePathError` unless only this user (and root) can change the folder ``path``.
+
+  The folder must belong to this user and be writable by no group or other
+  user. Each of its parents (of the path as given and of the path with
+  symlinks resolved) must belong to this user or to root, and be writable by
+  no other user unless it has the sticky bit (as ``/tmp`` has: then nobody
+  can rename or remove what another user made in it); otherwise their owner
+  could swap the folder for one of theirs.
+
+  Args:
+    path: an existing folder (a symlink to one is checked at its target).
+    what: what the folder is, for the message (``"workdir"``, ...).
+
+  Raises:
+    UnsafePathError: the message names the folder, its owner and mode, and
+      how to turn the check off.
+  """
+  path = pathlib.Path(path).absolute()
+  uid = current_uid()
+  info = os.stat(path)
+  mode = stat.S_IMODE(info.st_mode)
+  risk = (f"another user could change the run's files there (its checkpoints, or the compiled "
+          f"programs JAX loads and runs). Use a folder of your own (mode 0700 or 0755), or set "
+          f"{ALLOW_SHARED} if you trust every user who can write there")
+  if info.st_uid != uid:
+    raise UnsafePathError(f"the {what} {str(path)!r} belongs to {_user(info.st_uid)}, not to this "
+                          f"user, {_user(uid)}: {risk}")
+  if mode & 0o022:
+    raise UnsafePathError(f"the {what} {str(path)!r} has mode {mode:#o}: it is "
+                          f"{_writable_by(mode)}-writable, so {risk}")
+  parents = dict.fromkeys([*path.parents, *pathlib.Path(os.path.realpath(path)).parents])
+  for parent in parents:
+    info = os.stat(parent)
+    mode = stat.S_IMODE(info.st_mode)
+    if info.st_uid not in (uid, 0):
+      raise UnsafePathError(
+          f"the {what} {str(path)!r} is inside {str(parent)!r}, which belongs to "
+          f"{_user(info.st_uid)}, who could replace the {what} by a folder of theirs: {risk}")
+    if mode & 0o022 and not mode & stat.S_ISVTX:
+      raise UnsafePathError(
+          f"the {what} {str(path)!r} is inside {str(parent)!r}, which has mode {mode:#o}: it is "
+          f"{_writable_by(mode)}-writable without the sticky bit, so any user who can write "
+          f"there could replace the {what} by a folder of theirs: {risk}")
+
+
+def _writable_by(mode: int) -> str:
+  return " and ".join(name for bit, name in ((0o020, "group"), (0o002, "world")) if mode & bit)
+
+
+def make_private_dir(path: str | os.PathLike, *, what: str = "workdir", allow_shared: bool = False,
+                     tighten: bool = False) -> pathlib.Path:
+  """Creates the folder ``path`` (mode ``0700``, as any missing parent) and checks it.
+
+  Args:
+    path: the folder.
+    what: what the folder is, for the messages.
+    allow_shared: skip :func:`check_private_dir` (and ``tighten``): for a
+      shared file system whose users are trusted.
+    tighten: also take the group's and other users' permissions off an
+      existing folder (for the library's own folders: the checkpoints and the
+      compilation cache, which other users must not read).
+
+  Returns:
+    The absolute folder.
+
+  Raises:
+    UnsafePathError: see :func:`check_private_dir`.
+    ValueError: ``path`` exists and is not a folder.
+  """
+  path = pathlib.Path(path).absolute()
+  missing = []
+  for folder in (path, *path.parents):
+    if os.path.lexists(folder):
+      break
+    missing.append(folder)
+  for folder in reversed(missing):
+    try:
+      folder.mkdir(mode=0o700)
+    except FileExistsError:  # made by another process meanwhile: checked below
+      pass
+  if not path.is_dir():
+    raise ValueError(f"the {what} {str(path)!r} exists and is not a directory")
+  if allow_shared:
+    return path
+  check_private_dir(path, what=what)
+  mode = stat.S_IMODE(path.stat().st_mode)
+  if tighten and mode & 0o077:
+    path.chmod(mode & 0o700)
+  return path
