@@ -71,7 +71,8 @@ class Trainer:
       arrays with a leading example axis). ``weights`` is 1 for real rows and
       0 for padding: models with BatchNorm should pass it as the mask.
       BatchNorm statistics are averaged over devices after every micro-step.
-    params: the initial parameters (a pytree).
+    params: the initial parameters (a pytree; copied onto the devices, so the
+      caller's arrays stay usable, e.g. to start another Trainer).
     optimizer: an optax optimizer containing ``simigrad_jax.transform(axis_name)``
       and, last, ``simigrad_jax.scale_by_lr_factor()``.
     source: a random-access data source (``len()``, ``get_batch(indices)``,
@@ -90,6 +91,13 @@ class Trainer:
       examples, not steps), e.g. a step decay or a warm-up. It multiplies the
       batch-size factor, at no recompilation.
     devices: the devices to train on (default: all, over every process), 1 or more.
+    run_settings: what else decides the run and the Trainer cannot see, as
+      JSON data (e.g. an experiment's config): recorded in every checkpoint
+      with the optimizer's hyperparameters, the controller's settings, the
+      data, the model, the devices and the versions; a resume that changes
+      any of them but the devices and versions is refused
+      (:class:`simigrad_jax.CheckpointMismatchError`, listing the
+      differences) unless ``allow_changed_settings=True``.
     hooks: objects with ``on_step(record)``
       (:class:`~simigrad_jax.engine.hooks.StepHook`), given every step's
       :class:`~simigrad_jax.engine.step_record.StepRecord` in order, after the
@@ -104,8 +112,12 @@ class Trainer:
       before anything is compiled or trained, naming the value and what is
       valid: e.g. bounds the data set cannot fill, a similarity controller's
       lower bound below 2, ``halves="device"`` on an odd number of devices,
-      a ``loss_fn`` that does not return one loss per row, a workdir holding
-      another run's checkpoints, a config given with setting keywords.
+      a ``loss_fn`` that does not return one loss per row, a config given
+      with setting keywords.
+    CheckpointMismatchError: (a ValueError) the workdir holds checkpoints of
+      another run: another model, optimizer structure or seed, or (unless
+      ``allow_changed_settings``) other optimizer hyperparameters, controller
+      settings, data or ``run_settings``; the message lists the differences.
     ProcessDisagreementError: in a multi-host run, when the processes were
       built with different settings or took different decisions.
     ProcessLostError: (a ProcessDisagreementError) in a multi-host run, when
@@ -135,7 +147,8 @@ class Trainer:
       eval_fn: Callable[[Any, Any], Mapping[str, float]] | None = None,
       lr_schedule: Callable[[float], float] | None = None,
       devices: list[jax.Device] | None = None, hooks: Sequence[StepHook] = (),
-      config: TrainerConfig | None = None, **settings: Any):
+      run_settings: Mapping[str, Any] | None = None, config: TrainerConfig | None = None,
+      **settings: Any):
     # Everything is checked before anything is created, compiled or trained.
     self.config = config = TrainerConfig.from_settings(config, settings)
     self._hooks = [check_hook(hook) for hook in hooks]
@@ -143,7 +156,7 @@ class Trainer:
     run = run_setup.build_run(
         config, self._agreement, loss_fn=loss_fn, params=params, optimizer=optimizer,
         source=source, controller=controller, workdir=workdir, model_state=model_state,
-        eval_fn=eval_fn, lr_schedule=lr_schedule, devices=devices)
+        eval_fn=eval_fn, lr_schedule=lr_schedule, devices=devices, run_settings=run_settings)
     self.controller, self.eval_fn = controller, eval_fn
     self.workdir, self.source, self.mesh, self.layout = run.workdir, run.source, run.mesh, run.layout
     self.halves, self.num_devices = run.layout.halves, run.layout.num_devices
