@@ -194,8 +194,11 @@ class Trainer:
       A summary dict: steps, examples seen, average batch size, final batch
       size, last loss and similarity, the compile and data timings (and
       ``compile_fallback_steps``: steps run on a fallback shape), the median
-      ``host_seconds`` (the host's critical path between steps), and the last
-      evaluation (if any).
+      ``host_seconds`` (the host's critical path between steps), the steps
+      skipped for a non-finite gradient (``nonfinite_steps`` in the whole
+      run, ``run_nonfinite_steps`` in this call, whose first,
+      ``first_nonfinite_step``, a warning names), and the last evaluation
+      (if any).
     """
     total_examples, max_steps = _run_length(num_epochs, num_steps, self.sampler.num_examples)
     totals = RunTotals()
@@ -235,7 +238,8 @@ class Trainer:
         self._run_hooks(hooks, pending)
       progress.close()
     return {"steps": self.step, "examples_seen": self.sampler.examples_seen,
-            "final_batch_size": self.controller.batch_size, **self.compile_stats(),
+            "final_batch_size": self.controller.batch_size,
+            "nonfinite_steps": self._nonfinite_steps, **self.compile_stats(),
             **totals.summary(), **evaluation.results}
 
   def _epochs(self) -> float:
