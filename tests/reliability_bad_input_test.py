@@ -246,19 +246,23 @@ CASES = [
          ValueError, r"the learning-rate factor at epoch 0.000 would be 0.0 \(lr_schedule returned 0.0\); "
                      r"it must be finite and > 0"),
     # Checkpoints that belong to another run.
-    Case("checkpoint from a different model", resume_with(hidden=16), ValueError,
-         r"holds checkpoints of another run: the checkpoint at step 4 .* different model or optimizer: "
-         r".*\['Dense_1'\]\['kernel'\] is float32\[5, 8\] there and float32\[5, 16\] here",
-         resume=True),
+    Case("checkpoint from a different model", resume_with(hidden=16),
+         simigrad_jax.CheckpointMismatchError,
+         r"(?s)holds checkpoints of another run, whose arrays do not fit this one's; the runs differ "
+         r"in:\n.*  - model.params\['Dense_1'\]\['kernel'\]: 'float32\[5, 8\]' there, "
+         r"'float32\[5, 16\]' here\n.*cannot be resumed, allowed or not", resume=True),
     Case("checkpoint with another similarity target",
          resume_with(controller=controller(similarity_target=0.5)),
-         ValueError, r"the checkpoint at step 4 .* does not match this run's settings: state config differs "
-                     r"from this controller's in: similarity_target \(saved 0.3, here 0.5\)", resume=True),
-    Case("checkpoint with another seed", resume_with(seed=4), ValueError,
+         simigrad_jax.CheckpointMismatchError,
+         r"the checkpoint at step 4 .* was made by a run with other settings:\n"
+         r"  - controller.similarity_target: 0.3 there, 0.5 here\n.*allow_changed_settings=True",
+         resume=True),
+    Case("checkpoint with another seed", resume_with(seed=4), simigrad_jax.CheckpointMismatchError,
          r"the checkpoint at step 4 .* was made with seed=3, this run has seed=4", resume=True),
-    Case("checkpoint of a different data set", resume_with(data=dataset(num_examples=180)), ValueError,
-         r"does not match this run's settings: sampler state differs from this sampler in: num_examples "
-         r"\(saved 200, here 180\)", resume=True),
+    Case("checkpoint of a different data set", resume_with(data=dataset(num_examples=180)),
+         simigrad_jax.CheckpointMismatchError,
+         r"was made by a run with other settings:\n  - data.num_examples: 200 there, 180 here\n",
+         resume=True),
 ]
 
 

@@ -6,10 +6,15 @@ gradient on one device. Such a step must leave the parameters and the whole
 optimizer state as they were (momentum, weight decay and Adam's counters
 would otherwise still move them: the transform alone only zeroes the
 update), keep the controller's batch size, count the event in the metrics,
-and training must go on with finite numbers.
+the summary and the final report, name the first in a warning, and training
+must go on with finite numbers.
 """
 
 from __future__ import annotations
+
+import json
+import logging
+import re
 
 import jax
 import numpy as np
@@ -18,6 +23,7 @@ import pytest
 
 import simigrad_jax
 from simigrad_jax.ingraph.transform import SimilarityState
+from train import report
 from trainer_test import TinyMLP
 
 pytestmark = pytest.mark.reliability
@@ -58,7 +64,7 @@ OPTIMIZERS = {
 
 @pytest.mark.parametrize("name, num_devices", [(name, 8) for name in OPTIMIZERS] + [
     ("sgd-momentum-weight-decay", 3)])  # 3 devices: the local split, NaN or Inf in one half
-def test_nonfinite_steps_are_skipped_and_counted(name, num_devices, tmp_path):
+def test_nonfinite_steps_are_skipped_and_counted(name, num_devices, tmp_path, caplog):
   data = poisoned_data()
   controller = simigrad_jax.Controller(24, 0.3, batch_size_lower_bound=8, batch_size_upper_bound=64)
   trainer = simigrad_jax.Trainer(
@@ -82,8 +88,8 @@ def test_nonfinite_steps_are_skipped_and_counted(name, num_devices, tmp_path):
   original_decide = trainer._read_and_decide
   trainer._read_and_decide = lambda dispatched: decided.append(original_decide(dispatched)) or (
       decided[-1])
-  with trainer:
-    trainer.train(num_epochs=3)
+  with trainer, caplog.at_level(logging.WARNING, logger="simigrad_jax"):
+    summary = trainer.train(num_epochs=3)
 
   snapshots = [(record.as_dict(), *run) for record, run in zip(decided, runs, strict=True)]
   records = [r for r in simigrad_jax.read_metrics(tmp_path / "metrics.jsonl") if "loss" in r]
@@ -110,7 +116,33 @@ def test_nonfinite_steps_are_skipped_and_counted(name, num_devices, tmp_path):
   assert [r["step"] for r in records if r["grads_finite"] is False] == [s[0]["step"] for s in bad]
   assert controller.nonfinite_count == len(bad)
   assert simigrad_jax.similarity_stats(trainer.state["opt_state"])["nonfinite_count"] == len(bad)
+  # Said: the summary counts them, and a warning names the first (and only the first).
+  first = bad[0][0]
+  assert summary["run_nonfinite_steps"] == summary["nonfinite_steps"] == len(bad)
+  assert summary["first_nonfinite_step"] == first["step"]
+  assert f"step {first['step']} (batch size {first['batch_size']}, epoch {first['epoch']}): " \
+         "the gradient was NaN or infinite" in caplog.text
+  assert caplog.text.count("the gradient was NaN or infinite") == 1
   for leaf in jax.tree.leaves(host(trainer.state)):
     assert np.all(np.isfinite(leaf))
   assert all(np.isfinite(r["loss"]) for r in records if r["grads_finite"])
   print(f"\n{name}: {len(bad)} of {len(records)} steps non-finite (NaN and Inf), all skipped")
+
+
+def test_the_final_report_counts_the_nonfinite_steps_and_names_the_first(tmp_path, capsys):
+  """``python -m train``'s summary table, from a run's metrics file."""
+  steps = [{"step": step, "epoch": 0, "examples_seen": 24 * step, "batch_size": 24, "loss": 1.0,
+            "grads_finite": step not in (3, 5)} for step in range(1, 7)]
+  (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in steps))
+  run = {"examples_seen": 144, "steps": 6, "final_batch_size": 24, "run_steps": 6, "compiles": 1,
+         "compile_seconds": 1.0, "compile_wait_seconds": 0.5, "compile_fallback_steps": 0,
+         "compiled_micro_batch_sizes": [4]}
+  summary = report.summarize(tmp_path, run, jax.devices(), 2.0, "device")
+  assert summary["nonfinite_steps"] == 2
+  assert summary["first_nonfinite_step"] == {"step": 3, "batch_size": 24}
+  report.print_summary(summary)
+  assert re.search(r"\nnon-finite steps +2 skipped \(the first: step 3, batch size 24\)\n",
+                   capsys.readouterr().out)
+  (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in steps[:2]))
+  report.print_summary(report.summarize(tmp_path, run, jax.devices(), 2.0, "device"))
+  assert re.search(r"\nnon-finite steps +none\n", capsys.readouterr().out)

@@ -197,3 +197,22 @@ def test_every_option_of_the_default_config_is_in_the_docs_table():
   table = page[page.index("## Every config option"):page.index("## Files a run leaves")]
   documented = set(re.findall(r"`(\w+)`", table))
   assert not set(load_config("default").keys()) - documented
+
+
+def test_a_resume_with_another_learning_rate_is_refused_unless_the_config_allows_it(
+    tmp_path, devices):
+  """The options that decide a run are recorded in its checkpoints (train/run_settings.py);
+  how long it runs and what it shows are not."""
+  with train.create_trainer(train.create_experiment(tiny_config("digits_demo"), devices=devices),
+                            tmp_path) as trainer:
+    trainer.train(num_steps=2)
+  changed = tiny_config("digits_demo", learning_rate=0.2, num_steps=3, verbose=True)
+  with pytest.raises(simigrad_jax.CheckpointMismatchError,
+                     match=r"\n  - settings.learning_rate: 0.1 there, 0.2 here\n"):
+    train.create_trainer(train.create_experiment(changed, devices=devices), tmp_path)
+  changed.allow_changed_settings = True
+  with train.create_trainer(train.create_experiment(changed, devices=devices), tmp_path) as trainer:
+    assert trainer.step == 2
+    trainer.train(num_steps=3)
+  records = [r for r in simigrad_jax.read_metrics(tmp_path / "metrics.jsonl") if "batch_size" in r]
+  assert [r["step"] for r in records] == [1, 2, 3]

@@ -23,6 +23,7 @@ BAD_SETTINGS = [
     ("seed", -1, r"seed must be an integer >= 0, got -1"),
     ("checkpoint_every_steps", 0, r"checkpoint_every_steps must be an integer >= 1, got 0"),
     ("max_checkpoints", 0, r"max_checkpoints must be an integer >= 1, got 0"),
+    ("allow_changed_settings", "yes", r"allow_changed_settings must be True or False, got 'yes'"),
     ("background_compile", 1, r"background_compile must be True or False, got 1 \(int\)"),
     ("compile_fallback", "yes", r"compile_fallback must be True or False, got 'yes'"),
     ("tensorboard", "yes", r"tensorboard must be True or False, got 'yes'"),

@@ -132,6 +132,7 @@ def summarize(workdir: pathlib.Path, run: dict[str, Any], devices: list[Any],
   steps = [r for r in records if "batch_size" in r]
   evals = [r for r in records if "eval_accuracy" in r]
   last = steps[-1] if steps else {}
+  nonfinite = [r for r in steps if r.get("grads_finite") is False]
   examples = last.get("examples_seen", run["examples_seen"])
   count = last.get("step", run["steps"])
   return {
@@ -147,6 +148,9 @@ def summarize(workdir: pathlib.Path, run: dict[str, Any], devices: list[Any],
       "compile_seconds": run["compile_seconds"],
       "compile_wait_seconds": run["compile_wait_seconds"],
       "compile_fallback_steps": run["compile_fallback_steps"],
+      "nonfinite_steps": len(nonfinite),
+      "first_nonfinite_step": ({"step": nonfinite[0]["step"],
+                                "batch_size": nonfinite[0]["batch_size"]} if nonfinite else None),
       "compiled_micro_batch_sizes": run["compiled_micro_batch_sizes"],
       "devices": describe_devices(devices, halves),
       "seconds": seconds,
@@ -154,6 +158,15 @@ def summarize(workdir: pathlib.Path, run: dict[str, Any], devices: list[Any],
       "tensorboard": str(pathlib.Path(workdir) / "tensorboard"),
       "checkpoints": str(pathlib.Path(workdir) / "checkpoints"),
   }
+
+
+def _nonfinite_row(summary: dict[str, Any]) -> str:
+  """E.g. ``2 skipped (the first: step 7, batch size 24)``, or ``none``."""
+  first = summary.get("first_nonfinite_step")
+  if not first:
+    return "none"
+  return (f"{summary['nonfinite_steps']} skipped (the first: step {first['step']}, batch size "
+          f"{first['batch_size']})")
 
 
 def print_summary(summary: dict[str, Any]) -> None:
@@ -169,6 +182,7 @@ def print_summary(summary: dict[str, Any]) -> None:
       ("final batch size", summary["final_batch_size"]),
       ("optimizer steps", f"{summary['steps']:,} ({summary['steps_this_run']:,} in this run)"),
       ("examples seen", f"{summary['examples_seen']:,}"),
+      ("non-finite steps", _nonfinite_row(summary)),
       ("compiles", f"{summary['compiles']} (micro-batch sizes "
                    f"{sorted(summary['compiled_micro_batch_sizes'])}; "
                    f"{summary['compile_seconds']:.1f} s, "

@@ -47,6 +47,7 @@ from train import models
 from train import optimizers
 from train import preprocess
 from train import report
+from train import run_settings
 
 PLATFORMS: tuple[str, ...] = ("default", "auto", "cpu")
 DTYPES: dict[str, Any] = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -150,7 +151,8 @@ def create_trainer_config(config: ml_collections.ConfigDict) -> TrainerConfig:
         compile_fallback=config.compile_fallback, lr_rule=config.lr_rule,
         lr_adjust_factor=config.lr_adjust_factor, seed=config.seed,
         checkpoint_every_steps=config.checkpoint_every_steps,
-        max_checkpoints=config.max_checkpoints, tensorboard=config.tensorboard,
+        max_checkpoints=config.max_checkpoints,
+        allow_changed_settings=config.allow_changed_settings, tensorboard=config.tensorboard,
         progress=config.progress, halves=config.halves,
         allow_shared_workdir=config.allow_shared_workdir,
         agreement_timeout_seconds=config.agreement_timeout_seconds)
@@ -430,6 +432,7 @@ def create_trainer(experiment: Experiment, workdir: str | os.PathLike,
                    ) -> simigrad_jax.Trainer:
   """The :class:`simigrad_jax.Trainer` of ``experiment`` in ``workdir`` (resumes from its newest checkpoint).
 
+  Its checkpoints record the options that decide the run (:mod:`train.run_settings`).
   The Trainer turns on JAX's persistent compilation cache in
   :func:`compilation_cache_dir` unless the config turns it off: a
   process-wide setting (see ``simigrad_jax.persistent_cache_settings``).
@@ -443,7 +446,7 @@ def create_trainer(experiment: Experiment, workdir: str | os.PathLike,
       model_state=experiment.model_state,
       eval_fn=eval_fn if eval_fn is not None else experiment.evaluate,
       lr_schedule=experiment.lr_schedule, devices=experiment.devices,
-      config=settings.replace(
+      run_settings=run_settings.run_settings(experiment.config), config=settings.replace(
           max_micro_batch_size=max_micro_batch_size(settings.max_micro_batch_size, upper,
                                                     len(experiment.devices)),
           compilation_cache_dir=compilation_cache_dir(experiment.config, workdir)))

@@ -23,7 +23,8 @@ from simigrad_jax.runtime import process_agreement
 Mode = Literal["recompile", "pad"]
 MODES: tuple[str, ...] = ("recompile", "pad")
 
-_FLAGS = ("background_compile", "compile_fallback", "progress", "allow_shared_workdir")
+_FLAGS = ("background_compile", "compile_fallback", "progress", "allow_shared_workdir",
+          "allow_changed_settings")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -45,6 +46,13 @@ class TrainerConfig:
     checkpoint_every_steps: save every this many steps (None: only at epoch
       ends and at the end).
     max_checkpoints: how many checkpoints to keep.
+    allow_changed_settings: resume from a checkpoint made with other
+      optimizer settings, controller settings, data, learning-rate rule or
+      ``run_settings`` (the Trainer's) instead of refusing it with
+      :class:`simigrad_jax.CheckpointMismatchError`; the changes are logged
+      and kept in the history every later checkpoint carries. A changed
+      model or optimizer structure is refused all the same (its arrays
+      cannot be restored); a changed device count is always allowed.
     background_compile: compile the other shapes in a background thread.
     compile_fallback: in ``"recompile"`` mode, run a step whose micro-batch
       shape is still compiling on the nearest shape already compiled instead
@@ -107,6 +115,7 @@ class TrainerConfig:
   seed: int = 0
   checkpoint_every_steps: int | None = None
   max_checkpoints: int = 3
+  allow_changed_settings: bool = False
   background_compile: bool = True
   compile_fallback: bool = True
   compilation_cache_dir: str | os.PathLike | None = None

@@ -12,7 +12,9 @@
    settings first;
 4. take the workdir: checked, private, and locked for this run before anything
    in it is read or written (:mod:`simigrad_jax.runtime.workdir`);
-5. resume from the newest checkpoint in the workdir, if any, and agree on it;
+5. record what the run is (:mod:`simigrad_jax.runtime.run_record`), resume
+   from the newest checkpoint in the workdir, if any, when its record allows
+   (:mod:`simigrad_jax.runtime.run_checkpoints`), and agree on it;
 6. trace the first step's program, so that a model, loss, optimizer and data
    that do not fit each other fail now; the programs compile in the
    background (:class:`~simigrad_jax.engine.programs.StepPrograms`).
@@ -45,6 +47,7 @@ from simigrad_jax.engine.data_loader import local_device_positions
 from simigrad_jax.engine.layout import StepLayout
 from simigrad_jax.engine.programs import StepPrograms
 from simigrad_jax.engine.step_inputs import StepInputs
+from simigrad_jax.runtime import run_record
 from simigrad_jax.runtime.process_agreement import ProcessAgreement
 from simigrad_jax.runtime.run_checkpoints import RunCheckpoints
 from simigrad_jax.runtime.workdir import WorkdirLock
@@ -93,7 +96,8 @@ def build_run(config: TrainerConfig, agreement: ProcessAgreement, *,
               workdir: str | os.PathLike, model_state: Any,
               eval_fn: Callable[[Any, Any], Mapping[str, float]] | None,
               lr_schedule: Callable[[float], float] | None,
-              devices: list[jax.Device] | None) -> Run:
+              devices: list[jax.Device] | None,
+              run_settings: Mapping[str, Any] | None = None) -> Run:
   """Checks the objects of a run, lays it out, agrees on it, resumes it and traces its first step.
 
   Args:
@@ -101,8 +105,9 @@ def build_run(config: TrainerConfig, agreement: ProcessAgreement, *,
     agreement: the run's agreement between processes (its watchdog starts
       here and runs until it is closed).
     loss_fn, params, optimizer, source, controller, workdir, model_state,
-      eval_fn, lr_schedule, devices: as :class:`simigrad_jax.Trainer` takes
-      them (``source`` may be grain-style data; ``devices`` None: all).
+      eval_fn, lr_schedule, devices, run_settings: as
+      :class:`simigrad_jax.Trainer` takes them (``source`` may be grain-style
+      data; ``devices`` None: all).
 
   Returns:
     A :class:`Run`, resumed from the workdir's newest checkpoint if there is
@@ -110,6 +115,8 @@ def build_run(config: TrainerConfig, agreement: ProcessAgreement, *,
 
   Raises:
     ValueError: an object that could not train as asked (see the Trainer).
+    CheckpointMismatchError: (a ValueError) the workdir holds checkpoints of
+      another run (see :mod:`simigrad_jax.runtime.run_checkpoints`).
     ProcessDisagreementError: with several processes, different settings or
       resumed states.
   """
@@ -131,8 +138,13 @@ def build_run(config: TrainerConfig, agreement: ProcessAgreement, *,
       num_examples=num_examples))
 
   sampler = EpochSampler(num_examples, config.seed)
-  state = jax.device_put({"params": params, "opt_state": opt_state, "model_state": model_state},
-                         replicated)
+  initial = {"params": params, "opt_state": opt_state, "model_state": model_state}
+  record = run_record_of(config, layout, initial, optimizer=optimizer, controller=controller,
+                         source=source, num_examples=num_examples, devices=devices,
+                         run_settings=run_settings)
+  # Copies: the steps donate the state's buffers, and the caller may still hold these arrays
+  # (device_put alone would reuse a device array's buffer for the shard on its device).
+  state = jax.device_put(jax.tree.map(_own_copy, initial), replicated)
   step = nonfinite_steps = 0
   workdir_lock = _lock_workdir(given_workdir, workdir, config, agreement)
   checkpoints = programs = None
@@ -142,7 +154,8 @@ def build_run(config: TrainerConfig, agreement: ProcessAgreement, *,
     checkpoints = RunCheckpoints(
         files.make_private_dir(workdir / "checkpoints", what="checkpoint folder", tighten=True,
                                allow_shared=config.allow_shared_workdir),
-        seed=config.seed, max_to_keep=config.max_checkpoints, agreement=agreement)
+        seed=config.seed, max_to_keep=config.max_checkpoints, agreement=agreement,
+        record=record, allow_changed_settings=config.allow_changed_settings)
     resumed = checkpoints.resume(state, sampler, controller)
     if resumed is not None:
       state, step, nonfinite_steps = resumed
@@ -191,6 +204,11 @@ def _lock_workdir(given: Any, workdir: pathlib.Path, config: TrainerConfig,
   if isinstance(given, WorkdirLock) and given.held and given.path == workdir:
     return None
   return open_workdir(workdir, allow_shared=config.allow_shared_workdir, agreement=agreement)
+
+
+def _own_copy(leaf: Any) -> Any:
+  """A copy of a device array (NumPy arrays are copied onto the devices by device_put)."""
+  return leaf.copy() if isinstance(leaf, jax.Array) else leaf
 
 
 def _check_objects(config: TrainerConfig, *, loss_fn: Any, params: Any, optimizer: Any,
@@ -245,8 +263,37 @@ def settings_to_agree(config: TrainerConfig, layout: StepLayout, *, controller: 
       "lr_adjust_factor": config.lr_adjust_factor, "num_examples": num_examples,
       "num_devices": layout.num_devices, "halves": layout.halves,
       "checkpoint_every_steps": config.checkpoint_every_steps,
-      "element_spec": {k: [list(shape), str(dtype)] for k, (shape, dtype)
-                       in sorted(source.element_spec.items())},
-      "params": [[jax.tree_util.keystr(path), list(np.shape(x)), str(getattr(x, "dtype", ""))]
-                 for path, x in jax.tree_util.tree_flatten_with_path(params)[0]],
+      "element_spec": run_record.describe_element_spec(source.element_spec),
+      "params": run_record.describe_tree(params),
   }
+
+
+def run_record_of(config: TrainerConfig, layout: StepLayout, initial: Mapping[str, Any], *,
+                  optimizer: optax.GradientTransformation, controller: Any, source: Any,
+                  num_examples: int, devices: list[jax.Device],
+                  run_settings: Mapping[str, Any] | None) -> dict[str, Any]:
+  """The run's record, saved with every checkpoint and compared on resume.
+
+  Args:
+    config: the run's settings: ``lr_rule`` and ``lr_adjust_factor`` decide
+      the trajectory (the seed is checked on its own); the split, the shapes
+      and the fallback only lay the steps out.
+    layout: the run's split and shapes.
+    initial: the initial ``{"params", "opt_state", "model_state"}``.
+    optimizer, controller, source, num_examples, devices, run_settings: the
+      run's (see :func:`simigrad_jax.runtime.run_record.make_record`).
+
+  Returns:
+    The record (JSON data).
+  """
+  return run_record.make_record(
+      optimizer=optimizer, state=initial, num_examples=num_examples,
+      element_spec=source.element_spec, controller=controller.config,
+      trainer={"lr_rule": config.lr_rule, "lr_adjust_factor": config.lr_adjust_factor},
+      layout={"halves": layout.halves, "mode": config.mode,
+              "max_micro_batch_size": config.max_micro_batch_size,
+              "min_micro_batch_size": config.min_micro_batch_size,
+              "compile_fallback": config.uses_compile_fallback},
+      devices={"num_devices": len(devices), "num_processes": jax.process_count(),
+               "platform": devices[0].platform},
+      settings=run_settings)

@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import statistics
 from typing import Any
 
 from simigrad_jax.engine.step_record import StepRecord
 
+logger = logging.getLogger("simigrad_jax")
+
 
 class RunTotals:
   """Adds up a run's step records: steps, examples, seconds, fallbacks, the host's critical path.
 
   A hook (:class:`simigrad_jax.engine.hooks.StepHook`) that the Trainer
-  makes for every ``train`` call.
+  makes for every ``train`` call. It counts the steps skipped because their
+  gradient was not finite, and logs a warning naming the first of them.
 
   Example::
 
@@ -28,6 +32,8 @@ class RunTotals:
     self.wall_seconds = 0.0
     self.data_seconds = 0.0
     self.fallback_steps = 0
+    self.nonfinite_steps = 0
+    self.first_nonfinite: StepRecord | None = None
     self.host_seconds: list[float] = []
     self.last: StepRecord | None = None
 
@@ -38,12 +44,25 @@ class RunTotals:
     self.wall_seconds += record.step_seconds
     self.data_seconds += record.data_seconds
     self.fallback_steps += record.compile_fallback
+    if not record.grads_finite:
+      self.nonfinite_steps += 1
+      if self.first_nonfinite is None:
+        self.first_nonfinite = record
+        logger.warning(
+            "step %d (batch size %d, epoch %d): the gradient was NaN or infinite on some device; "
+            "the step was skipped (parameters, optimizer and model state kept, batch size held). "
+            "Such steps are counted in the summary's nonfinite_steps and in each step's record "
+            "(grads_finite, nonfinite_steps)", record.step, record.batch_size, record.epoch)
     if math.isfinite(record.host_seconds):
       self.host_seconds.append(record.host_seconds)
     self.last = record
 
   def summary(self) -> dict[str, Any]:
-    """The run's totals, and the last step's loss and similarity (None without a step)."""
+    """The run's totals, and the last step's loss and similarity (None without a step).
+
+    ``run_nonfinite_steps`` counts the skipped steps and
+    ``first_nonfinite_step`` names the first (None without one).
+    """
     return {
         "run_steps": self.steps, "run_examples": self.examples,
         "average_batch_size": self.examples / self.steps if self.steps else math.nan,
@@ -53,4 +72,6 @@ class RunTotals:
         "host_seconds_median": (statistics.median(self.host_seconds) if self.host_seconds
                                 else math.nan),
         "compile_fallback_steps": self.fallback_steps,
+        "run_nonfinite_steps": self.nonfinite_steps,
+        "first_nonfinite_step": None if self.first_nonfinite is None else self.first_nonfinite.step,
     }

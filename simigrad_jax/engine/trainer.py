@@ -71,7 +71,8 @@ class Trainer:
       arrays with a leading example axis). ``weights`` is 1 for real rows and
       0 for padding: models with BatchNorm should pass it as the mask.
       BatchNorm statistics are averaged over devices after every micro-step.
-    params: the initial parameters (a pytree).
+    params: the initial parameters (a pytree; copied onto the devices, so the
+      caller's arrays stay usable, e.g. to start another Trainer).
     optimizer: an optax optimizer containing ``simigrad_jax.transform(axis_name)``
       and, last, ``simigrad_jax.scale_by_lr_factor()``.
     source: a random-access data source (``len()``, ``get_batch(indices)``,
@@ -94,6 +95,13 @@ class Trainer:
       examples, not steps), e.g. a step decay or a warm-up. It multiplies the
       batch-size factor, at no recompilation.
     devices: the devices to train on (default: all, over every process), 1 or more.
+    run_settings: what else decides the run and the Trainer cannot see, as
+      JSON data (e.g. an experiment's config): recorded in every checkpoint
+      with the optimizer's hyperparameters, the controller's settings, the
+      data, the model, the devices and the versions; a resume that changes
+      any of them but the devices and versions is refused
+      (:class:`simigrad_jax.CheckpointMismatchError`, listing the
+      differences) unless ``allow_changed_settings=True``.
     hooks: objects with ``on_step(record)``
       (:class:`~simigrad_jax.engine.hooks.StepHook`), given every step's
       :class:`~simigrad_jax.engine.step_record.StepRecord` in order, after the
@@ -108,12 +116,16 @@ class Trainer:
       before anything is compiled or trained, naming the value and what is
       valid: e.g. bounds the data set cannot fill, a similarity controller's
       lower bound below 2, ``halves="device"`` on an odd number of devices,
-      a ``loss_fn`` that does not return one loss per row, a workdir holding
-      another run's checkpoints, a config given with setting keywords;
+      a ``loss_fn`` that does not return one loss per row, a config given
+      with setting keywords;
       :class:`~simigrad_jax.files.UnsafePathError` for a workdir or cache
       other users can change.
     WorkdirLockedError: another run (or Trainer) holds the workdir; the
       message names it.
+    CheckpointMismatchError: (a ValueError) the workdir holds checkpoints of
+      another run: another model, optimizer structure or seed, or (unless
+      ``allow_changed_settings``) other optimizer hyperparameters, controller
+      settings, data or ``run_settings``; the message lists the differences.
     ProcessDisagreementError: in a multi-host run, when the processes were
       built with different settings or took different decisions.
     ProcessLostError: (a ProcessDisagreementError) in a multi-host run, when
@@ -143,7 +155,8 @@ class Trainer:
       eval_fn: Callable[[Any, Any], Mapping[str, float]] | None = None,
       lr_schedule: Callable[[float], float] | None = None,
       devices: list[jax.Device] | None = None, hooks: Sequence[StepHook] = (),
-      config: TrainerConfig | None = None, **settings: Any):
+      run_settings: Mapping[str, Any] | None = None, config: TrainerConfig | None = None,
+      **settings: Any):
     # Everything is checked before anything is created, compiled or trained.
     self.config = config = TrainerConfig.from_settings(config, settings)
     self._hooks = [check_hook(hook) for hook in hooks]
@@ -151,7 +164,7 @@ class Trainer:
     run = run_setup.build_run(
         config, self._agreement, loss_fn=loss_fn, params=params, optimizer=optimizer,
         source=source, controller=controller, workdir=workdir, model_state=model_state,
-        eval_fn=eval_fn, lr_schedule=lr_schedule, devices=devices)
+        eval_fn=eval_fn, lr_schedule=lr_schedule, devices=devices, run_settings=run_settings)
     self.controller, self.eval_fn = controller, eval_fn
     self.workdir, self.source, self.mesh, self.layout = run.workdir, run.source, run.mesh, run.layout
     self._workdir_lock = run.workdir_lock
@@ -190,8 +203,11 @@ class Trainer:
       A summary dict: steps, examples seen, average batch size, final batch
       size, last loss and similarity, the compile and data timings (and
       ``compile_fallback_steps``: steps run on a fallback shape), the median
-      ``host_seconds`` (the host's critical path between steps), and the last
-      evaluation (if any).
+      ``host_seconds`` (the host's critical path between steps), the steps
+      skipped for a non-finite gradient (``nonfinite_steps`` in the whole
+      run, ``run_nonfinite_steps`` in this call, whose first,
+      ``first_nonfinite_step``, a warning names), and the last evaluation
+      (if any).
     """
     total_examples, max_steps = _run_length(num_epochs, num_steps, self.sampler.num_examples)
     totals = RunTotals()
@@ -231,7 +247,8 @@ class Trainer:
         self._run_hooks(hooks, pending)
       progress.close()
     return {"steps": self.step, "examples_seen": self.sampler.examples_seen,
-            "final_batch_size": self.controller.batch_size, **self.compile_stats(),
+            "final_batch_size": self.controller.batch_size,
+            "nonfinite_steps": self._nonfinite_steps, **self.compile_stats(),
             **totals.summary(), **evaluation.results}
 
   def _epochs(self) -> float:

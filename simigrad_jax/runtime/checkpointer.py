@@ -102,6 +102,16 @@ class Checkpointer:
     steps = self.all_steps()
     return steps[-1] if steps else None
 
+  def read_host(self, step: int) -> dict[str, Any]:
+    """The host item of the checkpoint of ``step`` (its CRC checked), without its arrays.
+
+    Raises:
+      ValueError: a damaged record (orbax's own error where it cannot read it).
+    """
+    record = self._manager.restore(step, args=ocp.args.Composite(host=ocp.args.JsonRestore())).host
+    payload = _verified_payload(record, step)
+    return dict(record) if payload is None else payload["host"]
+
   def save(self, step: int, state: Any, host: dict[str, Any]) -> None:
     """Saves ``state`` (arrays) and ``host`` (JSON) as the checkpoint of ``step``.
 

@@ -3,8 +3,19 @@
 Plain Python between steps; nothing here is traced. The arrays (parameters,
 optimizer and model state) go through :class:`~simigrad_jax.runtime.checkpointer.
 Checkpointer` (orbax); beside them each checkpoint holds what the host needs to
-continue exactly: the step, the seed, the controller's and the sampler's state
-and the count of non-finite steps.
+continue exactly (the step, the seed, the controller's and the sampler's state
+and the count of non-finite steps) and what the run is: its record
+(:mod:`simigrad_jax.runtime.run_record`: the optimizer's hyperparameters, the
+settings, the controller, the data, the model, the devices and the versions)
+and the history of the changes its resumes allowed.
+
+A resume compares the checkpoint's record with the run's own: a changed
+optimizer setting, model, data set or other setting that decides the
+trajectory is refused with :class:`~simigrad_jax.runtime.checkpointer.
+CheckpointMismatchError` listing the differences, unless the run allows
+changed settings; then, as for a changed device count or version, which is
+always allowed, the changes are logged and kept in the history that every
+later checkpoint carries.
 """
 
 from __future__ import annotations
@@ -13,6 +24,7 @@ import logging
 import os
 from typing import Any, NamedTuple
 
+from simigrad_jax.runtime import run_record
 from simigrad_jax.runtime.checkpointer import CheckpointMismatchError
 from simigrad_jax.runtime.checkpointer import Checkpointer
 from simigrad_jax.runtime.process_agreement import ProcessAgreement
@@ -21,6 +33,9 @@ logger = logging.getLogger("simigrad_jax")
 
 # Multi-host: how long a process waits for a checkpoint save before it checks on the others.
 SAVE_WAIT_ROUND_SECONDS = 1.0
+_HOW_TO_ALLOW = ("Resume with the settings it was made with, use a new workdir, or allow the "
+                 "change with allow_changed_settings=True (it is then recorded in the run's "
+                 "history)")
 
 
 class Resumed(NamedTuple):
@@ -41,6 +56,17 @@ class RunCheckpoints:
     agreement: the run's :class:`~simigrad_jax.runtime.process_agreement.
       ProcessAgreement`: with several processes, they wait for each other's
       saves through it, and a lost one is reported within its timeout.
+    record: the run's record (:func:`simigrad_jax.runtime.run_record.
+      make_record`), saved with every checkpoint and compared on resume;
+      None: nothing is recorded or compared.
+    allow_changed_settings: resume a checkpoint whose record differs in a
+      setting that decides the trajectory (the optimizer, the settings, the
+      controller, the data), recording the change, instead of refusing it.
+
+  Attributes:
+    changes: the history of the changes the run's resumes allowed, oldest
+      first: ``{"step", "settings", "environment"}`` each, the last two lists
+      of differences (see :func:`simigrad_jax.runtime.run_record.compare`).
 
   Example::
 
@@ -50,9 +76,13 @@ class RunCheckpoints:
   """
 
   def __init__(self, directory: str | os.PathLike, *, seed: int, max_to_keep: int,
-               agreement: ProcessAgreement):
+               agreement: ProcessAgreement, record: dict[str, Any] | None = None,
+               allow_changed_settings: bool = False):
     self.checkpointer = Checkpointer(directory, max_to_keep=max_to_keep)
     self.seed = seed
+    self.record = record
+    self.allow_changed_settings = allow_changed_settings
+    self.changes: list[dict[str, Any]] = []
     self._agreement = agreement
 
   def resume(self, like: Any, sampler: Any, controller: Any) -> Resumed | None:
@@ -60,7 +90,8 @@ class RunCheckpoints:
 
     Args:
       like: the train state whose structure, shapes and shardings the arrays
-        are restored to.
+        are restored to (with :attr:`allow_changed_settings`, the source of
+        the changed ``inject_hyperparams`` values).
       sampler: the run's :class:`~simigrad_jax.data.sampler.EpochSampler`.
       controller: the run's controller.
 
@@ -69,8 +100,10 @@ class RunCheckpoints:
       directory holds no checkpoint.
 
     Raises:
-      ValueError: the checkpoints belong to another run (other shapes, another
-        seed, other controller or sampler settings); nothing is changed.
+      CheckpointMismatchError: (a ValueError) the checkpoints belong to
+        another run (other shapes, another seed, or, unless
+        :attr:`allow_changed_settings`, other settings); the message lists the
+        differences, and nothing is changed.
     """
     checkpointer = self.checkpointer
     if checkpointer.latest_step() is None:
@@ -79,19 +112,32 @@ class RunCheckpoints:
     try:
       state, host, step = checkpointer.restore(like)
     except CheckpointMismatchError as error:
-      raise ValueError(f"the workdir {os.path.dirname(directory)!r} holds checkpoints of another run: "
-                       f"{error}") from error
+      raise CheckpointMismatchError(self._describe_other_run(error)) from error
+    where = f"the checkpoint at step {step} in {directory}"
     if host.get("seed") != self.seed:
-      raise ValueError(f"the checkpoint at step {step} in {directory} was made with "
-                       f"seed={host.get('seed')!r}, this run has seed={self.seed}; use the same "
-                       "seed to resume, or a new workdir")
+      raise CheckpointMismatchError(
+          f"{where} was made with seed={host.get('seed')!r}, this run has seed={self.seed}; use "
+          "the same seed to resume, or a new workdir")
+    changes = self._changes_since(host, where)
+    sampler_state, controller_state = host["sampler"], host["controller"]
+    if changes is not None and changes.checked:  # allowed: the saved settings give way
+      sampler_state = {**sampler_state, "num_examples": sampler.num_examples}
+      controller_state = {**controller_state, "config": None}
+      injected = run_record.changed_injected(host["run"], self.record)
+      if injected:
+        state = run_record.with_injected(state, like, injected)
     try:  # both refuse without changing anything
-      sampler.load_state_dict(host["sampler"])
-      controller.load_state_dict(host["controller"])
+      sampler.load_state_dict(sampler_state)
+      controller.load_state_dict(controller_state)
     except (KeyError, TypeError, ValueError) as error:
-      raise ValueError(f"the checkpoint at step {step} in {directory} does not match this run's "
-                       f"settings: {error}; resume with the settings it was made with, or use a "
-                       "new workdir") from error
+      raise CheckpointMismatchError(
+          f"{where} does not match this run's settings: {error}; resume with the settings it "
+          "was made with, or use a new workdir") from error
+    self.changes = list(host.get("run_changes", []))
+    if changes is not None and (changes.checked or changes.recorded):
+      self.changes.append({"step": step, "settings": changes.checked,
+                           "environment": changes.recorded})
+      _log_changes(changes, where)
     skipped = checkpointer.skipped
     if skipped:
       logger.warning("resumed from the checkpoint at step %d in %s after skipping %d unreadable "
@@ -100,6 +146,46 @@ class RunCheckpoints:
     else:
       logger.info("resumed from the checkpoint at step %d in %s", step, directory)
     return Resumed(state, int(host["step"]), int(host.get("nonfinite_steps", 0)))
+
+  def _changes_since(self, host: dict[str, Any], where: str) -> run_record.RecordChanges | None:
+    """How this run differs from the one that saved ``host``; refused unless allowed.
+
+    None when either has no record (a checkpoint of an older simigrad_jax is
+    resumed with a warning).
+    """
+    if self.record is None:
+      return None
+    saved = host.get("run")
+    if saved is None:
+      logger.warning("%s was written before simigrad_jax recorded a run's settings in its "
+                     "checkpoints: they cannot be checked against this run's; they are recorded "
+                     "from the next checkpoint on", where)
+      return None
+    changes = run_record.compare(saved, self.record)
+    if changes.checked and not self.allow_changed_settings:
+      raise CheckpointMismatchError(
+          f"{where} was made by a run with other settings:\n{run_record.listed(changes.checked)}"
+          f"\n{_HOW_TO_ALLOW}")
+    return changes
+
+  def _describe_other_run(self, error: CheckpointMismatchError) -> str:
+    """The message for a checkpoint whose arrays do not fit this run: how the records differ
+    when the newest checkpoint has a readable record that says, else the layouts' differences."""
+    workdir = os.path.dirname(self.checkpointer.directory)
+    changes = None
+    if self.record is not None:
+      try:
+        saved = self.checkpointer.read_host(self.checkpointer.latest_step()).get("run")
+      except Exception:  # pylint: disable=broad-except  (the layouts' differences say enough)
+        saved = None
+      changes = None if saved is None else run_record.compare(saved, self.record)
+    if changes is None or not changes.checked:
+      return f"the workdir {workdir!r} holds checkpoints of another run: {error}"
+    return (f"the workdir {workdir!r} holds checkpoints of another run, whose arrays do not fit "
+            f"this one's; the runs differ in:\n"
+            f"{run_record.listed(changes.checked + changes.recorded)}\n"
+            "A changed model or optimizer structure cannot be resumed, allowed or not: use the "
+            "model and optimizer it was made with, or a new workdir")
 
   def save(self, step: int, state: Any, *, sampler: Any, controller: Any,
            nonfinite_steps: int) -> None:
@@ -112,6 +198,8 @@ class RunCheckpoints:
     self.wait(f"checkpoint of step {step}")
     host = {"step": step, "seed": self.seed, "controller": controller.state_dict(),
             "sampler": sampler.state_dict(), "nonfinite_steps": nonfinite_steps}
+    if self.record is not None:
+      host.update(run=self.record, run_changes=self.changes)
     self.checkpointer.save(step, state, host)
 
   def wait(self, what: str) -> None:
@@ -142,3 +230,15 @@ class RunCheckpoints:
     """
     if not self._agreement.lost_processes():
       self.checkpointer.close()
+
+
+def _log_changes(changes: run_record.RecordChanges, where: str) -> None:
+  """Warns of the changes a resume allowed (they are also kept in the run's history)."""
+  if changes.checked:
+    logger.warning("%s was made by a run with other settings; resuming with this run's, as "
+                   "allow_changed_settings=True allows (recorded in the run's history):\n%s",
+                   where, run_record.listed(changes.checked))
+  if changes.recorded:
+    logger.warning("%s was made on other devices, shapes or versions; resuming exactly "
+                   "(recorded in the run's history):\n%s", where,
+                   run_record.listed(changes.recorded))

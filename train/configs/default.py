@@ -130,6 +130,10 @@ def get_config() -> ml_collections.ConfigDict:
   config.compile_fallback = True
   config.checkpoint_every_steps = config_dict.placeholder(int)  # None: at epoch ends only.
   config.max_checkpoints = 3
+  # Resume from a checkpoint made with other settings (optimizer, model definition, data,
+  # controller, ...; train/run_settings.py) instead of refusing it; the change is logged and
+  # recorded in the checkpoints. A changed device count is always allowed.
+  config.allow_changed_settings = False
   # JAX's persistent compilation cache: a second run or a resume loads its executables from
   # here instead of compiling them. False leaves JAX's own cache settings as they are.
   config.compilation_cache = True

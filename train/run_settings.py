@@ -1,0 +1,59 @@
+"""Which of a config's options decide a run, recorded in its checkpoints and checked on resume.
+
+The Trainer records the optimizer's hyperparameters, the controller's
+settings, the data, the model, the devices and the versions itself; the
+config adds what it cannot see (the model's definition, the augmentation,
+the schedule, ...). A resume whose config differs in one of these options is
+refused with the differences listed, unless ``--config.allow_changed_settings``
+(then the change is logged and recorded in the checkpoints' history).
+
+The options listed in :data:`NOT_DECIDING` change how a run is carried out,
+watched or stored, not what it computes: they may change between a run and
+its resume freely.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import ml_collections
+
+NOT_DECIDING: frozenset[str] = frozenset({
+    # How long: a resume that goes on for more epochs or steps is the same run (but see
+    # "cosine", whose schedule spans num_epochs).
+    "num_epochs", "num_steps",
+    # Where it runs and how the steps are laid out (the Trainer records these itself).
+    "platform", "num_cpu_devices", "halves", "max_micro_batch_size", "min_micro_batch_size",
+    "mode", "compile_fallback",
+    # Where the data is read from and how fast; what the evaluation reads.
+    "data_dir", "download", "local_data_dir", "num_workers", "decode_threads", "eval_split",
+    "eval_examples", "eval_batch_size",
+    # What is shown, saved and cached, and how long hosts wait for each other.
+    "verbose", "progress", "tensorboard", "plot", "checkpoint_every_steps", "max_checkpoints",
+    "compilation_cache", "compilation_cache_dir", "agreement_timeout_seconds",
+    "allow_changed_settings",
+})
+
+
+def run_settings(config: ml_collections.ConfigDict) -> dict[str, Any]:
+  """The options of ``config`` that decide the run, as JSON data (the Trainer's ``run_settings``).
+
+  Args:
+    config: the experiment config.
+
+  Returns:
+    Every option but those in :data:`NOT_DECIDING`; ``num_epochs`` too with
+    the ``"cosine"`` schedule, which it stretches.
+
+  Example:
+    >>> from train.configs import default
+    >>> settings = run_settings(default.get_config())
+    >>> settings["learning_rate"], "progress" in settings, "num_epochs" in settings
+    (0.05, False, False)
+  """
+  options = json.loads(config.to_json())
+  kept = {name: value for name, value in options.items() if name not in NOT_DECIDING}
+  if options.get("lr_schedule") == "cosine":
+    kept["num_epochs"] = options["num_epochs"]
+  return kept
