@@ -393,3 +393,38 @@ def test_a_checkpoint_written_before_checksums_still_restores(tmp_path, caplog):
   assert "has no checksums" in caplog.text
   ckpt.close()
 
+
+def test_a_failed_background_save_stops_training_at_the_next_step(tmp_path, monkeypatch):
+  """A full disk while step 4's checkpoint is written in the background: training stops at step 5
+  with the save's error, not at the next save (step 6) or at the end."""
+  write = ocp.handlers.JsonCheckpointHandler._save_fn
+
+  async def full_disk_at_step_4(self, item, directory):
+    if item["payload"]["host"]["step"] == 4:
+      raise OSError(errno.ENOSPC, "No space left on device")
+    await write(self, item, directory)
+
+  _json_write(monkeypatch, full_disk_at_step_4)
+  trainer = _Data.make_trainer(tmp_path)  # a checkpoint every 2 steps
+  checkpointer = trainer._checkpoints.checkpointer
+  save = checkpointer.save
+
+  def save_then_let_it_fail(step, state, host):  # the failure happens before the next step
+    save(step, state, host)
+    deadline = time.monotonic() + 60
+    while step == 4 and checkpointer.failed_save() is None and time.monotonic() < deadline:
+      time.sleep(0.005)
+
+  checkpointer.save = save_then_let_it_fail
+  with trainer:  # (closing does not raise the error again)
+    with pytest.raises(OSError, match="No space left on device") as raised:
+      trainer.train(num_steps=10)
+    assert trainer.step == 5
+  assert raised.value.errno == errno.ENOSPC
+  assert any(re.search(r"the background save of the checkpoint of step 4 in .* failed: training "
+                       r"stopped at step 5; a restart resumes from the newest finished "
+                       r"checkpoint \(step 2\)", note) for note in raised.value.__notes__)
+  assert [r["step"] for r in _records(tmp_path)] == [1, 2, 3, 4]
+  resumed = Checkpointer(tmp_path / "checkpoints")
+  assert resumed.all_steps() == [2]
+  resumed.close()

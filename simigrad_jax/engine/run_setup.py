@@ -222,6 +222,7 @@ def settings_to_agree(config: TrainerConfig, layout: StepLayout, *, controller: 
       "lr_adjust_factor": config.lr_adjust_factor, "num_examples": num_examples,
       "num_devices": layout.num_devices, "halves": layout.halves,
       "checkpoint_every_steps": config.checkpoint_every_steps,
+      "checkpoint_every_seconds": config.checkpoint_every_seconds,
       "element_spec": {k: [list(shape), str(dtype)] for k, (shape, dtype)
                        in sorted(source.element_spec.items())},
       "params": [[jax.tree_util.keystr(path), list(np.shape(x)), str(getattr(x, "dtype", ""))]
