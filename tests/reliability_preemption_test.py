@@ -7,7 +7,8 @@ same command then resumes from that checkpoint, does every later step once
 and no step twice, and ends with the parameters of a run that was never
 interrupted. A second signal ends the process at once. With several
 processes a signal to one of them stops all of them after the same step.
-``checkpoint_every_seconds`` saves once that many seconds passed.
+``python -m train`` exits 0 on SIGTERM and 130 on SIGINT, saying where it
+stopped. ``checkpoint_every_seconds`` saves once that many seconds passed.
 
 The signal's step is drawn from SIMIGRAD_RELIABILITY_SEED (tests/reliability_helpers.py).
 """
@@ -29,6 +30,7 @@ import simigrad_jax
 
 from reliability_helpers import DRIVER
 from reliability_helpers import DRIVER_TIMEOUT_SECONDS
+from reliability_helpers import ROOT
 from reliability_helpers import SEED
 from reliability_helpers import attempts
 from reliability_helpers import driver_env
@@ -39,7 +41,9 @@ from reliability_helpers import run_driver
 from reliability_helpers import step_records
 from tiny_run import trainer_objects
 
-pytestmark = pytest.mark.reliability
+pytestmark = [pytest.mark.reliability,
+              # ml_collections loads config files with importlib's deprecated load_module().
+              pytest.mark.filterwarnings("ignore:the load_module:DeprecationWarning")]
 
 STEPS = 16
 # No checkpoint every so many steps: only the epoch's end (about step 12) and the signal's.
@@ -186,6 +190,42 @@ def test_a_signal_to_one_process_stops_every_process_after_the_same_step(compile
   steps = [[e["step"] for e in read_trace(workdir, p) if e["event"] == "step"] for p in (0, 1)]
   assert steps[0] == steps[1] and steps[0][-1] == stops[0][0]["step"]
   assert finished_checkpoints(workdir)[-1] == stops[0][0]["step"]
+
+
+# The digits demo at a size that compiles once and trains in seconds (as tests/train_main_test.py).
+SMALL = ["--config.mode=pad", "--config.cnn_features=(4, 8)", "--config.cnn_dense=16",
+         "--config.tensorboard=False", "--config.num_epochs=3", "--config.plot=False"]
+
+
+@pytest.mark.parametrize("signum, exit_code", [(signal.SIGTERM, 0), (signal.SIGINT, 130)],
+                         ids=["SIGTERM", "SIGINT"])
+def test_python_m_train_stops_with_a_message_and_the_schedulers_exit_code(
+    signum, exit_code, compile_cache, tmp_path):
+  workdir = tmp_path / "run"
+  env = driver_env()
+  with open(tmp_path / "out", "w") as out, open(tmp_path / "err", "w") as err:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "train", "--config", "train/configs/digits_demo.py", "--workdir",
+         str(workdir), *SMALL, f"--config.compilation_cache_dir={compile_cache / 'train'}"],
+        cwd=ROOT, env=env, stdout=out, stderr=err)
+  try:
+    deadline = time.monotonic() + DRIVER_TIMEOUT_SECONDS
+    while len(step_records(workdir) if (workdir / "metrics.jsonl").exists() else []) < 2:
+      assert proc.poll() is None, (tmp_path / "err").read_text()[-3000:]
+      assert time.monotonic() < deadline, "no step within the timeout"
+      time.sleep(0.05)
+    proc.send_signal(signum)
+    code = proc.wait(timeout=DRIVER_TIMEOUT_SECONDS)
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+  out = (tmp_path / "out").read_text()
+  assert code == exit_code, (tmp_path / "err").read_text()[-3000:]
+  step = step_records(workdir)[-1]["step"]
+  assert (f"training stopped by {signal.Signals(signum).name} after step {step}; its checkpoint "
+          f"is saved in {workdir / 'checkpoints' / str(step)}") in out
+  assert finished_checkpoints(workdir)[-1] == step
+  assert not (workdir / "summary.json").exists()  # the run is not over: no final report
 
 
 def test_checkpoint_every_seconds_saves_once_that_many_seconds_passed(tmp_path):

@@ -145,6 +145,7 @@ def create_trainer_config(config: ml_collections.ConfigDict) -> TrainerConfig:
         compile_fallback=config.compile_fallback, lr_rule=config.lr_rule,
         lr_adjust_factor=config.lr_adjust_factor, seed=config.seed,
         checkpoint_every_steps=config.checkpoint_every_steps,
+        checkpoint_every_seconds=config.checkpoint_every_seconds,
         max_checkpoints=config.max_checkpoints, tensorboard=config.tensorboard,
         progress=config.progress, halves=config.halves,
         agreement_timeout_seconds=config.agreement_timeout_seconds)
@@ -466,6 +467,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
     The whole run's summary (resumed parts included): ``eval_accuracy``,
     ``steps``, ``examples_seen``, ``average_batch_size``,
     ``final_batch_size``, ``compiles``, ``seconds`` and the file paths.
+
+  Raises:
+    simigrad_jax.Preempted: a SIGTERM or SIGINT stopped the run after saving
+      the checkpoint of its last step (nothing is reported).
   """
   start = time.perf_counter()
   workdir = pathlib.Path(workdir).absolute()

@@ -129,6 +129,9 @@ def get_config() -> ml_collections.ConfigDict:
   # Run a step whose shape is still compiling on a compiled one (one process only).
   config.compile_fallback = True
   config.checkpoint_every_steps = config_dict.placeholder(int)  # None: at epoch ends only.
+  # Also save 15 minutes after the last checkpoint: the most work a SIGKILL can cost (None: off).
+  config.checkpoint_every_seconds = config_dict.placeholder(float)
+  config.checkpoint_every_seconds = 900.0
   config.max_checkpoints = 3
   # JAX's persistent compilation cache: a second run or a resume loads its executables from
   # here instead of compiling them. False leaves JAX's own cache settings as they are.
