@@ -16,6 +16,7 @@ The signal's step is drawn from SIMIGRAD_RELIABILITY_SEED (tests/reliability_hel
 from __future__ import annotations
 
 import pathlib
+import pickle
 import random
 import signal
 import subprocess
@@ -27,7 +28,6 @@ import numpy as np
 import pytest
 
 import simigrad_jax
-
 from reliability_helpers import DRIVER
 from reliability_helpers import DRIVER_TIMEOUT_SECONDS
 from reliability_helpers import ROOT
@@ -39,6 +39,7 @@ from reliability_helpers import free_port
 from reliability_helpers import read_trace
 from reliability_helpers import run_driver
 from reliability_helpers import step_records
+from simigrad_jax.engine import preemption
 from tiny_run import trainer_objects
 
 pytestmark = [pytest.mark.reliability,
@@ -261,3 +262,15 @@ def test_checkpoint_every_seconds_saves_once_that_many_seconds_passed(tmp_path):
     assert step - previous <= 5, saves
   print(f"\ncheckpoints on time at steps {[step for step, _ in on_time[1:]]}, "
         f"{[round(b - a, 2) for (_, a), (_, b) in zip(on_time, on_time[1:])]} s apart")
+
+
+def test_every_process_reads_the_same_outcome_from_the_step_reports():
+  """One process's signal stops all; the clock for checkpoints on time is process 0's."""
+  reports = [{"signal": None, "since_checkpoint": 12.5, "failed_save": None},
+             {"signal": "SIGINT", "since_checkpoint": 30.0, "failed_save": None},
+             {"signal": "SIGTERM", "since_checkpoint": 0.1, "failed_save": "OSError: disk full"}]
+  assert preemption.Agreed.read(reports) == ("SIGINT", 12.5, [None, None, "OSError: disk full"])
+  assert preemption.Agreed.read(reports[:1]) == (None, 12.5, [None])
+  stop = pickle.loads(pickle.dumps(simigrad_jax.Preempted("SIGINT", 7, "/run/checkpoints/7", {})))
+  assert (stop.signal, stop.step, stop.exit_code) == (signal.SIGINT, 7, 130)
+  assert simigrad_jax.Preempted("SIGTERM", 7, "/run/checkpoints/7", {}).exit_code == 0

@@ -61,7 +61,11 @@ class Preempted(SimiGradError, RuntimeError):
 
   @property
   def exit_code(self) -> int:
+    """0 for SIGTERM, 128 + the signal's number otherwise (130 for SIGINT)."""
     return 0 if self.signal == signal.SIGTERM else 128 + int(self.signal)
+
+  def __reduce__(self):  # (pickled with its fields, e.g. from a worker process)
+    return type(self), (self.signal.name, self.step, self.checkpoint, self.summary)
 
 
 class StopSignals:
