@@ -18,6 +18,7 @@ Start here:
     GrainSource (grain-style data decoded ahead in worker processes). Its
     settings are one TrainerConfig; every step gives a typed StepRecord to
     its hooks (StepHook: metrics, progress, evaluation, checkpoints, yours).
+    A SIGTERM or SIGINT saves a checkpoint and raises Preempted.
 
 Realising a batch size on the devices (host side):
   plan_batch, BatchPlan, BucketPolicy, bucket_shapes, representable_batch_sizes.
@@ -31,8 +32,9 @@ Engine internals, documented in their rooms: StepCompiler
 
 Errors: every one derives from SimiGradError and keeps its built-in parent:
   BadRecordError, CheckpointMismatchError, HalvesContractError,
-  LossContractError, UnsafePathError (ValueError); ProcessDisagreementError,
-  ProcessLostError, StepCompileError, WorkdirLockedError (RuntimeError).
+  LossContractError, UnsafePathError (ValueError); CheckpointSaveError,
+  Preempted, ProcessDisagreementError, ProcessLostError, StepCompileError,
+  WorkdirLockedError (RuntimeError).
 
 Rooms: ingraph/ (pure, runs under jit), controllers/, data/, runtime/ (host
 side), engine/ (the Trainer and its compiled step).
@@ -63,6 +65,7 @@ from simigrad_jax.engine.compiler import enable_persistent_cache
 from simigrad_jax.engine.compiler import persistent_cache_settings
 from simigrad_jax.engine.config import TrainerConfig
 from simigrad_jax.engine.hooks import StepHook
+from simigrad_jax.engine.preemption import Preempted
 from simigrad_jax.engine.step_record import StepRecord
 from simigrad_jax.engine.trainer import Trainer
 from simigrad_jax.engine.trainer_checks import LossContractError
@@ -85,6 +88,7 @@ from simigrad_jax.runtime.cpu_devices import simulated_cpu_devices_env
 from simigrad_jax.runtime.metrics import MetricsWriter
 from simigrad_jax.runtime.metrics import read_metrics
 from simigrad_jax.runtime.process_agreement import ProcessDisagreementError
+from simigrad_jax.runtime.run_checkpoints import CheckpointSaveError
 from simigrad_jax.runtime.process_agreement import ProcessLostError
 from simigrad_jax.runtime.process_agreement import exit_on_lost_process
 from simigrad_jax.runtime.progress import ProgressBar
@@ -100,6 +104,7 @@ __all__ = [
     "BatchSizeController",
     "BucketPolicy",
     "CheckpointMismatchError",
+    "CheckpointSaveError",
     "Checkpointer",
     "Controller",
     "EpochSampler",
@@ -109,6 +114,7 @@ __all__ = [
     "LossContractError",
     "LrFactorState",
     "MetricsWriter",
+    "Preempted",
     "ProcessDisagreementError",
     "ProcessLostError",
     "ProfilingController",

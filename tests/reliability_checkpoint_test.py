@@ -8,6 +8,7 @@ digit of the JSON); the Checkpointer's checksums catch them.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import pathlib
@@ -15,6 +16,7 @@ import random
 import re
 import shutil
 import threading
+import time
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +27,7 @@ import pytest
 
 import simigrad_jax
 from reliability_helpers import SEED
+from simigrad_jax.runtime import checkpointer as checkpointer_module
 from simigrad_jax.runtime.checkpointer import Checkpointer
 
 pytestmark = [
@@ -140,26 +143,99 @@ def test_damaged_newest_checkpoint_falls_back_to_the_previous_one(corrupt, tmp_p
   ckpt.close()
 
 
-def test_a_bounded_wait_says_whether_the_save_has_finished(tmp_path):
+def _json_write(monkeypatch, write):
+  """Replaces the background write of a checkpoint's JSON item (orbax's) by ``write``."""
+  monkeypatch.setattr(ocp.handlers.JsonCheckpointHandler, "_save_fn", write)
+
+
+def test_a_bounded_wait_says_whether_the_save_has_finished(tmp_path, monkeypatch):
   """``wait(timeout)`` (the multi-host Trainer's rounds) returns False while the save is under
-  way, True once it has finished, and raises the save's error."""
+  way, True once it has finished, and raises the save's error once."""
+  release, write = threading.Event(), ocp.handlers.JsonCheckpointHandler._save_fn
+
+  async def held_write(self, item, directory):
+    release.wait()  # (orbax runs the write in a thread of its own)
+    await write(self, item, directory)
+
+  _json_write(monkeypatch, held_write)
   ckpt = Checkpointer(tmp_path / "checkpoints")
   ckpt.save(1, small_state(1.0), {"step": 1})
-  release, finish = threading.Event(), ckpt._manager.wait_until_finished
-  ckpt._manager.wait_until_finished = lambda: (release.wait(), finish())
   assert ckpt.wait(timeout=0.05) is False
-  assert ckpt.wait(timeout=0.05) is False  # the same wait goes on
+  assert ckpt.wait(timeout=0.05) is False and ckpt.failed_save() is None  # the same save goes on
   release.set()
   assert ckpt.wait(timeout=30) is True and ckpt.all_steps() == [1]
 
-  def failed_save():
-    raise OSError("disk full")
+  async def failed_write(self, item, directory):
+    raise OSError(errno.ENOSPC, "No space left on device")
 
-  ckpt._manager.wait_until_finished = failed_save
-  with pytest.raises(OSError, match="disk full"):
+  _json_write(monkeypatch, failed_write)
+  ckpt.save(2, small_state(2.0), {"step": 2})
+  with pytest.raises(OSError, match="No space left on device"):
     ckpt.wait(timeout=30)
-  ckpt._manager.wait_until_finished = finish
-  assert ckpt.wait(timeout=30) is True
+  assert ckpt.wait(timeout=30) is True  # raised once
+  _json_write(monkeypatch, write)
+  ckpt.save(3, small_state(3.0), {"step": 3})
+  ckpt.close()
+  assert Checkpointer(tmp_path / "checkpoints").all_steps() == [1, 3]
+
+
+def _failing_reads(ckpt, error, steps, times=None):
+  """Makes orbax's reads of the checkpoints of ``steps`` raise ``error`` (the first ``times`` reads
+  only, if given); returns the steps of every read."""
+  restore, reads = ckpt._manager.restore, []
+
+  def flaky_restore(step, *args, **kwargs):
+    reads.append(step)
+    if step in steps and (times is None or reads.count(step) <= times):
+      raise error
+    return restore(step, *args, **kwargs)
+
+  ckpt._manager.restore = flaky_restore
+  return reads
+
+
+# Read errors of the file system: Python's, and tensorstore's report of one (as orbax raises it).
+READ_ERRORS = [OSError(errno.EIO, "Input/output error"),
+               ValueError('UNKNOWN: Error reading local file "/ckpt/3/state/d/0": read failed '
+                          '[OS error 5: Input/output error]')]
+
+
+@pytest.mark.parametrize("error", READ_ERRORS, ids=["OSError", "tensorstore"])
+def test_a_transient_read_error_is_tried_again_and_restores_the_newest(error, tmp_path, caplog,
+                                                                        monkeypatch):
+  monkeypatch.setattr(checkpointer_module, "READ_RETRY_SECONDS", 0.01)
+  root = tmp_path / "checkpoints"
+  saved_steps(root)
+  ckpt = Checkpointer(root)
+  reads = _failing_reads(ckpt, error, steps={3}, times=2)
+  with caplog.at_level(logging.WARNING, logger="simigrad_jax"):
+    state, host, step = ckpt.restore(small_state(0.0))
+  assert step == 3 and host["step"] == 3 and reads[:3] == [3, 3, 3]
+  assert_state_equal(state, small_state(3.0))
+  assert ckpt.skipped == [] and ckpt.quarantined == [] and ckpt.all_steps() == [1, 2, 3]
+  assert caplog.text.count("reading the checkpoint at step 3") == 2 and "trying again" in caplog.text
+  assert not (tmp_path / "checkpoints.unreadable").exists()
+  ckpt.close()
+
+
+@pytest.mark.parametrize("error", READ_ERRORS, ids=["OSError", "tensorstore"])
+def test_a_read_error_that_persists_is_raised_and_moves_nothing(error, tmp_path, monkeypatch):
+  """The newest checkpoint is damaged, the one before fails every read: no checkpoint is
+  restored, skipped for good or moved (the failing one may be intact)."""
+  monkeypatch.setattr(checkpointer_module, "READ_RETRY_SECONDS", 0.01)
+  root = tmp_path / "checkpoints"
+  saved_steps(root)
+  truncate_array_data(root / "3")
+  ckpt = Checkpointer(root)
+  reads = _failing_reads(ckpt, error, steps={2})
+  with pytest.raises(OSError, match=r"\[Errno 5\] reading the checkpoint at step 2 in .* failed "
+                                    r"4 times with an error of the file system .*nothing was "
+                                    r"skipped or moved") as raised:
+    ckpt.restore(small_state(0.0))
+  assert raised.value.errno == errno.EIO and raised.value.__cause__ is error
+  assert reads.count(2) == checkpointer_module.READ_ATTEMPTS
+  assert ckpt.all_steps() == [1, 2, 3] and ckpt.quarantined == []
+  assert not (tmp_path / "checkpoints.unreadable").exists()
   ckpt.close()
 
 
@@ -316,3 +392,39 @@ def test_a_checkpoint_written_before_checksums_still_restores(tmp_path, caplog):
   assert_state_equal(state, small_state(5.0))
   assert "has no checksums" in caplog.text
   ckpt.close()
+
+
+def test_a_failed_background_save_stops_training_at_the_next_step(tmp_path, monkeypatch):
+  """A full disk while step 4's checkpoint is written in the background: training stops at step 5
+  with the save's error, not at the next save (step 6) or at the end."""
+  write = ocp.handlers.JsonCheckpointHandler._save_fn
+
+  async def full_disk_at_step_4(self, item, directory):
+    if item["payload"]["host"]["step"] == 4:
+      raise OSError(errno.ENOSPC, "No space left on device")
+    await write(self, item, directory)
+
+  _json_write(monkeypatch, full_disk_at_step_4)
+  trainer = _Data.make_trainer(tmp_path)  # a checkpoint every 2 steps
+  checkpointer = trainer._checkpoints.checkpointer
+  save = checkpointer.save
+
+  def save_then_let_it_fail(step, state, host):  # the failure happens before the next step
+    save(step, state, host)
+    deadline = time.monotonic() + 60
+    while step == 4 and checkpointer.failed_save() is None and time.monotonic() < deadline:
+      time.sleep(0.005)
+
+  checkpointer.save = save_then_let_it_fail
+  with trainer:  # (closing does not raise the error again)
+    with pytest.raises(OSError, match="No space left on device") as raised:
+      trainer.train(num_steps=10)
+    assert trainer.step == 5
+  assert raised.value.errno == errno.ENOSPC
+  assert any(re.search(r"the background save of the checkpoint of step 4 in .* failed: training "
+                       r"stopped at step 5; a restart resumes from the newest finished "
+                       r"checkpoint \(step 2\)", note) for note in raised.value.__notes__)
+  assert [r["step"] for r in _records(tmp_path)] == [1, 2, 3, 4]
+  resumed = Checkpointer(tmp_path / "checkpoints")
+  assert resumed.all_steps() == [2]
+  resumed.close()

@@ -7,6 +7,7 @@ python tests/train_driver.py --workdir DIR --steps N
     [--compile-cache DIR] [--mode recompile|pad] [--checkpoint-every C]
     [--agreement-timeout SECONDS] [--devices D] [--halves auto|device|local]
     [--hold-compiles K] [--no-compile-fallback] [--grain-workers W]
+    [--checkpoint-every-seconds S] [--slow-save SECONDS]
 
 Trains an MLP on a fixed synthetic classification set (600 examples) over D
 devices in all (default 8; D // P simulated CPU devices per process), with
@@ -26,6 +27,12 @@ Fault injection (the process SIGKILLs itself: no clean-up, no final checkpoint):
   sockets stay open, so a peer waits in its next collective as for a process
   that died in the middle of it); SIGKILL after twice the agreement timeout
   and 5 s.
+
+Signals (sent by the test): a SIGTERM or SIGINT makes ``train`` raise
+``simigrad_jax.Preempted``; the driver traces a ``preempted`` line and exits
+with its ``exit_code``. ``--slow-save SECONDS`` traces a ``saving`` line and
+sleeps that long before each checkpoint save (a window for a second
+signal). ``--checkpoint-every 0``: no checkpoint every so many steps.
 
 Test-only trace: every process appends to ``<workdir>/trace.<process>.jsonl``
 a ``start`` line (the step it resumed from), a ``step`` line per completed
@@ -79,6 +86,8 @@ parser.add_argument("--halves", default="auto")
 parser.add_argument("--hold-compiles", type=int, default=None)
 parser.add_argument("--no-compile-fallback", action="store_true")
 parser.add_argument("--grain-workers", type=int, default=None)
+parser.add_argument("--checkpoint-every-seconds", type=float, default=None)
+parser.add_argument("--slow-save", type=float, default=None)
 args = parser.parse_args()
 
 os.environ["JAX_PLATFORMS"] = "cpu"
@@ -218,7 +227,8 @@ trainer = simigrad_jax.Trainer(
     loss_fn=loss_fn, params=params, optimizer=optimizer,
     source=source, controller=controller,
     workdir=args.workdir, max_micro_batch_size=args.max_micro_batch_size, mode=args.mode, seed=1,
-    checkpoint_every_steps=args.checkpoint_every, progress=False, tensorboard=False,
+    checkpoint_every_steps=args.checkpoint_every or None,
+    checkpoint_every_seconds=args.checkpoint_every_seconds, progress=False, tensorboard=False,
     compilation_cache_dir=args.compile_cache, halves=args.halves,
     compile_fallback=not args.no_compile_fallback,
     agreement_timeout_seconds=args.agreement_timeout)
@@ -291,9 +301,25 @@ if args.kill_in_save is not None:
 
   checkpointer.save = save_then_die
 
+if args.slow_save is not None:
+  slowed_save = trainer._checkpoints.checkpointer.save
+
+  def save_slowly(step, state, host):
+    trace({"event": "saving", "step": step, "time": time.time()})
+    time.sleep(args.slow_save)
+    slowed_save(step, state, host)
+
+  trainer._checkpoints.checkpointer.save = save_slowly
+
 with trainer:
   try:
     summary = trainer.train(num_steps=args.steps)
+  except simigrad_jax.Preempted as stop:
+    trace({"event": "preempted", "signal": stop.signal.name, "step": stop.step,
+           "checkpoint": stop.checkpoint, "saved": os.path.isdir(stop.checkpoint),
+           "time": time.time()})
+    print(stop)
+    sys.exit(stop.exit_code)
   finally:
     compiles_released.set()
   trace({"event": "end", "params": [np.asarray(leaf.addressable_data(0)).ravel().tolist()

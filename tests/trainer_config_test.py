@@ -22,6 +22,8 @@ BAD_SETTINGS = [
     ("lr_adjust_factor", -1.0, r"lr_adjust_factor must be a number in \[0, inf\), got -1.0"),
     ("seed", -1, r"seed must be an integer >= 0, got -1"),
     ("checkpoint_every_steps", 0, r"checkpoint_every_steps must be an integer >= 1, got 0"),
+    ("checkpoint_every_seconds", 0,
+     r"checkpoint_every_seconds must be a number in \(0, inf\) \(finite\), got 0"),
     ("max_checkpoints", 0, r"max_checkpoints must be an integer >= 1, got 0"),
     ("allow_changed_settings", "yes", r"allow_changed_settings must be True or False, got 'yes'"),
     ("background_compile", 1, r"background_compile must be True or False, got 1 \(int\)"),

@@ -18,6 +18,12 @@ The workdir must be on a file system every host sees. When a process dies, the
 others end with a ``ProcessLostError`` that names it (exit status 1, within
 ``config.agreement_timeout_seconds``); start the same command again on every
 host to resume from the newest checkpoint.
+
+SIGTERM (a scheduler's preemption) or SIGINT (Ctrl-C) finishes the step under
+way on every process, saves its checkpoint, prints where it stopped and
+exits 0 for SIGTERM (a clean stop, as schedulers expect) or 130 for SIGINT;
+the same command resumes from there. A second signal exits at once, without
+the checkpoint.
 """
 
 from __future__ import annotations
@@ -95,6 +101,9 @@ def main(argv: list[str]) -> None:
     train.train_and_evaluate(config, workdir, title=f"SimiGrad: {name}")
   except simigrad_jax.ProcessLostError as error:  # a normal exit would wait for the lost process
     simigrad_jax.exit_on_lost_process(error)
+  except simigrad_jax.Preempted as stop:
+    print(stop, flush=True)
+    sys.exit(stop.exit_code)
 
 
 if __name__ == "__main__":

@@ -151,6 +151,7 @@ def create_trainer_config(config: ml_collections.ConfigDict) -> TrainerConfig:
         compile_fallback=config.compile_fallback, lr_rule=config.lr_rule,
         lr_adjust_factor=config.lr_adjust_factor, seed=config.seed,
         checkpoint_every_steps=config.checkpoint_every_steps,
+        checkpoint_every_seconds=config.checkpoint_every_seconds,
         max_checkpoints=config.max_checkpoints,
         allow_changed_settings=config.allow_changed_settings, tensorboard=config.tensorboard,
         progress=config.progress, halves=config.halves,
@@ -484,6 +485,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
     simigrad_jax.WorkdirLockedError: another run holds the workdir.
     simigrad_jax.UnsafePathError: another user could change the workdir or
       the cache, or ``config.json`` is a symlink.
+    simigrad_jax.Preempted: a SIGTERM or SIGINT stopped the run after saving
+      the checkpoint of its last step (nothing is reported).
   """
   start = time.perf_counter()
   with open_workdir(workdir, allow_shared=config.allow_shared_workdir,

@@ -45,6 +45,12 @@ class TrainerConfig:
     seed: seeds the data order and the per-step random keys.
     checkpoint_every_steps: save every this many steps (None: only at epoch
       ends and at the end).
+    checkpoint_every_seconds: also save at the first step that ends this
+      many seconds after the last checkpoint (None: never on time), so that
+      a process killed without warning (SIGKILL, a lost host) loses at most
+      about this much work. Decided on process 0's clock at each step's
+      agreement, so every process saves at the same step. (A SIGTERM or
+      SIGINT loses nothing: the run saves and stops.)
     max_checkpoints: how many checkpoints to keep.
     allow_changed_settings: resume from a checkpoint made with other
       optimizer settings, controller settings, data, learning-rate rule or
@@ -114,6 +120,7 @@ class TrainerConfig:
   lr_adjust_factor: float | None = None
   seed: int = 0
   checkpoint_every_steps: int | None = None
+  checkpoint_every_seconds: float | None = None
   max_checkpoints: int = 3
   allow_changed_settings: bool = False
   background_compile: bool = True
@@ -149,6 +156,10 @@ class TrainerConfig:
     if self.checkpoint_every_steps is not None:
       checked["checkpoint_every_steps"] = validation.check_int(
           "checkpoint_every_steps", self.checkpoint_every_steps, 1)
+    if self.checkpoint_every_seconds is not None:
+      checked["checkpoint_every_seconds"] = validation.check_real(
+          "checkpoint_every_seconds", self.checkpoint_every_seconds, "(0, inf) (finite)",
+          lambda x: 0 < x < math.inf)
     checked["max_checkpoints"] = validation.check_int("max_checkpoints", self.max_checkpoints, 1)
     for name in _FLAGS:
       checked[name] = validation.check_bool(name, getattr(self, name))

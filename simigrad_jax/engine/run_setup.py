@@ -263,6 +263,7 @@ def settings_to_agree(config: TrainerConfig, layout: StepLayout, *, controller: 
       "lr_adjust_factor": config.lr_adjust_factor, "num_examples": num_examples,
       "num_devices": layout.num_devices, "halves": layout.halves,
       "checkpoint_every_steps": config.checkpoint_every_steps,
+      "checkpoint_every_seconds": config.checkpoint_every_seconds,
       "element_spec": run_record.describe_element_spec(source.element_spec),
       "params": run_record.describe_tree(params),
   }

@@ -24,6 +24,10 @@ Every optimizer step:
    run's totals, the progress bar, yours; at an epoch's end the evaluation,
    and checkpoints with orbax.
 
+A SIGTERM or SIGINT during :meth:`Trainer.train` stops every process after
+the same step, with that step's checkpoint saved
+(:mod:`simigrad_jax.engine.preemption`).
+
 The settings are a :class:`~simigrad_jax.engine.config.TrainerConfig`;
 building the run (checks, layout, agreement, resume, tracing) is
 :func:`~simigrad_jax.engine.run_setup.build_run`.
@@ -40,6 +44,7 @@ import jax
 import optax
 
 from simigrad_jax import validation
+from simigrad_jax.engine import preemption
 from simigrad_jax.engine import run_setup
 from simigrad_jax.engine import train_step
 from simigrad_jax.engine.config import MODES
@@ -50,6 +55,7 @@ from simigrad_jax.engine.hooks import MetricsHook
 from simigrad_jax.engine.hooks import ProgressHook
 from simigrad_jax.engine.hooks import StepHook
 from simigrad_jax.engine.hooks import check_hook
+from simigrad_jax.engine.preemption import Preempted
 from simigrad_jax.engine.run_totals import RunTotals
 from simigrad_jax.engine.step_record import DispatchedStep
 from simigrad_jax.engine.step_record import StepRecord
@@ -59,7 +65,8 @@ from simigrad_jax.runtime.process_agreement import ProcessAgreement
 from simigrad_jax.runtime.process_agreement import ProcessDisagreementError
 from simigrad_jax.runtime.process_agreement import ProcessLostError
 
-__all__ = ["MODES", "ProcessDisagreementError", "ProcessLostError", "Trainer", "TrainerConfig"]
+__all__ = ["MODES", "Preempted", "ProcessDisagreementError", "ProcessLostError", "Trainer",
+           "TrainerConfig"]
 
 
 class Trainer:
@@ -132,6 +139,9 @@ class Trainer:
       another process does not reach a check within
       ``agreement_timeout_seconds``; it names the missing processes. Restart
       all processes to resume from the newest checkpoint.
+    OSError: resuming, when the file system fails every read of a
+      checkpoint (e.g. EIO); nothing is moved (a damaged checkpoint is moved
+      aside and the one before it restored instead).
 
   Example:
     >>> trainer = simigrad_jax.Trainer(loss_fn=loss_fn, params=params,  # doctest: +SKIP
@@ -142,6 +152,11 @@ class Trainer:
     >>> summary = trainer.train(num_epochs=3)  # doctest: +SKIP
 
   Note:
+    A SIGTERM or SIGINT during :meth:`train` (in the main thread) finishes
+    the step under way on every process, saves its checkpoint and raises
+    :class:`~simigrad_jax.engine.preemption.Preempted`; a second signal ends
+    the process at once.
+
     A step whose gradient is NaN or infinite on any device keeps the
     parameters, the optimizer state (momentum, Adam's moments and counters)
     and the model state as they were, like ``optax.apply_if_finite``; the
@@ -177,7 +192,10 @@ class Trainer:
     self._is_main = jax.process_index() == 0
     self._metrics = MetricsHook(MetricsWriter(run.workdir, tensorboard=config.tensorboard,
                                               resume_step=self.step, enabled=self._is_main))
-    self._checkpoint = CheckpointHook(self.save_checkpoint, config.checkpoint_every_steps)
+    self._checkpoint = CheckpointHook(self.save_checkpoint, config.checkpoint_every_steps,
+                                      config.checkpoint_every_seconds)
+    self._signals = preemption.StopSignals()
+    self._stop: str | None = None  # the signal the processes agreed to stop on
     self._last_read: float | None = None  # when the last step's statistics were read
 
   def add_hook(self, hook: StepHook) -> None:
@@ -208,6 +226,14 @@ class Trainer:
       run, ``run_nonfinite_steps`` in this call, whose first,
       ``first_nonfinite_step``, a warning names), and the last evaluation
       (if any).
+
+    Raises:
+      Preempted: a SIGTERM or SIGINT arrived (on any process) before the
+        end: the step under way was finished and its checkpoint saved; its
+        ``summary`` is the dict this would have returned. A second signal
+        ends the process at once.
+      Exception: a background checkpoint save failed (e.g. ``OSError`` of a
+        full disk): the save's own error, at the first step after it failed.
     """
     total_examples, max_steps = _run_length(num_epochs, num_steps, self.sampler.num_examples)
     totals = RunTotals()
@@ -219,37 +245,55 @@ class Trainer:
     self._step_inputs.set_lr_factor(self._step_inputs.lr_factors(batch_size, self._epochs()))
     self._programs.prefetch_for(batch_size)
     self._data.submit_ahead(batch_size, total_examples, self.step)
-    self._last_read = None
-    pending = None  # the last step's record: its hooks run once the next step is dispatched
+    self._last_read, self._stop = None, None
+    self._checkpoint.restart_clock()
+    with self._signals:  # a signal stops the run after the step under way
+      try:
+        self._run_steps(hooks, total_examples, max_steps)
+        if totals.steps:
+          self.save_checkpoint()
+        self._checkpoints.wait(f"end of the run at step {self.step}")
+      except jax.errors.JaxRuntimeError as error:
+        # Multi-host: a collective that lost a peer fails with an error that names no process.
+        self._agreement.roll_call(f"step {self.step + 1}", error)
+        raise
+      finally:
+        progress.close()
+    summary = {"steps": self.step, "examples_seen": self.sampler.examples_seen,
+               "final_batch_size": self.controller.batch_size,
+               "nonfinite_steps": self._nonfinite_steps, **self.compile_stats(),
+               **totals.summary(), **evaluation.results}
+    if self._stop is not None and self._more_steps(total_examples, max_steps):
+      raise Preempted(self._stop, self.step,
+                      os.path.join(self._checkpoints.checkpointer.directory, str(self.step)), summary)
+    return summary
+
+  def _more_steps(self, total_examples: float, max_steps: float) -> bool:
+    """Whether the run has steps left before ``total_examples`` or ``max_steps``."""
+    return self.step < max_steps and self.sampler.examples_seen < total_examples
+
+  def _run_steps(self, hooks: list[StepHook], total_examples: float, max_steps: float) -> None:
+    """Runs steps until the run's end or a stop the processes agreed on.
+
+    A step's hooks run once the next step is dispatched, while the devices
+    work, but a checkpointed step's run at once: the records up to a
+    checkpoint are written before it.
+    """
+    pending = None  # the last step's record
     try:
-      while self.step < max_steps and self.sampler.examples_seen < total_examples:
+      while self._more_steps(total_examples, max_steps) and self._stop is None:
         dispatched = self._dispatch(total_examples)
-        if pending is not None:  # the last step's bookkeeping, while the devices work
+        if pending is not None:
           self._run_hooks(hooks, pending)
           pending = None
         record = self._read_and_decide(dispatched)
-        if self._checkpoint.due(record):  # records up to a checkpoint are written before it
+        if self._checkpoint.due(record):
           self._run_hooks(hooks, record)
         else:
           pending = record
-      if pending is not None:
-        self._run_hooks(hooks, pending)
-        pending = None
-      if totals.steps:
-        self.save_checkpoint()
-      self._checkpoints.wait(f"end of the run at step {self.step}")
-    except jax.errors.JaxRuntimeError as error:
-      # Multi-host: a collective that lost a peer fails with an error that names no process.
-      self._agreement.roll_call(f"step {self.step + 1}", error)
-      raise
     finally:
       if pending is not None:
         self._run_hooks(hooks, pending)
-      progress.close()
-    return {"steps": self.step, "examples_seen": self.sampler.examples_seen,
-            "final_batch_size": self.controller.batch_size,
-            "nonfinite_steps": self._nonfinite_steps, **self.compile_stats(),
-            **totals.summary(), **evaluation.results}
 
   def _epochs(self) -> float:
     """The epochs trained so far (fractional, counted in examples)."""
@@ -311,13 +355,24 @@ class Trainer:
 
   def _agree_on_decision(self, decision: dict[str, Any]) -> float:
     """Multi-host: the next step's shapes and learning rate follow ``decision``; every process
-    must hold the same one before any of them uses it. The compiled shapes ride along: the next
-    step falls back only to a shape compiled on all. Returns the seconds it took."""
+    must hold the same one before any of them uses it. Returns the seconds it took.
+
+    Each process's report rides along, and every process acts on all of them alike: the
+    compiled shapes (the next step falls back only to a shape compiled on all), a signal
+    (every process stops after this step), process 0's seconds since the last checkpoint
+    (``checkpoint_every_seconds``) and a failed background save (raised now, on every process).
+    """
     start = time.perf_counter()
-    reports = self._agreement.agree(f"decision of step {self.step}", decision,
-                                    report=self._programs.compiled_report())
-    if reports is not None:
-      self._programs.agree_on_compiles(reports)
+    compiled = self._programs.compiled_report()
+    report = {"compiled": compiled, **preemption.step_report(
+        self._signals, self._checkpoint.seconds_since_save(), self._checkpoints.failed_save())}
+    reports = self._agreement.agree(f"decision of step {self.step}", decision, report=report)
+    if compiled is not None:
+      self._programs.agree_on_compiles([r["compiled"] for r in reports])
+    agreed = preemption.Agreed.read(reports)
+    self._checkpoints.stop_on_failed_saves(agreed.failed_saves, self.step)
+    self._checkpoint.save_on_time(self.step, agreed.seconds_since_checkpoint)
+    self._stop = agreed.stop
     return time.perf_counter() - start
 
   def _run_hooks(self, hooks: list[StepHook], record: StepRecord) -> None:

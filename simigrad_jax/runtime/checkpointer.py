@@ -19,15 +19,29 @@ those steps again. A readable checkpoint whose layout differs from the model
 (a different model, or a different optimizer) is *not* skipped: restore
 raises :class:`CheckpointMismatchError` naming the differences. Checkpoints
 written before these records existed are restored unverified, with a warning.
+
+Only damage is moved aside. A read that fails with an error of the file
+system (an ``OSError`` such as EIO, or tensorstore's report of one), not of
+the checkpoint's contents, is tried again :data:`READ_ATTEMPTS` times in all,
+waiting a little longer each time, and then raised as an ``OSError`` that
+names the checkpoint; nothing is skipped or moved. A file the checkpoint
+should hold but that is missing is damage.
+
+A background save that fails is reported by :meth:`Checkpointer.failed_save`
+without waiting, so that a run can stop at its next step instead of at its
+next save.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import errno
 import json
 import logging
 import os
+import re
 import threading
+import time
 import zlib
 from typing import Any
 
@@ -43,6 +57,12 @@ from simigrad_jax.errors import SimiGradError
 logger = logging.getLogger("simigrad_jax")
 
 FORMAT = "simigrad_jax.checkpoint/1"
+# A read that fails with a file-system error is tried this many times in all, the waits between
+# the tries doubling from READ_RETRY_SECONDS.
+READ_ATTEMPTS = 4
+READ_RETRY_SECONDS = 0.25
+# File-system errors that mean a file of the checkpoint is missing: damage, not a failed read.
+_MISSING_FILE_ERRNOS = frozenset({errno.ENOENT, errno.ENOTDIR, errno.EISDIR})
 
 
 class CheckpointMismatchError(SimiGradError, ValueError):
@@ -84,7 +104,9 @@ class Checkpointer:
     if isinstance(max_to_keep, bool) or not isinstance(max_to_keep, int) or max_to_keep < 1:
       raise ValueError(f"max_to_keep must be an integer >= 1, got {max_to_keep!r}")
     self.directory = directory
-    self._waiting: concurrent.futures.Future | None = None  # a bounded wait() under way
+    # Settles when the last save has finished or failed (a helper thread waits for it).
+    self._waiting: concurrent.futures.Future | None = None
+    self._reported: BaseException | None = None  # a failed save's error, once handed to the caller
     self.skipped: list[tuple[int, str]] = []
     self.quarantined: list[str] = []
     self._manager = ocp.CheckpointManager(
@@ -116,15 +138,39 @@ class Checkpointer:
     """Saves ``state`` (arrays) and ``host`` (JSON) as the checkpoint of ``step``.
 
     The host item also records the state's layout and checksums (see the
-    module docstring). Every process must call it (multi-host runs).
+    module docstring). Every process must call it (multi-host runs). The
+    last save is waited for first (see :meth:`wait`).
     """
     payload = {"host": host, "layout": _layout(state), "checksums": _checksums(state)}
     record = {"format": FORMAT, "crc32": _crc32(payload), "payload": payload}
+    self.wait()
     self._manager.save(
         step,
         args=ocp.args.Composite(state=ocp.args.StandardSave(state), host=ocp.args.JsonSave(record)),
         force=True,
     )
+    # A helper thread waits for the background part, so that failed_save() knows at once.
+    self._waiting = concurrent.futures.Future()
+    threading.Thread(target=_settle, args=(self._waiting, self._manager.wait_until_finished),
+                     name="simigrad-checkpoint-wait", daemon=True).start()
+
+  def failed_save(self) -> BaseException | None:
+    """The error of the last save if its background part has failed; never waits.
+
+    Returns:
+      The save's error (e.g. an ``OSError`` of a full disk), or None while
+      the save is under way, after it finished, or when there was none. The
+      error counts as reported: :meth:`close` does not raise it again.
+
+    Example:
+      >>> ckpt.save(10, state, {"step": 10})  # doctest: +SKIP
+      >>> if (error := ckpt.failed_save()) is not None:  # doctest: +SKIP
+      ...   raise error
+    """
+    waiting = self._waiting
+    if waiting is None or not waiting.done() or waiting.exception() is None:
+      return None
+    return self._report(waiting.exception())
 
   def restore(self, like: Any, step: int | None = None) -> tuple[Any, dict[str, Any], int]:
     """Restores the newest readable checkpoint (or ``step``) into the structure of ``like``.
@@ -145,6 +191,9 @@ class Checkpointer:
       CheckpointMismatchError: a readable checkpoint holds a different layout
         than ``like`` (e.g. another model); the message names the differences.
         No older checkpoint is tried and nothing is moved.
+      OSError: a read failed :data:`READ_ATTEMPTS` times with an error of the
+        file system (e.g. EIO), not of the checkpoint's contents; the message
+        names the checkpoint. No older checkpoint is tried and nothing is moved.
       ValueError: no checkpoint could be read; the message names each step
         and its error.
     """
@@ -158,10 +207,9 @@ class Checkpointer:
     errors = []
     for candidate in candidates:
       try:
-        state, host = self._restore_one(candidate, abstract, want_layout)
-      except CheckpointMismatchError:
-        raise
-      except Exception as error:  # pylint: disable=broad-except
+        state, host = self._read(candidate, abstract, want_layout)
+      except _Damaged as damage:
+        error = damage.__cause__
         reason = f"{type(error).__name__}: {_first_line(error)}"
         logger.warning("checkpoint at step %d in %s is unreadable (%s); trying an older one",
                        candidate, self.directory, reason)
@@ -175,6 +223,35 @@ class Checkpointer:
                        [s for s, _ in self.skipped], self.quarantined)
       return state, host, candidate
     raise ValueError(f"no readable checkpoint in {self.directory}: " + "; ".join(errors))
+
+  def _read(self, step: int, abstract: Any, want_layout: list) -> tuple[Any, dict[str, Any]]:
+    """Restores the checkpoint of ``step``, trying a read that the file system failed again.
+
+    Raises:
+      _Damaged: the checkpoint is damaged (its error is the ``__cause__``).
+      OSError: the file system failed every one of :data:`READ_ATTEMPTS` reads.
+      CheckpointMismatchError: as :meth:`restore`.
+    """
+    for attempt in range(1, READ_ATTEMPTS + 1):
+      try:
+        return self._restore_one(step, abstract, want_layout)
+      except CheckpointMismatchError:
+        raise
+      except Exception as error:  # pylint: disable=broad-except  (sorted into damage and failed reads)
+        code = _file_system_errno(error)
+        if code is None:
+          raise _Damaged() from error
+        reason = f"{type(error).__name__}: {_first_line(error)}"
+        if attempt == READ_ATTEMPTS:
+          raise OSError(code, f"reading the checkpoint at step {step} in {self.directory} failed "
+                              f"{READ_ATTEMPTS} times with an error of the file system ({reason}); "
+                              "the checkpoint may be intact, so nothing was skipped or moved: check "
+                              "the file system and run again") from error
+        wait = READ_RETRY_SECONDS * 2 ** (attempt - 1)
+        logger.warning("reading the checkpoint at step %d in %s failed (%s); trying again in %g s",
+                       step, self.directory, reason, wait)
+        time.sleep(wait)
+    raise AssertionError("unreachable")
 
   def _restore_one(self, step: int, abstract: Any, want_layout: list) -> tuple[Any, dict[str, Any]]:
     record = self._manager.restore(step, args=ocp.args.Composite(host=ocp.args.JsonRestore())).host
@@ -238,26 +315,63 @@ class Checkpointer:
         The wait goes on in a helper thread, which the next call joins: in a
         multi-host run a save's commit waits for every process, so a lost
         process would block it for orbax's own timeout (20 minutes).
+
+    Raises:
+      Exception: the save's error, when its background part failed (once:
+        not an error that :meth:`failed_save` returned).
     """
-    if timeout is None and self._waiting is None:
-      self._manager.wait_until_finished()
+    waiting = self._waiting
+    if waiting is None:  # no save since the last wait
       return True
-    if self._waiting is None:
-      self._waiting = concurrent.futures.Future()
-      threading.Thread(target=_settle, args=(self._waiting, self._manager.wait_until_finished),
-                       name="simigrad-checkpoint-wait", daemon=True).start()
-    try:
-      self._waiting.result(timeout)
-    except concurrent.futures.TimeoutError:
+    if not concurrent.futures.wait([waiting], timeout).done:
       return False
-    finally:
-      if self._waiting.done():
-        self._waiting = None
+    self._waiting = None
+    if waiting.exception() is not None and waiting.exception() is not self._reported:
+      raise self._report(waiting.exception())
     return True
 
   def close(self) -> None:
-    self._manager.wait_until_finished()
+    """Waits for the last save and releases orbax's resources (raising as :meth:`wait`)."""
+    self.wait()
     self._manager.close()
+
+  def _report(self, error: BaseException) -> BaseException:
+    """Remembers ``error``, a failed save's, as reported, and returns it.
+
+    orbax raises a failed save's error once in every thread that waits for
+    it: this thread's turn is taken here, so that orbax's own waits (before
+    the next save, at close) do not raise it again.
+    """
+    self._reported = error
+    try:
+      self._manager.wait_until_finished()
+    except Exception as again:  # pylint: disable=broad-except
+      if again is not error:
+        raise
+    return error
+
+
+class _Damaged(Exception):
+  """A checkpoint found damaged by :meth:`Checkpointer._read`; its error is the ``__cause__``."""
+
+
+def _file_system_errno(error: BaseException | None) -> int | None:
+  """The errno of a read that the file system failed, or None when ``error`` means damage.
+
+  An ``OSError``, or tensorstore's report of one (``[OS error 5: ...]``), in
+  ``error`` or its causes, is a failed read, unless it says that a file is
+  missing: a checkpoint without one of its files is damaged.
+  """
+  while error is not None:
+    if isinstance(error, OSError):
+      code = errno.EIO if error.errno is None else error.errno
+      return None if code in _MISSING_FILE_ERRNOS else code
+    reported = re.search(r"\[OS error:? (\d+)", str(error))
+    if reported:
+      code = int(reported[1])
+      return None if code in _MISSING_FILE_ERRNOS else code
+    error = error.__cause__
+  return None
 
 
 def _first_line(error: BaseException) -> str:

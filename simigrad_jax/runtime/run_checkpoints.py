@@ -24,6 +24,7 @@ import logging
 import os
 from typing import Any, NamedTuple
 
+from simigrad_jax.errors import SimiGradError
 from simigrad_jax.runtime import run_record
 from simigrad_jax.runtime.checkpointer import CheckpointMismatchError
 from simigrad_jax.runtime.checkpointer import Checkpointer
@@ -36,6 +37,13 @@ SAVE_WAIT_ROUND_SECONDS = 1.0
 _HOW_TO_ALLOW = ("Resume with the settings it was made with, use a new workdir, or allow the "
                  "change with allow_changed_settings=True (it is then recorded in the run's "
                  "history)")
+
+
+class CheckpointSaveError(SimiGradError, RuntimeError):
+  """Multi-host: another process's background checkpoint save failed, so every process stops.
+
+  The process whose save failed raises the save's own error instead.
+  """
 
 
 class Resumed(NamedTuple):
@@ -84,6 +92,7 @@ class RunCheckpoints:
     self.allow_changed_settings = allow_changed_settings
     self.changes: list[dict[str, Any]] = []
     self._agreement = agreement
+    self._last_saved: int | None = None  # the step of the last save
 
   def resume(self, like: Any, sampler: Any, controller: Any) -> Resumed | None:
     """Restores the newest readable checkpoint into ``sampler`` and ``controller``.
@@ -201,6 +210,44 @@ class RunCheckpoints:
     if self.record is not None:
       host.update(run=self.record, run_changes=self.changes)
     self.checkpointer.save(step, state, host)
+    self._last_saved = step
+
+  def failed_save(self) -> str | None:
+    """``"ErrorType: message"`` (short) when this process's last save failed in the background,
+    else None (also while it is under way); never waits. See :meth:`stop_on_failed_saves`."""
+    error = self.checkpointer.failed_save()
+    if error is None:
+      return None
+    text = f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0]}"
+    return text.encode("ascii", "replace").decode()[:150]  # (it rides in the step's agreement)
+
+  def stop_on_failed_saves(self, failed: list[str | None], step: int) -> None:
+    """Raises when a process's last save failed in the background; every process calls it.
+
+    Args:
+      failed: every process's :meth:`failed_save`, in process order (the
+        same list on every process, gathered at a step's agreement).
+      step: the step training stops at.
+
+    Raises:
+      Exception: on a process whose save failed, the save's own error (e.g.
+        ``OSError`` of a full disk), with a note naming the checkpoint.
+      CheckpointSaveError: on the other processes, naming the process and
+        its error.
+    """
+    failures = {process: text for process, text in enumerate(failed) if text is not None}
+    if not failures:
+      return
+    saved = (f"the background save of the checkpoint of step {self._last_saved} in "
+             f"{self.checkpointer.directory}")
+    then = f"training stopped at step {step}; a restart resumes from the newest finished checkpoint"
+    error = self.checkpointer.failed_save()
+    if error is not None:
+      newest = self.checkpointer.latest_step()
+      error.add_note(f"{saved} failed: {then} ({'none' if newest is None else f'step {newest}'})")
+      raise error
+    processes = ", ".join(f"process {p} ({text})" for p, text in failures.items())
+    raise CheckpointSaveError(f"{saved} failed on {processes}: {then}")
 
   def wait(self, what: str) -> None:
     """Waits until the last checkpoint save has finished on every process.

@@ -129,6 +129,9 @@ def get_config() -> ml_collections.ConfigDict:
   # Run a step whose shape is still compiling on a compiled one (one process only).
   config.compile_fallback = True
   config.checkpoint_every_steps = config_dict.placeholder(int)  # None: at epoch ends only.
+  # Also save 15 minutes after the last checkpoint: the most work a SIGKILL can cost (None: off).
+  config.checkpoint_every_seconds = config_dict.placeholder(float)
+  config.checkpoint_every_seconds = 900.0
   config.max_checkpoints = 3
   # Resume from a checkpoint made with other settings (optimizer, model definition, data,
   # controller, ...; train/run_settings.py) instead of refusing it; the change is logged and

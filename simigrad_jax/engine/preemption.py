@@ -1,0 +1,145 @@
+"""Host: a clean stop on SIGTERM or SIGINT: the step under way finishes, its checkpoint is saved.
+
+While :meth:`~simigrad_jax.Trainer.train` runs in the main thread, the first
+SIGTERM (a scheduler's preemption) or SIGINT (Ctrl-C) is only recorded
+(:class:`StopSignals`). The step under way finishes; at its agreement every
+process learns whether any of them received a signal, so all of them stop
+after the same step; that step's records and checkpoint are written and
+waited for, and ``train()`` raises :class:`Preempted`. A second signal ends
+the process at once, by the signal's default action, without a checkpoint.
+
+The same per-step exchange (:func:`step_report`, read by :class:`Agreed`)
+carries process 0's seconds since the last checkpoint, so that
+``checkpoint_every_seconds`` saves at the same step on every process, and
+whether a process's last background save failed, so that every process
+stops at the same step then too.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from typing import Any, NamedTuple, Sequence
+
+from simigrad_jax.errors import SimiGradError
+
+logger = logging.getLogger("simigrad_jax")
+
+SIGNALS: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGINT)
+
+
+class Preempted(SimiGradError, RuntimeError):
+  """``Trainer.train`` stopped on SIGTERM or SIGINT, after saving the checkpoint of its last step.
+
+  Run the same code again to resume from that checkpoint: no step is done
+  twice. A script exits with :attr:`exit_code` (``sys.exit(error.exit_code)``).
+
+  Attributes:
+    signal: the signal that stopped the run (``signal.SIGTERM`` or
+      ``signal.SIGINT``; with several processes, the first process's that
+      received one).
+    step: the last optimizer step done, whose checkpoint was saved.
+    checkpoint: the folder of that checkpoint.
+    summary: what ``train()`` would have returned for the steps it did.
+    exit_code: 0 for SIGTERM (a scheduler expects a clean stop), 130
+      (128 + SIGINT, the shell's convention) for SIGINT.
+
+  Example:
+    >>> try:  # doctest: +SKIP
+    ...   summary = trainer.train(num_epochs=90)
+    ... except simigrad_jax.Preempted as stop:
+    ...   print(stop)
+    ...   sys.exit(stop.exit_code)
+  """
+
+  def __init__(self, signal_name: str, step: int, checkpoint: str, summary: dict[str, Any]):
+    self.signal = signal.Signals[signal_name]
+    self.step, self.checkpoint, self.summary = step, checkpoint, summary
+    super().__init__(f"training stopped by {signal_name} after step {step}; its checkpoint is "
+                     f"saved in {checkpoint}: run the same command again to resume from it")
+
+  @property
+  def exit_code(self) -> int:
+    """0 for SIGTERM, 128 + the signal's number otherwise (130 for SIGINT)."""
+    return 0 if self.signal == signal.SIGTERM else 128 + int(self.signal)
+
+  def __reduce__(self):  # (pickled with its fields, e.g. from a worker process)
+    return type(self), (self.signal.name, self.step, self.checkpoint, self.summary)
+
+
+class StopSignals:
+  """While entered in the main thread, the first SIGTERM or SIGINT is recorded instead of acted on.
+
+  The first signal is logged and kept in :attr:`received`; both signals then
+  get their default action back, so a second one ends the process at once,
+  whatever the main thread is waiting for. Leaving restores the handlers
+  found on entering. Outside the main thread nothing is installed (Python
+  delivers signals to the main thread only), and a signal that is ignored
+  (``SIG_IGN``, e.g. SIGINT in a shell's background job) stays ignored.
+
+  Example:
+    >>> with StopSignals() as signals:
+    ...   pass  # one step after another, until signals.received
+    >>> signals.received is None
+    True
+  """
+
+  def __init__(self):
+    self.received: signal.Signals | None = None
+    self._previous: dict[signal.Signals, Any] = {}
+
+  def __enter__(self) -> StopSignals:
+    self.received = None
+    if threading.current_thread() is threading.main_thread():
+      for signum in SIGNALS:
+        if signal.getsignal(signum) is not signal.SIG_IGN:
+          self._previous[signum] = signal.signal(signum, self._on_signal)
+    return self
+
+  def __exit__(self, *exc: Any) -> None:
+    for signum, handler in self._previous.items():  # (None: a handler not set from Python)
+      signal.signal(signum, signal.SIG_DFL if handler is None else handler)
+    self._previous.clear()
+
+  def _on_signal(self, signum: int, frame: Any) -> None:
+    del frame
+    self.received = signal.Signals(signum)
+    for other in self._previous:  # a second signal: its default action, at once
+      signal.signal(other, signal.SIG_DFL)
+    logger.warning("%s received: finishing the step under way and saving its checkpoint; "
+                   "send it again to stop at once, without a checkpoint", self.received.name)
+
+
+def step_report(signals: StopSignals, seconds_since_checkpoint: float,
+                failed_save: str | None) -> dict[str, Any]:
+  """This process's part of a step's agreement: its stop request and checkpoint state (JSON).
+
+  Args:
+    signals: the signals received so far in this ``train()`` call.
+    seconds_since_checkpoint: this process's seconds since its last checkpoint.
+    failed_save: the error of this process's last save if it failed, else None.
+  """
+  return {"signal": None if signals.received is None else signals.received.name,
+          "since_checkpoint": round(seconds_since_checkpoint, 3), "failed_save": failed_save}
+
+
+class Agreed(NamedTuple):
+  """What every process reads from the same gathered :func:`step_report` of all of them.
+
+  Attributes:
+    stop: the name of the first process's signal (by process index), or None.
+    seconds_since_checkpoint: process 0's.
+    failed_saves: every process's failed save (None where none failed).
+  """
+
+  stop: str | None
+  seconds_since_checkpoint: float
+  failed_saves: list[str | None]
+
+  @classmethod
+  def read(cls, reports: Sequence[dict[str, Any]]) -> Agreed:
+    """The agreed outcome of ``reports`` (one per process, in process order)."""
+    return cls(stop=next((r["signal"] for r in reports if r["signal"]), None),
+               seconds_since_checkpoint=reports[0]["since_checkpoint"],
+               failed_saves=[r["failed_save"] for r in reports])
