@@ -216,3 +216,14 @@ def test_a_resume_with_another_learning_rate_is_refused_unless_the_config_allows
     trainer.train(num_steps=3)
   records = [r for r in simigrad_jax.read_metrics(tmp_path / "metrics.jsonl") if "batch_size" in r]
   assert [r["step"] for r in records] == [1, 2, 3]
+
+
+def test_how_often_and_where_a_run_saves_does_not_decide_the_run():
+  """A resume may change the checkpoint interval or the shared-workdir check: not recorded as settings."""
+  from train import run_settings  # pylint: disable=import-outside-toplevel
+  from train.configs import default  # pylint: disable=import-outside-toplevel
+  settings = run_settings.run_settings(default.get_config())
+  for name in ("checkpoint_every_seconds", "checkpoint_every_steps", "allow_shared_workdir",
+               "allow_changed_settings"):
+    assert name not in settings
+  assert "learning_rate" in settings

@@ -32,7 +32,7 @@ NOT_DECIDING: frozenset[str] = frozenset({
     # What is shown, saved and cached, and how long hosts wait for each other.
     "verbose", "progress", "tensorboard", "plot", "checkpoint_every_steps", "max_checkpoints",
     "compilation_cache", "compilation_cache_dir", "agreement_timeout_seconds",
-    "allow_changed_settings",
+    "allow_changed_settings", "allow_shared_workdir", "checkpoint_every_seconds",
 })
 
 
