@@ -28,7 +28,7 @@ from benchmarks.pareto_protocol import RunSpec, lr_schedule_fn, train_run
 from train import input_pipeline
 from train import models
 from train import optimizers
-from train import train as train_lib
+from train import tasks
 from train.configs import bert_tiny
 
 DATA_DIR = pathlib.Path(common.REPOSITORY_ROOT).parent / "shared" / "data"
@@ -97,8 +97,8 @@ class MlmExperiment:
                         f"{seq_length} / {self.num_val} validation / {self.num_test} test")
     self.model = models.create_model(config, vocab_size=input_pipeline.BYTE_VOCAB_SIZE)
     datasets = input_pipeline.Datasets(self.train, None, vocab_size=input_pipeline.BYTE_VOCAB_SIZE)
-    self.loss_fn, _, eval_step = train_lib.mlm_fns(config, self.model, datasets)
-    evaluators = {name: train_lib.make_evaluate(config, input_pipeline.Datasets(
+    self.loss_fn, _, eval_step = tasks.mlm_fns(config, self.model, datasets)
+    evaluators = {name: tasks.make_evaluate(config, input_pipeline.Datasets(
         self.train, split, vocab_size=input_pipeline.BYTE_VOCAB_SIZE), eval_step, text=True)
                   for name, split in splits.items()}
 
