@@ -70,7 +70,7 @@ def similarity_stats(opt_state: Any) -> dict[str, float | bool | int]:
     False
   """
   state = _find(opt_state, SimilarityState, "simigrad_jax.transform")
-  values = dict(zip(SimilarityState._fields, _read_scalars(state)))
+  values = dict(zip(SimilarityState._fields, _read_scalars(state), strict=True))
   measured = bool(values["measured"])
   return {
       "similarity": float(values["similarity"]) if measured else math.nan,

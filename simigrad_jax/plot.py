@@ -48,7 +48,7 @@ def _number(value: Any) -> float | None:
 
 def _series(records, xs, key) -> tuple[list[float], list[float]]:
   """The (x, value) pairs of the records that have a numeric ``key``."""
-  points = [(x, _number(r[key])) for r, x in zip(records, xs) if key in r]
+  points = [(x, _number(r[key])) for r, x in zip(records, xs, strict=True) if key in r]
   points = [(x, y) for x, y in points if y is not None]
   return [x for x, _ in points], [y for _, y in points]
 
@@ -152,7 +152,7 @@ def plot_metrics(
   figure = Figure(figsize=(9, 1.0 + 2.3 * len(panels)), layout="constrained")
   FigureCanvasAgg(figure)
   axes = figure.subplots(len(panels), 1, sharex=True, squeeze=False)[:, 0]
-  for ax, panel in zip(axes, panels):
+  for ax, panel in zip(axes, panels, strict=True):
     ax.grid(True, alpha=0.3)
     if panel == "batch":
       x, y = series[batch_key]

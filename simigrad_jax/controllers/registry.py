@@ -34,7 +34,8 @@ from __future__ import annotations
 
 import difflib
 import inspect
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from simigrad_jax import validation
 from simigrad_jax.controllers.base import BatchSizeController

@@ -293,10 +293,10 @@ class TfdsSource:
     batch = {}
     for f, (elem_shape, dtype) in self._spec.items():
       batch[f] = np.zeros((len(flat),) + elem_shape, dtype)
-      if dtype == object:
+      if dtype is object:
         batch[f][...] = self._pad[f]
     rows = np.flatnonzero(~pad)
-    for row, record in zip(rows, self._read([int(i) for i in flat[rows]])):
+    for row, record in zip(rows, self._read([int(i) for i in flat[rows]]), strict=True):
       for f, (elem_shape, _) in self._spec.items():
         value = _to_numpy(record[f])
         if value.shape != elem_shape:

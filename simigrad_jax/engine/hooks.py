@@ -14,7 +14,8 @@ checkpoint see the parameters of that step.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Mapping, Protocol, runtime_checkable
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol, runtime_checkable
 
 import jax
 import numpy as np

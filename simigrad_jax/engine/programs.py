@@ -24,7 +24,8 @@ import functools
 import math
 import operator
 import time
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -355,7 +356,7 @@ class StepPrograms:
       if acc is None:
         acc = train_step.zero_accumulator(params, self.mesh, self.axis_name, self.layout.halves)
       accumulated_state = model_state
-      for (batch, weights), counters in zip(data.micro_batches, data.counters):
+      for (batch, weights), counters in zip(data.micro_batches, data.counters, strict=True):
         acc, accumulated_state = program(params, accumulated_state, acc, batch, weights,
                                          step_inputs, counters)
       params, opt_state, self._acc, model_state, stats = apply(

@@ -11,7 +11,7 @@ only when they change (at a fixed batch size, no transfer).
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import numpy as np

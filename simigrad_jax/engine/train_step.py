@@ -42,7 +42,8 @@ parameters, the optimizer state and the model state as they were.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp

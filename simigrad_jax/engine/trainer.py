@@ -34,7 +34,8 @@ from __future__ import annotations
 import math
 import os
 import time
-from typing import Any, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import jax
 import optax

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import os
 import pathlib
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -119,7 +120,7 @@ def check_finite_params(params: Any) -> None:
   inexact = [(path, leaf) for path, leaf in leaves
              if jnp.issubdtype(jnp.result_type(leaf), jnp.inexact)]
   finite = np.asarray(_all_finite([leaf for _, leaf in inexact])) if inexact else []
-  for (path, _), ok in zip(inexact, finite):
+  for (path, _), ok in zip(inexact, finite, strict=True):
     if not ok:
       raise ValueError(f"params{jax.tree_util.keystr(path)} holds NaN or infinite values: every "
                        "step would be skipped; initialise the model with finite values")

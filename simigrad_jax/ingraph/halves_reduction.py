@@ -62,7 +62,9 @@ class HalfStatistics(NamedTuple):
   dot_ab: jax.Array  # <g_A, g_B>
   sq_norm_a: jax.Array  # |g_A|^2
   sq_norm_b: jax.Array  # |g_B|^2
-  sq_norm_mean: jax.Array  # |M|^2, M = s g_A + (1 - s) g_B in float32 (the returned mean before rounding to a bf16 gradient's dtype)
+  # |M|^2, M = s g_A + (1 - s) g_B in float32 (the returned mean before rounding to a bf16
+  # gradient's dtype)
+  sq_norm_mean: jax.Array
   finite: jax.Array  # bool: every statistic is finite (no NaN or infinity in the gradients)
 
 
@@ -141,7 +143,7 @@ def _pair_statistics(half_a: jax.Array, half_b: jax.Array,
     products += [a * b, a * a, b * b]
   zero = jnp.zeros((), jnp.float32)
   sums = lax.reduce(tuple(products), (zero,) * len(products),
-                    lambda x, y: tuple(p + q for p, q in zip(x, y)), (0,))
+                    lambda x, y: tuple(p + q for p, q in zip(x, y, strict=True)), (0,))
   totals = jnp.stack(sums).reshape(blocks, 3).sum(axis=0)
   if blocks * width < length:  # the last length % blocks elements
     a, b = half_a[blocks * width:], half_b[blocks * width:]
@@ -279,7 +281,7 @@ def _gather_mean(pieces: list[jax.Array], buckets: list[list[int]], leaves: list
   finite: a ``1 / n`` piece is cheaper to mask than the gathered gradient.
   """
   out: list = [None] * len(leaves)
-  for piece, indices in zip(pieces, buckets):
+  for piece, indices in zip(pieces, buckets, strict=True):
     if zero_nonfinite:
       piece = jnp.where(stats.finite, piece, jnp.zeros_like(piece))
     flat_mean = lax.all_gather(piece, axis_name, tiled=True, **_gather_kwargs(axis_name))
@@ -357,7 +359,7 @@ def _global_halves(mean, diff, zero_nonfinite: bool, share) -> tuple[object, Hal
   """The statistics of the halves for global arrays (a plain ``jax.jit`` step): no collective."""
   diff_leaves = jax.tree.structure(mean).flatten_up_to(diff)
   partial = jnp.zeros((4,), jnp.float32)
-  for m, d in zip(jax.tree.leaves(mean), diff_leaves):
+  for m, d in zip(jax.tree.leaves(mean), diff_leaves, strict=True):
     partial = partial + _pair_statistics(*_halves(jnp.ravel(m), jnp.ravel(d), share), share)
   stats = _finish(*partial)
   if zero_nonfinite:

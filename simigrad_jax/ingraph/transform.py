@@ -10,7 +10,6 @@ from typing import Any, Literal, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
-from jax import lax
 
 from simigrad_jax.errors import SimiGradError
 from simigrad_jax.ingraph import halves_reduction
@@ -120,7 +119,7 @@ def _check_half_grads(updates: Any, half_grads: Any) -> None:
       raise ValueError(f"half_grads.{name} has the tree structure {jax.tree.structure(half)}, "
                        f"the gradient {expected}: compute both from the same parameters")
     for (path, g), h in zip(jax.tree_util.tree_flatten_with_path(updates)[0],
-                            jax.tree.leaves(half)):
+                            jax.tree.leaves(half), strict=True):
       if jnp.shape(g) != jnp.shape(h):
         raise ValueError(f"half_grads.{name}{jax.tree_util.keystr(path)} has shape "
                          f"{jnp.shape(h)}, the gradient {jnp.shape(g)}")
@@ -200,8 +199,9 @@ def transform(
     Nothing is ever NaN in the state: when either half's mean gradient has a
     non-finite entry (detected from the float32 norms, so a gradient whose
     squared norm overflows float32, above about 1.8e19, counts as non-finite
-    too), ``grads_finite`` is False, ``measured`` is False and the norms read 0; when a half's mean gradient is exactly zero the similarity
-    is undefined and ``measured`` is False. With cross-device BatchNorm
+    too), ``grads_finite`` is False, ``measured`` is False and the norms read
+    0; when a half's mean gradient is exactly zero the similarity is
+    undefined and ``measured`` is False. With cross-device BatchNorm
     (``axis_name`` on the norm layer) each device's gradient also flows
     through the shared batch statistics, so the halves are not purely from
     their own data; the mean is still exact.

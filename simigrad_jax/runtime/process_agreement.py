@@ -30,7 +30,8 @@ import threading
 import time
 import traceback
 import zlib
-from typing import Any, Mapping, NoReturn, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any, NoReturn
 
 import jax
 import numpy as np

@@ -5,7 +5,7 @@ Plain Python; nothing here is traced.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TextIO
 
 import numpy as np
 import tqdm
