@@ -352,7 +352,7 @@ def _checksums(tree: Any) -> list[list[int]]:
 def _check_matches(abstract: Any, restored: Any, step: int) -> None:
   want = jax.tree.structure(abstract)
   got = jax.tree.structure(restored)
-  if want != got:
+  if want != got:  # type: ignore[operator]  # PyTreeDef: no stub
     raise ValueError(f"the checkpoint at step {step} has a different structure: {got} != {want}")
   for a, r in zip(jax.tree.leaves(abstract), jax.tree.leaves(restored), strict=True):
     if tuple(a.shape) != tuple(r.shape) or a.dtype != r.dtype:

@@ -109,5 +109,5 @@ class ProgressBar:
   def __enter__(self) -> ProgressBar:
     return self
 
-  def __exit__(self, *exc_info) -> None:
+  def __exit__(self, *exc_info: object) -> None:
     self.close()
