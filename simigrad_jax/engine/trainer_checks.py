@@ -50,7 +50,7 @@ def checked_loss_fn(loss_fn: train_step.PerExampleLossFn, model_state: Any) -> t
           f"loss_fn must return one loss per row, shape {weights.shape}, got shape "
           f"{jnp.shape(losses)}: the Trainer weights the rows itself (padding rows have weight "
           "0), so a mean over the rows would count padding")
-    if jax.tree.structure(new_state) != state_structure:
+    if jax.tree.structure(new_state) != state_structure:  # type: ignore[operator]  # PyTreeDef
       raise LossContractError(
           f"loss_fn must return a model state with the structure of model_state "
           f"({state_structure}), got {jax.tree.structure(new_state)}")
@@ -119,7 +119,7 @@ def check_finite_params(params: Any) -> None:
     raise ValueError("params holds no arrays: there is nothing to train")
   inexact = [(path, leaf) for path, leaf in leaves
              if jnp.issubdtype(jnp.result_type(leaf), jnp.inexact)]
-  finite = np.asarray(_all_finite([leaf for _, leaf in inexact])) if inexact else []
+  finite = np.asarray(_all_finite([leaf for _, leaf in inexact])) if inexact else np.ones(0, bool)
   for (path, _), ok in zip(inexact, finite, strict=True):
     if not ok:
       raise ValueError(f"params{jax.tree_util.keystr(path)} holds NaN or infinite values: every "
