@@ -11,7 +11,8 @@ every device holds the same value.
 from __future__ import annotations
 
 import math
-from typing import Any
+from collections.abc import Iterable
+from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -21,11 +22,13 @@ import optax
 from simigrad_jax.ingraph.lr_scaling import LrFactorState
 from simigrad_jax.ingraph.transform import SimilarityState
 
+_State = TypeVar("_State")
 
-def _find(opt_state: Any, state_type: type, producer: str):
+
+def _find(opt_state: Any, state_type: type[_State], producer: str) -> _State:
   # A leaf walk with is_leaf runs in C++ (microseconds, where optax's search by
   # name takes about 0.1 ms): it runs on the host between steps, every step.
-  def is_state(node) -> bool:
+  def is_state(node: Any) -> bool:
     return isinstance(node, state_type)
 
   found = [node for node in jax.tree.leaves(opt_state, is_leaf=is_state) if is_state(node)]
@@ -35,18 +38,18 @@ def _find(opt_state: Any, state_type: type, producer: str):
     raise ValueError(
         f"no {state_type.__name__} in this optimizer state; chain {producer} into the optimizer"
     )
-  found = optax.tree_utils.tree_get_all_with_path(opt_state, state_type.__name__)
-  paths = [jax.tree_util.keystr(tuple(path)) for path, _ in found]
-  raise ValueError(f"{len(found)} {state_type.__name__}s in this optimizer state, at {paths}; expected one")
+  with_paths = optax.tree_utils.tree_get_all_with_path(opt_state, state_type.__name__)
+  paths = [jax.tree_util.keystr(tuple(path)) for path, _ in with_paths]
+  raise ValueError(f"{len(with_paths)} {state_type.__name__}s in this optimizer state, at {paths}; expected one")
 
 
-def _first_copy(value) -> Any:
+def _first_copy(value: Any) -> Any:
   if isinstance(value, jax.Array):
     value = value.addressable_data(0)
   return value
 
 
-def _read_scalars(values) -> list:
+def _read_scalars(values: Iterable[Any]) -> list[Any]:
   """The scalars ``values`` (device arrays, replicated) as NumPy scalars, from the first device."""
   host = jax.device_get([_first_copy(v) for v in values])
   return [np.asarray(v).reshape(-1)[0] for v in host]
@@ -70,7 +73,7 @@ def similarity_stats(opt_state: Any) -> dict[str, float | bool | int]:
     False
   """
   state = _find(opt_state, SimilarityState, "simigrad_jax.transform")
-  values = dict(zip(SimilarityState._fields, _read_scalars(state)))
+  values = dict(zip(SimilarityState._fields, _read_scalars(state), strict=True))
   measured = bool(values["measured"])
   return {
       "similarity": float(values["similarity"]) if measured else math.nan,
@@ -119,7 +122,8 @@ def set_lr_factor(opt_state: Any, factor: float) -> Any:
   if not math.isfinite(factor) or factor <= 0:
     raise ValueError(f"the learning-rate factor must be finite and > 0, got {factor}")
   old = _find(opt_state, LrFactorState, "simigrad_jax.scale_by_lr_factor()").lr_factor
-  new_value = np.full(np.shape(old), factor, dtype=np.asarray(_first_copy(old)).dtype)
+  new_value: np.ndarray | jax.Array = np.full(np.shape(old), factor,
+                                              dtype=np.asarray(_first_copy(old)).dtype)
   if isinstance(old, jax.Array):
     # Keep the placement: committed arrays (pmap and shard_map layouts) stay
     # where they were; an uncommitted one stays free for jit to place.

@@ -48,19 +48,20 @@ def _number(value: Any) -> float | None:
   return float(value)
 
 
-def _series(records, xs, key) -> tuple[list[float], list[float]]:
+def _series(records: list[dict[str, Any]], xs: list[float],
+            key: str) -> tuple[list[float], list[float]]:
   """The (x, value) pairs of the records that have a numeric ``key``."""
-  points = [(x, _number(r[key])) for r, x in zip(records, xs) if key in r]
-  points = [(x, y) for x, y in points if y is not None]
+  pairs = [(x, _number(r[key])) for r, x in zip(records, xs, strict=True) if key in r]
+  points = [(x, y) for x, y in pairs if y is not None]
   return [x for x, _ in points], [y for _, y in points]
 
 
-def _examples_seen(record) -> float | None:
+def _examples_seen(record: dict[str, Any]) -> float | None:
   value = record.get("examples_seen")
   return float(value) if validation.is_real(value) else None
 
 
-def _x_positions(records) -> tuple[list[float], str]:
+def _x_positions(records: list[dict[str, Any]]) -> tuple[list[float], str]:
   """Each record's position on the x axis, and the axis label."""
   known = sorted(
       (r["step"], _examples_seen(r)) for r in records
@@ -79,7 +80,8 @@ def _x_positions(records) -> tuple[list[float], str]:
   return xs, "examples seen"
 
 
-def _similarity_target(records, similarity_target) -> float | None:
+def _similarity_target(records: list[dict[str, Any]],
+                       similarity_target: float | None) -> float | None:
   if similarity_target is not None:
     return validation.check_real(
         "similarity_target", similarity_target, "[-1, 1]", lambda x: -1.0 <= x <= 1.0)
@@ -154,9 +156,9 @@ def plot_metrics(
   figure = Figure(figsize=(9, 1.0 + 2.3 * len(panels)), layout="constrained")
   FigureCanvasAgg(figure)
   axes = figure.subplots(len(panels), 1, sharex=True, squeeze=False)[:, 0]
-  for ax, panel in zip(axes, panels):
+  for ax, panel in zip(axes, panels, strict=True):
     ax.grid(True, alpha=0.3)
-    if panel == "batch":
+    if panel == "batch" and batch_key is not None:
       x, y = series[batch_key]
       ax.plot(x, y, drawstyle="steps-post", color="tab:blue")
       ax.set_ylabel("global batch size")

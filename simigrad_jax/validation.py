@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any, TypeGuard
 
 import numpy as np
 
@@ -12,12 +13,12 @@ def is_bool(value: Any) -> bool:
   return isinstance(value, (bool, np.bool_))
 
 
-def is_int(value: Any) -> bool:
+def is_int(value: Any) -> TypeGuard[int | np.integer]:
   """An integer that is not a bool (NumPy integers included)."""
   return isinstance(value, (int, np.integer)) and not is_bool(value)
 
 
-def is_real(value: Any) -> bool:
+def is_real(value: Any) -> TypeGuard[int | float | np.integer | np.floating]:
   """A real number that is not a bool (NumPy numbers included)."""
   return isinstance(value, (int, float, np.integer, np.floating)) and not is_bool(value)
 

@@ -236,8 +236,8 @@ def test_plateau_needs_stats():
 @pytest.mark.parametrize("k", [0, 1, 5, 13, 30])
 def test_plateau_round_trip_mid_epoch(k):
   rng = np.random.default_rng(3)
-  steps = [{"loss": float(l), "batch_size": int(b), "epoch_end": bool(e)}
-           for l, b, e in zip(0.5 + rng.uniform(0, 0.1, 40), rng.integers(10, 20, 40),
+  steps = [{"loss": float(loss), "batch_size": int(b), "epoch_end": bool(e)}
+           for loss, b, e in zip(0.5 + rng.uniform(0, 0.1, 40), rng.integers(10, 20, 40),
                               rng.random(40) < 0.3)]
   steps[7]["loss"] = math.nan
   def run(c, ss):

@@ -11,7 +11,8 @@ import dataclasses
 import math
 import pathlib
 import shutil
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import flax.linen as nn
 import jax

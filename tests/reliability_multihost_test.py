@@ -104,7 +104,7 @@ def test_different_settings_are_refused_before_any_step(tmp_path, caches):
   results = run_processes(
       tmp_path, [["--steps", STEPS, *caches[0]], ["--steps", STEPS, "--similarity-target", 0.5, *caches[1]]],
       timeout=TIMEOUT_SECONDS)
-  for process, (code, _, err, seconds) in enumerate(results):
+  for process, (code, _, err, _) in enumerate(results):
     assert code not in (0, None), f"process {process} was not stopped (rc {code})"
     assert "ProcessDisagreementError: the 2 processes disagree on the settings" in err, err[-3000:]
     assert '"similarity_target": 0.3' in err and '"similarity_target": 0.5' in err
@@ -116,7 +116,7 @@ def test_a_diverging_decision_is_reported_not_hung(tmp_path, caches):
   results = run_processes(
       tmp_path, [["--steps", STEPS, *caches[0]], ["--steps", STEPS, "--disagree-at", 5, *caches[1]]],
       timeout=TIMEOUT_SECONDS)
-  for process, (code, _, err, seconds) in enumerate(results):
+  for process, (code, _, err, _) in enumerate(results):
     assert code not in (0, None), f"process {process} was not stopped (rc {code})"
     assert "ProcessDisagreementError: the 2 processes disagree on the decision of step 5" in err, \
         err[-3000:]

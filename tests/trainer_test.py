@@ -1,6 +1,5 @@
 """The training engine: exact gradients through padding and accumulation, data coverage, resume, multi-host."""
 
-import json
 import os
 import pathlib
 import socket

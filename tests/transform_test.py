@@ -60,7 +60,7 @@ def map_over_devices(fn, num_devices, mapper):
                                             mapped(*args)))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def compiled_device_split(num_devices, mapper, reduction, small_leaf_size=None):
   """The transform's update, mapped; ``small_leaf_size`` overrides the bucketing threshold."""
   tx = simigrad_jax.transform(AXIS, reduction=reduction)
@@ -123,7 +123,7 @@ def test_device_halves_match_numpy(num_devices, mapper, reduction, mixed_dtypes,
   assert 0.0 < float(state.similarity[0]) < 0.999  # the halves differ; not the gradient trap
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def compiled_local_split(num_devices, mapper, reduction="hierarchical", small_leaf_size=None):
   tx = simigrad_jax.transform(AXIS, reduction=reduction)
 
@@ -157,7 +157,7 @@ def test_local_halves_match_numpy(num_devices, mapper, reduction, mixed_dtypes, 
   np.testing.assert_allclose(state.norm_b, ref_nb, **tol)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def compiled_unequal_local_split(num_devices, reduction, small_leaf_size=None):
   """The local split with halves of different sizes: ``share`` is the first half's fraction."""
   tx = simigrad_jax.transform(AXIS, reduction=reduction)
@@ -289,7 +289,7 @@ def test_vmap_with_named_axis():
   np.testing.assert_allclose(jax.tree.leaves(mean)[0][0], ref_mean[0], rtol=2e-5, atol=1e-6)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def compiled_chain_step(nonfinite):
   inner = optax.sgd(0.5, momentum=0.9)
   if nonfinite == "propagate":

@@ -150,7 +150,10 @@ class ResizedImageSource:
 
 
 def resize_and_center_crop(image: np.ndarray, size: int) -> np.ndarray:
-  """Resizes ``image`` (``[h, w]`` or ``[h, w, c]`` uint8) so its shorter side is ``size``, then keeps the central square, as RGB."""
+  """Resizes ``image`` (``[h, w]`` or ``[h, w, c]`` uint8) to a shorter side of ``size``.
+
+  Then keeps the central square, as RGB.
+  """
   from PIL import Image  # pylint: disable=import-outside-toplevel
 
   if image.ndim == 3 and image.shape[-1] == 1:
@@ -361,7 +364,7 @@ class TfdsTextSource:
 
 
 def default_text(local_data_dir: str | os.PathLike) -> tuple[str, str]:
-  """``(text, where it came from)``: tinyshakespeare from ``local_data_dir`` when present, else ``pydoc_data.topics``."""
+  """``(text, source)``: tinyshakespeare from ``local_data_dir``, else ``pydoc_data.topics``."""
   path = pathlib.Path(local_data_dir) / "tinyshakespeare.txt"
   if path.is_file():
     return path.read_text(encoding="utf-8"), str(path)
@@ -487,7 +490,7 @@ def _finish(datasets: Datasets, config: ml_collections.ConfigDict) -> Datasets:
 
 def eval_batches(source: Any, batch_size: int
                  ) -> Iterator[tuple[dict[str, np.ndarray], np.ndarray]]:
-  """Yields ``(batch, weights)`` covering ``source`` once, every batch ``batch_size`` rows (the last padded, weight 0)."""
+  """Yields ``(batch, weights)``: ``source`` once, ``batch_size`` rows each (padding weighs 0)."""
   for start in range(0, len(source), batch_size):
     indices = np.arange(start, start + batch_size)
     real = indices < len(source)

@@ -11,7 +11,8 @@ factor, so neither costs a recompilation.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import ml_collections

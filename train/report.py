@@ -11,7 +11,8 @@ from __future__ import annotations
 import json
 import math
 import pathlib
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import numpy as np

@@ -15,7 +15,8 @@ import json
 import os
 import pathlib
 import time
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp

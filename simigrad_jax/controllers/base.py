@@ -194,7 +194,7 @@ class BaseController:
         "batch_size_lower_bound", batch_size_lower_bound, 1)
     self._upper = None if batch_size_upper_bound is None else validation.check_int(
         "batch_size_upper_bound", batch_size_upper_bound, 1)
-    if None not in (self._lower, self._upper) and self._lower > self._upper:
+    if self._lower is not None and self._upper is not None and self._lower > self._upper:
       raise ValueError(f"batch_size_lower_bound ({self._lower}) must not exceed "
                        f"batch_size_upper_bound ({self._upper})")
     self._initial = self._check_size("initial_batch_size", initial_batch_size)
@@ -341,6 +341,7 @@ class BaseController:
     before = self._batch_size
     finite = step_is_finite(s, stats)
     counted = self.observe(s, stats, finite)
+    decision: str | None  # None until the rule's own word or the size's move names it
     if not (finite if counted is None else counted):
       self._nonfinite += 1
       decision = "nonfinite"

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import math
-from typing import Callable, Literal
+from collections.abc import Callable
+from typing import Literal
 
 from simigrad_jax import validation
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
+from typing import Any
 
 from simigrad_jax import validation
 from simigrad_jax.controllers.base import BaseController
@@ -162,7 +164,9 @@ class GnsController(BaseController):
   def _debias(self) -> float:
     return 1.0 - self._decay ** self._ema_count
 
-  def observe(self, similarity, stats, finite):
+  def observe(self, similarity: float, stats: Mapping[str, Any] | None,
+              finite: bool) -> bool | None:
+    assert stats is not None  # update() refuses a step without the REQUIRED_STATS
     if not finite:
       return False
     values = [stats[k] for k in ("norm_a", "norm_b", "norm_mean", "batch_size")]
@@ -180,13 +184,15 @@ class GnsController(BaseController):
     self._last_estimates = (g2, trace)
     return True
 
-  def decide(self):
+  def decide(self) -> int:
     b = self._batch_size
     target = self.target_batch_size
+    if target is None:  # no estimate yet
+      return b
     if math.isinf(target):
-      if self._max_change is None and self._upper is None:
-        return b
-      new = self._upper if self._max_change is None else math.inf
+      if self._max_change is None:
+        return b if self._upper is None else self._upper
+      new: float = math.inf
     else:
       new = max(int(round(target)), 1)
     if self._max_change is not None:
@@ -196,18 +202,18 @@ class GnsController(BaseController):
         new = max(new, min(b - 1, math.ceil(b / self._max_change)), 1)
     return int(new)
 
-  def settings(self):
+  def settings(self) -> dict[str, Any]:
     return {"multiple": self._multiple, "ema_decay": self._decay, "max_change": self._max_change,
             "warmup_steps": self._warmup}
 
-  def extra_state(self):
+  def extra_state(self) -> dict[str, Any]:
     return {"ema_trace": self._ema_trace, "ema_g2": self._ema_g2, "ema_count": self._ema_count}
 
-  def parse_extra_state(self, state):
+  def parse_extra_state(self, state: Mapping[str, Any]) -> dict[str, Any]:
     return {"_ema_trace": check_finite_float("ema_trace", state["ema_trace"]),
             "_ema_g2": check_finite_float("ema_g2", state["ema_g2"]),
             "_ema_count": validation.check_int("ema_count", state["ema_count"], 0),
             "_last_estimates": None}
 
-  def _log_details(self, before):
+  def _log_details(self, before: int) -> str:
     return f"noise scale {self.noise_scale}, target {self.target_batch_size}"

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping, Sequence
-from typing import Any, Callable
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -90,8 +90,9 @@ class SimilarityProfile:
 
   def begin(self, current_size: int) -> int:
     """Begins the planned profile from ``current_size``; returns the first size to run."""
-    self._plan["return_to"] = current_size
-    return self._plan["sizes"][0]
+    plan = self._active_plan()
+    plan["return_to"] = current_size
+    return plan["sizes"][0]
 
   def record(self, batch_size: int, similarity: float, step: int) -> int:
     """Records one finite sample; returns the size of the next step.
@@ -99,7 +100,7 @@ class SimilarityProfile:
     After ``steps_per_size`` samples the profile moves to the next size; after
     the last, it ends and returns the size it began from.
     """
-    plan = self._plan
+    plan = self._active_plan()
     self._samples.append({"batch_size": batch_size, "similarity": similarity, "step": step})
     plan["count"] += 1
     if plan["count"] < plan["steps_per_size"]:
@@ -110,6 +111,11 @@ class SimilarityProfile:
       return plan["sizes"][plan["position"]]
     self._plan = None
     return plan["return_to"]
+
+  def _active_plan(self) -> dict[str, Any]:
+    if self._plan is None:
+      raise RuntimeError("no profile is planned (plan() plans one)")
+    return self._plan
 
   def summary(self) -> dict[int, dict[str, float | int]]:
     """Per batch size, in increasing order: ``{"mean", "std", "count"}`` of the similarities."""
@@ -170,6 +176,15 @@ class ProfileMethods:
   """
 
   _profile: SimilarityProfile
+
+  if TYPE_CHECKING:  # What the class provides, declared for the type checker only.
+
+    def _check_size(self, name: str, value: Any) -> int: ...
+
+    def _profile_planned(self) -> None: ...
+
+    @property
+    def config(self) -> dict[str, Any]: ...
 
   def _init_profile(self, batch_sizes: Sequence[int] | None, steps_per_size: int) -> None:
     """Starts with no samples, and a profile of ``batch_sizes`` if given (steps checked either way)."""
@@ -303,9 +318,9 @@ class ProfilingController(ProfileMethods):
     return self._inner.initial_batch_size
 
   @property
-  def config(self) -> Mapping[str, Any]:
+  def config(self) -> dict[str, Any]:
     """The wrapped controller's settings (a profile is state, not a setting)."""
-    return self._inner.config
+    return dict(self._inner.config)
 
   @property
   def profile_batch_sizes(self) -> tuple[int, ...]:

@@ -34,7 +34,8 @@ from __future__ import annotations
 
 import difflib
 import inspect
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from simigrad_jax import validation
 from simigrad_jax.controllers.base import BatchSizeController
@@ -100,8 +101,7 @@ def make_controller(name: str, **options: Any) -> BatchSizeController:
   if name not in _FACTORIES:
     raise ValueError(f"unknown controller {name!r}; choose one of {controller_names()}")
   accepted = controller_options(name)
-  unknown = sorted(set(options) - set(accepted)) if accepted is not None else []
-  if unknown:
+  if accepted is not None and (unknown := sorted(set(options) - set(accepted))):
     hints = [f"{u!r} (did you mean {close[0]!r}?)" if (close := difflib.get_close_matches(
         u, accepted, n=1)) else repr(u) for u in unknown]
     raise TypeError(f"make_controller({name!r}) got unknown option(s) {', '.join(hints)}; "
@@ -153,7 +153,9 @@ for _factory, _target, _sets in ((_fixed, Controller, ("enable_adjust",)),
                                  (linear_schedule, ScheduleController, ("shape",)),
                                  (geometric_schedule, ScheduleController, ("shape",)),
                                  (decreasing_schedule, ScheduleController, ())):
-  _factory.forwards_options_to, _factory.sets_options = _target, _sets
+  # Function attributes that _option_names reads, set through __dict__: a function's type
+  # declares no such attributes.
+  vars(_factory).update(forwards_options_to=_target, sets_options=_sets)
 
 register_controller("simigrad", Controller)
 register_controller("fixed", _fixed)

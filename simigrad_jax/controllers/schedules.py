@@ -7,6 +7,7 @@ Registered in :mod:`simigrad_jax.controllers.registry` as ``"linear"``,
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Any
 
 from simigrad_jax import validation
@@ -88,7 +89,7 @@ class ScheduleController(BaseController):
     super().__init__(b0, batch_size_lower_bound=batch_size_lower_bound,
                      batch_size_upper_bound=batch_size_upper_bound, verbose=verbose)
     self._lower = max(min(b0, b1), self._lower or 1)
-    self._upper = min(max(b0, b1), self._upper or math.inf)
+    self._upper = max(b0, b1) if self._upper is None else min(max(b0, b1), self._upper)
 
   @property
   def epochs(self) -> float:
@@ -111,27 +112,29 @@ class ScheduleController(BaseController):
       value = b0 * (b1 / b0) ** p
     return int(round(value))
 
-  def observe(self, similarity, stats, finite):
+  def observe(self, similarity: float, stats: Mapping[str, Any] | None,
+              finite: bool) -> bool | None:
+    assert stats is not None  # update() refuses a step without the REQUIRED_STATS
     epochs = float(stats["epochs"])
     if not (finite and math.isfinite(epochs)):
       return False
     self._epochs = epochs
     return True
 
-  def decide(self):  # The base class clamps to the bounds (decision "clamped").
+  def decide(self) -> int:  # The base class clamps to the bounds (decision "clamped").
     return self._unbounded_size_at(self._epochs)
 
-  def settings(self):
+  def settings(self) -> dict[str, Any]:
     return {"final_batch_size": self._final, "ramp_epochs": self._ramp, "shape": self._shape,
             "interval_epochs": self._interval}
 
-  def extra_state(self):
+  def extra_state(self) -> dict[str, Any]:
     return {"epochs": self._epochs}
 
-  def parse_extra_state(self, state):
+  def parse_extra_state(self, state: Mapping[str, Any]) -> dict[str, Any]:
     return {"_epochs": check_finite_float("epochs", state["epochs"])}
 
-  def _log_details(self, before):
+  def _log_details(self, before: int) -> str:
     return f"epochs {self._epochs:.3f}"
 
 
@@ -247,7 +250,9 @@ class LossPlateauController(BaseController):
     """The best epoch loss so far (None before the first epoch ends)."""
     return self._best
 
-  def observe(self, similarity, stats, finite):
+  def observe(self, similarity: float, stats: Mapping[str, Any] | None,
+              finite: bool) -> bool | None:
+    assert stats is not None  # update() refuses a step without the REQUIRED_STATS
     loss, weight = stats["loss"], stats["batch_size"]
     finite = (finite and validation.is_real(loss) and math.isfinite(float(loss))
               and validation.is_real(weight) and math.isfinite(float(weight)) and float(weight) > 0)
@@ -278,23 +283,23 @@ class LossPlateauController(BaseController):
       self._cooldown_left = self._cooldown
       self._grow_pending = True
 
-  def decide(self):
+  def decide(self) -> int:
     b = self._batch_size
     if not self._grow_pending:
       return b
     self._grow_pending = False
     return max(b + 1, int(round(b * self._factor)))
 
-  def settings(self):
+  def settings(self) -> dict[str, Any]:
     return {"factor": self._factor, "patience": self._patience, "threshold": self._threshold,
             "cooldown": self._cooldown}
 
-  def extra_state(self):
+  def extra_state(self) -> dict[str, Any]:
     return {"loss_sum": self._loss_sum, "loss_weight": self._loss_weight, "best_loss": self._best,
             "bad_epochs": self._bad_epochs, "cooldown_left": self._cooldown_left,
             "epoch_losses": list(self._epoch_losses), "grow_pending": self._grow_pending}
 
-  def parse_extra_state(self, state):
+  def parse_extra_state(self, state: Mapping[str, Any]) -> dict[str, Any]:
     best = state["best_loss"]
     return {
         "_loss_sum": check_finite_float("loss_sum", state["loss_sum"]),
@@ -306,5 +311,5 @@ class LossPlateauController(BaseController):
         "_grow_pending": validation.check_bool("grow_pending", state["grow_pending"]),
     }
 
-  def _log_details(self, before):
+  def _log_details(self, before: int) -> str:
     return f"best epoch loss {self._best}, bad epochs {self._bad_epochs}"

@@ -182,15 +182,17 @@ class Controller(ProfileMethods, BaseController):
 
   def decide(self) -> int | tuple[int, str]:
     """The next size: the profile's while one runs, else the rule's (with dead band and smoothing)."""
+    similarity = self._last_similarity
+    assert similarity is not None  # update() sets it before deciding
     if self._profile.active:
       if not self._profile.started:  # Waited for the warm-up; starts now.
         return self._profile.begin(self._batch_size), "profile"
-      return self._profile.record(self._batch_size, self._last_similarity, self._step), "profile"
+      return self._profile.record(self._batch_size, similarity, self._step), "profile"
     if not self._enable_adjust:
       return self._batch_size, "disabled"
     b = self._batch_size
-    step = self._model_step() if self._model is not None else self._reference_step(
-        self._last_similarity)
+    step = (self._model_step(self._model) if self._model is not None
+            else self._reference_step(similarity))
     if step is None:
       return b
     grow, new = step
@@ -225,7 +227,7 @@ class Controller(ProfileMethods, BaseController):
       raise ValueError(
           f"the state {'lacks' if model is None else 'has'} a similarity model; this "
           f"controller {'uses' if self._model is not None else 'does not use'} ema_decay")
-    if model is not None:
+    if model is not None and self._model is not None:  # both or neither, as checked
       parsed, model = SimilarityModel.parse_state(model), SimilarityModel(self._model.decay)
       model.load_parsed_state(parsed)
     return {"_profile": profile, "_model": model}
@@ -250,17 +252,19 @@ class Controller(ProfileMethods, BaseController):
       return False, max(1, min(b - 1, int(b * 0.9)))
     return None
 
-  def _model_step(self) -> tuple[bool, int] | None:
+  def _model_step(self, model: SimilarityModel) -> tuple[bool, int] | None:
     """The model rule's step towards ``B*`` (at most the reference's step), or None to hold."""
     b = self._batch_size
-    if abs(self._model.similarity_at(b) - self._target) <= self._dead_band:
+    predicted, goal = model.similarity_at(b), model.batch_size_for(self._target)
+    if predicted is None or goal is None:  # no observation yet
       return None
-    goal = self._model.batch_size_for(self._target)
+    if abs(predicted - self._target) <= self._dead_band:
+      return None
     goal = goal if math.isinf(goal) else round(goal)
-    if goal > b:
-      return True, min(goal, max(b + 1, int(b * 1.1)))
+    if goal > b:  # goal may be inf: the reference's step is the finite bound
+      return True, int(min(goal, max(b + 1, int(b * 1.1))))
     if goal < b and b > 1:
-      return False, max(goal, 1, min(b - 1, int(b * 0.9)))
+      return False, int(max(goal, 1, min(b - 1, int(b * 0.9))))
     return None
 
   def _profile_planned(self) -> None:

@@ -104,7 +104,8 @@ class SimilarityModel:
   @staticmethod
   def parse_state(state: Mapping[str, Any]) -> dict[str, Any]:
     """Checks a :meth:`state_dict`; returns it with plain types (raises ValueError, KeyError)."""
-    out = {"count": validation.check_int("similarity model count", state["count"], 0)}
+    out: dict[str, Any] = {
+        "count": validation.check_int("similarity model count", state["count"], 0)}
     for key in ("ema_similarity", "ema_noise"):
       value = state[key]
       if not validation.is_real(value) or not math.isfinite(float(value)):

@@ -33,7 +33,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -178,7 +178,7 @@ class GrainSource:
     spec = read.spec
     rows = np.flatnonzero(~pad)
     batch = {name: np.zeros((len(flat),) + s, d) for name, (s, d) in spec.items()}
-    for row, (example, bad) in zip(rows, self._pool.map(read, flat[rows].tolist())):
+    for row, (example, bad) in zip(rows, self._pool.map(read, flat[rows].tolist()), strict=True):
       self.note_bad_records(bad, "get_batch")
       for name in spec:
         batch[name][row] = example[name]

@@ -75,7 +75,7 @@ class RecordReader:
 
   def __call__(self, index: int) -> tuple[dict[str, np.ndarray], list[int]]:
     """``(example, the bad records skipped to read it)``; raises BadRecordError under "raise"."""
-    bad = []
+    bad: list[int] = []
     for attempt in range(_MAX_SUBSTITUTES + 1):
       candidate = (index + attempt) % len(self.data)
       try:

@@ -235,8 +235,8 @@ class TfdsSource:
     self._spec: ElementSpec = {}
     self._pad: dict[str, Any] = {}
     for f in self._features:
-      value = _to_numpy(first[f])
-      self._spec[f] = (value.shape, value.dtype)
+      example = _to_numpy(first[f])
+      self._spec[f] = (example.shape, example.dtype)
       self._pad[f] = type(first[f])() if isinstance(first[f], (str, bytes)) else 0
     self._batched_reads: bool | None = None  # unknown until first tried
 
@@ -293,10 +293,10 @@ class TfdsSource:
     batch = {}
     for f, (elem_shape, dtype) in self._spec.items():
       batch[f] = np.zeros((len(flat),) + elem_shape, dtype)
-      if dtype == object:
+      if dtype.kind == "O":  # strings and bytes: padded with an empty one
         batch[f][...] = self._pad[f]
     rows = np.flatnonzero(~pad)
-    for row, record in zip(rows, self._read([int(i) for i in flat[rows]])):
+    for row, record in zip(rows, self._read([int(i) for i in flat[rows]]), strict=True):
       for f, (elem_shape, _) in self._spec.items():
         value = _to_numpy(record[f])
         if value.shape != elem_shape:

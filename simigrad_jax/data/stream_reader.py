@@ -33,7 +33,7 @@ import os
 import threading
 import time
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -54,6 +54,14 @@ _STREAM_SPAN = 1 << 50  # positions a pipeline covers (never reached)
 _PARENT_POLL_SECONDS = 0.5
 _CHUNK = 8  # positions a worker decodes and hands over at once
 _open_readers: weakref.WeakSet = weakref.WeakSet()
+
+
+class _Pipeline(Protocol):
+  """grain's iterator over a pipeline's chunks; closing it stops the worker processes."""
+
+  def __next__(self) -> dict[str, Any]: ...
+
+  def close(self) -> None: ...
 
 
 class StreamElement:
@@ -81,7 +89,7 @@ class StreamElement:
     state["_sampler"] = None  # each process draws its own permutations
     return state
 
-  def __call__(self, position: int) -> dict[str, np.ndarray]:
+  def __call__(self, position: int) -> dict[str, Any]:
     position = int(position)
     if self._sampler is None:
       num_examples, seed, shuffle = self.order
@@ -116,7 +124,8 @@ class StreamChunk:
   def __call__(self, chunk: int) -> dict[str, Any]:
     start = self.first + int(chunk) * self.size
     rows = [self.element(p) for p in range(start, start + self.size)]
-    out = {name: np.stack([row[name] for row in rows]) for name in self.element.spec}
+    out: dict[str, Any] = {name: np.stack([row[name] for row in rows])
+                           for name in self.element.spec}
     out[POSITION_KEY] = np.arange(start, start + self.size, dtype=np.int64)
     out[BAD_KEY] = [(int(row[POSITION_KEY]), row[BAD_KEY]) for row in rows if row[BAD_KEY]]
     return out
@@ -146,7 +155,7 @@ class StreamReader:
     self._spec = source.element_spec
     self._element = StreamElement(source.record_reader(), source.augment, self._spec,
                                   sampler.num_examples, sampler.seed, sampler.shuffle)
-    self._iterator = None
+    self._iterator: _Pipeline | None = None
     self._next = 0  # the position the pipeline yields next
     self._buffer: dict[int, dict[str, np.ndarray]] = {}
     self._lock = threading.Lock()
@@ -159,7 +168,7 @@ class StreamReader:
   def __enter__(self) -> StreamReader:
     return self
 
-  def __exit__(self, *exc) -> None:
+  def __exit__(self, *exc: object) -> None:
     self.close()
 
   def read(self, positions: np.ndarray) -> dict[str, np.ndarray]:
@@ -202,10 +211,11 @@ class StreamReader:
     first, last = int(positions[0]), int(positions[-1])
     self._buffer = {p: e for p, e in self._buffer.items() if p >= first}
     missing = any(p < self._next and p not in self._buffer for p in positions)
-    if self._iterator is None or missing or first > self._next + max(_MAX_GAP, len(positions)):
-      self._start(first)
+    iterator = self._iterator
+    if iterator is None or missing or first > self._next + max(_MAX_GAP, len(positions)):
+      iterator = self._start(first)
     while self._next <= last:
-      chunk = next(self._iterator)
+      chunk = next(iterator)
       first_position = int(chunk[POSITION_KEY][0])
       if first_position != self._next:
         raise RuntimeError(f"the grain pipeline yielded stream position {first_position}, "
@@ -225,8 +235,8 @@ class StreamReader:
                                     f"stream position {int(element[POSITION_KEY])}")
     return {name: element[name] for name in self._spec}
 
-  def _start(self, first: int) -> None:
-    """Starts a pipeline that yields positions ``first, first + 1, ...``."""
+  def _start(self, first: int) -> _Pipeline:
+    """Starts a pipeline that yields positions ``first, first + 1, ...``; returns it."""
     import grain  # pylint: disable=import-outside-toplevel
     from absl import flags  # pylint: disable=import-outside-toplevel
 
@@ -241,10 +251,11 @@ class StreamReader:
     iter_dataset = iter_dataset.mp_prefetch(grain.MultiprocessingOptions(
         num_workers=self._source.num_workers, per_worker_buffer_size=chunks),
         worker_init_fn=functools.partial(exit_with_parent, os.getpid()))
-    self._iterator = iter(iter_dataset)
+    self._iterator = iterator = iter(iter_dataset)
     self._next = first
     self.restarts += 1
     _close_at_exit()
+    return iterator
 
   def _close_pipeline(self) -> None:
     iterator, self._iterator = self._iterator, None

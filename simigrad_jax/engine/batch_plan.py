@@ -51,7 +51,7 @@ __all__ = [
 ]
 
 
-def _check_bounds(lower, upper) -> tuple[int, int | None]:
+def _check_bounds(lower: int | None, upper: int | None) -> tuple[int, int | None]:
   """Validates optional bounds; returns ``(lower or 1, upper or None)``."""
   lo = 1 if lower is None else validation.check_int("lower", lower)
   hi = None if upper is None else validation.check_int("upper", upper)
@@ -60,14 +60,14 @@ def _check_bounds(lower, upper) -> tuple[int, int | None]:
   return lo, hi
 
 
-def _check_policy(policy) -> tuple[int, ...]:
+def _check_policy(policy: object) -> tuple[int, ...]:
   """Returns the policy's shape grid, or raises ValueError if not a policy."""
   if not isinstance(policy, BucketPolicy):
     raise ValueError(f"policy must be a BucketPolicy, got {policy!r}")
   return policy.micro_batch_sizes()
 
 
-def _unrealisable(n: int, grid: tuple[int, ...], lo: int, hi) -> ValueError:
+def _unrealisable(n: int, grid: tuple[int, ...], lo: int, hi: int | None) -> ValueError:
   """The error for ``padding=False`` bounds that hold no representable size."""
   return ValueError(
       f"no batch size in [lower={lo}, upper={hi}] is realisable without "
@@ -238,19 +238,19 @@ def _round_down(size: int, n: int, grid: tuple[int, ...]) -> int | None:
 def _round(size: int, previous: int | None, n: int, grid: tuple[int, ...],
            lo: int, hi: int | None) -> int:
   """Rounds ``size`` (already in bounds) to a representable size in bounds."""
-  up = _round_up(size, n, grid)
-  up = None if hi is not None and up > hi else up
+  rounded_up = _round_up(size, n, grid)
+  up = None if hi is not None and rounded_up > hi else rounded_up
   down = _round_down(size, n, grid)
   down = None if down is not None and down < lo else down
-  if up is None and down is None:
-    raise _unrealisable(n, grid, lo, hi)
+  if up is None:  # only rounding down stays in bounds, if that does
+    if down is None:
+      raise _unrealisable(n, grid, lo, hi)
+    return down
+  if down is None:
+    return up
   if previous is None or size == previous:  # nearest, ties to the larger
-    if up is None or down is None:
-      return down if up is None else up
     return up if up - size <= size - down else down
-  if size > previous:  # grow: never back below previous
-    return up if up is not None else down
-  return down if down is not None else up  # shrink: never above previous
+  return up if size > previous else down  # grow: never below previous; shrink: never above
 
 
 def plan_batch(
@@ -360,7 +360,8 @@ def bucket_shapes(policy: BucketPolicy, num_devices: int, lower: int,
     (16, 32, 64)
   """
   n = validation.check_int("num_devices", num_devices)
-  lo, hi = _check_bounds(validation.check_int("lower", lower), validation.check_int("upper", upper))
+  lo, hi = validation.check_int("lower", lower), validation.check_int("upper", upper)
+  _check_bounds(lo, hi)
   grid = _check_policy(policy)
   top = grid[-1]
   shapes = set()
@@ -401,7 +402,8 @@ def representable_batch_sizes(policy: BucketPolicy, num_devices: int,
     [2, 4, 8, 16]
   """
   n = validation.check_int("num_devices", num_devices)
-  lo, hi = _check_bounds(validation.check_int("lower", lower), validation.check_int("upper", upper))
+  lo, hi = validation.check_int("lower", lower), validation.check_int("upper", upper)
+  _check_bounds(lo, hi)
   grid = _check_policy(policy)
   if policy.padding:
     raise ValueError(

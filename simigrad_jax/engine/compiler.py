@@ -238,6 +238,7 @@ class StepCompiler:
           f"micro_batch_size={size} failed with "
           f"{type(job.error).__name__}: {first_line} (the cause is chained "
           "below)") from job.error
+    assert job.compiled is not None  # done, without an error
     return job.compiled
 
   @property
@@ -288,7 +289,7 @@ class StepCompiler:
   def __enter__(self) -> StepCompiler:
     return self
 
-  def __exit__(self, *exc_info) -> None:
+  def __exit__(self, *exc_info: object) -> None:
     self.close()
 
   def _work(self) -> None:
@@ -391,7 +392,7 @@ def enable_persistent_cache(cache_dir: str | os.PathLike, *, allow_shared: bool 
   if os.path.exists(path) and not os.path.isdir(path):
     raise ValueError(f"cache_dir must be a directory, got the file {path!r}")
   files.make_private_dir(path, what="compilation cache", allow_shared=allow_shared, tighten=True)
-  previous = jax.config.jax_compilation_cache_dir
+  previous = jax.config.jax_compilation_cache_dir  # type: ignore[attr-defined]  # a flag
   jax.config.update("jax_enable_compilation_cache", True)
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
   jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)

@@ -13,7 +13,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from typing import Any, Literal, Mapping
+from collections.abc import Mapping
+from typing import Any, Literal
 
 from simigrad_jax import validation
 from simigrad_jax.controllers import learning_rate

@@ -25,7 +25,8 @@ import concurrent.futures
 import dataclasses
 import math
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import numpy as np
@@ -34,6 +35,10 @@ from jax.sharding import NamedSharding
 from simigrad_jax.engine import batch_plan
 from simigrad_jax.data.sampler import EpochSampler
 from simigrad_jax.engine.programs import StepBatch
+
+
+# This process's rows among a step's examples: their offsets in the step, and the rows by feature.
+LoadedRows = tuple[np.ndarray, dict[str, np.ndarray]]
 
 
 @dataclasses.dataclass
@@ -118,7 +123,7 @@ class StepDataLoader:
       placed = self.place(plan, self._local_rows(start, plan.global_batch_size), step)
     return placed, time.perf_counter() - began
 
-  def _local_rows(self, first_example: int, count: int):
+  def _local_rows(self, first_example: int, count: int) -> LoadedRows:
     """Loads this process's rows among the next ``count`` examples (runs in the data thread)."""
     examples = np.arange(count)
     mine = np.isin(examples % self._num_slots, self._local_slots)
@@ -127,7 +132,7 @@ class StepDataLoader:
     indices = self._sampler.indices_at(first_example, count)
     return examples[mine], self._source.get_batch(indices[mine])
 
-  def place(self, plan: batch_plan.BatchPlan, loaded, step: int) -> StepBatch:
+  def place(self, plan: batch_plan.BatchPlan, loaded: LoadedRows, step: int) -> StepBatch:
     """Arranges loaded rows into the plan's micro-batches on the devices."""
     local_examples, rows = loaded
     layout = plan.example_layout()[:, self._local_slots, :]  # (k, local slots, micro)
@@ -144,7 +149,7 @@ class StepDataLoader:
       counters.append(jax.device_put(np.array([step, j], np.int32), self._replicated))
     return StepBatch(plan, micro_batches, counters)
 
-  def _to_devices(self, local_tree, micro: int):
+  def _to_devices(self, local_tree: Any, micro: int) -> Any:
     rows = self._num_slots * micro
     return jax.tree.map(
         lambda x: jax.make_array_from_process_local_data(self._sharded, x, (rows,) + x.shape[1:]),

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any, Callable, Mapping, Protocol, runtime_checkable
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol, runtime_checkable
 
 import jax
 import numpy as np

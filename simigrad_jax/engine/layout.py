@@ -57,7 +57,7 @@ class StepLayout:
 
   @classmethod
   def create(cls, halves: str, num_devices: int, *, mode: str, max_micro: int,
-             min_micro: int | None, lower: int, upper: int) -> "StepLayout":
+             min_micro: int | None, lower: int, upper: int) -> StepLayout:
     """The layout of a run whose global batch sizes lie in ``[lower, upper]``.
 
     ``"pad"`` mode has one shape; ``"recompile"`` halves down from the largest

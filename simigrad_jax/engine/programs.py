@@ -24,11 +24,13 @@ import functools
 import math
 import operator
 import time
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import numpy.typing as npt
 import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -190,19 +192,20 @@ class StepPrograms:
     self._apply_compile_seconds = time.perf_counter() - start
     return compiled
 
-  def _start_apply_compile(self) -> None:
+  def _start_apply_compile(self) -> concurrent.futures.Future:
     if self._apply_future is None:
       if self._background:
         self._apply_future = self._apply_pool.submit(self._compile_apply)
       else:
         self._apply_future = concurrent.futures.Future()
         self._apply_future.set_result(self._compile_apply())
+    return self._apply_future
 
   def _apply_program(self) -> jax.stages.Compiled:
-    self._start_apply_compile()
+    future = self._start_apply_compile()
     start = time.perf_counter()
-    done = self._apply_future.done()
-    compiled = self._apply_future.result()
+    done = future.done()
+    compiled = future.result()
     if not done:
       self._apply_wait_seconds += time.perf_counter() - start
     return compiled
@@ -355,7 +358,7 @@ class StepPrograms:
       if acc is None:
         acc = train_step.zero_accumulator(params, self.mesh, self.axis_name, self.layout.halves)
       accumulated_state = model_state
-      for (batch, weights), counters in zip(data.micro_batches, data.counters):
+      for (batch, weights), counters in zip(data.micro_batches, data.counters, strict=True):
         acc, accumulated_state = program(params, accumulated_state, acc, batch, weights,
                                          step_inputs, counters)
       params, opt_state, self._acc, model_state, stats = apply(
@@ -373,6 +376,8 @@ class StepPrograms:
       arguments) and ``temp_bytes``, from XLA's ``memory_analysis()``.
     """
     analysis = self.fused_compiler.get(micro).memory_analysis()
+    if analysis is None:
+      raise RuntimeError(f"XLA reports no memory analysis for the {jax.default_backend()} backend")
     return {"micro_batch_size": self.layout.device_rows(micro),
             "argument_bytes": int(analysis.argument_size_in_bytes),
             "output_bytes": int(analysis.output_size_in_bytes),
@@ -413,6 +418,6 @@ class StepPrograms:
     self._apply_pool.shutdown(wait=True, cancel_futures=True)
 
 
-def host_scalars(values: list[float], dtype, sharding: NamedSharding) -> jax.Array:
+def host_scalars(values: list[float], dtype: npt.DTypeLike, sharding: NamedSharding) -> jax.Array:
   """A small replicated vector for a step's inputs (one host-to-device transfer)."""
   return jax.device_put(np.asarray(values, dtype), sharding)

@@ -11,7 +11,7 @@ only when they change (at a fixed batch size, no transfer).
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import numpy as np
@@ -69,6 +69,8 @@ class StepInputs:
     """The scalars of a step of ``batch_size`` real examples at the current factor, on the devices."""
     inputs = (float(batch_size), self.lr_factor,
               float(StepLayout.first_half_weight(batch_size)))
-    if self._placed[0] != inputs:
-      self._placed = (inputs, host_scalars(list(inputs), np.float32, self._replicated))
-    return self._placed[1]
+    placed_inputs, placed = self._placed
+    if placed is None or placed_inputs != inputs:
+      placed = host_scalars(list(inputs), np.float32, self._replicated)
+      self._placed = (inputs, placed)
+    return placed

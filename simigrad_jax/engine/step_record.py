@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import jax
 import numpy as np
@@ -82,7 +83,7 @@ class StepStats:
   def read(cls, stats: jax.Array) -> StepStats:
     """Waits for the step and reads its statistics from this process's first device."""
     values = dict(zip(train_step.STEP_STATS,
-                      np.asarray(jax.device_get(stats.addressable_data(0))).tolist()))
+                      np.asarray(jax.device_get(stats.addressable_data(0))).tolist(), strict=True))
     measured = bool(values["measured"])
     return cls(loss=values["loss"], similarity=values["similarity"] if measured else math.nan,
                norm_a=values["norm_a"], norm_b=values["norm_b"], norm_mean=values["norm_mean"],

@@ -42,7 +42,8 @@ parameters, the optimizer state and the model state as they were.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -95,7 +96,9 @@ def abstract_accumulator(params: Any, mesh: Mesh, axis_name: str,
       grads=jax.tree.map(lambda p: jax.ShapeDtypeStruct((num_devices,) + jnp.shape(p),
                                                         jnp.result_type(p), sharding=sharding),
                          grads),
-      loss=jax.ShapeDtypeStruct((num_devices,), jnp.float32, sharding=sharding))
+      # Placeholders, as the grads are: the type checker reads the field as an array.
+      loss=jax.ShapeDtypeStruct((num_devices,), jnp.float32,  # type: ignore[arg-type]
+                                sharding=sharding))
 
 
 def zero_accumulator(params: Any, mesh: Mesh, axis_name: str,

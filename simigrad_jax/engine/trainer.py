@@ -38,7 +38,8 @@ from __future__ import annotations
 import math
 import os
 import time
-from typing import Any, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import jax
 import optax
@@ -240,7 +241,8 @@ class Trainer:
     progress = ProgressHook(total_examples, self.sampler.examples_seen,
                             enabled=self.config.progress and self._is_main)
     evaluation = EvaluationHook(self.eval_fn, lambda: self.state, self._metrics.writer)
-    hooks = [self._metrics, totals, progress, *self._hooks, evaluation, self._checkpoint]
+    hooks: list[StepHook] = [self._metrics, totals, progress, *self._hooks, evaluation,
+                             self._checkpoint]
     batch_size = self.controller.batch_size
     self._step_inputs.set_lr_factor(self._step_inputs.lr_factors(batch_size, self._epochs()))
     self._programs.prefetch_for(batch_size)
@@ -416,10 +418,10 @@ class Trainer:
     if self._workdir_lock is not None:  # the last: the files above are complete
       self._workdir_lock.close()
 
-  def __enter__(self):
+  def __enter__(self) -> Trainer:
     return self
 
-  def __exit__(self, *exc):
+  def __exit__(self, *exc: object) -> None:
     self.close()
 
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import os
 import pathlib
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -49,7 +50,7 @@ def checked_loss_fn(loss_fn: train_step.PerExampleLossFn, model_state: Any) -> t
           f"loss_fn must return one loss per row, shape {weights.shape}, got shape "
           f"{jnp.shape(losses)}: the Trainer weights the rows itself (padding rows have weight "
           "0), so a mean over the rows would count padding")
-    if jax.tree.structure(new_state) != state_structure:
+    if jax.tree.structure(new_state) != state_structure:  # type: ignore[operator]  # PyTreeDef
       raise LossContractError(
           f"loss_fn must return a model state with the structure of model_state "
           f"({state_structure}), got {jax.tree.structure(new_state)}")
@@ -118,8 +119,8 @@ def check_finite_params(params: Any) -> None:
     raise ValueError("params holds no arrays: there is nothing to train")
   inexact = [(path, leaf) for path, leaf in leaves
              if jnp.issubdtype(jnp.result_type(leaf), jnp.inexact)]
-  finite = np.asarray(_all_finite([leaf for _, leaf in inexact])) if inexact else []
-  for (path, _), ok in zip(inexact, finite):
+  finite = np.asarray(_all_finite([leaf for _, leaf in inexact])) if inexact else np.ones(0, bool)
+  for (path, _), ok in zip(inexact, finite, strict=True):
     if not ok:
       raise ValueError(f"params{jax.tree_util.keystr(path)} holds NaN or infinite values: every "
                        "step would be skipped; initialise the model with finite values")

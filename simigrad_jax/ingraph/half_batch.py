@@ -10,7 +10,8 @@ both halves' activations alive at once.)
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -28,12 +29,12 @@ def split_in_two(batch: Any) -> tuple[Any, Any]:
   if not leaves:
     raise ValueError("value_and_half_grads needs a batch with at least one array")
   sizes = {leaf.shape[0] if leaf.ndim else None for leaf in leaves}
-  if len(sizes) != 1 or None in sizes:
+  size = next(iter(sizes))
+  if len(sizes) != 1 or size is None:
     raise ValueError(
         "every array in the batch needs the same leading (example) axis; "
         f"got sizes {sorted(map(str, sizes))}"
     )
-  (size,) = sizes
   if size % 2:
     raise ValueError(
         f"the batch has {size} examples (per device inside pmap or shard_map); "
@@ -166,6 +167,7 @@ def value_and_half_grads(
     (value_a, first), (value_b, second) = value_and_grads_in_turn(
         value_and_grad, params, (first_half, *args), (second_half, *args))
     mean_grads = jax.tree.map(_average, first, second)
+    value: jax.Array | tuple[jax.Array, Any]  # the loss, and the aux of both halves if has_aux
     if has_aux:
       (loss_a, aux_a), (loss_b, aux_b) = value_a, value_b
       aux = jax.tree.map(lambda a, b: jnp.stack([a, b]), aux_a, aux_b)

@@ -42,7 +42,7 @@ bytes), while every dot product and norm is accumulated in float32.
 
 from __future__ import annotations
 
-from typing import Literal, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -62,7 +62,9 @@ class HalfStatistics(NamedTuple):
   dot_ab: jax.Array  # <g_A, g_B>
   sq_norm_a: jax.Array  # |g_A|^2
   sq_norm_b: jax.Array  # |g_B|^2
-  sq_norm_mean: jax.Array  # |M|^2, M = s g_A + (1 - s) g_B in float32 (the returned mean before rounding to a bf16 gradient's dtype)
+  # |M|^2, M = s g_A + (1 - s) g_B in float32 (the returned mean before rounding to a bf16
+  # gradient's dtype)
+  sq_norm_mean: jax.Array
   finite: jax.Array  # bool: every statistic is finite (no NaN or infinity in the gradients)
 
 
@@ -97,7 +99,8 @@ def check_even_axis(axis_name: str) -> int:
 # ------------------------------------------------------------------ statistics
 
 
-def _finish(dot_ab, sq_a, sq_b, sq_mean) -> HalfStatistics:
+def _finish(dot_ab: jax.Array, sq_a: jax.Array, sq_b: jax.Array,
+            sq_mean: jax.Array) -> HalfStatistics:
   """Packs summed float32 statistics; a NaN or infinite entry anywhere makes a norm non-finite.
 
   ``sq_mean`` was derived from the other three (see :func:`_pair_statistics`);
@@ -141,7 +144,7 @@ def _pair_statistics(half_a: jax.Array, half_b: jax.Array,
     products += [a * b, a * a, b * b]
   zero = jnp.zeros((), jnp.float32)
   sums = lax.reduce(tuple(products), (zero,) * len(products),
-                    lambda x, y: tuple(p + q for p, q in zip(x, y)), (0,))
+                    lambda x, y: tuple(p + q for p, q in zip(x, y, strict=True)), (0,))
   totals = jnp.stack(sums).reshape(blocks, 3).sum(axis=0)
   if blocks * width < length:  # the last length % blocks elements
     a, b = half_a[blocks * width:], half_b[blocks * width:]
@@ -208,7 +211,7 @@ def _scatter_within(flat: jax.Array, axis_name: str, groups: list[list[int]]) ->
 
 
 def reduce_device_halves(
-    grads, axis_name: str, reduction: Reduction = "hierarchical", *,
+    grads: Any, axis_name: str, reduction: Reduction = "hierarchical", *,
     zero_nonfinite: bool = False,
 ) -> tuple[object, HalfStatistics]:
   """Reduces each device's own gradient to the mean and the statistics of the parity halves.
@@ -239,7 +242,7 @@ def reduce_device_halves(
     return _reduce_concatenated(grads, None, axis_name, "scatter", zero_nonfinite, diff_sign=sign)
 
 
-def _reduce_hierarchical(grads, axis_name: str, num_devices: int, parity: jax.Array,
+def _reduce_hierarchical(grads: Any, axis_name: str, num_devices: int, parity: jax.Array,
                          groups: list[list[int]], zero_nonfinite: bool
                          ) -> tuple[object, HalfStatistics]:
   """The device split's ``"hierarchical"`` reduction (see the module docstring)."""
@@ -271,15 +274,21 @@ def _reduce_hierarchical(grads, axis_name: str, num_devices: int, parity: jax.Ar
   return _gather_mean(pieces, buckets, leaves, treedef, axis_name, stats, zero_nonfinite), stats
 
 
+def _flatten_up_to(treedef: jax.tree_util.PyTreeDef, tree: Any) -> list[Any]:
+  """The subtrees of ``tree`` at the leaves of ``treedef``, a prefix of its structure."""
+  return treedef.flatten_up_to(tree)
+
+
 def _gather_mean(pieces: list[jax.Array], buckets: list[list[int]], leaves: list[jax.Array],
-                 treedef, axis_name: str, stats: HalfStatistics, zero_nonfinite: bool):
+                 treedef: jax.tree_util.PyTreeDef, axis_name: str, stats: HalfStatistics,
+                 zero_nonfinite: bool) -> Any:
   """All-gathers each bucket's piece of the mean into the gradient's structure.
 
   With ``zero_nonfinite``, the pieces are zeroed first when a statistic is not
   finite: a ``1 / n`` piece is cheaper to mask than the gathered gradient.
   """
   out: list = [None] * len(leaves)
-  for piece, indices in zip(pieces, buckets):
+  for piece, indices in zip(pieces, buckets, strict=True):
     if zero_nonfinite:
       piece = jnp.where(stats.finite, piece, jnp.zeros_like(piece))
     flat_mean = lax.all_gather(piece, axis_name, tiled=True, **_gather_kwargs(axis_name))
@@ -291,7 +300,7 @@ def _gather_mean(pieces: list[jax.Array], buckets: list[list[int]], leaves: list
 
 
 def reduce_local_halves(
-    mean_shares, diff_shares, axis_name: str | None, reduction: Reduction = "hierarchical", *,
+    mean_shares: Any, diff_shares: Any, axis_name: str | None, reduction: Reduction = "hierarchical", *,
     zero_nonfinite: bool = False, share: float | jax.Array = 0.5,
 ) -> tuple[object, HalfStatistics]:
   """Reduces per-device ``(m_i, d_i)`` shares to ``M`` and the statistics of the two halves.
@@ -323,7 +332,7 @@ def reduce_local_halves(
                                 share=share)
   num_devices = lax.axis_size(axis_name)
   leaves, treedef = jax.tree.flatten(mean_shares)
-  diff_leaves = treedef.flatten_up_to(diff_shares)
+  diff_leaves = _flatten_up_to(treedef, diff_shares)
   buckets = _buckets(leaves)
   pieces = []
   partial = jnp.zeros((4,), jnp.float32)
@@ -339,7 +348,8 @@ def reduce_local_halves(
   return _gather_mean(pieces, buckets, leaves, treedef, axis_name, stats, zero_nonfinite), stats
 
 
-def _halves(mean: jax.Array, diff: jax.Array, share) -> tuple[jax.Array, jax.Array]:
+def _halves(mean: jax.Array, diff: jax.Array,
+            share: float | jax.Array) -> tuple[jax.Array, jax.Array]:
   """Float32 ``(g_A, g_B) = (M + 2 (1 - s) D, M - 2 s D)``; ``(M + D, M - D)`` for ``s = 1/2``.
 
   A half with no example (``s`` 0 or 1) is exactly zero, not the rounding
@@ -353,11 +363,12 @@ def _halves(mean: jax.Array, diff: jax.Array, share) -> tuple[jax.Array, jax.Arr
   return first, jnp.where(share < 1, mean32 - (2 * share) * diff32, 0.0)
 
 
-def _global_halves(mean, diff, zero_nonfinite: bool, share) -> tuple[object, HalfStatistics]:
+def _global_halves(mean: Any, diff: Any, zero_nonfinite: bool,
+                   share: float | jax.Array) -> tuple[object, HalfStatistics]:
   """The statistics of the halves for global arrays (a plain ``jax.jit`` step): no collective."""
-  diff_leaves = jax.tree.structure(mean).flatten_up_to(diff)
+  diff_leaves = _flatten_up_to(jax.tree.structure(mean), diff)
   partial = jnp.zeros((4,), jnp.float32)
-  for m, d in zip(jax.tree.leaves(mean), diff_leaves):
+  for m, d in zip(jax.tree.leaves(mean), diff_leaves, strict=True):
     partial = partial + _pair_statistics(*_halves(jnp.ravel(m), jnp.ravel(d), share), share)
   stats = _finish(*partial)
   if zero_nonfinite:
@@ -380,7 +391,7 @@ def _dtype_groups(leaves: list[jax.Array]) -> dict[jnp.dtype, list[int]]:
   return groups
 
 
-def _reduce_concatenated(mean_shares, diff_shares, axis_name: str, reduction: Reduction,
+def _reduce_concatenated(mean_shares: Any, diff_shares: Any, axis_name: str, reduction: Reduction,
                          zero_nonfinite: bool, *, diff_sign: jax.Array | None = None,
                          share: float | jax.Array = 0.5) -> tuple[object, HalfStatistics]:
   """``"scatter"`` and ``"stacked"``: every leaf of a dtype in one vector, ``(m, d)`` stacked.
@@ -389,12 +400,13 @@ def _reduce_concatenated(mean_shares, diff_shares, axis_name: str, reduction: Re
   """
   num_devices = lax.axis_size(axis_name)
   mean_leaves, treedef = jax.tree.flatten(mean_shares)
-  diff_leaves = None if diff_shares is None else treedef.flatten_up_to(diff_shares)
+  diff_leaves = None if diff_shares is None else _flatten_up_to(treedef, diff_shares)
   out_leaves: list = [None] * len(mean_leaves)
   partial = jnp.zeros((4,), jnp.float32)
   for dtype, indices in _dtype_groups(mean_leaves).items():
     flat_mean = jnp.concatenate([jnp.ravel(mean_leaves[i]) for i in indices])
     if diff_leaves is None:
+      assert diff_sign is not None  # the device split's d_i = diff_sign * m_i
       flat_diff = flat_mean * diff_sign.astype(dtype)
     else:
       flat_diff = jnp.concatenate([jnp.ravel(diff_leaves[i]) for i in indices]).astype(dtype)

@@ -44,11 +44,12 @@ def scale_by_lr_factor(initial_lr_factor: float = 1.0) -> optax.GradientTransfor
     [-0.2 -0.2]
   """
 
-  def init_fn(params):
+  def init_fn(params: optax.Params) -> LrFactorState:
     del params
     return LrFactorState(lr_factor=jnp.asarray(initial_lr_factor, jnp.float32))
 
-  def update_fn(updates, state, params=None):
+  def update_fn(updates: optax.Updates, state: LrFactorState,
+                params: optax.Params | None = None) -> tuple[optax.Updates, LrFactorState]:
     del params
     scaled = jax.tree.map(lambda u: (u * state.lr_factor).astype(u.dtype), updates)
     return scaled, state

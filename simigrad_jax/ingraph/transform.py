@@ -10,7 +10,6 @@ from typing import Any, Literal, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
-from jax import lax
 
 from simigrad_jax.errors import SimiGradError
 from simigrad_jax.ingraph import halves_reduction
@@ -116,11 +115,11 @@ def _check_half_grads(updates: Any, half_grads: Any) -> None:
                      f"examples), got {share!r}")
   expected = jax.tree.structure(updates)
   for name, half in (("first", half_grads.first), ("second", half_grads.second)):
-    if jax.tree.structure(half) != expected:
+    if jax.tree.structure(half) != expected:  # type: ignore[operator]  # PyTreeDef: no stub
       raise ValueError(f"half_grads.{name} has the tree structure {jax.tree.structure(half)}, "
                        f"the gradient {expected}: compute both from the same parameters")
     for (path, g), h in zip(jax.tree_util.tree_flatten_with_path(updates)[0],
-                            jax.tree.leaves(half)):
+                            jax.tree.leaves(half), strict=True):
       if jnp.shape(g) != jnp.shape(h):
         raise ValueError(f"half_grads.{name}{jax.tree_util.keystr(path)} has shape "
                          f"{jnp.shape(h)}, the gradient {jnp.shape(g)}")
@@ -200,8 +199,9 @@ def transform(
     Nothing is ever NaN in the state: when either half's mean gradient has a
     non-finite entry (detected from the float32 norms, so a gradient whose
     squared norm overflows float32, above about 1.8e19, counts as non-finite
-    too), ``grads_finite`` is False, ``measured`` is False and the norms read 0; when a half's mean gradient is exactly zero the similarity
-    is undefined and ``measured`` is False. With cross-device BatchNorm
+    too), ``grads_finite`` is False, ``measured`` is False and the norms read
+    0; when a half's mean gradient is exactly zero the similarity is
+    undefined and ``measured`` is False. With cross-device BatchNorm
     (``axis_name`` on the norm layer) each device's gradient also flows
     through the shared batch statistics, so the halves are not purely from
     their own data; the mean is still exact.
@@ -218,7 +218,7 @@ def transform(
   if nonfinite not in _NONFINITE_POLICIES:
     raise ValueError(f"nonfinite={nonfinite!r} is not valid; choose one of {_NONFINITE_POLICIES}")
 
-  def init_fn(params):
+  def init_fn(params: optax.Params) -> SimilarityState:
     del params
     return SimilarityState(
         similarity=jnp.zeros([], jnp.float32),
@@ -230,7 +230,9 @@ def transform(
         nonfinite_count=jnp.zeros([], jnp.int32),
     )
 
-  def update_fn(updates, state, params=None, *, half_grads: HalfGrads | None = None, **extra):
+  def update_fn(updates: optax.Updates, state: SimilarityState, params: optax.Params | None = None,
+                *, half_grads: HalfGrads | None = None,
+                **extra: Any) -> tuple[optax.Updates, SimilarityState]:
     del params, extra
     if half_grads is None and _EXPECTING_HALF_GRADS.get():
       raise HalvesContractError(
@@ -240,17 +242,16 @@ def transform(
     leaves = jax.tree.leaves(updates)
     if axis_name is not None:
       _check_not_already_reduced(leaves, axis_name)
-    elif half_grads is None:
-      raise ValueError(
-          "simigrad_jax.transform() without an axis name runs in a plain jax.jit step, where "
-          "there are no device halves to compare: pass half_grads=... from "
-          "simigrad_jax.value_and_half_grads, or give the mapped axis name")
-    if half_grads is not None:
-      _check_half_grads(updates, half_grads)
     if half_grads is None:
+      if axis_name is None:
+        raise ValueError(
+            "simigrad_jax.transform() without an axis name runs in a plain jax.jit step, where "
+            "there are no device halves to compare: pass half_grads=... from "
+            "simigrad_jax.value_and_half_grads, or give the mapped axis name")
       mean, stats = halves_reduction.reduce_device_halves(
           updates, axis_name, reduction, zero_nonfinite=nonfinite == "zero")
     else:
+      _check_half_grads(updates, half_grads)
       diff_shares = jax.tree.map(
           lambda g, a, b: ((a.astype(jnp.float32) - b.astype(jnp.float32)) / 2).astype(g.dtype),
           updates, half_grads.first, half_grads.second,
@@ -267,7 +268,7 @@ def transform(
         measured, jnp.sqrt(stats.sq_norm_a) * jnp.sqrt(stats.sq_norm_b), 1.0)
     similarity = jnp.where(measured, jnp.clip(stats.dot_ab / safe_denominator, -1.0, 1.0), 0.0)
 
-    def finite_norm(sq_norm):
+    def finite_norm(sq_norm: jax.Array) -> jax.Array:
       return jnp.where(grads_finite, jnp.sqrt(jnp.where(grads_finite, sq_norm, 0.0)), 0.0)
 
     new_state = SimilarityState(

@@ -275,7 +275,8 @@ class Checkpointer:
     _check_matches(abstract, restored, step)
     got = _checksums(restored)
     if got != payload["checksums"]:
-      bad = [entry[0] for entry, want, have in zip(payload["layout"], payload["checksums"], got)
+      bad = [entry[0] for entry, want, have
+             in zip(payload["layout"], payload["checksums"], got, strict=True)
              if want != have]
       raise _Unreadable(f"the checkpoint at step {step} holds arrays whose checksums differ from "
                         f"those saved with it (damaged data) at {bad[:5]}")
@@ -475,9 +476,9 @@ def _checksums(tree: Any) -> list[list[int]]:
 def _check_matches(abstract: Any, restored: Any, step: int) -> None:
   want = jax.tree.structure(abstract)
   got = jax.tree.structure(restored)
-  if want != got:
+  if want != got:  # type: ignore[operator]  # PyTreeDef: no stub
     raise ValueError(f"the checkpoint at step {step} has a different structure: {got} != {want}")
-  for a, r in zip(jax.tree.leaves(abstract), jax.tree.leaves(restored)):
+  for a, r in zip(jax.tree.leaves(abstract), jax.tree.leaves(restored), strict=True):
     if tuple(a.shape) != tuple(r.shape) or a.dtype != r.dtype:
       raise ValueError(
           f"the checkpoint at step {step} holds {r.dtype}{list(r.shape)} where the model "

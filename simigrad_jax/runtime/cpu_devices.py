@@ -101,8 +101,8 @@ def simulated_cpu_devices_env(
   present = _flag_values(xla_flags)
   wanted = ((DEVICE_COUNT_FLAG, num_devices),) + COLLECTIVE_TIMEOUT_FLAGS
   added = [f"--{name}={value}" for name, value in wanted if name not in present]
-  count = present.get(DEVICE_COUNT_FLAG, "")
-  count = int(count) if count.isdigit() else num_devices
+  given = present.get(DEVICE_COUNT_FLAG, "")
+  count = int(given) if given.isdigit() else num_devices
   threads = max(THREADS_PER_DEVICE * count, _schedulable_cpus())
   user_threads = environ.get("PJRT_NPROC", "").strip()
   if user_threads.isdigit():

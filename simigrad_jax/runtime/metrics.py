@@ -324,7 +324,7 @@ class MetricsWriter:
     line = json.dumps(data, allow_nan=False) + "\n"
     if self._closed:
       raise RuntimeError(f"MetricsWriter for {self._path} is closed")
-    if not self._enabled:
+    if self._file is None:  # not enabled
       return
     self._file.write(line)
     self._file.flush()
@@ -360,5 +360,5 @@ class MetricsWriter:
   def __enter__(self) -> MetricsWriter:
     return self
 
-  def __exit__(self, *exc_info) -> None:
+  def __exit__(self, *exc_info: object) -> None:
     self.close()

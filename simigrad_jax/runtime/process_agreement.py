@@ -30,7 +30,8 @@ import threading
 import time
 import traceback
 import zlib
-from typing import Any, Mapping, NoReturn, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any, NoReturn
 
 import jax
 import numpy as np
@@ -318,15 +319,16 @@ class Watchdog:
   def __init__(self, timeout: float):
     self._timeout = timeout
     self._stopped = threading.Event()
-    self._client = _client() if jax.process_count() > 1 else None
-    if self._client is not None:
-      threading.Thread(target=self._watch, name="simigrad-watchdog", daemon=True).start()
+    client = _client() if jax.process_count() > 1 else None
+    if client is not None:
+      threading.Thread(target=self._watch, args=(client,), name="simigrad-watchdog",
+                       daemon=True).start()
 
   def close(self) -> None:
     """Stops the heartbeats and the watching."""
     self._stopped.set()
 
-  def _watch(self) -> None:
+  def _watch(self, client: Any) -> None:
     period = min(1.0, self._timeout / 5)
     me = jax.process_index()
     peers = [p for p in range(jax.process_count()) if p != me]
@@ -334,14 +336,14 @@ class Watchdog:
     seen: dict[int, tuple[str | None, float]] = {}  # peer -> (its last heartbeat, when it changed)
     while not self._stopped.wait(period):
       try:
-        self._client.key_value_set(f"{_HEARTBEAT_KEY}/{me}", str(next(beats)), allow_overwrite=True)
+        client.key_value_set(f"{_HEARTBEAT_KEY}/{me}", str(next(beats)), allow_overwrite=True)
         now = time.monotonic()
         waiting = now - _last_check
         if waiting < self._timeout / 2:  # read the peers' heartbeats only while waiting long
           seen.clear()
           continue
         beat = {int(key.rsplit("/", 1)[1]): value
-                for key, value in self._client.key_value_dir_get(f"{_HEARTBEAT_KEY}/")}
+                for key, value in client.key_value_dir_get(f"{_HEARTBEAT_KEY}/")}
         for p in peers:
           if p not in seen or seen[p][0] != beat.get(p):
             seen[p] = (beat.get(p), now)

@@ -5,7 +5,7 @@ Plain Python; nothing here is traced.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TextIO
 
 import numpy as np
 import tqdm
@@ -109,5 +109,5 @@ class ProgressBar:
   def __enter__(self) -> ProgressBar:
     return self
 
-  def __exit__(self, *exc_info) -> None:
+  def __exit__(self, *exc_info: object) -> None:
     self.close()
