@@ -376,6 +376,8 @@ def test_trainer_resumes_from_the_previous_checkpoint_and_continues_exactly(
                              rtol=0, atol=1e-5)
   assert 6 in Checkpointer(tmp_path / "checkpoints").all_steps()  # step 6 was saved again
   assert list((tmp_path / "checkpoints.unreadable").iterdir())  # the damaged one, kept aside
+  # other users can read neither the checkpoints nor the damaged ones
+  assert (tmp_path / "checkpoints.unreadable").stat().st_mode & 0o077 == 0
 
 
 def test_a_checkpoint_written_before_checksums_still_restores(tmp_path, caplog):

@@ -369,6 +369,7 @@ class Trainer:
     report = {"compiled": compiled, **preemption.step_report(
         self._signals, self._checkpoint.seconds_since_save(), self._checkpoints.failed_save())}
     reports = self._agreement.agree(f"decision of step {self.step}", decision, report=report)
+    assert reports is not None  # one per process, as a report was given
     if compiled is not None:
       self._programs.agree_on_compiles([r["compiled"] for r in reports])
     agreed = preemption.Agreed.read(reports)

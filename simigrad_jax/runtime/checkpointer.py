@@ -168,9 +168,10 @@ class Checkpointer:
       ...   raise error
     """
     waiting = self._waiting
-    if waiting is None or not waiting.done() or waiting.exception() is None:
+    if waiting is None or not waiting.done():
       return None
-    return self._report(waiting.exception())
+    error = waiting.exception()
+    return None if error is None else self._report(error)
 
   def restore(self, like: Any, step: int | None = None) -> tuple[Any, dict[str, Any], int]:
     """Restores the newest readable checkpoint (or ``step``) into the structure of ``like``.
@@ -209,7 +210,7 @@ class Checkpointer:
       try:
         state, host = self._read(candidate, abstract, want_layout)
       except _Damaged as damage:
-        error = damage.__cause__
+        error = damage.__cause__ or damage
         reason = f"{type(error).__name__}: {_first_line(error)}"
         logger.warning("checkpoint at step %d in %s is unreadable (%s); trying an older one",
                        candidate, self.directory, reason)
@@ -301,7 +302,7 @@ class Checkpointer:
     if jax.process_index() == 0:
       for source, destination in moves:
         if os.path.isdir(source):
-          os.makedirs(root, exist_ok=True)
+          os.makedirs(root, mode=0o700, exist_ok=True)  # private, as the checkpoints
           os.replace(source, destination)
     if multi:
       multihost_utils.sync_global_devices("simigrad_jax:quarantine:moved")
@@ -327,8 +328,9 @@ class Checkpointer:
     if not concurrent.futures.wait([waiting], timeout).done:
       return False
     self._waiting = None
-    if waiting.exception() is not None and waiting.exception() is not self._reported:
-      raise self._report(waiting.exception())
+    error = waiting.exception()
+    if error is not None and error is not self._reported:
+      raise self._report(error)
     return True
 
   def close(self) -> None:

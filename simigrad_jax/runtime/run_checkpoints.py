@@ -132,6 +132,7 @@ class RunCheckpoints:
     if changes is not None and changes.checked:  # allowed: the saved settings give way
       sampler_state = {**sampler_state, "num_examples": sampler.num_examples}
       controller_state = {**controller_state, "config": None}
+      assert self.record is not None  # changes are found only against a record
       injected = run_record.changed_injected(host["run"], self.record)
       if injected:
         state = run_record.with_injected(state, like, injected)
@@ -184,7 +185,8 @@ class RunCheckpoints:
     changes = None
     if self.record is not None:
       try:
-        saved = self.checkpointer.read_host(self.checkpointer.latest_step()).get("run")
+        latest = self.checkpointer.latest_step()
+        saved = None if latest is None else self.checkpointer.read_host(latest).get("run")
       except Exception:  # pylint: disable=broad-except  (the layouts' differences say enough)
         saved = None
       changes = None if saved is None else run_record.compare(saved, self.record)

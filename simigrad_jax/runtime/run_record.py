@@ -137,7 +137,8 @@ def compare(saved: Mapping[str, Any], current: Mapping[str, Any]) -> RecordChang
     A :class:`RecordChanges`: lines such as ``"data.num_examples: 200 there,
     180 here"``.
   """
-  checked, recorded = [], []
+  checked: list[str] = []
+  recorded: list[str] = []
   for part in dict.fromkeys([*saved, *current]):
     if part == "version":
       continue

@@ -105,7 +105,7 @@ class WorkdirLock(os.PathLike):
   def __enter__(self) -> WorkdirLock:
     return self
 
-  def __exit__(self, *exc_info) -> None:
+  def __exit__(self, *exc_info: object) -> None:
     self.close()
 
 
@@ -158,6 +158,7 @@ def open_workdir(workdir: str | os.PathLike, *, allow_shared: bool = False,
   outcomes = (agreement or ProcessAgreement()).gather("workdir locks", outcome)
   if error is not None:
     raise error
+  assert lock is not None  # taken, as nothing failed here
   failed = [(i, o) for i, o in enumerate(outcomes) if o is not None]
   if failed:
     lock.close()
