@@ -1,6 +1,8 @@
 """In-graph: reduce per-device gradients to their mean and the two half-mean statistics.
 
-Runs inside a step mapped over a named axis (``jax.pmap`` or ``jax.shard_map``).
+Runs inside a step mapped over a named axis (``jax.pmap`` or ``jax.shard_map``),
+or, for :func:`global_halves`, in a plain ``jax.jit`` step whose gradients are
+global arrays sharded over a mesh (there XLA's partitioner does the reduction).
 
 The two halves are formed in one of two ways:
 
@@ -47,6 +49,7 @@ from typing import Literal, NamedTuple
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import PartitionSpec as P
 
 Reduction = Literal["hierarchical", "scatter", "stacked"]
 REDUCTIONS: tuple[str, ...] = ("hierarchical", "scatter", "stacked")
@@ -147,9 +150,13 @@ def _pair_statistics(half_a: jax.Array, half_b: jax.Array,
     a, b = half_a[blocks * width:], half_b[blocks * width:]
     totals = totals + jnp.stack([jnp.sum(a * b), jnp.sum(a * a), jnp.sum(b * b)])
   dot, sq_a, sq_b = totals
+  return jnp.stack([dot, sq_a, sq_b, _sq_norm_of_mean(dot, sq_a, sq_b, share)])
+
+
+def _sq_norm_of_mean(dot, sq_a, sq_b, share) -> jax.Array:
+  """``|s a + (1 - s) b|^2 = s^2 |a|^2 + (1 - s)^2 |b|^2 + 2 s (1 - s) <a, b>``, in float32."""
   share = jnp.asarray(share, jnp.float32)
-  sq_mean = share * share * sq_a + (1 - share) * (1 - share) * sq_b + 2 * share * (1 - share) * dot
-  return jnp.stack([dot, sq_a, sq_b, sq_mean])
+  return share * share * sq_a + (1 - share) * (1 - share) * sq_b + 2 * share * (1 - share) * dot
 
 
 # ------------------------------------------------------------------ buckets of leaves
@@ -291,7 +298,7 @@ def _gather_mean(pieces: list[jax.Array], buckets: list[list[int]], leaves: list
 
 
 def reduce_local_halves(
-    mean_shares, diff_shares, axis_name: str | None, reduction: Reduction = "hierarchical", *,
+    mean_shares, diff_shares, axis_name: str, reduction: Reduction = "hierarchical", *,
     zero_nonfinite: bool = False, share: float | jax.Array = 0.5,
 ) -> tuple[object, HalfStatistics]:
   """Reduces per-device ``(m_i, d_i)`` shares to ``M`` and the statistics of the two halves.
@@ -300,9 +307,7 @@ def reduce_local_halves(
     mean_shares: this device's share ``m_i`` of the mean gradient (a pytree).
     diff_shares: its share ``d_i`` of the half-difference, same structure and
       dtypes as ``mean_shares``.
-    axis_name: the mapped axis to reduce over (any size, 1 included), or
-      None in a plain ``jax.jit`` step: the shares are then the global
-      ``M`` and ``D`` already (XLA's partitioner does any reduction).
+    axis_name: the mapped axis to reduce over (any size, 1 included).
     reduction: ``"hierarchical"`` (per bucket: reduce-scatter ``m`` and ``d``,
       statistics on the shards, all-gather the mean; 1.5x an all-reduce),
       ``"scatter"`` or ``"stacked"`` (see the module docstring).
@@ -316,8 +321,6 @@ def reduce_local_halves(
     share) D`` and ``g_B = M - 2 share D``.
   """
   _check_reduction(reduction)
-  if axis_name is None:
-    return _global_halves(mean_shares, diff_shares, zero_nonfinite, share)
   if reduction != "hierarchical":
     return _reduce_concatenated(mean_shares, diff_shares, axis_name, reduction, zero_nonfinite,
                                 share=share)
@@ -353,16 +356,79 @@ def _halves(mean: jax.Array, diff: jax.Array, share) -> tuple[jax.Array, jax.Arr
   return first, jnp.where(share < 1, mean32 - (2 * share) * diff32, 0.0)
 
 
-def _global_halves(mean, diff, zero_nonfinite: bool, share) -> tuple[object, HalfStatistics]:
-  """The statistics of the halves for global arrays (a plain ``jax.jit`` step): no collective."""
-  diff_leaves = jax.tree.structure(mean).flatten_up_to(diff)
-  partial = jnp.zeros((4,), jnp.float32)
-  for m, d in zip(jax.tree.leaves(mean), diff_leaves):
-    partial = partial + _pair_statistics(*_halves(jnp.ravel(m), jnp.ravel(d), share), share)
-  stats = _finish(*partial)
+def global_halves(mean, first, second, *, zero_nonfinite: bool = False,
+                  share: float | jax.Array = 0.5) -> tuple[object, HalfStatistics]:
+  """The statistics of two half gradients that are global arrays (a plain ``jax.jit`` step).
+
+  Each leaf's three sums, ``<a, b>``, ``|a|^2`` and ``|b|^2``, are reductions
+  of the leaf whole, in float32: on a leaf sharded over a mesh (data, model
+  axes or both, ``Auto`` or ``Explicit``) XLA's partitioner sums each shard
+  where it lies and adds the partial sums in a scalar all-reduce, so no leaf
+  is gathered, flattened or copied, and the mean keeps its sharding.
+
+  Args:
+    mean: ``M = share * g_A + (1 - share) * g_B``, returned as given (zeroed
+      with ``zero_nonfinite`` when a statistic is not finite).
+    first: ``g_A``, the first half's mean gradient, same structure as ``mean``.
+    second: ``g_B``, the second half's.
+    zero_nonfinite: return a zero mean when ``stats.finite`` is False.
+    share: the first half's fraction of the examples (a scalar, may be
+      traced); a half with no example (``share`` 0 or 1) counts as exactly zero.
+
+  Returns:
+    ``(mean, stats)``: the mean, and the :class:`HalfStatistics` of ``g_A``
+    and ``g_B``.
+  """
+  treedef = jax.tree.structure(mean)
+  totals = jnp.zeros((3,), jnp.float32)
+  for a, b in zip(treedef.flatten_up_to(first), treedef.flatten_up_to(second)):
+    totals = totals + _leaf_statistics(*_present_halves(a, b, share))
+  stats = _finish(*totals, _sq_norm_of_mean(*totals, share))
   if zero_nonfinite:
     mean = jax.tree.map(lambda x: jnp.where(stats.finite, x, jnp.zeros_like(x)), mean)
   return mean, stats
+
+
+def _present_halves(a: jax.Array, b: jax.Array, share) -> tuple[jax.Array, jax.Array]:
+  """Float32 ``a`` and ``b``, a half with no example (``share`` 0 or 1) exactly zero."""
+  a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+  if isinstance(share, float) and 0 < share < 1:
+    return a, b
+  share = jnp.asarray(share, jnp.float32)
+  return jnp.where(share > 0, a, 0.0), jnp.where(share < 1, b, 0.0)
+
+
+def _leaf_statistics(a: jax.Array, b: jax.Array) -> jax.Array:
+  """Float32 ``[<a, b>, |a|^2, |b|^2]`` of one leaf, each a reduction over all its entries."""
+  return jnp.stack([_sum_of_products(a, b), _sum_of_products(a, a), _sum_of_products(b, b)])
+
+
+def _sum_of_products(a: jax.Array, b: jax.Array) -> jax.Array:
+  """``sum(a * b)`` over every entry, in float32, reading each operand where and as it lies.
+
+  The product is contracted with a vector of ones over the last axis (a
+  matrix-vector product at full float32 precision), then the rest is summed.
+  A gradient leaf that XLA keeps in a transposed memory layout (a dense
+  kernel's gradient reduced over the data axis is one, on XLA:CPU) is then
+  read as it lies; ``jnp.sum(a * b)`` would first copy the product into the
+  default layout, a whole leaf of temporary memory per statistic. On a
+  sharded leaf each device contracts its own shard, and the partial sums are
+  added in a scalar all-reduce.
+  """
+  product = a * b
+  if product.ndim < 2:
+    return jnp.sum(product)
+  # Under Explicit mesh axes the spec says which axes are sharded: contract one that is not
+  # (a sharded contraction would gather the product). Under Auto axes the spec is empty.
+  spec = tuple(jax.typeof(product).sharding.spec) + (None,) * product.ndim
+  kwargs = {"precision": lax.Precision.HIGHEST, "preferred_element_type": jnp.float32}
+  if spec[product.ndim - 1] is None:
+    rows = jnp.matmul(product, jnp.ones(product.shape[-1:], jnp.float32), **kwargs)
+  elif spec[product.ndim - 2] is None:
+    rows = jnp.matmul(jnp.ones(product.shape[-2:-1], jnp.float32), product, **kwargs)
+  else:
+    return jnp.sum(product)
+  return jnp.sum(rows)
 
 
 # ------------------------------------------------------------------ concatenated variants
