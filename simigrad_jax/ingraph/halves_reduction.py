@@ -49,7 +49,6 @@ from typing import Literal, NamedTuple
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.sharding import PartitionSpec as P
 
 Reduction = Literal["hierarchical", "scatter", "stacked"]
 REDUCTIONS: tuple[str, ...] = ("hierarchical", "scatter", "stacked")
@@ -143,8 +142,7 @@ def _pair_statistics(half_a: jax.Array, half_b: jax.Array,
     b = half_b[block * width:(block + 1) * width]
     products += [a * b, a * a, b * b]
   zero = jnp.zeros((), jnp.float32)
-  sums = lax.reduce(tuple(products), (zero,) * len(products),
-                    lambda x, y: tuple(p + q for p, q in zip(x, y)), (0,))
+  sums = lax.reduce(tuple(products), (zero,) * len(products), _add_each, (0,))
   totals = jnp.stack(sums).reshape(blocks, 3).sum(axis=0)
   if blocks * width < length:  # the last length % blocks elements
     a, b = half_a[blocks * width:], half_b[blocks * width:]
@@ -361,10 +359,10 @@ def global_halves(mean, first, second, *, zero_nonfinite: bool = False,
   """The statistics of two half gradients that are global arrays (a plain ``jax.jit`` step).
 
   Each leaf's three sums, ``<a, b>``, ``|a|^2`` and ``|b|^2``, are reductions
-  of the leaf whole, in float32: on a leaf sharded over a mesh (data, model
-  axes or both, ``Auto`` or ``Explicit``) XLA's partitioner sums each shard
-  where it lies and adds the partial sums in a scalar all-reduce, so no leaf
-  is gathered, flattened or copied, and the mean keeps its sharding.
+  of the leaf as it lies, in float32: on a leaf sharded over a mesh (data,
+  model axes or both, ``Auto`` or ``Explicit``) XLA's partitioner sums each
+  shard on its device and adds the partial sums in a small collective, so no
+  leaf is gathered, flattened or copied, and the mean keeps its sharding.
 
   Args:
     mean: ``M = share * g_A + (1 - share) * g_B``, returned as given (zeroed
@@ -399,36 +397,41 @@ def _present_halves(a: jax.Array, b: jax.Array, share) -> tuple[jax.Array, jax.A
 
 
 def _leaf_statistics(a: jax.Array, b: jax.Array) -> jax.Array:
-  """Float32 ``[<a, b>, |a|^2, |b|^2]`` of one leaf, each a reduction over all its entries."""
-  return jnp.stack([_sum_of_products(a, b), _sum_of_products(a, a), _sum_of_products(b, b)])
+  """Float32 ``[<a, b>, |a|^2, |b|^2]`` of one leaf, each a sum over all its entries.
 
-
-def _sum_of_products(a: jax.Array, b: jax.Array) -> jax.Array:
-  """``sum(a * b)`` over every entry, in float32, reading each operand where and as it lies.
-
-  The product is contracted with a vector of ones over the last axis (a
-  matrix-vector product at full float32 precision), then the rest is summed.
-  A gradient leaf that XLA keeps in a transposed memory layout (a dense
-  kernel's gradient reduced over the data axis is one, on XLA:CPU) is then
-  read as it lies; ``jnp.sum(a * b)`` would first copy the product into the
-  default layout, a whole leaf of temporary memory per statistic. On a
-  sharded leaf each device contracts its own shard, and the partial sums are
-  added in a scalar all-reduce.
+  One variadic reduction over one axis gives each row's three partial sums,
+  and a sum of those rows gives the totals. Reading both operands in one
+  reduction fuses the products into it whatever the gradient's memory layout:
+  a sum of one product alone may go to a library kernel that wants the default
+  layout (XLA:CPU's YNNPACK reductions), which copies a transposed gradient (a
+  dense kernel's, reduced over the data axis) into a temporary first. Each
+  sequential float32 run is one row long, and the rows are summed pairwise.
+  On a sharded leaf every device reduces its own shard and the partial sums
+  meet in a small all-reduce (or, when the reduced axis is sharded, an
+  all-gather of the rows' partial sums).
   """
-  product = a * b
-  if product.ndim < 2:
-    return jnp.sum(product)
-  # Under Explicit mesh axes the spec says which axes are sharded: contract one that is not
-  # (a sharded contraction would gather the product). Under Auto axes the spec is empty.
-  spec = tuple(jax.typeof(product).sharding.spec) + (None,) * product.ndim
-  kwargs = {"precision": lax.Precision.HIGHEST, "preferred_element_type": jnp.float32}
-  if spec[product.ndim - 1] is None:
-    rows = jnp.matmul(product, jnp.ones(product.shape[-1:], jnp.float32), **kwargs)
-  elif spec[product.ndim - 2] is None:
-    rows = jnp.matmul(jnp.ones(product.shape[-2:-1], jnp.float32), product, **kwargs)
-  else:
-    return jnp.sum(product)
-  return jnp.sum(rows)
+  products = (a * b, a * a, b * b)
+  if a.ndim < 2:
+    return jnp.stack([jnp.sum(product) for product in products])
+  zero = jnp.zeros((), jnp.float32)
+  rows = lax.reduce(products, (zero,) * 3, _add_each, (_reduced_axis(a),))
+  return jnp.stack([jnp.sum(row) for row in rows])
+
+
+def _add_each(x: tuple, y: tuple) -> tuple:
+  return tuple(p + q for p, q in zip(x, y))
+
+
+def _reduced_axis(leaf: jax.Array) -> int:
+  """The last axis of ``leaf`` that no Explicit mesh axis shards (the last under Auto axes).
+
+  Reducing an axis that is not sharded leaves each device's partial sums whole
+  (one scalar all-reduce); FSDP shards the first axis, so the last is the
+  better guess when XLA alone knows the sharding.
+  """
+  spec = tuple(jax.typeof(leaf).sharding.spec) + (None,) * leaf.ndim
+  free = [axis for axis in range(leaf.ndim) if spec[axis] is None]
+  return free[-1] if free else leaf.ndim - 1
 
 
 # ------------------------------------------------------------------ concatenated variants
