@@ -1,4 +1,4 @@
-"""benchmarks/sharded.py: a quick run over every layout and kind of mesh axes, its JSON and goals."""
+"""benchmarks/sharded.py: a quick run over every layout and kind of mesh axes, its JSON, goals."""
 
 import json
 import math
@@ -23,7 +23,7 @@ def sharded():
 
 @pytest.fixture(scope="module")
 def quick_run(sharded, tmp_path_factory, devices):
-  """One ``--quick`` run of the kernel model: (the JSON written to --out, the dict main returned)."""
+  """One ``--quick`` run of the kernel model: (the JSON written to --out, what main returned)."""
   del devices  # 8 devices, set up by conftest
   out = tmp_path_factory.mktemp("sharded") / "sharded.json"
   returned = sharded.main(["--quick", "--models", "kernel", "--out", str(out)])

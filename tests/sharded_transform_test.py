@@ -79,7 +79,7 @@ def test_plain_jit_statistics_match_numpy_on_leaves_of_every_rank(share, mixed_d
 
 @pytest.mark.parametrize("axes", ["auto", "explicit"])
 def test_sharded_leaves_are_summed_where_they_lie(devices, axes):
-  """Shard-local sums and small collectives: nothing gathered, no copy of a leaf, the layout kept."""
+  """Shard-local sums, small collectives: nothing gathered, no copy of a leaf, the layout kept."""
   axis_type = AxisType.Auto if axes == "auto" else AxisType.Explicit
   mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(axis_type,) * 2, devices=devices)
   shapes = {name: shape for name, (shape, _) in SHARDED_LEAVES.items()}

@@ -1,4 +1,4 @@
-"""In-graph: gradients of the two halves of one device's batch, for the local-halves split.
+"""In-graph: the gradients of a batch's even- and odd-numbered examples, one pass after the other.
 
 The two halves run as two sequential ``value_and_grad`` passes of the same
 shape as the model's own, so the step costs about one full-batch gradient in

@@ -44,8 +44,8 @@ class HalfGrads(NamedTuple):
   gradient over the examples of both halves.
   """
 
-  first: Any  # gradient pytree of the first half of the local batch.
-  second: Any  # gradient pytree of the second half of the local batch.
+  first: Any  # gradient pytree of the first half (the even-numbered examples of the batch).
+  second: Any  # gradient pytree of the second half (the odd-numbered examples).
   # The first half's fraction of the examples, a scalar in [0, 1] (may be traced);
   # None: the halves are equal (0.5).
   share: Any = None
@@ -103,7 +103,7 @@ def _check_not_already_reduced(leaves: list[jax.Array], axis_name: str) -> None:
 
 
 def _check_axis_is_bound(axis_name: str) -> None:
-  """Raises, naming the fix, when no ``jax.pmap``, ``jax.shard_map`` or ``jax.vmap`` binds the axis."""
+  """Raises, naming the fix, when no ``jax.pmap``, ``jax.shard_map`` or ``jax.vmap`` binds it."""
   try:
     lax.axis_size(axis_name)
   except NameError as error:
@@ -175,11 +175,13 @@ def transform(
   shard_map), leave ``axis_name`` out and pass ``half_grads``: the gradients
   are then global arrays, sharded in any way (replicated, FSDP over the data
   axis, tensor parallel over model axes, both; ``Auto`` or ``Explicit``
-  axes). Each leaf's dot product and norms are sums over the leaf whole,
-  which XLA's partitioner computes on each shard and adds in one scalar
-  all-reduce: nothing is gathered or flattened, and the mean keeps each
-  leaf's sharding. The halves are the batch's even- and odd-numbered
-  examples as ``value_and_half_grads`` splits them.
+  axes). Each leaf's dot product and norms are sums over the leaf as it
+  lies, which XLA's partitioner computes on each shard and adds in a small
+  collective (scalars, or each row's partial sums): nothing is gathered or
+  flattened, and the mean keeps each leaf's sharding. The halves are the
+  batch's even- and odd-numbered examples as ``value_and_half_grads`` splits
+  them. Called with an axis name outside ``jax.pmap`` or ``jax.shard_map``,
+  the update raises an error that says to leave the name out.
 
   Args:
     axis_name: the name of the mapped data-parallel axis, or None in a plain
