@@ -173,7 +173,7 @@ def _temp_bytes(compiled: Any) -> int | None:
 
 
 def measure(steps: dict[str, Step], args: tuple[Any, ...], repeats: int,
-            warmup: int = 1) -> dict[str, dict[str, Any]]:
+            warmup: int = 1, compiled: dict[str, Any] | None = None) -> dict[str, dict[str, Any]]:
   """Compiles every step for ``args`` and times them, interleaved.
 
   Args:
@@ -182,12 +182,14 @@ def measure(steps: dict[str, Step], args: tuple[Any, ...], repeats: int,
     repeats: timed runs per step; in repeat ``r`` the steps run in their order
       when ``r`` is even and in reverse order when it is odd.
     warmup: untimed runs per step first.
+    compiled: if given, receives name -> the compiled step.
 
   Returns:
     name -> ``{"step_seconds": median, "min_seconds", "compile_seconds",
     "temp_bytes", "seconds": [every timed run]}``.
   """
-  compiled, results = {}, {}
+  compiled = {} if compiled is None else compiled
+  results = {}
   for name, step in steps.items():
     start = time.perf_counter()
     compiled[name] = jax.jit(step).lower(*args).compile()

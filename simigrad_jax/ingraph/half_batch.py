@@ -1,4 +1,4 @@
-"""In-graph: gradients of the two halves of one device's batch, for the local-halves split.
+"""In-graph: the gradients of a batch's even- and odd-numbered examples, one pass after the other.
 
 The two halves run as two sequential ``value_and_grad`` passes of the same
 shape as the model's own, so the step costs about one full-batch gradient in
@@ -19,11 +19,12 @@ import jax.numpy as jnp
 from simigrad_jax.ingraph.transform import HalfGrads
 
 
-def split_in_two(batch: Any) -> tuple[Any, Any]:
-  """The first and second halves of ``batch`` along its leading (example) axis.
+def _even_example_count(batch: Any) -> int:
+  """The batch's number of examples (its leaves' shared leading size), checked to be even.
 
   Raises:
-    ValueError: when the leaves' leading sizes differ, or the size is odd.
+    ValueError: when the batch has no array, the leaves' leading sizes
+      differ, or the size is odd.
   """
   leaves = jax.tree.leaves(batch)
   if not leaves:
@@ -43,8 +44,34 @@ def split_in_two(batch: Any) -> tuple[Any, Any]:
         "a global batch that is a multiple of 2 x the device count), or drop one "
         "example; simigrad_jax.Trainer pads with a zero-weight row itself"
     )
-  half = size // 2
+  return size
+
+
+def split_in_two(batch: Any) -> tuple[Any, Any]:
+  """The first and second halves of ``batch`` along its leading (example) axis.
+
+  Raises:
+    ValueError: when the leaves' leading sizes differ, or the size is odd.
+  """
+  half = _even_example_count(batch) // 2
   return jax.tree.map(lambda x: x[:half], batch), jax.tree.map(lambda x: x[half:], batch)
+
+
+def split_even_odd(batch: Any) -> tuple[Any, Any]:
+  """The even-numbered (0, 2, 4, ...) and the odd-numbered (1, 3, 5, ...) examples of ``batch``.
+
+  A strided slice of the leading axis. A batch sharded over a mesh's data
+  axis (``P("data")``) lies in contiguous blocks of rows, one per device;
+  when every block holds an even number of rows, its even-numbered rows are
+  the batch's even-numbered examples, so XLA slices each block where it lies
+  and no row moves between devices (cutting the batch into its first and
+  second half would move rows).
+
+  Raises:
+    ValueError: when the leaves' leading sizes differ, or the size is odd.
+  """
+  _even_example_count(batch)
+  return jax.tree.map(lambda x: x[0::2], batch), jax.tree.map(lambda x: x[1::2], batch)
 
 
 def _is_inexact(x: Any) -> bool:
@@ -108,22 +135,63 @@ def _average(a: jax.Array, b: jax.Array) -> jax.Array:
   return ((a.astype(dtype) + b.astype(dtype)) / 2).astype(a.dtype)
 
 
+def _scalar_loss(loss_fn: Callable[..., Any], has_aux: bool) -> Callable[..., Any]:
+  """``loss_fn``, refusing at trace time a value that is not what ``has_aux`` says.
+
+  Without ``has_aux`` a loss that returns ``(loss, aux)`` would fail in JAX
+  with "Gradient only defined for scalar-output functions", which does not say
+  what to change; with it, a loss that returns one array fails on unpacking.
+  """
+
+  def checked(*args):
+    value = loss_fn(*args)
+    is_pair = isinstance(value, (tuple, list)) and len(value) == 2
+    if not has_aux and isinstance(value, (tuple, list)):
+      raise ValueError(
+          f"loss_fn returned a {type(value).__name__} of {len(value)} values where "
+          "value_and_half_grads expects one scalar loss: a loss that returns "
+          "(loss, aux) needs simigrad_jax.value_and_half_grads(loss_fn, has_aux=True)")
+    if has_aux and not is_pair:
+      raise ValueError(
+          f"value_and_half_grads(loss_fn, has_aux=True) expects loss_fn to return "
+          f"(loss, aux), got {_describe(value)}: return the pair, or leave has_aux out")
+    return value
+
+  return checked
+
+
+def _describe(value: Any) -> str:
+  if isinstance(value, (tuple, list)):
+    return f"a {type(value).__name__} of {len(value)} values"
+  if hasattr(value, "shape"):
+    return f"an array of shape {tuple(value.shape)}"
+  return f"a {type(value).__name__}"
+
+
 def value_and_half_grads(
     loss_fn: Callable[..., Any], has_aux: bool = False
 ) -> Callable[..., tuple[Any, Any, HalfGrads]]:
   """Wraps ``loss_fn`` to return its value, its gradient and the two half-batch gradients.
 
-  The batch (any pytree of arrays with a shared leading example axis) is cut
-  into its first and second halves, and ``jax.value_and_grad(loss_fn)`` runs
-  on each half in turn: the second pass is ordered after the first (by a
-  zero-valued data dependency of the second half's floating-point inputs, or of
-  the parameters when the batch has none), so only one half's activations are
-  alive at a time. The full gradient is the average of the two half gradients,
-  computed in at least float32. The cost is about that of one full-batch
-  gradient; the program holds the model twice, so it compiles in about twice
-  the time. Pass the result to :func:`simigrad_jax.transform` as
-  ``half_grads`` to measure the similarity on one device, or on an odd number
-  of devices.
+  The batch (any pytree of arrays with a shared leading example axis) is
+  split into its even-numbered examples (rows 0, 2, 4, ...: the first half,
+  ``g_A``) and its odd-numbered ones (rows 1, 3, 5, ...: the second half,
+  ``g_B``), the halves the :class:`simigrad_jax.Trainer` compares too, and
+  ``jax.value_and_grad(loss_fn)`` runs on each half in turn: the second pass
+  is ordered after the first (by a zero-valued data dependency of the second
+  half's floating-point inputs, or of the parameters when the batch has
+  none), so only one half's activations are alive at a time. The full
+  gradient is the average of the two half gradients, computed in at least
+  float32. The cost is about that of one full-batch gradient; the program
+  holds the model twice, so it compiles in about twice the time. Pass the
+  result to :func:`simigrad_jax.transform` as ``half_grads``.
+
+  In a plain ``jax.jit`` step over a batch sharded on a mesh's data axis,
+  every device takes the even and the odd rows of its own block: when each
+  device holds an even number of rows, no row moves between devices. Inside
+  ``jax.pmap`` or ``jax.shard_map`` the split is of each device's own rows,
+  which are the batch's even- and odd-numbered examples when each device
+  holds an even number of consecutive ones.
 
   Args:
     loss_fn: ``loss_fn(params, batch, *args)`` returning a scalar loss that is a
@@ -140,19 +208,22 @@ def value_and_half_grads(
     ``grads`` the full-batch gradient, and ``half_grads`` a
     :class:`HalfGrads` of the two half gradients. Calling it raises
     ``ValueError`` when the batch has an odd number of examples or leaves of
-    different leading sizes.
+    different leading sizes, or when ``loss_fn`` returns a pair without
+    ``has_aux`` (or no pair with it).
 
   Example:
     >>> import jax, jax.numpy as jnp, optax, simigrad_jax
     >>> loss = lambda p, x: jnp.mean((x - p) ** 2)
-    >>> opt = optax.chain(simigrad_jax.transform("batch"), optax.sgd(0.1))
-    >>> def step(p, state, x):
+    >>> opt = optax.chain(simigrad_jax.transform(), optax.sgd(0.1))
+    >>> @jax.jit
+    ... def step(p, state, x):
     ...   value, grads, halves = simigrad_jax.value_and_half_grads(loss)(p, x)
     ...   updates, state = opt.update(grads, state, p, half_grads=halves)
     ...   return optax.apply_updates(p, updates), state
-    >>> p = jnp.zeros(()); s = opt.init(p)
-    >>> p1, s1 = jax.pmap(step, axis_name="batch")(p[None], jax.tree.map(lambda a: a[None], s),
-    ...                                            jnp.arange(4.0)[None])  # doctest: +SKIP
+    >>> x = jnp.arange(8.0).reshape(4, 2)  # rows 0 and 2 form the first half, 1 and 3 the second
+    >>> p = jnp.zeros(2); p, state = step(p, opt.init(p), x)
+    >>> round(simigrad_jax.similarity(state), 4)  # cos([-4, -6], [-8, -10])
+    0.9962
 
   Note:
     With BatchNorm in training mode each half is normalised with its own
@@ -160,10 +231,10 @@ def value_and_half_grads(
     the half gradients is then the gradient of the average of the two
     half-batch losses (not of one loss normalised over the whole batch).
   """
-  value_and_grad = jax.value_and_grad(loss_fn, has_aux=has_aux)
+  value_and_grad = jax.value_and_grad(_scalar_loss(loss_fn, has_aux), has_aux=has_aux)
 
   def wrapped(params, batch, *args):
-    first_half, second_half = split_in_two(batch)
+    first_half, second_half = split_even_odd(batch)
     (value_a, first), (value_b, second) = value_and_grads_in_turn(
         value_and_grad, params, (first_half, *args), (second_half, *args))
     mean_grads = jax.tree.map(_average, first, second)

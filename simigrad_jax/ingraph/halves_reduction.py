@@ -1,6 +1,8 @@
 """In-graph: reduce per-device gradients to their mean and the two half-mean statistics.
 
-Runs inside a step mapped over a named axis (``jax.pmap`` or ``jax.shard_map``).
+Runs inside a step mapped over a named axis (``jax.pmap`` or ``jax.shard_map``),
+or, for :func:`global_halves`, in a plain ``jax.jit`` step whose gradients are
+global arrays sharded over a mesh (there XLA's partitioner does the reduction).
 
 The two halves are formed in one of two ways:
 
@@ -143,16 +145,20 @@ def _pair_statistics(half_a: jax.Array, half_b: jax.Array,
     b = half_b[block * width:(block + 1) * width]
     products += [a * b, a * a, b * b]
   zero = jnp.zeros((), jnp.float32)
-  sums = lax.reduce(tuple(products), (zero,) * len(products),
-                    lambda x, y: tuple(p + q for p, q in zip(x, y, strict=True)), (0,))
+  sums = lax.reduce(tuple(products), (zero,) * len(products), _add_each, (0,))
   totals = jnp.stack(sums).reshape(blocks, 3).sum(axis=0)
   if blocks * width < length:  # the last length % blocks elements
     a, b = half_a[blocks * width:], half_b[blocks * width:]
     totals = totals + jnp.stack([jnp.sum(a * b), jnp.sum(a * a), jnp.sum(b * b)])
   dot, sq_a, sq_b = totals
+  return jnp.stack([dot, sq_a, sq_b, _sq_norm_of_mean(dot, sq_a, sq_b, share)])
+
+
+def _sq_norm_of_mean(dot: jax.Array, sq_a: jax.Array, sq_b: jax.Array,
+                     share: float | jax.Array) -> jax.Array:
+  """``|s a + (1 - s) b|^2 = s^2 |a|^2 + (1 - s)^2 |b|^2 + 2 s (1 - s) <a, b>``, in float32."""
   share = jnp.asarray(share, jnp.float32)
-  sq_mean = share * share * sq_a + (1 - share) * (1 - share) * sq_b + 2 * share * (1 - share) * dot
-  return jnp.stack([dot, sq_a, sq_b, sq_mean])
+  return share * share * sq_a + (1 - share) * (1 - share) * sq_b + 2 * share * (1 - share) * dot
 
 
 # ------------------------------------------------------------------ buckets of leaves
@@ -300,7 +306,7 @@ def _gather_mean(pieces: list[jax.Array], buckets: list[list[int]], leaves: list
 
 
 def reduce_local_halves(
-    mean_shares: Any, diff_shares: Any, axis_name: str | None, reduction: Reduction = "hierarchical", *,
+    mean_shares: Any, diff_shares: Any, axis_name: str, reduction: Reduction = "hierarchical", *,
     zero_nonfinite: bool = False, share: float | jax.Array = 0.5,
 ) -> tuple[object, HalfStatistics]:
   """Reduces per-device ``(m_i, d_i)`` shares to ``M`` and the statistics of the two halves.
@@ -309,9 +315,7 @@ def reduce_local_halves(
     mean_shares: this device's share ``m_i`` of the mean gradient (a pytree).
     diff_shares: its share ``d_i`` of the half-difference, same structure and
       dtypes as ``mean_shares``.
-    axis_name: the mapped axis to reduce over (any size, 1 included), or
-      None in a plain ``jax.jit`` step: the shares are then the global
-      ``M`` and ``D`` already (XLA's partitioner does any reduction).
+    axis_name: the mapped axis to reduce over (any size, 1 included).
     reduction: ``"hierarchical"`` (per bucket: reduce-scatter ``m`` and ``d``,
       statistics on the shards, all-gather the mean; 1.5x an all-reduce),
       ``"scatter"`` or ``"stacked"`` (see the module docstring).
@@ -325,8 +329,6 @@ def reduce_local_halves(
     share) D`` and ``g_B = M - 2 share D``.
   """
   _check_reduction(reduction)
-  if axis_name is None:
-    return _global_halves(mean_shares, diff_shares, zero_nonfinite, share)
   if reduction != "hierarchical":
     return _reduce_concatenated(mean_shares, diff_shares, axis_name, reduction, zero_nonfinite,
                                 share=share)
@@ -363,17 +365,86 @@ def _halves(mean: jax.Array, diff: jax.Array,
   return first, jnp.where(share < 1, mean32 - (2 * share) * diff32, 0.0)
 
 
-def _global_halves(mean: Any, diff: Any, zero_nonfinite: bool,
-                   share: float | jax.Array) -> tuple[object, HalfStatistics]:
-  """The statistics of the halves for global arrays (a plain ``jax.jit`` step): no collective."""
-  diff_leaves = _flatten_up_to(jax.tree.structure(mean), diff)
-  partial = jnp.zeros((4,), jnp.float32)
-  for m, d in zip(jax.tree.leaves(mean), diff_leaves, strict=True):
-    partial = partial + _pair_statistics(*_halves(jnp.ravel(m), jnp.ravel(d), share), share)
-  stats = _finish(*partial)
+def global_halves(mean: Any, first: Any, second: Any, *, zero_nonfinite: bool = False,
+                  share: float | jax.Array = 0.5) -> tuple[object, HalfStatistics]:
+  """The statistics of two half gradients that are global arrays (a plain ``jax.jit`` step).
+
+  Each leaf's three sums, ``<a, b>``, ``|a|^2`` and ``|b|^2``, are reductions
+  of the leaf as it lies, in float32: on a leaf sharded over a mesh (data,
+  model axes or both, ``Auto`` or ``Explicit``) XLA's partitioner sums each
+  shard on its device and adds the partial sums in a small collective, so no
+  leaf is gathered, flattened or copied, and the mean keeps its sharding.
+
+  Args:
+    mean: ``M = share * g_A + (1 - share) * g_B``, returned as given (zeroed
+      with ``zero_nonfinite`` when a statistic is not finite).
+    first: ``g_A``, the first half's mean gradient, same structure as ``mean``.
+    second: ``g_B``, the second half's.
+    zero_nonfinite: return a zero mean when ``stats.finite`` is False.
+    share: the first half's fraction of the examples (a scalar, may be
+      traced); a half with no example (``share`` 0 or 1) counts as exactly zero.
+
+  Returns:
+    ``(mean, stats)``: the mean, and the :class:`HalfStatistics` of ``g_A``
+    and ``g_B``.
+  """
+  treedef = jax.tree.structure(mean)
+  totals = jnp.zeros((3,), jnp.float32)
+  for a, b in zip(_flatten_up_to(treedef, first), _flatten_up_to(treedef, second), strict=True):
+    totals = totals + _leaf_statistics(*_present_halves(a, b, share))
+  dot, sq_a, sq_b = totals[0], totals[1], totals[2]
+  stats = _finish(dot, sq_a, sq_b, _sq_norm_of_mean(dot, sq_a, sq_b, share))
   if zero_nonfinite:
     mean = jax.tree.map(lambda x: jnp.where(stats.finite, x, jnp.zeros_like(x)), mean)
   return mean, stats
+
+
+def _present_halves(a: jax.Array, b: jax.Array,
+                    share: float | jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Float32 ``a`` and ``b``, a half with no example (``share`` 0 or 1) exactly zero."""
+  a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+  if isinstance(share, float) and 0 < share < 1:
+    return a, b
+  share = jnp.asarray(share, jnp.float32)
+  return jnp.where(share > 0, a, 0.0), jnp.where(share < 1, b, 0.0)
+
+
+def _leaf_statistics(a: jax.Array, b: jax.Array) -> jax.Array:
+  """Float32 ``[<a, b>, |a|^2, |b|^2]`` of one leaf, each a sum over all its entries.
+
+  One variadic reduction over one axis gives each row's three partial sums,
+  and a sum of those rows gives the totals. Reading both operands in one
+  reduction fuses the products into it whatever the gradient's memory layout:
+  a sum of one product alone may go to a library kernel that wants the default
+  layout (XLA:CPU's YNNPACK reductions), which copies a transposed gradient (a
+  dense kernel's, reduced over the data axis) into a temporary first. Each
+  sequential float32 run is one row long, and the rows are summed pairwise.
+  On a sharded leaf every device reduces its own shard and the partial sums
+  meet in a small all-reduce (or, when the reduced axis is sharded, an
+  all-gather of the rows' partial sums).
+  """
+  products = (a * b, a * a, b * b)
+  if a.ndim < 2:
+    return jnp.stack([jnp.sum(product) for product in products])
+  zero = jnp.zeros((), jnp.float32)
+  rows = lax.reduce(products, (zero,) * 3, _add_each, (_reduced_axis(a),))
+  return jnp.stack([jnp.sum(row) for row in rows])
+
+
+def _add_each(x: tuple, y: tuple) -> tuple:
+  return tuple(p + q for p, q in zip(x, y, strict=True))
+
+
+def _reduced_axis(leaf: jax.Array) -> int:
+  """The last axis of ``leaf`` that no Explicit mesh axis shards (the last under Auto axes).
+
+  Reducing an axis that is not sharded leaves each device's partial sums whole
+  (one scalar all-reduce); FSDP shards the first axis, so the last is the
+  better guess when XLA alone knows the sharding.
+  """
+  spec = tuple(jax.typeof(leaf).sharding.spec) + (None,) * leaf.ndim
+  free = [axis for axis in range(leaf.ndim) if spec[axis] is None]
+  return free[-1] if free else leaf.ndim - 1
 
 
 # ------------------------------------------------------------------ concatenated variants

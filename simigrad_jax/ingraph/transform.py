@@ -10,6 +10,7 @@ from typing import Any, Literal, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
+from jax import lax
 
 from simigrad_jax.errors import SimiGradError
 from simigrad_jax.ingraph import halves_reduction
@@ -43,8 +44,8 @@ class HalfGrads(NamedTuple):
   gradient over the examples of both halves.
   """
 
-  first: Any  # gradient pytree of the first half of the local batch.
-  second: Any  # gradient pytree of the second half of the local batch.
+  first: Any  # gradient pytree of the first half (the even-numbered examples of the batch).
+  second: Any  # gradient pytree of the second half (the odd-numbered examples).
   # The first half's fraction of the examples, a scalar in [0, 1] (may be traced);
   # None: the halves are equal (0.5).
   share: Any = None
@@ -101,6 +102,20 @@ def _check_not_already_reduced(leaves: list[jax.Array], axis_name: str) -> None:
       )
 
 
+def _check_axis_is_bound(axis_name: str) -> None:
+  """Raises, naming the fix, when no ``jax.pmap``, ``jax.shard_map`` or ``jax.vmap`` binds it."""
+  try:
+    lax.axis_size(axis_name)
+  except NameError as error:
+    raise ValueError(
+        f"simigrad_jax.transform({axis_name!r}) runs outside a step mapped over an axis "
+        f"{axis_name!r} (JAX: {error}). The axis name is for a step under jax.pmap(..., "
+        f"axis_name={axis_name!r}) or jax.shard_map over a mesh axis {axis_name!r}. In a "
+        "plain jax.jit step over arrays sharded on a mesh, use simigrad_jax.transform() "
+        "without an axis name and pass half_grads=... from "
+        "simigrad_jax.value_and_half_grads") from error
+
+
 def _check_half_grads(updates: Any, half_grads: Any) -> None:
   """Refuses half gradients whose structure or shapes differ from the gradient's."""
   if not isinstance(half_grads, HalfGrads):
@@ -145,9 +160,9 @@ def transform(
   With one device or an odd number of devices the device halves do not exist;
   then split each device's own batch in two and pass the two half gradients
   as ``half_grads`` (the helper :func:`simigrad_jax.value_and_half_grads`
-  computes them in one pass). The halves are then "first half of every
-  device's batch" and "second half of every device's batch", an equally
-  unbiased split, and ``half_grads`` may be used with any device count.
+  computes them in one pass). The halves are then the even-numbered rows of
+  every device's batch and its odd-numbered rows, an equally unbiased split,
+  and ``half_grads`` may be used with any device count.
 
   Halves of different sizes (an odd number of examples, or padding) are
   exact too: give ``HalfGrads(first, second, share)`` with ``share`` the first
@@ -158,10 +173,15 @@ def transform(
 
   In a plain ``jax.jit`` step over a batch sharded on a mesh (no pmap, no
   shard_map), leave ``axis_name`` out and pass ``half_grads``: the gradients
-  are then already global arrays, the transform issues no collective of its
-  own (XLA's partitioner reduces the sums over the mesh), and the halves are
-  the first and the second half of the batch as ``value_and_half_grads``
-  split it.
+  are then global arrays, sharded in any way (replicated, FSDP over the data
+  axis, tensor parallel over model axes, both; ``Auto`` or ``Explicit``
+  axes). Each leaf's dot product and norms are sums over the leaf as it
+  lies, which XLA's partitioner computes on each shard and adds in a small
+  collective (scalars, or each row's partial sums): nothing is gathered or
+  flattened, and the mean keeps each leaf's sharding. The halves are the
+  batch's even- and odd-numbered examples as ``value_and_half_grads`` splits
+  them. Called with an axis name outside ``jax.pmap`` or ``jax.shard_map``,
+  the update raises an error that says to leave the name out.
 
   Args:
     axis_name: the name of the mapped data-parallel axis, or None in a plain
@@ -241,6 +261,7 @@ def transform(
           "optimizer takes extra keyword arguments and does not pass them on (optax.chain does)")
     leaves = jax.tree.leaves(updates)
     if axis_name is not None:
+      _check_axis_is_bound(axis_name)
       _check_not_already_reduced(leaves, axis_name)
     if half_grads is None:
       if axis_name is None:
@@ -252,14 +273,19 @@ def transform(
           updates, axis_name, reduction, zero_nonfinite=nonfinite == "zero")
     else:
       _check_half_grads(updates, half_grads)
-      diff_shares = jax.tree.map(
-          lambda g, a, b: ((a.astype(jnp.float32) - b.astype(jnp.float32)) / 2).astype(g.dtype),
-          updates, half_grads.first, half_grads.second,
-      )
       share = 0.5 if half_grads.share is None else half_grads.share
-      mean, stats = halves_reduction.reduce_local_halves(
-          updates, diff_shares, axis_name, reduction, zero_nonfinite=nonfinite == "zero",
-          share=share)
+      if axis_name is None:
+        mean, stats = halves_reduction.global_halves(
+            updates, half_grads.first, half_grads.second, zero_nonfinite=nonfinite == "zero",
+            share=share)
+      else:
+        diff_shares = jax.tree.map(
+            lambda g, a, b: ((a.astype(jnp.float32) - b.astype(jnp.float32)) / 2).astype(g.dtype),
+            updates, half_grads.first, half_grads.second,
+        )
+        mean, stats = halves_reduction.reduce_local_halves(
+            updates, diff_shares, axis_name, reduction, zero_nonfinite=nonfinite == "zero",
+            share=share)
 
     grads_finite = stats.finite
     positive = (stats.sq_norm_a > 0) & (stats.sq_norm_b > 0)
