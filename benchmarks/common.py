@@ -18,6 +18,7 @@ def configure_host_devices(count: int = 8) -> None:
   """
   os.environ.setdefault("JAX_PLATFORMS", "cpu")  # read when JAX is imported, so first
   from simigrad_jax.runtime import cpu_devices  # pylint: disable=import-outside-toplevel
+
   os.environ.update(cpu_devices.simulated_cpu_devices_env(count))
 
 
@@ -37,8 +38,11 @@ def apply_preset(args, preset: dict, keys=None) -> None:
     keys: which keys to fill: an iterable of names shared by flag and preset,
       or a mapping ``{flag name: preset key}``; all of ``preset`` when None.
   """
-  pairs = keys.items() if isinstance(keys, dict) else (
-      (key, key) for key in (preset if keys is None else keys))
+  pairs = (
+    keys.items()
+    if isinstance(keys, dict)
+    else ((key, key) for key in (preset if keys is None else keys))
+  )
   for name, key in pairs:
     if getattr(args, name) is None:
       setattr(args, name, preset[key])
@@ -47,6 +51,7 @@ def apply_preset(args, preset: dict, keys=None) -> None:
 def report(results: dict, table: str, out: str | None) -> dict:
   """Prints ``table``, writes ``results`` as JSON to ``out`` when given, and returns ``results``."""
   import json  # pylint: disable=import-outside-toplevel
+
   print()
   print(table)
   if out:

@@ -62,10 +62,10 @@ from __future__ import annotations
 import os
 import sys
 
-
 if __name__ == "__main__":
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   from benchmarks import common  # noqa: E402  (imports no JAX)
+
   common.configure_host_devices(1)
   common.prepare_script()
 
@@ -87,8 +87,13 @@ from train import models  # noqa: E402
 
 VARIANTS = ("plain", "halves")
 NUM_CLASSES = 10
-FULL = {"batch_sizes": (32, 128), "width": 64, "image_size": 32, "stages": (2, 2, 2, 2),
-        "repeats": 15}
+FULL = {
+  "batch_sizes": (32, 128),
+  "width": 64,
+  "image_size": 32,
+  "stages": (2, 2, 2, 2),
+  "repeats": 15,
+}
 QUICK = {"batch_sizes": (4, 8), "width": 4, "image_size": 8, "stages": (1,), "repeats": 2}
 
 Step = Callable[..., tuple[Any, Any, Any, jax.Array]]
@@ -96,8 +101,13 @@ Step = Callable[..., tuple[Any, Any, Any, jax.Array]]
 
 def make_model(width: int, stages: Sequence[int]) -> models.ResNet:
   """The CIFAR ResNet of ``train/models.py`` (ResNet-18 with ``stages=(2, 2, 2, 2)``)."""
-  return models.ResNet(stage_sizes=tuple(stages), block_cls=models.ResNetBlock,
-                       num_classes=NUM_CLASSES, num_filters=width, stem="cifar")
+  return models.ResNet(
+    stage_sizes=tuple(stages),
+    block_cls=models.ResNetBlock,
+    num_classes=NUM_CLASSES,
+    num_filters=width,
+    stem="cifar",
+  )
 
 
 def make_loss(model: models.ResNet) -> Callable[..., tuple[jax.Array, Any]]:
@@ -109,23 +119,32 @@ def make_loss(model: models.ResNet) -> Callable[..., tuple[jax.Array, Any]]:
 
   def loss(params, batch, model_state):
     weights = batch["weight"]
-    logits, new_state = model.apply({"params": params, **model_state}, batch["image"],
-                                    train=True, mask=weights > 0, mutable=list(model_state))
+    logits, new_state = model.apply(
+      {"params": params, **model_state},
+      batch["image"],
+      train=True,
+      mask=weights > 0,
+      mutable=list(model_state),
+    )
     losses = optax.softmax_cross_entropy_with_integer_labels(
-        logits.astype(jnp.float32), batch["label"])
+      logits.astype(jnp.float32), batch["label"]
+    )
     return jnp.sum(losses * weights) / jnp.sum(weights), new_state
 
   return loss
 
 
 def _cosine(first: Any, second: Any) -> jax.Array:
-  dot = lambda a, b: sum(jnp.vdot(x.astype(jnp.float32), y.astype(jnp.float32))
-                         for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+  dot = lambda a, b: sum(
+    jnp.vdot(x.astype(jnp.float32), y.astype(jnp.float32))
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))
+  )
   return dot(first, second) / jnp.sqrt(dot(first, first) * dot(second, second))
 
 
-def make_steps(loss: Callable[..., Any],
-               optimizer: optax.GradientTransformation) -> dict[str, Step]:
+def make_steps(
+  loss: Callable[..., Any], optimizer: optax.GradientTransformation
+) -> dict[str, Step]:
   """The training step of each variant, by name.
 
   Args:
@@ -140,14 +159,14 @@ def make_steps(loss: Callable[..., Any],
   """
 
   def plain(params, model_state, opt_state, batch):
-    (value, new_state), grads = jax.value_and_grad(loss, has_aux=True)(
-        params, batch, model_state)
+    (value, new_state), grads = jax.value_and_grad(loss, has_aux=True)(params, batch, model_state)
     updates, opt_state = optimizer.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), new_state, opt_state, value[None]
 
   def halves(params, model_state, opt_state, batch):
-    (value, new_states), grads, half_grads = simigrad_jax.value_and_half_grads(
-        loss, has_aux=True)(params, batch, model_state)
+    (value, new_states), grads, half_grads = simigrad_jax.value_and_half_grads(loss, has_aux=True)(
+      params, batch, model_state
+    )
     updates, opt_state = optimizer.update(grads, opt_state, params)
     new_state = jax.tree.map(lambda s: jnp.mean(s, axis=0), new_states)
     stats = jnp.stack([value, _cosine(half_grads.first, half_grads.second)])
@@ -160,10 +179,9 @@ def make_batch(batch_size: int, image_size: int, seed: int = 0) -> dict[str, jax
   """Random normalised images, labels and unit weights on the default device."""
   rng = np.random.default_rng(seed)
   return {
-      "image": jnp.asarray(rng.normal(size=(batch_size, image_size, image_size, 3)),
-                           jnp.float32),
-      "label": jnp.asarray(rng.integers(0, NUM_CLASSES, size=batch_size), jnp.int32),
-      "weight": jnp.ones((batch_size,), jnp.float32),
+    "image": jnp.asarray(rng.normal(size=(batch_size, image_size, image_size, 3)), jnp.float32),
+    "label": jnp.asarray(rng.integers(0, NUM_CLASSES, size=batch_size), jnp.int32),
+    "weight": jnp.ones((batch_size,), jnp.float32),
   }
 
 
@@ -172,8 +190,13 @@ def _temp_bytes(compiled: Any) -> int | None:
   return None if analysis is None else int(analysis.temp_size_in_bytes)
 
 
-def measure(steps: dict[str, Step], args: tuple[Any, ...], repeats: int,
-            warmup: int = 1, compiled: dict[str, Any] | None = None) -> dict[str, dict[str, Any]]:
+def measure(
+  steps: dict[str, Step],
+  args: tuple[Any, ...],
+  repeats: int,
+  warmup: int = 1,
+  compiled: dict[str, Any] | None = None,
+) -> dict[str, dict[str, Any]]:
   """Compiles every step for ``args`` and times them, interleaved.
 
   Args:
@@ -193,8 +216,11 @@ def measure(steps: dict[str, Step], args: tuple[Any, ...], repeats: int,
   for name, step in steps.items():
     start = time.perf_counter()
     compiled[name] = jax.jit(step).lower(*args).compile()
-    results[name] = {"compile_seconds": time.perf_counter() - start,
-                     "temp_bytes": _temp_bytes(compiled[name]), "seconds": []}
+    results[name] = {
+      "compile_seconds": time.perf_counter() - start,
+      "temp_bytes": _temp_bytes(compiled[name]),
+      "seconds": [],
+    }
   for name in steps:
     for _ in range(warmup):
       jax.block_until_ready(compiled[name](*args))
@@ -218,25 +244,34 @@ def add_ratios(entries: dict[str, dict[str, Any]]) -> None:
     entry["time_ratio_to_plain"] = entry["step_seconds"] / base["step_seconds"]
     entry["min_time_ratio_to_plain"] = entry["min_seconds"] / base["min_seconds"]
     entry["paired_time_ratio"] = statistics.median(
-        a / b for a, b in zip(entry["seconds"], base["seconds"]))
-    entry["temp_ratio_to_plain"] = (entry["temp_bytes"] / base["temp_bytes"]
-                                    if entry["temp_bytes"] and base["temp_bytes"] else None)
+      a / b for a, b in zip(entry["seconds"], base["seconds"])
+    )
+    entry["temp_ratio_to_plain"] = (
+      entry["temp_bytes"] / base["temp_bytes"]
+      if entry["temp_bytes"] and base["temp_bytes"]
+      else None
+    )
 
 
 def _format_table(results: dict[str, Any]) -> str:
-  header = (f"{'batch':>6}  {'variant':<8}{'step s':>10}{'time/plain':>12}{'paired':>9}"
-            f"{'min':>8}{'temp MB':>10}{'temp/plain':>12}{'compile s':>11}")
+  header = (
+    f"{'batch':>6}  {'variant':<8}{'step s':>10}{'time/plain':>12}{'paired':>9}"
+    f"{'min':>8}{'temp MB':>10}{'temp/plain':>12}{'compile s':>11}"
+  )
   rows = [header, "-" * len(header)]
   for size in results["batch_sizes"]:
     for name, by_size in results["variants"].items():
       v = by_size[str(size)]
       temp = f"{v['temp_bytes'] / 1e6:.1f}" if v["temp_bytes"] is not None else "-"
-      temp_ratio = (f"{v['temp_ratio_to_plain']:.2f}x"
-                    if v["temp_ratio_to_plain"] is not None else "-")
-      rows.append(f"{size:>6}  {name:<8}{v['step_seconds']:>10.4f}"
-                  f"{v['time_ratio_to_plain']:>11.2f}x{v['paired_time_ratio']:>8.2f}x"
-                  f"{v['min_time_ratio_to_plain']:>7.2f}x"
-                  f"{temp:>10}{temp_ratio:>12}{v['compile_seconds']:>11.2f}")
+      temp_ratio = (
+        f"{v['temp_ratio_to_plain']:.2f}x" if v["temp_ratio_to_plain"] is not None else "-"
+      )
+      rows.append(
+        f"{size:>6}  {name:<8}{v['step_seconds']:>10.4f}"
+        f"{v['time_ratio_to_plain']:>11.2f}x{v['paired_time_ratio']:>8.2f}x"
+        f"{v['min_time_ratio_to_plain']:>7.2f}x"
+        f"{temp:>10}{temp_ratio:>12}{v['compile_seconds']:>11.2f}"
+      )
   return "\n".join(rows)
 
 
@@ -246,18 +281,36 @@ def _ints(text: str) -> tuple[int, ...]:
 
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--quick", action="store_true",
-                      help=f"tiny sizes for tests: {QUICK} (flags given still win)")
-  parser.add_argument("--batch-sizes", type=_ints, default=None,
-                      help=f"comma-separated even batch sizes (default {FULL['batch_sizes']})")
-  parser.add_argument("--width", type=int, default=None,
-                      help=f"base width of the ResNet (default {FULL['width']})")
-  parser.add_argument("--stages", type=_ints, default=None,
-                      help=f"blocks per stage (default {FULL['stages']}: ResNet-18)")
-  parser.add_argument("--image-size", type=int, default=None,
-                      help=f"image height and width (default {FULL['image_size']})")
-  parser.add_argument("--repeats", type=int, default=None,
-                      help=f"timed runs per variant and batch size (default {FULL['repeats']})")
+  parser.add_argument(
+    "--quick", action="store_true", help=f"tiny sizes for tests: {QUICK} (flags given still win)"
+  )
+  parser.add_argument(
+    "--batch-sizes",
+    type=_ints,
+    default=None,
+    help=f"comma-separated even batch sizes (default {FULL['batch_sizes']})",
+  )
+  parser.add_argument(
+    "--width", type=int, default=None, help=f"base width of the ResNet (default {FULL['width']})"
+  )
+  parser.add_argument(
+    "--stages",
+    type=_ints,
+    default=None,
+    help=f"blocks per stage (default {FULL['stages']}: ResNet-18)",
+  )
+  parser.add_argument(
+    "--image-size",
+    type=int,
+    default=None,
+    help=f"image height and width (default {FULL['image_size']})",
+  )
+  parser.add_argument(
+    "--repeats",
+    type=int,
+    default=None,
+    help=f"timed runs per variant and batch size (default {FULL['repeats']})",
+  )
   parser.add_argument("--out", default=None, help="write the results as JSON to this path")
   args = parser.parse_args(argv)
   common.apply_preset(args, QUICK if args.quick else FULL)
@@ -290,9 +343,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   model_state = dict(variables)
   opt_state = optimizer.init(params)
   num_params = sum(x.size for x in jax.tree.leaves(params))
-  print(f"1 {device.platform} device ({device.device_kind}); ResNet stages {args.stages}, "
-        f"width {args.width}, {num_params:,} params; {args.image_size}x{args.image_size}x3 "
-        f"images; batch sizes {args.batch_sizes}; {args.repeats} timed runs each", flush=True)
+  print(
+    f"1 {device.platform} device ({device.device_kind}); ResNet stages {args.stages}, "
+    f"width {args.width}, {num_params:,} params; {args.image_size}x{args.image_size}x3 "
+    f"images; batch sizes {args.batch_sizes}; {args.repeats} timed runs each",
+    flush=True,
+  )
 
   variants: dict[str, dict[str, Any]] = {name: {} for name in VARIANTS}
   for size in args.batch_sizes:
@@ -302,20 +358,32 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     for name in VARIANTS:
       variants[name][str(size)] = entries[name]
     halves = entries["halves"]
-    print(f"  batch {size}: halves/plain time {halves['time_ratio_to_plain']:.2f}x, "
-          f"temp {halves['temp_ratio_to_plain'] or float('nan'):.2f}x", flush=True)
+    print(
+      f"  batch {size}: halves/plain time {halves['time_ratio_to_plain']:.2f}x, "
+      f"temp {halves['temp_ratio_to_plain'] or float('nan'):.2f}x",
+      flush=True,
+    )
 
   results = {
-      "variants": variants,
-      "device": {"platform": device.platform, "device_kind": device.device_kind,
-                 "devices_used": 1, "devices_visible": jax.device_count(),
-                 "host_cpus": os.cpu_count()},
-      "batch_sizes": list(args.batch_sizes),
-      "model": {"name": "resnet", "stages": list(args.stages), "width": args.width,
-                "image_size": args.image_size, "num_classes": NUM_CLASSES,
-                "params": int(num_params)},
-      "repeats": args.repeats,
-      "jax_version": jax.__version__,
+    "variants": variants,
+    "device": {
+      "platform": device.platform,
+      "device_kind": device.device_kind,
+      "devices_used": 1,
+      "devices_visible": jax.device_count(),
+      "host_cpus": os.cpu_count(),
+    },
+    "batch_sizes": list(args.batch_sizes),
+    "model": {
+      "name": "resnet",
+      "stages": list(args.stages),
+      "width": args.width,
+      "image_size": args.image_size,
+      "num_classes": NUM_CLASSES,
+      "params": int(num_params),
+    },
+    "repeats": args.repeats,
+    "jax_version": jax.__version__,
   }
   return common.report(results, _format_table(results), args.out)
 

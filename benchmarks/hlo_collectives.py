@@ -15,20 +15,27 @@ import numpy as np
 __all__ = ["Collective", "parse_collectives"]
 
 _COLLECTIVE_OPS = (
-    "all-reduce-start", "all-reduce", "reduce-scatter", "all-gather-start", "all-gather",
-    "ragged-all-to-all", "all-to-all", "collective-permute-start", "collective-permute",
-    "collective-broadcast",
+  "all-reduce-start",
+  "all-reduce",
+  "reduce-scatter",
+  "all-gather-start",
+  "all-gather",
+  "ragged-all-to-all",
+  "all-to-all",
+  "collective-permute-start",
+  "collective-permute",
+  "collective-broadcast",
 )
 # One instruction: "[ROOT] %name = SHAPE opcode(operands), attributes". The
 # opcode must follow the shape directly (not an operand such as "%all-reduce"),
 # and "-done" ops never match (the opcode must be followed by "(").
 _COLLECTIVE_RE = re.compile(
-    r"^\s*(?:ROOT\s+)?%?(?P<name>[^\s=]+)\s*=\s*(?P<shape>.*?)(?<=[\s)\]}])"
-    r"(?P<op>" + "|".join(re.escape(op) for op in _COLLECTIVE_OPS) + r")"
-    r"\((?P<operands>[^)]*)\)(?P<attrs>.*)$"
+  r"^\s*(?:ROOT\s+)?%?(?P<name>[^\s=]+)\s*=\s*(?P<shape>.*?)(?<=[\s)\]}])"
+  r"(?P<op>" + "|".join(re.escape(op) for op in _COLLECTIVE_OPS) + r")"
+  r"\((?P<operands>[^)]*)\)(?P<attrs>.*)$"
 )
 _DEFINITION_RE = re.compile(
-    r"^\s*(?:ROOT\s+)?%?(?P<name>[^\s=]+)\s*=\s*(?P<shape>.+?)\s+[a-z][\w\-]*\("
+  r"^\s*(?:ROOT\s+)?%?(?P<name>[^\s=]+)\s*=\s*(?P<shape>.+?)\s+[a-z][\w\-]*\("
 )
 _ARRAY_RE = re.compile(r"\b(?P<dtype>[a-z][a-z0-9]*)\[(?P<dims>[0-9,]*)\]")
 _EXPLICIT_GROUPS_RE = re.compile(r"replica_groups=\{(?P<groups>(?:\{[0-9,\s]*\},?\s*)*)\}")
@@ -126,7 +133,7 @@ def parse_collectives(hlo_text: str, num_devices: int) -> list[Collective]:
       moved = (n - 1) / n * payload
     elif kind == "all-gather":
       if op == "all-gather-start":  # result is (inputs..., outputs...)
-        outputs = result[len(result) // 2:]
+        outputs = result[len(result) // 2 :]
         payload = sum(outputs) if outputs else n * sum(operands or [])
       else:
         payload = sum(result)

@@ -53,6 +53,7 @@ import sys
 if __name__ == "__main__":
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   from benchmarks import common  # noqa: E402  (imports no JAX)
+
   common.prepare_script()
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
@@ -66,17 +67,35 @@ import numpy as np  # noqa: E402
 from benchmarks import common  # noqa: E402
 
 CROP = 224
-FULL = dict(num_images=600, image_size=(400, 350), workers=(1, 2), window=64, timed_images=384,
-            rounds=5, batch_sizes=(16, 32, 64, 128), steps=4)
-QUICK = dict(num_images=24, image_size=(120, 100), workers=(1, 2), window=16, timed_images=32,
-             rounds=2, batch_sizes=(8, 16), steps=2, crop=32)
+FULL = dict(
+  num_images=600,
+  image_size=(400, 350),
+  workers=(1, 2),
+  window=64,
+  timed_images=384,
+  rounds=5,
+  batch_sizes=(16, 32, 64, 128),
+  steps=4,
+)
+QUICK = dict(
+  num_images=24,
+  image_size=(120, 100),
+  workers=(1, 2),
+  window=16,
+  timed_images=32,
+  rounds=2,
+  batch_sizes=(8, 16),
+  steps=2,
+  crop=32,
+)
 GOAL_SPEEDUP, GOAL_WAIT_SHARE = 1.6, 0.05
 CONV_WIDTH = 32
 
 
 def photo_jpeg(index: int, size: tuple[int, int]) -> bytes:
   """A photo-like JPEG of ``size`` (width, height): gradients, ellipses and noise, seeded by ``index``."""
-  from PIL import Image, ImageDraw  # pylint: disable=import-outside-toplevel
+  from PIL import Image  # pylint: disable=import-outside-toplevel
+  from PIL import ImageDraw  # pylint: disable=import-outside-toplevel
 
   rng = np.random.default_rng(index)
   width, height = size
@@ -118,8 +137,11 @@ class DecodeCropFlip:
   def __call__(self, example: dict, rng: np.random.Generator) -> dict[str, np.ndarray]:
     from PIL import Image  # pylint: disable=import-outside-toplevel
 
-    picture = Image.open(io.BytesIO(example["jpeg"].item() if isinstance(example["jpeg"], np.ndarray)
-                                    else example["jpeg"])).convert("RGB")
+    picture = Image.open(
+      io.BytesIO(
+        example["jpeg"].item() if isinstance(example["jpeg"], np.ndarray) else example["jpeg"]
+      )
+    ).convert("RGB")
     width, height = picture.size
     for _ in range(10):  # the Inception crop, falling back to the whole image
       area = rng.uniform(0.08, 1.0) * width * height
@@ -130,8 +152,9 @@ class DecodeCropFlip:
         break
     else:
       left, top, w, h = 0, 0, width, height
-    crop = picture.resize((self.size, self.size), Image.Resampling.BILINEAR,
-                          box=(left, top, left + w, top + h))
+    crop = picture.resize(
+      (self.size, self.size), Image.Resampling.BILINEAR, box=(left, top, left + w, top + h)
+    )
     if rng.random() < 0.5:
       crop = crop.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
     return {"image": np.asarray(crop, np.uint8), "label": np.int32(example["label"])}
@@ -141,12 +164,19 @@ def make_source(blobs: list[bytes], workers: int, size: int):
   import simigrad_jax  # pylint: disable=import-outside-toplevel
 
   spec = {"image": ((size, size, 3), np.uint8), "label": ((), np.int32)}
-  return simigrad_jax.GrainSource(JpegBlobs(blobs), element_spec=spec, augment=DecodeCropFlip(size),
-                                  num_workers=workers, buffer_size=32, read_threads=0)
+  return simigrad_jax.GrainSource(
+    JpegBlobs(blobs),
+    element_spec=spec,
+    augment=DecodeCropFlip(size),
+    num_workers=workers,
+    buffer_size=32,
+    read_threads=0,
+  )
 
 
-def decode_rates(blobs: list[bytes], workers, count: int, window: int, size: int,
-                 rounds: int) -> dict[str, list[float]]:
+def decode_rates(
+  blobs: list[bytes], workers, count: int, window: int, size: int, rounds: int
+) -> dict[str, list[float]]:
   """Images/s per round: ``{"single_thread": [...], "1": [...], "2": [...]}`` (one key per worker count).
 
   Every reader starts first; the rounds then time ``count`` images of each
@@ -170,10 +200,12 @@ def decode_rates(blobs: list[bytes], workers, count: int, window: int, size: int
       for first in range(start, start + count, window):
         reader.read(np.arange(first, first + window))
       position[name] = start + count
+
     return read
 
-  readers = {str(w): make_source(blobs, w, size).reader(EpochSampler(len(blobs), seed=0))
-             for w in workers}
+  readers = {
+    str(w): make_source(blobs, w, size).reader(EpochSampler(len(blobs), seed=0)) for w in workers
+  }
   try:
     pipelines = {"single_thread": single_thread}
     for name, reader in readers.items():
@@ -183,7 +215,7 @@ def decode_rates(blobs: list[bytes], workers, count: int, window: int, size: int
     names = list(pipelines)
     rates = {name: [] for name in names}
     for r in range(rounds):
-      for name in names[r % len(names):] + names[:r % len(names)]:
+      for name in names[r % len(names) :] + names[: r % len(names)]:
         began = time.perf_counter()
         pipelines[name](count)
         rates[name].append(count / (time.perf_counter() - began))
@@ -193,8 +225,9 @@ def decode_rates(blobs: list[bytes], workers, count: int, window: int, size: int
       reader.close()
 
 
-def data_wait_shares(blobs: list[bytes], batch_sizes, steps: int, workers: int, size: int
-                     ) -> tuple[dict[str, float], dict[str, float]]:
+def data_wait_shares(
+  blobs: list[bytes], batch_sizes, steps: int, workers: int, size: int
+) -> tuple[dict[str, float], dict[str, float]]:
   """``({B: data_seconds / wall_seconds}, {B: images/s})`` of a Trainer at each fixed batch size."""
   import flax.linen as nn  # pylint: disable=import-outside-toplevel
   import jax  # pylint: disable=import-outside-toplevel
@@ -203,7 +236,6 @@ def data_wait_shares(blobs: list[bytes], batch_sizes, steps: int, workers: int, 
   import simigrad_jax  # pylint: disable=import-outside-toplevel
 
   class ConvNet(nn.Module):
-
     @nn.compact
     def __call__(self, x):
       x = x.astype(np.float32) / 255.0
@@ -217,20 +249,37 @@ def data_wait_shares(blobs: list[bytes], batch_sizes, steps: int, workers: int, 
     logits = ConvNet().apply({"params": params}, batch["image"])
     return optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"] % 10), state
 
-  params = jax.tree.map(np.asarray, ConvNet().init(  # NumPy: each Trainer gets its own copy
-      jax.random.key(0), np.zeros((1, size, size, 3), np.uint8))["params"])
+  params = jax.tree.map(
+    np.asarray,
+    ConvNet().init(  # NumPy: each Trainer gets its own copy
+      jax.random.key(0), np.zeros((1, size, size, 3), np.uint8)
+    )["params"],
+  )
   shares, rates = {}, {}
   for batch_size in batch_sizes:
-    optimizer = optax.chain(simigrad_jax.transform("batch"), optax.sgd(0.01),
-                            simigrad_jax.scale_by_lr_factor())
+    optimizer = optax.chain(
+      simigrad_jax.transform("batch"), optax.sgd(0.01), simigrad_jax.scale_by_lr_factor()
+    )
     controller = simigrad_jax.make_controller(
-        "fixed", initial_batch_size=batch_size, batch_size_lower_bound=batch_size,
-        batch_size_upper_bound=batch_size)
-    with tempfile.TemporaryDirectory() as workdir, simigrad_jax.Trainer(
-        loss_fn=loss_fn, params=params, optimizer=optimizer,
-        source=make_source(blobs, workers, size), controller=controller, workdir=workdir,
-        max_micro_batch_size=max(batch_size // len(jax.devices()), 1), progress=False,
-        tensorboard=False) as trainer:
+      "fixed",
+      initial_batch_size=batch_size,
+      batch_size_lower_bound=batch_size,
+      batch_size_upper_bound=batch_size,
+    )
+    with (
+      tempfile.TemporaryDirectory() as workdir,
+      simigrad_jax.Trainer(
+        loss_fn=loss_fn,
+        params=params,
+        optimizer=optimizer,
+        source=make_source(blobs, workers, size),
+        controller=controller,
+        workdir=workdir,
+        max_micro_batch_size=max(batch_size // len(jax.devices()), 1),
+        progress=False,
+        tensorboard=False,
+      ) as trainer,
+    ):
       trainer.train(num_steps=1)  # compiles; the workers start
       summary = trainer.train(num_steps=1 + steps)
     shares[str(batch_size)] = summary["data_seconds"] / summary["wall_seconds"]
@@ -244,8 +293,9 @@ def main(argv=None) -> dict:
   parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
   parser.add_argument("--quick", action="store_true", help="a small run (seconds), for tests")
   parser.add_argument("--num-images", type=int, default=None)
-  parser.add_argument("--timed-images", type=int, default=None,
-                      help="images timed per pipeline per round")
+  parser.add_argument(
+    "--timed-images", type=int, default=None, help="images timed per pipeline per round"
+  )
   parser.add_argument("--rounds", type=int, default=None)
   parser.add_argument("--window", type=int, default=None)
   parser.add_argument("--steps", type=int, default=None)
@@ -254,42 +304,58 @@ def main(argv=None) -> dict:
   parser.add_argument("--out", default=None)
   args = parser.parse_args(argv)
   preset = QUICK if args.quick else FULL
-  common.apply_preset(args, preset, ["num_images", "timed_images", "window", "rounds", "steps",
-                                     "batch_sizes"])
+  common.apply_preset(
+    args, preset, ["num_images", "timed_images", "window", "rounds", "steps", "batch_sizes"]
+  )
   size = preset.get("crop", CROP)
-  trainer_workers = (grain_source.default_num_workers() if args.trainer_workers is None
-                     else args.trainer_workers)
+  trainer_workers = (
+    grain_source.default_num_workers() if args.trainer_workers is None else args.trainer_workers
+  )
   blobs = [photo_jpeg(i, preset["image_size"]) for i in range(args.num_images)]
-  rates = decode_rates(blobs, preset["workers"], args.timed_images, args.window, size,
-                       args.rounds)
+  rates = decode_rates(blobs, preset["workers"], args.timed_images, args.window, size, args.rounds)
   single = float(np.median(rates.pop("single_thread")))
   workers = {w: {"images_per_second": float(np.median(r)), "rounds": r} for w, r in rates.items()}
   speedup = float(np.median(np.array(rates["2"]) / np.array(rates["1"])))
   shares, consumed = data_wait_shares(blobs, args.batch_sizes, args.steps, trainer_workers, size)
   results = {
-      "image_size": list(preset["image_size"]), "crop": size, "cores": os.cpu_count(),
-      "mean_jpeg_bytes": float(np.mean([len(b) for b in blobs])),
-      "single_thread": {"images_per_second": single},
-      "workers": workers, "speedup_2_over_1": speedup,
-      "trainer_workers": trainer_workers, "data_wait_share_by_bucket": shares,
-      "trainer_images_per_second_by_bucket": consumed,
-      "goals": {"speedup_2_over_1": speedup >= GOAL_SPEEDUP,
-                "data_wait_share": max(shares.values()) < GOAL_WAIT_SHARE},
+    "image_size": list(preset["image_size"]),
+    "crop": size,
+    "cores": os.cpu_count(),
+    "mean_jpeg_bytes": float(np.mean([len(b) for b in blobs])),
+    "single_thread": {"images_per_second": single},
+    "workers": workers,
+    "speedup_2_over_1": speedup,
+    "trainer_workers": trainer_workers,
+    "data_wait_share_by_bucket": shares,
+    "trainer_images_per_second_by_bucket": consumed,
+    "goals": {
+      "speedup_2_over_1": speedup >= GOAL_SPEEDUP,
+      "data_wait_share": max(shares.values()) < GOAL_WAIT_SHARE,
+    },
   }
-  lines = [f"decode + random-resized crop to {size} + flip, JPEGs {preset['image_size']}, "
-           f"{results['mean_jpeg_bytes'] / 1e3:.0f} KB each",
-           f"{'pipeline':<22}{'images/s':>10}",
-           f"{'single thread':<22}{single:>10.0f}"]
-  lines += [f"{'grain, ' + w + ' worker(s)':<22}{r['images_per_second']:>10.0f}"
-            for w, r in workers.items()]
-  lines.append(f"2 workers / 1, median of {args.rounds} paired rounds: {speedup:.2f}x "
-               f"(goal >= {GOAL_SPEEDUP}x): "
-               f"{'PASS' if results['goals']['speedup_2_over_1'] else 'FAIL'}")
-  lines.append(f"{'batch size':<12}{'data wait share':>16}{'images/s':>10}  "
-               f"(Trainer, {trainer_workers} worker(s))")
+  lines = [
+    f"decode + random-resized crop to {size} + flip, JPEGs {preset['image_size']}, "
+    f"{results['mean_jpeg_bytes'] / 1e3:.0f} KB each",
+    f"{'pipeline':<22}{'images/s':>10}",
+    f"{'single thread':<22}{single:>10.0f}",
+  ]
+  lines += [
+    f"{'grain, ' + w + ' worker(s)':<22}{r['images_per_second']:>10.0f}" for w, r in workers.items()
+  ]
+  lines.append(
+    f"2 workers / 1, median of {args.rounds} paired rounds: {speedup:.2f}x "
+    f"(goal >= {GOAL_SPEEDUP}x): "
+    f"{'PASS' if results['goals']['speedup_2_over_1'] else 'FAIL'}"
+  )
+  lines.append(
+    f"{'batch size':<12}{'data wait share':>16}{'images/s':>10}  "
+    f"(Trainer, {trainer_workers} worker(s))"
+  )
   lines += [f"{b:<12}{s:>16.1%}{consumed[b]:>10.0f}" for b, s in shares.items()]
-  lines.append(f"data wait < {GOAL_WAIT_SHARE:.0%} at every bucket: "
-               f"{'PASS' if results['goals']['data_wait_share'] else 'FAIL'}")
+  lines.append(
+    f"data wait < {GOAL_WAIT_SHARE:.0%} at every bucket: "
+    f"{'PASS' if results['goals']['data_wait_share'] else 'FAIL'}"
+  )
   return common.report(results, "\n".join(lines), args.out)
 
 

@@ -23,9 +23,15 @@ from benchmarks import common
 from simigrad_jax.runtime import cpu_devices
 
 
-def run_local_processes(script_args: Sequence[str], *, num_processes: int,
-                        devices_per_process: int, workdir: pathlib.Path, timeout: float,
-                        what: str) -> dict[str, Any]:
+def run_local_processes(
+  script_args: Sequence[str],
+  *,
+  num_processes: int,
+  devices_per_process: int,
+  workdir: pathlib.Path,
+  timeout: float,
+  what: str,
+) -> dict[str, Any]:
   """Runs ``python *script_args`` as ``num_processes`` processes; returns what process 0 wrote.
 
   Args:
@@ -50,16 +56,26 @@ def run_local_processes(script_args: Sequence[str], *, num_processes: int,
     coordinator = f"127.0.0.1:{probe.getsockname()[1]}"
   env = {key: value for key, value in os.environ.items() if key not in ("XLA_FLAGS", "PJRT_NPROC")}
   env.update(cpu_devices.simulated_cpu_devices_env(devices_per_process, environ=env))
-  env["PYTHONPATH"] = os.pathsep.join(filter(None, [common.REPOSITORY_ROOT,
-                                                     env.get("PYTHONPATH")]))
-  command = [sys.executable, *map(str, script_args), "--coordinator", coordinator,
-             "--num-processes", str(num_processes), "--result-file", str(result_file)]
+  env["PYTHONPATH"] = os.pathsep.join(filter(None, [common.REPOSITORY_ROOT, env.get("PYTHONPATH")]))
+  command = [
+    sys.executable,
+    *map(str, script_args),
+    "--coordinator",
+    coordinator,
+    "--num-processes",
+    str(num_processes),
+    "--result-file",
+    str(result_file),
+  ]
   logs = [workdir / f"process{i}.log" for i in range(num_processes)]
   processes = []
   for i, log in enumerate(logs):
     with open(log, "w") as out:
-      processes.append(subprocess.Popen(command + ["--process-id", str(i)], env=env,
-                                        stdout=out, stderr=subprocess.STDOUT))
+      processes.append(
+        subprocess.Popen(
+          command + ["--process-id", str(i)], env=env, stdout=out, stderr=subprocess.STDOUT
+        )
+      )
   deadline = time.monotonic() + timeout
   codes = []
   for process in processes:
@@ -69,7 +85,9 @@ def run_local_processes(script_args: Sequence[str], *, num_processes: int,
       process.kill()
       codes.append(f"killed after {timeout} s")
   if any(code != 0 for code in codes) or not result_file.exists():
-    tails = "\n".join(f"--- process {i} (exit {code}):\n{log.read_text()[-2000:]}"
-                      for i, (code, log) in enumerate(zip(codes, logs)))
+    tails = "\n".join(
+      f"--- process {i} (exit {code}):\n{log.read_text()[-2000:]}"
+      for i, (code, log) in enumerate(zip(codes, logs))
+    )
     raise RuntimeError(f"{what}: the {num_processes} processes did not finish\n{tails}")
   return json.loads(result_file.read_text())

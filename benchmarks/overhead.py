@@ -112,10 +112,10 @@ from __future__ import annotations
 import os
 import sys
 
-
 if __name__ == "__main__":
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   from benchmarks import common  # noqa: E402  (imports no JAX)
+
   common.prepare_script()
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
@@ -140,8 +140,14 @@ from benchmarks.overhead_loops import count_params  # noqa: E402
 from benchmarks.overhead_loops import init_model  # noqa: E402
 from benchmarks.overhead_loops import make_data  # noqa: E402
 
-VARIANTS = ("plain", "plain_read", "transform", "transform_read_late", "trainer_fixed",
-            "trainer_adaptive")
+VARIANTS = (
+  "plain",
+  "plain_read",
+  "transform",
+  "transform_read_late",
+  "trainer_fixed",
+  "trainer_adaptive",
+)
 # Minimum examples/s relative to plain.
 GOALS = {"trainer_fixed": 0.90, "transform": 0.95}
 
@@ -159,42 +165,61 @@ def time_rounds(variants: dict[str, Any], steps: int, rounds: int) -> dict[str, 
   names = list(variants)
   rates: dict[str, list[float]] = {name: [] for name in names}
   for r in range(rounds):
-    order = names[r % len(names):] + names[:r % len(names)]
+    order = names[r % len(names) :] + names[: r % len(names)]
     for name in order:
       examples, seconds = variants[name].run(steps)
       rates[name].append(examples / seconds)
-    print(f"    round {r + 1}/{rounds}: " + ", ".join(
-        f"{name} {rates[name][-1]:,.0f}/s" for name in names), flush=True)
+    print(
+      f"    round {r + 1}/{rounds}: "
+      + ", ".join(f"{name} {rates[name][-1]:,.0f}/s" for name in names),
+      flush=True,
+    )
   return rates
 
 
 def _goals(variants: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
-  return {name: {"min_ratio": least, "ratio": variants[name]["ratio_to_plain"],
-                 "pass": variants[name]["ratio_to_plain"] >= least}
-          for name, least in GOALS.items() if name in variants}
+  return {
+    name: {
+      "min_ratio": least,
+      "ratio": variants[name]["ratio_to_plain"],
+      "pass": variants[name]["ratio_to_plain"] >= least,
+    }
+    for name, least in GOALS.items()
+    if name in variants
+  }
 
 
-def run_model(name: str, spec: ModelSpec, *, batch_size: int, steps: int, rounds: int,
-              warmup_steps: int, similarity_target: float, root: pathlib.Path) -> dict[str, Any]:
+def run_model(
+  name: str,
+  spec: ModelSpec,
+  *,
+  batch_size: int,
+  steps: int,
+  rounds: int,
+  warmup_steps: int,
+  similarity_target: float,
+  root: pathlib.Path,
+) -> dict[str, Any]:
   """Builds, warms up and times every variant on one model; returns its results."""
   # The fixed-size variants stay within the first epoch; the adaptive one's upper bound fits.
   num_examples = max((warmup_steps + rounds * steps) * batch_size, 4 * batch_size)
   data = make_data(spec, num_examples)
   params, _ = init_model(spec)
-  print(f"  {name}: {spec.description}, {count_params(params):,} parameters, "
-        f"{num_examples:,} examples", flush=True)
+  print(
+    f"  {name}: {spec.description}, {count_params(params):,} parameters, {num_examples:,} examples",
+    flush=True,
+  )
   variants: dict[str, Any] = {}
   try:
     variants["plain"] = PmapLoop(spec, data, batch_size, use_transform=False)
-    variants["plain_read"] = PmapLoop(spec, data, batch_size, use_transform=False,
-                                      read_loss=True)
+    variants["plain_read"] = PmapLoop(spec, data, batch_size, use_transform=False, read_loss=True)
     variants["transform"] = PmapLoop(spec, data, batch_size, use_transform=True)
-    variants["transform_read_late"] = PmapLoop(spec, data, batch_size, use_transform=True,
-                                               read_late=True)
+    variants["transform_read_late"] = PmapLoop(
+      spec, data, batch_size, use_transform=True, read_late=True
+    )
     for variant, adaptive in (("trainer_fixed", False), ("trainer_adaptive", True)):
       workdir = pathlib.Path(tempfile.mkdtemp(prefix=f"{name}-{variant}-", dir=root))
-      variants[variant] = TrainerLoop(spec, data, batch_size, adaptive, similarity_target,
-                                      workdir)
+      variants[variant] = TrainerLoop(spec, data, batch_size, adaptive, similarity_target, workdir)
     for variant in variants.values():
       variant.warm_up(warmup_steps)
     rates = time_rounds(variants, steps, rounds)
@@ -208,19 +233,24 @@ def run_model(name: str, spec: ModelSpec, *, batch_size: int, steps: int, rounds
     rate = statistics.median(rates[variant])
     paired = [a / b for a, b in zip(rates[variant], rates["plain"])]
     results[variant] = {
-        "examples_per_second": rate,
-        "ratio_to_plain": rate / plain_rate,
-        "ratio_to_plain_paired": statistics.median(paired),
-        "ratio_to_plain_paired_range": [min(paired), max(paired)],
-        "examples_per_second_rounds": rates[variant],
-        "host_seconds": None,
-        "step_memory": None,
-        **details[variant],
+      "examples_per_second": rate,
+      "ratio_to_plain": rate / plain_rate,
+      "ratio_to_plain_paired": statistics.median(paired),
+      "ratio_to_plain_paired_range": [min(paired), max(paired)],
+      "examples_per_second_rounds": rates[variant],
+      "host_seconds": None,
+      "step_memory": None,
+      **details[variant],
     }
-  return {"description": spec.description, "params": count_params(params),
-          "num_examples": num_examples, "steps": steps,
-          "plain_step_memory": results["plain"]["step_memory"],
-          "variants": results, "goals": _goals(results)}
+  return {
+    "description": spec.description,
+    "params": count_params(params),
+    "num_examples": num_examples,
+    "steps": steps,
+    "plain_step_memory": results["plain"]["step_memory"],
+    "variants": results,
+    "goals": _goals(results),
+  }
 
 
 # ----------------------------------------------------------------------------
@@ -231,18 +261,38 @@ def run_model(name: str, spec: ModelSpec, *, batch_size: int, steps: int, rounds
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--model", choices=(*FULL_MODELS, "all"), default="mlp")
-  parser.add_argument("--quick", action="store_true",
-                      help=f"tiny models and sizes, for tests: {QUICK} unless given below")
-  parser.add_argument("--steps", type=int, default=None,
-                      help=f"optimizer steps per variant per round (default {FULL['steps']})")
-  parser.add_argument("--rounds", type=int, default=None,
-                      help=f"timed rounds (default {FULL['rounds']}); the median is reported")
-  parser.add_argument("--warmup-steps", type=int, default=None,
-                      help=f"untimed steps per variant first (default {FULL['warmup_steps']})")
-  parser.add_argument("--batch-size", type=int, default=None,
-                      help=f"the global batch size (default {FULL['batch_size']})")
-  parser.add_argument("--similarity-target", type=float, default=0.3,
-                      help="trainer_adaptive's similarity target")
+  parser.add_argument(
+    "--quick",
+    action="store_true",
+    help=f"tiny models and sizes, for tests: {QUICK} unless given below",
+  )
+  parser.add_argument(
+    "--steps",
+    type=int,
+    default=None,
+    help=f"optimizer steps per variant per round (default {FULL['steps']})",
+  )
+  parser.add_argument(
+    "--rounds",
+    type=int,
+    default=None,
+    help=f"timed rounds (default {FULL['rounds']}); the median is reported",
+  )
+  parser.add_argument(
+    "--warmup-steps",
+    type=int,
+    default=None,
+    help=f"untimed steps per variant first (default {FULL['warmup_steps']})",
+  )
+  parser.add_argument(
+    "--batch-size",
+    type=int,
+    default=None,
+    help=f"the global batch size (default {FULL['batch_size']})",
+  )
+  parser.add_argument(
+    "--similarity-target", type=float, default=0.3, help="trainer_adaptive's similarity target"
+  )
   parser.add_argument("--out", default=None, help="write the results as JSON to this path")
   args = parser.parse_args(argv)
   preset = QUICK if args.quick else FULL
@@ -253,31 +303,40 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
       raise ValueError(f"--{key.replace('_', '-')} must be >= 1, got {value}")
   n = jax.device_count()
   if n % 2 or args.batch_size % n:
-    raise ValueError(f"--batch-size must be a multiple of the {n} devices (an even count), "
-                     f"got {args.batch_size}")
+    raise ValueError(
+      f"--batch-size must be a multiple of the {n} devices (an even count), got {args.batch_size}"
+    )
   return args
 
 
 def _format_table(results: dict[str, Any]) -> str:
-  columns = (f"{'variant':<18}{'examples/s':>11}{'vs plain':>10}{'paired':>9}"
-             f"{'paired range':>15}{'avg batch':>10}"
-             f"{'padding':>9}{'host s':>12}{'arg MB':>8}{'temp MB':>8}{'traffic MB':>11}"
-             "  goal")
+  columns = (
+    f"{'variant':<18}{'examples/s':>11}{'vs plain':>10}{'paired':>9}"
+    f"{'paired range':>15}{'avg batch':>10}"
+    f"{'padding':>9}{'host s':>12}{'arg MB':>8}{'temp MB':>8}{'traffic MB':>11}"
+    "  goal"
+  )
   lines = []
   for name, model in results["models"].items():
-    lines += [f"{name} ({model['description']}): global batch {results['global_batch_size']}, "
-              f"{model['steps']} steps x {results['rounds']} rounds, median examples/s",
-              columns, "-" * len(columns)]
+    lines += [
+      f"{name} ({model['description']}): global batch {results['global_batch_size']}, "
+      f"{model['steps']} steps x {results['rounds']} rounds, median examples/s",
+      columns,
+      "-" * len(columns),
+    ]
     for variant, row in model["variants"].items():
       memory = row["step_memory"] or {}
-      cells = [f"{variant:<18}{row['examples_per_second']:>11,.0f}",
-               f"{row['ratio_to_plain']:>9.3f}x{row['ratio_to_plain_paired']:>8.3f}x",
-               "{:>15}".format("{:.3f}-{:.3f}".format(*row["ratio_to_plain_paired_range"])),
-               f"{row['average_batch_size']:>10.1f}",
-               _cell(row.get("padding_fraction"), 9, ".1%"),
-               _cell(row["host_seconds"], 12, ".4f")]
-      cells += [_cell(memory.get(key), width, ".1f", 2**-20)
-                for key, width in zip(MEMORY_KEYS, (8, 8, 11))]
+      cells = [
+        f"{variant:<18}{row['examples_per_second']:>11,.0f}",
+        f"{row['ratio_to_plain']:>9.3f}x{row['ratio_to_plain_paired']:>8.3f}x",
+        "{:>15}".format("{:.3f}-{:.3f}".format(*row["ratio_to_plain_paired_range"])),
+        f"{row['average_batch_size']:>10.1f}",
+        _cell(row.get("padding_fraction"), 9, ".1%"),
+        _cell(row["host_seconds"], 12, ".4f"),
+      ]
+      cells += [
+        _cell(memory.get(key), width, ".1f", 2**-20) for key, width in zip(MEMORY_KEYS, (8, 8, 11))
+      ]
       goal = model["goals"].get(variant)
       if goal:
         cells.append(f"  >= {goal['min_ratio']:.2f}x {'PASS' if goal['pass'] else 'FAIL'}")
@@ -306,32 +365,41 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   names = list(specs) if args.model == "all" else [args.model]
   preset = QUICK if args.quick else FULL
   devices = jax.devices()
-  print(f"{len(devices)} x {devices[0].platform} devices; global batch {args.batch_size}; "
-        f"{args.rounds} rounds after {args.warmup_steps} warm-up steps", flush=True)
+  print(
+    f"{len(devices)} x {devices[0].platform} devices; global batch {args.batch_size}; "
+    f"{args.rounds} rounds after {args.warmup_steps} warm-up steps",
+    flush=True,
+  )
   root = pathlib.Path(tempfile.mkdtemp(prefix="simigrad-overhead-"))
   models_results = {}
   try:
     for name in names:
       models_results[name] = run_model(
-          name, specs[name], batch_size=args.batch_size,
-          steps=args.steps or preset["steps"][name], rounds=args.rounds,
-          warmup_steps=args.warmup_steps, similarity_target=args.similarity_target, root=root)
+        name,
+        specs[name],
+        batch_size=args.batch_size,
+        steps=args.steps or preset["steps"][name],
+        rounds=args.rounds,
+        warmup_steps=args.warmup_steps,
+        similarity_target=args.similarity_target,
+        root=root,
+      )
   finally:
     shutil.rmtree(root, ignore_errors=True)
   first = models_results[names[0]]
   results = {
-      "devices": len(devices),
-      "platform": devices[0].platform,
-      "jax_version": jax.__version__,
-      "global_batch_size": args.batch_size,
-      "rounds": args.rounds,
-      "warmup_steps": args.warmup_steps,
-      "similarity_target": args.similarity_target,
-      "quick": bool(args.quick),
-      "note": "CPU timings are noisy; compare the variants by the ratios within one run.",
-      "models": models_results,
-      "variants": first["variants"],
-      "goals": first["goals"],
+    "devices": len(devices),
+    "platform": devices[0].platform,
+    "jax_version": jax.__version__,
+    "global_batch_size": args.batch_size,
+    "rounds": args.rounds,
+    "warmup_steps": args.warmup_steps,
+    "similarity_target": args.similarity_target,
+    "quick": bool(args.quick),
+    "note": "CPU timings are noisy; compare the variants by the ratios within one run.",
+    "models": models_results,
+    "variants": first["variants"],
+    "goals": first["goals"],
   }
   return common.report(results, _format_table(results), args.out)
 

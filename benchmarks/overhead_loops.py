@@ -46,20 +46,34 @@ class ModelSpec:
 
 
 def _resnet(filters: int, stages: tuple[int, ...]) -> nn.Module:
-  return models.ResNet(stage_sizes=stages, block_cls=models.ResNetBlock,
-                       num_classes=NUM_CLASSES, num_filters=filters, stem="cifar")
+  return models.ResNet(
+    stage_sizes=stages,
+    block_cls=models.ResNetBlock,
+    num_classes=NUM_CLASSES,
+    num_filters=filters,
+    stem="cifar",
+  )
 
 
 FULL_MODELS = {
-    "mlp": ModelSpec("MLP 784-1024-1024-10",
-                     lambda: models.MLP(NUM_CLASSES, hidden=(1024, 1024)), (784,)),
-    "resnet": ModelSpec("ResNet (CIFAR stem, 8 filters, blocks 1-1-1-1), 32x32x3",
-                        lambda: _resnet(8, (1, 1, 1, 1)), (32, 32, 3), batch_norm=True),
+  "mlp": ModelSpec(
+    "MLP 784-1024-1024-10", lambda: models.MLP(NUM_CLASSES, hidden=(1024, 1024)), (784,)
+  ),
+  "resnet": ModelSpec(
+    "ResNet (CIFAR stem, 8 filters, blocks 1-1-1-1), 32x32x3",
+    lambda: _resnet(8, (1, 1, 1, 1)),
+    (32, 32, 3),
+    batch_norm=True,
+  ),
 }
 QUICK_MODELS = {
-    "mlp": ModelSpec("MLP 64-32-10", lambda: models.MLP(NUM_CLASSES, hidden=(32,)), (64,)),
-    "resnet": ModelSpec("ResNet (CIFAR stem, 4 filters, blocks 1-1), 8x8x3",
-                        lambda: _resnet(4, (1, 1)), (8, 8, 3), batch_norm=True),
+  "mlp": ModelSpec("MLP 64-32-10", lambda: models.MLP(NUM_CLASSES, hidden=(32,)), (64,)),
+  "resnet": ModelSpec(
+    "ResNet (CIFAR stem, 4 filters, blocks 1-1), 8x8x3",
+    lambda: _resnet(4, (1, 1)),
+    (8, 8, 3),
+    batch_norm=True,
+  ),
 }
 
 
@@ -85,14 +99,21 @@ def init_model(spec: ModelSpec, seed: int = SEED) -> tuple[Any, Any]:
   return variables["params"], model_state
 
 
-def per_example_losses(model: nn.Module, params: Any, model_state: Any, x: jax.Array,
-                       y: jax.Array, mask: jax.Array | None = None) -> tuple[jax.Array, Any]:
+def per_example_losses(
+  model: nn.Module,
+  params: Any,
+  model_state: Any,
+  x: jax.Array,
+  y: jax.Array,
+  mask: jax.Array | None = None,
+) -> tuple[jax.Array, Any]:
   """Cross-entropy per example and the new model state (BatchNorm statistics, if any)."""
   if model_state is None:
     logits = model.apply({"params": params}, x)
   else:
-    logits, model_state = model.apply({"params": params, **model_state}, x, train=True,
-                                      mask=mask, mutable=["batch_stats"])
+    logits, model_state = model.apply(
+      {"params": params, **model_state}, x, train=True, mask=mask, mutable=["batch_stats"]
+    )
   return optax.softmax_cross_entropy_with_integer_labels(logits, y), model_state
 
 
@@ -145,8 +166,15 @@ class PmapLoop:
       the transform loop reads the similarity.
   """
 
-  def __init__(self, spec: ModelSpec, data: dict[str, np.ndarray], batch_size: int,
-               use_transform: bool, read_late: bool = False, read_loss: bool = False):
+  def __init__(
+    self,
+    spec: ModelSpec,
+    data: dict[str, np.ndarray],
+    batch_size: int,
+    use_transform: bool,
+    read_late: bool = False,
+    read_loss: bool = False,
+  ):
     self._data, self._batch_size = data, batch_size
     self._use_transform, self._read_late, self._read_loss = use_transform, read_late, read_loss
     self._n = jax.local_device_count()
@@ -172,7 +200,8 @@ class PmapLoop:
     self._step = jax.pmap(step, axis_name=AXIS, donate_argnums=(0, 1, 2))
     # A batch with a leading device axis, one slice per device, as pmap takes it.
     self._sharding = jax.sharding.NamedSharding(
-        jax.sharding.Mesh(np.array(jax.local_devices()), (AXIS,)), jax.sharding.PartitionSpec(AXIS))
+      jax.sharding.Mesh(np.array(jax.local_devices()), (AXIS,)), jax.sharding.PartitionSpec(AXIS)
+    )
     params, model_state = init_model(spec)
     self._state = _replicate((params, model_state, optimizer.init(params)), self._n)
     self._sampler = simigrad_jax.EpochSampler(len(data["y"]), SEED)
@@ -182,8 +211,10 @@ class PmapLoop:
   def _next_batch(self, advance: bool = True) -> tuple[jax.Array, jax.Array]:
     """The next rows, gathered on the host and sent to the devices (asynchronously)."""
     rows = (self._sampler.take if advance else self._sampler.peek)(self._batch_size)
-    return tuple(jax.device_put(a[rows].reshape((self._n, -1) + a.shape[1:]), self._sharding)
-                 for a in (self._data["x"], self._data["y"]))
+    return tuple(
+      jax.device_put(a[rows].reshape((self._n, -1) + a.shape[1:]), self._sharding)
+      for a in (self._data["x"], self._data["y"])
+    )
 
   def memory(self) -> dict[str, int]:
     """The compiled step's argument and temporary bytes, and the bytes it accesses.
@@ -196,9 +227,11 @@ class PmapLoop:
     analysis = compiled.memory_analysis()
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
-    return {"argument_bytes": int(analysis.argument_size_in_bytes),
-            "temp_bytes": int(analysis.temp_size_in_bytes),
-            "bytes_accessed": int(cost.get("bytes accessed", 0))}
+    return {
+      "argument_bytes": int(analysis.argument_size_in_bytes),
+      "temp_bytes": int(analysis.temp_size_in_bytes),
+      "bytes_accessed": int(cost.get("bytes accessed", 0)),
+    }
 
   def warm_up(self, steps: int) -> None:
     """Compiles the step and runs ``steps`` steps, untimed."""
@@ -246,30 +279,53 @@ class TrainerLoop:
     workdir: a fresh directory for the Trainer's metrics and checkpoints.
   """
 
-  def __init__(self, spec: ModelSpec, data: dict[str, np.ndarray], batch_size: int,
-               adaptive: bool, similarity_target: float, workdir: pathlib.Path):
+  def __init__(
+    self,
+    spec: ModelSpec,
+    data: dict[str, np.ndarray],
+    batch_size: int,
+    adaptive: bool,
+    similarity_target: float,
+    workdir: pathlib.Path,
+  ):
     n = jax.device_count()
     max_micro = batch_size // n
     if adaptive:
       controller = simigrad_jax.Controller(
-          batch_size, similarity_target, batch_size_lower_bound=max(batch_size // 4, n),
-          batch_size_upper_bound=4 * batch_size)
+        batch_size,
+        similarity_target,
+        batch_size_lower_bound=max(batch_size // 4, n),
+        batch_size_upper_bound=4 * batch_size,
+      )
     else:
       controller = simigrad_jax.Controller(
-          batch_size, similarity_target, batch_size_lower_bound=batch_size,
-          batch_size_upper_bound=batch_size, enable_adjust=False)
+        batch_size,
+        similarity_target,
+        batch_size_lower_bound=batch_size,
+        batch_size_upper_bound=batch_size,
+        enable_adjust=False,
+      )
     params, model_state = init_model(spec)
     self.workdir = workdir
     self.trainer = simigrad_jax.Trainer(
-        loss_fn=make_trainer_loss_fn(spec.build()), params=params, model_state=model_state,
-        optimizer=optax.chain(simigrad_jax.transform(AXIS), optax.sgd(LEARNING_RATE),
-                              simigrad_jax.scale_by_lr_factor()),
-        source=simigrad_jax.ArraySource(data), controller=controller, workdir=workdir,
-        max_micro_batch_size=max_micro, seed=SEED, tensorboard=True, progress=False,
-        axis_name=AXIS,
-        # Only warm-up steps can find their shape still compiling (the timed ones start
-        # after every shape compiled): let them wait rather than accumulate on a smaller one.
-        compile_fallback=False)
+      loss_fn=make_trainer_loss_fn(spec.build()),
+      params=params,
+      model_state=model_state,
+      optimizer=optax.chain(
+        simigrad_jax.transform(AXIS), optax.sgd(LEARNING_RATE), simigrad_jax.scale_by_lr_factor()
+      ),
+      source=simigrad_jax.ArraySource(data),
+      controller=controller,
+      workdir=workdir,
+      max_micro_batch_size=max_micro,
+      seed=SEED,
+      tensorboard=True,
+      progress=False,
+      axis_name=AXIS,
+      # Only warm-up steps can find their shape still compiling (the timed ones start
+      # after every shape compiled): let them wait rather than accumulate on a smaller one.
+      compile_fallback=False,
+    )
     # train() ends with a checkpoint save: mark when the step loop is over.
     self._save_calls: list[float] = []
     save = self.trainer.save_checkpoint
@@ -286,10 +342,12 @@ class TrainerLoop:
     """Blocks until every shape the controller's bounds can reach is compiled."""
     deadline = time.perf_counter() + timeout
     while not set(self.trainer.shapes) <= set(
-        self.trainer.compile_stats()["compiled_micro_batch_sizes"]):
+      self.trainer.compile_stats()["compiled_micro_batch_sizes"]
+    ):
       if time.perf_counter() > deadline:
-        raise TimeoutError(f"the Trainer's shapes {self.trainer.shapes} did not compile "
-                           f"within {timeout} s")
+        raise TimeoutError(
+          f"the Trainer's shapes {self.trainer.shapes} did not compile within {timeout} s"
+        )
       time.sleep(0.05)
 
   def warm_up(self, steps: int) -> None:
@@ -311,8 +369,11 @@ class TrainerLoop:
 
   def details(self) -> dict[str, Any]:
     """Numbers from the timed windows' step records and the Trainer's own reports."""
-    records = [r for r in simigrad_jax.read_metrics(self.workdir / "metrics.jsonl")
-               if "batch_size" in r and any(a <= r["step"] <= b for a, b in self.timed_steps)]
+    records = [
+      r
+      for r in simigrad_jax.read_metrics(self.workdir / "metrics.jsonl")
+      if "batch_size" in r and any(a <= r["step"] <= b for a, b in self.timed_steps)
+    ]
     critical = [r.get("host_seconds") for r in records]
     critical = [c for c in critical if c is not None]
     step_memory = getattr(self.trainer, "step_memory", None)
@@ -322,18 +383,18 @@ class TrainerLoop:
       memory = {key: reported.get(key) for key in MEMORY_KEYS}
     examples = sum(r["batch_size"] for r in records)
     return {
-        "average_batch_size": examples / len(records),
-        "average_accumulation_steps": float(np.mean([r["accumulation_steps"] for r in records])),
-        "padding_fraction": sum(r["padded_examples"] for r in records) / (
-            examples + sum(r["padded_examples"] for r in records)),
-        "host_seconds": float(np.median(critical)) if critical else None,
-        "record_step_seconds": float(np.median([r["step_seconds"] for r in records])),
-        "record_data_seconds": float(np.median([r["data_seconds"] for r in records])),
-        "checkpoint_seconds": float(np.median(self.checkpoint_seconds)),
-        "compile_fallback_steps": int(sum(bool(r.get("compile_fallback")) for r in records)),
-        "nonfinite_steps": int(sum(not r["grads_finite"] for r in records)),
-        "timed_steps": len(records),
-        "step_memory": memory,
+      "average_batch_size": examples / len(records),
+      "average_accumulation_steps": float(np.mean([r["accumulation_steps"] for r in records])),
+      "padding_fraction": sum(r["padded_examples"] for r in records)
+      / (examples + sum(r["padded_examples"] for r in records)),
+      "host_seconds": float(np.median(critical)) if critical else None,
+      "record_step_seconds": float(np.median([r["step_seconds"] for r in records])),
+      "record_data_seconds": float(np.median([r["data_seconds"] for r in records])),
+      "checkpoint_seconds": float(np.median(self.checkpoint_seconds)),
+      "compile_fallback_steps": int(sum(bool(r.get("compile_fallback")) for r in records)),
+      "nonfinite_steps": int(sum(not r["grads_finite"] for r in records)),
+      "timed_steps": len(records),
+      "step_memory": memory,
     }
 
   def close(self) -> None:

@@ -103,6 +103,7 @@ import sys
 if __name__ == "__main__":
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   from benchmarks import common  # noqa: E402  (imports no JAX)
+
   common.prepare_script()
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
@@ -121,18 +122,29 @@ import jax  # noqa: E402
 
 import simigrad_jax  # noqa: E402
 from benchmarks import common  # noqa: E402
-from benchmarks.pareto_analysis import group_runs, select_by_validation, select_fixed, summarize  # noqa: E402,E501
 from benchmarks import pareto_images  # noqa: E402
 from benchmarks import pareto_mlm  # noqa: E402
-from benchmarks.pareto_protocol import (LR_SCHEDULES, SIMIGRAD_GRID_KEYS, RunCache,  # noqa: E402
-                                        adaptive_specs, base_lr_for, compact, fixed_specs)
-from benchmarks.pareto_report import format_table, lr_text, markdown_tables, plot  # noqa: E402
+from benchmarks.pareto_analysis import group_runs  # noqa: E402,E501
+from benchmarks.pareto_analysis import select_by_validation  # noqa: E402,E501
+from benchmarks.pareto_analysis import select_fixed  # noqa: E402,E501
+from benchmarks.pareto_analysis import summarize  # noqa: E402,E501
+from benchmarks.pareto_protocol import LR_SCHEDULES
+from benchmarks.pareto_protocol import SIMIGRAD_GRID_KEYS
+from benchmarks.pareto_protocol import RunCache  # noqa: E402
+from benchmarks.pareto_protocol import adaptive_specs
+from benchmarks.pareto_protocol import base_lr_for
+from benchmarks.pareto_protocol import compact
+from benchmarks.pareto_protocol import fixed_specs
+from benchmarks.pareto_report import format_table  # noqa: E402
+from benchmarks.pareto_report import lr_text  # noqa: E402
+from benchmarks.pareto_report import markdown_tables  # noqa: E402
+from benchmarks.pareto_report import plot  # noqa: E402
 from simigrad_jax.controllers import learning_rate  # noqa: E402
-
 
 # ----------------------------------------------------------------------------
 # Main.
 # ----------------------------------------------------------------------------
+
 
 def _floats(text: str) -> tuple[float, ...]:
   return tuple(float(x) for x in text.split(",") if x.strip())
@@ -154,7 +166,8 @@ def _option_sets(text: str) -> tuple[dict[str, float], ...]:
     for key, v in options.items():
       if key in SIMIGRAD_GRID_KEYS or isinstance(v, bool) or not isinstance(v, (int, float)):
         raise argparse.ArgumentTypeError(
-            f"{key}={v!r}: give numeric options other than {SIMIGRAD_GRID_KEYS}")
+          f"{key}={v!r}: give numeric options other than {SIMIGRAD_GRID_KEYS}"
+        )
   return tuple(value)
 
 
@@ -173,62 +186,116 @@ TASKS = {"images": pareto_images, "mlm": pareto_mlm}
 
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--task", choices=tuple(TASKS), default="images",
-                      help="images: an MLP on MNIST or digits; mlm: a small BERT's masked LM on "
-                      "tinyshakespeare")
-  parser.add_argument("--quick", action="store_true",
-                      help="the small grid: about 5 (images: digits, 8 epochs, 2 seeds) to 10 "
-                      "(mlm) minutes on 2 cores")
-  parser.add_argument("--dataset", choices=pareto_images.DATASETS, default=None,
-                      help="the image task's data set")
+  parser.add_argument(
+    "--task",
+    choices=tuple(TASKS),
+    default="images",
+    help="images: an MLP on MNIST or digits; mlm: a small BERT's masked LM on tinyshakespeare",
+  )
+  parser.add_argument(
+    "--quick",
+    action="store_true",
+    help="the small grid: about 5 (images: digits, 8 epochs, 2 seeds) to 10 "
+    "(mlm) minutes on 2 cores",
+  )
+  parser.add_argument(
+    "--dataset", choices=pareto_images.DATASETS, default=None, help="the image task's data set"
+  )
   parser.add_argument("--epochs", type=float, default=None)
   parser.add_argument("--seeds", type=_ints, default=None, help="e.g. 0,1,2")
   parser.add_argument("--hidden", type=int, default=None, help="the model's hidden width")
-  parser.add_argument("--train-windows", type=int, default=None,
-                      help="mlm: how many text windows to train on")
-  parser.add_argument("--eval-examples", type=int, default=None,
-                      help="mlm: windows in each of validation and test")
+  parser.add_argument(
+    "--train-windows", type=int, default=None, help="mlm: how many text windows to train on"
+  )
+  parser.add_argument(
+    "--eval-examples", type=int, default=None, help="mlm: windows in each of validation and test"
+  )
   parser.add_argument("--fixed", type=_ints, default=None, help="fixed batch sizes, e.g. 16,64,256")
-  parser.add_argument("--lr-multipliers", type=_floats, default=None,
-                      help="the per-batch-size learning-rate grid around the sqrt-scaled base")
+  parser.add_argument(
+    "--lr-multipliers",
+    type=_floats,
+    default=None,
+    help="the per-batch-size learning-rate grid around the sqrt-scaled base",
+  )
   parser.add_argument("--targets", type=_floats, default=None, help="SimiGrad similarity targets")
-  parser.add_argument("--bounds", type=_bounds, default=None,
-                      help="adaptive batch-size bounds as lower:upper pairs, e.g. 16:512,32:1024")
-  parser.add_argument("--simigrad-options", type=_option_sets, default=None,
-                      help="more SimiGrad Controller options as a JSON list of objects, one "
-                      "variant each, e.g. '[{}, {\"smooth_factor\": 0.5}, {\"dead_band\": 0.1}]' "
-                      "(default: [{}])")
+  parser.add_argument(
+    "--bounds",
+    type=_bounds,
+    default=None,
+    help="adaptive batch-size bounds as lower:upper pairs, e.g. 16:512,32:1024",
+  )
+  parser.add_argument(
+    "--simigrad-options",
+    type=_option_sets,
+    default=None,
+    help="more SimiGrad Controller options as a JSON list of objects, one "
+    'variant each, e.g. \'[{}, {"smooth_factor": 0.5}, {"dead_band": 0.1}]\' '
+    "(default: [{}])",
+  )
   parser.add_argument("--gns", type=_floats, default=None, help="noise-scale multiples")
-  parser.add_argument("--schedules", default=None,
-                      help="comma-separated: linear, geometric, loss_plateau ('' for none)")
-  parser.add_argument("--initial-batch-size", type=int, default=32,
-                      help="B_0 of every adaptive run")
-  parser.add_argument("--base-lr", type=float, default=None,
-                      help="the learning rate at --base-batch-size, sqrt-scaled to other sizes "
-                      f"(default per data set: {pareto_images.BASE_LR}, {pareto_mlm.BASE_LR})")
+  parser.add_argument(
+    "--schedules",
+    default=None,
+    help="comma-separated: linear, geometric, loss_plateau ('' for none)",
+  )
+  parser.add_argument(
+    "--initial-batch-size", type=int, default=32, help="B_0 of every adaptive run"
+  )
+  parser.add_argument(
+    "--base-lr",
+    type=float,
+    default=None,
+    help="the learning rate at --base-batch-size, sqrt-scaled to other sizes "
+    f"(default per data set: {pareto_images.BASE_LR}, {pareto_mlm.BASE_LR})",
+  )
   parser.add_argument("--base-batch-size", type=int, default=32)
-  parser.add_argument("--lr-schedule", choices=LR_SCHEDULES, default=None,
-                      help="the learning-rate schedule in epochs (default: the task's, cosine for "
-                      "images, warmup_cosine for mlm)")
-  parser.add_argument("--adaptive-lr-multipliers", type=_floats, default=None,
-                      help="learning-rate multipliers (of the sqrt-scaled base at B_0) for the "
-                      "adaptive runs; quick default: the one selected for the fixed batch B_0; "
-                      "full default: 1,2")
-  parser.add_argument("--adaptive-lr-rules", default=None,
-                      help="comma-separated: how the trainer scales the adaptive runs' lr with "
-                      "the batch size: sqrt (the reference), linear, none (default: sqrt,linear)")
-  parser.add_argument("--reuse", action="append", default=None,
-                      help="an earlier --out JSON (same data set, epochs, model, learning rates): "
-                      "its runs that match this grid are taken from it instead of trained again "
-                      "(repeat the flag for several files)")
-  parser.add_argument("--keep-reused", action="store_true",
-                      help="also keep every other run of the --reuse files in the result, so "
-                      "that it adds this grid's runs to the earlier ones")
-  parser.add_argument("--markdown", default=None, metavar="JSON",
-                      help="print docs/results.md's tables for an earlier --out JSON and exit")
+  parser.add_argument(
+    "--lr-schedule",
+    choices=LR_SCHEDULES,
+    default=None,
+    help="the learning-rate schedule in epochs (default: the task's, cosine for "
+    "images, warmup_cosine for mlm)",
+  )
+  parser.add_argument(
+    "--adaptive-lr-multipliers",
+    type=_floats,
+    default=None,
+    help="learning-rate multipliers (of the sqrt-scaled base at B_0) for the "
+    "adaptive runs; quick default: the one selected for the fixed batch B_0; "
+    "full default: 1,2",
+  )
+  parser.add_argument(
+    "--adaptive-lr-rules",
+    default=None,
+    help="comma-separated: how the trainer scales the adaptive runs' lr with "
+    "the batch size: sqrt (the reference), linear, none (default: sqrt,linear)",
+  )
+  parser.add_argument(
+    "--reuse",
+    action="append",
+    default=None,
+    help="an earlier --out JSON (same data set, epochs, model, learning rates): "
+    "its runs that match this grid are taken from it instead of trained again "
+    "(repeat the flag for several files)",
+  )
+  parser.add_argument(
+    "--keep-reused",
+    action="store_true",
+    help="also keep every other run of the --reuse files in the result, so "
+    "that it adds this grid's runs to the earlier ones",
+  )
+  parser.add_argument(
+    "--markdown",
+    default=None,
+    metavar="JSON",
+    help="print docs/results.md's tables for an earlier --out JSON and exit",
+  )
   parser.add_argument("--gns-ema-decay", type=float, default=0.9)
-  parser.add_argument("--profile", action="store_true",
-                      help="also profile similarity against batch size during a fixed run")
+  parser.add_argument(
+    "--profile",
+    action="store_true",
+    help="also profile similarity against batch size during a fixed run",
+  )
   parser.add_argument("--profile-steps", type=int, default=None, help="steps per profiled size")
   parser.add_argument("--out", default=None, help="write the results as JSON to this path")
   parser.add_argument("--png", default=None, help="the plot (default: --out with .png)")
@@ -240,12 +307,20 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.error("--dataset is for --task images")
   if args.task != "mlm" and (args.train_windows is not None or args.eval_examples is not None):
     parser.error("--train-windows and --eval-examples are for --task mlm")
-  for key, value in (("dataset", args.dataset), ("epochs", args.epochs), ("seeds", args.seeds),
-                     ("hidden", args.hidden), ("fixed", args.fixed),
-                     ("lr_multipliers", args.lr_multipliers), ("targets", args.targets),
-                     ("bounds", args.bounds), ("gns", args.gns),
-                     ("simigrad_options", args.simigrad_options),
-                     ("train_windows", args.train_windows), ("eval_examples", args.eval_examples)):
+  for key, value in (
+    ("dataset", args.dataset),
+    ("epochs", args.epochs),
+    ("seeds", args.seeds),
+    ("hidden", args.hidden),
+    ("fixed", args.fixed),
+    ("lr_multipliers", args.lr_multipliers),
+    ("targets", args.targets),
+    ("bounds", args.bounds),
+    ("gns", args.gns),
+    ("simigrad_options", args.simigrad_options),
+    ("train_windows", args.train_windows),
+    ("eval_examples", args.eval_examples),
+  ):
     if value is not None:
       grid[key] = value
   if args.schedules is not None:
@@ -253,8 +328,9 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   if args.adaptive_lr_multipliers:
     grid["adaptive_lr_multipliers"] = args.adaptive_lr_multipliers
   if args.adaptive_lr_rules is not None:
-    grid["adaptive_lr_rules"] = tuple(r.strip() for r in args.adaptive_lr_rules.split(",")
-                                      if r.strip())
+    grid["adaptive_lr_rules"] = tuple(
+      r.strip() for r in args.adaptive_lr_rules.split(",") if r.strip()
+    )
   if args.lr_schedule is None:
     args.lr_schedule = grid["lr_schedule"]
   args.grid = grid
@@ -276,14 +352,18 @@ def _validate(args: argparse.Namespace, num_train: int) -> None:
       raise ValueError(f"fixed batch size {b} must lie in [1, {num_train}] (the training set)")
   for lower, upper in grid["bounds"]:
     if not 2 <= lower <= args.initial_batch_size <= upper <= num_train:
-      raise ValueError(f"bounds {lower}:{upper} must satisfy 2 <= lower <= --initial-batch-size "
-                       f"({args.initial_batch_size}) <= upper <= {num_train}")
+      raise ValueError(
+        f"bounds {lower}:{upper} must satisfy 2 <= lower <= --initial-batch-size "
+        f"({args.initial_batch_size}) <= upper <= {num_train}"
+      )
   for target in grid["targets"]:
     if not -1 <= target <= 1:
       raise ValueError(f"similarity target {target} must lie in [-1, 1]")
   rules = grid["adaptive_lr_rules"]
   if not rules or set(rules) - set(learning_rate.LR_RULES):
-    raise ValueError(f"--adaptive-lr-rules must name some of {learning_rate.LR_RULES}, got {rules!r}")
+    raise ValueError(
+      f"--adaptive-lr-rules must name some of {learning_rate.LR_RULES}, got {rules!r}"
+    )
   unknown = sorted(set(grid["schedules"]) - {"linear", "geometric", "loss_plateau"})
   if unknown:
     raise ValueError(f"unknown schedules {unknown}; choose from linear, geometric, loss_plateau")
@@ -307,8 +387,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   grid = args.grid
   task = TASKS[args.task]
   keep = args.workdir is not None
-  root = pathlib.Path(args.workdir).absolute() if keep else pathlib.Path(
-      tempfile.mkdtemp(prefix="simigrad-pareto-"))
+  root = (
+    pathlib.Path(args.workdir).absolute()
+    if keep
+    else pathlib.Path(tempfile.mkdtemp(prefix="simigrad-pareto-"))
+  )
   root.mkdir(parents=True, exist_ok=True)
   started = time.perf_counter()
   runs: list[dict[str, Any]] = []
@@ -325,18 +408,34 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     num_train = exp.num_train
     _validate(args, num_train)
     devices = jax.devices()
-    print(f"{len(devices)} x {devices[0].platform} devices; {info['description']}; "
-          f"{grid['epochs']:g} epochs; lr {args.base_lr} at B={args.base_batch_size}, "
-          f"sqrt-scaled, x{list(grid['lr_multipliers'])}; {args.lr_schedule} schedule; seeds "
-          f"{list(grid['seeds'])}", flush=True)
+    print(
+      f"{len(devices)} x {devices[0].platform} devices; {info['description']}; "
+      f"{grid['epochs']:g} epochs; lr {args.base_lr} at B={args.base_batch_size}, "
+      f"sqrt-scaled, x{list(grid['lr_multipliers'])}; {args.lr_schedule} schedule; seeds "
+      f"{list(grid['seeds'])}",
+      flush=True,
+    )
     if info["dataset_note"]:
       print(f"NOTE: {info['dataset_note']}", flush=True)
 
-    cache = None if args.reuse is None else RunCache(args.reuse, {
-        "task": args.task, "dataset": info["dataset"], "epochs": grid["epochs"],
-        "hidden": grid["hidden"], "lr_schedule": args.lr_schedule, "base_lr": args.base_lr,
-        "base_batch_size": args.base_batch_size, "initial_batch_size": args.initial_batch_size,
-        **{k: v for k, v in info.items() if k in ("num_train", "num_val", "seq_length")}})
+    cache = (
+      None
+      if args.reuse is None
+      else RunCache(
+        args.reuse,
+        {
+          "task": args.task,
+          "dataset": info["dataset"],
+          "epochs": grid["epochs"],
+          "hidden": grid["hidden"],
+          "lr_schedule": args.lr_schedule,
+          "base_lr": args.base_lr,
+          "base_batch_size": args.base_batch_size,
+          "initial_batch_size": args.initial_batch_size,
+          **{k: v for k, v in info.items() if k in ("num_train", "num_val", "seq_length")},
+        },
+      )
+    )
 
     def execute(specs):
       for spec in specs:
@@ -347,20 +446,29 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         if spec.seed != min(grid["seeds"]):
           run["trace"] = None  # kept for the one seed the plot draws: a smaller JSON
         runs.append(run)
-        print(f"  {run['controller']:<12} {run['label']:<20} lr {lr_text(run['settings'])} seed "
-              f"{run['seed']}: test {100 * run['test_accuracy']:.2f}%  avg B "
-              f"{run['avg_batch_size']:.1f}  steps {run['steps']}  {run['wall_seconds']:.1f} s"
-              f"{'  (reused)' if run.get('reused') else ''}", flush=True)
+        print(
+          f"  {run['controller']:<12} {run['label']:<20} lr {lr_text(run['settings'])} seed "
+          f"{run['seed']}: test {100 * run['test_accuracy']:.2f}%  avg B "
+          f"{run['avg_batch_size']:.1f}  steps {run['steps']}  {run['wall_seconds']:.1f} s"
+          f"{'  (reused)' if run.get('reused') else ''}",
+          flush=True,
+        )
 
-    execute(fixed_specs(grid["fixed"], grid["lr_multipliers"], grid["seeds"], args.base_lr,
-                        args.base_batch_size))
+    execute(
+      fixed_specs(
+        grid["fixed"], grid["lr_multipliers"], grid["seeds"], args.base_lr, args.base_batch_size
+      )
+    )
     best = select_fixed(group_runs(runs))
     b0 = args.initial_batch_size
     multiplier = best[b0]["settings"]["lr_multiplier"] if b0 in best else 1.0
     lr0 = base_lr_for(b0, args.base_lr, args.base_batch_size) * multiplier
     adaptive_multipliers = grid["adaptive_lr_multipliers"] or (multiplier,)
-    variants = [(base_lr_for(b0, args.base_lr, args.base_batch_size) * m, m, rule)
-                for m in adaptive_multipliers for rule in grid["adaptive_lr_rules"]]
+    variants = [
+      (base_lr_for(b0, args.base_lr, args.base_batch_size) * m, m, rule)
+      for m in adaptive_multipliers
+      for rule in grid["adaptive_lr_rules"]
+    ]
     execute(adaptive_specs(args, grid, variants, num_train))
     if args.keep_reused:
       rest = [compact(run) for run in cache.rest()]
@@ -371,37 +479,54 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
       e = grid["epochs"]
       steps = args.profile_steps or (6 if args.quick else 8)
       old = cache.profile if cache else None
-      if (old and old["batch_size"] == b0 and old["sizes"] == sizes and old["steps_per_size"] == steps
-          and math.isclose(old["learning_rate"], lr0, rel_tol=1e-9)):
+      if (
+        old
+        and old["batch_size"] == b0
+        and old["sizes"] == sizes
+        and old["steps_per_size"] == steps
+        and math.isclose(old["learning_rate"], lr0, rel_tol=1e-9)
+      ):
         profile = {**old, "reused_from": old.get("reused_from") or cache.profile_from}
       else:
-        profile = pareto_images.run_profile(exp, batch_size=b0, lr=lr0, sizes=sizes, steps_per_size=steps,
-                              at_epochs=(0.0, round(e / 4, 3), round(e / 2, 3),
-                                         round(3 * e / 4, 3), e))
+        profile = pareto_images.run_profile(
+          exp,
+          batch_size=b0,
+          lr=lr0,
+          sizes=sizes,
+          steps_per_size=steps,
+          at_epochs=(0.0, round(e / 4, 3), round(e / 2, 3), round(3 * e / 4, 3), e),
+        )
 
   groups = group_runs(runs)
   select_by_validation(groups)
   summary = summarize(groups)
   results = {
-      "runs": runs,
-      "groups": groups,
-      "summary": summary,
-      "profile": profile,
-      "task": args.task,
-      **{k: v for k, v in info.items() if k != "description"},
-      "epochs": grid["epochs"], "seeds": list(grid["seeds"]), "hidden": grid["hidden"],
-      "quick": bool(args.quick),
-      "initial_batch_size": args.initial_batch_size, "base_lr": args.base_lr,
-      "base_batch_size": args.base_batch_size, "lr_schedule": args.lr_schedule,
-      "lr_multipliers": list(grid["lr_multipliers"]),
-      "adaptive_lr_rules": list(grid["adaptive_lr_rules"]),
-      "simigrad_options": list(grid["simigrad_options"]),
-      "adaptive_lr_multipliers": list(adaptive_multipliers),
-      "reused_from": args.reuse, "reused_runs": 0 if cache is None else cache.reused,
-      "devices": len(devices), "platform": devices[0].platform, "jax_version": jax.__version__,
-      "total_wall_seconds": time.perf_counter() - started,
-      "note": "lr per fixed batch size chosen by validation accuracy; test accuracy reported. "
-              "gap_points: mean test accuracy minus the best tuned fixed batch at least as large.",
+    "runs": runs,
+    "groups": groups,
+    "summary": summary,
+    "profile": profile,
+    "task": args.task,
+    **{k: v for k, v in info.items() if k != "description"},
+    "epochs": grid["epochs"],
+    "seeds": list(grid["seeds"]),
+    "hidden": grid["hidden"],
+    "quick": bool(args.quick),
+    "initial_batch_size": args.initial_batch_size,
+    "base_lr": args.base_lr,
+    "base_batch_size": args.base_batch_size,
+    "lr_schedule": args.lr_schedule,
+    "lr_multipliers": list(grid["lr_multipliers"]),
+    "adaptive_lr_rules": list(grid["adaptive_lr_rules"]),
+    "simigrad_options": list(grid["simigrad_options"]),
+    "adaptive_lr_multipliers": list(adaptive_multipliers),
+    "reused_from": args.reuse,
+    "reused_runs": 0 if cache is None else cache.reused,
+    "devices": len(devices),
+    "platform": devices[0].platform,
+    "jax_version": jax.__version__,
+    "total_wall_seconds": time.perf_counter() - started,
+    "note": "lr per fixed batch size chosen by validation accuracy; test accuracy reported. "
+    "gap_points: mean test accuracy minus the best tuned fixed batch at least as large.",
   }
   table = format_table(groups, summary, profile)
   table += f"\n\ntotal wall time {results['total_wall_seconds']:.0f} s"

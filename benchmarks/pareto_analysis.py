@@ -16,8 +16,12 @@ import numpy as np
 CONTROLLERS = ("fixed", "simigrad", "gns", "linear", "geometric", "loss_plateau")
 # The SimiGrad options the grid sets; --simigrad-options adds others (e.g. smooth_factor), and
 # each set of others is a variant of its own in the summary.
-SIMIGRAD_GRID_KEYS = ("initial_batch_size", "similarity_target", "batch_size_lower_bound",
-                      "batch_size_upper_bound")
+SIMIGRAD_GRID_KEYS = (
+  "initial_batch_size",
+  "similarity_target",
+  "batch_size_lower_bound",
+  "batch_size_upper_bound",
+)
 LR_KEYS = ("learning_rate", "lr_multiplier", "lr_rule")
 
 
@@ -57,18 +61,26 @@ def group_runs(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     val_loss, _ = mean_std(r["val_loss"] for r in members)
     test_loss, test_loss_sd = mean_std(r["test_loss"] for r in members)
     avg_b, avg_b_sd = mean_std(r["avg_batch_size"] for r in members)
-    out.append({
-        "controller": members[0]["controller"], "label": members[0]["label"],
-        "settings": members[0]["settings"], "seeds": [r["seed"] for r in members],
-        "test_accuracy_mean": acc, "test_accuracy_std": acc_sd, "val_accuracy_mean": val,
-        "val_loss_mean": val_loss, "test_loss_mean": test_loss, "test_loss_std": test_loss_sd,
-        "avg_batch_size_mean": avg_b, "avg_batch_size_std": avg_b_sd,
+    out.append(
+      {
+        "controller": members[0]["controller"],
+        "label": members[0]["label"],
+        "settings": members[0]["settings"],
+        "seeds": [r["seed"] for r in members],
+        "test_accuracy_mean": acc,
+        "test_accuracy_std": acc_sd,
+        "val_accuracy_mean": val,
+        "val_loss_mean": val_loss,
+        "test_loss_mean": test_loss,
+        "test_loss_std": test_loss_sd,
+        "avg_batch_size_mean": avg_b,
+        "avg_batch_size_std": avg_b_sd,
         "steps_mean": float(np.mean([r["steps"] for r in members])),
         "wall_seconds_mean": float(np.mean([r["wall_seconds"] for r in members])),
         "max_batch_size": max(r["max_batch_size"] for r in members),
-    })
+      }
+    )
   return out
-
 
 
 def _setting_key(group: dict[str, Any]) -> str:
@@ -87,8 +99,10 @@ def select_by_validation(groups: list[dict[str, Any]]) -> dict[str, dict[str, An
   for g in groups:
     key = _setting_key(g)
     score = (g["val_accuracy_mean"], -g.get("val_loss_mean", 0.0))
-    if key not in best or score > (best[key]["val_accuracy_mean"],
-                                   -best[key].get("val_loss_mean", 0.0)):
+    if key not in best or score > (
+      best[key]["val_accuracy_mean"],
+      -best[key].get("val_loss_mean", 0.0),
+    ):
       best[key] = g
   for g in groups:
     g["selected"] = best[_setting_key(g)] is g
@@ -98,7 +112,9 @@ def select_by_validation(groups: list[dict[str, Any]]) -> dict[str, dict[str, An
 def select_fixed(groups: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
   """:func:`select_by_validation`; returns the selected fixed groups by batch size."""
   best = select_by_validation(groups)
-  return {g["settings"]["initial_batch_size"]: g for g in best.values() if g["controller"] == "fixed"}
+  return {
+    g["settings"]["initial_batch_size"]: g for g in best.values() if g["controller"] == "fixed"
+  }
 
 
 def pareto_front(points: Sequence[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -153,34 +169,44 @@ def summarize(groups: list[dict[str, Any]], tolerance: float = 0.005) -> dict[st
     g["interp_accuracy"] = i
     g["gap_interp_points"] = None if i is None else 100.0 * (g["test_accuracy_mean"] - i)
   summary: dict[str, Any] = {
-      "fixed_front": [{"avg_batch_size": b, "test_accuracy": a} for b, a in front],
-      "best_fixed": {"batch_size": best_fixed["settings"]["initial_batch_size"],
-                     "test_accuracy": best_fixed["test_accuracy_mean"],
-                     "test_accuracy_std": best_fixed["test_accuracy_std"],
-                     "steps": best_fixed["steps_mean"]},
-      "tolerance_points": 100 * tolerance,
+    "fixed_front": [{"avg_batch_size": b, "test_accuracy": a} for b, a in front],
+    "best_fixed": {
+      "batch_size": best_fixed["settings"]["initial_batch_size"],
+      "test_accuracy": best_fixed["test_accuracy_mean"],
+      "test_accuracy_std": best_fixed["test_accuracy_std"],
+      "steps": best_fixed["steps_mean"],
+    },
+    "tolerance_points": 100 * tolerance,
   }
   for name in sorted({variant(g) for g in groups} - {"fixed"}):
     mine = [g for g in groups if variant(g) == name and g.get("selected", True)]
-    matching = [g for g in mine
-                if g["test_accuracy_mean"] >= best_fixed["test_accuracy_mean"] - tolerance]
+    matching = [
+      g for g in mine if g["test_accuracy_mean"] >= best_fixed["test_accuracy_mean"] - tolerance
+    ]
     largest = max(matching, key=lambda g: g["avg_batch_size_mean"]) if matching else None
     summary[name] = {
-        "settings": len(mine),
-        "judged": sum(g["beyond_front"] is not None for g in mine),
-        "on_or_beyond_front": sum(g["beyond_front"] is True for g in mine),
-        "best_gap_points": max(g["gap_points"] for g in mine if g["gap_points"] is not None)
-        if any(g["gap_points"] is not None for g in mine) else None,
-        "on_or_above_interpolated": sum(g["gap_interp_points"] is not None
-                                        and g["gap_interp_points"] >= 0 for g in mine),
-        "best_gap_interp_points": max(g["gap_interp_points"] for g in mine
-                                      if g["gap_interp_points"] is not None)
-        if any(g["gap_interp_points"] is not None for g in mine) else None,
-        "matches_best_fixed": None if largest is None else {
-            "label": largest["label"], "avg_batch_size": largest["avg_batch_size_mean"],
-            "test_accuracy": largest["test_accuracy_mean"], "steps": largest["steps_mean"],
-            "steps_ratio_to_best_fixed": largest["steps_mean"] / best_fixed["steps_mean"]},
+      "settings": len(mine),
+      "judged": sum(g["beyond_front"] is not None for g in mine),
+      "on_or_beyond_front": sum(g["beyond_front"] is True for g in mine),
+      "best_gap_points": max(g["gap_points"] for g in mine if g["gap_points"] is not None)
+      if any(g["gap_points"] is not None for g in mine)
+      else None,
+      "on_or_above_interpolated": sum(
+        g["gap_interp_points"] is not None and g["gap_interp_points"] >= 0 for g in mine
+      ),
+      "best_gap_interp_points": max(
+        g["gap_interp_points"] for g in mine if g["gap_interp_points"] is not None
+      )
+      if any(g["gap_interp_points"] is not None for g in mine)
+      else None,
+      "matches_best_fixed": None
+      if largest is None
+      else {
+        "label": largest["label"],
+        "avg_batch_size": largest["avg_batch_size_mean"],
+        "test_accuracy": largest["test_accuracy_mean"],
+        "steps": largest["steps_mean"],
+        "steps_ratio_to_best_fixed": largest["steps_mean"] / best_fixed["steps_mean"],
+      },
     }
   return summary
-
-

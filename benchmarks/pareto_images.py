@@ -28,7 +28,9 @@ import optax
 import simigrad_jax
 from benchmarks import common
 from benchmarks.pareto_analysis import mean_std
-from benchmarks.pareto_protocol import RunSpec, lr_schedule_fn, train_run
+from benchmarks.pareto_protocol import RunSpec
+from benchmarks.pareto_protocol import lr_schedule_fn
+from benchmarks.pareto_protocol import train_run
 from simigrad_jax.controllers.noise_scale import noise_scale_estimates
 from train import input_pipeline
 
@@ -41,20 +43,36 @@ BASE_LR = {"digits": 0.2, "mnist": 0.05}
 
 # The grids. "bounds" are (lower, upper) pairs for the adaptive controllers.
 FULL = {
-    "dataset": "auto", "lr_schedule": "cosine", "epochs": 8, "seeds": (0, 1, 2), "hidden": 64,
-    "fixed": (16, 32, 64, 128, 256, 512, 1024), "lr_multipliers": (0.25, 0.5, 1.0, 2.0, 4.0),
-    "targets": (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7), "bounds": ((16, 256), (16, 1024)),
-    "gns": (0.25, 0.5, 1.0, 2.0, 4.0), "schedules": ("linear", "geometric", "loss_plateau"),
-    "simigrad_options": ({},), "adaptive_lr_multipliers": (1.0, 2.0),
-    "adaptive_lr_rules": ("sqrt", "linear"),
+  "dataset": "auto",
+  "lr_schedule": "cosine",
+  "epochs": 8,
+  "seeds": (0, 1, 2),
+  "hidden": 64,
+  "fixed": (16, 32, 64, 128, 256, 512, 1024),
+  "lr_multipliers": (0.25, 0.5, 1.0, 2.0, 4.0),
+  "targets": (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7),
+  "bounds": ((16, 256), (16, 1024)),
+  "gns": (0.25, 0.5, 1.0, 2.0, 4.0),
+  "schedules": ("linear", "geometric", "loss_plateau"),
+  "simigrad_options": ({},),
+  "adaptive_lr_multipliers": (1.0, 2.0),
+  "adaptive_lr_rules": ("sqrt", "linear"),
 }
 QUICK = {
-    "dataset": "digits", "lr_schedule": "cosine", "epochs": 8, "seeds": (0, 1), "hidden": 32,
-    "fixed": (16, 32, 64, 128, 256, 512), "lr_multipliers": (0.5, 1.0, 2.0),
-    "targets": (0.0, 0.1, 0.2, 0.3, 0.5, 0.7), "bounds": ((16, 512),),
-    "gns": (0.25, 0.5, 1.0, 2.0, 4.0), "schedules": ("linear", "geometric", "loss_plateau"),
-    "simigrad_options": ({},), "adaptive_lr_multipliers": None,
-    "adaptive_lr_rules": ("sqrt", "linear"),
+  "dataset": "digits",
+  "lr_schedule": "cosine",
+  "epochs": 8,
+  "seeds": (0, 1),
+  "hidden": 32,
+  "fixed": (16, 32, 64, 128, 256, 512),
+  "lr_multipliers": (0.5, 1.0, 2.0),
+  "targets": (0.0, 0.1, 0.2, 0.3, 0.5, 0.7),
+  "bounds": ((16, 512),),
+  "gns": (0.25, 0.5, 1.0, 2.0, 4.0),
+  "schedules": ("linear", "geometric", "loss_plateau"),
+  "simigrad_options": ({},),
+  "adaptive_lr_multipliers": None,
+  "adaptive_lr_rules": ("sqrt", "linear"),
 }
 
 
@@ -74,13 +92,19 @@ class Dataset:
   note: str = ""
 
   def describe(self) -> str:
-    return (f"{self.name} ({len(self.train['y'])} train / {len(self.val['y'])} validation / "
-            f"{len(self.test['y'])} test)")
+    return (
+      f"{self.name} ({len(self.train['y'])} train / {len(self.val['y'])} validation / "
+      f"{len(self.test['y'])} test)"
+    )
 
 
 def _split(x: np.ndarray, y: np.ndarray, num_val: int, num_test: int, seed: int = 0):
   order = np.random.default_rng(seed).permutation(len(y))
-  test, val, train = order[:num_test], order[num_test:num_test + num_val], order[num_test + num_val:]
+  test, val, train = (
+    order[:num_test],
+    order[num_test : num_test + num_val],
+    order[num_test + num_val :],
+  )
   return ({"x": x[train], "y": y[train]}, {"x": x[val], "y": y[val]}, {"x": x[test], "y": y[test]})
 
 
@@ -126,9 +150,12 @@ def load_mnist(data_dir: pathlib.Path = DATA_DIR) -> Dataset:
     y_test = np.frombuffer(f.read(), np.uint8, offset=8).astype(np.int32)
   order = np.random.default_rng(0).permutation(len(y_train))
   val, train = order[:500], order[500:]
-  return Dataset("mnist",
-                 {"x": x_train[train], "y": y_train[train]}, {"x": x_train[val], "y": y_train[val]},
-                 {"x": (x_test / 255.0).astype(np.float32), "y": y_test})
+  return Dataset(
+    "mnist",
+    {"x": x_train[train], "y": y_train[train]},
+    {"x": x_train[val], "y": y_train[val]},
+    {"x": (x_test / 255.0).astype(np.float32), "y": y_test},
+  )
 
 
 def load_dataset(name: str, data_dir: pathlib.Path = DATA_DIR) -> Dataset:
@@ -165,8 +192,16 @@ class MLP(nn.Module):
 class Experiment:
   """Runs :class:`RunSpec` s with the real Trainer on one data set, sharing a compilation cache."""
 
-  def __init__(self, dataset: Dataset, *, hidden: int, epochs: float, lr_schedule: str,
-               root: pathlib.Path, keep_workdirs: bool = False):
+  def __init__(
+    self,
+    dataset: Dataset,
+    *,
+    hidden: int,
+    epochs: float,
+    lr_schedule: str,
+    root: pathlib.Path,
+    keep_workdirs: bool = False,
+  ):
     self.dataset, self.epochs, self.root = dataset, epochs, root
     self.keep_workdirs = keep_workdirs
     self.schedule_name = lr_schedule
@@ -191,8 +226,9 @@ class Experiment:
         results[f"{split_name}_accuracy"] = float(np.mean(logits.argmax(-1) == split["y"]))
         shifted = logits - logits.max(-1, keepdims=True)
         log_probs = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
-        results[f"{split_name}_loss"] = float(-log_probs[np.arange(len(split["y"])),
-                                                         split["y"]].mean())
+        results[f"{split_name}_loss"] = float(
+          -log_probs[np.arange(len(split["y"])), split["y"]].mean()
+        )
       return results
 
     self.eval_fn = eval_fn
@@ -200,20 +236,38 @@ class Experiment:
   def init_params(self, seed: int):
     return self.model.init(jax.random.key(seed), self.dataset.train["x"][:1])["params"]
 
-  def make_trainer(self, controller, lr: float, seed: int, workdir: pathlib.Path,
-                   lr_schedule: Callable[[float], float] | None = None,
-                   lr_rule: str = "sqrt") -> simigrad_jax.Trainer:
+  def make_trainer(
+    self,
+    controller,
+    lr: float,
+    seed: int,
+    workdir: pathlib.Path,
+    lr_schedule: Callable[[float], float] | None = None,
+    lr_rule: str = "sqrt",
+  ) -> simigrad_jax.Trainer:
     upper = controller.config["batch_size_upper_bound"] or controller.batch_size
-    optimizer = optax.chain(simigrad_jax.transform("batch"), optax.sgd(lr, momentum=0.9),
-                            simigrad_jax.scale_by_lr_factor())
+    optimizer = optax.chain(
+      simigrad_jax.transform("batch"),
+      optax.sgd(lr, momentum=0.9),
+      simigrad_jax.scale_by_lr_factor(),
+    )
     return simigrad_jax.Trainer(
-        loss_fn=self.loss_fn, params=self.init_params(seed), optimizer=optimizer,
-        source=simigrad_jax.ArraySource(self.dataset.train), controller=controller,
-        workdir=workdir, max_micro_batch_size=max(1, -(-upper // jax.device_count())),
-        eval_fn=self.eval_fn, lr_schedule=lr_schedule or self.lr_schedule, lr_rule=lr_rule,
-        seed=seed,
-        max_checkpoints=1, compilation_cache_dir=self.cache_dir, progress=False,
-        tensorboard=False)
+      loss_fn=self.loss_fn,
+      params=self.init_params(seed),
+      optimizer=optimizer,
+      source=simigrad_jax.ArraySource(self.dataset.train),
+      controller=controller,
+      workdir=workdir,
+      max_micro_batch_size=max(1, -(-upper // jax.device_count())),
+      eval_fn=self.eval_fn,
+      lr_schedule=lr_schedule or self.lr_schedule,
+      lr_rule=lr_rule,
+      seed=seed,
+      max_checkpoints=1,
+      compilation_cache_dir=self.cache_dir,
+      progress=False,
+      tensorboard=False,
+    )
 
   @property
   def num_train(self) -> int:
@@ -221,10 +275,15 @@ class Experiment:
 
   def info(self) -> dict[str, Any]:
     """What the result JSON records about the task: data set, split sizes, model, optimizer."""
-    return {"dataset": self.dataset.name, "dataset_note": self.dataset.note or None,
-            "num_train": self.num_train, "num_val": len(self.dataset.val["y"]),
-            "num_test": len(self.dataset.test["y"]), "optimizer": "sgd(momentum=0.9)",
-            "description": f"{self.dataset.describe()}; MLP(hidden={self.model.hidden})"}
+    return {
+      "dataset": self.dataset.name,
+      "dataset_note": self.dataset.note or None,
+      "num_train": self.num_train,
+      "num_val": len(self.dataset.val["y"]),
+      "num_test": len(self.dataset.test["y"]),
+      "optimizer": "sgd(momentum=0.9)",
+      "description": f"{self.dataset.describe()}; MLP(hidden={self.model.hidden})",
+    }
 
   def run(self, spec: RunSpec) -> dict[str, Any]:
     """Trains one run for the epoch budget; returns its JSON record (:func:`train_run`)."""
@@ -236,8 +295,16 @@ class Experiment:
 # ----------------------------------------------------------------------------
 
 
-def run_profile(exp: Experiment, *, batch_size: int, lr: float, sizes: Sequence[int],
-                at_epochs: Sequence[float], steps_per_size: int, seed: int = 0) -> dict[str, Any]:
+def run_profile(
+  exp: Experiment,
+  *,
+  batch_size: int,
+  lr: float,
+  sizes: Sequence[int],
+  at_epochs: Sequence[float],
+  steps_per_size: int,
+  seed: int = 0,
+) -> dict[str, Any]:
   """Trains at a fixed ``batch_size`` and, at ``at_epochs``, profiles the similarity at ``sizes``.
 
   Each profile uses the SimiGrad controller's profiling mode (it visits each
@@ -251,8 +318,9 @@ def run_profile(exp: Experiment, *, batch_size: int, lr: float, sizes: Sequence[
   """
   sizes = sorted(int(b) for b in sizes)
   lower, upper = min(sizes + [batch_size]), max(sizes + [batch_size])
-  controller = simigrad_jax.Controller(batch_size, 0.0, enable_adjust=False,
-                                       batch_size_lower_bound=lower, batch_size_upper_bound=upper)
+  controller = simigrad_jax.Controller(
+    batch_size, 0.0, enable_adjust=False, batch_size_lower_bound=lower, batch_size_upper_bound=upper
+  )
   base_schedule = exp.lr_schedule
   profile_examples = {"n": 0}
   num_train = len(exp.dataset.train["y"])
@@ -278,10 +346,16 @@ def run_profile(exp: Experiment, *, batch_size: int, lr: float, sizes: Sequence[
     final = exp.eval_fn(trainer.state["params"], None)
   records = [r for r in simigrad_jax.read_metrics(workdir / "metrics.jsonl") if "batch_size" in r]
   shutil.rmtree(workdir, ignore_errors=True)
-  out = {"batch_size": batch_size, "learning_rate": lr, "sizes": sizes,
-         "steps_per_size": steps_per_size, "seed": seed, "points": [],
-         "final_test_accuracy": final["test_accuracy"],
-         "wall_seconds": time.perf_counter() - start}
+  out = {
+    "batch_size": batch_size,
+    "learning_rate": lr,
+    "sizes": sizes,
+    "steps_per_size": steps_per_size,
+    "seed": seed,
+    "points": [],
+    "final_test_accuracy": final["test_accuracy"],
+    "wall_seconds": time.perf_counter() - start,
+  }
   for at, first, last in points:
     rows = [r for r in records if first <= r["step"] <= last and r["decision"] == "profile"]
     per_size = {}
@@ -307,9 +381,15 @@ def run_profile(exp: Experiment, *, batch_size: int, lr: float, sizes: Sequence[
   return out
 
 
-def setup(grid: dict[str, Any], *, lr_schedule: str, root: pathlib.Path,
-          keep_workdirs: bool = False) -> Experiment:
+def setup(
+  grid: dict[str, Any], *, lr_schedule: str, root: pathlib.Path, keep_workdirs: bool = False
+) -> Experiment:
   """The task's experiment for a grid (``dataset``, ``hidden``, ``epochs``)."""
-  return Experiment(load_dataset(grid["dataset"]), hidden=grid["hidden"], epochs=grid["epochs"],
-                    lr_schedule=lr_schedule, root=root, keep_workdirs=keep_workdirs)
-
+  return Experiment(
+    load_dataset(grid["dataset"]),
+    hidden=grid["hidden"],
+    epochs=grid["epochs"],
+    lr_schedule=lr_schedule,
+    root=root,
+    keep_workdirs=keep_workdirs,
+  )

@@ -27,8 +27,15 @@ from benchmarks.pareto_analysis import SIMIGRAD_GRID_KEYS
 LR_SCHEDULES = ("cosine", "step", "constant", "warmup_cosine")
 
 # Keys every run in the JSON has (machine-read), with their types.
-RUN_KEYS = {"controller": str, "seed": int, "test_accuracy": float, "avg_batch_size": float,
-            "steps": int, "wall_seconds": float, "settings": dict}
+RUN_KEYS = {
+  "controller": str,
+  "seed": int,
+  "test_accuracy": float,
+  "avg_batch_size": float,
+  "steps": int,
+  "wall_seconds": float,
+  "settings": dict,
+}
 
 
 def lr_schedule_fn(name: str, epochs: float) -> Callable[[float], float]:
@@ -41,8 +48,11 @@ def lr_schedule_fn(name: str, epochs: float) -> Callable[[float], float]:
   if name == "cosine":  # from 1 to 0.02
     return cosine
   if name == "warmup_cosine":  # linear from 0.02 to 1 over the first 10%, then cosine to 0.02
-    return lambda e: max(0.02, min(1.0, e / (0.1 * epochs))) if e < 0.1 * epochs else cosine(
-        (e - 0.1 * epochs) / 0.9)
+    return lambda e: (
+      max(0.02, min(1.0, e / (0.1 * epochs)))
+      if e < 0.1 * epochs
+      else cosine((e - 0.1 * epochs) / 0.9)
+    )
   raise ValueError(f"--lr-schedule must be one of {LR_SCHEDULES}, got {name!r}")
 
 
@@ -58,8 +68,12 @@ class RunSpec:
   lr_rule: str = "sqrt"  # how the trainer scales the lr as the batch moves from B_0
 
   def settings_dict(self) -> dict[str, Any]:
-    return {**dict(self.options), "learning_rate": self.lr, "lr_multiplier": self.lr_multiplier,
-            "lr_rule": self.lr_rule}
+    return {
+      **dict(self.options),
+      "learning_rate": self.lr,
+      "lr_multiplier": self.lr_multiplier,
+      "lr_rule": self.lr_rule,
+    }
 
   def label(self) -> str:
     o = dict(self.options)
@@ -67,17 +81,17 @@ class RunSpec:
       return f"B={o['initial_batch_size']}"
     if self.controller == "simigrad":
       extra = "".join(f" {k}={v:g}" for k, v in self.options if k not in SIMIGRAD_GRID_KEYS)
-      return (f"s={o['similarity_target']:g}{extra} [{o['batch_size_lower_bound']},"
-              f"{o['batch_size_upper_bound']}]")
+      return (
+        f"s={o['similarity_target']:g}{extra} [{o['batch_size_lower_bound']},"
+        f"{o['batch_size_upper_bound']}]"
+      )
     if self.controller == "gns":
-      return (f"m={o['multiple']:g} [{o['batch_size_lower_bound']},"
-              f"{o['batch_size_upper_bound']}]")
+      return f"m={o['multiple']:g} [{o['batch_size_lower_bound']},{o['batch_size_upper_bound']}]"
     if self.controller in ("linear", "geometric"):
       return f"{o['initial_batch_size']}->{o['final_batch_size']}"
     if self.controller == "loss_plateau":
       return f"x{o['factor']:g} <= {o['batch_size_upper_bound']}"
     return ",".join(f"{k}={v}" for k, v in self.options)
-
 
 
 def train_run(exp: Any, spec: RunSpec) -> dict[str, Any]:
@@ -105,37 +119,45 @@ def train_run(exp: Any, spec: RunSpec) -> dict[str, Any]:
     shutil.rmtree(workdir, ignore_errors=True)
   sizes = np.array([r["batch_size"] for r in records], np.float64)
   return {
-      "controller": spec.controller,
-      "seed": spec.seed,
-      "test_accuracy": float(final["test_accuracy"]),
-      "avg_batch_size": float(sizes.sum() / len(sizes)),
-      "steps": int(summary["steps"]),
-      "wall_seconds": round(float(wall), 3),
-      "settings": spec.settings_dict(),
-      "label": spec.label(),
-      "val_accuracy": float(final["val_accuracy"]),
-      "val_loss": round(float(final["val_loss"]), 6),
-      "test_loss": round(float(final["test_loss"]), 6),
-      "train_loss": _finite_or_none(summary["loss"]),
-      "examples": int(sizes.sum()),
-      "train_seconds": round(float(summary["wall_seconds"]), 3),
-      "compile_seconds": round(float(summary["compile_seconds"]), 3),
-      "final_batch_size": int(records[-1]["next_batch_size"]),
-      "max_batch_size": int(sizes.max()),
-      "nonfinite_steps": int(records[-1]["nonfinite_steps"]),
-      "trace": _trace(records, exp.num_train),
-      **({"workdir": str(workdir)} if exp.keep_workdirs else {}),
+    "controller": spec.controller,
+    "seed": spec.seed,
+    "test_accuracy": float(final["test_accuracy"]),
+    "avg_batch_size": float(sizes.sum() / len(sizes)),
+    "steps": int(summary["steps"]),
+    "wall_seconds": round(float(wall), 3),
+    "settings": spec.settings_dict(),
+    "label": spec.label(),
+    "val_accuracy": float(final["val_accuracy"]),
+    "val_loss": round(float(final["val_loss"]), 6),
+    "test_loss": round(float(final["test_loss"]), 6),
+    "train_loss": _finite_or_none(summary["loss"]),
+    "examples": int(sizes.sum()),
+    "train_seconds": round(float(summary["wall_seconds"]), 3),
+    "compile_seconds": round(float(summary["compile_seconds"]), 3),
+    "final_batch_size": int(records[-1]["next_batch_size"]),
+    "max_batch_size": int(sizes.max()),
+    "nonfinite_steps": int(records[-1]["nonfinite_steps"]),
+    "trace": _trace(records, exp.num_train),
+    **({"workdir": str(workdir)} if exp.keep_workdirs else {}),
   }
 
 
-_ROUNDING = {"wall_seconds": 3, "train_seconds": 3, "compile_seconds": 3, "val_loss": 6,
-             "test_loss": 6, "train_loss": 6}
+_ROUNDING = {
+  "wall_seconds": 3,
+  "train_seconds": 3,
+  "compile_seconds": 3,
+  "val_loss": 6,
+  "test_loss": 6,
+  "train_loss": 6,
+}
 
 
 def compact(run: dict[str, Any]) -> dict[str, Any]:
   """The run with its timings and losses rounded (a smaller JSON; accuracies stay exact)."""
-  return {k: round(v, _ROUNDING[k]) if k in _ROUNDING and isinstance(v, float) else v
-          for k, v in run.items()}
+  return {
+    k: round(v, _ROUNDING[k]) if k in _ROUNDING and isinstance(v, float) else v
+    for k, v in run.items()
+  }
 
 
 def _finite_or_none(value: Any) -> float | None:
@@ -172,16 +194,30 @@ def base_lr_for(batch_size: int, base_lr: float, base_batch_size: int) -> float:
   return base_lr * math.sqrt(batch_size / base_batch_size)
 
 
-def fixed_specs(sizes: Sequence[int], multipliers: Sequence[float], seeds: Sequence[int],
-                base_lr: float, base_batch_size: int) -> list[RunSpec]:
+def fixed_specs(
+  sizes: Sequence[int],
+  multipliers: Sequence[float],
+  seeds: Sequence[int],
+  base_lr: float,
+  base_batch_size: int,
+) -> list[RunSpec]:
   """Every fixed batch size with every learning-rate multiplier and seed."""
-  return [RunSpec("fixed", (("initial_batch_size", b),),
-                  base_lr_for(b, base_lr, base_batch_size) * m, m, seed)
-          for b in sizes for m in multipliers for seed in seeds]
+  return [
+    RunSpec(
+      "fixed", (("initial_batch_size", b),), base_lr_for(b, base_lr, base_batch_size) * m, m, seed
+    )
+    for b in sizes
+    for m in multipliers
+    for seed in seeds
+  ]
 
 
-def adaptive_specs(args: argparse.Namespace, grid: dict[str, Any],
-                   lr_variants: Sequence[tuple[float, float, str]], num_train: int) -> list[RunSpec]:
+def adaptive_specs(
+  args: argparse.Namespace,
+  grid: dict[str, Any],
+  lr_variants: Sequence[tuple[float, float, str]],
+  num_train: int,
+) -> list[RunSpec]:
   """The adaptive runs, all starting at ``--initial-batch-size``.
 
   Each setting runs once per ``(lr, multiplier, lr_rule)`` in ``lr_variants``
@@ -194,46 +230,105 @@ def adaptive_specs(args: argparse.Namespace, grid: dict[str, Any],
   return specs
 
 
-def _adaptive_specs_at(args: argparse.Namespace, grid: dict[str, Any], lr: float,
-                       multiplier: float, rule: str, num_train: int) -> list[RunSpec]:
+def _adaptive_specs_at(
+  args: argparse.Namespace,
+  grid: dict[str, Any],
+  lr: float,
+  multiplier: float,
+  rule: str,
+  num_train: int,
+) -> list[RunSpec]:
   b0 = args.initial_batch_size
   specs = []
   for seed in grid["seeds"]:
     for lower, upper in grid["bounds"]:
       for target in grid["targets"]:
         for extra in grid["simigrad_options"]:
-          specs.append(RunSpec("simigrad", (
-              ("initial_batch_size", b0), ("similarity_target", float(target)),
-              ("batch_size_lower_bound", lower), ("batch_size_upper_bound", upper),
-              *sorted(extra.items())), lr, multiplier, seed, rule))
+          specs.append(
+            RunSpec(
+              "simigrad",
+              (
+                ("initial_batch_size", b0),
+                ("similarity_target", float(target)),
+                ("batch_size_lower_bound", lower),
+                ("batch_size_upper_bound", upper),
+                *sorted(extra.items()),
+              ),
+              lr,
+              multiplier,
+              seed,
+              rule,
+            )
+          )
       for m in grid["gns"]:
-        specs.append(RunSpec("gns", (
-            ("initial_batch_size", b0), ("multiple", float(m)),
-            ("batch_size_lower_bound", lower), ("batch_size_upper_bound", upper),
-            ("ema_decay", args.gns_ema_decay), ("max_change", 1.1)),
-            lr, multiplier, seed, rule))
+        specs.append(
+          RunSpec(
+            "gns",
+            (
+              ("initial_batch_size", b0),
+              ("multiple", float(m)),
+              ("batch_size_lower_bound", lower),
+              ("batch_size_upper_bound", upper),
+              ("ema_decay", args.gns_ema_decay),
+              ("max_change", 1.1),
+            ),
+            lr,
+            multiplier,
+            seed,
+            rule,
+          )
+        )
     top = min(max(u for _, u in grid["bounds"]), num_train)
     for name in grid["schedules"]:
       if name in ("linear", "geometric"):
-        specs.append(RunSpec(name, (("initial_batch_size", b0), ("final_batch_size", top),
-                                    ("ramp_epochs", float(grid["epochs"]))),
-                             lr, multiplier, seed, rule))
+        specs.append(
+          RunSpec(
+            name,
+            (
+              ("initial_batch_size", b0),
+              ("final_batch_size", top),
+              ("ramp_epochs", float(grid["epochs"])),
+            ),
+            lr,
+            multiplier,
+            seed,
+            rule,
+          )
+        )
       elif name == "loss_plateau":
-        specs.append(RunSpec(name, (("initial_batch_size", b0), ("factor", 2.0),
-                                    ("patience", 1), ("threshold", 0.05),
-                                    ("batch_size_upper_bound", top)),
-                             lr, multiplier, seed, rule))
+        specs.append(
+          RunSpec(
+            name,
+            (
+              ("initial_batch_size", b0),
+              ("factor", 2.0),
+              ("patience", 1),
+              ("threshold", 0.05),
+              ("batch_size_upper_bound", top),
+            ),
+            lr,
+            multiplier,
+            seed,
+            rule,
+          )
+        )
       else:
         raise ValueError(f"unknown schedule {name!r}; choose from linear, geometric, loss_plateau")
   return specs
 
 
-
-
 # What must agree between an earlier result and this run for its runs to be reused (at least;
 # a task adds its own, e.g. the split sizes). Results from before tasks existed are "images".
-REUSE_KEYS = ("task", "dataset", "epochs", "hidden", "lr_schedule", "base_lr", "base_batch_size",
-              "initial_batch_size")
+REUSE_KEYS = (
+  "task",
+  "dataset",
+  "epochs",
+  "hidden",
+  "lr_schedule",
+  "base_lr",
+  "base_batch_size",
+  "initial_batch_size",
+)
 _REUSE_DEFAULTS = {"task": "images"}
 
 
@@ -272,17 +367,24 @@ class RunCache:
   def _reused(self, path: str, run: dict[str, Any]) -> dict[str, Any]:
     settings = {"lr_rule": "sqrt", **run["settings"]}
     self._taken.add(self._key(run["controller"], run["seed"], settings))
-    return {**run, "settings": settings, "reused": True,
-            "reused_from": run.get("reused_from") or path}
+    return {
+      **run,
+      "settings": settings,
+      "reused": True,
+      "reused_from": run.get("reused_from") or path,
+    }
 
   def lookup(self, spec: RunSpec) -> dict[str, Any] | None:
     """The earlier run that ``spec`` would train again, or None."""
     want = spec.settings_dict()
     for path, run in self.runs:
       have = {"lr_rule": "sqrt", **run["settings"]}
-      if (run["controller"] == spec.controller and run["seed"] == spec.seed
-          and math.isclose(have["learning_rate"], want["learning_rate"], rel_tol=1e-9)
-          and all(have.get(k) == v for k, v in want.items() if k != "learning_rate")):
+      if (
+        run["controller"] == spec.controller
+        and run["seed"] == spec.seed
+        and math.isclose(have["learning_rate"], want["learning_rate"], rel_tol=1e-9)
+        and all(have.get(k) == v for k, v in want.items() if k != "learning_rate")
+      ):
         self.reused += 1
         return self._reused(path, run)
     return None

@@ -54,10 +54,10 @@ from __future__ import annotations
 import os
 import sys
 
-
 if __name__ == "__main__":
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   from benchmarks import common  # noqa: E402  (imports no JAX)
+
   common.prepare_script()
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
@@ -72,7 +72,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax import lax  # noqa: E402
-from jax.sharding import Mesh, NamedSharding  # noqa: E402
+from jax.sharding import Mesh  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import simigrad_jax  # noqa: E402
@@ -84,8 +85,10 @@ RESNET18_CIFAR_PARAMS = 11_173_962  # with base width 64 (channels 64..512)
 VARIANTS = ("pmean", "transform", "scatter", "stacked", "transform_shard_map")
 # (variant, measure, limit): the default transform against pmean. Collective bytes are
 # one all-reduce's up to the padding of each bucket to a multiple of the device count.
-GOALS = (("transform", "bytes_ratio_to_pmean", 1.01),
-         ("transform", "bytes_accessed_ratio_to_pmean", 1.3))
+GOALS = (
+  ("transform", "bytes_ratio_to_pmean", 1.01),
+  ("transform", "bytes_accessed_ratio_to_pmean", 1.3),
+)
 NUM_CLASSES = 10
 
 # ----------------------------------------------------------------------------
@@ -109,18 +112,18 @@ def resnet18_shapes(base_width: int = 64) -> dict[str, Any]:
     return {"scale": (channels,), "bias": (channels,)}
 
   shapes: dict[str, Any] = {
-      "stem_conv": {"kernel": (3, 3, 3, base_width)},
-      "stem_bn": batch_norm(base_width),
+    "stem_conv": {"kernel": (3, 3, 3, base_width)},
+    "stem_bn": batch_norm(base_width),
   }
   in_channels = base_width
   for stage in range(4):
     channels = base_width * 2**stage
     for block in range(2):
       block_shapes = {
-          "conv1": {"kernel": (3, 3, in_channels, channels)},
-          "bn1": batch_norm(channels),
-          "conv2": {"kernel": (3, 3, channels, channels)},
-          "bn2": batch_norm(channels),
+        "conv1": {"kernel": (3, 3, in_channels, channels)},
+        "bn1": batch_norm(channels),
+        "conv2": {"kernel": (3, 3, channels, channels)},
+        "bn2": batch_norm(channels),
       }
       if in_channels != channels:  # first block of stages 2-4: projection shortcut
         block_shapes["shortcut_conv"] = {"kernel": (1, 1, in_channels, channels)}
@@ -156,6 +159,7 @@ def width_for_params(target: int) -> int:
 # Collective bytes from compiled HLO text (ring model).
 # ----------------------------------------------------------------------------
 
+
 class Variant(NamedTuple):
   """A reduction to benchmark: its jittable function and its arguments."""
 
@@ -177,17 +181,20 @@ def build_variants(grads, mesh: Mesh) -> dict[str, Variant]:
   """The four variants over ``mesh``, all taking ``grads`` (leading device axis)."""
   devices = list(mesh.devices.flat)
   variants = {
-      "pmean": Variant(
-          jax.pmap(lambda g: lax.pmean(g, AXIS), axis_name=AXIS, devices=devices), (grads,), True
-      )
+    "pmean": Variant(
+      jax.pmap(lambda g: lax.pmean(g, AXIS), axis_name=AXIS, devices=devices), (grads,), True
+    )
   }
-  for name, reduction in (("transform", "hierarchical"), ("scatter", "scatter"),
-                          ("stacked", "stacked")):
+  for name, reduction in (
+    ("transform", "hierarchical"),
+    ("scatter", "scatter"),
+    ("stacked", "stacked"),
+  ):
     tx = simigrad_jax.transform(AXIS, reduction=reduction)
     variants[name] = Variant(
-        jax.pmap(lambda g, s, tx=tx: tx.update(g, s), axis_name=AXIS, devices=devices),
-        (grads, _transform_state(tx, mesh, stacked=True)),
-        True,
+      jax.pmap(lambda g, s, tx=tx: tx.update(g, s), axis_name=AXIS, devices=devices),
+      (grads, _transform_state(tx, mesh, stacked=True)),
+      True,
     )
 
   tx = simigrad_jax.transform(AXIS)
@@ -196,10 +203,10 @@ def build_variants(grads, mesh: Mesh) -> dict[str, Variant]:
     return tx.update(jax.tree.map(lambda x: x[0], g), s)
 
   mapped = jax.shard_map(
-      per_block, mesh=mesh, in_specs=(P(AXIS), P()), out_specs=(P(), P()), check_vma=True
+    per_block, mesh=mesh, in_specs=(P(AXIS), P()), out_specs=(P(), P()), check_vma=True
   )
   variants["transform_shard_map"] = Variant(
-      jax.jit(mapped), (grads, _transform_state(tx, mesh, stacked=False)), False
+    jax.jit(mapped), (grads, _transform_state(tx, mesh, stacked=False)), False
   )
   return variants
 
@@ -245,15 +252,15 @@ def run_variant(variant: Variant, num_devices: int, repeats: int) -> dict[str, A
   seconds = _time(lambda: compiled(*variant.args), repeats)
   output = compiled(*variant.args)
   return {
-      "seconds": statistics.median(seconds),
-      "min_seconds": min(seconds),
-      "compile_seconds": compile_seconds,
-      "collective_bytes": sum(c.bytes for c in collectives),
-      "bytes_accessed": float(cost.get("bytes accessed", math.nan)),
-      "temp_bytes": int(compiled.memory_analysis().temp_size_in_bytes),
-      "collectives": [c._asdict() for c in collectives],
-      "_hlo": hlo,
-      "_output": output,
+    "seconds": statistics.median(seconds),
+    "min_seconds": min(seconds),
+    "compile_seconds": compile_seconds,
+    "collective_bytes": sum(c.bytes for c in collectives),
+    "bytes_accessed": float(cost.get("bytes accessed", math.nan)),
+    "temp_bytes": int(compiled.memory_analysis().temp_size_in_bytes),
+    "collectives": [c._asdict() for c in collectives],
+    "_hlo": hlo,
+    "_output": output,
   }
 
 
@@ -265,16 +272,19 @@ def run_variant(variant: Variant, num_devices: int, repeats: int) -> dict[str, A
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument(
-      "--params", type=int, default=RESNET18_CIFAR_PARAMS,
-      help="target parameter count; channel widths are scaled to approach it "
-      f"(default {RESNET18_CIFAR_PARAMS}, ResNet-18 for CIFAR)",
+    "--params",
+    type=int,
+    default=RESNET18_CIFAR_PARAMS,
+    help="target parameter count; channel widths are scaled to approach it "
+    f"(default {RESNET18_CIFAR_PARAMS}, ResNet-18 for CIFAR)",
   )
   parser.add_argument("--repeats", type=int, default=20, help="timed runs per variant")
   parser.add_argument("--out", default=None, help="write the results as JSON to this path")
   parser.add_argument("--hlo-dir", default=None, help="write each variant's compiled HLO here")
   parser.add_argument(
-      "--variants", default=",".join(VARIANTS),
-      help="comma-separated subset of " + ",".join(VARIANTS),
+    "--variants",
+    default=",".join(VARIANTS),
+    help="comma-separated subset of " + ",".join(VARIANTS),
   )
   return parser.parse_args(argv)
 
@@ -282,25 +292,35 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def _format_table(results: dict[str, Any]) -> str:
   variants = results["variants"]
   base = variants.get("pmean")
-  header = (f"{'variant':<22}{'median s':>10}{'time/pmean':>12}{'collective MB':>15}"
-            f"{'/pmean':>8}{'accessed MB':>13}{'/pmean':>8}{'temp MB':>9}{'compile s':>11}")
+  header = (
+    f"{'variant':<22}{'median s':>10}{'time/pmean':>12}{'collective MB':>15}"
+    f"{'/pmean':>8}{'accessed MB':>13}{'/pmean':>8}{'temp MB':>9}{'compile s':>11}"
+  )
   rows = [header, "-" * len(header)]
   for name, v in variants.items():
+
     def ratio(key, v=v):
       return f"{v[key] / base[key]:.3f}x" if base and base[key] else "-"
-    rows.append(f"{name:<22}{v['seconds']:>10.4f}{ratio('seconds'):>12}"
-                f"{v['collective_bytes'] / 1e6:>15.2f}{ratio('collective_bytes'):>8}"
-                f"{v['bytes_accessed'] / 1e6:>13.1f}{ratio('bytes_accessed'):>8}"
-                f"{v['temp_bytes'] / 1e6:>9.1f}{v['compile_seconds']:>11.2f}")
+
+    rows.append(
+      f"{name:<22}{v['seconds']:>10.4f}{ratio('seconds'):>12}"
+      f"{v['collective_bytes'] / 1e6:>15.2f}{ratio('collective_bytes'):>8}"
+      f"{v['bytes_accessed'] / 1e6:>13.1f}{ratio('bytes_accessed'):>8}"
+      f"{v['temp_bytes'] / 1e6:>9.1f}{v['compile_seconds']:>11.2f}"
+    )
   rows.append("")
   for goal, result in results.get("goals", {}).items():
-    rows.append(f"goal {goal} <= {result['limit']:.2f}: {result['value']:.3f} "
-                f"{'PASS' if result['met'] else 'FAIL'}")
+    rows.append(
+      f"goal {goal} <= {result['limit']:.2f}: {result['value']:.3f} "
+      f"{'PASS' if result['met'] else 'FAIL'}"
+    )
   rows.append("")
   rows.append("collectives per device (ring model):")
   for name, v in variants.items():
-    parts = [f"{c['kind']}[n={c['group_size']}] {c['payload_bytes']:,}B -> {c['bytes']:,.0f}B"
-             for c in v["collectives"]]
+    parts = [
+      f"{c['kind']}[n={c['group_size']}] {c['payload_bytes']:,}B -> {c['bytes']:,.0f}B"
+      for c in v["collectives"]
+    ]
     rows.append(f"  {name}: " + ("; ".join(parts) if parts else "(none)"))
   return "\n".join(rows)
 
@@ -331,9 +351,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   num_params = count_params(shapes)
   grads = make_grads(shapes, mesh)
   all_variants = build_variants(grads, mesh)
-  print(f"{num_devices} x {devices[0].platform} devices; ResNet-18 (base width {width}), "
-        f"{num_params:,} float32 params ({4 * num_params / 1e6:.1f} MB) per device; "
-        f"{args.repeats} timed runs each", flush=True)
+  print(
+    f"{num_devices} x {devices[0].platform} devices; ResNet-18 (base width {width}), "
+    f"{num_params:,} float32 params ({4 * num_params / 1e6:.1f} MB) per device; "
+    f"{args.repeats} timed runs each",
+    flush=True,
+  )
 
   variants: dict[str, Any] = {}
   reference, reference_name = None, None
@@ -349,23 +372,27 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     mean = _device0(mean, variant.per_device_output)
     if reference is None:
       reference, reference_name = mean, name
-    result[f"max_abs_diff_vs_{reference_name}"] = float(max(
-        np.max(np.abs(a - b)) for a, b in zip(jax.tree.leaves(mean), jax.tree.leaves(reference))
-    ))
+    result[f"max_abs_diff_vs_{reference_name}"] = float(
+      max(np.max(np.abs(a - b)) for a, b in zip(jax.tree.leaves(mean), jax.tree.leaves(reference)))
+    )
     if name != "pmean":
       state = _device0(output[1], variant.per_device_output)
       result["similarity"] = float(state.similarity)
     variants[name] = result
-    print(f"  {name}: median {result['seconds']:.4f} s, "
-          f"{result['collective_bytes'] / 1e6:.2f} MB collectives", flush=True)
+    print(
+      f"  {name}: median {result['seconds']:.4f} s, "
+      f"{result['collective_bytes'] / 1e6:.2f} MB collectives",
+      flush=True,
+    )
     del output, mean
 
   base = variants.get("pmean")
   if base:
     for v in variants.values():
       v["time_ratio_to_pmean"] = v["seconds"] / base["seconds"]
-      v["bytes_ratio_to_pmean"] = (v["collective_bytes"] / base["collective_bytes"]
-                                   if base["collective_bytes"] else None)
+      v["bytes_ratio_to_pmean"] = (
+        v["collective_bytes"] / base["collective_bytes"] if base["collective_bytes"] else None
+      )
       v["bytes_accessed_ratio_to_pmean"] = v["bytes_accessed"] / base["bytes_accessed"]
   goals = {}
   for name, measure, limit in GOALS:
@@ -373,17 +400,17 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     if value is not None:
       goals[f"{name}.{measure}"] = {"value": value, "limit": limit, "met": value <= limit}
   results = {
-      "devices": num_devices,
-      "params": num_params,
-      "variants": variants,
-      "goals": goals,
-      "target_params": args.params,
-      "base_width": width,
-      "platform": devices[0].platform,
-      "repeats": args.repeats,
-      "jax_version": jax.__version__,
-      "note": "CPU timings mostly measure local memory work and do not rank the "
-              "variants for GPUs; judge by collective bytes (SPEC.md).",
+    "devices": num_devices,
+    "params": num_params,
+    "variants": variants,
+    "goals": goals,
+    "target_params": args.params,
+    "base_width": width,
+    "platform": devices[0].platform,
+    "repeats": args.repeats,
+    "jax_version": jax.__version__,
+    "note": "CPU timings mostly measure local memory work and do not rank the "
+    "variants for GPUs; judge by collective bytes (SPEC.md).",
   }
   return common.report(results, _format_table(results), args.out)
 

@@ -62,10 +62,10 @@ from __future__ import annotations
 import os
 import sys
 
-
 if __name__ == "__main__":
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   from benchmarks import common  # noqa: E402  (imports no JAX)
+
   common.prepare_script()
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
@@ -83,8 +83,7 @@ from benchmarks import halves as halves_benchmark  # noqa: E402
 from benchmarks import hlo_collectives  # noqa: E402
 from benchmarks import sharded_models  # noqa: E402
 
-FULL = {"kernel_width": 8192, "mlp_widths": (784, 1024, 1024, 10), "batch_size": 64,
-        "repeats": 3}
+FULL = {"kernel_width": 8192, "mlp_widths": (784, 1024, 1024, 10), "batch_size": 64, "repeats": 3}
 QUICK = {"kernel_width": 512, "mlp_widths": (32, 64, 64, 10), "batch_size": 32, "repeats": 1}
 NUM_CLASSES = 10
 SIMILARITY_TOLERANCE = 1e-4
@@ -93,8 +92,10 @@ MEMORY_LIMIT = 1.05
 
 def model_widths(args: argparse.Namespace) -> dict[str, tuple[int, ...]]:
   """The widths of every model the run asks for, by name."""
-  widths = {"kernel": (args.kernel_width, args.kernel_width, NUM_CLASSES),
-            "mlp": tuple(args.mlp_widths)}
+  widths = {
+    "kernel": (args.kernel_width, args.kernel_width, NUM_CLASSES),
+    "mlp": tuple(args.mlp_widths),
+  }
   return {name: widths[name] for name in args.models}
 
 
@@ -105,12 +106,15 @@ def _collective_counts(compiled: Any) -> tuple[dict[str, int], float]:
 
 
 def _sharding_kept(before: Any, after: Any) -> bool:
-  return all(b.sharding.is_equivalent_to(a.sharding, a.ndim)
-             for b, a in zip(jax.tree.leaves(before), jax.tree.leaves(after)))
+  return all(
+    b.sharding.is_equivalent_to(a.sharding, a.ndim)
+    for b, a in zip(jax.tree.leaves(before), jax.tree.leaves(after))
+  )
 
 
-def run_one(widths: Sequence[int], layout: str, axes: str, host_params: Any, host_batch: Any,
-            repeats: int) -> dict[str, Any]:
+def run_one(
+  widths: Sequence[int], layout: str, axes: str, host_params: Any, host_batch: Any, repeats: int
+) -> dict[str, Any]:
   """Compiles, times and checks the three steps of one model, layout and kind of axes."""
   mesh = sharded_models.make_mesh(layout, axes)
   loss = sharded_models.make_loss(len(widths) - 1, explicit=axes == "explicit")
@@ -128,13 +132,13 @@ def run_one(widths: Sequence[int], layout: str, axes: str, host_params: Any, hos
       if axes == "auto":
         new_params = jax.lax.with_sharding_constraint(new_params, shardings)
       return new_params, state, value
+
     return run
 
   picking = {name: keeping_layout(step, name) for name, step in steps.items()}
   compiled: dict[str, Any] = {}
   with jax.set_mesh(mesh):
-    entries = halves_benchmark.measure(picking, (params, states, batch), repeats,
-                                       compiled=compiled)
+    entries = halves_benchmark.measure(picking, (params, states, batch), repeats, compiled=compiled)
     new_params, simigrad_state, _ = compiled["simigrad"](params, states, batch)
   halves_benchmark.add_ratios(entries)
   for name, entry in entries.items():
@@ -143,35 +147,44 @@ def run_one(widths: Sequence[int], layout: str, axes: str, host_params: Any, hos
   simigrad_kinds = collections.Counter(entries["simigrad"]["collectives"])
   similarity = simigrad_jax.similarity(simigrad_state)
   return {
-      "model": None, "layout": layout, "axes": axes, "mesh": dict(mesh.shape),
-      "variants": entries,
-      "transform_temp_ratio": entries["simigrad"]["temp_bytes"] / entries["halves"]["temp_bytes"],
-      "collectives_beyond_plain": dict(simigrad_kinds - plain_kinds),
-      "collective_permutes": simigrad_kinds["collective-permute"],
-      "transform_collective_bytes": (entries["simigrad"]["collective_bytes"]
-                                     - entries["halves"]["collective_bytes"]),
-      "sharding_kept": _sharding_kept(params, new_params),
-      "similarity": similarity,
+    "model": None,
+    "layout": layout,
+    "axes": axes,
+    "mesh": dict(mesh.shape),
+    "variants": entries,
+    "transform_temp_ratio": entries["simigrad"]["temp_bytes"] / entries["halves"]["temp_bytes"],
+    "collectives_beyond_plain": dict(simigrad_kinds - plain_kinds),
+    "collective_permutes": simigrad_kinds["collective-permute"],
+    "transform_collective_bytes": (
+      entries["simigrad"]["collective_bytes"] - entries["halves"]["collective_bytes"]
+    ),
+    "sharding_kept": _sharding_kept(params, new_params),
+    "similarity": similarity,
   }
 
 
 def _check_goals(runs: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
   """Each goal's worst value over the runs and whether every run meets it."""
   measures = {
-      "no collective-permute in the SimiGrad step": (lambda r: r["collective_permutes"], 0),
-      "|similarity - float64 reference|": (lambda r: r["similarity_error"],
-                                           SIMILARITY_TOLERANCE),
-      "transform temp / halves temp": (lambda r: r["transform_temp_ratio"], MEMORY_LIMIT),
-      "SimiGrad temp / plain temp": (
-          lambda r: r["variants"]["simigrad"]["temp_ratio_to_plain"], MEMORY_LIMIT),
-      "parameters' sharding lost": (lambda r: int(not r["sharding_kept"]), 0),
+    "no collective-permute in the SimiGrad step": (lambda r: r["collective_permutes"], 0),
+    "|similarity - float64 reference|": (lambda r: r["similarity_error"], SIMILARITY_TOLERANCE),
+    "transform temp / halves temp": (lambda r: r["transform_temp_ratio"], MEMORY_LIMIT),
+    "SimiGrad temp / plain temp": (
+      lambda r: r["variants"]["simigrad"]["temp_ratio_to_plain"],
+      MEMORY_LIMIT,
+    ),
+    "parameters' sharding lost": (lambda r: int(not r["sharding_kept"]), 0),
   }
   goals = {}
   for goal, (value, limit) in measures.items():
     values = {key: value(run) for key, run in runs.items()}
     worst = max(values, key=values.get)
-    goals[goal] = {"limit": limit, "worst": values[worst], "worst_run": worst,
-                   "met": all(v <= limit for v in values.values())}
+    goals[goal] = {
+      "limit": limit,
+      "worst": values[worst],
+      "worst_run": worst,
+      "met": all(v <= limit for v in values.values()),
+    }
   return goals
 
 
@@ -180,36 +193,44 @@ def _extra(kinds: dict[str, int]) -> str:
 
 
 def _format_table(results: dict[str, Any]) -> str:
-  header = (f"{'model':<7}{'layout':<8}{'axes':<9}{'mesh':<5}{'temp MB':>8}{'halves':>7}"
-            f"{'SimiGrad':>9}{'/halves':>8}{'coll MB':>8}{'SimiGrad':>9}{'transform':>10}"
-            f"{'plain s':>8}{'time':>6}{'perm':>5}{'|s - ref|':>10}  collectives beyond plain")
+  header = (
+    f"{'model':<7}{'layout':<8}{'axes':<9}{'mesh':<5}{'temp MB':>8}{'halves':>7}"
+    f"{'SimiGrad':>9}{'/halves':>8}{'coll MB':>8}{'SimiGrad':>9}{'transform':>10}"
+    f"{'plain s':>8}{'time':>6}{'perm':>5}{'|s - ref|':>10}  collectives beyond plain"
+  )
   rows = [header, "-" * len(header)]
   for run in results["runs"].values():
     v = run["variants"]
     mesh = "x".join(str(n) for n in run["mesh"].values())
-    coll_ratio = (v["simigrad"]["collective_bytes"] / v["plain"]["collective_bytes"]
-                  if v["plain"]["collective_bytes"] else float("nan"))
+    coll_ratio = (
+      v["simigrad"]["collective_bytes"] / v["plain"]["collective_bytes"]
+      if v["plain"]["collective_bytes"]
+      else float("nan")
+    )
     rows.append(
-        f"{run['model']:<7}{run['layout']:<8}{run['axes']:<9}{mesh:<5}"
-        f"{v['plain']['temp_bytes'] / 2**20:>8.1f}{v['halves']['temp_ratio_to_plain']:>6.2f}x"
-        f"{v['simigrad']['temp_ratio_to_plain']:>8.2f}x{run['transform_temp_ratio']:>7.3f}x"
-        f"{v['plain']['collective_bytes'] / 2**20:>8.1f}{coll_ratio:>8.2f}x"
-        f"{run['transform_collective_bytes']:>9.0f}B"
-        f"{v['plain']['step_seconds']:>8.3f}{v['simigrad']['time_ratio_to_plain']:>5.2f}x"
-        f"{run['collective_permutes']:>5}{run['similarity_error']:>10.1e}  "
-        f"{_extra(run['collectives_beyond_plain'])}")
+      f"{run['model']:<7}{run['layout']:<8}{run['axes']:<9}{mesh:<5}"
+      f"{v['plain']['temp_bytes'] / 2**20:>8.1f}{v['halves']['temp_ratio_to_plain']:>6.2f}x"
+      f"{v['simigrad']['temp_ratio_to_plain']:>8.2f}x{run['transform_temp_ratio']:>7.3f}x"
+      f"{v['plain']['collective_bytes'] / 2**20:>8.1f}{coll_ratio:>8.2f}x"
+      f"{run['transform_collective_bytes']:>9.0f}B"
+      f"{v['plain']['step_seconds']:>8.3f}{v['simigrad']['time_ratio_to_plain']:>5.2f}x"
+      f"{run['collective_permutes']:>5}{run['similarity_error']:>10.1e}  "
+      f"{_extra(run['collectives_beyond_plain'])}"
+    )
   rows += [
-      "",
-      "temp MB: per-device temporary memory of the plain step; halves, SimiGrad: the halves "
-      "and SimiGrad steps' against it; /halves: the SimiGrad step's against the halves "
-      "step's (what the transform adds). coll MB: the plain step's collective bytes per "
-      "device (ring model); SimiGrad: the SimiGrad step's against it; transform: the bytes "
-      "the transform adds to the halves step. time: the SimiGrad step's median against "
-      "plain's (CPU). perm: collective-permutes in the SimiGrad step.",
+    "",
+    "temp MB: per-device temporary memory of the plain step; halves, SimiGrad: the halves "
+    "and SimiGrad steps' against it; /halves: the SimiGrad step's against the halves "
+    "step's (what the transform adds). coll MB: the plain step's collective bytes per "
+    "device (ring model); SimiGrad: the SimiGrad step's against it; transform: the bytes "
+    "the transform adds to the halves step. time: the SimiGrad step's median against "
+    "plain's (CPU). perm: collective-permutes in the SimiGrad step.",
   ]
   for goal, result in results["goals"].items():
-    rows.append(f"goal {goal} <= {result['limit']}: worst {result['worst']:.4g} "
-                f"({result['worst_run']}) {'PASS' if result['met'] else 'FAIL'}")
+    rows.append(
+      f"goal {goal} <= {result['limit']}: worst {result['worst']:.4g} "
+      f"({result['worst_run']}) {'PASS' if result['met'] else 'FAIL'}"
+    )
   return "\n".join(rows)
 
 
@@ -224,38 +245,64 @@ def _names(choices: Sequence[str]):
     if unknown or not names:
       raise argparse.ArgumentTypeError(f"{text!r}: choose among {', '.join(choices)}")
     return names
+
   return parse
 
 
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--quick", action="store_true",
-                      help=f"tiny sizes for tests: {QUICK} (flags given still win)")
-  parser.add_argument("--models", type=_names(("kernel", "mlp")), default=("kernel", "mlp"),
-                      help="comma-separated models: kernel, mlp (default both)")
-  parser.add_argument("--layouts", type=_names(tuple(sharded_models.LAYOUTS)),
-                      default=tuple(sharded_models.LAYOUTS),
-                      help="comma-separated layouts (default all): "
-                      + ", ".join(sharded_models.LAYOUTS))
-  parser.add_argument("--axes", type=_names(tuple(sharded_models.AXIS_TYPES)),
-                      default=tuple(sharded_models.AXIS_TYPES),
-                      help="comma-separated kinds of mesh axes: auto, explicit (default both)")
-  parser.add_argument("--kernel-width", type=int, default=None,
-                      help=f"W of the kernel model's W x W kernel (default {FULL['kernel_width']})")
-  parser.add_argument("--mlp-widths", type=_ints, default=None,
-                      help=f"the MLP's widths (default {FULL['mlp_widths']})")
-  parser.add_argument("--batch-size", type=int, default=None,
-                      help=f"examples per step (default {FULL['batch_size']}); each of the "
-                      "data axis's devices needs an even number")
-  parser.add_argument("--repeats", type=int, default=None,
-                      help=f"timed runs per step (default {FULL['repeats']})")
+  parser.add_argument(
+    "--quick", action="store_true", help=f"tiny sizes for tests: {QUICK} (flags given still win)"
+  )
+  parser.add_argument(
+    "--models",
+    type=_names(("kernel", "mlp")),
+    default=("kernel", "mlp"),
+    help="comma-separated models: kernel, mlp (default both)",
+  )
+  parser.add_argument(
+    "--layouts",
+    type=_names(tuple(sharded_models.LAYOUTS)),
+    default=tuple(sharded_models.LAYOUTS),
+    help="comma-separated layouts (default all): " + ", ".join(sharded_models.LAYOUTS),
+  )
+  parser.add_argument(
+    "--axes",
+    type=_names(tuple(sharded_models.AXIS_TYPES)),
+    default=tuple(sharded_models.AXIS_TYPES),
+    help="comma-separated kinds of mesh axes: auto, explicit (default both)",
+  )
+  parser.add_argument(
+    "--kernel-width",
+    type=int,
+    default=None,
+    help=f"W of the kernel model's W x W kernel (default {FULL['kernel_width']})",
+  )
+  parser.add_argument(
+    "--mlp-widths",
+    type=_ints,
+    default=None,
+    help=f"the MLP's widths (default {FULL['mlp_widths']})",
+  )
+  parser.add_argument(
+    "--batch-size",
+    type=int,
+    default=None,
+    help=f"examples per step (default {FULL['batch_size']}); each of the "
+    "data axis's devices needs an even number",
+  )
+  parser.add_argument(
+    "--repeats", type=int, default=None, help=f"timed runs per step (default {FULL['repeats']})"
+  )
   parser.add_argument("--out", default=None, help="write the results as JSON to this path")
   args = parser.parse_args(argv)
   common.apply_preset(args, QUICK if args.quick else FULL)
   data_size = max(shape[0] for shape in sharded_models.LAYOUTS.values())
   if args.batch_size <= 0 or args.batch_size % (2 * data_size):
-    parser.error(f"--batch-size {args.batch_size}: give a positive multiple of {2 * data_size} "
-                 f"(an even number of rows on each of up to {data_size} data devices)")
+    parser.error(
+      f"--batch-size {args.batch_size}: give a positive multiple of {2 * data_size} "
+      f"(an even number of rows on each of up to {data_size} data devices)"
+    )
   return args
 
 
@@ -272,20 +319,25 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   args = _parse_args(argv)
   needed = max(int(np.prod(sharded_models.LAYOUTS[layout])) for layout in args.layouts)
   if jax.device_count() < needed:
-    raise RuntimeError(f"the layouts {args.layouts} need {needed} devices, "
-                       f"found {jax.device_count()}")
+    raise RuntimeError(
+      f"the layouts {args.layouts} need {needed} devices, found {jax.device_count()}"
+    )
   device = jax.devices()[0]
   runs, models = {}, {}
   for model, widths in model_widths(args).items():
     host_params = sharded_models.init_params(widths)
     host_batch = sharded_models.make_batch(widths, args.batch_size)
     reference = sharded_models.reference_similarity(widths, host_params, host_batch)
-    models[model] = {"widths": list(widths),
-                     "params": int(sum(a.size for a in jax.tree.leaves(host_params))),
-                     "reference_similarity": reference}
-    print(f"{model}: widths {widths}, {models[model]['params']:,} parameters; batch "
-          f"{args.batch_size}; float64 similarity of the even and odd examples {reference:+.6f}",
-          flush=True)
+    models[model] = {
+      "widths": list(widths),
+      "params": int(sum(a.size for a in jax.tree.leaves(host_params))),
+      "reference_similarity": reference,
+    }
+    print(
+      f"{model}: widths {widths}, {models[model]['params']:,} parameters; batch "
+      f"{args.batch_size}; float64 similarity of the even and odd examples {reference:+.6f}",
+      flush=True,
+    )
     for layout in args.layouts:
       for axes in args.axes:
         run = run_one(widths, layout, axes, host_params, host_batch, args.repeats)
@@ -294,18 +346,25 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         run["similarity_error"] = abs(run["similarity"] - reference)
         runs[f"{model}/{layout}/{axes}"] = run
         v = run["variants"]
-        print(f"  {layout}/{axes}: temp SimiGrad/plain {v['simigrad']['temp_ratio_to_plain']:.2f}x"
-              f", SimiGrad/halves {run['transform_temp_ratio']:.3f}x, permutes "
-              f"{run['collective_permutes']}, |s - ref| {run['similarity_error']:.1e}", flush=True)
+        print(
+          f"  {layout}/{axes}: temp SimiGrad/plain {v['simigrad']['temp_ratio_to_plain']:.2f}x"
+          f", SimiGrad/halves {run['transform_temp_ratio']:.3f}x, permutes "
+          f"{run['collective_permutes']}, |s - ref| {run['similarity_error']:.1e}",
+          flush=True,
+        )
   results = {
-      "runs": runs,
-      "goals": _check_goals(runs),
-      "models": models,
-      "batch_size": args.batch_size,
-      "repeats": args.repeats,
-      "device": {"platform": device.platform, "device_kind": device.device_kind,
-                 "devices_visible": jax.device_count(), "host_cpus": os.cpu_count()},
-      "jax_version": jax.__version__,
+    "runs": runs,
+    "goals": _check_goals(runs),
+    "models": models,
+    "batch_size": args.batch_size,
+    "repeats": args.repeats,
+    "device": {
+      "platform": device.platform,
+      "device_kind": device.device_kind,
+      "devices_visible": jax.device_count(),
+      "host_cpus": os.cpu_count(),
+    },
+    "jax_version": jax.__version__,
   }
   return common.report(results, _format_table(results), args.out)
 

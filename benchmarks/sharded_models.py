@@ -22,7 +22,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import simigrad_jax
 
@@ -38,10 +40,9 @@ Step = Callable[..., tuple[Any, Any, jax.Array]]
 def make_mesh(layout: str, axes: str) -> jax.sharding.Mesh:
   """The mesh of ``layout`` (:data:`LAYOUTS`) over the first devices, with ``axes`` mesh axes."""
   shape = LAYOUTS[layout]
-  names = ("data", "model")[:len(shape)]
-  devices = jax.devices()[:int(np.prod(shape))]
-  return jax.make_mesh(shape, names, axis_types=(AXIS_TYPES[axes],) * len(shape),
-                       devices=devices)
+  names = ("data", "model")[: len(shape)]
+  devices = jax.devices()[: int(np.prod(shape))]
+  return jax.make_mesh(shape, names, axis_types=(AXIS_TYPES[axes],) * len(shape), devices=devices)
 
 
 def layer_specs(widths: Sequence[int], layout: str) -> list[dict[str, P]]:
@@ -69,7 +70,7 @@ def layer_specs(widths: Sequence[int], layout: str) -> list[dict[str, P]]:
     else:
       kernel, bias = [None, None], P()
     if layout == "fsdp_tp":
-      shape = widths[index:index + 2]
+      shape = widths[index : index + 2]
       free = [axis for axis in (0, 1) if kernel[axis] is None and shape[axis] % data_size == 0]
       if free:
         kernel[free[0]] = "data"
@@ -82,10 +83,13 @@ def layer_specs(widths: Sequence[int], layout: str) -> list[dict[str, P]]:
 def init_params(widths: Sequence[int], seed: int = 0) -> dict[str, dict[str, np.ndarray]]:
   """Float32 NumPy parameters: kernels ``N(0, 1 / fan_in)``, biases ``N(0, 0.01)``."""
   rng = np.random.default_rng(seed)
-  return {f"layer_{i}": {
+  return {
+    f"layer_{i}": {
       "kernel": (rng.normal(size=(fan_in, fan_out)) / np.sqrt(fan_in)).astype(np.float32),
-      "bias": (0.01 * rng.normal(size=(fan_out,))).astype(np.float32)}
-          for i, (fan_in, fan_out) in enumerate(zip(widths[:-1], widths[1:]))}
+      "bias": (0.01 * rng.normal(size=(fan_out,))).astype(np.float32),
+    }
+    for i, (fan_in, fan_out) in enumerate(zip(widths[:-1], widths[1:]))
+  }
 
 
 def make_batch(widths: Sequence[int], batch_size: int, seed: int = 1) -> dict[str, np.ndarray]:
@@ -99,11 +103,15 @@ def make_batch(widths: Sequence[int], batch_size: int, seed: int = 1) -> dict[st
 def place(params: Any, batch: Any, mesh: jax.sharding.Mesh, layout: str) -> tuple[Any, Any]:
   """The parameters laid out by ``layout`` and the batch sharded over ``data``, on ``mesh``."""
   widths = [params["layer_0"]["kernel"].shape[0]] + [
-      params[f"layer_{i}"]["kernel"].shape[1] for i in range(len(params))]
+    params[f"layer_{i}"]["kernel"].shape[1] for i in range(len(params))
+  ]
   specs = layer_specs(widths, layout)
-  placed = {name: {key: jax.device_put(value, NamedSharding(mesh, specs[i][key]))
-                   for key, value in layer.items()}
-            for i, (name, layer) in enumerate(sorted(params.items(), key=_layer_index))}
+  placed = {
+    name: {
+      key: jax.device_put(value, NamedSharding(mesh, specs[i][key])) for key, value in layer.items()
+    }
+    for i, (name, layer) in enumerate(sorted(params.items(), key=_layer_index))
+  }
   return placed, jax.device_put(batch, NamedSharding(mesh, P("data")))
 
 
@@ -142,8 +150,9 @@ def make_loss(num_layers: int, explicit: bool) -> Callable[[Any, Any], jax.Array
   return loss
 
 
-def make_steps(loss: Callable[[Any, Any], jax.Array]
-               ) -> tuple[dict[str, Step], dict[str, optax.GradientTransformation]]:
+def make_steps(
+  loss: Callable[[Any, Any], jax.Array],
+) -> tuple[dict[str, Step], dict[str, optax.GradientTransformation]]:
   """The step of each variant and its optimizer, by name (:data:`VARIANTS`).
 
   * ``plain``: ``jax.value_and_grad`` of the mean loss and ``optax.sgd``;
@@ -155,8 +164,11 @@ def make_steps(loss: Callable[[Any, Any], jax.Array]
 
   Each ``step(params, opt_state, batch) -> (params, opt_state, loss)``.
   """
-  optimizers = {"plain": optax.sgd(LEARNING_RATE), "halves": optax.sgd(LEARNING_RATE),
-                "simigrad": optax.chain(simigrad_jax.transform(), optax.sgd(LEARNING_RATE))}
+  optimizers = {
+    "plain": optax.sgd(LEARNING_RATE),
+    "halves": optax.sgd(LEARNING_RATE),
+    "simigrad": optax.chain(simigrad_jax.transform(), optax.sgd(LEARNING_RATE)),
+  }
 
   def plain(params, opt_state, batch):
     value, grads = jax.value_and_grad(loss)(params, batch)
@@ -169,10 +181,14 @@ def make_steps(loss: Callable[[Any, Any], jax.Array]
       extra = {"half_grads": halves} if pass_halves else {}
       updates, opt_state = optimizers[name].update(grads, opt_state, params, **extra)
       return optax.apply_updates(params, updates), opt_state, value
+
     return step
 
-  steps = {"plain": plain, "halves": with_halves("halves", False),
-           "simigrad": with_halves("simigrad", True)}
+  steps = {
+    "plain": plain,
+    "halves": with_halves("halves", False),
+    "simigrad": with_halves("simigrad", True),
+  }
   return steps, optimizers
 
 

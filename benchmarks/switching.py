@@ -109,10 +109,10 @@ from __future__ import annotations
 import os
 import sys
 
-
 if __name__ == "__main__":
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   from benchmarks import common  # noqa: E402  (imports no JAX)
+
   common.prepare_script()
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
@@ -144,8 +144,16 @@ MULTI_PROCESS_MODES = {"recompile_2proc": ("recompile", 2)}  # mode: (the mode i
 PROCESS_TIMEOUT_SECONDS = 1800  # a multi-process mode's processes are killed after this
 
 # Required keys of each mode's entry in the JSON (machine-read).
-REQUIRED_KEYS = ("steps", "buckets_visited", "compiles", "compile_seconds",
-                 "compile_wait_seconds", "wall_seconds", "data_seconds", "padding_fraction")
+REQUIRED_KEYS = (
+  "steps",
+  "buckets_visited",
+  "compiles",
+  "compile_seconds",
+  "compile_wait_seconds",
+  "wall_seconds",
+  "data_seconds",
+  "padding_fraction",
+)
 
 FULL = {"lower": 8, "upper": 1600, "max_micro": 300, "steps": 214, "model": "cnn"}
 QUICK = {"lower": 8, "upper": 64, "max_micro": 8, "steps": 24, "model": "mlp"}
@@ -188,8 +196,12 @@ def rule_sweep(lower: int, upper: int, steps: int) -> list[int]:
 # ----------------------------------------------------------------------------
 
 
-def prime_process(model_name: str, data: dict[str, np.ndarray], root: pathlib.Path,
-                  workdir: pathlib.Path | None = None) -> float:
+def prime_process(
+  model_name: str,
+  data: dict[str, np.ndarray],
+  root: pathlib.Path,
+  workdir: pathlib.Path | None = None,
+) -> float:
   """Runs a throwaway 2-step Trainer (pad mode, 1 row per device), untimed; returns its seconds.
 
   The first Trainer of a process pays one-time costs (Flax's first init of
@@ -205,18 +217,36 @@ def prime_process(model_name: str, data: dict[str, np.ndarray], root: pathlib.Pa
   controller = simigrad_jax.Controller(8, 0.1, batch_size_lower_bound=8, batch_size_upper_bound=8)
   workdir = workdir or pathlib.Path(tempfile.mkdtemp(prefix="primer-", dir=root))
   with simigrad_jax.Trainer(
-      loss_fn=make_loss_fn(MODELS[model_name]()), params=params, optimizer=make_optimizer(),
-      source=simigrad_jax.ArraySource(data), controller=controller, workdir=workdir,
-      max_micro_batch_size=1, mode="pad", tensorboard=False, progress=False,
-      axis_name=AXIS) as trainer:
+    loss_fn=make_loss_fn(MODELS[model_name]()),
+    params=params,
+    optimizer=make_optimizer(),
+    source=simigrad_jax.ArraySource(data),
+    controller=controller,
+    workdir=workdir,
+    max_micro_batch_size=1,
+    mode="pad",
+    tensorboard=False,
+    progress=False,
+    axis_name=AXIS,
+  ) as trainer:
     trainer.train(num_steps=2)
   shutil.rmtree(workdir, ignore_errors=True)
   return time.perf_counter() - start
 
 
-def run_mode(mode: str, *, data: dict[str, np.ndarray], schedule: list[int], lower: int,
-             upper: int, max_micro: int, model_name: str, workdir: pathlib.Path,
-             persistent_cache: str | None, seed: int = 0) -> dict[str, Any] | None:
+def run_mode(
+  mode: str,
+  *,
+  data: dict[str, np.ndarray],
+  schedule: list[int],
+  lower: int,
+  upper: int,
+  max_micro: int,
+  model_name: str,
+  workdir: pathlib.Path,
+  persistent_cache: str | None,
+  seed: int = 0,
+) -> dict[str, Any] | None:
   """Trains ``len(schedule)`` steps in one mode; returns its numbers (None on process > 0)."""
   model = MODELS[model_name]()
   # Flax's first init of a model runs many small eager ops that compile once
@@ -225,16 +255,29 @@ def run_mode(mode: str, *, data: dict[str, np.ndarray], schedule: list[int], low
   total_start = time.perf_counter()
   optimizer = make_optimizer()
   controller = simigrad_jax.Controller(
-      schedule[0], similarity_target=0.1, batch_size_lower_bound=lower,
-      batch_size_upper_bound=upper, batch_sizes_to_profile=schedule)
+    schedule[0],
+    similarity_target=0.1,
+    batch_size_lower_bound=lower,
+    batch_size_upper_bound=upper,
+    batch_sizes_to_profile=schedule,
+  )
   trainer = simigrad_jax.Trainer(
-      loss_fn=make_loss_fn(model), params=params, optimizer=optimizer,
-      source=simigrad_jax.ArraySource(data), controller=controller, workdir=workdir,
-      max_micro_batch_size=max_micro, min_micro_batch_size=1,
-      mode="pad" if mode == "pad" else "recompile", compile_fallback=mode != "recompile_wait",
-      seed=seed,
-      compilation_cache_dir=persistent_cache, tensorboard=False, progress=False,
-      axis_name=AXIS)
+    loss_fn=make_loss_fn(model),
+    params=params,
+    optimizer=optimizer,
+    source=simigrad_jax.ArraySource(data),
+    controller=controller,
+    workdir=workdir,
+    max_micro_batch_size=max_micro,
+    min_micro_batch_size=1,
+    mode="pad" if mode == "pad" else "recompile",
+    compile_fallback=mode != "recompile_wait",
+    seed=seed,
+    compilation_cache_dir=persistent_cache,
+    tensorboard=False,
+    progress=False,
+    axis_name=AXIS,
+  )
   setup = time.perf_counter() - total_start
   apply_compile_seconds = trainer.compile_stats()["compile_seconds"]  # nothing else compiled yet
   try:
@@ -246,16 +289,24 @@ def run_mode(mode: str, *, data: dict[str, np.ndarray], schedule: list[int], low
     trainer.close()
     close = time.perf_counter() - close_start
   final_stats = trainer.compile_stats()
-  timings = {"setup": setup, "train": train, "close": close,
-             "total": time.perf_counter() - total_start, "apply_compile": apply_compile_seconds}
+  timings = {
+    "setup": setup,
+    "train": train,
+    "close": close,
+    "total": time.perf_counter() - total_start,
+    "apply_compile": apply_compile_seconds,
+  }
   if jax.process_index() != 0:
     return None  # process 0 writes the metrics
   records = simigrad_jax.read_metrics(workdir / "metrics.jsonl")
-  return switching_report.summarize_mode(mode, records, summary, final_stats, trainer.shapes, timings)
+  return switching_report.summarize_mode(
+    mode, records, summary, final_stats, trainer.shapes, timings
+  )
 
 
-def run_processes_mode(mode: str, args: argparse.Namespace, root: pathlib.Path,
-                       num_devices: int) -> tuple[dict[str, Any], pathlib.Path]:
+def run_processes_mode(
+  mode: str, args: argparse.Namespace, root: pathlib.Path, num_devices: int
+) -> tuple[dict[str, Any], pathlib.Path]:
   """Runs a multi-process mode: this script in each process, on its share of ``num_devices``.
 
   Every process runs the same sweep in one shared workdir; process 0 writes
@@ -265,33 +316,65 @@ def run_processes_mode(mode: str, args: argparse.Namespace, root: pathlib.Path,
   """
   base_mode, num_processes = MULTI_PROCESS_MODES[mode]
   if num_devices % num_processes:
-    raise ValueError(f"{mode} splits the {num_devices} devices over {num_processes} processes: "
-                     f"give a device count divisible by {num_processes}")
+    raise ValueError(
+      f"{mode} splits the {num_devices} devices over {num_processes} processes: "
+      f"give a device count divisible by {num_processes}"
+    )
   workdir = pathlib.Path(tempfile.mkdtemp(prefix=f"{mode}-", dir=root))
-  script = [os.path.abspath(__file__), "--modes", base_mode, "--steps", args.steps,
-            "--lower", args.lower, "--upper", args.upper,
-            "--max-micro-batch-size", args.max_micro_batch_size, "--model", args.model,
-            "--workdir", workdir]
+  script = [
+    os.path.abspath(__file__),
+    "--modes",
+    base_mode,
+    "--steps",
+    args.steps,
+    "--lower",
+    args.lower,
+    "--upper",
+    args.upper,
+    "--max-micro-batch-size",
+    args.max_micro_batch_size,
+    "--model",
+    args.model,
+    "--workdir",
+    workdir,
+  ]
   if args.persistent_cache:
     script += ["--persistent-cache", args.persistent_cache]
   result = local_processes.run_local_processes(
-      script, num_processes=num_processes, devices_per_process=num_devices // num_processes,
-      workdir=workdir, timeout=PROCESS_TIMEOUT_SECONDS, what=mode)
+    script,
+    num_processes=num_processes,
+    devices_per_process=num_devices // num_processes,
+    workdir=workdir,
+    timeout=PROCESS_TIMEOUT_SECONDS,
+    what=mode,
+  )
   result.update({"processes": num_processes, "devices_per_process": num_devices // num_processes})
   return result, workdir
 
 
 def _run_as_process(args: argparse.Namespace) -> None:
   """One process of a multi-process mode: joins the others and runs ``args.modes`` (one mode)."""
-  jax.distributed.initialize(args.coordinator, num_processes=args.num_processes,
-                             process_id=args.process_id, initialization_timeout=120)
+  jax.distributed.initialize(
+    args.coordinator,
+    num_processes=args.num_processes,
+    process_id=args.process_id,
+    initialization_timeout=120,
+  )
   data = load_digits_data()
   root = pathlib.Path(args.workdir)
   schedule = rule_sweep(args.lower, args.upper, args.steps)
   prime_process(args.model, data, root, root / "primer")  # one-time costs, untimed
-  result = run_mode(args.modes, data=data, schedule=schedule, lower=args.lower, upper=args.upper,
-                    max_micro=args.max_micro_batch_size, model_name=args.model,
-                    workdir=root / "run", persistent_cache=args.persistent_cache)
+  result = run_mode(
+    args.modes,
+    data=data,
+    schedule=schedule,
+    lower=args.lower,
+    upper=args.upper,
+    max_micro=args.max_micro_batch_size,
+    model_name=args.model,
+    workdir=root / "run",
+    persistent_cache=args.persistent_cache,
+  )
   if result is not None:
     pathlib.Path(args.result_file).write_text(json.dumps(result))
 
@@ -303,32 +386,59 @@ def _run_as_process(args: argparse.Namespace) -> None:
 
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--quick", action="store_true",
-                      help=f"a small run for tests: {QUICK} unless given below")
-  parser.add_argument("--steps", type=int, default=None,
-                      help=f"optimizer steps per mode (default {FULL['steps']}, two sweeps)")
+  parser.add_argument(
+    "--quick", action="store_true", help=f"a small run for tests: {QUICK} unless given below"
+  )
+  parser.add_argument(
+    "--steps",
+    type=int,
+    default=None,
+    help=f"optimizer steps per mode (default {FULL['steps']}, two sweeps)",
+  )
   parser.add_argument("--lower", type=int, default=None, help="smallest global batch size")
-  parser.add_argument("--upper", type=int, default=None,
-                      help="largest global batch size (at most 1797, the digits)")
-  parser.add_argument("--max-micro-batch-size", type=int, default=None,
-                      help="rows per device of the largest shape (the pad mode's one shape)")
+  parser.add_argument(
+    "--upper", type=int, default=None, help="largest global batch size (at most 1797, the digits)"
+  )
+  parser.add_argument(
+    "--max-micro-batch-size",
+    type=int,
+    default=None,
+    help="rows per device of the largest shape (the pad mode's one shape)",
+  )
   parser.add_argument("--model", choices=sorted(MODELS), default=None)
-  parser.add_argument("--modes", default=",".join(MODES),
-                      help="comma-separated subset of " + ",".join(MODES))
+  parser.add_argument(
+    "--modes", default=",".join(MODES), help="comma-separated subset of " + ",".join(MODES)
+  )
   parser.add_argument("--out", default=None, help="write the results as JSON to this path")
-  parser.add_argument("--workdir", default=None,
-                      help="keep each mode's run (metrics.jsonl, checkpoints) in a new "
-                      "sub-directory here (default: a temporary directory, deleted)")
-  parser.add_argument("--persistent-cache", default=None, metavar="DIR",
-                      help="JAX persistent compilation cache directory (process-wide)")
+  parser.add_argument(
+    "--workdir",
+    default=None,
+    help="keep each mode's run (metrics.jsonl, checkpoints) in a new "
+    "sub-directory here (default: a temporary directory, deleted)",
+  )
+  parser.add_argument(
+    "--persistent-cache",
+    default=None,
+    metavar="DIR",
+    help="JAX persistent compilation cache directory (process-wide)",
+  )
   # One process of a multi-process mode (the benchmark starts them itself).
   for flag in ("--coordinator", "--num-processes", "--process-id", "--result-file"):
-    parser.add_argument(flag, default=None, type=int if "process" in flag else str,
-                        help=argparse.SUPPRESS)
+    parser.add_argument(
+      flag, default=None, type=int if "process" in flag else str, help=argparse.SUPPRESS
+    )
   args = parser.parse_args(argv)
-  common.apply_preset(args, QUICK if args.quick else FULL, {
-      "steps": "steps", "lower": "lower", "upper": "upper",
-      "max_micro_batch_size": "max_micro", "model": "model"})
+  common.apply_preset(
+    args,
+    QUICK if args.quick else FULL,
+    {
+      "steps": "steps",
+      "lower": "lower",
+      "upper": "upper",
+      "max_micro_batch_size": "max_micro",
+      "model": "model",
+    },
+  )
   return args
 
 
@@ -358,13 +468,17 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   schedule = rule_sweep(args.lower, args.upper, args.steps)
   devices = jax.devices()
   grid = simigrad_jax.BucketPolicy(args.max_micro_batch_size, 1).micro_batch_sizes()
-  shapes = simigrad_jax.bucket_shapes(simigrad_jax.BucketPolicy(args.max_micro_batch_size, 1),
-                                      len(devices), args.lower, args.upper)
-  print(f"{len(devices)} x {devices[0].platform} devices; {args.model} on digits "
-        f"({len(data['label'])} examples); batch sizes {args.lower}..{args.upper} "
-        f"(rule-paced sweep, {args.steps} steps per mode); max micro-batch "
-        f"{args.max_micro_batch_size}: recompile grid {list(shapes)}, pad shape "
-        f"[{args.max_micro_batch_size}]", flush=True)
+  shapes = simigrad_jax.bucket_shapes(
+    simigrad_jax.BucketPolicy(args.max_micro_batch_size, 1), len(devices), args.lower, args.upper
+  )
+  print(
+    f"{len(devices)} x {devices[0].platform} devices; {args.model} on digits "
+    f"({len(data['label'])} examples); batch sizes {args.lower}..{args.upper} "
+    f"(rule-paced sweep, {args.steps} steps per mode); max micro-batch "
+    f"{args.max_micro_batch_size}: recompile grid {list(shapes)}, pad shape "
+    f"[{args.max_micro_batch_size}]",
+    flush=True,
+  )
 
   if args.workdir:
     root = pathlib.Path(args.workdir).absolute()
@@ -381,42 +495,51 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         result, workdir = run_processes_mode(mode, args, root, len(devices))
       else:
         workdir = pathlib.Path(tempfile.mkdtemp(prefix=f"{mode}-", dir=root))
-        result = run_mode(mode, data=data, schedule=schedule, lower=args.lower,
-                          upper=args.upper, max_micro=args.max_micro_batch_size,
-                          model_name=args.model, workdir=workdir,
-                          persistent_cache=args.persistent_cache)
+        result = run_mode(
+          mode,
+          data=data,
+          schedule=schedule,
+          lower=args.lower,
+          upper=args.upper,
+          max_micro=args.max_micro_batch_size,
+          model_name=args.model,
+          workdir=workdir,
+          persistent_cache=args.persistent_cache,
+        )
       result["workdir"] = None if cleanup else str(workdir)
       results_by_mode[mode] = result
-      print(f"  {mode}: {result['steps']} steps, {result['buckets_visited']} buckets, "
-            f"{result['wall_seconds']:.2f} s of steps, compile wait "
-            f"{result['compile_wait_seconds']:.2f} s", flush=True)
+      print(
+        f"  {mode}: {result['steps']} steps, {result['buckets_visited']} buckets, "
+        f"{result['wall_seconds']:.2f} s of steps, compile wait "
+        f"{result['compile_wait_seconds']:.2f} s",
+        flush=True,
+      )
   finally:
     if cleanup is not None:
       shutil.rmtree(cleanup, ignore_errors=True)
 
   results = {
-      "devices": len(devices),
-      "platform": devices[0].platform,
-      "jax_version": jax.__version__,
-      "model": args.model,
-      "data": "sklearn digits",
-      "lower": args.lower,
-      "upper": args.upper,
-      "max_micro_batch_size": args.max_micro_batch_size,
-      "micro_batch_grid": list(grid),
-      "schedule": schedule,
-      "quick": bool(args.quick),
-      "persistent_cache": args.persistent_cache,
-      "primer_seconds": primer_seconds,
-      "same_batch_sizes": len({tuple(r["batch_sizes"]) for r in results_by_mode.values()}) == 1,
-      "warmup_definitions": {
-          "after_first_step": "steps 2..N (the first step waits for its shape's compile)",
-          "after_all_compiled": "steps after the first whose record shows every grid shape "
-                                "compiled",
-      },
-      "note": "CPU timings are noisy; compare the modes by the ratios within one run.",
-      "modes": results_by_mode,
-      "ratios": switching_report.mode_ratios(results_by_mode),
+    "devices": len(devices),
+    "platform": devices[0].platform,
+    "jax_version": jax.__version__,
+    "model": args.model,
+    "data": "sklearn digits",
+    "lower": args.lower,
+    "upper": args.upper,
+    "max_micro_batch_size": args.max_micro_batch_size,
+    "micro_batch_grid": list(grid),
+    "schedule": schedule,
+    "quick": bool(args.quick),
+    "persistent_cache": args.persistent_cache,
+    "primer_seconds": primer_seconds,
+    "same_batch_sizes": len({tuple(r["batch_sizes"]) for r in results_by_mode.values()}) == 1,
+    "warmup_definitions": {
+      "after_first_step": "steps 2..N (the first step waits for its shape's compile)",
+      "after_all_compiled": "steps after the first whose record shows every grid shape compiled",
+    },
+    "note": "CPU timings are noisy; compare the modes by the ratios within one run.",
+    "modes": results_by_mode,
+    "ratios": switching_report.mode_ratios(results_by_mode),
   }
   return common.report(results, switching_report.format_table(results), args.out)
 

@@ -60,8 +60,9 @@ def make_loss_fn(model: nn.Module):
 
 def make_optimizer() -> optax.GradientTransformation:
   """SimiGrad's transform, SGD with momentum and the learning-rate factor, as a Trainer needs."""
-  return optax.chain(simigrad_jax.transform(AXIS), optax.sgd(0.05, momentum=0.9),
-                     simigrad_jax.scale_by_lr_factor())
+  return optax.chain(
+    simigrad_jax.transform(AXIS), optax.sgd(0.05, momentum=0.9), simigrad_jax.scale_by_lr_factor()
+  )
 
 
 def init_params(model_name: str, data: dict[str, np.ndarray], seed: int = 0) -> Any:

@@ -40,12 +40,21 @@ from simigrad_jax.errors import SimiGradError
 
 logger = logging.getLogger("simigrad_jax")
 
-__all__ = ["UnsafePathError", "check_private_dir", "make_private_dir", "open_for_append",
-           "open_nofollow", "refuse_symlink", "write_atomic"]
+__all__ = [
+  "UnsafePathError",
+  "check_private_dir",
+  "make_private_dir",
+  "open_for_append",
+  "open_nofollow",
+  "refuse_symlink",
+  "write_atomic",
+]
 
 # How to turn the folder checks off, for the messages.
-ALLOW_SHARED = ("allow_shared_workdir=True (TrainerConfig; --config.allow_shared_workdir=True "
-                "for python -m train)")
+ALLOW_SHARED = (
+  "allow_shared_workdir=True (TrainerConfig; --config.allow_shared_workdir=True "
+  "for python -m train)"
+)
 
 
 class UnsafePathError(SimiGradError, ValueError):
@@ -64,6 +73,7 @@ def _user(uid: int) -> str:
   """``"alice (uid 1000)"``, or ``"uid 1000"`` for a uid without a name."""
   try:
     import pwd  # pylint: disable=import-outside-toplevel
+
     return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
   except (ImportError, KeyError):
     return f"uid {uid}"
@@ -107,10 +117,14 @@ def write_atomic(path: str | os.PathLike, data: bytes | str) -> pathlib.Path:
   except FileNotFoundError:
     old = None
   if old is not None and stat.S_ISLNK(old.st_mode):
-    logger.warning("%s is a symlink to %s; replacing the link by the file, not writing through it",
-                   path, os.readlink(path))
-  mode = (stat.S_IMODE(old.st_mode) if old is not None and stat.S_ISREG(old.st_mode)
-          else _new_file_mode())
+    logger.warning(
+      "%s is a symlink to %s; replacing the link by the file, not writing through it",
+      path,
+      os.readlink(path),
+    )
+  mode = (
+    stat.S_IMODE(old.st_mode) if old is not None and stat.S_ISREG(old.st_mode) else _new_file_mode()
+  )
   # mkstemp creates the file exclusively (O_EXCL), so it never opens a planted one.
   fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
   try:
@@ -148,8 +162,9 @@ def open_for_append(path: str | os.PathLike) -> TextIO:
   Raises:
     UnsafePathError: ``path`` is a symlink (the message names its target).
   """
-  return os.fdopen(open_nofollow(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT), "a",
-                   encoding="utf-8")
+  return os.fdopen(
+    open_nofollow(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT), "a", encoding="utf-8"
+  )
 
 
 def open_nofollow(path: str | os.PathLike, flags: int, mode: int = 0o666) -> int:
@@ -170,9 +185,10 @@ def open_nofollow(path: str | os.PathLike, flags: int, mode: int = 0o666) -> int
 def refuse_symlink(path: pathlib.Path) -> UnsafePathError:
   """The error for a symlink found where a run's file is kept (to raise)."""
   return UnsafePathError(
-      f"{path} is a symlink to {os.readlink(path)!r}; a run never writes or reads its files "
-      f"through a symlink (another user may have planted it): remove the link, or use another "
-      f"workdir")
+    f"{path} is a symlink to {os.readlink(path)!r}; a run never writes or reads its files "
+    f"through a symlink (another user may have planted it): remove the link, or use another "
+    f"workdir"
+  )
 
 
 def check_private_dir(path: str | os.PathLike, *, what: str = "workdir") -> None:
@@ -197,36 +213,48 @@ def check_private_dir(path: str | os.PathLike, *, what: str = "workdir") -> None
   uid = current_uid()
   info = os.stat(path)
   mode = stat.S_IMODE(info.st_mode)
-  risk = (f"another user could change the run's files there (its checkpoints, or the compiled "
-          f"programs JAX loads and runs). Use a folder of your own (mode 0700 or 0755), or set "
-          f"{ALLOW_SHARED} if you trust every user who can write there")
+  risk = (
+    f"another user could change the run's files there (its checkpoints, or the compiled "
+    f"programs JAX loads and runs). Use a folder of your own (mode 0700 or 0755), or set "
+    f"{ALLOW_SHARED} if you trust every user who can write there"
+  )
   if info.st_uid != uid:
-    raise UnsafePathError(f"the {what} {str(path)!r} belongs to {_user(info.st_uid)}, not to this "
-                          f"user, {_user(uid)}: {risk}")
+    raise UnsafePathError(
+      f"the {what} {str(path)!r} belongs to {_user(info.st_uid)}, not to this "
+      f"user, {_user(uid)}: {risk}"
+    )
   if mode & 0o022:
-    raise UnsafePathError(f"the {what} {str(path)!r} has mode {mode:#o}: it is "
-                          f"{_writable_by(mode)}-writable, so {risk}")
+    raise UnsafePathError(
+      f"the {what} {str(path)!r} has mode {mode:#o}: it is {_writable_by(mode)}-writable, so {risk}"
+    )
   parents = dict.fromkeys([*path.parents, *pathlib.Path(os.path.realpath(path)).parents])
   for parent in parents:
     info = os.stat(parent)
     mode = stat.S_IMODE(info.st_mode)
     if info.st_uid not in (uid, 0):
       raise UnsafePathError(
-          f"the {what} {str(path)!r} is inside {str(parent)!r}, which belongs to "
-          f"{_user(info.st_uid)}, who could replace the {what} by a folder of theirs: {risk}")
+        f"the {what} {str(path)!r} is inside {str(parent)!r}, which belongs to "
+        f"{_user(info.st_uid)}, who could replace the {what} by a folder of theirs: {risk}"
+      )
     if mode & 0o022 and not mode & stat.S_ISVTX:
       raise UnsafePathError(
-          f"the {what} {str(path)!r} is inside {str(parent)!r}, which has mode {mode:#o}: it is "
-          f"{_writable_by(mode)}-writable without the sticky bit, so any user who can write "
-          f"there could replace the {what} by a folder of theirs: {risk}")
+        f"the {what} {str(path)!r} is inside {str(parent)!r}, which has mode {mode:#o}: it is "
+        f"{_writable_by(mode)}-writable without the sticky bit, so any user who can write "
+        f"there could replace the {what} by a folder of theirs: {risk}"
+      )
 
 
 def _writable_by(mode: int) -> str:
   return " and ".join(name for bit, name in ((0o020, "group"), (0o002, "world")) if mode & bit)
 
 
-def make_private_dir(path: str | os.PathLike, *, what: str = "workdir", allow_shared: bool = False,
-                     tighten: bool = False) -> pathlib.Path:
+def make_private_dir(
+  path: str | os.PathLike,
+  *,
+  what: str = "workdir",
+  allow_shared: bool = False,
+  tighten: bool = False,
+) -> pathlib.Path:
   """Creates the folder ``path`` (mode ``0700``, as any missing parent) and checks it.
 
   Args:

@@ -36,11 +36,13 @@ def _find(opt_state: Any, state_type: type[_State], producer: str) -> _State:
     return found[0]
   if not found:
     raise ValueError(
-        f"no {state_type.__name__} in this optimizer state; chain {producer} into the optimizer"
+      f"no {state_type.__name__} in this optimizer state; chain {producer} into the optimizer"
     )
   with_paths = optax.tree_utils.tree_get_all_with_path(opt_state, state_type.__name__)
   paths = [jax.tree_util.keystr(tuple(path)) for path, _ in with_paths]
-  raise ValueError(f"{len(with_paths)} {state_type.__name__}s in this optimizer state, at {paths}; expected one")
+  raise ValueError(
+    f"{len(with_paths)} {state_type.__name__}s in this optimizer state, at {paths}; expected one"
+  )
 
 
 def _first_copy(value: Any) -> Any:
@@ -76,13 +78,13 @@ def similarity_stats(opt_state: Any) -> dict[str, float | bool | int]:
   values = dict(zip(SimilarityState._fields, _read_scalars(state), strict=True))
   measured = bool(values["measured"])
   return {
-      "similarity": float(values["similarity"]) if measured else math.nan,
-      "norm_a": float(values["norm_a"]),
-      "norm_b": float(values["norm_b"]),
-      "norm_mean": float(values["norm_mean"]),
-      "measured": measured,
-      "grads_finite": bool(values["grads_finite"]),
-      "nonfinite_count": int(values["nonfinite_count"]),
+    "similarity": float(values["similarity"]) if measured else math.nan,
+    "norm_a": float(values["norm_a"]),
+    "norm_b": float(values["norm_b"]),
+    "norm_mean": float(values["norm_mean"]),
+    "measured": measured,
+    "grads_finite": bool(values["grads_finite"]),
+    "nonfinite_count": int(values["nonfinite_count"]),
   }
 
 
@@ -122,8 +124,9 @@ def set_lr_factor(opt_state: Any, factor: float) -> Any:
   if not math.isfinite(factor) or factor <= 0:
     raise ValueError(f"the learning-rate factor must be finite and > 0, got {factor}")
   old = _find(opt_state, LrFactorState, "simigrad_jax.scale_by_lr_factor()").lr_factor
-  new_value: np.ndarray | jax.Array = np.full(np.shape(old), factor,
-                                              dtype=np.asarray(_first_copy(old)).dtype)
+  new_value: np.ndarray | jax.Array = np.full(
+    np.shape(old), factor, dtype=np.asarray(_first_copy(old)).dtype
+  )
   if isinstance(old, jax.Array):
     # Keep the placement: committed arrays (pmap and shard_map layouts) stay
     # where they were; an uncommitted one stays free for jit to place.

@@ -35,8 +35,7 @@ from simigrad_jax.runtime.metrics import read_metrics
 __all__ = ["main", "plot_metrics"]
 
 BATCH_KEYS: tuple[str, ...] = ("batch_size", "global_batch_size")
-PLOTTED_KEYS: tuple[str, ...] = (
-    *BATCH_KEYS, "similarity", "lr_factor", "loss", "eval_accuracy")
+PLOTTED_KEYS: tuple[str, ...] = (*BATCH_KEYS, "similarity", "lr_factor", "loss", "eval_accuracy")
 
 
 def _number(value: Any) -> float | None:
@@ -48,8 +47,9 @@ def _number(value: Any) -> float | None:
   return float(value)
 
 
-def _series(records: list[dict[str, Any]], xs: list[float],
-            key: str) -> tuple[list[float], list[float]]:
+def _series(
+  records: list[dict[str, Any]], xs: list[float], key: str
+) -> tuple[list[float], list[float]]:
   """The (x, value) pairs of the records that have a numeric ``key``."""
   pairs = [(x, _number(r[key])) for r, x in zip(records, xs, strict=True) if key in r]
   points = [(x, y) for x, y in pairs if y is not None]
@@ -64,11 +64,14 @@ def _examples_seen(record: dict[str, Any]) -> float | None:
 def _x_positions(records: list[dict[str, Any]]) -> tuple[list[float], str]:
   """Each record's position on the x axis, and the axis label."""
   known = sorted(
-      (r["step"], _examples_seen(r)) for r in records
-      if validation.is_int(r.get("step")) and _examples_seen(r) is not None)
+    (r["step"], _examples_seen(r))
+    for r in records
+    if validation.is_int(r.get("step")) and _examples_seen(r) is not None
+  )
   if not known:
-    return [float(r["step"]) if validation.is_int(r.get("step")) else math.nan
-            for r in records], "step"
+    return [
+      float(r["step"]) if validation.is_int(r.get("step")) else math.nan for r in records
+    ], "step"
   steps = [step for step, _ in known]
   xs = []
   for r in records:
@@ -80,11 +83,13 @@ def _x_positions(records: list[dict[str, Any]]) -> tuple[list[float], str]:
   return xs, "examples seen"
 
 
-def _similarity_target(records: list[dict[str, Any]],
-                       similarity_target: float | None) -> float | None:
+def _similarity_target(
+  records: list[dict[str, Any]], similarity_target: float | None
+) -> float | None:
   if similarity_target is not None:
     return validation.check_real(
-        "similarity_target", similarity_target, "[-1, 1]", lambda x: -1.0 <= x <= 1.0)
+      "similarity_target", similarity_target, "[-1, 1]", lambda x: -1.0 <= x <= 1.0
+    )
   for r in reversed(records):
     value = _number(r.get("similarity_target"))
     if value is not None and math.isfinite(value):
@@ -93,11 +98,11 @@ def _similarity_target(records: list[dict[str, Any]],
 
 
 def plot_metrics(
-    metrics_path: str | os.PathLike,
-    png_path: str | os.PathLike,
-    *,
-    similarity_target: float | None = None,
-    title: str | None = None,
+  metrics_path: str | os.PathLike,
+  png_path: str | os.PathLike,
+  *,
+  similarity_target: float | None = None,
+  title: str | None = None,
 ) -> pathlib.Path:
   """Draws a run's batch size, similarity, learning-rate factor and loss to a PNG.
 
@@ -137,17 +142,22 @@ def plot_metrics(
 
   series = {key: _series(records, xs, key) for key in PLOTTED_KEYS}
   batch_key = next((k for k in BATCH_KEYS if series[k][0]), None)
-  panels = [name for name, present in (
+  panels = [
+    name
+    for name, present in (
       ("batch", batch_key is not None),
       ("similarity", bool(series["similarity"][0])),
       ("lr_factor", bool(series["lr_factor"][0])),
       ("loss", bool(series["loss"][0] or series["eval_accuracy"][0])),
-  ) if present]
+    )
+    if present
+  ]
   if not panels:
     found = sorted({k for r in records for k in r})
     raise ValueError(
-        f"metrics file {str(metrics_path)!r} has none of the plotted keys "
-        f"{list(PLOTTED_KEYS)}; its keys are {found}")
+      f"metrics file {str(metrics_path)!r} has none of the plotted keys "
+      f"{list(PLOTTED_KEYS)}; its keys are {found}"
+    )
 
   # Imported here so that importing this module stays cheap.
   from matplotlib.backends.backend_agg import FigureCanvasAgg  # pylint: disable=g-import-not-at-top
@@ -166,8 +176,7 @@ def plot_metrics(
       x, y = series["similarity"]
       ax.plot(x, y, color="tab:orange", linewidth=0.8, label="similarity")
       if target is not None:
-        ax.axhline(target, color="black", linestyle="--", linewidth=1,
-                   label=f"target {target:g}")
+        ax.axhline(target, color="black", linestyle="--", linewidth=1, label=f"target {target:g}")
         ax.legend(loc="best", fontsize="small")
       ax.set_ylabel("similarity")
     elif panel == "lr_factor":
@@ -186,8 +195,7 @@ def plot_metrics(
         accuracy_ax = ax.twinx()
       if series["eval_accuracy"][0]:
         x, y = series["eval_accuracy"]
-        accuracy_ax.plot(x, y, color="tab:purple", marker="o", markersize=3,
-                         label="eval accuracy")
+        accuracy_ax.plot(x, y, color="tab:purple", marker="o", markersize=3, label="eval accuracy")
         accuracy_ax.set_ylabel("eval accuracy", color="tab:purple")
       elif accuracy_ax is not ax:
         accuracy_ax.set_visible(False)
@@ -202,21 +210,29 @@ def plot_metrics(
 def main(argv: Sequence[str] | None = None) -> int:
   """The command line: ``python -m simigrad_jax.plot METRICS.jsonl [--out PNG]``."""
   parser = argparse.ArgumentParser(
-      prog="python -m simigrad_jax.plot",
-      description="Plot a SimiGrad run's metrics.jsonl (batch size, similarity, "
-      "learning-rate factor, loss) to a PNG.")
+    prog="python -m simigrad_jax.plot",
+    description="Plot a SimiGrad run's metrics.jsonl (batch size, similarity, "
+    "learning-rate factor, loss) to a PNG.",
+  )
   parser.add_argument("metrics", type=pathlib.Path, help="the metrics.jsonl to plot")
-  parser.add_argument("--out", type=pathlib.Path, default=None,
-                      help="the PNG to write (default: the metrics file with a "
-                      ".png suffix, i.e. metrics.png next to metrics.jsonl)")
-  parser.add_argument("--target", type=float, default=None,
-                      help="the similarity target to draw (default: from the records)")
+  parser.add_argument(
+    "--out",
+    type=pathlib.Path,
+    default=None,
+    help="the PNG to write (default: the metrics file with a "
+    ".png suffix, i.e. metrics.png next to metrics.jsonl)",
+  )
+  parser.add_argument(
+    "--target",
+    type=float,
+    default=None,
+    help="the similarity target to draw (default: from the records)",
+  )
   parser.add_argument("--title", default=None, help="the figure title")
   args = parser.parse_args(argv)
   out = args.out if args.out is not None else args.metrics.with_suffix(".png")
   try:
-    written = plot_metrics(args.metrics, out, similarity_target=args.target,
-                           title=args.title)
+    written = plot_metrics(args.metrics, out, similarity_target=args.target, title=args.title)
   except (OSError, ValueError) as e:
     parser.exit(2, f"{parser.prog}: error: {e}\n")
   print(f"wrote {written}")

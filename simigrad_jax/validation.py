@@ -27,7 +27,8 @@ def check_int(name: str, value: Any, minimum: int = 1) -> int:
   """Returns ``value`` as an int, or raises ValueError naming it and the valid range."""
   if not is_int(value):
     raise ValueError(
-        f"{name} must be an integer >= {minimum}, got {value!r} ({type(value).__name__})")
+      f"{name} must be an integer >= {minimum}, got {value!r} ({type(value).__name__})"
+    )
   if int(value) < minimum:
     raise ValueError(f"{name} must be an integer >= {minimum}, got {int(value)}")
   return int(value)

@@ -18,19 +18,19 @@ from simigrad_jax.engine.batch_plan import representable_batch_sizes
 
 DEVICES = [1, 2, 3, 8]
 PAD_POLICIES = [
-    BucketPolicy(8),  # single shape: "pad" mode
-    BucketPolicy(16, 2),
-    BucketPolicy(12, 1),
-    BucketPolicy(7, 3),
-    BucketPolicy(3, 1),
-    BucketPolicy(1),
+  BucketPolicy(8),  # single shape: "pad" mode
+  BucketPolicy(16, 2),
+  BucketPolicy(12, 1),
+  BucketPolicy(7, 3),
+  BucketPolicy(3, 1),
+  BucketPolicy(1),
 ]
 ROUND_POLICIES = [
-    BucketPolicy(8, 1, padding=False),
-    BucketPolicy(12, 3, padding=False),
-    BucketPolicy(5, padding=False),
-    BucketPolicy(16, 4, padding=False),
-    BucketPolicy(3, 1, padding=False),
+  BucketPolicy(8, 1, padding=False),
+  BucketPolicy(12, 3, padding=False),
+  BucketPolicy(5, padding=False),
+  BucketPolicy(16, 4, padding=False),
+  BucketPolicy(3, 1, padding=False),
 ]
 
 
@@ -71,8 +71,7 @@ def prev_or_less(previous, request, sizes):
 
 def check_layout(plan):
   """Layout and weights follow the documented placement of examples."""
-  n, micro, k = (plan.num_devices, plan.micro_batch_size,
-                 plan.accumulation_steps)
+  n, micro, k = (plan.num_devices, plan.micro_batch_size, plan.accumulation_steps)
   layout, weights = plan.example_layout(), plan.example_weights()
   assert layout.shape == weights.shape == (k, n, micro)
   assert layout.dtype == np.int64 and weights.dtype == np.float32
@@ -91,22 +90,26 @@ def check_layout(plan):
     rows = layout[:, d, :].T.reshape(-1)
     num_real = int((rows >= 0).sum())
     assert (rows[num_real:] == -1).all()  # padding ends each device
-    np.testing.assert_array_equal(rows[:num_real],
-                                  d + n * np.arange(num_real))
+    np.testing.assert_array_equal(rows[:num_real], d + n * np.arange(num_real))
   if plan.global_batch_size >= n and (micro >= 2 or k == 1):
     # Every device holds real rows in every micro-step (BatchNorm masks never empty).
     assert (per_step_device >= 1).all(), per_step_device
 
 
 def effective_min(policy):
-  return (policy.max_micro_batch_size if policy.min_micro_batch_size is None
-          else policy.min_micro_batch_size)
+  return (
+    policy.max_micro_batch_size
+    if policy.min_micro_batch_size is None
+    else policy.min_micro_batch_size
+  )
 
 
 # ---------------------------------------------------------------- grid
 
 
-@pytest.mark.parametrize("top,low,expected", [
+@pytest.mark.parametrize(
+  "top,low,expected",
+  [
     (8, None, (8,)),
     (8, 8, (8,)),
     (64, 8, (8, 16, 32, 64)),
@@ -116,7 +119,8 @@ def effective_min(policy):
     (5, 2, (2, 3, 5)),
     (3, 1, (1, 2, 3)),
     (1, 1, (1,)),
-])
+  ],
+)
 def test_grid_examples(top, low, expected):
   assert BucketPolicy(top, low).micro_batch_sizes() == expected
 
@@ -157,8 +161,7 @@ def test_padding_realises_exactly(n, policy):
 def test_padding_ignores_previous_and_clamps_to_bounds():
   policy = BucketPolicy(16, 2)
   for b in range(1, 200):
-    assert plan_batch(b, 3, policy, previous_batch_size=50) == plan_batch(
-        b, 3, policy)
+    assert plan_batch(b, 3, policy, previous_batch_size=50) == plan_batch(b, 3, policy)
     plan = plan_batch(b, 3, policy, lower=20, upper=150)
     assert plan.global_batch_size == min(max(b, 20), 150)
     assert plan.requested_batch_size == b
@@ -172,8 +175,7 @@ def test_plan_example_values():
   plan = plan_batch(300, 8, BucketPolicy(16, 4))  # k = 3, 3 * 8 * 16 = 384
   assert (plan.accumulation_steps, plan.micro_batch_size) == (3, 16)
   plan = plan_batch(5, 2, BucketPolicy(2))
-  assert plan.example_layout().tolist() == [[[0, 4], [1, -1]],
-                                            [[2, -1], [3, -1]]]
+  assert plan.example_layout().tolist() == [[[0, 4], [1, -1]], [[2, -1], [3, -1]]]
 
 
 # ---------------------------------------------------------------- padding=False
@@ -219,8 +221,7 @@ def test_round_within_bounds(n, policy):
       shapes = set()
       for previous in [None] + list(range(lo, hi + 1)):
         for request in list(range(lo, hi + 1)) + [1, hi + 50]:
-          plan = plan_batch(request, n, policy, previous_batch_size=previous,
-                            lower=lo, upper=hi)
+          plan = plan_batch(request, n, policy, previous_batch_size=previous, lower=lo, upper=hi)
           got = plan.global_batch_size
           shapes.add(plan.micro_batch_size)
           assert got in sizes  # representable and in [lo, hi]
@@ -259,28 +260,34 @@ def test_round_documented_edges():
 @pytest.mark.parametrize("n", DEVICES)
 def test_bucket_shapes_brute_force(n, policy):
   if policy.padding:
-    shape_of = [None] + [plan_batch(b, n, policy).micro_batch_size
-                         for b in range(1, 600)]
+    shape_of = [None] + [plan_batch(b, n, policy).micro_batch_size for b in range(1, 600)]
   for lo in range(1, 300):
     for hi in [lo + d for d in (0, 1, 2, 3, 7, 15, 31, 63, 127, 255)]:
       if policy.padding:
-        expected = tuple(sorted(set(shape_of[lo:hi + 1])))
+        expected = tuple(sorted(set(shape_of[lo : hi + 1])))
       else:
         sizes = representable_batch_sizes(policy, n, lo, hi)
         if not sizes:
           with pytest.raises(ValueError, match="realisable"):
             bucket_shapes(policy, n, lo, hi)
           continue
-        expected = tuple(sorted({plan_batch(s, n, policy).micro_batch_size
-                                 for s in sizes}))
+        expected = tuple(sorted({plan_batch(s, n, policy).micro_batch_size for s in sizes}))
       assert bucket_shapes(policy, n, lo, hi) == expected, (lo, hi)
 
 
-@pytest.mark.parametrize("policy", [
-    BucketPolicy(1), BucketPolicy(1, padding=False), BucketPolicy(64),
-    BucketPolicy(96, 1), BucketPolicy(100, 10, padding=False),
-    BucketPolicy(4096, 1), BucketPolicy(3, 1, padding=False),
-], ids=repr)
+@pytest.mark.parametrize(
+  "policy",
+  [
+    BucketPolicy(1),
+    BucketPolicy(1, padding=False),
+    BucketPolicy(64),
+    BucketPolicy(96, 1),
+    BucketPolicy(100, 10, padding=False),
+    BucketPolicy(4096, 1),
+    BucketPolicy(3, 1, padding=False),
+  ],
+  ids=repr,
+)
 def test_bucket_shapes_large_range_is_fast_and_small(policy):
   start = time.perf_counter()
   shapes = bucket_shapes(policy, 8, 1, 1_000_000)
@@ -305,8 +312,7 @@ def test_bucket_shapes_single_shape_pad_mode():
 def test_representable_matches_definition(n, policy):
   grid = policy.micro_batch_sizes()
   for lo, hi in [(1, 1), (1, 500), (7, 9), (33, 400), (250, 260)]:
-    assert representable_batch_sizes(policy, n, lo, hi) == ref_sizes(
-        n, grid, lo, hi)
+    assert representable_batch_sizes(policy, n, lo, hi) == ref_sizes(n, grid, lo, hi)
 
 
 def test_representable_empty_and_padding_rejected():
@@ -324,12 +330,13 @@ def test_representable_empty_and_padding_rejected():
 GOOD = BucketPolicy(8, 2)
 
 
-@pytest.mark.parametrize("make,message", [
+@pytest.mark.parametrize(
+  "make,message",
+  [
     (lambda: BucketPolicy(0), "max_micro_batch_size .*got 0"),
     (lambda: BucketPolicy(True), "max_micro_batch_size .*got True"),
     (lambda: BucketPolicy(8.0), "max_micro_batch_size .*got 8.0"),
-    (lambda: BucketPolicy(8, 16),
-     r"min_micro_batch_size .*\[1, .*=8\], got 16"),
+    (lambda: BucketPolicy(8, 16), r"min_micro_batch_size .*\[1, .*=8\], got 16"),
     (lambda: BucketPolicy(8, 0), "min_micro_batch_size .*got 0"),
     (lambda: BucketPolicy(8, 2.0), "min_micro_batch_size .*got 2.0"),
     (lambda: BucketPolicy(8, True), "min_micro_batch_size .*got True"),
@@ -341,21 +348,22 @@ GOOD = BucketPolicy(8, 2)
     (lambda: plan_batch(8, 0, GOOD), "num_devices .*>= 1, got 0"),
     (lambda: plan_batch(8, 2.0, GOOD), "num_devices .*got 2.0"),
     (lambda: plan_batch(8, 1, "big"), "policy .*got 'big'"),
-    (lambda: plan_batch(8, 1, GOOD, previous_batch_size=0),
-     "previous_batch_size .*got 0"),
+    (lambda: plan_batch(8, 1, GOOD, previous_batch_size=0), "previous_batch_size .*got 0"),
     (lambda: plan_batch(8, 1, GOOD, lower=0), "lower .*got 0"),
-    (lambda: plan_batch(8, 1, GOOD, lower=10, upper=5),
-     "upper .*lower=10, got 5"),
+    (lambda: plan_batch(8, 1, GOOD, lower=10, upper=5), "upper .*lower=10, got 5"),
     (lambda: bucket_shapes(GOOD, 1, 10, 5), "upper .*lower=10, got 5"),
     (lambda: bucket_shapes(GOOD, 0, 1, 5), "num_devices .*got 0"),
     (lambda: bucket_shapes(GOOD, 1, 0, 5), "lower .*got 0"),
     (lambda: bucket_shapes(GOOD, 1, 1, None), "upper .*got None"),
-    (lambda: representable_batch_sizes(
-        BucketPolicy(8, padding=False), 1, 1.5, 9), "lower .*got 1.5"),
+    (
+      lambda: representable_batch_sizes(BucketPolicy(8, padding=False), 1, 1.5, 9),
+      "lower .*got 1.5",
+    ),
     (lambda: BatchPlan(10, 10, 2, 4, 1, 0), "= 8, got 10 \\+ 0"),
     (lambda: BatchPlan(8, 8, 2, 4, 1, -1), "padded_examples .*got -1"),
     (lambda: BatchPlan(8, 0, 2, 4, 1, 8), "global_batch_size .*got 0"),
-])
+  ],
+)
 def test_bad_inputs_raise(make, message):
   with pytest.raises(ValueError, match=message):
     make()

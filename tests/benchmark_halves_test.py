@@ -5,15 +5,23 @@ import math
 
 import pytest
 
-PER_SIZE_KEYS = ("step_seconds", "compile_seconds", "temp_bytes", "time_ratio_to_plain",
-                 "temp_ratio_to_plain", "paired_time_ratio", "min_seconds",
-                 "min_time_ratio_to_plain")
+PER_SIZE_KEYS = (
+  "step_seconds",
+  "compile_seconds",
+  "temp_bytes",
+  "time_ratio_to_plain",
+  "temp_ratio_to_plain",
+  "paired_time_ratio",
+  "min_seconds",
+  "min_time_ratio_to_plain",
+)
 
 
 @pytest.fixture(scope="module")
 def halves():
   """The benchmark script's module."""
   from benchmarks import halves as module  # pylint: disable=import-outside-toplevel
+
   return module
 
 
@@ -53,11 +61,12 @@ def test_ratios_are_relative_to_plain(quick_run):
     assert plain["paired_time_ratio"] == plain["min_time_ratio_to_plain"] == 1.0
     entry = written["variants"]["halves"][size]
     assert entry["time_ratio_to_plain"] == pytest.approx(
-        entry["step_seconds"] / plain["step_seconds"])
+      entry["step_seconds"] / plain["step_seconds"]
+    )
     assert entry["min_time_ratio_to_plain"] == pytest.approx(
-        entry["min_seconds"] / plain["min_seconds"])
-    assert entry["temp_ratio_to_plain"] == pytest.approx(
-        entry["temp_bytes"] / plain["temp_bytes"])
+      entry["min_seconds"] / plain["min_seconds"]
+    )
+    assert entry["temp_ratio_to_plain"] == pytest.approx(entry["temp_bytes"] / plain["temp_bytes"])
 
 
 def test_odd_batch_sizes_are_refused(halves):

@@ -11,6 +11,7 @@ import pytest
 def overhead():
   """The benchmark script's module."""
   from benchmarks import overhead as module  # pylint: disable=import-outside-toplevel
+
   return module
 
 
@@ -23,8 +24,12 @@ def quick_run(overhead, tmp_path_factory):
 
 
 def _positive(value) -> bool:
-  return (isinstance(value, numbers.Real) and not isinstance(value, bool)
-          and math.isfinite(value) and value > 0)
+  return (
+    isinstance(value, numbers.Real)
+    and not isinstance(value, bool)
+    and math.isfinite(value)
+    and value > 0
+  )
 
 
 def test_layout_and_every_number_finite_and_positive(quick_run, overhead, devices):
@@ -35,14 +40,19 @@ def test_layout_and_every_number_finite_and_positive(quick_run, overhead, device
   assert written["variants"] == written["models"]["mlp"]["variants"]
   assert set(written["variants"]) == set(overhead.VARIANTS)
   for name, variant in written["variants"].items():
-    for key in ("examples_per_second", "ratio_to_plain", "ratio_to_plain_paired",
-                "average_batch_size"):
+    for key in (
+      "examples_per_second",
+      "ratio_to_plain",
+      "ratio_to_plain_paired",
+      "average_batch_size",
+    ):
       assert _positive(variant[key]), (name, key, variant[key])
     rounds = variant["examples_per_second_rounds"]
     assert len(rounds) == written["rounds"] == 2 and all(map(_positive, rounds)), name
     assert min(rounds) <= variant["examples_per_second"] <= max(rounds), name
     assert variant["examples_per_second"] == pytest.approx(
-        returned["variants"][name]["examples_per_second"])
+      returned["variants"][name]["examples_per_second"]
+    )
     # Optional engine reports: absent (None) or a positive number.
     critical = variant["host_seconds"]
     assert critical is None or _positive(critical), name
@@ -77,9 +87,12 @@ def test_ratios_are_relative_to_plain(quick_run):
   assert plain["ratio_to_plain_paired_range"] == [1.0, 1.0]
   for name, variant in variants.items():
     assert variant["ratio_to_plain"] == pytest.approx(
-        variant["examples_per_second"] / plain["examples_per_second"]), name
-    paired = [a / b for a, b in zip(variant["examples_per_second_rounds"],
-                                    plain["examples_per_second_rounds"])]
+      variant["examples_per_second"] / plain["examples_per_second"]
+    ), name
+    paired = [
+      a / b
+      for a, b in zip(variant["examples_per_second_rounds"], plain["examples_per_second_rounds"])
+    ]
     assert variant["ratio_to_plain_paired_range"] == pytest.approx([min(paired), max(paired)])
     low, high = variant["ratio_to_plain_paired_range"]
     assert low <= variant["ratio_to_plain_paired"] <= high, name

@@ -14,8 +14,19 @@ from train import input_pipeline
 def _experiment(tmp_path, text=None, **overrides):
   if text is not None:
     (tmp_path / "tinyshakespeare.txt").write_text(text)
-  settings = dict(hidden=32, seq_length=32, train_windows=64, eval_examples=16, epochs=1.0,
-                  lr_schedule="warmup_cosine", root=tmp_path, data_dir=tmp_path) | overrides
+  settings = (
+    dict(
+      hidden=32,
+      seq_length=32,
+      train_windows=64,
+      eval_examples=16,
+      epochs=1.0,
+      lr_schedule="warmup_cosine",
+      root=tmp_path,
+      data_dir=tmp_path,
+    )
+    | overrides
+  )
   return pareto_mlm.MlmExperiment(**settings)
 
 
@@ -25,7 +36,7 @@ def test_split_train_from_the_start_validation_and_test_from_the_end(tmp_path):
   exp = _experiment(tmp_path, text)
   assert (exp.num_train, exp.num_val, exp.num_test) == (64, 15, 15)  # 500 bytes / 32 each
   train = input_pipeline.decode_bytes(exp.train.get_batch(np.arange(64))["tokens"])
-  assert train == text[:64 * 32]
+  assert train == text[: 64 * 32]
   info = exp.info()
   assert info["dataset_note"] is None and info["seq_length"] == 32 and "lamb" in info["optimizer"]
   scores = exp.eval_fn(exp.init_params(0), None)
@@ -57,10 +68,33 @@ def test_mlm_only_flags_and_profile_are_refused():
 
 def test_tiny_mlm_run(tmp_path):
   out = tmp_path / "mlm.json"
-  results = pareto.main([
-      "--task", "mlm", "--quick", "--seeds", "0", "--fixed", "32", "--lr-multipliers", "1",
-      "--targets", "", "--gns", "", "--bounds", "32:32", "--hidden", "32",
-      "--train-windows", "192", "--eval-examples", "32", "--out", str(out)])
+  results = pareto.main(
+    [
+      "--task",
+      "mlm",
+      "--quick",
+      "--seeds",
+      "0",
+      "--fixed",
+      "32",
+      "--lr-multipliers",
+      "1",
+      "--targets",
+      "",
+      "--gns",
+      "",
+      "--bounds",
+      "32:32",
+      "--hidden",
+      "32",
+      "--train-windows",
+      "192",
+      "--eval-examples",
+      "32",
+      "--out",
+      str(out),
+    ]
+  )
   written = json.loads(out.read_text())
   assert written["task"] == "mlm" and written["dataset"] == "text"
   # One fixed run (the test's time; adaptive runs go through the same train_run as the images').
@@ -71,12 +105,53 @@ def test_tiny_mlm_run(tmp_path):
   assert run["trace"]["similarity"][0] is not None  # the half-batch similarity was measured
   assert results["summary"]["best_fixed"]["batch_size"] == 32
   # Reusing the result needs the same split.
-  again = pareto.main([
-      "--task", "mlm", "--quick", "--seeds", "0", "--fixed", "32", "--lr-multipliers", "1",
-      "--targets", "", "--gns", "", "--bounds", "32:32", "--hidden", "32",
-      "--train-windows", "192", "--eval-examples", "32", "--reuse", str(out)])
+  again = pareto.main(
+    [
+      "--task",
+      "mlm",
+      "--quick",
+      "--seeds",
+      "0",
+      "--fixed",
+      "32",
+      "--lr-multipliers",
+      "1",
+      "--targets",
+      "",
+      "--gns",
+      "",
+      "--bounds",
+      "32:32",
+      "--hidden",
+      "32",
+      "--train-windows",
+      "192",
+      "--eval-examples",
+      "32",
+      "--reuse",
+      str(out),
+    ]
+  )
   assert again["reused_runs"] == 1
   with pytest.raises(ValueError, match="num_train is 192, this run has 256"):
-    pareto.main(["--task", "mlm", "--quick", "--seeds", "0", "--fixed", "32", "--hidden", "32",
-                 "--bounds", "32:32", "--train-windows", "256", "--eval-examples", "32",
-                 "--reuse", str(out)])
+    pareto.main(
+      [
+        "--task",
+        "mlm",
+        "--quick",
+        "--seeds",
+        "0",
+        "--fixed",
+        "32",
+        "--hidden",
+        "32",
+        "--bounds",
+        "32:32",
+        "--train-windows",
+        "256",
+        "--eval-examples",
+        "32",
+        "--reuse",
+        str(out),
+      ]
+    )

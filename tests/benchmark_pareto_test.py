@@ -16,11 +16,30 @@ from benchmarks import pareto_images
 from benchmarks import pareto_protocol
 from benchmarks import pareto_report
 
-TINY = ["--quick", "--epochs", "1", "--seeds", "0,1", "--fixed", "16,64", "--lr-multipliers", "1",
-        "--targets", "0.3",
-        "--gns", "0.5", "--schedules", "geometric", "--bounds", "16:128", "--adaptive-lr-rules", "sqrt",
-        "--profile",
-        "--profile-steps", "1"]
+TINY = [
+  "--quick",
+  "--epochs",
+  "1",
+  "--seeds",
+  "0,1",
+  "--fixed",
+  "16,64",
+  "--lr-multipliers",
+  "1",
+  "--targets",
+  "0.3",
+  "--gns",
+  "0.5",
+  "--schedules",
+  "geometric",
+  "--bounds",
+  "16:128",
+  "--adaptive-lr-rules",
+  "sqrt",
+  "--profile",
+  "--profile-steps",
+  "1",
+]
 
 
 @pytest.fixture(scope="module")
@@ -34,6 +53,7 @@ def tiny_run(tmp_path_factory):
 
 def test_jax_cache_settings_are_put_back(tiny_run):
   import jax  # pylint: disable=import-outside-toplevel
+
   # The run's trainers pointed JAX's persistent cache into a temporary directory it deleted.
   directory = jax.config.jax_compilation_cache_dir
   assert directory is None or "simigrad-pareto-" not in directory
@@ -90,8 +110,11 @@ def test_groups_summary_and_profile(tiny_run):
   groups = written["groups"]
   assert len(groups) == 5 and all(g["seeds"] == [0, 1] for g in groups)
   for g in groups:
-    members = [r["test_accuracy"] for r in written["runs"]
-               if r["controller"] == g["controller"] and r["settings"] == g["settings"]]
+    members = [
+      r["test_accuracy"]
+      for r in written["runs"]
+      if r["controller"] == g["controller"] and r["settings"] == g["settings"]
+    ]
     assert g["test_accuracy_mean"] == pytest.approx(np.mean(members))
     assert g["test_accuracy_std"] == pytest.approx(np.std(members, ddof=1))
   front = written["summary"]["fixed_front"]
@@ -115,6 +138,7 @@ def test_png_is_readable(tiny_run):
   data = png.read_bytes()
   assert data[:8] == b"\x89PNG\r\n\x1a\n"
   from matplotlib import image  # pylint: disable=import-outside-toplevel
+
   pixels = image.imread(str(png))
   height, width = pixels.shape[:2]
   assert width >= 1200 and height >= 400  # three panels side by side
@@ -122,6 +146,7 @@ def test_png_is_readable(tiny_run):
 
 
 # ------------------------------------------------------------------ the analysis
+
 
 def test_pareto_front_by_hand():
   points = [(16, 0.95), (32, 0.96), (64, 0.94), (128, 0.94), (256, 0.90), (512, 0.91)]
@@ -135,34 +160,47 @@ def test_pareto_front_by_hand():
   # Interpolated in log2(B): 64 is halfway between 32 and 128.
   assert pareto_analysis.interpolated_front(front, 64) == pytest.approx(0.95)
   assert pareto_analysis.interpolated_front(front, 256) == pytest.approx(0.925)
-  assert pareto_analysis.interpolated_front(front, 8) == 0.96 and pareto_analysis.interpolated_front(front, 513) is None
+  assert (
+    pareto_analysis.interpolated_front(front, 8) == 0.96
+    and pareto_analysis.interpolated_front(front, 513) is None
+  )
 
 
 def _group(controller, accuracy, batch, label, val=None, steps=100.0, **settings):
-  return {"controller": controller, "label": label, "test_accuracy_mean": accuracy,
-          "test_accuracy_std": 0.0, "val_accuracy_mean": accuracy if val is None else val,
-          "avg_batch_size_mean": batch, "avg_batch_size_std": 0.0, "steps_mean": steps,
-          "max_batch_size": int(batch), "wall_seconds_mean": 1.0,
-          "settings": {"lr_multiplier": 1.0, **settings}}
+  return {
+    "controller": controller,
+    "label": label,
+    "test_accuracy_mean": accuracy,
+    "test_accuracy_std": 0.0,
+    "val_accuracy_mean": accuracy if val is None else val,
+    "avg_batch_size_mean": batch,
+    "avg_batch_size_std": 0.0,
+    "steps_mean": steps,
+    "max_batch_size": int(batch),
+    "wall_seconds_mean": 1.0,
+    "settings": {"lr_multiplier": 1.0, **settings},
+  }
 
 
 def test_selection_by_validation_and_summary_by_hand():
   groups = [
-      _group("fixed", 0.95, 16, "B=16", steps=400, initial_batch_size=16),
-      _group("fixed", 0.97, 32, "B=32", val=0.90, steps=200, initial_batch_size=32),
-      _group("fixed", 0.96, 32, "B=32", val=0.93, steps=200, initial_batch_size=32),
-      _group("fixed", 0.93, 128, "B=128", steps=50, initial_batch_size=128),
-      _group("simigrad", 0.957, 90, "s=0.2", steps=70, similarity_target=0.2),
-      _group("simigrad", 0.94, 60, "s=0.1", steps=105, similarity_target=0.1),
-      _group("simigrad", 0.92, 300, "s=0.5", steps=20, similarity_target=0.5),
-      _group("gns", 0.90, 40, "m=1", steps=150, multiple=1.0),
+    _group("fixed", 0.95, 16, "B=16", steps=400, initial_batch_size=16),
+    _group("fixed", 0.97, 32, "B=32", val=0.90, steps=200, initial_batch_size=32),
+    _group("fixed", 0.96, 32, "B=32", val=0.93, steps=200, initial_batch_size=32),
+    _group("fixed", 0.93, 128, "B=128", steps=50, initial_batch_size=128),
+    _group("simigrad", 0.957, 90, "s=0.2", steps=70, similarity_target=0.2),
+    _group("simigrad", 0.94, 60, "s=0.1", steps=105, similarity_target=0.1),
+    _group("simigrad", 0.92, 300, "s=0.5", steps=20, similarity_target=0.5),
+    _group("gns", 0.90, 40, "m=1", steps=150, multiple=1.0),
   ]
   best = pareto_analysis.select_fixed(groups)
   assert best[32] is groups[2]  # better validation accuracy, worse test accuracy
   assert [g["selected"] for g in groups] == [True, False, True, True, True, True, True, True]
   summary = pareto_analysis.summarize(groups)
-  assert summary["fixed_front"] == [{"avg_batch_size": 32, "test_accuracy": 0.96},
-                                    {"avg_batch_size": 128, "test_accuracy": 0.93}]
+  assert summary["fixed_front"] == [
+    {"avg_batch_size": 32, "test_accuracy": 0.96},
+    {"avg_batch_size": 128, "test_accuracy": 0.93},
+  ]
   assert summary["best_fixed"]["batch_size"] == 32
   s = summary["simigrad"]
   assert (s["settings"], s["judged"], s["on_or_beyond_front"]) == (3, 2, 2)
@@ -177,11 +215,15 @@ def test_selection_by_validation_and_summary_by_hand():
   assert g["on_or_beyond_front"] == 0 and g["matches_best_fixed"] is None
   assert g["best_gap_points"] == pytest.approx(-3.0)
   table = pareto_report.format_table(groups, summary)
-  assert "simigrad: 2/2 settings on or beyond the fixed front (1 beyond the largest fixed batch)" in table
+  assert (
+    "simigrad: 2/2 settings on or beyond the fixed front (1 beyond the largest fixed batch)"
+    in table
+  )
   assert "up to avg B=90.0 (s=0.2" in table and "gns: 0/1" in table
 
 
 # ------------------------------------------------------------------ data and settings
+
 
 def test_mnist_absent_falls_back_to_digits(tmp_path):
   assert not pareto_images.mnist_available(tmp_path)
@@ -199,6 +241,7 @@ def test_digits_split_is_fixed_and_a_partition():
   assert sizes == [1257, 180, 360]
   # The three parts are a partition of the 1,797 images (by label counts and pixel sums).
   from sklearn.datasets import load_digits  # pylint: disable=import-outside-toplevel
+
   everything = load_digits()
   parts = np.concatenate([a.train["y"], a.val["y"], a.test["y"]])
   np.testing.assert_array_equal(np.bincount(parts), np.bincount(everything.target))
@@ -229,12 +272,15 @@ def test_lr_schedules_are_positive_and_start_at_one(name):
     assert values[-1] <= 0.02 + 1e-12
 
 
-@pytest.mark.parametrize("argv, match", [
+@pytest.mark.parametrize(
+  "argv, match",
+  [
     (["--bounds", "64:512"], r"bounds 64:512 must satisfy 2 <= lower <= --initial-batch-size"),
     (["--fixed", "4096"], r"fixed batch size 4096 must lie in \[1, 1257\]"),
     (["--targets", "1.5"], r"similarity target 1.5 must lie in \[-1, 1\]"),
     (["--epochs", "0"], "--epochs must be > 0"),
-])
+  ],
+)
 def test_bad_arguments_raise_before_training(argv, match):
   with pytest.raises(ValueError, match=match):
     pareto.main(["--quick"] + argv)
@@ -244,23 +290,58 @@ def test_adaptive_lr_variants_and_reuse(tiny_run, tmp_path):
   written, _, _ = tiny_run
   first = tmp_path / "first.json"
   first.write_text(json.dumps(written))
-  again = pareto.main(["--quick", "--epochs", "1", "--seeds", "0,1", "--fixed", "16,64",
-                       "--lr-multipliers", "1", "--targets", "0.3", "--gns", "", "--schedules", "",
-                       "--bounds", "16:128", "--adaptive-lr-rules", "sqrt,linear",
-                       "--reuse", str(first), "--out", str(tmp_path / "again.json")])
+  again = pareto.main(
+    [
+      "--quick",
+      "--epochs",
+      "1",
+      "--seeds",
+      "0,1",
+      "--fixed",
+      "16,64",
+      "--lr-multipliers",
+      "1",
+      "--targets",
+      "0.3",
+      "--gns",
+      "",
+      "--schedules",
+      "",
+      "--bounds",
+      "16:128",
+      "--adaptive-lr-rules",
+      "sqrt,linear",
+      "--reuse",
+      str(first),
+      "--out",
+      str(tmp_path / "again.json"),
+    ]
+  )
   # The 4 fixed runs and the 2 sqrt-rule SimiGrad runs are taken from the first result.
   assert again["reused_runs"] == 6 and again["reused_from"] == [str(first)]
   reused = [r for r in again["runs"] if r.get("reused")]
   assert {(r["controller"], r["settings"]["lr_rule"]) for r in reused} == {
-      ("fixed", "sqrt"), ("simigrad", "sqrt")}
-  fixed_then = sorted((r["settings"]["initial_batch_size"], r["seed"], r["test_accuracy"])
-                      for r in written["runs"] if r["controller"] == "fixed")
-  fixed_now = sorted((r["settings"]["initial_batch_size"], r["seed"], r["test_accuracy"])
-                     for r in again["runs"] if r["controller"] == "fixed")
+    ("fixed", "sqrt"),
+    ("simigrad", "sqrt"),
+  }
+  fixed_then = sorted(
+    (r["settings"]["initial_batch_size"], r["seed"], r["test_accuracy"])
+    for r in written["runs"]
+    if r["controller"] == "fixed"
+  )
+  fixed_now = sorted(
+    (r["settings"]["initial_batch_size"], r["seed"], r["test_accuracy"])
+    for r in again["runs"]
+    if r["controller"] == "fixed"
+  )
   assert fixed_now == fixed_then
   simigrad = [r for r in again["runs"] if r["controller"] == "simigrad"]
   assert sorted((r["settings"]["lr_rule"], r["seed"]) for r in simigrad) == [
-      ("linear", 0), ("linear", 1), ("sqrt", 0), ("sqrt", 1)]
+    ("linear", 0),
+    ("linear", 1),
+    ("sqrt", 0),
+    ("sqrt", 1),
+  ]
   trained = {r["seed"]: r for r in simigrad if r["settings"]["lr_rule"] == "linear"}
   assert not any(r.get("reused") for r in trained.values())
   same_seed = {r["settings"]["lr_rule"]: r for r in simigrad if r["seed"] == 0}
@@ -283,17 +364,34 @@ def test_reuse_refuses_a_different_experiment_and_matches_exactly(tiny_run, tmp_
   cache = pareto_protocol.RunCache([str(first)], expected)
   spec = pareto_protocol.RunSpec("fixed", (("initial_batch_size", 64),), 0.2 * math.sqrt(2), 1.0, 1)
   assert cache.lookup(spec)["settings"]["initial_batch_size"] == 64
-  for other in (dataclasses.replace(spec, seed=2), dataclasses.replace(spec, lr=0.3),
-                dataclasses.replace(spec, lr_rule="linear"),
-                dataclasses.replace(spec, options=(("initial_batch_size", 32),))):
+  for other in (
+    dataclasses.replace(spec, seed=2),
+    dataclasses.replace(spec, lr=0.3),
+    dataclasses.replace(spec, lr_rule="linear"),
+    dataclasses.replace(spec, options=(("initial_batch_size", 32),)),
+  ):
     assert cache.lookup(other) is None
   assert cache.reused == 1
 
 
 def test_simigrad_option_variants_are_separate_settings():
-  args = pareto._parse_args(["--quick", "--targets", "0.3", "--bounds", "16:128", "--gns", "",
-                             "--schedules", "", "--seeds", "0",
-                             "--simigrad-options", '[{}, {"smooth_factor": 0.5}]'])
+  args = pareto._parse_args(
+    [
+      "--quick",
+      "--targets",
+      "0.3",
+      "--bounds",
+      "16:128",
+      "--gns",
+      "",
+      "--schedules",
+      "",
+      "--seeds",
+      "0",
+      "--simigrad-options",
+      '[{}, {"smooth_factor": 0.5}]',
+    ]
+  )
   specs = pareto_protocol.adaptive_specs(args, args.grid, [(0.2, 1.0, "sqrt")], num_train=1257)
   assert [s.label() for s in specs] == ["s=0.3 [16,128]", "s=0.3 smooth_factor=0.5 [16,128]"]
   assert specs[1].settings_dict()["smooth_factor"] == 0.5
@@ -301,8 +399,12 @@ def test_simigrad_option_variants_are_separate_settings():
   # Each variant is a controller the registry builds.
   controller = simigrad_jax.make_controller("simigrad", **dict(specs[1].options))
   assert controller.config["smooth_factor"] == 0.5
-  for bad in ('{"smooth_factor": 0.5}', '[{"similarity_target": 0.1}]', '[{"verbose": true}]',
-              "[{"):
+  for bad in (
+    '{"smooth_factor": 0.5}',
+    '[{"similarity_target": 0.1}]',
+    '[{"verbose": true}]',
+    "[{",
+  ):
     with pytest.raises(SystemExit):
       pareto._parse_args(["--simigrad-options", bad])
 
@@ -313,11 +415,36 @@ def test_keep_reused_adds_runs_to_an_earlier_result(tiny_run, tmp_path):
   first.write_text(json.dumps(written))
   with pytest.raises(ValueError, match="--keep-reused needs --reuse"):
     pareto.main(TINY + ["--keep-reused"])
-  added = pareto.main(["--quick", "--epochs", "1", "--seeds", "0", "--fixed", "16,64",
-                       "--lr-multipliers", "1", "--targets", "0.3", "--gns", "", "--schedules", "",
-                       "--bounds", "16:128", "--adaptive-lr-rules", "sqrt",
-                       "--simigrad-options", '[{"ema_decay": 0.9}]', "--reuse", str(first),
-                       "--keep-reused", "--out", str(tmp_path / "added.json")])
+  added = pareto.main(
+    [
+      "--quick",
+      "--epochs",
+      "1",
+      "--seeds",
+      "0",
+      "--fixed",
+      "16,64",
+      "--lr-multipliers",
+      "1",
+      "--targets",
+      "0.3",
+      "--gns",
+      "",
+      "--schedules",
+      "",
+      "--bounds",
+      "16:128",
+      "--adaptive-lr-rules",
+      "sqrt",
+      "--simigrad-options",
+      '[{"ema_decay": 0.9}]',
+      "--reuse",
+      str(first),
+      "--keep-reused",
+      "--out",
+      str(tmp_path / "added.json"),
+    ]
+  )
   # The one new run is trained; all 10 earlier runs are kept, each once.
   assert len(added["runs"]) == 11 and added["reused_runs"] == 10
   new = [r for r in added["runs"] if not r.get("reused")]
@@ -337,11 +464,21 @@ def test_variant_names():
   assert pareto_analysis.variant(plain) == "simigrad"
   assert pareto_analysis.variant(model) == "simigrad ema_decay=0.9"
   assert pareto_analysis.variant(_group("gns", 0.9, 60, "m=1", multiple=1.0)) == "gns"
-  summary = {"fixed_front": [], "best_fixed": {}, "tolerance_points": 0.5, "gns": {},
-             "simigrad ema_decay=0.9": {}, "simigrad": {}, "geometric": {}}
+  summary = {
+    "fixed_front": [],
+    "best_fixed": {},
+    "tolerance_points": 0.5,
+    "gns": {},
+    "simigrad ema_decay=0.9": {},
+    "simigrad": {},
+    "geometric": {},
+  }
   assert pareto_analysis.variant_names(summary) == [
-      "simigrad", "simigrad ema_decay=0.9", "gns", "geometric"]
-
+    "simigrad",
+    "simigrad ema_decay=0.9",
+    "gns",
+    "geometric",
+  ]
 
 
 def test_results_page_tables_are_generated_from_the_committed_json():
@@ -351,9 +488,9 @@ def test_results_page_tables_are_generated_from_the_committed_json():
     start = f"<!-- {name} tables: python benchmarks/pareto.py --markdown docs/{name}.json -->\n"
     end = f"\n<!-- end {name} tables -->"
     assert start in page and end in page, name
-    block = page[page.index(start) + len(start):page.index(end)]
+    block = page[page.index(start) + len(start) : page.index(end)]
     results = json.loads((root / "docs" / f"{name}.json").read_text())
     assert block == pareto_report.markdown_tables(results), (
-        f"docs/results.md's {name} tables differ from docs/{name}.json; regenerate them with "
-        f"python benchmarks/pareto.py --markdown docs/{name}.json")
-
+      f"docs/results.md's {name} tables differ from docs/{name}.json; regenerate them with "
+      f"python benchmarks/pareto.py --markdown docs/{name}.json"
+    )

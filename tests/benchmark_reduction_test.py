@@ -11,6 +11,7 @@ from benchmarks import hlo_collectives
 def reduction():
   """The benchmark script's module."""
   from benchmarks import reduction as module  # pylint: disable=import-outside-toplevel
+
   return module
 
 
@@ -46,11 +47,11 @@ def test_parser_handles_async_tuple_and_iota_forms(reduction):
   found = hlo_collectives.parse_collectives(_SYNTHETIC_HLO, num_devices=8)
   summary = [(c.kind, c.group_size, c.payload_bytes, c.bytes) for c in found]
   assert summary == [
-      ("reduce-scatter", 4, 256, pytest.approx(192.0)),  # inside the async wrapper, once
-      ("all-reduce", 8, 400 + 64, pytest.approx(2 * 7 / 8 * 464)),  # tuple, -start counted once
-      ("all-gather", 4, 400, pytest.approx(300.0)),  # output of the (in, out) start tuple
-      ("collective-permute", 8, 40, pytest.approx(40.0)),
-      ("all-reduce", 8, 24, pytest.approx(2 * 7 / 8 * 24)),  # old-style operand shapes
+    ("reduce-scatter", 4, 256, pytest.approx(192.0)),  # inside the async wrapper, once
+    ("all-reduce", 8, 400 + 64, pytest.approx(2 * 7 / 8 * 464)),  # tuple, -start counted once
+    ("all-gather", 4, 400, pytest.approx(300.0)),  # output of the (in, out) start tuple
+    ("collective-permute", 8, 40, pytest.approx(40.0)),
+    ("all-reduce", 8, 24, pytest.approx(2 * 7 / 8 * 24)),  # old-style operand shapes
   ]
 
 
@@ -63,7 +64,12 @@ def test_tiny_run_writes_schema_and_ring_model_ratios(reduction, tmp_path, devic
   assert isinstance(written["params"], int)
   assert 15_000 <= written["params"] <= 30_000
   assert set(written["variants"]) == {
-      "pmean", "transform", "scatter", "stacked", "transform_shard_map"}
+    "pmean",
+    "transform",
+    "scatter",
+    "stacked",
+    "transform_shard_map",
+  }
   for name, variant in written["variants"].items():
     assert variant["seconds"] > 0, name
     assert variant["collective_bytes"] > 0, name
@@ -76,8 +82,12 @@ def test_tiny_run_writes_schema_and_ring_model_ratios(reduction, tmp_path, devic
   ring = 2 * 7 / 8 * grad_bytes
   bytes_of = {name: v["collective_bytes"] for name, v in written["variants"].items()}
   assert bytes_of["pmean"] == pytest.approx(ring, rel=1e-6)
-  for name, ratio in (("transform", 1.0), ("transform_shard_map", 1.0), ("scatter", 1.5),
-                      ("stacked", 2.0)):
+  for name, ratio in (
+    ("transform", 1.0),
+    ("transform_shard_map", 1.0),
+    ("scatter", 1.5),
+    ("stacked", 2.0),
+  ):
     assert bytes_of[name] / bytes_of["pmean"] == pytest.approx(ratio, rel=0.02), name
   kinds = {c["kind"] for c in written["variants"]["transform"]["collectives"]}
   assert kinds == {"reduce-scatter", "collective-permute", "all-gather", "all-reduce"}
@@ -90,17 +100,21 @@ def test_tiny_run_writes_schema_and_ring_model_ratios(reduction, tmp_path, devic
 
 # Large leaves (each its own bucket) and small ones (one shared bucket). "padded" has a large
 # leaf whose size is not a multiple of 8: it is padded, which costs a copy in and out.
-TREES = {"divisible": {"w": (256, 1024), "b": (301,), "s": ()},
-         "padded": {"w": (256, 1024), "v": (300, 301), "b": (301,), "s": ()}}
+TREES = {
+  "divisible": {"w": (256, 1024), "b": (301,), "s": ()},
+  "padded": {"w": (256, 1024), "v": (300, 301), "b": (301,), "s": ()},
+}
 
 
 @pytest.mark.parametrize("tree", sorted(TREES))
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_hierarchical_transform_sends_one_all_reduce_in_the_gradient_dtype(
-    reduction, devices, dtype, tree):
+  reduction, devices, dtype, tree
+):
   """Collective bytes equal pmean's in the gradient's own dtype; memory traffic <= 1.3x."""
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+
   import simigrad_jax  # pylint: disable=import-outside-toplevel
 
   shapes = TREES[tree]

@@ -7,17 +7,37 @@ import pytest
 
 from benchmarks import sharded_models
 
-RUN_KEYS = ("model", "layout", "axes", "mesh", "variants", "transform_temp_ratio",
-            "collectives_beyond_plain", "collective_permutes", "transform_collective_bytes",
-            "sharding_kept", "similarity", "reference_similarity", "similarity_error")
-VARIANT_KEYS = ("step_seconds", "temp_bytes", "time_ratio_to_plain", "temp_ratio_to_plain",
-                "collectives", "collective_bytes", "compile_seconds")
+RUN_KEYS = (
+  "model",
+  "layout",
+  "axes",
+  "mesh",
+  "variants",
+  "transform_temp_ratio",
+  "collectives_beyond_plain",
+  "collective_permutes",
+  "transform_collective_bytes",
+  "sharding_kept",
+  "similarity",
+  "reference_similarity",
+  "similarity_error",
+)
+VARIANT_KEYS = (
+  "step_seconds",
+  "temp_bytes",
+  "time_ratio_to_plain",
+  "temp_ratio_to_plain",
+  "collectives",
+  "collective_bytes",
+  "compile_seconds",
+)
 
 
 @pytest.fixture(scope="module")
 def sharded():
   """The benchmark script's module."""
   from benchmarks import sharded as module  # pylint: disable=import-outside-toplevel
+
   return module
 
 
@@ -32,8 +52,11 @@ def quick_run(sharded, tmp_path_factory, devices):
 
 def test_every_layout_and_kind_of_axes_runs_and_is_recorded(quick_run):
   written, returned = quick_run
-  expected = {f"kernel/{layout}/{axes}" for layout in sharded_models.LAYOUTS
-              for axes in sharded_models.AXIS_TYPES}
+  expected = {
+    f"kernel/{layout}/{axes}"
+    for layout in sharded_models.LAYOUTS
+    for axes in sharded_models.AXIS_TYPES
+  }
   assert set(written["runs"]) == expected
   for key, run in written["runs"].items():
     assert set(RUN_KEYS) <= set(run), key
@@ -46,7 +69,8 @@ def test_every_layout_and_kind_of_axes_runs_and_is_recorded(quick_run):
     assert plain["temp_ratio_to_plain"] == plain["time_ratio_to_plain"] == 1.0
     simigrad = run["variants"]["simigrad"]
     assert simigrad["temp_ratio_to_plain"] == pytest.approx(
-        simigrad["temp_bytes"] / plain["temp_bytes"])
+      simigrad["temp_bytes"] / plain["temp_bytes"]
+    )
     assert run["similarity"] == pytest.approx(returned["runs"][key]["similarity"])
   assert written["models"]["kernel"]["widths"] == [512, 512, 10]
   assert written["device"]["devices_visible"] == 8
@@ -64,8 +88,12 @@ def test_the_simigrad_step_moves_no_rows_and_measures_the_even_and_odd_examples(
     assert run["similarity_error"] == pytest.approx(abs(run["similarity"] - reference))
     assert run["sharding_kept"], key
   goals = written["goals"]
-  for goal in ("no collective-permute in the SimiGrad step", "|similarity - float64 reference|",
-               "parameters' sharding lost", "transform temp / halves temp"):
+  for goal in (
+    "no collective-permute in the SimiGrad step",
+    "|similarity - float64 reference|",
+    "parameters' sharding lost",
+    "transform temp / halves temp",
+  ):
     assert goals[goal]["met"], (goal, goals[goal])
 
 
@@ -78,8 +106,9 @@ def test_the_transform_adds_no_gradient_sized_memory_or_collectives(quick_run):
     # Scalars, or each row's partial sums where a kernel's last axis is sharded (at most
     # 3 x 512 float32 per kernel, ring model): never a gradient.
     assert 0 <= run["transform_collective_bytes"] <= 0.03 * leaf_bytes, key
-    beyond_halves = (set(run["variants"]["simigrad"]["collectives"])
-                     - set(run["variants"]["halves"]["collectives"]))
+    beyond_halves = set(run["variants"]["simigrad"]["collectives"]) - set(
+      run["variants"]["halves"]["collectives"]
+    )
     assert beyond_halves <= {"all-reduce", "all-gather"}, key
 
 

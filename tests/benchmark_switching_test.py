@@ -8,10 +8,12 @@ import pytest
 
 import simigrad_jax
 
+
 @pytest.fixture(scope="module")
 def switching():
   """The benchmark script's module."""
   from benchmarks import switching as module  # pylint: disable=import-outside-toplevel
+
   return module
 
 
@@ -43,8 +45,16 @@ def test_quick_run_schema(quick_run, devices):
   assert written["devices"] == len(devices) == 8
   assert set(written["modes"]) == {"recompile", "recompile_wait", "pad", "recompile_2proc"}
   for mode, result in written["modes"].items():
-    for key in ("steps", "buckets_visited", "compiles", "compile_seconds",
-                "compile_wait_seconds", "wall_seconds", "data_seconds", "padding_fraction"):
+    for key in (
+      "steps",
+      "buckets_visited",
+      "compiles",
+      "compile_seconds",
+      "compile_wait_seconds",
+      "wall_seconds",
+      "data_seconds",
+      "padding_fraction",
+    ):
       value = result[key]
       assert isinstance(value, numbers.Real) and not isinstance(value, bool), (mode, key)
       assert math.isfinite(result[key]) and result[key] >= 0, (mode, key)
@@ -72,8 +82,9 @@ def test_recompile_compiles_each_visited_shape_once(quick_run, mode):
   assert set(visited) <= set(compiled) <= set(result["grid_micro_batch_sizes"])
   # One compile per program (prefetched ones included): a step program per shape, a
   # micro-step per shape that accumulated, the update of accumulated steps.
-  assert result["compiles"] == (result["step_compiles"] + result["accumulation_compiles"]
-                                + result["update_compiled"])
+  assert result["compiles"] == (
+    result["step_compiles"] + result["accumulation_compiles"] + result["update_compiled"]
+  )
   assert result["step_compiles"] <= len(compiled)
   assert result["steps_that_waited"] <= len(visited)  # only a first visit can wait
   if mode != "recompile_wait":  # a shape still compiling is replaced by a compiled one
@@ -87,8 +98,11 @@ def test_pad_compiles_one_shape(quick_run):
   written = quick_run[0]
   result = written["modes"]["pad"]
   assert result["buckets_visited"] == 1
-  assert result["visited_micro_batch_sizes"] == result["compiled_micro_batch_sizes"] == [
-      written["max_micro_batch_size"]]
+  assert (
+    result["visited_micro_batch_sizes"]
+    == result["compiled_micro_batch_sizes"]
+    == [written["max_micro_batch_size"]]
+  )
   # The one shape's step program, and the micro-step and update if a batch outgrew it.
   assert result["step_compiles"] == 1
   assert result["compiles"] == 1 + result["accumulation_compiles"] + result["update_compiled"]
@@ -132,6 +146,7 @@ def test_two_processes_run_the_same_sweep_and_report_their_agreement(quick_run):
   assert two["agreement_seconds_per_step"] > one["agreement_seconds_per_step"] >= 0
   ratios = written["ratios"]["recompile_2proc_over_recompile"]
   assert ratios["examples_per_second"] == pytest.approx(
-      two["examples_per_second"] / one["examples_per_second"])
+    two["examples_per_second"] / one["examples_per_second"]
+  )
   # The same model: the fallback shapes differ with compile timing, the trajectory does not.
   assert two["final_loss"] == pytest.approx(one["final_loss"], rel=1e-4)

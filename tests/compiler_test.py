@@ -10,12 +10,12 @@ import threading
 import time
 
 import jax
-from jax.sharding import Mesh
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import Mesh
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from simigrad_jax.engine import compiler
 from simigrad_jax.engine.compiler import StepCompileError
@@ -48,8 +48,7 @@ class Lowerer:
 
   def __init__(self, mesh, fail=(), gated=()):
     self.mesh = mesh
-    self.step = jax.jit(jax.shard_map(
-        _body, mesh=mesh, in_specs=(P(), P("batch")), out_specs=P()))
+    self.step = jax.jit(jax.shard_map(_body, mesh=mesh, in_specs=(P(), P("batch")), out_specs=P()))
     self.fail = set(fail)
     self.gates = {m: threading.Event() for m in gated}
     self.started = {m: threading.Event() for m in gated}
@@ -66,10 +65,10 @@ class Lowerer:
       assert self.gates[micro].wait(TIMEOUT)
     if micro in self.fail:
       raise ValueError(f"no step for {micro}")
-    w = jax.ShapeDtypeStruct((FEATURES, OUT), jnp.float32,
-                             sharding=NamedSharding(self.mesh, P()))
-    x = jax.ShapeDtypeStruct((N * micro, FEATURES), jnp.float32,
-                             sharding=NamedSharding(self.mesh, P("batch")))
+    w = jax.ShapeDtypeStruct((FEATURES, OUT), jnp.float32, sharding=NamedSharding(self.mesh, P()))
+    x = jax.ShapeDtypeStruct(
+      (N * micro, FEATURES), jnp.float32, sharding=NamedSharding(self.mesh, P("batch"))
+    )
     return self.step.lower(w, x)
 
 
@@ -119,8 +118,7 @@ def test_prefetch_compiles_in_one_background_thread_in_order(mesh):
     wait_until(lambda: compiler.stats()["compiled_sizes"] == [1, 2, 4])
     assert lower.calls == [4, 1, 2]
     main = threading.current_thread()
-    assert all(t is not main and t.name == "toy-compiler"
-               for t in lower.threads)
+    assert all(t is not main and t.name == "toy-compiler" for t in lower.threads)
     assert len(set(lower.threads)) == 1
     for micro in [4, 1, 2]:  # all ready: no stall
       check_runs(compiler.get(micro), micro)
@@ -380,11 +378,19 @@ _CACHE_SCRIPT = textwrap.dedent("""
 
 
 def _start_cache_script(cache_dir, other_dir=""):
-  env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu",
-             XLA_FLAGS="--xla_force_host_platform_device_count=8")
+  env = dict(
+    os.environ,
+    PYTHONPATH=REPO,
+    JAX_PLATFORMS="cpu",
+    XLA_FLAGS="--xla_force_host_platform_device_count=8",
+  )
   return subprocess.Popen(
-      [sys.executable, "-c", _CACHE_SCRIPT, str(cache_dir), str(other_dir)],
-      env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    [sys.executable, "-c", _CACHE_SCRIPT, str(cache_dir), str(other_dir)],
+    env=env,
+    stdout=subprocess.PIPE,
+    stderr=subprocess.PIPE,
+    text=True,
+  )
 
 
 def _finish_cache_script(proc):
@@ -413,8 +419,7 @@ def test_persistent_cache_makes_a_second_process_start_warm(tmp_path):
   assert warm["hits"] == 1  # loaded from disk, not compiled
   assert sorted(os.listdir(cache_dir)) == entries  # nothing new written
   assert warm["seconds"] < 10 * cold["seconds"] + 0.5  # loose: times are noisy
-  print(f"persistent cache: cold compile {cold['seconds']:.3f} s, "
-        f"warm {warm['seconds']:.3f} s")
+  print(f"persistent cache: cold compile {cold['seconds']:.3f} s, warm {warm['seconds']:.3f} s")
 
 
 def test_two_processes_filling_one_cache_at_once_leave_an_entry_a_third_loads(tmp_path):

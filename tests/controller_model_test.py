@@ -11,8 +11,8 @@ import simigrad_jax
 from simigrad_jax.controllers.simigrad import Controller
 from simigrad_jax.controllers.similarity_model import SimilarityModel
 
-
 # ------------------------------------------------------------------ references
+
 
 def numpy_sizes(b, sims, target, decay, lower=None, upper=None, warmup=0):
   """The model rule written out independently: the averages as explicit weighted sums."""
@@ -60,6 +60,7 @@ def simulate(controller, seed, n, noise_scale=60.0, sd=0.15):
 
 # ------------------------------------------------------------------ the model
 
+
 def test_model_by_hand():
   m = SimilarityModel(0.5)
   assert m.noise_scale is None and m.similarity_at(64) is None and m.batch_size_for(0.5) is None
@@ -87,13 +88,18 @@ def test_model_noise_dominates():
 
 # ------------------------------------------------------------------ the rule
 
+
 def test_hand_checked_sequence():
   c = Controller(32, 0.5, ema_decay=0.0, batch_size_upper_bound=1024)
   # 0.2 at 32: B_simple 64, B* 128: the reference's full step, to 35.
   # 0.5 at 35: B* 35: hold.  0.6 at 35: B* 23.3: the full step down, to 31.
   # 0.52 at 31: B* 28.6 -> 29, nearer than the reference's 27: a smaller step.
-  assert trace(c, [0.2, 0.5, 0.6, 0.52]) == [(35, "grow"), (35, "hold"), (31, "shrink"),
-                                             (29, "shrink")]
+  assert trace(c, [0.2, 0.5, 0.6, 0.52]) == [
+    (35, "grow"),
+    (35, "hold"),
+    (31, "shrink"),
+    (29, "shrink"),
+  ]
   assert c.noise_scale == pytest.approx(31 * 0.48 / 1.04)
   assert c.model_similarity == pytest.approx(1 / (1 + 2 * (31 * 0.48 / 1.04) / 29))
 
@@ -106,16 +112,26 @@ def test_sequence_matches_numpy(seed, decay, bounds):
   rng = np.random.default_rng(seed)
   sims = [float(s) for s in rng.uniform(-0.1, 0.8, size=120)]
   sims[7] = math.nan
-  c = Controller(32, 0.3, ema_decay=decay, batch_size_lower_bound=lower,
-                 batch_size_upper_bound=upper, warmup_steps=3)
+  c = Controller(
+    32,
+    0.3,
+    ema_decay=decay,
+    batch_size_lower_bound=lower,
+    batch_size_upper_bound=upper,
+    warmup_steps=3,
+  )
   assert run(c, sims) == numpy_sizes(32, sims, 0.3, decay, lower, upper, warmup=3)
 
 
 def test_steadier_than_the_reference_under_noise():
   """Similarities drawn from the noise model (B_simple 60, sd 0.15); target 1/3 asks for B = 60."""
+
   def sizes(**kwargs):  # 3 seeds; the first 100 steps (the climb from 32) left out
-    return [simulate(Controller(32, 1 / 3, batch_size_upper_bound=4096, **kwargs), seed, 600)[100:]
-            for seed in range(3)]
+    return [
+      simulate(Controller(32, 1 / 3, batch_size_upper_bound=4096, **kwargs), seed, 600)[100:]
+      for seed in range(3)
+    ]
+
   spread = lambda runs: float(np.mean([np.std(np.log(r)) for r in runs]))  # noqa: E731
   level = lambda runs: float(np.mean(np.concatenate(runs)))  # noqa: E731
   reference, model, slow = sizes(), sizes(ema_decay=0.9), sizes(ema_decay=0.95)
@@ -136,8 +152,12 @@ def test_nonfinite_holds_counts_and_teaches_nothing():
 
 def test_bounds_clamp():
   c = Controller(250, 0.5, ema_decay=0.0, batch_size_lower_bound=200, batch_size_upper_bound=260)
-  assert trace(c, [0.1, 0.1, 0.9, 0.9]) == [(260, "clamped"), (260, "clamped"), (234, "shrink"),
-                                            (210, "shrink")]
+  assert trace(c, [0.1, 0.1, 0.9, 0.9]) == [
+    (260, "clamped"),
+    (260, "clamped"),
+    (234, "shrink"),
+    (210, "shrink"),
+  ]
   assert trace(c, [0.9]) == [(200, "clamped")]
 
 
@@ -147,13 +167,15 @@ def test_dead_band_compares_the_model_similarity():
 
 
 def test_model_learns_during_warmup_profile_and_disabled():
-  c = Controller(64, 0.3, ema_decay=0.5, warmup_steps=2, batch_sizes_to_profile=[128],
-                 batch_size_upper_bound=512)
+  c = Controller(
+    64, 0.3, ema_decay=0.5, warmup_steps=2, batch_sizes_to_profile=[128], batch_size_upper_bound=512
+  )
   trace(c, [0.2, 0.2, 0.5])  # warm-up, warm-up, then the profile starts (at 128)
   c.update(0.5)  # measured at 128; back to 64
   assert c.state_dict()["similarity_model"]["count"] == 4
-  fixed = simigrad_jax.make_controller("fixed", initial_batch_size=64, similarity_target=0.3,
-                                       ema_decay=0.9)
+  fixed = simigrad_jax.make_controller(
+    "fixed", initial_batch_size=64, similarity_target=0.3, ema_decay=0.9
+  )
   fixed.update(0.1)
   assert fixed.batch_size == 64 and fixed.noise_scale == pytest.approx(64 * 0.9 / 0.2)
 
@@ -162,8 +184,9 @@ def test_off_by_default_and_registered():
   plain = Controller(64, 0.3)
   assert plain.config["ema_decay"] is None and plain.noise_scale is None
   assert plain.state_dict()["similarity_model"] is None
-  c = simigrad_jax.make_controller("simigrad", initial_batch_size=64, similarity_target=0.3,
-                                   ema_decay=0.9)
+  c = simigrad_jax.make_controller(
+    "simigrad", initial_batch_size=64, similarity_target=0.3, ema_decay=0.9
+  )
   assert c.config["ema_decay"] == 0.9 and c.model_similarity is None
 
 
@@ -174,16 +197,21 @@ def test_verbose_logs_the_model(caplog):
   assert "noise scale 32.0, similarity at 64 0.5" in caplog.text
 
 
-@pytest.mark.parametrize("kwargs, match", [
+@pytest.mark.parametrize(
+  "kwargs, match",
+  [
     ({"ema_decay": 1.0}, r"ema_decay must be a number in \[0, 1\), got 1.0"),
     ({"ema_decay": -0.1}, r"ema_decay must be a number in \[0, 1\), got -0.1"),
     ({"ema_decay": math.nan}, "ema_decay .* got nan"),
     ({"ema_decay": "0.9"}, "ema_decay .* got '0.9'"),
     ({"ema_decay": True}, "ema_decay .* got True"),
-    ({"ema_decay": 0.9, "similarity_target": 0.0},
-     r"ema_decay \(the model rule\) needs a similarity_target in \(0, 1\), got 0.0"),
+    (
+      {"ema_decay": 0.9, "similarity_target": 0.0},
+      r"ema_decay \(the model rule\) needs a similarity_target in \(0, 1\), got 0.0",
+    ),
     ({"ema_decay": 0.9, "similarity_target": 1.0}, r"similarity_target in \(0, 1\), got 1.0"),
-])
+  ],
+)
 def test_bad_settings_raise(kwargs, match):
   args = {"similarity_target": 0.3} | kwargs
   with pytest.raises(ValueError, match=match):
@@ -191,6 +219,7 @@ def test_bad_settings_raise(kwargs, match):
 
 
 # ---------------------------------------------------------------- save / resume
+
 
 @pytest.mark.parametrize("k", [0, 1, 5, 9, 30])
 def test_state_dict_round_trip_mid_window(k):
@@ -214,7 +243,9 @@ def test_load_refuses_mismatched_or_bad_model_state():
   with pytest.raises(ValueError, match=r"ema_decay \(saved 0.9, here None\)"):
     Controller(32, 0.3).load_state_dict(state)
   del state["config"]
-  with pytest.raises(ValueError, match="the state has a similarity model; this controller does not"):
+  with pytest.raises(
+    ValueError, match="the state has a similarity model; this controller does not"
+  ):
     Controller(32, 0.3).load_state_dict(state)
   state["similarity_model"]["ema_noise"] = math.nan
   fresh = Controller(32, 0.3, ema_decay=0.9)
@@ -235,5 +266,7 @@ def test_a_state_saved_before_the_option_loads():
 
 def test_docstring_examples():
   import doctest  # pylint: disable=import-outside-toplevel
+
   from simigrad_jax.controllers import similarity_model  # pylint: disable=import-outside-toplevel
+
   assert doctest.testmod(similarity_model).failed == 0

@@ -9,8 +9,8 @@ import pytest
 
 from simigrad_jax.controllers.simigrad import Controller
 
-
 # ------------------------------------------------------------------ references
+
 
 def reference_next(b, s, target, lower=None, upper=None, smooth=None):
   """The reference rule, written out independently of the module."""
@@ -52,6 +52,7 @@ def random_sims(seed, n, target):
 
 # ------------------------------------------------------------ the reference rule
 
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
 @pytest.mark.parametrize("target", [0.0, 0.1, 0.8])
 @pytest.mark.parametrize("bounds", [(None, None), (32, 1024), (None, 300), (100, None)])
@@ -61,8 +62,7 @@ def test_sequence_matches_reference(seed, target, bounds, initial):
   if lower is not None and initial < lower:
     initial = lower
   sims = random_sims(seed, 400, target)
-  c = Controller(initial, target, batch_size_lower_bound=lower,
-                 batch_size_upper_bound=upper)
+  c = Controller(initial, target, batch_size_lower_bound=lower, batch_size_upper_bound=upper)
   got = run(c, sims)
   assert got == reference_sequence(initial, sims, target, lower=lower, upper=upper)
   assert len(set(got)) > 5  # the sequence really moved
@@ -77,22 +77,25 @@ def test_long_growth_matches_float_arithmetic():
   assert got[-1] > 10**12
 
 
-@pytest.mark.parametrize("b, s, expected, decision", [
-    (128, 0.0, 140, "grow"),     # int(140.8)
-    (10, 0.0, 11, "grow"),       # int(11.000000000000002) = 11 = B + 1
-    (5, 0.0, 6, "grow"),         # int(5.5) = 5 < B + 1
+@pytest.mark.parametrize(
+  "b, s, expected, decision",
+  [
+    (128, 0.0, 140, "grow"),  # int(140.8)
+    (10, 0.0, 11, "grow"),  # int(11.000000000000002) = 11 = B + 1
+    (5, 0.0, 6, "grow"),  # int(5.5) = 5 < B + 1
     (1, 0.0, 2, "grow"),
-    (128, 0.9, 115, "shrink"),   # int(115.2)
-    (5, 0.9, 4, "shrink"),       # int(4.5)
+    (128, 0.9, 115, "shrink"),  # int(115.2)
+    (5, 0.9, 4, "shrink"),  # int(4.5)
     (10, 0.9, 9, "shrink"),
     (2, 0.9, 1, "shrink"),
-    (1, 0.9, 1, "hold"),         # B = 1 never shrinks
-    (128, 0.5, 128, "hold"),     # equal to the target
+    (1, 0.9, 1, "hold"),  # B = 1 never shrinks
+    (128, 0.5, 128, "hold"),  # equal to the target
     # Python float products, as the reference computes them; exact integer
     # arithmetic (B * 11 // 10, B * 9 // 10) would give ...09 and ...00 here.
     (1000000000000009, 0.0, 1100000000000010, "grow"),
     (3000000000000001, 0.9, 2700000000000001, "shrink"),
-])
+  ],
+)
 def test_hand_checked_steps(b, s, expected, decision):
   c = Controller(b, 0.5)
   assert c.update(s) == expected
@@ -100,14 +103,17 @@ def test_hand_checked_steps(b, s, expected, decision):
   assert c.last_decision == decision
 
 
-@pytest.mark.parametrize("b, s, lower, upper, expected, decision", [
-    (250, 0.0, None, 256, 256, "clamped"),   # 275 -> 256
-    (256, 0.0, None, 256, 256, "clamped"),   # stays at the cap
-    (33, 0.9, 32, None, 32, "clamped"),      # 29 -> 32
+@pytest.mark.parametrize(
+  "b, s, lower, upper, expected, decision",
+  [
+    (250, 0.0, None, 256, 256, "clamped"),  # 275 -> 256
+    (256, 0.0, None, 256, 256, "clamped"),  # stays at the cap
+    (33, 0.9, 32, None, 32, "clamped"),  # 29 -> 32
     (32, 0.9, 32, None, 32, "clamped"),
-    (200, 0.0, None, 256, 220, "grow"),      # within bounds: not clamped
+    (200, 0.0, None, 256, 220, "grow"),  # within bounds: not clamped
     (40, 0.9, 32, 256, 36, "shrink"),
-])
+  ],
+)
 def test_clamping(b, s, lower, upper, expected, decision):
   c = Controller(b, 0.5, batch_size_lower_bound=lower, batch_size_upper_bound=upper)
   assert c.update(s) == expected
@@ -115,8 +121,12 @@ def test_clamping(b, s, lower, upper, expected, decision):
 
 
 def test_accepts_numpy_scalars():
-  c = Controller(np.int64(128), np.float32(0.5), batch_size_lower_bound=np.int32(64),
-                 batch_size_upper_bound=np.uint16(512))
+  c = Controller(
+    np.int64(128),
+    np.float32(0.5),
+    batch_size_lower_bound=np.int32(64),
+    batch_size_upper_bound=np.uint16(512),
+  )
   assert type(c.batch_size) is int
   assert c.update(np.float32(0.1)) == 140
   assert c.update(np.array(0.9)) == 126
@@ -124,6 +134,7 @@ def test_accepts_numpy_scalars():
 
 
 # ------------------------------------------------------- beyond the reference
+
 
 def test_dead_band():
   c = Controller(100, 0.5, dead_band=0.1)
@@ -190,15 +201,19 @@ def test_verbose_logs_each_decision(caplog):
 
 # -------------------------------------------------------------------- smoothing
 
-@pytest.mark.parametrize("b, s, smooth, expected", [
-    (100, 0.0, 0.5, 105),   # rule 110, blend 105.0
-    (100, 0.9, 0.5, 95),    # rule 90, blend 95.0
-    (128, 0.0, 0.9, 129),   # rule 140, blend 129.2
-    (10, 0.0, 0.5, 11),     # blend 10.5 would truncate back to 10: kept growing
-    (2, 0.9, 0.9, 1),       # rule 1, blend 1.9 -> 1
-    (3, 0.9, 0.9, 2),       # rule 2, blend 2.9 -> 2 (at most B - 1)
-    (100, 0.0, 0.0, 110),   # f = 0: the plain rule
-])
+
+@pytest.mark.parametrize(
+  "b, s, smooth, expected",
+  [
+    (100, 0.0, 0.5, 105),  # rule 110, blend 105.0
+    (100, 0.9, 0.5, 95),  # rule 90, blend 95.0
+    (128, 0.0, 0.9, 129),  # rule 140, blend 129.2
+    (10, 0.0, 0.5, 11),  # blend 10.5 would truncate back to 10: kept growing
+    (2, 0.9, 0.9, 1),  # rule 1, blend 1.9 -> 1
+    (3, 0.9, 0.9, 2),  # rule 2, blend 2.9 -> 2 (at most B - 1)
+    (100, 0.0, 0.0, 110),  # f = 0: the plain rule
+  ],
+)
 def test_smoothing_hand_checked(b, s, smooth, expected):
   c = Controller(b, 0.5, smooth_factor=smooth)
   assert c.update(s) == expected
@@ -209,11 +224,11 @@ def test_smoothing_hand_checked(b, s, smooth, expected):
 def test_smoothing_sequence(smooth, bounds):
   lower, upper = bounds
   sims = random_sims(3, 300, 0.1)
-  c = Controller(128, 0.1, smooth_factor=smooth, batch_size_lower_bound=lower,
-                 batch_size_upper_bound=upper)
+  c = Controller(
+    128, 0.1, smooth_factor=smooth, batch_size_lower_bound=lower, batch_size_upper_bound=upper
+  )
   got = run(c, sims)
-  assert got == reference_sequence(128, sims, 0.1, lower=lower, upper=upper,
-                                   smooth=smooth)
+  assert got == reference_sequence(128, sims, 0.1, lower=lower, upper=upper, smooth=smooth)
   if smooth == 0.0:
     assert got == reference_sequence(128, sims, 0.1, lower=lower, upper=upper)
 
@@ -226,9 +241,9 @@ def test_smoothing_damps_steps():
 
 # -------------------------------------------------------------------- profiling
 
+
 def test_profile_visits_sizes_and_returns():
-  c = Controller(128, 0.5, batch_sizes_to_profile=[32, 64, 16],
-                 profile_steps_per_size=2)
+  c = Controller(128, 0.5, batch_sizes_to_profile=[32, 64, 16], profile_steps_per_size=2)
   assert c.profiling
   assert c.batch_size == 32  # the first step already runs at the first size
   sims = [0.1, 0.2, 0.3, 0.4, 0.5, 0.6]
@@ -236,12 +251,12 @@ def test_profile_visits_sizes_and_returns():
   assert c.last_decision == "profile"
   assert not c.profiling
   assert c.profile == [
-      {"batch_size": 32, "similarity": 0.1, "step": 1},
-      {"batch_size": 32, "similarity": 0.2, "step": 2},
-      {"batch_size": 64, "similarity": 0.3, "step": 3},
-      {"batch_size": 64, "similarity": 0.4, "step": 4},
-      {"batch_size": 16, "similarity": 0.5, "step": 5},
-      {"batch_size": 16, "similarity": 0.6, "step": 6},
+    {"batch_size": 32, "similarity": 0.1, "step": 1},
+    {"batch_size": 32, "similarity": 0.2, "step": 2},
+    {"batch_size": 64, "similarity": 0.3, "step": 3},
+    {"batch_size": 64, "similarity": 0.4, "step": 4},
+    {"batch_size": 16, "similarity": 0.5, "step": 5},
+    {"batch_size": 16, "similarity": 0.6, "step": 6},
   ]
   assert c.update(0.0) == 140  # adapting again from the pre-profile size
   assert c.last_decision == "grow"
@@ -255,16 +270,14 @@ def test_profile_ignores_the_rule_and_enable_adjust():
 
 
 def test_profile_summary_and_saved_json(tmp_path):
-  c = Controller(100, 0.5, batch_sizes_to_profile=[64, 8],
-                 profile_steps_per_size=3)
+  c = Controller(100, 0.5, batch_sizes_to_profile=[64, 8], profile_steps_per_size=3)
   run(c, [0.2, 0.4, 0.6, 0.9, 0.9, 0.9])
   summary = c.profile_summary()
   assert list(summary) == [8, 64]
   assert summary[64]["count"] == 3
   assert summary[64]["mean"] == pytest.approx(0.4)
   assert summary[64]["std"] == pytest.approx(np.std([0.2, 0.4, 0.6]))
-  assert summary[8] == {"mean": pytest.approx(0.9), "std": pytest.approx(0.0),
-                        "count": 3}
+  assert summary[8] == {"mean": pytest.approx(0.9), "std": pytest.approx(0.0), "count": 3}
   path = tmp_path / "profile.json"
   c.save_profile(path)
   data = json.loads(path.read_text())
@@ -309,20 +322,23 @@ def test_nonfinite_is_not_a_profile_sample():
   assert c.nonfinite_count == 2
 
 
-@pytest.mark.parametrize("sizes, match", [
+@pytest.mark.parametrize(
+  "sizes, match",
+  [
     ([], "non-empty"),
     ("64", "non-empty"),
     ([0], r"batch_sizes_to_profile\[0\] must be an integer >= 1, got 0"),
     ([64, 12.5], r"batch_sizes_to_profile\[1\] must be an integer >= 1, got 12.5"),
     ([64, True], r"batch_sizes_to_profile\[1\].*got True"),
-    ([64, 2048],
-     r"batch_sizes_to_profile\[1\] must lie within .*\[16, 1024\], got 2048"),
+    ([64, 2048], r"batch_sizes_to_profile\[1\] must lie within .*\[16, 1024\], got 2048"),
     ([8], r"batch_sizes_to_profile\[0\] must lie within .*got 8"),
-])
+  ],
+)
 def test_bad_profile_sizes(sizes, match):
   with pytest.raises(ValueError, match=match):
-    Controller(100, 0.5, batch_size_lower_bound=16, batch_size_upper_bound=1024,
-               batch_sizes_to_profile=sizes)
+    Controller(
+      100, 0.5, batch_size_lower_bound=16, batch_size_upper_bound=1024, batch_sizes_to_profile=sizes
+    )
   c = Controller(100, 0.5, batch_size_lower_bound=16, batch_size_upper_bound=1024)
   with pytest.raises(ValueError, match=match):
     c.start_profile(sizes)
@@ -331,6 +347,7 @@ def test_bad_profile_sizes(sizes, match):
 
 # --------------------------------------------------------------- set_batch_size
 
+
 def test_set_batch_size_adopts_size():
   c = Controller(100, 0.5, batch_size_upper_bound=500)
   c.set_batch_size(np.int64(96))
@@ -338,7 +355,9 @@ def test_set_batch_size_adopts_size():
   assert c.update(0.0) == 105  # the rule continues from the adopted size
 
 
-@pytest.mark.parametrize("value, match", [
+@pytest.mark.parametrize(
+  "value, match",
+  [
     (0, "batch_size must be an integer >= 1, got 0"),
     (-3, "got -3"),
     (12.5, "got 12.5"),
@@ -347,7 +366,8 @@ def test_set_batch_size_adopts_size():
     ("12", "got '12'"),
     (None, "got None"),
     (501, r"must lie within .*\[1, 500\], got 501"),
-])
+  ],
+)
 def test_set_batch_size_rejects(value, match):
   c = Controller(100, 0.5, batch_size_upper_bound=500)
   with pytest.raises(ValueError, match=match):
@@ -357,9 +377,11 @@ def test_set_batch_size_rejects(value, match):
 
 # ------------------------------------------------------------------ bad settings
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"similarity_target": 1.5},
-     r"similarity_target must be a number in \[-1, 1\], got 1.5"),
+
+@pytest.mark.parametrize(
+  "kwargs, match",
+  [
+    ({"similarity_target": 1.5}, r"similarity_target must be a number in \[-1, 1\], got 1.5"),
     ({"similarity_target": -1.01}, "similarity_target .* got -1.01"),
     ({"similarity_target": math.nan}, "similarity_target .* got nan"),
     ({"similarity_target": True}, "similarity_target .* got True"),
@@ -367,17 +389,22 @@ def test_set_batch_size_rejects(value, match):
     ({"initial_batch_size": 0}, "initial_batch_size must be an integer >= 1, got 0"),
     ({"initial_batch_size": 12.5}, "initial_batch_size .* got 12.5"),
     ({"initial_batch_size": True}, "initial_batch_size .* got True"),
-    ({"initial_batch_size": 8, "batch_size_lower_bound": 16},
-     r"initial_batch_size must lie within .*\[16, inf\], got 8"),
-    ({"initial_batch_size": 600, "batch_size_upper_bound": 512},
-     r"initial_batch_size must lie within .*\[1, 512\], got 600"),
-    ({"batch_size_lower_bound": 0},
-     "batch_size_lower_bound must be an integer >= 1, got 0"),
+    (
+      {"initial_batch_size": 8, "batch_size_lower_bound": 16},
+      r"initial_batch_size must lie within .*\[16, inf\], got 8",
+    ),
+    (
+      {"initial_batch_size": 600, "batch_size_upper_bound": 512},
+      r"initial_batch_size must lie within .*\[1, 512\], got 600",
+    ),
+    ({"batch_size_lower_bound": 0}, "batch_size_lower_bound must be an integer >= 1, got 0"),
     ({"batch_size_upper_bound": -5}, "batch_size_upper_bound .* got -5"),
     ({"batch_size_upper_bound": 256.0}, "batch_size_upper_bound .* got 256.0"),
     ({"batch_size_lower_bound": False}, "batch_size_lower_bound .* got False"),
-    ({"batch_size_lower_bound": 64, "batch_size_upper_bound": 32},
-     r"batch_size_lower_bound \(64\) must not exceed batch_size_upper_bound \(32\)"),
+    (
+      {"batch_size_lower_bound": 64, "batch_size_upper_bound": 32},
+      r"batch_size_lower_bound \(64\) must not exceed batch_size_upper_bound \(32\)",
+    ),
     ({"enable_adjust": 1}, "enable_adjust must be True or False, got 1"),
     ({"enable_adjust": 0.1}, "enable_adjust .* got 0.1"),
     ({"verbose": "yes"}, "verbose .* got 'yes'"),
@@ -389,11 +416,13 @@ def test_set_batch_size_rejects(value, match):
     ({"dead_band": math.inf}, "dead_band .* got inf"),
     ({"warmup_steps": -1}, "warmup_steps must be an integer >= 0, got -1"),
     ({"warmup_steps": 2.5}, "warmup_steps .* got 2.5"),
-    ({"profile_steps_per_size": 0},
-     "profile_steps_per_size must be an integer >= 1, got 0"),
-    ({"profile_steps_per_size": 0, "batch_sizes_to_profile": [64]},
-     "profile_steps_per_size .* got 0"),
-])
+    ({"profile_steps_per_size": 0}, "profile_steps_per_size must be an integer >= 1, got 0"),
+    (
+      {"profile_steps_per_size": 0, "batch_sizes_to_profile": [64]},
+      "profile_steps_per_size .* got 0",
+    ),
+  ],
+)
 def test_bad_settings_raise(kwargs, match):
   args = {"initial_batch_size": 128, "similarity_target": 0.1} | kwargs
   with pytest.raises(ValueError, match=match):
@@ -403,11 +432,11 @@ def test_bad_settings_raise(kwargs, match):
 # ---------------------------------------------------------------- save / resume
 
 CONFIGS = {
-    "plain": dict(),
-    "bounded_smooth": dict(batch_size_lower_bound=32, batch_size_upper_bound=700,
-                           smooth_factor=0.6, dead_band=0.02),
-    "profile": dict(batch_sizes_to_profile=[64, 256, 32], profile_steps_per_size=3,
-                    warmup_steps=2),
+  "plain": dict(),
+  "bounded_smooth": dict(
+    batch_size_lower_bound=32, batch_size_upper_bound=700, smooth_factor=0.6, dead_band=0.02
+  ),
+  "profile": dict(batch_sizes_to_profile=[64, 256, 32], profile_steps_per_size=3, warmup_steps=2),
 }
 
 
@@ -450,14 +479,16 @@ def test_round_trip_mid_profile_is_really_mid_profile():
   assert run(fresh, [0.5, 0.5, 0.0]) == [256, 128, 140]
 
 
-@pytest.mark.parametrize("field, value, match", [
+@pytest.mark.parametrize(
+  "field, value, match",
+  [
     ("position", 2, "profile position 2 is past the end"),
     ("sizes", [64, 4096], "profile size must lie within"),
     ("steps_per_size", 0, "steps_per_size must be an integer >= 1"),
-])
+  ],
+)
 def test_load_refuses_bad_profile_plan(field, value, match):
-  c = Controller(128, 0.1, batch_size_upper_bound=512,
-                 batch_sizes_to_profile=[64, 256])
+  c = Controller(128, 0.1, batch_size_upper_bound=512, batch_sizes_to_profile=[64, 256])
   state = c.state_dict()
   state["profile_plan"][field] = value
   fresh = Controller(128, 0.1, batch_size_upper_bound=512)
@@ -467,8 +498,13 @@ def test_load_refuses_bad_profile_plan(field, value, match):
 
 
 def test_state_dict_is_plain_json():
-  c = Controller(np.int64(64), np.float64(0.25), batch_size_upper_bound=np.int32(900),
-                 smooth_factor=0.5, batch_sizes_to_profile=[32])
+  c = Controller(
+    np.int64(64),
+    np.float64(0.25),
+    batch_size_upper_bound=np.int32(900),
+    smooth_factor=0.5,
+    batch_sizes_to_profile=[32],
+  )
   run(c, [np.float32(0.1), 0.2, 0.3])
   state = c.state_dict()
   assert json.loads(json.dumps(state)) == state
@@ -480,9 +516,11 @@ def test_load_refuses_different_config():
   c.update(0.0)
   state = json.loads(json.dumps(c.state_dict()))
   other = Controller(128, 0.2, batch_size_upper_bound=1024)
-  with pytest.raises(ValueError,
-                     match=r"similarity_target \(saved 0.1, here 0.2\).*"
-                     r"batch_size_upper_bound \(saved 512, here 1024\)"):
+  with pytest.raises(
+    ValueError,
+    match=r"similarity_target \(saved 0.1, here 0.2\).*"
+    r"batch_size_upper_bound \(saved 512, here 1024\)",
+  ):
     other.load_state_dict(state)
   assert other.batch_size == 128 and other.step == 0  # untouched
   del state["config"]
@@ -490,13 +528,16 @@ def test_load_refuses_different_config():
   assert other.batch_size == 140 and other.step == 1
 
 
-@pytest.mark.parametrize("mutate, match", [
+@pytest.mark.parametrize(
+  "mutate, match",
+  [
     (lambda s: s.update(version=2), "version must be 1, got 2"),
     (lambda s: s.pop("version"), "version must be 1, got None"),
     (lambda s: s.update(batch_size=4096), "batch_size must lie within"),
     (lambda s: s.pop("step"), "malformed"),
     (lambda s: s.update(last_decision="jump"), "last_decision must be one of"),
-])
+  ],
+)
 def test_load_refuses_bad_state(mutate, match):
   c = Controller(128, 0.1, batch_size_upper_bound=512)
   c.update(0.0)

@@ -11,8 +11,8 @@ import simigrad_jax
 from simigrad_jax.controllers.noise_scale import GnsController
 from simigrad_jax.controllers.noise_scale import noise_scale_estimates
 
-
 # ------------------------------------------------------------------ references
+
 
 def numpy_estimates(per_example, half_a, half_b):
   """McCandlish et al.'s two-batch estimator in its general form, from raw per-example gradients.
@@ -87,13 +87,23 @@ class Gaussian:
 
   def stats(self, batch_size):
     """The trainer's stats for one step at ``batch_size``: the halves split by parity like devices."""
-    per_example = self.mean + self.rng.normal(size=(batch_size, self.mean.size)) * np.sqrt(self.variances)
+    per_example = self.mean + self.rng.normal(size=(batch_size, self.mean.size)) * np.sqrt(
+      self.variances
+    )
     half = batch_size // 2
-    g_a, g_b = per_example[:half].sum(0) / (batch_size / 2), per_example[half:].sum(0) / (batch_size / 2)
+    g_a, g_b = (
+      per_example[:half].sum(0) / (batch_size / 2),
+      per_example[half:].sum(0) / (batch_size / 2),
+    )
     mean = per_example.mean(0)
-    return {"norm_a": float(np.linalg.norm(g_a)), "norm_b": float(np.linalg.norm(g_b)),
-            "norm_mean": float(np.linalg.norm(mean)), "batch_size": batch_size,
-            "loss": 1.0, "grads_finite": True}
+    return {
+      "norm_a": float(np.linalg.norm(g_a)),
+      "norm_b": float(np.linalg.norm(g_b)),
+      "norm_mean": float(np.linalg.norm(mean)),
+      "batch_size": batch_size,
+      "loss": 1.0,
+      "grads_finite": True,
+    }
 
 
 def step_stats(seed, n, sizes=(16, 300)):
@@ -103,20 +113,28 @@ def step_stats(seed, n, sizes=(16, 300)):
   for _ in range(n):
     na, nb = rng.uniform(0.5, 2.0, size=2)
     nm = rng.uniform(0.2, 1.1) * min(na, nb)
-    out.append((float(na), float(nb), float(nm), int(rng.integers(*sizes)), bool(rng.random() > 0.05)))
+    out.append(
+      (float(na), float(nb), float(nm), int(rng.integers(*sizes)), bool(rng.random() > 0.05))
+    )
   return out
 
 
 def feed(controller, steps):
   sizes = []
   for na, nb, nm, realised, finite in steps:
-    stats = {"norm_a": na, "norm_b": nb, "norm_mean": nm, "batch_size": realised,
-             "grads_finite": finite}
+    stats = {
+      "norm_a": na,
+      "norm_b": nb,
+      "norm_mean": nm,
+      "batch_size": realised,
+      "grads_finite": finite,
+    }
     sizes.append(controller.update(0.1 if finite else math.nan, stats=stats))
   return sizes
 
 
 # ------------------------------------------------------------------ estimates
+
 
 @pytest.mark.parametrize("batch_size", [2, 8, 64, 1000])
 def test_estimates_match_the_general_two_batch_formula(batch_size):
@@ -131,9 +149,14 @@ def test_estimates_match_the_general_two_batch_formula(batch_size):
 def test_estimates_are_unbiased_on_gaussian_gradients():
   """Averaged over many steps, the per-step estimates converge to |G|^2 and tr(Sigma)."""
   source = Gaussian(dim=40, signal=1.0, noise_scale=100.0, seed=1)
-  draws = np.array([noise_scale_estimates(**{k: v for k, v in source.stats(64).items()
-                                             if k.startswith("norm") or k == "batch_size"})
-                    for _ in range(4000)])
+  draws = np.array(
+    [
+      noise_scale_estimates(
+        **{k: v for k, v in source.stats(64).items() if k.startswith("norm") or k == "batch_size"}
+      )
+      for _ in range(4000)
+    ]
+  )
   g2, trace = draws.mean(axis=0)
   g2_se, trace_se = draws.std(axis=0) / np.sqrt(len(draws))
   assert abs(g2 - source.true_g2) < 4 * g2_se
@@ -146,8 +169,13 @@ def test_estimates_are_unbiased_on_gaussian_gradients():
 def test_smoothed_noise_scale_converges_to_the_true_one(true_scale, batch_size):
   source = Gaussian(dim=64, signal=0.5, noise_scale=true_scale, seed=int(true_scale))
   assert source.true_trace / source.true_g2 == pytest.approx(true_scale)
-  c = GnsController(batch_size, 1.0, ema_decay=0.995, batch_size_lower_bound=batch_size,
-                    batch_size_upper_bound=batch_size)  # size pinned: measure only
+  c = GnsController(
+    batch_size,
+    1.0,
+    ema_decay=0.995,
+    batch_size_lower_bound=batch_size,
+    batch_size_upper_bound=batch_size,
+  )  # size pinned: measure only
   for _ in range(3000):
     c.update(0.1, stats=source.stats(batch_size))
   assert c.noise_scale == pytest.approx(true_scale, rel=0.15)
@@ -158,9 +186,14 @@ def test_smoothed_noise_scale_converges_to_the_true_one(true_scale, batch_size):
 @pytest.mark.parametrize("multiple", [0.25, 1.0])
 def test_closed_loop_holds_the_batch_near_multiple_times_noise_scale(multiple):
   source = Gaussian(dim=64, signal=1.0, noise_scale=400.0, seed=3)
-  c = simigrad_jax.make_controller("gns", initial_batch_size=16, multiple=multiple,
-                                   ema_decay=0.98, batch_size_lower_bound=4,
-                                   batch_size_upper_bound=4096)
+  c = simigrad_jax.make_controller(
+    "gns",
+    initial_batch_size=16,
+    multiple=multiple,
+    ema_decay=0.98,
+    batch_size_lower_bound=4,
+    batch_size_upper_bound=4096,
+  )
   sizes = [c.update(0.1, stats=source.stats(c.batch_size)) for _ in range(1500)]
   settled = np.mean(sizes[-500:])
   assert settled == pytest.approx(multiple * 400.0, rel=0.2)
@@ -175,34 +208,51 @@ def test_simigrad_and_gns_agree_on_the_operating_point():
   source = Gaussian(dim=64, signal=1.0, noise_scale=300.0, seed=4)
   target = 0.2
   multiple = 2 * target / (1 - target)
-  sim = simigrad_jax.make_controller("simigrad", initial_batch_size=32, similarity_target=target,
-                                     batch_size_lower_bound=4, batch_size_upper_bound=4096)
+  sim = simigrad_jax.make_controller(
+    "simigrad",
+    initial_batch_size=32,
+    similarity_target=target,
+    batch_size_lower_bound=4,
+    batch_size_upper_bound=4096,
+  )
   sim_sizes = []
   for _ in range(1500):
     stats = source.stats(sim.batch_size)
     # cos(g_A, g_B) from the norms: |g_A + g_B|^2 = 4 |mean|^2.
-    cos = (4 * stats["norm_mean"]**2 - stats["norm_a"]**2 - stats["norm_b"]**2) / (
-        2 * stats["norm_a"] * stats["norm_b"])
+    cos = (4 * stats["norm_mean"] ** 2 - stats["norm_a"] ** 2 - stats["norm_b"] ** 2) / (
+      2 * stats["norm_a"] * stats["norm_b"]
+    )
     sim_sizes.append(sim.update(cos, stats=stats))
   assert np.mean(sim_sizes[-500:]) == pytest.approx(multiple * 300.0, rel=0.25)
 
 
 # ------------------------------------------------------------------ the rule
 
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
-@pytest.mark.parametrize("multiple, decay, max_change, lower, upper, warmup", [
+@pytest.mark.parametrize(
+  "multiple, decay, max_change, lower, upper, warmup",
+  [
     (1.0, 0.9, 2.0, None, 1024, 0),
     (0.5, 0.0, None, 4, 512, 0),
     (2.0, 0.99, 1.1, 8, None, 3),
     (0.1, 0.5, None, None, None, 0),
-])
+  ],
+)
 def test_sequence_matches_numpy_reference(seed, multiple, decay, max_change, lower, upper, warmup):
   steps = step_stats(seed, 300)
-  c = GnsController(64, multiple, ema_decay=decay, max_change=max_change,
-                    batch_size_lower_bound=lower, batch_size_upper_bound=upper,
-                    warmup_steps=warmup)
-  assert feed(c, steps) == numpy_controller(steps, 64, multiple, decay, max_change, lower, upper,
-                                            warmup)
+  c = GnsController(
+    64,
+    multiple,
+    ema_decay=decay,
+    max_change=max_change,
+    batch_size_lower_bound=lower,
+    batch_size_upper_bound=upper,
+    warmup_steps=warmup,
+  )
+  assert feed(c, steps) == numpy_controller(
+    steps, 64, multiple, decay, max_change, lower, upper, warmup
+  )
 
 
 def test_hand_checked_step():
@@ -235,13 +285,17 @@ def test_noise_dominated_and_noiseless_steps():
   assert c.update(1.0, stats=clean) == 8 and c.noise_scale == 0.0
 
 
-@pytest.mark.parametrize("similarity, stats", [
+@pytest.mark.parametrize(
+  "similarity, stats",
+  [
     (math.nan, {}),
     (0.1, {"grads_finite": False}),
     (0.1, {"norm_a": math.nan}),
     (0.1, {"norm_mean": math.inf}),
     (0.1, {"batch_size": 1}),
-], ids=["nan-similarity", "nonfinite-step", "nan-norm", "inf-norm", "batch-of-one"])
+  ],
+  ids=["nan-similarity", "nonfinite-step", "nan-norm", "inf-norm", "batch-of-one"],
+)
 def test_nonfinite_steps_hold_count_and_leave_the_averages(similarity, stats):
   good = {"norm_a": 1.0, "norm_b": 1.1, "norm_mean": 0.8, "batch_size": 64}
   c = GnsController(64, 0.5, ema_decay=0.5)
@@ -263,14 +317,19 @@ def test_warmup_learns_but_holds():
 
 def test_needs_stats():
   c = GnsController(64)
-  with pytest.raises(ValueError, match=r"'gns' controller needs update\(similarity, stats=...\) "
-                     r"with the keys \['norm_a', 'norm_b', 'norm_mean', 'batch_size'\].*got None"):
+  with pytest.raises(
+    ValueError,
+    match=r"'gns' controller needs update\(similarity, stats=...\) "
+    r"with the keys \['norm_a', 'norm_b', 'norm_mean', 'batch_size'\].*got None",
+  ):
     c.update(0.1)
   with pytest.raises(ValueError, match=r"got \['norm_a'\]"):
     c.update(0.1, stats={"norm_a": 1.0})
 
 
-@pytest.mark.parametrize("kwargs, match", [
+@pytest.mark.parametrize(
+  "kwargs, match",
+  [
     ({"multiple": 0.0}, r"multiple must be a number in \(0, inf\), got 0.0"),
     ({"multiple": math.inf}, "multiple .* got inf"),
     ({"multiple": "1"}, "multiple .* got '1'"),
@@ -280,11 +339,14 @@ def test_needs_stats():
     ({"max_change": math.nan}, "max_change .* got nan"),
     ({"batch_size_lower_bound": 1}, "batch_size_lower_bound must be an integer >= 2, got 1"),
     ({"batch_size_upper_bound": 32}, r"initial_batch_size must lie within .*\[1, 32\], got 64"),
-    ({"batch_size_lower_bound": 128, "batch_size_upper_bound": 100},
-     r"batch_size_lower_bound \(128\) must not exceed batch_size_upper_bound \(100\)"),
+    (
+      {"batch_size_lower_bound": 128, "batch_size_upper_bound": 100},
+      r"batch_size_lower_bound \(128\) must not exceed batch_size_upper_bound \(100\)",
+    ),
     ({"warmup_steps": -1}, "warmup_steps must be an integer >= 0, got -1"),
     ({"verbose": 1}, "verbose must be True or False, got 1"),
-])
+  ],
+)
 def test_bad_settings_raise(kwargs, match):
   with pytest.raises(ValueError, match=match):
     GnsController(64, **kwargs)
@@ -293,8 +355,13 @@ def test_bad_settings_raise(kwargs, match):
 @pytest.mark.parametrize("k", [0, 1, 7, 50, 150])
 def test_state_dict_round_trip_resumes_exactly(k):
   steps = step_stats(5, 200)
-  kwargs = dict(ema_decay=0.9, max_change=1.5, batch_size_lower_bound=4,
-                batch_size_upper_bound=2000, warmup_steps=3)
+  kwargs = dict(
+    ema_decay=0.9,
+    max_change=1.5,
+    batch_size_lower_bound=4,
+    batch_size_upper_bound=2000,
+    warmup_steps=3,
+  )
   whole = GnsController(64, 0.7, **kwargs)
   expected = feed(whole, steps)
   first = GnsController(64, 0.7, **kwargs)
@@ -314,12 +381,16 @@ def test_load_refuses_other_settings_kinds_and_bad_state():
   other = GnsController(64, 0.5, batch_size_upper_bound=512)
   with pytest.raises(ValueError, match=r"multiple \(saved 0.7, here 0.5\)"):
     other.load_state_dict(state)
-  with pytest.raises(ValueError, match="state is of a 'gns' controller, this one is 'loss_plateau'"):
+  with pytest.raises(
+    ValueError, match="state is of a 'gns' controller, this one is 'loss_plateau'"
+  ):
     simigrad_jax.make_controller("loss_plateau", initial_batch_size=64).load_state_dict(state)
   same = GnsController(64, 0.7, batch_size_upper_bound=512)
-  for mutate, match in ((lambda s: s.update(ema_g2=math.nan), "ema_g2 must be a finite number"),
-                        (lambda s: s.pop("ema_count"), "malformed"),
-                        (lambda s: s.update(batch_size=4096), "batch_size must lie within")):
+  for mutate, match in (
+    (lambda s: s.update(ema_g2=math.nan), "ema_g2 must be a finite number"),
+    (lambda s: s.pop("ema_count"), "malformed"),
+    (lambda s: s.update(batch_size=4096), "batch_size must lie within"),
+  ):
     bad = json.loads(json.dumps(state))
     mutate(bad)
     with pytest.raises(ValueError, match=match):

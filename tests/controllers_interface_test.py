@@ -13,8 +13,8 @@ from simigrad_jax.controllers import base
 from simigrad_jax.controllers import registry
 from simigrad_jax.engine import trainer_checks
 
-
 # ------------------------------------------------------------------ the protocol
+
 
 class Minimal:
   """Only the protocol's members: a batch size that never moves."""
@@ -40,8 +40,15 @@ class Minimal:
 
 def test_the_protocol_is_what_the_trainer_reads():
   assert base.CONTROLLER_MEMBERS == (
-      "batch_size", "initial_batch_size", "config", "last_decision", "update", "set_batch_size",
-      "state_dict", "load_state_dict")
+    "batch_size",
+    "initial_batch_size",
+    "config",
+    "last_decision",
+    "update",
+    "set_batch_size",
+    "state_dict",
+    "load_state_dict",
+  )
   assert base.CONTROLLER_METHODS == ("update", "set_batch_size", "state_dict", "load_state_dict")
   assert trainer_checks._CONTROLLER_ATTRIBUTES == base.CONTROLLER_MEMBERS
   for name in base.CONTROLLER_MEMBERS:  # each member is documented
@@ -60,7 +67,9 @@ def test_a_class_with_only_the_protocols_members_passes_the_trainers_check():
 def test_a_missing_member_is_named(member):
   lacking = type("Lacking", (), {k: v for k, v in vars(Minimal).items() if k != member})()
   assert not isinstance(lacking, BatchSizeController)
-  with pytest.raises(ValueError, match=rf"lacks \['{member}'\]; a controller needs \['batch_size', "):
+  with pytest.raises(
+    ValueError, match=rf"lacks \['{member}'\]; a controller needs \['batch_size', "
+  ):
     trainer_checks.check_controller(lacking)
 
 
@@ -71,11 +80,14 @@ def test_a_method_that_is_not_callable_is_named():
     trainer_checks.check_controller(controller)
 
 
-@pytest.mark.parametrize("bad, match", [
+@pytest.mark.parametrize(
+  "bad, match",
+  [
     ("simigrad", "controller must be a controller object, got 'simigrad'"),
     ({"initial_batch_size": 8}, "controller must be a controller object"),
     (object(), r"lacks \['batch_size', 'initial_batch_size', 'config'"),
-])
+  ],
+)
 def test_what_is_not_a_controller_is_refused(bad, match):
   with pytest.raises(ValueError, match=match):
     trainer_checks.check_controller(bad)
@@ -84,8 +96,11 @@ def test_what_is_not_a_controller_is_refused(bad, match):
 def test_a_config_without_the_required_keys_is_refused():
   controller = Minimal()
   controller.config = {"batch_size_lower_bound": 32}
-  with pytest.raises(ValueError, match=r"controller.config must be a dict with the keys "
-                     r"\['batch_size_lower_bound', 'batch_size_upper_bound', 'similarity_target'\]"):
+  with pytest.raises(
+    ValueError,
+    match=r"controller.config must be a dict with the keys "
+    r"\['batch_size_lower_bound', 'batch_size_upper_bound', 'similarity_target'\]",
+  ):
     trainer_checks.check_controller(controller)
 
 
@@ -102,6 +117,7 @@ def test_every_registered_controller_derives_from_the_base(name):
 
 
 # ------------------------------------------------------ a controller on the base
+
 
 class Halving(BaseController):
   """Only decide(): double below a similarity of 0.2, halve above 0.6, else keep."""
@@ -139,20 +155,37 @@ class MeanSimilarity(BaseController):
     return {"total": self.total, "count": self.count}
 
   def parse_extra_state(self, state):
-    return {"total": base.check_finite_float("total", state["total"]),
-            "count": simigrad_jax.validation.check_int("count", state["count"], 0)}
+    return {
+      "total": base.check_finite_float("total", state["total"]),
+      "count": simigrad_jax.validation.check_int("count", state["count"], 0),
+    }
 
 
 def test_a_controller_with_only_decide_gets_bounds_counters_and_decisions():
   c = Halving(16, batch_size_lower_bound=4, batch_size_upper_bound=48, warmup_steps=1)
   sims = [0.0, 0.1, 0.1, 0.1, 0.4, 0.9, math.nan, 0.9, 0.9, 0.9]
   got = [(c.update(s), c.last_decision) for s in sims]
-  assert got == [(16, "warmup"), (32, "grow"), (48, "clamped"), (48, "clamped"), (48, "hold"),
-                 (24, "shrink"), (24, "nonfinite"), (12, "shrink"), (6, "shrink"), (4, "clamped")]
+  assert got == [
+    (16, "warmup"),
+    (32, "grow"),
+    (48, "clamped"),
+    (48, "clamped"),
+    (48, "hold"),
+    (24, "shrink"),
+    (24, "nonfinite"),
+    (12, "shrink"),
+    (6, "shrink"),
+    (4, "clamped"),
+  ]
   assert c.step == 10 and c.nonfinite_count == 1 and c.last_similarity == 0.9
   assert c.update(0.0, stats={"grads_finite": False}) == 4 and c.last_decision == "nonfinite"
-  assert c.config == {"controller": "Halving", "initial_batch_size": 16, "similarity_target": None,
-                      "batch_size_lower_bound": 4, "batch_size_upper_bound": 48}
+  assert c.config == {
+    "controller": "Halving",
+    "initial_batch_size": 16,
+    "similarity_target": None,
+    "batch_size_lower_bound": 4,
+    "batch_size_upper_bound": 48,
+  }
   with pytest.raises(ValueError, match=r"initial_batch_size must lie within .*\[4, 48\], got 64"):
     Halving(64, batch_size_lower_bound=4, batch_size_upper_bound=48)
 
@@ -161,15 +194,21 @@ def test_a_controller_on_the_base_logs_its_decisions(caplog):
   c = Halving(16, verbose=True)
   with caplog.at_level(logging.INFO, logger="simigrad_jax"):
     c.update(0.1)
-  assert caplog.records[0].getMessage() == "Halving step 1: grow, batch size 16 -> 32 (similarity 0.1)"
+  assert (
+    caplog.records[0].getMessage() == "Halving step 1: grow, batch size 16 -> 32 (similarity 0.1)"
+  )
 
 
 def test_a_decide_that_returns_no_integer_is_refused():
   class Fractional(BaseController):
     def decide(self):
       return self.batch_size * 1.5
-  with pytest.raises(TypeError, match=r"Fractional.decide\(\) must return an integer batch size, "
-                     "got 24.0"):
+
+  with pytest.raises(
+    TypeError,
+    match=r"Fractional.decide\(\) must return an integer batch size, "
+    "got 24.0",
+  ):
     Fractional(16).update(0.1)
 
 
@@ -215,11 +254,15 @@ def test_a_refused_state_changes_nothing():
   with pytest.raises(ValueError, match="malformed controller state: KeyError"):
     same.load_state_dict(state)
   assert same.step == 0 and same.count == 0 and same.total == 0.0
-  with pytest.raises(ValueError, match="the state is of a 'mean_similarity' controller, this one "
-                     "is 'Halving'"):
+  with pytest.raises(
+    ValueError, match="the state is of a 'mean_similarity' controller, this one is 'Halving'"
+  ):
     Halving(32).load_state_dict(c.state_dict())
-  with pytest.raises(ValueError, match=r"controller needs update\(similarity, stats=...\) with the "
-                     r"keys \['loss'\]"):
+  with pytest.raises(
+    ValueError,
+    match=r"controller needs update\(similarity, stats=...\) with the "
+    r"keys \['loss'\]",
+  ):
     c.update(0.1)
 
 
@@ -227,8 +270,12 @@ def test_a_new_controller_registers_by_name(monkeypatch):
   monkeypatch.setattr(registry, "_FACTORIES", dict(registry._FACTORIES))
   simigrad_jax.register_controller("halving", Halving)
   assert simigrad_jax.controller_options("halving") == (
-      "batch_size_lower_bound", "batch_size_upper_bound", "initial_batch_size", "verbose",
-      "warmup_steps")
+    "batch_size_lower_bound",
+    "batch_size_upper_bound",
+    "initial_batch_size",
+    "verbose",
+    "warmup_steps",
+  )
   c = simigrad_jax.make_controller("halving", initial_batch_size=8, batch_size_upper_bound=64)
   assert [c.update(s) for s in (0.0, 0.0, 0.9)] == [16, 32, 16]
 
@@ -239,22 +286,24 @@ def test_a_new_controller_registers_by_name(monkeypatch):
 # batch_sizes_to_profile=[32, 128], profile_steps_per_size=2) after 5 updates, mid-profile, as
 # the code before the shared base saved it (no "controller" key); it then went 128, 64, 70.
 SIMIGRAD_STATE_V1 = json.loads(
-    '{"version": 1, "config": {"initial_batch_size": 64, "similarity_target": 0.3, '
-    '"batch_size_lower_bound": null, "batch_size_upper_bound": 512, "enable_adjust": true, '
-    '"smooth_factor": null, "dead_band": 0.0, "warmup_steps": 1, "ema_decay": 0.9}, '
-    '"batch_size": 128, "step": 5, "nonfinite_count": 1, "last_decision": "profile", '
-    '"profile_plan": {"sizes": [32, 128], "steps_per_size": 2, "position": 1, "count": 0, '
-    '"return_to": 64}, "profile": [{"batch_size": 32, "similarity": 0.25, "step": 3}, '
-    '{"batch_size": 32, "similarity": 0.4, "step": 5}], "similarity_model": '
-    '{"ema_similarity": 0.08598999999999998, "ema_noise": 12.426239999999998, "count": 4}}')
+  '{"version": 1, "config": {"initial_batch_size": 64, "similarity_target": 0.3, '
+  '"batch_size_lower_bound": null, "batch_size_upper_bound": 512, "enable_adjust": true, '
+  '"smooth_factor": null, "dead_band": 0.0, "warmup_steps": 1, "ema_decay": 0.9}, '
+  '"batch_size": 128, "step": 5, "nonfinite_count": 1, "last_decision": "profile", '
+  '"profile_plan": {"sizes": [32, 128], "steps_per_size": 2, "position": 1, "count": 0, '
+  '"return_to": 64}, "profile": [{"batch_size": 32, "similarity": 0.25, "step": 3}, '
+  '{"batch_size": 32, "similarity": 0.4, "step": 5}], "similarity_model": '
+  '{"ema_similarity": 0.08598999999999998, "ema_noise": 12.426239999999998, "count": 4}}'
+)
 # make_controller("gns", initial_batch_size=16, multiple=0.5, ema_decay=0.5,
 # batch_size_upper_bound=64) after 3 updates with GNS_STATS; it then went 8, 8, 8.
 GNS_STATE_V1 = json.loads(
-    '{"version": 1, "controller": "gns", "config": {"controller": "gns", "initial_batch_size": 16, '
-    '"similarity_target": null, "batch_size_lower_bound": null, "batch_size_upper_bound": 64, '
-    '"multiple": 0.5, "ema_decay": 0.5, "max_change": 2.0, "warmup_steps": 0}, "batch_size": 8, '
-    '"step": 3, "nonfinite_count": 0, "last_decision": "hold", "ema_trace": 5.739999999999998, '
-    '"ema_g2": 0.3500000000000001, "ema_count": 3}')
+  '{"version": 1, "controller": "gns", "config": {"controller": "gns", "initial_batch_size": 16, '
+  '"similarity_target": null, "batch_size_lower_bound": null, "batch_size_upper_bound": 64, '
+  '"multiple": 0.5, "ema_decay": 0.5, "max_change": 2.0, "warmup_steps": 0}, "batch_size": 8, '
+  '"step": 3, "nonfinite_count": 0, "last_decision": "hold", "ema_trace": 5.739999999999998, '
+  '"ema_g2": 0.3500000000000001, "ema_count": 3}'
+)
 GNS_STATS = {"norm_a": 1.0, "norm_b": 1.2, "norm_mean": 0.9, "batch_size": 16}
 
 
@@ -264,18 +313,23 @@ def test_states_saved_before_the_shared_base_still_load():
   assert c.profiling and c.batch_size == 128 and c.nonfinite_count == 1
   assert [c.update(s) for s in (0.5, 0.1, 0.1)] == [128, 64, 70]
   assert c.state_dict()["controller"] == "simigrad"
-  g = simigrad_jax.make_controller("gns", initial_batch_size=16, multiple=0.5, ema_decay=0.5,
-                                   batch_size_upper_bound=64)
+  g = simigrad_jax.make_controller(
+    "gns", initial_batch_size=16, multiple=0.5, ema_decay=0.5, batch_size_upper_bound=64
+  )
   g.load_state_dict(GNS_STATE_V1)
   assert [g.update(0.1, stats=GNS_STATS) for _ in range(3)] == [8, 8, 8]
   with pytest.raises(ValueError, match=r"smooth_factor \(saved None, here 0.5\)"):
-    simigrad_jax.Controller(64, 0.3, batch_size_upper_bound=512, ema_decay=0.9, warmup_steps=1,
-                            smooth_factor=0.5).load_state_dict(SIMIGRAD_STATE_V1)
+    simigrad_jax.Controller(
+      64, 0.3, batch_size_upper_bound=512, ema_decay=0.9, warmup_steps=1, smooth_factor=0.5
+    ).load_state_dict(SIMIGRAD_STATE_V1)
 
 
 def test_docstring_examples():
   import doctest  # pylint: disable=import-outside-toplevel
-  from simigrad_jax.controllers import profiling, simigrad  # pylint: disable=import-outside-toplevel
+
+  from simigrad_jax.controllers import profiling  # pylint: disable=import-outside-toplevel
+  from simigrad_jax.controllers import simigrad  # pylint: disable=import-outside-toplevel
+
   for module in (base, profiling, registry, simigrad):
     result = doctest.testmod(module)
     assert result.attempted and not result.failed, module.__name__

@@ -10,8 +10,13 @@ import simigrad_jax
 from simigrad_jax.controllers import ProfilingController
 from simigrad_jax.engine import trainer_checks
 
-GNS = dict(initial_batch_size=64, multiple=0.5, ema_decay=0.5, batch_size_lower_bound=16,
-           batch_size_upper_bound=512)
+GNS = dict(
+  initial_batch_size=64,
+  multiple=0.5,
+  ema_decay=0.5,
+  batch_size_lower_bound=16,
+  batch_size_upper_bound=512,
+)
 
 
 def gns():
@@ -20,9 +25,16 @@ def gns():
 
 def stats_for(step, batch_size, rng):
   na, nb = rng.uniform(0.5, 1.5, size=2)
-  return {"loss": float(2.0 / (1 + step)), "norm_a": float(na), "norm_b": float(nb),
-          "norm_mean": float(rng.uniform(0.3, 1.0) * min(na, nb)), "batch_size": batch_size,
-          "epochs": step * batch_size / 1000, "epoch_end": step % 4 == 3, "grads_finite": True}
+  return {
+    "loss": float(2.0 / (1 + step)),
+    "norm_a": float(na),
+    "norm_b": float(nb),
+    "norm_mean": float(rng.uniform(0.3, 1.0) * min(na, nb)),
+    "batch_size": batch_size,
+    "epochs": step * batch_size / 1000,
+    "epoch_end": step % 4 == 3,
+    "grads_finite": True,
+  }
 
 
 def drive(controller, steps, seed=0, start=0):
@@ -46,13 +58,21 @@ def test_visits_the_sizes_then_returns_and_the_wrapped_controller_sees_every_ste
   sizes = []
   for step, s in enumerate([0.1, math.nan, 0.2, 0.3, 0.4, 0.0]):
     sizes.append((c.update(s, stats=stats_for(step, c.batch_size, rng)), c.last_decision))
-  assert sizes == [(32, "profile"), (32, "nonfinite"), (256, "profile"), (256, "profile"),
-                   (64, "profile"), (sizes[-1][0], inner.last_decision)]
+  assert sizes == [
+    (32, "profile"),
+    (32, "nonfinite"),
+    (256, "profile"),
+    (256, "profile"),
+    (64, "profile"),
+    (sizes[-1][0], inner.last_decision),
+  ]
   assert not c.profiling and c.profile_batch_sizes == ()
-  assert c.profile == [{"batch_size": 32, "similarity": 0.1, "step": 1},
-                       {"batch_size": 32, "similarity": 0.2, "step": 3},
-                       {"batch_size": 256, "similarity": 0.3, "step": 4},
-                       {"batch_size": 256, "similarity": 0.4, "step": 5}]
+  assert c.profile == [
+    {"batch_size": 32, "similarity": 0.1, "step": 1},
+    {"batch_size": 32, "similarity": 0.2, "step": 3},
+    {"batch_size": 256, "similarity": 0.3, "step": 4},
+    {"batch_size": 256, "similarity": 0.4, "step": 5},
+  ]
   # Every step reached the wrapped controller; its attributes read through the wrapper.
   assert c.step == inner.step == 6 and c.nonfinite_count == inner.nonfinite_count == 1
   assert c.noise_scale == inner.noise_scale is not None
@@ -65,8 +85,9 @@ def test_outside_a_profile_it_passes_everything_through():
 
 
 def test_the_loss_plateau_rule_still_closes_its_epochs_during_a_profile():
-  inner = simigrad_jax.make_controller("loss_plateau", initial_batch_size=32, patience=1,
-                                       batch_size_upper_bound=256)
+  inner = simigrad_jax.make_controller(
+    "loss_plateau", initial_batch_size=32, patience=1, batch_size_upper_bound=256
+  )
   c = ProfilingController(inner, [64, 128, 256], steps_per_size=2)
   drive(c, 6)
   assert not c.profiling and c.batch_size == 32 and len(inner.epoch_losses) == 1
@@ -99,12 +120,15 @@ def test_start_profile_mid_run_and_not_twice():
   assert c.batch_size == before and [p["step"] for p in c.profile] == [6, 7]
 
 
-@pytest.mark.parametrize("sizes, match", [
+@pytest.mark.parametrize(
+  "sizes, match",
+  [
     ([], "non-empty"),
     ([8], r"batch_sizes_to_profile\[0\] must lie within .*\[16, 512\], got 8"),
     ([32, 1024], r"batch_sizes_to_profile\[1\] must lie within .*got 1024"),
     ([32, 2.5], r"batch_sizes_to_profile\[1\] must be an integer >= 1, got 2.5"),
-])
+  ],
+)
 def test_sizes_outside_the_wrapped_controllers_bounds_are_refused(sizes, match):
   with pytest.raises(ValueError, match=match):
     ProfilingController(gns(), sizes)
@@ -121,6 +145,7 @@ def test_only_a_controller_can_be_wrapped():
 def test_state_round_trip_resumes_exactly_mid_profile(k):
   def make():
     return ProfilingController(gns(), [32, 256, 128], steps_per_size=2)
+
   whole = make()
   expected = drive(whole, 20)
   first = make()
@@ -132,14 +157,17 @@ def test_state_round_trip_resumes_exactly_mid_profile(k):
   assert resumed.state_dict() == whole.state_dict()
 
 
-@pytest.mark.parametrize("mutate, match", [
+@pytest.mark.parametrize(
+  "mutate, match",
+  [
     (lambda s: s.update(version=2), "version must be 1, got 2"),
     (lambda s: s.update(controller="gns"), "the state is of a 'gns' controller"),
     (lambda s: s["profile_plan"].update(sizes=[32, 4096]), "profile size must lie within"),
     (lambda s: s.update(profile_batch_size=None), "profile_batch_size None does not fit"),
     (lambda s: s.pop("wrapped"), "malformed controller state"),
     (lambda s: s["wrapped"].update(batch_size=4096), "batch_size must lie within"),
-])
+  ],
+)
 def test_a_refused_state_changes_nothing(mutate, match):
   c = ProfilingController(gns(), [32, 256])
   drive(c, 1)
@@ -157,8 +185,9 @@ def test_the_trainers_checks_read_the_profiled_sizes():
   assert trainer_checks._profile_sizes(c) == [32, 400]
   with pytest.raises(ValueError, match="fewer than the largest batch size 512"):
     trainer_checks.check_bounds(c, 300, "local")
-  fixed = simigrad_jax.make_controller("fixed", initial_batch_size=24, batch_size_lower_bound=1,
-                                       batch_size_upper_bound=64)
+  fixed = simigrad_jax.make_controller(
+    "fixed", initial_batch_size=24, batch_size_lower_bound=1, batch_size_upper_bound=64
+  )
   assert trainer_checks.check_bounds(fixed, 300, "local") == (1, 64)
   with pytest.raises(ValueError, match="batch_sizes_to_profile holds 1, but a batch below 2"):
     trainer_checks.check_bounds(ProfilingController(fixed, [1, 32]), 300, "local")

@@ -10,8 +10,8 @@ import simigrad_jax
 from simigrad_jax.controllers.schedules import LossPlateauController
 from simigrad_jax.controllers.schedules import ScheduleController
 
-
 # ------------------------------------------------------------------ schedules
+
 
 def numpy_schedule(epochs, b0, b1, ramp, shape, interval=None):
   """The schedule written with NumPy, vectorised over ``epochs``."""
@@ -28,18 +28,22 @@ def epochs_of(sizes_per_step, num_examples):
   return (np.cumsum(sizes_per_step) / num_examples).tolist()
 
 
-@pytest.mark.parametrize("name, b0, b1, ramp, interval", [
+@pytest.mark.parametrize(
+  "name, b0, b1, ramp, interval",
+  [
     ("linear", 32, 512, 10.0, None),
     ("linear", 32, 512, 10.0, 2.5),
     ("geometric", 16, 1024, 6.0, None),
     ("geometric", 32, 512, 16.0, 4.0),  # Smith et al.: x2 every 4 epochs
-    ("linear", 512, 64, 3.0, None),     # a linear decrease through "linear"
+    ("linear", 512, 64, 3.0, None),  # a linear decrease through "linear"
     ("decreasing", 512, 64, 5.0, None),
     ("decreasing", 1000, 10, 5.0, 1.0),
-])
+  ],
+)
 def test_schedule_matches_numpy(name, b0, b1, ramp, interval):
-  c = simigrad_jax.make_controller(name, initial_batch_size=b0, final_batch_size=b1,
-                                   ramp_epochs=ramp, interval_epochs=interval)
+  c = simigrad_jax.make_controller(
+    name, initial_batch_size=b0, final_batch_size=b1, ramp_epochs=ramp, interval_epochs=interval
+  )
   shape = "geometric" if name == "decreasing" else name
   epochs = np.linspace(0.0, ramp * 1.3, 400)[1:]
   got = [c.update(0.1, stats={"epochs": float(e)}) for e in epochs]
@@ -52,21 +56,24 @@ def test_schedule_matches_numpy(name, b0, b1, ramp, interval):
 
 
 def test_staircase_doubles_at_the_interval():
-  c = simigrad_jax.make_controller("geometric", initial_batch_size=32, final_batch_size=256,
-                                   ramp_epochs=6, interval_epochs=2)
+  c = simigrad_jax.make_controller(
+    "geometric", initial_batch_size=32, final_batch_size=256, ramp_epochs=6, interval_epochs=2
+  )
   sizes = [c.update(0.0, stats={"epochs": e}) for e in (0.5, 1.99, 2.0, 3.9, 4.0, 6.0, 9.0)]
   assert sizes == [32, 32, 64, 64, 128, 256, 256]
   assert c.last_decision == "hold"
-  c = simigrad_jax.make_controller("geometric", initial_batch_size=32, final_batch_size=256,
-                                   ramp_epochs=6, interval_epochs=2)
+  c = simigrad_jax.make_controller(
+    "geometric", initial_batch_size=32, final_batch_size=256, ramp_epochs=6, interval_epochs=2
+  )
   c.update(0.0, stats={"epochs": 2.1})
   assert c.last_decision == "grow"
 
 
 def test_schedule_in_a_simulated_run_follows_examples_not_steps():
   # The epochs counter comes from examples seen: feed what the trainer would.
-  c = simigrad_jax.make_controller("linear", initial_batch_size=20, final_batch_size=100,
-                                   ramp_epochs=2)
+  c = simigrad_jax.make_controller(
+    "linear", initial_batch_size=20, final_batch_size=100, ramp_epochs=2
+  )
   seen, sizes = 0, []
   while seen < 3 * 1000:
     b = c.batch_size
@@ -78,26 +85,40 @@ def test_schedule_in_a_simulated_run_follows_examples_not_steps():
 
 
 def test_schedule_nonfinite_holds_then_catches_up():
-  c = simigrad_jax.make_controller("linear", initial_batch_size=10, final_batch_size=110,
-                                   ramp_epochs=1)
+  c = simigrad_jax.make_controller(
+    "linear", initial_batch_size=10, final_batch_size=110, ramp_epochs=1
+  )
   assert c.update(math.nan, stats={"epochs": 0.5}) == 10
   assert c.update(0.1, stats={"epochs": 0.6, "grads_finite": False}) == 10
   assert c.nonfinite_count == 2 and c.last_decision == "nonfinite"
   assert c.update(0.1, stats={"epochs": 0.7}) == 80
 
 
-@pytest.mark.parametrize("name, kwargs, match", [
+@pytest.mark.parametrize(
+  "name, kwargs, match",
+  [
     ("linear", {"final_batch_size": 0}, "final_batch_size must be an integer >= 1, got 0"),
     ("linear", {"initial_batch_size": 2.5}, r"initial_batch_size must be an integer >= 1, got 2.5"),
     ("linear", {"ramp_epochs": 0}, r"ramp_epochs must be a number in \(0, inf\), got 0"),
     ("geometric", {"ramp_epochs": math.inf}, "ramp_epochs .* got inf"),
-    ("linear", {"interval_epochs": -1.0}, r"interval_epochs must be a number in \(0, inf\), got -1.0"),
-    ("decreasing", {"final_batch_size": 512},
-     r"a decreasing schedule needs final_batch_size < initial_batch_size \(32\), got 512"),
-    ("decreasing", {"final_batch_size": 8, "shape": "cubic"},
-     r"shape must be one of \('linear', 'geometric'\), got 'cubic'"),
+    (
+      "linear",
+      {"interval_epochs": -1.0},
+      r"interval_epochs must be a number in \(0, inf\), got -1.0",
+    ),
+    (
+      "decreasing",
+      {"final_batch_size": 512},
+      r"a decreasing schedule needs final_batch_size < initial_batch_size \(32\), got 512",
+    ),
+    (
+      "decreasing",
+      {"final_batch_size": 8, "shape": "cubic"},
+      r"shape must be one of \('linear', 'geometric'\), got 'cubic'",
+    ),
     ("linear", {"verbose": "no"}, "verbose must be True or False, got 'no'"),
-])
+  ],
+)
 def test_schedule_bad_settings_raise(name, kwargs, match):
   options = {"initial_batch_size": 32, "final_batch_size": 512, "ramp_epochs": 4.0} | kwargs
   with pytest.raises(ValueError, match=match):
@@ -113,8 +134,10 @@ def test_schedule_needs_epochs():
 @pytest.mark.parametrize("k", [0, 3, 40])
 def test_schedule_round_trip(k):
   epochs = np.linspace(0.01, 5, 60).tolist()
+
   def run(c, es):
     return [(c.update(0.1, stats={"epochs": e}), c.last_decision) for e in es]
+
   whole = ScheduleController(32, 512, 4.0, shape="geometric", interval_epochs=1.0)
   expected = run(whole, epochs)
   first = ScheduleController(32, 512, 4.0, shape="geometric", interval_epochs=1.0)
@@ -124,11 +147,14 @@ def test_schedule_round_trip(k):
   assert run(resumed, epochs[k:]) == expected[k:]
   assert resumed.state_dict() == whole.state_dict()
   linear = ScheduleController(32, 512, 4.0, shape="linear", interval_epochs=1.0)
-  with pytest.raises(ValueError, match="state is of a 'geometric' controller, this one is 'linear'"):
+  with pytest.raises(
+    ValueError, match="state is of a 'geometric' controller, this one is 'linear'"
+  ):
     linear.load_state_dict(first.state_dict())
 
 
 # ---------------------------------------------------------------- loss plateau
+
 
 def reference_plateau(epoch_losses, b0, factor, patience, threshold, cooldown, upper):
   """The size after each epoch, written out independently (ReduceLROnPlateau's rule, 'rel' mode)."""
@@ -165,25 +191,33 @@ def run_epochs(c, epoch_losses, steps_per_epoch=4, seed=0):
     weights = np.array(sizes, np.float64)
     losses[-1] = (target * weights.sum() - np.dot(weights[:-1], losses[:-1])) / weights[-1]
     for i, (size, loss) in enumerate(zip(sizes, losses)):
-      c.update(0.2, stats={"loss": loss, "batch_size": size,
-                           "epoch_end": i == steps_per_epoch - 1})
+      c.update(0.2, stats={"loss": loss, "batch_size": size, "epoch_end": i == steps_per_epoch - 1})
     after_epoch.append(c.batch_size)
   return after_epoch
 
 
-@pytest.mark.parametrize("factor, patience, threshold, cooldown, upper", [
+@pytest.mark.parametrize(
+  "factor, patience, threshold, cooldown, upper",
+  [
     (2.0, 1, 0.01, 0, None),
     (2.0, 2, 0.0, 0, 512),
     (1.5, 1, 0.05, 2, 1000),
     (1.01, 3, 0.02, 1, None),  # B + 1 at least
-])
+  ],
+)
 @pytest.mark.parametrize("seed", [0, 1])
 def test_plateau_matches_reference(factor, patience, threshold, cooldown, upper, seed):
   rng = np.random.default_rng(seed)
   # A loss that falls, then wanders: plateaus at random.
   epoch_losses = (2.0 * np.exp(-np.arange(30) / 5) + 0.3 + rng.uniform(0, 0.05, 30)).tolist()
-  c = LossPlateauController(16, factor=factor, patience=patience, threshold=threshold,
-                            cooldown=cooldown, batch_size_upper_bound=upper)
+  c = LossPlateauController(
+    16,
+    factor=factor,
+    patience=patience,
+    threshold=threshold,
+    cooldown=cooldown,
+    batch_size_upper_bound=upper,
+  )
   got = run_epochs(c, epoch_losses, seed=seed)
   assert got == reference_plateau(epoch_losses, 16, factor, patience, threshold, cooldown, upper)
   np.testing.assert_allclose(c.epoch_losses, epoch_losses, rtol=1e-12)
@@ -191,9 +225,13 @@ def test_plateau_matches_reference(factor, patience, threshold, cooldown, upper,
 
 
 def test_plateau_hand_checked():
-  c = simigrad_jax.make_controller("loss_plateau", initial_batch_size=32, batch_size_upper_bound=100)
-  sizes = [c.update(0.1, stats={"loss": loss, "batch_size": 32, "epoch_end": True})
-           for loss in (1.0, 0.5, 0.499, 0.3, 0.3, 0.3)]
+  c = simigrad_jax.make_controller(
+    "loss_plateau", initial_batch_size=32, batch_size_upper_bound=100
+  )
+  sizes = [
+    c.update(0.1, stats={"loss": loss, "batch_size": 32, "epoch_end": True})
+    for loss in (1.0, 0.5, 0.499, 0.3, 0.3, 0.3)
+  ]
   assert sizes == [32, 32, 64, 64, 100, 100]  # 0.499 is within 1% of 0.5: a plateau
   assert c.last_decision == "clamped" and c.best_loss == 0.3  # a growth held at the cap
   assert c.config["batch_size_lower_bound"] == 32 and c.config["similarity_target"] is None
@@ -215,33 +253,44 @@ def test_plateau_nonfinite_loss_is_left_out_and_a_due_growth_waits():
   assert c.nonfinite_count == 2
 
 
-@pytest.mark.parametrize("kwargs, match", [
+@pytest.mark.parametrize(
+  "kwargs, match",
+  [
     ({"factor": 1.0}, r"factor must be a number in \(1, inf\), got 1.0"),
     ({"patience": 0}, "patience must be an integer >= 1, got 0"),
     ({"threshold": -0.1}, r"threshold must be a number in \[0, inf\), got -0.1"),
     ({"cooldown": 1.5}, "cooldown must be an integer >= 0, got 1.5"),
     ({"batch_size_upper_bound": 8}, r"initial_batch_size must lie within .*\[1, 8\], got 16"),
-])
+  ],
+)
 def test_plateau_bad_settings_raise(kwargs, match):
   with pytest.raises(ValueError, match=match):
     LossPlateauController(16, **kwargs)
 
 
 def test_plateau_needs_stats():
-  with pytest.raises(ValueError, match=r"'loss_plateau' controller needs .*"
-                     r"\['loss', 'batch_size', 'epoch_end'\]"):
+  with pytest.raises(
+    ValueError,
+    match=r"'loss_plateau' controller needs .*"
+    r"\['loss', 'batch_size', 'epoch_end'\]",
+  ):
     LossPlateauController(16).update(0.1, stats={"loss": 1.0})
 
 
 @pytest.mark.parametrize("k", [0, 1, 5, 13, 30])
 def test_plateau_round_trip_mid_epoch(k):
   rng = np.random.default_rng(3)
-  steps = [{"loss": float(loss), "batch_size": int(b), "epoch_end": bool(e)}
-           for loss, b, e in zip(0.5 + rng.uniform(0, 0.1, 40), rng.integers(10, 20, 40),
-                              rng.random(40) < 0.3)]
+  steps = [
+    {"loss": float(loss), "batch_size": int(b), "epoch_end": bool(e)}
+    for loss, b, e in zip(
+      0.5 + rng.uniform(0, 0.1, 40), rng.integers(10, 20, 40), rng.random(40) < 0.3
+    )
+  ]
   steps[7]["loss"] = math.nan
+
   def run(c, ss):
     return [(c.update(0.3, stats=s), c.last_decision) for s in ss]
+
   kwargs = dict(factor=1.5, patience=2, cooldown=1, batch_size_upper_bound=500)
   whole = LossPlateauController(16, **kwargs)
   expected = run(whole, steps)

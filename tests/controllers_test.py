@@ -8,7 +8,9 @@ import simigrad_jax
 
 
 def test_simigrad_by_name_is_the_reference_controller():
-  controller = simigrad_jax.make_controller("simigrad", initial_batch_size=128, similarity_target=0.1)
+  controller = simigrad_jax.make_controller(
+    "simigrad", initial_batch_size=128, similarity_target=0.1
+  )
   assert isinstance(controller, simigrad_jax.Controller)
   assert controller.update(0.0) == 140  # below target: max(B + 1, int(B * 1.1))
 
@@ -20,23 +22,29 @@ def test_fixed_never_moves_and_still_counts():
 
 
 def test_unknown_name_and_duplicate_registration_are_refused():
-  with pytest.raises(ValueError, match=r"unknown controller 'adaptive'; choose one of \(.*'fixed'.*'simigrad'"):
+  with pytest.raises(
+    ValueError, match=r"unknown controller 'adaptive'; choose one of \(.*'fixed'.*'simigrad'"
+  ):
     simigrad_jax.make_controller("adaptive", initial_batch_size=8)
   with pytest.raises(ValueError, match="'fixed' is already registered"):
     simigrad_jax.register_controller("fixed", simigrad_jax.Controller)
 
 
 def test_misspelt_and_foreign_options_are_refused_with_the_valid_names():
-  with pytest.raises(TypeError, match=r"make_controller\('simigrad'\) got unknown option\(s\) "
-                     r"'similarty_target' \(did you mean 'similarity_target'\?\); 'simigrad' takes "
-                     r"\[.*'similarity_target'.*\]"):
+  with pytest.raises(
+    TypeError,
+    match=r"make_controller\('simigrad'\) got unknown option\(s\) "
+    r"'similarty_target' \(did you mean 'similarity_target'\?\); 'simigrad' takes "
+    r"\[.*'similarity_target'.*\]",
+  ):
     simigrad_jax.make_controller("simigrad", initial_batch_size=8, similarty_target=0.1)
   # The factories that pass options on: the class's options, less those the factory sets.
   with pytest.raises(TypeError, match=r"unknown option\(s\) 'enable_adjust'; 'fixed' takes"):
     simigrad_jax.make_controller("fixed", initial_batch_size=8, enable_adjust=True)
   with pytest.raises(TypeError, match=r"'multiple'; 'geometric' takes \[.*'final_batch_size'"):
-    simigrad_jax.make_controller("geometric", initial_batch_size=8, final_batch_size=64,
-                                 ramp_epochs=1.0, multiple=2.0)
+    simigrad_jax.make_controller(
+      "geometric", initial_batch_size=8, final_batch_size=64, ramp_epochs=1.0, multiple=2.0
+    )
   assert "shape" not in simigrad_jax.controller_options("linear")
   assert "shape" in simigrad_jax.controller_options("decreasing")
   assert "final_batch_size" in simigrad_jax.controller_options("linear")
@@ -58,34 +66,64 @@ import optax  # noqa: E402
 
 # One configuration per registered name, all starting at 16 within [8, 64].
 OPTIONS = {
-    "simigrad": dict(initial_batch_size=16, similarity_target=0.3, batch_size_lower_bound=8,
-                     batch_size_upper_bound=64),
-    "fixed": dict(initial_batch_size=16),
-    "linear": dict(initial_batch_size=16, final_batch_size=64, ramp_epochs=1.5),
-    "geometric": dict(initial_batch_size=16, final_batch_size=64, ramp_epochs=1.5,
-                      interval_epochs=0.5),
-    "decreasing": dict(initial_batch_size=16, final_batch_size=8, ramp_epochs=1.0),
-    "loss_plateau": dict(initial_batch_size=16, factor=2.0, patience=1, threshold=0.5,
-                         batch_size_upper_bound=64),
-    "gns": dict(initial_batch_size=16, multiple=0.5, ema_decay=0.5, batch_size_lower_bound=8,
-                batch_size_upper_bound=64),
+  "simigrad": dict(
+    initial_batch_size=16,
+    similarity_target=0.3,
+    batch_size_lower_bound=8,
+    batch_size_upper_bound=64,
+  ),
+  "fixed": dict(initial_batch_size=16),
+  "linear": dict(initial_batch_size=16, final_batch_size=64, ramp_epochs=1.5),
+  "geometric": dict(
+    initial_batch_size=16, final_batch_size=64, ramp_epochs=1.5, interval_epochs=0.5
+  ),
+  "decreasing": dict(initial_batch_size=16, final_batch_size=8, ramp_epochs=1.0),
+  "loss_plateau": dict(
+    initial_batch_size=16, factor=2.0, patience=1, threshold=0.5, batch_size_upper_bound=64
+  ),
+  "gns": dict(
+    initial_batch_size=16,
+    multiple=0.5,
+    ema_decay=0.5,
+    batch_size_lower_bound=8,
+    batch_size_upper_bound=64,
+  ),
 }
-STATS_KEYS = ("loss", "norm_a", "norm_b", "norm_mean", "batch_size", "examples_seen", "epochs",
-              "epoch_end", "grads_finite")
+STATS_KEYS = (
+  "loss",
+  "norm_a",
+  "norm_b",
+  "norm_mean",
+  "batch_size",
+  "examples_seen",
+  "epochs",
+  "epoch_end",
+  "grads_finite",
+)
 
 
 def test_every_name_has_options_here():
-  assert set(OPTIONS) == set(simigrad_jax.controller_names()) == {
-      "simigrad", "fixed", "linear", "geometric", "decreasing", "loss_plateau", "gns"}
+  assert (
+    set(OPTIONS)
+    == set(simigrad_jax.controller_names())
+    == {"simigrad", "fixed", "linear", "geometric", "decreasing", "loss_plateau", "gns"}
+  )
 
 
 def fake_stats(step, batch_size, rng):
   """Plausible trainer stats for one step (epochs of 100 examples)."""
   na, nb = rng.uniform(0.5, 1.5, size=2)
-  return {"loss": float(2.0 / (1 + step) + rng.uniform(0, 0.2)), "norm_a": float(na),
-          "norm_b": float(nb), "norm_mean": float(rng.uniform(0.3, 1.0) * min(na, nb)),
-          "batch_size": batch_size, "examples_seen": 0, "epochs": step * batch_size / 100,
-          "epoch_end": step % 5 == 4, "grads_finite": True}
+  return {
+    "loss": float(2.0 / (1 + step) + rng.uniform(0, 0.2)),
+    "norm_a": float(na),
+    "norm_b": float(nb),
+    "norm_mean": float(rng.uniform(0.3, 1.0) * min(na, nb)),
+    "batch_size": batch_size,
+    "examples_seen": 0,
+    "epochs": step * batch_size / 100,
+    "epoch_end": step % 5 == 4,
+    "grads_finite": True,
+  }
 
 
 def drive(controller, steps, seed=0, start=0):
@@ -124,10 +162,12 @@ def test_interface(name):
 
 
 # The SimiGrad controller reads only the similarity (the trainer sends NaN for a non-finite step).
-NONFINITE_CASES = [(name, bad) for name in sorted(OPTIONS)
-                   for bad in ({"similarity": math.nan}, {"similarity": math.inf},
-                               {"grads_finite": False})
-                   if not (name in ("simigrad", "fixed") and "grads_finite" in bad)]
+NONFINITE_CASES = [
+  (name, bad)
+  for name in sorted(OPTIONS)
+  for bad in ({"similarity": math.nan}, {"similarity": math.inf}, {"grads_finite": False})
+  if not (name in ("simigrad", "fixed") and "grads_finite" in bad)
+]
 
 
 @pytest.mark.parametrize("name, bad", NONFINITE_CASES)
@@ -155,8 +195,8 @@ def test_state_round_trip_resumes_exactly(name):
 
 # ------------------------------------------------------------ in the real Trainer
 
-class _TinyMLP(nn.Module):
 
+class _TinyMLP(nn.Module):
   @nn.compact
   def __call__(self, x):
     return nn.Dense(3)(nn.tanh(nn.Dense(8)(x)))
@@ -173,20 +213,30 @@ def _train(workdir, name, num_steps, cache_dir):
   x = rng.normal(size=(120, 5)).astype(np.float32)
   y = (x[:, :3] + rng.normal(size=(120, 3))).argmax(-1).astype(np.int32)
   params = _TinyMLP().init(jax.random.key(0), x[:1])["params"]
-  optimizer = optax.chain(simigrad_jax.transform("batch"), optax.sgd(0.3, momentum=0.9),
-                          simigrad_jax.scale_by_lr_factor())
+  optimizer = optax.chain(
+    simigrad_jax.transform("batch"), optax.sgd(0.3, momentum=0.9), simigrad_jax.scale_by_lr_factor()
+  )
   with simigrad_jax.persistent_cache_settings():  # the Trainer's cache is process-wide
     trainer = simigrad_jax.Trainer(
-        loss_fn=_loss, params=params, optimizer=optimizer,
-        source=simigrad_jax.ArraySource({"x": x, "y": y}),
-        controller=simigrad_jax.make_controller(name, **OPTIONS[name]), workdir=workdir,
-        max_micro_batch_size=8, seed=2, progress=False, tensorboard=False,
-        compilation_cache_dir=cache_dir)
+      loss_fn=_loss,
+      params=params,
+      optimizer=optimizer,
+      source=simigrad_jax.ArraySource({"x": x, "y": y}),
+      controller=simigrad_jax.make_controller(name, **OPTIONS[name]),
+      workdir=workdir,
+      max_micro_batch_size=8,
+      seed=2,
+      progress=False,
+      tensorboard=False,
+      compilation_cache_dir=cache_dir,
+    )
     with trainer:
       trainer.train(num_steps=num_steps)
-  return [(r["batch_size"], r["next_batch_size"], r["decision"])
-          for r in simigrad_jax.read_metrics(pathlib.Path(workdir) / "metrics.jsonl")
-          if "batch_size" in r]
+  return [
+    (r["batch_size"], r["next_batch_size"], r["decision"])
+    for r in simigrad_jax.read_metrics(pathlib.Path(workdir) / "metrics.jsonl")
+    if "batch_size" in r
+  ]
 
 
 @pytest.mark.parametrize("name", ["gns", "loss_plateau", "geometric"])
@@ -203,13 +253,13 @@ def test_trainer_runs_and_resumes_each_controller_exactly(name, tmp_path, device
 
 # The options train/train.py gives every registered controller, plus each one's own.
 OWN_OPTIONS = {
-    "simigrad": dict(similarity_target=0.1),
-    "fixed": dict(),
-    "linear": dict(final_batch_size=256, ramp_epochs=4.0),
-    "geometric": dict(final_batch_size=256, ramp_epochs=4.0, interval_epochs=1.0),
-    "decreasing": dict(final_batch_size=8, ramp_epochs=4.0),
-    "loss_plateau": dict(factor=2.0),
-    "gns": dict(multiple=0.5),
+  "simigrad": dict(similarity_target=0.1),
+  "fixed": dict(),
+  "linear": dict(final_batch_size=256, ramp_epochs=4.0),
+  "geometric": dict(final_batch_size=256, ramp_epochs=4.0, interval_epochs=1.0),
+  "decreasing": dict(final_batch_size=8, ramp_epochs=4.0),
+  "loss_plateau": dict(factor=2.0),
+  "gns": dict(multiple=0.5),
 }
 
 
@@ -217,8 +267,13 @@ OWN_OPTIONS = {
 @pytest.mark.parametrize("upper", [None, 128])
 def test_every_name_takes_the_train_configs_bounds(name, upper):
   assert set(OWN_OPTIONS) == set(simigrad_jax.controller_names())
-  c = simigrad_jax.make_controller(name, initial_batch_size=32, batch_size_lower_bound=8,
-                                   batch_size_upper_bound=upper, **OWN_OPTIONS[name])
+  c = simigrad_jax.make_controller(
+    name,
+    initial_batch_size=32,
+    batch_size_lower_bound=8,
+    batch_size_upper_bound=upper,
+    **OWN_OPTIONS[name],
+  )
   lower, top = c.config["batch_size_lower_bound"], c.config["batch_size_upper_bound"]
   assert lower is not None and 8 <= lower <= 32
   assert top is None or 32 <= top <= (upper or math.inf)

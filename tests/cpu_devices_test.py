@@ -45,10 +45,10 @@ def test_an_existing_device_count_is_respected_and_sizes_the_threads(monkeypatch
   assert env["PJRT_NPROC"] == "16"
 
 
-@pytest.mark.parametrize("cpus, user, expected", [(2, None, "32"), (64, None, "64"),
-                                                  (2, "100", "100"), (2, "4", "32")])
-def test_thread_count_never_drops_below_the_default_or_the_users(monkeypatch, cpus, user,
-                                                                 expected):
+@pytest.mark.parametrize(
+  "cpus, user, expected", [(2, None, "32"), (64, None, "64"), (2, "100", "100"), (2, "4", "32")]
+)
+def test_thread_count_never_drops_below_the_default_or_the_users(monkeypatch, cpus, user, expected):
   monkeypatch.setattr(cpu_devices, "_schedulable_cpus", lambda: cpus)
   environ = {} if user is None else {"PJRT_NPROC": user}
   assert simulated_cpu_devices_env(8, environ=environ)["PJRT_NPROC"] == expected
@@ -73,8 +73,14 @@ def run_fresh_python(code, environ, timeout):
   """Runs ``code`` in a new interpreter with ``environ``; returns its last stdout line as JSON."""
   env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "PJRT_NPROC")}
   env.update(environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPOSITORY_ROOT)
-  result = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env,
-                          capture_output=True, text=True, timeout=timeout, check=False)
+  result = subprocess.run(
+    [sys.executable, "-c", textwrap.dedent(code)],
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=timeout,
+    check=False,
+  )
   assert result.returncode == 0, result.stderr[-3000:]
   return json.loads(result.stdout.strip().splitlines()[-1])
 

@@ -10,12 +10,15 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
-PAGES = {path.relative_to(ROOT).as_posix(): path.read_text()
-         for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]}
-PYTHON_BLOCKS = {f"{name}:{number}": block
-                 for name, text in PAGES.items()
-                 for number, block in enumerate(
-                     re.findall(r"^```python\n(.*?)^```", text, re.S | re.M), start=1)}
+PAGES = {
+  path.relative_to(ROOT).as_posix(): path.read_text()
+  for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+}
+PYTHON_BLOCKS = {
+  f"{name}:{number}": block
+  for name, text in PAGES.items()
+  for number, block in enumerate(re.findall(r"^```python\n(.*?)^```", text, re.S | re.M), start=1)
+}
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 
 
@@ -36,16 +39,23 @@ def test_python_block_runs(block_id, tmp_path):
   script.write_text(PYTHON_BLOCKS[block_id])
   env = dict(os.environ, PYTHONPATH=str(ROOT))
   env.pop("XLA_FLAGS", None)  # the block sets what it needs, as a user's fresh shell would
-  result = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=300)
+  result = subprocess.run(
+    [sys.executable, str(script)],
+    cwd=tmp_path,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
   assert result.returncode == 0, result.stderr[-3000:]
 
 
 def heading_anchors(text: str) -> set[str]:
   """The anchors GitHub gives a page's headings: lower case, punctuation dropped, spaces as '-'."""
   anchors, seen = set(), {}
-  for heading in re.findall(r"^#+ (.*)$", re.sub(r"^```.*?^```", "", text, flags=re.S | re.M),
-                            re.M):
+  for heading in re.findall(
+    r"^#+ (.*)$", re.sub(r"^```.*?^```", "", text, flags=re.S | re.M), re.M
+  ):
     slug = re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
     anchors.add(slug if slug not in seen else f"{slug}-{seen[slug]}")
     seen[slug] = seen.get(slug, 0) + 1
@@ -70,7 +80,10 @@ def test_relative_links_and_anchors_resolve(page):
 def test_layout_page_names_every_module_of_the_package():
   layout = PAGES["docs/layout.md"]
   package = ROOT / "simigrad_jax"
-  modules = [path.relative_to(package).as_posix() for path in package.rglob("*.py")
-             if path.parent == package or path.name != "__init__.py"]
+  modules = [
+    path.relative_to(package).as_posix()
+    for path in package.rglob("*.py")
+    if path.parent == package or path.name != "__init__.py"
+  ]
   missing = [module for module in sorted(modules) if f"`{module}`" not in layout]
   assert not missing, f"docs/layout.md does not describe {missing}"

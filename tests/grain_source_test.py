@@ -24,9 +24,11 @@ def stream(sampler, start, count):
 def test_get_batch_decodes_records_and_pads():
   source = simigrad_jax.GrainSource(JpegRecords(N), num_workers=0)
   assert len(source) == N
-  assert source.element_spec == {"image": ((12, 10, 3), np.dtype(np.uint8)),
-                                 "label": ((), np.dtype(np.int32)),
-                                 "index": ((), np.dtype(np.int32))}
+  assert source.element_spec == {
+    "image": ((12, 10, 3), np.dtype(np.uint8)),
+    "label": ((), np.dtype(np.int32)),
+    "index": ((), np.dtype(np.int32)),
+  }
   batch = source.get_batch(np.array([[5, -1], [0, 23]]))
   assert batch["index"].tolist() == [[5, 0], [0, 23]] and batch["image"].shape == (2, 2, 12, 10, 3)
   assert not batch["image"][0, 1].any() and batch["image"][0, 0].std() > 5  # decoded, not flat
@@ -34,11 +36,14 @@ def test_get_batch_decodes_records_and_pads():
     source.get_batch(np.array([24]))
 
 
-@pytest.mark.parametrize("bad,match", [
+@pytest.mark.parametrize(
+  "bad,match",
+  [
     (dict(num_workers=-1), "num_workers must be an integer >= 0"),
     (dict(on_bad_record="ignore"), "on_bad_record='ignore' is not valid"),
     (dict(buffer_size=0), "buffer_size must be an integer >= 1"),
-])
+  ],
+)
 def test_bad_settings_are_refused(bad, match):
   with pytest.raises(ValueError, match=match):
     simigrad_jax.GrainSource(JpegRecords(2), **bad)
@@ -76,8 +81,9 @@ def test_a_corrupt_record_raises_naming_its_index():
 
 
 def test_skip_takes_the_next_record_and_counts_and_logs_the_bad_ones(caplog):
-  source = simigrad_jax.GrainSource(JpegRecords(N, corrupt=(3, 4, 9)), num_workers=1,
-                                    on_bad_record="skip")
+  source = simigrad_jax.GrainSource(
+    JpegRecords(N, corrupt=(3, 4, 9)), num_workers=1, on_bad_record="skip"
+  )
   sampler = EpochSampler(N, seed=0, shuffle=False)
   with source.reader(sampler) as reader:
     index = reader.read(np.arange(12))["index"].tolist()
@@ -100,7 +106,8 @@ def test_a_dead_worker_raises_within_seconds():
 def test_a_script_that_does_not_close_its_reader_exits_cleanly(tmp_path):
   """No traceback and no leaked shared memory at exit, closed or not (the atexit hook)."""
   script = tmp_path / "script.py"
-  script.write_text(textwrap.dedent("""
+  script.write_text(
+    textwrap.dedent("""
       import numpy as np
       import simigrad_jax
       from grain_records import JpegRecords
@@ -111,10 +118,16 @@ def test_a_script_that_does_not_close_its_reader_exits_cleanly(tmp_path):
         reader = source.reader(EpochSampler(8, seed=0))
         batch = reader.read(np.arange(6))
         print("read", batch["image"].shape)
-      """))
+      """)
+  )
   tests = str(__import__("pathlib").Path(__file__).parent)
-  result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                          timeout=120, env={**__import__("os").environ, "PYTHONPATH": tests})
+  result = subprocess.run(
+    [sys.executable, str(script)],
+    capture_output=True,
+    text=True,
+    timeout=120,
+    env={**__import__("os").environ, "PYTHONPATH": tests},
+  )
   assert result.returncode == 0, result.stderr[-2000:]
   assert "read (6, 12, 10, 3)" in result.stdout
   assert "Traceback" not in result.stderr and "leaked" not in result.stderr, result.stderr[-2000:]
@@ -134,14 +147,20 @@ def test_the_trainer_takes_grain_style_data(tmp_path):
     logits = batch["x"] @ params["w"]
     return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]), state
 
-  optimizer = optax.chain(simigrad_jax.transform("batch"), optax.sgd(0.1),
-                          simigrad_jax.scale_by_lr_factor())
+  optimizer = optax.chain(
+    simigrad_jax.transform("batch"), optax.sgd(0.1), simigrad_jax.scale_by_lr_factor()
+  )
   with simigrad_jax.Trainer(
-      loss_fn=loss_fn, params={"w": np.zeros((3, 2), np.float32)}, optimizer=optimizer,
-      source=data, controller=simigrad_jax.Controller(8, 0.3, batch_size_lower_bound=4,
-                                                      batch_size_upper_bound=16),
-      workdir=tmp_path / "run", max_micro_batch_size=4, progress=False,
-      tensorboard=False) as trainer:
+    loss_fn=loss_fn,
+    params={"w": np.zeros((3, 2), np.float32)},
+    optimizer=optimizer,
+    source=data,
+    controller=simigrad_jax.Controller(8, 0.3, batch_size_lower_bound=4, batch_size_upper_bound=16),
+    workdir=tmp_path / "run",
+    max_micro_batch_size=4,
+    progress=False,
+    tensorboard=False,
+  ) as trainer:
     assert isinstance(trainer.source, simigrad_jax.GrainSource)
     summary = trainer.train(num_steps=3)
   assert summary["steps"] == 3 and np.isfinite(summary["loss"])

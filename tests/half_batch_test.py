@@ -83,8 +83,10 @@ def test_mean_of_halves_is_the_full_batch_gradient_in_float64(x64):
   del x64
   model = MLP()
   rng = np.random.default_rng(1)
-  batch = {"x": jnp.asarray(rng.normal(size=(12, 5))),
-           "y": jnp.asarray(rng.integers(0, 3, size=12), jnp.int32)}
+  batch = {
+    "x": jnp.asarray(rng.normal(size=(12, 5))),
+    "y": jnp.asarray(rng.integers(0, 3, size=12), jnp.int32),
+  }
   params = model.init(jax.random.key(0), batch["x"])
   loss = lambda p, b: _cross_entropy(model.apply(p, b["x"]), b["y"])
 
@@ -112,12 +114,14 @@ def test_batchnorm_normalises_each_half_with_its_own_statistics(x64):
   params, state = variables["params"], {"batch_stats": variables["batch_stats"]}
 
   def loss(params, batch, state):
-    logits, new_state = model.apply({"params": params, **state}, batch["image"],
-                                    mutable=["batch_stats"])
+    logits, new_state = model.apply(
+      {"params": params, **state}, batch["image"], mutable=["batch_stats"]
+    )
     return _cross_entropy(logits, batch["label"]), new_state
 
   (value, new_states), grads, halves = jax.jit(
-      simigrad_jax.value_and_half_grads(loss, has_aux=True))(params, batch, state)
+    simigrad_jax.value_and_half_grads(loss, has_aux=True)
+  )(params, batch, state)
 
   reference = jax.value_and_grad(loss, has_aux=True)
   per_half = [reference(params, half, state) for half in _halves_of(batch)]
@@ -135,20 +139,24 @@ def test_batchnorm_normalises_each_half_with_its_own_statistics(x64):
 def test_aux_leaves_gain_a_leading_axis_of_two_and_args_reach_both_halves():
   def loss(w, batch, scale):
     residual = scale * batch["x"] @ w - batch["y"]
-    return jnp.mean(residual ** 2), {"max": jnp.max(residual), "rows": batch["y"].shape[0]}
+    return jnp.mean(residual**2), {"max": jnp.max(residual), "rows": batch["y"].shape[0]}
 
   rng = np.random.default_rng(3)
-  batch = {"x": jnp.asarray(rng.normal(size=(6, 3)), jnp.float32),
-           "y": jnp.asarray(rng.normal(size=(6,)), jnp.float32)}
+  batch = {
+    "x": jnp.asarray(rng.normal(size=(6, 3)), jnp.float32),
+    "y": jnp.asarray(rng.normal(size=(6,)), jnp.float32),
+  }
   w, scale = jnp.asarray(rng.normal(size=(3,)), jnp.float32), jnp.float32(0.5)
 
   (value, aux), grads, halves = simigrad_jax.value_and_half_grads(loss, has_aux=True)(
-      w, batch, scale)
+    w, batch, scale
+  )
 
   first, second = _halves_of(batch)
   assert aux["max"].shape == (2,) and aux["rows"].tolist() == [3, 3]
-  np.testing.assert_allclose(aux["max"], [loss(w, first, scale)[1]["max"],
-                                          loss(w, second, scale)[1]["max"]], rtol=1e-6)
+  np.testing.assert_allclose(
+    aux["max"], [loss(w, first, scale)[1]["max"], loss(w, second, scale)[1]["max"]], rtol=1e-6
+  )
   np.testing.assert_allclose(value, loss(w, batch, scale)[0], rtol=1e-6)
   grad = lambda b: jax.grad(lambda w: loss(w, b, scale)[0])(w)
   np.testing.assert_allclose(halves.first, grad(first), rtol=1e-5)
@@ -199,9 +207,13 @@ def test_low_precision_gradients_are_averaged_in_float32():
   assert grads == 60000
 
 
-@pytest.mark.parametrize("size, message", [
-    (5, "5 examples"), (0, None),
-])
+@pytest.mark.parametrize(
+  "size, message",
+  [
+    (5, "5 examples"),
+    (0, None),
+  ],
+)
 def test_odd_or_empty_batches_are_refused(size, message):
   loss = lambda w, x: jnp.mean(x * w)
   if message is None:
@@ -232,12 +244,14 @@ def test_under_shard_map_with_varying_types(devices, integer_batch):
     _, grads, halves = simigrad_jax.value_and_half_grads(loss)(w, x)
     return grads[None], halves.first[None], halves.second[None]
 
-  grads, first, second = jax.jit(jax.shard_map(
-      per_device, mesh=mesh, in_specs=(P(), P("batch")), out_specs=P("batch"),
-      check_vma=True))(w, x)
+  grads, first, second = jax.jit(
+    jax.shard_map(
+      per_device, mesh=mesh, in_specs=(P(), P("batch")), out_specs=P("batch"), check_vma=True
+    )
+  )(w, x)
 
   for d in range(len(devices)):
-    local = x[4 * d: 4 * d + 4]
+    local = x[4 * d : 4 * d + 4]
     np.testing.assert_allclose(first[d], jax.grad(loss)(w, local[0::2]), rtol=1e-6)
     np.testing.assert_allclose(second[d], jax.grad(loss)(w, local[1::2]), rtol=1e-6)
     np.testing.assert_allclose(grads[d], jax.grad(loss)(w, local), rtol=1e-6)

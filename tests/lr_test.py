@@ -15,35 +15,37 @@ import simigrad_jax
 
 
 @pytest.mark.parametrize(
-    "batch_size, base, rule, adjust, expected",
-    [
-        (512, 128, "sqrt", None, 2.0),
-        (32, 128, "sqrt", None, 0.5),
-        (200, 128, "sqrt", None, math.sqrt(200 / 128)),
-        (512, 128, "linear", None, 4.0),
-        (512, 128, "none", None, 1.0),
-        (512, 128, "sqrt", 0.5, 1.5),  # (2 - 1) * 0.5 + 1
-        (512, 128, "linear", 0.0, 1.0),
-        (32, 128, "linear", 0.5, 0.625),  # (0.25 - 1) * 0.5 + 1
-        (np.int64(512), np.int32(128), "sqrt", None, 2.0),
-    ],
+  "batch_size, base, rule, adjust, expected",
+  [
+    (512, 128, "sqrt", None, 2.0),
+    (32, 128, "sqrt", None, 0.5),
+    (200, 128, "sqrt", None, math.sqrt(200 / 128)),
+    (512, 128, "linear", None, 4.0),
+    (512, 128, "none", None, 1.0),
+    (512, 128, "sqrt", 0.5, 1.5),  # (2 - 1) * 0.5 + 1
+    (512, 128, "linear", 0.0, 1.0),
+    (32, 128, "linear", 0.5, 0.625),  # (0.25 - 1) * 0.5 + 1
+    (np.int64(512), np.int32(128), "sqrt", None, 2.0),
+  ],
 )
 def test_lr_factor_rules(batch_size, base, rule, adjust, expected):
-  assert simigrad_jax.lr_factor(batch_size, base, rule, adjust) == pytest.approx(expected, rel=1e-12)
+  assert simigrad_jax.lr_factor(batch_size, base, rule, adjust) == pytest.approx(
+    expected, rel=1e-12
+  )
 
 
 @pytest.mark.parametrize(
-    "kwargs, message",
-    [
-        (dict(batch_size=0, base_batch_size=128), "batch_size must be an integer >= 1, got 0"),
-        (dict(batch_size=12.5, base_batch_size=128), "batch_size .* got 12.5"),
-        (dict(batch_size=True, base_batch_size=128), "batch_size .* got True"),
-        (dict(batch_size=64, base_batch_size=-1), "base_batch_size .* got -1"),
-        (dict(batch_size=64, base_batch_size=128, rule="cubic"), "rule='cubic'"),
-        (dict(batch_size=64, base_batch_size=128, lr_adjust_factor=-0.5), "lr_adjust_factor .* -0.5"),
-        (dict(batch_size=64, base_batch_size=128, lr_adjust_factor=float("nan")), "lr_adjust_factor"),
-        (dict(batch_size=1, base_batch_size=128, rule="linear", lr_adjust_factor=2.0), "<= 0"),
-    ],
+  "kwargs, message",
+  [
+    (dict(batch_size=0, base_batch_size=128), "batch_size must be an integer >= 1, got 0"),
+    (dict(batch_size=12.5, base_batch_size=128), "batch_size .* got 12.5"),
+    (dict(batch_size=True, base_batch_size=128), "batch_size .* got True"),
+    (dict(batch_size=64, base_batch_size=-1), "base_batch_size .* got -1"),
+    (dict(batch_size=64, base_batch_size=128, rule="cubic"), "rule='cubic'"),
+    (dict(batch_size=64, base_batch_size=128, lr_adjust_factor=-0.5), "lr_adjust_factor .* -0.5"),
+    (dict(batch_size=64, base_batch_size=128, lr_adjust_factor=float("nan")), "lr_adjust_factor"),
+    (dict(batch_size=1, base_batch_size=128, rule="linear", lr_adjust_factor=2.0), "<= 0"),
+  ],
 )
 def test_lr_factor_refuses_bad_input(kwargs, message):
   with pytest.raises(ValueError, match=message):

@@ -15,11 +15,11 @@ from tensorboardX.record_writer import masked_crc32c
 
 from simigrad_jax.runtime import metrics
 from simigrad_jax.runtime.metrics import MetricsWriter
-from simigrad_jax.runtime.progress import ProgressBar
 from simigrad_jax.runtime.metrics import read_metrics
-
+from simigrad_jax.runtime.progress import ProgressBar
 
 # ------------------------------------------------------------------- helpers
+
 
 def read_events(logdir):
   """Every Event in the TFRecord event files under ``logdir``, files in name order.
@@ -31,12 +31,12 @@ def read_events(logdir):
   for path in sorted(logdir.glob("events.out.tfevents.*")):
     data, pos = path.read_bytes(), 0
     while pos < len(data):
-      header = data[pos:pos + 8]
+      header = data[pos : pos + 8]
       (length,) = struct.unpack("<Q", header)
-      (header_crc,) = struct.unpack("<I", data[pos + 8:pos + 12])
+      (header_crc,) = struct.unpack("<I", data[pos + 8 : pos + 12])
       assert header_crc == masked_crc32c(header)
-      payload = data[pos + 12:pos + 12 + length]
-      (payload_crc,) = struct.unpack("<I", data[pos + 12 + length:pos + 16 + length])
+      payload = data[pos + 12 : pos + 12 + length]
+      (payload_crc,) = struct.unpack("<I", data[pos + 12 + length : pos + 16 + length])
       assert payload_crc == masked_crc32c(payload)
       event = event_pb2.Event()
       event.ParseFromString(payload)
@@ -60,14 +60,30 @@ def steps_in(path):
 
 # -------------------------------------------------------------------- writer
 
+
 def test_records_round_trip(tmp_path):
   records = [
-      {"step": 1, "batch_size": 128, "similarity": 0.05, "loss": 2.25,
-       "decision": "grow", "shapes": [16, 32], "nested": {"a": 1.5, "b": None},
-       "profiling": False},
-      {"step": 2, "batch_size": 140, "similarity": -0.125, "loss": 2.0,
-       "decision": "shrink", "shapes": [], "nested": {}, "profiling": True},
-      {"step": 2, "eval_accuracy": 0.5},  # several records may share a step
+    {
+      "step": 1,
+      "batch_size": 128,
+      "similarity": 0.05,
+      "loss": 2.25,
+      "decision": "grow",
+      "shapes": [16, 32],
+      "nested": {"a": 1.5, "b": None},
+      "profiling": False,
+    },
+    {
+      "step": 2,
+      "batch_size": 140,
+      "similarity": -0.125,
+      "loss": 2.0,
+      "decision": "shrink",
+      "shapes": [],
+      "nested": {},
+      "profiling": True,
+    },
+    {"step": 2, "eval_accuracy": 0.5},  # several records may share a step
   ]
   with MetricsWriter(tmp_path, tensorboard=False) as writer:
     for record in records:
@@ -81,13 +97,20 @@ def test_records_round_trip(tmp_path):
 
 def test_numpy_and_jax_values_become_plain_json(tmp_path):
   import jax.numpy as jnp
+
   with MetricsWriter(tmp_path, tensorboard=False) as writer:
-    writer.write({"step": np.int64(3), "a": np.float32(0.5), "b": np.int32(7),
-                  "c": jnp.float32(0.25), "d": np.array([1.0, np.nan]),
-                  "e": np.bool_(True)})
+    writer.write(
+      {
+        "step": np.int64(3),
+        "a": np.float32(0.5),
+        "b": np.int32(7),
+        "c": jnp.float32(0.25),
+        "d": np.array([1.0, np.nan]),
+        "e": np.bool_(True),
+      }
+    )
   text = (tmp_path / "metrics.jsonl").read_text()
-  assert json.loads(text) == {"step": 3, "a": 0.5, "b": 7, "c": 0.25,
-                              "d": [1.0, None], "e": True}
+  assert json.loads(text) == {"step": 3, "a": 0.5, "b": 7, "c": 0.25, "d": [1.0, None], "e": True}
   assert type(json.loads(text)["e"]) is bool
 
 
@@ -112,9 +135,17 @@ def test_appends_to_an_existing_file(tmp_path):
 def test_tensorboard_scalars_written_and_readable(tmp_path):
   with MetricsWriter(tmp_path) as writer:
     for step in range(1, 4):
-      writer.write({"step": step, "batch_size": 100 + step, "similarity": 0.1 * step,
-                    "grew": step % 2 == 1, "decision": "grow", "shapes": [1, 2],
-                    "jax_value": np.float32(step / 4)})
+      writer.write(
+        {
+          "step": step,
+          "batch_size": 100 + step,
+          "similarity": 0.1 * step,
+          "grew": step % 2 == 1,
+          "decision": "grow",
+          "shapes": [1, 2],
+          "jax_value": np.float32(step / 4),
+        }
+      )
     writer.write({"step": 4, "similarity": math.nan, "loss": math.inf})
   events = read_events(tmp_path / "tensorboard")
   assert events, "no event file written"
@@ -129,17 +160,34 @@ def test_tensorboard_scalars_written_and_readable(tmp_path):
   assert got["jax_value"] == [(1, 0.25), (2, 0.5), (3, 0.75)]
   # ...while JSON, which has no NaN, gets null.
   assert read_metrics(tmp_path / "metrics.jsonl")[-1] == {
-      "step": 4, "similarity": None, "loss": None}
+    "step": 4,
+    "similarity": None,
+    "loss": None,
+  }
 
 
 def test_nonfinite_values_written_as_null(tmp_path):
   with MetricsWriter(tmp_path, tensorboard=False) as writer:
-    writer.write({"step": 1, "a": math.nan, "b": -math.inf, "c": [math.inf, 2.0],
-                  "d": np.float32("nan"), "e": 1.5})
+    writer.write(
+      {
+        "step": 1,
+        "a": math.nan,
+        "b": -math.inf,
+        "c": [math.inf, 2.0],
+        "d": np.float32("nan"),
+        "e": 1.5,
+      }
+    )
   text = (tmp_path / "metrics.jsonl").read_text()
   assert "NaN" not in text and "Infinity" not in text
-  assert json.loads(text) == {"step": 1, "a": None, "b": None, "c": [None, 2.0],
-                              "d": None, "e": 1.5}
+  assert json.loads(text) == {
+    "step": 1,
+    "a": None,
+    "b": None,
+    "c": [None, 2.0],
+    "d": None,
+    "e": 1.5,
+  }
 
 
 def test_resume_step_truncates_later_records(tmp_path):
@@ -160,8 +208,10 @@ def test_resume_step_truncates_later_records(tmp_path):
   assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl", "tensorboard"]
   # TensorBoard is told to hide the old events from step 7 on.
   events = read_events(tmp_path / "tensorboard")
-  assert any(e.HasField("session_log") and e.session_log.status == e.session_log.START
-             and e.step == 7 for e in events)
+  assert any(
+    e.HasField("session_log") and e.session_log.status == e.session_log.START and e.step == 7
+    for e in events
+  )
   assert len(list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))) == 2
 
 
@@ -201,7 +251,10 @@ def test_torn_last_line_dropped_on_reopen(tmp_path, resume_step):
   with MetricsWriter(tmp_path, tensorboard=False, resume_step=resume_step) as writer:
     writer.write({"step": 3, "loss": 3.0})
   assert path.read_text().splitlines() == [
-      '{"step": 1, "loss": 1.0}', '{"step": 2, "loss": 2.0}', '{"step": 3, "loss": 3.0}']
+    '{"step": 1, "loss": 1.0}',
+    '{"step": 2, "loss": 2.0}',
+    '{"step": 3, "loss": 3.0}',
+  ]
 
 
 def test_last_line_missing_only_its_newline_is_kept(tmp_path):
@@ -248,7 +301,9 @@ def test_disabled_writer_writes_nothing(tmp_path):
   assert (workdir / "metrics.jsonl").read_text() == '{"step": 1}\n{"step": 9}\n'
 
 
-@pytest.mark.parametrize("record, error, match", [
+@pytest.mark.parametrize(
+  "record, error, match",
+  [
     ({"loss": 1.0}, ValueError, "integer 'step'"),
     ({"step": 1.0}, ValueError, r"record\['step'\] must be an integer >= 0, got 1.0"),
     ({"step": True}, ValueError, r"record\['step'\]"),
@@ -257,7 +312,8 @@ def test_disabled_writer_writes_nothing(tmp_path):
     ({"step": 1, "x": object()}, TypeError, r"record\['x'\] must be JSON data"),
     ({"step": 1, "x": {2: 1}}, TypeError, "non-string key 2"),
     ([("step", 1)], TypeError, "mapping"),
-])
+  ],
+)
 def test_bad_record_refused(tmp_path, record, error, match):
   with MetricsWriter(tmp_path) as writer:
     with pytest.raises(error, match=match):
@@ -266,12 +322,15 @@ def test_bad_record_refused(tmp_path, record, error, match):
   assert scalars(read_events(tmp_path / "tensorboard")) == {}
 
 
-@pytest.mark.parametrize("kwargs, match", [
+@pytest.mark.parametrize(
+  "kwargs, match",
+  [
     ({"resume_step": -1}, "resume_step"),
     ({"resume_step": 2.0}, "resume_step"),
     ({"enabled": 1}, "enabled"),
     ({"tensorboard": "yes"}, "tensorboard"),
-])
+  ],
+)
 def test_bad_settings_refused(tmp_path, kwargs, match):
   with pytest.raises(ValueError, match=match):
     MetricsWriter(tmp_path, **kwargs)
@@ -283,6 +342,7 @@ def test_doctests(tmp_path):
 
 
 # ---------------------------------------------------------------- progress bar
+
 
 def test_progress_bar_shows_count_and_postfix():
   out = io.StringIO()
@@ -321,20 +381,32 @@ def test_progress_bar_disabled_draws_nothing(capsys):
 
 def test_progress_bar_formats_compactly():
   import jax.numpy as jnp
+
   bar = ProgressBar(10, enabled=False)
-  bar.update(1, a=1234567.891, b=np.int64(7), c=jnp.int32(3), d=jnp.float32(0.5),
-             e="text", f=True, g=1e-7)
-  assert bar.postfix == {"a": "1.235e+06", "b": "7", "c": "3", "d": "0.5",
-                         "e": "text", "f": "True", "g": "1e-07"}
+  bar.update(
+    1, a=1234567.891, b=np.int64(7), c=jnp.int32(3), d=jnp.float32(0.5), e="text", f=True, g=1e-7
+  )
+  assert bar.postfix == {
+    "a": "1.235e+06",
+    "b": "7",
+    "c": "3",
+    "d": "0.5",
+    "e": "text",
+    "f": "True",
+    "g": "1e-07",
+  }
 
 
-@pytest.mark.parametrize("args, kwargs, match", [
+@pytest.mark.parametrize(
+  "args, kwargs, match",
+  [
     ((-1,), {}, "total_examples"),
     ((10,), {"initial": -1}, "initial"),
     ((10.0,), {}, "total_examples"),
     ((10,), {"enabled": "no"}, "enabled"),
     ((10,), {"desc": 3}, "desc"),
-])
+  ],
+)
 def test_progress_bar_bad_settings(args, kwargs, match):
   with pytest.raises(ValueError, match=match):
     ProgressBar(*args, **kwargs)

@@ -26,10 +26,17 @@ import simigrad_jax
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "simigrad_jax"
 FLOORS = {
-    "errors": 0, "validation": 0, "files": 0, "ingraph": 0,
-    "controllers": 1, "data": 1, "runtime": 1, "optimizer_state": 1,
-    "engine": 2, "plot": 2,
-    "__init__": 3,
+  "errors": 0,
+  "validation": 0,
+  "files": 0,
+  "ingraph": 0,
+  "controllers": 1,
+  "data": 1,
+  "runtime": 1,
+  "optimizer_state": 1,
+  "engine": 2,
+  "plot": 2,
+  "__init__": 3,
 }
 
 
@@ -87,12 +94,19 @@ def test_imports_go_down_the_floors_only():
 
 
 def test_no_import_cycle():
-  graph = {name: imports(path, top_level_only=False) & set(modules()) - {name}
-           for name, path in modules().items()}
+  graph = {
+    name: imports(path, top_level_only=False) & set(modules()) - {name}
+    for name, path in modules().items()
+  }
   # A package imports its own modules; only cycles between modules count.
-  graph = {name: {m for m in deps if not name.startswith(m + ".") and not m.startswith(name + ".")
-                  or name == "simigrad_jax"}
-           for name, deps in graph.items()}
+  graph = {
+    name: {
+      m
+      for m in deps
+      if not name.startswith(m + ".") and not m.startswith(name + ".") or name == "simigrad_jax"
+    }
+    for name, deps in graph.items()
+  }
   state: dict[str, int] = {}
   cycles = []
 
@@ -100,7 +114,7 @@ def test_no_import_cycle():
     state[node] = 1
     for dep in sorted(graph[node]):
       if state.get(dep) == 1:
-        cycles.append(" -> ".join(path[path.index(dep):] + [dep]) if dep in path else dep)
+        cycles.append(" -> ".join(path[path.index(dep) :] + [dep]) if dep in path else dep)
       elif dep not in state:
         visit(dep, path + [dep])
     state[node] = 2
@@ -138,8 +152,14 @@ def _project() -> dict:
 def _extras_only_dists() -> set[str]:
   """What the extras install and the core install does not (the TensorFlow extra aside)."""
   project = _project()
-  extra = _dist_names([r for name, reqs in project["optional-dependencies"].items() for r in reqs
-                       if name != "tensorflow" and not r.startswith("simigrad-jax")])
+  extra = _dist_names(
+    [
+      r
+      for name, reqs in project["optional-dependencies"].items()
+      for r in reqs
+      if name != "tensorflow" and not r.startswith("simigrad-jax")
+    ]
+  )
   return extra - _dist_names(project["dependencies"])
 
 
@@ -157,8 +177,16 @@ def _core_site(directory: pathlib.Path) -> pathlib.Path:
 
 def test_the_extras_are_not_needed_by_the_core():
   extras_only = _extras_only_dists()
-  for dist in ("flax", "tensorflow-datasets", "grain", "matplotlib", "tensorboardx", "scikit-learn",
-               "ml-collections", "pytest"):
+  for dist in (
+    "flax",
+    "tensorflow-datasets",
+    "grain",
+    "matplotlib",
+    "tensorboardx",
+    "scikit-learn",
+    "ml-collections",
+    "pytest",
+  ):
     assert dist in extras_only, f"{dist} comes with the core install; it belongs to an extra"
 
 
@@ -210,14 +238,16 @@ def test_the_library_works_without_the_extras(tmp_path):
   env = dict(os.environ, PYTHONPATH=f"{site}{os.pathsep}{ROOT}")
   env.pop("XLA_FLAGS", None)
   # -S: no site-packages; the interpreter sees the standard library, the core site and the project.
-  result = subprocess.run([sys.executable, "-S", "-c", script], env=env, capture_output=True,
-                          text=True, timeout=300)
+  result = subprocess.run(
+    [sys.executable, "-S", "-c", script], env=env, capture_output=True, text=True, timeout=300
+  )
   assert result.returncode == 0, result.stderr[-3000:]
   assert result.stdout.startswith("ok")
 
 
 def test_tensorboard_true_without_tensorboardx_says_which_extra(tmp_path, monkeypatch):
   from simigrad_jax.runtime import metrics
+
   monkeypatch.setattr(metrics.importlib.util, "find_spec", lambda name: None)
   with pytest.raises(ModuleNotFoundError, match=r"simigrad-jax\[tensorboard\]"):
     metrics.MetricsWriter(tmp_path, tensorboard=True)
@@ -228,14 +258,20 @@ def test_every_error_derives_from_simigrad_error_and_is_exported():
   errors = []
   for path in modules().values():
     for node in ast.walk(ast.parse(path.read_text())):
-      if isinstance(node, ast.ClassDef) and node.name.endswith("Error") and not node.name.startswith("_"):
+      if (
+        isinstance(node, ast.ClassDef)
+        and node.name.endswith("Error")
+        and not node.name.startswith("_")
+      ):
         errors.append(node.name)
   assert len(errors) >= 7
   for name in errors:
     assert name in simigrad_jax.__all__, f"{name} is not exported from simigrad_jax"
     error = getattr(simigrad_jax, name)
     assert issubclass(error, simigrad_jax.SimiGradError)
-    assert error is simigrad_jax.SimiGradError or issubclass(error, (ValueError, RuntimeError)), name
+    assert error is simigrad_jax.SimiGradError or issubclass(error, (ValueError, RuntimeError)), (
+      name
+    )
 
 
 def test_the_package_docstring_names_every_export():
@@ -246,15 +282,47 @@ def test_the_package_docstring_names_every_export():
 
 # Every name simigrad_jax exported before the package was split into rooms (version 0.1.0).
 NAMES_BEFORE_THE_ROOMS = (
-    "ArraySource", "BadRecordError", "BatchPlan", "BucketPolicy", "CheckpointMismatchError",
-    "Checkpointer", "Controller", "EpochSampler", "GrainSource", "HalfGrads", "HalvesContractError",
-    "LrFactorState", "MetricsWriter", "ProcessDisagreementError", "ProcessLostError", "ProgressBar",
-    "SimilarityState", "StepCompileError", "StepCompiler", "TfdsSource", "Trainer", "bucket_shapes",
-    "controller_names", "controller_options", "enable_persistent_cache", "exit_on_lost_process",
-    "lr_factor", "lr_factor_of", "make_controller", "persistent_cache_settings", "plan_batch",
-    "read_metrics", "register_controller", "representable_batch_sizes", "scale_by_lr_factor",
-    "set_lr_factor", "similarity", "similarity_stats", "simulated_cpu_devices_env", "transform",
-    "value_and_half_grads",
+  "ArraySource",
+  "BadRecordError",
+  "BatchPlan",
+  "BucketPolicy",
+  "CheckpointMismatchError",
+  "Checkpointer",
+  "Controller",
+  "EpochSampler",
+  "GrainSource",
+  "HalfGrads",
+  "HalvesContractError",
+  "LrFactorState",
+  "MetricsWriter",
+  "ProcessDisagreementError",
+  "ProcessLostError",
+  "ProgressBar",
+  "SimilarityState",
+  "StepCompileError",
+  "StepCompiler",
+  "TfdsSource",
+  "Trainer",
+  "bucket_shapes",
+  "controller_names",
+  "controller_options",
+  "enable_persistent_cache",
+  "exit_on_lost_process",
+  "lr_factor",
+  "lr_factor_of",
+  "make_controller",
+  "persistent_cache_settings",
+  "plan_batch",
+  "read_metrics",
+  "register_controller",
+  "representable_batch_sizes",
+  "scale_by_lr_factor",
+  "set_lr_factor",
+  "similarity",
+  "similarity_stats",
+  "simulated_cpu_devices_env",
+  "transform",
+  "value_and_half_grads",
 )
 
 

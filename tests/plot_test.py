@@ -30,10 +30,18 @@ def synthetic_records(steps=60, seed=0):
   for step in range(1, steps + 1):
     similarity = batch / (batch + 300) + 0.05 * rng.normal()
     seen += batch
-    records.append({
-        "step": step, "batch_size": batch, "similarity": float(similarity),
-        "lr_factor": math.sqrt(batch / 32), "loss": 2.0 * math.exp(-seen / 3000),
-        "examples_seen": seen, "similarity_target": 0.1, "decision": "grow"})
+    records.append(
+      {
+        "step": step,
+        "batch_size": batch,
+        "similarity": float(similarity),
+        "lr_factor": math.sqrt(batch / 32),
+        "loss": 2.0 * math.exp(-seen / 3000),
+        "examples_seen": seen,
+        "similarity_target": 0.1,
+        "decision": "grow",
+      }
+    )
     batch = max(batch + 1, int(batch * 1.1)) if similarity < 0.1 else max(1, int(batch * 0.9))
     if step % 20 == 0:
       records.append({"step": step, "eval_accuracy": 1 - math.exp(-seen / 2000)})
@@ -55,6 +63,7 @@ def check_png(path):
 def panel_axes(monkeypatch):
   """Records the figure of the next plot_metrics call."""
   from matplotlib.figure import Figure
+
   figures = []
   original = Figure.savefig
 
@@ -83,8 +92,13 @@ def test_panels_and_data(tmp_path, monkeypatch):
   assert figure.get_suptitle() == "my title"
   axes = [ax for ax in figure.axes if ax.get_visible()]
   labels = [ax.get_ylabel() for ax in axes]
-  assert labels == ["global batch size", "similarity", "lr factor", "training loss",
-                    "eval accuracy"]
+  assert labels == [
+    "global batch size",
+    "similarity",
+    "lr factor",
+    "training loss",
+    "eval accuracy",
+  ]
   steps = [r for r in records if "batch_size" in r]
   batch_line = axes[0].get_lines()[0]
   np.testing.assert_array_equal(batch_line.get_xdata(), [r["examples_seen"] for r in steps])
@@ -110,8 +124,10 @@ def test_target_argument_overrides_records(tmp_path, monkeypatch):
 def test_missing_keys_skipped(tmp_path, monkeypatch):
   figures = panel_axes(monkeypatch)
   # Only batch size and similarity, no examples_seen, a NaN written as null.
-  records = [{"step": s, "batch_size": 10 + s, "similarity": None if s == 3 else 0.1 * s}
-             for s in range(1, 6)]
+  records = [
+    {"step": s, "batch_size": 10 + s, "similarity": None if s == 3 else 0.1 * s}
+    for s in range(1, 6)
+  ]
   metrics = write_jsonl(tmp_path / "metrics.jsonl", records)
   check_png(plot_metrics(metrics, tmp_path / "plot.png"))
   axes = figures[0].axes
@@ -124,8 +140,10 @@ def test_missing_keys_skipped(tmp_path, monkeypatch):
 
 def test_accuracy_alone_gets_its_own_panel(tmp_path, monkeypatch):
   figures = panel_axes(monkeypatch)
-  records = [{"step": 1, "examples_seen": 10, "eval_accuracy": 0.5},
-             {"step": 2, "examples_seen": 20, "eval_accuracy": 0.7}]
+  records = [
+    {"step": 1, "examples_seen": 10, "eval_accuracy": 0.5},
+    {"step": 2, "examples_seen": 20, "eval_accuracy": 0.7},
+  ]
   metrics = write_jsonl(tmp_path / "metrics.jsonl", records)
   plot_metrics(metrics, tmp_path / "plot.png")
   axes = [ax for ax in figures[0].axes if ax.get_visible()]
@@ -171,11 +189,21 @@ def test_main_errors(tmp_path, capsys):
 def test_cli_subprocess(tmp_path):
   metrics = write_jsonl(tmp_path / "metrics.jsonl", synthetic_records(20))
   out = tmp_path / "cli.png"
-  env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "JAX_PLATFORMS": "cpu",
-         "MPLBACKEND": "TkAgg", "DISPLAY": ""}  # no display is needed
+  env = {
+    **os.environ,
+    "PYTHONPATH": str(REPO_ROOT),
+    "JAX_PLATFORMS": "cpu",
+    "MPLBACKEND": "TkAgg",
+    "DISPLAY": "",
+  }  # no display is needed
   result = subprocess.run(
-      [sys.executable, "-m", "simigrad_jax.plot", str(metrics), "--out", str(out)],
-      capture_output=True, text=True, env=env, timeout=120, check=False)
+    [sys.executable, "-m", "simigrad_jax.plot", str(metrics), "--out", str(out)],
+    capture_output=True,
+    text=True,
+    env=env,
+    timeout=120,
+    check=False,
+  )
   assert result.returncode == 0, result.stderr
   assert result.stdout.strip() == f"wrote {out}"
   check_png(out)

@@ -15,8 +15,9 @@ from simigrad_jax.runtime.process_agreement import ProcessAgreement
 
 def test_one_process_gets_its_own_report_back_and_compares_nothing():
   assert process_agreement.agree("decision", {"batch_size": 48}) is None
-  assert process_agreement.agree("decision", {"batch_size": 48},
-                                 report={"fused": 5, "apply": 1}) == [{"fused": 5, "apply": 1}]
+  assert process_agreement.agree(
+    "decision", {"batch_size": 48}, report={"fused": 5, "apply": 1}
+  ) == [{"fused": 5, "apply": 1}]
 
 
 def test_a_report_longer_than_the_exchange_sends_is_refused():

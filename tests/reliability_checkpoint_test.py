@@ -31,9 +31,9 @@ from simigrad_jax.runtime import checkpointer as checkpointer_module
 from simigrad_jax.runtime.checkpointer import Checkpointer
 
 pytestmark = [
-    pytest.mark.reliability,
-    # orbax's reader leaves un-awaited coroutines behind when a damaged file fails a read.
-    pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning"),
+  pytest.mark.reliability,
+  # orbax's reader leaves un-awaited coroutines behind when a damaged file fails a read.
+  pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning"),
 ]
 
 
@@ -65,8 +65,9 @@ def flip_bit_in_array_data(step_dir):
 def change_a_digit_of_the_json(step_dir):
   """A plausible-looking change orbax cannot see: the sampler position moves by one."""
   f = _files(step_dir, "host/metadata")[0]
-  text, count = re.subn(r'"examples_seen": (\d+)', lambda m: f'"examples_seen": {int(m[1]) + 1}',
-                        f.read_text(), count=1)
+  text, count = re.subn(
+    r'"examples_seen": (\d+)', lambda m: f'"examples_seen": {int(m[1]) + 1}', f.read_text(), count=1
+  )
   assert count == 1
   f.write_text(text)
 
@@ -94,14 +95,25 @@ def garble_the_metadata(step_dir):
   (step_dir / "state" / "_METADATA").write_text('{"tree_metadata": ')
 
 
-CORRUPTIONS = [truncate_array_data, flip_bit_in_array_data, change_a_digit_of_the_json, truncate_json,
-               delete_the_manifest, delete_the_arrays, empty_every_file, garble_the_metadata]
+CORRUPTIONS = [
+  truncate_array_data,
+  flip_bit_in_array_data,
+  change_a_digit_of_the_json,
+  truncate_json,
+  delete_the_manifest,
+  delete_the_arrays,
+  empty_every_file,
+  garble_the_metadata,
+]
 
 
 def small_state(scale: float):
-  return {"w": jnp.arange(4000, dtype=jnp.float32).reshape(40, 100) * scale,
-          "b": jnp.full((7,), scale, jnp.float32), "count": jnp.int32(scale),
-          "key": jax.random.key(int(scale))}
+  return {
+    "w": jnp.arange(4000, dtype=jnp.float32).reshape(40, 100) * scale,
+    "b": jnp.full((7,), scale, jnp.float32),
+    "count": jnp.int32(scale),
+    "key": jax.random.key(int(scale)),
+  }
 
 
 def saved_steps(root, steps=(1, 2, 3)):
@@ -113,7 +125,9 @@ def saved_steps(root, steps=(1, 2, 3)):
 
 def _numbers(x):
   """An array's values as NumPy (a PRNG key's data)."""
-  return np.asarray(jax.random.key_data(x) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x)
+  return np.asarray(
+    jax.random.key_data(x) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x
+  )
 
 
 def assert_state_equal(got, want):
@@ -195,14 +209,19 @@ def _failing_reads(ckpt, error, steps, times=None):
 
 
 # Read errors of the file system: Python's, and tensorstore's report of one (as orbax raises it).
-READ_ERRORS = [OSError(errno.EIO, "Input/output error"),
-               ValueError('UNKNOWN: Error reading local file "/ckpt/3/state/d/0": read failed '
-                          '[OS error 5: Input/output error]')]
+READ_ERRORS = [
+  OSError(errno.EIO, "Input/output error"),
+  ValueError(
+    'UNKNOWN: Error reading local file "/ckpt/3/state/d/0": read failed '
+    "[OS error 5: Input/output error]"
+  ),
+]
 
 
 @pytest.mark.parametrize("error", READ_ERRORS, ids=["OSError", "tensorstore"])
-def test_a_transient_read_error_is_tried_again_and_restores_the_newest(error, tmp_path, caplog,
-                                                                        monkeypatch):
+def test_a_transient_read_error_is_tried_again_and_restores_the_newest(
+  error, tmp_path, caplog, monkeypatch
+):
   monkeypatch.setattr(checkpointer_module, "READ_RETRY_SECONDS", 0.01)
   root = tmp_path / "checkpoints"
   saved_steps(root)
@@ -213,7 +232,9 @@ def test_a_transient_read_error_is_tried_again_and_restores_the_newest(error, tm
   assert step == 3 and host["step"] == 3 and reads[:3] == [3, 3, 3]
   assert_state_equal(state, small_state(3.0))
   assert ckpt.skipped == [] and ckpt.quarantined == [] and ckpt.all_steps() == [1, 2, 3]
-  assert caplog.text.count("reading the checkpoint at step 3") == 2 and "trying again" in caplog.text
+  assert (
+    caplog.text.count("reading the checkpoint at step 3") == 2 and "trying again" in caplog.text
+  )
   assert not (tmp_path / "checkpoints.unreadable").exists()
   ckpt.close()
 
@@ -228,9 +249,12 @@ def test_a_read_error_that_persists_is_raised_and_moves_nothing(error, tmp_path,
   truncate_array_data(root / "3")
   ckpt = Checkpointer(root)
   reads = _failing_reads(ckpt, error, steps={2})
-  with pytest.raises(OSError, match=r"\[Errno 5\] reading the checkpoint at step 2 in .* failed "
-                                    r"4 times with an error of the file system .*nothing was "
-                                    r"skipped or moved") as raised:
+  with pytest.raises(
+    OSError,
+    match=r"\[Errno 5\] reading the checkpoint at step 2 in .* failed "
+    r"4 times with an error of the file system .*nothing was "
+    r"skipped or moved",
+  ) as raised:
     ckpt.restore(small_state(0.0))
   assert raised.value.errno == errno.EIO and raised.value.__cause__ is error
   assert reads.count(2) == checkpointer_module.READ_ATTEMPTS
@@ -269,9 +293,11 @@ def test_a_checkpoint_of_another_model_is_refused_not_skipped(tmp_path):
   saved_steps(root, steps=(1, 2))
   ckpt = Checkpointer(root)
   other = {**small_state(0.0), "w": jnp.zeros((40, 99), jnp.float32)}
-  with pytest.raises(simigrad_jax.CheckpointMismatchError,
-                     match=r"step 2 .* different model or optimizer: \['w'\] is float32\[40, 100\] "
-                           r"there and float32\[40, 99\] here"):
+  with pytest.raises(
+    simigrad_jax.CheckpointMismatchError,
+    match=r"step 2 .* different model or optimizer: \['w'\] is float32\[40, 100\] "
+    r"there and float32\[40, 99\] here",
+  ):
     ckpt.restore(other)
   assert ckpt.all_steps() == [1, 2]
   ckpt.close()
@@ -287,8 +313,10 @@ def test_random_bit_flips_never_restore_wrong_values(tmp_path):
   base = tmp_path / "base"
   saved_steps(base, steps=(1, 2))
   # Sorted by folder and size: orbax names data files at random, their sizes do not change.
-  files = sorted((p for p in (base / "2").rglob("*") if p.is_file() and p.stat().st_size),
-                 key=lambda p: (str(p.parent.relative_to(base)), p.stat().st_size, p.name))
+  files = sorted(
+    (p for p in (base / "2").rglob("*") if p.is_file() and p.stat().st_size),
+    key=lambda p: (str(p.parent.relative_to(base)), p.stat().st_size, p.name),
+  )
   # Two flips in three hit the array data or the JSON, the damage orbax can miss.
   payload_files = [p for p in files if p.parent.name == "d" or p.name == "metadata"]
   rng = random.Random(SEED)
@@ -303,12 +331,17 @@ def test_random_bit_flips_never_restore_wrong_values(tmp_path):
     # What orbax alone returns for this damage.
     manager = ocp.CheckpointManager(root, options=ocp.CheckpointManagerOptions(create=False))
     try:
-      raw = manager.restore(2, args=ocp.args.Composite(
-          state=ocp.args.StandardRestore(small_state(0.0)), host=ocp.args.JsonRestore()))
+      raw = manager.restore(
+        2,
+        args=ocp.args.Composite(
+          state=ocp.args.StandardRestore(small_state(0.0)), host=ocp.args.JsonRestore()
+        ),
+      )
       payload = raw.host.get("payload", {}) if isinstance(raw.host, dict) else {}
       same = payload.get("host") == {"step": 2, "examples_seen": 200} and all(
-          np.array_equal(_numbers(a), _numbers(b))
-          for a, b in zip(jax.tree.leaves(raw.state), jax.tree.leaves(small_state(2.0))))
+        np.array_equal(_numbers(a), _numbers(b))
+        for a, b in zip(jax.tree.leaves(raw.state), jax.tree.leaves(small_state(2.0)))
+      )
       outcomes["orbax_alone_wrong"] += not same
     except Exception:  # pylint: disable=broad-except  (orbax noticed)
       pass
@@ -331,20 +364,39 @@ class _Data:
 
   @staticmethod
   def make_trainer(workdir, **kwargs):
-    from trainer_test import TinyMLP, dataset, mlp_loss  # pylint: disable=import-outside-toplevel
+    from trainer_test import TinyMLP  # pylint: disable=import-outside-toplevel
+    from trainer_test import dataset  # pylint: disable=import-outside-toplevel
+    from trainer_test import mlp_loss  # pylint: disable=import-outside-toplevel
+
     params = TinyMLP().init(jax.random.key(0), np.zeros((1, 5), np.float32))["params"]
-    optimizer = optax.chain(simigrad_jax.transform("batch"), optax.sgd(0.1, momentum=0.9),
-                            simigrad_jax.scale_by_lr_factor())
-    controller = simigrad_jax.Controller(24, 0.3, batch_size_lower_bound=8, batch_size_upper_bound=64)
+    optimizer = optax.chain(
+      simigrad_jax.transform("batch"),
+      optax.sgd(0.1, momentum=0.9),
+      simigrad_jax.scale_by_lr_factor(),
+    )
+    controller = simigrad_jax.Controller(
+      24, 0.3, batch_size_lower_bound=8, batch_size_upper_bound=64
+    )
     return simigrad_jax.Trainer(
-        loss_fn=mlp_loss, params=params, optimizer=optimizer,
-        source=simigrad_jax.ArraySource(dataset(num_examples=200)), controller=controller,
-        workdir=workdir, max_micro_batch_size=4, seed=3, checkpoint_every_steps=2,
-        progress=False, tensorboard=False, **kwargs)
+      loss_fn=mlp_loss,
+      params=params,
+      optimizer=optimizer,
+      source=simigrad_jax.ArraySource(dataset(num_examples=200)),
+      controller=controller,
+      workdir=workdir,
+      max_micro_batch_size=4,
+      seed=3,
+      checkpoint_every_steps=2,
+      progress=False,
+      tensorboard=False,
+      **kwargs,
+    )
 
 
 def _records(workdir):
-  return [r for r in simigrad_jax.read_metrics(pathlib.Path(workdir) / "metrics.jsonl") if "loss" in r]
+  return [
+    r for r in simigrad_jax.read_metrics(pathlib.Path(workdir) / "metrics.jsonl") if "loss" in r
+  ]
 
 
 @pytest.fixture(scope="module")
@@ -355,25 +407,30 @@ def straight_trainer_run(tmp_path_factory):
   return _records(workdir)
 
 
-@pytest.mark.parametrize("corrupt", [flip_bit_in_array_data, change_a_digit_of_the_json],
-                         ids=lambda f: f.__name__)
+@pytest.mark.parametrize(
+  "corrupt", [flip_bit_in_array_data, change_a_digit_of_the_json], ids=lambda f: f.__name__
+)
 def test_trainer_resumes_from_the_previous_checkpoint_and_continues_exactly(
-    corrupt, straight_trainer_run, tmp_path, caplog):
+  corrupt, straight_trainer_run, tmp_path, caplog
+):
   with _Data.make_trainer(tmp_path) as trainer:
     trainer.train(num_steps=6)  # checkpoints at steps 2, 4, 6
   corrupt(tmp_path / "checkpoints" / "6")
   with caplog.at_level(logging.WARNING, logger="simigrad_jax"):
     trainer = _Data.make_trainer(tmp_path)
   assert trainer.step == 4
-  assert "checkpoint at step 6" in caplog.text and "resumed from the checkpoint at step 4" in caplog.text
+  assert (
+    "checkpoint at step 6" in caplog.text and "resumed from the checkpoint at step 4" in caplog.text
+  )
   with trainer:
     trainer.train(num_steps=8)
   records = _records(tmp_path)
   assert [r["step"] for r in records] == list(range(1, 9))
   for key in ("batch_size", "lr_factor", "next_batch_size", "examples_seen"):
     assert [r[key] for r in records] == [r[key] for r in straight_trainer_run], key
-  np.testing.assert_allclose([r["loss"] for r in records], [r["loss"] for r in straight_trainer_run],
-                             rtol=0, atol=1e-5)
+  np.testing.assert_allclose(
+    [r["loss"] for r in records], [r["loss"] for r in straight_trainer_run], rtol=0, atol=1e-5
+  )
   assert 6 in Checkpointer(tmp_path / "checkpoints").all_steps()  # step 6 was saved again
   assert list((tmp_path / "checkpoints.unreadable").iterdir())  # the damaged one, kept aside
   # other users can read neither the checkpoints nor the damaged ones
@@ -383,8 +440,12 @@ def test_trainer_resumes_from_the_previous_checkpoint_and_continues_exactly(
 def test_a_checkpoint_written_before_checksums_still_restores(tmp_path, caplog):
   """Checkpoints of an older simigrad_jax (host JSON without checksums) restore, with a warning."""
   manager = ocp.CheckpointManager(tmp_path / "checkpoints")
-  manager.save(5, args=ocp.args.Composite(state=ocp.args.StandardSave(small_state(5.0)),
-                                          host=ocp.args.JsonSave({"step": 5})))
+  manager.save(
+    5,
+    args=ocp.args.Composite(
+      state=ocp.args.StandardSave(small_state(5.0)), host=ocp.args.JsonSave({"step": 5})
+    ),
+  )
   manager.wait_until_finished()
   manager.close()
   ckpt = Checkpointer(tmp_path / "checkpoints")
@@ -423,9 +484,15 @@ def test_a_failed_background_save_stops_training_at_the_next_step(tmp_path, monk
       trainer.train(num_steps=10)
     assert trainer.step == 5
   assert raised.value.errno == errno.ENOSPC
-  assert any(re.search(r"the background save of the checkpoint of step 4 in .* failed: training "
-                       r"stopped at step 5; a restart resumes from the newest finished "
-                       r"checkpoint \(step 2\)", note) for note in raised.value.__notes__)
+  assert any(
+    re.search(
+      r"the background save of the checkpoint of step 4 in .* failed: training "
+      r"stopped at step 5; a restart resumes from the newest finished "
+      r"checkpoint \(step 2\)",
+      note,
+    )
+    for note in raised.value.__notes__
+  )
   assert [r["step"] for r in _records(tmp_path)] == [1, 2, 3, 4]
   resumed = Checkpointer(tmp_path / "checkpoints")
   assert resumed.all_steps() == [2]

@@ -24,12 +24,12 @@ import jax.numpy as jnp
 import pytest
 
 import simigrad_jax
+from reliability_helpers import DRIVER
+from reliability_helpers import driver_env
 from simigrad_jax import files
 from simigrad_jax.engine import compiler
 from simigrad_jax.runtime import workdir as workdir_module
 from simigrad_jax.runtime.process_agreement import ProcessAgreement
-from reliability_helpers import DRIVER
-from reliability_helpers import driver_env
 from tiny_run import make_trainer
 from tiny_run import trainer_objects
 from train import config_history
@@ -68,9 +68,22 @@ def test_a_second_run_fails_at_once_naming_the_first_and_a_dead_runs_lock_does_n
   # Run A: a real run in its own process, stopped (SIGSTOP) after its first step, holding the
   # workdir as a run paused by a scheduler or a debugger does.
   first = subprocess.Popen(
-      [sys.executable, str(DRIVER), "--workdir", str(workdir), "--steps", "20", "--freeze-at", "1",
-       "--agreement-timeout", "10"],
-      env=driver_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    [
+      sys.executable,
+      str(DRIVER),
+      "--workdir",
+      str(workdir),
+      "--steps",
+      "20",
+      "--freeze-at",
+      "1",
+      "--agreement-timeout",
+      "10",
+    ],
+    env=driver_env(),
+    stdout=subprocess.DEVNULL,
+    stderr=subprocess.DEVNULL,
+  )
   try:
     trace = workdir / "trace.0.jsonl"
     wait_for(lambda: trace.exists() and '"freeze"' in trace.read_text(), 120, "run A's step 1")
@@ -137,8 +150,10 @@ def test_when_another_process_cannot_lock_every_process_raises(tmp_path, monkeyp
   """Several processes exchange their outcomes: process 0 releases its lock and names process 1."""
   other = ["WorkdirLockedError", "the workdir is in use by another run: pid 7 on host h"]
   monkeypatch.setattr(ProcessAgreement, "gather", lambda self, what, value: [value, other])
-  with pytest.raises(simigrad_jax.WorkdirLockedError,
-                     match=r"process 1 could not open the workdir: .* pid 7 on host h"):
+  with pytest.raises(
+    simigrad_jax.WorkdirLockedError,
+    match=r"process 1 could not open the workdir: .* pid 7 on host h",
+  ):
     workdir_module.open_workdir(tmp_path / "run")
   monkeypatch.undo()
   workdir_module.open_workdir(tmp_path / "run").close()  # released
@@ -159,8 +174,11 @@ def test_a_foreign_or_writable_workdir_is_refused_unless_allowed(tmp_path, monke
   foreign = tmp_path / "foreign"
   foreign.mkdir()
   make_foreign(foreign, monkeypatch)
-  with pytest.raises(simigrad_jax.UnsafePathError, match=r"the workdir '.*foreign' belongs to "
-                     r".*, not to this user, .*allow_shared_workdir=True"):
+  with pytest.raises(
+    simigrad_jax.UnsafePathError,
+    match=r"the workdir '.*foreign' belongs to "
+    r".*, not to this user, .*allow_shared_workdir=True",
+  ):
     make_trainer(foreign)
   assert os.listdir(foreign) == []  # nothing read or written there
   monkeypatch.undo()
@@ -168,14 +186,17 @@ def test_a_foreign_or_writable_workdir_is_refused_unless_allowed(tmp_path, monke
     shared = tmp_path / f"shared_{mode:o}"
     shared.mkdir()
     shared.chmod(mode)
-    with pytest.raises(simigrad_jax.UnsafePathError,
-                       match=f"has mode {mode:#o}: it is {who}-writable"):
+    with pytest.raises(
+      simigrad_jax.UnsafePathError, match=f"has mode {mode:#o}: it is {who}-writable"
+    ):
       make_trainer(shared)
   # A parent other users can write to, without the sticky bit: they could swap the workdir.
   (tmp_path / "open").mkdir()
   (tmp_path / "open").chmod(0o777)
-  with pytest.raises(simigrad_jax.UnsafePathError,
-                     match=r"is inside '.*open', which has mode 0o777: .*without the sticky bit"):
+  with pytest.raises(
+    simigrad_jax.UnsafePathError,
+    match=r"is inside '.*open', which has mode 0o777: .*without the sticky bit",
+  ):
     make_trainer(tmp_path / "open" / "run")
   # The option lets a shared pod file system through, and leaves its mode as it is.
   with make_trainer(tmp_path / "shared_777", allow_shared_workdir=True) as trainer:
@@ -188,7 +209,9 @@ def test_a_foreign_or_writable_compilation_cache_is_refused(tmp_path, monkeypatc
   cache.mkdir()
   cache.chmod(0o777)
   with simigrad_jax.persistent_cache_settings():
-    with pytest.raises(simigrad_jax.UnsafePathError, match="the compilation cache .* has mode 0o777"):
+    with pytest.raises(
+      simigrad_jax.UnsafePathError, match="the compilation cache .* has mode 0o777"
+    ):
       simigrad_jax.enable_persistent_cache(cache)
     cache.chmod(0o755)
     make_foreign(cache, monkeypatch)
@@ -282,8 +305,10 @@ def test_an_unreadable_compilation_cache_entry_is_replaced(tmp_path, caplog):
     assert entries
     for entry in entries:  # as a process killed while writing, or a bad disk, leaves them
       entry.write_bytes(entry.read_bytes()[:20])
-    assert any("Error reading persistent compilation cache entry" in w
-               for w in compile_and_collect_warnings())
+    assert any(
+      "Error reading persistent compilation cache entry" in w
+      for w in compile_and_collect_warnings()
+    )
     assert all(len(entry.read_bytes()) > 20 for entry in entries)  # replaced
     assert "replacing the unreadable compilation cache entry" in caplog.text
     assert compile_and_collect_warnings() == []  # and read from then on
@@ -309,9 +334,13 @@ def test_config_json_keeps_every_start_and_summary_json_replaces_a_symlink(tmp_p
   assert starts[0] == {"started": None, "config": {"seed": 9, "model": "old"}}
   assert [s["resumed_at_step"] for s in starts[1:]] == [0, 2]
   assert [s["config"]["plot"] for s in starts[1:]] == [False, True]
-  assert all(s["started"].startswith("20") and s["processes"] == 1
-             and s["devices"] == "8 x cpu, device halves"
-             and s["versions"]["jax"] == jax.__version__ for s in starts[1:])
+  assert all(
+    s["started"].startswith("20")
+    and s["processes"] == 1
+    and s["devices"] == "8 x cpu, device halves"
+    and s["versions"]["jax"] == jax.__version__
+    for s in starts[1:]
+  )
   assert secret.read_text() == "root only\n"
   assert json.loads((workdir / "summary.json").read_text())["steps"] == summary["steps"] == 3
   assert (workdir / "metrics.png").stat().st_size > 1000
@@ -321,8 +350,20 @@ def test_python_m_train_keeps_its_default_workdir_in_the_users_cache(tmp_path):
   env = dict(os.environ, PYTHONPATH=str(ROOT), XDG_CACHE_HOME=str(tmp_path / "xdg"))
   env.pop("XLA_FLAGS", None)
   result = subprocess.run(  # a bad value fails after the workdir is made, before any training
-      [sys.executable, "-m", "train", "--config", "train/configs/digits_demo.py",
-       "--config.dtype=float16"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    [
+      sys.executable,
+      "-m",
+      "train",
+      "--config",
+      "train/configs/digits_demo.py",
+      "--config.dtype=float16",
+    ],
+    cwd=ROOT,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
   assert result.returncode != 0 and "config.dtype='float16' is not valid" in result.stderr
   workdir = tmp_path / "xdg" / "simigrad" / "digits_demo"
   assert mode_of(workdir) == mode_of(workdir.parent) == mode_of(workdir.parent.parent) == 0o700

@@ -27,15 +27,17 @@ def driver_env() -> dict[str, str]:
   return env
 
 
-def run_driver(workdir: os.PathLike, *args: Any, timeout: float = DRIVER_TIMEOUT_SECONDS
-               ) -> subprocess.CompletedProcess:
+def run_driver(
+  workdir: os.PathLike, *args: Any, timeout: float = DRIVER_TIMEOUT_SECONDS
+) -> subprocess.CompletedProcess:
   """Runs the driver once in its own process; raises subprocess.TimeoutExpired on a hang."""
   command = [sys.executable, str(DRIVER), "--workdir", str(workdir), *map(str, args)]
   return subprocess.run(command, env=driver_env(), capture_output=True, text=True, timeout=timeout)
 
 
-def run_processes(workdir: os.PathLike, per_process_args: list[list[Any]],
-                  timeout: float = DRIVER_TIMEOUT_SECONDS) -> list[tuple[int, str, str, float]]:
+def run_processes(
+  workdir: os.PathLike, per_process_args: list[list[Any]], timeout: float = DRIVER_TIMEOUT_SECONDS
+) -> list[tuple[int, str, str, float]]:
   """Runs one driver per entry of ``per_process_args`` as the processes of one jax.distributed run.
 
   Returns ``(returncode, stdout, stderr, seconds)`` per process. A process
@@ -45,11 +47,28 @@ def run_processes(workdir: os.PathLike, per_process_args: list[list[Any]],
   coordinator = f"127.0.0.1:{free_port()}"
   count = len(per_process_args)
   start = time.monotonic()
-  procs = [subprocess.Popen(
-      [sys.executable, str(DRIVER), "--workdir", str(workdir), "--num-processes", str(count),
-       "--process-id", str(i), "--coordinator", coordinator, *map(str, extra)],
-      env=driver_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-      for i, extra in enumerate(per_process_args)]
+  procs = [
+    subprocess.Popen(
+      [
+        sys.executable,
+        str(DRIVER),
+        "--workdir",
+        str(workdir),
+        "--num-processes",
+        str(count),
+        "--process-id",
+        str(i),
+        "--coordinator",
+        coordinator,
+        *map(str, extra),
+      ],
+      env=driver_env(),
+      stdout=subprocess.PIPE,
+      stderr=subprocess.PIPE,
+      text=True,
+    )
+    for i, extra in enumerate(per_process_args)
+  ]
   results = []
   for proc in procs:
     remaining = max(1.0, timeout - (time.monotonic() - start))
@@ -112,4 +131,3 @@ def finished_checkpoints(workdir: os.PathLike) -> list[int]:
   if not directory.is_dir():
     return []
   return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit())
-

@@ -43,8 +43,17 @@ pytestmark = pytest.mark.reliability
 
 STEPS = 20
 NUM_EXAMPLES, SAMPLER_SEED = 600, 1  # the driver's data set and seed
-COMPARED = ("batch_size", "lr_factor", "next_batch_size", "next_lr_factor", "decision",
-            "examples_seen", "micro_batch_size", "accumulation_steps", "schedule_factor")
+COMPARED = (
+  "batch_size",
+  "lr_factor",
+  "next_batch_size",
+  "next_lr_factor",
+  "decision",
+  "examples_seen",
+  "micro_batch_size",
+  "accumulation_steps",
+  "schedule_factor",
+)
 
 
 def _scenarios() -> dict[str, tuple[int, list[list[str]]]]:
@@ -61,18 +70,26 @@ def _scenarios() -> dict[str, tuple[int, list[list[str]]]]:
   local_kill, local_save = rng.randrange(1, STEPS), rng.choice(saves)
   grain_kill, grain_save = rng.randrange(1, STEPS), rng.choice(saves)
   return {
-      f"between-steps-{between}": (8, [["--kill-at", between]]),
-      f"in-save-{in_save}": (8, [["--kill-in-save", in_save]]),
-      f"in-compile-job{job}": (8, [["--kill-in-compile", job]]),
-      # Four kills of one run: between steps, during a save, during the resumed run's
-      # background compile, and between steps again.
-      f"chain-{chain_kill}-save{chain_save}-compile{chain_job}-{chain_last}": (8, [
-          ["--kill-at", chain_kill], ["--kill-in-save", chain_save],
-          ["--kill-in-compile", chain_job], ["--kill-at", chain_last]]),
-      f"3-devices-between-steps-{local_kill}": (3, [["--kill-at", local_kill]]),
-      f"1-device-in-save-{local_save}": (1, [["--kill-in-save", local_save]]),
-      f"grain-workers-between-steps-{grain_kill}-save{grain_save}": (8, [
-          ["--kill-at", grain_kill], ["--kill-in-save", grain_save]]),
+    f"between-steps-{between}": (8, [["--kill-at", between]]),
+    f"in-save-{in_save}": (8, [["--kill-in-save", in_save]]),
+    f"in-compile-job{job}": (8, [["--kill-in-compile", job]]),
+    # Four kills of one run: between steps, during a save, during the resumed run's
+    # background compile, and between steps again.
+    f"chain-{chain_kill}-save{chain_save}-compile{chain_job}-{chain_last}": (
+      8,
+      [
+        ["--kill-at", chain_kill],
+        ["--kill-in-save", chain_save],
+        ["--kill-in-compile", chain_job],
+        ["--kill-at", chain_last],
+      ],
+    ),
+    f"3-devices-between-steps-{local_kill}": (3, [["--kill-at", local_kill]]),
+    f"1-device-in-save-{local_save}": (1, [["--kill-in-save", local_save]]),
+    f"grain-workers-between-steps-{grain_kill}-save{grain_save}": (
+      8,
+      [["--kill-at", grain_kill], ["--kill-in-save", grain_save]],
+    ),
   }
 
 
@@ -102,8 +119,9 @@ def _straight_run(shared, compile_cache, num_devices):
     fcntl.flock(lock, fcntl.LOCK_EX)
     if not (workdir / "done").exists():
       shutil.rmtree(workdir, ignore_errors=True)
-      result = run_driver(workdir, "--steps", STEPS, "--compile-cache", compile_cache,
-                          "--devices", num_devices)
+      result = run_driver(
+        workdir, "--steps", STEPS, "--compile-cache", compile_cache, "--devices", num_devices
+      )
       assert result.returncode == 0, result.stderr[-3000:]
       (workdir / "done").write_text("")
   records = step_records(workdir)
@@ -119,7 +137,9 @@ def _ordered_examples(event: dict) -> list[tuple[int, int]]:
   sampler = simigrad_jax.EpochSampler(NUM_EXAMPLES, SAMPLER_SEED)
   first = event["examples_seen"] - event["batch_size"]
   indices = sampler.indices_at(first, event["batch_size"])
-  assert sorted(indices.tolist()) == event["indices"], f"step {event['step']} trained other examples"
+  assert sorted(indices.tolist()) == event["indices"], (
+    f"step {event['step']} trained other examples"
+  )
   return [((first + i) // NUM_EXAMPLES, int(x)) for i, x in enumerate(indices)]
 
 
@@ -127,14 +147,23 @@ def _ordered_examples(event: dict) -> list[tuple[int, int]]:
 def test_killed_run_resumes_exactly(name, straight, compile_cache, tmp_path):
   num_devices, stages = SCENARIOS[name]
   straight_records, straight_steps = straight(num_devices)
-  common = ("--steps", STEPS, "--compile-cache", compile_cache, "--devices", num_devices,
-            *(GRAIN if name.startswith("grain") else ()))
+  common = (
+    "--steps",
+    STEPS,
+    "--compile-cache",
+    compile_cache,
+    "--devices",
+    num_devices,
+    *(GRAIN if name.startswith("grain") else ()),
+  )
   restore_expected = []  # per resume: the newest finished checkpoint when it started
   for i, stage in enumerate(stages):
     if i:
       restore_expected.append((finished_checkpoints(tmp_path) or [0])[-1])
     killed = run_driver(tmp_path, *common, *stage)
-    assert killed.returncode == -9, f"{stage}: not killed (rc {killed.returncode}): {killed.stderr[-2000:]}"
+    assert killed.returncode == -9, (
+      f"{stage}: not killed (rc {killed.returncode}): {killed.stderr[-2000:]}"
+    )
   restore_expected.append((finished_checkpoints(tmp_path) or [0])[-1])
   resumed = run_driver(tmp_path, *common)
   assert resumed.returncode == 0, resumed.stderr[-3000:]
@@ -144,8 +173,9 @@ def test_killed_run_resumes_exactly(name, straight, compile_cache, tmp_path):
   assert [r["step"] for r in records] == list(range(1, STEPS + 1))
   for key in COMPARED:
     assert [r[key] for r in records] == [r[key] for r in straight_records], key
-  np.testing.assert_allclose([r["loss"] for r in records], [r["loss"] for r in straight_records],
-                             rtol=0, atol=1e-5)
+  np.testing.assert_allclose(
+    [r["loss"] for r in records], [r["loss"] for r in straight_records], rtol=0, atol=1e-5
+  )
 
   runs = attempts(read_trace(tmp_path))
   assert len(runs) == len(stages) + 1
@@ -153,7 +183,9 @@ def test_killed_run_resumes_exactly(name, straight, compile_cache, tmp_path):
   for i, run in enumerate(runs):
     start = run["start"]["step"]
     trained = [e["step"] for e in run["steps"]]
-    assert trained == list(range(start + 1, start + 1 + len(trained)))  # contiguous from the restore
+    assert trained == list(
+      range(start + 1, start + 1 + len(trained))
+    )  # contiguous from the restore
     if i < len(stages):  # killed where it was told to
       assert run["kill"] is not None and run["kill"]["kind"] == KIND[stages[i][0]], run["kill"]
       if run["kill"]["kind"] == "save":
@@ -176,11 +208,16 @@ def test_killed_run_resumes_exactly(name, straight, compile_cache, tmp_path):
   once = collections.Counter(x for e in final.values() for x in _ordered_examples(e))
   assert max(once.values()) == 1  # within an epoch, every example once
   everything = collections.Counter(
-      x for run in runs for e in run["steps"] for x in _ordered_examples(e))
+    x for run in runs for e in run["steps"] for x in _ordered_examples(e)
+  )
   again = collections.Counter(x for e in redone for x in _ordered_examples(e))
   assert everything == once + again
   for e in redone:  # a redone step trained exactly what the resumed run trained at that step
     assert e["indices"] == final[e["step"]]["indices"]
-  kills = [f"{run['kill']['kind']}@{run['kill'].get('step', run['start']['step'])}" for run in runs[:-1]]
-  print(f"\n{name}: kills {kills}, restored from {[run['start']['step'] for run in runs[1:]]}, "
-        f"examples trained twice {sum(again.values())}")
+  kills = [
+    f"{run['kill']['kind']}@{run['kill'].get('step', run['start']['step'])}" for run in runs[:-1]
+  ]
+  print(
+    f"\n{name}: kills {kills}, restored from {[run['start']['step'] for run in runs[1:]]}, "
+    f"examples trained twice {sum(again.values())}"
+  )

@@ -32,20 +32,31 @@ def caches(tmp_path_factory):
   return [["--compile-cache", cache] for _ in range(2)]
 
 
-DECISION_KEYS = ("batch_size", "next_batch_size", "lr_factor", "next_lr_factor", "decision",
-                 "similarity", "loss", "examples_seen")
+DECISION_KEYS = (
+  "batch_size",
+  "next_batch_size",
+  "lr_factor",
+  "next_lr_factor",
+  "decision",
+  "similarity",
+  "loss",
+  "examples_seen",
+)
 
 
 def _run_and_check_agreement(workdir, steps, per_process_args):
   """Two processes train ``steps`` steps; returns process 0's trace after checking that both
   took the same decisions at every step from their own rows, which together are the step's."""
-  results = run_processes(workdir, [["--steps", steps, *extra] for extra in per_process_args],
-                          timeout=TIMEOUT_SECONDS)
+  results = run_processes(
+    workdir, [["--steps", steps, *extra] for extra in per_process_args], timeout=TIMEOUT_SECONDS
+  )
   for process, (code, _, err, _) in enumerate(results):
     assert code == 0, f"process {process}: rc {code}\n{err[-3000:]}"
     assert "Error reading persistent compilation cache" not in err, err[-3000:]
   traces = [[e for e in read_trace(workdir, p) if e["event"] == "step"] for p in (0, 1)]
-  assert [e["step"] for e in traces[0]] == [e["step"] for e in traces[1]] == list(range(1, steps + 1))
+  assert (
+    [e["step"] for e in traces[0]] == [e["step"] for e in traces[1]] == list(range(1, steps + 1))
+  )
   sampler = simigrad_jax.EpochSampler(600, 1)
   for first, second in zip(*traces):
     for key in DECISION_KEYS:  # identical decisions, bit for bit
@@ -54,7 +65,8 @@ def _run_and_check_agreement(workdir, steps, per_process_args):
     assert first["indices"] and second["indices"] and first["indices"] != second["indices"]
     start = first["examples_seen"] - first["batch_size"]
     assert sorted(first["indices"] + second["indices"]) == sorted(
-        sampler.indices_at(start, first["batch_size"]).tolist())
+      sampler.indices_at(start, first["batch_size"]).tolist()
+    )
   # Process 0's metrics file shows the same decisions.
   assert [r["batch_size"] for r in step_records(workdir)] == [e["batch_size"] for e in traces[0]]
   return traces[0]
@@ -66,12 +78,15 @@ def test_every_process_takes_the_same_decision_at_every_step(tmp_path, caches):
   assert len({e["batch_size"] for e in trace}) >= 4  # the decisions really moved
 
   # Resume both processes after damaging the newest checkpoint: both fall back to the same one.
-  data = max((tmp_path / "checkpoints" / str(STEPS) / "state").rglob("d/*"), key=lambda p: p.stat().st_size)
+  data = max(
+    (tmp_path / "checkpoints" / str(STEPS) / "state").rglob("d/*"), key=lambda p: p.stat().st_size
+  )
   damaged = bytearray(data.read_bytes())
   damaged[len(damaged) // 2] ^= 0x10
   data.write_bytes(bytes(damaged))
-  results = run_processes(tmp_path, [["--steps", STEPS + 4, *caches[i]] for i in range(2)],
-                          timeout=TIMEOUT_SECONDS)
+  results = run_processes(
+    tmp_path, [["--steps", STEPS + 4, *caches[i]] for i in range(2)], timeout=TIMEOUT_SECONDS
+  )
   for process, (code, _, err, _) in enumerate(results):
     assert code == 0, f"process {process}: rc {code}\n{err[-3000:]}"
     assert "Error reading persistent compilation cache" not in err, err[-3000:]
@@ -79,12 +94,14 @@ def test_every_process_takes_the_same_decision_at_every_step(tmp_path, caches):
   starts = [[e for e in read_trace(tmp_path, p) if e["event"] == "start"][-1] for p in (0, 1)]
   assert starts[0]["step"] == starts[1]["step"] == STEPS - 3  # the previous checkpoint
   assert starts[0]["skipped_checkpoints"] == starts[1]["skipped_checkpoints"] == [STEPS]
-  resumed = [[e for e in read_trace(tmp_path, p) if e["event"] == "step"][len(trace):] for p in (0, 1)]
+  resumed = [
+    [e for e in read_trace(tmp_path, p) if e["event"] == "step"][len(trace) :] for p in (0, 1)
+  ]
   assert [e["step"] for e in resumed[0]] == list(range(STEPS - 2, STEPS + 5))
   for first, second in zip(*resumed):
     for key in DECISION_KEYS:
       assert first[key] == second[key], (first["step"], key, first[key], second[key])
-  for before, after in zip(trace[STEPS - 3:], resumed[0]):  # the redone steps, again
+  for before, after in zip(trace[STEPS - 3 :], resumed[0]):  # the redone steps, again
     # The same decisions; the numbers up to rounding, since a step may run on a compile-fallback
     # shape in one run and not in the other.
     for key in DECISION_KEYS:
@@ -102,8 +119,10 @@ def test_the_local_split_over_two_processes_of_three_devices(tmp_path, caches):
 
 def test_different_settings_are_refused_before_any_step(tmp_path, caches):
   results = run_processes(
-      tmp_path, [["--steps", STEPS, *caches[0]], ["--steps", STEPS, "--similarity-target", 0.5, *caches[1]]],
-      timeout=TIMEOUT_SECONDS)
+    tmp_path,
+    [["--steps", STEPS, *caches[0]], ["--steps", STEPS, "--similarity-target", 0.5, *caches[1]]],
+    timeout=TIMEOUT_SECONDS,
+  )
   for process, (code, _, err, _) in enumerate(results):
     assert code not in (0, None), f"process {process} was not stopped (rc {code})"
     assert "ProcessDisagreementError: the 2 processes disagree on the settings" in err, err[-3000:]
@@ -114,12 +133,15 @@ def test_different_settings_are_refused_before_any_step(tmp_path, caches):
 def test_a_diverging_decision_is_reported_not_hung(tmp_path, caches):
   """Process 1's controller picks another size at step 5: both stop there with the values."""
   results = run_processes(
-      tmp_path, [["--steps", STEPS, *caches[0]], ["--steps", STEPS, "--disagree-at", 5, *caches[1]]],
-      timeout=TIMEOUT_SECONDS)
+    tmp_path,
+    [["--steps", STEPS, *caches[0]], ["--steps", STEPS, "--disagree-at", 5, *caches[1]]],
+    timeout=TIMEOUT_SECONDS,
+  )
   for process, (code, _, err, _) in enumerate(results):
     assert code not in (0, None), f"process {process} was not stopped (rc {code})"
-    assert "ProcessDisagreementError: the 2 processes disagree on the decision of step 5" in err, \
-        err[-3000:]
+    assert "ProcessDisagreementError: the 2 processes disagree on the decision of step 5" in err, (
+      err[-3000:]
+    )
     assert "next_batch_size: process 0 has" in err
     steps = [e["step"] for e in read_trace(tmp_path, process) if e["event"] == "step"]
     assert steps == [1, 2, 3, 4]  # step 5 was stopped before its trace line; step 6 never ran
@@ -128,10 +150,16 @@ def test_a_diverging_decision_is_reported_not_hung(tmp_path, caches):
 def test_a_process_that_fails_its_set_up_does_not_leave_the_other_waiting(tmp_path, caches):
   """Process 1 refuses its own setting; process 0 reports that after the agreement timeout."""
   results = run_processes(
-      tmp_path, [["--steps", STEPS, "--agreement-timeout", 10, *caches[0]],
-                 ["--steps", STEPS, "--max-micro-batch-size", 0, *caches[1]]], timeout=TIMEOUT_SECONDS)
+    tmp_path,
+    [
+      ["--steps", STEPS, "--agreement-timeout", 10, *caches[0]],
+      ["--steps", STEPS, "--max-micro-batch-size", 0, *caches[1]],
+    ],
+    timeout=TIMEOUT_SECONDS,
+  )
   (code0, _, err0, _), (code1, _, err1, _) = results
   assert code1 not in (0, None) and "max_micro_batch_size must be an integer >= 1, got 0" in err1
   assert code0 not in (0, None), f"process 0 was not stopped (rc {code0})"
-  assert "process 1 did not reach the Trainer's check of the settings within 10 s" in err0, err0[-3000:]
-
+  assert "process 1 did not reach the Trainer's check of the settings within 10 s" in err0, err0[
+    -3000:
+  ]

@@ -34,8 +34,15 @@ STEPS = 8  # a checkpoint every 3 steps: at 3 and 6
 AGREEMENT_TIMEOUT = 10  # seconds a process waits for the others (the Trainer's default is 300)
 SLACK_SECONDS = 15  # on top of it, for a busy machine
 TIMEOUT_SECONDS = 150  # per two-process run; a hang fails the test here
-COMPARED = ("batch_size", "lr_factor", "next_batch_size", "next_lr_factor", "decision",
-            "examples_seen", "indices")
+COMPARED = (
+  "batch_size",
+  "lr_factor",
+  "next_batch_size",
+  "next_lr_factor",
+  "decision",
+  "examples_seen",
+  "indices",
+)
 # Equal up to float rounding: a step may run on a compile-fallback shape in one run and not in
 # the other (which shapes are compiled in time differs between runs), which reorders sums.
 CLOSE = ("loss", "similarity")
@@ -51,8 +58,9 @@ def caches(tmp_path_factory):
 def _run(workdir, caches, process1_args=()):
   """Both processes train up to STEPS steps; process 1 also gets ``process1_args``."""
   common = ["--steps", STEPS, "--agreement-timeout", AGREEMENT_TIMEOUT]
-  return run_processes(workdir, [[*common, *caches[0]], [*common, *caches[1], *process1_args]],
-                       timeout=TIMEOUT_SECONDS)
+  return run_processes(
+    workdir, [[*common, *caches[0]], [*common, *caches[1], *process1_args]], timeout=TIMEOUT_SECONDS
+  )
 
 
 def _run_with_fault(workdir, caches, fault, kind):
@@ -70,12 +78,16 @@ def _run_with_fault(workdir, caches, fault, kind):
   return err0, seconds
 
 
-@pytest.mark.parametrize("fault,kind,reported", [
+@pytest.mark.parametrize(
+  "fault,kind,reported",
+  [
     ("--kill-at", "between_steps", "did not answer within"),  # the roll call after step 5 failed
     ("--freeze-at", "freeze", "sent no heartbeat"),  # the watchdog: step 5 never returns
-])
-def test_a_dead_process_is_named_within_the_agreement_timeout(tmp_path, caches, fault, kind,
-                                                              reported):
+  ],
+)
+def test_a_dead_process_is_named_within_the_agreement_timeout(
+  tmp_path, caches, fault, kind, reported
+):
   """Process 1 dies (or freezes) after step 4: process 0 names it and ends, at step 5."""
   err0, seconds = _run_with_fault(tmp_path, caches, [fault, 4], kind)
   assert f"ProcessLostError: process 1 {reported}" in err0, err0[-3000:]
@@ -107,13 +119,15 @@ def test_a_restart_of_all_processes_resumes_exactly(tmp_path, tmp_path_factory, 
     for step, event in final.items():
       assert {k: event[k] for k in COMPARED} == {k: expected[step][k] for k in COMPARED}, step
       for key in CLOSE:
-        np.testing.assert_allclose(event[key], expected[step][key], rtol=1e-5, atol=1e-5,
-                                   err_msg=f"step {step} {key}")
+        np.testing.assert_allclose(
+          event[key], expected[step][key], rtol=1e-5, atol=1e-5, err_msg=f"step {step} {key}"
+        )
   # Process 0's metrics file reads like the uninterrupted run's: every step once, same numbers.
   records, expected = step_records(tmp_path), step_records(straight)
   assert [r["step"] for r in records] == list(range(1, STEPS + 1))
   for key in COMPARED[:-1]:
     assert [r[key] for r in records] == [r[key] for r in expected], key
   for key in CLOSE:
-    np.testing.assert_allclose([r[key] for r in records], [r[key] for r in expected],
-                               rtol=1e-5, atol=1e-5, err_msg=key)
+    np.testing.assert_allclose(
+      [r[key] for r in records], [r[key] for r in expected], rtol=1e-5, atol=1e-5, err_msg=key
+    )

@@ -42,9 +42,11 @@ from reliability_helpers import step_records
 from simigrad_jax.engine import preemption
 from tiny_run import trainer_objects
 
-pytestmark = [pytest.mark.reliability,
-              # ml_collections loads config files with importlib's deprecated load_module().
-              pytest.mark.filterwarnings("ignore:the load_module:DeprecationWarning")]
+pytestmark = [
+  pytest.mark.reliability,
+  # ml_collections loads config files with importlib's deprecated load_module().
+  pytest.mark.filterwarnings("ignore:the load_module:DeprecationWarning"),
+]
 
 STEPS = 16
 # No checkpoint every so many steps: only the epoch's end (about step 12) and the signal's.
@@ -66,8 +68,10 @@ def straight(tmp_path_factory, compile_cache):
 
 
 def _final_params(workdir, process=0):
-  return [np.asarray(leaf) for leaf in
-          [e for e in read_trace(workdir, process) if e["event"] == "end"][-1]["params"]]
+  return [
+    np.asarray(leaf)
+    for leaf in [e for e in read_trace(workdir, process) if e["event"] == "end"][-1]["params"]
+  ]
 
 
 class Driver:
@@ -78,8 +82,12 @@ class Driver:
     self._out = workdir.parent / f"{workdir.name}.{process}.out"
     self._err = workdir.parent / f"{workdir.name}.{process}.err"
     with open(self._out, "w") as out, open(self._err, "w") as err:
-      self.proc = subprocess.Popen([sys.executable, str(DRIVER), "--workdir", str(workdir),
-                                    *map(str, args)], env=driver_env(), stdout=out, stderr=err)
+      self.proc = subprocess.Popen(
+        [sys.executable, str(DRIVER), "--workdir", str(workdir), *map(str, args)],
+        env=driver_env(),
+        stdout=out,
+        stderr=err,
+      )
 
   def wait_for(self, event_matches) -> dict:
     """The first trace event for which ``event_matches(event)``, polling while the driver runs."""
@@ -89,8 +97,9 @@ class Driver:
         if event_matches(event):
           return event
       if self.proc.poll() is not None:
-        raise AssertionError(f"the driver ended (rc {self.proc.returncode}) before the event: "
-                             f"{self.stderr()[-3000:]}")
+        raise AssertionError(
+          f"the driver ended (rc {self.proc.returncode}) before the event: {self.stderr()[-3000:]}"
+        )
       time.sleep(0.02)
     self.proc.kill()
     raise AssertionError("the driver did not reach the event in time")
@@ -119,8 +128,9 @@ def _preempted(workdir, process=0) -> list[dict]:
   return [e for e in read_trace(workdir, process) if e["event"] == "preempted"]
 
 
-def test_sigterm_saves_the_step_under_way_and_the_resume_redoes_no_step(straight, compile_cache,
-                                                                          tmp_path):
+def test_sigterm_saves_the_step_under_way_and_the_resume_redoes_no_step(
+  straight, compile_cache, tmp_path
+):
   straight_records, straight_params = straight
   at = random.Random(SEED).randrange(2, STEPS - 4)
   workdir = tmp_path / "run"
@@ -148,8 +158,9 @@ def test_sigterm_saves_the_step_under_way_and_the_resume_redoes_no_step(straight
   assert [r["step"] for r in records] == list(range(1, STEPS + 1))
   for key in ("batch_size", "lr_factor", "next_batch_size", "examples_seen", "decision"):
     assert [r[key] for r in records] == [r[key] for r in straight_records], key
-  np.testing.assert_allclose([r["loss"] for r in records],
-                             [r["loss"] for r in straight_records], rtol=0, atol=1e-6)
+  np.testing.assert_allclose(
+    [r["loss"] for r in records], [r["loss"] for r in straight_records], rtol=0, atol=1e-6
+  )
   for got, want in zip(_final_params(workdir), straight_params):
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
   print(f"\nSIGTERM sent at step {at}, stopped after step {stop['step']}")
@@ -174,8 +185,22 @@ def test_a_signal_to_one_process_stops_every_process_after_the_same_step(compile
   """Two processes (jax.distributed, 4 CPU devices each); only process 1 gets the SIGTERM."""
   workdir = tmp_path / "run"
   coordinator = f"127.0.0.1:{free_port()}"
-  drivers = [Driver(workdir, *RUN, "--num-processes", 2, "--process-id", p, "--coordinator",
-                    coordinator, "--compile-cache", compile_cache, process=p) for p in (0, 1)]
+  drivers = [
+    Driver(
+      workdir,
+      *RUN,
+      "--num-processes",
+      2,
+      "--process-id",
+      p,
+      "--coordinator",
+      coordinator,
+      "--compile-cache",
+      compile_cache,
+      process=p,
+    )
+    for p in (0, 1)
+  ]
   try:
     drivers[1].wait_for_step(3)
     drivers[1].signal(signal.SIGTERM)
@@ -194,21 +219,42 @@ def test_a_signal_to_one_process_stops_every_process_after_the_same_step(compile
 
 
 # The digits demo at a size that compiles once and trains in seconds (as tests/train_main_test.py).
-SMALL = ["--config.mode=pad", "--config.cnn_features=(4, 8)", "--config.cnn_dense=16",
-         "--config.tensorboard=False", "--config.num_epochs=3", "--config.plot=False"]
+SMALL = [
+  "--config.mode=pad",
+  "--config.cnn_features=(4, 8)",
+  "--config.cnn_dense=16",
+  "--config.tensorboard=False",
+  "--config.num_epochs=3",
+  "--config.plot=False",
+]
 
 
-@pytest.mark.parametrize("signum, exit_code", [(signal.SIGTERM, 0), (signal.SIGINT, 130)],
-                         ids=["SIGTERM", "SIGINT"])
+@pytest.mark.parametrize(
+  "signum, exit_code", [(signal.SIGTERM, 0), (signal.SIGINT, 130)], ids=["SIGTERM", "SIGINT"]
+)
 def test_python_m_train_stops_with_a_message_and_the_schedulers_exit_code(
-    signum, exit_code, compile_cache, tmp_path):
+  signum, exit_code, compile_cache, tmp_path
+):
   workdir = tmp_path / "run"
   env = driver_env()
   with open(tmp_path / "out", "w") as out, open(tmp_path / "err", "w") as err:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "train", "--config", "train/configs/digits_demo.py", "--workdir",
-         str(workdir), *SMALL, f"--config.compilation_cache_dir={compile_cache / 'train'}"],
-        cwd=ROOT, env=env, stdout=out, stderr=err)
+      [
+        sys.executable,
+        "-m",
+        "train",
+        "--config",
+        "train/configs/digits_demo.py",
+        "--workdir",
+        str(workdir),
+        *SMALL,
+        f"--config.compilation_cache_dir={compile_cache / 'train'}",
+      ],
+      cwd=ROOT,
+      env=env,
+      stdout=out,
+      stderr=err,
+    )
   try:
     deadline = time.monotonic() + DRIVER_TIMEOUT_SECONDS
     while len(step_records(workdir) if (workdir / "metrics.jsonl").exists() else []) < 2:
@@ -223,8 +269,10 @@ def test_python_m_train_stops_with_a_message_and_the_schedulers_exit_code(
   out = (tmp_path / "out").read_text()
   assert code == exit_code, (tmp_path / "err").read_text()[-3000:]
   step = step_records(workdir)[-1]["step"]
-  assert (f"training stopped by {signal.Signals(signum).name} after step {step}; its checkpoint "
-          f"is saved in {workdir / 'checkpoints' / str(step)}") in out
+  assert (
+    f"training stopped by {signal.Signals(signum).name} after step {step}; its checkpoint "
+    f"is saved in {workdir / 'checkpoints' / str(step)}"
+  ) in out
   assert finished_checkpoints(workdir)[-1] == step
   assert not (workdir / "summary.json").exists()  # the run is not over: no final report
 
@@ -239,11 +287,19 @@ def test_checkpoint_every_seconds_saves_once_that_many_seconds_passed(tmp_path):
 
   saves = []
   objects = trainer_objects(tmp_path)
-  objects["controller"] = simigrad_jax.Controller(8, 0.5, batch_size_lower_bound=8,
-                                                  batch_size_upper_bound=16, enable_adjust=False)
-  with simigrad_jax.Trainer(**objects, max_micro_batch_size=4, seed=3, progress=False,
-                            tensorboard=False, checkpoint_every_seconds=1.0, max_checkpoints=30,
-                            hooks=[SimpleNamespace(on_step=slow_step)]) as trainer:
+  objects["controller"] = simigrad_jax.Controller(
+    8, 0.5, batch_size_lower_bound=8, batch_size_upper_bound=16, enable_adjust=False
+  )
+  with simigrad_jax.Trainer(
+    **objects,
+    max_micro_batch_size=4,
+    seed=3,
+    progress=False,
+    tensorboard=False,
+    checkpoint_every_seconds=1.0,
+    max_checkpoints=30,
+    hooks=[SimpleNamespace(on_step=slow_step)],
+  ) as trainer:
     save = trainer._checkpoints.checkpointer.save
 
     def timed_save(step, state, host):
@@ -260,15 +316,19 @@ def test_checkpoint_every_seconds_saves_once_that_many_seconds_passed(tmp_path):
   for (previous, before), (step, t) in zip(on_time, on_time[1:]):
     assert t - before >= 1.0, (step, t - before)
     assert step - previous <= 5, saves
-  print(f"\ncheckpoints on time at steps {[step for step, _ in on_time[1:]]}, "
-        f"{[round(b - a, 2) for (_, a), (_, b) in zip(on_time, on_time[1:])]} s apart")
+  print(
+    f"\ncheckpoints on time at steps {[step for step, _ in on_time[1:]]}, "
+    f"{[round(b - a, 2) for (_, a), (_, b) in zip(on_time, on_time[1:])]} s apart"
+  )
 
 
 def test_every_process_reads_the_same_outcome_from_the_step_reports():
   """One process's signal stops all; the clock for checkpoints on time is process 0's."""
-  reports = [{"signal": None, "since_checkpoint": 12.5, "failed_save": None},
-             {"signal": "SIGINT", "since_checkpoint": 30.0, "failed_save": None},
-             {"signal": "SIGTERM", "since_checkpoint": 0.1, "failed_save": "OSError: disk full"}]
+  reports = [
+    {"signal": None, "since_checkpoint": 12.5, "failed_save": None},
+    {"signal": "SIGINT", "since_checkpoint": 30.0, "failed_save": None},
+    {"signal": "SIGTERM", "since_checkpoint": 0.1, "failed_save": "OSError: disk full"},
+  ]
   assert preemption.Agreed.read(reports) == ("SIGINT", 12.5, [None, None, "OSError: disk full"])
   assert preemption.Agreed.read(reports[:1]) == (None, 12.5, [None])
   stop = pickle.loads(pickle.dumps(simigrad_jax.Preempted("SIGINT", 7, "/run/checkpoints/7", {})))

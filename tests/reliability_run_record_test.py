@@ -35,13 +35,17 @@ STEP_SIZE = r"optimizer.hyperparameters.update.update_fns\[1\].update_fns\[1\].t
 
 
 def sgd(learning_rate):
-  return optax.chain(simigrad_jax.transform("batch"), optax.sgd(learning_rate, momentum=0.9),
-                     simigrad_jax.scale_by_lr_factor())
+  return optax.chain(
+    simigrad_jax.transform("batch"),
+    optax.sgd(learning_rate, momentum=0.9),
+    simigrad_jax.scale_by_lr_factor(),
+  )
 
 
 def records(workdir):
-  return [r for r in simigrad_jax.read_metrics(pathlib.Path(workdir) / "metrics.jsonl")
-          if "loss" in r]
+  return [
+    r for r in simigrad_jax.read_metrics(pathlib.Path(workdir) / "metrics.jsonl") if "loss" in r
+  ]
 
 
 def saved_host(workdir, like):
@@ -70,17 +74,25 @@ def workdir(finished_run, tmp_path):
 
 
 def test_a_changed_learning_rate_and_data_set_are_refused_then_allowed_and_recorded(
-    workdir, caplog):
-  changed = dict(optimizer=sgd(2.0), data=dataset(num_examples=180),
-                 run_settings={"learning_rate": 2.0})
+  workdir, caplog
+):
+  changed = dict(
+    optimizer=sgd(2.0), data=dataset(num_examples=180), run_settings={"learning_rate": 2.0}
+  )
   before = (workdir / "metrics.jsonl").read_bytes()
   with pytest.raises(simigrad_jax.CheckpointMismatchError) as refused:
     trainer(workdir, **changed)
   message = str(refused.value)
-  for difference in (rf"{STEP_SIZE}: -0.1 there, -2.0 here", r"settings.learning_rate: 0.1 there, "
-                     r"2.0 here", r"data.num_examples: 200 there, 180 here"):
-    assert any(re.fullmatch(rf"  - {difference}", line)
-               for line in message.splitlines()), (difference, message)
+  for difference in (
+    rf"{STEP_SIZE}: -0.1 there, -2.0 here",
+    r"settings.learning_rate: 0.1 there, "
+    r"2.0 here",
+    r"data.num_examples: 200 there, 180 here",
+  ):
+    assert any(re.fullmatch(rf"  - {difference}", line) for line in message.splitlines()), (
+      difference,
+      message,
+    )
   assert "allow_changed_settings=True" in message
   assert isinstance(refused.value, ValueError)
   assert (workdir / "metrics.jsonl").read_bytes() == before  # nothing ran
@@ -106,9 +118,11 @@ def test_a_changed_learning_rate_and_data_set_are_refused_then_allowed_and_recor
 
 
 def test_a_changed_model_is_refused_even_when_changes_are_allowed(workdir):
-  with pytest.raises(simigrad_jax.CheckpointMismatchError,
-                     match=r"(?s)the runs differ in:\n.*  - model.params\['Dense_0'\]\['kernel'\]: "
-                           r"'float32\[8, 3\]' there, 'float32\[16, 3\]' here.*allowed or not"):
+  with pytest.raises(
+    simigrad_jax.CheckpointMismatchError,
+    match=r"(?s)the runs differ in:\n.*  - model.params\['Dense_0'\]\['kernel'\]: "
+    r"'float32\[8, 3\]' there, 'float32\[16, 3\]' here.*allowed or not",
+  ):
     trainer(workdir, hidden=16, allow_changed_settings=True)
 
 
@@ -117,15 +131,19 @@ def test_a_changed_injected_learning_rate_takes_effect_when_allowed(tmp_path):
   silently win over the new one if the resume did not put the new one in."""
 
   def injected(learning_rate):
-    return optax.chain(simigrad_jax.transform("batch"),
-                       optax.inject_hyperparams(optax.sgd)(learning_rate=learning_rate),
-                       simigrad_jax.scale_by_lr_factor())
+    return optax.chain(
+      simigrad_jax.transform("batch"),
+      optax.inject_hyperparams(optax.sgd)(learning_rate=learning_rate),
+      simigrad_jax.scale_by_lr_factor(),
+    )
 
   with trainer(tmp_path, optimizer=injected(0.1)) as first:
     first.train(num_steps=2)
-  with pytest.raises(simigrad_jax.CheckpointMismatchError,
-                     match=r"optimizer.injected\['opt_state'\]\[1\].hyperparams"
-                           r"\['learning_rate'\]: 0.1 there, 0.05 here"):
+  with pytest.raises(
+    simigrad_jax.CheckpointMismatchError,
+    match=r"optimizer.injected\['opt_state'\]\[1\].hyperparams"
+    r"\['learning_rate'\]: 0.1 there, 0.05 here",
+  ):
     trainer(tmp_path, optimizer=injected(0.05))
   with trainer(tmp_path, optimizer=injected(0.05), allow_changed_settings=True) as resumed:
     assert resumed.step == 2
@@ -153,15 +171,20 @@ def test_a_resume_on_fewer_devices_is_exact_and_recorded(workdir, straight_run, 
   assert [r["step"] for r in got] == list(range(1, 9))
   for key in ("batch_size", "examples_seen", "lr_factor", "next_batch_size", "decision"):
     assert [r[key] for r in got] == [r[key] for r in straight_run], key
-  np.testing.assert_allclose([r["loss"] for r in got], [r["loss"] for r in straight_run],
-                             rtol=0, atol=1e-5)
+  np.testing.assert_allclose(
+    [r["loss"] for r in got], [r["loss"] for r in straight_run], rtol=0, atol=1e-5
+  )
   [change] = saved_host(workdir, resumed.state)["run_changes"]
-  assert change == {"step": 4, "settings": [],
-                    "environment": ["devices.num_devices: 8 there, 4 here"]}
+  assert change == {
+    "step": 4,
+    "settings": [],
+    "environment": ["devices.num_devices: 8 there, 4 here"],
+  }
 
 
 def test_a_checkpoint_written_before_runs_were_recorded_still_resumes(
-    workdir, finished_run, caplog):
+  workdir, finished_run, caplog
+):
   """An older simigrad_jax saved no record: the checkpoint resumes with a warning, and the
   next checkpoint holds the record."""
   checkpoints = workdir / "checkpoints"
@@ -190,8 +213,13 @@ def test_the_same_parameters_start_two_trainers(tmp_path):
   params = TinyMLP().init(jax.random.key(0), np.zeros((1, 5), np.float32))["params"]
   summaries = []
   for name in ("first", "second"):  # one batch size: one compiled shape
-    with trainer(tmp_path / name, params=params, controller=controller(
-        enable_adjust=False, batch_size_lower_bound=24, batch_size_upper_bound=24)) as t:
+    with trainer(
+      tmp_path / name,
+      params=params,
+      controller=controller(
+        enable_adjust=False, batch_size_lower_bound=24, batch_size_upper_bound=24
+      ),
+    ) as t:
       summaries.append(t.train(num_steps=1))
   assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(params))
   assert summaries[0]["loss"] == summaries[1]["loss"]  # the same start, the same run

@@ -27,9 +27,23 @@ STEPS, WARMUP = 3000, 300
 
 def test_memory_stays_flat_over_a_long_run_with_a_moving_batch_size(tmp_path):
   result = subprocess.run(
-      [sys.executable, str(ROOT / "tests" / "soak_driver.py"), "--workdir", str(tmp_path / "run"),
-       "--steps", str(STEPS), "--warmup", str(WARMUP), "--sample-every", "300"],
-      env=driver_env(), capture_output=True, text=True, timeout=300)
+    [
+      sys.executable,
+      str(ROOT / "tests" / "soak_driver.py"),
+      "--workdir",
+      str(tmp_path / "run"),
+      "--steps",
+      str(STEPS),
+      "--warmup",
+      str(WARMUP),
+      "--sample-every",
+      "300",
+    ],
+    env=driver_env(),
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
   assert result.returncode == 0, result.stderr[-3000:]
   report = json.loads(result.stdout.strip().splitlines()[-1])
   samples = report["samples"]
@@ -46,7 +60,9 @@ def test_memory_stays_flat_over_a_long_run_with_a_moving_batch_size(tmp_path):
   assert {s["compiles"] for s in samples} == {report["compiles"]}  # no compile after the warm-up
   assert last["objects"] - first["objects"] < 5000, samples
   assert report["metrics_lines"] == STEPS
-  print(f"\nsoak: {STEPS} steps in {report['seconds']:.1f} s, {report['batch_size_changes']} batch-size "
-        f"changes over {report['distinct_batch_sizes']} sizes; RSS {first['rss_mb']:.1f} -> "
-        f"{last['rss_mb']:.1f} MiB, peak (VmHWM) {first['hwm_mb']:.1f} -> {last['hwm_mb']:.1f} MiB, "
-        f"live objects {first['objects']} -> {last['objects']}")
+  print(
+    f"\nsoak: {STEPS} steps in {report['seconds']:.1f} s, {report['batch_size_changes']} batch-size "
+    f"changes over {report['distinct_batch_sizes']} sizes; RSS {first['rss_mb']:.1f} -> "
+    f"{last['rss_mb']:.1f} MiB, peak (VmHWM) {first['hwm_mb']:.1f} -> {last['hwm_mb']:.1f} MiB, "
+    f"live objects {first['objects']} -> {last['objects']}"
+  )

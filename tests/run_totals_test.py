@@ -7,17 +7,41 @@ from simigrad_jax.engine.run_totals import RunTotals
 from simigrad_jax.engine.step_record import StepRecord
 
 BASE = StepRecord(
-    step=1, epoch=0, examples_seen=64, batch_size=64, micro_batch_size=8, accumulation_steps=1,
-    padded_examples=0, compile_fallback=False, lr_factor=1.0, next_batch_size=70,
-    next_lr_factor=1.05, schedule_factor=1.0, decision="grow", similarity_target=0.1, loss=1.0,
-    similarity=0.3, norm_a=1.0, norm_b=1.0, norm_mean=0.9, grads_finite=True, nonfinite_steps=0,
-    step_seconds=0.5, examples_per_second=128.0, data_seconds=0.1, host_seconds=math.nan,
-    agreement_seconds=0.0, compile_wait_step_seconds=0.0, epoch_end=False)
+  step=1,
+  epoch=0,
+  examples_seen=64,
+  batch_size=64,
+  micro_batch_size=8,
+  accumulation_steps=1,
+  padded_examples=0,
+  compile_fallback=False,
+  lr_factor=1.0,
+  next_batch_size=70,
+  next_lr_factor=1.05,
+  schedule_factor=1.0,
+  decision="grow",
+  similarity_target=0.1,
+  loss=1.0,
+  similarity=0.3,
+  norm_a=1.0,
+  norm_b=1.0,
+  norm_mean=0.9,
+  grads_finite=True,
+  nonfinite_steps=0,
+  step_seconds=0.5,
+  examples_per_second=128.0,
+  data_seconds=0.1,
+  host_seconds=math.nan,
+  agreement_seconds=0.0,
+  compile_wait_step_seconds=0.0,
+  epoch_end=False,
+)
 
 
 def record(batch_size, host_seconds, fallback=False, loss=1.0):
-  return dataclasses.replace(BASE, batch_size=batch_size, host_seconds=host_seconds,
-                             compile_fallback=fallback, loss=loss)
+  return dataclasses.replace(
+    BASE, batch_size=batch_size, host_seconds=host_seconds, compile_fallback=fallback, loss=loss
+  )
 
 
 def test_totals_add_up_the_records_and_skip_an_unmeasured_host_time():

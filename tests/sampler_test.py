@@ -31,11 +31,11 @@ def test_every_epoch_is_a_permutation_under_varying_batch_sizes(n, seed):
   epochs = len(stream) // n
   assert epochs >= 3  # several epochs, several boundary crossings
   for e in range(epochs):
-    chunk = stream[e * n:(e + 1) * n]
+    chunk = stream[e * n : (e + 1) * n]
     np.testing.assert_array_equal(np.sort(chunk), np.arange(n))
     np.testing.assert_array_equal(chunk, sampler.permutation(e))
   # The partial last epoch repeats nothing either.
-  rest = stream[epochs * n:]
+  rest = stream[epochs * n :]
   assert len(np.unique(rest)) == len(rest)
   # A batch within one epoch holds no example twice. One that crosses a
   # boundary is the tail of epoch e then the head of epoch e + 1, so an example
@@ -75,7 +75,8 @@ def test_crossing_an_epoch_boundary():
   shuffled.take(3)
   batch = shuffled.take(4)
   np.testing.assert_array_equal(
-      batch, np.concatenate([shuffled.permutation(0)[3:], shuffled.permutation(1)[:2]]))
+    batch, np.concatenate([shuffled.permutation(0)[3:], shuffled.permutation(1)[:2]])
+  )
 
 
 def test_full_size_batches_are_whole_epochs():
@@ -85,8 +86,8 @@ def test_full_size_batches_are_whole_epochs():
     np.testing.assert_array_equal(sampler.take(n), sampler.permutation(e))
   sampler.take(10)
   batch = sampler.take(n)  # from offset 10: the rest of epoch 4, start of 5
-  np.testing.assert_array_equal(batch[:n - 10], sampler.permutation(4)[10:])
-  np.testing.assert_array_equal(batch[n - 10:], sampler.permutation(5)[:10])
+  np.testing.assert_array_equal(batch[: n - 10], sampler.permutation(4)[10:])
+  np.testing.assert_array_equal(batch[n - 10 :], sampler.permutation(5)[:10])
 
 
 def test_permutations_differ_between_epochs_and_seeds_and_reproduce():
@@ -100,8 +101,7 @@ def test_permutations_differ_between_epochs_and_seeds_and_reproduce():
       assert not np.array_equal(perms[i], perms[j]), (i, j)
     assert not np.array_equal(perms[i], b.permutation(i))
     np.testing.assert_array_equal(perms[i], EpochSampler(n, 0).permutation(i))
-  np.testing.assert_array_equal(
-      a.permutation(3), np.random.default_rng([0, 3]).permutation(n))
+  np.testing.assert_array_equal(a.permutation(3), np.random.default_rng([0, 3]).permutation(n))
 
 
 def test_permutation_cache_returns_the_same_order_and_is_read_only():
@@ -154,7 +154,7 @@ def test_indices_at_is_pure():
   # Far ahead, without serving anything before it.
   big = 10**12 + 5
   e, o = divmod(big, n)
-  np.testing.assert_array_equal(fresh.indices_at(big, 3), fresh.permutation(e)[o:o + 3])
+  np.testing.assert_array_equal(fresh.indices_at(big, 3), fresh.permutation(e)[o : o + 3])
 
 
 def test_state_round_trip_through_json_mid_epoch():
@@ -169,21 +169,30 @@ def test_state_round_trip_through_json_mid_epoch():
   assert first.offset != 0  # really mid-epoch
   text = json.dumps(first.state_dict())
   state = json.loads(text)
-  assert state == {"version": 1, "num_examples": n, "seed": 11, "shuffle": True,
-                   "examples_seen": first.examples_seen}
+  assert state == {
+    "version": 1,
+    "num_examples": n,
+    "seed": 11,
+    "shuffle": True,
+    "examples_seen": first.examples_seen,
+  }
   resumed = EpochSampler(n, 11)
   resumed.load_state_dict(state)
   assert (resumed.examples_seen, resumed.epoch, resumed.offset) == (
-      first.examples_seen, first.epoch, first.offset)
+    first.examples_seen,
+    first.epoch,
+    first.offset,
+  )
   served += serve(resumed, sizes[57:])
   for got, want in zip(served, expected):
     np.testing.assert_array_equal(got, want)
   assert resumed.state_dict() == reference.state_dict()
 
 
-@pytest.mark.parametrize("key,value", [
-    ("num_examples", 42), ("seed", 12), ("shuffle", False), ("shuffle", 1),
-    ("num_examples", True)])
+@pytest.mark.parametrize(
+  "key,value",
+  [("num_examples", 42), ("seed", 12), ("shuffle", False), ("shuffle", 1), ("num_examples", True)],
+)
 def test_load_refuses_other_settings_and_changes_nothing(key, value):
   sampler = EpochSampler(41, 11)
   sampler.take(7)
@@ -194,21 +203,33 @@ def test_load_refuses_other_settings_and_changes_nothing(key, value):
   assert sampler.examples_seen == 7
 
 
-@pytest.mark.parametrize("state,match", [
-    ({"version": 2, "num_examples": 4, "seed": 0, "shuffle": True,
-      "examples_seen": 0}, "version must be 1, got 2"),
-    ({"num_examples": 4, "seed": 0, "shuffle": True, "examples_seen": 0},
-     "version must be 1, got None"),
+@pytest.mark.parametrize(
+  "state,match",
+  [
+    (
+      {"version": 2, "num_examples": 4, "seed": 0, "shuffle": True, "examples_seen": 0},
+      "version must be 1, got 2",
+    ),
+    (
+      {"num_examples": 4, "seed": 0, "shuffle": True, "examples_seen": 0},
+      "version must be 1, got None",
+    ),
     ([1, 2], "version must be 1"),
-    ({"version": 1, "num_examples": 4, "seed": 0, "shuffle": True,
-      "examples_seen": -1}, "examples_seen must be an integer >= 0, got -1"),
-    ({"version": 1, "num_examples": 4, "seed": 0, "shuffle": True,
-      "examples_seen": 2.0}, "examples_seen must be an integer"),
-    ({"version": 1, "num_examples": 4, "seed": 0, "shuffle": True},
-     "no examples_seen"),
-    ({"version": 1, "seed": 0, "shuffle": True, "examples_seen": 0},
-     "num_examples .saved '<missing>'"),
-])
+    (
+      {"version": 1, "num_examples": 4, "seed": 0, "shuffle": True, "examples_seen": -1},
+      "examples_seen must be an integer >= 0, got -1",
+    ),
+    (
+      {"version": 1, "num_examples": 4, "seed": 0, "shuffle": True, "examples_seen": 2.0},
+      "examples_seen must be an integer",
+    ),
+    ({"version": 1, "num_examples": 4, "seed": 0, "shuffle": True}, "no examples_seen"),
+    (
+      {"version": 1, "seed": 0, "shuffle": True, "examples_seen": 0},
+      "num_examples .saved '<missing>'",
+    ),
+  ],
+)
 def test_load_refuses_malformed_states(state, match):
   sampler = EpochSampler(4, 0)
   sampler.take(3)
@@ -217,7 +238,9 @@ def test_load_refuses_malformed_states(state, match):
   assert sampler.examples_seen == 3
 
 
-@pytest.mark.parametrize("kwargs,match", [
+@pytest.mark.parametrize(
+  "kwargs,match",
+  [
     (dict(num_examples=0, seed=0), "num_examples must be an integer >= 1, got 0"),
     (dict(num_examples=-3, seed=0), "num_examples must be an integer >= 1, got -3"),
     (dict(num_examples=2.5, seed=0), "num_examples must be an integer >= 1, got 2.5"),
@@ -225,7 +248,8 @@ def test_load_refuses_malformed_states(state, match):
     (dict(num_examples=4, seed=-1), "seed must be an integer >= 0, got -1"),
     (dict(num_examples=4, seed="a"), "seed must be an integer >= 0, got 'a'"),
     (dict(num_examples=4, seed=0, shuffle=1), "shuffle must be True or False, got 1"),
-])
+  ],
+)
 def test_constructor_refuses_bad_arguments(kwargs, match):
   with pytest.raises(ValueError, match=match):
     EpochSampler(**kwargs)
@@ -234,10 +258,12 @@ def test_constructor_refuses_bad_arguments(kwargs, match):
 @pytest.mark.parametrize("size", [0, -1, 11, 2.0, True, None, "3"])
 def test_batch_size_must_be_an_int_in_range(size):
   sampler = EpochSampler(10, 0)
-  for method in (sampler.peek, sampler.take,
-                 lambda b: sampler.indices_at(0, b)):
-    with pytest.raises(ValueError, match=r"batch_size must be an int in \[1, "
-                       r"num_examples=10\], got " + repr(size).replace("(", r"\(")):
+  for method in (sampler.peek, sampler.take, lambda b: sampler.indices_at(0, b)):
+    with pytest.raises(
+      ValueError,
+      match=r"batch_size must be an int in \[1, "
+      r"num_examples=10\], got " + repr(size).replace("(", r"\("),
+    ):
       method(size)
   assert sampler.examples_seen == 0
 
@@ -253,18 +279,22 @@ def test_numpy_integers_are_accepted():
   sampler = EpochSampler(np.int64(10), np.int32(3))
   assert sampler.take(np.int64(4)).shape == (4,)
   assert sampler.indices_at(np.uint8(9), np.int16(2)).tolist() == (
-      sampler.indices_at(9, 2).tolist())
+    sampler.indices_at(9, 2).tolist()
+  )
   state = json.loads(json.dumps(sampler.state_dict()))
   assert state["num_examples"] == 10 and type(state["seed"]) is int
 
 
-@pytest.mark.parametrize("call,match", [
+@pytest.mark.parametrize(
+  "call,match",
+  [
     (lambda s: s.indices_at(-1, 2), "examples_seen must be an integer >= 0, got -1"),
     (lambda s: s.indices_at(1.5, 2), "examples_seen must be an integer"),
     (lambda s: s.indices_at(True, 2), "examples_seen must be an integer"),
     (lambda s: s.permutation(-2), "epoch must be an integer >= 0, got -2"),
     (lambda s: s.permutation(1.0), "epoch must be an integer >= 0, got 1.0"),
-])
+  ],
+)
 def test_positions_must_be_non_negative_ints(call, match):
   with pytest.raises(ValueError, match=match):
     call(EpochSampler(10, 0))
@@ -273,6 +303,7 @@ def test_positions_must_be_non_negative_ints(call, match):
 def test_imagenet_sized_epochs_are_fast():
   """A step costs O(batch), not O(data set), once an epoch's order exists."""
   import time  # pylint: disable=import-outside-toplevel
+
   sampler = EpochSampler(1_281_167, 0)
   sampler.take(1)
   start = time.perf_counter()

@@ -7,7 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import AxisType, NamedSharding
+from jax.sharding import AxisType
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import simigrad_jax
@@ -15,14 +16,14 @@ from benchmarks import hlo_collectives
 
 # Leaf shapes of every rank, and for the sharded test the spec of each on a 4 x 2 mesh.
 SHARDED_LEAVES = {
-    "replicated": ((128, 96), P()),
-    "fsdp": ((256, 64), P("data", None)),
-    "tensor_parallel": ((96, 256), P(None, "model")),
-    "fsdp_and_tp": ((256, 128), P("data", "model")),
-    "rows_over_both": ((128, 40), P(("data", "model"), None)),
-    "conv": ((3, 3, 16, 64), P(None, None, None, "model")),
-    "bias": ((64,), P("model")),
-    "scale": ((), P()),
+  "replicated": ((128, 96), P()),
+  "fsdp": ((256, 64), P("data", None)),
+  "tensor_parallel": ((96, 256), P(None, "model")),
+  "fsdp_and_tp": ((256, 128), P("data", "model")),
+  "rows_over_both": ((128, 40), P(("data", "model"), None)),
+  "conv": ((3, 3, 16, 64), P(None, None, None, "model")),
+  "bias": ((64,), P("model")),
+  "scale": ((), P()),
 }
 
 
@@ -30,17 +31,23 @@ def _halves(shapes, dtypes, seed):
   """Two half gradients with a shared signal (similar, not equal)."""
   rng = np.random.default_rng(seed)
   signal = {name: rng.normal(size=shape) for name, shape in shapes.items()}
-  return [{name: (signal[name] + 0.8 * rng.normal(size=shape)).astype(dtypes.get(name, np.float32))
-           for name, shape in shapes.items()} for _ in range(2)]
+  return [
+    {
+      name: (signal[name] + 0.8 * rng.normal(size=shape)).astype(dtypes.get(name, np.float32))
+      for name, shape in shapes.items()
+    }
+    for _ in range(2)
+  ]
 
 
 def _reference(first, second, share):
   """float64 ``(M, cos, |g_A|, |g_B|)``, a half with no example counted as zero."""
   flat = lambda t: np.concatenate([np.asarray(x, np.float64).ravel() for x in jax.tree.leaves(t)])
   g_a, g_b = flat(first) * (share > 0), flat(second) * (share < 1)
-  mean = {k: share * np.asarray(first[k], np.float64) + (1 - share) * np.asarray(second[k],
-                                                                                 np.float64)
-          for k in first}
+  mean = {
+    k: share * np.asarray(first[k], np.float64) + (1 - share) * np.asarray(second[k], np.float64)
+    for k in first
+  }
   norm_a, norm_b = np.linalg.norm(g_a), np.linalg.norm(g_b)
   cos = g_a @ g_b / (norm_a * norm_b) if norm_a and norm_b else None
   return mean, cos, norm_a, norm_b
@@ -48,9 +55,13 @@ def _reference(first, second, share):
 
 def _update(first, second, share):
   tx = simigrad_jax.transform()
-  mean = jax.tree.map(lambda a, b: (share * a.astype(jnp.float32)
-                                    + (1 - share) * b.astype(jnp.float32)).astype(a.dtype),
-                      first, second)
+  mean = jax.tree.map(
+    lambda a, b: (share * a.astype(jnp.float32) + (1 - share) * b.astype(jnp.float32)).astype(
+      a.dtype
+    ),
+    first,
+    second,
+  )
   halves = simigrad_jax.HalfGrads(first, second, None if share == 0.5 else share)
   return tx.update(mean, tx.init(mean), half_grads=halves)
 
@@ -118,20 +129,29 @@ def test_an_axis_name_in_a_plain_jit_step_names_the_fix():
     grads = jax.grad(lambda w: jnp.mean((x @ w) ** 2))(w)
     return opt.update(grads, state, w)
 
-  with pytest.raises(ValueError, match=r"transform\('batch'\) runs outside a step mapped .*"
-                     r"unbound axis name: batch.*simigrad_jax.transform\(\) without an axis name"):
+  with pytest.raises(
+    ValueError,
+    match=r"transform\('batch'\) runs outside a step mapped .*"
+    r"unbound axis name: batch.*simigrad_jax.transform\(\) without an axis name",
+  ):
     step(w, opt.init(w), jnp.ones((4, 3)))
 
 
 def test_a_loss_with_aux_needs_has_aux_and_the_error_says_so():
   x = jnp.ones((4, 3))
   with_aux = lambda w, x: (jnp.mean((x @ w) ** 2), {"rows": x.shape[0]})
-  with pytest.raises(ValueError, match=r"tuple of 2 values.*value_and_half_grads\(loss_fn, "
-                     r"has_aux=True\)"):
+  with pytest.raises(
+    ValueError,
+    match=r"tuple of 2 values.*value_and_half_grads\(loss_fn, "
+    r"has_aux=True\)",
+  ):
     simigrad_jax.value_and_half_grads(with_aux)(jnp.zeros(3), x)
   without_aux = lambda w, x: jnp.mean((x @ w) ** 2)
-  with pytest.raises(ValueError, match=r"has_aux=True\) expects loss_fn to return \(loss, aux\), "
-                     r"got an array of shape \(\)"):
+  with pytest.raises(
+    ValueError,
+    match=r"has_aux=True\) expects loss_fn to return \(loss, aux\), "
+    r"got an array of shape \(\)",
+  ):
     simigrad_jax.value_and_half_grads(without_aux, has_aux=True)(jnp.zeros(3), x)
   (value, aux), _, _ = simigrad_jax.value_and_half_grads(with_aux, has_aux=True)(jnp.zeros(3), x)
   assert aux["rows"].tolist() == [2, 2] and value == 0

@@ -63,14 +63,24 @@ def loss_fn(params, model_state, batch, weights, rng_key):
   return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]), model_state
 
 
-optimizer = optax.chain(simigrad_jax.transform("batch"), optax.sgd(1e-4, momentum=0.9),
-                        simigrad_jax.scale_by_lr_factor())
+optimizer = optax.chain(
+  simigrad_jax.transform("batch"), optax.sgd(1e-4, momentum=0.9), simigrad_jax.scale_by_lr_factor()
+)
 controller = simigrad_jax.Controller(24, 0.45, batch_size_lower_bound=8, batch_size_upper_bound=128)
 trainer = simigrad_jax.Trainer(
-    loss_fn=loss_fn, params=params, optimizer=optimizer,
-    source=simigrad_jax.ArraySource({"x": x, "y": y}), controller=controller, workdir=args.workdir,
-    max_micro_batch_size=4, seed=0, checkpoint_every_steps=500, max_checkpoints=2, progress=False,
-    tensorboard=True)
+  loss_fn=loss_fn,
+  params=params,
+  optimizer=optimizer,
+  source=simigrad_jax.ArraySource({"x": x, "y": y}),
+  controller=controller,
+  workdir=args.workdir,
+  max_micro_batch_size=4,
+  seed=0,
+  checkpoint_every_steps=500,
+  max_checkpoints=2,
+  progress=False,
+  tensorboard=True,
+)
 
 samples = []  # (step, rss, hwm, live objects)
 sizes = []
@@ -84,8 +94,15 @@ def sampling_step(dispatched):
   if step >= args.warmup and (step - args.warmup) % args.sample_every == 0 or step == args.steps:
     gc.collect()
     rss, hwm = memory_mb()
-    samples.append({"step": step, "rss_mb": rss, "hwm_mb": hwm, "objects": len(gc.get_objects()),
-                    "compiles": trainer.compile_stats()["compiles"]})
+    samples.append(
+      {
+        "step": step,
+        "rss_mb": rss,
+        "hwm_mb": hwm,
+        "objects": len(gc.get_objects()),
+        "compiles": trainer.compile_stats()["compiles"],
+      }
+    )
   return record
 
 
@@ -96,10 +113,18 @@ with trainer:
 seconds = time.perf_counter() - start
 changes = sum(a != b for a, b in zip(sizes, sizes[1:]))
 metrics_lines = sum(1 for _ in open(os.path.join(args.workdir, "metrics.jsonl"), encoding="utf-8"))
-print(json.dumps({
-    "steps": summary["steps"], "seconds": seconds, "samples": samples,
-    "distinct_batch_sizes": len(set(sizes)), "batch_size_changes": changes,
-    "compiled_micro_batch_sizes": summary["compiled_micro_batch_sizes"],
-    "compiles": summary["compiles"], "metrics_lines": metrics_lines,
-    "sampler_cached_epochs": len(trainer.sampler._cache),
-}))
+print(
+  json.dumps(
+    {
+      "steps": summary["steps"],
+      "seconds": seconds,
+      "samples": samples,
+      "distinct_batch_sizes": len(set(sizes)),
+      "batch_size_changes": changes,
+      "compiled_micro_batch_sizes": summary["compiled_micro_batch_sizes"],
+      "compiles": summary["compiles"],
+      "metrics_lines": metrics_lines,
+      "sampler_cached_epochs": len(trainer.sampler._cache),
+    }
+  )
+)

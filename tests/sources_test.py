@@ -9,20 +9,20 @@ import pytest
 import tensorflow_datasets as tfds
 
 from simigrad_jax.data import sources as sources_lib
-from simigrad_jax.engine.batch_plan import BucketPolicy
-from simigrad_jax.engine.batch_plan import plan_batch
 from simigrad_jax.data.sampler import EpochSampler
 from simigrad_jax.data.sources import ArraySource
 from simigrad_jax.data.sources import TfdsSource
 from simigrad_jax.data.sources import load_source
+from simigrad_jax.engine.batch_plan import BucketPolicy
+from simigrad_jax.engine.batch_plan import plan_batch
 
 
 def make_arrays(n=6):
   return {
-      "x": np.arange(n * 6, dtype=np.float32).reshape(n, 2, 3) + 1,
-      "y": np.arange(n, dtype=np.int8) + 1,
-      "flag": np.ones(n, dtype=bool),
-      "name": np.array([f"ex{i}" for i in range(n)]),
+    "x": np.arange(n * 6, dtype=np.float32).reshape(n, 2, 3) + 1,
+    "y": np.arange(n, dtype=np.int8) + 1,
+    "flag": np.ones(n, dtype=bool),
+    "name": np.array([f"ex{i}" for i in range(n)]),
   }
 
 
@@ -34,8 +34,11 @@ def test_array_source_basics():
   source = ArraySource(arrays)
   assert len(source) == 6
   assert source.element_spec == {
-      "x": ((2, 3), np.dtype(np.float32)), "y": ((), np.dtype(np.int8)),
-      "flag": ((), np.dtype(bool)), "name": ((), np.dtype("<U3"))}
+    "x": ((2, 3), np.dtype(np.float32)),
+    "y": ((), np.dtype(np.int8)),
+    "flag": ((), np.dtype(bool)),
+    "name": ((), np.dtype("<U3")),
+  }
   indices = np.array([5, 0, 3, 3])
   batch = source.get_batch(indices)
   assert list(batch) == ["x", "y", "flag", "name"]
@@ -83,26 +86,32 @@ def test_array_source_returns_new_arrays():
   np.testing.assert_array_equal(source.get_batch(np.array([0]))["x"], arrays["x"][:1])
 
 
-@pytest.mark.parametrize("arrays,match", [
+@pytest.mark.parametrize(
+  "arrays,match",
+  [
     ({}, "non-empty mapping"),
     ([np.zeros(3)], "non-empty mapping"),
     ({"x": np.zeros((3, 2)), "y": np.zeros(4)}, r"equal lengths, got \{'x': 3, 'y': 4\}"),
     ({"x": np.zeros((0, 2))}, r"at least 1 example, got \{'x': 0\}"),
     ({"x": np.zeros(3), "s": np.float32(1.0)}, "array 's' must have a leading example axis"),
     ({1: np.zeros(3)}, "array names must be strings, got 1"),
-])
+  ],
+)
 def test_array_source_refuses_bad_arrays(arrays, match):
   with pytest.raises(ValueError, match=match):
     ArraySource(arrays)
 
 
-@pytest.mark.parametrize("indices,error,match", [
+@pytest.mark.parametrize(
+  "indices,error,match",
+  [
     ([6], IndexError, r"\[0, 6\) or -1 for padding, got \[6\]"),
     ([0, -2, 1], IndexError, r"got \[-2\]"),
     ([[0, 100], [-5, 1]], IndexError, r"got \[100, -5\]"),
     (np.array([0.0, 1.0]), ValueError, "integers .* got dtype float64"),
     (np.array([True, False]), ValueError, "got dtype bool"),
-])
+  ],
+)
 def test_array_source_refuses_bad_indices(indices, error, match):
   source = ArraySource(make_arrays())
   with pytest.raises(error, match=match):
@@ -128,10 +137,11 @@ def test_sampler_and_array_source_serve_each_example_once_per_epoch():
     assert (batch[weights == 0] == 0).all() and (batch[weights == 1] >= 1000).all()
     served.append(np.sort(batch[weights == 1]) - 1000)
     np.testing.assert_array_equal(served[-1], np.sort(indices))
-  stream = np.concatenate([sampler.indices_at(0, n)] + [
-      sampler.indices_at(k * n, n) for k in range(1, sampler.epoch)])
+  stream = np.concatenate(
+    [sampler.indices_at(0, n)] + [sampler.indices_at(k * n, n) for k in range(1, sampler.epoch)]
+  )
   for e in range(sampler.epoch):
-    np.testing.assert_array_equal(np.sort(stream[e * n:(e + 1) * n]), np.arange(n))
+    np.testing.assert_array_equal(np.sort(stream[e * n : (e + 1) * n]), np.arange(n))
 
 
 # ------------------------------------------------------- TfdsSource (mocked)
@@ -144,7 +154,9 @@ def test_tfds_mnist_under_mock_data():
   assert len(source) == 10
   assert source.features == ("image", "label")
   assert source.element_spec == {
-      "image": ((28, 28, 1), np.dtype(np.uint8)), "label": ((), np.dtype(np.int64))}
+    "image": ((28, 28, 1), np.dtype(np.uint8)),
+    "label": ((), np.dtype(np.int64)),
+  }
   indices = np.array([3, -1, 0, 9])
   batch = source.get_batch(indices)
   assert batch["image"].shape == (4, 28, 28, 1) and batch["image"].dtype == np.uint8
@@ -167,7 +179,9 @@ def test_tfds_cifar10_under_mock_data():
     everything = TfdsSource("cifar10", "test", download=False)
   assert len(source) == 6
   assert source.element_spec == {
-      "image": ((32, 32, 3), np.dtype(np.uint8)), "label": ((), np.dtype(np.int64))}
+    "image": ((32, 32, 3), np.dtype(np.uint8)),
+    "label": ((), np.dtype(np.int64)),
+  }
   batch = source.get_batch(np.array([-1, 5, 2]))
   assert batch["image"].shape == (3, 32, 32, 3) and batch["label"].shape == (3,)
   assert not batch["image"][0].any() and batch["image"][1:].any()
@@ -177,8 +191,7 @@ def test_tfds_cifar10_under_mock_data():
   assert everything.element_spec["id"] == ((), np.dtype(object))
   ids = everything.get_batch(np.array([0, -1]))["id"]
   assert isinstance(ids[0], str) and ids[0] and ids[1] == ""
-  np.testing.assert_array_equal(
-      everything.get_batch(np.array([5, 2]))["image"], batch["image"][1:])
+  np.testing.assert_array_equal(everything.get_batch(np.array([5, 2]))["image"], batch["image"][1:])
 
 
 def test_tfds_source_checks_the_range_the_mock_does_not():
@@ -209,9 +222,13 @@ def test_tfds_mock_facts_getitems_fails_and_we_fall_back():
   assert source._batched_reads is False  # pylint: disable=protected-access
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    (dict(name="mnist", split="train", features=["image", "pixels"]),
-     r"features \['pixels'\] are not in TFDS 'mnist'; available: \['image', 'label'\]"),
+@pytest.mark.parametrize(
+  "kwargs,match",
+  [
+    (
+      dict(name="mnist", split="train", features=["image", "pixels"]),
+      r"features \['pixels'\] are not in TFDS 'mnist'; available: \['image', 'label'\]",
+    ),
     (dict(name="mnist", split="train", features="image"), "features must be None or"),
     (dict(name="mnist", split="train", features=[]), "features must be None or"),
     (dict(name="mnist", split="train", features=3), "features must be None or"),
@@ -219,7 +236,8 @@ def test_tfds_mock_facts_getitems_fails_and_we_fall_back():
     (dict(name="mnist", split="train", download="no"), "download must be True or False"),
     (dict(name="", split="train"), "name must be a non-empty string"),
     (dict(name="mnist", split=None), "split must be a non-empty string, got None"),
-])
+  ],
+)
 def test_tfds_source_refuses_bad_arguments(kwargs, match):
   with tfds.testing.mock_data(num_examples=3):
     with pytest.raises(ValueError, match=match):
@@ -232,8 +250,9 @@ def test_load_source():
   assert isinstance(source, TfdsSource) and len(source) == 3
   assert source.element_spec == {"label": ((), np.dtype(np.int64))}
   with tfds.testing.mock_data(num_examples=3):
-    generated = TfdsSource("mnist", "train", download=False,
-                           features=(f for f in ["label", "image"]))
+    generated = TfdsSource(
+      "mnist", "train", download=False, features=(f for f in ["label", "image"])
+    )
   assert generated.features == ("label", "image")
   arrays = load_source({"x": np.zeros((4, 2))})
   assert isinstance(arrays, ArraySource) and len(arrays) == 4
@@ -255,12 +274,17 @@ class SimigradTinyRecords(tfds.core.GeneratorBasedBuilder, skip_registration=Tru
   VERSION = tfds.core.Version("1.0.0")
 
   def _info(self):
-    return tfds.core.DatasetInfo(builder=self, features=tfds.features.FeaturesDict({
-        "image": tfds.features.Tensor(shape=(4, 4, 3), dtype=np.uint8),
-        "label": tfds.features.ClassLabel(num_classes=10),
-        "name": tfds.features.Text(),
-        "ragged": tfds.features.Tensor(shape=(None,), dtype=np.int32),
-    }))
+    return tfds.core.DatasetInfo(
+      builder=self,
+      features=tfds.features.FeaturesDict(
+        {
+          "image": tfds.features.Tensor(shape=(4, 4, 3), dtype=np.uint8),
+          "label": tfds.features.ClassLabel(num_classes=10),
+          "name": tfds.features.Text(),
+          "ragged": tfds.features.Tensor(shape=(None,), dtype=np.int32),
+        }
+      ),
+    )
 
   def _split_generators(self, dl_manager):
     del dl_manager
@@ -268,8 +292,15 @@ class SimigradTinyRecords(tfds.core.GeneratorBasedBuilder, skip_registration=Tru
 
   def _generate_examples(self, n):
     for i in range(n):
-      yield i, {"image": np.full((4, 4, 3), i + 1, np.uint8), "label": i % 10,
-                "name": f"r{i}", "ragged": np.arange(i % 3 + 1, dtype=np.int32)}
+      yield (
+        i,
+        {
+          "image": np.full((4, 4, 3), i + 1, np.uint8),
+          "label": i % 10,
+          "name": f"r{i}",
+          "ragged": np.arange(i % 3 + 1, dtype=np.int32),
+        },
+      )
 
 
 @pytest.fixture(scope="module")
@@ -280,12 +311,19 @@ def tiny_data_dir(tmp_path_factory):
 
 
 def test_tfds_source_reads_real_array_record_files(tiny_data_dir):
-  source = TfdsSource("simigrad_tiny_records", "train", data_dir=tiny_data_dir,
-                      download=False, features=["image", "label", "name"])
+  source = TfdsSource(
+    "simigrad_tiny_records",
+    "train",
+    data_dir=tiny_data_dir,
+    download=False,
+    features=["image", "label", "name"],
+  )
   assert len(source) == 12
   assert source.element_spec == {
-      "image": ((4, 4, 3), np.dtype(np.uint8)), "label": ((), np.dtype(np.int64)),
-      "name": ((), np.dtype(object))}
+    "image": ((4, 4, 3), np.dtype(np.uint8)),
+    "label": ((), np.dtype(np.int64)),
+    "name": ((), np.dtype(object)),
+  }
   batch = source.get_batch(np.arange(-1, 12))
   assert source._batched_reads is True  # pylint: disable=protected-access
   names, images, labels = batch["name"][1:], batch["image"][1:], batch["label"][1:]
@@ -296,28 +334,40 @@ def test_tfds_source_reads_real_array_record_files(tiny_data_dir):
     i = int(name.decode()[1:])
     assert (image == i + 1).all() and label == i % 10
   assert batch["name"][0] == b"" and not batch["image"][0].any()
-  assert len(TfdsSource("simigrad_tiny_records", "test", data_dir=tiny_data_dir,
-                        download=False)) == 5
-  head = TfdsSource("simigrad_tiny_records", "train[:4]", data_dir=tiny_data_dir,
-                    download=False, features=["name"])
+  assert (
+    len(TfdsSource("simigrad_tiny_records", "test", data_dir=tiny_data_dir, download=False)) == 5
+  )
+  head = TfdsSource(
+    "simigrad_tiny_records", "train[:4]", data_dir=tiny_data_dir, download=False, features=["name"]
+  )
   assert len(head) == 4  # real data honours split slices
   np.testing.assert_array_equal(head.get_batch(np.arange(4))["name"], names[:4])
 
 
 def test_tfds_source_refuses_variable_shapes(tiny_data_dir):
-  source = TfdsSource("simigrad_tiny_records", "train", data_dir=tiny_data_dir,
-                      download=False, features=["ragged", "label"])
+  source = TfdsSource(
+    "simigrad_tiny_records",
+    "train",
+    data_dir=tiny_data_dir,
+    download=False,
+    features=["ragged", "label"],
+  )
   first = source.element_spec["ragged"][0]
-  with pytest.raises(ValueError, match=r"feature 'ragged' of record \d+ has shape "
-                     r"\(\d,\), but record 0 has " + re.escape(str(first)) +
-                     "; .*fixed-shape"):
+  with pytest.raises(
+    ValueError,
+    match=r"feature 'ragged' of record \d+ has shape "
+    r"\(\d,\), but record 0 has " + re.escape(str(first)) + "; .*fixed-shape",
+  ):
     source.get_batch(np.arange(12))
 
 
 def test_tfds_source_without_data_fails_fast(tmp_path):
   start = time.perf_counter()
-  with pytest.raises(RuntimeError, match="TFDS could not open 'mnist' split 'train' "
-                     f"in data_dir '{tmp_path}' for random access .download=False."):
+  with pytest.raises(
+    RuntimeError,
+    match="TFDS could not open 'mnist' split 'train' "
+    f"in data_dir '{tmp_path}' for random access .download=False.",
+  ):
     TfdsSource("mnist", "train", data_dir=str(tmp_path), download=False)
   assert time.perf_counter() - start < 10
 

@@ -13,7 +13,6 @@ import simigrad_jax
 
 
 class TinyMLP(nn.Module):
-
   @nn.compact
   def __call__(self, x):
     return nn.Dense(3)(nn.tanh(nn.Dense(8)(x)))
@@ -28,20 +27,31 @@ def mlp_loss(params, model_state, batch, weights, rng):
 def trainer_objects(workdir) -> dict[str, Any]:
   """Everything a Trainer takes but its settings."""
   rng = np.random.default_rng(0)
-  data = {"x": rng.normal(size=(120, 5)).astype(np.float32),
-          "y": rng.integers(0, 3, size=120).astype(np.int32)}
+  data = {
+    "x": rng.normal(size=(120, 5)).astype(np.float32),
+    "y": rng.integers(0, 3, size=120).astype(np.int32),
+  }
   return dict(
-      loss_fn=mlp_loss, params=TinyMLP().init(jax.random.key(0), data["x"][:1])["params"],
-      optimizer=optax.chain(simigrad_jax.transform("batch"), optax.sgd(0.1),
-                            simigrad_jax.scale_by_lr_factor()),
-      source=simigrad_jax.ArraySource(data),
-      controller=simigrad_jax.Controller(20, 0.5, batch_size_lower_bound=8,
-                                         batch_size_upper_bound=64),
-      workdir=workdir)
+    loss_fn=mlp_loss,
+    params=TinyMLP().init(jax.random.key(0), data["x"][:1])["params"],
+    optimizer=optax.chain(
+      simigrad_jax.transform("batch"), optax.sgd(0.1), simigrad_jax.scale_by_lr_factor()
+    ),
+    source=simigrad_jax.ArraySource(data),
+    controller=simigrad_jax.Controller(
+      20, 0.5, batch_size_lower_bound=8, batch_size_upper_bound=64
+    ),
+    workdir=workdir,
+  )
 
 
 def make_trainer(workdir, **settings: Any) -> simigrad_jax.Trainer:
   """A quiet Trainer of the tiny run (no progress bar, no TensorBoard; ``settings`` on top)."""
-  settings = {"max_micro_batch_size": 4, "seed": 3, "progress": False, "tensorboard": False,
-              **settings}
+  settings = {
+    "max_micro_batch_size": 4,
+    "seed": 3,
+    "progress": False,
+    "tensorboard": False,
+    **settings,
+  }
   return simigrad_jax.Trainer(**trainer_objects(workdir), **settings)

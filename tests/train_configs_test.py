@@ -19,27 +19,45 @@ import simigrad_jax
 from train import train
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-CONFIGS = sorted(p.stem for p in (ROOT / "train" / "configs").glob("*.py")
-                 if p.stem not in ("__init__", "default"))
+CONFIGS = sorted(
+  p.stem for p in (ROOT / "train" / "configs").glob("*.py") if p.stem not in ("__init__", "default")
+)
 
 # In-process runs: no persistent compilation cache, whose settings are process-wide.
-COMMON = dict(num_steps=2, mode="pad", initial_batch_size=16, batch_size_lower_bound=8,
-              batch_size_upper_bound=32, max_micro_batch_size=4, eval_examples=12,
-              eval_batch_size=8, progress=False, tensorboard=False, plot=False,
-              compilation_cache=False)
+COMMON = dict(
+  num_steps=2,
+  mode="pad",
+  initial_batch_size=16,
+  batch_size_lower_bound=8,
+  batch_size_upper_bound=32,
+  max_micro_batch_size=4,
+  eval_examples=12,
+  eval_batch_size=8,
+  progress=False,
+  tensorboard=False,
+  plot=False,
+  compilation_cache=False,
+)
 # Per config: the same recipe and building blocks at a size that compiles in seconds on a
 # CPU (ResNets keep their block type and stem, with two one-block stages).
 # The TFDS image sets decode in one grain worker process (the TFDS MNIST ones in this one).
 TINY = {
-    "cifar10_resnet18": dict(resnet_filters=4, resnet_stage_sizes=(1, 1), num_workers=1),
-    "imagenet_resnet50": dict(resnet_filters=2, resnet_stage_sizes=(1, 1), num_workers=1,
-                              host_image_size=40, image_size=32, decode_threads=2),
-    "bert_pretrain": dict(bert_layers=1, bert_hidden=16, bert_heads=2, bert_mlp=32,
-                          seq_length=32, records_per_example=2),
-    "bert_tiny": dict(bert_layers=1, bert_hidden=16, bert_heads=2, bert_mlp=32, seq_length=32),
-    "mnist_mlp": dict(mnist_source="tfds", mlp_hidden=(16,), num_workers=0),
-    "mnist_cnn": dict(mnist_source="tfds", cnn_features=(4, 8), cnn_dense=16, num_workers=0),
-    "digits_demo": dict(cnn_features=(4, 8), cnn_dense=16),
+  "cifar10_resnet18": dict(resnet_filters=4, resnet_stage_sizes=(1, 1), num_workers=1),
+  "imagenet_resnet50": dict(
+    resnet_filters=2,
+    resnet_stage_sizes=(1, 1),
+    num_workers=1,
+    host_image_size=40,
+    image_size=32,
+    decode_threads=2,
+  ),
+  "bert_pretrain": dict(
+    bert_layers=1, bert_hidden=16, bert_heads=2, bert_mlp=32, seq_length=32, records_per_example=2
+  ),
+  "bert_tiny": dict(bert_layers=1, bert_hidden=16, bert_heads=2, bert_mlp=32, seq_length=32),
+  "mnist_mlp": dict(mnist_source="tfds", mlp_hidden=(16,), num_workers=0),
+  "mnist_cnn": dict(mnist_source="tfds", cnn_features=(4, 8), cnn_dense=16, num_workers=0),
+  "digits_demo": dict(cnn_features=(4, 8), cnn_dense=16),
 }
 
 
@@ -56,8 +74,15 @@ def tiny_config(name, **extra):
 
 
 def test_every_config_has_a_tiny_setting_and_documents_its_hardware_and_runtime():
-  assert set(CONFIGS) >= {"digits_demo", "mnist_mlp", "mnist_cnn", "cifar10_resnet18",
-                          "imagenet_resnet50", "bert_pretrain", "bert_tiny"}
+  assert set(CONFIGS) >= {
+    "digits_demo",
+    "mnist_mlp",
+    "mnist_cnn",
+    "cifar10_resnet18",
+    "imagenet_resnet50",
+    "bert_pretrain",
+    "bert_tiny",
+  }
   assert set(TINY) == set(CONFIGS)
   for name in CONFIGS:
     doc = importlib.import_module(f"train.configs.{name}").__doc__
@@ -110,8 +135,11 @@ def test_unknown_controller_and_bad_values_are_refused(devices):
     train.create_experiment(tiny_config("digits_demo", optimizer="adam"), devices=devices)
   with pytest.raises(ValueError, match="config.platform='gpu' is not valid"):
     train.create_experiment(tiny_config("digits_demo", platform="gpu"), devices=None)
-  with pytest.raises(ValueError, match=r"config.halves='device' compares the even devices with "
-                     r"the odd ones, which needs an even number of devices, got 3"):
+  with pytest.raises(
+    ValueError,
+    match=r"config.halves='device' compares the even devices with "
+    r"the odd ones, which needs an even number of devices, got 3",
+  ):
     train.create_experiment(tiny_config("digits_demo", halves="device"), devices=devices[:3])
   with pytest.raises(ValueError, match=r"config.halves='sideways' is not valid"):
     train.create_experiment(tiny_config("digits_demo", halves="sideways"), devices=devices)
@@ -193,22 +221,27 @@ def test_the_compilation_cache_is_in_the_workdir_unless_the_config_says_otherwis
 
 def test_every_option_of_the_default_config_is_in_the_docs_table():
   import re  # pylint: disable=import-outside-toplevel
+
   page = (ROOT / "docs" / "training_scripts.md").read_text()
-  table = page[page.index("## Every config option"):page.index("## Files a run leaves")]
+  table = page[page.index("## Every config option") : page.index("## Files a run leaves")]
   documented = set(re.findall(r"`(\w+)`", table))
   assert not set(load_config("default").keys()) - documented
 
 
 def test_a_resume_with_another_learning_rate_is_refused_unless_the_config_allows_it(
-    tmp_path, devices):
+  tmp_path, devices
+):
   """The options that decide a run are recorded in its checkpoints (train/run_settings.py);
   how long it runs and what it shows are not."""
-  with train.create_trainer(train.create_experiment(tiny_config("digits_demo"), devices=devices),
-                            tmp_path) as trainer:
+  with train.create_trainer(
+    train.create_experiment(tiny_config("digits_demo"), devices=devices), tmp_path
+  ) as trainer:
     trainer.train(num_steps=2)
   changed = tiny_config("digits_demo", learning_rate=0.2, num_steps=3, verbose=True)
-  with pytest.raises(simigrad_jax.CheckpointMismatchError,
-                     match=r"\n  - settings.learning_rate: 0.1 there, 0.2 here\n"):
+  with pytest.raises(
+    simigrad_jax.CheckpointMismatchError,
+    match=r"\n  - settings.learning_rate: 0.1 there, 0.2 here\n",
+  ):
     train.create_trainer(train.create_experiment(changed, devices=devices), tmp_path)
   changed.allow_changed_settings = True
   with train.create_trainer(train.create_experiment(changed, devices=devices), tmp_path) as trainer:
@@ -222,8 +255,13 @@ def test_how_often_and_where_a_run_saves_does_not_decide_the_run():
   """A resume may change the checkpoint interval or the shared-workdir check: not recorded as settings."""
   from train import run_settings  # pylint: disable=import-outside-toplevel
   from train.configs import default  # pylint: disable=import-outside-toplevel
+
   settings = run_settings.run_settings(default.get_config())
-  for name in ("checkpoint_every_seconds", "checkpoint_every_steps", "allow_shared_workdir",
-               "allow_changed_settings"):
+  for name in (
+    "checkpoint_every_seconds",
+    "checkpoint_every_steps",
+    "allow_shared_workdir",
+    "allow_changed_settings",
+  ):
     assert name not in settings
   assert "learning_rate" in settings

@@ -24,8 +24,11 @@ def test_digits_demo_reaches_its_accuracy_and_writes_its_files(tmp_path, capsys)
   steps = [r for r in records if "batch_size" in r]
   evals = [r for r in records if "eval_accuracy" in r]
   assert all(STEP_KEYS <= set(r) for r in steps)
-  assert [r["step"] for r in steps] == list(range(1, len(steps) + 1)) == list(
-      range(1, summary["steps"] + 1))
+  assert (
+    [r["step"] for r in steps]
+    == list(range(1, len(steps) + 1))
+    == list(range(1, summary["steps"] + 1))
+  )
   assert sum(r["batch_size"] for r in steps) == summary["examples_seen"] == 15 * 1500
   assert [r["epoch"] for r in evals] == list(range(15))
   sizes = [r["batch_size"] for r in steps]
@@ -43,7 +46,15 @@ def test_digits_demo_reaches_its_accuracy_and_writes_its_files(tmp_path, capsys)
   assert len(epoch_lines) == 15 and epoch_lines[-1].startswith("epoch 15/15  test accuracy ")
   assert all("batch size" in line and "similarity" in line for line in epoch_lines)
   assert f"compilation cache: {tmp_path / 'compilation_cache'}" in out
-  for row in ("final test accuracy", "average batch size", "final batch size",
-              "optimizer steps", "examples seen", "compiles", "runtime",
-              str(tmp_path / "metrics.jsonl"), str(tmp_path / "metrics.png")):
+  for row in (
+    "final test accuracy",
+    "average batch size",
+    "final batch size",
+    "optimizer steps",
+    "examples seen",
+    "compiles",
+    "runtime",
+    str(tmp_path / "metrics.jsonl"),
+    str(tmp_path / "metrics.png"),
+  ):
     assert row in out, row

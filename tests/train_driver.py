@@ -100,8 +100,12 @@ os.environ.update(simulated_cpu_devices_env(args.devices // args.num_processes))
 import jax  # noqa: E402
 
 if args.num_processes > 1:
-  jax.distributed.initialize(args.coordinator, num_processes=args.num_processes,
-                             process_id=args.process_id, initialization_timeout=60)
+  jax.distributed.initialize(
+    args.coordinator,
+    num_processes=args.num_processes,
+    process_id=args.process_id,
+    initialization_timeout=60,
+  )
 
 import flax.linen as nn  # noqa: E402
 import numpy as np  # noqa: E402
@@ -115,7 +119,6 @@ if args.compile_cache:  # before the model's first eager ops, so that they come 
 
 
 class MLP(nn.Module):
-
   @nn.compact
   def __call__(self, x):
     return nn.Dense(4)(nn.tanh(nn.Dense(16)(x)))
@@ -163,8 +166,14 @@ def exit_if_lost(kind, error, tb):
   """A ProcessLostError ends the process at once, as in ``python -m train``."""
   if isinstance(error, simigrad_jax.ProcessLostError):
     try:
-      trace({"event": "lost", "time": time.time(), "processes": list(error.processes),
-             "message": str(error)})
+      trace(
+        {
+          "event": "lost",
+          "time": time.time(),
+          "processes": list(error.processes),
+          "message": str(error),
+        }
+      )
     finally:
       simigrad_jax.exit_on_lost_process(error)
   sys.__excepthook__(kind, error, tb)
@@ -191,17 +200,20 @@ if args.kill_in_compile is not None:
 
         self._lower = slow_lower
         trace({"event": "compile_started", "size": job.size, "job": len(background_jobs)})
-        threading.Timer(0.02, die, args=("compile",),
-                        kwargs={"size": job.size, "job": len(background_jobs)}).start()
+        threading.Timer(
+          0.02, die, args=("compile",), kwargs={"size": job.size, "job": len(background_jobs)}
+        ).start()
     return original_run(self, job)
 
   compiler_module.StepCompiler._run = run_then_die
 
 params = MLP().init(jax.random.key(0), np.zeros((1, 8), np.float32))["params"]
-optimizer = optax.chain(simigrad_jax.transform("batch"), optax.sgd(0.2, momentum=0.9),
-                        simigrad_jax.scale_by_lr_factor())
-controller = simigrad_jax.Controller(48, args.similarity_target, batch_size_lower_bound=16,
-                                     batch_size_upper_bound=160)
+optimizer = optax.chain(
+  simigrad_jax.transform("batch"), optax.sgd(0.2, momentum=0.9), simigrad_jax.scale_by_lr_factor()
+)
+controller = simigrad_jax.Controller(
+  48, args.similarity_target, batch_size_lower_bound=16, batch_size_upper_bound=160
+)
 if args.disagree_at is not None and process == 1:
   original_update = controller.update
 
@@ -221,20 +233,37 @@ else:
   # Spawned worker processes re-run the main script unless it has no __file__; this script has
   # no `if __name__ == "__main__"` guard, so it hides its path from them.
   del sys.modules["__main__"].__file__
-  source = simigrad_jax.GrainSource(driver_records.Rows(synthetic_data()),
-                                    num_workers=args.grain_workers, buffer_size=16)
+  source = simigrad_jax.GrainSource(
+    driver_records.Rows(synthetic_data()), num_workers=args.grain_workers, buffer_size=16
+  )
 trainer = simigrad_jax.Trainer(
-    loss_fn=loss_fn, params=params, optimizer=optimizer,
-    source=source, controller=controller,
-    workdir=args.workdir, max_micro_batch_size=args.max_micro_batch_size, mode=args.mode, seed=1,
-    checkpoint_every_steps=args.checkpoint_every or None,
-    checkpoint_every_seconds=args.checkpoint_every_seconds, progress=False, tensorboard=False,
-    compilation_cache_dir=args.compile_cache, halves=args.halves,
-    compile_fallback=not args.no_compile_fallback,
-    agreement_timeout_seconds=args.agreement_timeout)
-trace({"event": "start", "pid": os.getpid(), "step": trainer.step,
-       "examples_seen": trainer.sampler.examples_seen,
-       "skipped_checkpoints": [s for s, _ in trainer._checkpoints.checkpointer.skipped]})
+  loss_fn=loss_fn,
+  params=params,
+  optimizer=optimizer,
+  source=source,
+  controller=controller,
+  workdir=args.workdir,
+  max_micro_batch_size=args.max_micro_batch_size,
+  mode=args.mode,
+  seed=1,
+  checkpoint_every_steps=args.checkpoint_every or None,
+  checkpoint_every_seconds=args.checkpoint_every_seconds,
+  progress=False,
+  tensorboard=False,
+  compilation_cache_dir=args.compile_cache,
+  halves=args.halves,
+  compile_fallback=not args.no_compile_fallback,
+  agreement_timeout_seconds=args.agreement_timeout,
+)
+trace(
+  {
+    "event": "start",
+    "pid": os.getpid(),
+    "step": trainer.step,
+    "examples_seen": trainer.sampler.examples_seen,
+    "skipped_checkpoints": [s for s, _ in trainer._checkpoints.checkpointer.skipped],
+  }
+)
 
 # --- hold every compile but the first step's shape until this process has finished step K.
 compiles_released = threading.Event()
@@ -258,10 +287,18 @@ def recording_take(plan, start, step):
   step_data, seconds = original_take(plan, start, step)
   rows = []
   for batch, weights in step_data.micro_batches:
-    index = np.concatenate([np.asarray(s.data) for s in
-                            sorted(batch["index"].addressable_shards, key=lambda s: s.index[0].start)])
-    weight = np.concatenate([np.asarray(s.data) for s in
-                             sorted(weights.addressable_shards, key=lambda s: s.index[0].start)])
+    index = np.concatenate(
+      [
+        np.asarray(s.data)
+        for s in sorted(batch["index"].addressable_shards, key=lambda s: s.index[0].start)
+      ]
+    )
+    weight = np.concatenate(
+      [
+        np.asarray(s.data)
+        for s in sorted(weights.addressable_shards, key=lambda s: s.index[0].start)
+      ]
+    )
     rows.append(index[weight > 0])
   placed.append(np.sort(np.concatenate(rows)).tolist())
   return step_data, seconds
@@ -273,10 +310,28 @@ original_decide = trainer._read_and_decide
 
 def decide_then_maybe_die(dispatched):
   record = original_decide(dispatched)
-  trace({"event": "step", **{k: getattr(record, k) for k in (
-      "step", "batch_size", "next_batch_size", "lr_factor", "next_lr_factor", "decision", "loss",
-      "similarity", "examples_seen", "micro_batch_size", "compile_fallback")},
-      "indices": placed.pop()})
+  trace(
+    {
+      "event": "step",
+      **{
+        k: getattr(record, k)
+        for k in (
+          "step",
+          "batch_size",
+          "next_batch_size",
+          "lr_factor",
+          "next_lr_factor",
+          "decision",
+          "loss",
+          "similarity",
+          "examples_seen",
+          "micro_batch_size",
+          "compile_fallback",
+        )
+      },
+      "indices": placed.pop(),
+    }
+  )
   if record.step == args.hold_compiles:
     compiles_released.set()
   if record.step == args.kill_at:  # the next step is not dispatched yet
@@ -296,8 +351,12 @@ if args.kill_in_save is not None:
     original_save(step, state, host)
     if step == args.kill_in_save:
       pending = [n for n in os.listdir(checkpointer.directory) if "tmp" in n]
-      die("save", step=step, tmp_dirs=pending, finished=os.path.isdir(
-          os.path.join(checkpointer.directory, str(step))))
+      die(
+        "save",
+        step=step,
+        tmp_dirs=pending,
+        finished=os.path.isdir(os.path.join(checkpointer.directory, str(step))),
+      )
 
   checkpointer.save = save_then_die
 
@@ -315,14 +374,28 @@ with trainer:
   try:
     summary = trainer.train(num_steps=args.steps)
   except simigrad_jax.Preempted as stop:
-    trace({"event": "preempted", "signal": stop.signal.name, "step": stop.step,
-           "checkpoint": stop.checkpoint, "saved": os.path.isdir(stop.checkpoint),
-           "time": time.time()})
+    trace(
+      {
+        "event": "preempted",
+        "signal": stop.signal.name,
+        "step": stop.step,
+        "checkpoint": stop.checkpoint,
+        "saved": os.path.isdir(stop.checkpoint),
+        "time": time.time(),
+      }
+    )
     print(stop)
     sys.exit(stop.exit_code)
   finally:
     compiles_released.set()
-  trace({"event": "end", "params": [np.asarray(leaf.addressable_data(0)).ravel().tolist()
-                                    for leaf in jax.tree.leaves(trainer.state["params"])]})
+  trace(
+    {
+      "event": "end",
+      "params": [
+        np.asarray(leaf.addressable_data(0)).ravel().tolist()
+        for leaf in jax.tree.leaves(trainer.state["params"])
+      ],
+    }
+  )
 if process == 0:
   print(json.dumps({k: v for k, v in summary.items() if not isinstance(v, list)}))

@@ -21,7 +21,8 @@ SHARED_DATA = pathlib.Path(__file__).resolve().parents[2] / "shared" / "data"
 def test_resized_image_source_serves_fixed_squares_of_any_size_images():
   with tfds.testing.mock_data(num_examples=6):
     source = simigrad_jax.GrainSource(
-        input_pipeline.ResizedImageSource("imagenet2012", "train", 16), num_threads=2)
+      input_pipeline.ResizedImageSource("imagenet2012", "train", 16), num_threads=2
+    )
     raw = tfds.data_source("imagenet2012", split="train", download=False)
     shapes = {raw[i]["image"].shape for i in range(6)}
     batch = source.get_batch(np.array([[0, 5], [-1, 2]]))
@@ -64,7 +65,7 @@ def test_tfds_text_source_packs_consecutive_records():
   assert len(source) == 3
   text = input_pipeline.decode_bytes(batch)
   assert text == expected[:64]
-  assert (batch[len(input_pipeline.encode_bytes(expected[:64])):] == input_pipeline.PAD_ID).all()
+  assert (batch[len(input_pipeline.encode_bytes(expected[:64])) :] == input_pipeline.PAD_ID).all()
 
 
 def test_default_text_falls_back_to_the_python_docs(tmp_path):
@@ -75,8 +76,7 @@ def test_default_text_falls_back_to_the_python_docs(tmp_path):
 def test_text_dataset_holds_out_the_tail(tmp_path):
   (tmp_path / "a.txt").write_text("abcdefgh" * 100)
   config = default.get_config()
-  config.update(dataset="text", text_files=str(tmp_path / "*.txt"), seq_length=8,
-                eval_fraction=0.1)
+  config.update(dataset="text", text_files=str(tmp_path / "*.txt"), seq_length=8, eval_fraction=0.1)
   data = input_pipeline.create_datasets(config)
   assert (len(data.train), len(data.eval)) == (90, 10)
   assert data.vocab_size == 258 and data.eval_name == "held-out"
@@ -101,8 +101,10 @@ def test_idx_reader_and_local_mnist_files(tmp_path):
   assert train["image"].shape == (2, 28, 28, 1) and train["image"][0].max() == 5
 
 
-@pytest.mark.skipif(input_pipeline.local_mnist_files(SHARED_DATA) is None,
-                    reason="the real MNIST files are not in ../shared/data")
+@pytest.mark.skipif(
+  input_pipeline.local_mnist_files(SHARED_DATA) is None,
+  reason="the real MNIST files are not in ../shared/data",
+)
 def test_real_mnist_from_the_shared_data_folder():
   config = default.get_config()
   config.update(dataset="mnist", mnist_source="local", local_data_dir=str(SHARED_DATA))
@@ -118,12 +120,12 @@ def test_crop_and_flip_moves_whole_images():
   assert out.shape == images.shape
   padded = np.pad(np.asarray(images), ((0, 0), (2, 2), (2, 2), (0, 0)))
   for i in range(2):  # each output is some window of the padded image, maybe mirrored
-    windows = [padded[i, y:y + 6, x:x + 6] for y in range(5) for x in range(5)]
+    windows = [padded[i, y : y + 6, x : x + 6] for y in range(5) for x in range(5)]
     windows += [w[:, ::-1] for w in windows]
     assert any(np.array_equal(np.asarray(out[i]), w) for w in windows)
   same = preprocess.random_crop_and_flip(jax.random.key(0), images, padding=0)
   for i in range(2):
-    assert (np.array_equal(same[i], images[i]) or np.array_equal(same[i], images[i, :, ::-1]))
+    assert np.array_equal(same[i], images[i]) or np.array_equal(same[i], images[i, :, ::-1])
 
 
 def test_inception_crop_and_center_crop_shapes():
@@ -137,8 +139,14 @@ def test_inception_crop_and_center_crop_shapes():
 def test_bert_masking_rates():
   tokens = jnp.full((64, 256), 50, jnp.int32).at[:, 200:].set(input_pipeline.PAD_ID)
   inputs, targets = preprocess.mask_tokens(
-      jax.random.key(0), tokens, mask_rate=0.15, mask_id=1, pad_id=0, first_regular_id=2,
-      vocab_size=258)
+    jax.random.key(0),
+    tokens,
+    mask_rate=0.15,
+    mask_id=1,
+    pad_id=0,
+    first_regular_id=2,
+    vocab_size=258,
+  )
   targets, inputs = np.asarray(targets), np.asarray(inputs)
   assert not targets[:, 200:].any() and (inputs[:, 200:] == 0).all()
   assert abs(targets.mean() / (200 / 256) - 0.15) < 0.01
@@ -153,7 +161,8 @@ def test_learning_rate_schedules():
   config.update(lr_schedule="step", lr_decay_epochs=(80, 120), num_epochs=200.0)
   step = optimizers.create_lr_schedule(config)
   assert [step(e) for e in (0, 79.9, 80, 119, 120, 199)] == pytest.approx(
-      [1, 1, 0.1, 0.1, 0.01, 0.01])
+    [1, 1, 0.1, 0.1, 0.01, 0.01]
+  )
   config.update(lr_schedule="cosine", warmup_epochs=5.0, num_epochs=90.0)
   cosine = optimizers.create_lr_schedule(config)
   assert cosine(0) == optimizers.MIN_SCHEDULE_FACTOR and cosine(2.5) == pytest.approx(0.5)

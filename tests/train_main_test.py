@@ -19,31 +19,48 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 CONFIG_DIR = ROOT / "train" / "configs"
 CONFIGS = sorted(p for p in CONFIG_DIR.glob("*.py") if p.stem != "__init__")
 DOCS = "".join(path.read_text() for path in [ROOT / "README.md", *sorted(ROOT.glob("docs/*.md"))])
-DOCS_COMMANDS = [line for block in re.findall(r"^```bash\n(.*?)^```", DOCS, re.S | re.M)
-                   for line in block.splitlines() if "python -m train " in line]
-MAIN_FLAGS = set(re.findall(r'DEFINE_\w+\(\s*"(\w+)"',
-                            (ROOT / "train" / "__main__.py").read_text()))
+DOCS_COMMANDS = [
+  line
+  for block in re.findall(r"^```bash\n(.*?)^```", DOCS, re.S | re.M)
+  for line in block.splitlines()
+  if "python -m train " in line
+]
+MAIN_FLAGS = set(
+  re.findall(r'DEFINE_\w+\(\s*"(\w+)"', (ROOT / "train" / "__main__.py").read_text())
+)
 # The digits demo at a size that compiles once and trains in seconds.
-SMALL = ["--config.mode=pad", "--config.cnn_features=(4, 8)", "--config.cnn_dense=16",
-         "--config.tensorboard=False"]
+SMALL = [
+  "--config.mode=pad",
+  "--config.cnn_features=(4, 8)",
+  "--config.cnn_dense=16",
+  "--config.tensorboard=False",
+]
 
 
 def parse(config_path, *overrides):
   """Parses a config file and overrides the way ``python -m train`` does, in a fresh flag set."""
   argv = ["train", "--config", str(config_path), *overrides]
   values = flags.FlagValues()
-  config_flags.DEFINE_config_file("config", None, "", flag_values=values, lock_config=True,
-                                  sys_argv=argv)
+  config_flags.DEFINE_config_file(
+    "config", None, "", flag_values=values, lock_config=True, sys_argv=argv
+  )
   values(argv)
   return values.config
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
 def test_every_config_file_takes_command_line_overrides(path):
-  config = parse(path, "--config.num_epochs=2", "--config.seed=3",
-                 "--config.similarity_target=0.25", "--config.batch_size_upper_bound=4096",
-                 "--config.smooth_factor=0.5", "--config.batch_sizes_to_profile=(64, 128)",
-                 "--config.lr_adjust_factor=0.5", "--config.controller=fixed")
+  config = parse(
+    path,
+    "--config.num_epochs=2",
+    "--config.seed=3",
+    "--config.similarity_target=0.25",
+    "--config.batch_size_upper_bound=4096",
+    "--config.smooth_factor=0.5",
+    "--config.batch_sizes_to_profile=(64, 128)",
+    "--config.lr_adjust_factor=0.5",
+    "--config.controller=fixed",
+  )
   assert (config.num_epochs, config.seed, config.similarity_target) == (2, 3, 0.25)
   assert (config.batch_size_upper_bound, config.smooth_factor) == (4096, 0.5)
   assert tuple(config.batch_sizes_to_profile) == (64, 128) and config.controller == "fixed"
@@ -54,8 +71,16 @@ def test_every_config_file_takes_command_line_overrides(path):
 def run_train(workdir, *args, env=None):
   env = dict(os.environ, PYTHONPATH=str(ROOT), **(env or {}))
   env.pop("XLA_FLAGS", None)  # python -m train sets up its simulated devices itself
-  command = [sys.executable, "-m", "train", "--config", "train/configs/digits_demo.py",
-             "--workdir", str(workdir), *args]
+  command = [
+    sys.executable,
+    "-m",
+    "train",
+    "--config",
+    "train/configs/digits_demo.py",
+    "--workdir",
+    str(workdir),
+    *args,
+  ]
   return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
 
 
@@ -72,7 +97,7 @@ def test_runs_resumes_and_appends_without_duplicating_steps(tmp_path):
   assert f"resuming from the checkpoint at step {steps_before[-1]}" in second.stdout
   assert "epoch 2/2" in second.stdout and "epoch 1/2" not in second.stdout
   records = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-  assert (tmp_path / "metrics.jsonl").read_text().splitlines()[:len(lines)] == lines
+  assert (tmp_path / "metrics.jsonl").read_text().splitlines()[: len(lines)] == lines
   steps = [r["step"] for r in records if "batch_size" in r]
   assert steps == list(range(1, len(steps) + 1)) and len(steps) > len(steps_before)
   assert [r["epoch"] for r in records if "eval_accuracy" in r] == [0, 1]
@@ -81,8 +106,11 @@ def test_runs_resumes_and_appends_without_duplicating_steps(tmp_path):
   again = run_train(tmp_path, *SMALL, "--config.num_epochs=2", "--config.seed=3")
   assert again.returncode == 0, again.stderr[-3000:]
   assert "nothing to train" in again.stdout
-  assert [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()
-          if "batch_size" in x] == steps
+  assert [
+    json.loads(x)["step"]
+    for x in (tmp_path / "metrics.jsonl").read_text().splitlines()
+    if "batch_size" in x
+  ] == steps
 
 
 def test_a_resume_loads_every_executable_from_the_compilation_cache(tmp_path):
@@ -96,10 +124,14 @@ def test_a_resume_loads_every_executable_from_the_compilation_cache(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"compilation cache: {cache}" in result.stdout
     summary = json.loads((tmp_path / "summary.json").read_text())
-    runs.append({"misses": result.stderr.count("PERSISTENT COMPILATION CACHE MISS"),
-                 "hits": result.stderr.count("Persistent compilation cache hit"),
-                 "entries": sorted(os.listdir(cache)),
-                 "compile_seconds": summary["compile_seconds"]})
+    runs.append(
+      {
+        "misses": result.stderr.count("PERSISTENT COMPILATION CACHE MISS"),
+        "hits": result.stderr.count("Persistent compilation cache hit"),
+        "entries": sorted(os.listdir(cache)),
+        "compile_seconds": summary["compile_seconds"],
+      }
+    )
   cold, warm = runs
   assert "resuming from the checkpoint at step 3" in result.stdout
   # Measured: 59 misses and 59 entries, then 0 misses and 59 hits; step compile 1.4 s -> 0.09 s.
@@ -107,9 +139,11 @@ def test_a_resume_loads_every_executable_from_the_compilation_cache(tmp_path):
   assert warm["misses"] == 0 and warm["hits"] > 0
   assert warm["entries"] == cold["entries"]  # nothing new written
   assert warm["compile_seconds"] < 0.5 * cold["compile_seconds"]
-  print(f"compilation cache: cold {cold['misses']} misses, {cold['compile_seconds']:.2f} s "
-        f"compiling steps; warm {warm['misses']} misses, {warm['hits']} hits, "
-        f"{warm['compile_seconds']:.2f} s")
+  print(
+    f"compilation cache: cold {cold['misses']} misses, {cold['compile_seconds']:.2f} s "
+    f"compiling steps; warm {warm['misses']} misses, {warm['hits']} hits, "
+    f"{warm['compile_seconds']:.2f} s"
+  )
 
 
 def test_the_compilation_cache_can_be_turned_off(tmp_path):

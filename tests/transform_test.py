@@ -23,8 +23,8 @@ def random_grads(rng, num_devices, mixed_dtypes):
   dtypes = [jnp.bfloat16 if mixed_dtypes and i % 2 else jnp.float32 for i in range(len(leaves))]
   # A shared signal plus per-device noise, so the halves are similar but not equal.
   arrays = [
-      (rng.normal(size=shape) + 0.7 * rng.normal(size=(num_devices,) + shape)).astype(dtype)
-      for shape, dtype in zip(leaves, dtypes)
+    (rng.normal(size=shape) + 0.7 * rng.normal(size=(num_devices,) + shape)).astype(dtype)
+    for shape, dtype in zip(leaves, dtypes)
   ]
   return jax.tree.unflatten(treedef, arrays)
 
@@ -56,8 +56,11 @@ def map_over_devices(fn, num_devices, mapper):
 
   mapped = jax.shard_map(per_block, mesh=mesh, in_specs=P(AXIS), out_specs=P())
   # Outputs are replicated: give them the pmap layout (leading device axis) for the checks.
-  return jax.jit(lambda *args: jax.tree.map(lambda x: jnp.broadcast_to(x, (num_devices,) + x.shape),
-                                            mapped(*args)))
+  return jax.jit(
+    lambda *args: jax.tree.map(
+      lambda x: jnp.broadcast_to(x, (num_devices,) + x.shape), mapped(*args)
+    )
+  )
 
 
 @functools.cache
@@ -93,12 +96,15 @@ EVEN, ODD = slice(0, None, 2), slice(1, None, 2)
 # this tree in one bucket per dtype, and (threshold 1) with every leaf its own bucket, padded
 # where its size is not a multiple of the device count.
 REDUCTIONS = pytest.mark.parametrize(
-    "reduction,small_leaf_size",
-    [("hierarchical", None), ("hierarchical", 1), ("scatter", None), ("stacked", None)],
-    ids=["hierarchical", "hierarchical-per-leaf", "scatter", "stacked"])
+  "reduction,small_leaf_size",
+  [("hierarchical", None), ("hierarchical", 1), ("scatter", None), ("stacked", None)],
+  ids=["hierarchical", "hierarchical-per-leaf", "scatter", "stacked"],
+)
 LOCAL_REDUCTIONS = pytest.mark.parametrize(
-    "reduction,small_leaf_size", [("hierarchical", None), ("hierarchical", 1), ("scatter", None)],
-    ids=["hierarchical", "hierarchical-per-leaf", "scatter"])
+  "reduction,small_leaf_size",
+  [("hierarchical", None), ("hierarchical", 1), ("scatter", None)],
+  ids=["hierarchical", "hierarchical-per-leaf", "scatter"],
+)
 
 
 @REDUCTIONS
@@ -142,12 +148,12 @@ def test_local_halves_match_numpy(num_devices, mapper, reduction, mixed_dtypes, 
   rng = np.random.default_rng(10 + num_devices)
   first = random_grads(rng, num_devices, mixed_dtypes)
   second = random_grads(rng, num_devices, mixed_dtypes)
-  mean, state = compiled_local_split(num_devices, mapper, reduction, small_leaf_size)(
-      first, second)
+  mean, state = compiled_local_split(num_devices, mapper, reduction, small_leaf_size)(first, second)
   # Reference: the halves are "first halves of every device" vs "second halves of every device".
   both = jax.tree.map(lambda a, b: np.concatenate([a, b]), first, second)
   ref_mean, ref_cos, ref_na, ref_nb, _ = reference(
-      both, slice(0, num_devices), slice(num_devices, None))
+    both, slice(0, num_devices), slice(num_devices, None)
+  )
   tol = tolerance(mixed_dtypes)
   for got, want, leaf in zip(jax.tree.leaves(mean), ref_mean, jax.tree.leaves(first)):
     assert got.dtype == leaf.dtype
@@ -179,12 +185,14 @@ def test_local_halves_of_unequal_size_match_numpy(reduction, small_leaf_size, sh
   if share == 1.0:  # the second half holds no example: its gradient is zero
     second = jax.tree.map(np.zeros_like, second)
   mean, state = compiled_unequal_local_split(3, reduction, small_leaf_size)(
-      first, second, np.full(3, share, np.float32))
+    first, second, np.full(3, share, np.float32)
+  )
   as64 = lambda t: [np.asarray(x, np.float64).mean(axis=0) for x in jax.tree.leaves(t)]
   g_a, g_b = as64(first), as64(second)
   for got, a, b in zip(jax.tree.leaves(mean), g_a, g_b):
-    np.testing.assert_allclose(np.asarray(got)[0], share * a + (1 - share) * b, rtol=2e-5,
-                               atol=2e-5)
+    np.testing.assert_allclose(
+      np.asarray(got)[0], share * a + (1 - share) * b, rtol=2e-5, atol=2e-5
+    )
   flat_a = np.concatenate([x.ravel() for x in g_a])
   flat_b = np.concatenate([x.ravel() for x in g_b])
   np.testing.assert_allclose(state.norm_a, np.linalg.norm(flat_a), rtol=2e-5)
@@ -201,9 +209,13 @@ def test_statistics_of_long_leaves_are_summed_in_blocks_and_match_numpy():
   # entries give pieces of 5002 (padding included): 4 blocks of 1250 and a tail of 2.
   rng = np.random.default_rng(7)
   shape = (8 * 5001 + 3,)
-  grads = {"long": (rng.normal(size=shape) + 0.7 * rng.normal(size=(8,) + shape)).astype(np.float32),
-           "short": rng.normal(size=(8, 5)).astype(np.float32)}
-  assert 5002 >= 1024 * halves_reduction.STATISTICS_BLOCKS and 5002 % halves_reduction.STATISTICS_BLOCKS
+  grads = {
+    "long": (rng.normal(size=shape) + 0.7 * rng.normal(size=(8,) + shape)).astype(np.float32),
+    "short": rng.normal(size=(8, 5)).astype(np.float32),
+  }
+  assert (
+    5002 >= 1024 * halves_reduction.STATISTICS_BLOCKS and 5002 % halves_reduction.STATISTICS_BLOCKS
+  )
   _, state = compiled_device_split(8, "pmap", "hierarchical")(grads)
   _, ref_cos, ref_na, ref_nb, ref_nm = reference(grads, EVEN, ODD)
   tol = tolerance(False)
@@ -219,11 +231,13 @@ def test_norm_of_the_mean_of_opposite_halves_is_zero_not_nan():
   rng = np.random.default_rng(0)
   half = rng.normal(size=(4, 3, 3, 2, 4)).astype(np.float32)
   noise = (1 + 1e-6 * rng.normal(size=half.shape)).astype(np.float32)
-  per_device = np.stack([half[i // 2] if i % 2 == 0 else -half[i // 2] * noise[i // 2]
-                         for i in range(8)])
+  per_device = np.stack(
+    [half[i // 2] if i % 2 == 0 else -half[i // 2] * noise[i // 2] for i in range(8)]
+  )
   zeros = lambda *shape: np.zeros((8,) + shape, np.float32)
   _, state = compiled_device_split(8, "pmap", "hierarchical")(
-      {"conv": per_device, "dense": {"kernel": zeros(7, 5), "bias": zeros(5)}, "scale": zeros()})
+    {"conv": per_device, "dense": {"kernel": zeros(7, 5), "bias": zeros(5)}, "scale": zeros()}
+  )
   assert np.all(state.grads_finite) and np.all(state.measured)
   np.testing.assert_allclose(state.similarity, -1.0, atol=1e-6)
   assert np.all(np.isfinite(state.norm_mean))
@@ -238,8 +252,10 @@ def test_odd_device_count_without_half_grads_is_refused():
 def test_value_and_half_grads_equals_separate_gradients():
   loss = lambda w, batch: jnp.mean((batch["x"] @ w - batch["y"]) ** 2)
   rng = np.random.default_rng(0)
-  batch = {"x": jnp.asarray(rng.normal(size=(6, 3)), jnp.float32),
-           "y": jnp.asarray(rng.normal(size=(6,)), jnp.float32)}
+  batch = {
+    "x": jnp.asarray(rng.normal(size=(6, 3)), jnp.float32),
+    "y": jnp.asarray(rng.normal(size=(6,)), jnp.float32),
+  }
   w = jnp.asarray(rng.normal(size=(3,)), jnp.float32)
   value, grads, halves = jax.jit(simigrad_jax.value_and_half_grads(loss))(w, batch)
   first = jax.tree.map(lambda x: x[0::2], batch)
@@ -264,6 +280,7 @@ def test_shard_map_gradient_trap_is_caught_and_pcast_fixes_it():
       grads = jax.grad(loss)(w_for_grad, x)
       updates, opt_state = opt.update(grads, opt_state, w)
       return optax.apply_updates(w, updates), opt_state
+
     return jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), P(), P(AXIS)), out_specs=P()))
 
   w = jnp.zeros(4)
@@ -366,10 +383,16 @@ def test_half_grads_that_do_not_match_the_gradient_are_refused():
     tx.update(grads, state)
   with pytest.raises(ValueError, match=r"half_grads.second has the tree structure"):
     tx.update(grads, state, half_grads=simigrad_jax.HalfGrads(grads, {"w": grads["w"]}))
-  with pytest.raises(ValueError, match=r"half_grads.first\['w'\] has shape \(2, 3\), the "
-                     r"gradient \(3, 2\)"):
-    tx.update(grads, state, half_grads=simigrad_jax.HalfGrads({"w": jnp.ones((2, 3)),
-                                                               "b": jnp.ones(2)}, grads))
+  with pytest.raises(
+    ValueError,
+    match=r"half_grads.first\['w'\] has shape \(2, 3\), the "
+    r"gradient \(3, 2\)",
+  ):
+    tx.update(
+      grads,
+      state,
+      half_grads=simigrad_jax.HalfGrads({"w": jnp.ones((2, 3)), "b": jnp.ones(2)}, grads),
+    )
   with pytest.raises(ValueError, match="must be a simigrad_jax.HalfGrads"):
     tx.update(grads, state, half_grads=(grads, grads))
   with pytest.raises(ValueError, match=r"half_grads.share must lie in \[0, 1\].*got 1.5"):
@@ -405,8 +428,9 @@ def test_plain_jit_step_over_a_sharded_batch(mesh_kind):
   as64 = lambda g: np.asarray(g, np.float64)
   g_a = as64(jax.grad(loss)(w, {"x": x[0::2], "y": y[0::2]}))
   g_b = as64(jax.grad(loss)(w, {"x": x[1::2], "y": y[1::2]}))
-  np.testing.assert_allclose(simigrad_jax.similarity(state),
-                             g_a @ g_b / np.linalg.norm(g_a) / np.linalg.norm(g_b), rtol=1e-5)
+  np.testing.assert_allclose(
+    simigrad_jax.similarity(state), g_a @ g_b / np.linalg.norm(g_a) / np.linalg.norm(g_b), rtol=1e-5
+  )
   np.testing.assert_allclose(new_w, -0.1 * (g_a + g_b) / 2, rtol=1e-5, atol=1e-7)
 
 
@@ -414,10 +438,11 @@ def test_similarity_is_found_inside_wrapped_states():
   params = jnp.zeros(3)
   chained = optax.chain(simigrad_jax.transform(AXIS), optax.adam(1e-3))
   for opt in (
-      chained,
-      optax.MultiSteps(chained, every_k_schedule=2),
-      optax.inject_hyperparams(lambda learning_rate: optax.chain(
-          simigrad_jax.transform(AXIS), optax.sgd(learning_rate)))(learning_rate=0.1),
+    chained,
+    optax.MultiSteps(chained, every_k_schedule=2),
+    optax.inject_hyperparams(
+      lambda learning_rate: optax.chain(simigrad_jax.transform(AXIS), optax.sgd(learning_rate))
+    )(learning_rate=0.1),
   ):
     stats = simigrad_jax.similarity_stats(opt.init(params))
     assert stats["measured"] is False and np.isnan(stats["similarity"])

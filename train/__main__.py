@@ -39,14 +39,20 @@ from ml_collections import config_flags
 
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file(
-    "config", None, "An experiment config file, e.g. train/configs/digits_demo.py.",
-    lock_config=True)
-flags.DEFINE_string("workdir", None, "Checkpoints, metrics and plots (default: "
-                    "$XDG_CACHE_HOME/simigrad/<config name>, ~/.cache/simigrad/<config name> "
-                    "without it). A run resumes from the newest checkpoint here.")
-flags.DEFINE_bool("distributed", os.environ.get("SIMIGRAD_DISTRIBUTED", "") not in ("", "0"),
-                  "Call jax.distributed.initialize() first (multi-host; default from "
-                  "$SIMIGRAD_DISTRIBUTED).")
+  "config", None, "An experiment config file, e.g. train/configs/digits_demo.py.", lock_config=True
+)
+flags.DEFINE_string(
+  "workdir",
+  None,
+  "Checkpoints, metrics and plots (default: "
+  "$XDG_CACHE_HOME/simigrad/<config name>, ~/.cache/simigrad/<config name> "
+  "without it). A run resumes from the newest checkpoint here.",
+)
+flags.DEFINE_bool(
+  "distributed",
+  os.environ.get("SIMIGRAD_DISTRIBUTED", "") not in ("", "0"),
+  "Call jax.distributed.initialize() first (multi-host; default from $SIMIGRAD_DISTRIBUTED).",
+)
 flags.DEFINE_string("coordinator_address", None, "jax.distributed: host:port of process 0.")
 flags.DEFINE_integer("num_processes", None, "jax.distributed: the number of processes.")
 flags.DEFINE_integer("process_id", None, "jax.distributed: this process's id.")
@@ -63,6 +69,7 @@ def simulate_cpu_devices(count: int) -> None:
   if "jax" in sys.modules or count <= 1:
     return
   from simigrad_jax.runtime import cpu_devices  # pylint: disable=import-outside-toplevel
+
   os.environ.update(cpu_devices.simulated_cpu_devices_env(count))
 
 
@@ -90,8 +97,11 @@ def main(argv: list[str]) -> None:
   import jax  # pylint: disable=import-outside-toplevel
 
   if FLAGS.distributed:
-    jax.distributed.initialize(coordinator_address=FLAGS.coordinator_address,
-                               num_processes=FLAGS.num_processes, process_id=FLAGS.process_id)
+    jax.distributed.initialize(
+      coordinator_address=FLAGS.coordinator_address,
+      num_processes=FLAGS.num_processes,
+      process_id=FLAGS.process_id,
+    )
   import simigrad_jax  # pylint: disable=import-outside-toplevel
   from train import train  # pylint: disable=import-outside-toplevel
 

@@ -61,21 +61,33 @@ def read_starts(workdir: str | os.PathLike) -> list[dict[str, Any]]:
   try:
     data = json.loads(path.read_text())
   except ValueError as error:
-    raise ValueError(f"{path} is not JSON ({error}); it holds the configs of the run's starts: "
-                     f"repair it or move it away") from error
+    raise ValueError(
+      f"{path} is not JSON ({error}); it holds the configs of the run's starts: "
+      f"repair it or move it away"
+    ) from error
   if not isinstance(data, dict):
-    raise ValueError(f"{path} holds {type(data).__name__}, not the JSON object of a run's "
-                     f"history; repair it or move it away")
+    raise ValueError(
+      f"{path} holds {type(data).__name__}, not the JSON object of a run's "
+      f"history; repair it or move it away"
+    )
   if "starts" not in data:  # an older version's file: the last start's config alone
     return [{"started": None, "config": data}]
   if not isinstance(data["starts"], list):
-    raise ValueError(f"{path}: 'starts' must be a list of the run's starts, got "
-                     f"{data['starts']!r:.80}; repair it or move it away")
+    raise ValueError(
+      f"{path}: 'starts' must be a list of the run's starts, got "
+      f"{data['starts']!r:.80}; repair it or move it away"
+    )
   return data["starts"]
 
 
-def append_start(workdir: str | os.PathLike, config: dict[str, Any], *, resumed_at_step: int,
-                 devices: str, processes: int) -> list[dict[str, Any]]:
+def append_start(
+  workdir: str | os.PathLike,
+  config: dict[str, Any],
+  *,
+  resumed_at_step: int,
+  devices: str,
+  processes: int,
+) -> list[dict[str, Any]]:
   """Appends this start to ``<workdir>/config.json`` (rewritten atomically) and returns every entry.
 
   Args:
@@ -102,11 +114,17 @@ def append_start(workdir: str | os.PathLike, config: dict[str, Any], *, resumed_
     [(0, 0), (1, 30)]
   """
   starts = read_starts(workdir)
-  starts.append({
-      "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-      "resumed_at_step": resumed_at_step, "devices": devices, "processes": processes,
-      "versions": versions(), "config": config,
-  })
-  files.write_atomic(pathlib.Path(workdir) / CONFIG_FILENAME,
-                     json.dumps({"starts": starts}, indent=2) + "\n")
+  starts.append(
+    {
+      "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+      "resumed_at_step": resumed_at_step,
+      "devices": devices,
+      "processes": processes,
+      "versions": versions(),
+      "config": config,
+    }
+  )
+  files.write_atomic(
+    pathlib.Path(workdir) / CONFIG_FILENAME, json.dumps({"starts": starts}, indent=2) + "\n"
+  )
   return starts

@@ -112,8 +112,9 @@ class ResizedImageSource:
     download: let TFDS download and prepare the data if it is missing.
   """
 
-  def __init__(self, name: str, split: str, size: int, *, data_dir: str | None = None,
-               download: bool = False):
+  def __init__(
+    self, name: str, split: str, size: int, *, data_dir: str | None = None, download: bool = False
+  ):
     import tensorflow_datasets as tfds  # pylint: disable=import-outside-toplevel
 
     if not isinstance(size, int) or size < 1:
@@ -122,8 +123,9 @@ class ResizedImageSource:
       self._ds = tfds.data_source(name, split=split, data_dir=data_dir, download=download)
     except NotImplementedError as e:
       raise RuntimeError(
-          f"TFDS could not open {name!r} split {split!r} in data_dir {data_dir!r} for random "
-          f"access; prepare it in ArrayRecord format there first. TFDS says: {e}") from e
+        f"TFDS could not open {name!r} split {split!r} in data_dir {data_dir!r} for random "
+        f"access; prepare it in ArrayRecord format there first. TFDS says: {e}"
+      ) from e
     self._name, self._split, self.size = name, split, size
     self._length = len(self._ds)
 
@@ -131,22 +133,27 @@ class ResizedImageSource:
     return self._length
 
   def __repr__(self) -> str:
-    return (f"ResizedImageSource({self._name!r}, {self._split!r}, {len(self)} examples, "
-            f"{self.size}px)")
+    return (
+      f"ResizedImageSource({self._name!r}, {self._split!r}, {len(self)} examples, {self.size}px)"
+    )
 
   @property
   def element_spec(self) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
     """uint8 ``[size, size, 3]`` images and int64 labels."""
-    return {"image": ((self.size, self.size, 3), np.dtype(np.uint8)),
-            "label": ((), np.dtype(np.int64))}
+    return {
+      "image": ((self.size, self.size, 3), np.dtype(np.uint8)),
+      "label": ((), np.dtype(np.int64)),
+    }
 
   def __getitem__(self, index: int) -> dict[str, np.ndarray]:
     """Example ``index``: its image decoded, resized and center-cropped, and its label."""
     if not 0 <= index < self._length:
       raise IndexError(f"index must be in [0, {self._length}), got {index}")
     record = self._ds[index]
-    return {"image": resize_and_center_crop(np.asarray(record["image"]), self.size),
-            "label": np.int64(record["label"])}
+    return {
+      "image": resize_and_center_crop(np.asarray(record["image"]), self.size),
+      "label": np.int64(record["label"]),
+    }
 
 
 def resize_and_center_crop(image: np.ndarray, size: int) -> np.ndarray:
@@ -176,8 +183,9 @@ def digits_arrays() -> tuple[np.ndarray, np.ndarray]:
   return (digits.images / 16.0).astype(np.float32)[..., None], digits.target.astype(np.int32)
 
 
-def load_digits(test_size: int = DIGITS_TEST_SIZE, seed: int = 0
-                ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+def load_digits(
+  test_size: int = DIGITS_TEST_SIZE, seed: int = 0
+) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
   """scikit-learn's digits as float32 ``[8, 8, 1]`` images in [0, 1], shuffled once and split.
 
   Returns:
@@ -186,8 +194,10 @@ def load_digits(test_size: int = DIGITS_TEST_SIZE, seed: int = 0
   images, labels = digits_arrays()
   order = np.random.default_rng(seed).permutation(len(labels))
   test, train = order[:test_size], order[test_size:]
-  return ({"image": images[train], "label": labels[train]},
-          {"image": images[test], "label": labels[test]})
+  return (
+    {"image": images[train], "label": labels[train]},
+    {"image": images[test], "label": labels[test]},
+  )
 
 
 def _read_idx(path: pathlib.Path) -> np.ndarray:
@@ -196,7 +206,7 @@ def _read_idx(path: pathlib.Path) -> np.ndarray:
   with opener(path, "rb") as f:
     data = f.read()
   ndim = data[3]
-  shape = tuple(int.from_bytes(data[4 + 4 * i:8 + 4 * i], "big") for i in range(ndim))
+  shape = tuple(int.from_bytes(data[4 + 4 * i : 8 + 4 * i], "big") for i in range(ndim))
   return np.frombuffer(data, np.uint8, offset=4 + 4 * ndim).reshape(shape)
 
 
@@ -215,8 +225,10 @@ def local_mnist_files(directory: str | os.PathLike) -> dict[str, pathlib.Path] |
   ``t10k-images-idx3-ubyte(.gz)`` with its labels.
   """
   directory = pathlib.Path(directory)
-  files = {"test_images": _find(directory, "t10k-images-idx3-ubyte"),
-           "test_labels": _find(directory, "t10k-labels-idx1-ubyte")}
+  files = {
+    "test_images": _find(directory, "t10k-images-idx3-ubyte"),
+    "test_labels": _find(directory, "t10k-labels-idx1-ubyte"),
+  }
   train_images = _find(directory, "train-images-idx3-ubyte")
   train_labels = _find(directory, "train-labels-idx1-ubyte")
   if train_images and train_labels:
@@ -228,18 +240,25 @@ def local_mnist_files(directory: str | os.PathLike) -> dict[str, pathlib.Path] |
   return files if all(files.values()) else None
 
 
-def load_local_mnist(files: dict[str, pathlib.Path]
-                     ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+def load_local_mnist(
+  files: dict[str, pathlib.Path],
+) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
   """MNIST from the files :func:`local_mnist_files` found: uint8 ``[28, 28, 1]`` images, int32 labels."""
   if "train_csv" in files:
     rows = np.loadtxt(files["train_csv"], delimiter=",", dtype=np.int64)
-    train = {"image": rows[:, :784].astype(np.uint8).reshape(-1, 28, 28, 1),
-             "label": rows[:, 784].astype(np.int32)}
+    train = {
+      "image": rows[:, :784].astype(np.uint8).reshape(-1, 28, 28, 1),
+      "label": rows[:, 784].astype(np.int32),
+    }
   else:
-    train = {"image": _read_idx(files["train_images"]).reshape(-1, 28, 28, 1),
-             "label": _read_idx(files["train_labels"]).astype(np.int32)}
-  test = {"image": _read_idx(files["test_images"]).reshape(-1, 28, 28, 1),
-          "label": _read_idx(files["test_labels"]).astype(np.int32)}
+    train = {
+      "image": _read_idx(files["train_images"]).reshape(-1, 28, 28, 1),
+      "label": _read_idx(files["train_labels"]).astype(np.int32),
+    }
+  test = {
+    "image": _read_idx(files["test_images"]).reshape(-1, 28, 28, 1),
+    "label": _read_idx(files["test_labels"]).astype(np.int32),
+  }
   return train, test
 
 
@@ -270,10 +289,11 @@ class TextWindowSource:
   def __init__(self, tokens: np.ndarray, seq_length: int):
     tokens = np.asarray(tokens, np.int32).reshape(-1)
     if len(tokens) < seq_length:
-      raise ValueError(f"the text holds {len(tokens)} tokens, fewer than one window of "
-                       f"seq_length={seq_length}")
+      raise ValueError(
+        f"the text holds {len(tokens)} tokens, fewer than one window of seq_length={seq_length}"
+      )
     self.seq_length = seq_length
-    self._windows = tokens[:len(tokens) // seq_length * seq_length].reshape(-1, seq_length)
+    self._windows = tokens[: len(tokens) // seq_length * seq_length].reshape(-1, seq_length)
 
   def __len__(self) -> int:
     return len(self._windows)
@@ -312,9 +332,17 @@ class TfdsTextSource:
     download: let TFDS download and prepare the data if it is missing.
   """
 
-  def __init__(self, name: str, split: str, seq_length: int, *, feature: str = "text",
-               records_per_example: int = 1, data_dir: str | None = None,
-               download: bool = False):
+  def __init__(
+    self,
+    name: str,
+    split: str,
+    seq_length: int,
+    *,
+    feature: str = "text",
+    records_per_example: int = 1,
+    data_dir: str | None = None,
+    download: bool = False,
+  ):
     import tensorflow_datasets as tfds  # pylint: disable=import-outside-toplevel
 
     if records_per_example < 1:
@@ -323,14 +351,17 @@ class TfdsTextSource:
       self._ds = tfds.data_source(name, split=split, data_dir=data_dir, download=download)
     except NotImplementedError as e:
       raise RuntimeError(
-          f"TFDS could not open {name!r} split {split!r} in data_dir {data_dir!r} for random "
-          f"access; prepare it in ArrayRecord format there first. TFDS says: {e}") from e
+        f"TFDS could not open {name!r} split {split!r} in data_dir {data_dir!r} for random "
+        f"access; prepare it in ArrayRecord format there first. TFDS says: {e}"
+      ) from e
     self._name, self._split, self._feature = name, split, feature
     self.seq_length, self._group = seq_length, records_per_example
     self._length = len(self._ds) // records_per_example
     if self._length < 1:
-      raise ValueError(f"TFDS {name!r} split {split!r} holds fewer than "
-                       f"records_per_example={records_per_example} records")
+      raise ValueError(
+        f"TFDS {name!r} split {split!r} holds fewer than "
+        f"records_per_example={records_per_example} records"
+      )
     if feature not in self._ds[0]:
       raise ValueError(f"TFDS {name!r} has no feature {feature!r}; it has {sorted(self._ds[0])}")
 
@@ -338,8 +369,10 @@ class TfdsTextSource:
     return self._length
 
   def __repr__(self) -> str:
-    return (f"TfdsTextSource({self._name!r}, {self._split!r}, {len(self)} examples of "
-            f"{self._group} records)")
+    return (
+      f"TfdsTextSource({self._name!r}, {self._split!r}, {len(self)} examples of "
+      f"{self._group} records)"
+    )
 
   @property
   def element_spec(self) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
@@ -350,7 +383,7 @@ class TfdsTextSource:
     for k in range(index * self._group, (index + 1) * self._group):
       value = self._ds[k][self._feature]
       texts.append(value.encode("utf-8") if isinstance(value, str) else bytes(value))
-    tokens = encode_bytes(b"\n".join(texts))[:self.seq_length]
+    tokens = encode_bytes(b"\n".join(texts))[: self.seq_length]
     return np.pad(tokens, (0, self.seq_length - len(tokens)), constant_values=PAD_ID)
 
   def get_batch(self, indices: np.ndarray) -> dict[str, np.ndarray]:
@@ -419,43 +452,65 @@ def create_datasets(config: ml_collections.ConfigDict) -> Datasets:
   """
   kind = config.dataset
   tfds_options = {"data_dir": config.data_dir, "download": config.download}
-  grain_options = {"num_workers": config.num_workers, "on_bad_record": config.on_bad_record,
-                   "num_threads": config.decode_threads}
+  grain_options = {
+    "num_workers": config.num_workers,
+    "on_bad_record": config.on_bad_record,
+    "num_threads": config.decode_threads,
+  }
   if kind == "digits":
     train, test = load_digits(seed=config.data_seed)
-    out = Datasets(simigrad_jax.ArraySource(train), simigrad_jax.ArraySource(test),
-                   num_classes=10, description="scikit-learn digits (8x8)")
+    out = Datasets(
+      simigrad_jax.ArraySource(train),
+      simigrad_jax.ArraySource(test),
+      num_classes=10,
+      description="scikit-learn digits (8x8)",
+    )
     return _finish(out, config)
   elif kind == "mnist":
     if config.mnist_source not in ("auto", "local", "tfds"):
-      raise ValueError(f"config.mnist_source={config.mnist_source!r} is not valid; "
-                       "choose 'auto', 'local' or 'tfds'")
+      raise ValueError(
+        f"config.mnist_source={config.mnist_source!r} is not valid; "
+        "choose 'auto', 'local' or 'tfds'"
+      )
     directory = resolve_local_dir(config.local_data_dir)
     files = local_mnist_files(directory) if config.mnist_source != "tfds" else None
     if config.mnist_source == "local" and files is None:
       raise FileNotFoundError(f"no MNIST files in {str(directory)!r} (config.local_data_dir)")
     if files is not None:
       train, test = load_local_mnist(files)
-      out = Datasets(simigrad_jax.ArraySource(train), simigrad_jax.ArraySource(test),
-                     num_classes=10, description=f"MNIST from {directory}")
+      out = Datasets(
+        simigrad_jax.ArraySource(train),
+        simigrad_jax.ArraySource(test),
+        num_classes=10,
+        description=f"MNIST from {directory}",
+      )
     else:
-      make = lambda split: simigrad_jax.GrainSource(simigrad_jax.TfdsSource(
-          "mnist", split, features=("image", "label"), **tfds_options), **grain_options)
-      out = Datasets(make(config.train_split), make(config.eval_split),
-                     num_classes=10, description="TFDS mnist")
+      make = lambda split: simigrad_jax.GrainSource(
+        simigrad_jax.TfdsSource("mnist", split, features=("image", "label"), **tfds_options),
+        **grain_options,
+      )
+      out = Datasets(
+        make(config.train_split), make(config.eval_split), num_classes=10, description="TFDS mnist"
+      )
   elif kind in ("tfds", "tfds_resized"):
     if kind == "tfds":
-      records = lambda split: simigrad_jax.TfdsSource(config.tfds_name, split,
-                                                      features=("image", "label"), **tfds_options)
+      records = lambda split: simigrad_jax.TfdsSource(
+        config.tfds_name, split, features=("image", "label"), **tfds_options
+      )
     else:
-      records = lambda split: ResizedImageSource(config.tfds_name, split, config.host_image_size,
-                                                 **tfds_options)
+      records = lambda split: ResizedImageSource(
+        config.tfds_name, split, config.host_image_size, **tfds_options
+      )
     make = lambda split: simigrad_jax.GrainSource(records(split), **grain_options)
-    out = Datasets(make(config.train_split), make(config.eval_split),
-                   num_classes=config.num_classes,
-                   image_mean=tuple(config.image_mean) or None,
-                   image_std=tuple(config.image_std) or None,
-                   description=f"TFDS {config.tfds_name}", eval_name=config.eval_split)
+    out = Datasets(
+      make(config.train_split),
+      make(config.eval_split),
+      num_classes=config.num_classes,
+      image_mean=tuple(config.image_mean) or None,
+      image_std=tuple(config.image_std) or None,
+      description=f"TFDS {config.tfds_name}",
+      eval_name=config.eval_split,
+    )
   elif kind == "text":
     if config.text_files:
       paths = _text_files(config.text_files)
@@ -465,18 +520,31 @@ def create_datasets(config: ml_collections.ConfigDict) -> Datasets:
       text, where = default_text(resolve_local_dir(config.local_data_dir))
     tokens = encode_bytes(text)
     held_out = int(len(tokens) * config.eval_fraction)
-    out = Datasets(TextWindowSource(tokens[:len(tokens) - held_out], config.seq_length),
-                   TextWindowSource(tokens[len(tokens) - held_out:], config.seq_length)
-                   if held_out >= config.seq_length else None,
-                   vocab_size=BYTE_VOCAB_SIZE, eval_name="held-out",
-                   description=f"{len(tokens):,} bytes of text from {where}")
+    out = Datasets(
+      TextWindowSource(tokens[: len(tokens) - held_out], config.seq_length),
+      TextWindowSource(tokens[len(tokens) - held_out :], config.seq_length)
+      if held_out >= config.seq_length
+      else None,
+      vocab_size=BYTE_VOCAB_SIZE,
+      eval_name="held-out",
+      description=f"{len(tokens):,} bytes of text from {where}",
+    )
   elif kind == "tfds_text":
     make = lambda split: TfdsTextSource(
-        config.tfds_name, split, config.seq_length, feature=config.text_feature,
-        records_per_example=config.records_per_example, **tfds_options)
-    out = Datasets(make(config.train_split), make(config.eval_split),
-                   vocab_size=BYTE_VOCAB_SIZE, description=f"TFDS {config.tfds_name} (bytes)",
-                   eval_name=config.eval_split)
+      config.tfds_name,
+      split,
+      config.seq_length,
+      feature=config.text_feature,
+      records_per_example=config.records_per_example,
+      **tfds_options,
+    )
+    out = Datasets(
+      make(config.train_split),
+      make(config.eval_split),
+      vocab_size=BYTE_VOCAB_SIZE,
+      description=f"TFDS {config.tfds_name} (bytes)",
+      eval_name=config.eval_split,
+    )
   else:
     raise ValueError(f"unknown dataset {kind!r}; choose one of {DATASETS}")
   return _finish(out, config)
@@ -488,8 +556,9 @@ def _finish(datasets: Datasets, config: ml_collections.ConfigDict) -> Datasets:
   return datasets
 
 
-def eval_batches(source: Any, batch_size: int
-                 ) -> Iterator[tuple[dict[str, np.ndarray], np.ndarray]]:
+def eval_batches(
+  source: Any, batch_size: int
+) -> Iterator[tuple[dict[str, np.ndarray], np.ndarray]]:
   """Yields ``(batch, weights)``: ``source`` once, ``batch_size`` rows each (padding weighs 0)."""
   for start in range(0, len(source), batch_size):
     indices = np.arange(start, start + batch_size)

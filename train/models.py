@@ -123,8 +123,13 @@ class ResNet(nn.Module):
     conv = functools.partial(nn.Conv, use_bias=False, dtype=self.dtype)
     bn_mask = None if mask is None or not train else mask.reshape((-1, 1, 1, 1))
     base_norm = functools.partial(
-        nn.BatchNorm, use_running_average=not train, momentum=self.bn_momentum,
-        epsilon=1e-5, dtype=self.dtype, axis_name=self.bn_axis_name if train else None)
+      nn.BatchNorm,
+      use_running_average=not train,
+      momentum=self.bn_momentum,
+      epsilon=1e-5,
+      dtype=self.dtype,
+      axis_name=self.bn_axis_name if train else None,
+    )
 
     def norm(**kwargs):
       module = base_norm(**kwargs)
@@ -148,10 +153,10 @@ class ResNet(nn.Module):
 
 
 RESNETS: dict[str, tuple[tuple[int, ...], ModuleDef]] = {
-    "resnet18": ((2, 2, 2, 2), ResNetBlock),
-    "resnet34": ((3, 4, 6, 3), ResNetBlock),
-    "resnet50": ((3, 4, 6, 3), BottleneckResNetBlock),
-    "resnet101": ((3, 4, 23, 3), BottleneckResNetBlock),
+  "resnet18": ((2, 2, 2, 2), ResNetBlock),
+  "resnet34": ((3, 4, 6, 3), ResNetBlock),
+  "resnet50": ((3, 4, 6, 3), BottleneckResNetBlock),
+  "resnet101": ((3, 4, 23, 3), BottleneckResNetBlock),
 }
 
 
@@ -168,8 +173,8 @@ class TransformerLayer(nn.Module):
   def __call__(self, x, attention_mask, train: bool):
     drop = nn.Dropout(self.dropout, deterministic=not train)
     y = nn.MultiHeadDotProductAttention(
-        num_heads=self.heads, dropout_rate=self.dropout, deterministic=not train,
-        dtype=self.dtype)(x, x, mask=attention_mask)
+      num_heads=self.heads, dropout_rate=self.dropout, deterministic=not train, dtype=self.dtype
+    )(x, x, mask=attention_mask)
     x = nn.LayerNorm(epsilon=1e-12, dtype=self.dtype)(x + drop(y))
     y = nn.Dense(self.mlp, dtype=self.dtype)(x)
     y = nn.Dense(self.hidden, dtype=self.dtype)(nn.gelu(y, approximate=False))
@@ -200,25 +205,33 @@ class BertMLM(nn.Module):
   @nn.compact
   def __call__(self, tokens, train: bool = True):
     init = nn.initializers.normal(0.02)
-    embed = nn.Embed(self.vocab_size, self.hidden, embedding_init=init, dtype=self.dtype,
-                     name="token_embed")
+    embed = nn.Embed(
+      self.vocab_size, self.hidden, embedding_init=init, dtype=self.dtype, name="token_embed"
+    )
     positions = self.param("position_embed", init, (self.max_length, self.hidden))
-    x = embed(tokens) + positions[None, :tokens.shape[1]].astype(self.dtype)
+    x = embed(tokens) + positions[None, : tokens.shape[1]].astype(self.dtype)
     x = nn.LayerNorm(epsilon=1e-12, dtype=self.dtype)(x)
     x = nn.Dropout(self.dropout, deterministic=not train)(x)
     attention_mask = nn.make_attention_mask(tokens != self.pad_id, tokens != self.pad_id)
     for i in range(self.layers):
-      x = TransformerLayer(self.hidden, self.heads, self.mlp, self.dropout, self.dtype,
-                           name=f"layer_{i}")(x, attention_mask, train)
+      x = TransformerLayer(
+        self.hidden, self.heads, self.mlp, self.dropout, self.dtype, name=f"layer_{i}"
+      )(x, attention_mask, train)
     x = nn.Dense(self.hidden, dtype=self.dtype, name="mlm_dense")(x)
     x = nn.LayerNorm(epsilon=1e-12, dtype=self.dtype, name="mlm_norm")(
-        nn.gelu(x, approximate=False))
+      nn.gelu(x, approximate=False)
+    )
     bias = self.param("mlm_bias", nn.initializers.zeros_init(), (self.vocab_size,))
     return embed.attend(x).astype(jnp.float32) + bias
 
 
-def create_model(config: ml_collections.ConfigDict, *, num_classes: int | None = None,
-                 vocab_size: int | None = None, dtype: Any = jnp.float32) -> nn.Module:
+def create_model(
+  config: ml_collections.ConfigDict,
+  *,
+  num_classes: int | None = None,
+  vocab_size: int | None = None,
+  dtype: Any = jnp.float32,
+) -> nn.Module:
   """Builds the model named by ``config.model``.
 
   Args:
@@ -237,19 +250,29 @@ def create_model(config: ml_collections.ConfigDict, *, num_classes: int | None =
   if name == "mlp":
     return MLP(num_classes=num_classes, hidden=tuple(config.mlp_hidden))
   if name == "cnn":
-    return CNN(num_classes=num_classes, features=tuple(config.cnn_features),
-               dense=config.cnn_dense)
+    return CNN(num_classes=num_classes, features=tuple(config.cnn_features), dense=config.cnn_dense)
   if name in RESNETS:
     stages, block = RESNETS[name]
     stages = tuple(config.resnet_stage_sizes) or stages
-    return ResNet(stage_sizes=stages, block_cls=block, num_classes=num_classes,
-                  num_filters=config.resnet_filters, stem=config.resnet_stem,
-                  bn_axis_name="batch" if config.sync_batchnorm else None,
-                  bn_momentum=config.bn_momentum, dtype=dtype)
+    return ResNet(
+      stage_sizes=stages,
+      block_cls=block,
+      num_classes=num_classes,
+      num_filters=config.resnet_filters,
+      stem=config.resnet_stem,
+      bn_axis_name="batch" if config.sync_batchnorm else None,
+      bn_momentum=config.bn_momentum,
+      dtype=dtype,
+    )
   if name == "bert":
-    return BertMLM(vocab_size=vocab_size, max_length=config.seq_length,
-                   hidden=config.bert_hidden, layers=config.bert_layers,
-                   heads=config.bert_heads, mlp=config.bert_mlp, dropout=config.dropout,
-                   dtype=dtype)
-  raise ValueError(f"unknown model {name!r}; choose one of "
-                   f"{('mlp', 'cnn', *RESNETS, 'bert')}")
+    return BertMLM(
+      vocab_size=vocab_size,
+      max_length=config.seq_length,
+      hidden=config.bert_hidden,
+      layers=config.bert_layers,
+      heads=config.bert_heads,
+      mlp=config.bert_mlp,
+      dropout=config.dropout,
+      dtype=dtype,
+    )
+  raise ValueError(f"unknown model {name!r}; choose one of {('mlp', 'cnn', *RESNETS, 'bert')}")

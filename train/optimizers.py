@@ -54,20 +54,36 @@ def create_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransfo
   lr = config.learning_rate
   if config.optimizer == "sgd":
     base = optax.chain(
-        optax.add_decayed_weights(config.weight_decay) if config.weight_decay else optax.identity(),
-        optax.sgd(lr, momentum=config.momentum or None, nesterov=config.nesterov))
+      optax.add_decayed_weights(config.weight_decay) if config.weight_decay else optax.identity(),
+      optax.sgd(lr, momentum=config.momentum or None, nesterov=config.nesterov),
+    )
   elif config.optimizer == "adamw":
-    base = optax.adamw(lr, b1=config.b1, b2=config.b2, eps=config.eps,
-                       weight_decay=config.weight_decay, mask=_decay_mask)
+    base = optax.adamw(
+      lr,
+      b1=config.b1,
+      b2=config.b2,
+      eps=config.eps,
+      weight_decay=config.weight_decay,
+      mask=_decay_mask,
+    )
   elif config.optimizer == "lamb":
-    base = optax.lamb(lr, b1=config.b1, b2=config.b2, eps=config.eps,
-                      weight_decay=config.weight_decay, mask=_decay_mask)
+    base = optax.lamb(
+      lr,
+      b1=config.b1,
+      b2=config.b2,
+      eps=config.eps,
+      weight_decay=config.weight_decay,
+      mask=_decay_mask,
+    )
   else:
     raise ValueError(f"unknown optimizer {config.optimizer!r}; choose one of {OPTIMIZERS}")
   if config.grad_clip_norm:
     base = optax.chain(optax.clip_by_global_norm(config.grad_clip_norm), base)
-  return optax.chain(simigrad_jax.transform("batch", reduction=config.reduction),
-                     base, simigrad_jax.scale_by_lr_factor())
+  return optax.chain(
+    simigrad_jax.transform("batch", reduction=config.reduction),
+    base,
+    simigrad_jax.scale_by_lr_factor(),
+  )
 
 
 def create_lr_schedule(config: ml_collections.ConfigDict) -> Callable[[float], float]:

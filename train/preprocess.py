@@ -22,8 +22,9 @@ IMAGENET_MEAN = (123.675, 116.28, 103.53)
 IMAGENET_STD = (58.395, 57.12, 57.375)
 
 
-def normalize(images: jax.Array, mean: Sequence[float] | None,
-              std: Sequence[float] | None) -> jax.Array:
+def normalize(
+  images: jax.Array, mean: Sequence[float] | None, std: Sequence[float] | None
+) -> jax.Array:
   """Images as float32: ``(x - mean) / std`` per channel, or ``x / 255`` when ``mean`` is None."""
   x = images.astype(jnp.float32)
   if mean is None:
@@ -49,17 +50,20 @@ def random_crop_and_flip(rng: jax.Array, images: jax.Array, padding: int = 4) ->
   padded = jnp.pad(images, ((0, 0), (padding, padding), (padding, padding), (0, 0)))
 
   def one(image, offset, flip):
-    crop = jax.lax.dynamic_slice(image, (offset[0], offset[1], 0),
-                                 (height, width, image.shape[-1]))
+    crop = jax.lax.dynamic_slice(image, (offset[0], offset[1], 0), (height, width, image.shape[-1]))
     return jnp.where(flip, crop[:, ::-1], crop)
 
   return jax.vmap(one)(padded, offsets, flips)
 
 
 def random_resized_crop_and_flip(
-    rng: jax.Array, images: jax.Array, size: int, *,
-    area_range: tuple[float, float] = (0.08, 1.0),
-    aspect_range: tuple[float, float] = (3 / 4, 4 / 3)) -> jax.Array:
+  rng: jax.Array,
+  images: jax.Array,
+  size: int,
+  *,
+  area_range: tuple[float, float] = (0.08, 1.0),
+  aspect_range: tuple[float, float] = (3 / 4, 4 / 3),
+) -> jax.Array:
   """The Inception crop: a random box of 8-100% of the area and 3/4-4/3 aspect, resized to ``size``, flipped half.
 
   Runs in-graph on fixed-shape inputs (the host ships square center crops),
@@ -79,8 +83,9 @@ def random_resized_crop_and_flip(
   batch, height, width, _ = images.shape
   area_key, aspect_key, y_key, x_key, flip_key = jax.random.split(rng, 5)
   area = jax.random.uniform(area_key, (batch,), minval=area_range[0], maxval=area_range[1])
-  log_aspect = jax.random.uniform(aspect_key, (batch,), minval=jnp.log(aspect_range[0]),
-                                  maxval=jnp.log(aspect_range[1]))
+  log_aspect = jax.random.uniform(
+    aspect_key, (batch,), minval=jnp.log(aspect_range[0]), maxval=jnp.log(aspect_range[1])
+  )
   aspect = jnp.exp(log_aspect)
   box_w = jnp.clip(jnp.sqrt(area * aspect) * width, 1.0, width)
   box_h = jnp.clip(jnp.sqrt(area / aspect) * height, 1.0, height)
@@ -92,8 +97,14 @@ def random_resized_crop_and_flip(
     scale = jnp.stack([size / box_h, size / box_w])
     translation = jnp.stack([-top * scale[0], -left * scale[1]])
     out = jax.image.scale_and_translate(
-        image.astype(jnp.float32), (size, size, image.shape[-1]), (0, 1), scale, translation,
-        method="linear", antialias=True)
+      image.astype(jnp.float32),
+      (size, size, image.shape[-1]),
+      (0, 1),
+      scale,
+      translation,
+      method="linear",
+      antialias=True,
+    )
     return jnp.where(flip, out[:, ::-1], out)
 
   return jax.vmap(one)(images, top, left, box_h, box_w, flips)
@@ -103,12 +114,19 @@ def center_crop(images: jax.Array, size: int) -> jax.Array:
   """The central ``size`` x ``size`` window of each image."""
   _, height, width, _ = images.shape
   top, left = (height - size) // 2, (width - size) // 2
-  return images[:, top:top + size, left:left + size]
+  return images[:, top : top + size, left : left + size]
 
 
-def mask_tokens(rng: jax.Array, tokens: jax.Array, *, mask_rate: float, mask_id: int,
-                pad_id: int, first_regular_id: int, vocab_size: int
-                ) -> tuple[jax.Array, jax.Array]:
+def mask_tokens(
+  rng: jax.Array,
+  tokens: jax.Array,
+  *,
+  mask_rate: float,
+  mask_id: int,
+  pad_id: int,
+  first_regular_id: int,
+  vocab_size: int,
+) -> tuple[jax.Array, jax.Array]:
   """BERT's masking: choose ``mask_rate`` of the real tokens; of those 80% become MASK, 10% random, 10% unchanged.
 
   Args:

@@ -40,9 +40,15 @@ class EpochPrinter:
   examples seen.
   """
 
-  def __init__(self, evaluate: Callable[[Any, Any], dict[str, float]] | None,
-               workdir: pathlib.Path, num_epochs: float, *, eval_name: str = "eval",
-               enabled: bool = True):
+  def __init__(
+    self,
+    evaluate: Callable[[Any, Any], dict[str, float]] | None,
+    workdir: pathlib.Path,
+    num_epochs: float,
+    *,
+    eval_name: str = "eval",
+    enabled: bool = True,
+  ):
     self.evaluate, self.enabled, self.eval_name = evaluate, enabled, eval_name
     self.num_epochs = num_epochs
     self.trainer: Any = None
@@ -56,7 +62,7 @@ class EpochPrinter:
     with open(self._path, "rb") as f:
       f.seek(self._offset)
       data = f.read()
-    complete = data[:data.rfind(b"\n") + 1]
+    complete = data[: data.rfind(b"\n") + 1]
     self._offset += len(complete)
     for line in complete.splitlines():
       try:
@@ -80,11 +86,12 @@ class EpochPrinter:
     similarity = _mean([r["similarity"] for r in steps])
     total = f"{self.num_epochs:g}"
     tqdm.tqdm.write(
-        f"epoch {epoch + 1:>{len(total)}}/{total}  "
-        f"{self.eval_name} accuracy {results['accuracy']:.4f}  loss {results['loss']:.4f}  |  "
-        f"batch size {average:6.1f} avg, {self.trainer.controller.batch_size} next  "
-        f"similarity {similarity:+.3f} avg  |  step {self.trainer.step}  "
-        f"examples {self.trainer.sampler.examples_seen:,}")
+      f"epoch {epoch + 1:>{len(total)}}/{total}  "
+      f"{self.eval_name} accuracy {results['accuracy']:.4f}  loss {results['loss']:.4f}  |  "
+      f"batch size {average:6.1f} avg, {self.trainer.controller.batch_size} next  "
+      f"similarity {similarity:+.3f} avg  |  step {self.trainer.step}  "
+      f"examples {self.trainer.sampler.examples_seen:,}"
+    )
     return results
 
 
@@ -93,23 +100,28 @@ def print_start(experiment: Any, trainer: Any) -> None:
   config, data = experiment.config, experiment.datasets
   devices = experiment.devices
   controller = trainer.controller
-  bounds = (f"[{controller.config.get('batch_size_lower_bound') or 1}, "
-            f"{controller.config.get('batch_size_upper_bound') or len(data.train)}]")
+  bounds = (
+    f"[{controller.config.get('batch_size_lower_bound') or 1}, "
+    f"{controller.config.get('batch_size_upper_bound') or len(data.train)}]"
+  )
   target = controller.config.get("similarity_target")
   lines = [
-      f"simigrad-jax: {config.model} on {data.description}: {len(data.train):,} training "
-      f"examples" + (f", {len(data.eval):,} for evaluation" if data.eval is not None else ""),
-      f"  devices: {describe_devices(devices, experiment.halves)} "
-      f"({jax.process_count()} process(es))",
-      f"  controller: {config.controller}, initial batch {config.initial_batch_size}, "
-      f"bounds {bounds}" + (f", similarity target {target}" if target is not None else "")
-      + f"; lr {config.optimizer} {config.learning_rate} x {config.lr_rule}(B / B0)",
-      f"  workdir: {trainer.workdir}",
-      f"  compilation cache: {compilation_cache_dir() or 'off'}",
+    f"simigrad-jax: {config.model} on {data.description}: {len(data.train):,} training "
+    f"examples" + (f", {len(data.eval):,} for evaluation" if data.eval is not None else ""),
+    f"  devices: {describe_devices(devices, experiment.halves)} "
+    f"({jax.process_count()} process(es))",
+    f"  controller: {config.controller}, initial batch {config.initial_batch_size}, "
+    f"bounds {bounds}"
+    + (f", similarity target {target}" if target is not None else "")
+    + f"; lr {config.optimizer} {config.learning_rate} x {config.lr_rule}(B / B0)",
+    f"  workdir: {trainer.workdir}",
+    f"  compilation cache: {compilation_cache_dir() or 'off'}",
   ]
   if trainer.step:
-    lines.append(f"  resuming from the checkpoint at step {trainer.step} "
-                 f"({trainer.sampler.examples_seen:,} examples seen)")
+    lines.append(
+      f"  resuming from the checkpoint at step {trainer.step} "
+      f"({trainer.sampler.examples_seen:,} examples seen)"
+    )
   print("\n".join(lines), flush=True)
 
 
@@ -125,8 +137,9 @@ def describe_devices(devices: list[Any], halves: str) -> str:
   return f"{len(devices)} x {devices[0].platform}, {halves} halves"
 
 
-def summarize(workdir: pathlib.Path, run: dict[str, Any], devices: list[Any],
-              seconds: float, halves: str) -> dict[str, Any]:
+def summarize(
+  workdir: pathlib.Path, run: dict[str, Any], devices: list[Any], seconds: float, halves: str
+) -> dict[str, Any]:
   """The whole run's numbers (resumed parts included) from ``metrics.jsonl`` and this invocation's ``run`` summary."""
   path = pathlib.Path(workdir) / "metrics.jsonl"
   records = read_metrics(path) if path.exists() else []
@@ -137,27 +150,30 @@ def summarize(workdir: pathlib.Path, run: dict[str, Any], devices: list[Any],
   examples = last.get("examples_seen", run["examples_seen"])
   count = last.get("step", run["steps"])
   return {
-      "eval_accuracy": evals[-1]["eval_accuracy"] if evals else run.get("eval_accuracy"),
-      "eval_loss": evals[-1].get("eval_loss") if evals else run.get("eval_loss"),
-      "steps": count,
-      "examples_seen": examples,
-      "average_batch_size": examples / count if count else math.nan,
-      "final_batch_size": run["final_batch_size"],
-      "last_loss": last.get("loss"),
-      "steps_this_run": run["run_steps"],
-      "compiles": run["compiles"],
-      "compile_seconds": run["compile_seconds"],
-      "compile_wait_seconds": run["compile_wait_seconds"],
-      "compile_fallback_steps": run["compile_fallback_steps"],
-      "nonfinite_steps": len(nonfinite),
-      "first_nonfinite_step": ({"step": nonfinite[0]["step"],
-                                "batch_size": nonfinite[0]["batch_size"]} if nonfinite else None),
-      "compiled_micro_batch_sizes": run["compiled_micro_batch_sizes"],
-      "devices": describe_devices(devices, halves),
-      "seconds": seconds,
-      "metrics": str(path),
-      "tensorboard": str(pathlib.Path(workdir) / "tensorboard"),
-      "checkpoints": str(pathlib.Path(workdir) / "checkpoints"),
+    "eval_accuracy": evals[-1]["eval_accuracy"] if evals else run.get("eval_accuracy"),
+    "eval_loss": evals[-1].get("eval_loss") if evals else run.get("eval_loss"),
+    "steps": count,
+    "examples_seen": examples,
+    "average_batch_size": examples / count if count else math.nan,
+    "final_batch_size": run["final_batch_size"],
+    "last_loss": last.get("loss"),
+    "steps_this_run": run["run_steps"],
+    "compiles": run["compiles"],
+    "compile_seconds": run["compile_seconds"],
+    "compile_wait_seconds": run["compile_wait_seconds"],
+    "compile_fallback_steps": run["compile_fallback_steps"],
+    "nonfinite_steps": len(nonfinite),
+    "first_nonfinite_step": (
+      {"step": nonfinite[0]["step"], "batch_size": nonfinite[0]["batch_size"]}
+      if nonfinite
+      else None
+    ),
+    "compiled_micro_batch_sizes": run["compiled_micro_batch_sizes"],
+    "devices": describe_devices(devices, halves),
+    "seconds": seconds,
+    "metrics": str(path),
+    "tensorboard": str(pathlib.Path(workdir) / "tensorboard"),
+    "checkpoints": str(pathlib.Path(workdir) / "checkpoints"),
   }
 
 
@@ -166,33 +182,43 @@ def _nonfinite_row(summary: dict[str, Any]) -> str:
   first = summary.get("first_nonfinite_step")
   if not first:
     return "none"
-  return (f"{summary['nonfinite_steps']} skipped (the first: step {first['step']}, batch size "
-          f"{first['batch_size']})")
+  return (
+    f"{summary['nonfinite_steps']} skipped (the first: step {first['step']}, batch size "
+    f"{first['batch_size']})"
+  )
 
 
 def print_summary(summary: dict[str, Any]) -> None:
   """The summary table and where the files are."""
   accuracy = summary["eval_accuracy"]
   if not summary["steps_this_run"]:
-    print(f"nothing to train: the run in this workdir is complete ({summary['steps']:,} steps); "
-          "give more --config.num_epochs to continue it, or a new --workdir", flush=True)
+    print(
+      f"nothing to train: the run in this workdir is complete ({summary['steps']:,} steps); "
+      "give more --config.num_epochs to continue it, or a new --workdir",
+      flush=True,
+    )
   rows = [
-      (f"final {summary.get('eval_name', 'eval')} accuracy",
-       "n/a" if accuracy is None else f"{accuracy:.4f}"),
-      ("average batch size", f"{summary['average_batch_size']:.1f}"),
-      ("final batch size", summary["final_batch_size"]),
-      ("optimizer steps", f"{summary['steps']:,} ({summary['steps_this_run']:,} in this run)"),
-      ("examples seen", f"{summary['examples_seen']:,}"),
-      ("non-finite steps", _nonfinite_row(summary)),
-      ("compiles", f"{summary['compiles']} (micro-batch sizes "
-                   f"{sorted(summary['compiled_micro_batch_sizes'])}; "
-                   f"{summary['compile_seconds']:.1f} s, "
-                   f"{summary['compile_wait_seconds']:.1f} s waited, "
-                   f"{summary['compile_fallback_steps']} steps on a fallback shape)"),
-      ("devices", summary["devices"]),
-      ("runtime", f"{summary['seconds']:.1f} s"),
-      ("metrics", summary["metrics"]),
-      ("tensorboard", f"tensorboard --logdir {summary['tensorboard']}"),
+    (
+      f"final {summary.get('eval_name', 'eval')} accuracy",
+      "n/a" if accuracy is None else f"{accuracy:.4f}",
+    ),
+    ("average batch size", f"{summary['average_batch_size']:.1f}"),
+    ("final batch size", summary["final_batch_size"]),
+    ("optimizer steps", f"{summary['steps']:,} ({summary['steps_this_run']:,} in this run)"),
+    ("examples seen", f"{summary['examples_seen']:,}"),
+    ("non-finite steps", _nonfinite_row(summary)),
+    (
+      "compiles",
+      f"{summary['compiles']} (micro-batch sizes "
+      f"{sorted(summary['compiled_micro_batch_sizes'])}; "
+      f"{summary['compile_seconds']:.1f} s, "
+      f"{summary['compile_wait_seconds']:.1f} s waited, "
+      f"{summary['compile_fallback_steps']} steps on a fallback shape)",
+    ),
+    ("devices", summary["devices"]),
+    ("runtime", f"{summary['seconds']:.1f} s"),
+    ("metrics", summary["metrics"]),
+    ("tensorboard", f"tensorboard --logdir {summary['tensorboard']}"),
   ]
   if summary.get("plot"):
     rows.append(("plot", summary["plot"]))

@@ -19,21 +19,44 @@ from typing import Any
 
 import ml_collections
 
-NOT_DECIDING: frozenset[str] = frozenset({
+NOT_DECIDING: frozenset[str] = frozenset(
+  {
     # How long: a resume that goes on for more epochs or steps is the same run (but see
     # "cosine", whose schedule spans num_epochs).
-    "num_epochs", "num_steps",
+    "num_epochs",
+    "num_steps",
     # Where it runs and how the steps are laid out (the Trainer records these itself).
-    "platform", "num_cpu_devices", "halves", "max_micro_batch_size", "min_micro_batch_size",
-    "mode", "compile_fallback",
+    "platform",
+    "num_cpu_devices",
+    "halves",
+    "max_micro_batch_size",
+    "min_micro_batch_size",
+    "mode",
+    "compile_fallback",
     # Where the data is read from and how fast; what the evaluation reads.
-    "data_dir", "download", "local_data_dir", "num_workers", "decode_threads", "eval_split",
-    "eval_examples", "eval_batch_size",
+    "data_dir",
+    "download",
+    "local_data_dir",
+    "num_workers",
+    "decode_threads",
+    "eval_split",
+    "eval_examples",
+    "eval_batch_size",
     # What is shown, saved and cached, and how long hosts wait for each other.
-    "verbose", "progress", "tensorboard", "plot", "checkpoint_every_steps", "max_checkpoints",
-    "compilation_cache", "compilation_cache_dir", "agreement_timeout_seconds",
-    "allow_changed_settings", "allow_shared_workdir", "checkpoint_every_seconds",
-})
+    "verbose",
+    "progress",
+    "tensorboard",
+    "plot",
+    "checkpoint_every_steps",
+    "max_checkpoints",
+    "compilation_cache",
+    "compilation_cache_dir",
+    "agreement_timeout_seconds",
+    "allow_changed_settings",
+    "allow_shared_workdir",
+    "checkpoint_every_seconds",
+  }
+)
 
 
 def run_settings(config: ml_collections.ConfigDict) -> dict[str, Any]:

@@ -14,7 +14,8 @@ the exact mean over the global batch. The evaluation runs on the host.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -31,23 +32,28 @@ AUGMENTATIONS: tuple[str, ...] = ("none", "crop_flip", "inception")
 # ------------------------------------------------------------------ image classification
 
 
-def image_fns(config: ml_collections.ConfigDict, model: Any, datasets: input_pipeline.Datasets
-              ) -> tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any]]:
+def image_fns(
+  config: ml_collections.ConfigDict, model: Any, datasets: input_pipeline.Datasets
+) -> tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any]]:
   """Image classification's ``(loss_fn, predict, eval_step)``; ``eval_step`` sums correct, loss, count.
 
   The images are augmented in-graph as ``config.augment`` says and normalised.
   """
   if config.augment not in AUGMENTATIONS:
-    raise ValueError(f"config.augment={config.augment!r} is not valid; "
-                     f"choose one of {AUGMENTATIONS}")
+    raise ValueError(
+      f"config.augment={config.augment!r} is not valid; choose one of {AUGMENTATIONS}"
+    )
   mean, std = datasets.image_mean, datasets.image_std
 
   def prepare(images, rng, train: bool):
     if config.augment == "crop_flip" and train:
       images = preprocess.random_crop_and_flip(rng, images, config.crop_padding)
     elif config.augment == "inception":
-      images = (preprocess.random_resized_crop_and_flip(rng, images, config.image_size) if train
-                else preprocess.center_crop(images, config.image_size))
+      images = (
+        preprocess.random_resized_crop_and_flip(rng, images, config.image_size)
+        if train
+        else preprocess.center_crop(images, config.image_size)
+      )
     if images.dtype == jnp.uint8 or mean is not None:
       return preprocess.normalize(images, mean, std)
     return images.astype(jnp.float32)
@@ -57,8 +63,9 @@ def image_fns(config: ml_collections.ConfigDict, model: Any, datasets: input_pip
     variables = {"params": params, **(model_state or {})}
     mask = weights > 0
     if model_state:
-      logits, new_state = model.apply(variables, images, train=True, mask=mask,
-                                      mutable=list(model_state))
+      logits, new_state = model.apply(
+        variables, images, train=True, mask=mask, mutable=list(model_state)
+      )
     else:
       logits, new_state = model.apply(variables, images, train=True, mask=mask), model_state
     labels = jax.nn.one_hot(batch["label"].astype(jnp.int32), datasets.num_classes)
@@ -83,21 +90,27 @@ def image_fns(config: ml_collections.ConfigDict, model: Any, datasets: input_pip
 # ------------------------------------------------------------------ masked language modelling
 
 
-def mlm_fns(config: ml_collections.ConfigDict, model: Any, datasets: input_pipeline.Datasets
-            ) -> tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any]]:
+def mlm_fns(
+  config: ml_collections.ConfigDict, model: Any, datasets: input_pipeline.Datasets
+) -> tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any]]:
   """BERT's masked-LM ``(loss_fn, predict, eval_step)``; ``eval_step`` sums correct, loss, masked.
 
   Used by :func:`train.train.create_experiment` and by ``benchmarks/pareto_mlm.py``.
   """
-  mask_args = dict(mask_rate=config.mask_rate, mask_id=input_pipeline.MASK_ID,
-                   pad_id=input_pipeline.PAD_ID, first_regular_id=input_pipeline.FIRST_BYTE_ID,
-                   vocab_size=datasets.vocab_size)
+  mask_args = dict(
+    mask_rate=config.mask_rate,
+    mask_id=input_pipeline.MASK_ID,
+    pad_id=input_pipeline.PAD_ID,
+    first_regular_id=input_pipeline.FIRST_BYTE_ID,
+    vocab_size=datasets.vocab_size,
+  )
 
   def masked_losses(params, tokens, rng, train: bool):
     mask_rng, dropout_rng = jax.random.split(rng)
     inputs, targets = preprocess.mask_tokens(mask_rng, tokens, **mask_args)
-    logits = model.apply({"params": params}, inputs, train=train,
-                         rngs={"dropout": dropout_rng} if train else None)
+    logits = model.apply(
+      {"params": params}, inputs, train=train, rngs={"dropout": dropout_rng} if train else None
+    )
     losses = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), tokens)
     correct = jnp.argmax(logits, -1) == tokens
     return losses, correct, targets.astype(jnp.float32)
@@ -120,9 +133,12 @@ def mlm_fns(config: ml_collections.ConfigDict, model: Any, datasets: input_pipel
   return loss_fn, predict, eval_step
 
 
-def make_evaluate(config: ml_collections.ConfigDict, datasets: input_pipeline.Datasets,
-                  eval_step: Callable[..., Any], text: bool
-                  ) -> Callable[[Any, Any], dict[str, float]] | None:
+def make_evaluate(
+  config: ml_collections.ConfigDict,
+  datasets: input_pipeline.Datasets,
+  eval_step: Callable[..., Any],
+  text: bool,
+) -> Callable[[Any, Any], dict[str, float]] | None:
   """``evaluate(params, model_state) -> {"accuracy", "loss"}`` over ``datasets.eval``.
 
   For text, each evaluation batch gets a fixed mask (from ``config.seed``), the
@@ -134,8 +150,9 @@ def make_evaluate(config: ml_collections.ConfigDict, datasets: input_pipeline.Da
   def evaluate(params, model_state):
     variables = jax.device_put({"params": params, **(model_state or {})}, jax.local_devices()[0])
     totals = np.zeros(3)
-    for i, (batch, weights) in enumerate(input_pipeline.eval_batches(datasets.eval,
-                                                                     config.eval_batch_size)):
+    for i, (batch, weights) in enumerate(
+      input_pipeline.eval_batches(datasets.eval, config.eval_batch_size)
+    ):
       args = (variables, batch, weights)
       if text:  # a fixed mask per batch, the same at every evaluation
         args += (jax.random.fold_in(jax.random.key(config.seed + 1), i),)

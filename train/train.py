@@ -110,8 +110,10 @@ def training_devices(config: ml_collections.ConfigDict) -> list[jax.Device]:
 def check_device_count(devices: list[jax.Device]) -> list[jax.Device]:
   """Returns ``devices`` as a list if there is at least one, else raises ValueError."""
   if not devices:
-    raise ValueError("no devices to train on; --config.platform=cpu trains on the CPU's "
-                     "(--config.num_cpu_devices simulated) devices")
+    raise ValueError(
+      "no devices to train on; --config.platform=cpu trains on the CPU's "
+      "(--config.num_cpu_devices simulated) devices"
+    )
   return list(devices)
 
 
@@ -136,24 +138,31 @@ def create_trainer_config(config: ml_collections.ConfigDict) -> TrainerConfig:
   """
   with _named_as_config_options():
     return TrainerConfig(
-        max_micro_batch_size=config.max_micro_batch_size, mode=config.mode,
-        min_micro_batch_size=config.min_micro_batch_size,
-        compile_fallback=config.compile_fallback, lr_rule=config.lr_rule,
-        lr_adjust_factor=config.lr_adjust_factor, seed=config.seed,
-        checkpoint_every_steps=config.checkpoint_every_steps,
-        checkpoint_every_seconds=config.checkpoint_every_seconds,
-        max_checkpoints=config.max_checkpoints,
-        allow_changed_settings=config.allow_changed_settings, tensorboard=config.tensorboard,
-        progress=config.progress, halves=config.halves,
-        allow_shared_workdir=config.allow_shared_workdir,
-        agreement_timeout_seconds=config.agreement_timeout_seconds)
+      max_micro_batch_size=config.max_micro_batch_size,
+      mode=config.mode,
+      min_micro_batch_size=config.min_micro_batch_size,
+      compile_fallback=config.compile_fallback,
+      lr_rule=config.lr_rule,
+      lr_adjust_factor=config.lr_adjust_factor,
+      seed=config.seed,
+      checkpoint_every_steps=config.checkpoint_every_steps,
+      checkpoint_every_seconds=config.checkpoint_every_seconds,
+      max_checkpoints=config.max_checkpoints,
+      allow_changed_settings=config.allow_changed_settings,
+      tensorboard=config.tensorboard,
+      progress=config.progress,
+      halves=config.halves,
+      allow_shared_workdir=config.allow_shared_workdir,
+      agreement_timeout_seconds=config.agreement_timeout_seconds,
+    )
 
 
 # ------------------------------------------------------------------ controller
 
 
-def create_controller(config: ml_collections.ConfigDict, num_devices: int,
-                      halves: str = "device") -> Any:
+def create_controller(
+  config: ml_collections.ConfigDict, num_devices: int, halves: str = "device"
+) -> Any:
   """The batch-size controller ``config.controller`` with the config's options.
 
   ``"simigrad"`` and ``"fixed"`` get every reference option (similarity
@@ -172,45 +181,54 @@ def create_controller(config: ml_collections.ConfigDict, num_devices: int,
   lower = config.batch_size_lower_bound
   slots = num_devices * layout.blocks_per_device(halves)
   options: dict[str, Any] = {
-      "initial_batch_size": config.initial_batch_size,
-      "batch_size_lower_bound": slots if lower is None else lower,
-      "batch_size_upper_bound": config.batch_size_upper_bound,
+    "initial_batch_size": config.initial_batch_size,
+    "batch_size_lower_bound": slots if lower is None else lower,
+    "batch_size_upper_bound": config.batch_size_upper_bound,
   }
   profile = tuple(config.batch_sizes_to_profile) or None
   if config.controller in ("simigrad", "fixed"):
     options.update(
-        similarity_target=config.similarity_target, smooth_factor=config.smooth_factor,
-        dead_band=config.dead_band, warmup_steps=config.controller_warmup_steps,
-        ema_decay=config.similarity_ema_decay,
-        batch_sizes_to_profile=profile, profile_steps_per_size=config.profile_steps_per_size,
-        verbose=config.verbose)
+      similarity_target=config.similarity_target,
+      smooth_factor=config.smooth_factor,
+      dead_band=config.dead_band,
+      warmup_steps=config.controller_warmup_steps,
+      ema_decay=config.similarity_ema_decay,
+      batch_sizes_to_profile=profile,
+      profile_steps_per_size=config.profile_steps_per_size,
+      verbose=config.verbose,
+    )
     if config.controller == "simigrad":
       options["enable_adjust"] = config.enable_adjust
     elif profile is None:
       options["batch_size_lower_bound"] = options["batch_size_upper_bound"] = (
-          config.initial_batch_size)
+        config.initial_batch_size
+      )
   if config.controller_options:
     try:
       extra = json.loads(config.controller_options)
     except ValueError as e:
-      raise ValueError(f"config.controller_options must be a JSON object, got "
-                       f"{config.controller_options!r}: {e}") from e
+      raise ValueError(
+        f"config.controller_options must be a JSON object, got {config.controller_options!r}: {e}"
+      ) from e
     if not isinstance(extra, dict):
-      raise ValueError(f"config.controller_options must be a JSON object, got "
-                       f"{config.controller_options!r}")
+      raise ValueError(
+        f"config.controller_options must be a JSON object, got {config.controller_options!r}"
+      )
     options.update(extra)
   try:
     return simigrad_jax.make_controller(config.controller, **options)
   except TypeError as e:  # an option the controller does not take
-    raise ValueError(f"controller {config.controller!r} refused its options "
-                     f"{sorted(options)}: {e}") from e
+    raise ValueError(
+      f"controller {config.controller!r} refused its options {sorted(options)}: {e}"
+    ) from e
 
 
 # ------------------------------------------------------------------ assembly
 
 
-def create_experiment(config: ml_collections.ConfigDict,
-                      devices: list[jax.Device] | None = None) -> Experiment:
+def create_experiment(
+  config: ml_collections.ConfigDict, devices: list[jax.Device] | None = None
+) -> Experiment:
   """Builds the data, model, loss, evaluation, optimizer and controller of ``config``.
 
   Args:
@@ -233,8 +251,12 @@ def create_experiment(config: ml_collections.ConfigDict,
   optimizer = optimizers.create_optimizer(config)
   lr_schedule = optimizers.create_lr_schedule(config)
   datasets = input_pipeline.create_datasets(config)
-  model = models.create_model(config, num_classes=datasets.num_classes,
-                              vocab_size=datasets.vocab_size, dtype=DTYPES[config.dtype])
+  model = models.create_model(
+    config,
+    num_classes=datasets.num_classes,
+    vocab_size=datasets.vocab_size,
+    dtype=DTYPES[config.dtype],
+  )
   # The RBG generator compiles an initialisation in seconds where threefry takes
   # half a minute for a ResNet on a CPU; same seed, same backend: same parameters.
   key = jax.random.key(config.seed, impl="rbg")
@@ -242,8 +264,9 @@ def create_experiment(config: ml_collections.ConfigDict,
   if config.model == "bert":
     if config.dataset not in ("text", "tfds_text"):
       raise ValueError(f"model 'bert' needs a text data set, not {config.dataset!r}")
-    params = jax.jit(lambda k: model.init(k, jnp.zeros((1, config.seq_length), jnp.int32),
-                                          train=False)["params"])(key)
+    params = jax.jit(
+      lambda k: model.init(k, jnp.zeros((1, config.seq_length), jnp.int32), train=False)["params"]
+    )(key)
     model_state = None
     loss_fn, predict, eval_step = tasks.mlm_fns(config, model, datasets)
   else:
@@ -260,8 +283,22 @@ def create_experiment(config: ml_collections.ConfigDict,
     loss_fn, predict, eval_step = tasks.image_fns(config, model, datasets)
   params = jax.tree.map(np.asarray, params)
   evaluate = tasks.make_evaluate(config, datasets, eval_step, text=config.model == "bert")
-  return Experiment(config, datasets, model, params, model_state, loss_fn, predict, evaluate,
-                    optimizer, lr_schedule, controller, list(devices), halves, trainer_config)
+  return Experiment(
+    config,
+    datasets,
+    model,
+    params,
+    model_state,
+    loss_fn,
+    predict,
+    evaluate,
+    optimizer,
+    lr_schedule,
+    controller,
+    list(devices),
+    halves,
+    trainer_config,
+  )
 
 
 def max_micro_batch_size(configured: int, upper: int, num_devices: int) -> int:
@@ -278,8 +315,9 @@ def max_micro_batch_size(configured: int, upper: int, num_devices: int) -> int:
   return size
 
 
-def compilation_cache_dir(config: ml_collections.ConfigDict,
-                          workdir: str | os.PathLike) -> pathlib.Path | None:
+def compilation_cache_dir(
+  config: ml_collections.ConfigDict, workdir: str | os.PathLike
+) -> pathlib.Path | None:
   """Where a run of ``config`` in ``workdir`` keeps JAX's persistent compilation cache.
 
   Args:
@@ -299,14 +337,18 @@ def compilation_cache_dir(config: ml_collections.ConfigDict,
   if config.compilation_cache_dir is None:
     return pathlib.Path(workdir).absolute() / "compilation_cache"
   if not config.compilation_cache_dir:
-    raise ValueError("config.compilation_cache_dir is empty; leave it unset for "
-                     "<workdir>/compilation_cache, or set config.compilation_cache=False")
+    raise ValueError(
+      "config.compilation_cache_dir is empty; leave it unset for "
+      "<workdir>/compilation_cache, or set config.compilation_cache=False"
+    )
   return pathlib.Path(config.compilation_cache_dir).expanduser().absolute()
 
 
-def create_trainer(experiment: Experiment, workdir: str | os.PathLike,
-                   eval_fn: Callable[[Any, Any], Mapping[str, float]] | None = None
-                   ) -> simigrad_jax.Trainer:
+def create_trainer(
+  experiment: Experiment,
+  workdir: str | os.PathLike,
+  eval_fn: Callable[[Any, Any], Mapping[str, float]] | None = None,
+) -> simigrad_jax.Trainer:
   """The :class:`simigrad_jax.Trainer` of ``experiment`` in ``workdir`` (resumes from its newest checkpoint).
 
   Its checkpoints record the options that decide the run (:mod:`train.run_settings`).
@@ -315,22 +357,33 @@ def create_trainer(experiment: Experiment, workdir: str | os.PathLike,
   process-wide setting (see ``simigrad_jax.persistent_cache_settings``).
   """
   settings = experiment.trainer_config
-  upper = (experiment.controller.config.get("batch_size_upper_bound")
-           or len(experiment.datasets.train))
+  upper = experiment.controller.config.get("batch_size_upper_bound") or len(
+    experiment.datasets.train
+  )
   return simigrad_jax.Trainer(
-      loss_fn=experiment.loss_fn, params=experiment.params, optimizer=experiment.optimizer,
-      source=experiment.datasets.train, controller=experiment.controller, workdir=workdir,
-      model_state=experiment.model_state,
-      eval_fn=eval_fn if eval_fn is not None else experiment.evaluate,
-      lr_schedule=experiment.lr_schedule, devices=experiment.devices,
-      run_settings=run_settings.run_settings(experiment.config), config=settings.replace(
-          max_micro_batch_size=max_micro_batch_size(settings.max_micro_batch_size, upper,
-                                                    len(experiment.devices)),
-          compilation_cache_dir=compilation_cache_dir(experiment.config, workdir)))
+    loss_fn=experiment.loss_fn,
+    params=experiment.params,
+    optimizer=experiment.optimizer,
+    source=experiment.datasets.train,
+    controller=experiment.controller,
+    workdir=workdir,
+    model_state=experiment.model_state,
+    eval_fn=eval_fn if eval_fn is not None else experiment.evaluate,
+    lr_schedule=experiment.lr_schedule,
+    devices=experiment.devices,
+    run_settings=run_settings.run_settings(experiment.config),
+    config=settings.replace(
+      max_micro_batch_size=max_micro_batch_size(
+        settings.max_micro_batch_size, upper, len(experiment.devices)
+      ),
+      compilation_cache_dir=compilation_cache_dir(experiment.config, workdir),
+    ),
+  )
 
 
-def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.PathLike,
-                       *, title: str | None = None) -> dict[str, Any]:
+def train_and_evaluate(
+  config: ml_collections.ConfigDict, workdir: str | os.PathLike, *, title: str | None = None
+) -> dict[str, Any]:
   """Trains ``config`` in ``workdir`` and reports: per-epoch lines, a summary table, the plot.
 
   Re-running with the same workdir resumes from its newest checkpoint and
@@ -341,8 +394,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
   user and be writable by no other, unless ``config.allow_shared_workdir``.
   JAX's persistent compilation cache is on before the first compile (in
   ``<workdir>/compilation_cache`` unless the config says otherwise), so a
-  second run or a resume loads its executables from disk. That changes process-wide ``jax.config`` settings: a caller that
-  compiles other things afterwards can run this inside
+  second run or a resume loads its executables from disk. That changes
+  process-wide ``jax.config`` settings: a caller that compiles other things
+  afterwards can run this inside
   ``simigrad_jax.persistent_cache_settings()``.
 
   Args:
@@ -365,13 +419,17 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
       the checkpoint of its last step (nothing is reported).
   """
   start = time.perf_counter()
-  with open_workdir(workdir, allow_shared=config.allow_shared_workdir,
-                    agreement=ProcessAgreement(config.agreement_timeout_seconds)) as held:
+  with open_workdir(
+    workdir,
+    allow_shared=config.allow_shared_workdir,
+    agreement=ProcessAgreement(config.agreement_timeout_seconds),
+  ) as held:
     return _train_and_evaluate_in(config, held, start=start, title=title)
 
 
-def _train_and_evaluate_in(config: ml_collections.ConfigDict, held: WorkdirLock, *,
-                           start: float, title: str | None) -> dict[str, Any]:
+def _train_and_evaluate_in(
+  config: ml_collections.ConfigDict, held: WorkdirLock, *, start: float, title: str | None
+) -> dict[str, Any]:
   """:func:`train_and_evaluate` in a workdir whose lock this process holds."""
   workdir = held.path
   is_main = jax.process_index() == 0
@@ -381,28 +439,41 @@ def _train_and_evaluate_in(config: ml_collections.ConfigDict, held: WorkdirLock,
   if cache_dir is not None:  # before the model's first compile, so that it is cached too
     simigrad_jax.enable_persistent_cache(cache_dir, allow_shared=config.allow_shared_workdir)
   experiment = create_experiment(config)
-  printer = report.EpochPrinter(experiment.evaluate, workdir, config.num_epochs,
-                                eval_name=experiment.datasets.eval_name, enabled=is_main)
+  printer = report.EpochPrinter(
+    experiment.evaluate,
+    workdir,
+    config.num_epochs,
+    eval_name=experiment.datasets.eval_name,
+    enabled=is_main,
+  )
   trainer = create_trainer(experiment, held, printer if experiment.evaluate else None)
   printer.trainer = trainer
   if is_main:
     config_history.append_start(
-        workdir, json.loads(config.to_json()), resumed_at_step=trainer.step,
-        devices=report.describe_devices(experiment.devices, experiment.halves),
-        processes=jax.process_count())
+      workdir,
+      json.loads(config.to_json()),
+      resumed_at_step=trainer.step,
+      devices=report.describe_devices(experiment.devices, experiment.halves),
+      processes=jax.process_count(),
+    )
     report.print_start(experiment, trainer)
   with trainer:
     run = trainer.train(num_epochs=config.num_epochs, num_steps=config.num_steps)
     if config.batch_sizes_to_profile and is_main and hasattr(trainer.controller, "save_profile"):
       trainer.controller.save_profile(workdir / "similarity_profile.json")
-  summary = report.summarize(workdir, run, experiment.devices, time.perf_counter() - start,
-                             experiment.halves)
+  summary = report.summarize(
+    workdir, run, experiment.devices, time.perf_counter() - start, experiment.halves
+  )
   summary["eval_name"] = experiment.datasets.eval_name
   if is_main:
     if config.plot and summary["steps"]:
-      summary["plot"] = str(plot.plot_metrics(
-          workdir / "metrics.jsonl", workdir / "metrics.png",
-          title=title or f"SimiGrad: {experiment.datasets.description}, {config.model}"))
+      summary["plot"] = str(
+        plot.plot_metrics(
+          workdir / "metrics.jsonl",
+          workdir / "metrics.png",
+          title=title or f"SimiGrad: {experiment.datasets.description}, {config.model}",
+        )
+      )
     report.print_summary(summary)
     files.write_atomic(workdir / "summary.json", json.dumps(summary, indent=2, default=str) + "\n")
   return summary

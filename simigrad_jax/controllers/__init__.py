@@ -27,16 +27,16 @@ from simigrad_jax.controllers.schedules import ScheduleController
 from simigrad_jax.controllers.simigrad import Controller
 
 __all__ = [
-    "BaseController",
-    "BatchSizeController",
-    "Controller",
-    "GnsController",
-    "LossPlateauController",
-    "ProfilesBatchSizes",
-    "ProfilingController",
-    "ScheduleController",
-    "controller_names",
-    "controller_options",
-    "make_controller",
-    "register_controller",
+  "BaseController",
+  "BatchSizeController",
+  "Controller",
+  "GnsController",
+  "LossPlateauController",
+  "ProfilesBatchSizes",
+  "ProfilingController",
+  "ScheduleController",
+  "controller_names",
+  "controller_options",
+  "make_controller",
+  "register_controller",
 ]

@@ -27,7 +27,15 @@ STATE_VERSION = 1
 # rule's size, "clamped" when the bounds changed it, "warmup" and "nonfinite" when the rule did
 # not run; "disabled" and "profile" are SimiGrad's (adjustment off; visiting profiled sizes).
 DECISIONS: tuple[str, ...] = (
-    "grow", "shrink", "hold", "clamped", "warmup", "disabled", "profile", "nonfinite")
+  "grow",
+  "shrink",
+  "hold",
+  "clamped",
+  "warmup",
+  "disabled",
+  "profile",
+  "nonfinite",
+)
 
 
 @runtime_checkable
@@ -100,12 +108,17 @@ class BatchSizeController(Protocol):
 
 # The protocol's members, in the order above (the Trainer's check names the missing ones).
 CONTROLLER_MEMBERS: tuple[str, ...] = tuple(
-    name for name in vars(BatchSizeController) if not name.startswith("_"))
+  name for name in vars(BatchSizeController) if not name.startswith("_")
+)
 CONTROLLER_METHODS: tuple[str, ...] = tuple(
-    name for name in CONTROLLER_MEMBERS if callable(vars(BatchSizeController)[name]))
+  name for name in CONTROLLER_MEMBERS if callable(vars(BatchSizeController)[name])
+)
 # The keys every controller's config has (None where one does not apply).
 REQUIRED_CONFIG_KEYS: tuple[str, ...] = (
-    "batch_size_lower_bound", "batch_size_upper_bound", "similarity_target")
+  "batch_size_lower_bound",
+  "batch_size_upper_bound",
+  "similarity_target",
+)
 
 
 @runtime_checkable
@@ -128,15 +141,20 @@ def check_batch_size(name: str, value: Any, lower: int | None, upper: int | None
   low = 1 if lower is None else lower
   high = math.inf if upper is None else upper
   if not low <= size <= high:
-    raise ValueError(f"{name} must lie within [batch_size_lower_bound, batch_size_upper_bound] = "
-                     f"[{low}, {high}], got {size}")
+    raise ValueError(
+      f"{name} must lie within [batch_size_lower_bound, batch_size_upper_bound] = "
+      f"[{low}, {high}], got {size}"
+    )
   return size
 
 
 def step_is_finite(similarity: float, stats: Mapping[str, Any] | None) -> bool:
   """False for a non-finite similarity or a step whose ``stats`` say ``grads_finite`` is False."""
-  bad_step = (stats is not None and validation.is_bool(stats.get("grads_finite"))
-              and not stats["grads_finite"])
+  bad_step = (
+    stats is not None
+    and validation.is_bool(stats.get("grads_finite"))
+    and not stats["grads_finite"]
+  )
   return math.isfinite(similarity) and not bad_step
 
 
@@ -185,18 +203,32 @@ class BaseController:
   KIND: str = ""
   REQUIRED_STATS: tuple[str, ...] = ()
 
-  def __init__(self, initial_batch_size: int, *, batch_size_lower_bound: int | None = None,
-               batch_size_upper_bound: int | None = None, warmup_steps: int = 0,
-               verbose: bool = False):
+  def __init__(
+    self,
+    initial_batch_size: int,
+    *,
+    batch_size_lower_bound: int | None = None,
+    batch_size_upper_bound: int | None = None,
+    warmup_steps: int = 0,
+    verbose: bool = False,
+  ):
     if not self.KIND:
       self.KIND = type(self).__name__
-    self._lower = None if batch_size_lower_bound is None else validation.check_int(
-        "batch_size_lower_bound", batch_size_lower_bound, 1)
-    self._upper = None if batch_size_upper_bound is None else validation.check_int(
-        "batch_size_upper_bound", batch_size_upper_bound, 1)
+    self._lower = (
+      None
+      if batch_size_lower_bound is None
+      else validation.check_int("batch_size_lower_bound", batch_size_lower_bound, 1)
+    )
+    self._upper = (
+      None
+      if batch_size_upper_bound is None
+      else validation.check_int("batch_size_upper_bound", batch_size_upper_bound, 1)
+    )
     if self._lower is not None and self._upper is not None and self._lower > self._upper:
-      raise ValueError(f"batch_size_lower_bound ({self._lower}) must not exceed "
-                       f"batch_size_upper_bound ({self._upper})")
+      raise ValueError(
+        f"batch_size_lower_bound ({self._lower}) must not exceed "
+        f"batch_size_upper_bound ({self._upper})"
+      )
     self._initial = self._check_size("initial_batch_size", initial_batch_size)
     self._warmup = validation.check_int("warmup_steps", warmup_steps, 0)
     self._verbose = validation.check_bool("verbose", verbose)
@@ -223,8 +255,9 @@ class BaseController:
     """
     raise NotImplementedError(f"{type(self).__name__} must implement decide()")
 
-  def observe(self, similarity: float, stats: Mapping[str, Any] | None,
-              finite: bool) -> bool | None:
+  def observe(
+    self, similarity: float, stats: Mapping[str, Any] | None, finite: bool
+  ) -> bool | None:
     """Takes one step's measurements; returns whether the step counts as finite.
 
     Called by :meth:`update` on every step, before :meth:`decide`. A step that
@@ -304,12 +337,12 @@ class BaseController:
   def config(self) -> dict[str, Any]:
     """The settings that determine future sizes (plain JSON data)."""
     return {
-        "controller": self.KIND,
-        "initial_batch_size": self._initial,
-        "similarity_target": None,
-        "batch_size_lower_bound": self._lower,
-        "batch_size_upper_bound": self._upper,
-        **self.settings(),
+      "controller": self.KIND,
+      "initial_batch_size": self._initial,
+      "similarity_target": None,
+      "batch_size_lower_bound": self._lower,
+      "batch_size_upper_bound": self._upper,
+      **self.settings(),
     }
 
   # -------------------------------------------------------------------- actions
@@ -351,8 +384,9 @@ class BaseController:
       decided = self.decide()
       new, decision = decided if isinstance(decided, tuple) else (decided, None)
       if not validation.is_int(new):
-        raise TypeError(f"{type(self).__name__}.decide() must return an integer batch size, "
-                        f"got {new!r}")
+        raise TypeError(
+          f"{type(self).__name__}.decide() must return an integer batch size, got {new!r}"
+        )
       new = int(new)
       clamped = self._clamp(new)
       if clamped != new:
@@ -363,8 +397,16 @@ class BaseController:
     self._last_decision = decision
     if self._verbose:
       details = self._log_details(before)
-      logger.info("%s step %d: %s, batch size %d -> %d (similarity %r%s)", self.KIND, self._step,
-                  decision, before, self._batch_size, s, f"; {details}" if details else "")
+      logger.info(
+        "%s step %d: %s, batch size %d -> %d (similarity %r%s)",
+        self.KIND,
+        self._step,
+        decision,
+        before,
+        self._batch_size,
+        s,
+        f"; {details}" if details else "",
+      )
     return self._batch_size
 
   def set_batch_size(self, batch_size: int) -> None:
@@ -384,14 +426,14 @@ class BaseController:
     run exactly: same sizes, same decisions.
     """
     return {
-        "version": STATE_VERSION,
-        "controller": self.KIND,
-        "config": self.config,
-        "batch_size": self._batch_size,
-        "step": self._step,
-        "nonfinite_count": self._nonfinite,
-        "last_decision": self._last_decision,
-        **self.extra_state(),
+      "version": STATE_VERSION,
+      "controller": self.KIND,
+      "config": self.config,
+      "batch_size": self._batch_size,
+      "step": self._step,
+      "nonfinite_count": self._nonfinite,
+      "last_decision": self._last_decision,
+      **self.extra_state(),
     }
 
   def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -443,8 +485,9 @@ class BaseController:
     ours = self.config
     differing = [k for k in ours if saved.get(k, "<missing>") != ours[k]]
     if differing:
-      details = ", ".join(f"{k} (saved {saved.get(k, '<missing>')!r}, here {ours[k]!r})"
-                          for k in differing)
+      details = ", ".join(
+        f"{k} (saved {saved.get(k, '<missing>')!r}, here {ours[k]!r})" for k in differing
+      )
       raise ValueError(f"state config differs from this controller's in: {details}")
 
   def _complete_old_state(self, state: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -463,7 +506,9 @@ def check_state_header(state: Any, kind: str) -> None:
     got = state.get("version") if isinstance(state, Mapping) else state
     raise ValueError(f"state version must be {STATE_VERSION}, got {got!r}")
   if state.get("controller") != kind:
-    raise ValueError(f"the state is of a {state.get('controller')!r} controller, this one is {kind!r}")
+    raise ValueError(
+      f"the state is of a {state.get('controller')!r} controller, this one is {kind!r}"
+    )
 
 
 def parse_last_decision(value: Any) -> str | None:
@@ -477,8 +522,10 @@ def require_stats(kind: str, stats: Mapping[str, Any] | None, keys: tuple[str, .
   """Raises a ValueError unless ``stats`` holds every key in ``keys``."""
   if stats is None or any(k not in stats for k in keys):
     have = None if stats is None else sorted(stats)
-    raise ValueError(f"the {kind!r} controller needs update(similarity, stats=...) with the keys "
-                     f"{list(keys)} (simigrad_jax.Trainer passes them); got {have}")
+    raise ValueError(
+      f"the {kind!r} controller needs update(similarity, stats=...) with the keys "
+      f"{list(keys)} (simigrad_jax.Trainer passes them); got {have}"
+    )
 
 
 def check_finite_float(name: str, value: Any) -> float:

@@ -13,10 +13,10 @@ LR_RULES: tuple[str, ...] = ("sqrt", "linear", "none")
 
 
 def lr_factor(
-    batch_size: int,
-    base_batch_size: int,
-    rule: LrRule = "sqrt",
-    lr_adjust_factor: float | None = None,
+  batch_size: int,
+  base_batch_size: int,
+  rule: LrRule = "sqrt",
+  lr_adjust_factor: float | None = None,
 ) -> float:
   """Returns the factor by which the base learning rate is multiplied at ``batch_size``.
 
@@ -57,24 +57,25 @@ def lr_factor(
     raise ValueError(f"rule={rule!r} is not valid; choose one of {LR_RULES}")
   if lr_adjust_factor is not None:
     lr_adjust_factor = validation.check_real(
-        "lr_adjust_factor", lr_adjust_factor, "[0, inf)", lambda f: 0 <= f < math.inf)
+      "lr_adjust_factor", lr_adjust_factor, "[0, inf)", lambda f: 0 <= f < math.inf
+    )
     factor = (factor - 1.0) * lr_adjust_factor + 1.0
   if factor <= 0:
     raise ValueError(
-        f"lr_factor would be {factor} (<= 0) at batch_size={batch_size}, "
-        f"base_batch_size={base_batch_size}, lr_adjust_factor={lr_adjust_factor}; "
-        "use an lr_adjust_factor <= 1 when the batch shrinks"
+      f"lr_factor would be {factor} (<= 0) at batch_size={batch_size}, "
+      f"base_batch_size={base_batch_size}, lr_adjust_factor={lr_adjust_factor}; "
+      "use an lr_adjust_factor <= 1 when the batch shrinks"
     )
   return factor
 
 
 def scheduled_lr_factor(
-    batch_size: int,
-    base_batch_size: int,
-    rule: LrRule,
-    lr_adjust_factor: float | None,
-    lr_schedule: Callable[[float], float] | None,
-    epochs: float,
+  batch_size: int,
+  base_batch_size: int,
+  rule: LrRule,
+  lr_adjust_factor: float | None,
+  lr_schedule: Callable[[float], float] | None,
+  epochs: float,
 ) -> tuple[float, float]:
   """The batch-size factor of :func:`lr_factor` times a schedule's factor at ``epochs``.
 
@@ -100,6 +101,8 @@ def scheduled_lr_factor(
   schedule = 1.0 if lr_schedule is None else float(lr_schedule(epochs))
   factor = lr_factor(batch_size, base_batch_size, rule, lr_adjust_factor) * schedule
   if not math.isfinite(factor) or factor <= 0:
-    raise ValueError(f"the learning-rate factor at epoch {epochs:.3f} would be {factor} "
-                     f"(lr_schedule returned {schedule}); it must be finite and > 0")
+    raise ValueError(
+      f"the learning-rate factor at epoch {epochs:.3f} would be {factor} "
+      f"(lr_schedule returned {schedule}); it must be finite and > 0"
+    )
   return factor, schedule

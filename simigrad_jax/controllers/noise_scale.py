@@ -11,8 +11,9 @@ from simigrad_jax.controllers.base import BaseController
 from simigrad_jax.controllers.base import check_finite_float
 
 
-def noise_scale_estimates(norm_a: float, norm_b: float, norm_mean: float,
-                          batch_size: float) -> tuple[float, float]:
+def noise_scale_estimates(
+  norm_a: float, norm_b: float, norm_mean: float, batch_size: float
+) -> tuple[float, float]:
   """One step's unbiased estimates of |G|^2 and tr(Sigma) from the half-batch norms.
 
   McCandlish et al. 2018 ("An Empirical Model of Large-Batch Training",
@@ -110,27 +111,35 @@ class GnsController(BaseController):
   REQUIRED_STATS = ("norm_a", "norm_b", "norm_mean", "batch_size")
 
   def __init__(
-      self,
-      initial_batch_size: int,
-      multiple: float = 1.0,
-      *,
-      ema_decay: float = 0.9,
-      max_change: float | None = 2.0,
-      batch_size_lower_bound: int | None = None,
-      batch_size_upper_bound: int | None = None,
-      warmup_steps: int = 0,
-      verbose: bool = False,
+    self,
+    initial_batch_size: int,
+    multiple: float = 1.0,
+    *,
+    ema_decay: float = 0.9,
+    max_change: float | None = 2.0,
+    batch_size_lower_bound: int | None = None,
+    batch_size_upper_bound: int | None = None,
+    warmup_steps: int = 0,
+    verbose: bool = False,
   ):
-    self._multiple = validation.check_real("multiple", multiple, "(0, inf)",
-                                           lambda x: 0.0 < x < math.inf)
+    self._multiple = validation.check_real(
+      "multiple", multiple, "(0, inf)", lambda x: 0.0 < x < math.inf
+    )
     self._decay = validation.check_real("ema_decay", ema_decay, "[0, 1)", lambda x: 0.0 <= x < 1.0)
-    self._max_change = None if max_change is None else validation.check_real(
-        "max_change", max_change, "(1, inf)", lambda x: 1.0 < x < math.inf)
+    self._max_change = (
+      None
+      if max_change is None
+      else validation.check_real("max_change", max_change, "(1, inf)", lambda x: 1.0 < x < math.inf)
+    )
     if batch_size_lower_bound is not None:
       validation.check_int("batch_size_lower_bound", batch_size_lower_bound, 2)
-    super().__init__(initial_batch_size, batch_size_lower_bound=batch_size_lower_bound,
-                     batch_size_upper_bound=batch_size_upper_bound, warmup_steps=warmup_steps,
-                     verbose=verbose)
+    super().__init__(
+      initial_batch_size,
+      batch_size_lower_bound=batch_size_lower_bound,
+      batch_size_upper_bound=batch_size_upper_bound,
+      warmup_steps=warmup_steps,
+      verbose=verbose,
+    )
     self._ema_trace = 0.0
     self._ema_g2 = 0.0
     self._ema_count = 0
@@ -162,10 +171,11 @@ class GnsController(BaseController):
     return None if scale is None else self._multiple * scale
 
   def _debias(self) -> float:
-    return 1.0 - self._decay ** self._ema_count
+    return 1.0 - self._decay**self._ema_count
 
-  def observe(self, similarity: float, stats: Mapping[str, Any] | None,
-              finite: bool) -> bool | None:
+  def observe(
+    self, similarity: float, stats: Mapping[str, Any] | None, finite: bool
+  ) -> bool | None:
     assert stats is not None  # update() refuses a step without the REQUIRED_STATS
     if not finite:
       return False
@@ -203,17 +213,23 @@ class GnsController(BaseController):
     return int(new)
 
   def settings(self) -> dict[str, Any]:
-    return {"multiple": self._multiple, "ema_decay": self._decay, "max_change": self._max_change,
-            "warmup_steps": self._warmup}
+    return {
+      "multiple": self._multiple,
+      "ema_decay": self._decay,
+      "max_change": self._max_change,
+      "warmup_steps": self._warmup,
+    }
 
   def extra_state(self) -> dict[str, Any]:
     return {"ema_trace": self._ema_trace, "ema_g2": self._ema_g2, "ema_count": self._ema_count}
 
   def parse_extra_state(self, state: Mapping[str, Any]) -> dict[str, Any]:
-    return {"_ema_trace": check_finite_float("ema_trace", state["ema_trace"]),
-            "_ema_g2": check_finite_float("ema_g2", state["ema_g2"]),
-            "_ema_count": validation.check_int("ema_count", state["ema_count"], 0),
-            "_last_estimates": None}
+    return {
+      "_ema_trace": check_finite_float("ema_trace", state["ema_trace"]),
+      "_ema_g2": check_finite_float("ema_g2", state["ema_g2"]),
+      "_ema_count": validation.check_int("ema_count", state["ema_count"], 0),
+      "_last_estimates": None,
+    }
 
   def _log_details(self, before: int) -> str:
     return f"noise scale {self.noise_scale}, target {self.target_batch_size}"

@@ -45,8 +45,9 @@ class SimilarityProfile:
   accumulate over profiles.
   """
 
-  def __init__(self, plan: dict[str, Any] | None = None,
-               samples: list[dict[str, Any]] | None = None):
+  def __init__(
+    self, plan: dict[str, Any] | None = None, samples: list[dict[str, Any]] | None = None
+  ):
     self._plan = plan
     self._samples = [] if samples is None else samples
 
@@ -77,16 +78,25 @@ class SimilarityProfile:
       ValueError: for an empty list or a size ``check_size`` refuses.
       RuntimeError: if a profile is already active.
     """
-    if isinstance(batch_sizes, (str, bytes)) or not isinstance(
-        batch_sizes, (Sequence, np.ndarray)) or len(batch_sizes) == 0:
-      raise ValueError("batch_sizes_to_profile must be a non-empty sequence of batch sizes, "
-                       f"got {batch_sizes!r}")
+    if (
+      isinstance(batch_sizes, (str, bytes))
+      or not isinstance(batch_sizes, (Sequence, np.ndarray))
+      or len(batch_sizes) == 0
+    ):
+      raise ValueError(
+        f"batch_sizes_to_profile must be a non-empty sequence of batch sizes, got {batch_sizes!r}"
+      )
     sizes = [check_size(f"batch_sizes_to_profile[{i}]", b) for i, b in enumerate(batch_sizes)]
     steps_per_size = validation.check_int("profile_steps_per_size", steps_per_size, 1)
     if self._plan is not None:
       raise RuntimeError(f"a profile of {self._plan['sizes']} is already in progress")
-    self._plan = {"sizes": sizes, "steps_per_size": steps_per_size, "position": 0, "count": 0,
-                  "return_to": None}
+    self._plan = {
+      "sizes": sizes,
+      "steps_per_size": steps_per_size,
+      "position": 0,
+      "count": 0,
+      "return_to": None,
+    }
 
   def begin(self, current_size: int) -> int:
     """Begins the planned profile from ``current_size``; returns the first size to run."""
@@ -125,25 +135,31 @@ class SimilarityProfile:
     summary = {}
     for size in sorted(by_size):
       values = np.asarray(by_size[size], dtype=np.float64)
-      summary[size] = {"mean": float(values.mean()), "std": float(values.std()),
-                       "count": int(values.size)}
+      summary[size] = {
+        "mean": float(values.mean()),
+        "std": float(values.std()),
+        "count": int(values.size),
+      }
     return summary
 
   def save(self, path: str | os.PathLike, similarity_target: float | None) -> None:
     """Writes ``{"version", "similarity_target", "samples", "summary"}`` to ``path`` as JSON."""
     data = {
-        "version": STATE_VERSION,
-        "similarity_target": similarity_target,
-        "samples": self.samples,
-        "summary": {str(b): v for b, v in self.summary().items()},
+      "version": STATE_VERSION,
+      "similarity_target": similarity_target,
+      "samples": self.samples,
+      "summary": {str(b): v for b, v in self.summary().items()},
     }
     files.write_atomic(path, json.dumps(data, indent=2))
 
   def state_dict(self) -> dict[str, Any]:
     """``{"profile_plan", "profile"}`` as plain JSON data."""
-    return {"profile_plan": None if self._plan is None else {
-                **self._plan, "sizes": list(self._plan["sizes"])},
-            "profile": self.samples}
+    return {
+      "profile_plan": None
+      if self._plan is None
+      else {**self._plan, "sizes": list(self._plan["sizes"])},
+      "profile": self.samples,
+    }
 
   @classmethod
   def from_state(cls, state: Mapping[str, Any], check_size: SizeCheck) -> SimilarityProfile:
@@ -151,20 +167,24 @@ class SimilarityProfile:
     plan = state["profile_plan"]
     if plan is not None:
       plan = {
-          "sizes": [check_size("profile size", b) for b in plan["sizes"]],
-          "steps_per_size": validation.check_int("steps_per_size", plan["steps_per_size"], 1),
-          "position": validation.check_int("position", plan["position"], 0),
-          "count": validation.check_int("count", plan["count"], 0),
-          "return_to": None if plan["return_to"] is None else check_size(
-              "return_to", plan["return_to"]),
+        "sizes": [check_size("profile size", b) for b in plan["sizes"]],
+        "steps_per_size": validation.check_int("steps_per_size", plan["steps_per_size"], 1),
+        "position": validation.check_int("position", plan["position"], 0),
+        "count": validation.check_int("count", plan["count"], 0),
+        "return_to": None
+        if plan["return_to"] is None
+        else check_size("return_to", plan["return_to"]),
       }
       if plan["position"] >= len(plan["sizes"]):
         raise ValueError(f"profile position {plan['position']} is past the end")
     samples = [
-        {"batch_size": validation.check_int("sample batch_size", s["batch_size"], 1),
-         "similarity": float(s["similarity"]),
-         "step": validation.check_int("sample step", s["step"], 1)}
-        for s in state["profile"]]
+      {
+        "batch_size": validation.check_int("sample batch_size", s["batch_size"], 1),
+        "similarity": float(s["similarity"]),
+        "step": validation.check_int("sample step", s["step"], 1),
+      }
+      for s in state["profile"]
+    ]
     return cls(plan, samples)
 
 
@@ -286,11 +306,17 @@ class ProfilingController(ProfileMethods):
 
   KIND = "profiling"
 
-  def __init__(self, controller: BatchSizeController, batch_sizes: Sequence[int] | None = None,
-               steps_per_size: int = 1):
+  def __init__(
+    self,
+    controller: BatchSizeController,
+    batch_sizes: Sequence[int] | None = None,
+    steps_per_size: int = 1,
+  ):
     if not isinstance(controller, BatchSizeController):
-      raise ValueError(f"ProfilingController wraps a batch-size controller (see "
-                       f"simigrad_jax.controllers.BatchSizeController), got {controller!r:.200}")
+      raise ValueError(
+        f"ProfilingController wraps a batch-size controller (see "
+        f"simigrad_jax.controllers.BatchSizeController), got {controller!r:.200}"
+      )
     self._inner = controller
     self._current: int | None = None  # The size of the next step while a profile runs.
     self._step = 0
@@ -327,7 +353,8 @@ class ProfilingController(ProfileMethods):
     """The sizes of this profile, and of the wrapped controller's own if it has one."""
     inner = self._inner
     return self._profile.sizes + (
-        tuple(inner.profile_batch_sizes) if isinstance(inner, ProfilesBatchSizes) else ())
+      tuple(inner.profile_batch_sizes) if isinstance(inner, ProfilesBatchSizes) else ()
+    )
 
   @property
   def last_decision(self) -> str | None:
@@ -369,9 +396,15 @@ class ProfilingController(ProfileMethods):
 
   def state_dict(self) -> dict[str, Any]:
     """The profile's state and the wrapped controller's (under ``"wrapped"``), as plain JSON."""
-    return {"version": STATE_VERSION, "controller": self.KIND, "step": self._step,
-            "last_decision": self._last_decision, "profile_batch_size": self._current,
-            **self._profile.state_dict(), "wrapped": self._inner.state_dict()}
+    return {
+      "version": STATE_VERSION,
+      "controller": self.KIND,
+      "step": self._step,
+      "last_decision": self._last_decision,
+      "profile_batch_size": self._current,
+      **self._profile.state_dict(),
+      "wrapped": self._inner.state_dict(),
+    }
 
   def load_state_dict(self, state: Mapping[str, Any]) -> None:
     """Restores a :meth:`state_dict`, the wrapped controller's included; nothing changes if refused."""
@@ -381,8 +414,9 @@ class ProfilingController(ProfileMethods):
       current = state["profile_batch_size"]
       current = None if current is None else self._check_size("profile_batch_size", current)
       if (current is None) == profile.started:
-        raise ValueError(f"profile_batch_size {current!r} does not fit the profile plan "
-                         f"{state['profile_plan']!r}")
+        raise ValueError(
+          f"profile_batch_size {current!r} does not fit the profile plan {state['profile_plan']!r}"
+        )
       step = validation.check_int("step", state["step"], 0)
       decision = parse_last_decision(state["last_decision"])
       wrapped = state["wrapped"]
@@ -393,8 +427,9 @@ class ProfilingController(ProfileMethods):
 
   def _check_size(self, name: str, value: Any) -> int:
     config = self._inner.config
-    return check_batch_size(name, value, config["batch_size_lower_bound"],
-                            config["batch_size_upper_bound"])
+    return check_batch_size(
+      name, value, config["batch_size_lower_bound"], config["batch_size_upper_bound"]
+    )
 
   def _profile_planned(self) -> None:
     self._current = self._profile.begin(self._inner.batch_size)

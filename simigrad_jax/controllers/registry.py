@@ -39,13 +39,13 @@ from typing import Any
 
 from simigrad_jax import validation
 from simigrad_jax.controllers.base import BatchSizeController
-from simigrad_jax.controllers.simigrad import Controller
 from simigrad_jax.controllers.noise_scale import GnsController
 from simigrad_jax.controllers.schedules import LossPlateauController
 from simigrad_jax.controllers.schedules import ScheduleController
 from simigrad_jax.controllers.schedules import decreasing_schedule
 from simigrad_jax.controllers.schedules import geometric_schedule
 from simigrad_jax.controllers.schedules import linear_schedule
+from simigrad_jax.controllers.simigrad import Controller
 
 _FACTORIES: dict[str, Callable[..., BatchSizeController]] = {}
 
@@ -102,10 +102,16 @@ def make_controller(name: str, **options: Any) -> BatchSizeController:
     raise ValueError(f"unknown controller {name!r}; choose one of {controller_names()}")
   accepted = controller_options(name)
   if accepted is not None and (unknown := sorted(set(options) - set(accepted))):
-    hints = [f"{u!r} (did you mean {close[0]!r}?)" if (close := difflib.get_close_matches(
-        u, accepted, n=1)) else repr(u) for u in unknown]
-    raise TypeError(f"make_controller({name!r}) got unknown option(s) {', '.join(hints)}; "
-                    f"{name!r} takes {sorted(accepted)}")
+    hints = [
+      f"{u!r} (did you mean {close[0]!r}?)"
+      if (close := difflib.get_close_matches(u, accepted, n=1))
+      else repr(u)
+      for u in unknown
+    ]
+    raise TypeError(
+      f"make_controller({name!r}) got unknown option(s) {', '.join(hints)}; "
+      f"{name!r} takes {sorted(accepted)}"
+    )
   return _FACTORIES[name](**options)
 
 
@@ -123,8 +129,11 @@ def controller_options(name: str) -> tuple[str, ...] | None:
 
 def _option_names(factory: Callable[..., Any]) -> tuple[str, ...] | None:
   params = inspect.signature(factory).parameters.values()
-  names = {p.name for p in params
-           if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)}
+  names = {
+    p.name
+    for p in params
+    if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+  }
   if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
     target = getattr(factory, "forwards_options_to", None)
     forwarded = None if target is None else _option_names(target)
@@ -141,18 +150,23 @@ def _fixed(initial_batch_size: int, similarity_target: float = 0.0, **options: A
   ``initial_batch_size``, so that :class:`simigrad_jax.Trainer` compiles only
   the shapes it needs.
   """
-  if (options.get("batch_sizes_to_profile") is None and validation.is_int(initial_batch_size)
-      and initial_batch_size >= 1):
+  if (
+    options.get("batch_sizes_to_profile") is None
+    and validation.is_int(initial_batch_size)
+    and initial_batch_size >= 1
+  ):
     for key in ("batch_size_lower_bound", "batch_size_upper_bound"):
       if options.get(key) is None:
         options[key] = int(initial_batch_size)
   return Controller(initial_batch_size, similarity_target, enable_adjust=False, **options)
 
 
-for _factory, _target, _sets in ((_fixed, Controller, ("enable_adjust",)),
-                                 (linear_schedule, ScheduleController, ("shape",)),
-                                 (geometric_schedule, ScheduleController, ("shape",)),
-                                 (decreasing_schedule, ScheduleController, ())):
+for _factory, _target, _sets in (
+  (_fixed, Controller, ("enable_adjust",)),
+  (linear_schedule, ScheduleController, ("shape",)),
+  (geometric_schedule, ScheduleController, ("shape",)),
+  (decreasing_schedule, ScheduleController, ()),
+):
   # Function attributes that _option_names reads, set through __dict__: a function's type
   # declares no such attributes.
   vars(_factory).update(forwards_options_to=_target, sets_options=_sets)

@@ -62,32 +62,42 @@ class ScheduleController(BaseController):
   REQUIRED_STATS = ("epochs",)
 
   def __init__(
-      self,
-      initial_batch_size: int,
-      final_batch_size: int,
-      ramp_epochs: float,
-      *,
-      shape: str = "linear",
-      interval_epochs: float | None = None,
-      batch_size_lower_bound: int | None = None,
-      batch_size_upper_bound: int | None = None,
-      verbose: bool = False,
+    self,
+    initial_batch_size: int,
+    final_batch_size: int,
+    ramp_epochs: float,
+    *,
+    shape: str = "linear",
+    interval_epochs: float | None = None,
+    batch_size_lower_bound: int | None = None,
+    batch_size_upper_bound: int | None = None,
+    verbose: bool = False,
   ):
     b0 = validation.check_int("initial_batch_size", initial_batch_size, 1)
     b1 = validation.check_int("final_batch_size", final_batch_size, 1)
     self._final = b1
-    self._ramp = validation.check_real("ramp_epochs", ramp_epochs, "(0, inf)",
-                                       lambda x: 0.0 < x < math.inf)
+    self._ramp = validation.check_real(
+      "ramp_epochs", ramp_epochs, "(0, inf)", lambda x: 0.0 < x < math.inf
+    )
     if shape not in SCHEDULE_SHAPES:
       raise ValueError(f"shape must be one of {SCHEDULE_SHAPES}, got {shape!r}")
     self._shape = shape
-    self._interval = None if interval_epochs is None else validation.check_real(
-        "interval_epochs", interval_epochs, "(0, inf)", lambda x: 0.0 < x < math.inf)
+    self._interval = (
+      None
+      if interval_epochs is None
+      else validation.check_real(
+        "interval_epochs", interval_epochs, "(0, inf)", lambda x: 0.0 < x < math.inf
+      )
+    )
     self.KIND = shape  # What config["controller"] and the saved state call it.
     self._epochs = 0.0
     # Checks the given bounds (and B_0 within them), then narrows them to the reachable range.
-    super().__init__(b0, batch_size_lower_bound=batch_size_lower_bound,
-                     batch_size_upper_bound=batch_size_upper_bound, verbose=verbose)
+    super().__init__(
+      b0,
+      batch_size_lower_bound=batch_size_lower_bound,
+      batch_size_upper_bound=batch_size_upper_bound,
+      verbose=verbose,
+    )
     self._lower = max(min(b0, b1), self._lower or 1)
     self._upper = max(b0, b1) if self._upper is None else min(max(b0, b1), self._upper)
 
@@ -112,8 +122,9 @@ class ScheduleController(BaseController):
       value = b0 * (b1 / b0) ** p
     return int(round(value))
 
-  def observe(self, similarity: float, stats: Mapping[str, Any] | None,
-              finite: bool) -> bool | None:
+  def observe(
+    self, similarity: float, stats: Mapping[str, Any] | None, finite: bool
+  ) -> bool | None:
     assert stats is not None  # update() refuses a step without the REQUIRED_STATS
     epochs = float(stats["epochs"])
     if not (finite and math.isfinite(epochs)):
@@ -125,8 +136,12 @@ class ScheduleController(BaseController):
     return self._unbounded_size_at(self._epochs)
 
   def settings(self) -> dict[str, Any]:
-    return {"final_batch_size": self._final, "ramp_epochs": self._ramp, "shape": self._shape,
-            "interval_epochs": self._interval}
+    return {
+      "final_batch_size": self._final,
+      "ramp_epochs": self._ramp,
+      "shape": self._shape,
+      "interval_epochs": self._interval,
+    }
 
   def extra_state(self) -> dict[str, Any]:
     return {"epochs": self._epochs}
@@ -138,29 +153,44 @@ class ScheduleController(BaseController):
     return f"epochs {self._epochs:.3f}"
 
 
-def linear_schedule(initial_batch_size: int, final_batch_size: int, ramp_epochs: float,
-            **options: Any) -> ScheduleController:
+def linear_schedule(
+  initial_batch_size: int, final_batch_size: int, ramp_epochs: float, **options: Any
+) -> ScheduleController:
   """A linear schedule from ``initial_batch_size`` to ``final_batch_size``."""
-  return ScheduleController(initial_batch_size, final_batch_size, ramp_epochs, shape="linear",
-                            **options)
+  return ScheduleController(
+    initial_batch_size, final_batch_size, ramp_epochs, shape="linear", **options
+  )
 
 
-def geometric_schedule(initial_batch_size: int, final_batch_size: int, ramp_epochs: float,
-               **options: Any) -> ScheduleController:
+def geometric_schedule(
+  initial_batch_size: int, final_batch_size: int, ramp_epochs: float, **options: Any
+) -> ScheduleController:
   """A geometric schedule from ``initial_batch_size`` to ``final_batch_size``."""
-  return ScheduleController(initial_batch_size, final_batch_size, ramp_epochs, shape="geometric",
-                            **options)
+  return ScheduleController(
+    initial_batch_size, final_batch_size, ramp_epochs, shape="geometric", **options
+  )
 
 
-def decreasing_schedule(initial_batch_size: int, final_batch_size: int, ramp_epochs: float,
-                shape: str = "geometric", **options: Any) -> ScheduleController:
+def decreasing_schedule(
+  initial_batch_size: int,
+  final_batch_size: int,
+  ramp_epochs: float,
+  shape: str = "geometric",
+  **options: Any,
+) -> ScheduleController:
   """A schedule that shrinks the batch from ``initial_batch_size`` to ``final_batch_size``."""
-  if (validation.is_int(initial_batch_size) and validation.is_int(final_batch_size)
-      and not final_batch_size < initial_batch_size):
-    raise ValueError(f"a decreasing schedule needs final_batch_size < initial_batch_size "
-                     f"({initial_batch_size}), got {final_batch_size}")
-  return ScheduleController(initial_batch_size, final_batch_size, ramp_epochs, shape=shape,
-                            **options)
+  if (
+    validation.is_int(initial_batch_size)
+    and validation.is_int(final_batch_size)
+    and not final_batch_size < initial_batch_size
+  ):
+    raise ValueError(
+      f"a decreasing schedule needs final_batch_size < initial_batch_size "
+      f"({initial_batch_size}), got {final_batch_size}"
+    )
+  return ScheduleController(
+    initial_batch_size, final_batch_size, ramp_epochs, shape=shape, **options
+  )
 
 
 # ----------------------------------------------------------------------------
@@ -213,24 +243,29 @@ class LossPlateauController(BaseController):
   REQUIRED_STATS = ("loss", "batch_size", "epoch_end")
 
   def __init__(
-      self,
-      initial_batch_size: int,
-      *,
-      factor: float = 2.0,
-      patience: int = 1,
-      threshold: float = 0.01,
-      cooldown: int = 0,
-      batch_size_lower_bound: int | None = None,
-      batch_size_upper_bound: int | None = None,
-      verbose: bool = False,
+    self,
+    initial_batch_size: int,
+    *,
+    factor: float = 2.0,
+    patience: int = 1,
+    threshold: float = 0.01,
+    cooldown: int = 0,
+    batch_size_lower_bound: int | None = None,
+    batch_size_upper_bound: int | None = None,
+    verbose: bool = False,
   ):
     self._factor = validation.check_real("factor", factor, "(1, inf)", lambda x: 1.0 < x < math.inf)
     self._patience = validation.check_int("patience", patience, 1)
-    self._threshold = validation.check_real("threshold", threshold, "[0, inf)",
-                                            lambda x: 0.0 <= x < math.inf)
+    self._threshold = validation.check_real(
+      "threshold", threshold, "[0, inf)", lambda x: 0.0 <= x < math.inf
+    )
     self._cooldown = validation.check_int("cooldown", cooldown, 0)
-    super().__init__(initial_batch_size, batch_size_lower_bound=batch_size_lower_bound,
-                     batch_size_upper_bound=batch_size_upper_bound, verbose=verbose)
+    super().__init__(
+      initial_batch_size,
+      batch_size_lower_bound=batch_size_lower_bound,
+      batch_size_upper_bound=batch_size_upper_bound,
+      verbose=verbose,
+    )
     self._lower = self._initial
     self._loss_sum = 0.0
     self._loss_weight = 0.0
@@ -250,12 +285,19 @@ class LossPlateauController(BaseController):
     """The best epoch loss so far (None before the first epoch ends)."""
     return self._best
 
-  def observe(self, similarity: float, stats: Mapping[str, Any] | None,
-              finite: bool) -> bool | None:
+  def observe(
+    self, similarity: float, stats: Mapping[str, Any] | None, finite: bool
+  ) -> bool | None:
     assert stats is not None  # update() refuses a step without the REQUIRED_STATS
     loss, weight = stats["loss"], stats["batch_size"]
-    finite = (finite and validation.is_real(loss) and math.isfinite(float(loss))
-              and validation.is_real(weight) and math.isfinite(float(weight)) and float(weight) > 0)
+    finite = (
+      finite
+      and validation.is_real(loss)
+      and math.isfinite(float(loss))
+      and validation.is_real(weight)
+      and math.isfinite(float(weight))
+      and float(weight) > 0
+    )
     if finite:
       self._loss_sum += float(loss) * float(weight)
       self._loss_weight += float(weight)
@@ -291,24 +333,34 @@ class LossPlateauController(BaseController):
     return max(b + 1, int(round(b * self._factor)))
 
   def settings(self) -> dict[str, Any]:
-    return {"factor": self._factor, "patience": self._patience, "threshold": self._threshold,
-            "cooldown": self._cooldown}
+    return {
+      "factor": self._factor,
+      "patience": self._patience,
+      "threshold": self._threshold,
+      "cooldown": self._cooldown,
+    }
 
   def extra_state(self) -> dict[str, Any]:
-    return {"loss_sum": self._loss_sum, "loss_weight": self._loss_weight, "best_loss": self._best,
-            "bad_epochs": self._bad_epochs, "cooldown_left": self._cooldown_left,
-            "epoch_losses": list(self._epoch_losses), "grow_pending": self._grow_pending}
+    return {
+      "loss_sum": self._loss_sum,
+      "loss_weight": self._loss_weight,
+      "best_loss": self._best,
+      "bad_epochs": self._bad_epochs,
+      "cooldown_left": self._cooldown_left,
+      "epoch_losses": list(self._epoch_losses),
+      "grow_pending": self._grow_pending,
+    }
 
   def parse_extra_state(self, state: Mapping[str, Any]) -> dict[str, Any]:
     best = state["best_loss"]
     return {
-        "_loss_sum": check_finite_float("loss_sum", state["loss_sum"]),
-        "_loss_weight": check_finite_float("loss_weight", state["loss_weight"]),
-        "_best": None if best is None else check_finite_float("best_loss", best),
-        "_bad_epochs": validation.check_int("bad_epochs", state["bad_epochs"], 0),
-        "_cooldown_left": validation.check_int("cooldown_left", state["cooldown_left"], 0),
-        "_epoch_losses": [check_finite_float("epoch_losses[]", x) for x in state["epoch_losses"]],
-        "_grow_pending": validation.check_bool("grow_pending", state["grow_pending"]),
+      "_loss_sum": check_finite_float("loss_sum", state["loss_sum"]),
+      "_loss_weight": check_finite_float("loss_weight", state["loss_weight"]),
+      "_best": None if best is None else check_finite_float("best_loss", best),
+      "_bad_epochs": validation.check_int("bad_epochs", state["bad_epochs"], 0),
+      "_cooldown_left": validation.check_int("cooldown_left", state["cooldown_left"], 0),
+      "_epoch_losses": [check_finite_float("epoch_losses[]", x) for x in state["epoch_losses"]],
+      "_grow_pending": validation.check_bool("grow_pending", state["grow_pending"]),
     }
 
   def _log_details(self, before: int) -> str:

@@ -119,37 +119,46 @@ class Controller(ProfileMethods, BaseController):
   KIND = "simigrad"
 
   def __init__(
-      self,
-      initial_batch_size: int,
-      similarity_target: float,
-      *,
-      batch_size_lower_bound: int | None = None,
-      batch_size_upper_bound: int | None = None,
-      enable_adjust: bool = True,
-      smooth_factor: float | None = None,
-      dead_band: float = 0.0,
-      warmup_steps: int = 0,
-      ema_decay: float | None = None,
-      batch_sizes_to_profile: Sequence[int] | None = None,
-      profile_steps_per_size: int = 1,
-      verbose: bool = False,
+    self,
+    initial_batch_size: int,
+    similarity_target: float,
+    *,
+    batch_size_lower_bound: int | None = None,
+    batch_size_upper_bound: int | None = None,
+    enable_adjust: bool = True,
+    smooth_factor: float | None = None,
+    dead_band: float = 0.0,
+    warmup_steps: int = 0,
+    ema_decay: float | None = None,
+    batch_sizes_to_profile: Sequence[int] | None = None,
+    profile_steps_per_size: int = 1,
+    verbose: bool = False,
   ):
     self._target = validation.check_real(
-        "similarity_target", similarity_target, "[-1, 1]",
-        lambda x: -1.0 <= x <= 1.0)
-    super().__init__(initial_batch_size, batch_size_lower_bound=batch_size_lower_bound,
-                     batch_size_upper_bound=batch_size_upper_bound, warmup_steps=warmup_steps,
-                     verbose=verbose)
+      "similarity_target", similarity_target, "[-1, 1]", lambda x: -1.0 <= x <= 1.0
+    )
+    super().__init__(
+      initial_batch_size,
+      batch_size_lower_bound=batch_size_lower_bound,
+      batch_size_upper_bound=batch_size_upper_bound,
+      warmup_steps=warmup_steps,
+      verbose=verbose,
+    )
     self._enable_adjust = validation.check_bool("enable_adjust", enable_adjust)
-    self._smooth = None if smooth_factor is None else validation.check_real(
-        "smooth_factor", smooth_factor, "[0, 1)", lambda x: 0.0 <= x < 1.0)
+    self._smooth = (
+      None
+      if smooth_factor is None
+      else validation.check_real("smooth_factor", smooth_factor, "[0, 1)", lambda x: 0.0 <= x < 1.0)
+    )
     self._dead_band = validation.check_real(
-        "dead_band", dead_band, "[0, inf) (finite)",
-        lambda x: 0.0 <= x < math.inf)
+      "dead_band", dead_band, "[0, inf) (finite)", lambda x: 0.0 <= x < math.inf
+    )
     self._model = None if ema_decay is None else SimilarityModel(ema_decay)
     if self._model is not None and not 0.0 < self._target < 1.0:
-      raise ValueError(f"ema_decay (the model rule) needs a similarity_target in (0, 1), got "
-                       f"{self._target!r}; the model reaches 0 and 1 only at B = 0 and B = inf")
+      raise ValueError(
+        f"ema_decay (the model rule) needs a similarity_target in (0, 1), got "
+        f"{self._target!r}; the model reaches 0 and 1 only at B = 0 and B = inf"
+      )
     # The profile in progress (which waits for the warm-up to end) and every sample so far.
     self._init_profile(batch_sizes_to_profile, profile_steps_per_size)
 
@@ -191,8 +200,9 @@ class Controller(ProfileMethods, BaseController):
     if not self._enable_adjust:
       return self._batch_size, "disabled"
     b = self._batch_size
-    step = (self._model_step(self._model) if self._model is not None
-            else self._reference_step(similarity))
+    step = (
+      self._model_step(self._model) if self._model is not None else self._reference_step(similarity)
+    )
     if step is None:
       return b
     grow, new = step
@@ -204,20 +214,22 @@ class Controller(ProfileMethods, BaseController):
   def settings(self) -> dict[str, Any]:
     """SimiGrad's settings, for :attr:`config`."""
     return {
-        "similarity_target": self._target,
-        "enable_adjust": self._enable_adjust,
-        "smooth_factor": self._smooth,
-        "dead_band": self._dead_band,
-        "warmup_steps": self._warmup,
-        "ema_decay": None if self._model is None else self._model.decay,
+      "similarity_target": self._target,
+      "enable_adjust": self._enable_adjust,
+      "smooth_factor": self._smooth,
+      "dead_band": self._dead_band,
+      "warmup_steps": self._warmup,
+      "ema_decay": None if self._model is None else self._model.decay,
     }
 
   # -------------------------------------------------------------- checkpoints
 
   def extra_state(self) -> dict[str, Any]:
     """The profile (mid-profile too) and the model's averages."""
-    return {**self._profile.state_dict(),
-            "similarity_model": None if self._model is None else self._model.state_dict()}
+    return {
+      **self._profile.state_dict(),
+      "similarity_model": None if self._model is None else self._model.state_dict(),
+    }
 
   def parse_extra_state(self, state: Mapping[str, Any]) -> dict[str, Any]:
     """The saved profile (replacing any the constructor started) and model, checked."""
@@ -225,8 +237,9 @@ class Controller(ProfileMethods, BaseController):
     model = state.get("similarity_model")
     if (model is None) != (self._model is None):
       raise ValueError(
-          f"the state {'lacks' if model is None else 'has'} a similarity model; this "
-          f"controller {'uses' if self._model is not None else 'does not use'} ema_decay")
+        f"the state {'lacks' if model is None else 'has'} a similarity model; this "
+        f"controller {'uses' if self._model is not None else 'does not use'} ema_decay"
+      )
     if model is not None and self._model is not None:  # both or neither, as checked
       parsed, model = SimilarityModel.parse_state(model), SimilarityModel(self._model.decay)
       model.load_parsed_state(parsed)
@@ -274,6 +287,8 @@ class Controller(ProfileMethods, BaseController):
   def _log_details(self, before: int) -> str:
     details = f"target {self._target!r}"
     if self._model is not None:
-      details += (f"; model: noise scale {self.noise_scale!r}, similarity at {before} "
-                  f"{self._model.similarity_at(before)!r}")
+      details += (
+        f"; model: noise scale {self.noise_scale!r}, similarity at {before} "
+        f"{self._model.similarity_at(before)!r}"
+      )
     return details

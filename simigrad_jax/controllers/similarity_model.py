@@ -98,14 +98,18 @@ class SimilarityModel:
 
   def state_dict(self) -> dict[str, Any]:
     """The averages and their count as plain JSON data."""
-    return {"ema_similarity": self._ema_similarity, "ema_noise": self._ema_noise,
-            "count": self._count}
+    return {
+      "ema_similarity": self._ema_similarity,
+      "ema_noise": self._ema_noise,
+      "count": self._count,
+    }
 
   @staticmethod
   def parse_state(state: Mapping[str, Any]) -> dict[str, Any]:
     """Checks a :meth:`state_dict`; returns it with plain types (raises ValueError, KeyError)."""
     out: dict[str, Any] = {
-        "count": validation.check_int("similarity model count", state["count"], 0)}
+      "count": validation.check_int("similarity model count", state["count"], 0)
+    }
     for key in ("ema_similarity", "ema_noise"):
       value = state[key]
       if not validation.is_real(value) or not math.isfinite(float(value)):

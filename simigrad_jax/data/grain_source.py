@@ -100,20 +100,30 @@ class GrainSource:
     [1, 0]
   """
 
-  def __init__(self, data: Any, *, element_spec: Mapping[str, tuple[Any, Any]] | None = None,
-               augment: Augment | None = None, num_workers: int | None = None,
-               buffer_size: int = 64, read_threads: int = 2, on_bad_record: str = "raise",
-               num_threads: int = 8):
+  def __init__(
+    self,
+    data: Any,
+    *,
+    element_spec: Mapping[str, tuple[Any, Any]] | None = None,
+    augment: Augment | None = None,
+    num_workers: int | None = None,
+    buffer_size: int = 64,
+    read_threads: int = 2,
+    on_bad_record: str = "raise",
+    num_threads: int = 8,
+  ):
     if not (hasattr(data, "__len__") and hasattr(data, "__getitem__")):
       raise ValueError(f"data must be random-access (__len__, __getitem__), got {data!r:.200}")
     self._length = validation.check_int("len(data)", len(data), 1)
     if on_bad_record not in BAD_RECORD_POLICIES:
-      raise ValueError(f"on_bad_record={on_bad_record!r} is not valid; choose one of "
-                       f"{BAD_RECORD_POLICIES}")
+      raise ValueError(
+        f"on_bad_record={on_bad_record!r} is not valid; choose one of {BAD_RECORD_POLICIES}"
+      )
     if augment is not None and not callable(augment):
       raise ValueError(f"augment must be None or callable, got {augment!r:.200}")
     self.num_workers = validation.check_int(
-        "num_workers", default_num_workers() if num_workers is None else num_workers, 0)
+      "num_workers", default_num_workers() if num_workers is None else num_workers, 0
+    )
     self.buffer_size = validation.check_int("buffer_size", buffer_size, 1)
     self.read_threads = validation.check_int("read_threads", read_threads, 0)
     num_threads = validation.check_int("num_threads", num_threads, 1)
@@ -121,23 +131,29 @@ class GrainSource:
     if element_spec is None:
       first = as_arrays(data[0])
       self._record_spec: ElementSpec | None = spec_of(first)
-      spec = (self._record_spec if augment is None
-              else spec_of(as_arrays(augment(first, np.random.default_rng(0)))))
+      spec = (
+        self._record_spec
+        if augment is None
+        else spec_of(as_arrays(augment(first, np.random.default_rng(0))))
+      )
     else:  # records of any shape (augment makes them fixed); checked after augment
-      spec = {name: (tuple(shape), np.dtype(dtype)) for name, (shape, dtype) in element_spec.items()}
+      spec = {
+        name: (tuple(shape), np.dtype(dtype)) for name, (shape, dtype) in element_spec.items()
+      }
       self._record_spec = None if augment is not None else spec
     if not spec:
       raise ValueError("element_spec must name at least one feature")
     self._spec: ElementSpec = spec
     self.bad_records: list[int] = []
-    self._pool = concurrent.futures.ThreadPoolExecutor(num_threads, thread_name_prefix="grain-source")
+    self._pool = concurrent.futures.ThreadPoolExecutor(
+      num_threads, thread_name_prefix="grain-source"
+    )
 
   def __len__(self) -> int:
     return self._length
 
   def __repr__(self) -> str:
-    return (f"GrainSource({self._length} examples, {self.num_workers} workers, "
-            f"{self.element_spec})")
+    return f"GrainSource({self._length} examples, {self.num_workers} workers, {self.element_spec})"
 
   @property
   def element_spec(self) -> ElementSpec:
@@ -152,8 +168,9 @@ class GrainSource:
     """Counts and logs records skipped under ``on_bad_record="skip"``."""
     for index in bad:
       self.bad_records.append(int(index))
-      _logger.warning("skipped bad record %d (%s); %d skipped so far", index, where,
-                      len(self.bad_records))
+      _logger.warning(
+        "skipped bad record %d (%s); %d skipped so far", index, where, len(self.bad_records)
+      )
 
   def get_batch(self, indices: np.ndarray) -> dict[str, np.ndarray]:
     """Returns the records at ``indices`` (no ``augment``), with zero rows for ``-1``.
@@ -173,8 +190,10 @@ class GrainSource:
     flat, pad = check_indices(indices, self._length)
     read = self.record_reader()
     if read.spec is None:
-      raise ValueError("get_batch needs fixed-shape records: this source's records take their "
-                       "shape from augment, which get_batch does not apply")
+      raise ValueError(
+        "get_batch needs fixed-shape records: this source's records take their "
+        "shape from augment, which get_batch does not apply"
+      )
     spec = read.spec
     rows = np.flatnonzero(~pad)
     batch = {name: np.zeros((len(flat),) + s, d) for name, (s, d) in spec.items()}
@@ -215,8 +234,9 @@ def as_source(source: Any) -> Any:
     >>> as_source([{"x": np.zeros(3)}] * 4).element_spec
     {'x': ((3,), dtype('float64'))}
   """
-  if hasattr(source, "get_batch") or not (hasattr(source, "__len__")
-                                          and hasattr(source, "__getitem__")):
+  if hasattr(source, "get_batch") or not (
+    hasattr(source, "__len__") and hasattr(source, "__getitem__")
+  ):
     return source
   if isinstance(source, (str, bytes, Mapping)):
     return source  # refused by the Trainer's check, with its message

@@ -39,8 +39,9 @@ class BadRecordError(SimiGradError, ValueError):
 
 def as_arrays(record: Any) -> dict[str, np.ndarray]:
   if not isinstance(record, Mapping):
-    raise TypeError(f"a record must be a mapping of feature name to array, got "
-                    f"{type(record).__name__}")
+    raise TypeError(
+      f"a record must be a mapping of feature name to array, got {type(record).__name__}"
+    )
   return {name: np.asarray(value) for name, value in record.items()}
 
 
@@ -66,11 +67,15 @@ class RecordReader:
     try:
       example = as_arrays(self.data[index])
     except Exception as error:  # pylint: disable=broad-except
-      raise BadRecordError(index, f"record {index} could not be read or decoded: "
-                           f"{type(error).__name__}: {error}") from error
+      raise BadRecordError(
+        index, f"record {index} could not be read or decoded: {type(error).__name__}: {error}"
+      ) from error
     if self.spec is not None and spec_of(example) != self.spec:
-      raise BadRecordError(index, f"record {index} has features {spec_of(example)}, expected "
-                           f"{self.spec} (the element spec, from record 0 unless given)")
+      raise BadRecordError(
+        index,
+        f"record {index} has features {spec_of(example)}, expected "
+        f"{self.spec} (the element spec, from record 0 unless given)",
+      )
     return example
 
   def __call__(self, index: int) -> tuple[dict[str, np.ndarray], list[int]]:
@@ -84,5 +89,8 @@ class RecordReader:
         if self.on_bad_record == "raise":
           raise
         bad.append(candidate)
-    raise BadRecordError(index, f"records {bad[0]}..{bad[-1]}: {len(bad)} bad records in a row "
-                         f"from record {index}; the data set looks broken")
+    raise BadRecordError(
+      index,
+      f"records {bad[0]}..{bad[-1]}: {len(bad)} bad records in a row "
+      f"from record {index}; the data set looks broken",
+    )

@@ -80,8 +80,10 @@ class EpochSampler:
     self._cache: dict[int, np.ndarray] = {}
 
   def __repr__(self) -> str:
-    return (f"EpochSampler(num_examples={self._num_examples}, seed={self._seed}, "
-            f"shuffle={self._shuffle}, examples_seen={self._examples_seen})")
+    return (
+      f"EpochSampler(num_examples={self._num_examples}, seed={self._seed}, "
+      f"shuffle={self._shuffle}, examples_seen={self._examples_seen})"
+    )
 
   # ---------------------------------------------------------------- read-only
 
@@ -171,7 +173,7 @@ class EpochSampler:
     head = self.permutation(epoch)[offset:end]
     if end <= self._num_examples:
       return head.copy()
-    tail = self.permutation(epoch + 1)[:end - self._num_examples]
+    tail = self.permutation(epoch + 1)[: end - self._num_examples]
     return np.concatenate([head, tail])
 
   def peek(self, batch_size: int) -> np.ndarray:
@@ -213,11 +215,11 @@ class EpochSampler:
     ``shuffle`` continues with exactly the indices this one would serve next.
     """
     return {
-        "version": STATE_VERSION,
-        "num_examples": self._num_examples,
-        "seed": self._seed,
-        "shuffle": self._shuffle,
-        "examples_seen": self._examples_seen,
+      "version": STATE_VERSION,
+      "num_examples": self._num_examples,
+      "seed": self._seed,
+      "shuffle": self._shuffle,
+      "examples_seen": self._examples_seen,
     }
 
   def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -236,19 +238,21 @@ class EpochSampler:
     if not isinstance(state, Mapping) or state.get("version") != STATE_VERSION:
       got = state.get("version") if isinstance(state, Mapping) else state
       raise ValueError(f"sampler state version must be {STATE_VERSION}, got {got!r}")
-    ours = {"num_examples": self._num_examples, "seed": self._seed,
-            "shuffle": self._shuffle}
-    differing = [k for k in ours if state.get(k, "<missing>") != ours[k]
-                 or validation.is_bool(state.get(k)) != validation.is_bool(ours[k])]
+    ours = {"num_examples": self._num_examples, "seed": self._seed, "shuffle": self._shuffle}
+    differing = [
+      k
+      for k in ours
+      if state.get(k, "<missing>") != ours[k]
+      or validation.is_bool(state.get(k)) != validation.is_bool(ours[k])
+    ]
     if differing:
       details = ", ".join(
-          f"{k} (saved {state.get(k, '<missing>')!r}, here {ours[k]!r})"
-          for k in differing)
+        f"{k} (saved {state.get(k, '<missing>')!r}, here {ours[k]!r})" for k in differing
+      )
       raise ValueError(f"sampler state differs from this sampler in: {details}")
     if "examples_seen" not in state:
       raise ValueError("sampler state has no examples_seen")
-    self._examples_seen = validation.check_int(
-        "examples_seen", state["examples_seen"], 0)
+    self._examples_seen = validation.check_int("examples_seen", state["examples_seen"], 0)
 
   # ---------------------------------------------------------------- internals
 
@@ -256,7 +260,8 @@ class EpochSampler:
     n = self._num_examples
     if not validation.is_int(batch_size) or not 1 <= int(batch_size) <= n:
       raise ValueError(
-          f"batch_size must be an int in [1, num_examples={n}], got "
-          f"{batch_size!r}: a batch larger than the data set would repeat "
-          "examples within one step")
+        f"batch_size must be an int in [1, num_examples={n}], got "
+        f"{batch_size!r}: a batch larger than the data set would repeat "
+        "examples within one step"
+      )
     return int(batch_size)

@@ -64,14 +64,14 @@ def check_indices(indices: Any, length: int) -> tuple[np.ndarray, np.ndarray]:
   idx = np.asarray(indices)
   if idx.size and idx.dtype.kind not in "iu":
     raise ValueError(
-        f"indices must be integers in [0, {length}) or -1 for padding, got "
-        f"dtype {idx.dtype}")
+      f"indices must be integers in [0, {length}) or -1 for padding, got dtype {idx.dtype}"
+    )
   flat = idx.astype(np.int64, copy=False).reshape(-1)
   bad = (flat < -1) | (flat >= length)
   if bad.any():
     raise IndexError(
-        f"indices must be in [0, {length}) or -1 for padding, got "
-        f"{flat[bad][:8].tolist()}")
+      f"indices must be in [0, {length}) or -1 for padding, got {flat[bad][:8].tolist()}"
+    )
   return flat, flat == -1
 
 
@@ -97,16 +97,14 @@ class ArraySource:
 
   def __init__(self, arrays: Mapping[str, np.ndarray]):
     if not isinstance(arrays, Mapping) or not arrays:
-      raise ValueError(
-          f"arrays must be a non-empty mapping of name to array, got {arrays!r}")
+      raise ValueError(f"arrays must be a non-empty mapping of name to array, got {arrays!r}")
     converted = {}
     for name, value in arrays.items():
       if not isinstance(name, str):
         raise ValueError(f"array names must be strings, got {name!r}")
       array = np.asarray(value)
       if array.ndim == 0:
-        raise ValueError(
-            f"array {name!r} must have a leading example axis, got a scalar")
+        raise ValueError(f"array {name!r} must have a leading example axis, got a scalar")
       converted[name] = array
     lengths = {name: len(a) for name, a in converted.items()}
     if len(set(lengths.values())) != 1:
@@ -184,13 +182,13 @@ class TfdsSource:
   """
 
   def __init__(
-      self,
-      name: str,
-      split: str,
-      *,
-      data_dir: str | None = None,
-      download: bool = True,
-      features: Sequence[str] | None = None,
+    self,
+    name: str,
+    split: str,
+    *,
+    data_dir: str | None = None,
+    download: bool = True,
+    features: Sequence[str] | None = None,
   ):
     import tensorflow_datasets as tfds  # pylint: disable=import-outside-toplevel
 
@@ -205,16 +203,17 @@ class TfdsSource:
         chosen = tuple(features)
       if not chosen or not all(isinstance(f, str) for f in chosen):
         raise ValueError(
-            f"features must be None or a non-empty sequence of names, got {features!r}")
+          f"features must be None or a non-empty sequence of names, got {features!r}"
+        )
       features = chosen
     try:
-      self._ds = tfds.data_source(
-          name, split=split, data_dir=data_dir, download=download)
+      self._ds = tfds.data_source(name, split=split, data_dir=data_dir, download=download)
     except NotImplementedError as e:
       raise RuntimeError(
-          f"TFDS could not open {name!r} split {split!r} in data_dir "
-          f"{data_dir!r} for random access (download={download}); it needs the "
-          f"data prepared in ArrayRecord format there. TFDS says: {e}") from e
+        f"TFDS could not open {name!r} split {split!r} in data_dir "
+        f"{data_dir!r} for random access (download={download}); it needs the "
+        f"data prepared in ArrayRecord format there. TFDS says: {e}"
+      ) from e
     self._name, self._split = name, split
     self._length = len(self._ds)
     if self._length < 1:
@@ -224,13 +223,12 @@ class TfdsSource:
     names = available if features is None else list(features)
     unknown = [f for f in names if f not in first]
     if unknown:
-      raise ValueError(
-          f"features {unknown} are not in TFDS {name!r}; available: {available}")
+      raise ValueError(f"features {unknown} are not in TFDS {name!r}; available: {available}")
     nested = [f for f in names if isinstance(first[f], Mapping)]
     if nested:
       raise ValueError(
-          f"features {nested} of TFDS {name!r} are nested dicts; select flat "
-          "features only")
+        f"features {nested} of TFDS {name!r} are nested dicts; select flat features only"
+      )
     self._features = tuple(names)
     self._spec: ElementSpec = {}
     self._pad: dict[str, Any] = {}
@@ -244,8 +242,7 @@ class TfdsSource:
     return self._length
 
   def __repr__(self) -> str:
-    return (f"TfdsSource({self._name!r}, {self._split!r}, {len(self)} examples, "
-            f"{self.element_spec})")
+    return f"TfdsSource({self._name!r}, {self._split!r}, {len(self)} examples, {self.element_spec})"
 
   @property
   def features(self) -> tuple[str, ...]:
@@ -301,9 +298,10 @@ class TfdsSource:
         value = _to_numpy(record[f])
         if value.shape != elem_shape:
           raise ValueError(
-              f"feature {f!r} of record {int(flat[row])} has shape "
-              f"{value.shape}, but record 0 has {elem_shape}; TfdsSource needs "
-              "fixed-shape features")
+            f"feature {f!r} of record {int(flat[row])} has shape "
+            f"{value.shape}, but record 0 has {elem_shape}; TfdsSource needs "
+            "fixed-shape features"
+          )
         batch[f][row] = value[()] if value.ndim == 0 else value  # text: the str
     return {f: a.reshape(shape + a.shape[1:]) for f, a in batch.items()}
 
@@ -334,8 +332,7 @@ def _to_numpy(value: Any) -> np.ndarray:
   return np.asarray(value)
 
 
-def load_source(spec: str | Mapping[str, np.ndarray], **kwargs: Any
-                ) -> ArraySource | TfdsSource:
+def load_source(spec: str | Mapping[str, np.ndarray], **kwargs: Any) -> ArraySource | TfdsSource:
   """Returns a source from a short description.
 
   Args:
@@ -361,5 +358,4 @@ def load_source(spec: str | Mapping[str, np.ndarray], **kwargs: Any
     match = _TFDS_SPEC.fullmatch(spec)
     if match:
       return TfdsSource(match["name"], match["split"], **kwargs)
-  raise ValueError(
-      f"spec must be 'tfds:NAME:SPLIT' or a mapping of arrays, got {spec!r}")
+  raise ValueError(f"spec must be 'tfds:NAME:SPLIT' or a mapping of arrays, got {spec!r}")

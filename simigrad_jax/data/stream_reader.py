@@ -78,8 +78,15 @@ class StreamElement:
     num_examples, seed, shuffle: the sampler's settings (its order).
   """
 
-  def __init__(self, read: record_reader.RecordReader, augment: record_reader.Augment | None,
-               spec: record_reader.ElementSpec, num_examples: int, seed: int, shuffle: bool):
+  def __init__(
+    self,
+    read: record_reader.RecordReader,
+    augment: record_reader.Augment | None,
+    spec: record_reader.ElementSpec,
+    num_examples: int,
+    seed: int,
+    shuffle: bool,
+  ):
     self.read, self.augment, self.spec = read, augment, spec
     self.order = (num_examples, seed, shuffle)
     self._sampler: EpochSampler | None = None
@@ -101,8 +108,10 @@ class StreamElement:
       example = {k: np.asarray(v) for k, v in self.augment(example, rng).items()}
       got = {k: (v.shape, v.dtype) for k, v in example.items()}
       if got != self.spec:
-        raise ValueError(f"augment made record {index} (stream position {position}) into "
-                         f"{got}, but the element spec is {self.spec}")
+        raise ValueError(
+          f"augment made record {index} (stream position {position}) into "
+          f"{got}, but the element spec is {self.spec}"
+        )
     return {**example, POSITION_KEY: np.int64(position), BAD_KEY: bad}
 
 
@@ -124,8 +133,9 @@ class StreamChunk:
   def __call__(self, chunk: int) -> dict[str, Any]:
     start = self.first + int(chunk) * self.size
     rows = [self.element(p) for p in range(start, start + self.size)]
-    out: dict[str, Any] = {name: np.stack([row[name] for row in rows])
-                           for name in self.element.spec}
+    out: dict[str, Any] = {
+      name: np.stack([row[name] for row in rows]) for name in self.element.spec
+    }
     out[POSITION_KEY] = np.arange(start, start + self.size, dtype=np.int64)
     out[BAD_KEY] = [(int(row[POSITION_KEY]), row[BAD_KEY]) for row in rows if row[BAD_KEY]]
     return out
@@ -153,8 +163,14 @@ class StreamReader:
   def __init__(self, source: GrainSource, sampler: EpochSampler):
     self._source = source
     self._spec = source.element_spec
-    self._element = StreamElement(source.record_reader(), source.augment, self._spec,
-                                  sampler.num_examples, sampler.seed, sampler.shuffle)
+    self._element = StreamElement(
+      source.record_reader(),
+      source.augment,
+      self._spec,
+      sampler.num_examples,
+      sampler.seed,
+      sampler.shuffle,
+    )
     self._iterator: _Pipeline | None = None
     self._next = 0  # the position the pipeline yields next
     self._buffer: dict[int, dict[str, np.ndarray]] = {}
@@ -196,8 +212,10 @@ class StreamReader:
       except BaseException:
         self._close_pipeline()
         raise
-    batch = {name: np.empty((len(positions),) + shape, dtype)
-             for name, (shape, dtype) in self._spec.items()}
+    batch = {
+      name: np.empty((len(positions),) + shape, dtype)
+      for name, (shape, dtype) in self._spec.items()
+    }
     for row, example in enumerate(examples):
       for name in batch:
         batch[name][row] = example[name]
@@ -218,8 +236,9 @@ class StreamReader:
       chunk = next(iterator)
       first_position = int(chunk[POSITION_KEY][0])
       if first_position != self._next:
-        raise RuntimeError(f"the grain pipeline yielded stream position {first_position}, "
-                           f"expected {self._next}")
+        raise RuntimeError(
+          f"the grain pipeline yielded stream position {first_position}, expected {self._next}"
+        )
       for position, bad in chunk[BAD_KEY]:
         self._source.note_bad_records(bad, f"stream position {position}")
       rows = {name: np.array(chunk[name]) for name in self._spec}  # out of shared memory
@@ -231,8 +250,9 @@ class StreamReader:
   def _keep(self, element: dict[str, Any]) -> dict[str, np.ndarray]:
     """An element read in this process, its skipped records counted."""
     if element[BAD_KEY]:
-      self._source.note_bad_records(element[BAD_KEY],
-                                    f"stream position {int(element[POSITION_KEY])}")
+      self._source.note_bad_records(
+        element[BAD_KEY], f"stream position {int(element[POSITION_KEY])}"
+      )
     return {name: element[name] for name in self._spec}
 
   def _start(self, first: int) -> _Pipeline:
@@ -246,11 +266,15 @@ class StreamReader:
     chunk = min(_CHUNK, self._source.buffer_size)
     chunks = max(self._source.buffer_size // chunk, 1)  # each worker's read-ahead, in chunks
     dataset = grain.MapDataset.range(_STREAM_SPAN).map(StreamChunk(self._element, first, chunk))
-    iter_dataset = dataset.to_iter_dataset(grain.ReadOptions(
-        num_threads=self._source.read_threads, prefetch_buffer_size=chunks))
-    iter_dataset = iter_dataset.mp_prefetch(grain.MultiprocessingOptions(
-        num_workers=self._source.num_workers, per_worker_buffer_size=chunks),
-        worker_init_fn=functools.partial(exit_with_parent, os.getpid()))
+    iter_dataset = dataset.to_iter_dataset(
+      grain.ReadOptions(num_threads=self._source.read_threads, prefetch_buffer_size=chunks)
+    )
+    iter_dataset = iter_dataset.mp_prefetch(
+      grain.MultiprocessingOptions(
+        num_workers=self._source.num_workers, per_worker_buffer_size=chunks
+      ),
+      worker_init_fn=functools.partial(exit_with_parent, os.getpid()),
+    )
     self._iterator = iterator = iter(iter_dataset)
     self._next = first
     self.restarts += 1

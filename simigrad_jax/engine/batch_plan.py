@@ -43,11 +43,11 @@ import numpy as np
 from simigrad_jax import validation
 
 __all__ = [
-    "BatchPlan",
-    "BucketPolicy",
-    "bucket_shapes",
-    "plan_batch",
-    "representable_batch_sizes",
+  "BatchPlan",
+  "BucketPolicy",
+  "bucket_shapes",
+  "plan_batch",
+  "representable_batch_sizes",
 ]
 
 
@@ -70,10 +70,11 @@ def _check_policy(policy: object) -> tuple[int, ...]:
 def _unrealisable(n: int, grid: tuple[int, ...], lo: int, hi: int | None) -> ValueError:
   """The error for ``padding=False`` bounds that hold no representable size."""
   return ValueError(
-      f"no batch size in [lower={lo}, upper={hi}] is realisable without "
-      f"padding on {n} devices with micro-batch sizes {grid}: the "
-      "representable sizes are n * k * g with k = ceil(size / (n * max)); "
-      "widen the bounds or use padding=True")
+    f"no batch size in [lower={lo}, upper={hi}] is realisable without "
+    f"padding on {n} devices with micro-batch sizes {grid}: the "
+    "representable sizes are n * k * g with k = ceil(size / (n * max)); "
+    "widen the bounds or use padding=True"
+  )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,8 +101,9 @@ class BucketPolicy:
       low = self.min_micro_batch_size
       if not validation.is_int(low) or not 1 <= low <= top:
         raise ValueError(
-            "min_micro_batch_size must be None or an int in "
-            f"[1, max_micro_batch_size={top}], got {low!r}")
+          "min_micro_batch_size must be None or an int in "
+          f"[1, max_micro_batch_size={top}], got {low!r}"
+        )
     validation.check_bool("padding", self.padding)
 
   def micro_batch_sizes(self) -> tuple[int, ...]:
@@ -121,8 +123,7 @@ class BucketPolicy:
       (13, 25, 50, 100)
     """
     top = int(self.max_micro_batch_size)
-    low = top if self.min_micro_batch_size is None else int(
-        self.min_micro_batch_size)
+    low = top if self.min_micro_batch_size is None else int(self.min_micro_batch_size)
     sizes = [top]
     while sizes[-1] > 1 and -(-sizes[-1] // 2) >= low:
       sizes.append(-(-sizes[-1] // 2))
@@ -152,15 +153,21 @@ class BatchPlan:
   padded_examples: int
 
   def __post_init__(self):
-    for name in ("requested_batch_size", "global_batch_size", "num_devices",
-                 "micro_batch_size", "accumulation_steps"):
+    for name in (
+      "requested_batch_size",
+      "global_batch_size",
+      "num_devices",
+      "micro_batch_size",
+      "accumulation_steps",
+    ):
       validation.check_int(name, getattr(self, name))
     validation.check_int("padded_examples", self.padded_examples, minimum=0)
     if self.global_batch_size + self.padded_examples != self.rows_per_step:
       raise ValueError(
-          "global_batch_size + padded_examples must equal num_devices * "
-          f"micro_batch_size * accumulation_steps = {self.rows_per_step}, got "
-          f"{self.global_batch_size} + {self.padded_examples}")
+        "global_batch_size + padded_examples must equal num_devices * "
+        f"micro_batch_size * accumulation_steps = {self.rows_per_step}, got "
+        f"{self.global_batch_size} + {self.padded_examples}"
+      )
 
   @property
   def rows_per_step(self) -> int:
@@ -235,8 +242,9 @@ def _round_down(size: int, n: int, grid: tuple[int, ...]) -> int | None:
   return n * (k - 1) * top if k > 1 else None
 
 
-def _round(size: int, previous: int | None, n: int, grid: tuple[int, ...],
-           lo: int, hi: int | None) -> int:
+def _round(
+  size: int, previous: int | None, n: int, grid: tuple[int, ...], lo: int, hi: int | None
+) -> int:
   """Rounds ``size`` (already in bounds) to a representable size in bounds."""
   rounded_up = _round_up(size, n, grid)
   up = None if hi is not None and rounded_up > hi else rounded_up
@@ -254,13 +262,13 @@ def _round(size: int, previous: int | None, n: int, grid: tuple[int, ...],
 
 
 def plan_batch(
-    batch_size: int,
-    num_devices: int,
-    policy: BucketPolicy,
-    *,
-    previous_batch_size: int | None = None,
-    lower: int | None = None,
-    upper: int | None = None,
+  batch_size: int,
+  num_devices: int,
+  policy: BucketPolicy,
+  *,
+  previous_batch_size: int | None = None,
+  lower: int | None = None,
+  upper: int | None = None,
 ) -> BatchPlan:
   """Plans how to realise a requested global batch size on the shape grid.
 
@@ -313,25 +321,29 @@ def plan_batch(
   size = validation.check_int("batch_size", batch_size)
   n = validation.check_int("num_devices", num_devices)
   grid = _check_policy(policy)
-  previous = None if previous_batch_size is None else validation.check_int(
-      "previous_batch_size", previous_batch_size)
+  previous = (
+    None
+    if previous_batch_size is None
+    else validation.check_int("previous_batch_size", previous_batch_size)
+  )
   lo, hi = _check_bounds(lower, upper)
   target = max(size, lo) if hi is None else min(max(size, lo), hi)
   if not policy.padding:
     target = _round(target, previous, n, grid, lo, hi)
   k, micro = _fit(target, n, grid)
   return BatchPlan(
-      requested_batch_size=size,
-      global_batch_size=target,
-      num_devices=n,
-      micro_batch_size=micro,
-      accumulation_steps=k,
-      padded_examples=n * k * micro - target,
+    requested_batch_size=size,
+    global_batch_size=target,
+    num_devices=n,
+    micro_batch_size=micro,
+    accumulation_steps=k,
+    padded_examples=n * k * micro - target,
   )
 
 
-def bucket_shapes(policy: BucketPolicy, num_devices: int, lower: int,
-                  upper: int) -> tuple[int, ...]:
+def bucket_shapes(
+  policy: BucketPolicy, num_devices: int, lower: int, upper: int
+) -> tuple[int, ...]:
   """Returns every micro-batch shape a run within ``[lower, upper]`` can use.
 
   Exactly the set of :func:`plan_batch` ``(..., lower=lower, upper=upper)``
@@ -381,8 +393,9 @@ def bucket_shapes(policy: BucketPolicy, num_devices: int, lower: int,
   return tuple(sorted(shapes))
 
 
-def representable_batch_sizes(policy: BucketPolicy, num_devices: int,
-                              lower: int, upper: int) -> list[int]:
+def representable_batch_sizes(
+  policy: BucketPolicy, num_devices: int, lower: int, upper: int
+) -> list[int]:
   """Returns the sizes in ``[lower, upper]`` a ``padding=False`` run realises.
 
   ``S`` is representable iff ``S == n * k * g`` for a grid shape ``g`` and
@@ -407,12 +420,13 @@ def representable_batch_sizes(policy: BucketPolicy, num_devices: int,
   grid = _check_policy(policy)
   if policy.padding:
     raise ValueError(
-        "representable_batch_sizes needs a policy with padding=False, got "
-        f"{policy!r}; with padding every size is realised exactly")
+      "representable_batch_sizes needs a policy with padding=False, got "
+      f"{policy!r}; with padding every size is realised exactly"
+    )
   top = grid[-1]
   return [
-      n * k * g
-      for k in range(-(-lo // (n * top)), -(-hi // (n * top)) + 1)
-      for g in grid
-      if k * (top - g) < top and lo <= n * k * g <= hi
+    n * k * g
+    for k in range(-(-lo // (n * top)), -(-hi // (n * top)) + 1)
+    for g in grid
+    if k * (top - g) < top and lo <= n * k * g <= hi
   ]

@@ -42,10 +42,10 @@ from simigrad_jax.errors import SimiGradError
 logger = logging.getLogger("simigrad_jax")
 
 __all__ = [
-    "StepCompileError",
-    "StepCompiler",
-    "enable_persistent_cache",
-    "persistent_cache_settings",
+  "StepCompileError",
+  "StepCompiler",
+  "enable_persistent_cache",
+  "persistent_cache_settings",
 ]
 
 
@@ -126,12 +126,13 @@ class StepCompiler:
     only exists while compiles are queued).
   """
 
-  def __init__(self, lower: Callable[[int], jax.stages.Lowered], *,
-               background: bool = True, name: str = "step"):
+  def __init__(
+    self, lower: Callable[[int], jax.stages.Lowered], *, background: bool = True, name: str = "step"
+  ):
     if not callable(lower):
       raise ValueError(
-          f"lower must be a callable micro_batch_size -> jax.stages.Lowered, "
-          f"got {lower!r}")
+        f"lower must be a callable micro_batch_size -> jax.stages.Lowered, got {lower!r}"
+      )
     if not isinstance(name, str):
       raise ValueError(f"name must be a str, got {name!r}")
     self._lower = lower
@@ -153,8 +154,10 @@ class StepCompiler:
 
   def __repr__(self) -> str:
     stats = self.stats()
-    return (f"StepCompiler(name={self._name!r}, background={self._background},"
-            f" compiled_sizes={stats['compiled_sizes']}, closed={self._closed})")
+    return (
+      f"StepCompiler(name={self._name!r}, background={self._background},"
+      f" compiled_sizes={stats['compiled_sizes']}, closed={self._closed})"
+    )
 
   def prefetch(self, micro_batch_sizes: Iterable[int]) -> None:
     """Schedules background compiles of the sizes not compiled or in flight.
@@ -176,8 +179,7 @@ class StepCompiler:
     sizes = _check_sizes(micro_batch_sizes)
     with self._lock:
       if self._closed:
-        raise RuntimeError(
-            f"StepCompiler {self._name!r} is closed: prefetch is not allowed")
+        raise RuntimeError(f"StepCompiler {self._name!r} is closed: prefetch is not allowed")
       if not self._background:
         return
       for size in sizes:
@@ -186,7 +188,8 @@ class StepCompiler:
           self._queue.append(size)
       if self._queue and self._worker is None:
         self._worker = threading.Thread(
-            target=self._work, name=f"{self._name}-compiler", daemon=False)
+          target=self._work, name=f"{self._name}-compiler", daemon=False
+        )
         self._worker.start()
 
   def get(self, micro_batch_size: int) -> jax.stages.Compiled:
@@ -234,10 +237,11 @@ class StepCompiler:
     if job.error is not None:
       first_line = (str(job.error).strip().splitlines() or [""])[0][:300]
       raise StepCompileError(
-          f"StepCompiler {self._name!r}: lowering or compiling the step for "
-          f"micro_batch_size={size} failed with "
-          f"{type(job.error).__name__}: {first_line} (the cause is chained "
-          "below)") from job.error
+        f"StepCompiler {self._name!r}: lowering or compiling the step for "
+        f"micro_batch_size={size} failed with "
+        f"{type(job.error).__name__}: {first_line} (the cause is chained "
+        "below)"
+      ) from job.error
     assert job.compiled is not None  # done, without an error
     return job.compiled
 
@@ -260,15 +264,15 @@ class StepCompiler:
     """
     with self._lock:
       return {
-          "compiles": self._compiles,
-          "compile_seconds": self._compile_seconds,
-          "compile_wait_seconds": self._wait_seconds,
-          "compiled_sizes": sorted(
-              size for size, job in self._jobs.items()
-              if job.done.is_set() and job.error is None),
-          "failed_sizes": sorted(
-              size for size, job in self._jobs.items()
-              if job.done.is_set() and job.error is not None),
+        "compiles": self._compiles,
+        "compile_seconds": self._compile_seconds,
+        "compile_wait_seconds": self._wait_seconds,
+        "compiled_sizes": sorted(
+          size for size, job in self._jobs.items() if job.done.is_set() and job.error is None
+        ),
+        "failed_sizes": sorted(
+          size for size, job in self._jobs.items() if job.done.is_set() and job.error is not None
+        ),
       }
 
   def close(self) -> None:
@@ -309,9 +313,10 @@ class StepCompiler:
       lowered = self._lower(job.size)
       if not isinstance(lowered, jax.stages.Lowered):
         raise TypeError(
-            f"lower({job.size}) must return a jax.stages.Lowered (e.g. "
-            f"jitted.lower(*placeholders)), got {type(lowered).__name__}: "
-            f"{lowered!r:.200}")
+          f"lower({job.size}) must return a jax.stages.Lowered (e.g. "
+          f"jitted.lower(*placeholders)), got {type(lowered).__name__}: "
+          f"{lowered!r:.200}"
+        )
       job.compiled = lowered.compile()
     except Exception as err:  # surfaces in get() for this size
       job.error = err
@@ -332,13 +337,11 @@ class StepCompiler:
 
 def _check_sizes(micro_batch_sizes: Any) -> list[int]:
   """Returns the sizes as a list of ints, or raises ValueError."""
-  if isinstance(micro_batch_sizes, (str, bytes)) or not isinstance(
-      micro_batch_sizes, Iterable):
+  if isinstance(micro_batch_sizes, (str, bytes)) or not isinstance(micro_batch_sizes, Iterable):
     raise ValueError(
-        "micro_batch_sizes must be an iterable of ints >= 1, got "
-        f"{micro_batch_sizes!r}")
-  return [validation.check_int("micro_batch_size", size)
-          for size in micro_batch_sizes]
+      f"micro_batch_sizes must be an iterable of ints >= 1, got {micro_batch_sizes!r}"
+    )
+  return [validation.check_int("micro_batch_size", size) for size in micro_batch_sizes]
 
 
 def enable_persistent_cache(cache_dir: str | os.PathLike, *, allow_shared: bool = False) -> None:
@@ -383,8 +386,7 @@ def enable_persistent_cache(cache_dir: str | os.PathLike, *, allow_shared: bool 
     >>> enable_persistent_cache(tempfile.mkdtemp())  # doctest: +SKIP
   """
   if not isinstance(cache_dir, (str, os.PathLike)):
-    raise ValueError(
-        f"cache_dir must be a str or os.PathLike, got {cache_dir!r}")
+    raise ValueError(f"cache_dir must be a str or os.PathLike, got {cache_dir!r}")
   raw = os.fspath(cache_dir)
   if not isinstance(raw, str) or not raw:
     raise ValueError(f"cache_dir must be a non-empty path, got {cache_dir!r}")
@@ -435,8 +437,10 @@ def _replace_unreadable_entries() -> None:
   Uses JAX's private module (checked for here): with another JAX where it
   differs, the cache stays as JAX makes it.
   """
-  if not all(hasattr(jax_compilation_cache, name) for name in
-             ("_initialize_cache", "_cache", "CacheInterface", "LRUCache")):
+  if not all(
+    hasattr(jax_compilation_cache, name)
+    for name in ("_initialize_cache", "_cache", "CacheInterface", "LRUCache")
+  ):
     return
   jax_compilation_cache._initialize_cache()  # pylint: disable=protected-access
   cache = jax_compilation_cache._cache  # pylint: disable=protected-access
@@ -445,9 +449,12 @@ def _replace_unreadable_entries() -> None:
 
 
 # The process-wide ``jax.config`` settings that enable_persistent_cache changes.
-_CACHE_SETTINGS = ("jax_enable_compilation_cache", "jax_compilation_cache_dir",
-                   "jax_persistent_cache_min_compile_time_secs",
-                   "jax_persistent_cache_min_entry_size_bytes")
+_CACHE_SETTINGS = (
+  "jax_enable_compilation_cache",
+  "jax_compilation_cache_dir",
+  "jax_persistent_cache_min_compile_time_secs",
+  "jax_persistent_cache_min_entry_size_bytes",
+)
 
 
 @contextlib.contextmanager

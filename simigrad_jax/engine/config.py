@@ -24,8 +24,13 @@ from simigrad_jax.runtime import process_agreement
 Mode = Literal["recompile", "pad"]
 MODES: tuple[str, ...] = ("recompile", "pad")
 
-_FLAGS = ("background_compile", "compile_fallback", "progress", "allow_shared_workdir",
-          "allow_changed_settings")
+_FLAGS = (
+  "background_compile",
+  "compile_fallback",
+  "progress",
+  "allow_shared_workdir",
+  "allow_changed_settings",
+)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -139,49 +144,64 @@ class TrainerConfig:
       raise ValueError(f"mode={self.mode!r} is not valid; choose one of {MODES}")
     if self.lr_rule not in learning_rate.LR_RULES:
       raise ValueError(
-          f"lr_rule={self.lr_rule!r} is not valid; choose one of {learning_rate.LR_RULES}")
+        f"lr_rule={self.lr_rule!r} is not valid; choose one of {learning_rate.LR_RULES}"
+      )
     checked: dict[str, Any] = {}
     checked["max_micro_batch_size"] = max_micro = validation.check_int(
-        "max_micro_batch_size", self.max_micro_batch_size, 1)
+      "max_micro_batch_size", self.max_micro_batch_size, 1
+    )
     if self.min_micro_batch_size is not None:
-      if (not validation.is_int(self.min_micro_batch_size)
-          or not 1 <= self.min_micro_batch_size <= max_micro):
+      if (
+        not validation.is_int(self.min_micro_batch_size)
+        or not 1 <= self.min_micro_batch_size <= max_micro
+      ):
         raise ValueError(
-            f"min_micro_batch_size must be None or an integer in [1, max_micro_batch_size="
-            f"{max_micro}], got {self.min_micro_batch_size!r}")
+          f"min_micro_batch_size must be None or an integer in [1, max_micro_batch_size="
+          f"{max_micro}], got {self.min_micro_batch_size!r}"
+        )
       checked["min_micro_batch_size"] = int(self.min_micro_batch_size)
     if self.lr_adjust_factor is not None:
       checked["lr_adjust_factor"] = validation.check_real(  # (as lr_factor checks it)
-          "lr_adjust_factor", self.lr_adjust_factor, "[0, inf)", lambda f: 0 <= f < math.inf)
+        "lr_adjust_factor", self.lr_adjust_factor, "[0, inf)", lambda f: 0 <= f < math.inf
+      )
     checked["seed"] = validation.check_int("seed", self.seed, 0)
     if self.checkpoint_every_steps is not None:
       checked["checkpoint_every_steps"] = validation.check_int(
-          "checkpoint_every_steps", self.checkpoint_every_steps, 1)
+        "checkpoint_every_steps", self.checkpoint_every_steps, 1
+      )
     if self.checkpoint_every_seconds is not None:
       checked["checkpoint_every_seconds"] = validation.check_real(
-          "checkpoint_every_seconds", self.checkpoint_every_seconds, "(0, inf) (finite)",
-          lambda x: 0 < x < math.inf)
+        "checkpoint_every_seconds",
+        self.checkpoint_every_seconds,
+        "(0, inf) (finite)",
+        lambda x: 0 < x < math.inf,
+      )
     checked["max_checkpoints"] = validation.check_int("max_checkpoints", self.max_checkpoints, 1)
     for name in _FLAGS:
       checked[name] = validation.check_bool(name, getattr(self, name))
     if self.tensorboard is not None:
       checked["tensorboard"] = validation.check_bool("tensorboard", self.tensorboard)
     if self.compilation_cache_dir is not None and not isinstance(
-        self.compilation_cache_dir, (str, os.PathLike)):
-      raise ValueError(f"compilation_cache_dir must be None or a path (str or os.PathLike), "
-                       f"got {self.compilation_cache_dir!r}")
+      self.compilation_cache_dir, (str, os.PathLike)
+    ):
+      raise ValueError(
+        f"compilation_cache_dir must be None or a path (str or os.PathLike), "
+        f"got {self.compilation_cache_dir!r}"
+      )
     if not isinstance(self.axis_name, str) or not self.axis_name:
       raise ValueError(f"axis_name must be a non-empty string, got {self.axis_name!r}")
     layout.check_halves(self.halves)
     timeout = self.agreement_timeout_seconds
     checked["agreement_timeout_seconds"] = process_agreement.check_timeout(
-        process_agreement.AGREEMENT_TIMEOUT_SECONDS if timeout is None else timeout)
+      process_agreement.AGREEMENT_TIMEOUT_SECONDS if timeout is None else timeout
+    )
     for name, value in checked.items():  # as plain Python numbers (NumPy integers too)
       object.__setattr__(self, name, value)
 
   @classmethod
-  def from_settings(cls, config: TrainerConfig | None, settings: Mapping[str, Any]
-                    ) -> TrainerConfig:
+  def from_settings(
+    cls, config: TrainerConfig | None, settings: Mapping[str, Any]
+  ) -> TrainerConfig:
     """``config``, or a config made of ``settings`` (keyword arguments named as the fields).
 
     Args:
@@ -204,17 +224,23 @@ class TrainerConfig:
     if config is None:
       unknown = sorted(set(settings) - {f.name for f in dataclasses.fields(cls)})
       if unknown:
-        raise TypeError(f"unexpected keyword argument(s) {unknown}; the settings are the fields "
-                        f"of TrainerConfig: {[f.name for f in dataclasses.fields(cls)]}")
+        raise TypeError(
+          f"unexpected keyword argument(s) {unknown}; the settings are the fields "
+          f"of TrainerConfig: {[f.name for f in dataclasses.fields(cls)]}"
+        )
       return cls(**settings)
     if not isinstance(config, TrainerConfig):
-      raise ValueError(f"config must be a simigrad_jax.TrainerConfig, got {config!r:.200} "
-                       f"({type(config).__name__})")
+      raise ValueError(
+        f"config must be a simigrad_jax.TrainerConfig, got {config!r:.200} "
+        f"({type(config).__name__})"
+      )
     if settings:
       given = ", ".join(f"{name}={value!r:.80}" for name, value in settings.items())
-      raise ValueError(f"give the settings either as config=TrainerConfig(...) or as keywords, "
-                       f"not both: got config= and {given}; put them into the config instead: "
-                       f"config.replace({given})")
+      raise ValueError(
+        f"give the settings either as config=TrainerConfig(...) or as keywords, "
+        f"not both: got config= and {given}; put them into the config instead: "
+        f"config.replace({given})"
+      )
     return config
 
   def replace(self, **changes: Any) -> TrainerConfig:

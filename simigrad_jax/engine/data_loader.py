@@ -32,10 +32,9 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from simigrad_jax.engine import batch_plan
 from simigrad_jax.data.sampler import EpochSampler
+from simigrad_jax.engine import batch_plan
 from simigrad_jax.engine.programs import StepBatch
-
 
 # This process's rows among a step's examples: their offsets in the step, and the rows by feature.
 LoadedRows = tuple[np.ndarray, dict[str, np.ndarray]]
@@ -70,10 +69,19 @@ class StepDataLoader:
       :meth:`submit_ahead` places for).
   """
 
-  def __init__(self, source: Any, sampler: EpochSampler, sharded: NamedSharding,
-               replicated: NamedSharding, local_slots: np.ndarray, num_slots: int,
-               place_ahead: bool, *, upper: int,
-               plan_for: Callable[[int], batch_plan.BatchPlan]):
+  def __init__(
+    self,
+    source: Any,
+    sampler: EpochSampler,
+    sharded: NamedSharding,
+    replicated: NamedSharding,
+    local_slots: np.ndarray,
+    num_slots: int,
+    place_ahead: bool,
+    *,
+    upper: int,
+    plan_for: Callable[[int], batch_plan.BatchPlan],
+  ):
     self._place_ahead = place_ahead
     self._upper, self._plan_for = upper, plan_for
     self._source, self._sampler = source, sampler
@@ -95,8 +103,9 @@ class StepDataLoader:
     expected = self._plan_for(int(min(batch_size, remaining))) if remaining > 0 else None
     self.submit(start, speculative_count(batch_size, self._upper, remaining), step, expected)
 
-  def submit(self, start: int, count: int, step: int,
-             expected: batch_plan.BatchPlan | None) -> None:
+  def submit(
+    self, start: int, count: int, step: int, expected: batch_plan.BatchPlan | None
+  ) -> None:
     """Starts loading ``count`` examples from ``start`` and placing them for ``expected``."""
     count = max(count, 1)
     if not self._place_ahead or (expected is not None and expected.global_batch_size > count):
@@ -143,17 +152,21 @@ class StepDataLoader:
       take = where[j].reshape(-1)
       real = layout[j].reshape(-1) >= 0
       local = {name: _gather_rows(array, take, real) for name, array in rows.items()}
-      micro_batches.append((self._to_devices(local, plan.micro_batch_size),
-                            self._to_devices(weights[j].reshape(-1).astype(np.float32),
-                                             plan.micro_batch_size)))
+      micro_batches.append(
+        (
+          self._to_devices(local, plan.micro_batch_size),
+          self._to_devices(weights[j].reshape(-1).astype(np.float32), plan.micro_batch_size),
+        )
+      )
       counters.append(jax.device_put(np.array([step, j], np.int32), self._replicated))
     return StepBatch(plan, micro_batches, counters)
 
   def _to_devices(self, local_tree: Any, micro: int) -> Any:
     rows = self._num_slots * micro
     return jax.tree.map(
-        lambda x: jax.make_array_from_process_local_data(self._sharded, x, (rows,) + x.shape[1:]),
-        local_tree)
+      lambda x: jax.make_array_from_process_local_data(self._sharded, x, (rows,) + x.shape[1:]),
+      local_tree,
+    )
 
   def close(self) -> None:
     """Waits for the load under way, and stops the source's reader (its worker processes)."""
@@ -180,14 +193,14 @@ def _gather_rows(array: np.ndarray, take: np.ndarray, real: np.ndarray) -> np.nd
   return out
 
 
-
-
 def local_device_positions(devices: list[jax.Device]) -> np.ndarray:
   """Positions in the mesh of this process's devices (they must be contiguous)."""
   positions = np.array([i for i, d in enumerate(devices) if d.process_index == jax.process_index()])
   if positions.size == 0:
     raise ValueError("none of the training devices belongs to this process")
   if np.any(np.diff(positions) != 1):
-    raise ValueError(f"this process's devices sit at mesh positions {positions.tolist()}; "
-                     "they must be contiguous (order the devices by process)")
+    raise ValueError(
+      f"this process's devices sit at mesh positions {positions.tolist()}; "
+      "they must be contiguous (order the devices by process)"
+    )
   return positions

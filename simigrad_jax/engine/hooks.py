@@ -48,8 +48,10 @@ class StepHook(Protocol):
 def check_hook(hook: Any) -> StepHook:
   """Returns ``hook`` if it has a callable ``on_step``, else raises ValueError naming it."""
   if not callable(getattr(hook, "on_step", None)):
-    raise ValueError(f"a hook must have a method on_step(record) (simigrad_jax.engine.hooks."
-                     f"StepHook), got {hook!r:.200} ({type(hook).__name__})")
+    raise ValueError(
+      f"a hook must have a method on_step(record) (simigrad_jax.engine.hooks."
+      f"StepHook), got {hook!r:.200} ({type(hook).__name__})"
+    )
   return hook
 
 
@@ -79,13 +81,16 @@ class ProgressHook:
 
   def __init__(self, total_examples: float, examples_seen: int, enabled: bool):
     known = math.isfinite(total_examples)
-    self.bar = ProgressBar(int(total_examples) if known else 0,
-                           initial=int(min(examples_seen, total_examples)) if known else 0,
-                           enabled=enabled)
+    self.bar = ProgressBar(
+      int(total_examples) if known else 0,
+      initial=int(min(examples_seen, total_examples)) if known else 0,
+      enabled=enabled,
+    )
 
   def on_step(self, record: StepRecord) -> None:
-    self.bar.update(record.batch_size, loss=record.loss, batch=record.batch_size,
-                    sim=record.similarity)
+    self.bar.update(
+      record.batch_size, loss=record.loss, batch=record.batch_size, sim=record.similarity
+    )
 
   def close(self) -> None:
     self.bar.close()
@@ -103,8 +108,12 @@ class EvaluationHook:
       epoch and the examples seen).
   """
 
-  def __init__(self, eval_fn: Callable[[Any, Any], Mapping[str, float]] | None,
-               state: Callable[[], Mapping[str, Any]], writer: MetricsWriter):
+  def __init__(
+    self,
+    eval_fn: Callable[[Any, Any], Mapping[str, float]] | None,
+    state: Callable[[], Mapping[str, Any]],
+    writer: MetricsWriter,
+  ):
     self._eval_fn, self._state, self._writer = eval_fn, state, writer
     self.results: dict[str, float] = {}  # the last evaluation's
 
@@ -114,8 +123,14 @@ class EvaluationHook:
     state = self._state()
     params, model_state = host_copy((state["params"], state["model_state"]))
     self.results = {f"eval_{k}": float(v) for k, v in self._eval_fn(params, model_state).items()}
-    self._writer.write({"step": record.step, "epoch": record.epoch,
-                        "examples_seen": record.examples_seen, **self.results})
+    self._writer.write(
+      {
+        "step": record.step,
+        "epoch": record.epoch,
+        "examples_seen": record.examples_seen,
+        **self.results,
+      }
+    )
 
 
 class CheckpointHook:
@@ -132,8 +147,13 @@ class CheckpointHook:
     clock: the clock in seconds (default ``time.monotonic``).
   """
 
-  def __init__(self, save: Callable[[], None], every_steps: int | None,
-               every_seconds: float | None = None, clock: Callable[[], float] = time.monotonic):
+  def __init__(
+    self,
+    save: Callable[[], None],
+    every_steps: int | None,
+    every_seconds: float | None = None,
+    clock: Callable[[], float] = time.monotonic,
+  ):
     self._save, self._every_steps, self._every_seconds = save, every_steps, every_seconds
     self._clock = clock
     self._last_save = clock()
@@ -154,8 +174,11 @@ class CheckpointHook:
 
   def due(self, record: StepRecord) -> bool:
     """Whether the step of ``record`` is checkpointed."""
-    return (record.epoch_end or record.step == self._on_time
-            or bool(self._every_steps and record.step % self._every_steps == 0))
+    return (
+      record.epoch_end
+      or record.step == self._on_time
+      or bool(self._every_steps and record.step % self._every_steps == 0)
+    )
 
   def on_step(self, record: StepRecord) -> None:
     if self.due(record):

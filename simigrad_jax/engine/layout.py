@@ -56,8 +56,17 @@ class StepLayout:
   policy: batch_plan.BucketPolicy
 
   @classmethod
-  def create(cls, halves: str, num_devices: int, *, mode: str, max_micro: int,
-             min_micro: int | None, lower: int, upper: int) -> StepLayout:
+  def create(
+    cls,
+    halves: str,
+    num_devices: int,
+    *,
+    mode: str,
+    max_micro: int,
+    min_micro: int | None,
+    lower: int,
+    upper: int,
+  ) -> StepLayout:
     """The layout of a run whose global batch sizes lie in ``[lower, upper]``.
 
     ``"pad"`` mode has one shape; ``"recompile"`` halves down from the largest
@@ -154,9 +163,10 @@ def resolve_halves(halves: str, num_devices: int) -> str:
     halves = "device" if num_devices % 2 == 0 else "local"
   if halves == "device" and num_devices % 2:
     raise ValueError(
-        f"halves='device' compares the even devices with the odd ones, which needs an even "
-        f"number of devices, got {num_devices}; use halves='local' (each device's rows split "
-        "in two) or 'auto', or an even number of devices")
+      f"halves='device' compares the even devices with the odd ones, which needs an even "
+      f"number of devices, got {num_devices}; use halves='local' (each device's rows split "
+      "in two) or 'auto', or an even number of devices"
+    )
   return halves
 
 

@@ -20,7 +20,8 @@ from __future__ import annotations
 import logging
 import signal
 import threading
-from typing import Any, NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 from simigrad_jax.errors import SimiGradError
 
@@ -56,8 +57,10 @@ class Preempted(SimiGradError, RuntimeError):
   def __init__(self, signal_name: str, step: int, checkpoint: str, summary: dict[str, Any]):
     self.signal = signal.Signals[signal_name]
     self.step, self.checkpoint, self.summary = step, checkpoint, summary
-    super().__init__(f"training stopped by {signal_name} after step {step}; its checkpoint is "
-                     f"saved in {checkpoint}: run the same command again to resume from it")
+    super().__init__(
+      f"training stopped by {signal_name} after step {step}; its checkpoint is "
+      f"saved in {checkpoint}: run the same command again to resume from it"
+    )
 
   @property
   def exit_code(self) -> int:
@@ -107,12 +110,16 @@ class StopSignals:
     self.received = signal.Signals(signum)
     for other in self._previous:  # a second signal: its default action, at once
       signal.signal(other, signal.SIG_DFL)
-    logger.warning("%s received: finishing the step under way and saving its checkpoint; "
-                   "send it again to stop at once, without a checkpoint", self.received.name)
+    logger.warning(
+      "%s received: finishing the step under way and saving its checkpoint; "
+      "send it again to stop at once, without a checkpoint",
+      self.received.name,
+    )
 
 
-def step_report(signals: StopSignals, seconds_since_checkpoint: float,
-                failed_save: str | None) -> dict[str, Any]:
+def step_report(
+  signals: StopSignals, seconds_since_checkpoint: float, failed_save: str | None
+) -> dict[str, Any]:
   """This process's part of a step's agreement: its stop request and checkpoint state (JSON).
 
   Args:
@@ -120,8 +127,11 @@ def step_report(signals: StopSignals, seconds_since_checkpoint: float,
     seconds_since_checkpoint: this process's seconds since its last checkpoint.
     failed_save: the error of this process's last save if it failed, else None.
   """
-  return {"signal": None if signals.received is None else signals.received.name,
-          "since_checkpoint": round(seconds_since_checkpoint, 3), "failed_save": failed_save}
+  return {
+    "signal": None if signals.received is None else signals.received.name,
+    "since_checkpoint": round(seconds_since_checkpoint, 3),
+    "failed_save": failed_save,
+  }
 
 
 class Agreed(NamedTuple):
@@ -140,6 +150,8 @@ class Agreed(NamedTuple):
   @classmethod
   def read(cls, reports: Sequence[dict[str, Any]]) -> Agreed:
     """The agreed outcome of ``reports`` (one per process, in process order)."""
-    return cls(stop=next((r["signal"] for r in reports if r["signal"]), None),
-               seconds_since_checkpoint=reports[0]["since_checkpoint"],
-               failed_saves=[r["failed_save"] for r in reports])
+    return cls(
+      stop=next((r["signal"] for r in reports if r["signal"]), None),
+      seconds_since_checkpoint=reports[0]["since_checkpoint"],
+      failed_saves=[r["failed_save"] for r in reports],
+    )

@@ -32,14 +32,15 @@ import jax.numpy as jnp
 import numpy as np
 import numpy.typing as npt
 import optax
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from simigrad_jax.engine import batch_plan
-from simigrad_jax.engine import trainer_checks
-from simigrad_jax.engine.layout import StepLayout
-from simigrad_jax.engine.compiler import StepCompiler
 from simigrad_jax.engine import train_step
+from simigrad_jax.engine import trainer_checks
+from simigrad_jax.engine.compiler import StepCompiler
+from simigrad_jax.engine.layout import StepLayout
 
 
 @dataclasses.dataclass
@@ -89,11 +90,22 @@ class StepPrograms:
       other; found by tracing the first shape's program (see :meth:`trace`).
   """
 
-  def __init__(self, *, loss_fn: train_step.PerExampleLossFn,
-               optimizer: optax.GradientTransformation, mesh: Mesh, axis_name: str,
-               layout: StepLayout, seed: int, state: Mapping[str, Any],
-               element_spec: Mapping[str, tuple[Any, Any]], needs_accumulation: bool,
-               background: bool, compile_fallback: bool, shared_compiles: bool = False):
+  def __init__(
+    self,
+    *,
+    loss_fn: train_step.PerExampleLossFn,
+    optimizer: optax.GradientTransformation,
+    mesh: Mesh,
+    axis_name: str,
+    layout: StepLayout,
+    seed: int,
+    state: Mapping[str, Any],
+    element_spec: Mapping[str, tuple[Any, Any]],
+    needs_accumulation: bool,
+    background: bool,
+    compile_fallback: bool,
+    shared_compiles: bool = False,
+  ):
     self.mesh, self.axis_name, self.layout = mesh, axis_name, layout
     self.num_slots = layout.num_slots
     self._replicated = NamedSharding(mesh, P())
@@ -111,21 +123,29 @@ class StepPrograms:
     self._agreed: dict[str, Any] | None = None  # what every process has compiled (shared_compiles)
 
     self._fused = jax.jit(
-        train_step.make_fused_step(loss_fn, optimizer, mesh, axis_name, seed, halves),
-        donate_argnums=(0, 1, 2))
-    self._micro = jax.jit(train_step.make_micro_step(loss_fn, mesh, axis_name, seed, halves),
-                          donate_argnums=(2,))
+      train_step.make_fused_step(loss_fn, optimizer, mesh, axis_name, seed, halves),
+      donate_argnums=(0, 1, 2),
+    )
+    self._micro = jax.jit(
+      train_step.make_micro_step(loss_fn, mesh, axis_name, seed, halves), donate_argnums=(2,)
+    )
     self._apply_jit = jax.jit(
-        train_step.make_apply_step(optimizer, mesh, axis_name, halves), donate_argnums=(0, 1, 2),
-        out_shardings=(self._replicated, self._replicated, self._sharded, self._replicated,
-                       self._replicated))
+      train_step.make_apply_step(optimizer, mesh, axis_name, halves),
+      donate_argnums=(0, 1, 2),
+      out_shardings=(
+        self._replicated,
+        self._replicated,
+        self._sharded,
+        self._replicated,
+        self._replicated,
+      ),
+    )
     self._traced: dict[int, jax.stages.Traced] = {}
-    self.fused_compiler = StepCompiler(self._lower_fused, background=background,
-                                       name="fused_step")
-    self.micro_compiler = StepCompiler(self._lower_micro, background=background,
-                                       name="micro_step")
+    self.fused_compiler = StepCompiler(self._lower_fused, background=background, name="fused_step")
+    self.micro_compiler = StepCompiler(self._lower_micro, background=background, name="micro_step")
     self._apply_pool = concurrent.futures.ThreadPoolExecutor(
-        1, thread_name_prefix="simigrad-apply-compiler")
+      1, thread_name_prefix="simigrad-apply-compiler"
+    )
     self._apply_future: concurrent.futures.Future | None = None
     self._apply_compile_seconds = 0.0
     self._apply_wait_seconds = 0.0
@@ -137,11 +157,14 @@ class StepPrograms:
 
   def _step_args(self, micro: int) -> tuple:
     rows = self.num_slots * micro
-    batch = {name: jax.ShapeDtypeStruct((rows,) + tuple(shape), dtype, sharding=self._sharded)
-             for name, (shape, dtype) in self._element_spec.items()}
+    batch = {
+      name: jax.ShapeDtypeStruct((rows,) + tuple(shape), dtype, sharding=self._sharded)
+      for name, (shape, dtype) in self._element_spec.items()
+    }
     weights = jax.ShapeDtypeStruct((rows,), jnp.float32, sharding=self._sharded)
-    step_inputs = jax.ShapeDtypeStruct((len(train_step.STEP_INPUTS),), jnp.float32,
-                                       sharding=self._replicated)
+    step_inputs = jax.ShapeDtypeStruct(
+      (len(train_step.STEP_INPUTS),), jnp.float32, sharding=self._replicated
+    )
     counters = jax.ShapeDtypeStruct((2,), jnp.int32, sharding=self._replicated)
     return batch, weights, step_inputs, counters
 
@@ -168,13 +191,16 @@ class StepPrograms:
     except (trainer_checks.LossContractError, train_step.HalvesContractError):
       raise
     except NameError as error:  # e.g. "unbound axis name: data"
-      raise ValueError(f"the optimizer's simigrad_jax.transform must use the Trainer's "
-                       f"axis_name={self.axis_name!r}: {error}") from error
+      raise ValueError(
+        f"the optimizer's simigrad_jax.transform must use the Trainer's "
+        f"axis_name={self.axis_name!r}: {error}"
+      ) from error
     except Exception as error:
       spec = {k: (tuple(s), str(d)) for k, (s, d) in self._element_spec.items()}
       raise ValueError(
-          f"loss_fn fails on one device's rows of this source (features {spec}, "
-          f"{self.layout.device_rows(micro)} rows): {type(error).__name__}: {error}") from error
+        f"loss_fn fails on one device's rows of this source (features {spec}, "
+        f"{self.layout.device_rows(micro)} rows): {type(error).__name__}: {error}"
+      ) from error
 
   def _lower_fused(self, micro: int) -> jax.stages.Lowered:
     traced = self._traced.pop(micro, None)
@@ -187,8 +213,13 @@ class StepPrograms:
     start = time.perf_counter()
     state = self._state
     compiled = self._apply_jit.lower(
-        state["params"], state["opt_state"], self._acc_abstract, state["model_state"],
-        state["model_state"], self._step_args(1)[2]).compile()
+      state["params"],
+      state["opt_state"],
+      self._acc_abstract,
+      state["model_state"],
+      state["model_state"],
+      self._step_args(1)[2],
+    ).compile()
     self._apply_compile_seconds = time.perf_counter() - start
     return compiled
 
@@ -251,9 +282,13 @@ class StepPrograms:
   def _compiled_here(self) -> dict[str, Any]:
     """The shapes this process has compiled (or failed to compile) so far."""
     fused, micro = self.fused_compiler.stats(), self.micro_compiler.stats()
-    return {"fused": set(fused["compiled_sizes"]), "micro": set(micro["compiled_sizes"]),
-            "apply": self._apply_future is not None and self._apply_future.done(),
-            "failed_fused": set(fused["failed_sizes"]), "failed_micro": set(micro["failed_sizes"])}
+    return {
+      "fused": set(fused["compiled_sizes"]),
+      "micro": set(micro["compiled_sizes"]),
+      "apply": self._apply_future is not None and self._apply_future.done(),
+      "failed_fused": set(fused["failed_sizes"]),
+      "failed_micro": set(micro["failed_sizes"]),
+    }
 
   def compiled_report(self) -> dict[str, int] | None:
     """This process's compiled shapes for the other processes; None unless ``shared_compiles``.
@@ -277,9 +312,13 @@ class StepPrograms:
     sizes = lambda mask: {size for i, size in enumerate(self._grid) if mask >> i & 1}
     every = lambda key: functools.reduce(operator.and_, (r[key] for r in reports))
     anyone = lambda key: functools.reduce(operator.or_, (r[key] for r in reports))
-    self._agreed = {"fused": sizes(every("fused")), "micro": sizes(every("micro")),
-                    "apply": bool(every("apply")), "failed_fused": sizes(anyone("failed_fused")),
-                    "failed_micro": sizes(anyone("failed_micro"))}
+    self._agreed = {
+      "fused": sizes(every("fused")),
+      "micro": sizes(every("micro")),
+      "apply": bool(every("apply")),
+      "failed_fused": sizes(anyone("failed_fused")),
+      "failed_micro": sizes(anyone("failed_micro")),
+    }
 
   @staticmethod
   def _ready(micro: int, accumulation_steps: int, compiled: Mapping[str, Any]) -> bool:
@@ -324,13 +363,17 @@ class StepPrograms:
       return plan
     _, _, size, steps = min(candidates)
     return dataclasses.replace(
-        plan, micro_batch_size=size, accumulation_steps=steps,
-        padded_examples=self.num_slots * size * steps - plan.global_batch_size)
+      plan,
+      micro_batch_size=size,
+      accumulation_steps=steps,
+      padded_examples=self.num_slots * size * steps - plan.global_batch_size,
+    )
 
   # ------------------------------------------------------------------ running
 
-  def run(self, state: Mapping[str, Any], data: StepBatch,
-          step_inputs: jax.Array) -> tuple[dict[str, Any], jax.Array]:
+  def run(
+    self, state: Mapping[str, Any], data: StepBatch, step_inputs: jax.Array
+  ) -> tuple[dict[str, Any], jax.Array]:
     """Dispatches one optimizer step; returns the new state and the stats vector (not waited for).
 
     Args:
@@ -347,10 +390,11 @@ class StepPrograms:
     plan = data.plan
     params, opt_state, model_state = state["params"], state["opt_state"], state["model_state"]
     if plan.accumulation_steps == 1:
-      (batch, weights), = data.micro_batches
+      ((batch, weights),) = data.micro_batches
       program = self.fused_compiler.get(plan.micro_batch_size)
       params, opt_state, model_state, stats = program(
-          params, opt_state, model_state, batch, weights, step_inputs, data.counters[0])
+        params, opt_state, model_state, batch, weights, step_inputs, data.counters[0]
+      )
     else:
       program = self.micro_compiler.get(plan.micro_batch_size)
       apply = self._apply_program()
@@ -359,10 +403,12 @@ class StepPrograms:
         acc = train_step.zero_accumulator(params, self.mesh, self.axis_name, self.layout.halves)
       accumulated_state = model_state
       for (batch, weights), counters in zip(data.micro_batches, data.counters, strict=True):
-        acc, accumulated_state = program(params, accumulated_state, acc, batch, weights,
-                                         step_inputs, counters)
+        acc, accumulated_state = program(
+          params, accumulated_state, acc, batch, weights, step_inputs, counters
+        )
       params, opt_state, self._acc, model_state, stats = apply(
-          params, opt_state, acc, model_state, accumulated_state, step_inputs)
+        params, opt_state, acc, model_state, accumulated_state, step_inputs
+      )
     return {"params": params, "opt_state": opt_state, "model_state": model_state}, stats
 
   # ------------------------------------------------------------------ reporting
@@ -378,16 +424,19 @@ class StepPrograms:
     analysis = self.fused_compiler.get(micro).memory_analysis()
     if analysis is None:
       raise RuntimeError(f"XLA reports no memory analysis for the {jax.default_backend()} backend")
-    return {"micro_batch_size": self.layout.device_rows(micro),
-            "argument_bytes": int(analysis.argument_size_in_bytes),
-            "output_bytes": int(analysis.output_size_in_bytes),
-            "alias_bytes": int(analysis.alias_size_in_bytes),
-            "temp_bytes": int(analysis.temp_size_in_bytes)}
+    return {
+      "micro_batch_size": self.layout.device_rows(micro),
+      "argument_bytes": int(analysis.argument_size_in_bytes),
+      "output_bytes": int(analysis.output_size_in_bytes),
+      "alias_bytes": int(analysis.alias_size_in_bytes),
+      "temp_bytes": int(analysis.temp_size_in_bytes),
+    }
 
   def wait_seconds(self) -> float:
     """Seconds steps have waited for compiles so far (cheap enough for every step)."""
-    return (self.fused_compiler.wait_seconds + self.micro_compiler.wait_seconds
-            + self._apply_wait_seconds)
+    return (
+      self.fused_compiler.wait_seconds + self.micro_compiler.wait_seconds + self._apply_wait_seconds
+    )
 
   def stats(self) -> dict[str, Any]:
     """Compiles so far, their seconds, the seconds steps waited, and the compiled shapes.
@@ -398,18 +447,25 @@ class StepPrograms:
     steps is.
     """
     fused, micro = self.fused_compiler.stats(), self.micro_compiler.stats()
-    apply_compiled = (self._apply_future is not None and self._apply_future.done()
-                      and self._apply_future.exception() is None)
+    apply_compiled = (
+      self._apply_future is not None
+      and self._apply_future.done()
+      and self._apply_future.exception() is None
+    )
     rows = lambda sizes: [self.layout.device_rows(size) for size in sizes]
-    return {"compiles": fused["compiles"] + micro["compiles"] + int(apply_compiled),
-            "compile_seconds": (fused["compile_seconds"] + micro["compile_seconds"]
-                                + self._apply_compile_seconds),
-            "compile_wait_seconds": self.wait_seconds(),
-            "compiled_micro_batch_sizes": rows(sorted(set(fused["compiled_sizes"])
-                                                      | set(micro["compiled_sizes"]))),
-            "compiled_step_sizes": rows(fused["compiled_sizes"]),
-            "compiled_accumulation_sizes": rows(micro["compiled_sizes"]),
-            "update_compiled": apply_compiled}
+    return {
+      "compiles": fused["compiles"] + micro["compiles"] + int(apply_compiled),
+      "compile_seconds": (
+        fused["compile_seconds"] + micro["compile_seconds"] + self._apply_compile_seconds
+      ),
+      "compile_wait_seconds": self.wait_seconds(),
+      "compiled_micro_batch_sizes": rows(
+        sorted(set(fused["compiled_sizes"]) | set(micro["compiled_sizes"]))
+      ),
+      "compiled_step_sizes": rows(fused["compiled_sizes"]),
+      "compiled_accumulation_sizes": rows(micro["compiled_sizes"]),
+      "update_compiled": apply_compiled,
+    }
 
   def close(self) -> None:
     """Cancels queued compiles and waits for those in progress."""

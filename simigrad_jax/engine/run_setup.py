@@ -31,7 +31,8 @@ from typing import Any
 import jax
 import numpy as np
 import optax
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from simigrad_jax import files
@@ -39,8 +40,8 @@ from simigrad_jax import optimizer_state
 from simigrad_jax.controllers import learning_rate
 from simigrad_jax.data import grain_source
 from simigrad_jax.data.sampler import EpochSampler
-from simigrad_jax.engine import trainer_checks
 from simigrad_jax.engine import train_step
+from simigrad_jax.engine import trainer_checks
 from simigrad_jax.engine.compiler import enable_persistent_cache
 from simigrad_jax.engine.config import TrainerConfig
 from simigrad_jax.engine.data_loader import StepDataLoader
@@ -91,14 +92,22 @@ class Run:
   step_inputs: StepInputs
 
 
-def build_run(config: TrainerConfig, agreement: ProcessAgreement, *,
-              loss_fn: train_step.PerExampleLossFn, params: Any,
-              optimizer: optax.GradientTransformation, source: Any, controller: Any,
-              workdir: str | os.PathLike, model_state: Any,
-              eval_fn: Callable[[Any, Any], Mapping[str, float]] | None,
-              lr_schedule: Callable[[float], float] | None,
-              devices: list[jax.Device] | None,
-              run_settings: Mapping[str, Any] | None = None) -> Run:
+def build_run(
+  config: TrainerConfig,
+  agreement: ProcessAgreement,
+  *,
+  loss_fn: train_step.PerExampleLossFn,
+  params: Any,
+  optimizer: optax.GradientTransformation,
+  source: Any,
+  controller: Any,
+  workdir: str | os.PathLike,
+  model_state: Any,
+  eval_fn: Callable[[Any, Any], Mapping[str, float]] | None,
+  lr_schedule: Callable[[float], float] | None,
+  devices: list[jax.Device] | None,
+  run_settings: Mapping[str, Any] | None = None,
+) -> Run:
   """Checks the objects of a run, lays it out, agrees on it, resumes it and traces its first step.
 
   Args:
@@ -124,25 +133,50 @@ def build_run(config: TrainerConfig, agreement: ProcessAgreement, *,
   source = grain_source.as_source(source)
   given_workdir = workdir
   num_examples, workdir, devices, opt_state, lower, upper = _check_objects(
-      config, loss_fn=loss_fn, params=params, optimizer=optimizer, source=source,
-      controller=controller, workdir=workdir, eval_fn=eval_fn, lr_schedule=lr_schedule,
-      devices=devices)
+    config,
+    loss_fn=loss_fn,
+    params=params,
+    optimizer=optimizer,
+    source=source,
+    controller=controller,
+    workdir=workdir,
+    eval_fn=eval_fn,
+    lr_schedule=lr_schedule,
+    devices=devices,
+  )
   mesh = Mesh(np.array(devices), (config.axis_name,))
   replicated = NamedSharding(mesh, P())
   # Plans and compiled shapes count rows per slot (a device, or half of one: see layout).
   layout = StepLayout.create(
-      config.halves_for(len(devices)), len(devices), mode=config.mode,
-      max_micro=config.max_micro_batch_size, min_micro=config.min_micro_batch_size,
-      lower=lower, upper=upper)
-  agreement.agree("settings", set_up=True, values=settings_to_agree(
-      config, layout, controller=controller, source=source, params=params,
-      num_examples=num_examples))
+    config.halves_for(len(devices)),
+    len(devices),
+    mode=config.mode,
+    max_micro=config.max_micro_batch_size,
+    min_micro=config.min_micro_batch_size,
+    lower=lower,
+    upper=upper,
+  )
+  agreement.agree(
+    "settings",
+    set_up=True,
+    values=settings_to_agree(
+      config, layout, controller=controller, source=source, params=params, num_examples=num_examples
+    ),
+  )
 
   sampler = EpochSampler(num_examples, config.seed)
   initial = {"params": params, "opt_state": opt_state, "model_state": model_state}
-  record = run_record_of(config, layout, initial, optimizer=optimizer, controller=controller,
-                         source=source, num_examples=num_examples, devices=devices,
-                         run_settings=run_settings)
+  record = run_record_of(
+    config,
+    layout,
+    initial,
+    optimizer=optimizer,
+    controller=controller,
+    source=source,
+    num_examples=num_examples,
+    devices=devices,
+    run_settings=run_settings,
+  )
   # Copies: the steps donate the state's buffers, and the caller may still hold these arrays
   # (device_put alone would reuse a device array's buffer for the shard on its device).
   state = jax.device_put(jax.tree.map(_own_copy, initial), replicated)
@@ -153,28 +187,46 @@ def build_run(config: TrainerConfig, agreement: ProcessAgreement, *,
   agreement.start_watchdog()
   try:
     checkpoints = RunCheckpoints(
-        files.make_private_dir(workdir / "checkpoints", what="checkpoint folder", tighten=True,
-                               allow_shared=config.allow_shared_workdir),
-        seed=config.seed, max_to_keep=config.max_checkpoints, agreement=agreement,
-        record=record, allow_changed_settings=config.allow_changed_settings)
+      files.make_private_dir(
+        workdir / "checkpoints",
+        what="checkpoint folder",
+        tighten=True,
+        allow_shared=config.allow_shared_workdir,
+      ),
+      seed=config.seed,
+      max_to_keep=config.max_checkpoints,
+      agreement=agreement,
+      record=record,
+      allow_changed_settings=config.allow_changed_settings,
+    )
     resumed = checkpoints.resume(state, sampler, controller)
     if resumed is not None:
       state, step, nonfinite_steps = resumed
-    agreement.agree("resumed state", set_up=True,
-                    values={"step": step, "controller": controller.state_dict(),
-                            "sampler": sampler.state_dict()})
+    agreement.agree(
+      "resumed state",
+      set_up=True,
+      values={"step": step, "controller": controller.state_dict(), "sampler": sampler.state_dict()},
+    )
     if config.compilation_cache_dir is not None:
-      enable_persistent_cache(config.compilation_cache_dir,
-                              allow_shared=config.allow_shared_workdir)
+      enable_persistent_cache(
+        config.compilation_cache_dir, allow_shared=config.allow_shared_workdir
+      )
     # With several processes, a fallback uses only shapes that every process reported compiled
     # at the last step's agreement, so all of them pick the same shape.
     programs = StepPrograms(
-        loss_fn=trainer_checks.checked_loss_fn(loss_fn, model_state), optimizer=optimizer,
-        mesh=mesh, axis_name=config.axis_name, layout=layout, seed=config.seed, state=state,
-        element_spec=source.element_spec,
-        needs_accumulation=upper > layout.num_slots * max(layout.grid),
-        background=config.background_compile, compile_fallback=config.uses_compile_fallback,
-        shared_compiles=jax.process_count() > 1)
+      loss_fn=trainer_checks.checked_loss_fn(loss_fn, model_state),
+      optimizer=optimizer,
+      mesh=mesh,
+      axis_name=config.axis_name,
+      layout=layout,
+      seed=config.seed,
+      state=state,
+      element_spec=source.element_spec,
+      needs_accumulation=upper > layout.num_slots * max(layout.grid),
+      background=config.background_compile,
+      compile_fallback=config.uses_compile_fallback,
+      shared_compiles=jax.process_count() > 1,
+    )
     # A model, loss, optimizer or data set that do not fit each other fail here.
     programs.trace(layout.plan(controller.batch_size).micro_batch_size)
   except BaseException:
@@ -186,21 +238,45 @@ def build_run(config: TrainerConfig, agreement: ProcessAgreement, *,
     if workdir_lock is not None:
       workdir_lock.close()
     raise
-  data = StepDataLoader(source, sampler, NamedSharding(mesh, P(config.axis_name)), replicated,
-                        layout.slot_positions(local_device_positions(devices)),
-                        layout.num_slots, place_ahead=jax.process_count() == 1, upper=upper,
-                        plan_for=lambda batch_size: programs.ready_plan(layout.plan(batch_size)))
+  data = StepDataLoader(
+    source,
+    sampler,
+    NamedSharding(mesh, P(config.axis_name)),
+    replicated,
+    layout.slot_positions(local_device_positions(devices)),
+    layout.num_slots,
+    place_ahead=jax.process_count() == 1,
+    upper=upper,
+    plan_for=lambda batch_size: programs.ready_plan(layout.plan(batch_size)),
+  )
   step_inputs = StepInputs(
-      base_batch_size=controller.initial_batch_size, lr_rule=config.lr_rule,
-      lr_adjust_factor=config.lr_adjust_factor, lr_schedule=lr_schedule,
-      lr_factor=optimizer_state.lr_factor_of(state["opt_state"]), replicated=replicated)
-  return Run(workdir=workdir, workdir_lock=workdir_lock, source=source, mesh=mesh, layout=layout,
-             sampler=sampler, state=state, step=step, nonfinite_steps=nonfinite_steps,
-             checkpoints=checkpoints, programs=programs, data=data, step_inputs=step_inputs)
+    base_batch_size=controller.initial_batch_size,
+    lr_rule=config.lr_rule,
+    lr_adjust_factor=config.lr_adjust_factor,
+    lr_schedule=lr_schedule,
+    lr_factor=optimizer_state.lr_factor_of(state["opt_state"]),
+    replicated=replicated,
+  )
+  return Run(
+    workdir=workdir,
+    workdir_lock=workdir_lock,
+    source=source,
+    mesh=mesh,
+    layout=layout,
+    sampler=sampler,
+    state=state,
+    step=step,
+    nonfinite_steps=nonfinite_steps,
+    checkpoints=checkpoints,
+    programs=programs,
+    data=data,
+    step_inputs=step_inputs,
+  )
 
 
-def _lock_workdir(given: Any, workdir: pathlib.Path, config: TrainerConfig,
-                  agreement: ProcessAgreement) -> WorkdirLock | None:
+def _lock_workdir(
+  given: Any, workdir: pathlib.Path, config: TrainerConfig, agreement: ProcessAgreement
+) -> WorkdirLock | None:
   """Takes the workdir for this run (None when ``given`` is this process's held lock on it)."""
   if isinstance(given, WorkdirLock) and given.held and given.path == workdir:
     return None
@@ -212,10 +288,19 @@ def _own_copy(leaf: Any) -> Any:
   return leaf.copy() if isinstance(leaf, jax.Array) else leaf
 
 
-def _check_objects(config: TrainerConfig, *, loss_fn: Any, params: Any, optimizer: Any,
-                   source: Any, controller: Any, workdir: str | os.PathLike, eval_fn: Any,
-                   lr_schedule: Any, devices: Any
-                   ) -> tuple[int, pathlib.Path, list[jax.Device], Any, int, int]:
+def _check_objects(
+  config: TrainerConfig,
+  *,
+  loss_fn: Any,
+  params: Any,
+  optimizer: Any,
+  source: Any,
+  controller: Any,
+  workdir: str | os.PathLike,
+  eval_fn: Any,
+  lr_schedule: Any,
+  devices: Any,
+) -> tuple[int, pathlib.Path, list[jax.Device], Any, int, int]:
   """Checks the run's objects against each other and the settings.
 
   Returns ``(examples in the source, the absolute workdir, the devices, the
@@ -234,13 +319,21 @@ def _check_objects(config: TrainerConfig, *, loss_fn: Any, params: Any, optimize
   opt_state = trainer_checks.checked_optimizer_state(optimizer, params)
   lower, upper = trainer_checks.check_bounds(controller, num_examples, halves)
   for size in (lower, controller.initial_batch_size, upper):
-    learning_rate.lr_factor(size, controller.initial_batch_size, config.lr_rule,
-                            config.lr_adjust_factor)
+    learning_rate.lr_factor(
+      size, controller.initial_batch_size, config.lr_rule, config.lr_adjust_factor
+    )
   return num_examples, workdir, devices, opt_state, lower, upper
 
 
-def settings_to_agree(config: TrainerConfig, layout: StepLayout, *, controller: Any,
-                      source: Any, params: Any, num_examples: int) -> dict[str, Any]:
+def settings_to_agree(
+  config: TrainerConfig,
+  layout: StepLayout,
+  *,
+  controller: Any,
+  source: Any,
+  params: Any,
+  num_examples: int,
+) -> dict[str, Any]:
   """What every process of a multi-host run must share, as JSON-able values to compare.
 
   A difference would deadlock the first collective, so the processes compare
@@ -258,22 +351,35 @@ def settings_to_agree(config: TrainerConfig, layout: StepLayout, *, controller: 
     A dict of the values.
   """
   return {
-      "controller": controller.config, "batch_size": controller.batch_size,
-      "seed": config.seed, "mode": config.mode,
-      "shapes": list(layout.device_grid), "lr_rule": config.lr_rule,
-      "lr_adjust_factor": config.lr_adjust_factor, "num_examples": num_examples,
-      "num_devices": layout.num_devices, "halves": layout.halves,
-      "checkpoint_every_steps": config.checkpoint_every_steps,
-      "checkpoint_every_seconds": config.checkpoint_every_seconds,
-      "element_spec": run_record.describe_element_spec(source.element_spec),
-      "params": run_record.describe_tree(params),
+    "controller": controller.config,
+    "batch_size": controller.batch_size,
+    "seed": config.seed,
+    "mode": config.mode,
+    "shapes": list(layout.device_grid),
+    "lr_rule": config.lr_rule,
+    "lr_adjust_factor": config.lr_adjust_factor,
+    "num_examples": num_examples,
+    "num_devices": layout.num_devices,
+    "halves": layout.halves,
+    "checkpoint_every_steps": config.checkpoint_every_steps,
+    "checkpoint_every_seconds": config.checkpoint_every_seconds,
+    "element_spec": run_record.describe_element_spec(source.element_spec),
+    "params": run_record.describe_tree(params),
   }
 
 
-def run_record_of(config: TrainerConfig, layout: StepLayout, initial: Mapping[str, Any], *,
-                  optimizer: optax.GradientTransformation, controller: Any, source: Any,
-                  num_examples: int, devices: list[jax.Device],
-                  run_settings: Mapping[str, Any] | None) -> dict[str, Any]:
+def run_record_of(
+  config: TrainerConfig,
+  layout: StepLayout,
+  initial: Mapping[str, Any],
+  *,
+  optimizer: optax.GradientTransformation,
+  controller: Any,
+  source: Any,
+  num_examples: int,
+  devices: list[jax.Device],
+  run_settings: Mapping[str, Any] | None,
+) -> dict[str, Any]:
   """The run's record, saved with every checkpoint and compared on resume.
 
   Args:
@@ -289,13 +395,23 @@ def run_record_of(config: TrainerConfig, layout: StepLayout, initial: Mapping[st
     The record (JSON data).
   """
   return run_record.make_record(
-      optimizer=optimizer, state=initial, num_examples=num_examples,
-      element_spec=source.element_spec, controller=controller.config,
-      trainer={"lr_rule": config.lr_rule, "lr_adjust_factor": config.lr_adjust_factor},
-      layout={"halves": layout.halves, "mode": config.mode,
-              "max_micro_batch_size": config.max_micro_batch_size,
-              "min_micro_batch_size": config.min_micro_batch_size,
-              "compile_fallback": config.uses_compile_fallback},
-      devices={"num_devices": len(devices), "num_processes": jax.process_count(),
-               "platform": devices[0].platform},
-      settings=run_settings)
+    optimizer=optimizer,
+    state=initial,
+    num_examples=num_examples,
+    element_spec=source.element_spec,
+    controller=controller.config,
+    trainer={"lr_rule": config.lr_rule, "lr_adjust_factor": config.lr_adjust_factor},
+    layout={
+      "halves": layout.halves,
+      "mode": config.mode,
+      "max_micro_batch_size": config.max_micro_batch_size,
+      "min_micro_batch_size": config.min_micro_batch_size,
+      "compile_fallback": config.uses_compile_fallback,
+    },
+    devices={
+      "num_devices": len(devices),
+      "num_processes": jax.process_count(),
+      "platform": devices[0].platform,
+    },
+    settings=run_settings,
+  )

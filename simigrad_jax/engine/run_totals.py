@@ -49,10 +49,14 @@ class RunTotals:
       if self.first_nonfinite is None:
         self.first_nonfinite = record
         logger.warning(
-            "step %d (batch size %d, epoch %d): the gradient was NaN or infinite on some device; "
-            "the step was skipped (parameters, optimizer and model state kept, batch size held). "
-            "Such steps are counted in the summary's nonfinite_steps and in each step's record "
-            "(grads_finite, nonfinite_steps)", record.step, record.batch_size, record.epoch)
+          "step %d (batch size %d, epoch %d): the gradient was NaN or infinite on some device; "
+          "the step was skipped (parameters, optimizer and model state kept, batch size held). "
+          "Such steps are counted in the summary's nonfinite_steps and in each step's record "
+          "(grads_finite, nonfinite_steps)",
+          record.step,
+          record.batch_size,
+          record.epoch,
+        )
     if math.isfinite(record.host_seconds):
       self.host_seconds.append(record.host_seconds)
     self.last = record
@@ -64,14 +68,17 @@ class RunTotals:
     ``first_nonfinite_step`` names the first (None without one).
     """
     return {
-        "run_steps": self.steps, "run_examples": self.examples,
-        "average_batch_size": self.examples / self.steps if self.steps else math.nan,
-        "loss": None if self.last is None else self.last.loss,
-        "similarity": None if self.last is None else self.last.similarity,
-        "wall_seconds": self.wall_seconds, "data_seconds": self.data_seconds,
-        "host_seconds_median": (statistics.median(self.host_seconds) if self.host_seconds
-                                else math.nan),
-        "compile_fallback_steps": self.fallback_steps,
-        "run_nonfinite_steps": self.nonfinite_steps,
-        "first_nonfinite_step": None if self.first_nonfinite is None else self.first_nonfinite.step,
+      "run_steps": self.steps,
+      "run_examples": self.examples,
+      "average_batch_size": self.examples / self.steps if self.steps else math.nan,
+      "loss": None if self.last is None else self.last.loss,
+      "similarity": None if self.last is None else self.last.similarity,
+      "wall_seconds": self.wall_seconds,
+      "data_seconds": self.data_seconds,
+      "host_seconds_median": (
+        statistics.median(self.host_seconds) if self.host_seconds else math.nan
+      ),
+      "compile_fallback_steps": self.fallback_steps,
+      "run_nonfinite_steps": self.nonfinite_steps,
+      "first_nonfinite_step": None if self.first_nonfinite is None else self.first_nonfinite.step,
     }

@@ -41,9 +41,16 @@ class StepInputs:
     state, stats = program(state, data, inputs.on_devices(plan.global_batch_size))
   """
 
-  def __init__(self, *, base_batch_size: int, lr_rule: learning_rate.LrRule,
-               lr_adjust_factor: float | None, lr_schedule: Callable[[float], float] | None,
-               lr_factor: float, replicated: NamedSharding):
+  def __init__(
+    self,
+    *,
+    base_batch_size: int,
+    lr_rule: learning_rate.LrRule,
+    lr_adjust_factor: float | None,
+    lr_schedule: Callable[[float], float] | None,
+    lr_factor: float,
+    replicated: NamedSharding,
+  ):
     self.base_batch_size = base_batch_size
     self.lr_rule, self.lr_adjust_factor, self.lr_schedule = lr_rule, lr_adjust_factor, lr_schedule
     self.lr_factor = lr_factor  # as float32 holds it
@@ -57,8 +64,14 @@ class StepInputs:
     Raises:
       ValueError: the factor is not finite and > 0.
     """
-    return learning_rate.scheduled_lr_factor(batch_size, self.base_batch_size, self.lr_rule,
-                                             self.lr_adjust_factor, self.lr_schedule, epochs)
+    return learning_rate.scheduled_lr_factor(
+      batch_size,
+      self.base_batch_size,
+      self.lr_rule,
+      self.lr_adjust_factor,
+      self.lr_schedule,
+      epochs,
+    )
 
   def set_lr_factor(self, factors: tuple[float, float]) -> None:
     """Makes ``factors`` (from :meth:`lr_factors`) those of the next step."""
@@ -67,8 +80,7 @@ class StepInputs:
 
   def on_devices(self, batch_size: int) -> jax.Array:
     """The scalars of a step of ``batch_size`` real examples at the current factor, on the devices."""
-    inputs = (float(batch_size), self.lr_factor,
-              float(StepLayout.first_half_weight(batch_size)))
+    inputs = (float(batch_size), self.lr_factor, float(StepLayout.first_half_weight(batch_size)))
     placed_inputs, placed = self._placed
     if placed is None or placed_inputs != inputs:
       placed = host_scalars(list(inputs), np.float32, self._replicated)

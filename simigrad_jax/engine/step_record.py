@@ -82,22 +82,43 @@ class StepStats:
   @classmethod
   def read(cls, stats: jax.Array) -> StepStats:
     """Waits for the step and reads its statistics from this process's first device."""
-    values = dict(zip(train_step.STEP_STATS,
-                      np.asarray(jax.device_get(stats.addressable_data(0))).tolist(), strict=True))
+    values = dict(
+      zip(
+        train_step.STEP_STATS,
+        np.asarray(jax.device_get(stats.addressable_data(0))).tolist(),
+        strict=True,
+      )
+    )
     measured = bool(values["measured"])
-    return cls(loss=values["loss"], similarity=values["similarity"] if measured else math.nan,
-               norm_a=values["norm_a"], norm_b=values["norm_b"], norm_mean=values["norm_mean"],
-               measured=measured, grads_finite=bool(values["grads_finite"]),
-               nonfinite_count=int(values["nonfinite_count"]))
+    return cls(
+      loss=values["loss"],
+      similarity=values["similarity"] if measured else math.nan,
+      norm_a=values["norm_a"],
+      norm_b=values["norm_b"],
+      norm_mean=values["norm_mean"],
+      measured=measured,
+      grads_finite=bool(values["grads_finite"]),
+      nonfinite_count=int(values["nonfinite_count"]),
+    )
 
-  def for_controller(self, *, batch_size: int, examples_seen: int, epochs: float,
-                     epoch_end: bool) -> dict[str, Any]:
+  def for_controller(
+    self, *, batch_size: int, examples_seen: int, epochs: float, epoch_end: bool
+  ) -> dict[str, Any]:
     """The ``stats`` a controller's ``update`` receives: these and where the run stands."""
-    return {"loss": self.loss, "similarity": self.similarity, "norm_a": self.norm_a,
-            "norm_b": self.norm_b, "norm_mean": self.norm_mean,
-            "measured": float(self.measured), "grads_finite": self.grads_finite,
-            "nonfinite_count": float(self.nonfinite_count), "batch_size": batch_size,
-            "examples_seen": examples_seen, "epochs": epochs, "epoch_end": epoch_end}
+    return {
+      "loss": self.loss,
+      "similarity": self.similarity,
+      "norm_a": self.norm_a,
+      "norm_b": self.norm_b,
+      "norm_mean": self.norm_mean,
+      "measured": float(self.measured),
+      "grads_finite": self.grads_finite,
+      "nonfinite_count": float(self.nonfinite_count),
+      "batch_size": batch_size,
+      "examples_seen": examples_seen,
+      "epochs": epochs,
+      "epoch_end": epoch_end,
+    }
 
 
 # Fields of a StepRecord that are not keys of its metrics line (see StepRecord.as_dict).
@@ -180,36 +201,64 @@ class StepRecord:
   compile_stats: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
   @classmethod
-  def create(cls, dispatched: DispatchedStep, stats: StepStats, *, step: int,
-             examples_seen: int, micro_batch_size: int, decision: Any,
-             similarity_target: float | None, next_batch_size: int, next_lr_factor: float,
-             nonfinite_steps: int, step_seconds: float, agreement_seconds: float,
-             epoch_end: bool) -> StepRecord:
+  def create(
+    cls,
+    dispatched: DispatchedStep,
+    stats: StepStats,
+    *,
+    step: int,
+    examples_seen: int,
+    micro_batch_size: int,
+    decision: Any,
+    similarity_target: float | None,
+    next_batch_size: int,
+    next_lr_factor: float,
+    nonfinite_steps: int,
+    step_seconds: float,
+    agreement_seconds: float,
+    epoch_end: bool,
+  ) -> StepRecord:
     """The record of a step: what was dispatched, what it measured, and the rest as given."""
     plan = dispatched.plan
     return cls(
-        step=step, epoch=dispatched.epoch, examples_seen=examples_seen,
-        batch_size=plan.global_batch_size, micro_batch_size=micro_batch_size,
-        accumulation_steps=plan.accumulation_steps, padded_examples=plan.padded_examples,
-        compile_fallback=plan != dispatched.exact_plan, lr_factor=dispatched.lr_factor,
-        next_batch_size=next_batch_size, next_lr_factor=next_lr_factor,
-        schedule_factor=dispatched.schedule_factor, decision=decision,
-        similarity_target=similarity_target, loss=stats.loss, similarity=stats.similarity,
-        norm_a=stats.norm_a, norm_b=stats.norm_b, norm_mean=stats.norm_mean,
-        grads_finite=stats.grads_finite, nonfinite_steps=nonfinite_steps,
-        step_seconds=step_seconds, examples_per_second=plan.global_batch_size / step_seconds,
-        data_seconds=dispatched.data_seconds, host_seconds=dispatched.host_seconds,
-        agreement_seconds=agreement_seconds,
-        compile_wait_step_seconds=dispatched.compile_wait_seconds, epoch_end=epoch_end)
+      step=step,
+      epoch=dispatched.epoch,
+      examples_seen=examples_seen,
+      batch_size=plan.global_batch_size,
+      micro_batch_size=micro_batch_size,
+      accumulation_steps=plan.accumulation_steps,
+      padded_examples=plan.padded_examples,
+      compile_fallback=plan != dispatched.exact_plan,
+      lr_factor=dispatched.lr_factor,
+      next_batch_size=next_batch_size,
+      next_lr_factor=next_lr_factor,
+      schedule_factor=dispatched.schedule_factor,
+      decision=decision,
+      similarity_target=similarity_target,
+      loss=stats.loss,
+      similarity=stats.similarity,
+      norm_a=stats.norm_a,
+      norm_b=stats.norm_b,
+      norm_mean=stats.norm_mean,
+      grads_finite=stats.grads_finite,
+      nonfinite_steps=nonfinite_steps,
+      step_seconds=step_seconds,
+      examples_per_second=plan.global_batch_size / step_seconds,
+      data_seconds=dispatched.data_seconds,
+      host_seconds=dispatched.host_seconds,
+      agreement_seconds=agreement_seconds,
+      compile_wait_step_seconds=dispatched.compile_wait_seconds,
+      epoch_end=epoch_end,
+    )
 
   def as_dict(self) -> dict[str, Any]:
     """The step's line of ``metrics.jsonl``: every field but ``epoch_end``, then the compile
     counters (``compiles``, ``compile_seconds``, ...) as keys of their own."""
-    fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-              if f.name not in _NOT_LOGGED}
+    fields = {
+      f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in _NOT_LOGGED
+    }
     return {**fields, **self.compile_stats}
 
   def with_compile_stats(self, compile_stats: Mapping[str, Any]) -> StepRecord:
     """This record with the compile counters as they are now."""
     return dataclasses.replace(self, compile_stats=dict(compile_stats))
-

@@ -62,8 +62,15 @@ from simigrad_jax.ingraph.transform import SimilarityState
 PerExampleLossFn = Callable[[Any, Any, Any, jax.Array, jax.Array], tuple[jax.Array, Any]]
 
 STEP_STATS: tuple[str, ...] = (
-    "loss", "similarity", "norm_a", "norm_b", "norm_mean", "measured", "grads_finite",
-    "nonfinite_count")
+  "loss",
+  "similarity",
+  "norm_a",
+  "norm_b",
+  "norm_mean",
+  "measured",
+  "grads_finite",
+  "nonfinite_count",
+)
 # step_inputs: float32 [real examples of the step, learning-rate factor, real examples of the
 # first half (read with halves="local")].
 STEP_INPUTS: tuple[str, ...] = ("total_weight", "lr_factor", "first_half_weight")
@@ -86,31 +93,53 @@ def _check_halves(halves: str) -> bool:
   return halves == "local"
 
 
-def abstract_accumulator(params: Any, mesh: Mesh, axis_name: str,
-                         halves: str = "device") -> Accumulator:
+def abstract_accumulator(
+  params: Any, mesh: Mesh, axis_name: str, halves: str = "device"
+) -> Accumulator:
   """The :class:`Accumulator`'s shapes, dtypes and shardings, as placeholders (nothing allocated)."""
   num_devices = mesh.shape[axis_name]
   sharding = jax.sharding.NamedSharding(mesh, P(axis_name))
   grads = (params, params) if _check_halves(halves) else params
   return Accumulator(
-      grads=jax.tree.map(lambda p: jax.ShapeDtypeStruct((num_devices,) + jnp.shape(p),
-                                                        jnp.result_type(p), sharding=sharding),
-                         grads),
-      # Placeholders, as the grads are: the type checker reads the field as an array.
-      loss=jax.ShapeDtypeStruct((num_devices,), jnp.float32,  # type: ignore[arg-type]
-                                sharding=sharding))
+    grads=jax.tree.map(
+      lambda p: jax.ShapeDtypeStruct(
+        (num_devices,) + jnp.shape(p), jnp.result_type(p), sharding=sharding
+      ),
+      grads,
+    ),
+    # Placeholders, as the grads are: the type checker reads the field as an array.
+    loss=jax.ShapeDtypeStruct(
+      (num_devices,),
+      jnp.float32,  # type: ignore[arg-type]
+      sharding=sharding,
+    ),
+  )
 
 
-def zero_accumulator(params: Any, mesh: Mesh, axis_name: str,
-                     halves: str = "device") -> Accumulator:
+def zero_accumulator(
+  params: Any, mesh: Mesh, axis_name: str, halves: str = "device"
+) -> Accumulator:
   """Returns a zero :class:`Accumulator` laid out one row per device of ``mesh``."""
   abstract = abstract_accumulator(params, mesh, axis_name, halves)
-  return jax.jit(lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), abstract),
-                 out_shardings=jax.tree.map(lambda a: a.sharding, abstract))()
+  return jax.jit(
+    lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), abstract),
+    out_shardings=jax.tree.map(lambda a: a.sharding, abstract),
+  )()
 
 
-def _device_gradient(loss_fn, num_devices, axis_name, seed, local, params, model_state, batch,
-                     weights, total_weight, counters):
+def _device_gradient(
+  loss_fn,
+  num_devices,
+  axis_name,
+  seed,
+  local,
+  params,
+  model_state,
+  batch,
+  weights,
+  total_weight,
+  counters,
+):
   """One device's share of the step's mean loss, its gradient and the new model state.
 
   With the local split the gradient is the pair of the two halves' (the
@@ -132,11 +161,13 @@ def _device_gradient(loss_fn, num_devices, axis_name, seed, local, params, model
     return loss, grads, lax.pmean(new_state, axis_name)
   first, second = half_batch.split_in_two((batch, weights))
   pass_a, pass_b = half_batch.value_and_grads_in_turn(
-      value_and_grad, params, (*first, jax.random.fold_in(rng, 0)),
-      (*second, jax.random.fold_in(rng, 1)))
+    value_and_grad,
+    params,
+    (*first, jax.random.fold_in(rng, 0)),
+    (*second, jax.random.fold_in(rng, 1)),
+  )
   ((loss_a, state_a), grads_a), ((loss_b, state_b), grads_b) = pass_a, pass_b
-  new_state = jax.tree.map(lambda a, b: ((a + b) / 2).astype(jnp.result_type(a)),
-                           state_a, state_b)
+  new_state = jax.tree.map(lambda a, b: ((a + b) / 2).astype(jnp.result_type(a)), state_a, state_b)
   return loss_a + loss_b, (grads_a, grads_b), lax.pmean(new_state, axis_name)
 
 
@@ -193,11 +224,13 @@ def _update(optimizer, axis_name, local, params, opt_state, grads, loss, step_in
     if not extra:
       raise
     raise HalvesContractError(
-        f"with halves='local' the optimizer's update must take half_grads=... and pass it on to "
-        f"simigrad_jax.transform (optax.chain does): {error}") from error
+      f"with halves='local' the optimizer's update must take half_grads=... and pass it on to "
+      f"simigrad_jax.transform (optax.chain does): {error}"
+    ) from error
   new_params = optax.apply_updates(params, updates)
   similarity_state = optax.tree_utils.tree_get(new_opt_state, SimilarityState.__name__)
-  stats = jnp.stack([
+  stats = jnp.stack(
+    [
       lax.pmean(loss, axis_name),
       similarity_state.similarity,
       similarity_state.norm_a,
@@ -206,15 +239,24 @@ def _update(optimizer, axis_name, local, params, opt_state, grads, loss, step_in
       similarity_state.measured.astype(jnp.float32),
       similarity_state.grads_finite.astype(jnp.float32),
       similarity_state.nonfinite_count.astype(jnp.float32),
-  ])
+    ]
+  )
   finite = similarity_state.grads_finite
-  return (_keep_if_nonfinite(finite, new_params, params),
-          _keep_if_nonfinite(finite, new_opt_state, opt_state), finite, stats)
+  return (
+    _keep_if_nonfinite(finite, new_params, params),
+    _keep_if_nonfinite(finite, new_opt_state, opt_state),
+    finite,
+    stats,
+  )
 
 
 def make_fused_step(
-    loss_fn: PerExampleLossFn, optimizer: optax.GradientTransformation, mesh: Mesh,
-    axis_name: str, seed: int = 0, halves: str = "device",
+  loss_fn: PerExampleLossFn,
+  optimizer: optax.GradientTransformation,
+  mesh: Mesh,
+  axis_name: str,
+  seed: int = 0,
+  halves: str = "device",
 ) -> Callable[..., tuple[Any, Any, Any, jax.Array]]:
   """Returns ``step(params, opt_state, model_state, batch, weights, step_inputs, counters)``.
 
@@ -249,22 +291,39 @@ def make_fused_step(
 
   def per_device(params, opt_state, model_state, batch, weights, step_inputs, counters):
     loss, grads, new_model_state = _device_gradient(
-        loss_fn, num_devices, axis_name, seed, local, params, model_state, batch, weights,
-        step_inputs[0], counters)
-    params, opt_state, finite, stats = _update(optimizer, axis_name, local, params, opt_state,
-                                               grads, loss, step_inputs)
+      loss_fn,
+      num_devices,
+      axis_name,
+      seed,
+      local,
+      params,
+      model_state,
+      batch,
+      weights,
+      step_inputs[0],
+      counters,
+    )
+    params, opt_state, finite, stats = _update(
+      optimizer, axis_name, local, params, opt_state, grads, loss, step_inputs
+    )
     model_state = _keep_if_nonfinite(finite, new_model_state, model_state)
     return params, opt_state, model_state, stats
 
   return jax.shard_map(
-      per_device, mesh=mesh,
-      in_specs=(P(), P(), P(), P(axis_name), P(axis_name), P(), P()),
-      out_specs=(P(), P(), P(), P()), check_vma=False)
+    per_device,
+    mesh=mesh,
+    in_specs=(P(), P(), P(), P(axis_name), P(axis_name), P(), P()),
+    out_specs=(P(), P(), P(), P()),
+    check_vma=False,
+  )
 
 
 def make_micro_step(
-    loss_fn: PerExampleLossFn, mesh: Mesh, axis_name: str, seed: int = 0,
-    halves: str = "device",
+  loss_fn: PerExampleLossFn,
+  mesh: Mesh,
+  axis_name: str,
+  seed: int = 0,
+  halves: str = "device",
 ) -> Callable[..., tuple[Accumulator, Any]]:
   """Returns ``micro_step(params, model_state, acc, batch, weights, step_inputs, counters)``.
 
@@ -288,19 +347,35 @@ def make_micro_step(
 
   def per_device(params, model_state, acc, batch, weights, step_inputs, counters):
     loss, grads, new_state = _device_gradient(
-        loss_fn, num_devices, axis_name, seed, local, params, model_state, batch, weights,
-        step_inputs[0], counters)
+      loss_fn,
+      num_devices,
+      axis_name,
+      seed,
+      local,
+      params,
+      model_state,
+      batch,
+      weights,
+      step_inputs[0],
+      counters,
+    )
     grads = jax.tree.map(lambda a, g: a + g[None].astype(a.dtype), acc.grads, grads)
     return Accumulator(grads=grads, loss=acc.loss + loss[None]), new_state
 
   return jax.shard_map(
-      per_device, mesh=mesh,
-      in_specs=(P(), P(), P(axis_name), P(axis_name), P(axis_name), P(), P()),
-      out_specs=(P(axis_name), P()), check_vma=False)
+    per_device,
+    mesh=mesh,
+    in_specs=(P(), P(), P(axis_name), P(axis_name), P(axis_name), P(), P()),
+    out_specs=(P(axis_name), P()),
+    check_vma=False,
+  )
 
 
 def make_apply_step(
-    optimizer: optax.GradientTransformation, mesh: Mesh, axis_name: str, halves: str = "device",
+  optimizer: optax.GradientTransformation,
+  mesh: Mesh,
+  axis_name: str,
+  halves: str = "device",
 ) -> Callable[..., tuple[Any, Any, Accumulator, Any, jax.Array]]:
   """Returns ``apply_step(params, opt_state, acc, model_state_before, model_state, step_inputs)``.
 
@@ -323,12 +398,17 @@ def make_apply_step(
 
   def per_device(params, opt_state, acc, model_state_before, model_state, step_inputs):
     grads = jax.tree.map(lambda g: g[0], acc.grads)
-    params, opt_state, finite, stats = _update(optimizer, axis_name, local, params, opt_state,
-                                               grads, acc.loss[0], step_inputs)
+    params, opt_state, finite, stats = _update(
+      optimizer, axis_name, local, params, opt_state, grads, acc.loss[0], step_inputs
+    )
     cleared = jax.tree.map(jnp.zeros_like, acc)
     model_state = _keep_if_nonfinite(finite, model_state, model_state_before)
     return params, opt_state, cleared, model_state, stats
 
   return jax.shard_map(
-      per_device, mesh=mesh, in_specs=(P(), P(), P(axis_name), P(), P(), P()),
-      out_specs=(P(), P(), P(axis_name), P(), P()), check_vma=False)
+    per_device,
+    mesh=mesh,
+    in_specs=(P(), P(), P(axis_name), P(), P(), P()),
+    out_specs=(P(), P(), P(axis_name), P(), P()),
+    check_vma=False,
+  )

@@ -66,8 +66,14 @@ from simigrad_jax.runtime.process_agreement import ProcessAgreement
 from simigrad_jax.runtime.process_agreement import ProcessDisagreementError
 from simigrad_jax.runtime.process_agreement import ProcessLostError
 
-__all__ = ["MODES", "Preempted", "ProcessDisagreementError", "ProcessLostError", "Trainer",
-           "TrainerConfig"]
+__all__ = [
+  "MODES",
+  "Preempted",
+  "ProcessDisagreementError",
+  "ProcessLostError",
+  "Trainer",
+  "TrainerConfig",
+]
 
 
 class Trainer:
@@ -165,24 +171,49 @@ class Trainer:
   """
 
   def __init__(
-      self, *, loss_fn: train_step.PerExampleLossFn, params: Any,
-      optimizer: optax.GradientTransformation, source: Any, controller: Any,
-      workdir: str | os.PathLike, model_state: Any = None,
-      eval_fn: Callable[[Any, Any], Mapping[str, float]] | None = None,
-      lr_schedule: Callable[[float], float] | None = None,
-      devices: list[jax.Device] | None = None, hooks: Sequence[StepHook] = (),
-      run_settings: Mapping[str, Any] | None = None, config: TrainerConfig | None = None,
-      **settings: Any):
+    self,
+    *,
+    loss_fn: train_step.PerExampleLossFn,
+    params: Any,
+    optimizer: optax.GradientTransformation,
+    source: Any,
+    controller: Any,
+    workdir: str | os.PathLike,
+    model_state: Any = None,
+    eval_fn: Callable[[Any, Any], Mapping[str, float]] | None = None,
+    lr_schedule: Callable[[float], float] | None = None,
+    devices: list[jax.Device] | None = None,
+    hooks: Sequence[StepHook] = (),
+    run_settings: Mapping[str, Any] | None = None,
+    config: TrainerConfig | None = None,
+    **settings: Any,
+  ):
     # Everything is checked before anything is created, compiled or trained.
     self.config = config = TrainerConfig.from_settings(config, settings)
     self._hooks = [check_hook(hook) for hook in hooks]
     self._agreement = ProcessAgreement(config.agreement_timeout_seconds)
     run = run_setup.build_run(
-        config, self._agreement, loss_fn=loss_fn, params=params, optimizer=optimizer,
-        source=source, controller=controller, workdir=workdir, model_state=model_state,
-        eval_fn=eval_fn, lr_schedule=lr_schedule, devices=devices, run_settings=run_settings)
+      config,
+      self._agreement,
+      loss_fn=loss_fn,
+      params=params,
+      optimizer=optimizer,
+      source=source,
+      controller=controller,
+      workdir=workdir,
+      model_state=model_state,
+      eval_fn=eval_fn,
+      lr_schedule=lr_schedule,
+      devices=devices,
+      run_settings=run_settings,
+    )
     self.controller, self.eval_fn = controller, eval_fn
-    self.workdir, self.source, self.mesh, self.layout = run.workdir, run.source, run.mesh, run.layout
+    self.workdir, self.source, self.mesh, self.layout = (
+      run.workdir,
+      run.source,
+      run.mesh,
+      run.layout,
+    )
     self._workdir_lock = run.workdir_lock
     self.halves, self.num_devices = run.layout.halves, run.layout.num_devices
     self.shapes = run.layout.device_grid  # the compiled micro-batch shapes, rows per device
@@ -191,10 +222,14 @@ class Trainer:
     self._checkpoints, self._programs, self._data = run.checkpoints, run.programs, run.data
     self._step_inputs = run.step_inputs
     self._is_main = jax.process_index() == 0
-    self._metrics = MetricsHook(MetricsWriter(run.workdir, tensorboard=config.tensorboard,
-                                              resume_step=self.step, enabled=self._is_main))
-    self._checkpoint = CheckpointHook(self.save_checkpoint, config.checkpoint_every_steps,
-                                      config.checkpoint_every_seconds)
+    self._metrics = MetricsHook(
+      MetricsWriter(
+        run.workdir, tensorboard=config.tensorboard, resume_step=self.step, enabled=self._is_main
+      )
+    )
+    self._checkpoint = CheckpointHook(
+      self.save_checkpoint, config.checkpoint_every_steps, config.checkpoint_every_seconds
+    )
     self._signals = preemption.StopSignals()
     self._stop: str | None = None  # the signal the processes agreed to stop on
     self._last_read: float | None = None  # when the last step's statistics were read
@@ -206,10 +241,17 @@ class Trainer:
 
   def save_checkpoint(self) -> None:
     """Saves the current state as the checkpoint of the current step (once per step)."""
-    self._checkpoints.save(self.step, self.state, sampler=self.sampler,
-                           controller=self.controller, nonfinite_steps=self._nonfinite_steps)
+    self._checkpoints.save(
+      self.step,
+      self.state,
+      sampler=self.sampler,
+      controller=self.controller,
+      nonfinite_steps=self._nonfinite_steps,
+    )
 
-  def train(self, *, num_epochs: float | None = None, num_steps: int | None = None) -> dict[str, Any]:
+  def train(
+    self, *, num_epochs: float | None = None, num_steps: int | None = None
+  ) -> dict[str, Any]:
     """Trains until ``num_epochs`` epochs of examples or ``num_steps`` optimizer steps.
 
     Args:
@@ -238,11 +280,18 @@ class Trainer:
     """
     total_examples, max_steps = _run_length(num_epochs, num_steps, self.sampler.num_examples)
     totals = RunTotals()
-    progress = ProgressHook(total_examples, self.sampler.examples_seen,
-                            enabled=self.config.progress and self._is_main)
+    progress = ProgressHook(
+      total_examples, self.sampler.examples_seen, enabled=self.config.progress and self._is_main
+    )
     evaluation = EvaluationHook(self.eval_fn, lambda: self.state, self._metrics.writer)
-    hooks: list[StepHook] = [self._metrics, totals, progress, *self._hooks, evaluation,
-                             self._checkpoint]
+    hooks: list[StepHook] = [
+      self._metrics,
+      totals,
+      progress,
+      *self._hooks,
+      evaluation,
+      self._checkpoint,
+    ]
     batch_size = self.controller.batch_size
     self._step_inputs.set_lr_factor(self._step_inputs.lr_factors(batch_size, self._epochs()))
     self._programs.prefetch_for(batch_size)
@@ -261,13 +310,22 @@ class Trainer:
         raise
       finally:
         progress.close()
-    summary = {"steps": self.step, "examples_seen": self.sampler.examples_seen,
-               "final_batch_size": self.controller.batch_size,
-               "nonfinite_steps": self._nonfinite_steps, **self.compile_stats(),
-               **totals.summary(), **evaluation.results}
+    summary = {
+      "steps": self.step,
+      "examples_seen": self.sampler.examples_seen,
+      "final_batch_size": self.controller.batch_size,
+      "nonfinite_steps": self._nonfinite_steps,
+      **self.compile_stats(),
+      **totals.summary(),
+      **evaluation.results,
+    }
     if self._stop is not None and self._more_steps(total_examples, max_steps):
-      raise Preempted(self._stop, self.step,
-                      os.path.join(self._checkpoints.checkpointer.directory, str(self.step)), summary)
+      raise Preempted(
+        self._stop,
+        self.step,
+        os.path.join(self._checkpoints.checkpointer.directory, str(self.step)),
+        summary,
+      )
     return summary
 
   def _more_steps(self, total_examples: float, max_steps: float) -> bool:
@@ -323,9 +381,17 @@ class Trainer:
     # Load the next step's rows while the devices work.
     self._data.submit_ahead(self.controller.batch_size, total_examples, self.step + 1)
     return DispatchedStep(
-        plan=plan, exact_plan=exact, stats=stats, start=start, epoch=epoch,
-        data_seconds=data_seconds, host_seconds=host_seconds, compile_wait_seconds=compile_wait,
-        lr_factor=self._step_inputs.lr_factor, schedule_factor=self._step_inputs.schedule_factor)
+      plan=plan,
+      exact_plan=exact,
+      stats=stats,
+      start=start,
+      epoch=epoch,
+      data_seconds=data_seconds,
+      host_seconds=host_seconds,
+      compile_wait_seconds=compile_wait,
+      lr_factor=self._step_inputs.lr_factor,
+      schedule_factor=self._step_inputs.schedule_factor,
+    )
 
   def _read_and_decide(self, dispatched: DispatchedStep) -> StepRecord:
     """Waits for the step's statistics, lets the controller decide, agrees on the decision with
@@ -337,23 +403,43 @@ class Trainer:
     self._nonfinite_steps += not stats.grads_finite
     batch_size, examples_seen = dispatched.plan.global_batch_size, self.sampler.examples_seen
     epoch_end = self.sampler.epoch > dispatched.epoch
-    next_batch_size = self.controller.update(stats.similarity, stats=stats.for_controller(
-        batch_size=batch_size, examples_seen=examples_seen, epochs=self._epochs(),
-        epoch_end=epoch_end))
+    next_batch_size = self.controller.update(
+      stats.similarity,
+      stats=stats.for_controller(
+        batch_size=batch_size,
+        examples_seen=examples_seen,
+        epochs=self._epochs(),
+        epoch_end=epoch_end,
+      ),
+    )
     self.step += 1
     self._step_inputs.set_lr_factor(self._step_inputs.lr_factors(next_batch_size, self._epochs()))
-    agreement_seconds = self._agree_on_decision({
-        "step": self.step, "batch_size": batch_size, "examples_seen": examples_seen,
-        "similarity": stats.similarity, "decision": self.controller.last_decision,
-        "next_batch_size": next_batch_size, "next_lr_factor": self._step_inputs.lr_factor})
+    agreement_seconds = self._agree_on_decision(
+      {
+        "step": self.step,
+        "batch_size": batch_size,
+        "examples_seen": examples_seen,
+        "similarity": stats.similarity,
+        "decision": self.controller.last_decision,
+        "next_batch_size": next_batch_size,
+        "next_lr_factor": self._step_inputs.lr_factor,
+      }
+    )
     return StepRecord.create(
-        dispatched, stats, step=self.step, examples_seen=examples_seen,
-        micro_batch_size=self.layout.device_rows(dispatched.plan.micro_batch_size),
-        decision=self.controller.last_decision,
-        similarity_target=self.controller.config["similarity_target"],
-        next_batch_size=next_batch_size, next_lr_factor=self._step_inputs.lr_factor,
-        nonfinite_steps=self._nonfinite_steps, step_seconds=step_seconds,
-        agreement_seconds=agreement_seconds, epoch_end=epoch_end)
+      dispatched,
+      stats,
+      step=self.step,
+      examples_seen=examples_seen,
+      micro_batch_size=self.layout.device_rows(dispatched.plan.micro_batch_size),
+      decision=self.controller.last_decision,
+      similarity_target=self.controller.config["similarity_target"],
+      next_batch_size=next_batch_size,
+      next_lr_factor=self._step_inputs.lr_factor,
+      nonfinite_steps=self._nonfinite_steps,
+      step_seconds=step_seconds,
+      agreement_seconds=agreement_seconds,
+      epoch_end=epoch_end,
+    )
 
   def _agree_on_decision(self, decision: dict[str, Any]) -> float:
     """Multi-host: the next step's shapes and learning rate follow ``decision``; every process
@@ -366,8 +452,12 @@ class Trainer:
     """
     start = time.perf_counter()
     compiled = self._programs.compiled_report()
-    report = {"compiled": compiled, **preemption.step_report(
-        self._signals, self._checkpoint.seconds_since_save(), self._checkpoints.failed_save())}
+    report = {
+      "compiled": compiled,
+      **preemption.step_report(
+        self._signals, self._checkpoint.seconds_since_save(), self._checkpoints.failed_save()
+      ),
+    }
     reports = self._agreement.agree(f"decision of step {self.step}", decision, report=report)
     assert reports is not None  # one per process, as a report was given
     if compiled is not None:
@@ -426,15 +516,17 @@ class Trainer:
     self.close()
 
 
-def _run_length(num_epochs: float | None, num_steps: int | None,
-                num_examples: int) -> tuple[float, float]:
+def _run_length(
+  num_epochs: float | None, num_steps: int | None, num_examples: int
+) -> tuple[float, float]:
   """``(examples, steps)`` at which a ``train`` call stops (inf: no limit), after checking them."""
   if num_epochs is None and num_steps is None:
     raise ValueError("give num_epochs or num_steps")
   total_examples = max_steps = math.inf
   if num_epochs is not None:
-    num_epochs = validation.check_real("num_epochs", num_epochs, "(0, inf) (finite)",
-                                       lambda x: 0 < x < math.inf)
+    num_epochs = validation.check_real(
+      "num_epochs", num_epochs, "(0, inf) (finite)", lambda x: 0 < x < math.inf
+    )
     total_examples = int(round(num_epochs * num_examples))
   if num_steps is not None:
     max_steps = validation.check_int("num_steps", num_steps, 0)

@@ -35,7 +35,9 @@ class LossContractError(SimiGradError, ValueError):
   """``loss_fn`` returned something other than per-example losses and a model state."""
 
 
-def checked_loss_fn(loss_fn: train_step.PerExampleLossFn, model_state: Any) -> train_step.PerExampleLossFn:
+def checked_loss_fn(
+  loss_fn: train_step.PerExampleLossFn, model_state: Any
+) -> train_step.PerExampleLossFn:
   """``loss_fn``, checked at trace time: one loss per row, and the model state's structure kept."""
   state_structure = jax.tree.structure(model_state)
 
@@ -43,17 +45,20 @@ def checked_loss_fn(loss_fn: train_step.PerExampleLossFn, model_state: Any) -> t
     out = loss_fn(params, state, batch, weights, rng)
     if not isinstance(out, (tuple, list)) or len(out) != 2:
       raise LossContractError(
-          f"loss_fn must return (per_example_losses, new_model_state), got {type(out).__name__}")
+        f"loss_fn must return (per_example_losses, new_model_state), got {type(out).__name__}"
+      )
     losses, new_state = out
     if jnp.shape(losses) != weights.shape:
       raise LossContractError(
-          f"loss_fn must return one loss per row, shape {weights.shape}, got shape "
-          f"{jnp.shape(losses)}: the Trainer weights the rows itself (padding rows have weight "
-          "0), so a mean over the rows would count padding")
+        f"loss_fn must return one loss per row, shape {weights.shape}, got shape "
+        f"{jnp.shape(losses)}: the Trainer weights the rows itself (padding rows have weight "
+        "0), so a mean over the rows would count padding"
+      )
     if jax.tree.structure(new_state) != state_structure:  # type: ignore[operator]  # PyTreeDef
       raise LossContractError(
-          f"loss_fn must return a model state with the structure of model_state "
-          f"({state_structure}), got {jax.tree.structure(new_state)}")
+        f"loss_fn must return a model state with the structure of model_state "
+        f"({state_structure}), got {jax.tree.structure(new_state)}"
+      )
     return losses, new_state
 
   return checked
@@ -68,18 +73,27 @@ def check_controller(controller: Any) -> None:
   """Refuses anything that is not a :class:`simigrad_jax.controllers.BatchSizeController`."""
   if isinstance(controller, (str, Mapping)):
     raise ValueError(
-        f"controller must be a controller object, got {controller!r:.200}; build one with "
-        "simigrad_jax.make_controller(name, **options) or simigrad_jax.Controller(...)")
-  missing = [m for m in _CONTROLLER_ATTRIBUTES if not hasattr(controller, m)
-             or (m in _CONTROLLER_METHODS and not callable(getattr(controller, m)))]
+      f"controller must be a controller object, got {controller!r:.200}; build one with "
+      "simigrad_jax.make_controller(name, **options) or simigrad_jax.Controller(...)"
+    )
+  missing = [
+    m
+    for m in _CONTROLLER_ATTRIBUTES
+    if not hasattr(controller, m)
+    or (m in _CONTROLLER_METHODS and not callable(getattr(controller, m)))
+  ]
   if missing or not isinstance(controller, controller_base.BatchSizeController):
-    raise ValueError(f"controller {controller!r:.200} lacks {missing}; a controller needs "
-                     f"{list(_CONTROLLER_ATTRIBUTES)}, the methods callable (the members of "
-                     "simigrad_jax.controllers.BatchSizeController)")
+    raise ValueError(
+      f"controller {controller!r:.200} lacks {missing}; a controller needs "
+      f"{list(_CONTROLLER_ATTRIBUTES)}, the methods callable (the members of "
+      "simigrad_jax.controllers.BatchSizeController)"
+    )
   config = controller.config
   if not isinstance(config, Mapping) or any(k not in config for k in _CONTROLLER_CONFIG_KEYS):
-    raise ValueError(f"controller.config must be a dict with the keys {list(_CONTROLLER_CONFIG_KEYS)} "
-                     f"(None where one does not apply), got {config!r:.300}")
+    raise ValueError(
+      f"controller.config must be a dict with the keys {list(_CONTROLLER_CONFIG_KEYS)} "
+      f"(None where one does not apply), got {config!r:.300}"
+    )
   for name in ("batch_size", "initial_batch_size"):
     validation.check_int(f"controller.{name}", getattr(controller, name), 1)
 
@@ -88,15 +102,18 @@ def check_source(source: Any) -> int:
   """Refuses anything that is not a random-access source; returns its length."""
   missing = [a for a in ("__len__", "get_batch", "element_spec") if not hasattr(source, a)]
   if missing:
-    raise ValueError(f"source must be a random-access source (len(), get_batch(indices), "
-                     f"element_spec) such as simigrad_jax.ArraySource; {source!r:.200} lacks {missing}")
+    raise ValueError(
+      f"source must be a random-access source (len(), get_batch(indices), "
+      f"element_spec) such as simigrad_jax.ArraySource; {source!r:.200} lacks {missing}"
+    )
   num_examples = len(source)
   if not validation.is_int(num_examples) or num_examples < 1:
     raise ValueError(f"the source must hold at least 1 example, got len(source)={num_examples!r}")
   spec = source.element_spec
   if not isinstance(spec, Mapping) or not spec:
-    raise ValueError(f"source.element_spec must be a non-empty dict of name -> (shape, dtype), "
-                     f"got {spec!r:.200}")
+    raise ValueError(
+      f"source.element_spec must be a non-empty dict of name -> (shape, dtype), got {spec!r:.200}"
+    )
   return int(num_examples)
 
 
@@ -117,13 +134,16 @@ def check_finite_params(params: Any) -> None:
   leaves = jax.tree_util.tree_flatten_with_path(params)[0]
   if not leaves:
     raise ValueError("params holds no arrays: there is nothing to train")
-  inexact = [(path, leaf) for path, leaf in leaves
-             if jnp.issubdtype(jnp.result_type(leaf), jnp.inexact)]
+  inexact = [
+    (path, leaf) for path, leaf in leaves if jnp.issubdtype(jnp.result_type(leaf), jnp.inexact)
+  ]
   finite = np.asarray(_all_finite([leaf for _, leaf in inexact])) if inexact else np.ones(0, bool)
   for (path, _), ok in zip(inexact, finite, strict=True):
     if not ok:
-      raise ValueError(f"params{jax.tree_util.keystr(path)} holds NaN or infinite values: every "
-                       "step would be skipped; initialise the model with finite values")
+      raise ValueError(
+        f"params{jax.tree_util.keystr(path)} holds NaN or infinite values: every "
+        "step would be skipped; initialise the model with finite values"
+      )
 
 
 @jax.jit
@@ -155,32 +175,42 @@ def check_bounds(controller: Any, num_examples: int, halves: str) -> tuple[int, 
   sizes = [controller.batch_size, controller.initial_batch_size, *profile]
   if upper is None and adapting:
     raise ValueError(
-        f"batch_size_upper_bound=None lets the controller grow the global batch without limit, "
-        f"past the data set's {num_examples} examples (a step would repeat examples); set "
-        f"batch_size_upper_bound to at most {num_examples}")
+      f"batch_size_upper_bound=None lets the controller grow the global batch without limit, "
+      f"past the data set's {num_examples} examples (a step would repeat examples); set "
+      f"batch_size_upper_bound to at most {num_examples}"
+    )
   largest = max(sizes + ([upper] if upper is not None else []))
   if largest > num_examples:
     what = "batch_size_upper_bound" if largest == upper else "the controller's batch size"
     raise ValueError(
-        f"the data set has {num_examples} examples, fewer than the largest batch size {largest} "
-        f"({what}): a step would repeat examples; lower the bound")
+      f"the data set has {num_examples} examples, fewer than the largest batch size {largest} "
+      f"({what}): a step would repeat examples; lower the bound"
+    )
   # Half B holds the odd-numbered examples of a step (simigrad_jax.engine.layout):
   # a batch of 1 leaves it without an example.
   floor = 2
-  second_half = ("the odd devices (the second half)" if halves == "device"
-                 else "the second half (the step's odd-numbered examples)")
+  second_half = (
+    "the odd devices (the second half)"
+    if halves == "device"
+    else "the second half (the step's odd-numbered examples)"
+  )
   if config["similarity_target"] is not None:
     smallest = min([lower if lower is not None else 1] if adapting else sizes)
     smallest = min([smallest] + profile)
     if smallest < floor:
-      what = (f"batch_sizes_to_profile holds {min(profile)}" if profile and min(profile) == smallest
-              else f"batch_size_lower_bound={lower!r} lets the global batch shrink to {smallest}"
-              if adapting else f"the batch size is {smallest}")
+      what = (
+        f"batch_sizes_to_profile holds {min(profile)}"
+        if profile and min(profile) == smallest
+        else f"batch_size_lower_bound={lower!r} lets the global batch shrink to {smallest}"
+        if adapting
+        else f"the batch size is {smallest}"
+      )
       if adapting or profile:
         raise ValueError(
-            f"{what}, but a batch below {floor} leaves {second_half} "
-            f"without an example: the similarity cannot be measured and the batch size would "
-            f"stay there; use sizes >= {floor} (set batch_size_lower_bound >= {floor})")
+          f"{what}, but a batch below {floor} leaves {second_half} "
+          f"without an example: the similarity cannot be measured and the batch size would "
+          f"stay there; use sizes >= {floor} (set batch_size_lower_bound >= {floor})"
+        )
   return (lower if lower is not None else 1), largest
 
 
@@ -196,12 +226,18 @@ def check_workdir(workdir: str | os.PathLike) -> pathlib.Path:
 
 def checked_optimizer_state(optimizer: Any, params: Any) -> Any:
   """``optimizer.init(params)``, refusing an optimizer without the two SimiGrad transformations."""
-  if not (callable(getattr(optimizer, "init", None)) and callable(getattr(optimizer, "update", None))):
-    raise ValueError(f"optimizer must be an optax GradientTransformation (with init and update), "
-                     f"got {optimizer!r:.200}")
+  if not (
+    callable(getattr(optimizer, "init", None)) and callable(getattr(optimizer, "update", None))
+  ):
+    raise ValueError(
+      f"optimizer must be an optax GradientTransformation (with init and update), "
+      f"got {optimizer!r:.200}"
+    )
   state = optimizer.init(params)
-  for state_type, name in ((SimilarityState, "simigrad_jax.transform"),
-                           (LrFactorState, "simigrad_jax.scale_by_lr_factor()")):
+  for state_type, name in (
+    (SimilarityState, "simigrad_jax.transform"),
+    (LrFactorState, "simigrad_jax.scale_by_lr_factor()"),
+  ):
     if not optax.tree_utils.tree_get_all_with_path(state, state_type.__name__):
       raise ValueError(f"the optimizer has no {state_type.__name__}: chain {name} into it")
   return state

@@ -33,16 +33,16 @@ def _even_example_count(batch: Any) -> int:
   size = next(iter(sizes))
   if len(sizes) != 1 or size is None:
     raise ValueError(
-        "every array in the batch needs the same leading (example) axis; "
-        f"got sizes {sorted(map(str, sizes))}"
+      "every array in the batch needs the same leading (example) axis; "
+      f"got sizes {sorted(map(str, sizes))}"
     )
   if size % 2:
     raise ValueError(
-        f"the batch has {size} examples (per device inside pmap or shard_map); "
-        "value_and_half_grads splits it into two equal halves, which needs an even "
-        "number: give each device an even number of rows (under pmap or shard_map, "
-        "a global batch that is a multiple of 2 x the device count), or drop one "
-        "example; simigrad_jax.Trainer pads with a zero-weight row itself"
+      f"the batch has {size} examples (per device inside pmap or shard_map); "
+      "value_and_half_grads splits it into two equal halves, which needs an even "
+      "number: give each device an even number of rows (under pmap or shard_map, "
+      "a global batch that is a multiple of 2 x the device count), or drop one "
+      "example; simigrad_jax.Trainer pads with a zero-weight row itself"
     )
   return size
 
@@ -93,8 +93,9 @@ def _after(tree: Any, grads: Any) -> tuple[Any, bool]:
     ``(tree, carried)``: the ordered tree, and whether any leaf carried the
     dependency.
   """
-  totals = [jnp.sum(jnp.real(g), dtype=jnp.float32)
-            for g in jax.tree.leaves(grads) if _is_inexact(g)]
+  totals = [
+    jnp.sum(jnp.real(g), dtype=jnp.float32) for g in jax.tree.leaves(grads) if _is_inexact(g)
+  ]
   if not totals or not any(_is_inexact(x) for x in jax.tree.leaves(tree)):
     return tree, False
   total = sum(totals[1:], totals[0])
@@ -103,8 +104,10 @@ def _after(tree: Any, grads: Any) -> tuple[Any, bool]:
 
 
 def value_and_grads_in_turn(
-    value_and_grad: Callable[..., tuple[Any, Any]], params: Any,
-    first_args: tuple[Any, ...], second_args: tuple[Any, ...],
+  value_and_grad: Callable[..., tuple[Any, Any]],
+  params: Any,
+  first_args: tuple[Any, ...],
+  second_args: tuple[Any, ...],
 ) -> tuple[tuple[Any, Any], tuple[Any, Any]]:
   """Two passes of ``value_and_grad``, the second ordered after the first's gradients.
 
@@ -148,13 +151,15 @@ def _scalar_loss(loss_fn: Callable[..., Any], has_aux: bool) -> Callable[..., An
     is_pair = isinstance(value, (tuple, list)) and len(value) == 2
     if not has_aux and isinstance(value, (tuple, list)):
       raise ValueError(
-          f"loss_fn returned a {type(value).__name__} of {len(value)} values where "
-          "value_and_half_grads expects one scalar loss: a loss that returns "
-          "(loss, aux) needs simigrad_jax.value_and_half_grads(loss_fn, has_aux=True)")
+        f"loss_fn returned a {type(value).__name__} of {len(value)} values where "
+        "value_and_half_grads expects one scalar loss: a loss that returns "
+        "(loss, aux) needs simigrad_jax.value_and_half_grads(loss_fn, has_aux=True)"
+      )
     if has_aux and not is_pair:
       raise ValueError(
-          f"value_and_half_grads(loss_fn, has_aux=True) expects loss_fn to return "
-          f"(loss, aux), got {_describe(value)}: return the pair, or leave has_aux out")
+        f"value_and_half_grads(loss_fn, has_aux=True) expects loss_fn to return "
+        f"(loss, aux), got {_describe(value)}: return the pair, or leave has_aux out"
+      )
     return value
 
   return checked
@@ -169,7 +174,7 @@ def _describe(value: Any) -> str:
 
 
 def value_and_half_grads(
-    loss_fn: Callable[..., Any], has_aux: bool = False
+  loss_fn: Callable[..., Any], has_aux: bool = False
 ) -> Callable[..., tuple[Any, Any, HalfGrads]]:
   """Wraps ``loss_fn`` to return its value, its gradient and the two half-batch gradients.
 
@@ -236,7 +241,8 @@ def value_and_half_grads(
   def wrapped(params, batch, *args):
     first_half, second_half = split_even_odd(batch)
     (value_a, first), (value_b, second) = value_and_grads_in_turn(
-        value_and_grad, params, (first_half, *args), (second_half, *args))
+      value_and_grad, params, (first_half, *args), (second_half, *args)
+    )
     mean_grads = jax.tree.map(_average, first, second)
     value: jax.Array | tuple[jax.Array, Any]  # the loss, and the aux of both halves if has_aux
     if has_aux:

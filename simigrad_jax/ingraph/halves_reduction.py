@@ -90,10 +90,10 @@ def check_even_axis(axis_name: str) -> int:
   num_devices = lax.axis_size(axis_name)
   if num_devices % 2:
     raise ValueError(
-        f"axis {axis_name!r} has {num_devices} device(s); splitting devices into "
-        "two halves needs an even count. Split each device's batch instead: "
-        "compute the half gradients with simigrad_jax.value_and_half_grads and "
-        "pass them as half_grads=..."
+      f"axis {axis_name!r} has {num_devices} device(s); splitting devices into "
+      "two halves needs an even count. Split each device's batch instead: "
+      "compute the half gradients with simigrad_jax.value_and_half_grads and "
+      "pass them as half_grads=..."
     )
   return num_devices
 
@@ -101,8 +101,9 @@ def check_even_axis(axis_name: str) -> int:
 # ------------------------------------------------------------------ statistics
 
 
-def _finish(dot_ab: jax.Array, sq_a: jax.Array, sq_b: jax.Array,
-            sq_mean: jax.Array) -> HalfStatistics:
+def _finish(
+  dot_ab: jax.Array, sq_a: jax.Array, sq_b: jax.Array, sq_mean: jax.Array
+) -> HalfStatistics:
   """Packs summed float32 statistics; a NaN or infinite entry anywhere makes a norm non-finite.
 
   ``sq_mean`` was derived from the other three (see :func:`_pair_statistics`);
@@ -118,8 +119,9 @@ def _finish(dot_ab: jax.Array, sq_a: jax.Array, sq_b: jax.Array,
 STATISTICS_BLOCKS = 4
 
 
-def _pair_statistics(half_a: jax.Array, half_b: jax.Array,
-                     share: float | jax.Array = 0.5) -> jax.Array:
+def _pair_statistics(
+  half_a: jax.Array, half_b: jax.Array, share: float | jax.Array = 0.5
+) -> jax.Array:
   """Float32 ``[<a, b>, |a|^2, |b|^2, |s a + (1 - s) b|^2]`` of matching pieces of the halves.
 
   The last is derived, ``s^2 |a|^2 + (1 - s)^2 |b|^2 + 2 s (1 - s) <a, b>``,
@@ -141,21 +143,22 @@ def _pair_statistics(half_a: jax.Array, half_b: jax.Array,
   width = length // blocks
   products = []
   for block in range(blocks):
-    a = half_a[block * width:(block + 1) * width]
-    b = half_b[block * width:(block + 1) * width]
+    a = half_a[block * width : (block + 1) * width]
+    b = half_b[block * width : (block + 1) * width]
     products += [a * b, a * a, b * b]
   zero = jnp.zeros((), jnp.float32)
   sums = lax.reduce(tuple(products), (zero,) * len(products), _add_each, (0,))
   totals = jnp.stack(sums).reshape(blocks, 3).sum(axis=0)
   if blocks * width < length:  # the last length % blocks elements
-    a, b = half_a[blocks * width:], half_b[blocks * width:]
+    a, b = half_a[blocks * width :], half_b[blocks * width :]
     totals = totals + jnp.stack([jnp.sum(a * b), jnp.sum(a * a), jnp.sum(b * b)])
   dot, sq_a, sq_b = totals
   return jnp.stack([dot, sq_a, sq_b, _sq_norm_of_mean(dot, sq_a, sq_b, share)])
 
 
-def _sq_norm_of_mean(dot: jax.Array, sq_a: jax.Array, sq_b: jax.Array,
-                     share: float | jax.Array) -> jax.Array:
+def _sq_norm_of_mean(
+  dot: jax.Array, sq_a: jax.Array, sq_b: jax.Array, share: float | jax.Array
+) -> jax.Array:
   """``|s a + (1 - s) b|^2 = s^2 |a|^2 + (1 - s)^2 |b|^2 + 2 s (1 - s) <a, b>``, in float32."""
   share = jnp.asarray(share, jnp.float32)
   return share * share * sq_a + (1 - share) * (1 - share) * sq_b + 2 * share * (1 - share) * dot
@@ -186,12 +189,13 @@ def _flat_bucket(leaves: list[jax.Array], indices: list[int], multiple: int) -> 
   return jnp.pad(flat, (0, padding)) if padding else flat
 
 
-def _unflatten_bucket(flat: jax.Array, leaves: list[jax.Array], indices: list[int],
-                      out: list) -> None:
+def _unflatten_bucket(
+  flat: jax.Array, leaves: list[jax.Array], indices: list[int], out: list
+) -> None:
   offset = 0
   for i in indices:
     size = leaves[i].size
-    piece = flat if (len(indices) == 1 and flat.shape[0] == size) else flat[offset:offset + size]
+    piece = flat if (len(indices) == 1 and flat.shape[0] == size) else flat[offset : offset + size]
     out[i] = piece.reshape(leaves[i].shape)
     offset += size
 
@@ -217,8 +221,11 @@ def _scatter_within(flat: jax.Array, axis_name: str, groups: list[list[int]]) ->
 
 
 def reduce_device_halves(
-    grads: Any, axis_name: str, reduction: Reduction = "hierarchical", *,
-    zero_nonfinite: bool = False,
+  grads: Any,
+  axis_name: str,
+  reduction: Reduction = "hierarchical",
+  *,
+  zero_nonfinite: bool = False,
 ) -> tuple[object, HalfStatistics]:
   """Reduces each device's own gradient to the mean and the statistics of the parity halves.
 
@@ -248,9 +255,14 @@ def reduce_device_halves(
     return _reduce_concatenated(grads, None, axis_name, "scatter", zero_nonfinite, diff_sign=sign)
 
 
-def _reduce_hierarchical(grads: Any, axis_name: str, num_devices: int, parity: jax.Array,
-                         groups: list[list[int]], zero_nonfinite: bool
-                         ) -> tuple[object, HalfStatistics]:
+def _reduce_hierarchical(
+  grads: Any,
+  axis_name: str,
+  num_devices: int,
+  parity: jax.Array,
+  groups: list[list[int]],
+  zero_nonfinite: bool,
+) -> tuple[object, HalfStatistics]:
   """The device split's ``"hierarchical"`` reduction (see the module docstring)."""
   half = num_devices // 2
   partners = [(i, i ^ 1) for i in range(num_devices)]
@@ -273,8 +285,12 @@ def _reduce_hierarchical(grads: Any, axis_name: str, num_devices: int, parity: j
   # On an odd device "kept" is the second half's sum: swap the norms before summing.
   dot, sq_kept, sq_other, sq_mean = partial
   first = parity == 0
-  sums = lax.psum(jnp.stack([dot, jnp.where(first, sq_kept, sq_other),
-                             jnp.where(first, sq_other, sq_kept), sq_mean]), axis_name)
+  sums = lax.psum(
+    jnp.stack(
+      [dot, jnp.where(first, sq_kept, sq_other), jnp.where(first, sq_other, sq_kept), sq_mean]
+    ),
+    axis_name,
+  )
   sums = sums / float(half * half)  # the groups' sums are half times their means
   stats = _finish(*sums)
   return _gather_mean(pieces, buckets, leaves, treedef, axis_name, stats, zero_nonfinite), stats
@@ -285,9 +301,15 @@ def _flatten_up_to(treedef: jax.tree_util.PyTreeDef, tree: Any) -> list[Any]:
   return treedef.flatten_up_to(tree)
 
 
-def _gather_mean(pieces: list[jax.Array], buckets: list[list[int]], leaves: list[jax.Array],
-                 treedef: jax.tree_util.PyTreeDef, axis_name: str, stats: HalfStatistics,
-                 zero_nonfinite: bool) -> Any:
+def _gather_mean(
+  pieces: list[jax.Array],
+  buckets: list[list[int]],
+  leaves: list[jax.Array],
+  treedef: jax.tree_util.PyTreeDef,
+  axis_name: str,
+  stats: HalfStatistics,
+  zero_nonfinite: bool,
+) -> Any:
   """All-gathers each bucket's piece of the mean into the gradient's structure.
 
   With ``zero_nonfinite``, the pieces are zeroed first when a statistic is not
@@ -306,8 +328,13 @@ def _gather_mean(pieces: list[jax.Array], buckets: list[list[int]], leaves: list
 
 
 def reduce_local_halves(
-    mean_shares: Any, diff_shares: Any, axis_name: str, reduction: Reduction = "hierarchical", *,
-    zero_nonfinite: bool = False, share: float | jax.Array = 0.5,
+  mean_shares: Any,
+  diff_shares: Any,
+  axis_name: str,
+  reduction: Reduction = "hierarchical",
+  *,
+  zero_nonfinite: bool = False,
+  share: float | jax.Array = 0.5,
 ) -> tuple[object, HalfStatistics]:
   """Reduces per-device ``(m_i, d_i)`` shares to ``M`` and the statistics of the two halves.
 
@@ -330,8 +357,9 @@ def reduce_local_halves(
   """
   _check_reduction(reduction)
   if reduction != "hierarchical":
-    return _reduce_concatenated(mean_shares, diff_shares, axis_name, reduction, zero_nonfinite,
-                                share=share)
+    return _reduce_concatenated(
+      mean_shares, diff_shares, axis_name, reduction, zero_nonfinite, share=share
+    )
   num_devices = lax.axis_size(axis_name)
   leaves, treedef = jax.tree.flatten(mean_shares)
   diff_leaves = _flatten_up_to(treedef, diff_shares)
@@ -350,8 +378,9 @@ def reduce_local_halves(
   return _gather_mean(pieces, buckets, leaves, treedef, axis_name, stats, zero_nonfinite), stats
 
 
-def _halves(mean: jax.Array, diff: jax.Array,
-            share: float | jax.Array) -> tuple[jax.Array, jax.Array]:
+def _halves(
+  mean: jax.Array, diff: jax.Array, share: float | jax.Array
+) -> tuple[jax.Array, jax.Array]:
   """Float32 ``(g_A, g_B) = (M + 2 (1 - s) D, M - 2 s D)``; ``(M + D, M - D)`` for ``s = 1/2``.
 
   A half with no example (``s`` 0 or 1) is exactly zero, not the rounding
@@ -365,8 +394,14 @@ def _halves(mean: jax.Array, diff: jax.Array,
   return first, jnp.where(share < 1, mean32 - (2 * share) * diff32, 0.0)
 
 
-def global_halves(mean: Any, first: Any, second: Any, *, zero_nonfinite: bool = False,
-                  share: float | jax.Array = 0.5) -> tuple[object, HalfStatistics]:
+def global_halves(
+  mean: Any,
+  first: Any,
+  second: Any,
+  *,
+  zero_nonfinite: bool = False,
+  share: float | jax.Array = 0.5,
+) -> tuple[object, HalfStatistics]:
   """The statistics of two half gradients that are global arrays (a plain ``jax.jit`` step).
 
   Each leaf's three sums, ``<a, b>``, ``|a|^2`` and ``|b|^2``, are reductions
@@ -399,8 +434,9 @@ def global_halves(mean: Any, first: Any, second: Any, *, zero_nonfinite: bool = 
   return mean, stats
 
 
-def _present_halves(a: jax.Array, b: jax.Array,
-                    share: float | jax.Array) -> tuple[jax.Array, jax.Array]:
+def _present_halves(
+  a: jax.Array, b: jax.Array, share: float | jax.Array
+) -> tuple[jax.Array, jax.Array]:
   """Float32 ``a`` and ``b``, a half with no example (``share`` 0 or 1) exactly zero."""
   a, b = a.astype(jnp.float32), b.astype(jnp.float32)
   if isinstance(share, float) and 0 < share < 1:
@@ -462,9 +498,16 @@ def _dtype_groups(leaves: list[jax.Array]) -> dict[jnp.dtype, list[int]]:
   return groups
 
 
-def _reduce_concatenated(mean_shares: Any, diff_shares: Any, axis_name: str, reduction: Reduction,
-                         zero_nonfinite: bool, *, diff_sign: jax.Array | None = None,
-                         share: float | jax.Array = 0.5) -> tuple[object, HalfStatistics]:
+def _reduce_concatenated(
+  mean_shares: Any,
+  diff_shares: Any,
+  axis_name: str,
+  reduction: Reduction,
+  zero_nonfinite: bool,
+  *,
+  diff_sign: jax.Array | None = None,
+  share: float | jax.Array = 0.5,
+) -> tuple[object, HalfStatistics]:
   """``"scatter"`` and ``"stacked"``: every leaf of a dtype in one vector, ``(m, d)`` stacked.
 
   ``d_i`` is ``diff_shares`` or, for the device split, ``diff_sign * m_i``.
@@ -493,8 +536,9 @@ def _reduce_concatenated(mean_shares: Any, diff_shares: Any, axis_name: str, red
       stacked = jnp.pad(stacked, ((0, 0), (0, padded_length - length)))
       shard = lax.psum_scatter(stacked, axis_name, scatter_dimension=1, tiled=True) / count
       partial = partial + _pair_statistics(*_halves(shard[0], shard[1], share), share)
-      flat_out = lax.all_gather(shard[0], axis_name, tiled=True,
-                                **_gather_kwargs(axis_name))[:length]
+      flat_out = lax.all_gather(shard[0], axis_name, tiled=True, **_gather_kwargs(axis_name))[
+        :length
+      ]
     _unflatten_bucket(flat_out, mean_leaves, indices, out_leaves)
   if reduction == "scatter":
     partial = lax.psum(partial, axis_name)

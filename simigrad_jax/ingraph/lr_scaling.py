@@ -48,8 +48,9 @@ def scale_by_lr_factor(initial_lr_factor: float = 1.0) -> optax.GradientTransfor
     del params
     return LrFactorState(lr_factor=jnp.asarray(initial_lr_factor, jnp.float32))
 
-  def update_fn(updates: optax.Updates, state: LrFactorState,
-                params: optax.Params | None = None) -> tuple[optax.Updates, LrFactorState]:
+  def update_fn(
+    updates: optax.Updates, state: LrFactorState, params: optax.Params | None = None
+  ) -> tuple[optax.Updates, LrFactorState]:
     del params
     scaled = jax.tree.map(lambda u: (u * state.lr_factor).astype(u.dtype), updates)
     return scaled, state

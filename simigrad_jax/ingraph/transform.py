@@ -29,7 +29,9 @@ class SimilarityState(NamedTuple):
   similarity: jax.Array  # float32 cos(g_A, g_B) of the last step; 0 where not measured.
   norm_a: jax.Array  # float32 |g_A|, the first half's mean-gradient norm; 0 if non-finite.
   norm_b: jax.Array  # float32 |g_B|, the second half's mean-gradient norm; 0 if non-finite.
-  norm_mean: jax.Array  # float32 |M|, M the mean gradient (before rounding to a bf16 dtype); 0 if non-finite.
+  norm_mean: (
+    jax.Array
+  )  # float32 |M|, M the mean gradient (before rounding to a bf16 dtype); 0 if non-finite.
   measured: jax.Array  # bool: gradients finite and both half norms positive.
   grads_finite: jax.Array  # bool: every entry of the reduced gradients was finite.
   nonfinite_count: jax.Array  # int32: steps so far whose gradients were not finite.
@@ -56,8 +58,7 @@ class HalvesContractError(SimiGradError, ValueError):
 
 
 # Trace time only: True while a caller that passes half_grads runs the optimizer's update.
-_EXPECTING_HALF_GRADS = contextvars.ContextVar("simigrad_jax_expecting_half_grads",
-                                               default=False)
+_EXPECTING_HALF_GRADS = contextvars.ContextVar("simigrad_jax_expecting_half_grads", default=False)
 
 
 @contextlib.contextmanager
@@ -92,13 +93,13 @@ def _check_not_already_reduced(leaves: list[jax.Array], axis_name: str) -> None:
     leaf_type = getattr(jax.typeof(leaf), "manual_axis_type", None)
     if leaf_type is not None and axis_name not in leaf_type.varying:
       raise ValueError(
-          f"simigrad_jax.transform received a gradient that is not varying over "
-          f"axis {axis_name!r} ({jax.typeof(leaf).str_short()}): under "
-          "jax.shard_map with check_vma=True, jax.grad of parameters passed "
-          "replicated (P()) returns the gradient ALREADY summed over devices, so "
-          "both halves would be identical. Take the gradient with respect to "
-          f"jax.lax.pcast(params, {axis_name!r}, to='varying'), or use "
-          "check_vma=False."
+        f"simigrad_jax.transform received a gradient that is not varying over "
+        f"axis {axis_name!r} ({jax.typeof(leaf).str_short()}): under "
+        "jax.shard_map with check_vma=True, jax.grad of parameters passed "
+        "replicated (P()) returns the gradient ALREADY summed over devices, so "
+        "both halves would be identical. Take the gradient with respect to "
+        f"jax.lax.pcast(params, {axis_name!r}, to='varying'), or use "
+        "check_vma=False."
       )
 
 
@@ -108,43 +109,54 @@ def _check_axis_is_bound(axis_name: str) -> None:
     lax.axis_size(axis_name)
   except NameError as error:
     raise ValueError(
-        f"simigrad_jax.transform({axis_name!r}) runs outside a step mapped over an axis "
-        f"{axis_name!r} (JAX: {error}). The axis name is for a step under jax.pmap(..., "
-        f"axis_name={axis_name!r}) or jax.shard_map over a mesh axis {axis_name!r}. In a "
-        "plain jax.jit step over arrays sharded on a mesh, use simigrad_jax.transform() "
-        "without an axis name and pass half_grads=... from "
-        "simigrad_jax.value_and_half_grads") from error
+      f"simigrad_jax.transform({axis_name!r}) runs outside a step mapped over an axis "
+      f"{axis_name!r} (JAX: {error}). The axis name is for a step under jax.pmap(..., "
+      f"axis_name={axis_name!r}) or jax.shard_map over a mesh axis {axis_name!r}. In a "
+      "plain jax.jit step over arrays sharded on a mesh, use simigrad_jax.transform() "
+      "without an axis name and pass half_grads=... from "
+      "simigrad_jax.value_and_half_grads"
+    ) from error
 
 
 def _check_half_grads(updates: Any, half_grads: Any) -> None:
   """Refuses half gradients whose structure or shapes differ from the gradient's."""
   if not isinstance(half_grads, HalfGrads):
-    raise ValueError(f"half_grads must be a simigrad_jax.HalfGrads(first, second), got "
-                     f"{type(half_grads).__name__}")
+    raise ValueError(
+      f"half_grads must be a simigrad_jax.HalfGrads(first, second), got {type(half_grads).__name__}"
+    )
   share = half_grads.share
   if share is not None and jnp.shape(share) != ():
-    raise ValueError(f"half_grads.share must be a scalar (the first half's fraction of the "
-                     f"examples), got shape {jnp.shape(share)}")
+    raise ValueError(
+      f"half_grads.share must be a scalar (the first half's fraction of the "
+      f"examples), got shape {jnp.shape(share)}"
+    )
   if isinstance(share, (int, float)) and not 0 <= share <= 1:
-    raise ValueError(f"half_grads.share must lie in [0, 1] (the first half's fraction of the "
-                     f"examples), got {share!r}")
+    raise ValueError(
+      f"half_grads.share must lie in [0, 1] (the first half's fraction of the "
+      f"examples), got {share!r}"
+    )
   expected = jax.tree.structure(updates)
   for name, half in (("first", half_grads.first), ("second", half_grads.second)):
     if jax.tree.structure(half) != expected:  # type: ignore[operator]  # PyTreeDef: no stub
-      raise ValueError(f"half_grads.{name} has the tree structure {jax.tree.structure(half)}, "
-                       f"the gradient {expected}: compute both from the same parameters")
-    for (path, g), h in zip(jax.tree_util.tree_flatten_with_path(updates)[0],
-                            jax.tree.leaves(half), strict=True):
+      raise ValueError(
+        f"half_grads.{name} has the tree structure {jax.tree.structure(half)}, "
+        f"the gradient {expected}: compute both from the same parameters"
+      )
+    for (path, g), h in zip(
+      jax.tree_util.tree_flatten_with_path(updates)[0], jax.tree.leaves(half), strict=True
+    ):
       if jnp.shape(g) != jnp.shape(h):
-        raise ValueError(f"half_grads.{name}{jax.tree_util.keystr(path)} has shape "
-                         f"{jnp.shape(h)}, the gradient {jnp.shape(g)}")
+        raise ValueError(
+          f"half_grads.{name}{jax.tree_util.keystr(path)} has shape "
+          f"{jnp.shape(h)}, the gradient {jnp.shape(g)}"
+        )
 
 
 def transform(
-    axis_name: str | None = None,
-    *,
-    reduction: halves_reduction.Reduction = "hierarchical",
-    nonfinite: NonFinitePolicy = "zero",
+  axis_name: str | None = None,
+  *,
+  reduction: halves_reduction.Reduction = "hierarchical",
+  nonfinite: NonFinitePolicy = "zero",
 ) -> optax.GradientTransformationExtraArgs:
   """Averages per-device gradients and measures the cosine similarity of two half-batch means.
 
@@ -228,12 +240,13 @@ def transform(
   """
   if axis_name is not None and (not isinstance(axis_name, str) or not axis_name):
     raise ValueError(
-        f"axis_name={axis_name!r} is not valid: give the name of the mapped data-parallel axis "
-        "(a non-empty string, as in jax.pmap(..., axis_name='batch')) or None for a plain "
-        "jax.jit step, which then passes half_grads")
+      f"axis_name={axis_name!r} is not valid: give the name of the mapped data-parallel axis "
+      "(a non-empty string, as in jax.pmap(..., axis_name='batch')) or None for a plain "
+      "jax.jit step, which then passes half_grads"
+    )
   if reduction not in halves_reduction.REDUCTIONS:
     raise ValueError(
-        f"reduction={reduction!r} is not valid; choose one of {halves_reduction.REDUCTIONS}"
+      f"reduction={reduction!r} is not valid; choose one of {halves_reduction.REDUCTIONS}"
     )
   if nonfinite not in _NONFINITE_POLICIES:
     raise ValueError(f"nonfinite={nonfinite!r} is not valid; choose one of {_NONFINITE_POLICIES}")
@@ -241,24 +254,30 @@ def transform(
   def init_fn(params: optax.Params) -> SimilarityState:
     del params
     return SimilarityState(
-        similarity=jnp.zeros([], jnp.float32),
-        norm_a=jnp.zeros([], jnp.float32),
-        norm_b=jnp.zeros([], jnp.float32),
-        norm_mean=jnp.zeros([], jnp.float32),
-        measured=jnp.zeros([], jnp.bool_),
-        grads_finite=jnp.ones([], jnp.bool_),
-        nonfinite_count=jnp.zeros([], jnp.int32),
+      similarity=jnp.zeros([], jnp.float32),
+      norm_a=jnp.zeros([], jnp.float32),
+      norm_b=jnp.zeros([], jnp.float32),
+      norm_mean=jnp.zeros([], jnp.float32),
+      measured=jnp.zeros([], jnp.bool_),
+      grads_finite=jnp.ones([], jnp.bool_),
+      nonfinite_count=jnp.zeros([], jnp.int32),
     )
 
-  def update_fn(updates: optax.Updates, state: SimilarityState, params: optax.Params | None = None,
-                *, half_grads: HalfGrads | None = None,
-                **extra: Any) -> tuple[optax.Updates, SimilarityState]:
+  def update_fn(
+    updates: optax.Updates,
+    state: SimilarityState,
+    params: optax.Params | None = None,
+    *,
+    half_grads: HalfGrads | None = None,
+    **extra: Any,
+  ) -> tuple[optax.Updates, SimilarityState]:
     del params, extra
     if half_grads is None and _EXPECTING_HALF_GRADS.get():
       raise HalvesContractError(
-          "the optimizer's update was given half_grads=..., but simigrad_jax.transform did not "
-          "receive them, so it would compare the device halves instead: a wrapper in the "
-          "optimizer takes extra keyword arguments and does not pass them on (optax.chain does)")
+        "the optimizer's update was given half_grads=..., but simigrad_jax.transform did not "
+        "receive them, so it would compare the device halves instead: a wrapper in the "
+        "optimizer takes extra keyword arguments and does not pass them on (optax.chain does)"
+      )
     leaves = jax.tree.leaves(updates)
     if axis_name is not None:
       _check_axis_is_bound(axis_name)
@@ -266,45 +285,59 @@ def transform(
     if half_grads is None:
       if axis_name is None:
         raise ValueError(
-            "simigrad_jax.transform() without an axis name runs in a plain jax.jit step, where "
-            "there are no device halves to compare: pass half_grads=... from "
-            "simigrad_jax.value_and_half_grads, or give the mapped axis name")
+          "simigrad_jax.transform() without an axis name runs in a plain jax.jit step, where "
+          "there are no device halves to compare: pass half_grads=... from "
+          "simigrad_jax.value_and_half_grads, or give the mapped axis name"
+        )
       mean, stats = halves_reduction.reduce_device_halves(
-          updates, axis_name, reduction, zero_nonfinite=nonfinite == "zero")
+        updates, axis_name, reduction, zero_nonfinite=nonfinite == "zero"
+      )
     else:
       _check_half_grads(updates, half_grads)
       share = 0.5 if half_grads.share is None else half_grads.share
       if axis_name is None:
         mean, stats = halves_reduction.global_halves(
-            updates, half_grads.first, half_grads.second, zero_nonfinite=nonfinite == "zero",
-            share=share)
+          updates,
+          half_grads.first,
+          half_grads.second,
+          zero_nonfinite=nonfinite == "zero",
+          share=share,
+        )
       else:
         diff_shares = jax.tree.map(
-            lambda g, a, b: ((a.astype(jnp.float32) - b.astype(jnp.float32)) / 2).astype(g.dtype),
-            updates, half_grads.first, half_grads.second,
+          lambda g, a, b: ((a.astype(jnp.float32) - b.astype(jnp.float32)) / 2).astype(g.dtype),
+          updates,
+          half_grads.first,
+          half_grads.second,
         )
         mean, stats = halves_reduction.reduce_local_halves(
-            updates, diff_shares, axis_name, reduction, zero_nonfinite=nonfinite == "zero",
-            share=share)
+          updates,
+          diff_shares,
+          axis_name,
+          reduction,
+          zero_nonfinite=nonfinite == "zero",
+          share=share,
+        )
 
     grads_finite = stats.finite
     positive = (stats.sq_norm_a > 0) & (stats.sq_norm_b > 0)
     measured = grads_finite & positive
     safe_denominator = jnp.where(
-        measured, jnp.sqrt(stats.sq_norm_a) * jnp.sqrt(stats.sq_norm_b), 1.0)
+      measured, jnp.sqrt(stats.sq_norm_a) * jnp.sqrt(stats.sq_norm_b), 1.0
+    )
     similarity = jnp.where(measured, jnp.clip(stats.dot_ab / safe_denominator, -1.0, 1.0), 0.0)
 
     def finite_norm(sq_norm: jax.Array) -> jax.Array:
       return jnp.where(grads_finite, jnp.sqrt(jnp.where(grads_finite, sq_norm, 0.0)), 0.0)
 
     new_state = SimilarityState(
-        similarity=similarity,
-        norm_a=finite_norm(stats.sq_norm_a),
-        norm_b=finite_norm(stats.sq_norm_b),
-        norm_mean=finite_norm(stats.sq_norm_mean),
-        measured=measured,
-        grads_finite=grads_finite,
-        nonfinite_count=state.nonfinite_count + (~grads_finite).astype(jnp.int32),
+      similarity=similarity,
+      norm_a=finite_norm(stats.sq_norm_a),
+      norm_b=finite_norm(stats.sq_norm_b),
+      norm_mean=finite_norm(stats.sq_norm_mean),
+      measured=measured,
+      grads_finite=grads_finite,
+      nonfinite_count=state.nonfinite_count + (~grads_finite).astype(jnp.int32),
     )
     return mean, new_state
 

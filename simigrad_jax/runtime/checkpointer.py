@@ -94,7 +94,9 @@ class Checkpointer:
     >>> state, host, step = ckpt.restore({"params": params})  # doctest: +SKIP
   """
 
-  def __init__(self, directory: str | os.PathLike, *, max_to_keep: int = 3, async_save: bool = True):
+  def __init__(
+    self, directory: str | os.PathLike, *, max_to_keep: int = 3, async_save: bool = True
+  ):
     directory = os.path.abspath(os.fspath(directory))
     parent = os.path.dirname(directory)
     if not os.path.isdir(parent):
@@ -110,9 +112,10 @@ class Checkpointer:
     self.skipped: list[tuple[int, str]] = []
     self.quarantined: list[str] = []
     self._manager = ocp.CheckpointManager(
-        directory,
-        options=ocp.CheckpointManagerOptions(
-            max_to_keep=max_to_keep, enable_async_checkpointing=async_save, create=True),
+      directory,
+      options=ocp.CheckpointManagerOptions(
+        max_to_keep=max_to_keep, enable_async_checkpointing=async_save, create=True
+      ),
     )
 
   def all_steps(self) -> list[int]:
@@ -145,14 +148,18 @@ class Checkpointer:
     record = {"format": FORMAT, "crc32": _crc32(payload), "payload": payload}
     self.wait()
     self._manager.save(
-        step,
-        args=ocp.args.Composite(state=ocp.args.StandardSave(state), host=ocp.args.JsonSave(record)),
-        force=True,
+      step,
+      args=ocp.args.Composite(state=ocp.args.StandardSave(state), host=ocp.args.JsonSave(record)),
+      force=True,
     )
     # A helper thread waits for the background part, so that failed_save() knows at once.
     self._waiting = concurrent.futures.Future()
-    threading.Thread(target=_settle, args=(self._waiting, self._manager.wait_until_finished),
-                     name="simigrad-checkpoint-wait", daemon=True).start()
+    threading.Thread(
+      target=_settle,
+      args=(self._waiting, self._manager.wait_until_finished),
+      name="simigrad-checkpoint-wait",
+      daemon=True,
+    ).start()
 
   def failed_save(self) -> BaseException | None:
     """The error of the last save if its background part has failed; never waits.
@@ -199,7 +206,8 @@ class Checkpointer:
         and its error.
     """
     abstract = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)), like)
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)), like
+    )
     want_layout = _layout(abstract)
     candidates = [step] if step is not None else list(reversed(self.all_steps()))
     if not candidates:
@@ -212,16 +220,25 @@ class Checkpointer:
       except _Damaged as damage:
         error = damage.__cause__ or damage
         reason = f"{type(error).__name__}: {_first_line(error)}"
-        logger.warning("checkpoint at step %d in %s is unreadable (%s); trying an older one",
-                       candidate, self.directory, reason)
+        logger.warning(
+          "checkpoint at step %d in %s is unreadable (%s); trying an older one",
+          candidate,
+          self.directory,
+          reason,
+        )
         errors.append(f"step {candidate}: {reason}")
         self.skipped.append((candidate, reason))
         continue
       if self.skipped:
         self._quarantine([s for s, _ in self.skipped])
-        logger.warning("restored the checkpoint at step %d in %s; skipped unreadable checkpoint(s) "
-                       "at step(s) %s, moved to %s", candidate, self.directory,
-                       [s for s, _ in self.skipped], self.quarantined)
+        logger.warning(
+          "restored the checkpoint at step %d in %s; skipped unreadable checkpoint(s) "
+          "at step(s) %s, moved to %s",
+          candidate,
+          self.directory,
+          [s for s, _ in self.skipped],
+          self.quarantined,
+        )
       return state, host, candidate
     raise ValueError(f"no readable checkpoint in {self.directory}: " + "; ".join(errors))
 
@@ -244,13 +261,21 @@ class Checkpointer:
           raise _Damaged() from error
         reason = f"{type(error).__name__}: {_first_line(error)}"
         if attempt == READ_ATTEMPTS:
-          raise OSError(code, f"reading the checkpoint at step {step} in {self.directory} failed "
-                              f"{READ_ATTEMPTS} times with an error of the file system ({reason}); "
-                              "the checkpoint may be intact, so nothing was skipped or moved: check "
-                              "the file system and run again") from error
+          raise OSError(
+            code,
+            f"reading the checkpoint at step {step} in {self.directory} failed "
+            f"{READ_ATTEMPTS} times with an error of the file system ({reason}); "
+            "the checkpoint may be intact, so nothing was skipped or moved: check "
+            "the file system and run again",
+          ) from error
         wait = READ_RETRY_SECONDS * 2 ** (attempt - 1)
-        logger.warning("reading the checkpoint at step %d in %s failed (%s); trying again in %g s",
-                       step, self.directory, reason, wait)
+        logger.warning(
+          "reading the checkpoint at step %d in %s failed (%s); trying again in %g s",
+          step,
+          self.directory,
+          reason,
+          wait,
+        )
         time.sleep(wait)
     raise AssertionError("unreachable")
 
@@ -258,29 +283,40 @@ class Checkpointer:
     record = self._manager.restore(step, args=ocp.args.Composite(host=ocp.args.JsonRestore())).host
     payload = _verified_payload(record, step)
     if payload is None:  # an older simigrad_jax's checkpoint: restore it as before, unverified
-      logger.warning("checkpoint at step %d in %s has no checksums (written by an older "
-                     "simigrad_jax): its data cannot be verified", step, self.directory)
+      logger.warning(
+        "checkpoint at step %d in %s has no checksums (written by an older "
+        "simigrad_jax): its data cannot be verified",
+        step,
+        self.directory,
+      )
       restored = self._manager.restore(
-          step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract))).state
+        step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract))
+      ).state
       _check_matches(abstract, restored, step)
       return restored, dict(record)
     # Paths are for the message only: a JAX or optax release that names them differently
     # must not make old checkpoints unreadable.
     if [entry[1:] for entry in payload["layout"]] != [entry[1:] for entry in want_layout]:
       raise CheckpointMismatchError(
-          f"the checkpoint at step {step} in {self.directory} was written for a different "
-          f"model or optimizer: {_describe_differences(payload['layout'], want_layout)}. "
-          "Restore it into the model it was made with, or use a new directory")
+        f"the checkpoint at step {step} in {self.directory} was written for a different "
+        f"model or optimizer: {_describe_differences(payload['layout'], want_layout)}. "
+        "Restore it into the model it was made with, or use a new directory"
+      )
     restored = self._manager.restore(
-        step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract))).state
+      step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract))
+    ).state
     _check_matches(abstract, restored, step)
     got = _checksums(restored)
     if got != payload["checksums"]:
-      bad = [entry[0] for entry, want, have
-             in zip(payload["layout"], payload["checksums"], got, strict=True)
-             if want != have]
-      raise _Unreadable(f"the checkpoint at step {step} holds arrays whose checksums differ from "
-                        f"those saved with it (damaged data) at {bad[:5]}")
+      bad = [
+        entry[0]
+        for entry, want, have in zip(payload["layout"], payload["checksums"], got, strict=True)
+        if want != have
+      ]
+      raise _Unreadable(
+        f"the checkpoint at step {step} holds arrays whose checksums differ from "
+        f"those saved with it (damaged data) at {bad[:5]}"
+      )
     return restored, payload["host"]
 
   def _quarantine(self, steps: list[int]) -> None:
@@ -412,8 +448,10 @@ def _verified_payload(record: Any, step: int) -> dict[str, Any] | None:
 def _layout(tree: Any) -> list[list[Any]]:
   """``[path, shape, dtype]`` of every leaf, as JSON data."""
   leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
-  return [[jax.tree_util.keystr(path), [int(d) for d in np.shape(leaf)], _dtype_name(leaf)]
-          for path, leaf in leaves]
+  return [
+    [jax.tree_util.keystr(path), [int(d) for d in np.shape(leaf)], _dtype_name(leaf)]
+    for path, leaf in leaves
+  ]
 
 
 def _dtype_name(leaf: Any) -> str:
@@ -483,5 +521,6 @@ def _check_matches(abstract: Any, restored: Any, step: int) -> None:
   for a, r in zip(jax.tree.leaves(abstract), jax.tree.leaves(restored), strict=True):
     if tuple(a.shape) != tuple(r.shape) or a.dtype != r.dtype:
       raise ValueError(
-          f"the checkpoint at step {step} holds {r.dtype}{list(r.shape)} where the model "
-          f"has {a.dtype}{list(a.shape)}")
+        f"the checkpoint at step {step} holds {r.dtype}{list(r.shape)} where the model "
+        f"has {a.dtype}{list(a.shape)}"
+      )

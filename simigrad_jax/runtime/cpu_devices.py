@@ -17,8 +17,8 @@ DEVICE_COUNT_FLAG = "xla_force_host_platform_device_count"
 # host's cores, so one device can legitimately reach a collective minutes after
 # the others on a small, busy machine.
 COLLECTIVE_TIMEOUT_FLAGS: tuple[tuple[str, int], ...] = (
-    ("xla_cpu_collective_call_warn_stuck_timeout_seconds", 60),
-    ("xla_cpu_collective_call_terminate_timeout_seconds", 300),
+  ("xla_cpu_collective_call_warn_stuck_timeout_seconds", 60),
+  ("xla_cpu_collective_call_terminate_timeout_seconds", 300),
 )
 
 # Client threads per simulated device: one to run each device's share of a
@@ -45,7 +45,8 @@ def _schedulable_cpus() -> int:
 
 
 def simulated_cpu_devices_env(
-    num_devices: int = 8, environ: Mapping[str, str] | None = None) -> dict[str, str]:
+  num_devices: int = 8, environ: Mapping[str, str] | None = None
+) -> dict[str, str]:
   """Returns ``XLA_FLAGS`` and ``PJRT_NPROC`` for ``num_devices`` simulated CPU devices.
 
   Asks XLA for ``num_devices`` CPU devices

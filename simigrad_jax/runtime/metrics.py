@@ -40,6 +40,7 @@ TENSORBOARD_DIRNAME = "tensorboard"
 
 # ------------------------------------------------------------------ file format
 
+
 def _parse_line(line: bytes) -> dict[str, Any] | None:
   """The JSON object on ``line``, or None if it is not one."""
   try:
@@ -50,7 +51,8 @@ def _parse_line(line: bytes) -> dict[str, Any] | None:
 
 
 def _split_records(
-    data: bytes, path: os.PathLike | str,
+  data: bytes,
+  path: os.PathLike | str,
 ) -> tuple[list[tuple[bytes, dict[str, Any]]], bytes | None]:
   """Splits a metrics file into its records and a torn last line.
 
@@ -71,8 +73,7 @@ def _split_records(
       continue
     record = _parse_line(line)
     if record is None:
-      raise ValueError(
-          f"{os.fspath(path)}: line {number} is not a JSON object: {line[:80]!r}")
+      raise ValueError(f"{os.fspath(path)}: line {number} is not a JSON object: {line[:80]!r}")
     entries.append((line + b"\n", record))
   torn = None
   if tail.strip():
@@ -140,13 +141,18 @@ def _prepare_for_append(path: pathlib.Path, resume_step: int | None) -> None:
     step = record.get("step")
     if not validation.is_int(step):
       raise ValueError(
-          f"{path}: cannot resume at step {resume_step}: record {line[:80]!r} "
-          "has no integer 'step'")
+        f"{path}: cannot resume at step {resume_step}: record {line[:80]!r} has no integer 'step'"
+      )
     if step <= resume_step:
       kept.append(line)
   if len(kept) < len(entries):
-    logger.info("%s: resuming after step %d, dropping %d of %d records",
-                path, resume_step, len(entries) - len(kept), len(entries))
+    logger.info(
+      "%s: resuming after step %d, dropping %d of %d records",
+      path,
+      resume_step,
+      len(entries) - len(kept),
+      len(entries),
+    )
   files.write_atomic(path, b"".join(kept))
 
 
@@ -175,8 +181,9 @@ def _to_json(value: Any, where: str) -> Any:
     if array.dtype.kind in "biuf":
       return _to_json(array.item() if array.ndim == 0 else array.tolist(), where)
   raise TypeError(
-      f"{where} must be JSON data (numbers, strings, None, lists, dicts), "
-      f"got {value!r} ({type(value).__name__})")
+    f"{where} must be JSON data (numbers, strings, None, lists, dicts), "
+    f"got {value!r} ({type(value).__name__})"
+  )
 
 
 # ----------------------------------------------------------------------- writer
@@ -204,10 +211,13 @@ def tensorboard_available(wanted: bool | None = None) -> bool:
   installed = importlib.util.find_spec("tensorboardX") is not None
   if wanted and not installed:
     raise ModuleNotFoundError(
-        "tensorboard=True needs tensorboardX, which is not installed: pip install "
-        "'simigrad-jax[tensorboard]' (or leave tensorboard=None to write event files only when "
-        "it is installed)", name="tensorboardX")
+      "tensorboard=True needs tensorboardX, which is not installed: pip install "
+      "'simigrad-jax[tensorboard]' (or leave tensorboard=None to write event files only when "
+      "it is installed)",
+      name="tensorboardX",
+    )
   return installed
+
 
 class MetricsWriter:
   """Writes one JSON object per line to <workdir>/metrics.jsonl and the numeric values to TensorBoard event files.
@@ -252,18 +262,20 @@ class MetricsWriter:
   """
 
   def __init__(
-      self,
-      workdir: str | os.PathLike,
-      *,
-      tensorboard: bool | None = None,
-      resume_step: int | None = None,
-      enabled: bool = True,
+    self,
+    workdir: str | os.PathLike,
+    *,
+    tensorboard: bool | None = None,
+    resume_step: int | None = None,
+    enabled: bool = True,
   ):
     tensorboard = tensorboard_available(
-        None if tensorboard is None else validation.check_bool("tensorboard", tensorboard))
+      None if tensorboard is None else validation.check_bool("tensorboard", tensorboard)
+    )
     self._enabled = validation.check_bool("enabled", enabled)
-    self._resume_step = None if resume_step is None else validation.check_int(
-        "resume_step", resume_step, 0)
+    self._resume_step = (
+      None if resume_step is None else validation.check_int("resume_step", resume_step, 0)
+    )
     self._workdir = pathlib.Path(workdir)
     self._path = self._workdir / METRICS_FILENAME
     self._file: TextIO | None = None
@@ -278,13 +290,15 @@ class MetricsWriter:
       try:
         import tensorboardX  # pylint: disable=g-import-not-at-top
         from tensorboardX.proto import summary_pb2  # pylint: disable=g-import-not-at-top
+
         self._summary = summary_pb2.Summary
         # tensorboardX names event files by the second and host; the suffix
         # keeps a writer reopened within the same second from overwriting.
         self._tensorboard = tensorboardX.SummaryWriter(
-            str(self._workdir / TENSORBOARD_DIRNAME),
-            purge_step=None if self._resume_step is None else self._resume_step + 1,
-            filename_suffix=f".{time.time_ns()}")
+          str(self._workdir / TENSORBOARD_DIRNAME),
+          purge_step=None if self._resume_step is None else self._resume_step + 1,
+          filename_suffix=f".{time.time_ns()}",
+        )
       except BaseException:
         self._file.close()
         raise
@@ -314,8 +328,7 @@ class MetricsWriter:
       RuntimeError: if the writer was closed.
     """
     if not isinstance(record, Mapping):
-      raise TypeError(
-          f"record must be a mapping, got {record!r} ({type(record).__name__})")
+      raise TypeError(f"record must be a mapping, got {record!r} ({type(record).__name__})")
     if "step" not in record:
       raise ValueError(f"record must have an integer 'step', got keys {sorted(map(str, record))}")
     step = validation.check_int("record['step']", record["step"], 0)
@@ -331,12 +344,19 @@ class MetricsWriter:
     if self._tensorboard is not None:
       # One Summary holding every scalar of the record: a tenth of the cost of one
       # add_scalar call per key, and the same events for TensorBoard's readers.
-      numbers = ((key, None if key == "step" else validation.as_float(value)) for key, value in record.items())
-      values = [self._summary.Value(tag=key, simple_value=number)
-                for key, number in numbers if number is not None]
+      numbers = (
+        (key, None if key == "step" else validation.as_float(value))
+        for key, value in record.items()
+      )
+      values = [
+        self._summary.Value(tag=key, simple_value=number)
+        for key, number in numbers
+        if number is not None
+      ]
       if values:
         self._tensorboard._get_file_writer().add_summary(  # pylint: disable=protected-access
-            self._summary(value=values), step)
+          self._summary(value=values), step
+        )
 
   def flush(self) -> None:
     """Pushes pending TensorBoard events and file contents to the OS."""

@@ -66,12 +66,20 @@ AGREEMENT_TIMEOUT_SECONDS = 300.0
 _KEY = "simigrad_jax/agreement"
 _HEARTBEAT_KEY = "simigrad_jax/heartbeat"
 _agreement_rounds = itertools.count()
-_lost: set[int] = set()  # the processes this one found missing (for good: a lost peer never returns)
+_lost: set[int] = (
+  set()
+)  # the processes this one found missing (for good: a lost peer never returns)
 _last_check = time.monotonic()  # when this process last entered or left a check
 
 
-def agree(what: str, values: Mapping[str, Any], set_up: bool = False,
-          timeout: float | None = None, *, report: Any = None) -> list[Any] | None:
+def agree(
+  what: str,
+  values: Mapping[str, Any],
+  set_up: bool = False,
+  timeout: float | None = None,
+  *,
+  report: Any = None,
+) -> list[Any] | None:
   """Raises :class:`ProcessDisagreementError` unless every process holds the same ``values``.
 
   Nothing is compared with one process. Each value is compared as JSON; the
@@ -98,8 +106,10 @@ def agree(what: str, values: Mapping[str, Any], set_up: bool = False,
   texts = [json.dumps(values[key], sort_keys=True, default=str) for key in values]
   report_text = None if report is None else json.dumps(report, sort_keys=True)
   if report_text is not None and len(report_text.encode()) > _TEXT_WIDTH:
-    raise ValueError(f"a report of {len(report_text.encode())} bytes does not fit the "
-                     f"{_TEXT_WIDTH} bytes that the exchange sends per value: {report_text[:80]}...")
+    raise ValueError(
+      f"a report of {len(report_text.encode())} bytes does not fit the "
+      f"{_TEXT_WIDTH} bytes that the exchange sends per value: {report_text[:80]}..."
+    )
   if jax.process_count() == 1:
     return None if report is None else [report]
   sent = texts + ([] if report_text is None else [report_text])
@@ -109,13 +119,16 @@ def agree(what: str, values: Mapping[str, Any], set_up: bool = False,
   if not differing:
     return reports
   details = "; ".join(
-      f"{key}: " + ", ".join(f"process {p} has {row[i]}" for p, row in enumerate(gathered))
-      for i, key in enumerate(values) if i in differing)
+    f"{key}: " + ", ".join(f"process {p} has {row[i]}" for p, row in enumerate(gathered))
+    for i, key in enumerate(values)
+    if i in differing
+  )
   raise ProcessDisagreementError(
-      f"the {jax.process_count()} processes disagree on the {what} ({details}). All processes "
-      "must run with the same settings and take the same decisions, or the next collective "
-      "would deadlock; build the Trainer with the same settings, data set and code on every "
-      "process")
+    f"the {jax.process_count()} processes disagree on the {what} ({details}). All processes "
+    "must run with the same settings and take the same decisions, or the next collective "
+    "would deadlock; build the Trainer with the same settings, data set and code on every "
+    "process"
+  )
 
 
 def gather(what: str, value: Any, timeout: float | None = None) -> list[Any]:
@@ -133,8 +146,9 @@ def gather(what: str, value: Any, timeout: float | None = None) -> list[Any]:
   """
   if jax.process_count() == 1:
     return [value]
-  return [json.loads(texts[0])
-          for texts in _gather_texts([json.dumps(value)], what, timeout=timeout)]
+  return [
+    json.loads(texts[0]) for texts in _gather_texts([json.dumps(value)], what, timeout=timeout)
+  ]
 
 
 def roll_call(what: str, error: BaseException, timeout: float | None = None) -> None:
@@ -152,11 +166,12 @@ def roll_call(what: str, error: BaseException, timeout: float | None = None) -> 
     _gather_texts([], "roll call after a failed step", timeout=timeout)
   except ProcessLostError as lost:
     raise ProcessLostError(
-        f"{_processes(lost.processes)} did not answer within {_timeout(timeout):g} s after "
-        f"{what} failed on process {jax.process_index()} ({type(error).__name__}: "
-        f"{_first_line(error)}): died, or blocked or failing too (see the process's log). "
-        f"{_RESTART}",
-        lost.processes) from error
+      f"{_processes(lost.processes)} did not answer within {_timeout(timeout):g} s after "
+      f"{what} failed on process {jax.process_index()} ({type(error).__name__}: "
+      f"{_first_line(error)}): died, or blocked or failing too (see the process's log). "
+      f"{_RESTART}",
+      lost.processes,
+    ) from error
 
 
 def check_timeout(timeout: Any, name: str = "agreement_timeout_seconds") -> float:
@@ -206,8 +221,9 @@ class ProcessAgreement:
     """The processes of the run (``jax.process_count()``)."""
     return jax.process_count()
 
-  def agree(self, what: str, values: Mapping[str, Any], *, set_up: bool = False,
-            report: Any = None) -> list[Any] | None:
+  def agree(
+    self, what: str, values: Mapping[str, Any], *, set_up: bool = False, report: Any = None
+  ) -> list[Any] | None:
     """:func:`agree` with this object's timeout."""
     return agree(what, values, set_up, self.timeout, report=report)
 
@@ -234,12 +250,15 @@ class ProcessAgreement:
       self._watchdog.close()
 
 
-_RESTART = ("Restart all processes with the same command: they resume from the newest checkpoint "
-            "(the wait is the Trainer's agreement_timeout_seconds)")
+_RESTART = (
+  "Restart all processes with the same command: they resume from the newest checkpoint "
+  "(the wait is the Trainer's agreement_timeout_seconds)"
+)
 
 
-def _gather_texts(texts: list[str], what: str = "values", *, timeout: float | None = None,
-                  set_up: bool = False) -> list[list[str]]:
+def _gather_texts(
+  texts: list[str], what: str = "values", *, timeout: float | None = None, set_up: bool = False
+) -> list[list[str]]:
   """Every process's ``texts``, in process order.
 
   Through jax.distributed's key-value store: each process writes its texts,
@@ -263,15 +282,17 @@ def _gather_texts(texts: list[str], what: str = "values", *, timeout: float | No
     _last_check = time.monotonic()
 
 
-def _exchange_texts(client: Any, texts: list[str], what: str, timeout: float,
-                    set_up: bool) -> list[list[str]]:
+def _exchange_texts(
+  client: Any, texts: list[str], what: str, timeout: float, set_up: bool
+) -> list[list[str]]:
   """:func:`_gather_texts` through the key-value store."""
   # Two slots, used in turn: a process can only write round r + 2 after every process has
   # passed round r + 1's barrier, so after reading round r.
   round_ = next(_agreement_rounds)
   slot = f"{_KEY}/{round_ % 2}"
-  client.key_value_set(f"{slot}/{jax.process_index()}", json.dumps([round_, what, texts]),
-                       allow_overwrite=True)
+  client.key_value_set(
+    f"{slot}/{jax.process_index()}", json.dumps([round_, what, texts]), allow_overwrite=True
+  )
   try:
     client.wait_at_barrier(slot, int(timeout * 1000))
   except Exception as error:  # pylint: disable=broad-except  (a timeout, as the runtime reports it)
@@ -279,22 +300,25 @@ def _exchange_texts(client: Any, texts: list[str], what: str, timeout: float,
     missing = [p for p in range(jax.process_count()) if p not in arrived]
     if not missing:  # every process arrived, but another one gave up waiting first
       raise ProcessDisagreementError(
-          f"the check of the {what} failed: another process gave up waiting for this one "
-          f"({type(error).__name__}: {_first_line(error)})") from error
+        f"the check of the {what} failed: another process gave up waiting for this one "
+        f"({type(error).__name__}: {_first_line(error)})"
+      ) from error
     _lost.update(missing)
     reason = "failed before it" if set_up else "died, failed or hangs"
     raise ProcessLostError(
-        f"{_processes(missing)} did not reach the Trainer's check of the {what} within "
-        f"{timeout:g} s on process {jax.process_index()}: {reason} (see the process's "
-        f"log), or far behind. {_RESTART}",
-        missing) from error
+      f"{_processes(missing)} did not reach the Trainer's check of the {what} within "
+      f"{timeout:g} s on process {jax.process_index()}: {reason} (see the process's "
+      f"log), or far behind. {_RESTART}",
+      missing,
+    ) from error
   entries = _read_slot(client, slot)
   behind = {p: entry for p, entry in entries.items() if entry[:2] != [round_, what]}
   if behind or len(entries) != jax.process_count():
     raise ProcessDisagreementError(
-        f"the processes are at different checks: process {jax.process_index()} at the {what} "
-        f"(check {round_}), " + ", ".join(f"process {p} at the {w} (check {r})"
-                                          for p, (r, w, _) in sorted(behind.items())))
+      f"the processes are at different checks: process {jax.process_index()} at the {what} "
+      f"(check {round_}), "
+      + ", ".join(f"process {p} at the {w} (check {r})" for p, (r, w, _) in sorted(behind.items()))
+    )
   return [entries[p][2] for p in range(jax.process_count())]
 
 
@@ -321,8 +345,9 @@ class Watchdog:
     self._stopped = threading.Event()
     client = _client() if jax.process_count() > 1 else None
     if client is not None:
-      threading.Thread(target=self._watch, args=(client,), name="simigrad-watchdog",
-                       daemon=True).start()
+      threading.Thread(
+        target=self._watch, args=(client,), name="simigrad-watchdog", daemon=True
+      ).start()
 
   def close(self) -> None:
     """Stops the heartbeats and the watching."""
@@ -342,8 +367,10 @@ class Watchdog:
         if waiting < self._timeout / 2:  # read the peers' heartbeats only while waiting long
           seen.clear()
           continue
-        beat = {int(key.rsplit("/", 1)[1]): value
-                for key, value in client.key_value_dir_get(f"{_HEARTBEAT_KEY}/")}
+        beat = {
+          int(key.rsplit("/", 1)[1]): value
+          for key, value in client.key_value_dir_get(f"{_HEARTBEAT_KEY}/")
+        }
         for p in peers:
           if p not in seen or seen[p][0] != beat.get(p):
             seen[p] = (beat.get(p), now)
@@ -351,14 +378,22 @@ class Watchdog:
       except Exception:  # pylint: disable=broad-except  (the runtime is going down: JAX reports it)
         continue
       # (A lost process already reported in the main thread needs no second report.)
-      if (silent and waiting >= self._timeout + period and not _lost.issuperset(silent)
-          and not self._stopped.is_set()):
+      if (
+        silent
+        and waiting >= self._timeout + period
+        and not _lost.issuperset(silent)
+        and not self._stopped.is_set()
+      ):
         _lost.update(silent)
-        exit_on_lost_process(ProcessLostError(
+        exit_on_lost_process(
+          ProcessLostError(
             f"{_processes(silent)} sent no heartbeat for {self._timeout / 2:g} s, and process "
             f"{me} has waited {waiting:.0f} s since its last check of the processes (in a "
             f"collective that does not return without the lost process): ending process {me}. "
-            f"{_RESTART}", silent))
+            f"{_RESTART}",
+            silent,
+          )
+        )
 
 
 def exit_on_lost_process(error: ProcessLostError) -> NoReturn:
@@ -386,6 +421,7 @@ def _client() -> Any:
   """jax.distributed's client, or None when the runtime was not initialised through it."""
   try:
     from jax._src import distributed  # pylint: disable=import-outside-toplevel
+
     return distributed.global_state.client
   except (ImportError, AttributeError):
     return None
@@ -393,8 +429,10 @@ def _client() -> Any:
 
 def _read_slot(client: Any, slot: str) -> dict[int, list[Any]]:
   """``{process: [round, what, texts]}`` of the entries in a slot."""
-  return {int(key.rsplit("/", 1)[1]): json.loads(value)
-          for key, value in client.key_value_dir_get(f"{slot}/")}
+  return {
+    int(key.rsplit("/", 1)[1]): json.loads(value)
+    for key, value in client.key_value_dir_get(f"{slot}/")
+  }
 
 
 def _allgather_texts(texts: list[str]) -> list[list[str]]:
@@ -403,11 +441,12 @@ def _allgather_texts(texts: list[str]) -> list[list[str]]:
   for i, text in enumerate(texts):
     data = text.encode()
     if len(data) > _TEXT_WIDTH:
-      data = f"crc32={zlib.crc32(data):08x} ".encode() + data[:_TEXT_WIDTH - 24] + b"..."
-    rows[i, :len(data)] = np.frombuffer(data, np.uint8)
+      data = f"crc32={zlib.crc32(data):08x} ".encode() + data[: _TEXT_WIDTH - 24] + b"..."
+    rows[i, : len(data)] = np.frombuffer(data, np.uint8)
   gathered = np.asarray(multihost_utils.process_allgather(rows))  # (processes, texts, width)
-  return [[bytes(row).rstrip(b"\0").decode(errors="replace") for row in process]
-          for process in gathered]
+  return [
+    [bytes(row).rstrip(b"\0").decode(errors="replace") for row in process] for process in gathered
+  ]
 
 
 def _timeout(timeout: float | None) -> float:

@@ -52,16 +52,17 @@ class ProgressBar:
   """
 
   def __init__(
-      self,
-      total_examples: int | None,
-      *,
-      initial: int = 0,
-      desc: str = "train",
-      enabled: bool = True,
-      file: TextIO | None = None,
+    self,
+    total_examples: int | None,
+    *,
+    initial: int = 0,
+    desc: str = "train",
+    enabled: bool = True,
+    file: TextIO | None = None,
   ):
-    self._total = None if total_examples is None else validation.check_int(
-        "total_examples", total_examples, 0)
+    self._total = (
+      None if total_examples is None else validation.check_int("total_examples", total_examples, 0)
+    )
     self._n = validation.check_int("initial", initial, 0)
     if not isinstance(desc, str):
       raise ValueError(f"desc must be a string, got {desc!r} ({type(desc).__name__})")
@@ -70,8 +71,14 @@ class ProgressBar:
     self._bar = None
     if self._enabled:
       self._bar = tqdm.tqdm(
-          total=self._total, initial=self._n, desc=desc, unit=" ex",
-          unit_scale=True, dynamic_ncols=True, file=file)
+        total=self._total,
+        initial=self._n,
+        desc=desc,
+        unit=" ex",
+        unit_scale=True,
+        dynamic_ncols=True,
+        file=file,
+      )
 
   @property
   def n(self) -> int:

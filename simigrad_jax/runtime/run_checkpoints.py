@@ -26,17 +26,19 @@ from typing import Any, NamedTuple
 
 from simigrad_jax.errors import SimiGradError
 from simigrad_jax.runtime import run_record
-from simigrad_jax.runtime.checkpointer import CheckpointMismatchError
 from simigrad_jax.runtime.checkpointer import Checkpointer
+from simigrad_jax.runtime.checkpointer import CheckpointMismatchError
 from simigrad_jax.runtime.process_agreement import ProcessAgreement
 
 logger = logging.getLogger("simigrad_jax")
 
 # Multi-host: how long a process waits for a checkpoint save before it checks on the others.
 SAVE_WAIT_ROUND_SECONDS = 1.0
-_HOW_TO_ALLOW = ("Resume with the settings it was made with, use a new workdir, or allow the "
-                 "change with allow_changed_settings=True (it is then recorded in the run's "
-                 "history)")
+_HOW_TO_ALLOW = (
+  "Resume with the settings it was made with, use a new workdir, or allow the "
+  "change with allow_changed_settings=True (it is then recorded in the run's "
+  "history)"
+)
 
 
 class CheckpointSaveError(SimiGradError, RuntimeError):
@@ -83,9 +85,16 @@ class RunCheckpoints:
     resumed = checkpoints.resume(state, sampler, controller)
   """
 
-  def __init__(self, directory: str | os.PathLike, *, seed: int, max_to_keep: int,
-               agreement: ProcessAgreement, record: dict[str, Any] | None = None,
-               allow_changed_settings: bool = False):
+  def __init__(
+    self,
+    directory: str | os.PathLike,
+    *,
+    seed: int,
+    max_to_keep: int,
+    agreement: ProcessAgreement,
+    record: dict[str, Any] | None = None,
+    allow_changed_settings: bool = False,
+  ):
     self.checkpointer = Checkpointer(directory, max_to_keep=max_to_keep)
     self.seed = seed
     self.record = record
@@ -125,8 +134,9 @@ class RunCheckpoints:
     where = f"the checkpoint at step {step} in {directory}"
     if host.get("seed") != self.seed:
       raise CheckpointMismatchError(
-          f"{where} was made with seed={host.get('seed')!r}, this run has seed={self.seed}; use "
-          "the same seed to resume, or a new workdir")
+        f"{where} was made with seed={host.get('seed')!r}, this run has seed={self.seed}; use "
+        "the same seed to resume, or a new workdir"
+      )
     changes = self._changes_since(host, where)
     sampler_state, controller_state = host["sampler"], host["controller"]
     if changes is not None and changes.checked:  # allowed: the saved settings give way
@@ -141,18 +151,25 @@ class RunCheckpoints:
       controller.load_state_dict(controller_state)
     except (KeyError, TypeError, ValueError) as error:
       raise CheckpointMismatchError(
-          f"{where} does not match this run's settings: {error}; resume with the settings it "
-          "was made with, or use a new workdir") from error
+        f"{where} does not match this run's settings: {error}; resume with the settings it "
+        "was made with, or use a new workdir"
+      ) from error
     self.changes = list(host.get("run_changes", []))
     if changes is not None and (changes.checked or changes.recorded):
-      self.changes.append({"step": step, "settings": changes.checked,
-                           "environment": changes.recorded})
+      self.changes.append(
+        {"step": step, "settings": changes.checked, "environment": changes.recorded}
+      )
       _log_changes(changes, where)
     skipped = checkpointer.skipped
     if skipped:
-      logger.warning("resumed from the checkpoint at step %d in %s after skipping %d unreadable "
-                     "newer one(s): %s", step, directory, len(skipped),
-                     "; ".join(f"step {s}: {why}" for s, why in skipped))
+      logger.warning(
+        "resumed from the checkpoint at step %d in %s after skipping %d unreadable "
+        "newer one(s): %s",
+        step,
+        directory,
+        len(skipped),
+        "; ".join(f"step {s}: {why}" for s, why in skipped),
+      )
     else:
       logger.info("resumed from the checkpoint at step %d in %s", step, directory)
     return Resumed(state, int(host["step"]), int(host.get("nonfinite_steps", 0)))
@@ -167,15 +184,19 @@ class RunCheckpoints:
       return None
     saved = host.get("run")
     if saved is None:
-      logger.warning("%s was written before simigrad_jax recorded a run's settings in its "
-                     "checkpoints: they cannot be checked against this run's; they are recorded "
-                     "from the next checkpoint on", where)
+      logger.warning(
+        "%s was written before simigrad_jax recorded a run's settings in its "
+        "checkpoints: they cannot be checked against this run's; they are recorded "
+        "from the next checkpoint on",
+        where,
+      )
       return None
     changes = run_record.compare(saved, self.record)
     if changes.checked and not self.allow_changed_settings:
       raise CheckpointMismatchError(
-          f"{where} was made by a run with other settings:\n{run_record.listed(changes.checked)}"
-          f"\n{_HOW_TO_ALLOW}")
+        f"{where} was made by a run with other settings:\n{run_record.listed(changes.checked)}"
+        f"\n{_HOW_TO_ALLOW}"
+      )
     return changes
 
   def _describe_other_run(self, error: CheckpointMismatchError) -> str:
@@ -192,14 +213,17 @@ class RunCheckpoints:
       changes = None if saved is None else run_record.compare(saved, self.record)
     if changes is None or not changes.checked:
       return f"the workdir {workdir!r} holds checkpoints of another run: {error}"
-    return (f"the workdir {workdir!r} holds checkpoints of another run, whose arrays do not fit "
-            f"this one's; the runs differ in:\n"
-            f"{run_record.listed(changes.checked + changes.recorded)}\n"
-            "A changed model or optimizer structure cannot be resumed, allowed or not: use the "
-            "model and optimizer it was made with, or a new workdir")
+    return (
+      f"the workdir {workdir!r} holds checkpoints of another run, whose arrays do not fit "
+      f"this one's; the runs differ in:\n"
+      f"{run_record.listed(changes.checked + changes.recorded)}\n"
+      "A changed model or optimizer structure cannot be resumed, allowed or not: use the "
+      "model and optimizer it was made with, or a new workdir"
+    )
 
-  def save(self, step: int, state: Any, *, sampler: Any, controller: Any,
-           nonfinite_steps: int) -> None:
+  def save(
+    self, step: int, state: Any, *, sampler: Any, controller: Any, nonfinite_steps: int
+  ) -> None:
     """Saves ``state`` and the host state as the checkpoint of ``step`` (once per step).
 
     The last save is waited for first, on every process.
@@ -207,8 +231,13 @@ class RunCheckpoints:
     if self.checkpointer.latest_step() == step:
       return
     self.wait(f"checkpoint of step {step}")
-    host = {"step": step, "seed": self.seed, "controller": controller.state_dict(),
-            "sampler": sampler.state_dict(), "nonfinite_steps": nonfinite_steps}
+    host = {
+      "step": step,
+      "seed": self.seed,
+      "controller": controller.state_dict(),
+      "sampler": sampler.state_dict(),
+      "nonfinite_steps": nonfinite_steps,
+    }
     if self.record is not None:
       host.update(run=self.record, run_changes=self.changes)
     self.checkpointer.save(step, state, host)
@@ -240,8 +269,10 @@ class RunCheckpoints:
     failures = {process: text for process, text in enumerate(failed) if text is not None}
     if not failures:
       return
-    saved = (f"the background save of the checkpoint of step {self._last_saved} in "
-             f"{self.checkpointer.directory}")
+    saved = (
+      f"the background save of the checkpoint of step {self._last_saved} in "
+      f"{self.checkpointer.directory}"
+    )
     then = f"training stopped at step {step}; a restart resumes from the newest finished checkpoint"
     error = self.checkpointer.failed_save()
     if error is not None:
@@ -284,10 +315,16 @@ class RunCheckpoints:
 def _log_changes(changes: run_record.RecordChanges, where: str) -> None:
   """Warns of the changes a resume allowed (they are also kept in the run's history)."""
   if changes.checked:
-    logger.warning("%s was made by a run with other settings; resuming with this run's, as "
-                   "allow_changed_settings=True allows (recorded in the run's history):\n%s",
-                   where, run_record.listed(changes.checked))
+    logger.warning(
+      "%s was made by a run with other settings; resuming with this run's, as "
+      "allow_changed_settings=True allows (recorded in the run's history):\n%s",
+      where,
+      run_record.listed(changes.checked),
+    )
   if changes.recorded:
-    logger.warning("%s was made on other devices, shapes or versions; resuming exactly "
-                   "(recorded in the run's history):\n%s", where,
-                   run_record.listed(changes.recorded))
+    logger.warning(
+      "%s was made on other devices, shapes or versions; resuming exactly "
+      "(recorded in the run's history):\n%s",
+      where,
+      run_record.listed(changes.recorded),
+    )

@@ -43,7 +43,8 @@ import math
 import numbers
 import sys
 import types
-from typing import Any, Mapping, NamedTuple
+from collections.abc import Mapping
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -71,10 +72,18 @@ class RecordChanges(NamedTuple):
   recorded: list[str]
 
 
-def make_record(*, optimizer: Any, state: Mapping[str, Any], num_examples: int,
-                element_spec: Mapping[str, tuple[Any, Any]], controller: Mapping[str, Any],
-                trainer: Mapping[str, Any], layout: Mapping[str, Any],
-                devices: Mapping[str, Any], settings: Mapping[str, Any] | None) -> dict[str, Any]:
+def make_record(
+  *,
+  optimizer: Any,
+  state: Mapping[str, Any],
+  num_examples: int,
+  element_spec: Mapping[str, tuple[Any, Any]],
+  controller: Mapping[str, Any],
+  trainer: Mapping[str, Any],
+  layout: Mapping[str, Any],
+  devices: Mapping[str, Any],
+  settings: Mapping[str, Any] | None,
+) -> dict[str, Any]:
   """A run's record, as the JSON data a checkpoint holds.
 
   Args:
@@ -106,22 +115,30 @@ def make_record(*, optimizer: Any, state: Mapping[str, Any], num_examples: int,
     -0.1
   """
   if settings is not None and not isinstance(settings, Mapping):
-    raise ValueError(f"run_settings must be None or a mapping of JSON data (e.g. a config's "
-                     f"dict), got {settings!r:.200} ({type(settings).__name__})")
+    raise ValueError(
+      f"run_settings must be None or a mapping of JSON data (e.g. a config's "
+      f"dict), got {settings!r:.200} ({type(settings).__name__})"
+    )
   record = {
-      "version": RECORD_VERSION,
-      "optimizer": {"hyperparameters": describe_optimizer(optimizer),
-                    "injected": injected_hyperparameters(state)},
-      "settings": None if settings is None else dict(settings),
-      "trainer": dict(trainer),
-      "controller": dict(controller),
-      "data": {"num_examples": int(num_examples),
-               "element_spec": describe_element_spec(element_spec)},
-      "model": {"params": describe_tree(state.get("params")),
-                "model_state": describe_tree(state.get("model_state"))},
-      "devices": dict(devices),
-      "layout": dict(layout),
-      "versions": versions(),
+    "version": RECORD_VERSION,
+    "optimizer": {
+      "hyperparameters": describe_optimizer(optimizer),
+      "injected": injected_hyperparameters(state),
+    },
+    "settings": None if settings is None else dict(settings),
+    "trainer": dict(trainer),
+    "controller": dict(controller),
+    "data": {
+      "num_examples": int(num_examples),
+      "element_spec": describe_element_spec(element_spec),
+    },
+    "model": {
+      "params": describe_tree(state.get("params")),
+      "model_state": describe_tree(state.get("model_state")),
+    },
+    "devices": dict(devices),
+    "layout": dict(layout),
+    "versions": versions(),
   }
   return json.loads(json.dumps(record, default=_json_value))  # as a checkpoint gives it back
 
@@ -208,19 +225,24 @@ def injected_hyperparameters(state: Any) -> dict[str, Any]:
 def with_injected(restored: Any, fresh: Any, paths: set[str]) -> Any:
   """``restored`` with the leaves at ``paths`` (keystr paths) taken from ``fresh``."""
   return jax.tree_util.tree_map_with_path(
-      lambda path, old, new: new if jax.tree_util.keystr(path) in paths else old, restored, fresh)
+    lambda path, old, new: new if jax.tree_util.keystr(path) in paths else old, restored, fresh
+  )
 
 
 def describe_tree(tree: Any) -> dict[str, str]:
   """``{path: "dtype[shape]"}`` of every leaf of ``tree`` (a model's parameters)."""
-  return {jax.tree_util.keystr(path): _array_type(np.shape(leaf), _dtype(leaf))
-          for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+  return {
+    jax.tree_util.keystr(path): _array_type(np.shape(leaf), _dtype(leaf))
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
+  }
 
 
 def describe_element_spec(element_spec: Mapping[str, tuple[Any, Any]]) -> dict[str, str]:
   """``{feature: "dtype[shape]"}`` of one example."""
-  return {str(k): _array_type(shape, np.dtype(dtype)) for k, (shape, dtype)
-          in sorted(element_spec.items())}
+  return {
+    str(k): _array_type(shape, np.dtype(dtype))
+    for k, (shape, dtype) in sorted(element_spec.items())
+  }
 
 
 def versions() -> dict[str, str]:
@@ -276,8 +298,11 @@ def _walk(obj: Any, path: str, found: dict[str, Any], seen: set[int], depth: int
     _walk(obj.func, child("func"), found, seen, depth + 1)
     items = [(f"[{i}]", a) for i, a in enumerate(obj.args)] + list(obj.keywords.items())
   elif isinstance(obj, types.FunctionType):
-    cells = [(name, cell) for name, cell in zip(obj.__code__.co_freevars, obj.__closure__ or ())
-             if _has_contents(cell)]
+    cells = [
+      (name, cell)
+      for name, cell in zip(obj.__code__.co_freevars, obj.__closure__ or (), strict=True)
+      if _has_contents(cell)
+    ]
     if not cells:
       found[path or "value"] = f"<function {obj.__module__}.{obj.__qualname__}>"
     items = [(name, cell.cell_contents) for name, cell in cells]
@@ -296,7 +321,7 @@ def _walk(obj: Any, path: str, found: dict[str, Any], seen: set[int], depth: int
 
 def _has_contents(cell: Any) -> bool:
   try:
-    cell.cell_contents  # pylint: disable=pointless-statement
+    _ = cell.cell_contents
   except ValueError:  # a cell not filled yet
     return False
   return True

@@ -126,8 +126,12 @@ def _close_in_child() -> None:
 os.register_at_fork(after_in_child=_close_in_child)
 
 
-def open_workdir(workdir: str | os.PathLike, *, allow_shared: bool = False,
-                 agreement: ProcessAgreement | None = None) -> WorkdirLock:
+def open_workdir(
+  workdir: str | os.PathLike,
+  *,
+  allow_shared: bool = False,
+  agreement: ProcessAgreement | None = None,
+) -> WorkdirLock:
   """Creates the workdir (``0700``), checks it, and takes this process's lock on it.
 
   Args:
@@ -163,8 +167,9 @@ def open_workdir(workdir: str | os.PathLike, *, allow_shared: bool = False,
   if failed:
     lock.close()
     kind = files.UnsafePathError if failed[0][1][0] == "UnsafePathError" else WorkdirLockedError
-    raise kind("; ".join(f"process {i} could not open the workdir: {message}"
-                         for i, (_, message) in failed))
+    raise kind(
+      "; ".join(f"process {i} could not open the workdir: {message}" for i, (_, message) in failed)
+    )
   return lock
 
 
@@ -177,15 +182,20 @@ def _lock(path: pathlib.Path, process_index: int) -> WorkdirLock:
   except BlockingIOError:
     os.close(fd)
     raise WorkdirLockedError(
-        f"the workdir {str(path)!r} is in use by another run: {_describe_holder(lock_path)}. One "
-        f"run per workdir: wait for it to end or stop it, or give this run another workdir. (The "
-        f"lock of a process that has ended never blocks: the kernel releases it.)") from None
+      f"the workdir {str(path)!r} is in use by another run: {_describe_holder(lock_path)}. One "
+      f"run per workdir: wait for it to end or stop it, or give this run another workdir. (The "
+      f"lock of a process that has ended never blocks: the kernel releases it.)"
+    ) from None
   except BaseException:
     os.close(fd)
     raise
-  holder = {"pid": os.getpid(), "host": socket.gethostname(), "process_index": process_index,
-            "since": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "command": " ".join([os.path.basename(sys.executable), *sys.argv])[:300]}
+  holder = {
+    "pid": os.getpid(),
+    "host": socket.gethostname(),
+    "process_index": process_index,
+    "since": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    "command": " ".join([os.path.basename(sys.executable), *sys.argv])[:300],
+  }
   os.ftruncate(fd, 0)
   os.pwrite(fd, (json.dumps(holder) + "\n").encode(), 0)
   return WorkdirLock(path, lock_path, fd)
@@ -202,11 +212,15 @@ def _describe_holder(lock_path: pathlib.Path) -> str:
     pid, host = int(holder["pid"]), str(holder["host"])
   except (OSError, ValueError, KeyError, TypeError):
     return f"a process holds {str(lock_path)!r} (it has not written its details yet)"
-  text = (f"pid {pid} on host {host} (process {holder.get('process_index', 0)} of its run), "
-          f"since {holder.get('since', '?')}; command: {holder.get('command', '?')}")
+  text = (
+    f"pid {pid} on host {host} (process {holder.get('process_index', 0)} of its run), "
+    f"since {holder.get('since', '?')}; command: {holder.get('command', '?')}"
+  )
   if host == socket.gethostname() and not _alive(pid):
-    text += (f". Pid {pid} is no longer running: a process it started (e.g. a data worker) "
-             f"still holds {str(lock_path)!r}")
+    text += (
+      f". Pid {pid} is no longer running: a process it started (e.g. a data worker) "
+      f"still holds {str(lock_path)!r}"
+    )
   return text
 
 
