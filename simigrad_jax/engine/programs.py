@@ -190,12 +190,13 @@ class StepPrograms:
       self._traced[micro] = self._fused.trace(*self._fused_args(micro))
     except (trainer_checks.LossContractError, train_step.HalvesContractError):
       raise
-    except NameError as error:  # e.g. "unbound axis name: data"
-      raise ValueError(
-        f"the optimizer's simigrad_jax.transform must use the Trainer's "
-        f"axis_name={self.axis_name!r}: {error}"
-      ) from error
     except Exception as error:
+      # JAX's "unbound axis name: data", raised as it is or named by the transform's own check.
+      if isinstance(error, NameError) or isinstance(error.__cause__, NameError):
+        raise ValueError(
+          f"the optimizer's simigrad_jax.transform must use the Trainer's "
+          f"axis_name={self.axis_name!r}: {error}"
+        ) from error
       spec = {k: (tuple(s), str(d)) for k, (s, d) in self._element_spec.items()}
       raise ValueError(
         f"loss_fn fails on one device's rows of this source (features {spec}, "
