@@ -19,7 +19,8 @@ Fault injection (the process SIGKILLs itself: no clean-up, no final checkpoint):
 
 * ``--kill-at K``: right after step K's metrics line is written;
 * ``--kill-in-save K``: right after the checkpoint of step K was handed to
-  orbax, while its asynchronous save is still writing;
+  orbax, while its asynchronous save is still writing (the save of step K is
+  held before orbax renames its temporary folder, so it cannot finish first);
 * ``--kill-in-compile J``: 20 ms into the J-th micro-step compile of the
   background compile thread (that compile is slowed down so the kill lands
   inside it);
@@ -56,6 +57,7 @@ process 1's controller pick a different next batch size at step K;
 """
 
 import argparse
+import asyncio
 import json
 import os
 import signal
@@ -346,6 +348,19 @@ trainer._read_and_decide = decide_then_maybe_die
 if args.kill_in_save is not None:
   checkpointer = trainer._checkpoints.checkpointer
   original_save = checkpointer.save
+
+  # Hold step K's save before orbax renames its temporary folder to the final one,
+  # so the kill lands while that save is unfinished however fast the write is.
+  from orbax.checkpoint._src.path import atomicity
+
+  original_finalize = atomicity.AtomicRenameTemporaryPath.finalize
+
+  async def finalize_unless_held(self):
+    if self._final_path.name == str(args.kill_in_save):
+      await asyncio.sleep(600.0)  # the process is killed long before
+    await original_finalize(self)
+
+  atomicity.AtomicRenameTemporaryPath.finalize = finalize_unless_held
 
   def save_then_die(step, state, host):
     original_save(step, state, host)
