@@ -395,3 +395,22 @@ def test_trainer_resumes_mid_seesaw_on_the_same_trajectory(tmp_path, devices):
   resumed = _seesaw_run(tmp_path / "resumed", 14, cache)
   assert [r[:3] for r in resumed] == [r[:3] for r in straight]
   np.testing.assert_allclose([r[3] for r in resumed], [r[3] for r in straight], rtol=0, atol=1e-6)
+
+
+def test_the_train_scripts_give_seesaw_its_learning_rate():
+  from train import optimizers
+  from train.configs import default
+
+  config = default.get_config()
+  config.update(lr_schedule="constant", warmup_epochs=1.0, lr_rule="sqrt")
+  c = SeesawController(16, halving_points=[300, 500])
+  schedule = optimizers.create_lr_schedule(config, c, num_examples=100)
+  # The config's warm-up times Seesaw's 2^-k (the sqrt rule gives the rest).
+  assert [schedule(e) for e in (0.5, 1.0, 2.99, 3.0, 5.0)] == pytest.approx(
+    [0.5, 1.0, 1.0, 0.5, 0.25]
+  )
+  config.lr_schedule = "cosine"
+  with pytest.raises(ValueError, match=r"config.lr_schedule='cosine' would decay it twice"):
+    optimizers.create_lr_schedule(config, c, num_examples=100)
+  plain = optimizers.create_lr_schedule(config, StepScheduleController("0:8"), num_examples=100)
+  assert plain(config.num_epochs / 2 + config.warmup_epochs / 2) == pytest.approx(0.5)
