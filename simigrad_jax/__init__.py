@@ -5,7 +5,9 @@ Start here:
     step; it replaces ``lax.pmean(grads)`` and measures the similarity of the
     two halves' gradients (SimilarityState).
   scale_by_lr_factor, set_lr_factor: the learning rate follows the batch size
-    without recompiling (LrFactorState, lr_factor, lr_factor_of).
+    without recompiling (LrFactorState, lr_factor, lr_factor_of);
+    couple_to_batch_size, set_coupled_batch_size: Adam's beta2 and weight
+    decay follow it too (BatchCouplingState).
   similarity, similarity_stats: read the step's similarity on the host.
   Controller: SimiGrad's rule from similarity to the next global batch size;
     make_controller(name, ...) builds the others (controller_names,
@@ -71,6 +73,8 @@ from simigrad_jax.engine.trainer import Trainer
 from simigrad_jax.engine.trainer_checks import LossContractError
 from simigrad_jax.errors import SimiGradError
 from simigrad_jax.files import UnsafePathError
+from simigrad_jax.ingraph.batch_coupling import BatchCouplingState
+from simigrad_jax.ingraph.batch_coupling import couple_to_batch_size
 from simigrad_jax.ingraph.half_batch import value_and_half_grads
 from simigrad_jax.ingraph.lr_scaling import LrFactorState
 from simigrad_jax.ingraph.lr_scaling import scale_by_lr_factor
@@ -79,6 +83,7 @@ from simigrad_jax.ingraph.transform import HalvesContractError
 from simigrad_jax.ingraph.transform import SimilarityState
 from simigrad_jax.ingraph.transform import transform
 from simigrad_jax.optimizer_state import lr_factor_of
+from simigrad_jax.optimizer_state import set_coupled_batch_size
 from simigrad_jax.optimizer_state import set_lr_factor
 from simigrad_jax.optimizer_state import similarity
 from simigrad_jax.optimizer_state import similarity_stats
@@ -100,6 +105,7 @@ __all__ = [
   "ArraySource",
   "BadRecordError",
   "BaseController",
+  "BatchCouplingState",
   "BatchPlan",
   "BatchSizeController",
   "BucketPolicy",
@@ -132,6 +138,7 @@ __all__ = [
   "WorkdirLockedError",
   "bucket_shapes",
   "controller_names",
+  "couple_to_batch_size",
   "controller_options",
   "enable_persistent_cache",
   "exit_on_lost_process",
@@ -144,6 +151,7 @@ __all__ = [
   "register_controller",
   "representable_batch_sizes",
   "scale_by_lr_factor",
+  "set_coupled_batch_size",
   "set_lr_factor",
   "similarity",
   "similarity_stats",

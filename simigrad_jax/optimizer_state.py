@@ -1,4 +1,4 @@
-"""Host: read the similarity from, and write the learning-rate factor into, an optax state.
+"""Host: read the similarity from, and write the learning-rate factor and batch size into, an optax state.
 
 The states are found by name anywhere inside a chained or wrapped optax state
 (``optax.chain``, ``optax.inject_hyperparams``, ``optax.MultiSteps``, ...) with
@@ -19,6 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from simigrad_jax import validation
+from simigrad_jax.ingraph.batch_coupling import BatchCouplingState
 from simigrad_jax.ingraph.lr_scaling import LrFactorState
 from simigrad_jax.ingraph.transform import SimilarityState
 
@@ -107,6 +109,19 @@ def similarity(opt_state: Any) -> float:
   return float(value) if measured else math.nan
 
 
+def _with_scalar(opt_state: Any, old: Any, name: str, value: float) -> Any:
+  """``opt_state`` with the field ``name`` (now ``old``) set to ``value``, keeping its dtype,
+  shape and placement."""
+  new_value: np.ndarray | jax.Array = np.full(
+    np.shape(old), value, dtype=np.asarray(_first_copy(old)).dtype
+  )
+  if isinstance(old, jax.Array):
+    # Keep the placement: committed arrays (pmap and shard_map layouts) stay
+    # where they were; an uncommitted one stays free for jit to place.
+    new_value = jax.device_put(new_value, old.sharding) if old.committed else jnp.asarray(new_value)
+  return optax.tree_utils.tree_set(opt_state, **{name: new_value})
+
+
 def set_lr_factor(opt_state: Any, factor: float) -> Any:
   """Returns ``opt_state`` with the learning-rate factor of :func:`scale_by_lr_factor` set to ``factor``.
 
@@ -124,14 +139,28 @@ def set_lr_factor(opt_state: Any, factor: float) -> Any:
   if not math.isfinite(factor) or factor <= 0:
     raise ValueError(f"the learning-rate factor must be finite and > 0, got {factor}")
   old = _find(opt_state, LrFactorState, "simigrad_jax.scale_by_lr_factor()").lr_factor
-  new_value: np.ndarray | jax.Array = np.full(
-    np.shape(old), factor, dtype=np.asarray(_first_copy(old)).dtype
-  )
-  if isinstance(old, jax.Array):
-    # Keep the placement: committed arrays (pmap and shard_map layouts) stay
-    # where they were; an uncommitted one stays free for jit to place.
-    new_value = jax.device_put(new_value, old.sharding) if old.committed else jnp.asarray(new_value)
-  return optax.tree_utils.tree_set(opt_state, lr_factor=new_value)
+  return _with_scalar(opt_state, old, "lr_factor", factor)
+
+
+def set_coupled_batch_size(opt_state: Any, batch_size: int) -> Any:
+  """Returns ``opt_state`` with the batch size of :func:`couple_to_batch_size` set to ``batch_size``.
+
+  The next update sets Adam's ``b2`` and ``weight_decay`` from it. Like
+  :func:`set_lr_factor`, the value keeps its dtype, shape and placement: no
+  recompilation. :class:`simigrad_jax.Trainer` sets it itself, in its step.
+
+  Args:
+    opt_state: an optimizer state containing one :class:`BatchCouplingState`.
+    batch_size: the global batch size of the next step (an integer >= 1).
+
+  Returns:
+    The new optimizer state (the input is not modified).
+  """
+  size = validation.check_int("batch_size", batch_size, 1)
+  old = _find(
+    opt_state, BatchCouplingState, "simigrad_jax.couple_to_batch_size(...)"
+  ).coupled_batch_size
+  return _with_scalar(opt_state, old, "coupled_batch_size", float(size))
 
 
 def lr_factor_of(opt_state: Any) -> float:

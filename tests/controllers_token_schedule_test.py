@@ -3,7 +3,6 @@
 import doctest
 import json
 import math
-import pathlib
 
 import numpy as np
 import optax
@@ -356,31 +355,19 @@ def test_schedules_take_the_train_scripts_options():
 
 
 def _seesaw_run(workdir, num_steps, cache_dir):
-  """The tiny Trainer run under Seesaw (batch and learning rate), with Adam; its metrics records."""
+  """The tiny Trainer run under Seesaw (batch and learning rate), with Adam; its step records."""
   controller = SeesawController(8, halving_points="160,480", tokens_per_example=4)
-  objects = tiny_run.trainer_objects(workdir) | {
-    "optimizer": optax.chain(
+  _, _, records = tiny_run.train_records(
+    workdir,
+    cache_dir,
+    num_steps,
+    optimizer=optax.chain(
       simigrad_jax.transform("batch"), optax.adam(0.01), simigrad_jax.scale_by_lr_factor()
     ),
-    "controller": controller,
-  }
-  with simigrad_jax.persistent_cache_settings():
-    trainer = simigrad_jax.Trainer(
-      **objects,
-      lr_schedule=controller.lr_schedule(num_examples=120),
-      max_micro_batch_size=4,
-      seed=2,
-      progress=False,
-      tensorboard=False,
-      compilation_cache_dir=cache_dir,
-    )
-    with trainer:
-      trainer.train(num_steps=num_steps)
-  return [
-    (r["step"], r["batch_size"], r["lr_factor"], r["loss"])
-    for r in simigrad_jax.read_metrics(pathlib.Path(workdir) / "metrics.jsonl")
-    if "batch_size" in r
-  ]
+    controller=controller,
+    lr_schedule=controller.lr_schedule(num_examples=120),
+  )
+  return [(r["step"], r["batch_size"], r["lr_factor"], r["loss"]) for r in records]
 
 
 def test_trainer_resumes_mid_seesaw_on_the_same_trajectory(tmp_path, devices):

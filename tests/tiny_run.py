@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pathlib
 from typing import Any
 
 import flax.linen as nn
@@ -55,3 +56,32 @@ def make_trainer(workdir, **settings: Any) -> simigrad_jax.Trainer:
     **settings,
   }
   return simigrad_jax.Trainer(**trainer_objects(workdir), **settings)
+
+
+def train_records(
+  workdir, cache_dir, num_steps: int, **overrides: Any
+) -> tuple[dict[str, Any], Any, list[dict[str, Any]]]:
+  """Trains the tiny run for ``num_steps`` steps (resuming from ``workdir``'s checkpoint).
+
+  ``overrides`` replace :func:`trainer_objects`' entries (``optimizer``,
+  ``controller``, ...) or add Trainer arguments (``lr_schedule``); the
+  compilation cache in ``cache_dir`` is shared between the runs of a test.
+
+  Returns:
+    The summary, the optimizer state on the host, and the metrics records of
+    every step.
+  """
+  with simigrad_jax.persistent_cache_settings():  # the Trainer's cache is process-wide
+    trainer = simigrad_jax.Trainer(
+      **(trainer_objects(workdir) | overrides),
+      max_micro_batch_size=4,
+      seed=2,
+      progress=False,
+      tensorboard=False,
+      compilation_cache_dir=cache_dir,
+    )
+    with trainer:
+      summary = trainer.train(num_steps=num_steps)
+      opt_state = jax.device_get(trainer.state["opt_state"])
+  records = simigrad_jax.read_metrics(pathlib.Path(workdir) / "metrics.jsonl")
+  return summary, opt_state, [r for r in records if "batch_size" in r]

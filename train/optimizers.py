@@ -43,6 +43,11 @@ def create_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransfo
   * ``"lamb"``: ``optax.lamb`` with ``weight_decay`` on weight matrices only
     (biases and LayerNorm parameters excluded, as in BERT).
 
+  With ``adam_coupling`` (``"beta2"``, ``"weight_decay"`` or both, comma
+  separated), adamw's or lamb's ``b2`` and ``weight_decay`` follow the batch
+  size (``simigrad_jax.couple_to_batch_size``): ``b2^(B / B_0)`` (Marek et al.
+  2025) and ``weight_decay * (B / B_0) / lr_rule(B / B_0)`` (Power Lines).
+
   Args:
     config: the experiment config.
 
@@ -53,28 +58,38 @@ def create_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransfo
     ValueError: for an unknown optimizer.
   """
   lr = config.learning_rate
+  if config.optimizer not in ("adamw", "lamb") and adam_coupling(config):
+    raise ValueError(
+      f"config.adam_coupling={config.adam_coupling!r} couples Adam's b2 and weight decay: "
+      f"it needs optimizer 'adamw' or 'lamb', not {config.optimizer!r}"
+    )
   if config.optimizer == "sgd":
     base = optax.chain(
       optax.add_decayed_weights(config.weight_decay) if config.weight_decay else optax.identity(),
       optax.sgd(lr, momentum=config.momentum or None, nesterov=config.nesterov),
     )
-  elif config.optimizer == "adamw":
-    base = optax.adamw(
-      lr,
+  elif config.optimizer in ("adamw", "lamb"):
+    factory = optax.adamw if config.optimizer == "adamw" else optax.lamb
+    hyperparams = dict(
+      learning_rate=lr,
       b1=config.b1,
       b2=config.b2,
       eps=config.eps,
       weight_decay=config.weight_decay,
       mask=_decay_mask,
     )
-  elif config.optimizer == "lamb":
-    base = optax.lamb(
-      lr,
-      b1=config.b1,
-      b2=config.b2,
-      eps=config.eps,
-      weight_decay=config.weight_decay,
-      mask=_decay_mask,
+    coupled = adam_coupling(config)
+    base = (
+      simigrad_jax.couple_to_batch_size(
+        factory,
+        config.initial_batch_size,
+        couple_beta2="beta2" in coupled,
+        couple_weight_decay="weight_decay" in coupled,
+        lr_rule=config.lr_rule,
+        **hyperparams,
+      )
+      if coupled
+      else factory(**hyperparams)
     )
   else:
     raise ValueError(f"unknown optimizer {config.optimizer!r}; choose one of {OPTIMIZERS}")
@@ -85,6 +100,25 @@ def create_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransfo
     base,
     simigrad_jax.scale_by_lr_factor(),
   )
+
+
+ADAM_COUPLINGS: tuple[str, ...] = ("beta2", "weight_decay")
+
+
+def adam_coupling(config: ml_collections.ConfigDict) -> tuple[str, ...]:
+  """The hyperparameters ``config.adam_coupling`` couples to the batch size (``()``: none).
+
+  Raises:
+    ValueError: for a name not in :data:`ADAM_COUPLINGS`.
+  """
+  names = tuple(n.strip() for n in str(config.get("adam_coupling", "")).split(",") if n.strip())
+  unknown = [n for n in names if n not in ADAM_COUPLINGS]
+  if unknown:
+    raise ValueError(
+      f"config.adam_coupling={config.adam_coupling!r} names {unknown}; use a comma-separated "
+      f"subset of {ADAM_COUPLINGS}, or '' for none"
+    )
+  return names
 
 
 def create_lr_schedule(

@@ -52,6 +52,7 @@ from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from simigrad_jax.ingraph import batch_coupling
 from simigrad_jax.ingraph import half_batch
 from simigrad_jax.ingraph import transform
 from simigrad_jax.ingraph.transform import HalfGrads
@@ -217,6 +218,7 @@ def _update(optimizer, axis_name, local, params, opt_state, grads, loss, step_in
   """The optimizer step from per-device gradients: new params and state, and the stats vector."""
   grads, extra = _optimizer_inputs(local, grads, step_inputs)
   with_lr = optax.tree_utils.tree_set(opt_state, lr_factor=step_inputs[1])
+  with_lr = batch_coupling.with_batch_size(with_lr, step_inputs[0])  # Adam's b2, weight decay
   try:
     with transform.expecting_half_grads() if extra else contextlib.nullcontext():
       updates, new_opt_state = optimizer.update(grads, with_lr, params, **extra)

@@ -93,6 +93,9 @@ def get_config() -> ml_collections.ConfigDict:
   config.b2 = 0.999
   config.eps = 1e-6
   config.grad_clip_norm = 0.0  # 0: no clipping.
+  # adamw, lamb: "beta2", "weight_decay" or "beta2,weight_decay" follow the batch size
+  # (simigrad_jax.couple_to_batch_size: b2^(B/B_0); weight_decay * (B/B_0) / lr rule); "" off.
+  config.adam_coupling = ""
   config.lr_schedule = "constant"  # "constant" | "step" | "cosine", a function of epochs.
   config.lr_decay_epochs = ()  # "step": epochs at which the lr is multiplied by lr_decay_factor.
   config.lr_decay_factor = 0.1
