@@ -14,7 +14,9 @@ Start here:
     controller_options, register_controller for your own). Every controller
     has the BatchSizeController interface; a new one derives from
     BaseController (docs/controllers.md); ProfilingController records a
-    similarity-versus-batch-size profile around any controller.
+    similarity-versus-batch-size profile around any controller;
+    replay_schedule, replay_controller: a run's realised sizes as a step
+    schedule, replayed (python -m simigrad_jax.replay metrics.jsonl).
   Trainer: the training engine (compiled shapes, data placement, metrics,
     checkpoints, multi-host agreement) over a source: ArraySource, TfdsSource,
     GrainSource (grain-style data decoded ahead in worker processes). Its
@@ -50,6 +52,8 @@ from simigrad_jax.controllers.registry import controller_names
 from simigrad_jax.controllers.registry import controller_options
 from simigrad_jax.controllers.registry import make_controller
 from simigrad_jax.controllers.registry import register_controller
+from simigrad_jax.controllers.replay import replay_controller
+from simigrad_jax.controllers.replay import replay_schedule
 from simigrad_jax.controllers.simigrad import Controller
 from simigrad_jax.data.grain_source import GrainSource
 from simigrad_jax.data.record_reader import BadRecordError
@@ -149,6 +153,8 @@ __all__ = [
   "plan_batch",
   "read_metrics",
   "register_controller",
+  "replay_controller",
+  "replay_schedule",
   "representable_batch_sizes",
   "scale_by_lr_factor",
   "set_coupled_batch_size",

@@ -36,6 +36,7 @@ FLOORS = {
   "optimizer_state": 1,
   "engine": 2,
   "plot": 2,
+  "replay": 2,
   "__init__": 3,
 }
 

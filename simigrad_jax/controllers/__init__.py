@@ -8,7 +8,7 @@ adds a similarity-versus-batch-size profile to any controller.
 Modules: ``base`` (the interface and the base class), ``simigrad``
 (:class:`Controller`, SimiGrad's rule), ``schedules`` (epoch schedules and the
 loss plateau rule), ``token_schedules`` and ``seesaw`` (ramps in tokens or
-examples), ``noise_scale`` (the gradient noise scale),
+examples), ``replay`` (a run's sizes as a step schedule), ``noise_scale`` (the gradient noise scale),
 ``similarity_model`` (the noise scale read from the similarities),
 ``profiling``, ``registry`` (controllers by name) and ``learning_rate`` (the
 learning-rate factor that follows the batch size).
@@ -23,6 +23,8 @@ from simigrad_jax.controllers.registry import controller_names
 from simigrad_jax.controllers.registry import controller_options
 from simigrad_jax.controllers.registry import make_controller
 from simigrad_jax.controllers.registry import register_controller
+from simigrad_jax.controllers.replay import replay_controller
+from simigrad_jax.controllers.replay import replay_schedule
 from simigrad_jax.controllers.schedules import LossPlateauController
 from simigrad_jax.controllers.schedules import ScheduleController
 from simigrad_jax.controllers.seesaw import SeesawController
@@ -48,4 +50,6 @@ __all__ = [
   "controller_options",
   "make_controller",
   "register_controller",
+  "replay_controller",
+  "replay_schedule",
 ]
