@@ -35,11 +35,12 @@ def test_each_update_is_the_optimizer_at_the_coupled_hyperparameters(lr_rule, op
   )
   params = tree(0)
   state = coupled.init(params)
+  update = jax.jit(coupled.update)
   reference_state = optimizer(LR, b2=BETA2, weight_decay=WD).init(params)
   for step, batch_size in enumerate([64, 256, 16, 100, 256]):
     grads = tree(step + 1)
     state = simigrad_jax.set_coupled_batch_size(state, batch_size)
-    updates, state = jax.jit(coupled.update)(grads, state, params)
+    updates, state = update(grads, state, params)
     # The formulas: beta2^(B/B0) (Marek et al.), lambda * r / rule(r) (Power Lines).
     r = batch_size / B0
     b2, wd = BETA2**r, WD * r / RULES[lr_rule](r)
