@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 
 from benchmarks import pareto
+from benchmarks import pareto_flags
 from benchmarks import pareto_mlm
-from train import input_pipeline
+from train import text_data
 
 
 def _experiment(tmp_path, text=None, **overrides):
@@ -35,7 +36,7 @@ def test_split_train_from_the_start_validation_and_test_from_the_end(tmp_path):
   text = "".join(chr(97 + i % 26) for i in range(9000)) + "".join(str(i % 10) for i in range(1000))
   exp = _experiment(tmp_path, text)
   assert (exp.num_train, exp.num_val, exp.num_test) == (64, 15, 15)  # 500 bytes / 32 each
-  train = input_pipeline.decode_bytes(exp.train.get_batch(np.arange(64))["tokens"])
+  train = text_data.decode_bytes(exp.train.get_batch(np.arange(64))["tokens"])
   assert train == text[: 64 * 32]
   info = exp.info()
   assert info["dataset_note"] is None and info["seq_length"] == 32 and "lamb" in info["optimizer"]
@@ -43,7 +44,7 @@ def test_split_train_from_the_start_validation_and_test_from_the_end(tmp_path):
   assert sorted(scores) == ["test_accuracy", "test_loss", "val_accuracy", "val_loss"]
   assert all(0.0 <= scores[k] <= 1.0 for k in ("val_accuracy", "test_accuracy"))
   # Untrained, the loss is near log(vocabulary): the held-out text is really scored.
-  assert abs(scores["val_loss"] - math.log(input_pipeline.BYTE_VOCAB_SIZE)) < 0.5
+  assert abs(scores["val_loss"] - math.log(text_data.BYTE_VOCAB_SIZE)) < 0.5
   assert exp.eval_fn(exp.init_params(0), None) == scores  # a fixed mask: the same every time
   assert exp.eval_fn(exp.init_params(1), None) != scores
 
@@ -57,10 +58,10 @@ def test_missing_text_falls_back_with_a_note_and_refuses_too_many_windows(tmp_pa
 
 def test_mlm_only_flags_and_profile_are_refused():
   with pytest.raises(SystemExit):
-    pareto._parse_args(["--task", "mlm", "--dataset", "mnist"])
+    pareto_flags.parse_args(["--task", "mlm", "--dataset", "mnist"])
   with pytest.raises(SystemExit):
-    pareto._parse_args(["--train-windows", "64"])
-  args = pareto._parse_args(["--task", "mlm", "--quick"])
+    pareto_flags.parse_args(["--train-windows", "64"])
+  args = pareto_flags.parse_args(["--task", "mlm", "--quick"])
   assert args.lr_schedule == "warmup_cosine" and args.grid["dataset"] == "text"
   with pytest.raises(ValueError, match="--profile is for --task images"):
     pareto.main(["--task", "mlm", "--quick", "--profile"])
