@@ -33,6 +33,8 @@ decoded does: ``"raise"`` (an error naming it) or ``"skip"``.
 * ``"tfds_text"``: byte-level tokens of a TFDS text set (``"lm1b"``):
   :class:`TfdsTextSource` packs ``config.records_per_example`` consecutive
   records into each example.
+* ``"chars"``: character-level tinyshakespeare for the causal language model
+  (:mod:`train.text_data`).
 
 Tokenization for the BERT configs is byte-level: each UTF-8 byte is one token
 (ids 2-257), plus PAD (0) and MASK (1). It needs no vocabulary file, works on
@@ -77,6 +79,11 @@ class Datasets:
     image_std: per-channel standard deviation, with ``image_mean``.
     description: one line for the console.
     eval_name: what the evaluation set is called on the console.
+    tokens_per_example: for a language model's data: the tokens each
+      example predicts (tokens seen = examples seen x this).
+    unigram_entropy: the entropy of the training tokens' frequencies, nats
+      per token: the loss of a model that ignores the context.
+    vocabulary: what turns tokens back into text, for ``"chars"``.
   """
 
   train: Any
@@ -87,6 +94,9 @@ class Datasets:
   image_std: tuple[float, ...] | None = None
   description: str = ""
   eval_name: str = "test"
+  tokens_per_example: int | None = None
+  unigram_entropy: float | None = None
+  vocabulary: Any = None
 
 
 # ------------------------------------------------------------------ images
@@ -406,7 +416,8 @@ def default_text(local_data_dir: str | os.PathLike) -> tuple[str, str]:
   return "\n\n".join(topics.topics[k] for k in sorted(topics.topics)), "pydoc_data.topics"
 
 
-def _text_files(spec: str) -> list[pathlib.Path]:
+def read_text_files(spec: str) -> tuple[str, str]:
+  """``(text, where)``: the files of ``config.text_files`` (comma-separated paths or globs), joined."""
   paths = []
   for part in (p.strip() for p in spec.split(",")):
     if not part:
@@ -415,7 +426,8 @@ def _text_files(spec: str) -> list[pathlib.Path]:
     if not matches:
       raise FileNotFoundError(f"config.text_files: no file matches {part!r}")
     paths.extend(pathlib.Path(m) for m in matches)
-  return paths
+  text = "\n\n".join(p.read_text(encoding="utf-8", errors="replace") for p in paths)
+  return text, f"{len(paths)} text file(s)"
 
 
 # ------------------------------------------------------------------ dispatch
@@ -434,7 +446,15 @@ def limit_examples(source: Any, count: int | None) -> Any:
   return simigrad_jax.ArraySource(source.get_batch(np.arange(count)))
 
 
-DATASETS: tuple[str, ...] = ("digits", "mnist", "tfds", "tfds_resized", "text", "tfds_text")
+DATASETS: tuple[str, ...] = (
+  "digits",
+  "mnist",
+  "tfds",
+  "tfds_resized",
+  "text",
+  "tfds_text",
+  "chars",
+)
 
 
 def create_datasets(config: ml_collections.ConfigDict) -> Datasets:
@@ -513,9 +533,7 @@ def create_datasets(config: ml_collections.ConfigDict) -> Datasets:
     )
   elif kind == "text":
     if config.text_files:
-      paths = _text_files(config.text_files)
-      text = "\n\n".join(p.read_text(encoding="utf-8", errors="replace") for p in paths)
-      where = f"{len(paths)} text file(s)"
+      text, where = read_text_files(config.text_files)
     else:
       text, where = default_text(resolve_local_dir(config.local_data_dir))
     tokens = encode_bytes(text)
@@ -545,6 +563,10 @@ def create_datasets(config: ml_collections.ConfigDict) -> Datasets:
       description=f"TFDS {config.tfds_name} (bytes)",
       eval_name=config.eval_split,
     )
+  elif kind == "chars":
+    from train import text_data  # pylint: disable=import-outside-toplevel
+
+    out = text_data.load_chars(config)
   else:
     raise ValueError(f"unknown dataset {kind!r}; choose one of {DATASETS}")
   return _finish(out, config)
