@@ -1,0 +1,378 @@
+"""Benchmark: serial optimizer steps and tokens to a target validation loss, for a causal LM.
+
+Language-model pre-training changes the batch size with ramps fixed before
+the run. This script asks whether SimiGrad, which measures instead, gets to
+the same validation loss in fewer serial optimizer steps without spending
+more tokens. It trains the ``train/configs/shakespeare_lm.py`` recipe (a
+character-level decoder-only transformer on tinyshakespeare, AdamW, warm-up
+then cosine decay in tokens) at a reduced size, on a CPU with 8 simulated
+devices, with the real :class:`simigrad_jax.Trainer`, every run for the same
+token budget (one pass over the first ``--train-windows`` windows):
+
+* ``fixed``: constant batch sizes. The learning rate is tuned once, at
+  ``--lr-batch-size``, over ``--lr-multipliers`` of ``--base-lr`` (seed 0,
+  lowest final validation loss), and every other size takes it by the square
+  root rule, ``lr * sqrt(B / lr_batch_size)``;
+* the ramps LM trainers use (``step_schedule``, ``linear_ramp``,
+  ``doubling_warmup``, ``seesaw``) where they are registered controllers,
+  at their published settings scaled to this budget (:func:`ramp_specs`);
+* ``gns``: the gradient-noise-scale controller;
+* ``simigrad``: the reference rule and the model rule (``ema_decay``) at a
+  few similarity targets.
+
+Every adaptive run starts at ``--initial-batch-size`` with the square-root
+learning rate of that size, and the Trainer scales it by ``sqrt(B / B_0)`` as
+the batch moves. The validation loss (nats per token, a fixed set of
+``--eval-windows`` windows from the held-out last 10% of the text) is
+measured ``--evals`` times per run, evenly in tokens, and at the end.
+
+The target is the best constant batch's final validation loss, the mean over
+seeds. For every run: the serial optimizer steps and the tokens to reach it
+(linearly interpolated between the two evaluations around the crossing;
+null when never reached), the final validation loss, the steps and the
+tokens. The verdict (``benchmarks/pareto_lm_report.py``) compares each
+SimiGrad setting with the best constant batch's steps and tokens (its whole
+run: on average over seeds it reaches the target at its end) and with every
+ramp's steps to the target.
+
+Usage::
+
+  python benchmarks/pareto_lm.py --quick --out /tmp/lm_quick.json   # about 10 min on 2 cores
+  python benchmarks/pareto_lm.py --out docs/pareto_lm.json          # the full grid
+  python benchmarks/pareto_lm.py --markdown docs/pareto_lm.json     # docs/results.md's table
+
+JSON written to ``--out`` (machine-read)::
+
+  {"target_val_loss": float,
+   "runs": [{"controller": "fixed" | "simigrad" | "gns" | "step_schedule" | "linear_ramp"
+                           | "doubling_warmup" | "seesaw",
+             "setting": str, "seed": int, "steps_to_target": float | null,
+             "tokens_to_target": float | null, "final_val_loss": float,
+             "steps": int, "tokens": int, "curve": [[steps, tokens, val_loss], ...], ...}],
+   "settings": [...], "verdict": {...}, ...}
+
+and a PNG (``--png``, by default ``--out`` with ``.png``).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+if __name__ == "__main__":
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  from benchmarks import common  # noqa: E402  (imports no JAX)
+
+  common.prepare_script()
+
+# pylint: disable=g-import-not-at-top,wrong-import-position
+import argparse  # noqa: E402
+import contextlib  # noqa: E402
+import json  # noqa: E402
+import pathlib  # noqa: E402
+import shutil  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from collections.abc import Sequence  # noqa: E402
+from typing import Any  # noqa: E402
+
+import jax  # noqa: E402
+
+import simigrad_jax  # noqa: E402
+from benchmarks import common  # noqa: E402
+from benchmarks import pareto_lm_report  # noqa: E402
+from benchmarks.lm_experiment import LmExperiment  # noqa: E402
+from benchmarks.pareto_protocol import RunSpec  # noqa: E402
+from benchmarks.pareto_protocol import base_lr_for  # noqa: E402
+
+RAMPS = ("step_schedule", "linear_ramp", "doubling_warmup", "seesaw")
+
+FULL: dict[str, Any] = {
+  "seeds": (0, 1, 2),
+  "seq_length": 64,
+  "hidden": 64,
+  "train_windows": 7680,  # 491,520 tokens
+  "eval_windows": 192,
+  "evals": 16,
+  "fixed": (16, 32, 64, 128),
+  "lr_multipliers": (0.5, 1.0, 2.0),
+  "targets": (0.1, 0.3),
+  "model_targets": (0.1,),
+  "gns": (1.0,),
+  "ramps": RAMPS,
+}
+QUICK: dict[str, Any] = {
+  **FULL,
+  "seeds": (0, 1),
+  "train_windows": 3072,
+  "eval_windows": 128,
+  "evals": 10,
+  "fixed": (16, 64),
+  "lr_multipliers": (1.0,),
+  "targets": (0.1,),
+  "model_targets": (),
+  "ramps": ("doubling_warmup", "seesaw"),
+}
+
+
+def ramp_specs(
+  names: Sequence[str],
+  seeds: Sequence[int],
+  *,
+  initial: int,
+  upper: int,
+  num_examples: int,
+  lr: float,
+) -> tuple[list[RunSpec], list[str]]:
+  """The ramps LM trainers use, at their published shapes scaled to ``num_examples`` examples.
+
+  * ``step_schedule`` (Megatron's thresholds): ``B_0`` from the start, 2 B_0
+    at 1/8 of the budget, 4 B_0 at 1/4 and 8 B_0 at 1/2 (capped at
+    ``upper``), in examples;
+  * ``linear_ramp`` (MaxText): ``B_0`` to ``upper`` linearly over the first
+    half of the budget;
+  * ``doubling_warmup`` (Merrill et al. 2025): the batch doubles from ``B_0``
+    every 1/8 of the budget up to ``upper``;
+  * ``seesaw`` (arXiv 2510.14717): the batch doubles, and the learning rate
+    is divided by sqrt(2) on top of the square-root rule's rise, wherever the
+    cosine schedule would halve the learning rate.
+
+  Args:
+    names: the ramps to run; those not registered
+      (``simigrad_jax.controller_names()``) are left out and returned.
+    seeds: the seeds.
+    initial: ``B_0``.
+    upper: the largest batch.
+    num_examples: the run's budget in examples.
+    lr: the learning rate at ``B_0``.
+
+  Returns:
+    ``(specs, missing)``: the runs, and the names of the ramps not registered.
+  """
+  registered = set(simigrad_jax.controller_names())
+  missing = [n for n in names if n not in registered]
+  specs = []
+  for name in names:
+    if name in missing:
+      continue
+    options = ramp_options(name, initial=initial, upper=upper, num_examples=num_examples)
+    specs += [RunSpec(name, options, lr, 1.0, seed) for seed in seeds]
+  return specs, missing
+
+
+def ramp_options(
+  name: str, *, initial: int, upper: int, num_examples: int
+) -> tuple[tuple[str, Any], ...]:
+  """The controller options of one ramp (see :func:`ramp_specs`), sorted."""
+  sizes, starts = [], []
+  size, k = initial, 0
+  while size <= upper:
+    sizes.append(size)
+    starts.append(k * num_examples // 8)
+    size, k = size * 2, k + 1
+  if name == "step_schedule":
+    points = [0, num_examples // 8, num_examples // 4, num_examples // 2]
+    sizes = [min(initial * 2**i, upper) for i in range(4)]
+    schedule = ",".join(f"{p}:{b}" for p, b in zip(points, sizes, strict=True))
+    options = {"schedule": schedule}
+  elif name == "linear_ramp":
+    options = {
+      "initial_batch_size": initial,
+      "final_batch_size": upper,
+      "ramp_examples": num_examples // 2,
+    }
+  elif name == "doubling_warmup":
+    options = {
+      "initial_batch_size": initial,
+      "final_batch_size": sizes[-1],
+      "doubling_examples": num_examples // 8,
+    }
+  elif name == "seesaw":
+    options = {"initial_batch_size": initial, "batch_size_upper_bound": upper}
+  else:
+    raise ValueError(f"unknown ramp {name!r}; choose one of {RAMPS}")
+  return tuple(sorted(options.items()))
+
+
+def _floats(text: str) -> tuple[float, ...]:
+  return tuple(float(x) for x in text.split(",") if x.strip())
+
+
+def _ints(text: str) -> tuple[int, ...]:
+  return tuple(int(x) for x in text.split(",") if x.strip())
+
+
+def _names(text: str) -> tuple[str, ...]:
+  names = tuple(x.strip() for x in text.split(",") if x.strip())
+  unknown = [n for n in names if n not in RAMPS]
+  if unknown:
+    raise argparse.ArgumentTypeError(f"unknown ramps {unknown}; choose from {RAMPS}")
+  return names
+
+
+def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+  p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+  p.add_argument("--quick", action="store_true", help="the quick grid (about 10 min on 2 cores)")
+  p.add_argument("--out", default=None, help="write the JSON here")
+  p.add_argument("--png", default=None, help="the plot (default: --out with .png)")
+  p.add_argument("--markdown", default=None, help="print the docs table of this JSON, and stop")
+  p.add_argument("--workdir", default=None, help="keep every run's workdir under this folder")
+  p.add_argument("--text-file", default=None, help="train on this text, not tinyshakespeare")
+  p.add_argument("--seeds", type=_ints, default=None)
+  p.add_argument("--seq-length", type=int, default=None, help="tokens each example predicts")
+  p.add_argument("--hidden", type=int, default=None, help="the transformer's width")
+  p.add_argument("--train-windows", type=int, default=None, help="the token budget, in windows")
+  p.add_argument("--eval-windows", type=int, default=None, help="validation windows")
+  p.add_argument("--evals", type=int, default=None, help="validation evaluations per run")
+  p.add_argument("--fixed", type=_ints, default=None, help="constant batch sizes")
+  p.add_argument("--lr-multipliers", type=_floats, default=None, help="of --base-lr, tuned")
+  p.add_argument("--targets", type=_floats, default=None, help="SimiGrad's, reference rule")
+  p.add_argument("--model-targets", type=_floats, default=None, help="SimiGrad's, model rule")
+  p.add_argument("--gns", type=_floats, default=None, help="multiples of the noise scale")
+  p.add_argument("--ramps", type=_names, default=None, help=f"some of {','.join(RAMPS)}")
+  p.add_argument("--base-lr", type=float, default=3e-3, help="AdamW's lr at --lr-batch-size")
+  p.add_argument("--lr-batch-size", type=int, default=32)
+  p.add_argument("--initial-batch-size", type=int, default=16, help="B_0 of the adaptive runs")
+  p.add_argument("--upper-bound", type=int, default=256, help="the adaptive runs' largest batch")
+  p.add_argument("--ema-decay", type=float, default=0.9, help="the model rule's")
+  args = p.parse_args(argv)
+  common.apply_preset(args, QUICK if args.quick else FULL)
+  return args
+
+
+def _lr_specs(args: argparse.Namespace) -> list[RunSpec]:
+  b = args.lr_batch_size
+  return [
+    RunSpec("fixed", (("initial_batch_size", b),), args.base_lr * m, m, min(args.seeds))
+    for m in args.lr_multipliers
+  ]
+
+
+def _adaptive_specs(args: argparse.Namespace, lr0: float, num_examples: int) -> list[RunSpec]:
+  b0, upper = args.initial_batch_size, args.upper_bound
+  bounds = (("batch_size_lower_bound", b0), ("batch_size_upper_bound", upper))
+  specs: list[RunSpec] = []
+  for seed in args.seeds:
+    for target in args.targets:
+      opts = (("initial_batch_size", b0), ("similarity_target", target), *bounds)
+      specs.append(RunSpec("simigrad", opts, lr0, 1.0, seed))
+    for target in args.model_targets:
+      opts = (
+        ("initial_batch_size", b0),
+        ("similarity_target", target),
+        *bounds,
+        ("ema_decay", args.ema_decay),
+      )
+      specs.append(RunSpec("simigrad", opts, lr0, 1.0, seed))
+    for multiple in args.gns:
+      opts = (("initial_batch_size", b0), ("multiple", multiple), *bounds, ("ema_decay", 0.9))
+      specs.append(RunSpec("gns", opts, lr0, 1.0, seed))
+  ramps, missing = ramp_specs(
+    args.ramps, args.seeds, initial=b0, upper=upper, num_examples=num_examples, lr=lr0
+  )
+  args.missing_ramps = missing
+  return specs + ramps
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+  """Runs the comparison; prints the table and the verdict, writes the JSON and the PNG.
+
+  Args:
+    argv: command-line arguments (``sys.argv[1:]`` when None).
+
+  Returns:
+    The results (see the module docstring), or ``{}`` with ``--markdown``.
+  """
+  args = _parse_args(argv)
+  if args.markdown:
+    with open(args.markdown, encoding="utf-8") as f:
+      print(pareto_lm_report.markdown(json.load(f)))
+    return {}
+  keep = args.workdir is not None
+  root = (
+    pathlib.Path(args.workdir).absolute()
+    if keep
+    else pathlib.Path(tempfile.mkdtemp(prefix="simigrad-pareto-lm-"))
+  )
+  root.mkdir(parents=True, exist_ok=True)
+  started = time.perf_counter()
+  runs: list[dict[str, Any]] = []
+  with contextlib.ExitStack() as cleanup:
+    if not keep:
+      cleanup.callback(shutil.rmtree, root, ignore_errors=True)
+    cleanup.enter_context(simigrad_jax.persistent_cache_settings())
+    exp = LmExperiment(
+      hidden=args.hidden,
+      seq_length=args.seq_length,
+      train_windows=args.train_windows,
+      eval_windows=args.eval_windows,
+      evals=args.evals,
+      root=root,
+      keep_workdirs=keep,
+      text_file=args.text_file,
+    )
+    for size in (*args.fixed, args.initial_batch_size, args.upper_bound):
+      if size > exp.num_train:
+        raise ValueError(
+          f"batch size {size} exceeds the {exp.num_train} training windows (--train-windows)"
+        )
+    devices = jax.devices()
+    print(f"{len(devices)} x {devices[0].platform} devices; {exp.description}", flush=True)
+
+    def execute(specs: list[RunSpec]) -> list[dict[str, Any]]:
+      done = []
+      for spec in specs:
+        run = exp.run(spec)
+        runs.append(run)
+        done.append(run)
+        print(
+          f"  {run['controller']:<15} {run['setting']:<24} lr {spec.lr:.2e} seed {spec.seed}: "
+          f"val loss {run['final_val_loss']:.4f}  steps {run['steps']}  tokens {run['tokens']:,}"
+          f"  {run['wall_seconds']:.1f} s",
+          flush=True,
+        )
+      return done
+
+    tuning = execute(_lr_specs(args))
+    best = min(tuning, key=lambda r: r["final_val_loss"])
+    multiplier = best["lr_multiplier"]
+    lr_at = lambda b: base_lr_for(b, args.base_lr * multiplier, args.lr_batch_size)  # noqa: E731
+    print(f"tuned: lr {args.base_lr * multiplier:.2e} at B={args.lr_batch_size}", flush=True)
+    fixed = [
+      RunSpec("fixed", (("initial_batch_size", b),), lr_at(b), multiplier, seed)
+      for b in args.fixed
+      for seed in args.seeds
+    ]
+    done = {(r["setting"], r["seed"], r["learning_rate"]) for r in runs}
+    execute([s for s in fixed if (s.label(), s.seed, s.lr) not in done])
+    execute(_adaptive_specs(args, lr_at(args.initial_batch_size), exp.num_train))
+
+  results = pareto_lm_report.analyse(runs, fixed_sizes=args.fixed, seeds=args.seeds)
+  results.update(
+    {
+      **exp.info(),
+      "quick": bool(args.quick),
+      "seeds": list(args.seeds),
+      "base_lr": args.base_lr,
+      "lr_batch_size": args.lr_batch_size,
+      "lr_multipliers": list(args.lr_multipliers),
+      "tuned_lr_multiplier": multiplier,
+      "initial_batch_size": args.initial_batch_size,
+      "upper_bound": args.upper_bound,
+      "missing_ramps": args.missing_ramps,
+      "devices": len(devices),
+      "platform": devices[0].platform,
+      "jax_version": jax.__version__,
+      "total_wall_seconds": round(time.perf_counter() - started, 1),
+    }
+  )
+  table = pareto_lm_report.format_table(results)
+  png = args.png or (str(pathlib.Path(args.out).with_suffix(".png")) if args.out else None)
+  if png:
+    results["png"] = str(pareto_lm_report.plot(results, png))
+  common.report(results, table, args.out)
+  return results
+
+
+if __name__ == "__main__":
+  main(sys.argv[1:])
