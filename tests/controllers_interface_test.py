@@ -109,6 +109,12 @@ def test_every_registered_controller_derives_from_the_base(name):
   options = {"similarity_target": 0.1} if name == "simigrad" else {}
   options |= {"final_batch_size": 64, "ramp_epochs": 1.0} if name in ("linear", "geometric") else {}
   options |= {"final_batch_size": 8, "ramp_epochs": 1.0} if name == "decreasing" else {}
+  options |= {
+    "step_schedule": {"thresholds": "0:16,1k:32"},
+    "linear_ramp": {"final_batch_size": 64, "increment": 16, "ramp": "1k"},
+    "doubling_warmup": {"doubling_points": "1k"},
+    "seesaw": {"halving_points": "1k"},
+  }.get(name, {})
   c = simigrad_jax.make_controller(name, initial_batch_size=16, **options)
   assert isinstance(c, BaseController) and isinstance(c, BatchSizeController)
   trainer_checks.check_controller(c)

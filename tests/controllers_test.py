@@ -88,6 +88,10 @@ OPTIONS = {
     batch_size_lower_bound=8,
     batch_size_upper_bound=64,
   ),
+  "step_schedule": dict(thresholds="0:16,40:32,150:64"),
+  "linear_ramp": dict(initial_batch_size=16, final_batch_size=64, increment=16, ramp=300),
+  "doubling_warmup": dict(initial_batch_size=16, doubling_points="50,300"),
+  "seesaw": dict(initial_batch_size=16, halving_points="50,300"),
 }
 STATS_KEYS = (
   "loss",
@@ -106,7 +110,19 @@ def test_every_name_has_options_here():
   assert (
     set(OPTIONS)
     == set(simigrad_jax.controller_names())
-    == {"simigrad", "fixed", "linear", "geometric", "decreasing", "loss_plateau", "gns"}
+    == {
+      "simigrad",
+      "fixed",
+      "linear",
+      "geometric",
+      "decreasing",
+      "loss_plateau",
+      "gns",
+      "step_schedule",
+      "linear_ramp",
+      "doubling_warmup",
+      "seesaw",
+    }
   )
 
 
@@ -119,7 +135,7 @@ def fake_stats(step, batch_size, rng):
     "norm_b": float(nb),
     "norm_mean": float(rng.uniform(0.3, 1.0) * min(na, nb)),
     "batch_size": batch_size,
-    "examples_seen": 0,
+    "examples_seen": step * batch_size,
     "epochs": step * batch_size / 100,
     "epoch_end": step % 5 == 4,
     "grads_finite": True,
@@ -260,6 +276,10 @@ OWN_OPTIONS = {
   "decreasing": dict(final_batch_size=8, ramp_epochs=4.0),
   "loss_plateau": dict(factor=2.0),
   "gns": dict(multiple=0.5),
+  "step_schedule": dict(thresholds="0:32,100:64,400:256"),
+  "linear_ramp": dict(final_batch_size=256, increment=32, ramp="1k"),
+  "doubling_warmup": dict(doubling_points="100,400,900"),
+  "seesaw": dict(halving_points="100,400,900"),
 }
 
 
@@ -283,7 +303,10 @@ def test_every_name_takes_the_train_configs_bounds(name, upper):
     assert max(sizes) == 128  # the schedule is clamped to the upper bound
 
 
-@pytest.mark.parametrize("name", ["linear", "geometric", "decreasing", "loss_plateau", "gns"])
+@pytest.mark.parametrize(
+  "name",
+  ["linear", "geometric", "decreasing", "loss_plateau", "gns", "step_schedule", "seesaw"],
+)
 def test_missing_stats_change_nothing(name):
   c = simigrad_jax.make_controller(name, **OPTIONS[name])
   drive(c, 5)

@@ -19,6 +19,7 @@ import ml_collections
 import optax
 
 import simigrad_jax
+from simigrad_jax.controllers import SeesawController
 
 OPTIMIZERS: tuple[str, ...] = ("sgd", "adamw", "lamb")
 SCHEDULES: tuple[str, ...] = ("constant", "step", "cosine")
@@ -86,7 +87,9 @@ def create_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransfo
   )
 
 
-def create_lr_schedule(config: ml_collections.ConfigDict) -> Callable[[float], float]:
+def create_lr_schedule(
+  config: ml_collections.ConfigDict, controller: Any = None, num_examples: int | None = None
+) -> Callable[[float], float]:
   """The learning-rate multiplier as a function of epochs trained (fractional).
 
   A linear warm-up from 0 to 1 over the first ``warmup_epochs`` (none if 0),
@@ -99,16 +102,22 @@ def create_lr_schedule(config: ml_collections.ConfigDict) -> Callable[[float], f
     ``num_epochs``.
 
   The result is never below ``MIN_SCHEDULE_FACTOR`` (the Trainer refuses a
-  zero learning rate).
+  zero learning rate). With the ``"seesaw"`` controller, the decay is
+  Seesaw's (``SeesawController.lr_schedule``: the rate falls at its halving
+  points) times the warm-up; the config's ``lr_schedule`` must then be
+  ``"constant"``.
 
   Args:
     config: the experiment config.
+    controller: the run's batch-size controller (optional).
+    num_examples: the examples in one epoch (needed with ``"seesaw"``).
 
   Returns:
     ``schedule(epochs) -> float``.
 
   Raises:
-    ValueError: for an unknown schedule or negative epochs.
+    ValueError: for an unknown schedule, negative epochs, or a decay given
+      twice (``"seesaw"`` with a ``"step"`` or ``"cosine"`` schedule).
   """
   kind, warmup = config.lr_schedule, float(config.warmup_epochs)
   if kind not in SCHEDULES:
@@ -129,4 +138,19 @@ def create_lr_schedule(config: ml_collections.ConfigDict) -> Callable[[float], f
       value *= 0.5 * (1.0 + math.cos(math.pi * progress))
     return max(value, MIN_SCHEDULE_FACTOR)
 
+  if isinstance(controller, SeesawController):
+    if kind != "constant":
+      raise ValueError(
+        f"the seesaw controller decays the learning rate at its halving points; "
+        f"config.lr_schedule={kind!r} would decay it twice: use 'constant' "
+        "(config.warmup_epochs still applies)"
+      )
+    if num_examples is None:
+      raise ValueError("the seesaw controller's learning rate needs num_examples (epoch size)")
+    return controller.lr_schedule(
+      num_examples,
+      lr_rule=config.lr_rule,
+      lr_adjust_factor=config.lr_adjust_factor,
+      base_schedule=schedule,
+    )
   return schedule

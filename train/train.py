@@ -249,8 +249,8 @@ def create_experiment(
     halves = trainer_config.halves_for(len(devices))
   controller = create_controller(config, len(devices), halves)
   optimizer = optimizers.create_optimizer(config)
-  lr_schedule = optimizers.create_lr_schedule(config)
   datasets = input_pipeline.create_datasets(config)
+  lr_schedule = optimizers.create_lr_schedule(config, controller, len(datasets.train))
   model = models.create_model(
     config,
     num_classes=datasets.num_classes,

@@ -7,7 +7,8 @@ adds a similarity-versus-batch-size profile to any controller.
 
 Modules: ``base`` (the interface and the base class), ``simigrad``
 (:class:`Controller`, SimiGrad's rule), ``schedules`` (epoch schedules and the
-loss plateau rule), ``noise_scale`` (the gradient noise scale),
+loss plateau rule), ``token_schedules`` and ``seesaw`` (ramps in tokens or
+examples), ``noise_scale`` (the gradient noise scale),
 ``similarity_model`` (the noise scale read from the similarities),
 ``profiling``, ``registry`` (controllers by name) and ``learning_rate`` (the
 learning-rate factor that follows the batch size).
@@ -24,17 +25,25 @@ from simigrad_jax.controllers.registry import make_controller
 from simigrad_jax.controllers.registry import register_controller
 from simigrad_jax.controllers.schedules import LossPlateauController
 from simigrad_jax.controllers.schedules import ScheduleController
+from simigrad_jax.controllers.seesaw import SeesawController
 from simigrad_jax.controllers.simigrad import Controller
+from simigrad_jax.controllers.token_schedules import DoublingWarmupController
+from simigrad_jax.controllers.token_schedules import LinearRampController
+from simigrad_jax.controllers.token_schedules import StepScheduleController
 
 __all__ = [
   "BaseController",
   "BatchSizeController",
   "Controller",
+  "DoublingWarmupController",
   "GnsController",
+  "LinearRampController",
   "LossPlateauController",
   "ProfilesBatchSizes",
   "ProfilingController",
   "ScheduleController",
+  "SeesawController",
+  "StepScheduleController",
   "controller_names",
   "controller_options",
   "make_controller",

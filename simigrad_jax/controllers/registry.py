@@ -22,6 +22,11 @@ Registered names (:func:`make_controller`):
 * ``"gns"``: :class:`GnsController`, keep the batch size near a multiple of
   McCandlish et al.'s (2018) simple gradient noise scale, estimated from the
   same half-batch gradient norms that ``simigrad_jax.transform`` measures.
+* ``"step_schedule"``, ``"linear_ramp"``, ``"doubling_warmup"``, ``"seesaw"``:
+  the ramps language-model trainers use, counted in tokens or examples
+  (:mod:`simigrad_jax.controllers.token_schedules`,
+  :mod:`simigrad_jax.controllers.seesaw`): Megatron-LM's thresholds, MaxText's
+  linear ramp, Merrill et al.'s doubling warmup and Seesaw.
 
 Every controller here holds its size on a non-finite step (a NaN or infinite
 similarity, a ``stats["grads_finite"]`` of False or, for the noise scale, a
@@ -45,7 +50,11 @@ from simigrad_jax.controllers.schedules import ScheduleController
 from simigrad_jax.controllers.schedules import decreasing_schedule
 from simigrad_jax.controllers.schedules import geometric_schedule
 from simigrad_jax.controllers.schedules import linear_schedule
+from simigrad_jax.controllers.seesaw import SeesawController
 from simigrad_jax.controllers.simigrad import Controller
+from simigrad_jax.controllers.token_schedules import DoublingWarmupController
+from simigrad_jax.controllers.token_schedules import LinearRampController
+from simigrad_jax.controllers.token_schedules import StepScheduleController
 
 _FACTORIES: dict[str, Callable[..., BatchSizeController]] = {}
 
@@ -82,7 +91,8 @@ def make_controller(name: str, **options: Any) -> BatchSizeController:
       batch size; the baseline), ``"linear"``, ``"geometric"`` and
       ``"decreasing"`` (:class:`ScheduleController`), ``"loss_plateau"``
       (:class:`LossPlateauController`), ``"gns"`` (:class:`GnsController`),
-      or any name added with :func:`register_controller`.
+      ``"step_schedule"``, ``"linear_ramp"``, ``"doubling_warmup"``,
+      ``"seesaw"`` (ramps in tokens), or any name added with :func:`register_controller`.
     **options: the controller's constructor arguments (for ``"fixed"``: those
       of :class:`Controller`, with no ``similarity_target`` needed).
 
@@ -178,3 +188,7 @@ register_controller("geometric", geometric_schedule)
 register_controller("decreasing", decreasing_schedule)
 register_controller("loss_plateau", LossPlateauController)
 register_controller("gns", GnsController)
+register_controller("step_schedule", StepScheduleController)
+register_controller("linear_ramp", LinearRampController)
+register_controller("doubling_warmup", DoublingWarmupController)
+register_controller("seesaw", SeesawController)

@@ -21,7 +21,68 @@ from simigrad_jax.controllers.base import check_finite_float
 SCHEDULE_SHAPES: tuple[str, ...] = ("linear", "geometric")
 
 
-class ScheduleController(BaseController):
+class PositionSchedule(BaseController):
+  """A batch size that is a fixed function of how far training has gone (no feedback).
+
+  The base of the schedules here and in
+  :mod:`simigrad_jax.controllers.token_schedules`: a subclass names the
+  ``stats`` key it follows in ``POSITION`` (``"epochs"`` or
+  ``"examples_seen"``, both counted in examples, so the schedule does not
+  depend on how many steps it took), writes :meth:`_unbounded_size_at`, and
+  calls :meth:`_narrow_bounds` with the smallest and the largest size it can
+  take. The position is saved in the state under ``POSITION``, so a resume
+  mid-schedule continues exactly. The similarity is not used (a non-finite
+  one still holds the size for that step and is counted, like every
+  controller here).
+  """
+
+  POSITION: str = "epochs"
+
+  def __init__(self, initial_batch_size: int, **options: Any):
+    self.REQUIRED_STATS = (self.POSITION,)
+    self._position: float = 0
+    super().__init__(initial_batch_size, **options)
+
+  def _narrow_bounds(self, smallest: int, largest: int) -> None:
+    """The bounds in :attr:`config` become the range the schedule can reach, within the given ones."""
+    self._lower = max(smallest, self._lower or 1)
+    self._upper = largest if self._upper is None else min(largest, self._upper)
+
+  def size_at(self, position: float) -> int:
+    """The schedule's batch size at ``position`` (epochs or examples seen; within the bounds)."""
+    return self._clamp(self._unbounded_size_at(position))
+
+  def _unbounded_size_at(self, position: float) -> int:
+    raise NotImplementedError(f"{type(self).__name__} must implement _unbounded_size_at()")
+
+  def _parse_position(self, value: Any) -> float:
+    """A saved or reported position, checked (a finite float here)."""
+    return check_finite_float(self.POSITION, value)
+
+  def observe(
+    self, similarity: float, stats: Mapping[str, Any] | None, finite: bool
+  ) -> bool | None:
+    assert stats is not None  # update() refuses a step without the REQUIRED_STATS
+    value = stats[self.POSITION]
+    if not (finite and validation.is_real(value) and math.isfinite(float(value))):
+      return False
+    self._position = self._parse_position(value)
+    return True
+
+  def decide(self) -> int:  # The base class clamps to the bounds (decision "clamped").
+    return self._unbounded_size_at(self._position)
+
+  def extra_state(self) -> dict[str, Any]:
+    return {self.POSITION: self._position}
+
+  def parse_extra_state(self, state: Mapping[str, Any]) -> dict[str, Any]:
+    return {"_position": self._parse_position(state[self.POSITION])}
+
+  def _log_details(self, before: int) -> str:
+    return f"{self.POSITION} {self._position:.6g}"
+
+
+class ScheduleController(PositionSchedule):
   """A batch size that follows a fixed schedule in epochs (no feedback).
 
   With ``e`` the fractional epochs trained so far (``stats["epochs"]``, counted
@@ -40,7 +101,8 @@ class ScheduleController(BaseController):
   bounds in :attr:`config` are the range the schedule can reach (the smaller
   and the larger of the two sizes, narrowed by the bounds). The similarity is
   not used (a non-finite one still holds the size for that step and is
-  counted, like every controller here).
+  counted, like every controller here). Schedules counted in tokens or
+  examples: :mod:`simigrad_jax.controllers.token_schedules`.
 
   Args:
     initial_batch_size: B_0, the size at epoch 0 (integer >= 1).
@@ -59,7 +121,7 @@ class ScheduleController(BaseController):
   """
 
   KIND = "linear"
-  REQUIRED_STATS = ("epochs",)
+  POSITION = "epochs"
 
   def __init__(
     self,
@@ -90,7 +152,6 @@ class ScheduleController(BaseController):
       )
     )
     self.KIND = shape  # What config["controller"] and the saved state call it.
-    self._epochs = 0.0
     # Checks the given bounds (and B_0 within them), then narrows them to the reachable range.
     super().__init__(
       b0,
@@ -98,20 +159,15 @@ class ScheduleController(BaseController):
       batch_size_upper_bound=batch_size_upper_bound,
       verbose=verbose,
     )
-    self._lower = max(min(b0, b1), self._lower or 1)
-    self._upper = max(b0, b1) if self._upper is None else min(max(b0, b1), self._upper)
+    self._narrow_bounds(min(b0, b1), max(b0, b1))
 
   @property
   def epochs(self) -> float:
     """The epochs trained so far, as the last update reported them."""
-    return self._epochs
+    return self._position
 
-  def size_at(self, epochs: float) -> int:
-    """The schedule's batch size after ``epochs`` epochs of training (within the bounds)."""
-    return self._clamp(self._unbounded_size_at(epochs))
-
-  def _unbounded_size_at(self, epochs: float) -> int:
-    e = max(float(epochs), 0.0)
+  def _unbounded_size_at(self, position: float) -> int:
+    e = max(float(position), 0.0)
     if self._interval is not None:
       e = math.floor(e / self._interval + 1e-9) * self._interval
     p = min(e / self._ramp, 1.0)
@@ -122,19 +178,6 @@ class ScheduleController(BaseController):
       value = b0 * (b1 / b0) ** p
     return int(round(value))
 
-  def observe(
-    self, similarity: float, stats: Mapping[str, Any] | None, finite: bool
-  ) -> bool | None:
-    assert stats is not None  # update() refuses a step without the REQUIRED_STATS
-    epochs = float(stats["epochs"])
-    if not (finite and math.isfinite(epochs)):
-      return False
-    self._epochs = epochs
-    return True
-
-  def decide(self) -> int:  # The base class clamps to the bounds (decision "clamped").
-    return self._unbounded_size_at(self._epochs)
-
   def settings(self) -> dict[str, Any]:
     return {
       "final_batch_size": self._final,
@@ -142,15 +185,6 @@ class ScheduleController(BaseController):
       "shape": self._shape,
       "interval_epochs": self._interval,
     }
-
-  def extra_state(self) -> dict[str, Any]:
-    return {"epochs": self._epochs}
-
-  def parse_extra_state(self, state: Mapping[str, Any]) -> dict[str, Any]:
-    return {"_epochs": check_finite_float("epochs", state["epochs"])}
-
-  def _log_details(self, before: int) -> str:
-    return f"epochs {self._epochs:.3f}"
 
 
 def linear_schedule(
