@@ -32,6 +32,8 @@ from train import optimizers
 from train import tasks
 from train.configs import shakespeare_lm
 
+WARMUP_EPOCHS = 0.1  # the warm-up of lr_schedule_fn("warmup_cosine", 1.0)
+
 
 class ValidationCurve:
   """A hook that measures the validation loss each time another ``1 / points`` of the budget is trained.
@@ -184,7 +186,7 @@ class LmExperiment:
       controller=controller,
       workdir=workdir,
       max_micro_batch_size=max(1, -(-upper // jax.device_count())),
-      lr_schedule=self.lr_schedule,
+      lr_schedule=self._lr_schedule(controller),
       lr_rule=spec.lr_rule,
       seed=spec.seed,
       max_checkpoints=1,
@@ -195,8 +197,22 @@ class LmExperiment:
       hooks=[curve],
     )
 
-  def run(self, spec: RunSpec) -> dict[str, Any]:
-    """Trains one run for the budget; returns its JSON record (the target is set later)."""
+  def _lr_schedule(self, controller: Any) -> Callable[[float], float]:
+    """The run's learning-rate schedule: warm-up then cosine, or Seesaw's own after the warm-up."""
+    if not hasattr(controller, "lr_schedule"):
+      return self.lr_schedule
+    cosine = self.lr_schedule
+    return controller.lr_schedule(
+      self.num_train, base_schedule=lambda e: cosine(e) if e < WARMUP_EPOCHS else 1.0
+    )
+
+  def run(self, spec: RunSpec, setting: str) -> dict[str, Any]:
+    """Trains one run for the budget; returns its JSON record (the target is set later).
+
+    Args:
+      spec: the run.
+      setting: its label in the record.
+    """
     workdir = pathlib.Path(tempfile.mkdtemp(prefix=f"{spec.controller}-", dir=self.root))
     start = time.perf_counter()
     controller = simigrad_jax.make_controller(spec.controller, **dict(spec.options))
@@ -214,7 +230,7 @@ class LmExperiment:
     sims = [r["similarity"] for r in records if r["similarity"] is not None]
     return {
       "controller": spec.controller,
-      "setting": spec.label(),
+      "setting": setting,
       "seed": spec.seed,
       "steps_to_target": None,
       "tokens_to_target": None,

@@ -91,9 +91,9 @@ FULL: dict[str, Any] = {
   "seeds": (0, 1, 2),
   "seq_length": 64,
   "hidden": 64,
-  "train_windows": 7680,  # 491,520 tokens
-  "eval_windows": 192,
-  "evals": 16,
+  "train_windows": 6144,  # 393,216 tokens
+  "eval_windows": 128,
+  "evals": 12,
   "fixed": (16, 32, 64, 128),
   "lr_multipliers": (0.5, 1.0, 2.0),
   "targets": (0.1, 0.3),
@@ -105,7 +105,6 @@ QUICK: dict[str, Any] = {
   **FULL,
   "seeds": (0, 1),
   "train_windows": 3072,
-  "eval_windows": 128,
   "evals": 10,
   "fixed": (16, 64),
   "lr_multipliers": (1.0,),
@@ -121,29 +120,36 @@ def ramp_specs(
   *,
   initial: int,
   upper: int,
-  num_examples: int,
+  num_tokens: int,
+  seq_length: int,
   lr: float,
 ) -> tuple[list[RunSpec], list[str]]:
-  """The ramps LM trainers use, at their published shapes scaled to ``num_examples`` examples.
+  """The ramps LM trainers use, at their published shapes scaled to a budget of ``num_tokens``.
 
-  * ``step_schedule`` (Megatron's thresholds): ``B_0`` from the start, 2 B_0
-    at 1/8 of the budget, 4 B_0 at 1/4 and 8 B_0 at 1/2 (capped at
-    ``upper``), in examples;
-  * ``linear_ramp`` (MaxText): ``B_0`` to ``upper`` linearly over the first
-    half of the budget;
-  * ``doubling_warmup`` (Merrill et al. 2025): the batch doubles from ``B_0``
-    every 1/8 of the budget up to ``upper``;
-  * ``seesaw`` (arXiv 2510.14717): the batch doubles, and the learning rate
-    is divided by sqrt(2) on top of the square-root rule's rise, wherever the
-    cosine schedule would halve the learning rate.
+  All start at ``B_0 = initial`` and count tokens (``tokens_per_example =
+  seq_length``):
+
+  * ``step_schedule`` (Megatron-LM's thresholds): ``2 B_0`` from 1/8 of the
+    budget, ``4 B_0`` from 1/4 and ``8 B_0`` from 1/2;
+  * ``linear_ramp`` (MaxText, GPT-3's linear ramp): ``B_0`` to ``8 B_0`` in
+    steps of ``B_0`` over the first half of the budget;
+  * ``doubling_warmup`` (Merrill et al. 2025; Llama 3 doubles twice, at
+    1.7% and 19% of its 15T tokens): ``B_0`` doubled at 1.7% and 19% of the
+    budget;
+  * ``seesaw`` (arXiv 2510.14717): the batch doubles where the run's cosine
+    decay (from the end of the 10% warm-up to the end, down to 0.02x) would
+    halve the learning rate, up to ``upper``, and the learning rate is
+    ``2^-k sqrt(B_k / B_0)`` there (the controller's own schedule replaces the
+    cosine: :meth:`LmExperiment.run`).
 
   Args:
     names: the ramps to run; those not registered
       (``simigrad_jax.controller_names()``) are left out and returned.
     seeds: the seeds.
     initial: ``B_0``.
-    upper: the largest batch.
-    num_examples: the run's budget in examples.
+    upper: Seesaw's largest batch.
+    num_tokens: the run's budget in tokens.
+    seq_length: tokens per example.
     lr: the learning rate at ``B_0``.
 
   Returns:
@@ -155,43 +161,63 @@ def ramp_specs(
   for name in names:
     if name in missing:
       continue
-    options = ramp_options(name, initial=initial, upper=upper, num_examples=num_examples)
+    options = ramp_options(
+      name, initial=initial, upper=upper, num_tokens=num_tokens, seq_length=seq_length
+    )
     specs += [RunSpec(name, options, lr, 1.0, seed) for seed in seeds]
   return specs, missing
 
 
 def ramp_options(
-  name: str, *, initial: int, upper: int, num_examples: int
+  name: str, *, initial: int, upper: int, num_tokens: int, seq_length: int
 ) -> tuple[tuple[str, Any], ...]:
-  """The controller options of one ramp (see :func:`ramp_specs`), sorted."""
-  sizes, starts = [], []
-  size, k = initial, 0
-  while size <= upper:
-    sizes.append(size)
-    starts.append(k * num_examples // 8)
-    size, k = size * 2, k + 1
+  """The controller options of one ramp (see :func:`ramp_specs`), sorted by name."""
+  n = num_tokens
+  options: dict[str, Any] = {"tokens_per_example": seq_length}
   if name == "step_schedule":
-    points = [0, num_examples // 8, num_examples // 4, num_examples // 2]
-    sizes = [min(initial * 2**i, upper) for i in range(4)]
-    schedule = ",".join(f"{p}:{b}" for p, b in zip(points, sizes, strict=True))
-    options = {"schedule": schedule}
+    points = (0, n // 8, n // 4, n // 2)
+    options["thresholds"] = ",".join(f"{p}:{initial * 2**i}" for i, p in enumerate(points))
   elif name == "linear_ramp":
-    options = {
-      "initial_batch_size": initial,
-      "final_batch_size": upper,
-      "ramp_examples": num_examples // 2,
-    }
+    options.update(
+      initial_batch_size=initial, final_batch_size=8 * initial, increment=initial, ramp=n // 2
+    )
   elif name == "doubling_warmup":
-    options = {
-      "initial_batch_size": initial,
-      "final_batch_size": sizes[-1],
-      "doubling_examples": num_examples // 8,
-    }
+    options.update(
+      initial_batch_size=initial, doubling_points=f"{round(0.017 * n)},{round(0.19 * n)}"
+    )
   elif name == "seesaw":
-    options = {"initial_batch_size": initial, "batch_size_upper_bound": upper}
+    options.update(
+      initial_batch_size=initial,
+      batch_size_upper_bound=upper,
+      decay_start=n // 10,
+      decay_end=n,
+      num_halvings=max(1, (upper // initial).bit_length() - 1),
+      final_lr_fraction=0.02,
+    )
   else:
     raise ValueError(f"unknown ramp {name!r}; choose one of {RAMPS}")
   return tuple(sorted(options.items()))
+
+
+def setting_label(spec: RunSpec) -> str:
+  """A run's setting in a few words: the batch size, target or ramp (counts in tokens)."""
+  options = dict(spec.options)
+  if spec.controller == "step_schedule":
+    return f"{options['thresholds']} tokens"
+  if spec.controller == "linear_ramp":
+    return (
+      f"{options['initial_batch_size']}->{options['final_batch_size']} by "
+      f"{options['increment']} over {options['ramp']} tokens"
+    )
+  if spec.controller == "doubling_warmup":
+    points = " and ".join(options["doubling_points"].split(","))
+    return f"x2 from {options['initial_batch_size']} at {points} tokens"
+  if spec.controller == "seesaw":
+    return (
+      f"x2 at the cosine's {options['num_halvings']} halvings, "
+      f"{options['initial_batch_size']}->{options['batch_size_upper_bound']}"
+    )
+  return spec.label()
 
 
 def _floats(text: str) -> tuple[float, ...]:
@@ -268,7 +294,13 @@ def _adaptive_specs(args: argparse.Namespace, lr0: float, num_examples: int) -> 
       opts = (("initial_batch_size", b0), ("multiple", multiple), *bounds, ("ema_decay", 0.9))
       specs.append(RunSpec("gns", opts, lr0, 1.0, seed))
   ramps, missing = ramp_specs(
-    args.ramps, args.seeds, initial=b0, upper=upper, num_examples=num_examples, lr=lr0
+    args.ramps,
+    args.seeds,
+    initial=b0,
+    upper=upper,
+    num_tokens=num_examples * args.seq_length,
+    seq_length=args.seq_length,
+    lr=lr0,
   )
   args.missing_ramps = missing
   return specs + ramps
@@ -322,7 +354,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     def execute(specs: list[RunSpec]) -> list[dict[str, Any]]:
       done = []
       for spec in specs:
-        run = exp.run(spec)
+        run = exp.run(spec, setting_label(spec))
         runs.append(run)
         done.append(run)
         print(
@@ -344,7 +376,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
       for seed in args.seeds
     ]
     done = {(r["setting"], r["seed"], r["learning_rate"]) for r in runs}
-    execute([s for s in fixed if (s.label(), s.seed, s.lr) not in done])
+    execute([s for s in fixed if (setting_label(s), s.seed, s.lr) not in done])
     execute(_adaptive_specs(args, lr_at(args.initial_batch_size), exp.num_train))
 
   results = pareto_lm_report.analyse(runs, fixed_sizes=args.fixed, seeds=args.seeds)

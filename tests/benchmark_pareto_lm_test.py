@@ -5,6 +5,7 @@ import json
 import numpy as np
 import pytest
 
+import simigrad_jax
 from benchmarks import pareto_lm
 from benchmarks import pareto_lm_report
 from benchmarks.lm_experiment import crossing
@@ -67,16 +68,23 @@ def test_the_target_is_the_best_constant_batchs_mean_and_the_verdict_follows_the
   assert pareto_lm_report.markdown(results).startswith("| controller | setting |")
 
 
-def test_ramps_scale_to_the_budget_and_unregistered_ones_are_named():
+def test_ramps_scale_to_the_budget():
   specs, missing = pareto_lm.ramp_specs(
-    pareto_lm.RAMPS, (0, 1), initial=16, upper=128, num_examples=800, lr=1e-3
+    pareto_lm.RAMPS, (0, 1), initial=16, upper=128, num_tokens=64_000, seq_length=64, lr=1e-3
   )
-  assert {s.controller for s in specs} | set(missing) == set(pareto_lm.RAMPS)
-  assert len(specs) == 2 * (len(pareto_lm.RAMPS) - len(missing))
-  steps = dict(pareto_lm.ramp_options("step_schedule", initial=16, upper=128, num_examples=800))
-  assert steps["schedule"] == "0:16,100:32,200:64,400:128"
+  assert not missing and [s.controller for s in specs[::2]] == list(pareto_lm.RAMPS)
+  sizes = {}
+  for spec in specs[::2]:
+    controller = simigrad_jax.make_controller(spec.controller, **dict(spec.options))
+    sizes[spec.controller] = [controller.size_at(e) for e in (0, 20, 130, 260, 520, 999)]
+  assert sizes["step_schedule"] == [16, 16, 32, 64, 128, 128]
+  assert sizes["linear_ramp"] == [16, 16, 32, 64, 128, 128]  # +16 every 500 / 7 examples
+  assert sizes["doubling_warmup"] == [16, 32, 32, 64, 64, 64]  # at 1.7% and 19% of 1,000
+  assert sizes["seesaw"] == [16, 16, 16, 16, 16, 128]  # the cosine halves at 55%, 70%, 80%
+  assert specs[-1].label() != pareto_lm.setting_label(specs[-1])
+  assert pareto_lm.setting_label(specs[0]) == "0:16,8000:32,16000:64,32000:128 tokens"
   with pytest.raises(ValueError, match="unknown ramp 'cubic'"):
-    pareto_lm.ramp_options("cubic", initial=16, upper=128, num_examples=800)
+    pareto_lm.ramp_options("cubic", initial=16, upper=128, num_tokens=64_000, seq_length=64)
 
 
 def test_toy_comparison_end_to_end(tmp_path):
