@@ -357,6 +357,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         run = exp.run(spec, setting_label(spec))
         runs.append(run)
         done.append(run)
+        if args.out:  # every run so far, should the analysis at the end fail
+          pathlib.Path(args.out + ".runs").write_text(json.dumps(runs))
         print(
           f"  {run['controller']:<15} {run['setting']:<24} lr {spec.lr:.2e} seed {spec.seed}: "
           f"val loss {run['final_val_loss']:.4f}  steps {run['steps']}  tokens {run['tokens']:,}"
@@ -385,6 +387,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
       **exp.info(),
       "quick": bool(args.quick),
       "seeds": list(args.seeds),
+      "fixed_sizes": list(args.fixed),
       "base_lr": args.base_lr,
       "lr_batch_size": args.lr_batch_size,
       "lr_multipliers": list(args.lr_multipliers),
@@ -403,6 +406,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   if png:
     results["png"] = str(pareto_lm_report.plot(results, png))
   common.report(results, table, args.out)
+  if args.out:
+    pathlib.Path(args.out + ".runs").unlink(missing_ok=True)
   return results
 
 

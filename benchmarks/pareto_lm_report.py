@@ -66,7 +66,7 @@ def analyse(
     steps, tokens = crossing(points, target)
     run["steps_to_target"] = None if steps is None else round(steps, 1)
     run["tokens_to_target"] = None if tokens is None else round(tokens)
-  settings = [_summarize(key, group) for key, group in groups.items()]
+  settings = [_summarize(key, group, target) for key, group in groups.items()]
   best = settings[list(groups).index(best_key)]
   return {
     "target_val_loss": round(target, 6),
@@ -77,9 +77,30 @@ def analyse(
   }
 
 
-def _summarize(key: tuple[str, str, float], group: list[dict[str, Any]]) -> dict[str, Any]:
+def mean_curve(group: list[dict[str, Any]]) -> list[tuple[float, float, float]]:
+  """The seeds' mean ``(steps, tokens, loss)`` at the first seed's token counts.
+
+  Each run's loss and steps are interpolated linearly in tokens, so that
+  seeds whose measurements fall at other steps average at the same tokens.
+  """
+  grid = np.array([t for _, t, _ in group[0]["curve"]], np.float64)
+  steps, losses = [], []
+  for run in group:
+    curve = np.array(run["curve"], np.float64)
+    steps.append(np.interp(grid, curve[:, 1], curve[:, 0]))
+    losses.append(np.interp(grid, curve[:, 1], curve[:, 2]))
+  mean_steps, mean_losses = np.mean(steps, 0), np.mean(losses, 0)
+  return [
+    (float(s), float(t), float(v)) for s, t, v in zip(mean_steps, grid, mean_losses, strict=True)
+  ]
+
+
+def _summarize(
+  key: tuple[str, str, float], group: list[dict[str, Any]], target: float
+) -> dict[str, Any]:
   reached = [r for r in group if r["steps_to_target"] is not None]
   loss, loss_std = mean_std([r["final_val_loss"] for r in group])
+  steps_of_mean, tokens_of_mean = crossing(mean_curve(group), target)
   return {
     "controller": key[0],
     "setting": key[1],
@@ -90,6 +111,8 @@ def _summarize(key: tuple[str, str, float], group: list[dict[str, Any]]) -> dict
     "final_val_loss_std": round(loss_std, 5),
     "steps_to_target": _mean_or_none([r["steps_to_target"] for r in reached]),
     "tokens_to_target": _mean_or_none([r["tokens_to_target"] for r in reached]),
+    "mean_curve_steps_to_target": None if steps_of_mean is None else round(steps_of_mean, 1),
+    "mean_curve_tokens_to_target": None if tokens_of_mean is None else round(tokens_of_mean),
     "steps": round(float(np.mean([r["steps"] for r in group])), 1),
     "tokens": round(float(np.mean([r["tokens"] for r in group]))),
     "avg_batch_size": round(float(np.mean([r["avg_batch_size"] for r in group])), 1),
@@ -102,37 +125,34 @@ def _mean_or_none(values: list[float]) -> float | None:
 
 
 def verdict(settings: list[dict[str, Any]], best: dict[str, Any]) -> dict[str, Any]:
-  """Each SimiGrad setting against the goal.
+  """Each SimiGrad setting against the goal, on the seeds' mean validation curves.
 
-  The best constant batch's reference is its whole run (steps and tokens):
-  its mean final loss is the target. A SimiGrad setting meets the goal when
-  every seed reaches the target, its mean steps to it are at most
-  :data:`STEPS_GOAL` x the reference's steps and its mean tokens at most
-  :data:`TOKENS_GOAL` x the reference's tokens, and its mean steps are fewer
-  than every ramp's (a ramp that not every seed brings to the target counts
-  as beaten, and is named).
+  A setting's steps and tokens to the target are where the mean over seeds
+  of its validation loss (at equal tokens) first reaches it
+  (``mean_curve_steps_to_target``); the best constant batch's mean curve
+  reaches it at its end, so its reference is its whole run. A SimiGrad
+  setting meets the goal when its steps are at most :data:`STEPS_GOAL` x the
+  reference's, its tokens at most :data:`TOKENS_GOAL` x, and its steps fewer
+  than every ramp's (a ramp whose mean curve never reaches the target counts
+  as beaten).
   """
   ramps = [s for s in settings if s["controller"] in RAMPS]
   out = []
   for s in settings:
     if s["controller"] != "simigrad":
       continue
-    complete = s["reached"] == s["seeds"]
-    steps_ratio = (
-      None if s["steps_to_target"] is None else round(s["steps_to_target"] / best["steps"], 3)
-    )
-    tokens_ratio = (
-      None if s["tokens_to_target"] is None else round(s["tokens_to_target"] / best["tokens"], 3)
-    )
+    steps, tokens = s["mean_curve_steps_to_target"], s["mean_curve_tokens_to_target"]
+    steps_ratio = None if steps is None else round(steps / best["steps"], 3)
+    tokens_ratio = None if tokens is None else round(tokens / best["tokens"], 3)
     against_ramps = {
-      r["setting"] if r["controller"] == "fixed" else r["controller"]: (
+      r["controller"]: (
         None
-        if r["steps_to_target"] is None or r["reached"] < r["seeds"] or not complete
-        else round(s["steps_to_target"] / r["steps_to_target"], 3)
+        if r["mean_curve_steps_to_target"] is None or steps is None
+        else round(steps / r["mean_curve_steps_to_target"], 3)
       )
       for r in ramps
     }
-    beats_ramps = complete and all(v is None or v < 1.0 for v in against_ramps.values())
+    beats_ramps = steps is not None and all(v is None or v < 1.0 for v in against_ramps.values())
     out.append(
       {
         "setting": s["setting"],
@@ -141,8 +161,7 @@ def verdict(settings: list[dict[str, Any]], best: dict[str, Any]) -> dict[str, A
         "tokens_ratio": tokens_ratio,
         "steps_vs_ramps": against_ramps,
         "meets_goal": bool(
-          complete
-          and steps_ratio is not None
+          steps_ratio is not None
           and steps_ratio <= STEPS_GOAL
           and tokens_ratio is not None
           and tokens_ratio <= TOKENS_GOAL
@@ -153,6 +172,7 @@ def verdict(settings: list[dict[str, Any]], best: dict[str, Any]) -> dict[str, A
   return {
     "reference": f"{best['setting']}: {best['steps']:g} steps, {best['tokens']:,} tokens",
     "goal": f"steps <= {STEPS_GOAL}x, tokens <= {TOKENS_GOAL}x, fewer steps than each ramp",
+    "measure": "steps and tokens where the seeds' mean validation curve reaches the target",
     "ramps_run": sorted({r["controller"] for r in ramps}),
     "simigrad": out,
   }
@@ -166,11 +186,12 @@ def _rows(results: dict[str, Any]) -> list[list[str]]:
   best = results["best_fixed"]
   rows = []
   for s in results["settings"]:
+    steps, tokens = s["mean_curve_steps_to_target"], s["mean_curve_tokens_to_target"]
     ratio = (
-      ""
-      if s["steps_to_target"] is None
-      else f"{s['steps_to_target'] / best['steps']:.2f}x / "
-      f"{s['tokens_to_target'] / best['tokens']:.2f}x"
+      "never"
+      if steps is None
+      else f"{steps:,.0f} / {tokens / 1000:,.0f}k ({steps / best['steps']:.2f}x / "
+      f"{tokens / best['tokens']:.2f}x)"
     )
     rows.append(
       [
@@ -195,10 +216,10 @@ HEADER = [
   "setting",
   "lr at B_0",
   "final val loss",
-  "reached",
-  "steps to target",
-  "tokens to target",
-  "vs best fixed (steps / tokens)",
+  "seeds reaching",
+  "steps to target (those seeds)",
+  "tokens to target (those seeds)",
+  "seeds' mean curve: steps / tokens to target (vs best fixed)",
   "steps",
   "avg B",
   "s/run",
@@ -247,8 +268,16 @@ def plot(results: dict[str, Any], png_path: str | os.PathLike) -> pathlib.Path:
 
   seed = min(r["seed"] for r in results["runs"])
   fig, (by_steps, by_tokens, sizes) = plt.subplots(1, 3, figsize=(17, 5))
-  colors = {"fixed": "tab:gray", "simigrad": "tab:red", "gns": "tab:green"}
-  cycle = iter(plt.rcParams["axes.prop_cycle"].by_key()["color"])
+  fixed_keys = sorted(
+    {_setting_key(r) for r in results["runs"] if r["controller"] == "fixed"},
+    key=lambda k: int(k[1].removeprefix("B=")),
+  )
+  other_keys = [_setting_key(s) for s in [*results["runs"]] if s["controller"] != "fixed"]
+  other_keys = list(dict.fromkeys(other_keys))
+  colors = {
+    k: plt.cm.Greys(0.4 + 0.5 * i / max(len(fixed_keys), 1)) for i, k in enumerate(fixed_keys)
+  }
+  colors.update({k: plt.cm.tab10(i % 10) for i, k in enumerate(other_keys)})
   complete = {
     (s["controller"], s["setting"], s["learning_rate"])
     for s in results["settings"]
@@ -257,13 +286,13 @@ def plot(results: dict[str, Any], png_path: str | os.PathLike) -> pathlib.Path:
   for run in results["runs"]:
     if run["seed"] != seed or _setting_key(run) not in complete:
       continue
-    color = colors.get(run["controller"]) or next(cycle, "tab:blue")
+    color = colors[_setting_key(run)]
     style = "--" if run["controller"] == "fixed" else "-"
     label = f"{run['controller']} {run['setting']}"
     curve = np.array(run["curve"], np.float64)[1:]
     by_steps.plot(curve[:, 0], curve[:, 2], style, color=color, label=label, lw=1.2)
     by_tokens.plot(curve[:, 1], curve[:, 2], style, color=color, lw=1.2)
-    trace = np.array(run["batch_sizes"], np.float64)
+    trace = np.array(run["batch_sizes"], np.float64)[:-1]  # not the last step, cut to the budget
     sizes.plot(trace[:, 0], trace[:, 1], style, color=color, lw=1.2)
   for ax, xlabel in ((by_steps, "optimizer steps"), (by_tokens, "tokens")):
     ax.axhline(results["target_val_loss"], color="black", lw=0.8, ls=":")
