@@ -107,7 +107,7 @@ QUICK: dict[str, Any] = {
   "train_windows": 3072,
   "evals": 10,
   "fixed": (16, 64),
-  "lr_multipliers": (1.0,),
+  "lr_multipliers": (2.0,),  # the full grid's choice
   "targets": (0.1,),
   "model_targets": (),
   "ramps": ("doubling_warmup", "seesaw"),

@@ -301,19 +301,9 @@ def create_model(
       bn_momentum=config.bn_momentum,
       dtype=dtype,
     )
-  if name == "bert":
-    return BertMLM(
-      vocab_size=vocab_size,
-      max_length=config.seq_length,
-      hidden=config.bert_hidden,
-      layers=config.bert_layers,
-      heads=config.bert_heads,
-      mlp=config.bert_mlp,
-      dropout=config.dropout,
-      dtype=dtype,
-    )
-  if name == "causal_lm":  # BERT's layer options, one decoder layer each
-    return CausalLM(
+  if name in ("bert", "causal_lm"):  # the causal LM takes BERT's layer options
+    transformer = BertMLM if name == "bert" else CausalLM
+    return transformer(
       vocab_size=vocab_size,
       max_length=config.seq_length,
       hidden=config.bert_hidden,
