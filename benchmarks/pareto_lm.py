@@ -38,7 +38,9 @@ ramp's steps to the target.
 Usage::
 
   python benchmarks/pareto_lm.py --quick --out /tmp/lm_quick.json   # about 10 min on 2 cores
-  python benchmarks/pareto_lm.py --out docs/pareto_lm.json          # the full grid
+  python benchmarks/pareto_lm.py --out docs/pareto_lm.json          # the full grid, ~16 min
+  python benchmarks/pareto_lm.py --train-windows 6144 --lr-multipliers 0.5,1,2 \
+      --targets 0.1,0.3 --out docs/pareto_lm_393k.json               # half the budget
   python benchmarks/pareto_lm.py --markdown docs/pareto_lm.json     # docs/results.md's table
 
 JSON written to ``--out`` (machine-read)::
@@ -91,12 +93,12 @@ FULL: dict[str, Any] = {
   "seeds": (0, 1, 2),
   "seq_length": 64,
   "hidden": 64,
-  "train_windows": 6144,  # 393,216 tokens
+  "train_windows": 12288,  # 786,432 tokens
   "eval_windows": 128,
   "evals": 12,
   "fixed": (16, 32, 64, 128),
-  "lr_multipliers": (0.5, 1.0, 2.0),
-  "targets": (0.1, 0.3),
+  "lr_multipliers": (1.0, 2.0, 4.0),
+  "targets": (0.1, 0.2),
   "model_targets": (0.1,),
   "gns": (1.0,),
   "ramps": RAMPS,
@@ -107,7 +109,7 @@ QUICK: dict[str, Any] = {
   "train_windows": 3072,
   "evals": 10,
   "fixed": (16, 64),
-  "lr_multipliers": (2.0,),  # the full grid's choice
+  "lr_multipliers": (4.0,),  # the full grid's choice
   "targets": (0.1,),
   "model_targets": (),
   "ramps": ("doubling_warmup", "seesaw"),
