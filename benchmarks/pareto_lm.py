@@ -37,7 +37,7 @@ ramp's steps to the target.
 
 Usage::
 
-  python benchmarks/pareto_lm.py --quick --out /tmp/lm_quick.json   # about 10 min on 2 cores
+  python benchmarks/pareto_lm.py --quick --out /tmp/lm_quick.json   # 14 runs, about 3 min on 2 cores
   python benchmarks/pareto_lm.py --out docs/pareto_lm.json          # the full grid, ~16 min
   python benchmarks/pareto_lm.py --train-windows 6144 --lr-multipliers 0.5,1,2 \
       --targets 0.1,0.3 --out docs/pareto_lm_393k.json               # half the budget
@@ -240,7 +240,9 @@ def _names(text: str) -> tuple[str, ...]:
 
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-  p.add_argument("--quick", action="store_true", help="the quick grid (about 10 min on 2 cores)")
+  p.add_argument(
+    "--quick", action="store_true", help="the quick grid (14 runs, about 3 min on 2 cores)"
+  )
   p.add_argument("--out", default=None, help="write the JSON here")
   p.add_argument("--png", default=None, help="the plot (default: --out with .png)")
   p.add_argument("--markdown", default=None, help="print the docs table of this JSON, and stop")
