@@ -55,6 +55,8 @@ TINY = {
     bert_layers=1, bert_hidden=16, bert_heads=2, bert_mlp=32, seq_length=32, records_per_example=2
   ),
   "bert_tiny": dict(bert_layers=1, bert_hidden=16, bert_heads=2, bert_mlp=32, seq_length=32),
+  # tinyshakespeare from ../shared/data, else TFDS tiny_shakespeare's mock records.
+  "shakespeare_lm": dict(bert_layers=1, bert_hidden=16, bert_heads=2, bert_mlp=32, seq_length=8),
   "mnist_mlp": dict(mnist_source="tfds", mlp_hidden=(16,), num_workers=0),
   "mnist_cnn": dict(mnist_source="tfds", cnn_features=(4, 8), cnn_dense=16, num_workers=0),
   "digits_demo": dict(cnn_features=(4, 8), cnn_dense=16),
@@ -100,6 +102,9 @@ def test_config_takes_two_steps_and_the_batch_size_moves(name, tmp_path, devices
     logits = jax.eval_shape(experiment.predict, variables, batch)
     if config.model == "bert":
       assert batch["tokens"].shape == (3, config.seq_length)
+      assert logits.shape == (3, config.seq_length, experiment.datasets.vocab_size)
+    elif config.model == "causal_lm":  # reads L tokens, predicts the next L
+      assert batch["tokens"].shape == (3, config.seq_length + 1)
       assert logits.shape == (3, config.seq_length, experiment.datasets.vocab_size)
     else:
       image_shape = experiment.datasets.train.element_spec["image"][0]

@@ -22,7 +22,7 @@ DOCS = "".join(path.read_text() for path in [ROOT / "README.md", *sorted(ROOT.gl
 DOCS_COMMANDS = [
   line
   for block in re.findall(r"^```bash\n(.*?)^```", DOCS, re.S | re.M)
-  for line in block.splitlines()
+  for line in block.replace("\\\n", " ").splitlines()  # backslash-continued: one line
   if "python -m train " in line
 ]
 MAIN_FLAGS = set(

@@ -33,9 +33,11 @@ decoded does: ``"raise"`` (an error naming it) or ``"skip"``.
 * ``"tfds_text"``: byte-level tokens of a TFDS text set (``"lm1b"``):
   :class:`TfdsTextSource` packs ``config.records_per_example`` consecutive
   records into each example.
+* ``"chars"``: character-level tinyshakespeare for the causal language model
+  (:mod:`train.char_data`).
 
 The image sets' sources are in ``image_data.py``, the text sets' (byte-level
-tokens) in ``text_data.py``.
+tokens) in ``text_data.py``, the characters in ``char_data.py``.
 """
 
 from __future__ import annotations
@@ -62,7 +64,7 @@ from train.text_data import TextWindowSource
 from train.text_data import TfdsTextSource
 from train.text_data import default_text
 from train.text_data import encode_bytes
-from train.text_data import text_files
+from train.text_data import read_text_files
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -81,6 +83,11 @@ class Datasets:
     image_std: per-channel standard deviation, with ``image_mean``.
     description: one line for the console.
     eval_name: what the evaluation set is called on the console.
+    tokens_per_example: for a language model's data: the tokens each
+      example predicts (tokens seen = examples seen x this).
+    unigram_entropy: the entropy of the training tokens' frequencies, nats
+      per token: the loss of a model that ignores the context.
+    vocabulary: what turns tokens back into text, for ``"chars"``.
   """
 
   train: Any
@@ -91,6 +98,9 @@ class Datasets:
   image_std: tuple[float, ...] | None = None
   description: str = ""
   eval_name: str = "test"
+  tokens_per_example: int | None = None
+  unigram_entropy: float | None = None
+  vocabulary: Any = None
 
 
 def resolve_local_dir(path: str) -> pathlib.Path:
@@ -106,7 +116,15 @@ def limit_examples(source: Any, count: int | None) -> Any:
   return simigrad_jax.ArraySource(source.get_batch(np.arange(count)))
 
 
-DATASETS: tuple[str, ...] = ("digits", "mnist", "tfds", "tfds_resized", "text", "tfds_text")
+DATASETS: tuple[str, ...] = (
+  "digits",
+  "mnist",
+  "tfds",
+  "tfds_resized",
+  "text",
+  "tfds_text",
+  "chars",
+)
 
 
 def create_datasets(config: ml_collections.ConfigDict) -> Datasets:
@@ -185,9 +203,7 @@ def create_datasets(config: ml_collections.ConfigDict) -> Datasets:
     )
   elif kind == "text":
     if config.text_files:
-      paths = text_files(config.text_files)
-      text = "\n\n".join(p.read_text(encoding="utf-8", errors="replace") for p in paths)
-      where = f"{len(paths)} text file(s)"
+      text, where = read_text_files(config.text_files)
     else:
       text, where = default_text(resolve_local_dir(config.local_data_dir))
     tokens = encode_bytes(text)
@@ -217,6 +233,10 @@ def create_datasets(config: ml_collections.ConfigDict) -> Datasets:
       description=f"TFDS {config.tfds_name} (bytes)",
       eval_name=config.eval_split,
     )
+  elif kind == "chars":
+    from train import char_data  # pylint: disable=import-outside-toplevel
+
+    out = char_data.load_chars(config)
   else:
     raise ValueError(f"unknown dataset {kind!r}; choose one of {DATASETS}")
   return _finish(out, config)

@@ -1,4 +1,4 @@
-"""Flax (linen) models for the training configs: MLP, small CNN, ResNet, BERT-style MLM encoder.
+"""Flax (linen) models for the training configs: MLP, small CNN, ResNet, BERT-style MLM encoder, causal LM.
 
 In-graph code: every module here runs inside the Trainer's data-parallel step.
 Image models take ``(images, train, mask)``: ``mask`` (True for real rows,
@@ -181,6 +181,25 @@ class TransformerLayer(nn.Module):
     return nn.LayerNorm(epsilon=1e-12, dtype=self.dtype)(x + drop(y))
 
 
+def _encode(module: Any, tokens: Any, attention_mask: Any, train: bool) -> tuple[Any, nn.Embed]:
+  """The transformers' body, called inside ``module``'s compact call: token and position
+  embeddings, a LayerNorm and dropout, then ``module.layers`` :class:`TransformerLayer` s under
+  ``attention_mask``. Returns the hidden states and the token embedding (for a tied head)."""
+  init = nn.initializers.normal(0.02)
+  embed = nn.Embed(
+    module.vocab_size, module.hidden, embedding_init=init, dtype=module.dtype, name="token_embed"
+  )
+  positions = module.param("position_embed", init, (module.max_length, module.hidden))
+  x = embed(tokens) + positions[None, : tokens.shape[1]].astype(module.dtype)
+  x = nn.LayerNorm(epsilon=1e-12, dtype=module.dtype)(x)
+  x = nn.Dropout(module.dropout, deterministic=not train)(x)
+  for i in range(module.layers):
+    x = TransformerLayer(
+      module.hidden, module.heads, module.mlp, module.dropout, module.dtype, name=f"layer_{i}"
+    )(x, attention_mask, train)
+  return x, embed
+
+
 class BertMLM(nn.Module):
   """A BERT encoder with its masked-language-model head (no next-sentence head).
 
@@ -204,25 +223,43 @@ class BertMLM(nn.Module):
 
   @nn.compact
   def __call__(self, tokens, train: bool = True):
-    init = nn.initializers.normal(0.02)
-    embed = nn.Embed(
-      self.vocab_size, self.hidden, embedding_init=init, dtype=self.dtype, name="token_embed"
-    )
-    positions = self.param("position_embed", init, (self.max_length, self.hidden))
-    x = embed(tokens) + positions[None, : tokens.shape[1]].astype(self.dtype)
-    x = nn.LayerNorm(epsilon=1e-12, dtype=self.dtype)(x)
-    x = nn.Dropout(self.dropout, deterministic=not train)(x)
     attention_mask = nn.make_attention_mask(tokens != self.pad_id, tokens != self.pad_id)
-    for i in range(self.layers):
-      x = TransformerLayer(
-        self.hidden, self.heads, self.mlp, self.dropout, self.dtype, name=f"layer_{i}"
-      )(x, attention_mask, train)
+    x, embed = _encode(self, tokens, attention_mask, train)
     x = nn.Dense(self.hidden, dtype=self.dtype, name="mlm_dense")(x)
     x = nn.LayerNorm(epsilon=1e-12, dtype=self.dtype, name="mlm_norm")(
       nn.gelu(x, approximate=False)
     )
     bias = self.param("mlm_bias", nn.initializers.zeros_init(), (self.vocab_size,))
     return embed.attend(x).astype(jnp.float32) + bias
+
+
+class CausalLM(nn.Module):
+  """A decoder-only transformer language model: the next token's logits at every position.
+
+  Token and learned position embeddings and a LayerNorm, then ``layers`` of
+  BERT's post-LayerNorm :class:`TransformerLayer` under a causal mask (each
+  position attends to itself and the positions before it), then a dense
+  output layer.
+
+  Returns logits of shape ``[batch, length, vocab_size]`` (float32).
+  """
+
+  vocab_size: int
+  max_length: int
+  hidden: int = 128
+  layers: int = 2
+  heads: int = 4
+  mlp: int = 512
+  dropout: float = 0.0
+  dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, tokens, train: bool = True):
+    x, _ = _encode(self, tokens, nn.make_causal_mask(tokens), train)
+    return nn.Dense(self.vocab_size, dtype=self.dtype, name="head")(x).astype(jnp.float32)
+
+
+MODELS: tuple[str, ...] = ("mlp", "cnn", *RESNETS, "bert", "causal_lm")
 
 
 def create_model(
@@ -237,8 +274,8 @@ def create_model(
   Args:
     config: the experiment config (``model`` and its ``model_*`` fields).
     num_classes: the number of classes, for image models.
-    vocab_size: the vocabulary size, for ``"bert"``.
-    dtype: the compute dtype of ResNets and BERT (parameters stay float32).
+    vocab_size: the vocabulary size, for ``"bert"`` and ``"causal_lm"``.
+    dtype: the compute dtype of ResNets and the transformers (parameters stay float32).
 
   Returns:
     An unbound flax module.
@@ -264,8 +301,9 @@ def create_model(
       bn_momentum=config.bn_momentum,
       dtype=dtype,
     )
-  if name == "bert":
-    return BertMLM(
+  if name in ("bert", "causal_lm"):  # the causal LM takes BERT's layer options
+    transformer = BertMLM if name == "bert" else CausalLM
+    return transformer(
       vocab_size=vocab_size,
       max_length=config.seq_length,
       hidden=config.bert_hidden,
@@ -275,4 +313,4 @@ def create_model(
       dropout=config.dropout,
       dtype=dtype,
     )
-  raise ValueError(f"unknown model {name!r}; choose one of {('mlp', 'cnn', *RESNETS, 'bert')}")
+  raise ValueError(f"unknown model {name!r}; choose one of {MODELS}")

@@ -177,6 +177,32 @@ def summarize(
   }
 
 
+def token_counts(summary: dict[str, Any], run: dict[str, Any], datasets: Any) -> dict[str, Any]:
+  """A language model's numbers in tokens: tokens seen, tokens per second, the unigram entropy.
+
+  Args:
+    summary: the run's summary (:func:`summarize`).
+    run: this invocation's ``Trainer.train`` summary (its examples and seconds).
+    datasets: the run's :class:`train.input_pipeline.Datasets`; nothing is
+      returned without ``tokens_per_example``.
+
+  Returns:
+    ``tokens_seen`` (the whole run), ``tokens_per_second`` (this
+    invocation's training steps, compiles included), ``unigram_entropy`` and
+    ``eval_loss_unit`` (``"nats/token"``), or ``{}``.
+  """
+  per_example = getattr(datasets, "tokens_per_example", None)
+  if not per_example:
+    return {}
+  seconds = run.get("wall_seconds") or 0.0
+  return {
+    "tokens_seen": summary["examples_seen"] * per_example,
+    "tokens_per_second": run["run_examples"] * per_example / seconds if seconds else math.nan,
+    "unigram_entropy": datasets.unigram_entropy,
+    "eval_loss_unit": "nats/token",
+  }
+
+
 def _nonfinite_row(summary: dict[str, Any]) -> str:
   """E.g. ``2 skipped (the first: step 7, batch size 24)``, or ``none``."""
   first = summary.get("first_nonfinite_step")
@@ -201,6 +227,21 @@ def print_summary(summary: dict[str, Any]) -> None:
     (
       f"final {summary.get('eval_name', 'eval')} accuracy",
       "n/a" if accuracy is None else f"{accuracy:.4f}",
+    ),
+    *(
+      [
+        (
+          f"final {summary.get('eval_name', 'eval')} loss",
+          f"{summary['eval_loss']:.4f} nats/token (unigram entropy "
+          f"{summary['unigram_entropy']:.4f})"
+          if summary.get("eval_loss") is not None
+          else "n/a",
+        ),
+        ("tokens seen", f"{summary['tokens_seen']:,}"),
+        ("tokens per second", f"{summary['tokens_per_second']:,.0f} (this run's steps)"),
+      ]
+      if "tokens_seen" in summary
+      else []
     ),
     ("average batch size", f"{summary['average_batch_size']:.1f}"),
     ("final batch size", summary["final_batch_size"]),

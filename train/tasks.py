@@ -1,4 +1,4 @@
-"""The two tasks of the training scripts: their loss, prediction and evaluation functions.
+"""The three tasks of the training scripts: their loss, prediction and evaluation functions.
 
 * image classification (``mlp``, ``cnn``, ``resnet*``): softmax cross-entropy,
   in-graph augmentation, BatchNorm statistics as model state, evaluated for
@@ -129,6 +129,53 @@ def mlm_fns(
     losses, correct, targets = masked_losses(variables["params"], batch["tokens"], rng, False)
     targets = targets * weights[:, None]
     return (jnp.sum(correct * targets), jnp.sum(losses * targets), jnp.sum(targets))
+
+  return loss_fn, predict, eval_step
+
+
+# ------------------------------------------------------------------ causal language modelling
+
+
+def causal_lm_fns(
+  config: ml_collections.ConfigDict, model: Any, datasets: input_pipeline.Datasets
+) -> tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any]]:
+  """The causal LM's ``(loss_fn, predict, eval_step)``; ``eval_step`` sums correct, loss, tokens.
+
+  Each example holds ``L + 1`` tokens (:class:`train.char_data.NextTokenWindows`):
+  the model reads the first ``L`` and is scored on the last ``L``. An
+  example's loss is the mean cross-entropy of its ``L`` next tokens, in nats;
+  as every example predicts ``L`` tokens, the Trainer's mean over examples is
+  the mean per token.
+
+  Example:
+    >>> loss_fn, predict, eval_step = causal_lm_fns(config, model, datasets)  # doctest: +SKIP
+  """
+  del datasets
+
+  def token_losses(params, tokens, train: bool, rng):
+    logits = model.apply(
+      {"params": params},
+      tokens[:, :-1],
+      train=train,
+      rngs={"dropout": rng} if train and config.dropout else None,
+    )
+    targets = tokens[:, 1:]
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets)
+    return losses, jnp.argmax(logits, -1) == targets
+
+  def loss_fn(params, model_state, batch, weights, rng):
+    del weights
+    losses, _ = token_losses(params, batch["tokens"], True, rng)
+    return jnp.mean(losses, -1), model_state
+
+  def predict(variables, batch):
+    return model.apply({"params": variables["params"]}, batch["tokens"][:, :-1], train=False)
+
+  @jax.jit
+  def eval_step(variables, batch, weights):
+    losses, correct = token_losses(variables["params"], batch["tokens"], False, None)
+    per_token = jnp.broadcast_to(weights[:, None], losses.shape)
+    return jnp.sum(correct * per_token), jnp.sum(losses * per_token), jnp.sum(per_token)
 
   return loss_fn, predict, eval_step
 

@@ -155,8 +155,9 @@ def default_text(local_data_dir: str | os.PathLike) -> tuple[str, str]:
   return "\n\n".join(topics.topics[k] for k in sorted(topics.topics)), "pydoc_data.topics"
 
 
-def text_files(spec: str) -> list[pathlib.Path]:
-  """The files of ``spec``, comma-separated paths or glob patterns (``~`` expanded), in order."""
+def read_text_files(spec: str) -> tuple[str, str]:
+  """``(text, where)``: the files of ``spec`` (comma-separated paths or glob patterns, ``~``
+  expanded), in order, joined by blank lines."""
   paths = []
   for part in (p.strip() for p in spec.split(",")):
     if not part:
@@ -165,4 +166,5 @@ def text_files(spec: str) -> list[pathlib.Path]:
     if not matches:
       raise FileNotFoundError(f"config.text_files: no file matches {part!r}")
     paths.extend(pathlib.Path(m) for m in matches)
-  return paths
+  text = "\n\n".join(p.read_text(encoding="utf-8", errors="replace") for p in paths)
+  return text, f"{len(paths)} text file(s)"

@@ -4,7 +4,7 @@
 (nothing is trained); :func:`train_and_evaluate` runs it in a workdir,
 resuming from the newest checkpoint there, and writes the metrics, the plot
 and the summary. The loss and evaluation of each task (image classification,
-masked language modelling) are in :mod:`train.tasks`.
+masked and causal language modelling) are in :mod:`train.tasks`.
 """
 
 from __future__ import annotations
@@ -261,14 +261,19 @@ def create_experiment(
   # half a minute for a ResNet on a CPU; same seed, same backend: same parameters.
   key = jax.random.key(config.seed, impl="rbg")
   spec = datasets.train.element_spec
-  if config.model == "bert":
-    if config.dataset not in ("text", "tfds_text"):
-      raise ValueError(f"model 'bert' needs a text data set, not {config.dataset!r}")
+  if config.model in ("bert", "causal_lm"):
+    needs = ("text", "tfds_text") if config.model == "bert" else ("chars",)
+    if config.dataset not in needs:
+      raise ValueError(
+        f"model {config.model!r} needs the data set {' or '.join(map(repr, needs))}, "
+        f"not {config.dataset!r}"
+      )
     params = jax.jit(
       lambda k: model.init(k, jnp.zeros((1, config.seq_length), jnp.int32), train=False)["params"]
     )(key)
     model_state = None
-    loss_fn, predict, eval_step = tasks.mlm_fns(config, model, datasets)
+    task_fns = tasks.mlm_fns if config.model == "bert" else tasks.causal_lm_fns
+    loss_fn, predict, eval_step = task_fns(config, model, datasets)
   else:
     if "image" not in spec:
       raise ValueError(f"model {config.model!r} needs an image data set, not {config.dataset!r}")
@@ -465,6 +470,7 @@ def _train_and_evaluate_in(
     workdir, run, experiment.devices, time.perf_counter() - start, experiment.halves
   )
   summary["eval_name"] = experiment.datasets.eval_name
+  summary.update(report.token_counts(summary, run, experiment.datasets))
   if is_main:
     if config.plot and summary["steps"]:
       summary["plot"] = str(

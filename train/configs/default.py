@@ -29,7 +29,8 @@ def get_config() -> ml_collections.ConfigDict:
   config.halves = "auto"
 
   # ---------------------------------------------------------------- data
-  # "digits" | "mnist" | "tfds" | "tfds_resized" | "text" | "tfds_text" (train/input_pipeline.py).
+  # "digits" | "mnist" | "tfds" | "tfds_resized" | "text" | "tfds_text" | "chars"
+  # (train/input_pipeline.py, train/text_data.py).
   config.dataset = "digits"
   config.data_seed = 0  # the digits' fixed train/test split.
   config.tfds_name = ""  # e.g. "cifar10", "imagenet2012", "lm1b".
@@ -50,7 +51,9 @@ def get_config() -> ml_collections.ConfigDict:
   config.local_data_dir = "../shared/data"
   config.mnist_source = "auto"  # "auto" (local files when present, else TFDS) | "local" | "tfds".
   config.text_files = ""  # comma-separated paths or globs; "" = tinyshakespeare or pydoc_data.
-  config.eval_fraction = 0.05  # "text": the held-out tail of the text.
+  # "chars": tinyshakespeare from "local" (local_data_dir) | "tfds" (tiny_shakespeare) | "auto".
+  config.text_source = "auto"
+  config.eval_fraction = 0.05  # "text", "chars": the held-out tail of the text.
   config.text_feature = "text"  # "tfds_text": the feature holding the text.
   config.records_per_example = 1  # "tfds_text": records packed into one example.
   config.eval_examples = config_dict.placeholder(int)  # evaluate on the first N only.
@@ -62,7 +65,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.image_size = 224  # "inception": the crop's side (eval: the central crop).
 
   # ---------------------------------------------------------------- model
-  # "mlp" | "cnn" | "resnet18" | "resnet34" | "resnet50" | "resnet101" | "bert".
+  # "mlp" | "cnn" | "resnet18" | "resnet34" | "resnet50" | "resnet101" | "bert" | "causal_lm".
   config.model = "mlp"
   # Compute dtype of ResNets and BERT ("bfloat16" on GPUs); parameters stay float32.
   config.dtype = "float32"
@@ -75,7 +78,8 @@ def get_config() -> ml_collections.ConfigDict:
   config.sync_batchnorm = True  # BatchNorm statistics over all devices; False: per device.
   config.bn_momentum = 0.9  # running average: new = momentum * old + (1 - momentum) * batch.
   config.label_smoothing = 0.0
-  config.seq_length = 128  # BERT: tokens (bytes) per example.
+  config.seq_length = 128  # BERT: tokens (bytes) per example; causal_lm: tokens predicted.
+  # The transformers' sizes: BERT's, and the causal LM's (one decoder layer each).
   config.bert_hidden = 768
   config.bert_layers = 12
   config.bert_heads = 12

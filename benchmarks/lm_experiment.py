@@ -1,0 +1,260 @@
+"""The causal LM of ``benchmarks/pareto_lm.py``: the recipe at a reduced size, runs and their loss curves.
+
+:class:`LmExperiment` builds ``train/configs/shakespeare_lm.py``'s data, model
+and loss once and trains one :class:`~benchmarks.pareto_protocol.RunSpec` at
+a time with the real Trainer, all runs sharing one compilation cache. A
+:class:`ValidationCurve` hook measures the validation loss at evenly spaced
+token counts during each run.
+"""
+
+from __future__ import annotations
+
+import math
+import pathlib
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import simigrad_jax
+from benchmarks.pareto_protocol import RunSpec
+from benchmarks.pareto_protocol import lr_schedule_fn
+from simigrad_jax.engine.hooks import host_copy
+from simigrad_jax.engine.step_record import StepRecord
+from train import input_pipeline
+from train import models
+from train import optimizers
+from train import tasks
+from train.configs import shakespeare_lm
+
+WARMUP_EPOCHS = 0.1  # the warm-up of lr_schedule_fn("warmup_cosine", 1.0)
+
+
+class ValidationCurve:
+  """A hook that measures the validation loss each time another ``1 / points`` of the budget is trained.
+
+  A step's hooks run once the next step is dispatched, so the state they see
+  may be one step ahead of the record: each point is recorded with the steps
+  and examples of the state it measured (the sampler's count).
+
+  Args:
+    evaluate: ``evaluate(params, None) -> {"loss", ...}``.
+    total_examples: the run's budget in examples.
+    points: measurements during the run (the end is measured by the caller).
+  """
+
+  def __init__(
+    self, evaluate: Callable[[Any, Any], dict[str, float]], total_examples: int, points: int
+  ):
+    self._evaluate = evaluate
+    self._thresholds = [total_examples * k / points for k in range(1, points)]
+    self.trainer: Any = None
+    self.points: list[tuple[int, int, float]] = []  # (steps, examples, validation loss)
+
+  def measure(self, params: Any, steps: int, examples: int) -> None:
+    self.points.append((steps, examples, float(self._evaluate(params, None)["loss"])))
+
+  def on_step(self, record: StepRecord) -> None:
+    examples = self.trainer.sampler.examples_seen
+    if not self._thresholds or examples < self._thresholds[0]:
+      return
+    while self._thresholds and examples >= self._thresholds[0]:
+      self._thresholds.pop(0)
+    steps = record.step + (1 if examples > record.examples_seen else 0)
+    self.measure(host_copy(self.trainer.state["params"]), steps, examples)
+
+
+def crossing(
+  points: list[tuple[int, int, float]], target: float
+) -> tuple[float | None, float | None]:
+  """``(steps, examples)`` where the loss first reaches ``target``, interpolated linearly.
+
+  Between the last measurement above the target and the first at or below
+  it; ``(None, None)`` when no measurement reaches it.
+
+  Example:
+    >>> crossing([(0, 0, 4.0), (10, 100, 3.0), (20, 200, 2.0)], 2.5)
+    (15.0, 150.0)
+  """
+  for i, (steps, examples, loss) in enumerate(points):
+    if loss <= target:
+      if i == 0:
+        return float(steps), float(examples)
+      s0, e0, l0 = points[i - 1]
+      f = (l0 - target) / (l0 - loss)
+      return s0 + f * (steps - s0), e0 + f * (examples - e0)
+  return None, None
+
+
+class LmExperiment:
+  """Trains the causal LM recipe at a reduced size, one run at a time, recording its loss curve.
+
+  Args:
+    hidden: the width (heads of 16; MLP 4x; 2 layers).
+    seq_length: tokens each window predicts.
+    train_windows: the budget: one pass over the first this many training windows.
+    eval_windows: the validation windows (the first of the held-out 10%).
+    evals: validation measurements per run, evenly in tokens (and one at the end).
+    root: where workdirs and the compilation cache go.
+    keep_workdirs: keep each run's workdir.
+    text_file: train on this text instead of tinyshakespeare.
+  """
+
+  def __init__(
+    self,
+    *,
+    hidden: int,
+    seq_length: int,
+    train_windows: int,
+    eval_windows: int,
+    evals: int,
+    root: pathlib.Path,
+    keep_workdirs: bool = False,
+    text_file: str | None = None,
+  ):
+    config = shakespeare_lm.get_config()
+    config.seq_length, config.bert_hidden = seq_length, hidden
+    config.bert_heads, config.bert_mlp = max(1, hidden // 16), 4 * hidden
+    config.eval_examples, config.eval_batch_size = eval_windows, min(eval_windows, 256)
+    if text_file:
+      config.text_files = str(text_file)
+    self.config = config
+    datasets = input_pipeline.create_datasets(config)
+    if train_windows > len(datasets.train):
+      raise ValueError(
+        f"--train-windows={train_windows} exceeds the {len(datasets.train)} windows of "
+        f"{seq_length} tokens the training text holds"
+      )
+    self.train = input_pipeline.limit_examples(datasets.train, train_windows)
+    self.num_val = len(datasets.eval)
+    self.vocab_size = datasets.vocab_size
+    self.unigram_entropy = datasets.unigram_entropy
+    self.model = models.create_model(config, vocab_size=datasets.vocab_size)
+    self.loss_fn, _, eval_step = tasks.causal_lm_fns(config, self.model, datasets)
+    self.evaluate = tasks.make_evaluate(config, datasets, eval_step, text=False)
+    self.evals, self.root, self.keep_workdirs = evals, root, keep_workdirs
+    self.lr_schedule = lr_schedule_fn("warmup_cosine", 1.0)
+    self.cache_dir = root / "compilation_cache"
+    self.description = (
+      f"{datasets.description}; {len(self.train)} training windows of {seq_length} tokens "
+      f"({self.num_train * seq_length:,} tokens), {self.num_val} validation windows"
+    )
+    model = self.model
+    self._init = jax.jit(
+      lambda key: model.init(key, jnp.zeros((1, seq_length), jnp.int32), train=False)["params"]
+    )
+
+  @property
+  def num_train(self) -> int:
+    return len(self.train)
+
+  def info(self) -> dict[str, Any]:
+    """What the result JSON records about the task."""
+    c = self.config
+    return {
+      "task": "causal_lm",
+      "description": self.description,
+      "num_train": self.num_train,
+      "num_val": self.num_val,
+      "seq_length": c.seq_length,
+      "token_budget": self.num_train * c.seq_length,
+      "vocab_size": self.vocab_size,
+      "unigram_entropy": round(self.unigram_entropy, 6),
+      "model": f"causal_lm (hidden {c.bert_hidden}, {c.bert_layers} layers, "
+      f"{c.bert_heads} heads, MLP {c.bert_mlp})",
+      "optimizer": f"adamw(b2={c.b2}, weight_decay={c.weight_decay}, "
+      f"clip {c.grad_clip_norm}); warm-up 10% then cosine to 0.02x, in tokens",
+      "evals_per_run": self.evals,
+    }
+
+  def _trainer(
+    self, controller: Any, spec: RunSpec, workdir: pathlib.Path, curve: ValidationCurve
+  ) -> simigrad_jax.Trainer:
+    config = self.config.copy_and_resolve_references()
+    config.learning_rate = spec.lr
+    upper = controller.config.get("batch_size_upper_bound") or controller.batch_size
+    return simigrad_jax.Trainer(
+      loss_fn=self.loss_fn,
+      params=jax.tree.map(np.asarray, self._init(jax.random.key(spec.seed, impl="rbg"))),
+      optimizer=optimizers.create_optimizer(config),
+      source=self.train,
+      controller=controller,
+      workdir=workdir,
+      max_micro_batch_size=max(1, -(-upper // jax.device_count())),
+      lr_schedule=self._lr_schedule(controller),
+      lr_rule=spec.lr_rule,
+      seed=spec.seed,
+      max_checkpoints=1,
+      checkpoint_every_seconds=None,
+      compilation_cache_dir=self.cache_dir,
+      progress=False,
+      tensorboard=False,
+      hooks=[curve],
+    )
+
+  def _lr_schedule(self, controller: Any) -> Callable[[float], float]:
+    """The run's learning-rate schedule: warm-up then cosine, or Seesaw's own after the warm-up."""
+    if not hasattr(controller, "lr_schedule"):
+      return self.lr_schedule
+    cosine = self.lr_schedule
+    return controller.lr_schedule(
+      self.num_train, base_schedule=lambda e: cosine(e) if e < WARMUP_EPOCHS else 1.0
+    )
+
+  def run(self, spec: RunSpec, setting: str) -> dict[str, Any]:
+    """Trains one run for the budget; returns its JSON record (the target is set later).
+
+    Args:
+      spec: the run.
+      setting: its label in the record.
+    """
+    workdir = pathlib.Path(tempfile.mkdtemp(prefix=f"{spec.controller}-", dir=self.root))
+    start = time.perf_counter()
+    controller = simigrad_jax.make_controller(spec.controller, **dict(spec.options))
+    curve = ValidationCurve(self.evaluate, self.num_train, self.evals)
+    with self._trainer(controller, spec, workdir, curve) as trainer:
+      curve.trainer = trainer
+      curve.measure(host_copy(trainer.state["params"]), 0, 0)
+      summary = trainer.train(num_epochs=1.0)
+      curve.measure(host_copy(trainer.state["params"]), summary["steps"], summary["examples_seen"])
+    wall = time.perf_counter() - start
+    records = [r for r in simigrad_jax.read_metrics(workdir / "metrics.jsonl") if "batch_size" in r]
+    if not self.keep_workdirs:
+      shutil.rmtree(workdir, ignore_errors=True)
+    tokens = self.config.seq_length
+    sims = [r["similarity"] for r in records if r["similarity"] is not None]
+    return {
+      "controller": spec.controller,
+      "setting": setting,
+      "seed": spec.seed,
+      "steps_to_target": None,
+      "tokens_to_target": None,
+      "final_val_loss": round(curve.points[-1][2], 6),
+      "steps": int(summary["steps"]),
+      "tokens": int(summary["examples_seen"]) * tokens,
+      "learning_rate": spec.lr,
+      "lr_multiplier": spec.lr_multiplier,
+      "options": dict(spec.options),
+      "avg_batch_size": round(summary["examples_seen"] / max(summary["steps"], 1), 3),
+      "final_batch_size": int(records[-1]["next_batch_size"]),
+      "max_batch_size": int(max(r["batch_size"] for r in records)),
+      "mean_similarity": round(float(np.mean(sims)), 4) if sims else None,
+      "nonfinite_steps": int(records[-1]["nonfinite_steps"]),
+      "train_loss": None if not math.isfinite(summary["loss"]) else round(summary["loss"], 6),
+      "wall_seconds": round(wall, 2),
+      "compile_seconds": round(float(summary["compile_seconds"]), 2),
+      "curve": [[s, e * tokens, round(v, 6)] for s, e, v in curve.points],
+      "batch_sizes": _batch_trace(records),
+      **({"workdir": str(workdir)} if self.keep_workdirs else {}),
+    }
+
+
+def _batch_trace(records: list[dict[str, Any]], points: int = 32) -> list[list[float]]:
+  """``[[step, batch size], ...]`` at up to ``points`` evenly spaced steps."""
+  picks = np.unique(np.linspace(0, len(records) - 1, min(points, len(records))).astype(int))
+  return [[records[i]["step"], records[i]["batch_size"]] for i in picks]

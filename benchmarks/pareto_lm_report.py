@@ -1,0 +1,314 @@
+"""The causal-LM comparison's analysis: the target, steps and tokens to it, the verdict, table and plot.
+
+Used by ``benchmarks/pareto_lm.py``. :func:`analyse` turns its runs into the
+target (the best constant batch's final validation loss, mean over seeds),
+each run's steps and tokens to it, a summary per setting and the verdict on
+the goal: SimiGrad at <= 0.64x the best constant batch's optimizer steps,
+<= 1.10x its tokens, and in fewer steps than each ramp.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import pathlib
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from benchmarks.lm_experiment import crossing
+from benchmarks.pareto_analysis import mean_std
+
+STEPS_GOAL = 0.64  # Seesaw's headline: 36% fewer serial steps
+TOKENS_GOAL = 1.10
+RAMPS = ("step_schedule", "linear_ramp", "doubling_warmup", "seesaw")
+
+
+def _setting_key(run: dict[str, Any]) -> tuple[str, str, float]:
+  return run["controller"], run["setting"], run["learning_rate"]
+
+
+def analyse(
+  runs: list[dict[str, Any]], *, fixed_sizes: Sequence[int], seeds: Sequence[int]
+) -> dict[str, Any]:
+  """The target, every run's steps and tokens to it, the per-setting summary and the verdict.
+
+  Only the fixed runs of ``fixed_sizes`` with every seed of ``seeds`` (not
+  the learning-rate tuning's other runs) compete for the best constant batch.
+
+  Args:
+    runs: the runs' records (``curve``, ``final_val_loss``, ``steps``, ...);
+      their ``steps_to_target`` and ``tokens_to_target`` are filled in.
+    fixed_sizes: the constant batch sizes of the grid.
+    seeds: the seeds every setting ran with.
+
+  Returns:
+    ``{"target_val_loss", "best_fixed", "runs", "settings", "verdict"}``.
+  """
+  groups: dict[tuple[str, str, float], list[dict[str, Any]]] = {}
+  for run in runs:
+    groups.setdefault(_setting_key(run), []).append(run)
+  fixed_labels = {f"B={b}" for b in fixed_sizes}
+  candidates = {
+    key: group
+    for key, group in groups.items()
+    if key[0] == "fixed"
+    and key[1] in fixed_labels
+    and sorted(r["seed"] for r in group) == sorted(seeds)
+  }
+  if not candidates:
+    raise ValueError("no constant batch size ran with every seed: no target")
+  best_key = min(candidates, key=lambda k: np.mean([r["final_val_loss"] for r in candidates[k]]))
+  target = float(np.mean([r["final_val_loss"] for r in candidates[best_key]]))
+  for run in runs:
+    points = [(s, t, v) for s, t, v in run["curve"]]
+    steps, tokens = crossing(points, target)
+    run["steps_to_target"] = None if steps is None else round(steps, 1)
+    run["tokens_to_target"] = None if tokens is None else round(tokens)
+  settings = [_summarize(key, group, target) for key, group in groups.items()]
+  best = settings[list(groups).index(best_key)]
+  return {
+    "target_val_loss": round(target, 6),
+    "best_fixed": best,
+    "runs": runs,
+    "settings": settings,
+    "verdict": verdict(settings, best),
+  }
+
+
+def mean_curve(group: list[dict[str, Any]]) -> list[tuple[float, float, float]]:
+  """The seeds' mean ``(steps, tokens, loss)`` at the first seed's token counts.
+
+  Each run's loss and steps are interpolated linearly in tokens, so that
+  seeds whose measurements fall at other steps average at the same tokens.
+  """
+  grid = np.array([t for _, t, _ in group[0]["curve"]], np.float64)
+  steps, losses = [], []
+  for run in group:
+    curve = np.array(run["curve"], np.float64)
+    steps.append(np.interp(grid, curve[:, 1], curve[:, 0]))
+    losses.append(np.interp(grid, curve[:, 1], curve[:, 2]))
+  mean_steps, mean_losses = np.mean(steps, 0), np.mean(losses, 0)
+  return [
+    (float(s), float(t), float(v)) for s, t, v in zip(mean_steps, grid, mean_losses, strict=True)
+  ]
+
+
+def _summarize(
+  key: tuple[str, str, float], group: list[dict[str, Any]], target: float
+) -> dict[str, Any]:
+  reached = [r for r in group if r["steps_to_target"] is not None]
+  loss, loss_std = mean_std([r["final_val_loss"] for r in group])
+  steps_of_mean, tokens_of_mean = crossing(mean_curve(group), target)
+  return {
+    "controller": key[0],
+    "setting": key[1],
+    "learning_rate": key[2],
+    "seeds": len(group),
+    "reached": len(reached),
+    "final_val_loss": round(loss, 5),
+    "final_val_loss_std": round(loss_std, 5),
+    "steps_to_target": _mean_or_none([r["steps_to_target"] for r in reached]),
+    "tokens_to_target": _mean_or_none([r["tokens_to_target"] for r in reached]),
+    "mean_curve_steps_to_target": None if steps_of_mean is None else round(steps_of_mean, 1),
+    "mean_curve_tokens_to_target": None if tokens_of_mean is None else round(tokens_of_mean),
+    "steps": round(float(np.mean([r["steps"] for r in group])), 1),
+    "tokens": round(float(np.mean([r["tokens"] for r in group]))),
+    "avg_batch_size": round(float(np.mean([r["avg_batch_size"] for r in group])), 1),
+    "wall_seconds": round(float(np.mean([r["wall_seconds"] for r in group])), 1),
+  }
+
+
+def _mean_or_none(values: list[float]) -> float | None:
+  return round(float(np.mean(values)), 1) if values else None
+
+
+def verdict(settings: list[dict[str, Any]], best: dict[str, Any]) -> dict[str, Any]:
+  """Each SimiGrad setting against the goal, on the seeds' mean validation curves.
+
+  A setting's steps and tokens to the target are where the mean over seeds
+  of its validation loss (at equal tokens) first reaches it
+  (``mean_curve_steps_to_target``); the best constant batch's mean curve
+  reaches it at its end, so its reference is its whole run. A SimiGrad
+  setting meets the goal when its steps are at most :data:`STEPS_GOAL` x the
+  reference's, its tokens at most :data:`TOKENS_GOAL` x, and its steps fewer
+  than every ramp's (a ramp whose mean curve never reaches the target counts
+  as beaten).
+  """
+  ramps = [s for s in settings if s["controller"] in RAMPS]
+  out = []
+  for s in settings:
+    if s["controller"] != "simigrad":
+      continue
+    steps, tokens = s["mean_curve_steps_to_target"], s["mean_curve_tokens_to_target"]
+    steps_ratio = None if steps is None else round(steps / best["steps"], 3)
+    tokens_ratio = None if tokens is None else round(tokens / best["tokens"], 3)
+    against_ramps = {
+      r["controller"]: (
+        None
+        if r["mean_curve_steps_to_target"] is None or steps is None
+        else round(steps / r["mean_curve_steps_to_target"], 3)
+      )
+      for r in ramps
+    }
+    beats_ramps = steps is not None and all(v is None or v < 1.0 for v in against_ramps.values())
+    out.append(
+      {
+        "setting": s["setting"],
+        "reached": f"{s['reached']}/{s['seeds']}",
+        "steps_ratio": steps_ratio,
+        "tokens_ratio": tokens_ratio,
+        "steps_vs_ramps": against_ramps,
+        "meets_goal": bool(
+          steps_ratio is not None
+          and steps_ratio <= STEPS_GOAL
+          and tokens_ratio is not None
+          and tokens_ratio <= TOKENS_GOAL
+          and beats_ramps
+        ),
+      }
+    )
+  return {
+    "reference": f"{best['setting']}: {best['steps']:g} steps, {best['tokens']:,} tokens",
+    "goal": f"steps <= {STEPS_GOAL}x, tokens <= {TOKENS_GOAL}x, fewer steps than each ramp",
+    "measure": "steps and tokens where the seeds' mean validation curve reaches the target",
+    "ramps_run": sorted({r["controller"] for r in ramps}),
+    "simigrad": out,
+  }
+
+
+def _fmt(value: float | None, pattern: str = "{:,.0f}") -> str:
+  return "never" if value is None else pattern.format(value)
+
+
+def _rows(results: dict[str, Any]) -> list[list[str]]:
+  best = results["best_fixed"]
+  rows = []
+  for s in results["settings"]:
+    steps, tokens = s["mean_curve_steps_to_target"], s["mean_curve_tokens_to_target"]
+    ratio = (
+      "never"
+      if steps is None
+      else f"{steps:,.0f} / {tokens / 1000:,.0f}k ({steps / best['steps']:.2f}x / "
+      f"{tokens / best['tokens']:.2f}x)"
+    )
+    rows.append(
+      [
+        s["controller"],
+        s["setting"],
+        f"{s['learning_rate']:.2e}",
+        f"{s['final_val_loss']:.4f} ± {s['final_val_loss_std']:.4f}",
+        f"{s['reached']}/{s['seeds']}",
+        _fmt(s["steps_to_target"]),
+        _fmt(None if s["tokens_to_target"] is None else s["tokens_to_target"] / 1000, "{:,.0f}k"),
+        ratio,
+        f"{s['steps']:,.0f}",
+        f"{s['avg_batch_size']:.1f}",
+        f"{s['wall_seconds']:.0f}",
+      ]
+    )
+  return rows
+
+
+HEADER = [
+  "controller",
+  "setting",
+  "lr at B_0",
+  "final val loss",
+  "seeds reaching",
+  "steps to target (those seeds)",
+  "tokens to target (those seeds)",
+  "seeds' mean curve: steps / tokens to target (vs best fixed)",
+  "steps",
+  "avg B",
+  "s/run",
+]
+
+
+def _verdict_lines(results: dict[str, Any]) -> list[str]:
+  v = results["verdict"]
+  lines = [
+    f"target: {results['target_val_loss']:.4f} nats/token (best constant batch "
+    f"{v['reference']}; unigram entropy {results.get('unigram_entropy', math.nan):.4f})",
+    f"goal: {v['goal']}; ramps run: {', '.join(v['ramps_run']) or 'none'}",
+  ]
+  for s in v["simigrad"]:
+    ramps = ", ".join(f"{k} {_fmt(r, '{:.2f}x')}" for k, r in s["steps_vs_ramps"].items())
+    lines.append(
+      f"simigrad {s['setting']}: reached {s['reached']}, steps {_fmt(s['steps_ratio'], '{:.2f}x')}"
+      f", tokens {_fmt(s['tokens_ratio'], '{:.2f}x')}"
+      + (f", steps vs ramps: {ramps}" if ramps else "")
+      + f" -> {'meets the goal' if s['meets_goal'] else 'misses the goal'}"
+    )
+  return lines
+
+
+def format_table(results: dict[str, Any]) -> str:
+  """The printed table: one row per setting (means over seeds), then the verdict."""
+  rows = [HEADER, *_rows(results)]
+  widths = [max(len(r[i]) for r in rows) for i in range(len(HEADER))]
+  text = "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows)
+  return text + "\n\n" + "\n".join(_verdict_lines(results))
+
+
+def markdown(results: dict[str, Any]) -> str:
+  """docs/results.md's table and verdict lines for a result."""
+  lines = ["| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
+  lines += ["| " + " | ".join(r) + " |" for r in _rows(results)]
+  return "\n".join(lines) + "\n\n" + "\n".join(f"- {x}" for x in _verdict_lines(results))
+
+
+def plot(results: dict[str, Any], png_path: str | os.PathLike) -> pathlib.Path:
+  """Validation loss against optimizer steps and against tokens (first seed of each setting)."""
+  import matplotlib  # pylint: disable=import-outside-toplevel
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+
+  seed = min(r["seed"] for r in results["runs"])
+  fig, (by_steps, by_tokens, sizes) = plt.subplots(1, 3, figsize=(17, 5))
+  fixed_keys = sorted(
+    {_setting_key(r) for r in results["runs"] if r["controller"] == "fixed"},
+    key=lambda k: int(k[1].removeprefix("B=")),
+  )
+  other_keys = [_setting_key(s) for s in [*results["runs"]] if s["controller"] != "fixed"]
+  other_keys = list(dict.fromkeys(other_keys))
+  colors = {
+    k: plt.cm.Greys(0.4 + 0.5 * i / max(len(fixed_keys), 1)) for i, k in enumerate(fixed_keys)
+  }
+  colors.update({k: plt.cm.tab10(i % 10) for i, k in enumerate(other_keys)})
+  complete = {
+    (s["controller"], s["setting"], s["learning_rate"])
+    for s in results["settings"]
+    if s["seeds"] == len(results["seeds"])
+  }
+  for run in results["runs"]:
+    if run["seed"] != seed or _setting_key(run) not in complete:
+      continue
+    color = colors[_setting_key(run)]
+    style = "--" if run["controller"] == "fixed" else "-"
+    label = f"{run['controller']} {run['setting']}"
+    curve = np.array(run["curve"], np.float64)[1:]
+    by_steps.plot(curve[:, 0], curve[:, 2], style, color=color, label=label, lw=1.2)
+    by_tokens.plot(curve[:, 1], curve[:, 2], style, color=color, lw=1.2)
+    trace = np.array(run["batch_sizes"], np.float64)[:-1]  # not the last step, cut to the budget
+    sizes.plot(trace[:, 0], trace[:, 1], style, color=color, lw=1.2)
+  for ax, xlabel in ((by_steps, "optimizer steps"), (by_tokens, "tokens")):
+    ax.axhline(results["target_val_loss"], color="black", lw=0.8, ls=":")
+    ax.set_xscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("validation loss (nats/token)")
+  by_steps.set_title(f"target {results['target_val_loss']:.3f} (dotted); seed {seed}")
+  by_tokens.set_title("the same runs against tokens")
+  sizes.set_xscale("log")
+  sizes.set_yscale("log", base=2)
+  sizes.set_xlabel("optimizer steps")
+  sizes.set_ylabel("batch size (sequences)")
+  sizes.set_title("batch size over training")
+  by_steps.legend(fontsize=7)
+  fig.tight_layout()
+  path = pathlib.Path(png_path)
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+  return path
