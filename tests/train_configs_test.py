@@ -159,6 +159,26 @@ def test_unknown_controller_and_bad_values_are_refused(devices):
     train.create_controller(tiny_config("digits_demo", controller_options='{"colour": 1}'), 8)
 
 
+def test_token_ramps_count_the_data_sets_tokens_unless_told_otherwise():
+  thresholds = '{"thresholds": "0:16,2k:32"}'
+  config = tiny_config("digits_demo", controller="step_schedule", controller_options=thresholds)
+  in_tokens = train.create_controller(config, 8, tokens_per_example=64)
+  assert in_tokens.config["tokens_per_example"] == 64
+  in_tokens.update(0.5, stats={"examples_seen": 31})  # 1,984 tokens: below 2k
+  assert in_tokens.batch_size == 16
+  in_tokens.update(0.5, stats={"examples_seen": 32})  # 2,048 tokens
+  assert in_tokens.batch_size == 32
+  counted = '{"thresholds": "0:16,2k:32", "tokens_per_example": null}'
+  config = tiny_config("digits_demo", controller="step_schedule", controller_options=counted)
+  assert (
+    train.create_controller(config, 8, tokens_per_example=64).config["tokens_per_example"] is None
+  )
+  # A controller without token counts (SimiGrad) is given none.
+  assert (
+    "tokens_per_example" not in train.create_controller(tiny_config("digits_demo"), 8, 64).config
+  )
+
+
 def test_similarity_ema_decay_turns_on_the_model_rule():
   assert train.create_controller(tiny_config("digits_demo"), 8).config["ema_decay"] is None
   controller = train.create_controller(tiny_config("digits_demo", similarity_ema_decay=0.9), 8)

@@ -161,7 +161,10 @@ def create_trainer_config(config: ml_collections.ConfigDict) -> TrainerConfig:
 
 
 def create_controller(
-  config: ml_collections.ConfigDict, num_devices: int, halves: str = "device"
+  config: ml_collections.ConfigDict,
+  num_devices: int,
+  halves: str = "device",
+  tokens_per_example: int | None = None,
 ) -> Any:
   """The batch-size controller ``config.controller`` with the config's options.
 
@@ -173,7 +176,11 @@ def create_controller(
   on top. A missing lower bound becomes the number of devices (with the local
   split, twice that: one per half of a device), so that no device (half)
   ever holds only padding. ``"fixed"`` without a profile keeps its bounds at
-  the initial size, so only the shapes it uses are compiled.
+  the initial size, so only the shapes it uses are compiled. A controller
+  that counts tokens (the ramps of :mod:`simigrad_jax.controllers.token_schedules`,
+  Seesaw) gets the data set's ``tokens_per_example`` (a language model's
+  sequence length) unless ``config.controller_options`` sets it: its
+  thresholds are then in tokens.
 
   Raises:
     ValueError: for an unknown controller, bad options or bad JSON.
@@ -215,6 +222,9 @@ def create_controller(
         f"config.controller_options must be a JSON object, got {config.controller_options!r}"
       )
     options.update(extra)
+  accepted = simigrad_jax.controller_options(config.controller) or ()
+  if tokens_per_example is not None and "tokens_per_example" in accepted:
+    options.setdefault("tokens_per_example", tokens_per_example)
   try:
     return simigrad_jax.make_controller(config.controller, **options)
   except TypeError as e:  # an option the controller does not take
@@ -247,9 +257,9 @@ def create_experiment(
   devices = training_devices(config) if devices is None else check_device_count(devices)
   with _named_as_config_options():
     halves = trainer_config.halves_for(len(devices))
-  controller = create_controller(config, len(devices), halves)
-  optimizer = optimizers.create_optimizer(config)
   datasets = input_pipeline.create_datasets(config)
+  controller = create_controller(config, len(devices), halves, datasets.tokens_per_example)
+  optimizer = optimizers.create_optimizer(config)
   lr_schedule = optimizers.create_lr_schedule(config, controller, len(datasets.train))
   model = models.create_model(
     config,
