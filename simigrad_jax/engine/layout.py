@@ -66,10 +66,12 @@ class StepLayout:
     min_micro: int | None,
     lower: int,
     upper: int,
+    shapes_per_octave: int = 1,
   ) -> StepLayout:
     """The layout of a run whose global batch sizes lie in ``[lower, upper]``.
 
-    ``"pad"`` mode has one shape; ``"recompile"`` halves down from the largest
+    ``"pad"`` mode has one shape; ``"recompile"`` steps down from the largest
+    (by factors of ``2^(1 / shapes_per_octave)``, rounded up to whole rows)
     to the smallest one that batch sizes in ``[lower, upper]`` need (smaller
     requests, such as a run's last step, pad up to it). ``max_micro`` and
     ``min_micro`` are rows per device: with the local split a device's rows
@@ -84,6 +86,7 @@ class StepLayout:
       min_micro: the smallest shape, in rows per device (None: 1).
       lower: the smallest global batch size of the run.
       upper: the largest.
+      shapes_per_octave: the grid's shapes per factor of two (``"recompile"``).
 
     Returns:
       A :class:`StepLayout`.
@@ -92,9 +95,11 @@ class StepLayout:
     top = _ceil_div(max_micro, per)
     if mode == "pad":
       return cls(halves, num_devices, batch_plan.BucketPolicy(top, top, padding=True))
-    grid = batch_plan.BucketPolicy(top, _ceil_div(min_micro or 1, per), padding=True)
+    grid = batch_plan.BucketPolicy(
+      top, _ceil_div(min_micro or 1, per), padding=True, shapes_per_octave=shapes_per_octave
+    )
     needed = batch_plan.bucket_shapes(grid, num_devices * per, lower, upper)
-    return cls(halves, num_devices, batch_plan.BucketPolicy(top, min(needed), padding=True))
+    return cls(halves, num_devices, dataclasses.replace(grid, min_micro_batch_size=min(needed)))
 
   @property
   def slots_per_device(self) -> int:
@@ -137,6 +142,17 @@ class StepLayout:
   def plan(self, batch_size: int) -> batch_plan.BatchPlan:
     """``batch_size`` (exactly) on the slots: shape, micro-steps, padding."""
     return batch_plan.plan_batch(batch_size, self.num_slots, self.policy, lower=1, upper=None)
+
+  def accumulation_shapes(self, upper: int) -> list[int]:
+    """The shapes a step of several micro-batches can plan up to ``upper`` examples, largest first.
+
+    Empty when ``upper`` fits one micro-batch of the largest shape.
+    """
+    one_micro_batch = self.num_slots * max(self.grid)
+    if upper <= one_micro_batch:
+      return []
+    shapes = batch_plan.bucket_shapes(self.policy, self.num_slots, one_micro_batch + 1, upper)
+    return sorted(shapes, reverse=True)
 
   def shapes_by_distance(self, batch_size: int) -> list[int]:
     """The grid, nearest (in log scale) to ``batch_size``'s shape first: the compile order."""

@@ -73,9 +73,10 @@ class StepPrograms:
     state: the replicated ``{"params", "opt_state", "model_state"}`` (its
       shapes, dtypes and shardings make the placeholders; nothing is kept).
     element_spec: the source's ``{name: (shape, dtype)}`` per example.
-    needs_accumulation: whether a planned step can hold several micro-batches
-      (the accumulation programs are then compiled in the background from the
-      start; otherwise only when the fallback or a plan first needs them).
+    accumulation_shapes: the shapes (rows per slot) a planned step of several
+      micro-batches can use (their micro-steps and the update are then
+      compiled in the background from the start; the others only when the
+      fallback or a plan first needs them).
     background: compile in background threads.
     compile_fallback: let :meth:`ready_plan` replace a plan whose program is
       still compiling.
@@ -101,7 +102,7 @@ class StepPrograms:
     seed: int,
     state: Mapping[str, Any],
     element_spec: Mapping[str, tuple[Any, Any]],
-    needs_accumulation: bool,
+    accumulation_shapes: list[int],
     background: bool,
     compile_fallback: bool,
     shared_compiles: bool = False,
@@ -117,7 +118,7 @@ class StepPrograms:
     self._acc = None  # allocated when a step first accumulates
     self._background = background
     self._compile_fallback = compile_fallback
-    self._needs_accumulation = needs_accumulation
+    self._accumulation_shapes = list(accumulation_shapes)
     self._shared_compiles = shared_compiles and compile_fallback
     self._grid = sorted(layout.grid)  # the shapes a report's bitmasks index
     self._agreed: dict[str, Any] | None = None  # what every process has compiled (shared_compiles)
@@ -150,7 +151,7 @@ class StepPrograms:
     self._apply_compile_seconds = 0.0
     self._apply_wait_seconds = 0.0
     self._fallback_ready = False  # see await_fallback
-    if needs_accumulation or compile_fallback:
+    if self._accumulation_shapes or compile_fallback:
       self._start_apply_compile()
 
   # ------------------------------------------------------------------ compiling
@@ -246,17 +247,16 @@ class StepPrograms:
     """Queues for the background compilers what a run starting at ``batch_size`` needs.
 
     The one-micro-batch programs of the grid, nearest to ``batch_size``'s
-    shape first; the micro-step of the largest shape when a batch can
-    exceed one micro-batch per device; and with the fallback, the micro-step
-    of the first shape (the fallback accumulates on it while a larger shape
-    compiles), with the update for either.
+    shape first; with the fallback, the micro-step of the first shape (the
+    fallback accumulates on it while a larger shape compiles); the
+    micro-steps of the shapes a batch of several micro-batches can plan,
+    largest first; and the update for these.
     """
     self.fused_compiler.prefetch(self.layout.shapes_by_distance(batch_size))
     accumulating = []
-    if self._needs_accumulation:
-      accumulating.append(max(self.layout.grid))
     if self._compile_fallback:
       accumulating.append(self.layout.plan(batch_size).micro_batch_size)
+    accumulating.extend(self._accumulation_shapes)
     if accumulating:
       self._start_apply_compile()
       self.micro_compiler.prefetch(list(dict.fromkeys(accumulating)))

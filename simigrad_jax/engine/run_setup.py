@@ -153,6 +153,7 @@ def build_run(
     mode=config.mode,
     max_micro=config.max_micro_batch_size,
     min_micro=config.min_micro_batch_size,
+    shapes_per_octave=config.shapes_per_octave,
     lower=lower,
     upper=upper,
   )
@@ -222,7 +223,7 @@ def build_run(
       seed=config.seed,
       state=state,
       element_spec=source.element_spec,
-      needs_accumulation=upper > layout.num_slots * max(layout.grid),
+      accumulation_shapes=layout.accumulation_shapes(upper),
       background=config.background_compile,
       compile_fallback=config.uses_compile_fallback,
       shared_compiles=jax.process_count() > 1,
