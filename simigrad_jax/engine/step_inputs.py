@@ -100,7 +100,7 @@ class StepInputs:
     scalars on the devices already. A size whose factor fails is skipped
     (the decision raises it).
     """
-    placed = {}
+    placed: dict[tuple[float, ...], jax.Array] = {}
     for size in batch_sizes:
       try:
         factor, _ = self.lr_factors(size, epochs)
