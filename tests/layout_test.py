@@ -39,3 +39,16 @@ def test_the_finer_grid_pads_less():
     return sum(p.padded_examples for p in plans) / sum(p.rows_per_step for p in plans)
 
   assert padding(8) < 0.05 < 0.15 < padding(1)
+
+
+@pytest.mark.parametrize(
+  "max_micro, lower, upper, per_octave",
+  [(32, 64, 1024, 7), (64, 16, 512, 3), (8, 64, 64, 8), (2, 16, 16, 8)],
+)
+def test_the_default_grid_holds_at_most_16_shapes(max_micro, lower, upper, per_octave):
+  layout = StepLayout.create(
+    "device", 8, mode="recompile", max_micro=max_micro, min_micro=None, lower=lower,
+    upper=upper, shapes_per_octave=None,
+  )  # fmt: skip
+  assert layout.policy.shapes_per_octave == per_octave
+  assert len(layout.grid) <= 16

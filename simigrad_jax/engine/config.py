@@ -47,10 +47,12 @@ class TrainerConfig:
     min_micro_batch_size: the smallest compiled shape in ``recompile`` mode
       (None: 1; only the shapes the batch-size bounds need are compiled).
     shapes_per_octave: the grid's shapes per factor of two in ``recompile``
-      mode, 1 to 16 (:class:`simigrad_jax.BucketPolicy`): the default 8
-      pads about 4% of the rows computed while the batch moves (at most
-      8.3% in a step, plus the rounding to whole rows per device), where 1
-      (the halvings) pads 15-30%; each shape is one more compile.
+      mode, 1 to 16 (:class:`simigrad_jax.BucketPolicy`), or None (the
+      default): as many as a grid of at most
+      :data:`~simigrad_jax.engine.layout.AUTO_GRID_SHAPES` (16) shapes over
+      the bounds' range allows, from 1 to 8. A batch that moves pads about
+      ``35% / shapes_per_octave`` of the rows it computes (8: 4%; 1, the
+      halvings: 15-30%); each shape is one more compile.
     lr_rule: ``"sqrt"``, ``"linear"`` or ``"none"`` (see
       :func:`simigrad_jax.lr_factor`).
     lr_adjust_factor: optional damping of the learning-rate factor (>= 0).
@@ -128,7 +130,7 @@ class TrainerConfig:
   max_micro_batch_size: int
   mode: Mode = "recompile"
   min_micro_batch_size: int | None = None
-  shapes_per_octave: int = 8
+  shapes_per_octave: int | None = None
   lr_rule: learning_rate.LrRule = "sqrt"
   lr_adjust_factor: float | None = None
   seed: int = 0
@@ -167,7 +169,8 @@ class TrainerConfig:
           f"{max_micro}], got {self.min_micro_batch_size!r}"
         )
       checked["min_micro_batch_size"] = int(self.min_micro_batch_size)
-    checked["shapes_per_octave"] = batch_plan.check_shapes_per_octave(self.shapes_per_octave)
+    if self.shapes_per_octave is not None:
+      checked["shapes_per_octave"] = batch_plan.check_shapes_per_octave(self.shapes_per_octave)
     if self.lr_adjust_factor is not None:
       checked["lr_adjust_factor"] = validation.check_real(  # (as lr_factor checks it)
         "lr_adjust_factor", self.lr_adjust_factor, "[0, inf)", lambda f: 0 <= f < math.inf

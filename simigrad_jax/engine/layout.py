@@ -39,6 +39,10 @@ import numpy as np
 from simigrad_jax.engine import batch_plan
 
 HALVES: tuple[str, ...] = ("auto", "device", "local")
+# shapes_per_octave=None: the most shapes per octave, up to this, ...
+AUTO_SHAPES_PER_OCTAVE = 8
+# ... that keep the grid a run's bounds need to this many shapes (each one a compile).
+AUTO_GRID_SHAPES = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,7 +70,7 @@ class StepLayout:
     min_micro: int | None,
     lower: int,
     upper: int,
-    shapes_per_octave: int = 1,
+    shapes_per_octave: int | None = 1,
   ) -> StepLayout:
     """The layout of a run whose global batch sizes lie in ``[lower, upper]``.
 
@@ -86,7 +90,9 @@ class StepLayout:
       min_micro: the smallest shape, in rows per device (None: 1).
       lower: the smallest global batch size of the run.
       upper: the largest.
-      shapes_per_octave: the grid's shapes per factor of two (``"recompile"``).
+      shapes_per_octave: the grid's shapes per factor of two (``"recompile"``);
+        None: the most, up to :data:`AUTO_SHAPES_PER_OCTAVE`, that keep the
+        shapes the bounds need to at most :data:`AUTO_GRID_SHAPES`.
 
     Returns:
       A :class:`StepLayout`.
@@ -95,9 +101,14 @@ class StepLayout:
     top = _ceil_div(max_micro, per)
     if mode == "pad":
       return cls(halves, num_devices, batch_plan.BucketPolicy(top, top, padding=True))
-    grid = batch_plan.BucketPolicy(
-      top, _ceil_div(min_micro or 1, per), padding=True, shapes_per_octave=shapes_per_octave
-    )
+    grid = batch_plan.BucketPolicy(top, _ceil_div(min_micro or 1, per), padding=True)
+    if shapes_per_octave is None:  # the octaves the halving grid needs, shared out
+      octaves = math.log2(
+        top / min(batch_plan.bucket_shapes(grid, num_devices * per, lower, upper))
+      )
+      shared = int((AUTO_GRID_SHAPES - 1) / octaves) if octaves else AUTO_SHAPES_PER_OCTAVE
+      shapes_per_octave = max(1, min(AUTO_SHAPES_PER_OCTAVE, shared))
+    grid = dataclasses.replace(grid, shapes_per_octave=shapes_per_octave)
     needed = batch_plan.bucket_shapes(grid, num_devices * per, lower, upper)
     return cls(halves, num_devices, dataclasses.replace(grid, min_micro_batch_size=min(needed)))
 
