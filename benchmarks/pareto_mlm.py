@@ -31,6 +31,7 @@ from train import input_pipeline
 from train import models
 from train import optimizers
 from train import tasks
+from train import text_data
 from train.configs import bert_tiny
 
 DATA_DIR = pathlib.Path(common.REPOSITORY_ROOT).parent / "shared" / "data"
@@ -105,12 +106,12 @@ class MlmExperiment:
     config.bert_heads, config.bert_mlp = max(1, hidden // 32), 4 * hidden
     config.eval_batch_size = 256
     self.config = config
-    text, where = input_pipeline.default_text(data_dir)
-    tokens = input_pipeline.encode_bytes(text)
+    text, where = text_data.default_text(data_dir)
+    tokens = text_data.encode_bytes(text)
     held_out = int(len(tokens) * HELD_OUT)
     train_tokens, val_tokens = tokens[:-held_out], tokens[-held_out : -held_out // 2]
     test_tokens = tokens[-held_out // 2 :]
-    windows = input_pipeline.TextWindowSource(train_tokens, seq_length)
+    windows = text_data.TextWindowSource(train_tokens, seq_length)
     if train_windows > len(windows):
       raise ValueError(
         f"train_windows={train_windows} exceeds the {len(windows)} windows of "
@@ -119,7 +120,7 @@ class MlmExperiment:
     self.train = input_pipeline.limit_examples(windows, train_windows)
     splits = {
       name: input_pipeline.limit_examples(
-        input_pipeline.TextWindowSource(part, seq_length), eval_examples
+        text_data.TextWindowSource(part, seq_length), eval_examples
       )
       for name, part in (("val", val_tokens), ("test", test_tokens))
     }
@@ -133,13 +134,13 @@ class MlmExperiment:
       f"{len(tokens):,} bytes from {where}: {len(self.train)} train windows of "
       f"{seq_length} / {self.num_val} validation / {self.num_test} test"
     )
-    self.model = models.create_model(config, vocab_size=input_pipeline.BYTE_VOCAB_SIZE)
-    datasets = input_pipeline.Datasets(self.train, None, vocab_size=input_pipeline.BYTE_VOCAB_SIZE)
+    self.model = models.create_model(config, vocab_size=text_data.BYTE_VOCAB_SIZE)
+    datasets = input_pipeline.Datasets(self.train, None, vocab_size=text_data.BYTE_VOCAB_SIZE)
     self.loss_fn, _, eval_step = tasks.mlm_fns(config, self.model, datasets)
     evaluators = {
       name: tasks.make_evaluate(
         config,
-        input_pipeline.Datasets(self.train, split, vocab_size=input_pipeline.BYTE_VOCAB_SIZE),
+        input_pipeline.Datasets(self.train, split, vocab_size=text_data.BYTE_VOCAB_SIZE),
         eval_step,
         text=True,
       )

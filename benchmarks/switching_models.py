@@ -13,7 +13,7 @@ import numpy as np
 import optax
 
 import simigrad_jax
-from train import input_pipeline
+from train import image_data
 
 AXIS = "batch"
 
@@ -44,7 +44,7 @@ MODELS = {"cnn": SmallCNN, "mlp": MLP}
 
 def load_digits_data() -> dict[str, np.ndarray]:
   """scikit-learn's digits: float32 images (N, 8, 8, 1) in [0, 1], int32 labels."""
-  images, labels = input_pipeline.digits_arrays()
+  images, labels = image_data.digits_arrays()
   return {"image": images, "label": labels}
 
 

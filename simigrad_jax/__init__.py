@@ -41,7 +41,7 @@ side), engine/ (the Trainer and its compiled step).
 """
 
 from simigrad_jax.controllers.base import BaseController
-from simigrad_jax.controllers.base import BatchSizeController
+from simigrad_jax.controllers.interface import BatchSizeController
 from simigrad_jax.controllers.learning_rate import lr_factor
 from simigrad_jax.controllers.profiling import ProfilingController
 from simigrad_jax.controllers.registry import controller_names

@@ -8,7 +8,7 @@ import pytest
 
 from benchmarks import pareto
 from benchmarks import pareto_mlm
-from train import input_pipeline
+from train import text_data
 
 
 def _experiment(tmp_path, text=None, **overrides):
@@ -35,7 +35,7 @@ def test_split_train_from_the_start_validation_and_test_from_the_end(tmp_path):
   text = "".join(chr(97 + i % 26) for i in range(9000)) + "".join(str(i % 10) for i in range(1000))
   exp = _experiment(tmp_path, text)
   assert (exp.num_train, exp.num_val, exp.num_test) == (64, 15, 15)  # 500 bytes / 32 each
-  train = input_pipeline.decode_bytes(exp.train.get_batch(np.arange(64))["tokens"])
+  train = text_data.decode_bytes(exp.train.get_batch(np.arange(64))["tokens"])
   assert train == text[: 64 * 32]
   info = exp.info()
   assert info["dataset_note"] is None and info["seq_length"] == 32 and "lamb" in info["optimizer"]
@@ -43,7 +43,7 @@ def test_split_train_from_the_start_validation_and_test_from_the_end(tmp_path):
   assert sorted(scores) == ["test_accuracy", "test_loss", "val_accuracy", "val_loss"]
   assert all(0.0 <= scores[k] <= 1.0 for k in ("val_accuracy", "test_accuracy"))
   # Untrained, the loss is near log(vocabulary): the held-out text is really scored.
-  assert abs(scores["val_loss"] - math.log(input_pipeline.BYTE_VOCAB_SIZE)) < 0.5
+  assert abs(scores["val_loss"] - math.log(text_data.BYTE_VOCAB_SIZE)) < 0.5
   assert exp.eval_fn(exp.init_params(0), None) == scores  # a fixed mask: the same every time
   assert exp.eval_fn(exp.init_params(1), None) != scores
 

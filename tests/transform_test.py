@@ -11,6 +11,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import simigrad_jax
+from simigrad_jax.ingraph import half_statistics
 from simigrad_jax.ingraph import halves_reduction
 
 AXIS = "batch"
@@ -214,7 +215,7 @@ def test_statistics_of_long_leaves_are_summed_in_blocks_and_match_numpy():
     "short": rng.normal(size=(8, 5)).astype(np.float32),
   }
   assert (
-    5002 >= 1024 * halves_reduction.STATISTICS_BLOCKS and 5002 % halves_reduction.STATISTICS_BLOCKS
+    5002 >= 1024 * half_statistics.STATISTICS_BLOCKS and 5002 % half_statistics.STATISTICS_BLOCKS
   )
   _, state = compiled_device_split(8, "pmap", "hierarchical")(grads)
   _, ref_cos, ref_na, ref_nb, ref_nm = reference(grads, EVEN, ODD)

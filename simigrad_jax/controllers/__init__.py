@@ -5,7 +5,7 @@ controller here derives from :class:`BaseController`, on which a new one is a
 rule of two or three methods (docs/controllers.md). :class:`ProfilingController`
 adds a similarity-versus-batch-size profile to any controller.
 
-Modules: ``base`` (the interface and the base class), ``simigrad``
+Modules: ``interface`` (what the Trainer reads), ``base`` (the base class), ``simigrad``
 (:class:`Controller`, SimiGrad's rule), ``schedules`` (epoch schedules and the
 loss plateau rule), ``noise_scale`` (the gradient noise scale),
 ``similarity_model`` (the noise scale read from the similarities),
@@ -14,8 +14,8 @@ learning-rate factor that follows the batch size).
 """
 
 from simigrad_jax.controllers.base import BaseController
-from simigrad_jax.controllers.base import BatchSizeController
-from simigrad_jax.controllers.base import ProfilesBatchSizes
+from simigrad_jax.controllers.interface import BatchSizeController
+from simigrad_jax.controllers.interface import ProfilesBatchSizes
 from simigrad_jax.controllers.noise_scale import GnsController
 from simigrad_jax.controllers.profiling import ProfilingController
 from simigrad_jax.controllers.registry import controller_names

@@ -26,12 +26,12 @@ import numpy as np
 from simigrad_jax import files
 from simigrad_jax import validation
 from simigrad_jax.controllers.base import STATE_VERSION
-from simigrad_jax.controllers.base import BatchSizeController
-from simigrad_jax.controllers.base import ProfilesBatchSizes
 from simigrad_jax.controllers.base import check_batch_size
 from simigrad_jax.controllers.base import check_state_header
 from simigrad_jax.controllers.base import parse_last_decision
 from simigrad_jax.controllers.base import step_is_finite
+from simigrad_jax.controllers.interface import BatchSizeController
+from simigrad_jax.controllers.interface import ProfilesBatchSizes
 
 SizeCheck = Callable[[str, Any], int]  # (name, value) -> the size, or raises ValueError
 

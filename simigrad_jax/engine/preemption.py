@@ -12,7 +12,9 @@ The same per-step exchange (:func:`step_report`, read by :class:`Agreed`)
 carries process 0's seconds since the last checkpoint, so that
 ``checkpoint_every_seconds`` saves at the same step on every process, and
 whether a process's last background save failed, so that every process
-stops at the same step then too.
+stops at the same step then too. :class:`RunStop` holds a ``train()`` call's
+part of it: the signals received, the stop every process agreed on, and the
+:class:`Preempted` raised at the end.
 """
 
 from __future__ import annotations
@@ -155,3 +157,47 @@ class Agreed(NamedTuple):
       seconds_since_checkpoint=reports[0]["since_checkpoint"],
       failed_saves=[r["failed_save"] for r in reports],
     )
+
+
+class RunStop:
+  """A ``train()`` call's stop on a signal: the signals received, and the stop the processes agreed.
+
+  While entered, :attr:`signals` records the first SIGTERM or SIGINT
+  (:class:`StopSignals`); :meth:`report` is this process's part of each
+  step's agreement, and the step's agreement sets :attr:`agreed` (the
+  signal's name, from :class:`Agreed`), after which the run stops.
+
+  Example::
+
+    with run_stop:
+      while more_steps and run_stop.agreed is None:
+        ...  # a step, whose agreement sets run_stop.agreed
+    run_stop.raise_if_agreed(step, checkpoint, summary)
+  """
+
+  def __init__(self):
+    self.signals = StopSignals()
+    self.agreed: str | None = None  # the signal every process stops on
+
+  def __enter__(self) -> RunStop:
+    self.agreed = None
+    self.signals.__enter__()
+    return self
+
+  def __exit__(self, *exc: Any) -> None:
+    self.signals.__exit__(*exc)
+
+  def report(self, seconds_since_checkpoint: float, failed_save: str | None) -> dict[str, Any]:
+    """This process's part of a step's agreement (:func:`step_report`)."""
+    return step_report(self.signals, seconds_since_checkpoint, failed_save)
+
+  def raise_if_agreed(self, step: int, checkpoint: str, summary: dict[str, Any]) -> None:
+    """Raises :class:`Preempted` if the processes agreed to stop on a signal.
+
+    Args:
+      step: the last step done, whose checkpoint is saved.
+      checkpoint: the folder of that checkpoint.
+      summary: what ``train()`` would have returned.
+    """
+    if self.agreed is not None:
+      raise Preempted(self.agreed, step, checkpoint, summary)

@@ -1,4 +1,8 @@
-"""Host: the scalars each step's program takes, the learning-rate factor among them.
+"""Host: a step's inputs: its plan, its examples and its scalars, handed to its program.
+
+:class:`StepDispatcher` plans the controller's batch size onto the devices,
+takes the step's examples (placed ahead for each size it is likely to decide)
+and calls the step's program; the step runs while the host goes on.
 
 A step's program takes three float32 scalars (:data:`simigrad_jax.engine.
 train_step.STEP_INPUTS`): the step's real examples, the learning-rate factor
@@ -13,15 +17,22 @@ to decide (:meth:`StepInputs.place_ahead`, from the data thread).
 
 from __future__ import annotations
 
+import math
+import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
 from simigrad_jax.controllers import learning_rate
+from simigrad_jax.data.sampler import EpochSampler
+from simigrad_jax.engine.data_loader import StepDataLoader
 from simigrad_jax.engine.layout import StepLayout
+from simigrad_jax.engine.programs import StepPrograms
 from simigrad_jax.engine.programs import host_scalars
+from simigrad_jax.engine.step_record import DispatchedStep
 
 
 class StepInputs:
@@ -114,3 +125,92 @@ class StepInputs:
 def _step_inputs(batch_size: int, lr_factor: float) -> tuple[float, float, float]:
   """The scalars of a step of ``batch_size`` real examples at ``lr_factor``."""
   return (float(batch_size), lr_factor, float(StepLayout.first_half_weight(batch_size)))
+
+
+class StepDispatcher:
+  """Plans a batch size onto the devices, takes its examples and dispatches the step.
+
+  Args:
+    layout: the step's layout (its plans).
+    programs: the step's compiled programs.
+    data: loads each step's examples, ahead of the step.
+    sampler: the run's example order (moved past each step's examples).
+    inputs: the step's scalars and learning-rate factor.
+
+  Example::
+
+    dispatcher.prepare(controller.batch_size, total_examples, step, epochs)
+    state, dispatched = dispatcher.dispatch(state, controller.batch_size, total_examples, step,
+                                            last_read=None)
+  """
+
+  def __init__(
+    self,
+    layout: StepLayout,
+    programs: StepPrograms,
+    data: StepDataLoader,
+    sampler: EpochSampler,
+    inputs: StepInputs,
+  ):
+    self._layout, self._programs, self._data = layout, programs, data
+    self._sampler, self._inputs = sampler, inputs
+
+  def prepare(self, batch_size: int, total_examples: float, step: int, epochs: float) -> None:
+    """Before a ``train()`` call's first step: its learning-rate factor, its programs and its
+    examples, asked for ahead."""
+    self._inputs.set_lr_factor(self._inputs.lr_factors(batch_size, epochs))
+    self._programs.prefetch_for(batch_size)
+    self._data.submit_ahead(batch_size, total_examples, step)
+
+  def dispatch(
+    self,
+    state: Any,
+    batch_size: int,
+    total_examples: float,
+    step: int,
+    last_read: float | None,
+  ) -> tuple[Any, DispatchedStep]:
+    """Dispatches the step after ``step`` at ``batch_size`` (cut to land on ``total_examples``).
+
+    Args:
+      state: the run's state (donated to the step).
+      batch_size: the controller's batch size, of this step and (expected) of the next.
+      total_examples: the examples the run ends at.
+      step: the optimizer steps done.
+      last_read: when the last step's statistics were read (None: the first step of a
+        ``train()`` call).
+
+    Returns:
+      The step's new state (not computed yet) and the step as dispatched.
+    """
+    start = time.perf_counter()
+    # The run's last step lands exactly on num_epochs.
+    remaining = total_examples - self._sampler.examples_seen
+    exact = self._layout.plan(int(min(batch_size, remaining)))
+    plan = self._programs.ready_plan(exact)
+    data, data_seconds = self._data.take(plan, self._sampler.examples_seen, step)
+    epoch = self._sampler.epoch
+    self._sampler.take(plan.global_batch_size)
+    step_inputs = self._inputs.on_devices(plan.global_batch_size)
+    wait_before = self._programs.wait_seconds()
+    # The host's critical path ends here: the program call is the runtime's (on CPU the
+    # simulated devices are host threads, and the call runs part of the step).
+    host_seconds = math.nan if last_read is None else time.perf_counter() - last_read
+    state, stats = self._programs.run(state, data, step_inputs)
+    # While the first step runs: the programs that let every later step fall back.
+    self._programs.await_fallback(plan.micro_batch_size)
+    compile_wait = self._programs.wait_seconds() - wait_before
+    # Load the next step's rows while the devices work.
+    self._data.submit_ahead(batch_size, total_examples, step + 1)
+    return state, DispatchedStep(
+      plan=plan,
+      exact_plan=exact,
+      stats=stats,
+      start=start,
+      epoch=epoch,
+      data_seconds=data_seconds,
+      host_seconds=host_seconds,
+      compile_wait_seconds=compile_wait,
+      lr_factor=self._inputs.lr_factor,
+      schedule_factor=self._inputs.schedule_factor,
+    )

@@ -16,8 +16,9 @@ Every optimizer step:
    averages the gradients and measures the similarity; the host reads one
    small vector of statistics;
 4. the controller picks the next batch size, the learning-rate factor follows
-   it, every process agrees on the decision, and the next step is dispatched
-   at once;
+   it, every process agrees on the decision
+   (:mod:`simigrad_jax.engine.step_decision`), and the next step is
+   dispatched at once (:mod:`simigrad_jax.engine.step_inputs`);
 5. while the devices run it, the last step's record
    (:class:`~simigrad_jax.engine.step_record.StepRecord`) goes to the hooks
    (:mod:`simigrad_jax.engine.hooks`): metrics to JSONL and TensorBoard, the
@@ -37,7 +38,6 @@ from __future__ import annotations
 
 import math
 import os
-import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -58,9 +58,11 @@ from simigrad_jax.engine.hooks import StepHook
 from simigrad_jax.engine.hooks import check_hook
 from simigrad_jax.engine.preemption import Preempted
 from simigrad_jax.engine.run_totals import RunTotals
+from simigrad_jax.engine.step_decision import StepDecider
+from simigrad_jax.engine.step_decision import epochs_trained
+from simigrad_jax.engine.step_inputs import StepDispatcher
 from simigrad_jax.engine.step_record import DispatchedStep
 from simigrad_jax.engine.step_record import StepRecord
-from simigrad_jax.engine.step_record import StepStats
 from simigrad_jax.runtime.metrics import MetricsWriter
 from simigrad_jax.runtime.process_agreement import ProcessAgreement
 from simigrad_jax.runtime.process_agreement import ProcessDisagreementError
@@ -79,76 +81,44 @@ __all__ = [
 class Trainer:
   """Trains a model with SimiGrad's adaptive global batch size on all devices.
 
+  Every optimizer step plans the controller's batch size onto the devices,
+  runs the step, reads the similarity, lets the controller choose the next
+  size and hands the step's :class:`~simigrad_jax.engine.step_record.
+  StepRecord` to the hooks: metrics, progress, evaluation, checkpoints and
+  yours. The arguments and errors in full: ``docs/trainer.md``.
+
   Args:
     loss_fn: ``loss_fn(params, model_state, batch, weights, rng) ->
-      (per_example_losses, new_model_state)`` for one device's rows (a dict of
-      arrays with a leading example axis). ``weights`` is 1 for real rows and
-      0 for padding: models with BatchNorm should pass it as the mask.
-      BatchNorm statistics are averaged over devices after every micro-step.
-    params: the initial parameters (a pytree; copied onto the devices, so the
-      caller's arrays stay usable, e.g. to start another Trainer).
+      (per_example_losses, new_model_state)`` for one device's rows;
+      ``weights`` is 0 for padding rows (BatchNorm's mask).
+    params: the initial parameters (copied onto the devices).
     optimizer: an optax optimizer containing ``simigrad_jax.transform(axis_name)``
       and, last, ``simigrad_jax.scale_by_lr_factor()``.
-    source: a random-access data source (``len()``, ``get_batch(indices)``,
-      ``element_spec``: :class:`simigrad_jax.ArraySource`, ``TfdsSource``,
-      ``GrainSource``), or grain-style data (``__len__``, ``__getitem__``
-      giving a dict of arrays), read through a ``GrainSource``.
-    controller: a :class:`simigrad_jax.Controller`, or any controller with the
-      :class:`simigrad_jax.BatchSizeController` interface.
-    workdir: where metrics and checkpoints go; a run resumes from the newest
-      checkpoint found there. Its parent must exist; it is created ``0700``.
-      One run per workdir: the Trainer holds its lock until :meth:`close`
-      (a :class:`~simigrad_jax.runtime.workdir.WorkdirLock` this process
-      holds is used as it is). It must belong to this user and be writable
-      by no other (see ``allow_shared_workdir``).
+    source: a random-access data source (:class:`simigrad_jax.ArraySource`,
+      ``TfdsSource``, ``GrainSource``) or grain-style data.
+    controller: a :class:`simigrad_jax.BatchSizeController`, e.g.
+      :class:`simigrad_jax.Controller`.
+    workdir: where metrics and checkpoints go, locked for this run; a run
+      resumes from its newest checkpoint.
     model_state: non-trainable state (e.g. BatchNorm statistics), or None.
-    eval_fn: optional ``eval_fn(params, model_state) -> dict`` run at every
-      epoch end; its numbers are logged with an ``eval_`` prefix.
+    eval_fn: optional ``eval_fn(params, model_state) -> dict``, run at every
+      epoch's end.
     lr_schedule: optional ``lr_schedule(epochs) -> float``, a multiplier of
-      the base learning rate after ``epochs`` epochs (fractional, counted in
-      examples, not steps), e.g. a step decay or a warm-up. It multiplies the
-      batch-size factor, at no recompilation.
-    devices: the devices to train on (default: all, over every process), 1 or more.
-    run_settings: what else decides the run and the Trainer cannot see, as
-      JSON data (e.g. an experiment's config): recorded in every checkpoint
-      with the optimizer's hyperparameters, the controller's settings, the
-      data, the model, the devices and the versions; a resume that changes
-      any of them but the devices and versions is refused
-      (:class:`simigrad_jax.CheckpointMismatchError`, listing the
-      differences) unless ``allow_changed_settings=True``.
+      the base learning rate.
+    devices: the devices to train on (default: all, over every process).
     hooks: objects with ``on_step(record)``
-      (:class:`~simigrad_jax.engine.hooks.StepHook`), given every step's
-      :class:`~simigrad_jax.engine.step_record.StepRecord` in order, after the
-      metrics and the progress bar (see :mod:`simigrad_jax.engine.hooks`).
-    config: the run's settings (:class:`TrainerConfig`); or give them as
-      keywords instead (not both):
-    **settings: the fields of :class:`TrainerConfig` (``max_micro_batch_size``,
-      which has no default, ``mode``, ``seed``, ``halves``, ...).
+      (:class:`~simigrad_jax.engine.hooks.StepHook`).
+    run_settings: what else decides the run, as JSON data, recorded in every
+      checkpoint and compared on resume.
+    config: the run's settings (:class:`TrainerConfig`), or
+    **settings: its fields as keywords (``max_micro_batch_size``, ``mode``, ...).
 
   Raises:
-    ValueError: for any setting or input that could not train as asked,
-      before anything is compiled or trained, naming the value and what is
-      valid: e.g. bounds the data set cannot fill, a similarity controller's
-      lower bound below 2, ``halves="device"`` on an odd number of devices,
-      a ``loss_fn`` that does not return one loss per row, a config given
-      with setting keywords;
-      :class:`~simigrad_jax.files.UnsafePathError` for a workdir or cache
-      other users can change.
-    WorkdirLockedError: another run (or Trainer) holds the workdir; the
-      message names it.
-    CheckpointMismatchError: (a ValueError) the workdir holds checkpoints of
-      another run: another model, optimizer structure or seed, or (unless
-      ``allow_changed_settings``) other optimizer hyperparameters, controller
-      settings, data or ``run_settings``; the message lists the differences.
-    ProcessDisagreementError: in a multi-host run, when the processes were
-      built with different settings or took different decisions.
-    ProcessLostError: (a ProcessDisagreementError) in a multi-host run, when
-      another process does not reach a check within
-      ``agreement_timeout_seconds``; it names the missing processes. Restart
-      all processes to resume from the newest checkpoint.
-    OSError: resuming, when the file system fails every read of a
-      checkpoint (e.g. EIO); nothing is moved (a damaged checkpoint is moved
-      aside and the one before it restored instead).
+    ValueError: a setting or input that could not train as asked, before any
+      step, naming the value and what is valid.
+    WorkdirLockedError: another run holds the workdir.
+    CheckpointMismatchError: the workdir holds checkpoints of another run.
+    ProcessDisagreementError: processes built with different settings.
 
   Example:
     >>> trainer = simigrad_jax.Trainer(loss_fn=loss_fn, params=params,  # doctest: +SKIP
@@ -157,17 +127,6 @@ class Trainer:
     ...                                        batch_size_upper_bound=1024),
     ...     workdir="/tmp/run", max_micro_batch_size=32)
     >>> summary = trainer.train(num_epochs=3)  # doctest: +SKIP
-
-  Note:
-    A SIGTERM or SIGINT during :meth:`train` (in the main thread) finishes
-    the step under way on every process, saves its checkpoint and raises
-    :class:`~simigrad_jax.engine.preemption.Preempted`; a second signal ends
-    the process at once.
-
-    A step whose gradient is NaN or infinite on any device keeps the
-    parameters, the optimizer state (momentum, Adam's moments and counters)
-    and the model state as they were, like ``optax.apply_if_finite``; the
-    controller holds the batch size and ``nonfinite_steps`` counts it.
   """
 
   def __init__(
@@ -208,31 +167,30 @@ class Trainer:
       run_settings=run_settings,
     )
     self.controller, self.eval_fn = controller, eval_fn
-    self.workdir, self.source, self.mesh, self.layout = (
-      run.workdir,
-      run.source,
-      run.mesh,
-      run.layout,
-    )
-    self._workdir_lock = run.workdir_lock
+    self.workdir, self.source = run.workdir, run.source
+    self.mesh, self.layout, self.sampler, self.state = run.mesh, run.layout, run.sampler, run.state
     self.halves, self.num_devices = run.layout.halves, run.layout.num_devices
     self.shapes = run.layout.device_grid  # the compiled micro-batch shapes, rows per device
-    self.sampler, self.state, self.step = run.sampler, run.state, run.step
-    self._nonfinite_steps = run.nonfinite_steps
-    self._checkpoints, self._programs, self._data = run.checkpoints, run.programs, run.data
-    self._step_inputs = run.step_inputs
-    self._is_main = jax.process_index() == 0
+    self._workdir_lock, self._checkpoints = run.workdir_lock, run.checkpoints
+    self._programs, self._data, self._is_main = run.programs, run.data, jax.process_index() == 0
     self._metrics = MetricsHook(
       MetricsWriter(
-        run.workdir, tensorboard=config.tensorboard, resume_step=self.step, enabled=self._is_main
+        run.workdir, tensorboard=config.tensorboard, resume_step=run.step, enabled=self._is_main
       )
     )
     self._checkpoint = CheckpointHook(
       self.save_checkpoint, config.checkpoint_every_steps, config.checkpoint_every_seconds
     )
-    self._signals = preemption.StopSignals()
-    self._stop: str | None = None  # the signal the processes agreed to stop on
-    self._last_read: float | None = None  # when the last step's statistics were read
+    self._stop = preemption.RunStop()
+    self._dispatcher = StepDispatcher(
+      run.layout, run.programs, run.data, run.sampler, run.step_inputs
+    )
+    self._decider = StepDecider(run, controller, self._agreement, self._checkpoint, self._stop)
+
+  @property
+  def step(self) -> int:
+    """The optimizer steps done, over the whole run (resumes included)."""
+    return self._decider.step
 
   def add_hook(self, hook: StepHook) -> None:
     """Adds ``hook`` (an object with ``on_step(record)``) after the others, from the next
@@ -246,7 +204,7 @@ class Trainer:
       self.state,
       sampler=self.sampler,
       controller=self.controller,
-      nonfinite_steps=self._nonfinite_steps,
+      nonfinite_steps=self._decider.nonfinite_steps,
     )
 
   def train(
@@ -261,22 +219,15 @@ class Trainer:
         the run, resumes included).
 
     Returns:
-      A summary dict: steps, examples seen, average batch size, final batch
-      size, last loss and similarity, the compile and data timings (and
-      ``compile_fallback_steps``: steps run on a fallback shape), the median
-      ``host_seconds`` (the host's critical path between steps), the steps
-      skipped for a non-finite gradient (``nonfinite_steps`` in the whole
-      run, ``run_nonfinite_steps`` in this call, whose first,
-      ``first_nonfinite_step``, a warning names), and the last evaluation
-      (if any).
+      A summary dict: steps, examples seen, average and final batch size,
+      last loss and similarity, compile and data timings, non-finite steps
+      and the last evaluation (each key in ``docs/trainer.md``).
 
     Raises:
-      Preempted: a SIGTERM or SIGINT arrived (on any process) before the
-        end: the step under way was finished and its checkpoint saved; its
-        ``summary`` is the dict this would have returned. A second signal
-        ends the process at once.
-      Exception: a background checkpoint save failed (e.g. ``OSError`` of a
-        full disk): the save's own error, at the first step after it failed.
+      Preempted: a SIGTERM or SIGINT arrived (on any process): the step under
+        way was finished and its checkpoint saved.
+      Exception: a background checkpoint save failed: the save's own error
+        (e.g. ``OSError`` of a full disk), at the first step after it failed.
     """
     total_examples, max_steps = _run_length(num_epochs, num_steps, self.sampler.num_examples)
     totals = RunTotals()
@@ -292,13 +243,11 @@ class Trainer:
       evaluation,
       self._checkpoint,
     ]
-    batch_size = self.controller.batch_size
-    self._step_inputs.set_lr_factor(self._step_inputs.lr_factors(batch_size, self._epochs()))
-    self._programs.prefetch_for(batch_size)
-    self._data.submit_ahead(batch_size, total_examples, self.step)
-    self._last_read, self._stop = None, None
+    batch_size, epochs = self.controller.batch_size, epochs_trained(self.sampler)
+    self._dispatcher.prepare(batch_size, total_examples, self.step, epochs)
+    self._decider.last_read = None
     self._checkpoint.restart_clock()
-    with self._signals:  # a signal stops the run after the step under way
+    with self._stop:  # a signal stops the run after the step under way
       try:
         self._run_steps(hooks, total_examples, max_steps)
         if totals.steps:
@@ -314,18 +263,14 @@ class Trainer:
       "steps": self.step,
       "examples_seen": self.sampler.examples_seen,
       "final_batch_size": self.controller.batch_size,
-      "nonfinite_steps": self._nonfinite_steps,
+      "nonfinite_steps": self._decider.nonfinite_steps,
       **self.compile_stats(),
       **totals.summary(),
       **evaluation.results,
     }
-    if self._stop is not None and self._more_steps(total_examples, max_steps):
-      raise Preempted(
-        self._stop,
-        self.step,
-        os.path.join(self._checkpoints.checkpointer.directory, str(self.step)),
-        summary,
-      )
+    if self._more_steps(total_examples, max_steps):
+      checkpoint = os.path.join(self._checkpoints.checkpointer.directory, str(self.step))
+      self._stop.raise_if_agreed(self.step, checkpoint, summary)
     return summary
 
   def _more_steps(self, total_examples: float, max_steps: float) -> bool:
@@ -341,7 +286,7 @@ class Trainer:
     """
     pending = None  # the last step's record
     try:
-      while self._more_steps(total_examples, max_steps) and self._stop is None:
+      while self._more_steps(total_examples, max_steps) and self._stop.agreed is None:
         dispatched = self._dispatch(total_examples)
         if pending is not None:
           self._run_hooks(hooks, pending)
@@ -355,118 +300,16 @@ class Trainer:
       if pending is not None:
         self._run_hooks(hooks, pending)
 
-  def _epochs(self) -> float:
-    """The epochs trained so far (fractional, counted in examples)."""
-    return self.sampler.examples_seen / self.sampler.num_examples
-
   def _dispatch(self, total_examples: float) -> DispatchedStep:
     """Plans the controller's batch size, takes its examples and dispatches the step."""
-    start = time.perf_counter()
-    # The run's last step lands exactly on num_epochs.
-    remaining = total_examples - self.sampler.examples_seen
-    exact = self.layout.plan(int(min(self.controller.batch_size, remaining)))
-    plan = self._programs.ready_plan(exact)
-    data, data_seconds = self._data.take(plan, self.sampler.examples_seen, self.step)
-    epoch = self.sampler.epoch
-    self.sampler.take(plan.global_batch_size)
-    step_inputs = self._step_inputs.on_devices(plan.global_batch_size)
-    wait_before = self._programs.wait_seconds()
-    # The host's critical path ends here: the program call is the runtime's (on CPU the
-    # simulated devices are host threads, and the call runs part of the step).
-    host_seconds = math.nan if self._last_read is None else time.perf_counter() - self._last_read
-    self.state, stats = self._programs.run(self.state, data, step_inputs)
-    # While the first step runs: the programs that let every later step fall back.
-    self._programs.await_fallback(plan.micro_batch_size)
-    compile_wait = self._programs.wait_seconds() - wait_before
-    # Load the next step's rows while the devices work.
-    self._data.submit_ahead(self.controller.batch_size, total_examples, self.step + 1)
-    return DispatchedStep(
-      plan=plan,
-      exact_plan=exact,
-      stats=stats,
-      start=start,
-      epoch=epoch,
-      data_seconds=data_seconds,
-      host_seconds=host_seconds,
-      compile_wait_seconds=compile_wait,
-      lr_factor=self._step_inputs.lr_factor,
-      schedule_factor=self._step_inputs.schedule_factor,
+    self.state, dispatched = self._dispatcher.dispatch(
+      self.state, self.controller.batch_size, total_examples, self.step, self._decider.last_read
     )
+    return dispatched
 
   def _read_and_decide(self, dispatched: DispatchedStep) -> StepRecord:
-    """Waits for the step's statistics, lets the controller decide, agrees on the decision with
-    the other processes, and returns the step's record."""
-    stats = StepStats.read(dispatched.stats)
-    read = time.perf_counter()
-    step_seconds = read - (dispatched.start if self._last_read is None else self._last_read)
-    self._last_read = read
-    self._nonfinite_steps += not stats.grads_finite
-    batch_size, examples_seen = dispatched.plan.global_batch_size, self.sampler.examples_seen
-    epoch_end = self.sampler.epoch > dispatched.epoch
-    next_batch_size = self.controller.update(
-      stats.similarity,
-      stats=stats.for_controller(
-        batch_size=batch_size,
-        examples_seen=examples_seen,
-        epochs=self._epochs(),
-        epoch_end=epoch_end,
-      ),
-    )
-    self.step += 1
-    self._step_inputs.set_lr_factor(self._step_inputs.lr_factors(next_batch_size, self._epochs()))
-    agreement_seconds = self._agree_on_decision(
-      {
-        "step": self.step,
-        "batch_size": batch_size,
-        "examples_seen": examples_seen,
-        "similarity": stats.similarity,
-        "decision": self.controller.last_decision,
-        "next_batch_size": next_batch_size,
-        "next_lr_factor": self._step_inputs.lr_factor,
-      }
-    )
-    return StepRecord.create(
-      dispatched,
-      stats,
-      step=self.step,
-      examples_seen=examples_seen,
-      micro_batch_size=self.layout.device_rows(dispatched.plan.micro_batch_size),
-      decision=self.controller.last_decision,
-      similarity_target=self.controller.config["similarity_target"],
-      next_batch_size=next_batch_size,
-      next_lr_factor=self._step_inputs.lr_factor,
-      nonfinite_steps=self._nonfinite_steps,
-      step_seconds=step_seconds,
-      agreement_seconds=agreement_seconds,
-      epoch_end=epoch_end,
-    )
-
-  def _agree_on_decision(self, decision: dict[str, Any]) -> float:
-    """Multi-host: the next step's shapes and learning rate follow ``decision``; every process
-    must hold the same one before any of them uses it. Returns the seconds it took.
-
-    Each process's report rides along, and every process acts on all of them alike: the
-    compiled shapes (the next step falls back only to a shape compiled on all), a signal
-    (every process stops after this step), process 0's seconds since the last checkpoint
-    (``checkpoint_every_seconds``) and a failed background save (raised now, on every process).
-    """
-    start = time.perf_counter()
-    compiled = self._programs.compiled_report()
-    report = {
-      "compiled": compiled,
-      **preemption.step_report(
-        self._signals, self._checkpoint.seconds_since_save(), self._checkpoints.failed_save()
-      ),
-    }
-    reports = self._agreement.agree(f"decision of step {self.step}", decision, report=report)
-    assert reports is not None  # one per process, as a report was given
-    if compiled is not None:
-      self._programs.agree_on_compiles([r["compiled"] for r in reports])
-    agreed = preemption.Agreed.read(reports)
-    self._checkpoints.stop_on_failed_saves(agreed.failed_saves, self.step)
-    self._checkpoint.save_on_time(self.step, agreed.seconds_since_checkpoint)
-    self._stop = agreed.stop
-    return time.perf_counter() - start
+    """Reads the step's statistics, decides the next batch size, agrees on it: the step's record."""
+    return self._decider.decide(dispatched)
 
   def _run_hooks(self, hooks: list[StepHook], record: StepRecord) -> None:
     """A step's bookkeeping: its record, with the compile counters as they are now, to each hook."""

@@ -19,16 +19,16 @@ import numpy as np
 import optax
 
 from simigrad_jax import validation
-from simigrad_jax.controllers import base as controller_base
+from simigrad_jax.controllers import interface as controller_interface
 from simigrad_jax.engine import train_step
 from simigrad_jax.errors import SimiGradError
 from simigrad_jax.ingraph.lr_scaling import LrFactorState
 from simigrad_jax.ingraph.transform import SimilarityState
 
 # What the Trainer reads from a controller: simigrad_jax.controllers.BatchSizeController.
-_CONTROLLER_ATTRIBUTES = controller_base.CONTROLLER_MEMBERS
-_CONTROLLER_METHODS = controller_base.CONTROLLER_METHODS
-_CONTROLLER_CONFIG_KEYS = controller_base.REQUIRED_CONFIG_KEYS
+_CONTROLLER_ATTRIBUTES = controller_interface.CONTROLLER_MEMBERS
+_CONTROLLER_METHODS = controller_interface.CONTROLLER_METHODS
+_CONTROLLER_CONFIG_KEYS = controller_interface.REQUIRED_CONFIG_KEYS
 
 
 class LossContractError(SimiGradError, ValueError):
@@ -82,7 +82,7 @@ def check_controller(controller: Any) -> None:
     if not hasattr(controller, m)
     or (m in _CONTROLLER_METHODS and not callable(getattr(controller, m)))
   ]
-  if missing or not isinstance(controller, controller_base.BatchSizeController):
+  if missing or not isinstance(controller, controller_interface.BatchSizeController):
     raise ValueError(
       f"controller {controller!r:.200} lacks {missing}; a controller needs "
       f"{list(_CONTROLLER_ATTRIBUTES)}, the methods callable (the members of "
@@ -154,7 +154,7 @@ def _all_finite(leaves: list[jax.Array]) -> jax.Array:
 
 def _profile_sizes(controller: Any) -> list[int]:
   """The batch sizes a controller's profile will visit (its ``profile_batch_sizes``, if it has one)."""
-  if not isinstance(controller, controller_base.ProfilesBatchSizes):
+  if not isinstance(controller, controller_interface.ProfilesBatchSizes):
     return []
   return [int(b) for b in controller.profile_batch_sizes]
 

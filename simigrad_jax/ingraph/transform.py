@@ -13,6 +13,7 @@ import optax
 from jax import lax
 
 from simigrad_jax.errors import SimiGradError
+from simigrad_jax.ingraph import half_statistics
 from simigrad_jax.ingraph import halves_reduction
 
 NonFinitePolicy = Literal["zero", "propagate"]
@@ -296,7 +297,7 @@ def transform(
       _check_half_grads(updates, half_grads)
       share = 0.5 if half_grads.share is None else half_grads.share
       if axis_name is None:
-        mean, stats = halves_reduction.global_halves(
+        mean, stats = half_statistics.global_halves(
           updates,
           half_grads.first,
           half_grads.second,

@@ -6,12 +6,9 @@ JSON: step, controller, sampler position, counters) saved with ``JsonSave``.
 orbax writes each checkpoint into a temporary directory and renames it when
 complete, so a crash mid-save leaves the previous checkpoint usable.
 
-orbax does not notice every damaged file: a flipped bit in an array's data
-file or in the JSON can restore wrong values without an error (we measured 14
-of 80 random single-bit flips restored silently wrong values with orbax
-0.12.8). So the ``host`` item also carries the layout of the state (path,
-shape and dtype of every leaf), two 32-bit checksums of every array's bytes
-(computed on the devices) and a CRC-32 of the JSON itself. Restore checks all
+orbax does not notice every damaged file, so the ``host`` item also carries
+the layout of the state, checksums of its arrays and a CRC-32 of the JSON
+itself (:mod:`simigrad_jax.runtime.checkpoint_integrity`). Restore checks all
 three: a checkpoint that fails is *unreadable*, reported as a warning, and the
 one before it is tried; unreadable checkpoints newer than the one restored are
 moved aside to ``<directory>.unreadable/`` so that the resumed run can save
@@ -36,27 +33,22 @@ from __future__ import annotations
 
 import concurrent.futures
 import errno
-import json
 import logging
 import os
 import re
 import threading
 import time
-import zlib
 from typing import Any
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 import orbax.checkpoint as ocp
-from jax import lax
 from jax.experimental import multihost_utils
 
 from simigrad_jax.errors import SimiGradError
+from simigrad_jax.runtime import checkpoint_integrity
 
 logger = logging.getLogger("simigrad_jax")
 
-FORMAT = "simigrad_jax.checkpoint/1"
 # A read that fails with a file-system error is tried this many times in all, the waits between
 # the tries doubling from READ_RETRY_SECONDS.
 READ_ATTEMPTS = 4
@@ -67,10 +59,6 @@ _MISSING_FILE_ERRNOS = frozenset({errno.ENOENT, errno.ENOTDIR, errno.EISDIR})
 
 class CheckpointMismatchError(SimiGradError, ValueError):
   """A readable checkpoint that does not fit the state it is restored into (e.g. a different model)."""
-
-
-class _Unreadable(SimiGradError, ValueError):
-  """A checkpoint whose files are damaged or incomplete."""
 
 
 class Checkpointer:
@@ -134,7 +122,7 @@ class Checkpointer:
       ValueError: a damaged record (orbax's own error where it cannot read it).
     """
     record = self._manager.restore(step, args=ocp.args.Composite(host=ocp.args.JsonRestore())).host
-    payload = _verified_payload(record, step)
+    payload = checkpoint_integrity.verified_payload(record, step)
     return dict(record) if payload is None else payload["host"]
 
   def save(self, step: int, state: Any, host: dict[str, Any]) -> None:
@@ -144,8 +132,7 @@ class Checkpointer:
     module docstring). Every process must call it (multi-host runs). The
     last save is waited for first (see :meth:`wait`).
     """
-    payload = {"host": host, "layout": _layout(state), "checksums": _checksums(state)}
-    record = {"format": FORMAT, "crc32": _crc32(payload), "payload": payload}
+    record = checkpoint_integrity.host_record(state, host)
     self.wait()
     self._manager.save(
       step,
@@ -208,7 +195,7 @@ class Checkpointer:
     abstract = jax.tree.map(
       lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)), like
     )
-    want_layout = _layout(abstract)
+    want_layout = checkpoint_integrity.layout(abstract)
     candidates = [step] if step is not None else list(reversed(self.all_steps()))
     if not candidates:
       raise FileNotFoundError(f"no checkpoint in {self.directory}")
@@ -281,7 +268,7 @@ class Checkpointer:
 
   def _restore_one(self, step: int, abstract: Any, want_layout: list) -> tuple[Any, dict[str, Any]]:
     record = self._manager.restore(step, args=ocp.args.Composite(host=ocp.args.JsonRestore())).host
-    payload = _verified_payload(record, step)
+    payload = checkpoint_integrity.verified_payload(record, step)
     if payload is None:  # an older simigrad_jax's checkpoint: restore it as before, unverified
       logger.warning(
         "checkpoint at step %d in %s has no checksums (written by an older "
@@ -292,31 +279,22 @@ class Checkpointer:
       restored = self._manager.restore(
         step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract))
       ).state
-      _check_matches(abstract, restored, step)
+      checkpoint_integrity.check_matches(abstract, restored, step)
       return restored, dict(record)
     # Paths are for the message only: a JAX or optax release that names them differently
     # must not make old checkpoints unreadable.
     if [entry[1:] for entry in payload["layout"]] != [entry[1:] for entry in want_layout]:
+      differences = checkpoint_integrity.describe_differences(payload["layout"], want_layout)
       raise CheckpointMismatchError(
         f"the checkpoint at step {step} in {self.directory} was written for a different "
-        f"model or optimizer: {_describe_differences(payload['layout'], want_layout)}. "
+        f"model or optimizer: {differences}. "
         "Restore it into the model it was made with, or use a new directory"
       )
     restored = self._manager.restore(
       step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract))
     ).state
-    _check_matches(abstract, restored, step)
-    got = _checksums(restored)
-    if got != payload["checksums"]:
-      bad = [
-        entry[0]
-        for entry, want, have in zip(payload["layout"], payload["checksums"], got, strict=True)
-        if want != have
-      ]
-      raise _Unreadable(
-        f"the checkpoint at step {step} holds arrays whose checksums differ from "
-        f"those saved with it (damaged data) at {bad[:5]}"
-      )
+    checkpoint_integrity.check_matches(abstract, restored, step)
+    checkpoint_integrity.check_checksums(payload, restored, step)
     return restored, payload["host"]
 
   def _quarantine(self, steps: list[int]) -> None:
@@ -423,104 +401,3 @@ def _settle(future: concurrent.futures.Future, fn: Any) -> None:
     future.set_result(fn())
   except BaseException as error:  # pylint: disable=broad-except  (handed to the waiting thread)
     future.set_exception(error)
-
-
-def _crc32(payload: Any) -> int:
-  return zlib.crc32(json.dumps(payload, sort_keys=True, separators=(",", ":")).encode())
-
-
-def _verified_payload(record: Any, step: int) -> dict[str, Any] | None:
-  """The payload of a host record after checking its format and CRC (None: a legacy record)."""
-  if isinstance(record, dict) and not {"format", "crc32", "payload"} & set(record):
-    return None  # written before checksums existed: the host dict itself
-  if not isinstance(record, dict) or record.get("format") != FORMAT:
-    got = record.get("format") if isinstance(record, dict) else type(record).__name__
-    raise _Unreadable(f"the host record of step {step} has format {got!r}, expected {FORMAT!r}")
-  payload = record.get("payload")
-  if not isinstance(payload, dict) or _crc32(payload) != record.get("crc32"):
-    raise _Unreadable(f"the host record of step {step} fails its CRC-32 check (damaged JSON)")
-  for key in ("host", "layout", "checksums"):
-    if key not in payload:
-      raise _Unreadable(f"the host record of step {step} has no {key!r}")
-  return payload
-
-
-def _layout(tree: Any) -> list[list[Any]]:
-  """``[path, shape, dtype]`` of every leaf, as JSON data."""
-  leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
-  return [
-    [jax.tree_util.keystr(path), [int(d) for d in np.shape(leaf)], _dtype_name(leaf)]
-    for path, leaf in leaves
-  ]
-
-
-def _dtype_name(leaf: Any) -> str:
-  dtype = getattr(leaf, "dtype", None)
-  return str(np.asarray(leaf).dtype if dtype is None else dtype)
-
-
-def _describe_differences(saved: list, wanted: list) -> str:
-  saved_by_path = {path: (shape, dtype) for path, shape, dtype in saved}
-  wanted_by_path = {path: (shape, dtype) for path, shape, dtype in wanted}
-  notes = []
-  for path in wanted_by_path:
-    if path not in saved_by_path:
-      notes.append(f"{path} is missing there")
-    elif saved_by_path[path] != wanted_by_path[path]:
-      (s_shape, s_dtype), (w_shape, w_dtype) = saved_by_path[path], wanted_by_path[path]
-      notes.append(f"{path} is {s_dtype}{s_shape} there and {w_dtype}{w_shape} here")
-  notes += [f"{path} is only there" for path in saved_by_path if path not in wanted_by_path]
-  if not notes:
-    notes = ["the leaves are in a different order"]
-  more = f" (and {len(notes) - 4} more)" if len(notes) > 4 else ""
-  return "; ".join(notes[:4]) + more
-
-
-def _bits(x: jax.Array) -> jax.Array:
-  """The bytes of ``x`` as a flat uint32 vector (one entry per 1, 2 or 4 bytes)."""
-  if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-    x = jax.random.key_data(x)
-  if x.dtype == jnp.bool_:
-    x = x.astype(jnp.uint8)
-  if jnp.issubdtype(x.dtype, jnp.complexfloating):
-    x = jnp.stack([jnp.real(x), jnp.imag(x)], axis=-1)
-  unsigned = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}[x.dtype.itemsize]
-  return lax.bitcast_convert_type(x, unsigned).astype(jnp.uint32).reshape(-1)
-
-
-@jax.jit
-def _leaf_checksums(leaves: list[jax.Array]) -> jax.Array:
-  """Two position-weighted 32-bit sums per leaf: any single flipped bit changes the first."""
-  sums = []
-  for leaf in leaves:
-    bits = _bits(jnp.asarray(leaf))
-    index = lax.iota(jnp.uint32, bits.size)
-    first = jnp.sum(bits * (2 * index + 1), dtype=jnp.uint32)
-    mixed = (bits ^ (bits >> 15)) * jnp.uint32(0x2C1B3C6D) + index * jnp.uint32(0x297A2D39)
-    second = jnp.sum(mixed ^ (mixed >> 12), dtype=jnp.uint32)
-    sums.append(jnp.stack([first, second]))
-  return jnp.stack(sums) if sums else jnp.zeros((0, 2), jnp.uint32)
-
-
-def _checksums(tree: Any) -> list[list[int]]:
-  """Checksums of every leaf of ``tree`` (computed on its devices), as JSON data."""
-  leaves = jax.tree.leaves(tree)
-  if not leaves:
-    return []
-  sums = _leaf_checksums(leaves)
-  if not sums.is_fully_addressable:
-    sums = multihost_utils.process_allgather(sums, tiled=True)
-  return np.asarray(sums).astype(np.int64).tolist()
-
-
-def _check_matches(abstract: Any, restored: Any, step: int) -> None:
-  want = jax.tree.structure(abstract)
-  got = jax.tree.structure(restored)
-  if want != got:  # type: ignore[operator]  # PyTreeDef: no stub
-    raise ValueError(f"the checkpoint at step {step} has a different structure: {got} != {want}")
-  for a, r in zip(jax.tree.leaves(abstract), jax.tree.leaves(restored), strict=True):
-    if tuple(a.shape) != tuple(r.shape) or a.dtype != r.dtype:
-      raise ValueError(
-        f"the checkpoint at step {step} holds {r.dtype}{list(r.shape)} where the model "
-        f"has {a.dtype}{list(a.shape)}"
-      )
