@@ -8,12 +8,16 @@ What adapting the batch costs per example, on all local devices (by default
   [batch / 4, 4 x batch] at ``--similarity-target``, on the Trainer's default
   shape grid (``--shapes-per-octave`` to set one);
 * ``fixed``: the same Trainer, model, data and settings, its batch held at
-  the adaptive run's average batch size (measured over an untimed window of
-  ``--steps`` steps first);
-* ``adaptive_halving`` (with ``--halving``): the adaptive Trainer on the grid
-  of halvings (``shapes_per_octave=1``), the grid before finer ones.
+  the adaptive run's average batch size, rounded to a multiple of the
+  devices, its ``max_micro_batch_size`` that size / devices: one shape and no
+  padding, as a user holding the batch would set it. The average is that
+  of an untimed adaptive run of as many steps as the timed windows first
+  (the adaptive run's sizes are the same in every run of its settings);
+* ``adaptive_s<S>`` (``--also-shapes-per-octave S ...``): the adaptive
+  Trainer on a grid of ``S`` shapes per octave; 1 is the grid of halvings,
+  the grid before finer ones.
 
-Both Trainers have the same memory bound, ``max_micro_batch_size`` = the
+The adaptive Trainers' memory bound, ``max_micro_batch_size``, is the
 upper bound / devices (``--max-micro-batch-size`` to set it), so a step runs
 one micro-batch unless that is set lower. Compiles are not timed: every
 variant is built and warmed up (``--warmup-steps``), and waits until every
@@ -39,7 +43,7 @@ within one run, and runs with each other.
 
 Usage::
 
-  python benchmarks/overhead_adaptive.py --halving --out /tmp/adaptive.json
+  python benchmarks/overhead_adaptive.py --also-shapes-per-octave 8 1 --out /tmp/adaptive.json
   python benchmarks/overhead_adaptive.py --quick    # tiny, for tests
 """
 
@@ -104,22 +108,26 @@ def run(args: argparse.Namespace, root: pathlib.Path, cache: str) -> dict[str, A
   def build(name: str, batch_size: int, adaptive: bool, **more: Any) -> TrainerLoop:
     workdir = pathlib.Path(tempfile.mkdtemp(prefix=f"{name}-", dir=root))
     loop = TrainerLoop(
-      spec, data, batch_size, adaptive, args.similarity_target, workdir, **settings, **more
+      spec, data, batch_size, adaptive, args.similarity_target, workdir, **{**settings, **more}
     )
     loops[name] = loop
     loop.warm_up(args.warmup_steps)
     return loop
 
   try:
-    adaptive = build("adaptive", args.batch_size, True, **grid)
-    examples, _ = adaptive.run(args.steps)  # untimed: the average batch to hold
-    average = max(1, round(examples / args.steps))
-    print(f"  the adaptive run's average batch: {average}", flush=True)
-    adaptive.timed_steps.clear()
-    adaptive.checkpoint_seconds.clear()
-    build("fixed", average, False)
-    if args.halving:
-      build("adaptive_halving", args.batch_size, True, shapes_per_octave=1)
+    # The adaptive run's sizes are the same in every run of its settings: an untimed run of as
+    # many steps as the timed windows gives their average batch, the one to hold.
+    probe = build("probe", args.batch_size, True, **grid)
+    examples, _ = probe.run(args.rounds * args.steps)
+    probe.close()
+    del loops["probe"]
+    average = examples / (args.rounds * args.steps)
+    fixed_batch = max(n, round(average / n) * n)  # as a user fixing it would: no padding
+    print(f"  the adaptive run's average batch: {average:.1f}; fixed at {fixed_batch}", flush=True)
+    build("adaptive", args.batch_size, True, **grid)
+    build("fixed", fixed_batch, False, max_micro_batch_size=fixed_batch // n)
+    for per_octave in args.also_shapes_per_octave:
+      build(f"adaptive_s{per_octave}", args.batch_size, True, shapes_per_octave=per_octave)
     rates = time_rounds(dict(loops), args.steps, args.rounds)
     reports = {name: _trainer_report(loop) for name, loop in loops.items()}
   finally:
@@ -141,7 +149,8 @@ def run(args: argparse.Namespace, root: pathlib.Path, cache: str) -> dict[str, A
     "model": spec.description,
     "devices": n,
     "initial_batch_size": args.batch_size,
-    "fixed_batch_size": average,
+    "adaptive_average_batch_size": average,
+    "fixed_batch_size": fixed_batch,
     "max_micro_batch_size": max_micro,
     "steps": args.steps,
     "rounds": args.rounds,
@@ -196,7 +205,13 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   parser.add_argument("--similarity-target", type=float, default=0.3)
   parser.add_argument("--max-micro-batch-size", type=int, default=None)
   parser.add_argument("--shapes-per-octave", type=int, default=None)
-  parser.add_argument("--halving", action="store_true", help="also time the halving grid")
+  parser.add_argument(
+    "--also-shapes-per-octave",
+    type=int,
+    nargs="*",
+    default=[],
+    help="also time the adaptive Trainer on these grids (1: the halvings)",
+  )
   parser.add_argument("--compilation-cache", default=None, help="JAX's persistent cache folder")
   parser.add_argument("--out", default=None, help="write the results as JSON to this path")
   args = parser.parse_args(argv)

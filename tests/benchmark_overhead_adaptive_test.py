@@ -16,17 +16,23 @@ def adaptive_benchmark():
 
 @pytest.fixture(scope="module")
 def quick_run(adaptive_benchmark, tmp_path_factory):
-  """One ``--quick --halving`` run: the JSON written to --out."""
+  """One ``--quick`` run, also on the halving grid: the JSON written to --out."""
   out = tmp_path_factory.mktemp("overhead_adaptive") / "adaptive.json"
-  adaptive_benchmark.main(["--quick", "--halving", "--out", str(out)])
+  adaptive_benchmark.main(["--quick", "--also-shapes-per-octave", "1", "--out", str(out)])
   return json.loads(out.read_text())
 
 
 def test_fixed_is_held_at_the_adaptive_average_and_ratios_are_to_it(quick_run):
   variants = quick_run["variants"]
-  assert set(variants) == {"adaptive", "fixed", "adaptive_halving"}
+  assert set(variants) == {"adaptive", "fixed", "adaptive_s1"}
   fixed = variants["fixed"]
   assert fixed["average_batch_size"] == quick_run["fixed_batch_size"]
+  assert fixed["padding_fraction"] == 0 and quick_run["fixed_batch_size"] % 8 == 0
+  # The timed adaptive steps are those the untimed run measured the average of.
+  assert variants["adaptive"]["average_batch_size"] == pytest.approx(
+    quick_run["adaptive_average_batch_size"]
+  )
+  assert abs(quick_run["fixed_batch_size"] - quick_run["adaptive_average_batch_size"]) <= 4
   assert fixed["ratio_to_fixed"] == fixed["ratio_to_fixed_paired"] == 1.0
   for name, variant in variants.items():
     rounds = variant["examples_per_second_rounds"]
@@ -40,8 +46,8 @@ def test_fixed_is_held_at_the_adaptive_average_and_ratios_are_to_it(quick_run):
     assert variant["host_seconds"] > 0 and math.isfinite(variant["host_seconds"]), name
     assert variant["timed_steps"] == 3 * 2 and variant["compile_fallback_steps"] == 0, name
     assert variant["average_accumulation_steps"] == 1.0, name  # the memory bound holds them
-  assert variants["adaptive_halving"]["shapes_per_octave"] == 1
-  assert variants["adaptive"]["shapes"] > variants["adaptive_halving"]["shapes"]
+  assert variants["adaptive_s1"]["shapes_per_octave"] == 1
+  assert variants["adaptive"]["shapes"] > variants["adaptive_s1"]["shapes"]
 
 
 def test_goals_follow_the_adaptive_numbers(quick_run, adaptive_benchmark):
