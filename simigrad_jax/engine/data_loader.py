@@ -7,8 +7,7 @@ with the local split one of the two blocks of a device's rows
 (:mod:`simigrad_jax.engine.layout`). While the devices run a step, a data thread loads the
 rows for the next one, enough for one grow of the batch size, and places them
 on the devices for each size the controller is likely to decide: SimiGrad's
-grow and shrink of the current size, and the size unchanged
-(:func:`likely_next_sizes`). If the controller decides one of them, the step
+grow and shrink of the current size (:func:`likely_next_sizes`). If the controller decides one of them, the step
 starts with no host work; if not, the loaded rows are laid out for the new
 plan at once. With several processes
 every transfer to the devices stays in the main thread, in the same order on
@@ -99,6 +98,7 @@ class StepDataLoader:
     self._num_slots = num_slots
     self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="simigrad-data")
     self._pending: _Pending | None = None
+    self._placed_counters: dict[tuple[int, int], jax.Array] = {}
     # A one-process run reads along the stream (every row is this process's), decoded ahead.
     streams = hasattr(source, "reader") and len(local_slots) == num_slots
     self._reader = source.reader(sampler) if streams else None
@@ -176,8 +176,19 @@ class StepDataLoader:
           self._to_devices(weights[j].reshape(-1).astype(np.float32), plan.micro_batch_size),
         )
       )
-      counters.append(jax.device_put(np.array([step, j], np.int32), self._replicated))
+      counters.append(self._counters(step, j))
     return StepBatch(plan, micro_batches, counters)
+
+  def _counters(self, step: int, micro_step: int) -> jax.Array:
+    """``[step, micro_step]`` on the devices, placed once for every plan of the step."""
+    key = (step, micro_step)
+    placed = self._placed_counters.get(key)
+    if placed is None:
+      if self._placed_counters and next(iter(self._placed_counters))[0] != step:
+        self._placed_counters = {}  # a new step: the last one's are not needed again
+      placed = jax.device_put(np.array(key, np.int32), self._replicated)
+      self._placed_counters[key] = placed
+    return placed
 
   def _to_devices(self, local_tree: Any, micro: int) -> Any:
     rows = self._num_slots * micro
@@ -203,18 +214,20 @@ def _release(unused: object) -> None:
 def likely_next_sizes(batch_size: int, lower: int, upper: int | None) -> list[int]:
   """The sizes a controller at ``batch_size`` is likely to decide next, the likeliest first.
 
-  SimiGrad's rule (the reference's): a grow to ``max(B + 1, int(1.1 B))``, a
-  shrink to ``max(1, min(B - 1, int(0.9 B)))``, or ``B`` unchanged, each
-  clamped to ``[lower, upper]``; a grow first, as a batch mostly grows.
+  SimiGrad's rule (the reference's): a grow to ``max(B + 1, int(1.1 B))`` or
+  a shrink to ``max(1, min(B - 1, int(0.9 B)))``, each clamped to
+  ``[lower, upper]`` (so ``B`` itself at a bound); a grow first, as a batch
+  mostly grows. ``B`` unchanged inside the bounds (a non-finite step, a
+  warm-up) is rare: it is placed when decided.
 
   Example:
     >>> likely_next_sizes(100, 1, 105)
-    [105, 90, 100]
+    [105, 90]
   """
   grow = _grow(batch_size)
   shrink = max(1, min(batch_size - 1, int(batch_size * 0.9)))
   clamp = lambda size: max(lower, size if upper is None else min(size, upper))
-  return list(dict.fromkeys(clamp(size) for size in (grow, shrink, batch_size)))
+  return list(dict.fromkeys(clamp(size) for size in (grow, shrink)))
 
 
 def _grow(batch_size: int) -> int:
