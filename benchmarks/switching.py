@@ -121,27 +121,22 @@ import json  # noqa: E402
 import pathlib  # noqa: E402
 import shutil  # noqa: E402
 import tempfile  # noqa: E402
-import time  # noqa: E402
 from collections.abc import Sequence  # noqa: E402
 from typing import Any  # noqa: E402
 
 import jax  # noqa: E402
-import numpy as np  # noqa: E402
 
 import simigrad_jax  # noqa: E402
 from benchmarks import common  # noqa: E402
-from benchmarks import local_processes  # noqa: E402
 from benchmarks import switching_report  # noqa: E402
-from benchmarks.switching_models import AXIS  # noqa: E402
 from benchmarks.switching_models import MODELS  # noqa: E402
-from benchmarks.switching_models import init_params  # noqa: E402
 from benchmarks.switching_models import load_digits_data  # noqa: E402
-from benchmarks.switching_models import make_loss_fn  # noqa: E402
-from benchmarks.switching_models import make_optimizer  # noqa: E402
+from benchmarks.switching_modes import MULTI_PROCESS_MODES  # noqa: E402
+from benchmarks.switching_modes import prime_process  # noqa: E402
+from benchmarks.switching_modes import run_mode  # noqa: E402
+from benchmarks.switching_modes import run_processes_mode  # noqa: E402
 
 MODES = ("recompile", "recompile_wait", "pad", "recompile_2proc")
-MULTI_PROCESS_MODES = {"recompile_2proc": ("recompile", 2)}  # mode: (the mode it runs, processes)
-PROCESS_TIMEOUT_SECONDS = 1800  # a multi-process mode's processes are killed after this
 
 # Required keys of each mode's entry in the JSON (machine-read).
 REQUIRED_KEYS = (
@@ -189,167 +184,6 @@ def rule_sweep(lower: int, upper: int, steps: int) -> list[int]:
     size = max(size + 1, int(size * 1.1)) if growing else max(1, min(size - 1, int(size * 0.9)))
     size = min(max(size, lower), upper)
   return sizes
-
-
-# ----------------------------------------------------------------------------
-# One mode.
-# ----------------------------------------------------------------------------
-
-
-def prime_process(
-  model_name: str,
-  data: dict[str, np.ndarray],
-  root: pathlib.Path,
-  workdir: pathlib.Path | None = None,
-) -> float:
-  """Runs a throwaway 2-step Trainer (pad mode, 1 row per device), untimed; returns its seconds.
-
-  The first Trainer of a process pays one-time costs (Flax's first init of
-  the model, eager ops compiled once per process, orbax's first save of the
-  state's structure) that would otherwise be charged to whichever mode runs
-  first. Its one compiled shape (1 row per device, pad mode) is not reused:
-  every Trainer lowers and compiles its own steps ahead of time. Its workdir
-  is a new directory under ``root`` unless ``workdir`` is given (the
-  processes of a multi-process run share one).
-  """
-  start = time.perf_counter()
-  params = init_params(model_name, data)
-  controller = simigrad_jax.Controller(8, 0.1, batch_size_lower_bound=8, batch_size_upper_bound=8)
-  workdir = workdir or pathlib.Path(tempfile.mkdtemp(prefix="primer-", dir=root))
-  with simigrad_jax.Trainer(
-    loss_fn=make_loss_fn(MODELS[model_name]()),
-    params=params,
-    optimizer=make_optimizer(),
-    source=simigrad_jax.ArraySource(data),
-    controller=controller,
-    workdir=workdir,
-    max_micro_batch_size=1,
-    mode="pad",
-    tensorboard=False,
-    progress=False,
-    axis_name=AXIS,
-  ) as trainer:
-    trainer.train(num_steps=2)
-  shutil.rmtree(workdir, ignore_errors=True)
-  return time.perf_counter() - start
-
-
-def run_mode(
-  mode: str,
-  *,
-  data: dict[str, np.ndarray],
-  schedule: list[int],
-  lower: int,
-  upper: int,
-  max_micro: int,
-  model_name: str,
-  workdir: pathlib.Path,
-  persistent_cache: str | None,
-  seed: int = 0,
-) -> dict[str, Any] | None:
-  """Trains ``len(schedule)`` steps in one mode; returns its numbers (None on process > 0)."""
-  model = MODELS[model_name]()
-  # Flax's first init of a model runs many small eager ops that compile once
-  # per process (about 1.5 s for the CNN): not part of the measured set-up.
-  params = init_params(model_name, data, seed)
-  total_start = time.perf_counter()
-  optimizer = make_optimizer()
-  controller = simigrad_jax.Controller(
-    schedule[0],
-    similarity_target=0.1,
-    batch_size_lower_bound=lower,
-    batch_size_upper_bound=upper,
-    batch_sizes_to_profile=schedule,
-  )
-  trainer = simigrad_jax.Trainer(
-    loss_fn=make_loss_fn(model),
-    params=params,
-    optimizer=optimizer,
-    source=simigrad_jax.ArraySource(data),
-    controller=controller,
-    workdir=workdir,
-    max_micro_batch_size=max_micro,
-    min_micro_batch_size=1,
-    mode="pad" if mode == "pad" else "recompile",
-    compile_fallback=mode != "recompile_wait",
-    seed=seed,
-    compilation_cache_dir=persistent_cache,
-    tensorboard=False,
-    progress=False,
-    axis_name=AXIS,
-  )
-  setup = time.perf_counter() - total_start
-  apply_compile_seconds = trainer.compile_stats()["compile_seconds"]  # nothing else compiled yet
-  try:
-    train_start = time.perf_counter()
-    summary = trainer.train(num_steps=len(schedule))
-    train = time.perf_counter() - train_start
-  finally:
-    close_start = time.perf_counter()
-    trainer.close()
-    close = time.perf_counter() - close_start
-  final_stats = trainer.compile_stats()
-  timings = {
-    "setup": setup,
-    "train": train,
-    "close": close,
-    "total": time.perf_counter() - total_start,
-    "apply_compile": apply_compile_seconds,
-  }
-  if jax.process_index() != 0:
-    return None  # process 0 writes the metrics
-  records = simigrad_jax.read_metrics(workdir / "metrics.jsonl")
-  return switching_report.summarize_mode(
-    mode, records, summary, final_stats, trainer.shapes, timings
-  )
-
-
-def run_processes_mode(
-  mode: str, args: argparse.Namespace, root: pathlib.Path, num_devices: int
-) -> tuple[dict[str, Any], pathlib.Path]:
-  """Runs a multi-process mode: this script in each process, on its share of ``num_devices``.
-
-  Every process runs the same sweep in one shared workdir; process 0 writes
-  the mode's numbers. Returns them and the workdir (with each process's
-  log). Raises RuntimeError, with each process's last output, when a
-  process fails or runs past :data:`PROCESS_TIMEOUT_SECONDS`.
-  """
-  base_mode, num_processes = MULTI_PROCESS_MODES[mode]
-  if num_devices % num_processes:
-    raise ValueError(
-      f"{mode} splits the {num_devices} devices over {num_processes} processes: "
-      f"give a device count divisible by {num_processes}"
-    )
-  workdir = pathlib.Path(tempfile.mkdtemp(prefix=f"{mode}-", dir=root))
-  script = [
-    os.path.abspath(__file__),
-    "--modes",
-    base_mode,
-    "--steps",
-    args.steps,
-    "--lower",
-    args.lower,
-    "--upper",
-    args.upper,
-    "--max-micro-batch-size",
-    args.max_micro_batch_size,
-    "--model",
-    args.model,
-    "--workdir",
-    workdir,
-  ]
-  if args.persistent_cache:
-    script += ["--persistent-cache", args.persistent_cache]
-  result = local_processes.run_local_processes(
-    script,
-    num_processes=num_processes,
-    devices_per_process=num_devices // num_processes,
-    workdir=workdir,
-    timeout=PROCESS_TIMEOUT_SECONDS,
-    what=mode,
-  )
-  result.update({"processes": num_processes, "devices_per_process": num_devices // num_processes})
-  return result, workdir
 
 
 def _run_as_process(args: argparse.Namespace) -> None:
@@ -492,7 +326,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     primer_seconds = prime_process(args.model, data, root)
     for mode in modes:
       if mode in MULTI_PROCESS_MODES:
-        result, workdir = run_processes_mode(mode, args, root, len(devices))
+        script = os.path.abspath(__file__)
+        result, workdir = run_processes_mode(mode, args, root, len(devices), script)
       else:
         workdir = pathlib.Path(tempfile.mkdtemp(prefix=f"{mode}-", dir=root))
         result = run_mode(

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from benchmarks import pareto
+from benchmarks import pareto_flags
 from benchmarks import pareto_mlm
 from train import text_data
 
@@ -57,10 +58,10 @@ def test_missing_text_falls_back_with_a_note_and_refuses_too_many_windows(tmp_pa
 
 def test_mlm_only_flags_and_profile_are_refused():
   with pytest.raises(SystemExit):
-    pareto._parse_args(["--task", "mlm", "--dataset", "mnist"])
+    pareto_flags.parse_args(["--task", "mlm", "--dataset", "mnist"])
   with pytest.raises(SystemExit):
-    pareto._parse_args(["--train-windows", "64"])
-  args = pareto._parse_args(["--task", "mlm", "--quick"])
+    pareto_flags.parse_args(["--train-windows", "64"])
+  args = pareto_flags.parse_args(["--task", "mlm", "--quick"])
   assert args.lr_schedule == "warmup_cosine" and args.grid["dataset"] == "text"
   with pytest.raises(ValueError, match="--profile is for --task images"):
     pareto.main(["--task", "mlm", "--quick", "--profile"])

@@ -12,6 +12,7 @@ import pytest
 import simigrad_jax
 from benchmarks import pareto
 from benchmarks import pareto_analysis
+from benchmarks import pareto_flags
 from benchmarks import pareto_images
 from benchmarks import pareto_protocol
 from benchmarks import pareto_report
@@ -375,7 +376,7 @@ def test_reuse_refuses_a_different_experiment_and_matches_exactly(tiny_run, tmp_
 
 
 def test_simigrad_option_variants_are_separate_settings():
-  args = pareto._parse_args(
+  args = pareto_flags.parse_args(
     [
       "--quick",
       "--targets",
@@ -406,7 +407,7 @@ def test_simigrad_option_variants_are_separate_settings():
     "[{",
   ):
     with pytest.raises(SystemExit):
-      pareto._parse_args(["--simigrad-options", bad])
+      pareto_flags.parse_args(["--simigrad-options", bad])
 
 
 def test_keep_reused_adds_runs_to_an_earlier_result(tiny_run, tmp_path):

@@ -17,6 +17,8 @@ import pathlib
 
 import numpy as np
 
+from simigrad_jax.data.sources import open_tfds
+
 DIGITS_TEST_SIZE = 297
 
 
@@ -43,17 +45,9 @@ class ResizedImageSource:
   def __init__(
     self, name: str, split: str, size: int, *, data_dir: str | None = None, download: bool = False
   ):
-    import tensorflow_datasets as tfds  # pylint: disable=import-outside-toplevel
-
     if not isinstance(size, int) or size < 1:
       raise ValueError(f"size must be a positive integer, got {size!r}")
-    try:
-      self._ds = tfds.data_source(name, split=split, data_dir=data_dir, download=download)
-    except NotImplementedError as e:
-      raise RuntimeError(
-        f"TFDS could not open {name!r} split {split!r} in data_dir {data_dir!r} for random "
-        f"access; prepare it in ArrayRecord format there first. TFDS says: {e}"
-      ) from e
+    self._ds = open_tfds(name, split, data_dir=data_dir, download=download)
     self._name, self._split, self.size = name, split, size
     self._length = len(self._ds)
 

@@ -14,6 +14,7 @@ import pathlib
 import numpy as np
 
 from simigrad_jax.data.sources import check_indices
+from simigrad_jax.data.sources import open_tfds
 
 PAD_ID = 0
 MASK_ID = 1
@@ -99,17 +100,9 @@ class TfdsTextSource:
     data_dir: str | None = None,
     download: bool = False,
   ):
-    import tensorflow_datasets as tfds  # pylint: disable=import-outside-toplevel
-
     if records_per_example < 1:
       raise ValueError(f"records_per_example must be >= 1, got {records_per_example}")
-    try:
-      self._ds = tfds.data_source(name, split=split, data_dir=data_dir, download=download)
-    except NotImplementedError as e:
-      raise RuntimeError(
-        f"TFDS could not open {name!r} split {split!r} in data_dir {data_dir!r} for random "
-        f"access; prepare it in ArrayRecord format there first. TFDS says: {e}"
-      ) from e
+    self._ds = open_tfds(name, split, data_dir=data_dir, download=download)
     self._name, self._split, self._feature = name, split, feature
     self.seq_length, self._group = seq_length, records_per_example
     self._length = len(self._ds) // records_per_example

@@ -153,6 +153,40 @@ class ArraySource:
     return batch
 
 
+def open_tfds(name: str, split: str, *, data_dir: str | None, download: bool) -> Any:
+  """``tfds.data_source`` of a TFDS split, random access to its records (ArrayRecord).
+
+  Args:
+    name: the TFDS name, e.g. ``"mnist"``.
+    split: a split, e.g. ``"train"``.
+    data_dir: where TFDS keeps prepared data (TFDS's default if None).
+    download: let TFDS download and prepare the data if it is missing.
+
+  Returns:
+    The data source: ``len()`` and ``source[i]``.
+
+  Raises:
+    RuntimeError: TFDS cannot read the split by index (not prepared in
+      ArrayRecord format); the message says so and quotes TFDS.
+
+  Example:
+    >>> import tensorflow_datasets as tfds
+    >>> with tfds.testing.mock_data(num_examples=4):
+    ...   len(open_tfds("mnist", "train", data_dir=None, download=False))
+    4
+  """
+  import tensorflow_datasets as tfds  # pylint: disable=import-outside-toplevel
+
+  try:
+    return tfds.data_source(name, split=split, data_dir=data_dir, download=download)
+  except NotImplementedError as e:
+    raise RuntimeError(
+      f"TFDS could not open {name!r} split {split!r} in data_dir "
+      f"{data_dir!r} for random access (download={download}); it needs the "
+      f"data prepared in ArrayRecord format there. TFDS says: {e}"
+    ) from e
+
+
 class TfdsSource:
   """A TFDS data set read with random access through tfds.data_source (ArrayRecord; works without TensorFlow).
 
@@ -190,7 +224,6 @@ class TfdsSource:
     download: bool = True,
     features: Sequence[str] | None = None,
   ):
-    import tensorflow_datasets as tfds  # pylint: disable=import-outside-toplevel
 
     for arg, value in (("name", name), ("split", split)):
       if not isinstance(value, str) or not value:
@@ -206,14 +239,7 @@ class TfdsSource:
           f"features must be None or a non-empty sequence of names, got {features!r}"
         )
       features = chosen
-    try:
-      self._ds = tfds.data_source(name, split=split, data_dir=data_dir, download=download)
-    except NotImplementedError as e:
-      raise RuntimeError(
-        f"TFDS could not open {name!r} split {split!r} in data_dir "
-        f"{data_dir!r} for random access (download={download}); it needs the "
-        f"data prepared in ArrayRecord format there. TFDS says: {e}"
-      ) from e
+    self._ds = open_tfds(name, split, data_dir=data_dir, download=download)
     self._name, self._split = name, split
     self._length = len(self._ds)
     if self._length < 1:

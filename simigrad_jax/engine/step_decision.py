@@ -47,8 +47,7 @@ class StepDecider:
 
   Example::
 
-    state, dispatched = dispatcher.dispatch(state, batch_size, total_examples, decider.step,
-                                            decider.last_read)
+    dispatched = dispatcher.dispatch(batch_size, total_examples, decider.step, decider.last_read)
     record = decider.decide(dispatched)  # decider.step == record.step
   """
 

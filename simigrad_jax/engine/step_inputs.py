@@ -130,7 +130,11 @@ def _step_inputs(batch_size: int, lr_factor: float) -> tuple[float, float, float
 class StepDispatcher:
   """Plans a batch size onto the devices, takes its examples and dispatches the step.
 
+  It holds the run's state, which each step's program takes (donated) and
+  replaces.
+
   Args:
+    state: the run's replicated ``{"params", "opt_state", "model_state"}``.
     layout: the step's layout (its plans).
     programs: the step's compiled programs.
     data: loads each step's examples, ahead of the step.
@@ -140,18 +144,19 @@ class StepDispatcher:
   Example::
 
     dispatcher.prepare(controller.batch_size, total_examples, step, epochs)
-    state, dispatched = dispatcher.dispatch(state, controller.batch_size, total_examples, step,
-                                            last_read=None)
+    dispatched = dispatcher.dispatch(controller.batch_size, total_examples, step, last_read=None)
   """
 
   def __init__(
     self,
+    state: dict[str, Any],
     layout: StepLayout,
     programs: StepPrograms,
     data: StepDataLoader,
     sampler: EpochSampler,
     inputs: StepInputs,
   ):
+    self.state = state
     self._layout, self._programs, self._data = layout, programs, data
     self._sampler, self._inputs = sampler, inputs
 
@@ -163,17 +168,13 @@ class StepDispatcher:
     self._data.submit_ahead(batch_size, total_examples, step)
 
   def dispatch(
-    self,
-    state: Any,
-    batch_size: int,
-    total_examples: float,
-    step: int,
-    last_read: float | None,
-  ) -> tuple[Any, DispatchedStep]:
+    self, batch_size: int, total_examples: float, step: int, last_read: float | None
+  ) -> DispatchedStep:
     """Dispatches the step after ``step`` at ``batch_size`` (cut to land on ``total_examples``).
 
+    The step's new state (not computed yet) is :attr:`state` from then on.
+
     Args:
-      state: the run's state (donated to the step).
       batch_size: the controller's batch size, of this step and (expected) of the next.
       total_examples: the examples the run ends at.
       step: the optimizer steps done.
@@ -181,7 +182,7 @@ class StepDispatcher:
         ``train()`` call).
 
     Returns:
-      The step's new state (not computed yet) and the step as dispatched.
+      The step as dispatched.
     """
     start = time.perf_counter()
     # The run's last step lands exactly on num_epochs.
@@ -196,13 +197,13 @@ class StepDispatcher:
     # The host's critical path ends here: the program call is the runtime's (on CPU the
     # simulated devices are host threads, and the call runs part of the step).
     host_seconds = math.nan if last_read is None else time.perf_counter() - last_read
-    state, stats = self._programs.run(state, data, step_inputs)
+    self.state, stats = self._programs.run(self.state, data, step_inputs)
     # While the first step runs: the programs that let every later step fall back.
     self._programs.await_fallback(plan.micro_batch_size)
     compile_wait = self._programs.wait_seconds() - wait_before
     # Load the next step's rows while the devices work.
     self._data.submit_ahead(batch_size, total_examples, step + 1)
-    return state, DispatchedStep(
+    return DispatchedStep(
       plan=plan,
       exact_plan=exact,
       stats=stats,

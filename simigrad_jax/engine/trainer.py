@@ -168,7 +168,7 @@ class Trainer:
     )
     self.controller, self.eval_fn = controller, eval_fn
     self.workdir, self.source = run.workdir, run.source
-    self.mesh, self.layout, self.sampler, self.state = run.mesh, run.layout, run.sampler, run.state
+    self.mesh, self.layout, self.sampler = run.mesh, run.layout, run.sampler
     self.halves, self.num_devices = run.layout.halves, run.layout.num_devices
     self.shapes = run.layout.device_grid  # the compiled micro-batch shapes, rows per device
     self._workdir_lock, self._checkpoints = run.workdir_lock, run.checkpoints
@@ -183,7 +183,7 @@ class Trainer:
     )
     self._stop = preemption.RunStop()
     self._dispatcher = StepDispatcher(
-      run.layout, run.programs, run.data, run.sampler, run.step_inputs
+      run.state, run.layout, run.programs, run.data, run.sampler, run.step_inputs
     )
     self._decider = StepDecider(run, controller, self._agreement, self._checkpoint, self._stop)
 
@@ -191,6 +191,11 @@ class Trainer:
   def step(self) -> int:
     """The optimizer steps done, over the whole run (resumes included)."""
     return self._decider.step
+
+  @property
+  def state(self) -> dict[str, Any]:
+    """The replicated ``{"params", "opt_state", "model_state"}`` of the last step dispatched."""
+    return self._dispatcher.state
 
   def add_hook(self, hook: StepHook) -> None:
     """Adds ``hook`` (an object with ``on_step(record)``) after the others, from the next
@@ -245,7 +250,7 @@ class Trainer:
     ]
     batch_size, epochs = self.controller.batch_size, epochs_trained(self.sampler)
     self._dispatcher.prepare(batch_size, total_examples, self.step, epochs)
-    self._decider.last_read = None
+    self._decider.last_read = None  # a call's first step has no host time before it
     self._checkpoint.restart_clock()
     with self._stop:  # a signal stops the run after the step under way
       try:
@@ -302,10 +307,9 @@ class Trainer:
 
   def _dispatch(self, total_examples: float) -> DispatchedStep:
     """Plans the controller's batch size, takes its examples and dispatches the step."""
-    self.state, dispatched = self._dispatcher.dispatch(
-      self.state, self.controller.batch_size, total_examples, self.step, self._decider.last_read
+    return self._dispatcher.dispatch(
+      self.controller.batch_size, total_examples, self.step, self._decider.last_read
     )
-    return dispatched
 
   def _read_and_decide(self, dispatched: DispatchedStep) -> StepRecord:
     """Reads the step's statistics, decides the next batch size, agrees on it: the step's record."""
