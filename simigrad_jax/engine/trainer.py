@@ -240,14 +240,8 @@ class Trainer:
       total_examples, self.sampler.examples_seen, enabled=self.config.progress and self._is_main
     )
     evaluation = EvaluationHook(self.eval_fn, lambda: self.state, self._metrics.writer)
-    hooks: list[StepHook] = [
-      self._metrics,
-      totals,
-      progress,
-      *self._hooks,
-      evaluation,
-      self._checkpoint,
-    ]
+    hooks: list[StepHook] = [self._metrics, totals, progress, *self._hooks]
+    hooks += [evaluation, self._checkpoint]  # an epoch's end: evaluated, then checkpointed
     batch_size, epochs = self.controller.batch_size, epochs_trained(self.sampler)
     self._dispatcher.prepare(batch_size, total_examples, self.step, epochs)
     self._decider.last_read = None  # a call's first step has no host time before it
@@ -282,7 +276,7 @@ class Trainer:
     """Whether the run has steps left before ``total_examples`` or ``max_steps``."""
     return self.step < max_steps and self.sampler.examples_seen < total_examples
 
-  def _run_steps(self, hooks: list[StepHook], total_examples: float, max_steps: float) -> None:
+  def _run_steps(self, hooks: Sequence[StepHook], total_examples: float, max_steps: float) -> None:
     """Runs steps until the run's end or a stop the processes agreed on.
 
     A step's hooks run once the next step is dispatched, while the devices
@@ -315,7 +309,7 @@ class Trainer:
     """Reads the step's statistics, decides the next batch size, agrees on it: the step's record."""
     return self._decider.decide(dispatched)
 
-  def _run_hooks(self, hooks: list[StepHook], record: StepRecord) -> None:
+  def _run_hooks(self, hooks: Sequence[StepHook], record: StepRecord) -> None:
     """A step's bookkeeping: its record, with the compile counters as they are now, to each hook."""
     record = record.with_compile_stats(self._programs.stats())
     for hook in hooks:
