@@ -277,6 +277,10 @@ class TrainerLoop:
     adaptive: adapt the batch within [batch / 4, 4 x batch] with SimiGrad's rule.
     similarity_target: the adaptive controller's target.
     workdir: a fresh directory for the Trainer's metrics and checkpoints.
+    max_micro_batch_size: the rows per device per micro-step (default
+      ``batch_size // devices``).
+    **settings: more :class:`simigrad_jax.TrainerConfig` settings
+      (``shapes_per_octave``, ``compilation_cache_dir``, ...).
   """
 
   def __init__(
@@ -287,9 +291,11 @@ class TrainerLoop:
     adaptive: bool,
     similarity_target: float,
     workdir: pathlib.Path,
+    max_micro_batch_size: int | None = None,
+    **settings: Any,
   ):
     n = jax.device_count()
-    max_micro = batch_size // n
+    max_micro = max_micro_batch_size or batch_size // n
     if adaptive:
       controller = simigrad_jax.Controller(
         batch_size,
@@ -325,6 +331,7 @@ class TrainerLoop:
       # Only warm-up steps can find their shape still compiling (the timed ones start
       # after every shape compiled): let them wait rather than accumulate on a smaller one.
       compile_fallback=False,
+      **settings,
     )
     # train() ends with a checkpoint save: mark when the step loop is over.
     self._save_calls: list[float] = []

@@ -107,6 +107,7 @@ def run_mode(
     workdir=workdir,
     max_micro_batch_size=max_micro,
     min_micro_batch_size=1,
+    shapes_per_octave=1,  # the grid of halvings, its shapes listed in switching.py
     mode="pad" if mode == "pad" else "recompile",
     compile_fallback=mode != "recompile_wait",
     seed=seed,

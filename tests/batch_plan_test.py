@@ -24,6 +24,8 @@ PAD_POLICIES = [
   BucketPolicy(7, 3),
   BucketPolicy(3, 1),
   BucketPolicy(1),
+  BucketPolicy(16, 2, shapes_per_octave=4),
+  BucketPolicy(24, 3, shapes_per_octave=8),
 ]
 ROUND_POLICIES = [
   BucketPolicy(8, 1, padding=False),
@@ -31,6 +33,7 @@ ROUND_POLICIES = [
   BucketPolicy(5, padding=False),
   BucketPolicy(16, 4, padding=False),
   BucketPolicy(3, 1, padding=False),
+  BucketPolicy(20, 2, padding=False, shapes_per_octave=3),
 ]
 
 
@@ -134,6 +137,38 @@ def test_grid_properties_and_size():
       assert all(a < b for a, b in zip(grid, grid[1:]))
       assert grid[0] == 1 or -(-grid[0] // 2) < low  # last one >= low
       assert len(grid) <= math.log2(top / low) + 2
+
+
+@pytest.mark.parametrize("per_octave", [2, 4, 8])
+def test_finer_grid_properties(per_octave):
+  ratio = 2 ** (1 / per_octave)
+  for top in range(1, 150):
+    for low in range(1, top + 1):
+      grid = BucketPolicy(top, low, shapes_per_octave=per_octave).micro_batch_sizes()
+      assert grid[-1] == top and grid[0] >= low
+      assert all(a < b for a, b in zip(grid, grid[1:]))
+      # neighbours differ by the ratio, rounded up to whole rows (or by one row)
+      assert all(b <= max(math.ceil(a * ratio), a + 1) for a, b in zip(grid, grid[1:]))
+      assert len(grid) <= per_octave * math.log2(top / low) + 2
+      # the halving grid's shapes are all in it (whole octaves divide exactly)
+      assert set(BucketPolicy(top, low).micro_batch_sizes()) <= set(grid)
+
+
+def test_finer_grid_pads_less_over_a_moving_batch():
+  """A batch moving by 10% a step between 64 and 2,048 on 8 devices: padding per grid."""
+  rng = np.random.default_rng(0)
+  sizes, size = [], 468
+  for _ in range(2000):
+    size = max(size + 1, int(size * 1.1)) if rng.random() < 0.5 else int(size * 0.9)
+    size = min(max(size, 64), 2048)
+    sizes.append(size)
+  shares = {}
+  for per_octave in (1, 8):
+    plans = [plan_batch(s, 8, BucketPolicy(32, 1, shapes_per_octave=per_octave)) for s in sizes]
+    padded = sum(p.padded_examples for p in plans)
+    shares[per_octave] = padded / sum(p.rows_per_step for p in plans)
+    assert all(p.accumulation_steps == -(-p.global_batch_size // (8 * 32)) for p in plans)
+  assert shares[8] <= 0.05 < shares[1]
 
 
 # ---------------------------------------------------------------- padding=True
@@ -341,6 +376,9 @@ GOOD = BucketPolicy(8, 2)
     (lambda: BucketPolicy(8, 2.0), "min_micro_batch_size .*got 2.0"),
     (lambda: BucketPolicy(8, True), "min_micro_batch_size .*got True"),
     (lambda: BucketPolicy(8, padding="yes"), "padding .*got 'yes'"),
+    (lambda: BucketPolicy(8, shapes_per_octave=0), r"shapes_per_octave .*\[1, 16\].*got 0"),
+    (lambda: BucketPolicy(8, shapes_per_octave=2.0), "shapes_per_octave .*got 2.0"),
+    (lambda: BucketPolicy(8, shapes_per_octave=17), "shapes_per_octave .*got 17"),
     (lambda: plan_batch(0, 1, GOOD), "batch_size must be an integer >= 1, got 0"),
     (lambda: plan_batch(-3, 1, GOOD), "batch_size .*got -3"),
     (lambda: plan_batch(2.5, 1, GOOD), "batch_size .*got 2.5"),

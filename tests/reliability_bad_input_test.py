@@ -405,7 +405,8 @@ CASES = [
     "loss returns the batch mean",
     lambda w: trainer(w, loss_fn=mean_loss),
     ValueError,
-    r"loss_fn must return one loss per row, shape \(4,\), got shape \(\)",
+    # The first step's rows per device: 3 of the grid (1, 2, 3, 4), its batch of 24 on 8 devices.
+    r"loss_fn must return one loss per row, shape \(3,\), got shape \(\)",
   ),
   Case(
     "loss reads a feature the source lacks",

@@ -56,9 +56,18 @@ def test_totals_add_up_the_records_and_skip_an_unmeasured_host_time():
   assert summary["host_seconds_median"] == 0.003
   assert summary["compile_fallback_steps"] == 1
   assert summary["loss"] == 0.25 and summary["similarity"] == 0.3
+  assert summary["padding_fraction"] == 0.0
+
+
+def test_padding_fraction_is_the_share_of_rows_computed():
+  totals = RunTotals()
+  totals.on_step(dataclasses.replace(BASE, batch_size=60, padded_examples=4))
+  totals.on_step(dataclasses.replace(BASE, batch_size=100, padded_examples=4))
+  assert totals.summary()["padding_fraction"] == 8 / 168
 
 
 def test_a_run_without_steps_has_no_average():
   summary = RunTotals().summary()
   assert summary["run_steps"] == 0 and math.isnan(summary["average_batch_size"])
   assert math.isnan(summary["host_seconds_median"]) and summary["loss"] is None
+  assert math.isnan(summary["padding_fraction"])

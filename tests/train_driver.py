@@ -3,7 +3,7 @@
 python tests/train_driver.py --workdir DIR --steps N
     [--kill-at K | --kill-in-save K | --kill-in-compile J | --freeze-at K]
     [--num-processes P --process-id I --coordinator 127.0.0.1:PORT]
-    [--disagree-at K] [--similarity-target X] [--max-micro-batch-size M]
+    [--disagree-at K] [--similarity-target X] [--max-micro-batch-size M] [--shapes-per-octave S]
     [--compile-cache DIR] [--mode recompile|pad] [--checkpoint-every C]
     [--agreement-timeout SECONDS] [--devices D] [--halves auto|device|local]
     [--hold-compiles K] [--no-compile-fallback] [--grain-workers W]
@@ -81,6 +81,9 @@ parser.add_argument("--checkpoint-every", type=int, default=3)
 parser.add_argument("--compile-cache", default=None)
 parser.add_argument("--similarity-target", type=float, default=0.3)
 parser.add_argument("--max-micro-batch-size", type=int, default=8)
+# The halving grid: runs compared across kills and processes reach few shapes, so the shape a
+# step runs on (its plan's, or a compile fallback's) seldom depends on the compile timing.
+parser.add_argument("--shapes-per-octave", type=int, default=1)
 parser.add_argument("--disagree-at", type=int, default=None)
 parser.add_argument("--agreement-timeout", type=float, default=60.0)
 parser.add_argument("--devices", type=int, default=8)
@@ -246,6 +249,7 @@ trainer = simigrad_jax.Trainer(
   controller=controller,
   workdir=args.workdir,
   max_micro_batch_size=args.max_micro_batch_size,
+  shapes_per_octave=args.shapes_per_octave,
   mode=args.mode,
   seed=1,
   checkpoint_every_steps=args.checkpoint_every or None,

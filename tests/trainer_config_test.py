@@ -21,6 +21,13 @@ BAD_SETTINGS = [
     16,
     r"min_micro_batch_size must be None or an integer in \[1, max_micro_batch_size=8\], got 16",
   ),
+  (
+    "shapes_per_octave",
+    0,
+    r"shapes_per_octave must be an int in \[1, 16\] \(shapes per factor of two in the "
+    r"micro-batch grid; 1 halves\), got 0",
+  ),
+  ("shapes_per_octave", 2.5, r"shapes_per_octave must be an int in \[1, 16\].*got 2.5"),
   ("lr_rule", "cube", r"lr_rule='cube' is not valid; choose one of \('sqrt', 'linear', 'none'\)"),
   ("lr_adjust_factor", -1.0, r"lr_adjust_factor must be a number in \[0, inf\), got -1.0"),
   ("seed", -1, r"seed must be an integer >= 0, got -1"),

@@ -67,25 +67,31 @@ def make_trainer(
   )
 
 
-# (devices, halves, mode, max_micro_batch_size, micro-batch rows per device, micro-steps)
+# (devices, halves, mode, max_micro_batch_size, micro-batch rows per device, micro-steps[,
+# shapes_per_octave]): a grid of 8 shapes per octave plans 45 examples on 6 rows of 8 devices
+# (3 padded), the halving grid on 8 rows (19 padded).
 EXACT_CASES = {
-  "8-device-one-micro-step": (8, "device", "recompile", 8, 8, 1),
+  "8-device-one-micro-step": (8, "device", "recompile", 8, 6, 1, 8),
+  "8-device-halving-grid": (8, "device", "recompile", 8, 8, 1, 1),
   "8-device-accumulate-3": (8, "device", "recompile", 2, 2, 3),
+  "8-device-accumulate-2-finer-grid": (8, "device", "recompile", 4, 3, 2, 8),
   "8-device-pad-one-shape": (8, "device", "pad", 16, 16, 1),
-  "8-local": (8, "local", "recompile", 8, 8, 1),
+  "8-local": (8, "local", "recompile", 8, 6, 1, 8),
   "3-local-one-micro-step": (3, "auto", "recompile", 64, 16, 1),
   "3-local-accumulate-4": (3, "auto", "recompile", 4, 4, 4),
   "3-local-pad-odd-max": (3, "local", "pad", 9, 10, 2),
-  "1-local-one-micro-step": (1, "auto", "recompile", 64, 64, 1),
+  "1-local-one-micro-step": (1, "auto", "recompile", 64, 46, 1, 8),
+  "1-local-one-micro-step-default-grid": (1, "auto", "recompile", 64, 52, 1),
   "1-local-accumulate-6": (1, "auto", "recompile", 8, 8, 6),
 }
 
 
 @pytest.mark.parametrize("case", EXACT_CASES)
 def test_one_step_is_the_exact_mean_gradient_step(tmp_path, case):
-  """Padding rows, accumulation and the split change nothing: one step equals plain SGD on the
-  45 examples (in float64), and the similarity is that of the even- and odd-numbered examples."""
-  num_devices, halves, mode, max_micro, rows, steps = EXACT_CASES[case]
+  """Padding rows, accumulation, the shape grid and the split change nothing: one step equals
+  plain SGD on the 45 examples (in float64), and the similarity is that of the even- and
+  odd-numbered examples."""
+  num_devices, halves, mode, max_micro, rows, steps, *per_octave = EXACT_CASES[case]
   data = dataset()
   controller = simigrad_jax.Controller(45, 0.0, enable_adjust=False)
   trainer = make_trainer(
@@ -97,6 +103,7 @@ def test_one_step_is_the_exact_mean_gradient_step(tmp_path, case):
     devices=jax.devices()[:num_devices],
     halves=halves,
     background_compile=False,
+    **({"shapes_per_octave": per_octave[0]} if per_octave else {}),
   )
   params0 = jax.tree.map(np.asarray, TinyMLP().init(jax.random.key(0), data["x"][:1])["params"])
   summary = trainer.train(num_steps=1)

@@ -8,9 +8,11 @@ The controller asks for a global batch size ``B`` (any integer, changing about
 all. JAX compiles one step function per micro-batch shape, so the shapes come
 from a small grid fixed up front by a :class:`BucketPolicy`: ``max``,
 ``ceil(max / 2)``, ``ceil(max / 4)``, ... down to ``min``, i.e. about
-``log2(max / min) + 1`` shapes (at most ``log2(max / min) + 2``), every one of
-which can be compiled ahead of time (:func:`bucket_shapes` lists those a range
-of batch sizes needs). ``k = ceil(B / (n * max))`` is always the fewest
+``log2(max / min) + 1`` shapes (at most ``log2(max / min) + 2``); or with
+``shapes_per_octave=s``, ``ceil(max / 2^(i / s))`` for ``i = 0, 1, ...``, about
+``s * log2(max / min) + 1`` shapes whose neighbours differ by a factor of
+``2^(1/s)`` (or by one row). Every one of them can be compiled ahead of time
+(:func:`bucket_shapes` lists those a range of batch sizes needs). ``k = ceil(B / (n * max))`` is always the fewest
 accumulation steps that fit ``B``.
 
 How the realised size relates to the requested one:
@@ -20,7 +22,9 @@ How the realised size relates to the requested one:
   ``n * k * micro - B`` spare rows are padding with weight 0. With
   ``min == max`` this is the single-shape "pad" mode (one compiled shape, up
   to ``n * max - 1`` padded rows); with a grid, fewer than half the rows are
-  padding whenever ``B >= n * min``.
+  padding whenever ``B >= n * min``, and with ``s`` shapes per octave fewer
+  than ``1 - 2^(-1/s)`` of them (8.3% at ``s = 8``) plus the rounding to
+  whole rows per device; about half that over a run whose size moves.
 * ``padding=False`` (round): nothing is ever padded; the realised size is a
   *representable* size ``S = n * k * g`` (``g`` a grid shape,
   ``k = ceil(S / (n * max))``) next to the request, rounded in the direction of
@@ -37,6 +41,7 @@ padding sits at the end of each device's rows.
 """
 
 import dataclasses
+import math
 
 import numpy as np
 
@@ -49,6 +54,9 @@ __all__ = [
   "plan_batch",
   "representable_batch_sizes",
 ]
+
+# The most shapes per factor of two a grid may have (the compiles grow with it).
+MAX_SHAPES_PER_OCTAVE = 16
 
 
 def _check_bounds(lower: int | None, upper: int | None) -> tuple[int, int | None]:
@@ -77,6 +85,16 @@ def _unrealisable(n: int, grid: tuple[int, ...], lo: int, hi: int | None) -> Val
   )
 
 
+def check_shapes_per_octave(value: object) -> int:
+  """Returns ``value`` as an int if it is one in ``[1, MAX_SHAPES_PER_OCTAVE]``, else raises ValueError."""
+  if not validation.is_int(value) or not 1 <= value <= MAX_SHAPES_PER_OCTAVE:
+    raise ValueError(
+      f"shapes_per_octave must be an int in [1, {MAX_SHAPES_PER_OCTAVE}] (shapes per factor "
+      f"of two in the micro-batch grid; 1 halves), got {value!r}"
+    )
+  return int(value)
+
+
 @dataclasses.dataclass(frozen=True)
 class BucketPolicy:
   """The grid of micro-batch shapes a run compiles, and whether it pads.
@@ -89,11 +107,15 @@ class BucketPolicy:
     padding: ``True`` realises every requested size exactly by padding the
       last rows of each device with weight-0 rows; ``False`` never pads and
       rounds the request to a size the shapes realise exactly.
+    shapes_per_octave: shapes per factor of two, 1 to
+      :data:`MAX_SHAPES_PER_OCTAVE`: 1 is the grid of halvings; more shapes
+      pad less and compile more.
   """
 
   max_micro_batch_size: int
   min_micro_batch_size: int | None = None
   padding: bool = True
+  shapes_per_octave: int = 1
 
   def __post_init__(self):
     top = validation.check_int("max_micro_batch_size", self.max_micro_batch_size)
@@ -105,29 +127,41 @@ class BucketPolicy:
           f"[1, max_micro_batch_size={top}], got {low!r}"
         )
     validation.check_bool("padding", self.padding)
+    check_shapes_per_octave(self.shapes_per_octave)
 
   def micro_batch_sizes(self) -> tuple[int, ...]:
     """Returns the grid of compiled micro-batch shapes, ascending.
 
-    Halves from ``max`` (``g -> ceil(g / 2)``, so every entry is an integer and
-    ``max`` is always in the grid) while the result stays ``>= min``. When
+    ``ceil(max / 2^(i / s))`` for ``i = 0, 1, ...`` (``s`` the shapes per
+    octave; with ``s = 1`` the halvings ``g -> ceil(g / 2)``), so every entry
+    is an integer and ``max`` is always in the grid, while the result stays
+    ``>= min``; equal entries (small shapes, one row apart) count once. When
     ``min`` is not hit exactly, the smallest entry is the last one ``>= min``.
 
     Returns:
-      A tuple of ``len <= log2(max / min) + 2`` ints, ending with ``max``.
+      A tuple of ``len <= s * log2(max / min) + 2`` ints, ending with ``max``.
 
     Example:
       >>> BucketPolicy(96, 10).micro_batch_sizes()
       (12, 24, 48, 96)
       >>> BucketPolicy(100, 10).micro_batch_sizes()
       (13, 25, 50, 100)
+      >>> BucketPolicy(32, 16, shapes_per_octave=4).micro_batch_sizes()
+      (16, 20, 23, 27, 32)
     """
     top = int(self.max_micro_batch_size)
     low = top if self.min_micro_batch_size is None else int(self.min_micro_batch_size)
-    sizes = [top]
-    while sizes[-1] > 1 and -(-sizes[-1] // 2) >= low:
-      sizes.append(-(-sizes[-1] // 2))
-    return tuple(reversed(sizes))
+    per_octave = int(self.shapes_per_octave)
+    sizes = {top}
+    step = 1
+    while min(sizes) > 1:
+      # Whole octaves divide exactly: ceil(top / 2^j) is the iterated halving.
+      size = math.ceil(top / 2 ** (step / per_octave))
+      if size < low:
+        break
+      sizes.add(size)
+      step += 1
+    return tuple(sorted(sizes))
 
 
 @dataclasses.dataclass(frozen=True)

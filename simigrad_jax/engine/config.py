@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 from simigrad_jax import validation
 from simigrad_jax.controllers import learning_rate
+from simigrad_jax.engine import batch_plan
 from simigrad_jax.engine import layout
 from simigrad_jax.runtime import process_agreement
 
@@ -40,11 +41,18 @@ class TrainerConfig:
   Attributes:
     max_micro_batch_size: the most rows per device per micro-step (rounded up
       to even with the local split, whose two passes hold half each).
-    mode: ``"recompile"`` (one compiled micro-step per shape of a power-of-two
-      grid, compiled ahead in the background) or ``"pad"`` (one shape; smaller
+    mode: ``"recompile"`` (one compiled micro-step per shape of a grid,
+      compiled ahead in the background) or ``"pad"`` (one shape; smaller
       batches are padded with zero-weight rows).
     min_micro_batch_size: the smallest compiled shape in ``recompile`` mode
       (None: 1; only the shapes the batch-size bounds need are compiled).
+    shapes_per_octave: the grid's shapes per factor of two in ``recompile``
+      mode, 1 to 16 (:class:`simigrad_jax.BucketPolicy`), or None (the
+      default): as many as a grid of at most
+      :data:`~simigrad_jax.engine.layout.AUTO_GRID_SHAPES` (16) shapes over
+      the bounds' range allows, from 1 to 8. A batch that moves pads about
+      ``35% / shapes_per_octave`` of the rows it computes (8: 4%; 1, the
+      halvings: 15-30%); each shape is one more compile.
     lr_rule: ``"sqrt"``, ``"linear"`` or ``"none"`` (see
       :func:`simigrad_jax.lr_factor`).
     lr_adjust_factor: optional damping of the learning-rate factor (>= 0).
@@ -122,6 +130,7 @@ class TrainerConfig:
   max_micro_batch_size: int
   mode: Mode = "recompile"
   min_micro_batch_size: int | None = None
+  shapes_per_octave: int | None = None
   lr_rule: learning_rate.LrRule = "sqrt"
   lr_adjust_factor: float | None = None
   seed: int = 0
@@ -160,6 +169,8 @@ class TrainerConfig:
           f"{max_micro}], got {self.min_micro_batch_size!r}"
         )
       checked["min_micro_batch_size"] = int(self.min_micro_batch_size)
+    if self.shapes_per_octave is not None:
+      checked["shapes_per_octave"] = batch_plan.check_shapes_per_octave(self.shapes_per_octave)
     if self.lr_adjust_factor is not None:
       checked["lr_adjust_factor"] = validation.check_real(  # (as lr_factor checks it)
         "lr_adjust_factor", self.lr_adjust_factor, "[0, inf)", lambda f: 0 <= f < math.inf

@@ -6,9 +6,10 @@ its own devices' rows. Rows are laid out per slot: a slot is a device, or
 with the local split one of the two blocks of a device's rows
 (:mod:`simigrad_jax.engine.layout`). While the devices run a step, a data thread loads the
 rows for the next one, enough for one grow of the batch size, and places them
-on the devices for the plan it expects (the batch size unchanged). If the
-controller then decides that size, the step starts with no host work; if not,
-the loaded rows are laid out for the new plan at once. With several processes
+on the devices for each size the controller is likely to decide: SimiGrad's
+grow and shrink of the current size (:func:`likely_next_sizes`). If the controller decides one of them, the step
+starts with no host work; if not, the loaded rows are laid out for the new
+plan at once. With several processes
 every transfer to the devices stays in the main thread, in the same order on
 every process (a transfer to a global sharding must not race the per-step
 agreement's collectives), so only the loading runs ahead.
@@ -47,8 +48,7 @@ class _Pending:
   start: int  # the first example (position in the run's example stream)
   count: int  # examples loaded from there
   step: int  # the optimizer step the placement is for
-  plan: batch_plan.BatchPlan | None  # the plan placed ahead, if any
-  future: concurrent.futures.Future  # -> (local examples, rows, StepBatch | None)
+  future: concurrent.futures.Future  # -> (local examples and rows, {plan: StepBatch} placed)
 
 
 class StepDataLoader:
@@ -62,11 +62,16 @@ class StepDataLoader:
     local_slots: this process's slots (positions in the plans' device axis),
       in the order of its rows on the devices.
     num_slots: the slots of the mesh (the plans' ``num_devices``).
-    place_ahead: also place the expected plan's rows in the data thread (one
+    place_ahead: also place the likely plans' rows in the data thread (one
       process only).
     upper: the run's largest global batch size (loads ahead stay below it).
     plan_for: the plan a step of a given batch size would run now (the one
       :meth:`submit_ahead` places for).
+    lower: the run's smallest global batch size.
+    place_inputs_ahead: called in the data thread, once the rows are placed
+      ahead, with the likely next sizes, the examples served so far and
+      those left in the run (e.g. :meth:`~simigrad_jax.engine.step_inputs.
+      StepInputs.place_ahead`).
   """
 
   def __init__(
@@ -81,15 +86,19 @@ class StepDataLoader:
     *,
     upper: int,
     plan_for: Callable[[int], batch_plan.BatchPlan],
+    lower: int = 1,
+    place_inputs_ahead: Callable[[list[int], int, float], None] | None = None,
   ):
     self._place_ahead = place_ahead
-    self._upper, self._plan_for = upper, plan_for
+    self._place_inputs_ahead = place_inputs_ahead
+    self._lower, self._upper, self._plan_for = lower, upper, plan_for
     self._source, self._sampler = source, sampler
     self._sharded, self._replicated = sharded, replicated
     self._local_slots = local_slots
     self._num_slots = num_slots
     self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="simigrad-data")
     self._pending: _Pending | None = None
+    self._placed_counters: dict[tuple[int, int], jax.Array] = {}
     # A one-process run reads along the stream (every row is this process's), decoded ahead.
     streams = hasattr(source, "reader") and len(local_slots) == num_slots
     self._reader = source.reader(sampler) if streams else None
@@ -97,34 +106,43 @@ class StepDataLoader:
   def submit_ahead(self, batch_size: int, total_examples: float, step: int) -> None:
     """Starts loading the rows of step ``step`` (0-based) from the sampler's position, enough
     for one grow of ``batch_size`` (short of ``total_examples``, the run's end), and placing
-    them for ``batch_size`` unchanged."""
+    them for each of :func:`likely_next_sizes`."""
     start = self._sampler.examples_seen
     remaining = total_examples - start
-    expected = self._plan_for(int(min(batch_size, remaining))) if remaining > 0 else None
+    sizes = likely_next_sizes(batch_size, self._lower, self._upper) if remaining > 0 else []
+    expected = [self._plan_for(int(min(size, remaining))) for size in sizes]
     self.submit(start, speculative_count(batch_size, self._upper, remaining), step, expected)
+    if self._place_ahead and self._place_inputs_ahead is not None and sizes:
+      self._pool.submit(self._place_inputs_ahead, sizes, start, remaining)  # after the rows
 
-  def submit(
-    self, start: int, count: int, step: int, expected: batch_plan.BatchPlan | None
-  ) -> None:
-    """Starts loading ``count`` examples from ``start`` and placing them for ``expected``."""
+  def submit(self, start: int, count: int, step: int, expected: list[batch_plan.BatchPlan]) -> None:
+    """Starts loading ``count`` examples from ``start`` and placing them for each plan of
+    ``expected`` that they hold."""
     count = max(count, 1)
-    if not self._place_ahead or (expected is not None and expected.global_batch_size > count):
-      expected = None
+    plans = [] if not self._place_ahead else [p for p in expected if p.global_batch_size <= count]
 
     def load():
       loaded = self._local_rows(start, count)
-      placed = None if expected is None else self.place(expected, loaded, step)
+      placed: dict[batch_plan.BatchPlan, StepBatch] = {}
+      for plan in plans:  # the likeliest first
+        if plan not in placed:
+          placed[plan] = self.place(plan, loaded, step)
       return loaded, placed
 
-    self._pending = _Pending(start, count, step, expected, self._pool.submit(load))
+    self._pending = _Pending(start, count, step, self._pool.submit(load))
 
   def take(self, plan: batch_plan.BatchPlan, start: int, step: int) -> tuple[StepBatch, float]:
     """The step's data on the devices, and the seconds the host spent waiting and placing."""
     began = time.perf_counter()
     pending, self._pending = self._pending, None
     if pending is not None and pending.start == start and pending.count >= plan.global_batch_size:
-      loaded, placed = pending.future.result()
-      if placed is None or pending.plan != plan or pending.step != step:
+      loaded, placed_ahead = pending.future.result()
+      placed = placed_ahead.get(plan) if pending.step == step else None
+      # The plans not taken are freed in the data thread: freeing arrays on 8 devices takes
+      # the main thread as long as the rest of its work between two steps.
+      self._pool.submit(_release, pending)
+      del placed_ahead, pending
+      if placed is None:
         placed = self.place(plan, loaded, step)
     else:  # nothing loaded for this step (the first one, or after a resume)
       if pending is not None:
@@ -158,8 +176,19 @@ class StepDataLoader:
           self._to_devices(weights[j].reshape(-1).astype(np.float32), plan.micro_batch_size),
         )
       )
-      counters.append(jax.device_put(np.array([step, j], np.int32), self._replicated))
+      counters.append(self._counters(step, j))
     return StepBatch(plan, micro_batches, counters)
+
+  def _counters(self, step: int, micro_step: int) -> jax.Array:
+    """``[step, micro_step]`` on the devices, placed once for every plan of the step."""
+    key = (step, micro_step)
+    placed = self._placed_counters.get(key)
+    if placed is None:
+      if self._placed_counters and next(iter(self._placed_counters))[0] != step:
+        self._placed_counters = {}  # a new step: the last one's are not needed again
+      placed = jax.device_put(np.array(key, np.int32), self._replicated)
+      self._placed_counters[key] = placed
+    return placed
 
   def _to_devices(self, local_tree: Any, micro: int) -> Any:
     rows = self._num_slots * micro
@@ -177,9 +206,38 @@ class StepDataLoader:
         self._reader.close()
 
 
+def _release(unused: object) -> None:
+  """Drops the last reference to ``unused`` (called in the data thread, so it is freed there)."""
+  del unused
+
+
+def likely_next_sizes(batch_size: int, lower: int, upper: int | None) -> list[int]:
+  """The sizes a controller at ``batch_size`` is likely to decide next, the likeliest first.
+
+  SimiGrad's rule (the reference's): a grow to ``max(B + 1, int(1.1 B))`` or
+  a shrink to ``max(1, min(B - 1, int(0.9 B)))``, each clamped to
+  ``[lower, upper]`` (so ``B`` itself at a bound); a grow first, as a batch
+  mostly grows. ``B`` unchanged inside the bounds (a non-finite step, a
+  warm-up) is rare: it is placed when decided.
+
+  Example:
+    >>> likely_next_sizes(100, 1, 105)
+    [105, 90]
+  """
+  grow = _grow(batch_size)
+  shrink = max(1, min(batch_size - 1, int(batch_size * 0.9)))
+  clamp = lambda size: max(lower, size if upper is None else min(size, upper))
+  return list(dict.fromkeys(clamp(size) for size in (grow, shrink)))
+
+
+def _grow(batch_size: int) -> int:
+  """SimiGrad's grow of ``batch_size`` (the reference rule)."""
+  return max(batch_size + 1, int(batch_size * 1.1))
+
+
 def speculative_count(batch_size: int, upper: int | None, remaining: float) -> int:
   """How many examples to load ahead: enough for one grow of ``batch_size`` (the reference rule)."""
-  most = max(batch_size + 1, int(batch_size * 1.1))
+  most = _grow(batch_size)
   if upper is not None:
     most = min(most, upper)
   most = max(most, batch_size)

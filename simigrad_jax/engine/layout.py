@@ -39,6 +39,10 @@ import numpy as np
 from simigrad_jax.engine import batch_plan
 
 HALVES: tuple[str, ...] = ("auto", "device", "local")
+# shapes_per_octave=None: the most shapes per octave, up to this, ...
+AUTO_SHAPES_PER_OCTAVE = 8
+# ... that keep the grid a run's bounds need to this many shapes (each one a compile).
+AUTO_GRID_SHAPES = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,10 +70,12 @@ class StepLayout:
     min_micro: int | None,
     lower: int,
     upper: int,
+    shapes_per_octave: int | None = 1,
   ) -> StepLayout:
     """The layout of a run whose global batch sizes lie in ``[lower, upper]``.
 
-    ``"pad"`` mode has one shape; ``"recompile"`` halves down from the largest
+    ``"pad"`` mode has one shape; ``"recompile"`` steps down from the largest
+    (by factors of ``2^(1 / shapes_per_octave)``, rounded up to whole rows)
     to the smallest one that batch sizes in ``[lower, upper]`` need (smaller
     requests, such as a run's last step, pad up to it). ``max_micro`` and
     ``min_micro`` are rows per device: with the local split a device's rows
@@ -84,6 +90,9 @@ class StepLayout:
       min_micro: the smallest shape, in rows per device (None: 1).
       lower: the smallest global batch size of the run.
       upper: the largest.
+      shapes_per_octave: the grid's shapes per factor of two (``"recompile"``);
+        None: the most, up to :data:`AUTO_SHAPES_PER_OCTAVE`, that keep the
+        shapes the bounds need to at most :data:`AUTO_GRID_SHAPES`.
 
     Returns:
       A :class:`StepLayout`.
@@ -93,8 +102,15 @@ class StepLayout:
     if mode == "pad":
       return cls(halves, num_devices, batch_plan.BucketPolicy(top, top, padding=True))
     grid = batch_plan.BucketPolicy(top, _ceil_div(min_micro or 1, per), padding=True)
+    if shapes_per_octave is None:  # the octaves the halving grid needs, shared out
+      octaves = math.log2(
+        top / min(batch_plan.bucket_shapes(grid, num_devices * per, lower, upper))
+      )
+      shared = int((AUTO_GRID_SHAPES - 1) / octaves) if octaves else AUTO_SHAPES_PER_OCTAVE
+      shapes_per_octave = max(1, min(AUTO_SHAPES_PER_OCTAVE, shared))
+    grid = dataclasses.replace(grid, shapes_per_octave=shapes_per_octave)
     needed = batch_plan.bucket_shapes(grid, num_devices * per, lower, upper)
-    return cls(halves, num_devices, batch_plan.BucketPolicy(top, min(needed), padding=True))
+    return cls(halves, num_devices, dataclasses.replace(grid, min_micro_batch_size=min(needed)))
 
   @property
   def slots_per_device(self) -> int:
@@ -137,6 +153,17 @@ class StepLayout:
   def plan(self, batch_size: int) -> batch_plan.BatchPlan:
     """``batch_size`` (exactly) on the slots: shape, micro-steps, padding."""
     return batch_plan.plan_batch(batch_size, self.num_slots, self.policy, lower=1, upper=None)
+
+  def accumulation_shapes(self, upper: int) -> list[int]:
+    """The shapes a step of several micro-batches can plan up to ``upper`` examples, largest first.
+
+    Empty when ``upper`` fits one micro-batch of the largest shape.
+    """
+    one_micro_batch = self.num_slots * max(self.grid)
+    if upper <= one_micro_batch:
+      return []
+    shapes = batch_plan.bucket_shapes(self.policy, self.num_slots, one_micro_batch + 1, upper)
+    return sorted(shapes, reverse=True)
 
   def shapes_by_distance(self, batch_size: int) -> list[int]:
     """The grid, nearest (in log scale) to ``batch_size``'s shape first: the compile order."""

@@ -24,7 +24,7 @@ import functools
 import math
 import operator
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -73,9 +73,10 @@ class StepPrograms:
     state: the replicated ``{"params", "opt_state", "model_state"}`` (its
       shapes, dtypes and shardings make the placeholders; nothing is kept).
     element_spec: the source's ``{name: (shape, dtype)}`` per example.
-    needs_accumulation: whether a planned step can hold several micro-batches
-      (the accumulation programs are then compiled in the background from the
-      start; otherwise only when the fallback or a plan first needs them).
+    accumulation_shapes: the shapes (rows per slot) a planned step of several
+      micro-batches can use (their micro-steps and the update are then
+      compiled in the background from the start; the others only when the
+      fallback or a plan first needs them).
     background: compile in background threads.
     compile_fallback: let :meth:`ready_plan` replace a plan whose program is
       still compiling.
@@ -101,7 +102,7 @@ class StepPrograms:
     seed: int,
     state: Mapping[str, Any],
     element_spec: Mapping[str, tuple[Any, Any]],
-    needs_accumulation: bool,
+    accumulation_shapes: list[int],
     background: bool,
     compile_fallback: bool,
     shared_compiles: bool = False,
@@ -117,7 +118,7 @@ class StepPrograms:
     self._acc = None  # allocated when a step first accumulates
     self._background = background
     self._compile_fallback = compile_fallback
-    self._needs_accumulation = needs_accumulation
+    self._accumulation_shapes = list(accumulation_shapes)
     self._shared_compiles = shared_compiles and compile_fallback
     self._grid = sorted(layout.grid)  # the shapes a report's bitmasks index
     self._agreed: dict[str, Any] | None = None  # what every process has compiled (shared_compiles)
@@ -150,7 +151,7 @@ class StepPrograms:
     self._apply_compile_seconds = 0.0
     self._apply_wait_seconds = 0.0
     self._fallback_ready = False  # see await_fallback
-    if needs_accumulation or compile_fallback:
+    if self._accumulation_shapes or compile_fallback:
       self._start_apply_compile()
 
   # ------------------------------------------------------------------ compiling
@@ -246,17 +247,16 @@ class StepPrograms:
     """Queues for the background compilers what a run starting at ``batch_size`` needs.
 
     The one-micro-batch programs of the grid, nearest to ``batch_size``'s
-    shape first; the micro-step of the largest shape when a batch can
-    exceed one micro-batch per device; and with the fallback, the micro-step
-    of the first shape (the fallback accumulates on it while a larger shape
-    compiles), with the update for either.
+    shape first; with the fallback, the micro-step of the first shape (the
+    fallback accumulates on it while a larger shape compiles); the
+    micro-steps of the shapes a batch of several micro-batches can plan,
+    largest first; and the update for these.
     """
     self.fused_compiler.prefetch(self.layout.shapes_by_distance(batch_size))
     accumulating = []
-    if self._needs_accumulation:
-      accumulating.append(max(self.layout.grid))
     if self._compile_fallback:
       accumulating.append(self.layout.plan(batch_size).micro_batch_size)
+    accumulating.extend(self._accumulation_shapes)
     if accumulating:
       self._start_apply_compile()
       self.micro_compiler.prefetch(list(dict.fromkeys(accumulating)))
@@ -331,10 +331,10 @@ class StepPrograms:
   def ready_plan(self, plan: batch_plan.BatchPlan) -> batch_plan.BatchPlan:
     """``plan``, or while its program is still compiling, the same batch on the nearest compiled one.
 
-    The nearest shape in log scale (ties: the larger shape, fewer
-    micro-steps) whose program is compiled, with the fewest accumulation
-    steps that hold the batch: a larger shape pads with zero-weight rows, a
-    smaller one accumulates. The examples and their devices are those of
+    The compiled shape that holds the batch in the fewest micro-steps,
+    the nearest in log scale among those (ties: the larger shape): a larger
+    shape pads with zero-weight rows, a smaller one accumulates
+    (:func:`fallback_plan`). The examples and their devices are those of
     ``plan``. A shape whose compile FAILED is not replaced: running it raises.
     With ``shared_compiles``, "compiled" means compiled on every process, as
     the last :meth:`agree_on_compiles` said.
@@ -355,20 +355,8 @@ class StepPrograms:
       self.fused_compiler.prefetch([needed])  # (a no-op when queued or compiling)
     else:
       self.micro_compiler.prefetch([needed])
-    candidates = []
-    for size in sorted(set(compiled["fused"]) | set(compiled["micro"])):
-      steps = -(-plan.global_batch_size // (self.num_slots * size))
-      if self._ready(size, steps, compiled):
-        candidates.append((abs(math.log(size / needed)), -size, size, steps))
-    if not candidates:
-      return plan
-    _, _, size, steps = min(candidates)
-    return dataclasses.replace(
-      plan,
-      micro_batch_size=size,
-      accumulation_steps=steps,
-      padded_examples=self.num_slots * size * steps - plan.global_batch_size,
-    )
+    sizes = set(compiled["fused"]) | set(compiled["micro"])
+    return fallback_plan(plan, sizes, lambda size, steps: self._ready(size, steps, compiled))
 
   # ------------------------------------------------------------------ running
 
@@ -473,6 +461,48 @@ class StepPrograms:
     self.fused_compiler.close()
     self.micro_compiler.close()
     self._apply_pool.shutdown(wait=True, cancel_futures=True)
+
+
+def fallback_plan(
+  plan: batch_plan.BatchPlan,
+  compiled_sizes: set[int],
+  ready: Callable[[int, int], bool],
+) -> batch_plan.BatchPlan:
+  """``plan``'s batch on a compiled shape instead: the fewest micro-steps, then the nearest shape.
+
+  Each shape holds the batch in ``ceil(B / (slots * size))`` micro-steps; of
+  the shapes ``ready(size, steps)`` says can run them, those with the
+  fewest micro-steps (a micro-step costs more than the padding of a larger
+  shape), then the nearest in log scale to ``plan``'s (ties: the larger).
+
+  Args:
+    plan: the exact plan, whose shape is not compiled.
+    compiled_sizes: the shapes with some program compiled.
+    ready: whether a shape's program for that many micro-steps is compiled.
+
+  Returns:
+    The replacement plan, or ``plan`` when no shape is ready.
+
+  Example:
+    >>> plan = batch_plan.plan_batch(40, 8, batch_plan.BucketPolicy(8, 1))  # 5 rows, 1 step
+    >>> fallback_plan(plan, {3, 8}, lambda size, steps: True).micro_batch_size
+    8
+  """
+  n, needed = plan.num_devices, plan.micro_batch_size
+  candidates = []
+  for size in sorted(compiled_sizes):
+    steps = -(-plan.global_batch_size // (n * size))
+    if ready(size, steps):
+      candidates.append((steps, abs(math.log(size / needed)), -size, size))
+  if not candidates:
+    return plan
+  steps, _, _, size = min(candidates)
+  return dataclasses.replace(
+    plan,
+    micro_batch_size=size,
+    accumulation_steps=steps,
+    padded_examples=n * size * steps - plan.global_batch_size,
+  )
 
 
 def host_scalars(values: list[float], dtype: npt.DTypeLike, sharding: NamedSharding) -> jax.Array:

@@ -153,6 +153,7 @@ def build_run(
     mode=config.mode,
     max_micro=config.max_micro_batch_size,
     min_micro=config.min_micro_batch_size,
+    shapes_per_octave=config.shapes_per_octave,
     lower=lower,
     upper=upper,
   )
@@ -222,7 +223,7 @@ def build_run(
       seed=config.seed,
       state=state,
       element_spec=source.element_spec,
-      needs_accumulation=upper > layout.num_slots * max(layout.grid),
+      accumulation_shapes=layout.accumulation_shapes(upper),
       background=config.background_compile,
       compile_fallback=config.uses_compile_fallback,
       shared_compiles=jax.process_count() > 1,
@@ -238,6 +239,14 @@ def build_run(
     if workdir_lock is not None:
       workdir_lock.close()
     raise
+  step_inputs = StepInputs(
+    base_batch_size=controller.initial_batch_size,
+    lr_rule=config.lr_rule,
+    lr_adjust_factor=config.lr_adjust_factor,
+    lr_schedule=lr_schedule,
+    lr_factor=optimizer_state.lr_factor_of(state["opt_state"]),
+    replicated=replicated,
+  )
   data = StepDataLoader(
     source,
     sampler,
@@ -248,14 +257,10 @@ def build_run(
     place_ahead=jax.process_count() == 1,
     upper=upper,
     plan_for=lambda batch_size: programs.ready_plan(layout.plan(batch_size)),
-  )
-  step_inputs = StepInputs(
-    base_batch_size=controller.initial_batch_size,
-    lr_rule=config.lr_rule,
-    lr_adjust_factor=config.lr_adjust_factor,
-    lr_schedule=lr_schedule,
-    lr_factor=optimizer_state.lr_factor_of(state["opt_state"]),
-    replicated=replicated,
+    lower=lower,
+    place_inputs_ahead=lambda sizes, served, remaining: step_inputs.place_ahead(
+      sizes, served / num_examples, remaining
+    ),
   )
   return Run(
     workdir=workdir,

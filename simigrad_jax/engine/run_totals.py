@@ -29,6 +29,7 @@ class RunTotals:
   def __init__(self):
     self.steps = 0
     self.examples = 0
+    self.padded_rows = 0
     self.wall_seconds = 0.0
     self.data_seconds = 0.0
     self.fallback_steps = 0
@@ -40,6 +41,7 @@ class RunTotals:
   def on_step(self, record: StepRecord) -> None:
     """Counts one step's record."""
     self.examples += record.batch_size
+    self.padded_rows += record.padded_examples
     self.steps += 1
     self.wall_seconds += record.step_seconds
     self.data_seconds += record.data_seconds
@@ -65,12 +67,16 @@ class RunTotals:
     """The run's totals, and the last step's loss and similarity (None without a step).
 
     ``run_nonfinite_steps`` counts the skipped steps and
-    ``first_nonfinite_step`` names the first (None without one).
+    ``first_nonfinite_step`` names the first (None without one);
+    ``padding_fraction`` is the share of the rows computed that were
+    zero-weight padding (NaN without a step).
     """
+    rows = self.examples + self.padded_rows
     return {
       "run_steps": self.steps,
       "run_examples": self.examples,
       "average_batch_size": self.examples / self.steps if self.steps else math.nan,
+      "padding_fraction": self.padded_rows / rows if rows else math.nan,
       "loss": None if self.last is None else self.last.loss,
       "similarity": None if self.last is None else self.last.similarity,
       "wall_seconds": self.wall_seconds,

@@ -1,7 +1,7 @@
 """Host: a step's inputs: its plan, its examples and its scalars, handed to its program.
 
 :class:`StepDispatcher` plans the controller's batch size onto the devices,
-takes the step's examples (placed ahead when the size is the one expected)
+takes the step's examples (placed ahead for each size it is likely to decide)
 and calls the step's program; the step runs while the host goes on.
 
 A step's program takes three float32 scalars (:data:`simigrad_jax.engine.
@@ -10,14 +10,16 @@ and half A's real examples. The learning-rate factor follows the batch size
 the controller decides (:func:`simigrad_jax.lr_factor`), times the schedule's
 factor at the epochs trained so far; the program writes it into the optimizer
 state, so a new factor costs no recompilation. The scalars go to the devices
-only when they change (at a fixed batch size, no transfer).
+only when they change (at a fixed batch size, no transfer), and while the
+batch moves, ahead of the decision, for each size the controller is likely
+to decide (:meth:`StepInputs.place_ahead`, from the data thread).
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -68,6 +70,7 @@ class StepInputs:
     self.schedule_factor = 1.0
     self._replicated = replicated
     self._placed: tuple[tuple[float, ...] | None, jax.Array | None] = (None, None)
+    self._ahead: dict[tuple[float, ...], jax.Array] = {}  # placed by place_ahead
 
   def lr_factors(self, batch_size: int, epochs: float) -> tuple[float, float]:
     """``(learning-rate factor, schedule factor)`` for ``batch_size`` after ``epochs`` epochs.
@@ -91,12 +94,37 @@ class StepInputs:
 
   def on_devices(self, batch_size: int) -> jax.Array:
     """The scalars of a step of ``batch_size`` real examples at the current factor, on the devices."""
-    inputs = (float(batch_size), self.lr_factor, float(StepLayout.first_half_weight(batch_size)))
+    inputs = _step_inputs(batch_size, self.lr_factor)
     placed_inputs, placed = self._placed
     if placed is None or placed_inputs != inputs:
-      placed = host_scalars(list(inputs), np.float32, self._replicated)
+      placed = self._ahead.get(inputs)
+      if placed is None:
+        placed = host_scalars(list(inputs), np.float32, self._replicated)
       self._placed = (inputs, placed)
     return placed
+
+  def place_ahead(self, batch_sizes: Sequence[int], epochs: float, remaining: float) -> None:
+    """Places the scalars of the next step for each of ``batch_sizes`` the controller may decide.
+
+    The step after ``epochs`` epochs, with ``remaining`` examples left in the
+    run. Replaces the last call's; :meth:`on_devices` then finds the
+    scalars on the devices already. A size whose factor fails is skipped
+    (the decision raises it).
+    """
+    placed: dict[tuple[float, ...], jax.Array] = {}
+    for size in batch_sizes:
+      try:
+        factor, _ = self.lr_factors(size, epochs)
+      except Exception:  # pylint: disable=broad-except  # raised again, at the decision
+        continue
+      inputs = _step_inputs(int(min(size, remaining)), float(np.float32(factor)))
+      placed[inputs] = host_scalars(list(inputs), np.float32, self._replicated)
+    self._ahead = placed  # (one assignment: on_devices may read it from another thread)
+
+
+def _step_inputs(batch_size: int, lr_factor: float) -> tuple[float, float, float]:
+  """The scalars of a step of ``batch_size`` real examples at ``lr_factor``."""
+  return (float(batch_size), lr_factor, float(StepLayout.first_half_weight(batch_size)))
 
 
 class StepDispatcher:

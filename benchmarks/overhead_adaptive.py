@@ -1,0 +1,239 @@
+"""Benchmark: the adaptive Trainer against the same Trainer fixed at the adaptive run's average batch.
+
+What adapting the batch costs per example, on all local devices (by default
+8 simulated CPU devices), side by side in one process:
+
+* ``adaptive``: :class:`simigrad_jax.Trainer` with SimiGrad's
+  :class:`simigrad_jax.Controller` from ``--batch-size`` (default 256) within
+  [batch / 4, 4 x batch] at ``--similarity-target``, on the Trainer's default
+  shape grid (``--shapes-per-octave`` to set one);
+* ``fixed``: the same Trainer, model, data and settings, its batch held at
+  the adaptive run's average batch size, rounded to a multiple of the
+  devices, its ``max_micro_batch_size`` that size / devices: one shape and no
+  padding, as a user holding the batch would set it. The average is that
+  of an untimed adaptive run of as many steps as the timed windows first
+  (the adaptive run's sizes are the same in every run of its settings);
+* ``adaptive_s<S>`` (``--also-shapes-per-octave S ...``): the adaptive
+  Trainer on a grid of ``S`` shapes per octave; 1 is the grid of halvings,
+  the grid before finer ones.
+
+The adaptive Trainers' memory bound, ``max_micro_batch_size``, is the
+upper bound / devices (``--max-micro-batch-size`` to set it), so a step runs
+one micro-batch unless that is set lower. Compiles are not timed: every
+variant is built and warmed up (``--warmup-steps``), and waits until every
+shape its bounds can reach is compiled; ``--compilation-cache`` (default: a
+fresh folder) is JAX's persistent cache, so a second run loads them.
+
+Timing: ``--rounds`` rounds time each variant over ``--steps`` optimizer
+steps, the order rotating each round, as in ``benchmarks/overhead.py``
+(:func:`benchmarks.overhead.time_rounds`); a window is one
+``trainer.train(num_steps=...)`` call up to its end-of-run checkpoint save.
+Reported per variant: the median examples/s, ``ratio_to_fixed`` (the
+medians' ratio), ``ratio_to_fixed_paired`` (the median of the rounds'
+ratios) and its range (lowest and highest round), and from the timed steps'
+records the average batch size, the share of the rows computed that were
+padding (``padding_fraction``), the median host critical path
+(``host_seconds``), the average micro-steps, and the compiles and shapes.
+Goals, printed as PASS/FAIL: ``adaptive`` at least 0.95x ``fixed``,
+padding at most 5% and a host critical path at most 1 ms.
+
+NOTE: CPU timings are noisy (other processes; the simulated devices share
+the host's cores, so host work costs the devices time). Compare ratios
+within one run, and runs with each other.
+
+Usage::
+
+  python benchmarks/overhead_adaptive.py --also-shapes-per-octave 8 1 --out /tmp/adaptive.json
+  python benchmarks/overhead_adaptive.py --quick    # tiny, for tests
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+if __name__ == "__main__":
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  from benchmarks import common  # noqa: E402  (imports no JAX)
+
+  common.prepare_script()
+
+# pylint: disable=g-import-not-at-top,wrong-import-position
+import argparse  # noqa: E402
+import pathlib  # noqa: E402
+import shutil  # noqa: E402
+import statistics  # noqa: E402
+import tempfile  # noqa: E402
+from collections.abc import Sequence  # noqa: E402
+from typing import Any  # noqa: E402
+
+import jax  # noqa: E402
+
+import simigrad_jax  # noqa: E402
+from benchmarks import common  # noqa: E402
+from benchmarks.overhead import time_rounds  # noqa: E402
+from benchmarks.overhead_loops import FULL_MODELS  # noqa: E402
+from benchmarks.overhead_loops import QUICK_MODELS  # noqa: E402
+from benchmarks.overhead_loops import TrainerLoop  # noqa: E402
+from benchmarks.overhead_loops import make_data  # noqa: E402
+
+FULL = {"batch_size": 256, "steps": 30, "rounds": 5, "warmup_steps": 5}
+QUICK = {"batch_size": 32, "steps": 3, "rounds": 2, "warmup_steps": 2}
+GOALS = {"ratio_to_fixed": 0.95, "padding_fraction": 0.05, "host_seconds": 0.001}
+
+
+def _trainer_report(loop: TrainerLoop) -> dict[str, Any]:
+  """The timed steps' numbers, the compiles and the shapes of one Trainer."""
+  stats = loop.trainer.compile_stats()
+  return {
+    **loop.details(),
+    "compiles": stats["compiles"],
+    "shapes": len(loop.trainer.shapes),
+    "shapes_per_octave": loop.trainer.layout.policy.shapes_per_octave,
+  }
+
+
+def run(args: argparse.Namespace, root: pathlib.Path, cache: str) -> dict[str, Any]:
+  """Builds, warms up and times the variants; returns their results."""
+  spec = (QUICK_MODELS if args.quick else FULL_MODELS)[args.model]
+  n = jax.device_count()
+  upper = 4 * args.batch_size
+  max_micro = args.max_micro_batch_size or upper // n
+  # Enough examples that an epoch holds many steps of the largest batch.
+  data = make_data(spec, 50 * upper)
+  settings = {"compilation_cache_dir": cache, "max_micro_batch_size": max_micro}
+  grid = {} if args.shapes_per_octave is None else {"shapes_per_octave": args.shapes_per_octave}
+  loops: dict[str, TrainerLoop] = {}
+
+  def build(name: str, batch_size: int, adaptive: bool, **more: Any) -> TrainerLoop:
+    workdir = pathlib.Path(tempfile.mkdtemp(prefix=f"{name}-", dir=root))
+    loop = TrainerLoop(
+      spec, data, batch_size, adaptive, args.similarity_target, workdir, **{**settings, **more}
+    )
+    loops[name] = loop
+    loop.warm_up(args.warmup_steps)
+    return loop
+
+  try:
+    # The adaptive run's sizes are the same in every run of its settings: an untimed run of as
+    # many steps as the timed windows gives their average batch, the one to hold.
+    probe = build("probe", args.batch_size, True, **grid)
+    examples, _ = probe.run(args.rounds * args.steps)
+    probe.close()
+    del loops["probe"]
+    average = examples / (args.rounds * args.steps)
+    fixed_batch = max(n, round(average / n) * n)  # as a user fixing it would: no padding
+    print(f"  the adaptive run's average batch: {average:.1f}; fixed at {fixed_batch}", flush=True)
+    build("adaptive", args.batch_size, True, **grid)
+    build("fixed", fixed_batch, False, max_micro_batch_size=fixed_batch // n)
+    for per_octave in args.also_shapes_per_octave:
+      build(f"adaptive_s{per_octave}", args.batch_size, True, shapes_per_octave=per_octave)
+    rates = time_rounds(dict(loops), args.steps, args.rounds)
+    reports = {name: _trainer_report(loop) for name, loop in loops.items()}
+  finally:
+    for loop in loops.values():
+      loop.close()
+  fixed = statistics.median(rates["fixed"])
+  variants = {}
+  for name, report in reports.items():
+    paired = [a / b for a, b in zip(rates[name], rates["fixed"])]
+    variants[name] = {
+      "examples_per_second": statistics.median(rates[name]),
+      "ratio_to_fixed": statistics.median(rates[name]) / fixed,
+      "ratio_to_fixed_paired": statistics.median(paired),
+      "ratio_to_fixed_paired_range": [min(paired), max(paired)],
+      "examples_per_second_rounds": rates[name],
+      **report,
+    }
+  return {
+    "model": spec.description,
+    "devices": n,
+    "initial_batch_size": args.batch_size,
+    "adaptive_average_batch_size": average,
+    "fixed_batch_size": fixed_batch,
+    "max_micro_batch_size": max_micro,
+    "steps": args.steps,
+    "rounds": args.rounds,
+    "variants": variants,
+    "goals": _goals(variants["adaptive"]),
+  }
+
+
+def _goals(adaptive: dict[str, Any]) -> dict[str, dict[str, Any]]:
+  goals = {}
+  for key, bound in GOALS.items():
+    value = adaptive[key]
+    passed = value is not None and (value >= bound if key == "ratio_to_fixed" else value <= bound)
+    goals[key] = {"bound": bound, "value": value, "pass": passed}
+  return goals
+
+
+def _format_table(results: dict[str, Any]) -> str:
+  lines = [
+    f"{results['model']} on {results['devices']} devices: adaptive from "
+    f"{results['initial_batch_size']} against fixed at {results['fixed_batch_size']} "
+    f"(max_micro_batch_size {results['max_micro_batch_size']}), {results['rounds']} rounds "
+    f"of {results['steps']} steps",
+    f"  {'variant':17s} {'examples/s':>10s} {'x fixed':>7s} {'paired (range)':>20s} "
+    f"{'avg batch':>9s} {'padding':>7s} {'host ms':>7s} {'micro':>5s} {'shapes':>6s}",
+  ]
+  for name, v in results["variants"].items():
+    low, high = v["ratio_to_fixed_paired_range"]
+    host = "-" if v["host_seconds"] is None else f"{v['host_seconds'] * 1e3:.2f}"
+    lines.append(
+      f"  {name:17s} {v['examples_per_second']:10,.0f} {v['ratio_to_fixed']:7.3f} "
+      f"{v['ratio_to_fixed_paired']:7.3f} ({low:.3f}-{high:.3f}) "
+      f"{v['average_batch_size']:9.1f} {v['padding_fraction']:7.1%} {host:>7s} "
+      f"{v['average_accumulation_steps']:5.2f} {v['shapes']:6d}"
+    )
+  for key, goal in results["goals"].items():
+    lines.append(
+      f"  goal {key} {'>=' if key == 'ratio_to_fixed' else '<='} {goal['bound']}: "
+      f"{goal['value']:.4g} {'PASS' if goal['pass'] else 'FAIL'}"
+    )
+  return "\n".join(lines)
+
+
+def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--model", choices=tuple(FULL_MODELS), default="mlp")
+  parser.add_argument("--quick", action="store_true", help=f"tiny, for tests: {QUICK}")
+  parser.add_argument("--batch-size", type=int, default=None, help="the initial batch size")
+  parser.add_argument("--steps", type=int, default=None, help="optimizer steps per window")
+  parser.add_argument("--rounds", type=int, default=None, help="timed rounds")
+  parser.add_argument("--warmup-steps", type=int, default=None, help="untimed steps first")
+  parser.add_argument("--similarity-target", type=float, default=0.3)
+  parser.add_argument("--max-micro-batch-size", type=int, default=None)
+  parser.add_argument("--shapes-per-octave", type=int, default=None)
+  parser.add_argument(
+    "--also-shapes-per-octave",
+    type=int,
+    nargs="*",
+    default=[],
+    help="also time the adaptive Trainer on these grids (1: the halvings)",
+  )
+  parser.add_argument("--compilation-cache", default=None, help="JAX's persistent cache folder")
+  parser.add_argument("--out", default=None, help="write the results as JSON to this path")
+  args = parser.parse_args(argv)
+  common.apply_preset(args, QUICK if args.quick else FULL)
+  for key in ("batch_size", "steps", "rounds", "warmup_steps"):
+    if getattr(args, key) < 1:
+      raise ValueError(f"--{key.replace('_', '-')} must be >= 1, got {getattr(args, key)}")
+  return args
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+  """Runs the benchmark; prints the table and returns (and writes) the results."""
+  args = _parse_args(argv)
+  root = pathlib.Path(tempfile.mkdtemp(prefix="simigrad-overhead-adaptive-"))
+  cache = args.compilation_cache or str(root / "compilation_cache")
+  try:
+    with simigrad_jax.persistent_cache_settings():
+      results = run(args, root, cache)
+  finally:
+    shutil.rmtree(root, ignore_errors=True)
+  return common.report(results, _format_table(results), args.out)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,65 @@
+"""benchmarks/overhead_adaptive.py: a quick run, its layout, ratios and goals."""
+
+import json
+import math
+
+import pytest
+
+
+@pytest.fixture(scope="module")
+def adaptive_benchmark():
+  """The benchmark script's module."""
+  from benchmarks import overhead_adaptive as module  # pylint: disable=import-outside-toplevel
+
+  return module
+
+
+@pytest.fixture(scope="module")
+def quick_run(adaptive_benchmark, tmp_path_factory):
+  """One ``--quick`` run, also on the halving grid: the JSON written to --out."""
+  out = tmp_path_factory.mktemp("overhead_adaptive") / "adaptive.json"
+  adaptive_benchmark.main(["--quick", "--also-shapes-per-octave", "1", "--out", str(out)])
+  return json.loads(out.read_text())
+
+
+def test_fixed_is_held_at_the_adaptive_average_and_ratios_are_to_it(quick_run):
+  variants = quick_run["variants"]
+  assert set(variants) == {"adaptive", "fixed", "adaptive_s1"}
+  fixed = variants["fixed"]
+  assert fixed["average_batch_size"] == quick_run["fixed_batch_size"]
+  assert fixed["padding_fraction"] == 0 and quick_run["fixed_batch_size"] % 8 == 0
+  # The timed adaptive steps are those the untimed run measured the average of.
+  assert variants["adaptive"]["average_batch_size"] == pytest.approx(
+    quick_run["adaptive_average_batch_size"]
+  )
+  assert abs(quick_run["fixed_batch_size"] - quick_run["adaptive_average_batch_size"]) <= 4
+  assert fixed["ratio_to_fixed"] == fixed["ratio_to_fixed_paired"] == 1.0
+  for name, variant in variants.items():
+    rounds = variant["examples_per_second_rounds"]
+    assert len(rounds) == quick_run["rounds"] == 2, name
+    assert variant["ratio_to_fixed"] == pytest.approx(
+      variant["examples_per_second"] / fixed["examples_per_second"]
+    )
+    low, high = variant["ratio_to_fixed_paired_range"]
+    assert low <= variant["ratio_to_fixed_paired"] <= high, name
+    assert 0 <= variant["padding_fraction"] < 0.5, name
+    assert variant["host_seconds"] > 0 and math.isfinite(variant["host_seconds"]), name
+    assert variant["timed_steps"] == 3 * 2 and variant["compile_fallback_steps"] == 0, name
+    assert variant["average_accumulation_steps"] == 1.0, name  # the memory bound holds them
+  assert variants["adaptive_s1"]["shapes_per_octave"] == 1
+  assert variants["adaptive"]["shapes"] > variants["adaptive_s1"]["shapes"]
+
+
+def test_goals_follow_the_adaptive_numbers(quick_run, adaptive_benchmark):
+  adaptive = quick_run["variants"]["adaptive"]
+  for key, goal in quick_run["goals"].items():
+    assert goal["bound"] == adaptive_benchmark.GOALS[key] and goal["value"] == adaptive[key]
+    at_least = key == "ratio_to_fixed"
+    assert goal["pass"] == (
+      goal["value"] >= goal["bound"] if at_least else goal["value"] <= goal["bound"]
+    )
+
+
+def test_rejects_a_window_without_steps(adaptive_benchmark):
+  with pytest.raises(ValueError, match="--steps must be >= 1, got 0"):
+    adaptive_benchmark.main(["--quick", "--steps", "0"])

@@ -1,0 +1,74 @@
+"""StepDataLoader: a step's rows placed ahead for each size the controller is likely to decide."""
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import simigrad_jax
+from simigrad_jax.engine.data_loader import StepDataLoader
+from simigrad_jax.engine.data_loader import likely_next_sizes
+from simigrad_jax.engine.layout import StepLayout
+
+
+def test_likely_next_sizes_follow_simigrads_rule_within_bounds():
+  assert likely_next_sizes(100, 1, None) == [110, 90]
+  assert likely_next_sizes(5, 1, 1000) == [6, 4]
+  assert likely_next_sizes(100, 95, 105) == [105, 95]
+  assert likely_next_sizes(100, 50, 100) == [100, 90]  # at the upper bound: held or shrunk
+  assert likely_next_sizes(64, 64, 64) == [64]
+
+
+@pytest.fixture
+def loader_and_layout():
+  mesh = Mesh(np.array(jax.devices()), ("batch",))
+  layout = StepLayout.create(
+    "device", 8, mode="recompile", max_micro=8, min_micro=None, lower=16, upper=128,
+    shapes_per_octave=8,
+  )  # fmt: skip
+  data = {"x": np.arange(400, dtype=np.float32)[:, None] * np.ones((1, 3), np.float32)}
+  sampler = simigrad_jax.EpochSampler(400, 0)
+  loader = StepDataLoader(
+    simigrad_jax.ArraySource(data),
+    sampler,
+    NamedSharding(mesh, P("batch")),
+    NamedSharding(mesh, P()),
+    layout.slot_positions(np.arange(8)),
+    layout.num_slots,
+    place_ahead=True,
+    upper=128,
+    plan_for=layout.plan,
+    lower=16,
+  )
+  yield loader, layout, sampler
+  loader.close()
+
+
+@pytest.mark.parametrize("decided", [55, 45])
+def test_a_likely_decision_finds_its_rows_placed(loader_and_layout, decided):
+  loader, layout, sampler = loader_and_layout
+  placed = []
+  place = loader.place
+  loader.place = lambda plan, loaded, step: placed.append(plan) or place(plan, loaded, step)
+  loader.submit_ahead(50, float("inf"), step=0)  # grow 55, shrink 45
+  plan = layout.plan(decided)
+  batch, _ = loader.take(plan, 0, 0)
+  assert {p.global_batch_size for p in placed} == {55, 45}  # both ahead, none now
+  # The rows are the sampler's first examples, in the plan's layout, padding zero.
+  where = plan.example_layout()
+  want = np.where(where >= 0, sampler.indices_at(0, decided)[np.maximum(where, 0)], 0)
+  ((x, weights),) = batch.micro_batches
+  got = np.asarray(x["x"])[:, 0].reshape(where.shape[1:])
+  np.testing.assert_array_equal(got, want[0].astype(np.float32))
+  np.testing.assert_array_equal(np.asarray(weights).reshape(where.shape[1:]), where[0] >= 0)
+
+
+def test_an_unlikely_decision_is_placed_when_taken(loader_and_layout):
+  loader, layout, _ = loader_and_layout
+  loader.submit_ahead(50, float("inf"), step=0)
+  batch, _ = loader.take(layout.plan(50), 0, 0)  # held
+  assert batch.plan == layout.plan(50)
+  assert float(np.asarray(batch.micro_batches[0][1]).sum()) == 50
+  assert np.asarray(batch.counters[0]).tolist() == [0, 0]
