@@ -34,6 +34,7 @@ def test_digits_demo_reaches_its_accuracy_and_writes_its_files(tmp_path, capsys)
   sizes = [r["batch_size"] for r in steps]
   assert len(set(sizes)) > 20 and max(sizes) > 4 * 32  # SimiGrad grew the batch as it trained
   assert summary["average_batch_size"] > 32
+  assert 0.0 <= summary["padding_fraction"] < 0.25  # of the rows computed, on the shape grid
   assert all(-1.0 <= r["similarity"] <= 1.0 for r in steps)
   assert (tmp_path / "metrics.png").stat().st_size > 20_000
   assert list((tmp_path / "tensorboard").iterdir())
@@ -53,6 +54,7 @@ def test_digits_demo_reaches_its_accuracy_and_writes_its_files(tmp_path, capsys)
     "optimizer steps",
     "examples seen",
     "compiles",
+    "padding",
     "runtime",
     str(tmp_path / "metrics.jsonl"),
     str(tmp_path / "metrics.png"),

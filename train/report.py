@@ -162,6 +162,7 @@ def summarize(
     "compile_seconds": run["compile_seconds"],
     "compile_wait_seconds": run["compile_wait_seconds"],
     "compile_fallback_steps": run["compile_fallback_steps"],
+    "padding_fraction": run.get("padding_fraction"),
     "nonfinite_steps": len(nonfinite),
     "first_nonfinite_step": (
       {"step": nonfinite[0]["step"], "batch_size": nonfinite[0]["batch_size"]}
@@ -255,6 +256,12 @@ def print_summary(summary: dict[str, Any]) -> None:
       f"{summary['compile_seconds']:.1f} s, "
       f"{summary['compile_wait_seconds']:.1f} s waited, "
       f"{summary['compile_fallback_steps']} steps on a fallback shape)",
+    ),
+    *(
+      [("padding", f"{summary['padding_fraction']:.1%} of the rows computed (this run's steps)")]
+      if isinstance(summary.get("padding_fraction"), float)
+      and math.isfinite(summary["padding_fraction"])
+      else []
     ),
     ("devices", summary["devices"]),
     ("runtime", f"{summary['seconds']:.1f} s"),

@@ -12,7 +12,7 @@ Hardware: any; on the machine's accelerators, however many, or on 8 simulated
 CPU devices when it has none (``--config.platform=cpu
 --config.num_cpu_devices=N`` for N CPU devices, 1 included; an odd count
 uses the local split). Runtime: 20-50 s measured on a shared, busy 2-core
-machine (about 25 s of CPU time, a good part of it compiling the six
+machine (about 25 s of CPU time, a good part of it compiling the twelve
 micro-batch shapes in the background).
 """
 
