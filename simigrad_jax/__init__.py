@@ -35,7 +35,7 @@ Engine internals, documented in their rooms: StepCompiler
   persistent_cache_settings (JAX's persistent compilation cache).
 
 Errors: every one derives from SimiGradError and keeps its built-in parent:
-  BadRecordError, CheckpointMismatchError, HalvesContractError,
+  AxisNameError, BadRecordError, CheckpointMismatchError, HalvesContractError,
   LossContractError, UnsafePathError (ValueError); CheckpointSaveError,
   Preempted, ProcessDisagreementError, ProcessLostError, StepCompileError,
   WorkdirLockedError (RuntimeError).
@@ -82,6 +82,7 @@ from simigrad_jax.ingraph.batch_coupling import couple_to_batch_size
 from simigrad_jax.ingraph.half_batch import value_and_half_grads
 from simigrad_jax.ingraph.lr_scaling import LrFactorState
 from simigrad_jax.ingraph.lr_scaling import scale_by_lr_factor
+from simigrad_jax.ingraph.transform import AxisNameError
 from simigrad_jax.ingraph.transform import HalfGrads
 from simigrad_jax.ingraph.transform import HalvesContractError
 from simigrad_jax.ingraph.transform import SimilarityState
@@ -107,6 +108,7 @@ __version__ = "0.1.0"
 
 __all__ = [
   "ArraySource",
+  "AxisNameError",
   "BadRecordError",
   "BaseController",
   "BatchCouplingState",
