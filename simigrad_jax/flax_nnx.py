@@ -62,7 +62,9 @@ def nnx_value_and_half_grads(
   two halves' batch statistics; the others (the random streams' counts) to
   the first half's. Each half draws its own random numbers: the second half
   from every stream's key folded with :data:`SECOND_HALF_STREAM`, so the two
-  halves' dropout masks differ.
+  halves' dropout masks differ. The model's layers draw from the streams
+  they were built with (``nnx.Dropout(rate, rngs=rngs)``); an ``nnx.Rngs``
+  passed in ``*args`` would be changed inside ``jax.grad``, which NNX refuses.
 
   Args:
     loss_fn: ``loss_fn(model, batch, *args)`` returning a scalar loss that is
@@ -106,6 +108,11 @@ def nnx_value_and_half_grads(
   value_and_grad = jax.value_and_grad(pure_loss, has_aux=True)
 
   def wrapped(model, batch, *args):
+    if not isinstance(model, nnx.Module):
+      raise ValueError(
+        f"nnx_value_and_half_grads takes an nnx.Module first, got {type(model).__name__}; "
+        "for a pytree of parameters use simigrad_jax.value_and_half_grads"
+      )
     graphdef, params, keys, rest = nnx.split(model, nnx.Param, nnx.RngKey, ...)
     second_keys = jax.tree.map(lambda k: jax.random.fold_in(k, SECOND_HALF_STREAM), keys)
     first_half, second_half = half_batch.split_even_odd(batch)

@@ -9,6 +9,7 @@ factor set on the host reaches the update.
 
 from __future__ import annotations
 
+import doctest
 import functools
 
 import jax.numpy as jnp
@@ -18,6 +19,7 @@ import pytest
 from flax import nnx
 
 import simigrad_jax
+from simigrad_jax import flax_nnx
 from train.image_data import load_digits
 
 BATCH = 64
@@ -168,3 +170,16 @@ def test_the_learning_rate_factor_reaches_the_update(digits):
     simigrad_jax.set_nnx_lr_factor(optimizer, 0.0)
   with pytest.raises(ValueError, match="set_nnx_lr_factor takes an nnx.Optimizer"):
     simigrad_jax.set_nnx_lr_factor(optimizer.opt_state, 2.0)
+
+
+def test_a_pytree_of_parameters_is_refused_naming_the_other_function():
+  grad_fn = simigrad_jax.nnx_value_and_half_grads(lambda p, x: jnp.mean(x @ p["w"]))
+  with pytest.raises(
+    ValueError, match="takes an nnx.Module first, got dict; .*value_and_half_grads"
+  ):
+    grad_fn({"w": jnp.ones(2)}, jnp.ones((4, 2)))
+
+
+def test_docstring_examples():
+  result = doctest.testmod(flax_nnx, optionflags=doctest.ELLIPSIS)
+  assert result.attempted >= 10 and result.failed == 0
