@@ -26,7 +26,8 @@ Start here:
 
 Realising a batch size on the devices (host side):
   plan_batch, BatchPlan, BucketPolicy, bucket_shapes, representable_batch_sizes.
-Your own step, in-graph: value_and_half_grads, HalfGrads.
+Your own step, in-graph: value_and_half_grads, HalfGrads; with Flax NNX,
+  nnx_value_and_half_grads and set_nnx_lr_factor (flax imported when called).
 Run services: EpochSampler, Checkpointer, MetricsWriter, read_metrics,
   ProgressBar, simulated_cpu_devices_env (set before JAX starts),
   exit_on_lost_process.
@@ -35,7 +36,7 @@ Engine internals, documented in their rooms: StepCompiler
   persistent_cache_settings (JAX's persistent compilation cache).
 
 Errors: every one derives from SimiGradError and keeps its built-in parent:
-  BadRecordError, CheckpointMismatchError, HalvesContractError,
+  AxisNameError, BadRecordError, CheckpointMismatchError, HalvesContractError,
   LossContractError, UnsafePathError (ValueError); CheckpointSaveError,
   Preempted, ProcessDisagreementError, ProcessLostError, StepCompileError,
   WorkdirLockedError (RuntimeError).
@@ -77,11 +78,14 @@ from simigrad_jax.engine.trainer import Trainer
 from simigrad_jax.engine.trainer_checks import LossContractError
 from simigrad_jax.errors import SimiGradError
 from simigrad_jax.files import UnsafePathError
+from simigrad_jax.flax_nnx import nnx_value_and_half_grads
+from simigrad_jax.flax_nnx import set_nnx_lr_factor
 from simigrad_jax.ingraph.batch_coupling import BatchCouplingState
 from simigrad_jax.ingraph.batch_coupling import couple_to_batch_size
 from simigrad_jax.ingraph.half_batch import value_and_half_grads
 from simigrad_jax.ingraph.lr_scaling import LrFactorState
 from simigrad_jax.ingraph.lr_scaling import scale_by_lr_factor
+from simigrad_jax.ingraph.transform import AxisNameError
 from simigrad_jax.ingraph.transform import HalfGrads
 from simigrad_jax.ingraph.transform import HalvesContractError
 from simigrad_jax.ingraph.transform import SimilarityState
@@ -107,6 +111,7 @@ __version__ = "0.1.0"
 
 __all__ = [
   "ArraySource",
+  "AxisNameError",
   "BadRecordError",
   "BaseController",
   "BatchCouplingState",
@@ -150,6 +155,7 @@ __all__ = [
   "lr_factor_of",
   "make_controller",
   "persistent_cache_settings",
+  "nnx_value_and_half_grads",
   "plan_batch",
   "read_metrics",
   "register_controller",
@@ -159,6 +165,7 @@ __all__ = [
   "scale_by_lr_factor",
   "set_coupled_batch_size",
   "set_lr_factor",
+  "set_nnx_lr_factor",
   "similarity",
   "similarity_stats",
   "simulated_cpu_devices_env",

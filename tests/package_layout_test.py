@@ -35,6 +35,7 @@ FLOORS = {
   "runtime": 1,
   "optimizer_state": 1,
   "engine": 2,
+  "flax_nnx": 2,
   "plot": 2,
   "replay": 2,
   "__init__": 3,

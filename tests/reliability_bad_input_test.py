@@ -395,6 +395,22 @@ CASES = [
     ValueError,
     r"the optimizer's simigrad_jax.transform must use the Trainer's axis_name='batch'",
   ),
+  # transform() without an axis name: the device split would fail in the transform, and the
+  # local split would never average the devices' gradients (the replicas would drift apart).
+  Case(
+    "transform without an axis name, device split",
+    lambda w: trainer(w, optimizer=optimizer(None)),
+    simigrad_jax.AxisNameError,
+    r"the optimizer's simigrad_jax.transform must use the Trainer's axis_name='batch', got "
+    r"axis_name=None: build it with simigrad_jax.transform\(axis_name='batch'\)",
+  ),
+  Case(
+    "transform without an axis name, local split",
+    lambda w: trainer(w, devices=jax.devices()[:3], optimizer=optimizer(None)),
+    simigrad_jax.AxisNameError,
+    r"the optimizer's simigrad_jax.transform must use the Trainer's axis_name='batch', got "
+    r"axis_name=None",
+  ),
   Case(
     "NaN in the initial parameters",
     lambda w: trainer(w, params=nan_params()),

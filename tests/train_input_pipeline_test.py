@@ -116,6 +116,24 @@ def test_real_mnist_from_the_shared_data_folder():
   assert np.bincount(labels).tolist() == [980, 1135, 1032, 1010, 982, 892, 958, 1028, 974, 1009]
 
 
+def test_mnist_auto_without_data_names_where_it_looked_and_the_options(tmp_path):
+  config = default.get_config()
+  config.update(
+    dataset="mnist",
+    mnist_source="auto",
+    local_data_dir=str(tmp_path / "local"),
+    data_dir=str(tmp_path / "tfds"),
+  )
+  with pytest.raises(FileNotFoundError) as raised:
+    input_pipeline.create_datasets(config)
+  message = str(raised.value)
+  assert f"no local files in '{tmp_path / 'local'}'" in message
+  assert f"TFDS has no prepared 'mnist' in {tmp_path / 'tfds'}/mnist/" in message
+  for option in ("local_data_dir", "mnist_source=tfds", "data_dir=DIR", "download=True"):
+    assert f"--config.{option}" in message
+  assert isinstance(raised.value.__cause__, FileNotFoundError)
+
+
 def test_crop_and_flip_moves_whole_images():
   images = jnp.arange(2 * 6 * 6, dtype=jnp.float32).reshape(2, 6, 6, 1) + 1
   out = preprocess.random_crop_and_flip(jax.random.key(0), images, padding=2)

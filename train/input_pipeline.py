@@ -56,6 +56,7 @@ from train.image_data import ResizedImageSource
 from train.image_data import load_digits
 from train.image_data import load_local_mnist
 from train.image_data import local_mnist_files
+from train.image_data import mnist_not_found
 from train.text_data import BYTE_VOCAB_SIZE
 from train.text_data import FIRST_BYTE_ID as FIRST_BYTE_ID  # (the token ids: also read from here)
 from train.text_data import MASK_ID as MASK_ID
@@ -179,8 +180,14 @@ def create_datasets(config: ml_collections.ConfigDict) -> Datasets:
         simigrad_jax.TfdsSource("mnist", split, features=("image", "label"), **tfds_options),
         **grain_options,
       )
+      try:
+        train_source = make(config.train_split)
+      except FileNotFoundError as error:
+        if config.mnist_source == "auto":
+          raise mnist_not_found(directory, error) from error
+        raise
       out = Datasets(
-        make(config.train_split), make(config.eval_split), num_classes=10, description="TFDS mnist"
+        train_source, make(config.eval_split), num_classes=10, description="TFDS mnist"
       )
   elif kind in ("tfds", "tfds_resized"):
     if kind == "tfds":

@@ -166,6 +166,8 @@ def open_tfds(name: str, split: str, *, data_dir: str | None, download: bool) ->
     The data source: ``len()`` and ``source[i]``.
 
   Raises:
+    FileNotFoundError: the data set is not prepared where TFDS looked; the
+      message names the folder and the options (``data_dir``, ``download``).
     RuntimeError: TFDS cannot read the split by index (not prepared in
       ArrayRecord format); the message says so and quotes TFDS.
 
@@ -179,12 +181,33 @@ def open_tfds(name: str, split: str, *, data_dir: str | None, download: bool) ->
 
   try:
     return tfds.data_source(name, split=split, data_dir=data_dir, download=download)
-  except NotImplementedError as e:
+  except (KeyError, NotImplementedError) as e:
+    # TFDS says "splits is empty" (its default data_dir) or blames a TFRecord copy (another
+    # data_dir) when nothing is prepared at all.
+    folder = _unprepared_tfds_folder(tfds, name, data_dir)
+    if folder is not None:
+      where = "TFDS's default data_dir" if data_dir is None else f"data_dir={data_dir!r}"
+      raise FileNotFoundError(
+        f"TFDS has no prepared {name!r} in {folder} ({where}, download={download}): set "
+        "data_dir to the folder where it is prepared in ArrayRecord format, or download=True "
+        "to let TFDS download and prepare it there"
+      ) from e
+    if isinstance(e, KeyError):
+      raise
     raise RuntimeError(
       f"TFDS could not open {name!r} split {split!r} in data_dir "
       f"{data_dir!r} for random access (download={download}); it needs the "
       f"data prepared in ArrayRecord format there. TFDS says: {e}"
     ) from e
+
+
+def _unprepared_tfds_folder(tfds: Any, name: str, data_dir: str | None) -> str | None:
+  """The folder where TFDS looks for ``name`` if nothing is prepared there, else None."""
+  try:
+    builder = tfds.builder(name, data_dir=data_dir)
+    return None if builder.is_prepared() else str(builder.data_dir)
+  except Exception:  # an unknown name or a broken install: TFDS's own error is the clearer one
+    return None
 
 
 class TfdsSource:

@@ -229,7 +229,8 @@ def build_run(
       shared_compiles=jax.process_count() > 1,
     )
     # A model, loss, optimizer or data set that do not fit each other fail here.
-    programs.trace(layout.plan(controller.batch_size).micro_batch_size)
+    with trainer_checks.transform_named_for(config.axis_name):
+      programs.trace(layout.plan(controller.batch_size).micro_batch_size)
   except BaseException:
     agreement.close()
     if checkpoints is not None:

@@ -8,9 +8,10 @@ names the value and what would be valid. The settings are checked by
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import jax
@@ -22,6 +23,7 @@ from simigrad_jax import validation
 from simigrad_jax.controllers import interface as controller_interface
 from simigrad_jax.engine import train_step
 from simigrad_jax.errors import SimiGradError
+from simigrad_jax.ingraph import transform
 from simigrad_jax.ingraph.lr_scaling import LrFactorState
 from simigrad_jax.ingraph.transform import SimilarityState
 
@@ -62,6 +64,31 @@ def checked_loss_fn(
     return losses, new_state
 
   return checked
+
+
+@contextlib.contextmanager
+def transform_named_for(axis_name: str) -> Iterator[None]:
+  """Traces the block with the step mapped over ``axis_name``; a transform not named so is refused.
+
+  The transform raises :class:`simigrad_jax.AxisNameError` while the step is
+  traced; the program's trace reports it as a failing ``loss_fn``, so the
+  error is raised again here, naming the fix, with the transform's as its cause.
+  """
+  try:
+    with transform.step_mapped_over(axis_name):
+      yield
+  except ValueError as error:
+    original = error if isinstance(error, transform.AxisNameError) else error.__cause__
+    if not isinstance(original, transform.AxisNameError):
+      raise
+    raise transform.AxisNameError(
+      f"the optimizer's simigrad_jax.transform must use the Trainer's axis_name={axis_name!r}, "
+      f"got axis_name={original.axis_name!r}: build it with "
+      f"simigrad_jax.transform(axis_name={axis_name!r}) (transform() without an axis name is "
+      "for a plain jax.jit step, given half_grads from simigrad_jax.value_and_half_grads)",
+      original.axis_name,
+      axis_name,
+    ) from original
 
 
 def check_callable(name: str, fn: Any) -> None:

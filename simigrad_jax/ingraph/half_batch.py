@@ -132,13 +132,15 @@ def value_and_grads_in_turn(
   return (value_a, first), (value_b, second)
 
 
-def _average(a: jax.Array, b: jax.Array) -> jax.Array:
+def average_in_float32(a: jax.Array, b: jax.Array) -> jax.Array:
   """``(a + b) / 2`` computed in at least float32, returned in ``a``'s dtype."""
   dtype = jnp.promote_types(a.dtype, jnp.float32)
   return ((a.astype(dtype) + b.astype(dtype)) / 2).astype(a.dtype)
 
 
-def _scalar_loss(loss_fn: Callable[..., Any], has_aux: bool) -> Callable[..., Any]:
+def checked_scalar_loss(
+  loss_fn: Callable[..., Any], has_aux: bool, caller: str = "value_and_half_grads"
+) -> Callable[..., Any]:
   """``loss_fn``, refusing at trace time a value that is not what ``has_aux`` says.
 
   Without ``has_aux`` a loss that returns ``(loss, aux)`` would fail in JAX
@@ -152,12 +154,12 @@ def _scalar_loss(loss_fn: Callable[..., Any], has_aux: bool) -> Callable[..., An
     if not has_aux and isinstance(value, (tuple, list)):
       raise ValueError(
         f"loss_fn returned a {type(value).__name__} of {len(value)} values where "
-        "value_and_half_grads expects one scalar loss: a loss that returns "
-        "(loss, aux) needs simigrad_jax.value_and_half_grads(loss_fn, has_aux=True)"
+        f"{caller} expects one scalar loss: a loss that returns "
+        f"(loss, aux) needs simigrad_jax.{caller}(loss_fn, has_aux=True)"
       )
     if has_aux and not is_pair:
       raise ValueError(
-        f"value_and_half_grads(loss_fn, has_aux=True) expects loss_fn to return "
+        f"{caller}(loss_fn, has_aux=True) expects loss_fn to return "
         f"(loss, aux), got {_describe(value)}: return the pair, or leave has_aux out"
       )
     return value
@@ -236,14 +238,14 @@ def value_and_half_grads(
     the half gradients is then the gradient of the average of the two
     half-batch losses (not of one loss normalised over the whole batch).
   """
-  value_and_grad = jax.value_and_grad(_scalar_loss(loss_fn, has_aux), has_aux=has_aux)
+  value_and_grad = jax.value_and_grad(checked_scalar_loss(loss_fn, has_aux), has_aux=has_aux)
 
   def wrapped(params, batch, *args):
     first_half, second_half = split_even_odd(batch)
     (value_a, first), (value_b, second) = value_and_grads_in_turn(
       value_and_grad, params, (first_half, *args), (second_half, *args)
     )
-    mean_grads = jax.tree.map(_average, first, second)
+    mean_grads = jax.tree.map(average_in_float32, first, second)
     value: jax.Array | tuple[jax.Array, Any]  # the loss, and the aux of both halves if has_aux
     if has_aux:
       (loss_a, aux_a), (loss_b, aux_b) = value_a, value_b

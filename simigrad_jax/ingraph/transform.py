@@ -78,6 +78,47 @@ def expecting_half_grads() -> Iterator[None]:
     _EXPECTING_HALF_GRADS.reset(token)
 
 
+class AxisNameError(SimiGradError, ValueError):
+  """:func:`transform`'s axis name is not the axis its step is mapped over."""
+
+  def __init__(self, message: str, axis_name: str | None, step_axis: str) -> None:
+    super().__init__(message)
+    self.axis_name = axis_name  # the transform's axis name (None: none given).
+    self.step_axis = step_axis  # the axis the step is mapped over.
+
+
+# Trace time only: the axis a caller maps its step over, which the transform must name.
+_STEP_AXIS = contextvars.ContextVar[str | None]("simigrad_jax_step_axis", default=None)
+
+
+@contextlib.contextmanager
+def step_mapped_over(axis_name: str) -> Iterator[None]:
+  """While tracing the block, a :func:`transform` not named ``axis_name`` raises :class:`AxisNameError`.
+
+  Without the axis name the transform never averages the devices' gradients
+  (with ``half_grads`` it measures each device's own rows): the replicas would
+  drift apart without an error. A caller that maps its step over an axis
+  traces it inside this block to refuse that.
+  """
+  token = _STEP_AXIS.set(axis_name)
+  try:
+    yield
+  finally:
+    _STEP_AXIS.reset(token)
+
+
+def _check_step_axis(axis_name: str | None) -> None:
+  step_axis = _STEP_AXIS.get()
+  if step_axis is not None and axis_name != step_axis:
+    raise AxisNameError(
+      f"simigrad_jax.transform(axis_name={axis_name!r}) runs in a step mapped over the axis "
+      f"{step_axis!r}: without that name the devices' gradients are never averaged; use "
+      f"simigrad_jax.transform(axis_name={step_axis!r})",
+      axis_name,
+      step_axis,
+    )
+
+
 def _check_not_already_reduced(leaves: list[jax.Array], axis_name: str) -> None:
   """Raises if shard_map's type system says a gradient is already summed over the axis.
 
@@ -279,6 +320,7 @@ def transform(
         "receive them, so it would compare the device halves instead: a wrapper in the "
         "optimizer takes extra keyword arguments and does not pass them on (optax.chain does)"
       )
+    _check_step_axis(axis_name)
     leaves = jax.tree.leaves(updates)
     if axis_name is not None:
       _check_axis_is_bound(axis_name)

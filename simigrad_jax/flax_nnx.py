@@ -1,0 +1,169 @@
+"""In-graph and host: SimiGrad for a Flax NNX model: its half-batch gradients, and the learning-rate factor.
+
+* :func:`nnx_value_and_half_grads` (in-graph, inside ``nnx.jit``): the model's
+  gradient and the gradients of the batch's even- and odd-numbered examples,
+  as :func:`simigrad_jax.value_and_half_grads` gives them for a pure loss, with
+  the model's other state kept: BatchNorm's running statistics (and any other
+  floating-point variable the model changes) averaged over the two halves, and
+  each half's dropout drawn from a key of its own.
+* :func:`set_nnx_lr_factor` (host, between steps): the learning-rate factor of
+  :func:`simigrad_jax.scale_by_lr_factor` set inside an ``nnx.Optimizer``.
+
+Flax is an optional dependency (the ``train`` extra): it is imported when a
+function is called, not with the package.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from simigrad_jax import optimizer_state
+from simigrad_jax.ingraph import half_batch
+from simigrad_jax.ingraph.transform import HalfGrads
+
+# The second half's dropout (and every other random stream) draws from each stream's key
+# folded with this number; the first half, and the model after the step, keep the key.
+SECOND_HALF_STREAM = 1
+
+
+def _flax_nnx() -> Any:
+  try:
+    from flax import nnx  # pylint: disable=import-outside-toplevel
+  except ModuleNotFoundError as error:
+    raise ModuleNotFoundError(
+      "simigrad_jax's NNX helpers need flax: pip install 'simigrad-jax[train]' (or flax)"
+    ) from error
+  return nnx
+
+
+def _average_halves(first: jax.Array, second: jax.Array) -> jax.Array:
+  """The two halves' new values of a model variable: averaged where floating, else the first's."""
+  if not jnp.issubdtype(first.dtype, jnp.floating):
+    return first  # counters (such as the random streams' counts) and keys
+  return half_batch.average_in_float32(first, second)
+
+
+def nnx_value_and_half_grads(
+  loss_fn: Callable[..., Any], has_aux: bool = False
+) -> Callable[..., tuple[Any, Any, HalfGrads]]:
+  """Wraps an NNX ``loss_fn(model, batch, *args)`` to return its value, its gradient and the half gradients.
+
+  The batch is split into its even- and its odd-numbered examples (the halves
+  every SimiGrad path compares) and the loss runs on each in turn, on a copy
+  of the model, as :func:`simigrad_jax.value_and_half_grads` does; the
+  gradients are taken with respect to the model's ``nnx.Param`` variables.
+  The model's other variables are then updated in place: each floating-point
+  one (BatchNorm's running mean and variance) to the average of the two
+  halves' new values, which for BatchNorm is its update with the mean of the
+  two halves' batch statistics; the others (the random streams' counts) to
+  the first half's. Each half draws its own random numbers: the second half
+  from every stream's key folded with :data:`SECOND_HALF_STREAM`, so the two
+  halves' dropout masks differ. The model's layers draw from the streams
+  they were built with (``nnx.Dropout(rate, rngs=rngs)``); an ``nnx.Rngs``
+  passed in ``*args`` would be changed inside ``jax.grad``, which NNX refuses.
+
+  Args:
+    loss_fn: ``loss_fn(model, batch, *args)`` returning a scalar loss that is
+      a mean over the examples of ``batch`` (or ``(loss, aux)`` with
+      ``has_aux``), with the model in training mode.
+    has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
+
+  Returns:
+    A function ``(model, batch, *args) -> (value, grads, half_grads)``, to
+    call inside ``nnx.jit``: ``value`` the batch's loss (with ``has_aux``:
+    ``(loss, aux)``, every leaf of ``aux`` with a leading axis of 2, one entry
+    per half), ``grads`` the ``nnx.Param`` gradient as an ``nnx.State``, and
+    ``half_grads`` the two halves' gradients, for
+    ``optimizer.update(model, grads, half_grads=half_grads)``.
+
+  Example:
+    >>> import jax.numpy as jnp, optax, simigrad_jax
+    >>> from flax import nnx
+    >>> model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+    >>> tx = optax.chain(simigrad_jax.transform(), optax.sgd(0.1))
+    >>> optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    >>> @nnx.jit
+    ... def step(model, optimizer, x):
+    ...   loss_fn = lambda model, x: jnp.mean((model(x) - 1.0) ** 2)
+    ...   loss, grads, halves = simigrad_jax.nnx_value_and_half_grads(loss_fn)(model, x)
+    ...   optimizer.update(model, grads, half_grads=halves)
+    ...   return loss
+    >>> loss = step(model, optimizer, jnp.arange(8.0).reshape(4, 2))
+    >>> -1.0 <= simigrad_jax.similarity(optimizer.opt_state) <= 1.0
+    True
+  """
+  nnx = _flax_nnx()
+  checked_loss = half_batch.checked_scalar_loss(loss_fn, has_aux, "nnx_value_and_half_grads")
+
+  def pure_loss(params, batch, keys, rest, graphdef, *args):
+    model = nnx.merge(graphdef, params, keys, rest, copy=True)
+    value = checked_loss(model, batch, *args)
+    loss, aux = value if has_aux else (value, None)
+    return loss, (aux, nnx.state(model, nnx.Not(nnx.Param)))
+
+  value_and_grad = jax.value_and_grad(pure_loss, has_aux=True)
+
+  def wrapped(model, batch, *args):
+    if not isinstance(model, nnx.Module):
+      raise ValueError(
+        f"nnx_value_and_half_grads takes an nnx.Module first, got {type(model).__name__}; "
+        "for a pytree of parameters use simigrad_jax.value_and_half_grads"
+      )
+    graphdef, params, keys, rest = nnx.split(model, nnx.Param, nnx.RngKey, ...)
+    second_keys = jax.tree.map(lambda k: jax.random.fold_in(k, SECOND_HALF_STREAM), keys)
+    first_half, second_half = half_batch.split_even_odd(batch)
+    ((loss_a, (aux_a, state_a)), first), ((loss_b, (aux_b, state_b)), second) = (
+      half_batch.value_and_grads_in_turn(
+        value_and_grad,
+        params,
+        (first_half, keys, rest, graphdef, *args),
+        (second_half, second_keys, rest, graphdef, *args),
+      )
+    )
+    # The streams' keys stay the model's own: only their counts move.
+    new_state = jax.tree.map(_average_halves, state_a, state_b)
+    nnx.update(model, nnx.filter_state(new_state, nnx.Not(nnx.RngKey)))
+    grads = jax.tree.map(half_batch.average_in_float32, first, second)
+    loss = jnp.mean(jnp.stack([loss_a, loss_b]))
+    value = (loss, jax.tree.map(lambda a, b: jnp.stack([a, b]), aux_a, aux_b)) if has_aux else loss
+    return value, grads, HalfGrads(first, second)
+
+  return wrapped
+
+
+def set_nnx_lr_factor(optimizer: Any, factor: float) -> None:
+  """Sets the learning-rate factor of :func:`simigrad_jax.scale_by_lr_factor` inside an ``nnx.Optimizer``.
+
+  ``nnx.Optimizer`` keeps its state in variables, which
+  :func:`simigrad_jax.set_lr_factor` (a new state, the old one unchanged)
+  cannot set; this sets the factor in place, with its dtype, shape and
+  placement kept, so the ``nnx.jit`` step is not compiled again.
+
+  Args:
+    optimizer: an ``nnx.Optimizer`` whose transformation chains
+      :func:`simigrad_jax.scale_by_lr_factor`.
+    factor: the new factor, finite and > 0 (e.g. from
+      :func:`simigrad_jax.lr_factor`).
+
+  Example:
+    >>> import optax, simigrad_jax
+    >>> from flax import nnx
+    >>> model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+    >>> tx = optax.chain(simigrad_jax.transform(), optax.sgd(0.1), simigrad_jax.scale_by_lr_factor())
+    >>> optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    >>> simigrad_jax.set_nnx_lr_factor(optimizer, 2.0)
+    >>> simigrad_jax.lr_factor_of(optimizer.opt_state)
+    2.0
+  """
+  nnx = _flax_nnx()
+  if not isinstance(optimizer, nnx.Optimizer):
+    raise ValueError(
+      f"set_nnx_lr_factor takes an nnx.Optimizer, got {type(optimizer).__name__}; for an "
+      "optax state use simigrad_jax.set_lr_factor(opt_state, factor), which returns a new one"
+    )
+  new_state = optimizer_state.set_lr_factor(nnx.as_pure(optimizer.opt_state), factor)
+  nnx.update(optimizer.opt_state, nnx.state(new_state))

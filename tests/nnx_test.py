@@ -1,0 +1,185 @@
+"""SimiGrad in a Flax NNX training loop in the style of flax's MNIST example, on the digits.
+
+A small CNN with BatchNorm and Dropout, ``nnx.Optimizer`` and ``nnx.jit``;
+SimiGrad changes the gradient call, the optimizer's update and the metrics'
+label order. The tests check what the halves do to the model's other state
+(BatchNorm's running statistics, the dropout keys) and that the learning-rate
+factor set on the host reaches the update.
+"""
+
+from __future__ import annotations
+
+import doctest
+import functools
+
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import simigrad_jax
+from simigrad_jax import flax_nnx
+from train.image_data import load_digits
+
+BATCH = 64
+
+
+class CNN(nnx.Module):
+  """A small CNN for the 8x8 digits (the layers of flax's MNIST example, smaller)."""
+
+  def __init__(self, *, rngs: nnx.Rngs):
+    self.conv1 = nnx.Conv(1, 8, kernel_size=(3, 3), rngs=rngs)
+    self.batch_norm1 = nnx.BatchNorm(8, momentum=0.9, rngs=rngs)
+    self.avg_pool = functools.partial(nnx.avg_pool, window_shape=(2, 2), strides=(2, 2))
+    self.linear1 = nnx.Linear(4 * 4 * 8, 32, rngs=rngs)
+    self.dropout1 = nnx.Dropout(rate=0.25, rngs=rngs)
+    self.linear2 = nnx.Linear(32, 10, rngs=rngs)
+
+  def __call__(self, x):
+    x = self.avg_pool(nnx.relu(self.batch_norm1(self.conv1(x))))
+    x = x.reshape(x.shape[0], -1)
+    x = self.dropout1(nnx.relu(self.linear1(x)))
+    return self.linear2(x)
+
+
+def loss_fn(model: CNN, batch):
+  logits = model(batch["image"])
+  loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
+  return loss, logits
+
+
+def make_optimizer(model: CNN) -> nnx.Optimizer:
+  tx = optax.chain(
+    simigrad_jax.transform(),  # SimiGrad: the similarity of the two halves
+    optax.adamw(0.005, 0.9),
+    simigrad_jax.scale_by_lr_factor(),  # SimiGrad: the learning-rate factor
+  )
+  return nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+
+@nnx.jit
+def train_step(model: CNN, optimizer: nnx.Optimizer, metrics: nnx.MultiMetric, batch):
+  grad_fn = simigrad_jax.nnx_value_and_half_grads(loss_fn, has_aux=True)  # SimiGrad
+  (loss, logits), grads, halves = grad_fn(model, batch)
+  labels = jnp.stack([batch["label"][0::2], batch["label"][1::2]])  # the halves' rows
+  metrics.update(loss=loss, logits=logits.reshape(-1, 10), labels=labels.reshape(-1))
+  optimizer.update(model, grads, half_grads=halves)  # SimiGrad: half_grads
+
+
+@nnx.jit
+def eval_step(model: CNN, metrics: nnx.MultiMetric, batch):
+  loss, logits = loss_fn(model, batch)
+  metrics.update(loss=loss, logits=logits, labels=batch["label"])
+
+
+@pytest.fixture(scope="module")
+def digits():
+  return load_digits()
+
+
+def batch_at(data, step: int, size: int = BATCH):
+  return {k: v[step * size : (step + 1) * size] for k, v in data.items()}
+
+
+def test_the_loop_trains_and_measures_the_similarity(digits):
+  train, test = digits
+  model = CNN(rngs=nnx.Rngs(0))
+  optimizer = make_optimizer(model)
+  metrics = nnx.MultiMetric(accuracy=nnx.metrics.Accuracy(), loss=nnx.metrics.Average("loss"))
+  model.eval()
+  eval_step(model, metrics, test)
+  before = metrics.compute()
+  metrics.reset()
+  similarities = []
+  for step in range(6):
+    model.train()
+    train_step(model, optimizer, metrics, batch_at(train, step))
+    similarities.append(simigrad_jax.similarity(optimizer.opt_state))
+  assert metrics.compute()["accuracy"] > 0.1
+  metrics.reset()
+  model.eval()
+  eval_step(model, metrics, test)
+  after = metrics.compute()
+  assert after["loss"] < before["loss"]
+  assert all(-1 <= s <= 1 for s in similarities) and len(set(similarities)) > 1
+  assert int(optimizer.step[...]) == 6
+
+
+def test_running_statistics_are_the_average_of_the_halves(digits):
+  train, _ = digits
+  model = CNN(rngs=nnx.Rngs(1))
+  optimizer = make_optimizer(model)
+  metrics = nnx.MultiMetric(loss=nnx.metrics.Average("loss"))
+  batch = batch_at(train, 0)
+  # Each half alone, through a copy of the layers before the step: its running statistics.
+  expected = []
+  for rows in (slice(0, None, 2), slice(1, None, 2)):
+    copy = nnx.clone(model)
+    copy.train()
+    copy.batch_norm1(copy.conv1(jnp.asarray(batch["image"][rows])))
+    expected.append(copy.batch_norm1)
+  old_mean = np.asarray(model.batch_norm1.mean[...])
+  model.train()
+  train_step(model, optimizer, metrics, batch)
+  for name in ("mean", "var"):
+    new = np.asarray(getattr(model.batch_norm1, name)[...])
+    halves = [np.asarray(getattr(bn, name)[...]) for bn in expected]
+    np.testing.assert_allclose(new, (halves[0] + halves[1]) / 2, rtol=1e-5, atol=1e-6)
+    assert not np.allclose(halves[0], halves[1])  # the halves' statistics differ
+  assert np.abs(np.asarray(model.batch_norm1.mean[...]) - old_mean).max() > 1e-3
+
+
+def test_each_half_draws_its_own_dropout_mask():
+  model = CNN(rngs=nnx.Rngs(2))
+
+  def masks(model, batch):  # the dropout layer's mask on a batch of ones, one per half
+    return jnp.mean(batch["x"]) * model.linear2.bias[...].sum(), model.dropout1(jnp.ones((4, 32)))
+
+  @nnx.jit
+  def draw(model, batch):
+    (_, kept), _, _ = simigrad_jax.nnx_value_and_half_grads(masks, has_aux=True)(model, batch)
+    return kept
+
+  model.train()
+  first = np.asarray(draw(model, {"x": jnp.ones((4, 1))}))
+  second = np.asarray(draw(model, {"x": jnp.ones((4, 1))}))
+  assert first.shape == (2, 4, 32)
+  for kept in (first, second):
+    assert 0.1 < (kept == 0).mean() < 0.4  # rate 0.25
+    assert not np.array_equal(kept[0] == 0, kept[1] == 0)  # the halves' masks differ
+  assert not np.array_equal(first, second)  # and the streams move on between steps
+
+
+def test_the_learning_rate_factor_reaches_the_update(digits):
+  train, _ = digits
+  batch = batch_at(train, 0)
+  moves = []
+  for factor in (1.0, 2.5):
+    model = CNN(rngs=nnx.Rngs(3))
+    optimizer = make_optimizer(model)
+    simigrad_jax.set_nnx_lr_factor(optimizer, factor)
+    assert simigrad_jax.lr_factor_of(optimizer.opt_state) == factor
+    before = np.asarray(model.linear2.kernel[...])
+    model.train()
+    train_step(model, optimizer, nnx.MultiMetric(loss=nnx.metrics.Average("loss")), batch)
+    moves.append(np.asarray(model.linear2.kernel[...]) - before)
+  np.testing.assert_allclose(moves[1], 2.5 * moves[0], rtol=1e-4, atol=1e-7)
+  assert np.abs(moves[0]).max() > 0
+  with pytest.raises(ValueError, match="finite and > 0"):
+    simigrad_jax.set_nnx_lr_factor(optimizer, 0.0)
+  with pytest.raises(ValueError, match="set_nnx_lr_factor takes an nnx.Optimizer"):
+    simigrad_jax.set_nnx_lr_factor(optimizer.opt_state, 2.0)
+
+
+def test_a_pytree_of_parameters_is_refused_naming_the_other_function():
+  grad_fn = simigrad_jax.nnx_value_and_half_grads(lambda p, x: jnp.mean(x @ p["w"]))
+  with pytest.raises(
+    ValueError, match="takes an nnx.Module first, got dict; .*value_and_half_grads"
+  ):
+    grad_fn({"w": jnp.ones(2)}, jnp.ones((4, 2)))
+
+
+def test_docstring_examples():
+  result = doctest.testmod(flax_nnx, optionflags=doctest.ELLIPSIS)
+  assert result.attempted >= 10 and result.failed == 0
