@@ -97,7 +97,7 @@ FULL: dict[str, Any] = {
   "eval_windows": 128,
   "evals": 12,
   "fixed": (16, 32, 64, 128),
-  "lr_multipliers": (1.0, 2.0, 4.0),
+  "lr_multipliers": (1.0, 2.0, 4.0, 8.0, 16.0),
   "targets": (0.1, 0.2),
   "model_targets": (0.1,),
   "gns": (1.0,),
@@ -109,7 +109,7 @@ QUICK: dict[str, Any] = {
   "train_windows": 3072,
   "evals": 10,
   "fixed": (16, 64),
-  "lr_multipliers": (4.0,),  # the full grid's choice
+  "lr_multipliers": (8.0,),  # the full grid's choice
   "targets": (0.1,),
   "model_targets": (),
   "ramps": ("doubling_warmup", "seesaw"),
