@@ -29,8 +29,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-import numpy.typing as npt
 import optax
 from jax.sharding import Mesh
 from jax.sharding import NamedSharding
@@ -503,8 +501,3 @@ def fallback_plan(
     accumulation_steps=steps,
     padded_examples=n * size * steps - plan.global_batch_size,
   )
-
-
-def host_scalars(values: list[float], dtype: npt.DTypeLike, sharding: NamedSharding) -> jax.Array:
-  """A small replicated vector for a step's inputs (one host-to-device transfer)."""
-  return jax.device_put(np.asarray(values, dtype), sharding)

@@ -24,6 +24,7 @@ from typing import Any
 
 import jax
 import numpy as np
+import numpy.typing as npt
 from jax.sharding import NamedSharding
 
 from simigrad_jax.controllers import learning_rate
@@ -31,8 +32,12 @@ from simigrad_jax.data.sampler import EpochSampler
 from simigrad_jax.engine.data_loader import StepDataLoader
 from simigrad_jax.engine.layout import StepLayout
 from simigrad_jax.engine.programs import StepPrograms
-from simigrad_jax.engine.programs import host_scalars
 from simigrad_jax.engine.step_record import DispatchedStep
+
+
+def host_scalars(values: list[float], dtype: npt.DTypeLike, sharding: NamedSharding) -> jax.Array:
+  """A small replicated vector for a step's inputs (one host-to-device transfer)."""
+  return jax.device_put(np.asarray(values, dtype), sharding)
 
 
 class StepInputs:
