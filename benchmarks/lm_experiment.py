@@ -23,6 +23,7 @@ import numpy as np
 
 import simigrad_jax
 from benchmarks.pareto_protocol import RunSpec
+from benchmarks.pareto_protocol import benchmark_trainer
 from benchmarks.pareto_protocol import lr_schedule_fn
 from simigrad_jax.engine.hooks import host_copy
 from simigrad_jax.engine.step_record import StepRecord
@@ -177,23 +178,18 @@ class LmExperiment:
   ) -> simigrad_jax.Trainer:
     config = self.config.copy_and_resolve_references()
     config.learning_rate = spec.lr
-    upper = controller.config.get("batch_size_upper_bound") or controller.batch_size
-    return simigrad_jax.Trainer(
+    return benchmark_trainer(
+      controller,
+      workdir,
+      self.cache_dir,
       loss_fn=self.loss_fn,
       params=jax.tree.map(np.asarray, self._init(jax.random.key(spec.seed, impl="rbg"))),
       optimizer=optimizers.create_optimizer(config),
       source=self.train,
-      controller=controller,
-      workdir=workdir,
-      max_micro_batch_size=max(1, -(-upper // jax.device_count())),
       lr_schedule=self._lr_schedule(controller),
       lr_rule=spec.lr_rule,
       seed=spec.seed,
-      max_checkpoints=1,
       checkpoint_every_seconds=None,
-      compilation_cache_dir=self.cache_dir,
-      progress=False,
-      tensorboard=False,
       hooks=[curve],
     )
 

@@ -29,6 +29,7 @@ import simigrad_jax
 from benchmarks import common
 from benchmarks.pareto_analysis import mean_std
 from benchmarks.pareto_protocol import RunSpec
+from benchmarks.pareto_protocol import benchmark_trainer
 from benchmarks.pareto_protocol import lr_schedule_fn
 from benchmarks.pareto_protocol import train_run
 from simigrad_jax.controllers.noise_scale import noise_scale_estimates
@@ -245,28 +246,23 @@ class Experiment:
     lr_schedule: Callable[[float], float] | None = None,
     lr_rule: str = "sqrt",
   ) -> simigrad_jax.Trainer:
-    upper = controller.config["batch_size_upper_bound"] or controller.batch_size
     optimizer = optax.chain(
       simigrad_jax.transform("batch"),
       optax.sgd(lr, momentum=0.9),
       simigrad_jax.scale_by_lr_factor(),
     )
-    return simigrad_jax.Trainer(
+    return benchmark_trainer(
+      controller,
+      workdir,
+      self.cache_dir,
       loss_fn=self.loss_fn,
       params=self.init_params(seed),
       optimizer=optimizer,
       source=simigrad_jax.ArraySource(self.dataset.train),
-      controller=controller,
-      workdir=workdir,
-      max_micro_batch_size=max(1, -(-upper // jax.device_count())),
       eval_fn=self.eval_fn,
       lr_schedule=lr_schedule or self.lr_schedule,
       lr_rule=lr_rule,
       seed=seed,
-      max_checkpoints=1,
-      compilation_cache_dir=self.cache_dir,
-      progress=False,
-      tensorboard=False,
     )
 
   @property

@@ -25,6 +25,7 @@ import numpy as np
 import simigrad_jax
 from benchmarks import common
 from benchmarks.pareto_protocol import RunSpec
+from benchmarks.pareto_protocol import benchmark_trainer
 from benchmarks.pareto_protocol import lr_schedule_fn
 from benchmarks.pareto_protocol import train_run
 from train import input_pipeline
@@ -197,23 +198,18 @@ class MlmExperiment:
   ) -> simigrad_jax.Trainer:
     config = self.config.copy_and_resolve_references()
     config.learning_rate = lr
-    upper = controller.config["batch_size_upper_bound"] or controller.batch_size
-    return simigrad_jax.Trainer(
+    return benchmark_trainer(
+      controller,
+      workdir,
+      self.cache_dir,
       loss_fn=self.loss_fn,
       params=self.init_params(seed),
       optimizer=optimizers.create_optimizer(config),
       source=self.train,
-      controller=controller,
-      workdir=workdir,
-      max_micro_batch_size=max(1, -(-upper // jax.device_count())),
       eval_fn=self.eval_fn,
       lr_schedule=lr_schedule or self.lr_schedule,
       lr_rule=lr_rule,
       seed=seed,
-      max_checkpoints=1,
-      compilation_cache_dir=self.cache_dir,
-      progress=False,
-      tensorboard=False,
     )
 
   def run(self, spec: RunSpec) -> dict[str, Any]:

@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import jax
 import numpy as np
 
 import simigrad_jax
@@ -92,6 +93,28 @@ class RunSpec:
     if self.controller == "loss_plateau":
       return f"x{o['factor']:g} <= {o['batch_size_upper_bound']}"
     return ",".join(f"{k}={v}" for k, v in self.options)
+
+
+def benchmark_trainer(
+  controller: Any, workdir: pathlib.Path, cache_dir: pathlib.Path, **trainer_args: Any
+) -> simigrad_jax.Trainer:
+  """A Trainer with the comparisons' run settings, the task's own in ``trainer_args``.
+
+  Every task's runs hold a step in one micro-batch up to the controller's upper
+  bound, keep one checkpoint, share the task's compilation cache and show no
+  progress bar or TensorBoard events.
+  """
+  upper = controller.config.get("batch_size_upper_bound") or controller.batch_size
+  return simigrad_jax.Trainer(
+    controller=controller,
+    workdir=workdir,
+    max_micro_batch_size=max(1, -(-upper // jax.device_count())),
+    max_checkpoints=1,
+    compilation_cache_dir=cache_dir,
+    progress=False,
+    tensorboard=False,
+    **trainer_args,
+  )
 
 
 def train_run(exp: Any, spec: RunSpec) -> dict[str, Any]:
