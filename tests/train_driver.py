@@ -19,8 +19,9 @@ Fault injection (the process SIGKILLs itself: no clean-up, no final checkpoint):
 
 * ``--kill-at K``: right after step K's metrics line is written;
 * ``--kill-in-save K``: right after the checkpoint of step K was handed to
-  orbax, while its asynchronous save is still writing (the save of step K is
-  held before orbax renames its temporary folder, so it cannot finish first);
+  orbax and its temporary folder exists, while its asynchronous save is still
+  writing (the save of step K is held before orbax renames that folder, so it
+  cannot finish first);
 * ``--kill-in-compile J``: 20 ms into the J-th micro-step compile of the
   background compile thread (that compile is slowed down so the kill lands
   inside it);
@@ -369,7 +370,14 @@ if args.kill_in_save is not None:
   def save_then_die(step, state, host):
     original_save(step, state, host)
     if step == args.kill_in_save:
-      pending = [n for n in os.listdir(checkpointer.directory) if "tmp" in n]
+      # orbax may create the temporary folder in its background thread: wait for it
+      # (the save cannot finish, its finalize is held), so the kill lands mid-save.
+      deadline = time.monotonic() + 60.0
+      while True:
+        pending = [n for n in os.listdir(checkpointer.directory) if "tmp" in n]
+        if pending or time.monotonic() > deadline:
+          break
+        time.sleep(0.01)
       die(
         "save",
         step=step,
