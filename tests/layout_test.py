@@ -1,5 +1,7 @@
 """StepLayout: the grid of compiled shapes a run's bounds need, and the shapes of accumulation."""
 
+import math
+
 import pytest
 
 from simigrad_jax.engine.layout import StepLayout
@@ -41,14 +43,26 @@ def test_the_finer_grid_pads_less():
   assert padding(8) < 0.05 < 0.15 < padding(1)
 
 
-@pytest.mark.parametrize(
-  "max_micro, lower, upper, per_octave",
-  [(32, 64, 1024, 7), (64, 16, 512, 3), (8, 64, 64, 8), (2, 16, 16, 8)],
-)
-def test_the_default_grid_holds_at_most_16_shapes(max_micro, lower, upper, per_octave):
+def test_the_default_grid_has_8_shapes_per_octave():
   layout = StepLayout.create(
-    "device", 8, mode="recompile", max_micro=max_micro, min_micro=None, lower=lower,
-    upper=upper, shapes_per_octave=None,
+    "device", 8, mode="recompile", max_micro=128, min_micro=None, lower=64, upper=1024,
+    shapes_per_octave=None,
   )  # fmt: skip
-  assert layout.policy.shapes_per_octave == per_octave
-  assert len(layout.grid) <= 16
+  assert layout.policy.shapes_per_octave == 8
+  grid = layout.grid
+  assert grid[0] == 8 and grid[-1] == 128 and len(grid) == 33
+  assert max(b / a for a, b in zip(grid, grid[1:])) <= 1.125  # 2^(1/8) = 1.09, rounded up
+
+
+def test_shapes_near_a_shape_are_those_within_the_window_nearest_first():
+  layout = StepLayout.create(
+    "device", 8, mode="recompile", max_micro=128, min_micro=None, lower=64, upper=1024,
+    shapes_per_octave=None,
+  )  # fmt: skip
+  near = layout.shapes_near(32, 0.5)
+  assert near[0] == 32 and set(near) == {m for m in layout.grid if 32 / 2**0.5 <= m <= 32 * 2**0.5}
+  distances = [abs(math.log2(m / 32)) for m in near]
+  assert distances == sorted(distances) and 23 in near and 46 not in near
+  assert layout.shapes_near(32) == layout.shapes_by_distance(8 * 32)  # no window: the whole grid
+  assert len(layout.shapes_near(32)) == len(layout.grid)
+  assert layout.shapes_by_distance(8 * 32, 0.5) == near

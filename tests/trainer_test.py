@@ -80,8 +80,7 @@ EXACT_CASES = {
   "3-local-one-micro-step": (3, "auto", "recompile", 64, 16, 1),
   "3-local-accumulate-4": (3, "auto", "recompile", 4, 4, 4),
   "3-local-pad-odd-max": (3, "local", "pad", 9, 10, 2),
-  "1-local-one-micro-step": (1, "auto", "recompile", 64, 46, 1, 8),
-  "1-local-one-micro-step-default-grid": (1, "auto", "recompile", 64, 52, 1),
+  "1-local-one-micro-step-default-grid": (1, "auto", "recompile", 64, 46, 1),
   "1-local-accumulate-6": (1, "auto", "recompile", 8, 8, 6),
 }
 
@@ -492,3 +491,33 @@ def test_a_shape_that_fails_to_compile_is_raised_not_replaced(tmp_path):
   ):
     trainer.train(num_steps=3)
   trainer.close()
+
+
+def test_compiles_follow_the_batch_rather_than_the_whole_grid(tmp_path):
+  """With the fallback, the shapes near the batch's compile ahead, further ones as it comes near."""
+  # Bounds 16-512 on 8 devices: rows per device 2 to 64 (8 per octave: 41 shapes); 24 -> 3 rows.
+  controller = simigrad_jax.Controller(
+    24, 0.0, enable_adjust=False, batch_size_lower_bound=16, batch_size_upper_bound=512
+  )
+  trainer = make_trainer(
+    tmp_path, dataset(1200), controller, max_micro_batch_size=64, compile_fallback=True
+  )
+  try:
+    layout, compiler = trainer.layout, trainer._programs.fused_compiler
+    assert len(layout.grid) > 30
+    trainer.train(num_steps=2)
+    window = layout.shapes_near(3, 0.5)
+    for shape in window:
+      compiler.get(shape)  # (waits for the window's compiles)
+    compiled = set(compiler.stats()["compiled_sizes"])
+    assert compiled == set(window)  # and nothing beyond it: 64 rows are 4 octaves away
+    # The batch moves to 96 (12 rows per device): the shapes near it follow.
+    controller.set_batch_size(96)
+    trainer.train(num_steps=4)
+    for shape in layout.shapes_near(12, 0.5):
+      compiler.get(shape)
+    compiled = set(compiler.stats()["compiled_sizes"])
+    assert compiled == set(window) | set(layout.shapes_near(12, 0.5))
+    assert max(layout.grid) not in compiled
+  finally:
+    trainer.close()

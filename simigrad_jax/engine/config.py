@@ -48,11 +48,10 @@ class TrainerConfig:
       (None: 1; only the shapes the batch-size bounds need are compiled).
     shapes_per_octave: the grid's shapes per factor of two in ``recompile``
       mode, 1 to 16 (:class:`simigrad_jax.BucketPolicy`), or None (the
-      default): as many as a grid of at most
-      :data:`~simigrad_jax.engine.layout.AUTO_GRID_SHAPES` (16) shapes over
-      the bounds' range allows, from 1 to 8. A batch that moves pads about
-      ``35% / shapes_per_octave`` of the rows it computes (8: 4%; 1, the
-      halvings: 15-30%); each shape is one more compile.
+      default): 8. A batch that moves pads about ``35% / shapes_per_octave``
+      of the rows it computes (8: 4%; 1, the halvings: 15-30%). With the
+      compile fallback only the shapes near the batch compile, as it comes
+      near them; without it, every shape of the grid is one compile.
     lr_rule: ``"sqrt"``, ``"linear"`` or ``"none"`` (see
       :func:`simigrad_jax.lr_factor`).
     lr_adjust_factor: optional damping of the learning-rate factor (>= 0).

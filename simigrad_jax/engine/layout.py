@@ -39,10 +39,12 @@ import numpy as np
 from simigrad_jax.engine import batch_plan
 
 HALVES: tuple[str, ...] = ("auto", "device", "local")
-# shapes_per_octave=None: the most shapes per octave, up to this, ...
+# shapes_per_octave=None: neighbouring shapes about 9% apart (a batch that moves pads ~4%).
 AUTO_SHAPES_PER_OCTAVE = 8
-# ... that keep the grid a run's bounds need to this many shapes (each one a compile).
-AUTO_GRID_SHAPES = 16
+# With the compile fallback, the shapes within this many octaves of the current batch's compile
+# ahead (the rest as the batch comes near them): SimiGrad moves the batch by about one shape of
+# the default grid per step, so a run compiles the shapes it visits, not the whole grid.
+COMPILE_WINDOW_OCTAVES = 0.5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,8 +93,7 @@ class StepLayout:
       lower: the smallest global batch size of the run.
       upper: the largest.
       shapes_per_octave: the grid's shapes per factor of two (``"recompile"``);
-        None: the most, up to :data:`AUTO_SHAPES_PER_OCTAVE`, that keep the
-        shapes the bounds need to at most :data:`AUTO_GRID_SHAPES`.
+        None: :data:`AUTO_SHAPES_PER_OCTAVE`.
 
     Returns:
       A :class:`StepLayout`.
@@ -101,14 +102,12 @@ class StepLayout:
     top = _ceil_div(max_micro, per)
     if mode == "pad":
       return cls(halves, num_devices, batch_plan.BucketPolicy(top, top, padding=True))
-    grid = batch_plan.BucketPolicy(top, _ceil_div(min_micro or 1, per), padding=True)
-    if shapes_per_octave is None:  # the octaves the halving grid needs, shared out
-      octaves = math.log2(
-        top / min(batch_plan.bucket_shapes(grid, num_devices * per, lower, upper))
-      )
-      shared = int((AUTO_GRID_SHAPES - 1) / octaves) if octaves else AUTO_SHAPES_PER_OCTAVE
-      shapes_per_octave = max(1, min(AUTO_SHAPES_PER_OCTAVE, shared))
-    grid = dataclasses.replace(grid, shapes_per_octave=shapes_per_octave)
+    grid = batch_plan.BucketPolicy(
+      top,
+      _ceil_div(min_micro or 1, per),
+      padding=True,
+      shapes_per_octave=AUTO_SHAPES_PER_OCTAVE if shapes_per_octave is None else shapes_per_octave,
+    )
     needed = batch_plan.bucket_shapes(grid, num_devices * per, lower, upper)
     return cls(halves, num_devices, dataclasses.replace(grid, min_micro_batch_size=min(needed)))
 
@@ -165,10 +164,22 @@ class StepLayout:
     shapes = batch_plan.bucket_shapes(self.policy, self.num_slots, one_micro_batch + 1, upper)
     return sorted(shapes, reverse=True)
 
-  def shapes_by_distance(self, batch_size: int) -> list[int]:
-    """The grid, nearest (in log scale) to ``batch_size``'s shape first: the compile order."""
-    current = self.plan(batch_size).micro_batch_size
-    return sorted(self.grid, key=lambda m: (abs(math.log(m / current)), m))
+  def shapes_by_distance(self, batch_size: int, within_octaves: float | None = None) -> list[int]:
+    """The grid, nearest (in log scale) to ``batch_size``'s shape first: the compile order.
+
+    Args:
+      batch_size: a global batch size.
+      within_octaves: only the shapes at most this many factors of two from
+        ``batch_size``'s shape (None: the whole grid).
+    """
+    return self.shapes_near(self.plan(batch_size).micro_batch_size, within_octaves)
+
+  def shapes_near(self, shape: int, within_octaves: float | None = None) -> list[int]:
+    """The grid, nearest (in log scale) to ``shape`` (rows per slot) first, optionally only
+    those at most ``within_octaves`` factors of two from it."""
+    distance = lambda m: abs(math.log2(m / shape))
+    near = [m for m in self.grid if within_octaves is None or distance(m) <= within_octaves + 1e-9]
+    return sorted(near, key=lambda m: (distance(m), m))
 
 
 def resolve_halves(halves: str, num_devices: int) -> str:

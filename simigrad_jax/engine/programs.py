@@ -38,6 +38,7 @@ from simigrad_jax.engine import batch_plan
 from simigrad_jax.engine import train_step
 from simigrad_jax.engine import trainer_checks
 from simigrad_jax.engine.compiler import StepCompiler
+from simigrad_jax.engine.layout import COMPILE_WINDOW_OCTAVES
 from simigrad_jax.engine.layout import StepLayout
 
 
@@ -244,13 +245,16 @@ class StepPrograms:
   def prefetch_for(self, batch_size: int) -> None:
     """Queues for the background compilers what a run starting at ``batch_size`` needs.
 
-    The one-micro-batch programs of the grid, nearest to ``batch_size``'s
-    shape first; with the fallback, the micro-step of the first shape (the
-    fallback accumulates on it while a larger shape compiles); the
-    micro-steps of the shapes a batch of several micro-batches can plan,
-    largest first; and the update for these.
+    The one-micro-batch programs nearest to ``batch_size``'s shape first:
+    with the fallback, those within :data:`~simigrad_jax.engine.layout.
+    COMPILE_WINDOW_OCTAVES` of it (:meth:`prefetch_near` queues more as the
+    batch moves), else the whole grid; with the fallback, the micro-step of
+    the first shape (the fallback accumulates on it while a larger shape
+    compiles); the micro-steps of the shapes a batch of several
+    micro-batches can plan, largest first; and the update for these.
     """
-    self.fused_compiler.prefetch(self.layout.shapes_by_distance(batch_size))
+    window = COMPILE_WINDOW_OCTAVES if self._compile_fallback else None
+    self.fused_compiler.prefetch(self.layout.shapes_by_distance(batch_size, window))
     accumulating = []
     if self._compile_fallback:
       accumulating.append(self.layout.plan(batch_size).micro_batch_size)
@@ -258,6 +262,13 @@ class StepPrograms:
     if accumulating:
       self._start_apply_compile()
       self.micro_compiler.prefetch(list(dict.fromkeys(accumulating)))
+
+  def prefetch_near(self, micro: int) -> None:
+    """With the fallback, queues the one-micro-batch programs within
+    :data:`~simigrad_jax.engine.layout.COMPILE_WINDOW_OCTAVES` of shape ``micro``
+    not queued yet (called at each step, so the compiles follow the batch)."""
+    if self._compile_fallback:
+      self.fused_compiler.prefetch(self.layout.shapes_near(micro, COMPILE_WINDOW_OCTAVES))
 
   def await_fallback(self, micro: int) -> None:
     """Waits until the compile fallback can hold a batch of any size on shape ``micro``.

@@ -194,6 +194,7 @@ class StepDispatcher:
     remaining = total_examples - self._sampler.examples_seen
     exact = self._layout.plan(int(min(batch_size, remaining)))
     plan = self._programs.ready_plan(exact)
+    self._programs.prefetch_near(exact.micro_batch_size)  # the compiles follow the batch
     data, data_seconds = self._data.take(plan, self._sampler.examples_seen, step)
     epoch = self._sampler.epoch
     self._sampler.take(plan.global_batch_size)
