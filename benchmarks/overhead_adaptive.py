@@ -15,7 +15,15 @@ What adapting the batch costs per example, on all local devices (by default
   (the adaptive run's sizes are the same in every run of its settings);
 * ``adaptive_s<S>`` (``--also-shapes-per-octave S ...``): the adaptive
   Trainer on a grid of ``S`` shapes per octave; 1 is the grid of halvings,
-  the grid before finer ones.
+  the grid before finer ones;
+* ``curve_<B>`` (``--step-curve B ...``): the Trainer fixed at batch ``B``
+  (one shape, no padding). Their median step times, interpolated in the rows
+  a step computes, predict what the adaptive run's steps would take if
+  adapting cost nothing beyond the rows: ``breakdown`` splits the adaptive
+  run's step seconds against the fixed one's into ``padding`` (its padded
+  rows), ``trajectory`` (its batch sizes against their average: a step's
+  time is not proportional to its rows) and ``adapting`` (measured against
+  predicted: what moving the batch costs beyond both).
 
 The adaptive Trainers' memory bound, ``max_micro_batch_size``, is the
 upper bound / devices (``--max-micro-batch-size`` to set it), so a step runs
@@ -68,6 +76,7 @@ from collections.abc import Sequence  # noqa: E402
 from typing import Any  # noqa: E402
 
 import jax  # noqa: E402
+import numpy as np  # noqa: E402
 
 import simigrad_jax  # noqa: E402
 from benchmarks import common  # noqa: E402
@@ -98,6 +107,9 @@ def run(args: argparse.Namespace, root: pathlib.Path, cache: str) -> dict[str, A
   spec = (QUICK_MODELS if args.quick else FULL_MODELS)[args.model]
   n = jax.device_count()
   upper = 4 * args.batch_size
+  for size in args.step_curve:
+    if size < n or size % n:
+      raise ValueError(f"--step-curve sizes must be multiples of the {n} devices, got {size}")
   max_micro = args.max_micro_batch_size or upper // n
   # Enough examples that an epoch holds many steps of the largest batch.
   data = make_data(spec, 50 * upper)
@@ -128,8 +140,12 @@ def run(args: argparse.Namespace, root: pathlib.Path, cache: str) -> dict[str, A
     build("fixed", fixed_batch, False, max_micro_batch_size=fixed_batch // n)
     for per_octave in args.also_shapes_per_octave:
       build(f"adaptive_s{per_octave}", args.batch_size, True, shapes_per_octave=per_octave)
+    for size in args.step_curve:
+      build(f"curve_{size}", size, False, max_micro_batch_size=size // n)
     rates = time_rounds(dict(loops), args.steps, args.rounds)
     reports = {name: _trainer_report(loop) for name, loop in loops.items()}
+    curve = {size: loops[f"curve_{size}"].timed_records() for size in args.step_curve}
+    breakdown = _breakdown(loops["adaptive"].timed_records(), curve) if len(curve) >= 2 else None
   finally:
     for loop in loops.values():
       loop.close()
@@ -155,7 +171,35 @@ def run(args: argparse.Namespace, root: pathlib.Path, cache: str) -> dict[str, A
     "steps": args.steps,
     "rounds": args.rounds,
     "variants": variants,
+    "breakdown": breakdown,
     "goals": _goals(variants["adaptive"]),
+  }
+
+
+def _breakdown(
+  adaptive: list[dict[str, Any]], curve: dict[int, list[dict[str, Any]]]
+) -> dict[str, Any]:
+  """The adaptive steps' seconds against those the fixed runs' step times predict for them."""
+  sizes = sorted(curve)
+  seconds = [statistics.median(r["step_seconds"] for r in curve[size]) for size in sizes]
+  predict = lambda rows: float(np.interp(rows, sizes, seconds))
+  measured = sum(r["step_seconds"] for r in adaptive)
+  computed = sum(predict(r["batch_size"] + r["padded_examples"]) for r in adaptive)
+  unpadded = sum(predict(r["batch_size"]) for r in adaptive)
+  average = sum(r["batch_size"] for r in adaptive) / len(adaptive)
+  held = len(adaptive) * predict(average)
+  return {
+    "curve_step_seconds": dict(zip(map(str, sizes), seconds)),
+    "measured_seconds": measured,
+    "predicted_seconds": computed,
+    "held_at_average_predicted_seconds": held,
+    # Each a factor on the step seconds; their product is measured / held.
+    "padding": computed / unpadded,
+    "trajectory": unpadded / held,
+    "adapting": measured / computed,
+    "outside_curve_steps": sum(
+      not sizes[0] <= r["batch_size"] + r["padded_examples"] <= sizes[-1] for r in adaptive
+    ),
   }
 
 
@@ -186,6 +230,19 @@ def _format_table(results: dict[str, Any]) -> str:
       f"{v['average_batch_size']:9.1f} {v['padding_fraction']:7.1%} {host:>7s} "
       f"{v['average_accumulation_steps']:5.2f} {v['shapes']:6d}"
     )
+  breakdown = results["breakdown"]
+  if breakdown is not None:
+    curve = ", ".join(
+      f"{size}: {seconds * 1e3:.1f} ms" for size, seconds in breakdown["curve_step_seconds"].items()
+    )
+    lines.append(f"  fixed step time by batch: {curve}")
+    lines.append(
+      f"  adaptive step seconds / held at its average: "
+      f"{breakdown['measured_seconds'] / breakdown['held_at_average_predicted_seconds']:.3f}"
+      f" = padding {breakdown['padding']:.3f} x trajectory {breakdown['trajectory']:.3f}"
+      f" x adapting {breakdown['adapting']:.3f} ({breakdown['outside_curve_steps']} steps "
+      "outside the curve's sizes)"
+    )
   for key, goal in results["goals"].items():
     lines.append(
       f"  goal {key} {'>=' if key == 'ratio_to_fixed' else '<='} {goal['bound']}: "
@@ -211,6 +268,14 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     nargs="*",
     default=[],
     help="also time the adaptive Trainer on these grids (1: the halvings)",
+  )
+  parser.add_argument(
+    "--step-curve",
+    type=int,
+    nargs="*",
+    default=[],
+    help="also time the Trainer fixed at these batch sizes (multiples of the devices; two or "
+    "more) and split the adaptive run's cost with their step times",
   )
   parser.add_argument("--compilation-cache", default=None, help="JAX's persistent cache folder")
   parser.add_argument("--out", default=None, help="write the results as JSON to this path")

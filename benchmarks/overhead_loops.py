@@ -374,13 +374,17 @@ class TrainerLoop:
     self.timed_steps.append((first, self.trainer.step))
     return int(summary["run_examples"]), loop_end - start
 
-  def details(self) -> dict[str, Any]:
-    """Numbers from the timed windows' step records and the Trainer's own reports."""
-    records = [
+  def timed_records(self) -> list[dict[str, Any]]:
+    """The step records of the timed windows."""
+    return [
       r
       for r in simigrad_jax.read_metrics(self.workdir / "metrics.jsonl")
       if "batch_size" in r and any(a <= r["step"] <= b for a, b in self.timed_steps)
     ]
+
+  def details(self) -> dict[str, Any]:
+    """Numbers from the timed windows' step records and the Trainer's own reports."""
+    records = self.timed_records()
     critical = [r.get("host_seconds") for r in records]
     critical = [c for c in critical if c is not None]
     step_memory = getattr(self.trainer, "step_memory", None)

@@ -18,13 +18,15 @@ def adaptive_benchmark():
 def quick_run(adaptive_benchmark, tmp_path_factory):
   """One ``--quick`` run, also on the halving grid: the JSON written to --out."""
   out = tmp_path_factory.mktemp("overhead_adaptive") / "adaptive.json"
-  adaptive_benchmark.main(["--quick", "--also-shapes-per-octave", "1", "--out", str(out)])
+  adaptive_benchmark.main(
+    ["--quick", "--also-shapes-per-octave", "1", "--step-curve", "16", "64", "--out", str(out)]
+  )
   return json.loads(out.read_text())
 
 
 def test_fixed_is_held_at_the_adaptive_average_and_ratios_are_to_it(quick_run):
   variants = quick_run["variants"]
-  assert set(variants) == {"adaptive", "fixed", "adaptive_s1"}
+  assert set(variants) == {"adaptive", "fixed", "adaptive_s1", "curve_16", "curve_64"}
   fixed = variants["fixed"]
   assert fixed["average_batch_size"] == quick_run["fixed_batch_size"]
   assert fixed["padding_fraction"] == 0 and quick_run["fixed_batch_size"] % 8 == 0
@@ -48,6 +50,26 @@ def test_fixed_is_held_at_the_adaptive_average_and_ratios_are_to_it(quick_run):
     assert variant["average_accumulation_steps"] == 1.0, name  # the memory bound holds them
   assert variants["adaptive_s1"]["shapes_per_octave"] == 1
   assert variants["adaptive"]["shapes"] > variants["adaptive_s1"]["shapes"]
+  for size in (16, 64):
+    assert variants[f"curve_{size}"]["average_batch_size"] == size
+    assert variants[f"curve_{size}"]["padding_fraction"] == 0
+
+
+def test_the_breakdown_multiplies_to_the_adaptive_steps_against_held(quick_run):
+  breakdown = quick_run["breakdown"]
+  assert set(breakdown["curve_step_seconds"]) == {"16", "64"}
+  ratio = breakdown["measured_seconds"] / breakdown["held_at_average_predicted_seconds"]
+  product = breakdown["padding"] * breakdown["trajectory"] * breakdown["adapting"]
+  assert product == pytest.approx(ratio)
+  assert breakdown["adapting"] == pytest.approx(
+    breakdown["measured_seconds"] / breakdown["predicted_seconds"]
+  )
+  assert 0 <= breakdown["outside_curve_steps"] <= quick_run["variants"]["adaptive"]["timed_steps"]
+
+
+def test_step_curve_sizes_must_divide_over_the_devices(adaptive_benchmark):
+  with pytest.raises(ValueError, match="multiples of the 8 devices, got 12"):
+    adaptive_benchmark.main(["--quick", "--step-curve", "12", "16"])
 
 
 def test_goals_follow_the_adaptive_numbers(quick_run, adaptive_benchmark):
