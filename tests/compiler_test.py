@@ -128,6 +128,20 @@ def test_prefetch_compiles_in_one_background_thread_in_order(mesh):
   assert stats["compiles"] == 3
 
 
+def test_prefetch_first_moves_queued_sizes_ahead_in_the_order_given(mesh):
+  lower = Lowerer(mesh)
+  gate = threading.Event()
+  gated = lambda size: (gate.wait(timeout=30), lower(size))[1]
+  with StepCompiler(gated, name="toy") as compiler:
+    compiler.prefetch([1, 2, 3])  # 1 starts (and waits at the gate); 2 and 3 queued
+    wait_until(lambda: list(compiler._queue) == [2, 3])
+    compiler.prefetch([4, 3], first=True)  # 4 new, 3 moved ahead of 2
+    compiler.prefetch([2, 5])  # 2 stays where it is; 5 last
+    gate.set()
+    wait_until(lambda: compiler.stats()["compiled_sizes"] == [1, 2, 3, 4, 5])
+  assert lower.calls == [1, 4, 3, 2, 5]
+
+
 def test_get_of_unknown_size_compiles_synchronously_and_counts_wait(mesh):
   lower = Lowerer(mesh)
   with StepCompiler(lower) as compiler:

@@ -159,17 +159,20 @@ class StepCompiler:
       f" compiled_sizes={stats['compiled_sizes']}, closed={self._closed})"
     )
 
-  def prefetch(self, micro_batch_sizes: Iterable[int]) -> None:
+  def prefetch(self, micro_batch_sizes: Iterable[int], *, first: bool = False) -> None:
     """Schedules background compiles of the sizes not compiled or in flight.
 
     Returns at once. Sizes are compiled one at a time in the order given,
-    after any already queued; sizes compiled, compiling, queued or failed
-    before are skipped. With ``background=False`` nothing is scheduled (the
-    sizes are still validated).
+    after any already queued (``first``: before them); sizes compiled,
+    compiling or failed before are skipped, and so are those queued unless
+    ``first`` moves them ahead. With ``background=False`` nothing is
+    scheduled (the sizes are still validated).
 
     Args:
       micro_batch_sizes: an iterable of ints ``>= 1``, e.g. the result of
         :func:`simigrad_jax.bucket_shapes`.
+      first: queue these sizes, in the order given, ahead of those queued
+        before (for the shapes a run needs soonest).
 
     Raises:
       ValueError: if ``micro_batch_sizes`` is not an iterable of ints
@@ -182,10 +185,15 @@ class StepCompiler:
         raise RuntimeError(f"StepCompiler {self._name!r} is closed: prefetch is not allowed")
       if not self._background:
         return
-      for size in sizes:
+      waiting = [s for s in dict.fromkeys(sizes) if s not in self._jobs or s in self._queue]
+      for size in waiting:
         if size not in self._jobs:
           self._jobs[size] = _Job(size)
-          self._queue.append(size)
+          if not first:
+            self._queue.append(size)
+      if first:
+        ahead = set(waiting)
+        self._queue = collections.deque(waiting + [s for s in self._queue if s not in ahead])
       if self._queue and self._worker is None:
         self._worker = threading.Thread(
           target=self._work, name=f"{self._name}-compiler", daemon=False

@@ -265,10 +265,13 @@ class StepPrograms:
 
   def prefetch_near(self, micro: int) -> None:
     """With the fallback, queues the one-micro-batch programs within
-    :data:`~simigrad_jax.engine.layout.COMPILE_WINDOW_OCTAVES` of shape ``micro``
-    not queued yet (called at each step, so the compiles follow the batch)."""
+    :data:`~simigrad_jax.engine.layout.COMPILE_WINDOW_OCTAVES` of shape ``micro``,
+    nearest first, ahead of those queued before (called at each step, so the
+    compiles follow the batch)."""
     if self._compile_fallback:
-      self.fused_compiler.prefetch(self.layout.shapes_near(micro, COMPILE_WINDOW_OCTAVES))
+      self.fused_compiler.prefetch(
+        self.layout.shapes_near(micro, COMPILE_WINDOW_OCTAVES), first=True
+      )
 
   def await_fallback(self, micro: int) -> None:
     """Waits until the compile fallback can hold a batch of any size on shape ``micro``.
