@@ -521,3 +521,32 @@ def test_compiles_follow_the_batch_rather_than_the_whole_grid(tmp_path):
     assert max(layout.grid) not in compiled
   finally:
     trainer.close()
+
+
+def test_the_grid_changes_the_shapes_not_the_run(tmp_path):
+  """The halving grid and the default one: the same batch sizes, losses and parameters."""
+
+  def run(workdir, **grid):
+    controller = simigrad_jax.Controller(
+      20, 0.5, batch_size_lower_bound=8, batch_size_upper_bound=64
+    )
+    trainer = make_trainer(
+      workdir, dataset(120), controller, max_micro_batch_size=8, background_compile=False, **grid
+    )
+    trainer.train(num_steps=12)
+    trainer.close()
+    records = [r for r in simigrad_jax.read_metrics(workdir / "metrics.jsonl") if "loss" in r]
+    params = jax.tree.map(lambda a: np.asarray(a.addressable_data(0)), trainer.state["params"])
+    return records, params, trainer.layout.grid
+
+  halving, halving_params, halving_grid = run(tmp_path / "halving", shapes_per_octave=1)
+  finer, finer_params, finer_grid = run(tmp_path / "default")
+  assert len(finer_grid) > len(halving_grid)
+  assert [r["batch_size"] for r in finer] == [r["batch_size"] for r in halving]
+  assert len({r["batch_size"] for r in finer}) >= 4  # the batch size really moved
+  assert sum(r["padded_examples"] for r in finer) < sum(r["padded_examples"] for r in halving)
+  for a, b in zip(finer, halving, strict=True):
+    np.testing.assert_allclose(a["loss"], b["loss"], rtol=1e-5)
+    np.testing.assert_allclose(a["similarity"], b["similarity"], rtol=1e-4, atol=1e-5)
+  for a, b in zip(jax.tree.leaves(finer_params), jax.tree.leaves(halving_params)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
