@@ -34,6 +34,7 @@ from simigrad_jax.runtime.workdir import WorkdirLock
 from simigrad_jax.runtime.workdir import open_workdir
 from train import config_history
 from train import input_pipeline
+from train import mesh as mesh_setup
 from train import models
 from train import optimizers
 from train import report
@@ -71,6 +72,9 @@ class Experiment:
     trainer_config: the Trainer's settings from the config, checked
       (:func:`create_trainer` fits ``max_micro_batch_size`` to the bounds and
       sets the compilation cache of the workdir).
+    mesh: the ``(batch, model)`` mesh of ``config.mesh_shape``, or None
+      (data-parallel over ``devices``).
+    param_sharding: the parameters' specs over the mesh, or None (replicated).
   """
 
   config: ml_collections.ConfigDict
@@ -87,6 +91,13 @@ class Experiment:
   devices: list[jax.Device]
   halves: str
   trainer_config: TrainerConfig
+  mesh: Any = None
+  param_sharding: Any = None
+
+  @property
+  def num_data_devices(self) -> int:
+    """The positions on the data axis: the devices, or the mesh's data axis."""
+    return mesh_setup.num_data_devices(self.mesh, self.devices)
 
 
 # ------------------------------------------------------------------ devices
@@ -255,10 +266,12 @@ def create_experiment(
     raise ValueError(f"config.dtype={config.dtype!r} is not valid; choose one of {tuple(DTYPES)}")
   trainer_config = create_trainer_config(config)  # cheap checks first
   devices = training_devices(config) if devices is None else check_device_count(devices)
+  mesh = mesh_setup.training_mesh(config, devices)
+  num_data = mesh_setup.num_data_devices(mesh, devices)
   with _named_as_config_options():
-    halves = trainer_config.halves_for(len(devices))
+    halves = trainer_config.halves_for(num_data)
   datasets = input_pipeline.create_datasets(config)
-  controller = create_controller(config, len(devices), halves, datasets.tokens_per_example)
+  controller = create_controller(config, num_data, halves, datasets.tokens_per_example)
   optimizer = optimizers.create_optimizer(config)
   lr_schedule = optimizers.create_lr_schedule(config, controller, len(datasets.train))
   model = models.create_model(
@@ -313,6 +326,8 @@ def create_experiment(
     list(devices),
     halves,
     trainer_config,
+    mesh,
+    mesh_setup.param_sharding(config, params),
   )
 
 
@@ -385,11 +400,13 @@ def create_trainer(
     model_state=experiment.model_state,
     eval_fn=eval_fn if eval_fn is not None else experiment.evaluate,
     lr_schedule=experiment.lr_schedule,
-    devices=experiment.devices,
+    devices=experiment.devices if experiment.mesh is None else None,
+    mesh=experiment.mesh,
+    param_sharding=experiment.param_sharding,
     run_settings=run_settings.run_settings(experiment.config),
     config=settings.replace(
       max_micro_batch_size=max_micro_batch_size(
-        settings.max_micro_batch_size, upper, len(experiment.devices)
+        settings.max_micro_batch_size, upper, experiment.num_data_devices
       ),
       compilation_cache_dir=compilation_cache_dir(experiment.config, workdir),
     ),
