@@ -4,7 +4,8 @@ A tensor-parallel MLP (column- then row-parallel kernels over ``model``) on
 a 4 x 2 mesh must train exactly as the same run data-parallel on 4 devices
 with replicated parameters: same batch sizes, similarities and parameters;
 so must a kernel stored sharded over the data axis too (FSDP) with
-micro-batches, and a 3 x 2 mesh (local halves) against 3 devices.
+micro-batches, a 3 x 2 mesh (local halves) against 3 devices, and two
+processes on a 4 x 2 mesh against one on 4 devices.
 """
 
 import flax.linen as nn
@@ -17,6 +18,9 @@ from jax.sharding import PartitionSpec as P
 
 import simigrad_jax
 from simigrad_jax.engine import mesh_sharding
+from trainer_processes_test import run_driver
+from trainer_processes_test import run_two_processes
+from trainer_processes_test import step_records
 
 NUM_STEPS = 6
 RESUME_AT = 3
@@ -89,20 +93,18 @@ def trajectory(records):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
   root = tmp_path_factory.mktemp("mesh")
-  data_parallel = train(root / "dp", NUM_STEPS, devices=jax.devices()[:4])
-  tensor_parallel = train(root / "tp", NUM_STEPS, mesh=mesh_of(4), param_sharding=TP_SPECS)
-  stopped = train(root / "resumed", RESUME_AT, mesh=mesh_of(4), param_sharding=TP_SPECS)
-  resumed = train(root / "resumed", NUM_STEPS, mesh=mesh_of(4), param_sharding=TP_SPECS)
-  fsdp = train(
-    root / "fsdp", NUM_STEPS, mesh=mesh_of(4), param_sharding=FSDP_SPECS, max_micro_batch_size=2
-  )
-  return {
-    "dp": data_parallel,
-    "tp": tensor_parallel,
-    "stopped": stopped,
-    "resumed": resumed,
-    "fsdp": fsdp,
-  }
+  # The mesh runs share their compiled programs through the persistent cache.
+  on_mesh = dict(mesh=mesh_of(4), compilation_cache_dir=root / "cache")
+  with simigrad_jax.persistent_cache_settings():
+    return {
+      "dp": train(root / "dp", NUM_STEPS, devices=jax.devices()[:4]),
+      "tp": train(root / "tp", NUM_STEPS, param_sharding=TP_SPECS, **on_mesh),
+      "stopped": train(root / "resumed", RESUME_AT, param_sharding=TP_SPECS, **on_mesh),
+      "resumed": train(root / "resumed", NUM_STEPS, param_sharding=TP_SPECS, **on_mesh),
+      "fsdp": train(
+        root / "fsdp", NUM_STEPS, param_sharding=FSDP_SPECS, max_micro_batch_size=2, **on_mesh
+      ),
+    }
 
 
 def assert_same_run(a, b, atol=1e-5):
@@ -206,3 +208,14 @@ def test_param_sharding_as_a_rule_of_the_path():
     "Dense_0": {"bias": P(), "kernel": P(None, "model")},
     "Dense_1": {"bias": P(), "kernel": P()},
   }
+
+
+def test_two_processes_on_a_4x2_mesh_train_as_one_on_4_devices(tmp_path):
+  """Two processes of 4 devices, each holding 2 positions of the data axis, tensor-parallel."""
+  single = run_driver(tmp_path / "single", "--steps", "6", "--devices", "4")
+  assert single.returncode == 0, single.stderr[-3000:]
+  run_two_processes(tmp_path / "mesh", "--steps", "6", "--mesh-model", "2")
+  expected, records = step_records(tmp_path / "single"), step_records(tmp_path / "mesh")
+  assert [r["batch_size"] for r in records] == [r["batch_size"] for r in expected]
+  for key in ("loss", "similarity"):
+    np.testing.assert_allclose([r[key] for r in records], [r[key] for r in expected], atol=1e-5)

@@ -126,7 +126,7 @@ def param_specs(param_sharding: ParamSharding, params: Any, mesh: Mesh) -> Any:
         f"(path, leaf) -> PartitionSpec: {error}"
       ) from error
   leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
-  spec_leaves = treedef.flatten_up_to(specs)
+  spec_leaves = jax.tree.leaves(specs, is_leaf=is_spec)
   checked = [
     _check_spec(jax.tree_util.keystr(path), spec, np.shape(leaf), mesh)
     for (path, leaf), spec in zip(leaves, spec_leaves, strict=True)
