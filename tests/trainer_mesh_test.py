@@ -14,9 +14,11 @@ import numpy as np
 import optax
 import pytest
 from jax.sharding import Mesh
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import simigrad_jax
+from simigrad_jax.engine import hooks
 from simigrad_jax.engine import mesh_sharding
 from trainer_processes_test import run_driver
 from trainer_processes_test import run_two_processes
@@ -219,3 +221,11 @@ def test_two_processes_on_a_4x2_mesh_train_as_one_on_4_devices(tmp_path):
   assert [r["batch_size"] for r in records] == [r["batch_size"] for r in expected]
   for key in ("loss", "similarity"):
     np.testing.assert_allclose([r[key] for r in records], [r[key] for r in expected], atol=1e-5)
+
+
+def test_evaluation_gets_sharded_parameters_whole():
+  whole = np.arange(16.0).reshape(2, 8)
+  sharded = jax.device_put(whole, NamedSharding(mesh_of(4), P(None, "model")))
+  copy = hooks.host_copy({"kernel": sharded, "scale": jax.device_put(np.float32(2.0))})
+  np.testing.assert_array_equal(copy["kernel"], whole)
+  assert copy["scale"] == 2.0

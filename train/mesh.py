@@ -32,15 +32,16 @@ DATA_AXIS = "batch"  # the Trainer's axis_name, which the optimizer's transform 
 MODEL_AXIS = "model"
 
 
-def training_mesh(config: ml_collections.ConfigDict, devices: list[jax.Device]) -> Mesh | None:
-  """The mesh ``config.mesh_shape`` lays ``devices`` out on, or None for data parallelism.
+def training_mesh(config: ml_collections.ConfigDict, devices: list[jax.Device]) -> Mesh:
+  """The mesh ``config.mesh_shape`` lays ``devices`` out on (``""``: a data axis over all of them).
 
   Args:
     config: the experiment config.
     devices: the training devices, in process order.
 
   Returns:
-    A ``Mesh`` of axes ``("batch", "model")``, or None when ``mesh_shape`` is ``""``.
+    A ``Mesh`` of axes ``("batch", "model")``, or of ``("batch",)`` alone
+    when ``mesh_shape`` is ``""``.
 
   Raises:
     ValueError: a shape that is not ``DATAxMODEL`` or does not hold exactly
@@ -53,7 +54,7 @@ def training_mesh(config: ml_collections.ConfigDict, devices: list[jax.Device]) 
   """
   shape = config.mesh_shape
   if not shape:
-    return None
+    return Mesh(np.array(devices), (DATA_AXIS,))
   match = re.fullmatch(r"\s*(\d+)\s*x\s*(\d+)\s*", shape)
   if match is None or min(int(match[1]), int(match[2])) < 1:
     raise ValueError(
@@ -67,11 +68,6 @@ def training_mesh(config: ml_collections.ConfigDict, devices: list[jax.Device]) 
       f"{len(devices)}; give two numbers whose product is {len(devices)}"
     )
   return Mesh(np.array(devices).reshape(data, model), (DATA_AXIS, MODEL_AXIS))
-
-
-def num_data_devices(mesh: Mesh | None, devices: list[jax.Device]) -> int:
-  """The positions on the data axis: the mesh's, or every device without a mesh."""
-  return len(devices) if mesh is None else mesh.shape[DATA_AXIS]
 
 
 def param_sharding(config: ml_collections.ConfigDict, params: Any) -> Any:

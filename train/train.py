@@ -72,9 +72,8 @@ class Experiment:
     trainer_config: the Trainer's settings from the config, checked
       (:func:`create_trainer` fits ``max_micro_batch_size`` to the bounds and
       sets the compilation cache of the workdir).
-    mesh: the ``(batch, model)`` mesh of ``config.mesh_shape``, or None
-      (data-parallel over ``devices``).
-    param_sharding: the parameters' specs over the mesh, or None (replicated).
+    mesh, param_sharding: the mesh of ``config.mesh_shape`` (its data axis
+      alone by default) and the parameters' specs (None: replicated).
   """
 
   config: ml_collections.ConfigDict
@@ -91,13 +90,8 @@ class Experiment:
   devices: list[jax.Device]
   halves: str
   trainer_config: TrainerConfig
-  mesh: Any = None
-  param_sharding: Any = None
-
-  @property
-  def num_data_devices(self) -> int:
-    """The positions on the data axis: the devices, or the mesh's data axis."""
-    return mesh_setup.num_data_devices(self.mesh, self.devices)
+  mesh: Any
+  param_sharding: Any
 
 
 # ------------------------------------------------------------------ devices
@@ -267,7 +261,7 @@ def create_experiment(
   trainer_config = create_trainer_config(config)  # cheap checks first
   devices = training_devices(config) if devices is None else check_device_count(devices)
   mesh = mesh_setup.training_mesh(config, devices)
-  num_data = mesh_setup.num_data_devices(mesh, devices)
+  num_data = mesh.shape[mesh_setup.DATA_AXIS]
   with _named_as_config_options():
     halves = trainer_config.halves_for(num_data)
   datasets = input_pipeline.create_datasets(config)
@@ -400,13 +394,12 @@ def create_trainer(
     model_state=experiment.model_state,
     eval_fn=eval_fn if eval_fn is not None else experiment.evaluate,
     lr_schedule=experiment.lr_schedule,
-    devices=experiment.devices if experiment.mesh is None else None,
     mesh=experiment.mesh,
     param_sharding=experiment.param_sharding,
     run_settings=run_settings.run_settings(experiment.config),
     config=settings.replace(
       max_micro_batch_size=max_micro_batch_size(
-        settings.max_micro_batch_size, upper, experiment.num_data_devices
+        settings.max_micro_batch_size, upper, experiment.mesh.shape[mesh_setup.DATA_AXIS]
       ),
       compilation_cache_dir=compilation_cache_dir(experiment.config, workdir),
     ),
@@ -485,7 +478,7 @@ def _train_and_evaluate_in(
       workdir,
       json.loads(config.to_json()),
       resumed_at_step=trainer.step,
-      devices=report.describe_devices(experiment.devices, experiment.halves),
+      devices=report.describe_devices(experiment.devices, experiment.halves, config.mesh_shape),
       processes=jax.process_count(),
     )
     report.print_start(experiment, trainer)
