@@ -63,7 +63,9 @@ def make_trainer(workdir, *, optimizer=None, **kwargs):
       optax.sgd(0.1, momentum=0.9),
       simigrad_jax.scale_by_lr_factor(),
     )
-  settings = dict(max_micro_batch_size=8, seed=3, progress=False, tensorboard=False) | kwargs
+  # The halving grid: few shapes to compile.
+  settings = dict(max_micro_batch_size=8, shapes_per_octave=1, seed=3, progress=False)
+  settings = settings | dict(tensorboard=False) | kwargs
   return simigrad_jax.Trainer(
     loss_fn=mlp_loss,
     params=WideMLP().init(jax.random.key(0), data["x"][:1])["params"],
@@ -106,6 +108,9 @@ def runs(tmp_path_factory):
       "fsdp": train(
         root / "fsdp", NUM_STEPS, param_sharding=FSDP_SPECS, max_micro_batch_size=2, **on_mesh
       ),
+      # Stopped data-parallel, resumed on the mesh.
+      "moved_stopped": train(root / "moved", RESUME_AT, devices=jax.devices()[:4]),
+      "moved": train(root / "moved", NUM_STEPS, param_sharding=TP_SPECS, **on_mesh),
     }
 
 
@@ -136,6 +141,12 @@ def test_parameters_keep_their_shardings(runs):
 def test_stop_and_resume_on_the_mesh_gives_the_same_run(runs):
   assert len(runs["stopped"][2]) == RESUME_AT
   assert_same_run(runs["tp"], runs["resumed"], atol=0)
+
+
+def test_a_data_parallel_run_resumes_on_the_mesh(runs):
+  assert len(runs["moved_stopped"][2]) == RESUME_AT
+  assert runs["moved"][1]["Dense_0"]["kernel"] == P(None, "model")
+  assert_same_run(runs["dp"], runs["moved"])
 
 
 def test_fsdp_with_micro_batches_trains_as_data_parallel(runs):
