@@ -4,8 +4,9 @@ A tensor-parallel MLP (column- then row-parallel kernels over ``model``) on
 a 4 x 2 mesh must train exactly as the same run data-parallel on 4 devices
 with replicated parameters: same batch sizes, similarities and parameters;
 so must a kernel stored sharded over the data axis too (FSDP) with
-micro-batches, a 3 x 2 mesh (local halves) against 3 devices, and two
-processes on a 4 x 2 mesh against one on 4 devices.
+micro-batches, a 3 x 2 mesh (local halves) against 3 devices, a run
+stopped data-parallel and resumed on the mesh, a run SIGKILLed and resumed
+on the mesh, and two processes on a 4 x 2 mesh against one on 4 devices.
 """
 
 import flax.linen as nn
@@ -103,8 +104,6 @@ def runs(tmp_path_factory):
     return {
       "dp": train(root / "dp", NUM_STEPS, devices=jax.devices()[:4]),
       "tp": train(root / "tp", NUM_STEPS, param_sharding=TP_SPECS, **on_mesh),
-      "stopped": train(root / "resumed", RESUME_AT, param_sharding=TP_SPECS, **on_mesh),
-      "resumed": train(root / "resumed", NUM_STEPS, param_sharding=TP_SPECS, **on_mesh),
       "fsdp": train(
         root / "fsdp", NUM_STEPS, param_sharding=FSDP_SPECS, max_micro_batch_size=2, **on_mesh
       ),
@@ -130,17 +129,12 @@ def test_tensor_parallel_trains_as_data_parallel(runs):
 
 
 def test_parameters_keep_their_shardings(runs):
-  for name in ("tp", "resumed"):
+  for name in ("tp", "moved"):
     specs = runs[name][1]
     assert specs["Dense_0"]["kernel"] == P(None, "model")
     assert specs["Dense_0"]["bias"] == P("model")
     assert specs["Dense_1"]["kernel"] == P("model", None)
     assert specs["Dense_1"]["bias"] == P()
-
-
-def test_stop_and_resume_on_the_mesh_gives_the_same_run(runs):
-  assert len(runs["stopped"][2]) == RESUME_AT
-  assert_same_run(runs["tp"], runs["resumed"], atol=0)
 
 
 def test_a_data_parallel_run_resumes_on_the_mesh(runs):
@@ -223,15 +217,35 @@ def test_param_sharding_as_a_rule_of_the_path():
   }
 
 
-def test_two_processes_on_a_4x2_mesh_train_as_one_on_4_devices(tmp_path):
-  """Two processes of 4 devices, each holding 2 positions of the data axis, tensor-parallel."""
-  single = run_driver(tmp_path / "single", "--steps", "6", "--devices", "4")
-  assert single.returncode == 0, single.stderr[-3000:]
-  run_two_processes(tmp_path / "mesh", "--steps", "6", "--mesh-model", "2")
-  expected, records = step_records(tmp_path / "single"), step_records(tmp_path / "mesh")
+@pytest.fixture(scope="module")
+def single_process_run(tmp_path_factory):
+  """The driver's run data-parallel on 4 devices, one process."""
+  workdir = tmp_path_factory.mktemp("single")
+  result = run_driver(workdir, "--steps", "6", "--devices", "4")
+  assert result.returncode == 0, result.stderr[-3000:]
+  return step_records(workdir)
+
+
+def assert_same_records(records, expected):
+  assert [r["step"] for r in records] == list(range(1, 7))
   assert [r["batch_size"] for r in records] == [r["batch_size"] for r in expected]
   for key in ("loss", "similarity"):
     np.testing.assert_allclose([r[key] for r in records], [r[key] for r in expected], atol=1e-5)
+
+
+def test_two_processes_on_a_4x2_mesh_train_as_one_on_4_devices(single_process_run, tmp_path):
+  """Two processes of 4 devices, each holding 2 positions of the data axis, tensor-parallel."""
+  run_two_processes(tmp_path, "--steps", "6", "--mesh-model", "2")
+  assert_same_records(step_records(tmp_path), single_process_run)
+
+
+def test_sigkill_and_resume_on_a_4x2_mesh(single_process_run, tmp_path):
+  """Killed after step 4 (its checkpoint is step 3's), resumed: no step lost or repeated."""
+  killed = run_driver(tmp_path, "--steps", "6", "--mesh-model", "2", "--kill-at", "4")
+  assert killed.returncode == -9
+  resumed = run_driver(tmp_path, "--steps", "6", "--mesh-model", "2")
+  assert resumed.returncode == 0, resumed.stderr[-3000:]
+  assert_same_records(step_records(tmp_path), single_process_run)
 
 
 def test_evaluation_gets_sharded_parameters_whole():
