@@ -254,3 +254,25 @@ def test_evaluation_gets_sharded_parameters_whole():
   copy = hooks.host_copy({"kernel": sharded, "scale": jax.device_put(np.float32(2.0))})
   np.testing.assert_array_equal(copy["kernel"], whole)
   assert copy["scale"] == 2.0
+
+
+@pytest.mark.parametrize(
+  "optimizer",
+  [
+    optax.chain(
+      simigrad_jax.transform("batch"), optax.adam(1e-3), simigrad_jax.scale_by_lr_factor()
+    ),
+    # optax.tree_map_params cannot map a masked state: the leaves shaped like one parameter.
+    optax.masked(optax.adam(1e-3), {"kernel": True, "bias": False}),
+  ],
+  ids=["chain", "masked"],
+)
+def test_the_optimizer_state_follows_the_parameters_specs(optimizer):
+  mesh = mesh_of(4)
+  params = {"kernel": np.zeros((4, 8), np.float32), "bias": np.zeros(8, np.float32)}
+  specs = mesh_sharding.param_specs({"kernel": P(None, "model"), "bias": None}, params, mesh)
+  state = {"params": params, "opt_state": optimizer.init(params), "model_state": None}
+  shardings = mesh_sharding.state_shardings(optimizer, state, specs, mesh)
+  mu = optax.tree_utils.tree_get(shardings["opt_state"], "mu")
+  assert mu["kernel"].spec == P(None, "model")
+  assert {s.spec for s in jax.tree.leaves(shardings["opt_state"])} == {P(), P(None, "model")}
