@@ -9,6 +9,8 @@ stopped data-parallel and resumed on the mesh, a run SIGKILLed and resumed
 on the mesh, and two processes on a 4 x 2 mesh against one on 4 devices.
 """
 
+import doctest
+
 import flax.linen as nn
 import jax
 import numpy as np
@@ -21,6 +23,7 @@ from jax.sharding import PartitionSpec as P
 import simigrad_jax
 from simigrad_jax.engine import hooks
 from simigrad_jax.engine import mesh_sharding
+from train import mesh as train_mesh
 from trainer_processes_test import run_driver
 from trainer_processes_test import run_two_processes
 from trainer_processes_test import step_records
@@ -276,3 +279,8 @@ def test_the_optimizer_state_follows_the_parameters_specs(optimizer):
   mu = optax.tree_utils.tree_get(shardings["opt_state"], "mu")
   assert mu["kernel"].spec == P(None, "model")
   assert {s.spec for s in jax.tree.leaves(shardings["opt_state"])} == {P(), P(None, "model")}
+
+
+def test_the_examples_in_the_docstrings_run():
+  assert doctest.testmod(mesh_sharding).failed == 0
+  assert doctest.testmod(train_mesh).failed == 0

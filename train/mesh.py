@@ -88,7 +88,7 @@ def param_sharding(config: ml_collections.ConfigDict, params: Any) -> Any:
     >>> params = {"Dense_0": {"kernel": np.zeros((4, 8)), "bias": np.zeros(8)},
     ...           "Dense_1": {"kernel": np.zeros((8, 3)), "bias": np.zeros(3)}}
     >>> param_sharding(config, params)["Dense_1"]
-    {'bias': PartitionSpec(), 'kernel': PartitionSpec('model', None)}
+    {'bias': P(), 'kernel': P('model', None)}
   """
   rule = config.param_sharding
   if not rule:

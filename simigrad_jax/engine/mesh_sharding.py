@@ -109,7 +109,7 @@ def param_specs(param_sharding: ParamSharding, params: Any, mesh: Mesh) -> Any:
     >>> mesh = Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("batch", "model"))
     >>> params = {"kernel": np.zeros((3, 4)), "bias": np.zeros(4)}
     >>> param_specs({"kernel": P(None, "model"), "bias": None}, params, mesh)
-    {'bias': PartitionSpec(), 'kernel': PartitionSpec(None, 'model')}
+    {'bias': P(), 'kernel': P(None, 'model')}
   """
   is_spec = lambda x: x is None or isinstance(x, P)
   if param_sharding is None or isinstance(param_sharding, P):
