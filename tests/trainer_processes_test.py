@@ -56,26 +56,16 @@ def free_port():
     return s.getsockname()[1]
 
 
-def test_two_processes_take_the_same_decisions_as_one(straight_run, tmp_path):
+def run_two_processes(workdir, *extra):
+  """Runs the driver as two processes of one multi-host run; asserts that both succeed."""
   coordinator = f"127.0.0.1:{free_port()}"
   env = dict(os.environ, PYTHONPATH=str(ROOT))
   env.pop("XLA_FLAGS", None)
+  common = [sys.executable, str(DRIVER), "--workdir", str(workdir), *extra]
+  common += ["--num-processes", "2", "--coordinator", coordinator]
   procs = [
     subprocess.Popen(
-      [
-        sys.executable,
-        str(DRIVER),
-        "--workdir",
-        str(tmp_path),
-        "--steps",
-        "12",
-        "--num-processes",
-        "2",
-        "--process-id",
-        str(i),
-        "--coordinator",
-        coordinator,
-      ],
+      [*common, "--process-id", str(i)],
       env=env,
       stdout=subprocess.PIPE,
       stderr=subprocess.PIPE,
@@ -84,8 +74,12 @@ def test_two_processes_take_the_same_decisions_as_one(straight_run, tmp_path):
     for i in range(2)
   ]
   outputs = [p.communicate(timeout=300) for p in procs]
-  for p, (_, err) in zip(procs, outputs):
+  for p, (_, err) in zip(procs, outputs, strict=True):
     assert p.returncode == 0, err[-3000:]
+
+
+def test_two_processes_take_the_same_decisions_as_one(straight_run, tmp_path):
+  run_two_processes(tmp_path, "--steps", "12")
   records = step_records(tmp_path)
   assert [r["batch_size"] for r in records] == [r["batch_size"] for r in straight_run]
   np.testing.assert_allclose(

@@ -108,7 +108,7 @@ def print_start(experiment: Any, trainer: Any) -> None:
   lines = [
     f"simigrad-jax: {config.model} on {data.description}: {len(data.train):,} training "
     f"examples" + (f", {len(data.eval):,} for evaluation" if data.eval is not None else ""),
-    f"  devices: {describe_devices(devices, experiment.halves)} "
+    f"  devices: {describe_devices(devices, experiment.halves, config.mesh_shape)} "
     f"({jax.process_count()} process(es))",
     f"  controller: {config.controller}, initial batch {config.initial_batch_size}, "
     f"bounds {bounds}"
@@ -132,9 +132,10 @@ def compilation_cache_dir() -> str | None:
   return jax.config.jax_compilation_cache_dir
 
 
-def describe_devices(devices: list[Any], halves: str) -> str:
-  """E.g. ``8 x cpu, device halves`` or ``3 x cpu, local halves``: the devices and the split."""
-  return f"{len(devices)} x {devices[0].platform}, {halves} halves"
+def describe_devices(devices: list[Any], halves: str, mesh_shape: str = "") -> str:
+  """E.g. ``8 x cpu, device halves``, or ``8 x cpu, mesh 4x2 (batch x model), device halves``."""
+  mesh = f", mesh {mesh_shape} (batch x model)" if mesh_shape else ""
+  return f"{len(devices)} x {devices[0].platform}{mesh}, {halves} halves"
 
 
 def summarize(

@@ -29,6 +29,8 @@ NOT_DECIDING: frozenset[str] = frozenset(
     "platform",
     "num_cpu_devices",
     "halves",
+    "mesh_shape",
+    "param_sharding",
     "max_micro_batch_size",
     "min_micro_batch_size",
     "mode",

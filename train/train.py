@@ -34,6 +34,7 @@ from simigrad_jax.runtime.workdir import WorkdirLock
 from simigrad_jax.runtime.workdir import open_workdir
 from train import config_history
 from train import input_pipeline
+from train import mesh as mesh_setup
 from train import models
 from train import optimizers
 from train import report
@@ -71,6 +72,8 @@ class Experiment:
     trainer_config: the Trainer's settings from the config, checked
       (:func:`create_trainer` fits ``max_micro_batch_size`` to the bounds and
       sets the compilation cache of the workdir).
+    mesh, param_sharding: the mesh of ``config.mesh_shape`` (its data axis
+      alone by default) and the parameters' specs (None: replicated).
   """
 
   config: ml_collections.ConfigDict
@@ -87,6 +90,8 @@ class Experiment:
   devices: list[jax.Device]
   halves: str
   trainer_config: TrainerConfig
+  mesh: Any
+  param_sharding: Any
 
 
 # ------------------------------------------------------------------ devices
@@ -255,10 +260,12 @@ def create_experiment(
     raise ValueError(f"config.dtype={config.dtype!r} is not valid; choose one of {tuple(DTYPES)}")
   trainer_config = create_trainer_config(config)  # cheap checks first
   devices = training_devices(config) if devices is None else check_device_count(devices)
+  mesh = mesh_setup.training_mesh(config, devices)
+  num_data = mesh.shape[mesh_setup.DATA_AXIS]
   with _named_as_config_options():
-    halves = trainer_config.halves_for(len(devices))
+    halves = trainer_config.halves_for(num_data)
   datasets = input_pipeline.create_datasets(config)
-  controller = create_controller(config, len(devices), halves, datasets.tokens_per_example)
+  controller = create_controller(config, num_data, halves, datasets.tokens_per_example)
   optimizer = optimizers.create_optimizer(config)
   lr_schedule = optimizers.create_lr_schedule(config, controller, len(datasets.train))
   model = models.create_model(
@@ -313,6 +320,8 @@ def create_experiment(
     list(devices),
     halves,
     trainer_config,
+    mesh,
+    mesh_setup.param_sharding(config, params),
   )
 
 
@@ -385,11 +394,12 @@ def create_trainer(
     model_state=experiment.model_state,
     eval_fn=eval_fn if eval_fn is not None else experiment.evaluate,
     lr_schedule=experiment.lr_schedule,
-    devices=experiment.devices,
+    mesh=experiment.mesh,
+    param_sharding=experiment.param_sharding,
     run_settings=run_settings.run_settings(experiment.config),
     config=settings.replace(
       max_micro_batch_size=max_micro_batch_size(
-        settings.max_micro_batch_size, upper, len(experiment.devices)
+        settings.max_micro_batch_size, upper, experiment.mesh.shape[mesh_setup.DATA_AXIS]
       ),
       compilation_cache_dir=compilation_cache_dir(experiment.config, workdir),
     ),
@@ -468,7 +478,7 @@ def _train_and_evaluate_in(
       workdir,
       json.loads(config.to_json()),
       resumed_at_step=trainer.step,
-      devices=report.describe_devices(experiment.devices, experiment.halves),
+      devices=report.describe_devices(experiment.devices, experiment.halves, config.mesh_shape),
       processes=jax.process_count(),
     )
     report.print_start(experiment, trainer)

@@ -21,6 +21,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
 from simigrad_jax.engine.step_record import StepRecord
 from simigrad_jax.runtime.metrics import MetricsWriter
@@ -187,5 +188,15 @@ class CheckpointHook:
 
 
 def host_copy(tree: Any) -> Any:
-  """A NumPy copy of a replicated tree, read from this process's first device."""
-  return jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), tree)
+  """A NumPy copy of a tree on the devices: a replicated leaf read from this process's first device.
+
+  A leaf sharded over a mesh (its model axes) is gathered whole, over every
+  process (each process calls this at the same step).
+  """
+
+  def copy(x: jax.Array) -> np.ndarray:
+    if x.is_fully_replicated:
+      return np.asarray(x.addressable_data(0))
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+  return jax.tree.map(copy, tree)

@@ -64,13 +64,15 @@ class StepPrograms:
       checked.
     optimizer: the optax optimizer, with :func:`simigrad_jax.transform` over
       ``axis_name`` and :func:`simigrad_jax.scale_by_lr_factor`.
-    mesh: a one-axis mesh over the data-parallel devices.
-    axis_name: its axis name.
+    mesh: the mesh; its axis ``axis_name`` holds the data-parallel devices
+      (the slots), its other axes, if any, the model's shards.
+    axis_name: the data axis.
     layout: the step layout (halves, slots); shapes (``micro``) are in
       rows per slot.
     seed: the run's seed (per-step random keys derive from it).
-    state: the replicated ``{"params", "opt_state", "model_state"}`` (its
-      shapes, dtypes and shardings make the placeholders; nothing is kept).
+    state: the ``{"params", "opt_state", "model_state"}`` on the mesh (its
+      shapes, dtypes and shardings make the placeholders and the shardings
+      the steps keep; nothing else is kept).
     element_spec: the source's ``{name: (shape, dtype)}`` per example.
     accumulation_shapes: the shapes (rows per slot) a planned step of several
       micro-batches can use (their micro-steps and the update are then
@@ -122,21 +124,28 @@ class StepPrograms:
     self._grid = sorted(layout.grid)  # the shapes a report's bitmasks index
     self._agreed: dict[str, Any] | None = None  # what every process has compiled (shared_compiles)
 
+    # The state keeps its shardings through every step (model axes, and the data axis a leaf
+    # stored sharded over it is gathered from for the step).
+    keep = jax.tree.map(lambda x: x.sharding, self._state)
+    acc_sharding = jax.tree.map(lambda x: x.sharding, self._acc_abstract)
     self._fused = jax.jit(
       train_step.make_fused_step(loss_fn, optimizer, mesh, axis_name, seed, halves),
       donate_argnums=(0, 1, 2),
+      out_shardings=(keep["params"], keep["opt_state"], keep["model_state"], self._replicated),
     )
     self._micro = jax.jit(
-      train_step.make_micro_step(loss_fn, mesh, axis_name, seed, halves), donate_argnums=(2,)
+      train_step.make_micro_step(loss_fn, mesh, axis_name, seed, halves),
+      donate_argnums=(2,),
+      out_shardings=(acc_sharding, keep["model_state"]),
     )
     self._apply_jit = jax.jit(
       train_step.make_apply_step(optimizer, mesh, axis_name, halves),
       donate_argnums=(0, 1, 2),
       out_shardings=(
-        self._replicated,
-        self._replicated,
-        self._sharded,
-        self._replicated,
+        keep["params"],
+        keep["opt_state"],
+        acc_sharding,
+        keep["model_state"],
         self._replicated,
       ),
     )
@@ -378,7 +387,7 @@ class StepPrograms:
     """Dispatches one optimizer step; returns the new state and the stats vector (not waited for).
 
     Args:
-      state: the replicated ``{"params", "opt_state", "model_state"}``; its
+      state: the ``{"params", "opt_state", "model_state"}`` on the mesh; its
         arrays are donated.
       data: the step's micro-batches, as :attr:`StepBatch.plan` lays them out.
       step_inputs: float32 :data:`~simigrad_jax.engine.train_step.STEP_INPUTS`,

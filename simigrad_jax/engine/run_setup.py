@@ -40,6 +40,7 @@ from simigrad_jax import optimizer_state
 from simigrad_jax.controllers import learning_rate
 from simigrad_jax.data import grain_source
 from simigrad_jax.data.sampler import EpochSampler
+from simigrad_jax.engine import mesh_sharding
 from simigrad_jax.engine import train_step
 from simigrad_jax.engine import trainer_checks
 from simigrad_jax.engine.compiler import enable_persistent_cache
@@ -65,10 +66,12 @@ class Run:
     workdir_lock: the run's lock on it, when the run took it (None: the
       caller holds it, and releases it).
     source: the random-access data source.
-    mesh: the one-axis mesh over the training devices.
+    mesh: the mesh: one data axis over the training devices, or the mesh
+      given, whose other axes the parameters may be sharded over.
     layout: the split into halves and the grid of compiled shapes.
     sampler: the order of the examples (resumed).
-    state: the replicated ``{"params", "opt_state", "model_state"}`` (resumed).
+    state: the ``{"params", "opt_state", "model_state"}`` on the mesh, with
+      the parameters' shardings (replicated by default; resumed).
     step: the optimizer steps done (resumed).
     nonfinite_steps: the steps whose gradient was not finite, so far.
     checkpoints: saves and resumes the run.
@@ -107,6 +110,8 @@ def build_run(
   lr_schedule: Callable[[float], float] | None,
   devices: list[jax.Device] | None,
   run_settings: Mapping[str, Any] | None = None,
+  mesh: Mesh | None = None,
+  param_sharding: mesh_sharding.ParamSharding = None,
 ) -> Run:
   """Checks the objects of a run, lays it out, agrees on it, resumes it and traces its first step.
 
@@ -115,9 +120,9 @@ def build_run(
     agreement: the run's agreement between processes (its watchdog starts
       here and runs until it is closed).
     loss_fn, params, optimizer, source, controller, workdir, model_state,
-      eval_fn, lr_schedule, devices, run_settings: as
+      eval_fn, lr_schedule, devices, run_settings, mesh, param_sharding: as
       :class:`simigrad_jax.Trainer` takes them (``source`` may be grain-style
-      data; ``devices`` None: all).
+      data; ``devices`` None: all, or the mesh's).
 
   Returns:
     A :class:`Run`, resumed from the workdir's newest checkpoint if there is
@@ -143,13 +148,17 @@ def build_run(
     eval_fn=eval_fn,
     lr_schedule=lr_schedule,
     devices=devices,
+    mesh=mesh,
   )
-  mesh = Mesh(np.array(devices), (config.axis_name,))
+  if mesh is None:
+    mesh = Mesh(np.array(devices), (config.axis_name,))
+  num_data = mesh.shape[config.axis_name]  # data-parallel positions: the slots' devices
+  specs = mesh_sharding.param_specs(param_sharding, params, mesh)
   replicated = NamedSharding(mesh, P())
   # Plans and compiled shapes count rows per slot (a device, or half of one: see layout).
   layout = StepLayout.create(
-    config.halves_for(len(devices)),
-    len(devices),
+    config.halves_for(num_data),
+    num_data,
     mode=config.mode,
     max_micro=config.max_micro_batch_size,
     min_micro=config.min_micro_batch_size,
@@ -162,7 +171,8 @@ def build_run(
     set_up=True,
     values=settings_to_agree(
       config, layout, controller=controller, source=source, params=params, num_examples=num_examples
-    ),
+    )
+    | _mesh_settings(mesh, specs),
   )
 
   sampler = EpochSampler(num_examples, config.seed)
@@ -177,10 +187,14 @@ def build_run(
     num_examples=num_examples,
     devices=devices,
     run_settings=run_settings,
+    mesh_settings=_mesh_settings(mesh, specs),
   )
   # Copies: the steps donate the state's buffers, and the caller may still hold these arrays
   # (device_put alone would reuse a device array's buffer for the shard on its device).
-  state = jax.device_put(jax.tree.map(_own_copy, initial), replicated)
+  state = jax.device_put(
+    jax.tree.map(_own_copy, initial),
+    mesh_sharding.state_shardings(optimizer, initial, specs, mesh),
+  )
   step = nonfinite_steps = 0
   workdir_lock = _lock_workdir(given_workdir, workdir, config, agreement)
   checkpoints = programs = None
@@ -253,7 +267,11 @@ def build_run(
     sampler,
     NamedSharding(mesh, P(config.axis_name)),
     replicated,
-    layout.slot_positions(local_device_positions(devices)),
+    layout.slot_positions(
+      local_device_positions(devices)
+      if mesh.axis_names == (config.axis_name,)
+      else mesh_sharding.data_positions(mesh, config.axis_name)
+    ),
     layout.num_slots,
     place_ahead=jax.process_count() == 1,
     upper=upper,
@@ -306,8 +324,12 @@ def _check_objects(
   eval_fn: Any,
   lr_schedule: Any,
   devices: Any,
+  mesh: Any,
 ) -> tuple[int, pathlib.Path, list[jax.Device], Any, int, int]:
   """Checks the run's objects against each other and the settings.
+
+  With a ``mesh``, the devices are the mesh's, and the split into halves is
+  that of its data axis.
 
   Returns ``(examples in the source, the absolute workdir, the devices, the
   optimizer's initial state, the smallest and the largest global batch size)``.
@@ -319,8 +341,13 @@ def _check_objects(
   trainer_checks.check_controller(controller)
   num_examples = trainer_checks.check_source(source)
   workdir = trainer_checks.check_workdir(workdir)
-  devices = trainer_checks.check_devices(devices)
-  halves = config.halves_for(len(devices))
+  if mesh is None:
+    devices = trainer_checks.check_devices(devices)
+    num_data = len(devices)
+  else:
+    mesh = mesh_sharding.check_mesh(mesh, config.axis_name, devices)
+    devices, num_data = list(mesh.devices.flat), mesh.shape[config.axis_name]
+  halves = config.halves_for(num_data)
   trainer_checks.check_finite_params(params)
   opt_state = trainer_checks.checked_optimizer_state(optimizer, params)
   lower, upper = trainer_checks.check_bounds(controller, num_examples, halves)
@@ -329,6 +356,15 @@ def _check_objects(
       size, controller.initial_batch_size, config.lr_rule, config.lr_adjust_factor
     )
   return num_examples, workdir, devices, opt_state, lower, upper
+
+
+def _mesh_settings(mesh: Mesh, specs: Any) -> dict[str, Any]:
+  """The mesh's axes and the parameters' specs as JSON data; empty on a one-axis, replicated run."""
+  spec_leaves = jax.tree_util.tree_leaves_with_path(specs, is_leaf=lambda x: isinstance(x, P))
+  sharded = {jax.tree_util.keystr(path): str(spec) for path, spec in spec_leaves if spec != P()}
+  if len(mesh.axis_names) == 1 and not sharded:
+    return {}
+  return {"mesh": {str(name): int(size) for name, size in mesh.shape.items()}, "specs": sharded}
 
 
 def settings_to_agree(
@@ -385,6 +421,7 @@ def run_record_of(
   num_examples: int,
   devices: list[jax.Device],
   run_settings: Mapping[str, Any] | None,
+  mesh_settings: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
   """The run's record, saved with every checkpoint and compared on resume.
 
@@ -396,6 +433,8 @@ def run_record_of(
     initial: the initial ``{"params", "opt_state", "model_state"}``.
     optimizer, controller, source, num_examples, devices, run_settings: the
       run's (see :func:`simigrad_jax.runtime.run_record.make_record`).
+    mesh_settings: the mesh's axes and the parameters' specs, recorded with
+      the devices, when the run has model axes or sharded parameters.
 
   Returns:
     The record (JSON data).
@@ -418,6 +457,7 @@ def run_record_of(
       "num_devices": len(devices),
       "num_processes": jax.process_count(),
       "platform": devices[0].platform,
+      **(mesh_settings or {}),
     },
     settings=run_settings,
   )

@@ -1,7 +1,11 @@
 """In-graph: the data-parallel steps that the training engine compiles, one set per shape.
 
-All run inside ``jax.shard_map`` over a one-axis mesh with ``check_vma=False``
-(the semantics of ``jax.pmap``: each device computes its own gradient).
+All run inside ``jax.shard_map`` over the mesh's data axis with
+``check_vma=False`` (the semantics of ``jax.pmap``: each device computes its
+own gradient). The shard_map is manual over the data axis only: on a mesh
+with model axes, the parameters keep their shardings over those axes and
+XLA's partitioner lays out the model's computation over them
+(:mod:`simigrad_jax.engine.mesh_sharding`).
 
 * :func:`make_fused_step`, for a step of one micro-batch: gradient, reduction
   and update in ONE program, so there is no accumulator to allocate or round
@@ -101,19 +105,48 @@ def abstract_accumulator(
   num_devices = mesh.shape[axis_name]
   sharding = jax.sharding.NamedSharding(mesh, P(axis_name))
   grads = (params, params) if _check_halves(halves) else params
+
+  def per_device(p):
+    # A leaf sharded over model axes keeps them after the leading device axis (a leaf sharded
+    # over the data axis is gathered for the step, and so is its gradient).
+    spec = _model_spec(p, axis_name)
+    return jax.ShapeDtypeStruct(
+      (num_devices,) + jnp.shape(p),
+      jnp.result_type(p),
+      sharding=jax.sharding.NamedSharding(mesh, P(axis_name, *spec)),
+    )
+
   return Accumulator(
-    grads=jax.tree.map(
-      lambda p: jax.ShapeDtypeStruct(
-        (num_devices,) + jnp.shape(p), jnp.result_type(p), sharding=sharding
-      ),
-      grads,
-    ),
+    grads=jax.tree.map(per_device, grads),
     # Placeholders, as the grads are: the type checker reads the field as an array.
     loss=jax.ShapeDtypeStruct(
       (num_devices,),
       jnp.float32,  # type: ignore[arg-type]
       sharding=sharding,
     ),
+  )
+
+
+def _model_spec(leaf: Any, axis_name: str) -> tuple:
+  """The entries of ``leaf``'s ``PartitionSpec`` with the data axis dropped (none: replicated)."""
+  sharding = getattr(leaf, "sharding", None)
+  if not isinstance(sharding, jax.sharding.NamedSharding):
+    return ()
+  without = lambda names: tuple(n for n in names if n != axis_name) or None
+  return tuple(
+    None if e is None else without((e,) if isinstance(e, str) else tuple(e)) for e in sharding.spec
+  )
+
+
+def manual_over(mesh: Mesh, axis_name: str, fn: Callable, in_specs: tuple, out_specs: Any) -> Any:
+  """``fn`` as a ``jax.shard_map`` manual over ``axis_name`` only (the other axes: the partitioner)."""
+  return jax.shard_map(
+    fn,
+    mesh=mesh,
+    in_specs=in_specs,
+    out_specs=out_specs,
+    axis_names=frozenset({axis_name}),
+    check_vma=False,
   )
 
 
@@ -271,7 +304,7 @@ def make_fused_step(
     optimizer: an optax optimizer whose chain contains
       :func:`simigrad_jax.transform` over ``axis_name`` (it does the averaging)
       and :func:`simigrad_jax.scale_by_lr_factor`.
-    mesh: a one-axis mesh over the data-parallel devices.
+    mesh: the mesh; its axis ``axis_name`` holds the data-parallel devices.
     axis_name: the mesh axis name.
     seed: the run's seed; the key handed to ``loss_fn`` is derived from it,
       the optimizer step, the micro-step and the device, so a resumed run draws
@@ -311,12 +344,12 @@ def make_fused_step(
     model_state = _keep_if_nonfinite(finite, new_model_state, model_state)
     return params, opt_state, model_state, stats
 
-  return jax.shard_map(
+  return manual_over(
+    mesh,
+    axis_name,
     per_device,
-    mesh=mesh,
     in_specs=(P(), P(), P(), P(axis_name), P(axis_name), P(), P()),
     out_specs=(P(), P(), P(), P()),
-    check_vma=False,
   )
 
 
@@ -331,7 +364,7 @@ def make_micro_step(
 
   Args:
     loss_fn: as for :func:`make_fused_step`.
-    mesh: a one-axis mesh over the data-parallel devices.
+    mesh: the mesh; its axis ``axis_name`` holds the data-parallel devices.
     axis_name: the mesh axis name.
     seed: as for :func:`make_fused_step`.
     halves: as for :func:`make_fused_step`; the accumulator must be made with
@@ -364,12 +397,12 @@ def make_micro_step(
     grads = jax.tree.map(lambda a, g: a + g[None].astype(a.dtype), acc.grads, grads)
     return Accumulator(grads=grads, loss=acc.loss + loss[None]), new_state
 
-  return jax.shard_map(
+  return manual_over(
+    mesh,
+    axis_name,
     per_device,
-    mesh=mesh,
     in_specs=(P(), P(), P(axis_name), P(axis_name), P(axis_name), P(), P()),
     out_specs=(P(axis_name), P()),
-    check_vma=False,
   )
 
 
@@ -385,7 +418,7 @@ def make_apply_step(
     optimizer: an optax optimizer whose chain contains
       :func:`simigrad_jax.transform` over ``axis_name`` (it does the averaging)
       and :func:`simigrad_jax.scale_by_lr_factor`.
-    mesh: a one-axis mesh over the data-parallel devices.
+    mesh: the mesh; its axis ``axis_name`` holds the data-parallel devices.
     axis_name: the mesh axis name.
     halves: as for :func:`make_fused_step`.
 
@@ -407,10 +440,10 @@ def make_apply_step(
     model_state = _keep_if_nonfinite(finite, model_state, model_state_before)
     return params, opt_state, cleared, model_state, stats
 
-  return jax.shard_map(
+  return manual_over(
+    mesh,
+    axis_name,
     per_device,
-    mesh=mesh,
     in_specs=(P(), P(), P(axis_name), P(), P(), P()),
     out_specs=(P(), P(), P(axis_name), P(), P()),
-    check_vma=False,
   )

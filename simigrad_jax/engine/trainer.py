@@ -106,6 +106,14 @@ class Trainer:
     lr_schedule: optional ``lr_schedule(epochs) -> float``, a multiplier of
       the base learning rate.
     devices: the devices to train on (default: all, over every process).
+    mesh: a ``jax.sharding.Mesh`` (Auto axes) to train on instead of
+      ``devices``: the batch is sharded over its axis ``axis_name``, and the
+      parameters may be sharded over its other axes (``docs/trainer.md``,
+      "On a mesh").
+    param_sharding: the parameters' ``PartitionSpec``: None (replicated),
+      one spec, a pytree of them like ``params`` (or a prefix of it), or a
+      callable ``(path, leaf) -> PartitionSpec``; the optimizer state's
+      copies of the parameters follow them.
     hooks: objects with ``on_step(record)``
       (:class:`~simigrad_jax.engine.hooks.StepHook`).
     run_settings: what else decides the run, as JSON data, recorded in every
@@ -142,6 +150,8 @@ class Trainer:
     eval_fn: Callable[[Any, Any], Mapping[str, float]] | None = None,
     lr_schedule: Callable[[float], float] | None = None,
     devices: list[jax.Device] | None = None,
+    mesh: jax.sharding.Mesh | None = None,
+    param_sharding: Any = None,
     hooks: Sequence[StepHook] = (),
     run_settings: Mapping[str, Any] | None = None,
     config: TrainerConfig | None = None,
@@ -165,6 +175,8 @@ class Trainer:
       lr_schedule=lr_schedule,
       devices=devices,
       run_settings=run_settings,
+      mesh=mesh,
+      param_sharding=param_sharding,
     )
     self.controller, self.eval_fn = controller, eval_fn
     self.workdir, self.source = run.workdir, run.source
@@ -194,7 +206,7 @@ class Trainer:
 
   @property
   def state(self) -> dict[str, Any]:
-    """The replicated ``{"params", "opt_state", "model_state"}`` of the last step dispatched."""
+    """The ``{"params", "opt_state", "model_state"}`` of the last step dispatched, on the mesh."""
     return self._dispatcher.state
 
   def add_hook(self, hook: StepHook) -> None:

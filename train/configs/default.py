@@ -27,6 +27,13 @@ def get_config() -> ml_collections.ConfigDict:
   # number of devices); "local" = two blocks of rows on every device, one gradient pass each
   # (any number of devices); "auto" = "device" on an even number of devices, else "local".
   config.halves = "auto"
+  # A mesh "DATAxMODEL" (e.g. "4x2": the batch sharded over 4 data positions, parameters over
+  # 2 model shards; the product is the device count); "" = data-parallel on every device.
+  config.mesh_shape = ""
+  # Which parameters shard over the mesh's "model" axis (train/mesh.py): "" none; "megatron"
+  # (2-D kernels alternately column- and row-parallel); or rules "REGEX=SPEC;..." on the
+  # parameter's path, e.g. "Dense_0/kernel=None,model;Dense_1/kernel=model,None".
+  config.param_sharding = ""
 
   # ---------------------------------------------------------------- data
   # "digits" | "mnist" | "tfds" | "tfds_resized" | "text" | "tfds_text" | "chars"

@@ -1,0 +1,89 @@
+"""``python -m train`` on a mesh: ``mesh_shape`` and ``param_sharding``, and the digits demo on 4 x 2."""
+
+import jax
+import ml_collections
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import simigrad_jax
+from train import mesh as mesh_setup
+from train import train
+from train.configs import digits_demo
+
+COLUMN, ROW = P(None, "model"), P("model", None)
+
+
+def demo_config(**options):
+  config = digits_demo.get_config()
+  # One compiled shape (pad mode), so that the test compiles little.
+  config.update(progress=False, tensorboard=False, plot=False, mode="pad", max_micro_batch_size=16)
+  config.compile_fallback = False
+  config.update(options)
+  return config
+
+
+def test_the_digits_demo_trains_on_a_4x2_mesh_as_on_4_devices(tmp_path):
+  results = {}
+  for name, options, devices in (
+    ("mesh", dict(mesh_shape="4x2", param_sharding="megatron"), None),
+    ("data_parallel", {}, jax.devices()[:4]),
+  ):
+    experiment = train.create_experiment(demo_config(**options), devices=devices)
+    with simigrad_jax.persistent_cache_settings():
+      with train.create_trainer(experiment, tmp_path / name) as trainer:
+        trainer.train(num_steps=3)
+        params = trainer.state["params"]
+        specs = jax.tree.map(lambda x: x.sharding.spec, params)
+        results[name] = (jax.device_get(params), specs)
+    records = simigrad_jax.read_metrics(tmp_path / name / "metrics.jsonl")
+    results[name] += ([(r["batch_size"], r["similarity"]) for r in records if "batch_size" in r],)
+  (mesh_params, specs, mesh_records), (dp_params, _, dp_records) = (
+    results["mesh"],
+    results["data_parallel"],
+  )
+  assert specs["Dense_0"] == {"kernel": COLUMN, "bias": P("model")}
+  assert specs["Dense_1"] == {"kernel": ROW, "bias": P()}
+  assert specs["Conv_0"]["kernel"] == P()
+  assert len(mesh_records) == 3
+  assert [b for b, _ in mesh_records] == [b for b, _ in dp_records]
+  np.testing.assert_allclose([s for _, s in mesh_records], [s for _, s in dp_records], atol=1e-5)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5), mesh_params, dp_params)
+
+
+def test_param_sharding_rules_match_the_path():
+  config = ml_collections.ConfigDict(
+    {"mesh_shape": "4x2", "param_sharding": "Dense_0/kernel=None,model; bias$=model"}
+  )
+  params = {
+    "Dense_0": {"kernel": np.zeros((4, 8)), "bias": np.zeros(8)},
+    "Conv_0": {"kernel": np.zeros((3, 3, 1, 4))},
+  }
+  assert mesh_setup.param_sharding(config, params) == {
+    "Conv_0": {"kernel": P()},
+    "Dense_0": {"bias": P("model"), "kernel": COLUMN},
+  }
+
+
+def test_megatron_alternates_in_the_natural_order_of_the_layers():
+  config = ml_collections.ConfigDict({"mesh_shape": "4x2", "param_sharding": "megatron"})
+  params = {f"Dense_{i}": {"kernel": np.zeros((8, 8)), "bias": np.zeros(8)} for i in (0, 1, 2, 10)}
+  specs = mesh_setup.param_sharding(config, params)
+  assert [specs[f"Dense_{i}"]["kernel"] for i in (0, 1, 2, 10)] == [COLUMN, ROW, COLUMN, ROW]
+
+
+@pytest.mark.parametrize(
+  "options, message",
+  [
+    (dict(mesh_shape="4by2"), "mesh_shape='4by2' is not valid; give DATAxMODEL"),
+    (dict(mesh_shape="3x2"), "holds 6 devices, but there are 8"),
+    (dict(param_sharding="megatron"), "set config.mesh_shape too"),
+    (dict(mesh_shape="4x2", param_sharding="kernel"), "rule 'kernel' is not valid"),
+    (dict(mesh_shape="4x2", param_sharding="ker(nel=model"), "is not valid"),
+  ],
+)
+def test_bad_mesh_options_name_the_option(options, message):
+  config = ml_collections.ConfigDict({"mesh_shape": "", "param_sharding": ""} | options)
+  with pytest.raises(ValueError, match=message):
+    mesh_setup.training_mesh(config, jax.devices())
+    mesh_setup.param_sharding(config, {"kernel": np.zeros((4, 8))})
