@@ -180,6 +180,21 @@ def device_halves_step(
     inner_specs = jax.tree.map(lambda spec: _without_axis(spec, axis_name), placed_specs)
     inner_state = jax.tree.map(lambda spec: _without_axis(spec, axis_name), state_specs)
     scalars = (P(),) * (2 if has_aux else 1)
+    batch_specs = jax.tree.map(lambda leaf: P(), batch)
+
+    def per_device_explicit(params: Any, opt_state: Any, batch: Any) -> tuple[Any, ...]:
+      # Inside, the other axes are Explicit again, so the loss names them as in a plain step.
+      return jax.sharding.explicit_axes(
+        per_device, axes=others, in_sharding=(inner_specs, inner_state, batch_specs)
+      )(params, opt_state, batch)
+
+    over_data = jax.shard_map(
+      per_device_explicit,
+      in_specs=(P(), P(), P(axis_name)),
+      out_specs=P(),
+      axis_names={axis_name},
+      check_vma=False,
+    )
     with group_reduction.gradient_specs(inner_specs):
       outputs = jax.sharding.auto_axes(
         over_data, axes=others, out_sharding=(inner_specs, inner_state) + scalars
