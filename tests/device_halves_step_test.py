@@ -113,3 +113,26 @@ def test_a_step_without_the_data_axis_or_with_an_unnamed_transform_names_the_fix
   step = jax.jit(simigrad_jax.device_halves_step(loss_fn, unnamed, axis_name="batch"))
   with jax.set_mesh(mesh), pytest.raises(simigrad_jax.AxisNameError, match="axis_name='batch'"):
     step(w, unnamed.init(w), x)
+
+
+def test_has_aux_returns_the_aux_averaged_over_the_data_axis(devices):
+  del devices
+  mesh = jax.make_mesh((jax.device_count(),), ("data",))  # Explicit axes
+
+  def loss_fn(w, batch):
+    predictions = batch["x"] @ w
+    return ((predictions - batch["y"]) ** 2).mean(), {"mean_prediction": predictions.mean()}
+
+  optimizer = optax.chain(simigrad_jax.transform("data"), optax.sgd(0.1))
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(32, 3)).astype(np.float32)
+  examples = {"x": x, "y": x.sum(1)}
+  batch = jax.device_put(examples, jax.NamedSharding(mesh, P("data")))
+  w = jax.device_put(np.ones(3, np.float32), jax.NamedSharding(mesh, P()))
+  step = jax.jit(simigrad_jax.device_halves_step(loss_fn, optimizer, has_aux=True))
+  with jax.set_mesh(mesh):
+    new_w, state, loss, aux = step(w, optimizer.init(w), batch)
+  assert float(aux["mean_prediction"]) == pytest.approx(float((x @ np.ones(3)).mean()), rel=1e-5)
+  assert float(loss) == pytest.approx(0.0, abs=1e-10)
+  assert new_w.sharding.is_equivalent_to(w.sharding, 1)
+  assert not bool(state[0].measured)  # zero gradients: nothing to compare

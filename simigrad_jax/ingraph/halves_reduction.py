@@ -29,8 +29,9 @@ all-reduce of the gradient:
   devices), so that devices ``2j`` and ``2j + 1`` hold the same two pieces of
   their own group's sum; each keeps one piece and swaps the other with its
   partner (one all-to-all within the pair: no collective-permute), takes the
-  dot products and norms on the piece it now holds for both halves, computes its piece of the mean, and one tiled all-gather over all
-  devices assembles the mean. The sends add up to ``2 (n - 1) / n`` of the
+  dot products and norms on the piece it now holds for both halves, computes
+  its piece of the mean, and one tiled all-gather over all devices assembles
+  the mean. The sends add up to ``2 (n - 1) / n`` of the
   gradient, exactly what an all-reduce sends. No whole-gradient concatenation,
   stack or copy: large leaves are reduced in place, small leaves share one
   bucket per dtype. With the local split there are two vectors to reduce, so
