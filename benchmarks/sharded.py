@@ -1,14 +1,18 @@
 """Benchmark: SimiGrad in a plain ``jax.jit`` step over sharded parameters (FSDP, tensor parallel).
 
 On 8 devices (by default simulated CPU devices), for each model, layout and
-kind of mesh axes, compiles and times three training steps of the same
+kind of mesh axes, compiles and times four training steps of the same
 model on the same batch (``benchmarks/sharded_models.py``):
 
 * ``plain``: ``jax.value_and_grad`` and ``optax.sgd``, the step without SimiGrad;
 * ``halves``: :func:`simigrad_jax.value_and_half_grads` (the even- and the
   odd-numbered examples, one pass after the other) and ``optax.sgd`` on their
   mean: the halves alone, the similarity not measured;
-* ``simigrad``: the same with ``simigrad_jax.transform()`` given the halves.
+* ``simigrad``: the same with ``simigrad_jax.transform()`` given the halves;
+* ``groups``: :func:`simigrad_jax.device_halves_step` with
+  ``simigrad_jax.transform("data")``, the even data positions against the odd
+  ones, on the batch ordered by :func:`simigrad_jax.deal_to_devices` (so that
+  its halves are the same even- and odd-numbered examples).
 
 Models (``--models``): ``kernel``, one ``W x W`` kernel (``--kernel-width``,
 default 8192: 256 MiB of float32) and a 10-way head on ``W``-dimensional
@@ -36,7 +40,10 @@ Goals, printed as PASS/FAIL for every run: no collective-permute in the
 SimiGrad step, the similarity within 1e-4 of the reference, the parameters'
 sharding kept, the transform's temporary memory at most 1.05x the halves
 step's; and, reported the same way, the SimiGrad step's at most 1.05x the
-plain step's.
+plain step's. For ``groups``, against the plain step: no collective-permute,
+the similarity within 1e-4 of the same reference, temporary memory at most
+1.05x, collective bytes at most 1.001x (1.0x plus the statistics' scalars),
+the parameters' sharding kept.
 
 Usage::
 
@@ -53,7 +60,11 @@ JSON written to ``--out``::
                          "collectives": {kind: count}, "collective_bytes", ...}},
             "transform_temp_ratio", "collectives_beyond_plain": {kind: count},
             "collective_permutes", "transform_collective_bytes", "sharding_kept",
-            "similarity", "reference_similarity", "similarity_error"}},
+            "similarity", "reference_similarity", "similarity_error",
+            "groups": {"temp_ratio_to_plain", "collective_bytes_ratio_to_plain",
+                       "collectives_beyond_plain", "collective_permutes",
+                       "sharding_kept", "similarity", "similarity_error",
+                       "update_error"}}},
    "goals": {GOAL: {"limit", "worst", "met"}}, "models", "device", ...}
 """
 
