@@ -109,6 +109,14 @@ def test_a_step_without_the_data_axis_or_with_an_unnamed_transform_names_the_fix
   step = jax.jit(simigrad_jax.device_halves_step(loss_fn, optimizer))
   with jax.set_mesh(mesh), pytest.raises(ValueError, match="mesh axis 'data'"):
     step(w, optimizer.init(w), x)
+  odd = jax.make_mesh((3,), ("data",), devices=jax.devices()[:3])
+  x_odd = jax.device_put(np.ones((6, 3), np.float32), jax.NamedSharding(odd, P("data")))
+  step = jax.jit(simigrad_jax.device_halves_step(loss_fn, optimizer))
+  with (
+    jax.set_mesh(odd),
+    pytest.raises(ValueError, match="has 3 .an odd number.: on an odd data axis use"),
+  ):
+    step(w, optimizer.init(w), x_odd)
   unnamed = optax.chain(simigrad_jax.transform(), optax.sgd(0.1))
   step = jax.jit(simigrad_jax.device_halves_step(loss_fn, unnamed, axis_name="batch"))
   with jax.set_mesh(mesh), pytest.raises(simigrad_jax.AxisNameError, match="axis_name='batch'"):

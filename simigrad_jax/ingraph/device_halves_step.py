@@ -38,6 +38,13 @@ def _mesh_with(axis_name: str) -> jax.sharding.AbstractMesh:
       f"`with jax.set_mesh(mesh):`, mesh having an axis {axis_name!r}, or name the data axis "
       "with axis_name="
     )
+  if mesh.shape[axis_name] % 2:
+    raise ValueError(
+      f"device_halves_step compares the even and odd devices of the axis {axis_name!r}, "
+      f"which has {mesh.shape[axis_name]} (an odd number): on an odd data axis use "
+      "simigrad_jax.value_and_half_grads and simigrad_jax.transform() (no axis name) in a "
+      "plain jax.jit step, which compare the even- and odd-numbered examples of every device"
+    )
   return mesh
 
 
