@@ -1,14 +1,18 @@
 """Benchmark: SimiGrad in a plain ``jax.jit`` step over sharded parameters (FSDP, tensor parallel).
 
 On 8 devices (by default simulated CPU devices), for each model, layout and
-kind of mesh axes, compiles and times three training steps of the same
+kind of mesh axes, compiles and times four training steps of the same
 model on the same batch (``benchmarks/sharded_models.py``):
 
 * ``plain``: ``jax.value_and_grad`` and ``optax.sgd``, the step without SimiGrad;
 * ``halves``: :func:`simigrad_jax.value_and_half_grads` (the even- and the
   odd-numbered examples, one pass after the other) and ``optax.sgd`` on their
   mean: the halves alone, the similarity not measured;
-* ``simigrad``: the same with ``simigrad_jax.transform()`` given the halves.
+* ``simigrad``: the same with ``simigrad_jax.transform()`` given the halves;
+* ``groups``: :func:`simigrad_jax.device_halves_step` with
+  ``simigrad_jax.transform("data")``, the even data positions against the odd
+  ones, on the batch ordered by :func:`simigrad_jax.deal_to_devices` (so that
+  its halves are the same even- and odd-numbered examples).
 
 Models (``--models``): ``kernel``, one ``W x W`` kernel (``--kernel-width``,
 default 8192: 256 MiB of float32) and a 10-way head on ``W``-dimensional
@@ -36,7 +40,10 @@ Goals, printed as PASS/FAIL for every run: no collective-permute in the
 SimiGrad step, the similarity within 1e-4 of the reference, the parameters'
 sharding kept, the transform's temporary memory at most 1.05x the halves
 step's; and, reported the same way, the SimiGrad step's at most 1.05x the
-plain step's.
+plain step's. For ``groups``, against the plain step: no collective-permute,
+the similarity within 1e-4 of the same reference, temporary memory at most
+1.05x, collective bytes at most 1.001x (1.0x plus the statistics' scalars),
+the parameters' sharding kept.
 
 Usage::
 
@@ -53,7 +60,11 @@ JSON written to ``--out``::
                          "collectives": {kind: count}, "collective_bytes", ...}},
             "transform_temp_ratio", "collectives_beyond_plain": {kind: count},
             "collective_permutes", "transform_collective_bytes", "sharding_kept",
-            "similarity", "reference_similarity", "similarity_error"}},
+            "similarity", "reference_similarity", "similarity_error",
+            "groups": {"temp_ratio_to_plain", "collective_bytes_ratio_to_plain",
+                       "collectives_beyond_plain", "collective_permutes",
+                       "sharding_kept", "similarity", "similarity_error",
+                       "update_error"}}},
    "goals": {GOAL: {"limit", "worst", "met"}}, "models", "device", ...}
 """
 
@@ -88,6 +99,9 @@ QUICK = {"kernel_width": 512, "mlp_widths": (32, 64, 64, 10), "batch_size": 32, 
 NUM_CLASSES = 10
 SIMILARITY_TOLERANCE = 1e-4
 MEMORY_LIMIT = 1.05
+# The groups step's collective bytes against the plain step's: 1.0x, plus the statistics'
+# scalars and a padded leaf's few rows.
+BYTES_LIMIT = 1.001
 
 
 def model_widths(args: argparse.Namespace) -> dict[str, tuple[int, ...]]:
@@ -115,20 +129,28 @@ def _sharding_kept(before: Any, after: Any) -> bool:
 def run_one(
   widths: Sequence[int], layout: str, axes: str, host_params: Any, host_batch: Any, repeats: int
 ) -> dict[str, Any]:
-  """Compiles, times and checks the three steps of one model, layout and kind of axes."""
+  """Compiles, times and checks the four steps of one model, layout and kind of axes."""
   mesh = sharded_models.make_mesh(layout, axes)
-  loss = sharded_models.make_loss(len(widths) - 1, explicit=axes == "explicit")
-  steps, optimizers = sharded_models.make_steps(loss)
+  explicit = axes == "explicit"
+  loss = sharded_models.make_loss(len(widths) - 1, explicit=explicit)
+  device_loss = sharded_models.make_loss(len(widths) - 1, explicit=explicit, rows=None)
   params, batch = sharded_models.place(host_params, host_batch, mesh, layout)
+  # The groups step's batch, dealt so that its halves are the even and odd examples too.
+  _, dealt = sharded_models.place(
+    host_params, simigrad_jax.deal_to_devices(host_batch, mesh.shape["data"]), mesh, layout
+  )
+  specs = jax.tree.map(lambda a: a.sharding.spec, params)
+  steps, optimizers = sharded_models.make_steps(loss, device_loss, None if explicit else specs)
   states = {name: optimizer.init(params) for name, optimizer in optimizers.items()}
   shardings = jax.tree.map(lambda a: a.sharding, params)
 
   def keeping_layout(step, name):
-    # One argument list for every step, timed interleaved: each step reads its own state.
-    # Under Auto axes XLA would choose the new parameters' layout; a training loop keeps
-    # it (as out_shardings would). Under Explicit axes their types carry it.
+    # One argument list for every step, timed interleaved: each step reads its own state
+    # (and the groups step its dealt batch). Under Auto axes XLA would choose the new
+    # parameters' layout; a training loop keeps it (as out_shardings would). Under
+    # Explicit axes their types carry it.
     def run(p, s, b):
-      new_params, state, value = step(p, s[name], b)
+      new_params, state, value = step(p, s[name], b[name == "groups"])
       if axes == "auto":
         new_params = jax.lax.with_sharding_constraint(new_params, shardings)
       return new_params, state, value
@@ -138,14 +160,18 @@ def run_one(
   picking = {name: keeping_layout(step, name) for name, step in steps.items()}
   compiled: dict[str, Any] = {}
   with jax.set_mesh(mesh):
-    entries = halves_benchmark.measure(picking, (params, states, batch), repeats, compiled=compiled)
-    new_params, simigrad_state, _ = compiled["simigrad"](params, states, batch)
+    entries = halves_benchmark.measure(
+      picking, (params, states, (batch, dealt)), repeats, compiled=compiled
+    )
+    updated = {
+      name: compiled[name](params, states, (batch, dealt))
+      for name in ("plain", "simigrad", "groups")
+    }
   halves_benchmark.add_ratios(entries)
   for name, entry in entries.items():
     entry["collectives"], entry["collective_bytes"] = _collective_counts(compiled[name])
-  plain_kinds = collections.Counter(entries["plain"]["collectives"])
-  simigrad_kinds = collections.Counter(entries["simigrad"]["collectives"])
-  similarity = simigrad_jax.similarity(simigrad_state)
+  kinds = {name: collections.Counter(entry["collectives"]) for name, entry in entries.items()}
+  plain_bytes = entries["plain"]["collective_bytes"]
   return {
     "model": None,
     "layout": layout,
@@ -153,13 +179,29 @@ def run_one(
     "mesh": dict(mesh.shape),
     "variants": entries,
     "transform_temp_ratio": entries["simigrad"]["temp_bytes"] / entries["halves"]["temp_bytes"],
-    "collectives_beyond_plain": dict(simigrad_kinds - plain_kinds),
-    "collective_permutes": simigrad_kinds["collective-permute"],
+    "collectives_beyond_plain": dict(kinds["simigrad"] - kinds["plain"]),
+    "collective_permutes": kinds["simigrad"]["collective-permute"],
     "transform_collective_bytes": (
       entries["simigrad"]["collective_bytes"] - entries["halves"]["collective_bytes"]
     ),
-    "sharding_kept": _sharding_kept(params, new_params),
-    "similarity": similarity,
+    "sharding_kept": _sharding_kept(params, updated["simigrad"][0]),
+    "similarity": simigrad_jax.similarity(updated["simigrad"][1]),
+    "groups": {
+      "temp_ratio_to_plain": entries["groups"]["temp_ratio_to_plain"],
+      "collective_bytes_ratio_to_plain": (
+        entries["groups"]["collective_bytes"] / plain_bytes if plain_bytes else float("nan")
+      ),
+      "collectives_beyond_plain": dict(kinds["groups"] - kinds["plain"]),
+      "collective_permutes": kinds["groups"]["collective-permute"],
+      "sharding_kept": _sharding_kept(params, updated["groups"][0]),
+      "similarity": simigrad_jax.similarity(updated["groups"][1]),
+      "update_error": max(
+        float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
+        for a, b in zip(
+          jax.tree.leaves(updated["groups"][0]), jax.tree.leaves(updated["plain"][0]), strict=True
+        )
+      ),
+    },
   }
 
 
@@ -174,6 +216,17 @@ def _check_goals(runs: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
       MEMORY_LIMIT,
     ),
     "parameters' sharding lost": (lambda r: int(not r["sharding_kept"]), 0),
+    "groups: collective-permutes": (lambda r: r["groups"]["collective_permutes"], 0),
+    "groups: |similarity - float64 reference|": (
+      lambda r: r["groups"]["similarity_error"],
+      SIMILARITY_TOLERANCE,
+    ),
+    "groups: temp / plain temp": (lambda r: r["groups"]["temp_ratio_to_plain"], MEMORY_LIMIT),
+    "groups: collective bytes / plain (+ scalars)": (
+      lambda r: r["groups"]["collective_bytes_ratio_to_plain"],
+      BYTES_LIMIT,
+    ),
+    "groups: parameters' sharding lost": (lambda r: int(not r["groups"]["sharding_kept"]), 0),
   }
   goals = {}
   for goal, (value, limit) in measures.items():
@@ -219,12 +272,28 @@ def _format_table(results: dict[str, Any]) -> str:
     )
   rows += [
     "",
+    f"{'groups':<24}{'temp':>8}{'coll bytes':>11}{'time':>7}{'perm':>5}{'|s - ref|':>10}"
+    f"{'|update - plain|':>17}  collectives beyond plain",
+  ]
+  for run in results["runs"].values():
+    groups = run["groups"]
+    rows.append(
+      f"{run['model']:<7}{run['layout']:<8}{run['axes']:<9}"
+      f"{groups['temp_ratio_to_plain']:>7.3f}x{groups['collective_bytes_ratio_to_plain']:>10.4f}x"
+      f"{run['variants']['groups']['time_ratio_to_plain']:>6.2f}x{groups['collective_permutes']:>5}"
+      f"{groups['similarity_error']:>10.1e}{groups['update_error']:>17.1e}  "
+      f"{_extra(groups['collectives_beyond_plain'])}"
+    )
+  rows += [
+    "",
     "temp MB: per-device temporary memory of the plain step; halves, SimiGrad: the halves "
     "and SimiGrad steps' against it; /halves: the SimiGrad step's against the halves "
     "step's (what the transform adds). coll MB: the plain step's collective bytes per "
     "device (ring model); SimiGrad: the SimiGrad step's against it; transform: the bytes "
     "the transform adds to the halves step. time: the SimiGrad step's median against "
-    "plain's (CPU). perm: collective-permutes in the SimiGrad step.",
+    "plain's (CPU). perm: collective-permutes in the SimiGrad step. groups: the "
+    "device_halves_step (even against odd data positions, on a dealt batch) against plain: "
+    "temp, collective bytes, time, permutes, similarity error, largest parameter difference.",
   ]
   for goal, result in results["goals"].items():
     rows.append(
@@ -344,12 +413,17 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         run["model"] = model
         run["reference_similarity"] = reference
         run["similarity_error"] = abs(run["similarity"] - reference)
+        run["groups"]["similarity_error"] = abs(run["groups"]["similarity"] - reference)
         runs[f"{model}/{layout}/{axes}"] = run
         v = run["variants"]
         print(
           f"  {layout}/{axes}: temp SimiGrad/plain {v['simigrad']['temp_ratio_to_plain']:.2f}x"
           f", SimiGrad/halves {run['transform_temp_ratio']:.3f}x, permutes "
-          f"{run['collective_permutes']}, |s - ref| {run['similarity_error']:.1e}",
+          f"{run['collective_permutes']}, |s - ref| {run['similarity_error']:.1e}; groups: temp "
+          f"{run['groups']['temp_ratio_to_plain']:.3f}x, bytes "
+          f"{run['groups']['collective_bytes_ratio_to_plain']:.4f}x, permutes "
+          f"{run['groups']['collective_permutes']}, |s - ref| "
+          f"{run['groups']['similarity_error']:.1e}",
           flush=True,
         )
   results = {

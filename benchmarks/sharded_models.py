@@ -31,7 +31,7 @@ import simigrad_jax
 # Layout -> mesh shape over ("data",) or ("data", "model").
 LAYOUTS: dict[str, tuple[int, ...]] = {"data": (8,), "fsdp": (8,), "tp": (4, 2), "fsdp_tp": (4, 2)}
 AXIS_TYPES: dict[str, AxisType] = {"auto": AxisType.Auto, "explicit": AxisType.Explicit}
-VARIANTS = ("plain", "halves", "simigrad")
+VARIANTS = ("plain", "halves", "simigrad", "groups")
 LEARNING_RATE = 0.1
 
 Step = Callable[..., tuple[Any, Any, jax.Array]]
@@ -126,23 +126,31 @@ def _without_data(entry: Any) -> Any:
   return kept[0] if len(kept) == 1 else (kept or None)
 
 
-def _dense(x: jax.Array, kernel: jax.Array, bias: jax.Array, explicit: bool) -> jax.Array:
+def _dense(
+  x: jax.Array, kernel: jax.Array, bias: jax.Array, explicit: bool, rows: str | None
+) -> jax.Array:
   if not explicit:
     return x @ kernel + bias
-  rows, columns = (tuple(jax.typeof(kernel).sharding.spec) + (None, None))[:2]
-  gathered = P(_without_data(rows), _without_data(columns))
+  kernel_rows, columns = (tuple(jax.typeof(kernel).sharding.spec) + (None, None))[:2]
+  gathered = P(_without_data(kernel_rows), _without_data(columns))
   kernel = jax.sharding.reshard(kernel, gathered)  # FSDP: gather the kernel over "data"
-  return jnp.matmul(x, kernel, out_sharding=P("data", gathered[1])) + bias
+  return jnp.matmul(x, kernel, out_sharding=P(rows, gathered[1])) + bias
 
 
-def make_loss(num_layers: int, explicit: bool) -> Callable[[Any, Any], jax.Array]:
-  """``loss(params, batch)``: the mean softmax cross-entropy of the dense ReLU network."""
+def make_loss(
+  num_layers: int, explicit: bool, rows: str | None = "data"
+) -> Callable[[Any, Any], jax.Array]:
+  """``loss(params, batch)``: the mean softmax cross-entropy of the dense ReLU network.
+
+  ``rows`` is the mesh axis the batch's rows lie on: ``"data"`` in a plain
+  ``jax.jit`` step, None for one device's rows inside a ``jax.shard_map`` over it.
+  """
 
   def loss(params, batch):
     x = batch["x"]
     for index in range(num_layers):
       layer = params[f"layer_{index}"]
-      x = _dense(x, layer["kernel"], layer["bias"], explicit)
+      x = _dense(x, layer["kernel"], layer["bias"], explicit, rows)
       if index < num_layers - 1:
         x = jax.nn.relu(x)
     return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(x, batch["label"]))
@@ -152,6 +160,8 @@ def make_loss(num_layers: int, explicit: bool) -> Callable[[Any, Any], jax.Array
 
 def make_steps(
   loss: Callable[[Any, Any], jax.Array],
+  device_loss: Callable[[Any, Any], jax.Array],
+  param_specs: Any = None,
 ) -> tuple[dict[str, Step], dict[str, optax.GradientTransformation]]:
   """The step of each variant and its optimizer, by name (:data:`VARIANTS`).
 
@@ -160,7 +170,11 @@ def make_steps(
     odd-numbered examples, one pass after the other) and ``optax.sgd`` on
     their mean, the similarity not measured: what the halves cost alone;
   * ``simigrad``: the same with ``simigrad_jax.transform()`` chained before
-    ``optax.sgd``, given the two halves: the SimiGrad step.
+    ``optax.sgd``, given the two halves: the SimiGrad step;
+  * ``groups``: :func:`simigrad_jax.device_halves_step` of ``device_loss``
+    (the loss of one device's rows) with ``simigrad_jax.transform("data")``:
+    the even data positions against the odd ones (``param_specs``, the
+    parameters' specs, for ``Auto`` axes).
 
   Each ``step(params, opt_state, batch) -> (params, opt_state, loss)``.
   """
@@ -168,6 +182,7 @@ def make_steps(
     "plain": optax.sgd(LEARNING_RATE),
     "halves": optax.sgd(LEARNING_RATE),
     "simigrad": optax.chain(simigrad_jax.transform(), optax.sgd(LEARNING_RATE)),
+    "groups": optax.chain(simigrad_jax.transform("data"), optax.sgd(LEARNING_RATE)),
   }
 
   def plain(params, opt_state, batch):
@@ -188,12 +203,21 @@ def make_steps(
     "plain": plain,
     "halves": with_halves("halves", False),
     "simigrad": with_halves("simigrad", True),
+    "groups": simigrad_jax.device_halves_step(
+      device_loss, optimizers["groups"], param_specs=param_specs
+    ),
   }
   return steps, optimizers
 
 
-def reference_similarity(widths: Sequence[int], params: Any, batch: Any) -> float:
-  """``cos(g_A, g_B)`` in float64 on one device: g_A of the even-numbered examples, g_B the odd."""
+def reference_similarity(
+  widths: Sequence[int],
+  params: Any,
+  batch: Any,
+  halves: tuple[Any, Any] = (slice(0, None, 2), slice(1, None, 2)),
+) -> float:
+  """``cos(g_A, g_B)`` in float64 on one device: g_A of the rows ``halves[0]`` (default the
+  even-numbered examples), g_B of ``halves[1]`` (the odd)."""
   loss = make_loss(len(widths) - 1, explicit=False)
   with jax.enable_x64(True):
     params64 = jax.tree.map(lambda a: np.asarray(a, np.float64), params)
@@ -203,5 +227,5 @@ def reference_similarity(widths: Sequence[int], params: Any, batch: Any) -> floa
       half = jax.tree.map(lambda a: a[rows], batch)
       return np.concatenate([np.ravel(g) for g in jax.tree.leaves(grad(params64, half))])
 
-    g_a, g_b = flat(slice(0, None, 2)), flat(slice(1, None, 2))
+    g_a, g_b = flat(halves[0]), flat(halves[1])
     return float(g_a @ g_b / (np.linalg.norm(g_a) * np.linalg.norm(g_b)))

@@ -26,7 +26,9 @@ Start here:
 
 Realising a batch size on the devices (host side):
   plan_batch, BatchPlan, BucketPolicy, bucket_shapes, representable_batch_sizes.
-Your own step, in-graph: value_and_half_grads, HalfGrads; with Flax NNX,
+Your own step, in-graph: value_and_half_grads, HalfGrads; device_halves_step
+  (a plain-jit step on a mesh whose halves are the data axis's even and odd
+  devices; deal_to_devices orders its batch); with Flax NNX,
   nnx_value_and_half_grads and set_nnx_lr_factor (flax imported when called).
 Run services: EpochSampler, Checkpointer, MetricsWriter, read_metrics,
   ProgressBar, simulated_cpu_devices_env (set before JAX starts),
@@ -56,6 +58,7 @@ from simigrad_jax.controllers.registry import register_controller
 from simigrad_jax.controllers.replay import replay_controller
 from simigrad_jax.controllers.replay import replay_schedule
 from simigrad_jax.controllers.simigrad import Controller
+from simigrad_jax.data.device_order import deal_to_devices
 from simigrad_jax.data.grain_source import GrainSource
 from simigrad_jax.data.record_reader import BadRecordError
 from simigrad_jax.data.sampler import EpochSampler
@@ -82,6 +85,7 @@ from simigrad_jax.flax_nnx import nnx_value_and_half_grads
 from simigrad_jax.flax_nnx import set_nnx_lr_factor
 from simigrad_jax.ingraph.batch_coupling import BatchCouplingState
 from simigrad_jax.ingraph.batch_coupling import couple_to_batch_size
+from simigrad_jax.ingraph.device_halves_step import device_halves_step
 from simigrad_jax.ingraph.half_batch import value_and_half_grads
 from simigrad_jax.ingraph.lr_scaling import LrFactorState
 from simigrad_jax.ingraph.lr_scaling import scale_by_lr_factor
@@ -171,4 +175,6 @@ __all__ = [
   "simulated_cpu_devices_env",
   "transform",
   "value_and_half_grads",
+  "deal_to_devices",
+  "device_halves_step",
 ]

@@ -90,7 +90,7 @@ def test_tiny_run_writes_schema_and_ring_model_ratios(reduction, tmp_path, devic
   ):
     assert bytes_of[name] / bytes_of["pmean"] == pytest.approx(ratio, rel=0.02), name
   kinds = {c["kind"] for c in written["variants"]["transform"]["collectives"]}
-  assert kinds == {"reduce-scatter", "collective-permute", "all-gather", "all-reduce"}
+  assert kinds == {"reduce-scatter", "all-to-all", "all-gather", "all-reduce"}
   goals = written["goals"]
   assert set(goals) == {"transform.bytes_ratio_to_pmean", "transform.bytes_accessed_ratio_to_pmean"}
   assert goals["transform.bytes_ratio_to_pmean"]["met"]
@@ -133,7 +133,7 @@ def test_hierarchical_transform_sends_one_all_reduce_in_the_gradient_dtype(
   # bytes where the backend reduces bf16 (XLA:CPU widens bf16 collectives to f32, pmean's too).
   short = "bf16" if dtype == "bfloat16" else "f32"
   jaxpr = str(jax.make_jaxpr(transform)(grads))
-  for op in ("reduce_scatter", "ppermute", "all_gather"):
+  for op in ("reduce_scatter", "all_to_all", "all_gather"):
     lines = [line for line in jaxpr.splitlines() if f"= {op}[" in line]
     assert lines and all(f":{short}[" in line.split("=")[0] for line in lines), (op, lines)
   statistics = [c for c in measured["transform"][0] if c.payload_bytes <= 64]

@@ -28,9 +28,10 @@ all-reduce of the gradient:
   leaves, reduce-scatter within each parity group (the even devices; the odd
   devices), so that devices ``2j`` and ``2j + 1`` hold the same two pieces of
   their own group's sum; each keeps one piece and swaps the other with its
-  partner, takes the dot products and norms on the piece it now holds for both
-  halves, computes its piece of the mean, and one tiled all-gather over all
-  devices assembles the mean. The sends add up to ``2 (n - 1) / n`` of the
+  partner (one all-to-all within the pair: no collective-permute), takes the
+  dot products and norms on the piece it now holds for both halves, computes
+  its piece of the mean, and one tiled all-gather over all devices assembles
+  the mean. The sends add up to ``2 (n - 1) / n`` of the
   gradient, exactly what an all-reduce sends. No whole-gradient concatenation,
   stack or copy: large leaves are reduced in place, small leaves share one
   bucket per dtype. With the local split there are two vectors to reduce, so
@@ -52,6 +53,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from simigrad_jax.ingraph import group_reduction
 from simigrad_jax.ingraph.half_statistics import HalfStatistics
 from simigrad_jax.ingraph.half_statistics import finish_statistics
 from simigrad_jax.ingraph.half_statistics import flatten_up_to
@@ -97,15 +99,20 @@ def check_even_axis(axis_name: str) -> int:
 # ------------------------------------------------------------------ buckets of leaves
 
 
-def _buckets(leaves: list[jax.Array]) -> list[list[int]]:
-  """Leaf indices per bucket: every large leaf alone, the small ones of each dtype together."""
+def _buckets(leaves: list[jax.Array], weights: list[float] | None = None) -> list[list[int]]:
+  """Leaf indices per bucket: every large leaf alone, the small ones of each dtype together.
+
+  With ``weights`` (one per leaf), small leaves share a bucket only with
+  leaves of the same weight.
+  """
   buckets: list[list[int]] = []
-  small: dict[jnp.dtype, list[int]] = {}
+  small: dict[tuple[jnp.dtype, float], list[int]] = {}
   for index, leaf in enumerate(leaves):
     if leaf.size >= SMALL_LEAF_SIZE:
       buckets.append([index])
     else:
-      small.setdefault(jnp.dtype(leaf.dtype), []).append(index)
+      weight = 1.0 if weights is None else weights[index]
+      small.setdefault((jnp.dtype(leaf.dtype), weight), []).append(index)
   return buckets + [indices for indices in small.values() if indices]
 
 
@@ -140,7 +147,7 @@ def _gather_kwargs(axis_name: str) -> dict[str, str]:
 
 
 class _GroupsUnsupported(Exception):
-  """This trace cannot reduce-scatter within device groups (``jax.vmap`` cannot)."""
+  """This trace cannot reduce within device groups (``jax.vmap`` cannot)."""
 
 
 def _scatter_within(flat: jax.Array, axis_name: str, groups: list[list[int]]) -> jax.Array:
@@ -159,6 +166,11 @@ def reduce_device_halves(
 ) -> tuple[object, HalfStatistics]:
   """Reduces each device's own gradient to the mean and the statistics of the parity halves.
 
+  Inside a ``jax.shard_map`` that is manual over ``axis_name`` only, with
+  other mesh axes left to XLA's partitioner (tensor-parallel leaves), the
+  hierarchical reduction runs on each device's own shard of every leaf
+  (:func:`simigrad_jax.ingraph.group_reduction.on_local_shards`).
+
   Args:
     grads: this device's gradient (a pytree).
     axis_name: the mapped axis to reduce over; its size must be even.
@@ -173,55 +185,73 @@ def reduce_device_halves(
   """
   _check_reduction(reduction)
   num_devices = check_even_axis(axis_name)
-  parity = device_parity(axis_name)
-  groups = [list(range(0, num_devices, 2)), list(range(1, num_devices, 2))]
-  sign = 1 - 2 * parity  # +1 on the first half, -1 on the second: d_i = sign * m_i
+  sign = 1 - 2 * device_parity(
+    axis_name
+  )  # +1 on the first half, -1 on the second: d_i = sign * m_i
   if reduction != "hierarchical":
     return _reduce_concatenated(grads, None, axis_name, reduction, zero_nonfinite, diff_sign=sign)
   try:
-    return _reduce_hierarchical(grads, axis_name, num_devices, parity, groups, zero_nonfinite)
+    return group_reduction.on_local_shards(
+      lambda local, weights, other_axes: reduce_hierarchical(
+        local, axis_name, num_devices, zero_nonfinite, weights=weights, other_axes=other_axes
+      ),
+      grads,
+      axis_name,
+    )
   except _GroupsUnsupported:
     # Under jax.vmap with a named axis there is no network to save bytes on.
     return _reduce_concatenated(grads, None, axis_name, "scatter", zero_nonfinite, diff_sign=sign)
 
 
-def _reduce_hierarchical(
+def _both_halves(own: jax.Array, axis_name: str, num_devices: int) -> tuple[jax.Array, jax.Array]:
+  """The first and second half's sums of one piece, from partners' ``(2, L)`` group pieces.
+
+  Devices ``2j`` (first half) and ``2j + 1`` (second half) each hold their
+  own half's sums of pieces ``2j`` and ``2j + 1``. One all-to-all within the
+  pair sends each device's row ``k`` to the pair's device ``k``: device
+  ``2j + k`` receives both halves' sums of piece ``2j + k``, first half first.
+  Each device sends one row, what a swap with the partner would send, and no
+  collective-permute is needed.
+  """
+  pairs = [[i, i + 1] for i in range(0, num_devices, 2)]
+  try:
+    both = lax.all_to_all(own, axis_name, 0, 0, tiled=True, axis_index_groups=pairs)
+  except NotImplementedError as error:
+    raise _GroupsUnsupported() from error
+  return both[0], both[1]
+
+
+def reduce_hierarchical(
   grads: Any,
   axis_name: str,
   num_devices: int,
-  parity: jax.Array,
-  groups: list[list[int]],
   zero_nonfinite: bool,
+  *,
+  weights: list[float] | None = None,
+  other_axes: tuple[str, ...] = (),
 ) -> tuple[object, HalfStatistics]:
-  """The device split's ``"hierarchical"`` reduction (see the module docstring)."""
+  """The device split's ``"hierarchical"`` reduction (see the module docstring).
+
+  ``weights`` (one per leaf) scale each leaf's statistics, and the partial
+  sums are added over ``axis_name`` and ``other_axes``: a leaf whose shard
+  repeats on ``k`` devices of the other axes counts ``1 / k`` on each.
+  """
+  groups = [list(range(0, num_devices, 2)), list(range(1, num_devices, 2))]
   half = num_devices // 2
-  partners = [(i, i ^ 1) for i in range(num_devices)]
   leaves, treedef = jax.tree.flatten(grads)
-  buckets = _buckets(leaves)
+  buckets = _buckets(leaves, weights)
   pieces = []
   partial = jnp.zeros((4,), jnp.float32)
   for indices in buckets:
     flat = _flat_bucket(leaves, indices, num_devices)
-    dtype = flat.dtype
     # Device 2j and 2j + 1 receive pieces (2j, 2j + 1) of their own group's sum.
     own = _scatter_within(flat, axis_name, groups).reshape(2, -1)
-    kept = lax.dynamic_index_in_dim(own, parity, keepdims=False)  # piece 2j + parity
-    sent = lax.dynamic_index_in_dim(own, 1 - parity, keepdims=False)
-    other = lax.ppermute(sent, axis_name, partners)  # the other group's sum of the kept piece
-    mean_piece = (kept + other) / jnp.asarray(num_devices, dtype)
-    partial = partial + pair_statistics(kept, other)
-    pieces.append(mean_piece)
-
-  # On an odd device "kept" is the second half's sum: swap the norms before summing.
-  dot, sq_kept, sq_other, sq_mean = partial
-  first = parity == 0
-  sums = lax.psum(
-    jnp.stack(
-      [dot, jnp.where(first, sq_kept, sq_other), jnp.where(first, sq_other, sq_kept), sq_mean]
-    ),
-    axis_name,
-  )
-  sums = sums / float(half * half)  # the groups' sums are half times their means
+    first, second = _both_halves(own, axis_name, num_devices)
+    pieces.append((first + second) / jnp.asarray(num_devices, flat.dtype))
+    weight = 1.0 if weights is None else weights[indices[0]]
+    partial = partial + weight * pair_statistics(first, second)
+  # The groups' sums are half times their means.
+  sums = lax.psum(partial, (axis_name, *other_axes)) / float(half * half)
   stats = finish_statistics(*sums)
   return _gather_mean(pieces, buckets, leaves, treedef, axis_name, stats, zero_nonfinite), stats
 

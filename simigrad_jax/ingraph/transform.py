@@ -211,6 +211,11 @@ def transform(
   taken over all leaves as one vector and accumulated in float32. The host reads it with
   :func:`simigrad_jax.similarity` and feeds it to :class:`simigrad_jax.Controller`.
 
+  Inside a ``jax.shard_map`` that is manual over the data axis only, model
+  axes left to XLA's partitioner (:func:`simigrad_jax.device_halves_step`),
+  each device reduces its own shard of every leaf, so a tensor-parallel
+  gradient is not gathered.
+
   With one device or an odd number of devices the device halves do not exist;
   then split each device's own batch in two and pass the two half gradients
   as ``half_grads`` (the helper :func:`simigrad_jax.value_and_half_grads`

@@ -1,0 +1,134 @@
+"""In-graph: the device split's reduction on each device's own shards, model axes left to XLA.
+
+A ``jax.shard_map`` that is manual over the data axis only (``axis_names=
+{"data"}``) leaves the mesh's other axes (tensor-parallel ``model`` axes) to
+XLA's partitioner: inside it, a gradient leaf is still a global array over
+those axes. XLA partitions an all-reduce over the data axis on each shard, but
+it gathers a leaf whole across the other axes before a reduce-scatter, an
+all-to-all or an all-gather over the data axis, the collectives of the
+hierarchical reduction (:mod:`simigrad_jax.ingraph.halves_reduction`).
+
+:func:`on_local_shards` therefore runs the reduction in a nested
+``jax.shard_map`` over the other axes, with each leaf's own partition spec:
+every device reduces the shard it holds, so nothing is gathered and the mean
+keeps each leaf's sharding. A leaf's spec is read from its type, which
+carries it under ``Explicit`` mesh axes; under ``Auto`` axes only XLA knows
+it, and the leaf is taken whole (gathered over the other axes), which costs
+memory and bytes over those axes (``docs/design.md``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import math
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
+
+# reduce(local_grads, weights, other_axes) -> (mean, stats): the reduction run on local shards.
+LocalReduction = Callable[[Any, "list[float] | None", tuple[str, ...]], tuple[Any, Any]]
+
+
+# Trace time only: the partition specs of the gradient's leaves, where their types do not say.
+_GRADIENT_SPECS = contextvars.ContextVar[Any]("simigrad_jax_gradient_specs", default=None)
+
+
+@contextlib.contextmanager
+def gradient_specs(specs: Any) -> Iterator[None]:
+  """While tracing the block, a gradient with the structure of ``specs`` is laid out as they say.
+
+  ``specs`` is a pytree of ``PartitionSpec``, one per gradient leaf (the
+  parameters' specs without the data axis). A step that knows its parameters'
+  layout but runs the reduction where the leaves' types do not carry it
+  (``Auto`` axes) gives it here.
+  """
+  token = _GRADIENT_SPECS.set(specs)
+  try:
+    yield
+  finally:
+    _GRADIENT_SPECS.reset(token)
+
+
+def _given_specs(treedef: Any, count: int) -> list[P] | None:
+  specs = _GRADIENT_SPECS.get()
+  if specs is None:
+    return None
+  leaves, given = jax.tree.flatten(specs, is_leaf=lambda x: isinstance(x, P))
+  return leaves if given == treedef and len(leaves) == count else None
+
+
+def axes_left_to_partitioner() -> tuple[str, ...]:
+  """The axes of the current mesh, of more than one device, that are not manual here."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return ()
+  return tuple(
+    name
+    for name, kind in zip(mesh.axis_names, mesh.axis_types, strict=True)
+    if kind != AxisType.Manual and mesh.shape[name] > 1
+  )
+
+
+def _spec_over(leaf: jax.Array, axes: tuple[str, ...], given: P | None = None) -> P:
+  """``leaf``'s partition spec restricted to ``axes``: ``given``, else its type's (or P())."""
+  sharding = getattr(jax.typeof(leaf), "sharding", None)
+  entries = tuple(given if given is not None else getattr(sharding, "spec", ()))
+
+  def kept(entry: Any) -> Any:
+    names = (entry,) if isinstance(entry, str) else tuple(entry or ())
+    inside = tuple(name for name in names if name in axes)
+    return inside[0] if len(inside) == 1 else (inside or None)
+
+  return P(*(kept(entry) for entry in entries))
+
+
+def _named_axes(spec: P) -> set[str]:
+  names: set[str] = set()
+  for entry in spec:
+    names.update((entry,) if isinstance(entry, str) else tuple(entry or ()))
+  return names
+
+
+def on_local_shards(reduce: LocalReduction, grads: Any, axis_name: str) -> tuple[Any, Any]:
+  """Runs ``reduce`` on each device's own shard of every leaf of ``grads``.
+
+  Args:
+    reduce: ``reduce(local_grads, weights, other_axes) -> (mean, stats)``: the
+      reduction over ``axis_name`` of plain per-device arrays. ``weights``
+      (one per leaf, or None) is the share of a leaf's statistics that each
+      device adds: ``1 / k`` for a leaf whose shard repeats on ``k`` devices
+      of ``other_axes``; the statistics' partial sums are to be added over
+      ``axis_name`` and ``other_axes``.
+    grads: this data position's gradient (a pytree), global over the axes
+      left to the partitioner.
+    axis_name: the manual data axis.
+
+  Returns:
+    ``reduce``'s ``(mean, stats)``, the mean laid out as ``grads`` is.
+  """
+  other_axes = tuple(name for name in axes_left_to_partitioner() if name != axis_name)
+  if not other_axes:
+    return reduce(grads, None, ())
+  mesh = jax.sharding.get_abstract_mesh()
+  leaves, treedef = jax.tree.flatten(grads)
+  given = _given_specs(jax.tree.structure(grads), len(leaves))
+  specs = [
+    _spec_over(leaf, other_axes, given[index] if given else None)
+    for index, leaf in enumerate(leaves)
+  ]
+  weights = [
+    1.0 / math.prod(mesh.shape[name] for name in other_axes if name not in _named_axes(spec))
+    for spec in specs
+  ]
+  spec_tree = jax.tree.unflatten(treedef, specs)
+  return jax.shard_map(
+    lambda local: reduce(local, weights, other_axes),
+    in_specs=(spec_tree,),
+    out_specs=(spec_tree, P()),
+    axis_names=set(other_axes),
+    check_vma=False,
+  )(grads)
