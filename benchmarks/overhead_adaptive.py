@@ -36,13 +36,18 @@ Timing: ``--rounds`` rounds time each variant over ``--steps`` optimizer
 steps, the order rotating each round, as in ``benchmarks/overhead.py``
 (:func:`benchmarks.overhead.time_rounds`); a window is one
 ``trainer.train(num_steps=...)`` call up to its end-of-run checkpoint save.
-Reported per variant: the median examples/s, ``ratio_to_fixed`` (the
-medians' ratio), ``ratio_to_fixed_paired`` (the median of the rounds'
-ratios) and its range (lowest and highest round), and from the timed steps'
-records the average batch size, the share of the rows computed that were
+Reported per variant: ``ratio_to_fixed_run``, the examples/s of all its
+timed windows together (their examples over their seconds) against the
+fixed run's; the median examples/s, ``ratio_to_fixed`` (the medians'
+ratio), ``ratio_to_fixed_paired`` (the median of the rounds' ratios) and its
+range (lowest and highest round). The adaptive run's rounds are successive
+stretches of its trajectory, each at other batch sizes, so a round's ratio
+mixes where the run is with what adapting costs; the whole run's ratio is
+the one the goal takes. From the timed steps' records the average batch size, the share of the rows computed that were
 padding (``padding_fraction``), the median host critical path
 (``host_seconds``), the average micro-steps, and the compiles and shapes.
-Goals, printed as PASS/FAIL: ``adaptive`` at least 0.95x ``fixed``,
+Goals, printed as PASS/FAIL: ``adaptive`` at least 0.95x ``fixed`` over the
+whole run (``ratio_to_fixed_run``),
 padding at most 5% and a host critical path at most 1 ms.
 
 NOTE: CPU timings are noisy (other processes; the simulated devices share
@@ -88,7 +93,7 @@ from benchmarks.overhead_loops import make_data  # noqa: E402
 
 FULL = {"batch_size": 256, "steps": 30, "rounds": 5, "warmup_steps": 5}
 QUICK = {"batch_size": 32, "steps": 3, "rounds": 2, "warmup_steps": 2}
-GOALS = {"ratio_to_fixed": 0.95, "padding_fraction": 0.05, "host_seconds": 0.001}
+GOALS = {"ratio_to_fixed_run": 0.95, "padding_fraction": 0.05, "host_seconds": 0.001}
 
 
 def _trainer_report(loop: TrainerLoop) -> dict[str, Any]:
@@ -142,7 +147,8 @@ def run(args: argparse.Namespace, root: pathlib.Path, cache: str) -> dict[str, A
       build(f"adaptive_s{per_octave}", args.batch_size, True, shapes_per_octave=per_octave)
     for size in args.step_curve:
       build(f"curve_{size}", size, False, max_micro_batch_size=size // n)
-    rates = time_rounds(dict(loops), args.steps, args.rounds)
+    windows = {name: _Windows(loop) for name, loop in loops.items()}
+    rates = time_rounds(windows, args.steps, args.rounds)
     reports = {name: _trainer_report(loop) for name, loop in loops.items()}
     curve = {size: loops[f"curve_{size}"].timed_records() for size in args.step_curve}
     breakdown = _breakdown(loops["adaptive"].timed_records(), curve) if len(curve) >= 2 else None
@@ -150,10 +156,13 @@ def run(args: argparse.Namespace, root: pathlib.Path, cache: str) -> dict[str, A
     for loop in loops.values():
       loop.close()
   fixed = statistics.median(rates["fixed"])
+  fixed_run = windows["fixed"].examples_per_second()
   variants = {}
   for name, report in reports.items():
     paired = [a / b for a, b in zip(rates[name], rates["fixed"])]
     variants[name] = {
+      "examples_per_second_run": windows[name].examples_per_second(),
+      "ratio_to_fixed_run": windows[name].examples_per_second() / fixed_run,
       "examples_per_second": statistics.median(rates[name]),
       "ratio_to_fixed": statistics.median(rates[name]) / fixed,
       "ratio_to_fixed_paired": statistics.median(paired),
@@ -174,6 +183,25 @@ def run(args: argparse.Namespace, root: pathlib.Path, cache: str) -> dict[str, A
     "breakdown": breakdown,
     "goals": _goals(variants["adaptive"]),
   }
+
+
+class _Windows:
+  """A variant's loop that keeps each timed window's examples and seconds."""
+
+  def __init__(self, loop: TrainerLoop) -> None:
+    self.loop = loop
+    self.examples = 0
+    self.seconds = 0.0
+
+  def run(self, steps: int) -> tuple[int, float]:
+    examples, seconds = self.loop.run(steps)
+    self.examples += examples
+    self.seconds += seconds
+    return examples, seconds
+
+  def examples_per_second(self) -> float:
+    """All the windows' examples over their seconds."""
+    return self.examples / self.seconds
 
 
 def _breakdown(
@@ -207,7 +235,7 @@ def _goals(adaptive: dict[str, Any]) -> dict[str, dict[str, Any]]:
   goals = {}
   for key, bound in GOALS.items():
     value = adaptive[key]
-    passed = value is not None and (value >= bound if key == "ratio_to_fixed" else value <= bound)
+    passed = value is not None and (value >= bound if key.startswith("ratio") else value <= bound)
     goals[key] = {"bound": bound, "value": value, "pass": passed}
   return goals
 
@@ -218,14 +246,16 @@ def _format_table(results: dict[str, Any]) -> str:
     f"{results['initial_batch_size']} against fixed at {results['fixed_batch_size']} "
     f"(max_micro_batch_size {results['max_micro_batch_size']}), {results['rounds']} rounds "
     f"of {results['steps']} steps",
-    f"  {'variant':17s} {'examples/s':>10s} {'x fixed':>7s} {'paired (range)':>20s} "
+    f"  {'variant':17s} {'run x fixed':>11s} {'examples/s':>10s} {'x fixed':>7s} "
+    f"{'paired (range)':>20s} "
     f"{'avg batch':>9s} {'padding':>7s} {'host ms':>7s} {'micro':>5s} {'shapes':>6s}",
   ]
   for name, v in results["variants"].items():
     low, high = v["ratio_to_fixed_paired_range"]
     host = "-" if v["host_seconds"] is None else f"{v['host_seconds'] * 1e3:.2f}"
     lines.append(
-      f"  {name:17s} {v['examples_per_second']:10,.0f} {v['ratio_to_fixed']:7.3f} "
+      f"  {name:17s} {v['ratio_to_fixed_run']:11.3f} {v['examples_per_second']:10,.0f} "
+      f"{v['ratio_to_fixed']:7.3f} "
       f"{v['ratio_to_fixed_paired']:7.3f} ({low:.3f}-{high:.3f}) "
       f"{v['average_batch_size']:9.1f} {v['padding_fraction']:7.1%} {host:>7s} "
       f"{v['average_accumulation_steps']:5.2f} {v['shapes']:6d}"
@@ -245,7 +275,7 @@ def _format_table(results: dict[str, Any]) -> str:
     )
   for key, goal in results["goals"].items():
     lines.append(
-      f"  goal {key} {'>=' if key == 'ratio_to_fixed' else '<='} {goal['bound']}: "
+      f"  goal {key} {'>=' if key.startswith('ratio') else '<='} {goal['bound']}: "
       f"{goal['value']:.4g} {'PASS' if goal['pass'] else 'FAIL'}"
     )
   return "\n".join(lines)
