@@ -41,8 +41,8 @@ def test_fixed_is_held_at_the_adaptive_average_and_ratios_are_to_it(quick_run):
     rounds = variant["examples_per_second_rounds"]
     assert len(rounds) == quick_run["rounds"] == 2, name
     # The whole run's examples/s lies between its slowest and fastest round's.
-    assert min(rounds) * (1 - 1e-9) <= variant["examples_per_second_run"] <= max(rounds) * (
-      1 + 1e-9
+    assert (
+      min(rounds) * (1 - 1e-9) <= variant["examples_per_second_run"] <= max(rounds) * (1 + 1e-9)
     ), name
     assert variant["ratio_to_fixed_run"] == pytest.approx(
       variant["examples_per_second_run"] / fixed["examples_per_second_run"]

@@ -119,9 +119,11 @@ def test_batch_sizes_that_leave_a_device_an_odd_number_of_rows_are_refused(shard
     sharded.main(["--quick", "--layouts", "data,pipeline"])
 
 
-def test_the_groups_step_meets_its_goals_where_no_parameter_is_sharded_over_data(quick_run):
+def test_the_groups_step_meets_its_goals_but_where_xla_moves_activations(quick_run):
   """Even against odd data positions: no permute, the similarity of the dealt batch's even and
-  odd examples, the plain step's update; 1.0x memory and bytes without FSDP."""
+  odd examples, the plain step's update; at most the plain step's memory and bytes, FSDP blocks
+  kept, but with FSDP and tensor parallelism under Auto axes (XLA plans that plain step around
+  the blocks, moving activations)."""
   written, _ = quick_run
   for key, run in written["runs"].items():
     groups = run["groups"]
@@ -129,7 +131,7 @@ def test_the_groups_step_meets_its_goals_where_no_parameter_is_sharded_over_data
     assert groups["similarity_error"] <= 1e-4, key
     assert groups["update_error"] <= 1e-6, key
     assert groups["sharding_kept"], key
-    if run["layout"] in ("data", "tp"):
+    if run["layout"] != "fsdp_tp" or run["axes"] == "explicit":
       assert groups["temp_ratio_to_plain"] <= 1.05, key
       assert groups["collective_bytes_ratio_to_plain"] <= 1.001, key
   for goal in ("groups: collective-permutes", "groups: |similarity - float64 reference|"):

@@ -466,3 +466,37 @@ def test_pair_statistics_of_long_pieces_keep_float32_accuracy():
   a64, b64 = a.astype(np.float64), b.astype(np.float64)
   want = np.array([a64 @ b64, a64 @ a64, b64 @ b64, (a64 + b64) @ (a64 + b64) / 4])
   np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+def test_scatter_dims_keep_each_devices_block_of_the_mean_and_the_same_statistics(devices):
+  """FSDP's layout: device i of n keeps block i of the mean along the leaf's dimension."""
+  n = len(devices)
+  rng = np.random.default_rng(3)
+  grads = {
+    "rows": rng.normal(size=(n, 2 * n, 3)).astype(np.float32),  # blocks along dimension 0
+    "columns": rng.normal(size=(n, 5, n)).astype(np.float32),  # blocks along dimension 1
+    "bias": rng.normal(size=(n, 5)).astype(np.float32),  # replicated: gathered whole
+  }
+  dims = {"rows": 0, "columns": 1, "bias": None}
+
+  def reduce(g, scatter_dims):
+    return halves_reduction.reduce_device_halves(g, AXIS, scatter_dims=scatter_dims)
+
+  blocks, stats = jax.pmap(lambda g: reduce(g, dims), axis_name=AXIS)(grads)
+  whole, whole_stats = jax.pmap(lambda g: reduce(g, None), axis_name=AXIS)(grads)
+  mean = jax.tree.map(lambda x: x.mean(0), grads)
+  for i in range(n):
+    np.testing.assert_allclose(blocks["rows"][i], mean["rows"][2 * i : 2 * i + 2], rtol=1e-5)
+    np.testing.assert_allclose(blocks["columns"][i], mean["columns"][:, i : i + 1], rtol=1e-5)
+    np.testing.assert_allclose(blocks["bias"][i], mean["bias"], rtol=1e-5)
+  for got, want in zip(stats, whole_stats, strict=True):
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5)
+  np.testing.assert_allclose(whole["rows"][0], mean["rows"], rtol=1e-5)
+
+  with pytest.raises(ValueError, match="size 5.*divides by 8"):
+    jax.pmap(lambda g: reduce(g, {"rows": 0, "columns": 0, "bias": None}), axis_name=AXIS)(grads)
+  with pytest.raises(ValueError, match="needs reduction='hierarchical'"):
+    jax.pmap(
+      lambda g: halves_reduction.reduce_device_halves(g, AXIS, "scatter", scatter_dims=dims),
+      axis_name=AXIS,
+    )(grads)

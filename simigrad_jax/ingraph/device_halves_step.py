@@ -1,14 +1,15 @@
 """In-graph: a plain ``jax.jit`` step whose halves are the even and odd devices of the data axis.
 
 :func:`device_halves_step` builds the step of an own training loop on a mesh
-with a data axis and, optionally, model axes: inside one ``jax.shard_map``
-that is manual over the data axis only, each device takes the gradient of its
-own rows and :func:`simigrad_jax.transform` (named for the data axis) reduces
+with a data axis and, optionally, model axes: in a ``jax.shard_map`` that is
+manual over the data axis only, each device takes the gradient of its own
+rows; :func:`simigrad_jax.transform` (named for the data axis) then reduces
 the devices' gradients as the reference implementation does, the even
-devices against the odd ones, for the bytes of one all-reduce. The model axes
-stay with XLA's partitioner, so the loss is written as for a plain ``jit``
-step, and no row or activation moves between devices.
-"""
+devices against the odd ones, for the bytes of one all-reduce, into the
+parameters' own layout (FSDP blocks stay blocks), and the rest of the
+optimizer runs on global arrays. The model axes stay with XLA's
+partitioner, so the loss is written as for a plain ``jit`` step, and no row
+or activation moves between devices."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 from simigrad_jax.ingraph import group_reduction
+from simigrad_jax.ingraph import halves_reduction
 from simigrad_jax.ingraph import transform as transform_lib
 
 Step = Callable[[Any, Any, Any], tuple[Any, ...]]
@@ -63,16 +65,17 @@ def _without_axis(spec: P, axis_name: str) -> P:
   return P(*(kept(entry) for entry in spec))
 
 
-def _gathered_over(tree: Any, axis_name: str) -> tuple[Any, Any]:
-  """Explicit axes: each leaf resharded without ``axis_name`` (FSDP gathered); its old specs."""
-  specs = jax.tree.map(lambda leaf: jax.typeof(leaf).sharding.spec, tree)
-  gathered = jax.tree.map(
-    lambda leaf, spec: jax.sharding.reshard(leaf, _without_axis(spec, axis_name)),
-    tree,
-    specs,
-    is_leaf=lambda x: isinstance(x, jax.Array),
-  )
-  return gathered, specs
+def _data_dim(spec: P, axis_name: str) -> int | None:
+  """The dimension that ``spec`` shards over ``axis_name`` alone (FSDP), else None."""
+  for dim, entry in enumerate(spec):
+    if entry == axis_name or entry == (axis_name,):
+      return dim
+  return None
+
+
+def _over_data_at(dim: int | None, axis_name: str) -> P:
+  """The spec of a leaf sharded over ``axis_name`` on ``dim`` (None: replicated), data axis only."""
+  return P() if dim is None else P(*([None] * dim), axis_name)
 
 
 def _mean_over(tree: Any, axis_name: str) -> Any:
@@ -81,6 +84,58 @@ def _mean_over(tree: Any, axis_name: str) -> Any:
     lambda x: lax.pmean(x, axis_name) if jnp.issubdtype(jnp.result_type(x), jnp.inexact) else x,
     tree,
   )
+
+
+class _Layout:
+  """Where the parameters' leaves lie: the specs the step's ``shard_map``s take and give.
+
+  ``specs`` are the parameters' whole specs (None: unknown, all replicated
+  over the data axis). A leaf sharded over the data axis alone on one
+  dimension (FSDP) enters the gradient's ``shard_map`` as its block, is
+  gathered there for the loss, and its mean gradient comes back as that
+  block: its ``dim``. A leaf whose spec names the data axis together with
+  another one on a dimension is gathered whole over the data axis.
+  """
+
+  def __init__(self, params: Any, specs: Any, axis_name: str) -> None:
+    if specs is None:
+      specs = jax.tree.map(lambda leaf: P(), params)
+    self.specs = specs
+    self.dims = jax.tree.map(lambda spec: _data_dim(spec, axis_name), specs, is_leaf=_is_spec)
+    self.entry = jax.tree.map(
+      lambda d: _over_data_at(d, axis_name), self.dims, is_leaf=lambda x: x is None
+    )
+    self.inner = jax.tree.map(lambda spec: _without_axis(spec, axis_name), specs, is_leaf=_is_spec)
+    self.mean = jax.tree.map(
+      lambda spec, d: spec if d is not None else _without_axis(spec, axis_name),
+      specs,
+      self.dims,
+      is_leaf=_is_spec,
+    )
+
+
+def _is_spec(x: Any) -> bool:
+  return isinstance(x, P)
+
+
+def _gather_blocks(params: Any, dims: Any, axis_name: str) -> Any:
+  """The parameters whole over ``axis_name``: each FSDP block all-gathered along its dimension.
+
+  Each device gathers its own shards over the other axes (a tensor-parallel
+  kernel's FSDP blocks stay tensor-parallel).
+  """
+  if all(d is None for d in jax.tree.leaves(dims, is_leaf=lambda x: x is None)):
+    return params
+
+  def gather(local: Any) -> Any:
+    return jax.tree.map(
+      lambda x, d: x if d is None else lax.all_gather(x, axis_name, axis=d, tiled=True),
+      local,
+      dims,
+      is_leaf=lambda x: x is None,
+    )
+
+  return group_reduction.each_local_shard(gather, params, axis_name)
 
 
 def device_halves_step(
@@ -94,17 +149,20 @@ def device_halves_step(
   """Builds a step for ``jax.jit`` whose halves are the data axis's even and odd devices.
 
   Each device of the data axis takes the gradient of its own rows of the
-  batch, and the optimizer, which chains ``simigrad_jax.transform(axis_name)``,
+  batch inside a ``jax.shard_map`` that is manual over ``axis_name`` only:
+  model axes stay with XLA's partitioner, so ``loss_fn`` is written as for a
+  plain ``jax.jit`` step over one device's rows, and tensor-parallel leaves
+  keep their sharding. The optimizer then runs on global arrays, as in a
+  plain step (a global-norm clip sees the whole gradient): its
+  ``simigrad_jax.transform(axis_name)``, which must come first in the chain,
   compares the even devices' mean gradient with the odd devices' and
   averages them (the bytes of one all-reduce of the gradient: the plain
-  step's). It all runs in one ``jax.shard_map`` that is manual over
-  ``axis_name`` only: model axes stay with XLA's partitioner, so
-  ``loss_fn`` is written as for a plain ``jax.jit`` step over one device's
-  rows, and tensor-parallel leaves keep their sharding. Parameters sharded
-  over the data axis itself (FSDP) are gathered at the step's entry and
-  sharded again at its exit (under ``Explicit`` axes; under ``Auto`` axes the
-  step returns them replicated over the data axis, for ``jax.jit``'s
-  ``out_shardings`` to lay out).
+  step's), and returns the mean laid out as the parameters are. Parameters
+  sharded over the data axis alone on one dimension (FSDP) enter as their
+  blocks and are gathered for the loss; their mean gradient is
+  reduce-scattered into the same blocks, so the update and the optimizer
+  state stay in blocks. A parameter whose spec names the data axis together
+  with another axis on one dimension is gathered whole instead.
 
   Call the step inside ``jax.jit`` and ``with jax.set_mesh(mesh):``, with the
   batch's leaves sharded over ``axis_name`` on their leading axis. The
@@ -121,9 +179,11 @@ def device_halves_step(
       its floating leaves averaged over the data axis.
     param_specs: under ``Auto`` mesh axes, the parameters' ``PartitionSpec``
       (a pytree like ``params``), which their types do not carry there: with
-      them each device reduces its own shards of tensor-parallel gradients;
-      without them those are gathered whole over the model axes. Under
-      ``Explicit`` axes the types say it, and this is not needed.
+      them each device reduces its own shards of tensor-parallel gradients
+      and keeps FSDP blocks; without them the parameters are taken as
+      replicated over the data axis (FSDP leaves gathered whole for the
+      step) and tensor-parallel gradients are gathered over the model axes.
+      Under ``Explicit`` axes the types say it, and this is not needed.
 
   Returns:
     ``step(params, opt_state, batch) -> (params, opt_state, loss)`` (``(params,
@@ -149,65 +209,95 @@ def device_halves_step(
       "(a non-empty string, such as 'data')"
     )
 
-  def per_device(params: Any, opt_state: Any, batch: Any) -> tuple[Any, ...]:
+  def per_device(params: Any, batch: Any) -> tuple[Any, ...]:
     # check_vma=False: the gradient of the parameters passed with P() is this device's own.
     value, grads = jax.value_and_grad(loss_fn, has_aux=has_aux)(params, batch)
-    with transform_lib.step_mapped_over(axis_name):
-      updates, opt_state = optimizer.update(grads, opt_state, params)
     loss, aux = value if has_aux else (value, None)
-    outputs = (optax.apply_updates(params, updates), opt_state, lax.pmean(loss, axis_name))
-    return outputs + ((_mean_over(aux, axis_name),) if has_aux else ())
+    stacked = jax.tree.map(lambda g: g[None], grads)  # a leading data dimension: no copy
+    return (stacked, lax.pmean(loss, axis_name)) + (
+      (_mean_over(aux, axis_name),) if has_aux else ()
+    )
 
   def step(params: Any, opt_state: Any, batch: Any) -> tuple[Any, ...]:
     mesh = _mesh_with(axis_name)
-    over_data = jax.shard_map(
-      per_device,
-      in_specs=(P(), P(), P(axis_name)),
-      out_specs=P(),
-      axis_names={axis_name},
-      check_vma=False,
-    )
-    if not _explicit(mesh):
-      specs = None
-      if param_specs is not None:
-        specs = jax.tree.map(
-          lambda spec: _without_axis(spec, axis_name),
-          param_specs,
-          is_leaf=lambda x: isinstance(x, P),
-        )
-      with group_reduction.gradient_specs(specs):
-        return over_data(params, opt_state, batch)
-    # Explicit axes: JAX lowers a shard_map's P() inputs as replicated over the other
-    # explicit axes too (a tensor-parallel kernel gathered whole); run it with those axes
-    # Auto, the leaves laid out as before, and give the reduction their specs.
-    params, placed_specs = _gathered_over(params, axis_name)
-    opt_state, state_specs = _gathered_over(opt_state, axis_name)
-    batch = jax.tree.map(lambda leaf: jax.sharding.reshard(leaf, P(axis_name)), batch)
-    others = tuple(name for name in mesh.axis_names if name != axis_name)
-    inner_specs = jax.tree.map(lambda spec: _without_axis(spec, axis_name), placed_specs)
-    inner_state = jax.tree.map(lambda spec: _without_axis(spec, axis_name), state_specs)
+    explicit = _explicit(mesh)
+    if explicit:
+      specs = jax.tree.map(lambda leaf: jax.typeof(leaf).sharding.spec, params)
+    else:
+      specs = param_specs
+    layout = _Layout(params, specs, axis_name)
     scalars = (P(),) * (2 if has_aux else 1)
-    batch_specs = jax.tree.map(lambda leaf: P(), batch)
+    others = tuple(name for name in mesh.axis_names if name != axis_name)
 
-    def per_device_explicit(params: Any, opt_state: Any, batch: Any) -> tuple[Any, ...]:
+    def device_gradients(params: Any, batch: Any) -> tuple[Any, ...]:
+      whole = _gather_blocks(params, layout.dims, axis_name)
+      if not explicit:
+        return per_device(whole, batch)
       # Inside, the other axes are Explicit again, so the loss names them as in a plain step.
+      batch_specs = jax.tree.map(lambda leaf: P(), batch)
       return jax.sharding.explicit_axes(
-        per_device, axes=others, in_sharding=(inner_specs, inner_state, batch_specs)
-      )(params, opt_state, batch)
+        per_device, axes=others, in_sharding=(layout.inner, batch_specs)
+      )(whole, batch)
 
     over_data = jax.shard_map(
-      per_device_explicit,
-      in_specs=(P(), P(), P(axis_name)),
-      out_specs=P(),
+      device_gradients,
+      in_specs=(layout.entry, P(axis_name)),
+      out_specs=(P(axis_name),) + scalars,
       axis_names={axis_name},
       check_vma=False,
     )
-    with group_reduction.gradient_specs(inner_specs):
-      outputs = jax.sharding.auto_axes(
-        over_data, axes=others, out_sharding=(inner_specs, inner_state) + scalars
-      )(params, opt_state, batch)
-    new_params = jax.tree.map(jax.sharding.reshard, outputs[0], placed_specs)
-    new_state = jax.tree.map(jax.sharding.reshard, outputs[1], state_specs)
-    return (new_params, new_state) + tuple(outputs[2:])
+
+    def reduce_blocks(local: Any, reduction: Any, zero_nonfinite: bool) -> tuple[Any, Any]:
+      grads = jax.tree.map(lambda g: g[0], local)
+      return halves_reduction.reduce_device_halves(
+        grads, axis_name, reduction, zero_nonfinite=zero_nonfinite, scatter_dims=layout.dims
+      )
+
+    def reduce(stacked: Any, reduction: Any, zero_nonfinite: bool) -> tuple[Any, Any]:
+      reduced.append(True)
+      over = jax.shard_map(
+        lambda local: reduce_blocks(local, reduction, zero_nonfinite),
+        in_specs=(P(axis_name),),
+        out_specs=(layout.entry, P()),
+        axis_names={axis_name},
+        check_vma=False,
+      )
+      with group_reduction.gradient_specs(layout.inner if specs is not None else None):
+        if not explicit:
+          return over(stacked)
+        mean, stats = jax.sharding.auto_axes(over, axes=others, out_sharding=(layout.mean, P()))(
+          stacked
+        )
+      # A leaf sharded over the data axis with another axis on one dimension: its block.
+      return jax.tree.map(jax.sharding.reshard, mean, layout.specs), stats
+
+    reduced: list[bool] = []
+    if explicit:
+      # JAX lowers a shard_map's P() inputs as replicated over the other explicit axes too (a
+      # tensor-parallel kernel gathered whole): run it with those axes Auto.
+      entered = jax.tree.map(
+        lambda leaf, spec, d: leaf if d is not None else jax.sharding.reshard(leaf, spec),
+        params,
+        layout.mean,
+        layout.dims,
+        is_leaf=lambda x: x is None,
+      )
+      batch = jax.tree.map(lambda leaf: jax.sharding.reshard(leaf, P(axis_name)), batch)
+      stacked_specs = jax.tree.map(lambda spec: P(axis_name, *spec), layout.inner, is_leaf=_is_spec)
+      with group_reduction.gradient_specs(layout.inner):
+        outputs = jax.sharding.auto_axes(
+          over_data, axes=others, out_sharding=(stacked_specs,) + scalars
+        )(entered, batch)
+    else:
+      with group_reduction.gradient_specs(layout.inner if specs is not None else None):
+        outputs = over_data(params, batch)
+    with transform_lib.gradients_of_devices(axis_name, reduce):
+      updates, opt_state = optimizer.update(outputs[0], opt_state, params)
+    if not reduced:
+      raise ValueError(
+        "device_halves_step's optimizer never reached simigrad_jax.transform("
+        f"{axis_name!r}): chain it first, optax.chain(simigrad_jax.transform({axis_name!r}), ...)"
+      )
+    return (optax.apply_updates(params, updates), opt_state) + tuple(outputs[1:])
 
   return step

@@ -93,6 +93,34 @@ def _named_axes(spec: P) -> set[str]:
   return names
 
 
+def _local_specs(tree: Any, axis_name: str) -> tuple[tuple[str, ...], Any]:
+  """The axes left to the partitioner but ``axis_name``, and ``tree``'s leaves' specs over them."""
+  other_axes = tuple(name for name in axes_left_to_partitioner() if name != axis_name)
+  leaves, treedef = jax.tree.flatten(tree)
+  given = _given_specs(treedef, len(leaves))
+  specs = [
+    _spec_over(leaf, other_axes, given[index] if given else None)
+    for index, leaf in enumerate(leaves)
+  ]
+  return other_axes, jax.tree.unflatten(treedef, specs)
+
+
+def each_local_shard(fn: Callable[[Any], Any], tree: Any, axis_name: str) -> Any:
+  """Runs ``fn`` on each device's own shard of every leaf of ``tree``; its output laid out alike.
+
+  For a collective over the manual ``axis_name`` on leaves that the other
+  axes shard (an all-gather of FSDP blocks of a tensor-parallel kernel):
+  XLA would gather them whole over those axes first. ``fn`` may change a
+  leaf's size along a dimension that the other axes do not shard.
+  """
+  other_axes, spec_tree = _local_specs(tree, axis_name)
+  if not other_axes:
+    return fn(tree)
+  return jax.shard_map(
+    fn, in_specs=(spec_tree,), out_specs=spec_tree, axis_names=set(other_axes), check_vma=False
+  )(tree)
+
+
 def on_local_shards(reduce: LocalReduction, grads: Any, axis_name: str) -> tuple[Any, Any]:
   """Runs ``reduce`` on each device's own shard of every leaf of ``grads``.
 
@@ -110,21 +138,14 @@ def on_local_shards(reduce: LocalReduction, grads: Any, axis_name: str) -> tuple
   Returns:
     ``reduce``'s ``(mean, stats)``, the mean laid out as ``grads`` is.
   """
-  other_axes = tuple(name for name in axes_left_to_partitioner() if name != axis_name)
+  other_axes, spec_tree = _local_specs(grads, axis_name)
   if not other_axes:
     return reduce(grads, None, ())
   mesh = jax.sharding.get_abstract_mesh()
-  leaves, treedef = jax.tree.flatten(grads)
-  given = _given_specs(jax.tree.structure(grads), len(leaves))
-  specs = [
-    _spec_over(leaf, other_axes, given[index] if given else None)
-    for index, leaf in enumerate(leaves)
-  ]
   weights = [
     1.0 / math.prod(mesh.shape[name] for name in other_axes if name not in _named_axes(spec))
-    for spec in specs
+    for spec in jax.tree.leaves(spec_tree, is_leaf=lambda x: isinstance(x, P))
   ]
-  spec_tree = jax.tree.unflatten(treedef, specs)
   return jax.shard_map(
     lambda local: reduce(local, weights, other_axes),
     in_specs=(spec_tree,),

@@ -99,16 +99,20 @@ def check_even_axis(axis_name: str) -> int:
 # ------------------------------------------------------------------ buckets of leaves
 
 
-def _buckets(leaves: list[jax.Array], weights: list[float] | None = None) -> list[list[int]]:
+def _buckets(
+  leaves: list[jax.Array],
+  weights: list[float] | None = None,
+  alone: frozenset[int] = frozenset(),
+) -> list[list[int]]:
   """Leaf indices per bucket: every large leaf alone, the small ones of each dtype together.
 
   With ``weights`` (one per leaf), small leaves share a bucket only with
-  leaves of the same weight.
+  leaves of the same weight. The leaves in ``alone`` get a bucket each.
   """
   buckets: list[list[int]] = []
   small: dict[tuple[jnp.dtype, float], list[int]] = {}
   for index, leaf in enumerate(leaves):
-    if leaf.size >= SMALL_LEAF_SIZE:
+    if leaf.size >= SMALL_LEAF_SIZE or index in alone:
       buckets.append([index])
     else:
       weight = 1.0 if weights is None else weights[index]
@@ -163,6 +167,7 @@ def reduce_device_halves(
   reduction: Reduction = "hierarchical",
   *,
   zero_nonfinite: bool = False,
+  scatter_dims: Any = None,
 ) -> tuple[object, HalfStatistics]:
   """Reduces each device's own gradient to the mean and the statistics of the parity halves.
 
@@ -177,14 +182,28 @@ def reduce_device_halves(
     reduction: ``"hierarchical"`` (one all-reduce's bytes), ``"scatter"`` or
       ``"stacked"`` (see the module docstring).
     zero_nonfinite: return a zero mean when ``stats.finite`` is False.
+    scatter_dims: None, or a pytree like ``grads`` of an int or None per
+      leaf: a leaf with a dimension ``d`` comes back as this device's block
+      of the mean along ``d`` (device ``i`` of ``n`` holds the ``i``-th of
+      ``n`` equal blocks, the layout of a leaf sharded over ``axis_name`` on
+      ``d``: FSDP), never gathered; ``d`` must divide by ``n``. Needs the
+      ``"hierarchical"`` reduction.
 
   Returns:
-    ``(mean, stats)``: ``mean`` as ``lax.pmean(grads, axis_name)`` returns it,
-    and the :class:`HalfStatistics` of ``g_A`` (even devices) and ``g_B``
-    (odd devices).
+    ``(mean, stats)``: ``mean`` as ``lax.pmean(grads, axis_name)`` returns it
+    (but for ``scatter_dims``' blocks), and the :class:`HalfStatistics` of
+    ``g_A`` (even devices) and ``g_B`` (odd devices).
   """
   _check_reduction(reduction)
   num_devices = check_even_axis(axis_name)
+  dims = None
+  if scatter_dims is not None:
+    dims = flatten_up_to(jax.tree.structure(grads), scatter_dims)
+    if reduction != "hierarchical" and any(d is not None for d in dims):
+      raise ValueError(
+        f"reduction={reduction!r} gathers every leaf's mean; a mean kept in blocks "
+        "(scatter_dims) needs reduction='hierarchical'"
+      )
   sign = 1 - 2 * device_parity(
     axis_name
   )  # +1 on the first half, -1 on the second: d_i = sign * m_i
@@ -193,7 +212,13 @@ def reduce_device_halves(
   try:
     return group_reduction.on_local_shards(
       lambda local, weights, other_axes: reduce_hierarchical(
-        local, axis_name, num_devices, zero_nonfinite, weights=weights, other_axes=other_axes
+        local,
+        axis_name,
+        num_devices,
+        zero_nonfinite,
+        weights=weights,
+        other_axes=other_axes,
+        scatter_dims=dims,
       ),
       grads,
       axis_name,
@@ -203,22 +228,51 @@ def reduce_device_halves(
     return _reduce_concatenated(grads, None, axis_name, "scatter", zero_nonfinite, diff_sign=sign)
 
 
-def _both_halves(own: jax.Array, axis_name: str, num_devices: int) -> tuple[jax.Array, jax.Array]:
-  """The first and second half's sums of one piece, from partners' ``(2, L)`` group pieces.
+def _both_halves(
+  own: jax.Array, axis_name: str, num_devices: int, dim: int = 0
+) -> tuple[jax.Array, jax.Array]:
+  """The first and second half's sums of one piece, from partners' group pieces.
 
   Devices ``2j`` (first half) and ``2j + 1`` (second half) each hold their
-  own half's sums of pieces ``2j`` and ``2j + 1``. One all-to-all within the
-  pair sends each device's row ``k`` to the pair's device ``k``: device
-  ``2j + k`` receives both halves' sums of piece ``2j + k``, first half first.
-  Each device sends one row, what a swap with the partner would send, and no
-  collective-permute is needed.
+  own half's sums of pieces ``2j`` and ``2j + 1``, side by side along
+  ``dim`` (of size 2). One all-to-all within the pair sends each device's
+  piece ``k`` to the pair's device ``k``: device ``2j + k`` receives both
+  halves' sums of piece ``2j + k``, first half first. Each device sends one
+  piece, what a swap with the partner would send, and no collective-permute
+  is needed.
   """
   pairs = [[i, i + 1] for i in range(0, num_devices, 2)]
   try:
-    both = lax.all_to_all(own, axis_name, 0, 0, tiled=True, axis_index_groups=pairs)
+    both = lax.all_to_all(own, axis_name, dim, dim, tiled=True, axis_index_groups=pairs)
   except NotImplementedError as error:
     raise _GroupsUnsupported() from error
-  return both[0], both[1]
+  return jnp.take(both, 0, axis=dim), jnp.take(both, 1, axis=dim)
+
+
+def _halves_in_blocks(
+  leaf: jax.Array, axis_name: str, num_devices: int, groups: list[list[int]], dim: int
+) -> tuple[jax.Array, jax.Array]:
+  """Both halves' sums of this device's block of ``leaf`` along ``dim`` (FSDP's layout).
+
+  The reduce-scatter within each parity group leaves devices ``2j`` and
+  ``2j + 1`` blocks ``2j`` and ``2j + 1`` of their group's sum, side by side;
+  the swap within the pair then gives device ``i`` both halves' block ``i``:
+  the block that a leaf sharded over the axis on ``dim`` keeps there.
+  """
+  size = leaf.shape[dim]
+  if size % num_devices:
+    raise ValueError(
+      f"a gradient kept in blocks along dimension {dim} (size {size}) over the "
+      f"{num_devices} devices of axis {axis_name!r} needs a size that divides by {num_devices}"
+    )
+  try:
+    own = lax.psum_scatter(
+      leaf, axis_name, scatter_dimension=dim, tiled=True, axis_index_groups=groups
+    )
+  except NotImplementedError as error:
+    raise _GroupsUnsupported() from error
+  split = own.shape[:dim] + (2, size // num_devices) + own.shape[dim + 1 :]
+  return _both_halves(own.reshape(split), axis_name, num_devices, dim)
 
 
 def reduce_hierarchical(
@@ -229,36 +283,46 @@ def reduce_hierarchical(
   *,
   weights: list[float] | None = None,
   other_axes: tuple[str, ...] = (),
+  scatter_dims: list[int | None] | None = None,
 ) -> tuple[object, HalfStatistics]:
   """The device split's ``"hierarchical"`` reduction (see the module docstring).
 
   ``weights`` (one per leaf) scale each leaf's statistics, and the partial
   sums are added over ``axis_name`` and ``other_axes``: a leaf whose shard
-  repeats on ``k`` devices of the other axes counts ``1 / k`` on each.
+  repeats on ``k`` devices of the other axes counts ``1 / k`` on each. A
+  leaf with a dimension in ``scatter_dims`` keeps this device's block of the
+  mean along it (:func:`reduce_device_halves`).
   """
   groups = [list(range(0, num_devices, 2)), list(range(1, num_devices, 2))]
   half = num_devices // 2
   leaves, treedef = jax.tree.flatten(grads)
-  buckets = _buckets(leaves, weights)
+  dims = scatter_dims or [None] * len(leaves)
+  buckets = _buckets(leaves, weights, frozenset(i for i, d in enumerate(dims) if d is not None))
   pieces = []
   partial = jnp.zeros((4,), jnp.float32)
   for indices in buckets:
-    flat = _flat_bucket(leaves, indices, num_devices)
-    # Device 2j and 2j + 1 receive pieces (2j, 2j + 1) of their own group's sum.
-    own = _scatter_within(flat, axis_name, groups).reshape(2, -1)
-    first, second = _both_halves(own, axis_name, num_devices)
-    pieces.append((first + second) / jnp.asarray(num_devices, flat.dtype))
+    dim = dims[indices[0]]
+    if dim is None:
+      flat = _flat_bucket(leaves, indices, num_devices)
+      # Device 2j and 2j + 1 receive pieces (2j, 2j + 1) of their own group's sum.
+      own = _scatter_within(flat, axis_name, groups).reshape(2, -1)
+      first, second = _both_halves(own, axis_name, num_devices)
+    else:
+      first, second = _halves_in_blocks(leaves[indices[0]], axis_name, num_devices, groups, dim)
+    pieces.append((first + second) / jnp.asarray(num_devices, first.dtype))
     weight = 1.0 if weights is None else weights[indices[0]]
-    partial = partial + weight * pair_statistics(first, second)
+    partial = partial + weight * pair_statistics(jnp.ravel(first), jnp.ravel(second))
   # The groups' sums are half times their means.
   sums = lax.psum(partial, (axis_name, *other_axes)) / float(half * half)
   stats = finish_statistics(*sums)
-  return _gather_mean(pieces, buckets, leaves, treedef, axis_name, stats, zero_nonfinite), stats
+  mean = _gather_mean(pieces, buckets, dims, leaves, treedef, axis_name, stats, zero_nonfinite)
+  return mean, stats
 
 
 def _gather_mean(
   pieces: list[jax.Array],
   buckets: list[list[int]],
+  dims: list[int | None],
   leaves: list[jax.Array],
   treedef: jax.tree_util.PyTreeDef,
   axis_name: str,
@@ -267,13 +331,17 @@ def _gather_mean(
 ) -> Any:
   """All-gathers each bucket's piece of the mean into the gradient's structure.
 
-  With ``zero_nonfinite``, the pieces are zeroed first when a statistic is not
+  A leaf with a dimension in ``dims`` keeps its block, ungathered. With
+  ``zero_nonfinite``, the pieces are zeroed first when a statistic is not
   finite: a ``1 / n`` piece is cheaper to mask than the gathered gradient.
   """
   out: list = [None] * len(leaves)
   for piece, indices in zip(pieces, buckets, strict=True):
     if zero_nonfinite:
       piece = jnp.where(stats.finite, piece, jnp.zeros_like(piece))
+    if dims[indices[0]] is not None:
+      out[indices[0]] = piece
+      continue
     flat_mean = lax.all_gather(piece, axis_name, tiled=True, **_gather_kwargs(axis_name))
     _unflatten_bucket(flat_mean, leaves, indices, out)
   return jax.tree.unflatten(treedef, out)
@@ -330,7 +398,10 @@ def reduce_local_halves(
     partial = partial + pair_statistics(*halves_of(mean_shard, diff_shard, share), share)
     pieces.append(mean_shard)
   stats = finish_statistics(*lax.psum(partial, axis_name))
-  return _gather_mean(pieces, buckets, leaves, treedef, axis_name, stats, zero_nonfinite), stats
+  dims: list[int | None] = [None] * len(leaves)
+  return _gather_mean(
+    pieces, buckets, dims, leaves, treedef, axis_name, stats, zero_nonfinite
+  ), stats
 
 
 # ------------------------------------------------------------------ concatenated variants

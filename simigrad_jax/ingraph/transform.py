@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Literal, NamedTuple
 
 import jax
@@ -105,6 +105,39 @@ def step_mapped_over(axis_name: str) -> Iterator[None]:
     yield
   finally:
     _STEP_AXIS.reset(token)
+
+
+# reduce(per_device_updates, reduction, zero_nonfinite) -> (mean, stats).
+DeviceGradientsReduction = Callable[
+  [Any, halves_reduction.Reduction, bool], tuple[Any, half_statistics.HalfStatistics]
+]
+
+# Trace time only: the reduction of a step that hands the transform its devices' gradients.
+_DEVICE_GRADIENTS = contextvars.ContextVar[DeviceGradientsReduction | None](
+  "simigrad_jax_device_gradients", default=None
+)
+
+
+@contextlib.contextmanager
+def gradients_of_devices(axis_name: str, reduce: DeviceGradientsReduction) -> Iterator[None]:
+  """While tracing the block, :func:`transform` reduces its input with ``reduce``.
+
+  A plain ``jax.jit`` step that takes each device's gradient inside a
+  ``jax.shard_map`` over the mesh axis ``axis_name`` and runs the optimizer
+  on global arrays outside it (:func:`simigrad_jax.device_halves_step`)
+  hands the transform the devices' gradients stacked along a leading
+  ``axis_name`` dimension; ``reduce`` runs the device split's reduction on
+  them (in a ``jax.shard_map`` of its own) and returns the mean laid out as
+  the parameters are, and the statistics. A transform named for another
+  axis raises :class:`AxisNameError`.
+  """
+  axis_token = _STEP_AXIS.set(axis_name)
+  token = _DEVICE_GRADIENTS.set(reduce)
+  try:
+    yield
+  finally:
+    _DEVICE_GRADIENTS.reset(token)
+    _STEP_AXIS.reset(axis_token)
 
 
 def _check_step_axis(axis_name: str | None) -> None:
@@ -310,6 +343,40 @@ def transform(
       nonfinite_count=jnp.zeros([], jnp.int32),
     )
 
+  def reduce_in_step(
+    updates: optax.Updates, half_grads: HalfGrads | None
+  ) -> tuple[optax.Updates, half_statistics.HalfStatistics]:
+    """The mean and the statistics, in a mapped step or a plain ``jax.jit`` one."""
+    if axis_name is not None:
+      _check_axis_is_bound(axis_name)
+      _check_not_already_reduced(jax.tree.leaves(updates), axis_name)
+    zero_nonfinite = nonfinite == "zero"
+    if half_grads is None:
+      if axis_name is None:
+        raise ValueError(
+          "simigrad_jax.transform() without an axis name runs in a plain jax.jit step, where "
+          "there are no device halves to compare: pass half_grads=... from "
+          "simigrad_jax.value_and_half_grads, or give the mapped axis name"
+        )
+      return halves_reduction.reduce_device_halves(
+        updates, axis_name, reduction, zero_nonfinite=zero_nonfinite
+      )
+    _check_half_grads(updates, half_grads)
+    share = 0.5 if half_grads.share is None else half_grads.share
+    if axis_name is None:
+      return half_statistics.global_halves(
+        updates, half_grads.first, half_grads.second, zero_nonfinite=zero_nonfinite, share=share
+      )
+    diff_shares = jax.tree.map(
+      lambda g, a, b: ((a.astype(jnp.float32) - b.astype(jnp.float32)) / 2).astype(g.dtype),
+      updates,
+      half_grads.first,
+      half_grads.second,
+    )
+    return halves_reduction.reduce_local_halves(
+      updates, diff_shares, axis_name, reduction, zero_nonfinite=zero_nonfinite, share=share
+    )
+
   def update_fn(
     updates: optax.Updates,
     state: SimilarityState,
@@ -326,46 +393,17 @@ def transform(
         "optimizer takes extra keyword arguments and does not pass them on (optax.chain does)"
       )
     _check_step_axis(axis_name)
-    leaves = jax.tree.leaves(updates)
-    if axis_name is not None:
-      _check_axis_is_bound(axis_name)
-      _check_not_already_reduced(leaves, axis_name)
-    if half_grads is None:
-      if axis_name is None:
-        raise ValueError(
-          "simigrad_jax.transform() without an axis name runs in a plain jax.jit step, where "
-          "there are no device halves to compare: pass half_grads=... from "
-          "simigrad_jax.value_and_half_grads, or give the mapped axis name"
-        )
-      mean, stats = halves_reduction.reduce_device_halves(
-        updates, axis_name, reduction, zero_nonfinite=nonfinite == "zero"
+    reduce_devices = _DEVICE_GRADIENTS.get()
+    if reduce_devices is None:
+      mean, stats = reduce_in_step(updates, half_grads)
+    elif half_grads is not None:
+      raise ValueError(
+        "simigrad_jax.transform received half_grads=... in a step whose halves are the "
+        "data axis's even and odd devices (simigrad_jax.device_halves_step): leave "
+        "half_grads out there"
       )
     else:
-      _check_half_grads(updates, half_grads)
-      share = 0.5 if half_grads.share is None else half_grads.share
-      if axis_name is None:
-        mean, stats = half_statistics.global_halves(
-          updates,
-          half_grads.first,
-          half_grads.second,
-          zero_nonfinite=nonfinite == "zero",
-          share=share,
-        )
-      else:
-        diff_shares = jax.tree.map(
-          lambda g, a, b: ((a.astype(jnp.float32) - b.astype(jnp.float32)) / 2).astype(g.dtype),
-          updates,
-          half_grads.first,
-          half_grads.second,
-        )
-        mean, stats = halves_reduction.reduce_local_halves(
-          updates,
-          diff_shares,
-          axis_name,
-          reduction,
-          zero_nonfinite=nonfinite == "zero",
-          share=share,
-        )
+      mean, stats = reduce_devices(updates, reduction, nonfinite == "zero")
 
     grads_finite = stats.finite
     positive = (stats.sq_norm_a > 0) & (stats.sq_norm_b > 0)
