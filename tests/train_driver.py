@@ -7,13 +7,14 @@ python tests/train_driver.py --workdir DIR --steps N
     [--compile-cache DIR] [--mode recompile|pad] [--checkpoint-every C]
     [--agreement-timeout SECONDS] [--devices D] [--halves auto|device|local]
     [--hold-compiles K] [--no-compile-fallback] [--grain-workers W]
-    [--checkpoint-every-seconds S] [--slow-save SECONDS] [--mesh-model M]
+    [--checkpoint-every-seconds S] [--slow-save SECONDS] [--mesh-model M] [--fsdp]
 
 Trains an MLP on a fixed synthetic classification set (600 examples) over D
 devices in all (default 8; D // P simulated CPU devices per process), with
 the Trainer's ``halves`` split; ``--mesh-model M``: on a mesh of D / M
 positions of the data axis by M of a ``model`` axis, the MLP tensor-parallel
-over it. Prints one JSON summary line at the end
+over it (``--fsdp``: each kernel also in blocks over the data axis). Prints
+one JSON summary line at the end
 (process 0). ``--grain-workers W`` reads the same rows through a
 :class:`simigrad_jax.GrainSource` with W worker processes.
 
@@ -97,6 +98,7 @@ parser.add_argument("--grain-workers", type=int, default=None)
 parser.add_argument("--checkpoint-every-seconds", type=float, default=None)
 parser.add_argument("--slow-save", type=float, default=None)
 parser.add_argument("--mesh-model", type=int, default=None)
+parser.add_argument("--fsdp", action="store_true")
 args = parser.parse_args()
 
 os.environ["JAX_PLATFORMS"] = "cpu"
@@ -256,8 +258,8 @@ if args.mesh_model is not None:
     ),  # devices in process order: each process holds whole positions of the data axis
     # Dense_1 (8 -> 16) column-parallel, then Dense_0 (16 -> 4) row-parallel.
     "param_sharding": {
-      "Dense_0": {"kernel": P("model", None), "bias": None},
-      "Dense_1": {"kernel": P(None, "model"), "bias": P("model")},
+      "Dense_0": {"kernel": P("model", "batch" if args.fsdp else None), "bias": None},
+      "Dense_1": {"kernel": P("batch" if args.fsdp else None, "model"), "bias": P("model")},
     },
   }
 trainer = simigrad_jax.Trainer(

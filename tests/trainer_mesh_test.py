@@ -242,6 +242,12 @@ def test_two_processes_on_a_4x2_mesh_train_as_one_on_4_devices(single_process_ru
   assert_same_records(step_records(tmp_path), single_process_run)
 
 
+def test_two_processes_with_fsdp_blocks_train_as_one_on_4_devices(single_process_run, tmp_path):
+  """As above, with every kernel also in blocks over the data axis, which spans both processes."""
+  run_two_processes(tmp_path, "--steps", "6", "--mesh-model", "2", "--fsdp")
+  assert_same_records(step_records(tmp_path), single_process_run)
+
+
 def test_sigkill_and_resume_on_a_4x2_mesh(single_process_run, tmp_path):
   """Killed after step 4 (its checkpoint is step 3's), resumed: no step lost or repeated."""
   killed = run_driver(tmp_path, "--steps", "6", "--mesh-model", "2", "--kill-at", "4")
