@@ -4,6 +4,7 @@ similarity of the dealt batch's even and odd examples, no collective-permute, no
 tensor-parallel kernel, the parameters' sharding kept; deal_to_devices and the errors."""
 
 import collections
+import doctest
 
 import jax
 import numpy as np
@@ -13,6 +14,8 @@ from jax.sharding import PartitionSpec as P
 
 import simigrad_jax
 from benchmarks import hlo_collectives
+from simigrad_jax.ingraph import data_blocks
+from simigrad_jax.ingraph import device_halves_step as device_halves_step_module
 from benchmarks import sharded_models
 
 WIDTHS = (64, 64, 10)
@@ -251,3 +254,9 @@ def test_fsdp_mean_is_reduce_scattered_not_gathered(fsdp_run):
   if fsdp_run["explicit"]:  # under Auto, XLA may lay the plain step out around the blocks
     groups_temp = groups.memory_analysis().temp_size_in_bytes
     assert groups_temp <= 1.05 * plain.memory_analysis().temp_size_in_bytes
+
+
+def test_the_examples_in_the_docstrings_run(devices):
+  del devices
+  for module in (data_blocks, device_halves_step_module):
+    assert doctest.testmod(module).failed == 0, module.__name__

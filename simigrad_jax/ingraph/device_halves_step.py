@@ -23,8 +23,7 @@ from jax import lax
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
-from simigrad_jax.ingraph import group_reduction
-from simigrad_jax.ingraph import halves_reduction
+from simigrad_jax.ingraph import data_blocks
 from simigrad_jax.ingraph import transform as transform_lib
 
 Step = Callable[[Any, Any, Any], tuple[Any, ...]]
@@ -54,88 +53,12 @@ def _explicit(mesh: jax.sharding.AbstractMesh) -> bool:
   return AxisType.Explicit in mesh.axis_types
 
 
-def _without_axis(spec: P, axis_name: str) -> P:
-  """``spec`` with ``axis_name`` taken out of every entry."""
-
-  def kept(entry: Any) -> Any:
-    names = (entry,) if isinstance(entry, str) else tuple(entry or ())
-    left = tuple(name for name in names if name != axis_name)
-    return left[0] if len(left) == 1 else (left or None)
-
-  return P(*(kept(entry) for entry in spec))
-
-
-def _data_dim(spec: P, axis_name: str) -> int | None:
-  """The dimension that ``spec`` shards over ``axis_name`` alone (FSDP), else None."""
-  for dim, entry in enumerate(spec):
-    if entry == axis_name or entry == (axis_name,):
-      return dim
-  return None
-
-
-def _over_data_at(dim: int | None, axis_name: str) -> P:
-  """The spec of a leaf sharded over ``axis_name`` on ``dim`` (None: replicated), data axis only."""
-  return P() if dim is None else P(*([None] * dim), axis_name)
-
-
 def _mean_over(tree: Any, axis_name: str) -> Any:
   """The floating leaves of ``tree`` averaged over ``axis_name``; the others as they are."""
   return jax.tree.map(
     lambda x: lax.pmean(x, axis_name) if jnp.issubdtype(jnp.result_type(x), jnp.inexact) else x,
     tree,
   )
-
-
-class _Layout:
-  """Where the parameters' leaves lie: the specs the step's ``shard_map``s take and give.
-
-  ``specs`` are the parameters' whole specs (None: unknown, all replicated
-  over the data axis). A leaf sharded over the data axis alone on one
-  dimension (FSDP) enters the gradient's ``shard_map`` as its block, is
-  gathered there for the loss, and its mean gradient comes back as that
-  block: its ``dim``. A leaf whose spec names the data axis together with
-  another one on a dimension is gathered whole over the data axis.
-  """
-
-  def __init__(self, params: Any, specs: Any, axis_name: str) -> None:
-    if specs is None:
-      specs = jax.tree.map(lambda leaf: P(), params)
-    self.specs = specs
-    self.dims = jax.tree.map(lambda spec: _data_dim(spec, axis_name), specs, is_leaf=_is_spec)
-    self.entry = jax.tree.map(
-      lambda d: _over_data_at(d, axis_name), self.dims, is_leaf=lambda x: x is None
-    )
-    self.inner = jax.tree.map(lambda spec: _without_axis(spec, axis_name), specs, is_leaf=_is_spec)
-    self.mean = jax.tree.map(
-      lambda spec, d: spec if d is not None else _without_axis(spec, axis_name),
-      specs,
-      self.dims,
-      is_leaf=_is_spec,
-    )
-
-
-def _is_spec(x: Any) -> bool:
-  return isinstance(x, P)
-
-
-def _gather_blocks(params: Any, dims: Any, axis_name: str) -> Any:
-  """The parameters whole over ``axis_name``: each FSDP block all-gathered along its dimension.
-
-  Each device gathers its own shards over the other axes (a tensor-parallel
-  kernel's FSDP blocks stay tensor-parallel).
-  """
-  if all(d is None for d in jax.tree.leaves(dims, is_leaf=lambda x: x is None)):
-    return params
-
-  def gather(local: Any) -> Any:
-    return jax.tree.map(
-      lambda x, d: x if d is None else lax.all_gather(x, axis_name, axis=d, tiled=True),
-      local,
-      dims,
-      is_leaf=lambda x: x is None,
-    )
-
-  return group_reduction.each_local_shard(gather, params, axis_name)
 
 
 def device_halves_step(
@@ -225,51 +148,33 @@ def device_halves_step(
       specs = jax.tree.map(lambda leaf: jax.typeof(leaf).sharding.spec, params)
     else:
       specs = param_specs
-    layout = _Layout(params, specs, axis_name)
+    blocks = data_blocks.DataBlocks(params, specs, axis_name)
     scalars = (P(),) * (2 if has_aux else 1)
     others = tuple(name for name in mesh.axis_names if name != axis_name)
 
     def device_gradients(params: Any, batch: Any) -> tuple[Any, ...]:
-      whole = _gather_blocks(params, layout.dims, axis_name)
+      whole = blocks.gather(params)
       if not explicit:
         return per_device(whole, batch)
       # Inside, the other axes are Explicit again, so the loss names them as in a plain step.
       batch_specs = jax.tree.map(lambda leaf: P(), batch)
       return jax.sharding.explicit_axes(
-        per_device, axes=others, in_sharding=(layout.inner, batch_specs)
+        per_device, axes=others, in_sharding=(blocks.inner, batch_specs)
       )(whole, batch)
 
     over_data = jax.shard_map(
       device_gradients,
-      in_specs=(layout.entry, P(axis_name)),
+      in_specs=(blocks.entry, P(axis_name)),
       out_specs=(P(axis_name),) + scalars,
       axis_names={axis_name},
       check_vma=False,
     )
 
-    def reduce_blocks(local: Any, reduction: Any, zero_nonfinite: bool) -> tuple[Any, Any]:
-      grads = jax.tree.map(lambda g: g[0], local)
-      return halves_reduction.reduce_device_halves(
-        grads, axis_name, reduction, zero_nonfinite=zero_nonfinite, scatter_dims=layout.dims
-      )
-
     def reduce(stacked: Any, reduction: Any, zero_nonfinite: bool) -> tuple[Any, Any]:
       reduced.append(True)
-      over = jax.shard_map(
-        lambda local: reduce_blocks(local, reduction, zero_nonfinite),
-        in_specs=(P(axis_name),),
-        out_specs=(layout.entry, P()),
-        axis_names={axis_name},
-        check_vma=False,
+      return blocks.reduce_devices(
+        stacked, reduction, zero_nonfinite, explicit_axes=others if explicit else ()
       )
-      with group_reduction.gradient_specs(layout.inner if specs is not None else None):
-        if not explicit:
-          return over(stacked)
-        mean, stats = jax.sharding.auto_axes(over, axes=others, out_sharding=(layout.mean, P()))(
-          stacked
-        )
-      # A leaf sharded over the data axis with another axis on one dimension: its block.
-      return jax.tree.map(jax.sharding.reshard, mean, layout.specs), stats
 
     reduced: list[bool] = []
     if explicit:
@@ -278,18 +183,20 @@ def device_halves_step(
       entered = jax.tree.map(
         lambda leaf, spec, d: leaf if d is not None else jax.sharding.reshard(leaf, spec),
         params,
-        layout.mean,
-        layout.dims,
+        blocks.mean,
+        blocks.dims,
         is_leaf=lambda x: x is None,
       )
       batch = jax.tree.map(lambda leaf: jax.sharding.reshard(leaf, P(axis_name)), batch)
-      stacked_specs = jax.tree.map(lambda spec: P(axis_name, *spec), layout.inner, is_leaf=_is_spec)
-      with group_reduction.gradient_specs(layout.inner):
+      stacked_specs = jax.tree.map(
+        lambda spec: P(axis_name, *spec), blocks.inner, is_leaf=data_blocks.is_spec
+      )
+      with blocks.model_layout():
         outputs = jax.sharding.auto_axes(
           over_data, axes=others, out_sharding=(stacked_specs,) + scalars
         )(entered, batch)
     else:
-      with group_reduction.gradient_specs(layout.inner if specs is not None else None):
+      with blocks.model_layout():
         outputs = over_data(params, batch)
     with transform_lib.gradients_of_devices(axis_name, reduce):
       updates, opt_state = optimizer.update(outputs[0], opt_state, params)
