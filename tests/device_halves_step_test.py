@@ -14,9 +14,9 @@ from jax.sharding import PartitionSpec as P
 
 import simigrad_jax
 from benchmarks import hlo_collectives
+from benchmarks import sharded_models
 from simigrad_jax.ingraph import data_blocks
 from simigrad_jax.ingraph import device_halves_step as device_halves_step_module
-from benchmarks import sharded_models
 
 WIDTHS = (64, 64, 10)
 BATCH = 32
