@@ -36,6 +36,12 @@ TP_SPECS = {
 }
 # Dense_1's kernel (16 x 3) stored sharded over both axes (8 rows of 2); Dense_0 by a prefix.
 FSDP_SPECS = {"Dense_0": P(), "Dense_1": {"kernel": P(("model", "batch"), None), "bias": None}}
+# Kernels in blocks over the data axis alone (Dense_0's columns, Dense_1's rows): kept in blocks
+# through the step, the optimizer's state too; Dense_0's bias tensor parallel.
+BLOCK_SPECS = {
+  "Dense_0": {"kernel": P(None, "batch"), "bias": P("model")},
+  "Dense_1": {"kernel": P("batch", None), "bias": None},
+}
 
 
 class WideMLP(nn.Module):
@@ -110,6 +116,21 @@ def runs(tmp_path_factory):
       "fsdp": train(
         root / "fsdp", NUM_STEPS, param_sharding=FSDP_SPECS, max_micro_batch_size=2, **on_mesh
       ),
+      # One micro-batch a step (the fused step), and several (micro-steps, then the update).
+      "blocks_fused": train(
+        root / "blocks_fused",
+        NUM_STEPS,
+        param_sharding=BLOCK_SPECS,
+        max_micro_batch_size=16,
+        **on_mesh,
+      ),
+      "blocks_micro": train(
+        root / "blocks_micro",
+        NUM_STEPS,
+        param_sharding=BLOCK_SPECS,
+        max_micro_batch_size=2,
+        **on_mesh,
+      ),
       # Stopped data-parallel, resumed on the mesh.
       "moved_stopped": train(root / "moved", RESUME_AT, devices=jax.devices()[:4]),
       "moved": train(root / "moved", NUM_STEPS, param_sharding=TP_SPECS, **on_mesh),
@@ -151,6 +172,29 @@ def test_fsdp_with_micro_batches_trains_as_data_parallel(runs):
   assert specs["Dense_1"]["kernel"] == P(("model", "batch"), None)
   assert max(r["accumulation_steps"] for r in records) > 1
   assert_same_run(runs["dp"], runs["fsdp"])
+
+
+def test_fsdp_blocks_train_as_data_parallel_and_stay_blocks(runs):
+  steps = set()
+  for name in ("blocks_fused", "blocks_micro"):
+    _, specs, records, _ = runs[name]
+    assert specs == BLOCK_SPECS | {"Dense_1": {"kernel": P("batch", None), "bias": P()}}
+    steps |= {r["accumulation_steps"] for r in records}
+    assert_same_run(runs["dp"], runs[name])
+  # Both programs ran: the fused step, and micro-steps with the update after them.
+  assert 1 in steps and max(steps) > 1
+
+
+def test_fsdp_blocks_keep_the_optimizer_state_in_blocks(tmp_path):
+  with make_trainer(tmp_path, mesh=mesh_of(4), param_sharding=BLOCK_SPECS) as trainer:
+    trainer.train(num_steps=2)
+    params = trainer.state["params"]
+    momentum = optax.tree_utils.tree_get(trainer.state["opt_state"], "trace")
+    for layer in ("Dense_0", "Dense_1"):
+      kernel = momentum[layer]["kernel"]
+      assert kernel.sharding.spec == params[layer]["kernel"].sharding.spec
+      # A quarter of the kernel per device: its block over the 4 data positions.
+      assert kernel.addressable_shards[0].data.size * 4 == kernel.size
 
 
 def test_local_halves_on_an_odd_data_axis(tmp_path):

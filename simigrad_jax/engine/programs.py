@@ -127,19 +127,20 @@ class StepPrograms:
     # The state keeps its shardings through every step (model axes, and the data axis a leaf
     # stored sharded over it is gathered from for the step).
     keep = jax.tree.map(lambda x: x.sharding, self._state)
+    specs = jax.tree.map(lambda x: x.spec, keep["params"])
     acc_sharding = jax.tree.map(lambda x: x.sharding, self._acc_abstract)
     self._fused = jax.jit(
-      train_step.make_fused_step(loss_fn, optimizer, mesh, axis_name, seed, halves),
+      train_step.make_fused_step(loss_fn, optimizer, mesh, axis_name, seed, halves, specs),
       donate_argnums=(0, 1, 2),
       out_shardings=(keep["params"], keep["opt_state"], keep["model_state"], self._replicated),
     )
     self._micro = jax.jit(
-      train_step.make_micro_step(loss_fn, mesh, axis_name, seed, halves),
+      train_step.make_micro_step(loss_fn, mesh, axis_name, seed, halves, specs),
       donate_argnums=(2,),
       out_shardings=(acc_sharding, keep["model_state"]),
     )
     self._apply_jit = jax.jit(
-      train_step.make_apply_step(optimizer, mesh, axis_name, halves),
+      train_step.make_apply_step(optimizer, mesh, axis_name, halves, specs),
       donate_argnums=(0, 1, 2),
       out_shardings=(
         keep["params"],

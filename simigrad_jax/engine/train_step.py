@@ -46,6 +46,7 @@ parameters, the optimizer state and the model state as they were.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -57,6 +58,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from simigrad_jax.ingraph import batch_coupling
+from simigrad_jax.ingraph import data_blocks
 from simigrad_jax.ingraph import half_batch
 from simigrad_jax.ingraph import transform
 from simigrad_jax.ingraph.transform import HalfGrads
@@ -247,8 +249,11 @@ def _keep_if_nonfinite(finite: jax.Array, new: Any, old: Any) -> Any:
   return jax.tree.map(keep_state, new, old, is_leaf=lambda x: isinstance(x, SimilarityState))
 
 
-def _update(optimizer, axis_name, local, params, opt_state, grads, loss, step_inputs):
-  """The optimizer step from per-device gradients: new params and state, and the stats vector."""
+def _update(optimizer, local, params, opt_state, grads, mean_loss, step_inputs):
+  """The optimizer step from per-device gradients: new params and state, and the stats vector.
+
+  ``mean_loss`` is the step's loss, averaged over the devices.
+  """
   grads, extra = _optimizer_inputs(local, grads, step_inputs)
   with_lr = optax.tree_utils.tree_set(opt_state, lr_factor=step_inputs[1])
   with_lr = batch_coupling.with_batch_size(with_lr, step_inputs[0])  # Adam's b2, weight decay
@@ -266,7 +271,7 @@ def _update(optimizer, axis_name, local, params, opt_state, grads, loss, step_in
   similarity_state = optax.tree_utils.tree_get(new_opt_state, SimilarityState.__name__)
   stats = jnp.stack(
     [
-      lax.pmean(loss, axis_name),
+      mean_loss,
       similarity_state.similarity,
       similarity_state.norm_a,
       similarity_state.norm_b,
@@ -292,6 +297,7 @@ def make_fused_step(
   axis_name: str,
   seed: int = 0,
   halves: str = "device",
+  param_specs: Any = None,
 ) -> Callable[..., tuple[Any, Any, Any, jax.Array]]:
   """Returns ``step(params, opt_state, model_state, batch, weights, step_inputs, counters)``.
 
@@ -312,6 +318,12 @@ def make_fused_step(
     halves: ``"device"`` (the even devices against the odd ones) or
       ``"local"`` (each device's first block of rows against its second; the
       rows per device must be even).
+    param_specs: the parameters' ``PartitionSpec``s on ``mesh`` (a pytree
+      like them; None: replicated). Each device reduces its own shards over
+      the model axes; with the device split a parameter in blocks over the
+      data axis (FSDP, :mod:`simigrad_jax.ingraph.data_blocks`) enters as
+      its block, is gathered for the gradient, and the optimizer then runs
+      on global arrays, its mean gradient and state in the same blocks.
 
   Returns:
     A function (to be jitted) from replicated ``params``, ``opt_state`` and
@@ -323,34 +335,69 @@ def make_fused_step(
   """
   num_devices = mesh.shape[axis_name]
   local = _check_halves(halves)
+  gradient = functools.partial(_device_gradient, loss_fn, num_devices, axis_name, seed, local)
 
   def per_device(params, opt_state, model_state, batch, weights, step_inputs, counters):
-    loss, grads, new_model_state = _device_gradient(
-      loss_fn,
-      num_devices,
-      axis_name,
-      seed,
-      local,
-      params,
-      model_state,
-      batch,
-      weights,
-      step_inputs[0],
-      counters,
+    loss, grads, new_model_state = gradient(
+      params, model_state, batch, weights, step_inputs[0], counters
     )
     params, opt_state, finite, stats = _update(
-      optimizer, axis_name, local, params, opt_state, grads, loss, step_inputs
+      optimizer, local, params, opt_state, grads, lax.pmean(loss, axis_name), step_inputs
     )
     model_state = _keep_if_nonfinite(finite, new_model_state, model_state)
     return params, opt_state, model_state, stats
 
-  return manual_over(
-    mesh,
-    axis_name,
-    per_device,
-    in_specs=(P(), P(), P(), P(axis_name), P(axis_name), P(), P()),
-    out_specs=(P(), P(), P(), P()),
-  )
+  def step(params, opt_state, model_state, batch, weights, step_inputs, counters):
+    blocks = data_blocks.DataBlocks(params, param_specs, axis_name)
+    with blocks.model_layout():
+      if local or not blocks.any:
+        return manual_over(
+          mesh,
+          axis_name,
+          per_device,
+          in_specs=(P(), P(), P(), P(axis_name), P(axis_name), P(), P()),
+          out_specs=(P(), P(), P(), P()),
+        )(params, opt_state, model_state, batch, weights, step_inputs, counters)
+      # FSDP: the gradient per device, then the optimizer on the parameters' blocks.
+      stacked, losses, new_model_state = manual_over(
+        mesh,
+        axis_name,
+        lambda p, *rest: _stacked(gradient(blocks.gather(p), *rest)),
+        in_specs=(blocks.entry, P(), P(axis_name), P(axis_name), P(), P()),
+        out_specs=(P(axis_name), P(axis_name), P()),
+      )(params, model_state, batch, weights, step_inputs[0], counters)
+      params, opt_state, finite, stats = _update_blocks(
+        optimizer, blocks, mesh, params, opt_state, stacked, losses, step_inputs
+      )
+    model_state = _keep_if_nonfinite(finite, new_model_state, model_state)
+    return params, opt_state, model_state, stats
+
+  return step
+
+
+def _stacked(device_gradient: tuple[jax.Array, Any, Any]) -> tuple[Any, jax.Array, Any]:
+  """A device's loss and gradient with a leading data dimension (for out_specs P(axis))."""
+  loss, grads, new_model_state = device_gradient
+  return jax.tree.map(lambda g: g[None], grads), loss[None], new_model_state
+
+
+def _update_blocks(optimizer, blocks, mesh, params, opt_state, stacked, losses, step_inputs):
+  """:func:`_update` on global arrays, the transform reducing the devices' stacked gradients
+  into the parameters' layout (FSDP blocks stay blocks)."""
+  reduced = []
+
+  def reduce(updates, reduction, zero_nonfinite):
+    reduced.append(True)
+    return blocks.reduce_devices(updates, reduction, zero_nonfinite, mesh=mesh)
+
+  with transform.gradients_of_devices(blocks.axis_name, reduce):
+    outputs = _update(optimizer, False, params, opt_state, stacked, jnp.mean(losses), step_inputs)
+  if not reduced:
+    raise ValueError(
+      f"the optimizer never reached simigrad_jax.transform({blocks.axis_name!r}): chain it "
+      "first, before the updates' shapes are used"
+    )
+  return outputs
 
 
 def make_micro_step(
@@ -359,6 +406,7 @@ def make_micro_step(
   axis_name: str,
   seed: int = 0,
   halves: str = "device",
+  param_specs: Any = None,
 ) -> Callable[..., tuple[Accumulator, Any]]:
   """Returns ``micro_step(params, model_state, acc, batch, weights, step_inputs, counters)``.
 
@@ -369,6 +417,8 @@ def make_micro_step(
     seed: as for :func:`make_fused_step`.
     halves: as for :func:`make_fused_step`; the accumulator must be made with
       the same value.
+    param_specs: as for :func:`make_fused_step` (a parameter in blocks
+      enters as its block and is gathered for the gradient).
 
   Returns:
     A function (to be jitted) from replicated ``params`` and ``model_state``,
@@ -380,14 +430,14 @@ def make_micro_step(
   num_devices = mesh.shape[axis_name]
   local = _check_halves(halves)
 
-  def per_device(params, model_state, acc, batch, weights, step_inputs, counters):
+  def per_device(params, model_state, acc, batch, weights, step_inputs, counters, blocks):
     loss, grads, new_state = _device_gradient(
       loss_fn,
       num_devices,
       axis_name,
       seed,
       local,
-      params,
+      blocks.gather(params),
       model_state,
       batch,
       weights,
@@ -397,13 +447,18 @@ def make_micro_step(
     grads = jax.tree.map(lambda a, g: a + g[None].astype(a.dtype), acc.grads, grads)
     return Accumulator(grads=grads, loss=acc.loss + loss[None]), new_state
 
-  return manual_over(
-    mesh,
-    axis_name,
-    per_device,
-    in_specs=(P(), P(), P(axis_name), P(axis_name), P(axis_name), P(), P()),
-    out_specs=(P(axis_name), P()),
-  )
+  def micro_step(params, model_state, acc, batch, weights, step_inputs, counters):
+    blocks = data_blocks.DataBlocks(params, None if local else param_specs, axis_name)
+    with blocks.model_layout():
+      return manual_over(
+        mesh,
+        axis_name,
+        functools.partial(per_device, blocks=blocks),
+        in_specs=(blocks.entry, P(), P(axis_name), P(axis_name), P(axis_name), P(), P()),
+        out_specs=(P(axis_name), P()),
+      )(params, model_state, acc, batch, weights, step_inputs, counters)
+
+  return micro_step
 
 
 def make_apply_step(
@@ -411,6 +466,7 @@ def make_apply_step(
   mesh: Mesh,
   axis_name: str,
   halves: str = "device",
+  param_specs: Any = None,
 ) -> Callable[..., tuple[Any, Any, Accumulator, Any, jax.Array]]:
   """Returns ``apply_step(params, opt_state, acc, model_state_before, model_state, step_inputs)``.
 
@@ -421,6 +477,7 @@ def make_apply_step(
     mesh: the mesh; its axis ``axis_name`` holds the data-parallel devices.
     axis_name: the mesh axis name.
     halves: as for :func:`make_fused_step`.
+    param_specs: as for :func:`make_fused_step`.
 
   Returns:
     A function (to be jitted) returning the new replicated params and
@@ -434,16 +491,29 @@ def make_apply_step(
   def per_device(params, opt_state, acc, model_state_before, model_state, step_inputs):
     grads = jax.tree.map(lambda g: g[0], acc.grads)
     params, opt_state, finite, stats = _update(
-      optimizer, axis_name, local, params, opt_state, grads, acc.loss[0], step_inputs
+      optimizer, local, params, opt_state, grads, lax.pmean(acc.loss[0], axis_name), step_inputs
     )
     cleared = jax.tree.map(jnp.zeros_like, acc)
     model_state = _keep_if_nonfinite(finite, model_state, model_state_before)
     return params, opt_state, cleared, model_state, stats
 
-  return manual_over(
-    mesh,
-    axis_name,
-    per_device,
-    in_specs=(P(), P(), P(axis_name), P(), P(), P()),
-    out_specs=(P(), P(), P(axis_name), P(), P()),
-  )
+  def apply_step(params, opt_state, acc, model_state_before, model_state, step_inputs):
+    blocks = data_blocks.DataBlocks(params, param_specs, axis_name)
+    with blocks.model_layout():
+      if local or not blocks.any:
+        return manual_over(
+          mesh,
+          axis_name,
+          per_device,
+          in_specs=(P(), P(), P(axis_name), P(), P(), P()),
+          out_specs=(P(), P(), P(axis_name), P(), P()),
+        )(params, opt_state, acc, model_state_before, model_state, step_inputs)
+      # FSDP: the accumulator holds each device's gradient, stacked; the update is on blocks.
+      params, opt_state, finite, stats = _update_blocks(
+        optimizer, blocks, mesh, params, opt_state, acc.grads, acc.loss, step_inputs
+      )
+    cleared = jax.tree.map(jnp.zeros_like, acc)
+    model_state = _keep_if_nonfinite(finite, model_state, model_state_before)
+    return params, opt_state, cleared, model_state, stats
+
+  return apply_step
