@@ -27,6 +27,7 @@ def test_the_digits_demo_trains_on_a_4x2_mesh_as_on_4_devices(tmp_path):
   results = {}
   for name, options, devices in (
     ("mesh", dict(mesh_shape="4x2", param_sharding="megatron"), None),
+    ("blocks", dict(mesh_shape="4x2", param_sharding="megatron+fsdp"), None),
     ("data_parallel", {}, jax.devices()[:4]),
   ):
     experiment = train.create_experiment(demo_config(**options), devices=devices)
@@ -49,6 +50,36 @@ def test_the_digits_demo_trains_on_a_4x2_mesh_as_on_4_devices(tmp_path):
   assert [b for b, _ in mesh_records] == [b for b, _ in dp_records]
   np.testing.assert_allclose([s for _, s in mesh_records], [s for _, s in dp_records], atol=1e-5)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5), mesh_params, dp_params)
+  # With the kernels' other dimension in blocks over the data axis too: the same run.
+  block_params, block_specs, block_records = results["blocks"]
+  assert block_specs["Dense_0"]["kernel"] == P("batch", "model")
+  assert block_specs["Dense_1"]["kernel"] == ROW  # 10 columns: no blocks of 4
+  assert block_specs["Conv_1"]["kernel"] == P(None, None, "batch", None)
+  assert [b for b, _ in block_records] == [b for b, _ in dp_records]
+  np.testing.assert_allclose([s for _, s in block_records], [s for _, s in dp_records], atol=1e-5)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5), block_params, dp_params)
+
+
+def test_fsdp_presets_put_a_free_dimension_in_blocks_over_the_data_axis():
+  params = {
+    "Dense_0": {"kernel": np.zeros((4, 8)), "bias": np.zeros(8)},
+    "Dense_1": {"kernel": np.zeros((8, 3)), "bias": np.zeros(3)},
+    "Conv_0": {"kernel": np.zeros((3, 3, 1, 4))},
+  }
+  fsdp = mesh_setup.param_sharding(
+    ml_collections.ConfigDict({"mesh_shape": "4x2", "param_sharding": "fsdp"}), params
+  )
+  assert fsdp == {
+    "Conv_0": {"kernel": P(None, None, None, "batch")},  # the first dimension 4 divides
+    "Dense_0": {"bias": P(), "kernel": P("batch", None)},
+    "Dense_1": {"bias": P(), "kernel": P("batch", None)},
+  }
+  both = mesh_setup.param_sharding(
+    ml_collections.ConfigDict({"mesh_shape": "4x2", "param_sharding": "megatron+fsdp"}), params
+  )
+  assert both["Dense_0"] == {"bias": P("model"), "kernel": P("batch", "model")}
+  assert both["Dense_1"] == {"bias": P(), "kernel": ROW}  # 3 columns: no blocks of 4
+  assert both["Conv_0"] == {"kernel": P(None, None, None, "batch")}
 
 
 def test_param_sharding_rules_match_the_path():

@@ -11,6 +11,11 @@ shard over the model axis:
   alternately column-parallel (``P(None, "model")``, with the bias
   ``P("model")``) and row-parallel (``P("model", None)``), as Megatron-LM
   pairs an MLP's two layers; other leaves replicated;
+* ``"fsdp"``: every leaf of two or more dimensions in blocks over the data
+  axis (``"batch"``) on its first dimension that the data axis divides
+  (kept in blocks through the step: FSDP); the others replicated;
+* ``"megatron+fsdp"``: ``"megatron"``, each kernel's other dimension in
+  blocks over the data axis where it divides;
 * rules ``"REGEX=SPEC;REGEX=SPEC"``: a leaf whose path (``Dense_0/kernel``)
   the first regex matches (``re.search``) takes its spec, a comma-separated
   list of axis names or ``None`` per dimension (``"kernel$=None,model"``);
@@ -29,6 +34,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 DATA_AXIS = "batch"  # the Trainer's axis_name, which the optimizer's transform names
+PRESETS = ("megatron", "fsdp", "megatron+fsdp")
 MODEL_AXIS = "model"
 
 
@@ -55,13 +61,7 @@ def training_mesh(config: ml_collections.ConfigDict, devices: list[jax.Device]) 
   shape = config.mesh_shape
   if not shape:
     return Mesh(np.array(devices), (DATA_AXIS,))
-  match = re.fullmatch(r"\s*(\d+)\s*x\s*(\d+)\s*", shape)
-  if match is None or min(int(match[1]), int(match[2])) < 1:
-    raise ValueError(
-      f"config.mesh_shape={shape!r} is not valid; give DATAxMODEL, e.g. '4x2' (4 data "
-      "positions by 2 model shards), or '' (data-parallel on every device)"
-    )
-  data, model = int(match[1]), int(match[2])
+  data, model = _mesh_dims(shape)
   if data * model != len(devices):
     raise ValueError(
       f"config.mesh_shape={shape!r} holds {data * model} devices, but there are "
@@ -98,8 +98,9 @@ def param_sharding(config: ml_collections.ConfigDict, params: Any) -> Any:
       f"config.param_sharding={rule!r} shards parameters over the model axis of a mesh; "
       "set config.mesh_shape too (e.g. '4x2')"
     )
-  if rule == "megatron":
-    return _megatron(params)
+  if rule in PRESETS:
+    specs = _megatron(params) if rule.startswith("megatron") else None
+    return _in_blocks(params, specs, _mesh_dims(config.mesh_shape)[0]) if "fsdp" in rule else specs
   rules = [_parse_rule(part) for part in rule.split(";") if part.strip()]
 
   def spec_of(path: Any, leaf: Any) -> P:
@@ -107,6 +108,36 @@ def param_sharding(config: ml_collections.ConfigDict, params: Any) -> Any:
     return next((spec for regex, spec in rules if regex.search(name)), P())
 
   return jax.tree_util.tree_map_with_path(spec_of, params)
+
+
+def _mesh_dims(shape: str) -> tuple[int, int]:
+  """``(data, model)`` of a ``DATAxMODEL`` mesh shape."""
+  match = re.fullmatch(r"\s*(\d+)\s*x\s*(\d+)\s*", shape)
+  if match is None or min(int(match[1]), int(match[2])) < 1:
+    raise ValueError(
+      f"config.mesh_shape={shape!r} is not valid; give DATAxMODEL, e.g. '4x2' (4 data "
+      "positions by 2 model shards), or '' (data-parallel on every device)"
+    )
+  return int(match[1]), int(match[2])
+
+
+def _in_blocks(params: Any, specs: Any, data_size: int) -> Any:
+  """``specs`` (None: replicated) with each leaf of 2+ dimensions in blocks over the data axis
+  on its first free dimension that ``data_size`` divides."""
+  if specs is None:
+    specs = jax.tree.map(lambda leaf: P(), params)
+
+  def blocked(leaf: Any, spec: P) -> P:
+    entries = list(spec) + [None] * (np.ndim(leaf) - len(spec))
+    if np.ndim(leaf) < 2:
+      return spec
+    for dim, size in enumerate(np.shape(leaf)):
+      if entries[dim] is None and size % data_size == 0:
+        entries[dim] = DATA_AXIS
+        return P(*entries)
+    return spec
+
+  return jax.tree.map(blocked, params, specs)
 
 
 def _path_name(path: Any) -> str:
@@ -124,7 +155,7 @@ def _parse_rule(part: str) -> tuple[re.Pattern, P]:
     return re.compile(regex.strip()), P(*(None if e in ("None", "") else e for e in entries))
   except (ValueError, re.error) as error:
     raise ValueError(
-      f"config.param_sharding rule {part!r} is not valid ({error}); give 'megatron', or "
+      f"config.param_sharding rule {part!r} is not valid ({error}); give one of {PRESETS}, or "
       "rules REGEX=SPEC separated by ';', e.g. 'Dense_0/kernel=None,model;Dense_1/kernel=model,None'"
     ) from error
 
