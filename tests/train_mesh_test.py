@@ -101,6 +101,9 @@ def test_megatron_alternates_in_the_natural_order_of_the_layers():
   params = {f"Dense_{i}": {"kernel": np.zeros((8, 8)), "bias": np.zeros(8)} for i in (0, 1, 2, 10)}
   specs = mesh_setup.param_sharding(config, params)
   assert [specs[f"Dense_{i}"]["kernel"] for i in (0, 1, 2, 10)] == [COLUMN, ROW, COLUMN, ROW]
+  # A head over 65 characters: the model axis (2) does not divide it, so it stays replicated.
+  params["head"] = {"kernel": np.zeros((8, 65)), "bias": np.zeros(65)}
+  assert mesh_setup.param_sharding(config, params)["head"] == {"bias": P(), "kernel": P()}
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,9 @@ shard over the model axis:
 * ``"megatron"``: the 2-D ``kernel`` leaves, in their order in the tree,
   alternately column-parallel (``P(None, "model")``, with the bias
   ``P("model")``) and row-parallel (``P("model", None)``), as Megatron-LM
-  pairs an MLP's two layers; other leaves replicated;
+  pairs an MLP's two layers (a kernel whose dimension to shard the model
+  axis does not divide, such as a head over 65 characters, replicated);
+  other leaves replicated;
 * ``"fsdp"``: every leaf of two or more dimensions in blocks over the data
   axis (``"batch"``) on its first dimension that the data axis divides
   (kept in blocks through the step: FSDP); the others replicated;
@@ -99,8 +101,9 @@ def param_sharding(config: ml_collections.ConfigDict, params: Any) -> Any:
       "set config.mesh_shape too (e.g. '4x2')"
     )
   if rule in PRESETS:
-    specs = _megatron(params) if rule.startswith("megatron") else None
-    return _in_blocks(params, specs, _mesh_dims(config.mesh_shape)[0]) if "fsdp" in rule else specs
+    data_size, model_size = _mesh_dims(config.mesh_shape)
+    specs = _megatron(params, model_size) if rule.startswith("megatron") else None
+    return _in_blocks(params, specs, data_size) if "fsdp" in rule else specs
   rules = [_parse_rule(part) for part in rule.split(";") if part.strip()]
 
   def spec_of(path: Any, leaf: Any) -> P:
@@ -160,8 +163,9 @@ def _parse_rule(part: str) -> tuple[re.Pattern, P]:
     ) from error
 
 
-def _megatron(params: Any) -> Any:
-  """Column- then row-parallel, alternately, over the 2-D kernels in their natural order."""
+def _megatron(params: Any, model_size: int) -> Any:
+  """Column- then row-parallel, alternately, over the 2-D kernels in their natural order (a
+  kernel whose dimension to shard ``model_size`` does not divide stays replicated)."""
   leaves = jax.tree_util.tree_flatten_with_path(params)[0]
   natural = lambda name: [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
   kernels = sorted(
@@ -173,9 +177,12 @@ def _megatron(params: Any) -> Any:
     key=natural,
   )
   specs = {}
+  shapes = {_path_name(path): np.shape(leaf) for path, leaf in leaves}
   for i, kernel in enumerate(kernels):
     layer = kernel[: -len("kernel")]
     column = i % 2 == 0
+    if shapes[kernel][1 if column else 0] % model_size:
+      continue  # a dimension the model axis does not divide (a vocabulary of 65): replicated
     specs[kernel] = P(None, MODEL_AXIS) if column else P(MODEL_AXIS, None)
     specs[layer + "bias"] = P(MODEL_AXIS) if column else P()
   return jax.tree_util.tree_map_with_path(lambda path, _: specs.get(_path_name(path), P()), params)
