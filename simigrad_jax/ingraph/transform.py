@@ -244,10 +244,13 @@ def transform(
   taken over all leaves as one vector and accumulated in float32. The host reads it with
   :func:`simigrad_jax.similarity` and feeds it to :class:`simigrad_jax.Controller`.
 
-  Inside a ``jax.shard_map`` that is manual over the data axis only, model
-  axes left to XLA's partitioner (:func:`simigrad_jax.device_halves_step`),
-  each device reduces its own shard of every leaf, so a tensor-parallel
-  gradient is not gathered.
+  In :func:`simigrad_jax.device_halves_step` (and in the Trainer's steps on
+  a mesh) each device reduces its own shard of every leaf, model axes left
+  to XLA's partitioner, so a tensor-parallel gradient is not gathered;
+  there the step hands the transform each device's gradient stacked along
+  the data axis, and the mean comes back laid out as the parameters are
+  (a leaf in blocks over the data axis, FSDP, in its blocks), for the rest
+  of the chain to run on global arrays.
 
   With one device or an odd number of devices the device halves do not exist;
   then split each device's own batch in two and pass the two half gradients
