@@ -13,6 +13,7 @@ import doctest
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -61,12 +62,14 @@ def mesh_of(data, model=2):
   return Mesh(np.array(jax.devices()[: data * model]).reshape(data, model), ("batch", "model"))
 
 
-def make_trainer(workdir, *, optimizer=None, **kwargs):
+def make_trainer(workdir, *, optimizer=None, nan_at=None, **kwargs):
   rng = np.random.default_rng(0)
   data = {
     "x": rng.normal(size=(120, 5)).astype(np.float32),
     "y": rng.integers(0, 3, size=120).astype(np.int32),
   }
+  if nan_at is not None:
+    data["x"][nan_at] = np.nan
   if optimizer is None:
     optimizer = optax.chain(
       simigrad_jax.transform("batch"),
@@ -195,6 +198,26 @@ def test_fsdp_blocks_keep_the_optimizer_state_in_blocks(tmp_path):
       assert kernel.sharding.spec == params[layer]["kernel"].sharding.spec
       # A quarter of the kernel per device: its block over the 4 data positions.
       assert kernel.addressable_shards[0].data.size * 4 == kernel.size
+
+
+@pytest.mark.parametrize("max_micro_batch_size", [16, 2], ids=["fused", "accumulated"])
+def test_a_nonfinite_step_in_blocks_keeps_the_state(tmp_path, max_micro_batch_size):
+  """The update on blocks (outside the gradient's shard_map) skips a NaN step as the others do."""
+  with make_trainer(
+    tmp_path,
+    mesh=mesh_of(4),
+    param_sharding=BLOCK_SPECS,
+    nan_at=50,
+    max_micro_batch_size=max_micro_batch_size,
+  ) as trainer:
+    trainer.train(num_epochs=1)
+    state = trainer.state
+    floating = [x for x in jax.tree.leaves(state) if jnp.issubdtype(x.dtype, jnp.floating)]
+    assert all(np.all(np.isfinite(np.asarray(jax.device_get(x)))) for x in floating)
+  records = [r for r in simigrad_jax.read_metrics(tmp_path / "metrics.jsonl") if "batch_size" in r]
+  bad = [r for r in records if not r["grads_finite"]]
+  assert len(bad) == 1 and bad[0]["decision"] == "nonfinite"
+  assert records[-1]["nonfinite_steps"] == 1
 
 
 def test_local_halves_on_an_odd_data_axis(tmp_path):
