@@ -154,9 +154,13 @@ class _GroupsUnsupported(Exception):
   """This trace cannot reduce within device groups (``jax.vmap`` cannot)."""
 
 
-def _scatter_within(flat: jax.Array, axis_name: str, groups: list[list[int]]) -> jax.Array:
+def _scatter_within(
+  x: jax.Array, axis_name: str, groups: list[list[int]], dimension: int = 0
+) -> jax.Array:
   try:
-    return lax.psum_scatter(flat, axis_name, tiled=True, axis_index_groups=groups)
+    return lax.psum_scatter(
+      x, axis_name, scatter_dimension=dimension, tiled=True, axis_index_groups=groups
+    )
   except NotImplementedError as error:
     raise _GroupsUnsupported() from error
 
@@ -265,12 +269,7 @@ def _halves_in_blocks(
       f"a gradient kept in blocks along dimension {dim} (size {size}) over the "
       f"{num_devices} devices of axis {axis_name!r} needs a size that divides by {num_devices}"
     )
-  try:
-    own = lax.psum_scatter(
-      leaf, axis_name, scatter_dimension=dim, tiled=True, axis_index_groups=groups
-    )
-  except NotImplementedError as error:
-    raise _GroupsUnsupported() from error
+  own = _scatter_within(leaf, axis_name, groups, dim)
   split = own.shape[:dim] + (2, size // num_devices) + own.shape[dim + 1 :]
   return _both_halves(own.reshape(split), axis_name, num_devices, dim)
 
