@@ -384,20 +384,8 @@ def _stacked(device_gradient: tuple[jax.Array, Any, Any]) -> tuple[Any, jax.Arra
 def _update_blocks(optimizer, blocks, mesh, params, opt_state, stacked, losses, step_inputs):
   """:func:`_update` on global arrays, the transform reducing the devices' stacked gradients
   into the parameters' layout (FSDP blocks stay blocks)."""
-  reduced = []
-
-  def reduce(updates, reduction, zero_nonfinite):
-    reduced.append(True)
-    return blocks.reduce_devices(updates, reduction, zero_nonfinite, mesh=mesh)
-
-  with transform.gradients_of_devices(blocks.axis_name, reduce):
-    outputs = _update(optimizer, False, params, opt_state, stacked, jnp.mean(losses), step_inputs)
-  if not reduced:
-    raise ValueError(
-      f"the optimizer never reached simigrad_jax.transform({blocks.axis_name!r}): chain it "
-      "first, before the updates' shapes are used"
-    )
-  return outputs
+  with blocks.reduced_by_transform("the Trainer", mesh=mesh):
+    return _update(optimizer, False, params, opt_state, stacked, jnp.mean(losses), step_inputs)
 
 
 def make_micro_step(

@@ -29,6 +29,7 @@ from jax.sharding import PartitionSpec as P
 
 from simigrad_jax.ingraph import group_reduction
 from simigrad_jax.ingraph import halves_reduction
+from simigrad_jax.ingraph import transform
 from simigrad_jax.ingraph.half_statistics import HalfStatistics
 
 
@@ -143,6 +144,42 @@ class DataBlocks:
       )
 
     return group_reduction.each_local_shard(gather_local, params, self.axis_name)
+
+  @contextlib.contextmanager
+  def reduced_by_transform(
+    self,
+    who: str,
+    *,
+    mesh: jax.sharding.Mesh | None = None,
+    explicit_axes: tuple[str, ...] = (),
+  ) -> Iterator[None]:
+    """While tracing the block, ``transform(axis_name)`` reduces with :meth:`reduce_devices`.
+
+    Around the optimizer's update when it is handed the devices' stacked
+    gradients. Raises after the block when the update never reached the
+    transform (the rest of the optimizer would have seen one gradient per
+    device).
+
+    Args:
+      who: the step, for the error (``"device_halves_step"``).
+      mesh: as for :meth:`reduce_devices`.
+      explicit_axes: as for :meth:`reduce_devices`.
+    """
+    reached: list[bool] = []
+
+    def reduce(stacked: Any, reduction: Any, zero_nonfinite: bool) -> tuple[Any, HalfStatistics]:
+      reached.append(True)
+      return self.reduce_devices(
+        stacked, reduction, zero_nonfinite, mesh=mesh, explicit_axes=explicit_axes
+      )
+
+    with transform.gradients_of_devices(self.axis_name, reduce):
+      yield
+    if not reached:
+      raise ValueError(
+        f"{who}'s optimizer never reached simigrad_jax.transform({self.axis_name!r}): chain it "
+        f"first, optax.chain(simigrad_jax.transform({self.axis_name!r}), ...)"
+      )
 
   def reduce_devices(
     self,

@@ -24,7 +24,6 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 from simigrad_jax.ingraph import data_blocks
-from simigrad_jax.ingraph import transform as transform_lib
 
 Step = Callable[[Any, Any, Any], tuple[Any, ...]]
 
@@ -170,13 +169,6 @@ def device_halves_step(
       check_vma=False,
     )
 
-    def reduce(stacked: Any, reduction: Any, zero_nonfinite: bool) -> tuple[Any, Any]:
-      reduced.append(True)
-      return blocks.reduce_devices(
-        stacked, reduction, zero_nonfinite, explicit_axes=others if explicit else ()
-      )
-
-    reduced: list[bool] = []
     if explicit:
       # JAX lowers a shard_map's P() inputs as replicated over the other explicit axes too (a
       # tensor-parallel kernel gathered whole): run it with those axes Auto.
@@ -198,13 +190,10 @@ def device_halves_step(
     else:
       with blocks.model_layout():
         outputs = over_data(params, batch)
-    with transform_lib.gradients_of_devices(axis_name, reduce):
+    with blocks.reduced_by_transform(
+      "device_halves_step", explicit_axes=others if explicit else ()
+    ):
       updates, opt_state = optimizer.update(outputs[0], opt_state, params)
-    if not reduced:
-      raise ValueError(
-        "device_halves_step's optimizer never reached simigrad_jax.transform("
-        f"{axis_name!r}): chain it first, optax.chain(simigrad_jax.transform({axis_name!r}), ...)"
-      )
     return (optax.apply_updates(params, updates), opt_state) + tuple(outputs[1:])
 
   return step
