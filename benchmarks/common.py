@@ -48,6 +48,19 @@ def apply_preset(args, preset: dict, keys=None) -> None:
       setattr(args, name, preset[key])
 
 
+def device_record() -> dict:
+  """The first JAX device's platform and kind, the devices visible and the host's CPUs."""
+  import jax  # pylint: disable=import-outside-toplevel
+
+  device = jax.devices()[0]
+  return {
+    "platform": device.platform,
+    "device_kind": device.device_kind,
+    "devices_visible": jax.device_count(),
+    "host_cpus": os.cpu_count(),
+  }
+
+
 def report(results: dict, table: str, out: str | None) -> dict:
   """Prints ``table``, writes ``results`` as JSON to ``out`` when given, and returns ``results``."""
   import json  # pylint: disable=import-outside-toplevel

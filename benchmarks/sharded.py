@@ -43,7 +43,10 @@ step's; and, reported the same way, the SimiGrad step's at most 1.05x the
 plain step's. For ``groups``, against the plain step: no collective-permute,
 the similarity within 1e-4 of the same reference, temporary memory at most
 1.05x, collective bytes at most 1.001x (1.0x plus the statistics' scalars),
-the parameters' sharding kept.
+the parameters' sharding kept. And for every run, the lighter of the two
+SimiGrad steps (``simigrad`` or ``groups``, by temporary memory) at most
+1.05x the plain step's: the one to use for that layout
+(``benchmarks/sharded_memory.py`` follows it over batch sizes).
 
 Usage::
 
@@ -61,6 +64,7 @@ JSON written to ``--out``::
             "transform_temp_ratio", "collectives_beyond_plain": {kind: count},
             "collective_permutes", "transform_collective_bytes", "sharding_kept",
             "similarity", "reference_similarity", "similarity_error",
+            "lighter_step", "lighter_temp_ratio_to_plain",
             "groups": {"temp_ratio_to_plain", "collective_bytes_ratio_to_plain",
                        "collectives_beyond_plain", "collective_permutes",
                        "sharding_kept", "similarity", "similarity_error",
@@ -130,34 +134,21 @@ def run_one(
   widths: Sequence[int], layout: str, axes: str, host_params: Any, host_batch: Any, repeats: int
 ) -> dict[str, Any]:
   """Compiles, times and checks the four steps of one model, layout and kind of axes."""
-  mesh = sharded_models.make_mesh(layout, axes)
-  explicit = axes == "explicit"
-  loss = sharded_models.make_loss(len(widths) - 1, explicit=explicit)
-  device_loss = sharded_models.make_loss(len(widths) - 1, explicit=explicit, rows=None)
-  params, batch = sharded_models.place(host_params, host_batch, mesh, layout)
+  placed = sharded_models.place_model(widths, layout, axes, host_params, host_batch)
+  mesh, params, batch = placed.mesh, placed.params, placed.batch
   # The groups step's batch, dealt so that its halves are the even and odd examples too.
   _, dealt = sharded_models.place(
     host_params, simigrad_jax.deal_to_devices(host_batch, mesh.shape["data"]), mesh, layout
   )
-  specs = jax.tree.map(lambda a: a.sharding.spec, params)
-  steps, optimizers = sharded_models.make_steps(loss, device_loss, None if explicit else specs)
-  states = {name: optimizer.init(params) for name, optimizer in optimizers.items()}
-  shardings = jax.tree.map(lambda a: a.sharding, params)
+  states = {name: optimizer.init(params) for name, optimizer in placed.optimizers.items()}
 
-  def keeping_layout(step, name):
+  def reading_its_own(name):
     # One argument list for every step, timed interleaved: each step reads its own state
-    # (and the groups step its dealt batch). Under Auto axes XLA would choose the new
-    # parameters' layout; a training loop keeps it (as out_shardings would). Under
-    # Explicit axes their types carry it.
-    def run(p, s, b):
-      new_params, state, value = step(p, s[name], b[name == "groups"])
-      if axes == "auto":
-        new_params = jax.lax.with_sharding_constraint(new_params, shardings)
-      return new_params, state, value
+    # (and the groups step its dealt batch).
+    step = sharded_models.keeping_layout(placed.steps[name], placed.shardings, axes)
+    return lambda p, s, b: step(p, s[name], b[name == "groups"])
 
-    return run
-
-  picking = {name: keeping_layout(step, name) for name, step in steps.items()}
+  picking = {name: reading_its_own(name) for name in placed.steps}
   compiled: dict[str, Any] = {}
   with jax.set_mesh(mesh):
     entries = halves_benchmark.measure(
@@ -172,6 +163,7 @@ def run_one(
     entry["collectives"], entry["collective_bytes"] = _collective_counts(compiled[name])
   kinds = {name: collections.Counter(entry["collectives"]) for name, entry in entries.items()}
   plain_bytes = entries["plain"]["collective_bytes"]
+  lighter = min(("simigrad", "groups"), key=lambda name: entries[name]["temp_bytes"])
   return {
     "model": None,
     "layout": layout,
@@ -186,6 +178,8 @@ def run_one(
     ),
     "sharding_kept": _sharding_kept(params, updated["simigrad"][0]),
     "similarity": simigrad_jax.similarity(updated["simigrad"][1]),
+    "lighter_step": lighter,
+    "lighter_temp_ratio_to_plain": entries[lighter]["temp_ratio_to_plain"],
     "groups": {
       "temp_ratio_to_plain": entries["groups"]["temp_ratio_to_plain"],
       "collective_bytes_ratio_to_plain": (
@@ -216,6 +210,10 @@ def _check_goals(runs: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
       MEMORY_LIMIT,
     ),
     "parameters' sharding lost": (lambda r: int(not r["sharding_kept"]), 0),
+    "lighter SimiGrad step temp / plain temp": (
+      lambda r: r["lighter_temp_ratio_to_plain"],
+      MEMORY_LIMIT,
+    ),
     "groups: collective-permutes": (lambda r: r["groups"]["collective_permutes"], 0),
     "groups: |similarity - float64 reference|": (
       lambda r: r["groups"]["similarity_error"],
@@ -273,7 +271,7 @@ def _format_table(results: dict[str, Any]) -> str:
   rows += [
     "",
     f"{'groups':<24}{'temp':>8}{'coll bytes':>11}{'time':>7}{'perm':>5}{'|s - ref|':>10}"
-    f"{'|update - plain|':>17}  collectives beyond plain",
+    f"{'|update - plain|':>17}{'lighter':>10}  collectives beyond plain",
   ]
   for run in results["runs"].values():
     groups = run["groups"]
@@ -281,7 +279,8 @@ def _format_table(results: dict[str, Any]) -> str:
       f"{run['model']:<7}{run['layout']:<8}{run['axes']:<9}"
       f"{groups['temp_ratio_to_plain']:>7.3f}x{groups['collective_bytes_ratio_to_plain']:>10.4f}x"
       f"{run['variants']['groups']['time_ratio_to_plain']:>6.2f}x{groups['collective_permutes']:>5}"
-      f"{groups['similarity_error']:>10.1e}{groups['update_error']:>17.1e}  "
+      f"{groups['similarity_error']:>10.1e}{groups['update_error']:>17.1e}"
+      f"{run['lighter_step']:>9}{run['lighter_temp_ratio_to_plain']:>5.2f}x  "
       f"{_extra(groups['collectives_beyond_plain'])}"
     )
   rows += [
@@ -293,7 +292,9 @@ def _format_table(results: dict[str, Any]) -> str:
     "the transform adds to the halves step. time: the SimiGrad step's median against "
     "plain's (CPU). perm: collective-permutes in the SimiGrad step. groups: the "
     "device_halves_step (even against odd data positions, on a dealt batch) against plain: "
-    "temp, collective bytes, time, permutes, similarity error, largest parameter difference.",
+    "temp, collective bytes, time, permutes, similarity error, largest parameter difference; "
+    "lighter: the SimiGrad step (simigrad or groups) with less temporary memory, and its temp "
+    "against plain.",
   ]
   for goal, result in results["goals"].items():
     rows.append(
@@ -303,11 +304,14 @@ def _format_table(results: dict[str, Any]) -> str:
   return "\n".join(rows)
 
 
-def _ints(text: str) -> tuple[int, ...]:
+def integers(text: str) -> tuple[int, ...]:
+  """A comma-separated list of integers (an ``argparse`` type)."""
   return tuple(int(part) for part in text.split(",") if part.strip())
 
 
-def _names(choices: Sequence[str]):
+def names_among(choices: Sequence[str]):
+  """An ``argparse`` type: a comma-separated list of names among ``choices``."""
+
   def parse(text: str) -> tuple[str, ...]:
     names = tuple(part.strip() for part in text.split(",") if part.strip())
     unknown = sorted(set(names) - set(choices))
@@ -318,26 +322,26 @@ def _names(choices: Sequence[str]):
   return parse
 
 
-def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_model_arguments(parser: argparse.ArgumentParser, quick: dict, full: dict) -> None:
+  """The flags every sharded benchmark takes: --quick, --models, --layouts, --axes and the widths."""
   parser.add_argument(
-    "--quick", action="store_true", help=f"tiny sizes for tests: {QUICK} (flags given still win)"
+    "--quick", action="store_true", help=f"tiny sizes for tests: {quick} (flags given still win)"
   )
   parser.add_argument(
     "--models",
-    type=_names(("kernel", "mlp")),
+    type=names_among(("kernel", "mlp")),
     default=("kernel", "mlp"),
     help="comma-separated models: kernel, mlp (default both)",
   )
   parser.add_argument(
     "--layouts",
-    type=_names(tuple(sharded_models.LAYOUTS)),
+    type=names_among(tuple(sharded_models.LAYOUTS)),
     default=tuple(sharded_models.LAYOUTS),
     help="comma-separated layouts (default all): " + ", ".join(sharded_models.LAYOUTS),
   )
   parser.add_argument(
     "--axes",
-    type=_names(tuple(sharded_models.AXIS_TYPES)),
+    type=names_among(tuple(sharded_models.AXIS_TYPES)),
     default=tuple(sharded_models.AXIS_TYPES),
     help="comma-separated kinds of mesh axes: auto, explicit (default both)",
   )
@@ -345,14 +349,19 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     "--kernel-width",
     type=int,
     default=None,
-    help=f"W of the kernel model's W x W kernel (default {FULL['kernel_width']})",
+    help=f"W of the kernel model's W x W kernel (default {full['kernel_width']})",
   )
   parser.add_argument(
     "--mlp-widths",
-    type=_ints,
+    type=integers,
     default=None,
-    help=f"the MLP's widths (default {FULL['mlp_widths']})",
+    help=f"the MLP's widths (default {full['mlp_widths']})",
   )
+
+
+def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  add_model_arguments(parser, QUICK, FULL)
   parser.add_argument(
     "--batch-size",
     type=int,
@@ -366,13 +375,28 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   parser.add_argument("--out", default=None, help="write the results as JSON to this path")
   args = parser.parse_args(argv)
   common.apply_preset(args, QUICK if args.quick else FULL)
+  error = batch_size_error(args.batch_size)
+  if error:
+    parser.error(f"--batch-size {error}")
+  return args
+
+
+def batch_size_error(batch_size: int) -> str | None:
+  """What is wrong with ``batch_size`` for every layout's data axis, or None."""
   data_size = max(shape[0] for shape in sharded_models.LAYOUTS.values())
-  if args.batch_size <= 0 or args.batch_size % (2 * data_size):
-    parser.error(
-      f"--batch-size {args.batch_size}: give a positive multiple of {2 * data_size} "
+  if batch_size <= 0 or batch_size % (2 * data_size):
+    return (
+      f"{batch_size}: give a positive multiple of {2 * data_size} "
       f"(an even number of rows on each of up to {data_size} data devices)"
     )
-  return args
+  return None
+
+
+def check_device_count(layouts: Sequence[str]) -> None:
+  """Raises if fewer devices are visible than the largest of ``layouts`` needs."""
+  needed = max(int(np.prod(sharded_models.LAYOUTS[layout])) for layout in layouts)
+  if jax.device_count() < needed:
+    raise RuntimeError(f"the layouts {layouts} need {needed} devices, found {jax.device_count()}")
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
@@ -386,12 +410,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     module docstring).
   """
   args = _parse_args(argv)
-  needed = max(int(np.prod(sharded_models.LAYOUTS[layout])) for layout in args.layouts)
-  if jax.device_count() < needed:
-    raise RuntimeError(
-      f"the layouts {args.layouts} need {needed} devices, found {jax.device_count()}"
-    )
-  device = jax.devices()[0]
+  check_device_count(args.layouts)
   runs, models = {}, {}
   for model, widths in model_widths(args).items():
     host_params = sharded_models.init_params(widths)
@@ -432,12 +451,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     "models": models,
     "batch_size": args.batch_size,
     "repeats": args.repeats,
-    "device": {
-      "platform": device.platform,
-      "device_kind": device.device_kind,
-      "devices_visible": jax.device_count(),
-      "host_cpus": os.cpu_count(),
-    },
+    "device": common.device_record(),
     "jax_version": jax.__version__,
   }
   return common.report(results, _format_table(results), args.out)

@@ -15,6 +15,7 @@ gradient is then that of the same function in either mode.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -208,6 +209,58 @@ def make_steps(
     ),
   }
   return steps, optimizers
+
+
+def keeping_layout(step: Step, shardings: Any, axes: str) -> Step:
+  """``step`` returning its new parameters in ``shardings``, as a training loop keeps them.
+
+  Under ``Auto`` axes XLA would choose the new parameters' layout (a loop
+  keeps it, as ``out_shardings`` would); under ``Explicit`` axes their types
+  carry it and ``step`` is returned as is.
+  """
+  if axes != "auto":
+    return step
+
+  def run(params, opt_state, batch):
+    new_params, opt_state, value = step(params, opt_state, batch)
+    return jax.lax.with_sharding_constraint(new_params, shardings), opt_state, value
+
+  return run
+
+
+@dataclasses.dataclass(frozen=True)
+class Placed:
+  """One model, layout and kind of axes, on its mesh: what each benchmark compiles.
+
+  Attributes:
+    mesh: the layout's mesh (:func:`make_mesh`).
+    params: the parameters laid out by the layout.
+    batch: the batch, sharded over ``data``.
+    steps: the variants' steps (:func:`make_steps`).
+    optimizers: their optimizers.
+    shardings: the parameters' shardings, for :func:`keeping_layout`.
+  """
+
+  mesh: jax.sharding.Mesh
+  params: Any
+  batch: Any
+  steps: dict[str, Step]
+  optimizers: dict[str, optax.GradientTransformation]
+  shardings: Any
+
+
+def place_model(
+  widths: Sequence[int], layout: str, axes: str, host_params: Any, host_batch: Any
+) -> Placed:
+  """The mesh, the placed parameters and batch, and every variant's step of one configuration."""
+  mesh = make_mesh(layout, axes)
+  explicit = axes == "explicit"
+  loss = make_loss(len(widths) - 1, explicit=explicit)
+  device_loss = make_loss(len(widths) - 1, explicit=explicit, rows=None)
+  params, batch = place(host_params, host_batch, mesh, layout)
+  specs = jax.tree.map(lambda a: a.sharding.spec, params)
+  steps, optimizers = make_steps(loss, device_loss, None if explicit else specs)
+  return Placed(mesh, params, batch, steps, optimizers, jax.tree.map(lambda a: a.sharding, params))
 
 
 def reference_similarity(

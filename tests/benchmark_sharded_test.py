@@ -136,3 +136,14 @@ def test_the_groups_step_meets_its_goals_but_where_xla_moves_activations(quick_r
       assert groups["collective_bytes_ratio_to_plain"] <= 1.001, key
   for goal in ("groups: collective-permutes", "groups: |similarity - float64 reference|"):
     assert written["goals"][goal]["met"], goal
+
+
+def test_every_layout_has_a_simigrad_step_within_the_plain_steps_memory(quick_run):
+  """The lighter of the two SimiGrad steps, by temporary memory: at most 1.05x the plain step's."""
+  written, _ = quick_run
+  for key, run in written["runs"].items():
+    ratios = {name: run["variants"][name]["temp_ratio_to_plain"] for name in ("simigrad", "groups")}
+    assert run["lighter_step"] == min(ratios, key=ratios.get), key
+    assert run["lighter_temp_ratio_to_plain"] == min(ratios.values()) <= 1.05, key
+  assert written["runs"]["kernel/fsdp_tp/auto"]["lighter_step"] == "simigrad"
+  assert written["goals"]["lighter SimiGrad step temp / plain temp"]["met"]
