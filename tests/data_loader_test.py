@@ -8,6 +8,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import simigrad_jax
+from simigrad_jax.engine import data_loader
 from simigrad_jax.engine.data_loader import StepDataLoader
 from simigrad_jax.engine.data_loader import likely_next_sizes
 from simigrad_jax.engine.layout import StepLayout
@@ -72,3 +73,14 @@ def test_an_unlikely_decision_is_placed_when_taken(loader_and_layout):
   assert batch.plan == layout.plan(50)
   assert float(np.asarray(batch.micro_batches[0][1]).sum()) == 50
   assert np.asarray(batch.counters[0]).tolist() == [0, 0]
+
+
+def test_rows_are_gathered_and_padding_rows_are_zero():
+  rows = np.arange(1, 13, dtype=np.float32).reshape(4, 3)
+  take = np.array([2, 0, 0, 3])
+  real = np.array([True, True, False, True])
+  got = data_loader._gather_rows(rows, take, real)
+  np.testing.assert_array_equal(got, [rows[2], rows[0], [0, 0, 0], rows[3]])
+  # A process that loaded no rows: all padding, of the rows' shape and dtype.
+  empty = data_loader._gather_rows(np.zeros((0, 3), np.int32), np.zeros(2, int), np.zeros(2, bool))
+  assert empty.shape == (2, 3) and empty.dtype == np.int32 and not empty.any()

@@ -245,9 +245,15 @@ def speculative_count(batch_size: int, upper: int | None, remaining: float) -> i
 
 
 def _gather_rows(array: np.ndarray, take: np.ndarray, real: np.ndarray) -> np.ndarray:
-  """``array[take]`` where ``real``, zero rows elsewhere (padding)."""
-  out = np.zeros((len(take),) + array.shape[1:], array.dtype)
-  out[real] = array[take[real]]
+  """``array[take]`` where ``real``, zero rows elsewhere (padding).
+
+  One gather of every row (a padding row reads some loaded row), then the
+  padding zeroed: a masked assignment into zeros took twice as long.
+  """
+  if not len(array):  # this process loaded no rows: all padding
+    return np.zeros((len(take),) + array.shape[1:], array.dtype)
+  out = np.take(array, take, axis=0, mode="clip")
+  out[~real] = 0
   return out
 
 
