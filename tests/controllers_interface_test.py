@@ -345,3 +345,63 @@ def test_docstring_examples():
   for module in (base, profiling, registry, simigrad):
     result = doctest.testmod(module)
     assert result.attempted and not result.failed, module.__name__
+
+
+# ------------------------------------------------------------ the sizes decided next
+
+
+def _schedules():
+  return [
+    simigrad_jax.controllers.StepScheduleController("0:8,100:16,250:32"),
+    simigrad_jax.controllers.LinearRampController(8, 40, 8, ramp=400),
+    simigrad_jax.controllers.DoublingWarmupController(8, "120,300"),
+    simigrad_jax.controllers.SeesawController(8, halving_points="160,480"),
+    simigrad_jax.controllers.ScheduleController(8, 64, 2.0, shape="geometric"),
+  ]
+
+
+@pytest.mark.parametrize("index", range(5))
+def test_a_schedule_names_the_size_it_then_decides(index):
+  """Asked before a step with the examples served after it, a schedule says its next size."""
+  controller = _schedules()[index]
+  num_examples = 200
+  seen = 0
+  for _ in range(40):
+    seen += controller.batch_size
+    epochs = seen / num_examples
+    (said,) = controller.likely_batch_sizes(seen, epochs)
+    decided = controller.update(0.3, stats={"examples_seen": seen, "epochs": epochs})
+    assert said == decided, (type(controller).__name__, seen)
+  assert controller.batch_size > 8  # the schedule moved in those steps
+
+
+def test_simigrad_names_its_size_only_while_it_holds_it():
+  held = simigrad_jax.Controller(32, 0.5, enable_adjust=False, batch_size_upper_bound=64)
+  assert held.likely_batch_sizes(100, 0.5) == [32]
+  adapting = simigrad_jax.Controller(32, 0.5, batch_size_upper_bound=64)
+  assert adapting.likely_batch_sizes(100, 0.5) is None  # the Trainer's guess: grow or shrink
+  profiling = simigrad_jax.Controller(
+    32, 0.5, enable_adjust=False, batch_size_upper_bound=64, batch_sizes_to_profile=[16]
+  )
+  assert profiling.likely_batch_sizes(100, 0.5) is None
+
+
+def test_a_controller_on_the_base_leaves_the_guess_to_the_trainer():
+  class Doubling(BaseController):
+    def decide(self):
+      return 2 * self.batch_size
+
+  assert Doubling(8, batch_size_upper_bound=64).likely_batch_sizes(8, 0.1) is None
+  assert isinstance(Doubling(8, batch_size_upper_bound=64), interface.AnticipatesBatchSizes)
+  assert not isinstance(Minimal(), interface.AnticipatesBatchSizes)
+
+
+def test_the_profiling_wrapper_passes_the_wrapped_controllers_sizes_on_outside_a_profile():
+  wrapped = simigrad_jax.controllers.StepScheduleController("0:8,100:16")
+  profiling = simigrad_jax.ProfilingController(wrapped, [12])
+  assert profiling.likely_batch_sizes(0, 0.0) is None  # the profile chooses the sizes
+  seen = 0
+  while profiling.profile_batch_sizes:
+    seen += profiling.batch_size
+    profiling.update(0.3, stats={"examples_seen": seen, "epochs": 0.0})
+  assert profiling.likely_batch_sizes(120, 0.0) == [16]

@@ -3,6 +3,7 @@
 import doctest
 import json
 import math
+import threading
 
 import numpy as np
 import optax
@@ -18,6 +19,7 @@ from simigrad_jax.controllers.seesaw import cosine_halving_points
 from simigrad_jax.controllers.token_schedules import StepScheduleController
 from simigrad_jax.controllers.token_schedules import parse_count
 from simigrad_jax.controllers.token_schedules import parse_thresholds
+from simigrad_jax.engine import data_loader
 
 
 def test_doctests():
@@ -401,3 +403,46 @@ def test_the_train_scripts_give_seesaw_its_learning_rate():
     optimizers.create_lr_schedule(config, c, num_examples=100)
   plain = optimizers.create_lr_schedule(config, StepScheduleController("0:8"), num_examples=100)
   assert plain(config.num_epochs / 2 + config.warmup_epochs / 2) == pytest.approx(0.5)
+
+
+def _ramp_run(workdir, cache_dir):
+  """The tiny run on a ramp; (batch size, loss) per step and the plans placed: (size, ahead)."""
+  placed = []
+  place = data_loader.StepDataLoader.place
+
+  def recording(self, plan, loaded, step):
+    ahead = threading.current_thread() is not threading.main_thread()
+    placed.append((plan.global_batch_size, ahead))
+    return place(self, plan, loaded, step)
+
+  data_loader.StepDataLoader.place = recording
+  try:
+    # Without the compile fallback, whose plan for a shape still compiling changes when it is
+    # ready, every plan placed ahead is the one its step takes.
+    _, _, records = tiny_run.train_records(
+      workdir,
+      cache_dir,
+      12,
+      controller=StepScheduleController("0:8,40:16,120:24"),
+      compile_fallback=False,
+    )
+  finally:
+    data_loader.StepDataLoader.place = place
+  return [(r["batch_size"], r["loss"]) for r in records], placed
+
+
+def test_a_ramp_finds_every_steps_rows_placed_ahead(tmp_path, devices, monkeypatch):
+  """The schedule names its next size, so the data thread places exactly that one, ahead of each
+  step; with SimiGrad's guess (a grow or a shrink) a held size is laid out when it is taken."""
+  del devices
+  steps, placed = _ramp_run(tmp_path / "named", tmp_path / "cache")
+  assert [b for b, _ in steps] == [8] * 5 + [16] * 5 + [24] * 2
+  # One plan a step, each ahead of it (and the next one, for a step not taken).
+  assert placed == [(b, True) for b, _ in steps] + [(24, True)]
+  monkeypatch.setattr(StepScheduleController, "likely_batch_sizes", lambda *args: None)
+  guessed_steps, guessed = _ramp_run(tmp_path / "guessed", tmp_path / "cache")
+  assert guessed_steps == steps
+  # At 8 (the lower bound) and 24 (the upper) the guess holds the size among others; at 16 it
+  # is 17 or 14, never 16, and the ramp's step to 24 is no grow of 16 either.
+  assert [b for b, ahead in guessed if not ahead] == [16] * 5 + [24]
+  assert len(guessed) > len(placed) + 6

@@ -1,5 +1,7 @@
 """StepDataLoader: a step's rows placed ahead for each size the controller is likely to decide."""
 
+import threading
+
 import jax
 import numpy as np
 import pytest
@@ -22,8 +24,8 @@ def test_likely_next_sizes_follow_simigrads_rule_within_bounds():
   assert likely_next_sizes(64, 64, 64) == [64]
 
 
-@pytest.fixture
-def loader_and_layout():
+def _loader(anticipate=None):
+  """A loader of 400 examples on 8 devices, bounds [16, 128], and its layout and sampler."""
   mesh = Mesh(np.array(jax.devices()), ("batch",))
   layout = StepLayout.create(
     "device", 8, mode="recompile", max_micro=8, min_micro=None, lower=16, upper=128,
@@ -42,7 +44,14 @@ def loader_and_layout():
     upper=128,
     plan_for=layout.plan,
     lower=16,
+    anticipate=anticipate,
   )
+  return loader, layout, sampler
+
+
+@pytest.fixture
+def loader_and_layout():
+  loader, layout, sampler = _loader()
   yield loader, layout, sampler
   loader.close()
 
@@ -84,3 +93,50 @@ def test_rows_are_gathered_and_padding_rows_are_zero():
   # A process that loaded no rows: all padding, of the rows' shape and dtype.
   empty = data_loader._gather_rows(np.zeros((0, 3), np.int32), np.zeros(2, int), np.zeros(2, bool))
   assert empty.shape == (2, 3) and empty.dtype == np.int32 and not empty.any()
+
+
+def _placements(loader):
+  """Records the batch size of every plan ``loader`` places, and whether it was ahead (in the
+  data thread) or when taken."""
+  placed = []
+  place = loader.place
+
+  def recording(plan, loaded, step):
+    ahead = threading.current_thread() is not threading.main_thread()
+    placed.append((plan.global_batch_size, ahead))
+    return place(plan, loaded, step)
+
+  loader.place = recording
+  return placed
+
+
+def test_a_controller_that_names_its_next_size_gets_that_size_placed_ahead():
+  asked = []
+  loader, layout, _ = _loader(lambda seen, epochs: asked.append((seen, epochs)) or [96])
+  try:
+    placed = _placements(loader)
+    loader.submit_ahead(50, float("inf"), step=0)  # SimiGrad's guess would be 55 and 45
+    batch, _ = loader.take(layout.plan(96), 0, 0)  # beyond one grow of 50: loaded all the same
+    assert placed == [(96, True)]
+    assert asked == [(0, 0.0)]
+    assert sum(float(np.asarray(weights).sum()) for _, weights in batch.micro_batches) == 96
+  finally:
+    loader.close()
+
+
+def test_a_controller_without_a_guess_gets_simigrads():
+  loader, _, _ = _loader(lambda seen, epochs: None)
+  try:
+    assert loader.likely_sizes(50, 0) == [55, 45]
+  finally:
+    loader.close()
+
+
+@pytest.mark.parametrize("said", [[200], [8], [32.5], ["32"]])
+def test_a_named_size_outside_the_run_is_refused(said):
+  loader, _, _ = _loader(lambda seen, epochs: said)
+  try:
+    with pytest.raises(ValueError, match=r"likely_batch_sizes\(0, ...\).*\[16, 128\]"):
+      loader.submit_ahead(50, float("inf"), step=0)
+  finally:
+    loader.close()

@@ -15,6 +15,7 @@ learning-rate factor that follows the batch size).
 """
 
 from simigrad_jax.controllers.base import BaseController
+from simigrad_jax.controllers.interface import AnticipatesBatchSizes
 from simigrad_jax.controllers.interface import BatchSizeController
 from simigrad_jax.controllers.interface import ProfilesBatchSizes
 from simigrad_jax.controllers.noise_scale import GnsController
@@ -34,6 +35,7 @@ from simigrad_jax.controllers.token_schedules import LinearRampController
 from simigrad_jax.controllers.token_schedules import StepScheduleController
 
 __all__ = [
+  "AnticipatesBatchSizes",
   "BaseController",
   "BatchSizeController",
   "Controller",

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from simigrad_jax import validation
@@ -185,6 +185,25 @@ class BaseController:
     """
     del similarity, stats
     return finite
+
+  def likely_batch_sizes(self, examples_seen: int, epochs: float) -> Sequence[int] | None:
+    """The sizes the rule may decide for the step after ``examples_seen`` examples, likeliest first.
+
+    Called before the current step's :meth:`update`, to place the next
+    step's rows ahead (:class:`~simigrad_jax.controllers.interface.
+    AnticipatesBatchSizes`). The default, None, leaves the guess to the
+    Trainer: SimiGrad's grow and shrink of the current size. A rule that
+    knows better (a schedule, a held size) returns its sizes.
+
+    Args:
+      examples_seen: the examples served once the current step has run.
+      epochs: the same in epochs.
+
+    Returns:
+      Batch sizes within the bounds, or None.
+    """
+    del examples_seen, epochs
+    return None
 
   def settings(self) -> dict[str, Any]:
     """The controller's own settings, as plain JSON data, added to :attr:`config`.

@@ -4,12 +4,13 @@
 members can drive a run, and
 :class:`~simigrad_jax.controllers.base.BaseController` implements them all.
 :class:`ProfilesBatchSizes` marks a controller that may visit a list of batch
-sizes before it adapts.
+sizes before it adapts; :class:`AnticipatesBatchSizes` one that can say which
+sizes it may decide next, before it decides.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 
@@ -108,3 +109,22 @@ class ProfilesBatchSizes(Protocol):
   @property
   def profile_batch_sizes(self) -> tuple[int, ...]:
     """The sizes of the profile in progress or waiting to start (visited or not); () if none."""
+
+
+@runtime_checkable
+class AnticipatesBatchSizes(Protocol):
+  """A controller that can say, before a step ends, which sizes it may decide for the next one.
+
+  While a step runs, :class:`simigrad_jax.Trainer` places the next step's
+  rows on the devices for each size the controller may decide, so that the
+  step after the decision starts at once. Without this method (or where it
+  returns None) those are SimiGrad's grow and shrink of the current size. A
+  schedule knows its next size exactly; a controller holding its size says
+  that size. :class:`~simigrad_jax.controllers.base.BaseController` has it
+  (returning None), and the schedules and :class:`simigrad_jax.Controller`
+  answer it.
+  """
+
+  def likely_batch_sizes(self, examples_seen: int, epochs: float) -> Sequence[int] | None:
+    """The sizes this controller may decide for the step that starts after ``examples_seen``
+    examples (``epochs`` epochs), the likeliest first; None: no better guess than SimiGrad's."""

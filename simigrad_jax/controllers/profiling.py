@@ -30,6 +30,7 @@ from simigrad_jax.controllers.base import check_batch_size
 from simigrad_jax.controllers.base import check_state_header
 from simigrad_jax.controllers.base import parse_last_decision
 from simigrad_jax.controllers.base import step_is_finite
+from simigrad_jax.controllers.interface import AnticipatesBatchSizes
 from simigrad_jax.controllers.interface import BatchSizeController
 from simigrad_jax.controllers.interface import ProfilesBatchSizes
 
@@ -355,6 +356,15 @@ class ProfilingController(ProfileMethods):
     return self._profile.sizes + (
       tuple(inner.profile_batch_sizes) if isinstance(inner, ProfilesBatchSizes) else ()
     )
+
+  def likely_batch_sizes(self, examples_seen: int, epochs: float) -> Sequence[int] | None:
+    """The wrapped controller's, outside a profile; None during one (the Trainer's guess)."""
+    if self._current is not None or self._profile.active:
+      return None
+    inner = self._inner
+    if not isinstance(inner, AnticipatesBatchSizes):
+      return None
+    return inner.likely_batch_sizes(examples_seen, epochs)
 
   @property
   def last_decision(self) -> str | None:

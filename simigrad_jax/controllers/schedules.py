@@ -72,6 +72,10 @@ class PositionSchedule(BaseController):
   def decide(self) -> int:  # The base class clamps to the bounds (decision "clamped").
     return self._unbounded_size_at(self._position)
 
+  def likely_batch_sizes(self, examples_seen: int, epochs: float) -> list[int]:
+    """The schedule's size there: what :meth:`update` will decide after a finite step."""
+    return [self.size_at(examples_seen if self.POSITION == "examples_seen" else epochs)]
+
   def extra_state(self) -> dict[str, Any]:
     return {self.POSITION: self._position}
 

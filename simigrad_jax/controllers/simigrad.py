@@ -211,6 +211,14 @@ class Controller(ProfileMethods, BaseController):
       new = max(b + 1, int(blended)) if grow else max(1, min(b - 1, int(blended)))
     return new
 
+  def likely_batch_sizes(self, examples_seen: int, epochs: float) -> list[int] | None:
+    """The size itself when adjustment is off and no profile is planned; else None (the
+    Trainer's guess, the reference rule's grow and shrink)."""
+    del examples_seen, epochs
+    if self._enable_adjust or self._profile.active:
+      return None
+    return [self._batch_size]
+
   def settings(self) -> dict[str, Any]:
     """SimiGrad's settings, for :attr:`config`."""
     return {

@@ -6,8 +6,10 @@ its own devices' rows. Rows are laid out per slot: a slot is a device, or
 with the local split one of the two blocks of a device's rows
 (:mod:`simigrad_jax.engine.layout`). While the devices run a step, a data thread loads the
 rows for the next one, enough for one grow of the batch size, and places them
-on the devices for each size the controller is likely to decide: SimiGrad's
-grow and shrink of the current size (:func:`likely_next_sizes`). If the controller decides one of them, the step
+on the devices for each size the controller is likely to decide: those it
+names (a schedule knows its next size; ``likely_batch_sizes``), else
+SimiGrad's grow and shrink of the current size (:func:`likely_next_sizes`).
+If the controller decides one of them, the step
 starts with no host work; if not, the loaded rows are laid out for the new
 plan at once. With several processes
 every transfer to the devices stays in the main thread, in the same order on
@@ -26,13 +28,14 @@ import concurrent.futures
 import dataclasses
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
+from simigrad_jax import validation
 from simigrad_jax.data.sampler import EpochSampler
 from simigrad_jax.engine import batch_plan
 from simigrad_jax.engine.programs import StepBatch
@@ -68,6 +71,9 @@ class StepDataLoader:
     plan_for: the plan a step of a given batch size would run now (the one
       :meth:`submit_ahead` places for).
     lower: the run's smallest global batch size.
+    anticipate: the controller's ``likely_batch_sizes(examples_seen, epochs)``
+      (:class:`~simigrad_jax.controllers.interface.AnticipatesBatchSizes`),
+      or None; where it is None or returns None, :func:`likely_next_sizes`.
     place_inputs_ahead: called in the data thread, once the rows are placed
       ahead, with the likely next sizes, the examples served so far and
       those left in the run (e.g. :meth:`~simigrad_jax.engine.step_inputs.
@@ -87,9 +93,11 @@ class StepDataLoader:
     upper: int,
     plan_for: Callable[[int], batch_plan.BatchPlan],
     lower: int = 1,
+    anticipate: Callable[[int, float], Sequence[int] | None] | None = None,
     place_inputs_ahead: Callable[[list[int], int, float], None] | None = None,
   ):
     self._place_ahead = place_ahead
+    self._anticipate = anticipate
     self._place_inputs_ahead = place_inputs_ahead
     self._lower, self._upper, self._plan_for = lower, upper, plan_for
     self._source, self._sampler = source, sampler
@@ -105,15 +113,41 @@ class StepDataLoader:
 
   def submit_ahead(self, batch_size: int, total_examples: float, step: int) -> None:
     """Starts loading the rows of step ``step`` (0-based) from the sampler's position, enough
-    for one grow of ``batch_size`` (short of ``total_examples``, the run's end), and placing
-    them for each of :func:`likely_next_sizes`."""
+    for one grow of ``batch_size`` or the largest likely size (short of ``total_examples``, the
+    run's end), and placing them for each size the controller is likely to decide
+    (:meth:`likely_sizes`)."""
     start = self._sampler.examples_seen
     remaining = total_examples - start
-    sizes = likely_next_sizes(batch_size, self._lower, self._upper) if remaining > 0 else []
+    sizes = self.likely_sizes(batch_size, start) if remaining > 0 else []
     expected = [self._plan_for(int(min(size, remaining))) for size in sizes]
-    self.submit(start, speculative_count(batch_size, self._upper, remaining), step, expected)
+    count = max(
+      [speculative_count(batch_size, self._upper, remaining)]
+      + [p.global_batch_size for p in expected]
+    )
+    self.submit(start, count, step, expected)
     if self._place_ahead and self._place_inputs_ahead is not None and sizes:
       self._pool.submit(self._place_inputs_ahead, sizes, start, remaining)  # after the rows
+
+  def likely_sizes(self, batch_size: int, examples_seen: int) -> list[int]:
+    """The sizes the controller may decide for the step after ``examples_seen`` examples (it
+    ran ``batch_size``): the controller's own, else :func:`likely_next_sizes`.
+
+    Raises:
+      ValueError: the controller named a size outside the run's bounds (or not an int).
+    """
+    said = None
+    if self._anticipate is not None:
+      said = self._anticipate(examples_seen, examples_seen / self._sampler.num_examples)
+    if said is None:
+      return likely_next_sizes(batch_size, self._lower, self._upper)
+    sizes = list(said)
+    for size in sizes:
+      if not (validation.is_int(size) and self._lower <= size <= self._upper):
+        raise ValueError(
+          f"the controller's likely_batch_sizes({examples_seen}, ...) returned {sizes!r}: each "
+          f"must be an int within the run's bounds [{self._lower}, {self._upper}]"
+        )
+    return list(dict.fromkeys(int(size) for size in sizes))
 
   def submit(self, start: int, count: int, step: int, expected: list[batch_plan.BatchPlan]) -> None:
     """Starts loading ``count`` examples from ``start`` and placing them for each plan of

@@ -277,6 +277,7 @@ def build_run(
     upper=upper,
     plan_for=lambda batch_size: programs.ready_plan(layout.plan(batch_size)),
     lower=lower,
+    anticipate=getattr(controller, "likely_batch_sizes", None),
     place_inputs_ahead=lambda sizes, served, remaining: step_inputs.place_ahead(
       sizes, served / num_examples, remaining
     ),
