@@ -1,9 +1,14 @@
-"""fallback_plan: a step whose shape is compiling runs in the fewest micro-steps compiled."""
+"""fallback_plan: a step whose shape is compiling runs in the fewest micro-steps compiled; the
+run's last step asks for no compile."""
 
 import math
 
 import pytest
 
+import simigrad_jax
+import tiny_run
+from simigrad_jax.engine import compiler
+from simigrad_jax.engine import step_inputs
 from simigrad_jax.engine.batch_plan import BucketPolicy
 from simigrad_jax.engine.batch_plan import plan_batch
 from simigrad_jax.engine.programs import fallback_plan
@@ -38,3 +43,38 @@ def test_only_ready_programs_and_none_keeps_the_plan():
   one_step_only_for_32 = lambda size, steps: steps == 1 and size == 32 or size == 8
   assert fallback_plan(plan, {8, 32}, one_step_only_for_32).micro_batch_size == 32
   assert fallback_plan(plan, {8}, lambda size, steps: False) == plan
+
+
+def test_the_runs_last_step_asks_for_no_compile(tmp_path, devices, monkeypatch):
+  """The last step, cut to land on the run's end, is followed by none: it runs on a compiled
+  shape (or waits for its own without the fallback), and queues no compile of its shape or of
+  the shapes near it. Every step before it does."""
+  del devices
+  asked: list[tuple[int, list[int]]] = []  # (step, sizes asked for) from a dispatch
+  in_dispatch: list[int] = []
+  prefetch, dispatch = compiler.StepCompiler.prefetch, step_inputs.StepDispatcher.dispatch
+
+  def recording_prefetch(self, sizes, *, first=False):
+    sizes = list(sizes)
+    if in_dispatch:
+      asked.append((in_dispatch[-1], sizes))
+    return prefetch(self, sizes, first=first)
+
+  def recording_dispatch(self, batch_size, total_examples, step, last_read):
+    in_dispatch.append(step)
+    try:
+      return dispatch(self, batch_size, total_examples, step, last_read)
+    finally:
+      in_dispatch.pop()
+
+  monkeypatch.setattr(compiler.StepCompiler, "prefetch", recording_prefetch)
+  monkeypatch.setattr(step_inputs.StepDispatcher, "dispatch", recording_dispatch)
+  with tiny_run.make_trainer(tmp_path) as trainer:
+    trainer.train(num_epochs=1.0)
+    records = [
+      r for r in simigrad_jax.read_metrics(tmp_path / "metrics.jsonl") if "batch_size" in r
+    ]
+  last = len(records) - 1  # the 0-based step of the last dispatch
+  assert records[-1]["examples_seen"] == 120  # one epoch: the last step lands on its end
+  assert not [sizes for step, sizes in asked if step == last]
+  assert {step for step, _ in asked} == set(range(last))  # the window follows every other step

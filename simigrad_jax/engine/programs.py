@@ -350,7 +350,7 @@ class StepPrograms:
       return micro in compiled["fused"]
     return compiled["apply"] and micro in compiled["micro"]
 
-  def ready_plan(self, plan: batch_plan.BatchPlan) -> batch_plan.BatchPlan:
+  def ready_plan(self, plan: batch_plan.BatchPlan, prefetch: bool = True) -> batch_plan.BatchPlan:
     """``plan``, or while its program is still compiling, the same batch on the nearest compiled one.
 
     The compiled shape that holds the batch in the fewest micro-steps,
@@ -359,7 +359,8 @@ class StepPrograms:
     (:func:`fallback_plan`). The examples and their devices are those of
     ``plan``. A shape whose compile FAILED is not replaced: running it raises.
     With ``shared_compiles``, "compiled" means compiled on every process, as
-    the last :meth:`agree_on_compiles` said.
+    the last :meth:`agree_on_compiles` said. A program not compiled yet is
+    queued for compiling unless ``prefetch`` is False (the run's last step).
     """
     if not self._compile_fallback:
       return plan
@@ -373,10 +374,9 @@ class StepPrograms:
     failed = compiled["failed_fused"] if plan.accumulation_steps == 1 else compiled["failed_micro"]
     if self._ready(needed, plan.accumulation_steps, compiled) or needed in failed:
       return plan
-    if plan.accumulation_steps == 1:
-      self.fused_compiler.prefetch([needed])  # (a no-op when queued or compiling)
-    else:
-      self.micro_compiler.prefetch([needed])
+    if prefetch:  # (a no-op when queued or compiling)
+      compiler = self.fused_compiler if plan.accumulation_steps == 1 else self.micro_compiler
+      compiler.prefetch([needed])
     sizes = set(compiled["fused"]) | set(compiled["micro"])
     return fallback_plan(plan, sizes, lambda size, steps: self._ready(size, steps, compiled))
 

@@ -193,8 +193,11 @@ class StepDispatcher:
     # The run's last step lands exactly on num_epochs.
     remaining = total_examples - self._sampler.examples_seen
     exact = self._layout.plan(int(min(batch_size, remaining)))
-    plan = self._programs.ready_plan(exact)
-    self._programs.prefetch_near(exact.micro_batch_size)  # the compiles follow the batch
+    # No step follows the run's last one: a compile asked for now would never be used.
+    last = remaining <= batch_size
+    plan = self._programs.ready_plan(exact, prefetch=not last)
+    if not last:
+      self._programs.prefetch_near(exact.micro_batch_size)  # the compiles follow the batch
     data, data_seconds = self._data.take(plan, self._sampler.examples_seen, step)
     epoch = self._sampler.epoch
     self._sampler.take(plan.global_batch_size)
