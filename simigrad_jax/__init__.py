@@ -15,8 +15,10 @@ Start here:
     has the BatchSizeController interface; a new one derives from
     BaseController (docs/controllers.md); ProfilingController records a
     similarity-versus-batch-size profile around any controller;
-    replay_schedule, replay_controller: a run's realised sizes as a step
-    schedule, replayed (python -m simigrad_jax.replay metrics.jsonl).
+    OneStepLateController makes any controller's decisions take effect a
+    step later (each step's size known a step ahead); replay_schedule,
+    replay_controller: a run's realised sizes as a step schedule, replayed
+    (python -m simigrad_jax.replay metrics.jsonl).
   Trainer: the training engine (compiled shapes, data placement, metrics,
     checkpoints, multi-host agreement) over a source: ArraySource, TfdsSource,
     GrainSource (grain-style data decoded ahead in worker processes). Its
@@ -50,6 +52,7 @@ side), engine/ (the Trainer and its compiled step).
 from simigrad_jax.controllers.base import BaseController
 from simigrad_jax.controllers.interface import BatchSizeController
 from simigrad_jax.controllers.learning_rate import lr_factor
+from simigrad_jax.controllers.one_step_late import OneStepLateController
 from simigrad_jax.controllers.profiling import ProfilingController
 from simigrad_jax.controllers.registry import controller_names
 from simigrad_jax.controllers.registry import controller_options
@@ -133,6 +136,7 @@ __all__ = [
   "LossContractError",
   "LrFactorState",
   "MetricsWriter",
+  "OneStepLateController",
   "Preempted",
   "ProcessDisagreementError",
   "ProcessLostError",

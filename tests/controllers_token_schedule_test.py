@@ -3,7 +3,6 @@
 import doctest
 import json
 import math
-import threading
 
 import numpy as np
 import optax
@@ -19,7 +18,6 @@ from simigrad_jax.controllers.seesaw import cosine_halving_points
 from simigrad_jax.controllers.token_schedules import StepScheduleController
 from simigrad_jax.controllers.token_schedules import parse_count
 from simigrad_jax.controllers.token_schedules import parse_thresholds
-from simigrad_jax.engine import data_loader
 
 
 def test_doctests():
@@ -407,16 +405,7 @@ def test_the_train_scripts_give_seesaw_its_learning_rate():
 
 def _ramp_run(workdir, cache_dir):
   """The tiny run on a ramp; (batch size, loss) per step and the plans placed: (size, ahead)."""
-  placed = []
-  place = data_loader.StepDataLoader.place
-
-  def recording(self, plan, loaded, step):
-    ahead = threading.current_thread() is not threading.main_thread()
-    placed.append((plan.global_batch_size, ahead))
-    return place(self, plan, loaded, step)
-
-  data_loader.StepDataLoader.place = recording
-  try:
+  with tiny_run.recording_placements() as placed:
     # Without the compile fallback, whose plan for a shape still compiling changes when it is
     # ready, every plan placed ahead is the one its step takes.
     _, _, records = tiny_run.train_records(
@@ -426,8 +415,6 @@ def _ramp_run(workdir, cache_dir):
       controller=StepScheduleController("0:8,40:16,120:24"),
       compile_fallback=False,
     )
-  finally:
-    data_loader.StepDataLoader.place = place
   return [(r["batch_size"], r["loss"]) for r in records], placed
 
 

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import pathlib
+import threading
+from collections.abc import Iterator
 from typing import Any
 
 import flax.linen as nn
@@ -11,6 +14,7 @@ import numpy as np
 import optax
 
 import simigrad_jax
+from simigrad_jax.engine import data_loader
 
 
 class TinyMLP(nn.Module):
@@ -85,3 +89,22 @@ def train_records(
       opt_state = jax.device_get(trainer.state["opt_state"])
   records = simigrad_jax.read_metrics(pathlib.Path(workdir) / "metrics.jsonl")
   return summary, opt_state, [r for r in records if "batch_size" in r]
+
+
+@contextlib.contextmanager
+def recording_placements() -> Iterator[list[tuple[int, bool]]]:
+  """Records every plan the data loader places: ``(global batch size, placed ahead)``, ahead
+  meaning in the data thread, while the step before ran."""
+  placed: list[tuple[int, bool]] = []
+  place = data_loader.StepDataLoader.place
+
+  def recording(self, plan, loaded, step):
+    ahead = threading.current_thread() is not threading.main_thread()
+    placed.append((plan.global_batch_size, ahead))
+    return place(self, plan, loaded, step)
+
+  data_loader.StepDataLoader.place = recording
+  try:
+    yield placed
+  finally:
+    data_loader.StepDataLoader.place = place

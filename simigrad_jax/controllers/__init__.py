@@ -3,15 +3,18 @@
 The interface the Trainer reads is :class:`BatchSizeController`; every
 controller here derives from :class:`BaseController`, on which a new one is a
 rule of two or three methods (docs/controllers.md). :class:`ProfilingController`
-adds a similarity-versus-batch-size profile to any controller.
+adds a similarity-versus-batch-size profile to any controller;
+:class:`OneStepLateController` makes any controller's decisions take effect
+a step later.
 
 Modules: ``interface`` (what the Trainer reads), ``base`` (the base class), ``simigrad``
 (:class:`Controller`, SimiGrad's rule), ``schedules`` (epoch schedules and the
 loss plateau rule), ``token_schedules`` and ``seesaw`` (ramps in tokens or
 examples), ``replay`` (a run's sizes as a step schedule), ``noise_scale`` (the gradient noise scale),
 ``similarity_model`` (the noise scale read from the similarities),
-``profiling``, ``registry`` (controllers by name) and ``learning_rate`` (the
-learning-rate factor that follows the batch size).
+``profiling``, ``one_step_late``, ``wrapper`` (what both wrappers share),
+``registry`` (controllers by name) and ``learning_rate`` (the learning-rate
+factor that follows the batch size).
 """
 
 from simigrad_jax.controllers.base import BaseController
@@ -19,6 +22,7 @@ from simigrad_jax.controllers.interface import AnticipatesBatchSizes
 from simigrad_jax.controllers.interface import BatchSizeController
 from simigrad_jax.controllers.interface import ProfilesBatchSizes
 from simigrad_jax.controllers.noise_scale import GnsController
+from simigrad_jax.controllers.one_step_late import OneStepLateController
 from simigrad_jax.controllers.profiling import ProfilingController
 from simigrad_jax.controllers.registry import controller_names
 from simigrad_jax.controllers.registry import controller_options
@@ -43,6 +47,7 @@ __all__ = [
   "GnsController",
   "LinearRampController",
   "LossPlateauController",
+  "OneStepLateController",
   "ProfilesBatchSizes",
   "ProfilingController",
   "ScheduleController",

@@ -33,6 +33,7 @@ from simigrad_jax.controllers.base import step_is_finite
 from simigrad_jax.controllers.interface import AnticipatesBatchSizes
 from simigrad_jax.controllers.interface import BatchSizeController
 from simigrad_jax.controllers.interface import ProfilesBatchSizes
+from simigrad_jax.controllers.wrapper import ControllerWrapper
 
 SizeCheck = Callable[[str, Any], int]  # (name, value) -> the size, or raises ValueError
 
@@ -273,7 +274,7 @@ class ProfileMethods:
     self._profile.save(path, self.config.get("similarity_target"))
 
 
-class ProfilingController(ProfileMethods):
+class ProfilingController(ControllerWrapper, ProfileMethods):
   """Any controller, with a similarity profile before it adapts (or whenever asked).
 
   While a profile runs, the wrapper chooses the sizes: each of
@@ -306,6 +307,7 @@ class ProfilingController(ProfileMethods):
   """
 
   KIND = "profiling"
+  OWN_ATTRIBUTES = ("_inner", "_profile")
 
   def __init__(
     self,
@@ -313,36 +315,16 @@ class ProfilingController(ProfileMethods):
     batch_sizes: Sequence[int] | None = None,
     steps_per_size: int = 1,
   ):
-    if not isinstance(controller, BatchSizeController):
-      raise ValueError(
-        f"ProfilingController wraps a batch-size controller (see "
-        f"simigrad_jax.controllers.BatchSizeController), got {controller!r:.200}"
-      )
-    self._inner = controller
+    super().__init__(controller)
     self._current: int | None = None  # The size of the next step while a profile runs.
     self._step = 0
     self._last_decision: str | None = None
     self._init_profile(batch_sizes, steps_per_size)
 
-  def __getattr__(self, name: str) -> Any:
-    if name.startswith("__") or name in ("_inner", "_profile"):
-      raise AttributeError(name)
-    return getattr(self._inner, name)
-
-  @property
-  def controller(self) -> BatchSizeController:
-    """The wrapped controller."""
-    return self._inner
-
   @property
   def batch_size(self) -> int:
     """The global batch size to use for the next optimizer step."""
     return self._inner.batch_size if self._current is None else self._current
-
-  @property
-  def initial_batch_size(self) -> int:
-    """The wrapped controller's B_0."""
-    return self._inner.initial_batch_size
 
   @property
   def config(self) -> dict[str, Any]:
