@@ -106,7 +106,7 @@ def parse_args(argv: Sequence[str] | None, description: str = "") -> argparse.Na
     default=None,
     help="more SimiGrad Controller options as a JSON list of objects, one "
     'variant each, e.g. \'[{}, {"smooth_factor": 0.5}, {"dead_band": 0.1}]\' '
-    "(default: [{}])",
+    '(default: [{}]); {"one_step_late": 1} wraps the controller in OneStepLateController',
   )
   parser.add_argument("--gns", type=_floats, default=None, help="noise-scale multiples")
   parser.add_argument(

@@ -25,6 +25,9 @@ import numpy as np
 import simigrad_jax
 from benchmarks.pareto_analysis import SIMIGRAD_GRID_KEYS
 
+# A run option that is no controller option: 1 wraps the controller in OneStepLateController.
+ONE_STEP_LATE = "one_step_late"
+
 LR_SCHEDULES = ("cosine", "step", "constant", "warmup_cosine")
 
 # Keys every run in the JSON has (machine-read), with their types.
@@ -117,6 +120,15 @@ def benchmark_trainer(
   )
 
 
+def run_controller(spec: RunSpec) -> simigrad_jax.controllers.BatchSizeController:
+  """The run's controller: ``make_controller`` of its options, in
+  :class:`simigrad_jax.OneStepLateController` where they say ``one_step_late``."""
+  options = dict(spec.options)
+  one_step_late = options.pop(ONE_STEP_LATE, 0)
+  controller = simigrad_jax.make_controller(spec.controller, **options)
+  return simigrad_jax.OneStepLateController(controller) if one_step_late else controller
+
+
 def train_run(exp: Any, spec: RunSpec) -> dict[str, Any]:
   """Trains one run for ``exp``'s epoch budget with the real Trainer; returns its JSON record.
 
@@ -132,7 +144,7 @@ def train_run(exp: Any, spec: RunSpec) -> dict[str, Any]:
   """
   workdir = pathlib.Path(tempfile.mkdtemp(prefix=f"{spec.controller}-", dir=exp.root))
   start = time.perf_counter()
-  controller = simigrad_jax.make_controller(spec.controller, **dict(spec.options))
+  controller = run_controller(spec)
   with exp.make_trainer(controller, spec.lr, spec.seed, workdir, lr_rule=spec.lr_rule) as trainer:
     summary = trainer.train(num_epochs=exp.epochs)
     final = exp.eval_fn(trainer.state["params"], trainer.state.get("model_state"))

@@ -390,16 +390,22 @@ def test_simigrad_option_variants_are_separate_settings():
       "--seeds",
       "0",
       "--simigrad-options",
-      '[{}, {"smooth_factor": 0.5}]',
+      '[{}, {"smooth_factor": 0.5}, {"one_step_late": 1}]',
     ]
   )
   specs = pareto_protocol.adaptive_specs(args, args.grid, [(0.2, 1.0, "sqrt")], num_train=1257)
-  assert [s.label() for s in specs] == ["s=0.3 [16,128]", "s=0.3 smooth_factor=0.5 [16,128]"]
+  assert [s.label() for s in specs] == [
+    "s=0.3 [16,128]",
+    "s=0.3 smooth_factor=0.5 [16,128]",
+    "s=0.3 one_step_late=1 [16,128]",
+  ]
   assert specs[1].settings_dict()["smooth_factor"] == 0.5
   assert "smooth_factor" not in specs[0].settings_dict()
-  # Each variant is a controller the registry builds.
-  controller = simigrad_jax.make_controller("simigrad", **dict(specs[1].options))
-  assert controller.config["smooth_factor"] == 0.5
+  # Each variant is a controller the registry builds; one_step_late wraps it.
+  plain, smooth, late = (pareto_protocol.run_controller(spec) for spec in specs)
+  assert smooth.config["smooth_factor"] == 0.5
+  assert isinstance(late, simigrad_jax.OneStepLateController)
+  assert late.config == {**plain.config, "one_step_late": True}
   for bad in (
     '{"smooth_factor": 0.5}',
     '[{"similarity_target": 0.1}]',
