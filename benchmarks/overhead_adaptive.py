@@ -13,6 +13,15 @@ What adapting the batch costs per example, on all local devices (by default
   padding, as a user holding the batch would set it. The average is that
   of an untimed adaptive run of as many steps as the timed windows first
   (the adaptive run's sizes are the same in every run of its settings);
+* ``replay``: the same Trainer replaying the adaptive run's batch sizes
+  (:func:`simigrad_jax.replay_controller` of its records): the same steps,
+  shapes and padding, but each size known before the step ahead of it ends,
+  as a schedule's is. ``adaptive`` against ``replay`` is what deciding the
+  size online costs; ``replay`` against ``fixed`` is what its sizes cost;
+* ``adaptive_late``: the adaptive Trainer with its controller in
+  :class:`simigrad_jax.controllers.OneStepLateController` (each size
+  decided a step ahead, so one plan is placed a step); its sizes are its
+  own, a step late, so its average batch differs a little;
 * ``adaptive_s<S>`` (``--also-shapes-per-octave S ...``): the adaptive
   Trainer on a grid of ``S`` shapes per octave; 1 is the grid of halvings,
   the grid before finer ones;
@@ -90,6 +99,8 @@ from benchmarks.overhead_loops import FULL_MODELS  # noqa: E402
 from benchmarks.overhead_loops import QUICK_MODELS  # noqa: E402
 from benchmarks.overhead_loops import TrainerLoop  # noqa: E402
 from benchmarks.overhead_loops import make_data  # noqa: E402
+from benchmarks.overhead_loops import trainer_controller  # noqa: E402
+from simigrad_jax.controllers import OneStepLateController  # noqa: E402
 
 FULL = {"batch_size": 256, "steps": 30, "rounds": 5, "warmup_steps": 5}
 QUICK = {"batch_size": 32, "steps": 3, "rounds": 2, "warmup_steps": 2}
@@ -138,11 +149,20 @@ def run(args: argparse.Namespace, root: pathlib.Path, cache: str) -> dict[str, A
     examples, _ = probe.run(args.rounds * args.steps)
     probe.close()
     del loops["probe"]
+    probed = simigrad_jax.read_metrics(probe.workdir / "metrics.jsonl")
+    bounds = {
+      key: probe.trainer.controller.config[key]
+      for key in ("batch_size_lower_bound", "batch_size_upper_bound")
+    }
     average = examples / (args.rounds * args.steps)
     fixed_batch = max(n, round(average / n) * n)  # as a user fixing it would: no padding
     print(f"  the adaptive run's average batch: {average:.1f}; fixed at {fixed_batch}", flush=True)
     build("adaptive", args.batch_size, True, **grid)
     build("fixed", fixed_batch, False, max_micro_batch_size=fixed_batch // n)
+    replay = simigrad_jax.replay_controller(probed, **bounds)
+    build("replay", args.batch_size, True, controller=replay, **grid)
+    late = OneStepLateController(trainer_controller(args.batch_size, True, args.similarity_target))
+    build("adaptive_late", args.batch_size, True, controller=late, **grid)
     for per_octave in args.also_shapes_per_octave:
       build(f"adaptive_s{per_octave}", args.batch_size, True, shapes_per_octave=per_octave)
     for size in args.step_curve:
@@ -181,6 +201,9 @@ def run(args: argparse.Namespace, root: pathlib.Path, cache: str) -> dict[str, A
     "rounds": args.rounds,
     "variants": variants,
     "breakdown": breakdown,
+    # What deciding each size online costs: the same sizes, each known ahead.
+    "adaptive_to_replay_run": variants["adaptive"]["examples_per_second_run"]
+    / variants["replay"]["examples_per_second_run"],
     "goals": _goals(variants["adaptive"]),
   }
 
@@ -260,6 +283,10 @@ def _format_table(results: dict[str, Any]) -> str:
       f"{v['average_batch_size']:9.1f} {v['padding_fraction']:7.1%} {host:>7s} "
       f"{v['average_accumulation_steps']:5.2f} {v['shapes']:6d}"
     )
+  lines.append(
+    f"  adaptive / replay (its sizes, each known a step ahead), whole runs: "
+    f"{results['adaptive_to_replay_run']:.3f}"
+  )
   breakdown = results["breakdown"]
   if breakdown is not None:
     curve = ", ".join(

@@ -267,6 +267,27 @@ class PmapLoop:
     pass
 
 
+def trainer_controller(
+  batch_size: int, adaptive: bool, similarity_target: float
+) -> simigrad_jax.Controller:
+  """SimiGrad's controller from ``batch_size``: adapting within [batch / 4, 4 x batch] (at least
+  one example per device), or held there."""
+  if adaptive:
+    return simigrad_jax.Controller(
+      batch_size,
+      similarity_target,
+      batch_size_lower_bound=max(batch_size // 4, jax.device_count()),
+      batch_size_upper_bound=4 * batch_size,
+    )
+  return simigrad_jax.Controller(
+    batch_size,
+    similarity_target,
+    batch_size_lower_bound=batch_size,
+    batch_size_upper_bound=batch_size,
+    enable_adjust=False,
+  )
+
+
 class TrainerLoop:
   """:class:`simigrad_jax.Trainer` on the same model and data, timed per ``train()`` call.
 
@@ -279,6 +300,8 @@ class TrainerLoop:
     workdir: a fresh directory for the Trainer's metrics and checkpoints.
     max_micro_batch_size: the rows per device per micro-step (default
       ``batch_size // devices``).
+    controller: optional: the batch-size controller, in place of the one
+      ``batch_size`` and ``adaptive`` make (e.g. a replay of a run's sizes).
     **settings: more :class:`simigrad_jax.TrainerConfig` settings
       (``shapes_per_octave``, ``compilation_cache_dir``, ...).
   """
@@ -292,25 +315,13 @@ class TrainerLoop:
     similarity_target: float,
     workdir: pathlib.Path,
     max_micro_batch_size: int | None = None,
+    controller: simigrad_jax.controllers.BatchSizeController | None = None,
     **settings: Any,
   ):
     n = jax.device_count()
     max_micro = max_micro_batch_size or batch_size // n
-    if adaptive:
-      controller = simigrad_jax.Controller(
-        batch_size,
-        similarity_target,
-        batch_size_lower_bound=max(batch_size // 4, n),
-        batch_size_upper_bound=4 * batch_size,
-      )
-    else:
-      controller = simigrad_jax.Controller(
-        batch_size,
-        similarity_target,
-        batch_size_lower_bound=batch_size,
-        batch_size_upper_bound=batch_size,
-        enable_adjust=False,
-      )
+    if controller is None:
+      controller = trainer_controller(batch_size, adaptive, similarity_target)
     params, model_state = init_model(spec)
     self.workdir = workdir
     self.trainer = simigrad_jax.Trainer(

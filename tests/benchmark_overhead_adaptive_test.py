@@ -26,7 +26,15 @@ def quick_run(adaptive_benchmark, tmp_path_factory):
 
 def test_fixed_is_held_at_the_adaptive_average_and_ratios_are_to_it(quick_run):
   variants = quick_run["variants"]
-  assert set(variants) == {"adaptive", "fixed", "adaptive_s1", "curve_16", "curve_64"}
+  assert set(variants) == {
+    "adaptive",
+    "fixed",
+    "replay",
+    "adaptive_late",
+    "adaptive_s1",
+    "curve_16",
+    "curve_64",
+  }
   fixed = variants["fixed"]
   assert fixed["average_batch_size"] == quick_run["fixed_batch_size"]
   assert fixed["padding_fraction"] == 0 and quick_run["fixed_batch_size"] % 8 == 0
@@ -61,6 +69,17 @@ def test_fixed_is_held_at_the_adaptive_average_and_ratios_are_to_it(quick_run):
   for size in (16, 64):
     assert variants[f"curve_{size}"]["average_batch_size"] == size
     assert variants[f"curve_{size}"]["padding_fraction"] == 0
+
+
+def test_replay_runs_the_adaptive_sizes_and_is_compared_with_it(quick_run):
+  variants = quick_run["variants"]
+  adaptive, replay = variants["adaptive"], variants["replay"]
+  # The same sizes, so the same rows and padding: only knowing each size ahead differs.
+  assert replay["average_batch_size"] == adaptive["average_batch_size"]
+  assert replay["padding_fraction"] == adaptive["padding_fraction"]
+  assert quick_run["adaptive_to_replay_run"] == pytest.approx(
+    adaptive["examples_per_second_run"] / replay["examples_per_second_run"]
+  )
 
 
 def test_the_breakdown_multiplies_to_the_adaptive_steps_against_held(quick_run):
