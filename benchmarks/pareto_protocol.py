@@ -418,7 +418,8 @@ class RunCache:
         run["controller"] == spec.controller
         and run["seed"] == spec.seed
         and math.isclose(have["learning_rate"], want["learning_rate"], rel_tol=1e-9)
-        and all(have.get(k) == v for k, v in want.items() if k != "learning_rate")
+        and have.keys() == want.keys()  # a run with an option more is another setting
+        and all(have[k] == v for k, v in want.items() if k != "learning_rate")
       ):
         self.reused += 1
         return self._reused(path, run)

@@ -373,6 +373,16 @@ def test_reuse_refuses_a_different_experiment_and_matches_exactly(tiny_run, tmp_
   ):
     assert cache.lookup(other) is None
   assert cache.reused == 1
+  # A run with an option the spec lacks is another setting, even listed first.
+  matched = cache.lookup(spec)
+  path, run = next(
+    (p, r)
+    for p, r in cache.runs
+    if (r["controller"], r["seed"], r["settings"]) == ("fixed", 1, matched["settings"])
+  )
+  damped = {**run, "settings": {**run["settings"], "dead_band": 0.1}}
+  cache.runs.insert(0, (path, damped))
+  assert "dead_band" not in cache.lookup(spec)["settings"]
 
 
 def test_simigrad_option_variants_are_separate_settings():
