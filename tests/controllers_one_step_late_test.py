@@ -132,22 +132,30 @@ def test_set_batch_size_sets_the_next_step_and_the_wrapped_one():
     late.set_batch_size(4)
 
 
-def test_the_trainer_places_one_plan_a_step_ahead(tmp_path, devices):
-  """In the Trainer: every step's rows were placed ahead of it, one plan a step (SimiGrad's
-  guess places two), and the sizes are the unwrapped rule's, a step late."""
-  del devices
-  controller = lambda: simigrad_jax.Controller(
-    20, 0.5, batch_size_lower_bound=8, batch_size_upper_bound=64
+def _late_run(workdir, cache_dir, num_steps):
+  """The tiny Trainer run, SimiGrad one step late: its step records."""
+  # Without the compile fallback, every plan placed ahead is the one its step takes.
+  _, _, records = tiny_run.train_records(
+    workdir,
+    cache_dir,
+    num_steps,
+    controller=OneStepLateController(_tiny_simigrad()),
+    compile_fallback=False,
   )
+  return records
+
+
+def _tiny_simigrad():
+  return simigrad_jax.Controller(20, 0.5, batch_size_lower_bound=8, batch_size_upper_bound=64)
+
+
+def test_the_trainer_places_one_plan_a_step_ahead_and_resumes_exactly(tmp_path, devices):
+  """In the Trainer: every step's rows were placed ahead of it, one plan a step (SimiGrad's
+  guess places two), the sizes are the unwrapped rule's a step late, and a resumed run (the
+  size decided for its next step in the checkpoint) retraces the straight one."""
+  del devices
   with tiny_run.recording_placements() as placed:
-    # Without the compile fallback, every plan placed ahead is the one its step takes.
-    _, _, records = tiny_run.train_records(
-      tmp_path / "late",
-      tmp_path / "cache",
-      12,
-      controller=OneStepLateController(controller()),
-      compile_fallback=False,
-    )
+    records = _late_run(tmp_path / "late", tmp_path / "cache", 12)
   sizes = [r["batch_size"] for r in records]
   assert len(set(sizes)) > 2  # it adapted
   # One plan a step, each placed ahead (the step after the run's last one included).
@@ -155,7 +163,13 @@ def test_the_trainer_places_one_plan_a_step_ahead(tmp_path, devices):
   assert all(ahead for _, ahead in placed)
   # The run's similarities, fed to the unwrapped rule, give its sizes a step earlier (the
   # first two steps run at B_0).
-  plain = controller()
+  plain = _tiny_simigrad()
   decided = [plain.update(r["similarity"]) for r in records]
   assert sizes == [20, 20] + decided[:-2]
   assert all(math.isfinite(r["similarity"]) for r in records)
+  _late_run(tmp_path / "resumed", tmp_path / "cache", 5)
+  resumed = _late_run(tmp_path / "resumed", tmp_path / "cache", 12)
+  assert [r["batch_size"] for r in resumed] == sizes
+  np.testing.assert_allclose(
+    [r["loss"] for r in resumed], [r["loss"] for r in records], rtol=0, atol=1e-6
+  )
