@@ -11,24 +11,26 @@ What adapting the batch costs per example, on all local devices (by default
   the adaptive run's average batch size, rounded to a multiple of the
   devices, its ``max_micro_batch_size`` that size / devices: one shape and no
   padding, as a user holding the batch would set it. The average is that
-  of an untimed adaptive run of as many steps as the timed windows first
-  (the adaptive run's sizes are the same in every run of its settings);
-* ``replay``: the same Trainer replaying the adaptive run's batch sizes
-  (:func:`simigrad_jax.replay_controller` of its records): the same steps,
-  shapes and padding, but each size known before the step ahead of it ends,
-  as a schedule's is. ``adaptive`` against ``replay`` is what deciding the
-  size online costs; ``replay`` against ``fixed`` is what its sizes cost;
+  of the timed steps in an untimed adaptive run first (the adaptive run's
+  sizes are the same in every run of its settings);
 * ``adaptive_late``: the adaptive Trainer with its controller in
   :class:`simigrad_jax.controllers.OneStepLateController` (each size
   decided a step ahead, so one plan is placed a step); its sizes are its
   own, a step late, so its average batch differs a little;
+* ``replay`` and ``replay_late``: the same Trainer replaying the batch sizes
+  of ``adaptive`` and of ``adaptive_late`` (:func:`simigrad_jax.
+  replay_controller` of an untimed run's records): the same steps, shapes
+  and padding, but each size known before the step ahead of it ends, as a
+  schedule's is. An online variant against its replay is what deciding the
+  size online costs; a replay against ``fixed`` is what its sizes cost;
 * ``adaptive_s<S>`` (``--also-shapes-per-octave S ...``): the adaptive
   Trainer on a grid of ``S`` shapes per octave; 1 is the grid of halvings,
   the grid before finer ones;
 * ``curve_<B>`` (``--step-curve B ...``): the Trainer fixed at batch ``B``
   (one shape, no padding). Their median step times, interpolated in the rows
   a step computes, predict what the adaptive run's steps would take if
-  adapting cost nothing beyond the rows: ``breakdown`` splits the adaptive
+  adapting cost nothing beyond the rows: ``breakdown`` (of each variant
+  whose batch moves; the top level's is ``adaptive``'s) splits the
   run's step seconds against the fixed one's into ``padding`` (its padded
   rows), ``trajectory`` (its batch sizes against their average: a step's
   time is not proportional to its rows) and ``adapting`` (measured against
@@ -142,27 +144,39 @@ def run(args: argparse.Namespace, root: pathlib.Path, cache: str) -> dict[str, A
     loop.warm_up(args.warmup_steps)
     return loop
 
-  try:
-    # The adaptive run's sizes are the same in every run of its settings: an untimed run of as
-    # many steps as the timed windows gives their average batch, the one to hold.
-    probe = build("probe", args.batch_size, True, **grid)
-    examples, _ = probe.run(args.rounds * args.steps)
-    probe.close()
+  def online(late: bool) -> Any:
+    """SimiGrad's controller of the adaptive variants, one step late or not."""
+    controller = trainer_controller(args.batch_size, True, args.similarity_target)
+    return OneStepLateController(controller) if late else controller
+
+  def probe(late: bool) -> list[dict[str, Any]]:
+    """The step records of an untimed run of as many steps as the timed windows (an online
+    variant's sizes are the same in every run of its settings)."""
+    loop = build("probe", args.batch_size, True, controller=online(late), **grid)
+    loop.run(args.rounds * args.steps)
+    loop.close()
     del loops["probe"]
-    probed = simigrad_jax.read_metrics(probe.workdir / "metrics.jsonl")
-    bounds = {
-      key: probe.trainer.controller.config[key]
-      for key in ("batch_size_lower_bound", "batch_size_upper_bound")
-    }
-    average = examples / (args.rounds * args.steps)
+    return [
+      r for r in simigrad_jax.read_metrics(loop.workdir / "metrics.jsonl") if "batch_size" in r
+    ]
+
+  try:
+    probed = {late: probe(late) for late in (False, True)}
+    # The adaptive run's average batch over the timed windows (those after the warm-up), the
+    # one to hold.
+    timed = probed[False][args.warmup_steps :]
+    average = sum(r["batch_size"] for r in timed) / len(timed)
     fixed_batch = max(n, round(average / n) * n)  # as a user fixing it would: no padding
     print(f"  the adaptive run's average batch: {average:.1f}; fixed at {fixed_batch}", flush=True)
-    build("adaptive", args.batch_size, True, **grid)
+    bounds = {
+      key: online(False).config[key] for key in ("batch_size_lower_bound", "batch_size_upper_bound")
+    }
+    build("adaptive", args.batch_size, True, controller=online(False), **grid)
     build("fixed", fixed_batch, False, max_micro_batch_size=fixed_batch // n)
-    replay = simigrad_jax.replay_controller(probed, **bounds)
-    build("replay", args.batch_size, True, controller=replay, **grid)
-    late = OneStepLateController(trainer_controller(args.batch_size, True, args.similarity_target))
-    build("adaptive_late", args.batch_size, True, controller=late, **grid)
+    build("adaptive_late", args.batch_size, True, controller=online(True), **grid)
+    for name, late in (("replay", False), ("replay_late", True)):
+      replay = simigrad_jax.replay_controller(probed[late], **bounds)
+      build(name, args.batch_size, True, controller=replay, **grid)
     for per_octave in args.also_shapes_per_octave:
       build(f"adaptive_s{per_octave}", args.batch_size, True, shapes_per_octave=per_octave)
     for size in args.step_curve:
@@ -171,7 +185,13 @@ def run(args: argparse.Namespace, root: pathlib.Path, cache: str) -> dict[str, A
     rates = time_rounds(windows, args.steps, args.rounds)
     reports = {name: _trainer_report(loop) for name, loop in loops.items()}
     curve = {size: loops[f"curve_{size}"].timed_records() for size in args.step_curve}
-    breakdown = _breakdown(loops["adaptive"].timed_records(), curve) if len(curve) >= 2 else None
+    # Every variant whose batch moves, split against the same curve.
+    moving = [name for name in loops if name != "fixed" and not name.startswith("curve_")]
+    breakdowns = (
+      {name: _breakdown(loops[name].timed_records(), curve) for name in moving}
+      if len(curve) >= 2
+      else {}
+    )
   finally:
     for loop in loops.values():
       loop.close()
@@ -188,6 +208,7 @@ def run(args: argparse.Namespace, root: pathlib.Path, cache: str) -> dict[str, A
       "ratio_to_fixed_paired": statistics.median(paired),
       "ratio_to_fixed_paired_range": [min(paired), max(paired)],
       "examples_per_second_rounds": rates[name],
+      "breakdown": breakdowns.get(name),
       **report,
     }
   return {
@@ -200,10 +221,12 @@ def run(args: argparse.Namespace, root: pathlib.Path, cache: str) -> dict[str, A
     "steps": args.steps,
     "rounds": args.rounds,
     "variants": variants,
-    "breakdown": breakdown,
+    "breakdown": breakdowns.get("adaptive"),
     # What deciding each size online costs: the same sizes, each known ahead.
     "adaptive_to_replay_run": variants["adaptive"]["examples_per_second_run"]
     / variants["replay"]["examples_per_second_run"],
+    "adaptive_late_to_replay_late_run": variants["adaptive_late"]["examples_per_second_run"]
+    / variants["replay_late"]["examples_per_second_run"],
     "goals": _goals(variants["adaptive"]),
   }
 
@@ -284,8 +307,9 @@ def _format_table(results: dict[str, Any]) -> str:
       f"{v['average_accumulation_steps']:5.2f} {v['shapes']:6d}"
     )
   lines.append(
-    f"  adaptive / replay (its sizes, each known a step ahead), whole runs: "
-    f"{results['adaptive_to_replay_run']:.3f}"
+    f"  online / replay of its sizes (each known a step ahead), whole runs: adaptive "
+    f"{results['adaptive_to_replay_run']:.3f}, adaptive_late "
+    f"{results['adaptive_late_to_replay_late_run']:.3f}"
   )
   breakdown = results["breakdown"]
   if breakdown is not None:
@@ -293,13 +317,16 @@ def _format_table(results: dict[str, Any]) -> str:
       f"{size}: {seconds * 1e3:.1f} ms" for size, seconds in breakdown["curve_step_seconds"].items()
     )
     lines.append(f"  fixed step time by batch: {curve}")
-    lines.append(
-      f"  adaptive step seconds / held at its average: "
-      f"{breakdown['measured_seconds'] / breakdown['held_at_average_predicted_seconds']:.3f}"
-      f" = padding {breakdown['padding']:.3f} x trajectory {breakdown['trajectory']:.3f}"
-      f" x adapting {breakdown['adapting']:.3f} ({breakdown['outside_curve_steps']} steps "
-      "outside the curve's sizes)"
-    )
+    lines.append("  step seconds / held at the average batch = padding x trajectory x adapting:")
+  for name, v in results["variants"].items():
+    split = v["breakdown"]
+    if split is not None:
+      lines.append(
+        f"    {name:15s} "
+        f"{split['measured_seconds'] / split['held_at_average_predicted_seconds']:.3f}"
+        f" = {split['padding']:.3f} x {split['trajectory']:.3f} x {split['adapting']:.3f}"
+        f" ({split['outside_curve_steps']} steps outside the curve's sizes)"
+      )
   for key, goal in results["goals"].items():
     lines.append(
       f"  goal {key} {'>=' if key.startswith('ratio') else '<='} {goal['bound']}: "

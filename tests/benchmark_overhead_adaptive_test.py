@@ -31,6 +31,7 @@ def test_fixed_is_held_at_the_adaptive_average_and_ratios_are_to_it(quick_run):
     "fixed",
     "replay",
     "adaptive_late",
+    "replay_late",
     "adaptive_s1",
     "curve_16",
     "curve_64",
@@ -71,27 +72,40 @@ def test_fixed_is_held_at_the_adaptive_average_and_ratios_are_to_it(quick_run):
     assert variants[f"curve_{size}"]["padding_fraction"] == 0
 
 
-def test_replay_runs_the_adaptive_sizes_and_is_compared_with_it(quick_run):
+def test_each_replay_runs_its_online_variants_sizes_and_is_compared_with_it(quick_run):
   variants = quick_run["variants"]
-  adaptive, replay = variants["adaptive"], variants["replay"]
-  # The same sizes, so the same rows and padding: only knowing each size ahead differs.
-  assert replay["average_batch_size"] == adaptive["average_batch_size"]
-  assert replay["padding_fraction"] == adaptive["padding_fraction"]
-  assert quick_run["adaptive_to_replay_run"] == pytest.approx(
-    adaptive["examples_per_second_run"] / replay["examples_per_second_run"]
-  )
+  for online, replay, key in (
+    ("adaptive", "replay", "adaptive_to_replay_run"),
+    ("adaptive_late", "replay_late", "adaptive_late_to_replay_late_run"),
+  ):
+    # The same sizes, so the same rows and padding: only knowing each size ahead differs.
+    for number in ("average_batch_size", "padding_fraction"):
+      assert variants[replay][number] == variants[online][number], (replay, number)
+    assert quick_run[key] == pytest.approx(
+      variants[online]["examples_per_second_run"] / variants[replay]["examples_per_second_run"]
+    )
 
 
 def test_the_breakdown_multiplies_to_the_adaptive_steps_against_held(quick_run):
-  breakdown = quick_run["breakdown"]
-  assert set(breakdown["curve_step_seconds"]) == {"16", "64"}
-  ratio = breakdown["measured_seconds"] / breakdown["held_at_average_predicted_seconds"]
-  product = breakdown["padding"] * breakdown["trajectory"] * breakdown["adapting"]
-  assert product == pytest.approx(ratio)
-  assert breakdown["adapting"] == pytest.approx(
-    breakdown["measured_seconds"] / breakdown["predicted_seconds"]
+  variants = quick_run["variants"]
+  assert quick_run["breakdown"] == variants["adaptive"]["breakdown"]
+  for name, variant in variants.items():
+    breakdown = variant["breakdown"]
+    if name == "fixed" or name.startswith("curve_"):
+      assert breakdown is None, name
+      continue
+    assert set(breakdown["curve_step_seconds"]) == {"16", "64"}
+    ratio = breakdown["measured_seconds"] / breakdown["held_at_average_predicted_seconds"]
+    product = breakdown["padding"] * breakdown["trajectory"] * breakdown["adapting"]
+    assert product == pytest.approx(ratio), name
+    assert breakdown["adapting"] == pytest.approx(
+      breakdown["measured_seconds"] / breakdown["predicted_seconds"]
+    )
+    assert 0 <= breakdown["outside_curve_steps"] <= variant["timed_steps"], name
+  # The replay computes the adaptive run's rows: the same prediction from the curve.
+  assert variants["replay"]["breakdown"]["predicted_seconds"] == pytest.approx(
+    quick_run["breakdown"]["predicted_seconds"]
   )
-  assert 0 <= breakdown["outside_curve_steps"] <= quick_run["variants"]["adaptive"]["timed_steps"]
 
 
 def test_step_curve_sizes_must_divide_over_the_devices(adaptive_benchmark):
