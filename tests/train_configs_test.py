@@ -189,6 +189,19 @@ def test_similarity_ema_decay_turns_on_the_model_rule():
     train.create_controller(tiny_config("digits_demo", similarity_ema_decay=1.5), 8)
 
 
+def test_one_step_late_wraps_the_controller():
+  plain = train.create_controller(tiny_config("digits_demo"), 8)
+  late = train.create_controller(tiny_config("digits_demo", one_step_late=True), 8)
+  assert isinstance(late, simigrad_jax.OneStepLateController)
+  assert not isinstance(plain, simigrad_jax.OneStepLateController)
+  assert late.config == {**plain.config, "one_step_late": True}
+  assert [late.update(0.0), late.update(0.0)] == [plain.batch_size, plain.update(0.0)]
+  with pytest.raises(ValueError, match=r"similarity profile of \[16, 32\]"):
+    train.create_controller(
+      tiny_config("digits_demo", one_step_late=True, batch_sizes_to_profile=(16, 32)), 8
+    )
+
+
 @pytest.mark.skipif("gns" not in simigrad_jax.controller_names(), reason="no 'gns' controller")
 def test_other_registered_controllers_take_their_options_as_json():
   config = tiny_config("digits_demo", controller="gns", controller_options='{"multiple": 0.5}')

@@ -185,7 +185,8 @@ def create_controller(
   that counts tokens (the ramps of :mod:`simigrad_jax.controllers.token_schedules`,
   Seesaw) gets the data set's ``tokens_per_example`` (a language model's
   sequence length) unless ``config.controller_options`` sets it: its
-  thresholds are then in tokens.
+  thresholds are then in tokens. With ``config.one_step_late`` the
+  controller is wrapped in :class:`simigrad_jax.OneStepLateController`.
 
   Raises:
     ValueError: for an unknown controller, bad options or bad JSON.
@@ -231,11 +232,12 @@ def create_controller(
   if tokens_per_example is not None and "tokens_per_example" in accepted:
     options.setdefault("tokens_per_example", tokens_per_example)
   try:
-    return simigrad_jax.make_controller(config.controller, **options)
+    controller = simigrad_jax.make_controller(config.controller, **options)
   except TypeError as e:  # an option the controller does not take
     raise ValueError(
       f"controller {config.controller!r} refused its options {sorted(options)}: {e}"
     ) from e
+  return simigrad_jax.OneStepLateController(controller) if config.one_step_late else controller
 
 
 # ------------------------------------------------------------------ assembly

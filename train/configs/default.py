@@ -130,6 +130,9 @@ def get_config() -> ml_collections.ConfigDict:
   config.batch_sizes_to_profile = ()  # visit these sizes first, e.g. "(64, 128, 256)".
   config.profile_steps_per_size = 1
   config.verbose = False  # log every decision (logger "simigrad_jax").
+  # Each decision takes effect a step later (OneStepLateController): each step's size is known
+  # while the step before it runs, so its rows are placed once (docs/controllers.md).
+  config.one_step_late = False
   # More keyword arguments for the controller, as a JSON object, e.g. for "gns":
   # --config.controller_options='{"multiple": 0.5}'.
   config.controller_options = ""
