@@ -17,7 +17,6 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from simigrad_jax.controllers.base import STATE_VERSION
-from simigrad_jax.controllers.base import check_batch_size
 from simigrad_jax.controllers.base import check_state_header
 from simigrad_jax.controllers.interface import BatchSizeController
 from simigrad_jax.controllers.interface import ProfilesBatchSizes
@@ -124,13 +123,7 @@ class OneStepLateController(ControllerWrapper):
     """Restores a :meth:`state_dict`, the wrapped controller's included; nothing changes if refused."""
     check_state_header(state, self.KIND)
     try:
-      config = self._inner.config
-      upcoming = check_batch_size(
-        "batch_size",
-        state["batch_size"],
-        config["batch_size_lower_bound"],
-        config["batch_size_upper_bound"],
-      )
+      upcoming = self._check_size("batch_size", state["batch_size"])
       wrapped = state["wrapped"]
     except (KeyError, TypeError) as e:
       raise ValueError(f"malformed controller state: {e!r}") from e

@@ -26,7 +26,6 @@ import numpy as np
 from simigrad_jax import files
 from simigrad_jax import validation
 from simigrad_jax.controllers.base import STATE_VERSION
-from simigrad_jax.controllers.base import check_batch_size
 from simigrad_jax.controllers.base import check_state_header
 from simigrad_jax.controllers.base import parse_last_decision
 from simigrad_jax.controllers.base import step_is_finite
@@ -416,12 +415,6 @@ class ProfilingController(ControllerWrapper, ProfileMethods):
       raise ValueError(f"malformed controller state: {e!r}") from e
     self._inner.load_state_dict(wrapped)
     self._profile, self._current, self._step, self._last_decision = profile, current, step, decision
-
-  def _check_size(self, name: str, value: Any) -> int:
-    config = self._inner.config
-    return check_batch_size(
-      name, value, config["batch_size_lower_bound"], config["batch_size_upper_bound"]
-    )
 
   def _profile_planned(self) -> None:
     self._current = self._profile.begin(self._inner.batch_size)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from simigrad_jax.controllers.base import check_batch_size
 from simigrad_jax.controllers.interface import BatchSizeController
 
 
@@ -11,8 +12,9 @@ class ControllerWrapper:
   """The base of a controller around another one (:class:`ProfilingController`,
   :class:`OneStepLateController`).
 
-  It checks that the wrapped object is a controller, and reads from it every
-  attribute the wrapper does not define (``step``, ``noise_scale``, ...).
+  It checks that the wrapped object is a controller, reads from it every
+  attribute the wrapper does not define (``step``, ``noise_scale``, ...),
+  and checks sizes against its bounds.
 
   Args:
     controller: the controller to wrap.
@@ -48,3 +50,11 @@ class ControllerWrapper:
   def initial_batch_size(self) -> int:
     """The wrapped controller's B_0."""
     return self._inner.initial_batch_size
+
+  def _check_size(self, name: str, value: Any) -> int:
+    """``value`` as a batch size within the wrapped controller's bounds (else ValueError naming
+    ``name``)."""
+    config = self._inner.config
+    return check_batch_size(
+      name, value, config["batch_size_lower_bound"], config["batch_size_upper_bound"]
+    )
