@@ -164,6 +164,24 @@ def test_local_halves_match_numpy(num_devices, mapper, reduction, mixed_dtypes, 
   np.testing.assert_allclose(state.norm_b, ref_nb, **tol)
 
 
+@pytest.mark.parametrize("split", ["device", "local"])
+@pytest.mark.parametrize("reduction", ["hierarchical", "scatter"])
+def test_buckets_are_filled_with_zeros_in_their_concatenation_not_padded_after_it(split, reduction):
+  """The zeros that fill a bucket to a multiple of the devices are one more operand of its
+  concatenation. XLA:CPU fused a pad of the concatenation with the leaves' producers into one
+  loop, which cost more than the step's matrix products when a producer was a bias gradient's
+  sum over the rows."""
+  grads = random_grads(np.random.default_rng(0), 8, mixed_dtypes=False)
+  assert sum(leaf[0].size for leaf in jax.tree.leaves(grads)) % 8  # some zeros to fill
+  if split == "device":
+    lowered = compiled_device_split(8, "shard_map", reduction).lower(grads)
+  else:
+    lowered = compiled_local_split(8, "shard_map", reduction).lower(grads, grads)
+  text = lowered.as_text()
+  assert "stablehlo.concatenate" in text
+  assert "stablehlo.pad" not in text
+
+
 @functools.cache
 def compiled_unequal_local_split(num_devices, reduction, small_leaf_size=None):
   """The local split with halves of different sizes: ``share`` is the first half's fraction."""

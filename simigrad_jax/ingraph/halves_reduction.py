@@ -122,12 +122,23 @@ def _buckets(
 
 def _flat_bucket(leaves: list[jax.Array], indices: list[int], multiple: int) -> jax.Array:
   """The bucket's leaves as one vector, zero-padded to a multiple of ``multiple``."""
-  if len(indices) == 1:
-    flat = jnp.ravel(leaves[indices[0]])  # a view: no copy
-  else:
-    flat = jnp.concatenate([jnp.ravel(leaves[i]) for i in indices])
-  padding = -flat.shape[0] % multiple
-  return jnp.pad(flat, (0, padding)) if padding else flat
+  return _concatenated([leaves[i] for i in indices], multiple)
+
+
+def _concatenated(parts: list[jax.Array], multiple: int = 1) -> jax.Array:
+  """The parts, raveled, one after another, then zeros up to a multiple of ``multiple``.
+
+  The zeros are one more operand of the concatenation, not a ``jnp.pad`` of
+  it: XLA:CPU fuses a pad of a concatenation and the producers of its
+  operands into one loop, and when a producer is a reduction (a bias
+  gradient summed over the batch's rows) that loop cost more than the
+  step's matrix products. One part and no zeros: a view, no copy.
+  """
+  flat = [jnp.ravel(part) for part in parts]
+  padding = -sum(part.shape[0] for part in flat) % multiple
+  if padding:
+    flat.append(jnp.zeros((padding,), flat[0].dtype))
+  return flat[0] if len(flat) == 1 else jnp.concatenate(flat)
 
 
 def _unflatten_bucket(
@@ -438,13 +449,15 @@ def _reduce_concatenated(
   out_leaves: list = [None] * len(mean_leaves)
   partial = jnp.zeros((4,), jnp.float32)
   for dtype, indices in _dtype_groups(mean_leaves).items():
-    flat_mean = jnp.concatenate([jnp.ravel(mean_leaves[i]) for i in indices])
+    # The scatter's padding is part of the concatenation (see _concatenated).
+    multiple = num_devices if reduction == "scatter" else 1
+    length = sum(mean_leaves[i].size for i in indices)
+    flat_mean = _concatenated([mean_leaves[i] for i in indices], multiple)
     if diff_leaves is None:
       assert diff_sign is not None  # the device split's d_i = diff_sign * m_i
       flat_diff = flat_mean * diff_sign.astype(dtype)
     else:
-      flat_diff = jnp.concatenate([jnp.ravel(diff_leaves[i]) for i in indices]).astype(dtype)
-    length = flat_mean.shape[0]
+      flat_diff = _concatenated([diff_leaves[i] for i in indices], multiple).astype(dtype)
     stacked = jnp.stack([flat_mean, flat_diff])
     count = jnp.asarray(num_devices, dtype)
     if reduction == "stacked":
@@ -452,8 +465,6 @@ def _reduce_concatenated(
       partial = partial + pair_statistics(*halves_of(summed[0], summed[1], share), share)
       flat_out = summed[0]
     else:
-      padded_length = -(-length // num_devices) * num_devices
-      stacked = jnp.pad(stacked, ((0, 0), (0, padded_length - length)))
       shard = lax.psum_scatter(stacked, axis_name, scatter_dimension=1, tiled=True) / count
       partial = partial + pair_statistics(*halves_of(shard[0], shard[1], share), share)
       flat_out = lax.all_gather(shard[0], axis_name, tiled=True, **_gather_kwargs(axis_name))[
