@@ -458,7 +458,8 @@ def _reduce_concatenated(
       flat_diff = flat_mean * diff_sign.astype(dtype)
     else:
       flat_diff = _concatenated([diff_leaves[i] for i in indices], multiple).astype(dtype)
-    stacked = jnp.stack([flat_mean, flat_diff])
+    # One concatenation, not a stack: XLA:CPU fused a stack of the gradient like a pad.
+    stacked = jnp.concatenate([flat_mean, flat_diff]).reshape(2, -1)
     count = jnp.asarray(num_devices, dtype)
     if reduction == "stacked":
       summed = lax.psum(stacked, axis_name) / count
