@@ -27,14 +27,17 @@ What adapting the batch costs per example, on all local devices (by default
   Trainer on a grid of ``S`` shapes per octave; 1 is the grid of halvings,
   the grid before finer ones;
 * ``curve_<B>`` (``--step-curve B ...``): the Trainer fixed at batch ``B``
-  (one shape, no padding). Their median step times, interpolated in the rows
-  a step computes, predict what the adaptive run's steps would take if
-  adapting cost nothing beyond the rows: ``breakdown`` (of each variant
-  whose batch moves; the top level's is ``adaptive``'s) splits the
-  run's step seconds against the fixed one's into ``padding`` (its padded
-  rows), ``trajectory`` (its batch sizes against their average: a step's
-  time is not proportional to its rows) and ``adapting`` (measured against
-  predicted: what moving the batch costs beyond both).
+  (one shape, no padding). Their mean step times (the mean, as the
+  measured side is a sum: a step slowed by an epoch-end save counts on
+  both), interpolated in the rows a step computes, predict what the
+  adaptive run's steps would take if adapting cost nothing beyond the
+  rows: ``breakdown`` (of every variant but the curve's; the top level's
+  is ``adaptive``'s) splits the run's step seconds against the fixed
+  one's into ``padding`` (its padded rows), ``trajectory`` (its batch sizes
+  against their average: a step's time is not proportional to its rows)
+  and ``adapting`` (measured against predicted: what moving the batch
+  costs beyond both). The fixed run's own ``adapting`` is the control:
+  how far a run that holds its batch strays from the curve.
 
 The adaptive Trainers' memory bound, ``max_micro_batch_size``, is the
 upper bound / devices (``--max-micro-batch-size`` to set it), so a step runs
@@ -185,10 +188,11 @@ def run(args: argparse.Namespace, root: pathlib.Path, cache: str) -> dict[str, A
     rates = time_rounds(windows, args.steps, args.rounds)
     reports = {name: _trainer_report(loop) for name, loop in loops.items()}
     curve = {size: loops[f"curve_{size}"].timed_records() for size in args.step_curve}
-    # Every variant whose batch moves, split against the same curve.
-    moving = [name for name in loops if name != "fixed" and not name.startswith("curve_")]
+    # Every variant whose batch moves, split against the same curve, and the fixed run as
+    # the control.
+    split = [name for name in loops if not name.startswith("curve_")]
     breakdowns = (
-      {name: _breakdown(loops[name].timed_records(), curve) for name in moving}
+      {name: _breakdown(loops[name].timed_records(), curve) for name in split}
       if len(curve) >= 2
       else {}
     )
@@ -255,7 +259,7 @@ def _breakdown(
 ) -> dict[str, Any]:
   """The adaptive steps' seconds against those the fixed runs' step times predict for them."""
   sizes = sorted(curve)
-  seconds = [statistics.median(r["step_seconds"] for r in curve[size]) for size in sizes]
+  seconds = [statistics.fmean(r["step_seconds"] for r in curve[size]) for size in sizes]
   predict = lambda rows: float(np.interp(rows, sizes, seconds))
   measured = sum(r["step_seconds"] for r in adaptive)
   computed = sum(predict(r["batch_size"] + r["padded_examples"]) for r in adaptive)
@@ -316,7 +320,7 @@ def _format_table(results: dict[str, Any]) -> str:
     curve = ", ".join(
       f"{size}: {seconds * 1e3:.1f} ms" for size, seconds in breakdown["curve_step_seconds"].items()
     )
-    lines.append(f"  fixed step time by batch: {curve}")
+    lines.append(f"  fixed mean step time by batch: {curve}")
     lines.append("  step seconds / held at the average batch = padding x trajectory x adapting:")
   for name, v in results["variants"].items():
     split = v["breakdown"]

@@ -91,7 +91,7 @@ def test_the_breakdown_multiplies_to_the_adaptive_steps_against_held(quick_run):
   assert quick_run["breakdown"] == variants["adaptive"]["breakdown"]
   for name, variant in variants.items():
     breakdown = variant["breakdown"]
-    if name == "fixed" or name.startswith("curve_"):
+    if name.startswith("curve_"):
       assert breakdown is None, name
       continue
     assert set(breakdown["curve_step_seconds"]) == {"16", "64"}
@@ -102,6 +102,10 @@ def test_the_breakdown_multiplies_to_the_adaptive_steps_against_held(quick_run):
       breakdown["measured_seconds"] / breakdown["predicted_seconds"]
     )
     assert 0 <= breakdown["outside_curve_steps"] <= variant["timed_steps"], name
+  # The control: the fixed run has no padding and no trajectory, only its steps against the
+  # curve's.
+  control = variants["fixed"]["breakdown"]
+  assert control["padding"] == 1.0 and control["trajectory"] == pytest.approx(1.0)
   # The replay computes the adaptive run's rows: the same prediction from the curve.
   assert variants["replay"]["breakdown"]["predicted_seconds"] == pytest.approx(
     quick_run["breakdown"]["predicted_seconds"]
