@@ -255,17 +255,17 @@ class _Windows:
 
 
 def _breakdown(
-  adaptive: list[dict[str, Any]], curve: dict[int, list[dict[str, Any]]]
+  steps: list[dict[str, Any]], curve: dict[int, list[dict[str, Any]]]
 ) -> dict[str, Any]:
-  """The adaptive steps' seconds against those the fixed runs' step times predict for them."""
+  """A run's step seconds against those the curve's step times predict for them."""
   sizes = sorted(curve)
   seconds = [statistics.fmean(r["step_seconds"] for r in curve[size]) for size in sizes]
   predict = lambda rows: float(np.interp(rows, sizes, seconds))
-  measured = sum(r["step_seconds"] for r in adaptive)
-  computed = sum(predict(r["batch_size"] + r["padded_examples"]) for r in adaptive)
-  unpadded = sum(predict(r["batch_size"]) for r in adaptive)
-  average = sum(r["batch_size"] for r in adaptive) / len(adaptive)
-  held = len(adaptive) * predict(average)
+  measured = sum(r["step_seconds"] for r in steps)
+  computed = sum(predict(r["batch_size"] + r["padded_examples"]) for r in steps)
+  unpadded = sum(predict(r["batch_size"]) for r in steps)
+  average = sum(r["batch_size"] for r in steps) / len(steps)
+  held = len(steps) * predict(average)
   return {
     "curve_step_seconds": dict(zip(map(str, sizes), seconds)),
     "measured_seconds": measured,
@@ -276,7 +276,7 @@ def _breakdown(
     "trajectory": unpadded / held,
     "adapting": measured / computed,
     "outside_curve_steps": sum(
-      not sizes[0] <= r["batch_size"] + r["padded_examples"] <= sizes[-1] for r in adaptive
+      not sizes[0] <= r["batch_size"] + r["padded_examples"] <= sizes[-1] for r in steps
     ),
   }
 
