@@ -66,6 +66,16 @@ def test_padding_fraction_is_the_share_of_rows_computed():
   assert totals.summary()["padding_fraction"] == 8 / 168
 
 
+def test_first_runs_are_counted_with_their_seconds():
+  totals = RunTotals()
+  totals.on_step(dataclasses.replace(BASE, first_run=True, step_seconds=0.25))
+  totals.on_step(dataclasses.replace(BASE, step_seconds=0.5))
+  totals.on_step(dataclasses.replace(BASE, first_run=True, step_seconds=0.125))
+  summary = totals.summary()
+  assert summary["first_run_steps"] == 2 and summary["first_run_seconds"] == 0.375
+  assert RunTotals().summary()["first_run_steps"] == 0
+
+
 def test_a_run_without_steps_has_no_average():
   summary = RunTotals().summary()
   assert summary["run_steps"] == 0 and math.isnan(summary["average_batch_size"])

@@ -177,6 +177,19 @@ def test_every_example_once_per_epoch_while_the_batch_size_moves(tmp_path, num_d
   for epoch in range(3):  # the per-step sets tile each epoch's permutation exactly
     assert sorted(trainer.sampler.indices_at(epoch * 120, 120)) == list(range(120))
   assert len({r["batch_size"] for r in records}) >= 4  # the batch size really moved
+  # A step runs its shape's program for the first time, or the micro-step and the update of
+  # accumulated steps: flagged in its record, counted in the summary.
+  programs_run = set()
+  for record in records:
+    if record["accumulation_steps"] == 1:
+      programs = {("step", record["micro_batch_size"])}
+    else:
+      programs = {("micro_step", record["micro_batch_size"]), ("update",)}
+    assert record["first_run"] == (not programs <= programs_run), record["step"]
+    programs_run |= programs
+  first_runs = [r for r in records if r["first_run"]]
+  assert summary["first_run_steps"] == len(first_runs) and records[0]["first_run"]
+  assert summary["first_run_seconds"] == pytest.approx(sum(r["step_seconds"] for r in first_runs))
   # The learning-rate factor: sqrt(B / B0) times the schedule at the examples seen before the step.
   for record in records:
     seen_before_step = record["examples_seen"] - record["batch_size"]

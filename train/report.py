@@ -163,6 +163,8 @@ def summarize(
     "compile_seconds": run["compile_seconds"],
     "compile_wait_seconds": run["compile_wait_seconds"],
     "compile_fallback_steps": run["compile_fallback_steps"],
+    "first_run_steps": run.get("first_run_steps"),
+    "first_run_seconds": run.get("first_run_seconds"),
     "padding_fraction": run.get("padding_fraction"),
     "nonfinite_steps": len(nonfinite),
     "first_nonfinite_step": (
@@ -257,6 +259,17 @@ def print_summary(summary: dict[str, Any]) -> None:
       f"{summary['compile_seconds']:.1f} s, "
       f"{summary['compile_wait_seconds']:.1f} s waited, "
       f"{summary['compile_fallback_steps']} steps on a fallback shape)",
+    ),
+    *(
+      [
+        (
+          "first runs",
+          f"{summary['first_run_steps']} steps ran a shape's program for the first time "
+          f"({summary['first_run_seconds']:.1f} s; this run's steps)",
+        )
+      ]
+      if summary.get("first_run_steps") is not None
+      else []
     ),
     *(
       [("padding", f"{summary['padding_fraction']:.1%} of the rows computed (this run's steps)")]

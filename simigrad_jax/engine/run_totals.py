@@ -33,6 +33,8 @@ class RunTotals:
     self.wall_seconds = 0.0
     self.data_seconds = 0.0
     self.fallback_steps = 0
+    self.first_run_steps = 0
+    self.first_run_seconds = 0.0
     self.nonfinite_steps = 0
     self.first_nonfinite: StepRecord | None = None
     self.host_seconds: list[float] = []
@@ -46,6 +48,9 @@ class RunTotals:
     self.wall_seconds += record.step_seconds
     self.data_seconds += record.data_seconds
     self.fallback_steps += record.compile_fallback
+    if record.first_run:
+      self.first_run_steps += 1
+      self.first_run_seconds += record.step_seconds
     if not record.grads_finite:
       self.nonfinite_steps += 1
       if self.first_nonfinite is None:
@@ -69,7 +74,9 @@ class RunTotals:
     ``run_nonfinite_steps`` counts the skipped steps and
     ``first_nonfinite_step`` names the first (None without one);
     ``padding_fraction`` is the share of the rows computed that were
-    zero-weight padding (NaN without a step).
+    zero-weight padding (NaN without a step); ``first_run_steps`` counts
+    the steps that ran a program for the first time in the Trainer, and
+    ``first_run_seconds`` adds up their step seconds.
     """
     rows = self.examples + self.padded_rows
     return {
@@ -85,6 +92,8 @@ class RunTotals:
         statistics.median(self.host_seconds) if self.host_seconds else math.nan
       ),
       "compile_fallback_steps": self.fallback_steps,
+      "first_run_steps": self.first_run_steps,
+      "first_run_seconds": self.first_run_seconds,
       "run_nonfinite_steps": self.nonfinite_steps,
       "first_nonfinite_step": None if self.first_nonfinite is None else self.first_nonfinite.step,
     }

@@ -29,6 +29,7 @@ from jax.sharding import NamedSharding
 
 from simigrad_jax.controllers import learning_rate
 from simigrad_jax.data.sampler import EpochSampler
+from simigrad_jax.engine import batch_plan
 from simigrad_jax.engine.data_loader import StepDataLoader
 from simigrad_jax.engine.layout import StepLayout
 from simigrad_jax.engine.programs import StepPrograms
@@ -164,6 +165,7 @@ class StepDispatcher:
     self.state = state
     self._layout, self._programs, self._data = layout, programs, data
     self._sampler, self._inputs = sampler, inputs
+    self._programs_run: set[tuple[str, int]] = set()  # see _first_run
 
   def prepare(self, batch_size: int, total_examples: float, step: int, epochs: float) -> None:
     """Before a ``train()`` call's first step: its learning-rate factor, its programs and its
@@ -206,6 +208,7 @@ class StepDispatcher:
     # The host's critical path ends here: the program call is the runtime's (on CPU the
     # simulated devices are host threads, and the call runs part of the step).
     host_seconds = math.nan if last_read is None else time.perf_counter() - last_read
+    first_run = self._first_run(plan)
     self.state, stats = self._programs.run(self.state, data, step_inputs)
     # While the first step runs: the programs that let every later step fall back.
     self._programs.await_fallback(plan.micro_batch_size)
@@ -221,6 +224,17 @@ class StepDispatcher:
       data_seconds=data_seconds,
       host_seconds=host_seconds,
       compile_wait_seconds=compile_wait,
+      first_run=first_run,
       lr_factor=self._inputs.lr_factor,
       schedule_factor=self._inputs.schedule_factor,
     )
+
+  def _first_run(self, plan: batch_plan.BatchPlan) -> bool:
+    """Whether ``plan`` runs a program that no step of this Trainer has run yet (and notes it)."""
+    if plan.accumulation_steps == 1:
+      programs = {("step", plan.micro_batch_size)}
+    else:
+      programs = {("micro_step", plan.micro_batch_size), ("update", 0)}
+    first = not programs <= self._programs_run
+    self._programs_run |= programs
+    return first

@@ -37,6 +37,8 @@ class DispatchedStep:
     host_seconds: the host's critical path from reading the last step's
       statistics to calling this step's program (NaN for a run's first step).
     compile_wait_seconds: the seconds this step waited for compiles.
+    first_run: the step runs a program (a shape) for the first time in this
+      Trainer.
     lr_factor: the learning-rate factor the step runs with.
     schedule_factor: the learning-rate schedule's part of it.
   """
@@ -49,6 +51,7 @@ class DispatchedStep:
   data_seconds: float
   host_seconds: float
   compile_wait_seconds: float
+  first_run: bool
   lr_factor: float
   schedule_factor: float
 
@@ -158,6 +161,10 @@ class StepRecord:
       :class:`DispatchedStep`; NaN for a run's first step).
     agreement_seconds: the time the processes took to agree on the decision.
     compile_wait_step_seconds: the time the step waited for compiles.
+    first_run: the step ran a program (a shape) for the first time in this
+      Trainer. A program's first run takes longer than the next ones (on
+      XLA:CPU, its library kernels build their pipelines then), and a
+      persistent compilation cache does not keep that work.
     epoch_end: the step finished an epoch (not logged: the next record's
       ``epoch`` says it).
     compile_stats: the Trainer's compile counters when the record was handed
@@ -198,6 +205,7 @@ class StepRecord:
   agreement_seconds: float
   compile_wait_step_seconds: float
   epoch_end: bool
+  first_run: bool = False
   compile_stats: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
   @classmethod
@@ -249,6 +257,7 @@ class StepRecord:
       agreement_seconds=agreement_seconds,
       compile_wait_step_seconds=dispatched.compile_wait_seconds,
       epoch_end=epoch_end,
+      first_run=dispatched.first_run,
     )
 
   def as_dict(self) -> dict[str, Any]:
