@@ -321,6 +321,32 @@ def test_nonfinite_step_is_skipped_and_counted(tmp_path):
     assert np.all(np.isfinite(np.asarray(leaf.addressable_data(0))))
 
 
+class ConfigCountingController(simigrad_jax.Controller):
+  """SimiGrad's controller that counts the reads of its config."""
+
+  config_reads = 0
+
+  @property
+  def config(self):
+    self.config_reads += 1
+    return super().config
+
+
+def test_the_controllers_config_is_read_per_run_not_per_step(tmp_path):
+  """A schedule's config lists every threshold (a replay's, one a step): reading it each step
+  would cost the host's critical path more as the run gets longer."""
+  reads = {}
+  for steps in (2, 8):
+    controller = ConfigCountingController(
+      16, 0.3, batch_size_lower_bound=8, batch_size_upper_bound=32
+    )
+    # Within one epoch: a checkpoint (each epoch's end, the end of train()) reads it too.
+    with make_trainer(tmp_path / str(steps), dataset(num_examples=400), controller) as trainer:
+      trainer.train(num_steps=steps)
+    reads[steps] = controller.config_reads
+  assert reads[2] == reads[8] > 0
+
+
 def test_a_last_step_of_one_example_is_trained_with_the_local_split(tmp_path):
   """The second half of a one-example step is empty: the step trains, unmeasured, not skipped."""
   data = dataset()

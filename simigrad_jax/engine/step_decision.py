@@ -60,6 +60,8 @@ class StepDecider:
     stop: preemption.RunStop,
   ):
     self._controller, self._sampler, self._layout = controller, run.sampler, run.layout
+    # A setting, read once: a schedule's config lists all its thresholds (a replay's, one a step).
+    self._similarity_target = controller.config["similarity_target"]
     self._step_inputs, self._programs, self._agreement = run.step_inputs, run.programs, agreement
     self._checkpoints, self._checkpoint, self._stop = run.checkpoints, checkpoint, stop
     self.step, self.nonfinite_steps = run.step, run.nonfinite_steps
@@ -105,7 +107,7 @@ class StepDecider:
       examples_seen=examples_seen,
       micro_batch_size=self._layout.device_rows(dispatched.plan.micro_batch_size),
       decision=self._controller.last_decision,
-      similarity_target=self._controller.config["similarity_target"],
+      similarity_target=self._similarity_target,
       next_batch_size=next_batch_size,
       next_lr_factor=inputs.lr_factor,
       nonfinite_steps=self.nonfinite_steps,
