@@ -404,6 +404,7 @@ class TrainerLoop:
       reported = step_memory()
       memory = {key: reported.get(key) for key in MEMORY_KEYS}
     examples = sum(r["batch_size"] for r in records)
+    later = [r for r in records if not r["first_run"]]
     return {
       "average_batch_size": examples / len(records),
       "average_accumulation_steps": float(np.mean([r["accumulation_steps"] for r in records])),
@@ -414,6 +415,14 @@ class TrainerLoop:
       "record_data_seconds": float(np.median([r["data_seconds"] for r in records])),
       "checkpoint_seconds": float(np.median(self.checkpoint_seconds)),
       "compile_fallback_steps": int(sum(bool(r.get("compile_fallback")) for r in records)),
+      "first_run_steps": len(records) - len(later),
+      # The records' examples over their step seconds, without the steps that ran a program
+      # for the first time (a one-off per shape; None if every step did).
+      "examples_per_second_without_first_runs": (
+        sum(r["batch_size"] for r in later) / sum(r["step_seconds"] for r in later)
+        if later
+        else None
+      ),
       "nonfinite_steps": int(sum(not r["grads_finite"] for r in records)),
       "timed_steps": len(records),
       "step_memory": memory,
