@@ -279,13 +279,13 @@ def _breakdown(
   sizes = sorted(curve)
   seconds = [statistics.fmean(r["step_seconds"] for r in curve[size]) for size in sizes]
   predict = lambda rows: float(np.interp(rows, sizes, seconds))
+  rows = [r["batch_size"] + r["padded_examples"] for r in steps]
+  predicted = [predict(n) for n in rows]  # each step's, for the rows it computed
   measured = sum(r["step_seconds"] for r in steps)
-  computed = sum(predict(r["batch_size"] + r["padded_examples"]) for r in steps)
+  computed = sum(predicted)
   # What the steps that ran a program for the first time took beyond the curve's prediction.
-  first_runs = [r for r in steps if r["first_run"]]
-  first_run_excess = sum(
-    r["step_seconds"] - predict(r["batch_size"] + r["padded_examples"]) for r in first_runs
-  )
+  first_runs = [(r, p) for r, p in zip(steps, predicted, strict=True) if r["first_run"]]
+  first_run_excess = sum(r["step_seconds"] - p for r, p in first_runs)
   unpadded = sum(predict(r["batch_size"]) for r in steps)
   average = sum(r["batch_size"] for r in steps) / len(steps)
   held = len(steps) * predict(average)
@@ -301,9 +301,7 @@ def _breakdown(
     "trajectory": unpadded / held,
     "first_runs": measured / (measured - first_run_excess),
     "adapting": (measured - first_run_excess) / computed,
-    "outside_curve_steps": sum(
-      not sizes[0] <= r["batch_size"] + r["padded_examples"] <= sizes[-1] for r in steps
-    ),
+    "outside_curve_steps": sum(not sizes[0] <= n <= sizes[-1] for n in rows),
   }
 
 
