@@ -37,7 +37,8 @@ Run services: EpochSampler, Checkpointer, MetricsWriter, read_metrics,
   exit_on_lost_process.
 Engine internals, documented in their rooms: StepCompiler
   (simigrad_jax.engine.compiler), enable_persistent_cache and
-  persistent_cache_settings (JAX's persistent compilation cache).
+  persistent_cache_settings (simigrad_jax.engine.persistent_cache: JAX's
+  persistent compilation cache).
 
 Errors: every one derives from SimiGradError and keeps its built-in parent:
   AxisNameError, BadRecordError, CheckpointMismatchError, HalvesContractError,
@@ -74,10 +75,10 @@ from simigrad_jax.engine.batch_plan import plan_batch
 from simigrad_jax.engine.batch_plan import representable_batch_sizes
 from simigrad_jax.engine.compiler import StepCompileError
 from simigrad_jax.engine.compiler import StepCompiler
-from simigrad_jax.engine.compiler import enable_persistent_cache
-from simigrad_jax.engine.compiler import persistent_cache_settings
 from simigrad_jax.engine.config import TrainerConfig
 from simigrad_jax.engine.hooks import StepHook
+from simigrad_jax.engine.persistent_cache import enable_persistent_cache
+from simigrad_jax.engine.persistent_cache import persistent_cache_settings
 from simigrad_jax.engine.preemption import Preempted
 from simigrad_jax.engine.step_record import StepRecord
 from simigrad_jax.engine.trainer import Trainer

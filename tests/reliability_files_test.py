@@ -27,7 +27,7 @@ import simigrad_jax
 from reliability_helpers import DRIVER
 from reliability_helpers import driver_env
 from simigrad_jax import files
-from simigrad_jax.engine import compiler
+from simigrad_jax.engine import persistent_cache
 from simigrad_jax.runtime import workdir as workdir_module
 from simigrad_jax.runtime.process_agreement import ProcessAgreement
 from tiny_run import make_trainer
@@ -299,7 +299,7 @@ def test_an_unreadable_compilation_cache_entry_is_replaced(tmp_path, caplog):
     return [str(w.message) for w in caught if "compilation cache" in str(w.message)]
 
   with simigrad_jax.persistent_cache_settings():
-    compiler.enable_persistent_cache(cache)
+    persistent_cache.enable_persistent_cache(cache)
     assert compile_and_collect_warnings() == []
     entries = sorted(cache.glob("*-cache"))
     assert entries

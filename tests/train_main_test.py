@@ -130,6 +130,10 @@ def test_a_resume_loads_every_executable_from_the_compilation_cache(tmp_path):
         "hits": result.stderr.count("Persistent compilation cache hit"),
         "entries": sorted(os.listdir(cache)),
         "compile_seconds": summary["compile_seconds"],
+        "compiles": summary["compiles"],
+        "loaded": summary["compile_cache_hits"],
+        "loaded_seconds": summary["compile_cache_hit_seconds"],
+        "row": next(x for x in result.stdout.splitlines() if x.startswith("compiles ")),
       }
     )
   cold, warm = runs
@@ -139,6 +143,11 @@ def test_a_resume_loads_every_executable_from_the_compilation_cache(tmp_path):
   assert warm["misses"] == 0 and warm["hits"] > 0
   assert warm["entries"] == cold["entries"]  # nothing new written
   assert warm["compile_seconds"] < 0.5 * cold["compile_seconds"]
+  # The Trainer counts the step programs it loaded, and says so.
+  assert (cold["loaded"], cold["loaded_seconds"]) == (0, 0.0)
+  assert warm["loaded"] == warm["compiles"] > 0
+  assert 0 < warm["loaded_seconds"] <= warm["compile_seconds"]
+  assert f"{warm['loaded']} loaded from the compilation cache" in warm["row"]
   print(
     f"compilation cache: cold {cold['misses']} misses, {cold['compile_seconds']:.2f} s "
     f"compiling steps; warm {warm['misses']} misses, {warm['hits']} hits, "

@@ -162,6 +162,8 @@ def summarize(
     "compiles": run["compiles"],
     "compile_seconds": run["compile_seconds"],
     "compile_wait_seconds": run["compile_wait_seconds"],
+    "compile_cache_hits": run["compile_cache_hits"],
+    "compile_cache_hit_seconds": run["compile_cache_hit_seconds"],
     "compile_fallback_steps": run["compile_fallback_steps"],
     "first_run_steps": run.get("first_run_steps"),
     "first_run_seconds": run.get("first_run_seconds"),
@@ -258,7 +260,9 @@ def print_summary(summary: dict[str, Any]) -> None:
       f"{sorted(summary['compiled_micro_batch_sizes'])}; "
       f"{summary['compile_seconds']:.1f} s, "
       f"{summary['compile_wait_seconds']:.1f} s waited, "
-      f"{summary['compile_fallback_steps']} steps on a fallback shape)",
+      f"{summary['compile_fallback_steps']} steps on a fallback shape; "
+      f"{summary['compile_cache_hits']} loaded from the compilation cache in "
+      f"{summary['compile_cache_hit_seconds']:.1f} s)",
     ),
     *(
       [

@@ -40,6 +40,7 @@ from simigrad_jax.engine import trainer_checks
 from simigrad_jax.engine.compiler import StepCompiler
 from simigrad_jax.engine.layout import COMPILE_WINDOW_OCTAVES
 from simigrad_jax.engine.layout import StepLayout
+from simigrad_jax.engine.persistent_cache import counting_cache_hits
 
 
 @dataclasses.dataclass
@@ -158,6 +159,7 @@ class StepPrograms:
     )
     self._apply_future: concurrent.futures.Future | None = None
     self._apply_compile_seconds = 0.0
+    self._apply_cache_hit = False
     self._apply_wait_seconds = 0.0
     self._fallback_ready = False  # see await_fallback
     if self._accumulation_shapes or compile_fallback:
@@ -223,15 +225,18 @@ class StepPrograms:
   def _compile_apply(self) -> jax.stages.Compiled:
     start = time.perf_counter()
     state = self._state
-    compiled = self._apply_jit.lower(
+    lowered = self._apply_jit.lower(
       state["params"],
       state["opt_state"],
       self._acc_abstract,
       state["model_state"],
       state["model_state"],
       self._step_args(1)[2],
-    ).compile()
+    )
+    with counting_cache_hits() as hits:
+      compiled = lowered.compile()
     self._apply_compile_seconds = time.perf_counter() - start
+    self._apply_cache_hit = hits[0] > 0
     return compiled
 
   def _start_apply_compile(self) -> concurrent.futures.Future:
@@ -455,7 +460,10 @@ class StepPrograms:
     ``compiled_step_sizes`` are the shapes with a one-micro-batch program,
     ``compiled_accumulation_sizes`` those with a micro-step (all in rows per
     device), and ``update_compiled`` says whether the update of accumulated
-    steps is.
+    steps is. ``compile_cache_hits`` are the compiles (of ``compiles``) that
+    loaded their program from JAX's persistent compilation cache, and
+    ``compile_cache_hit_seconds`` their seconds (of ``compile_seconds``:
+    tracing and lowering, then the load).
     """
     fused, micro = self.fused_compiler.stats(), self.micro_compiler.stats()
     apply_compiled = (
@@ -470,6 +478,14 @@ class StepPrograms:
         fused["compile_seconds"] + micro["compile_seconds"] + self._apply_compile_seconds
       ),
       "compile_wait_seconds": self.wait_seconds(),
+      "compile_cache_hits": (
+        fused["cache_hits"] + micro["cache_hits"] + int(apply_compiled and self._apply_cache_hit)
+      ),
+      "compile_cache_hit_seconds": (
+        fused["cache_hit_seconds"]
+        + micro["cache_hit_seconds"]
+        + (self._apply_compile_seconds if apply_compiled and self._apply_cache_hit else 0.0)
+      ),
       "compiled_micro_batch_sizes": rows(
         sorted(set(fused["compiled_sizes"]) | set(micro["compiled_sizes"]))
       ),

@@ -43,11 +43,11 @@ from simigrad_jax.data.sampler import EpochSampler
 from simigrad_jax.engine import mesh_sharding
 from simigrad_jax.engine import train_step
 from simigrad_jax.engine import trainer_checks
-from simigrad_jax.engine.compiler import enable_persistent_cache
 from simigrad_jax.engine.config import TrainerConfig
 from simigrad_jax.engine.data_loader import StepDataLoader
 from simigrad_jax.engine.data_loader import local_device_positions
 from simigrad_jax.engine.layout import StepLayout
+from simigrad_jax.engine.persistent_cache import enable_persistent_cache
 from simigrad_jax.engine.programs import StepPrograms
 from simigrad_jax.engine.step_inputs import StepInputs
 from simigrad_jax.runtime import run_record
