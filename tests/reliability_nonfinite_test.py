@@ -185,6 +185,8 @@ def test_the_final_report_counts_the_nonfinite_steps_and_names_the_first(tmp_pat
     "compiles": 1,
     "compile_seconds": 1.0,
     "compile_wait_seconds": 0.5,
+    "compile_cache_hits": 0,
+    "compile_cache_hit_seconds": 0.0,
     "compile_fallback_steps": 0,
     "compiled_micro_batch_sizes": [4],
   }
