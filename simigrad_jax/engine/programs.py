@@ -23,6 +23,7 @@ import dataclasses
 import functools
 import math
 import operator
+import os
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -87,6 +88,13 @@ class StepPrograms:
       :meth:`ready_plan` then uses the view that :meth:`agree_on_compiles`
       last set from every process's :meth:`compiled_report`, and waits for
       the exact shape until a first view is set.
+    compilation_cache_dir: JAX's persistent compilation cache, if on.
+    cached_programs: what an earlier process of the run compiled into that
+      cache, as its :meth:`compiled_programs` said (from the checkpoint a
+      run resumes). With the fallback and one process, those programs load
+      first, and a step that no compiled program can run yet (the first)
+      runs on one of them rather than wait for a compile. Ignored when it
+      names another cache.
 
   Raises:
     ValueError: when ``loss_fn``, the optimizer and the data do not fit each
@@ -108,6 +116,8 @@ class StepPrograms:
     background: bool,
     compile_fallback: bool,
     shared_compiles: bool = False,
+    compilation_cache_dir: str | os.PathLike | None = None,
+    cached_programs: Mapping[str, Any] | None = None,
   ):
     self.mesh, self.axis_name, self.layout = mesh, axis_name, layout
     self.num_slots = layout.num_slots
@@ -124,6 +134,15 @@ class StepPrograms:
     self._shared_compiles = shared_compiles and compile_fallback
     self._grid = sorted(layout.grid)  # the shapes a report's bitmasks index
     self._agreed: dict[str, Any] | None = None  # what every process has compiled (shared_compiles)
+    self._cache_dir = (
+      None if compilation_cache_dir is None else os.path.abspath(compilation_cache_dir)
+    )
+    # What the cache holds from an earlier process of the run: loads, not compiles.
+    self._cached = (
+      _cached_programs(cached_programs, self._cache_dir, set(self._grid))
+      if compile_fallback and not self._shared_compiles
+      else None
+    )
 
     # The state keeps its shardings through every step (model axes, and the data axis a leaf
     # stored sharded over it is gathered from for the step).
@@ -269,10 +288,14 @@ class StepPrograms:
     micro-batches can plan, largest first; and the update for these.
     """
     window = COMPILE_WINDOW_OCTAVES if self._compile_fallback else None
-    self.fused_compiler.prefetch(self.layout.shapes_by_distance(batch_size, window))
+    shapes = self.layout.shapes_by_distance(batch_size, window)
+    cached = self._cached
+    if cached is not None:  # the programs the cache holds first: they only load
+      shapes.sort(key=lambda size: size not in cached["fused"])
+    self.fused_compiler.prefetch(shapes)
     accumulating = []
     if self._compile_fallback:
-      accumulating.append(self.layout.plan(batch_size).micro_batch_size)
+      accumulating.append(self._loadable("micro", self.layout.plan(batch_size).micro_batch_size))
     accumulating.extend(self._accumulation_shapes)
     if accumulating:
       self._start_apply_compile()
@@ -295,15 +318,45 @@ class StepPrograms:
     update: a batch larger than one micro-batch of ``micro`` then accumulates
     on it. Called once, at the first step (which waits for its own shape
     anyway, and whose devices run while this waits), so that no later step
-    waits for a compile. The time blocked counts as compile wait. A no-op
-    without the fallback or once done.
+    waits for a compile. With :attr:`cached_programs`, the micro-step is
+    the cache's nearest to ``micro`` unless it holds ``micro``'s. The time
+    blocked counts as compile wait. A no-op without the fallback or once
+    done.
     """
     if not self._compile_fallback or self._fallback_ready:
       return
-    self.fused_compiler.get(micro)
-    self.micro_compiler.get(micro)
+    self.fused_compiler.get(self._loadable("fused", micro))
+    self.micro_compiler.get(self._loadable("micro", micro))
     self._apply_program()
     self._fallback_ready = True
+
+  def _loadable(self, kind: str, micro: int) -> int:
+    """``micro``, or the nearest shape whose ``kind`` program the cache holds from an earlier
+    process (ties: the larger) when it holds some but not ``micro``'s."""
+    cached = set() if self._cached is None else self._cached[kind]
+    if not cached or micro in cached:
+      return micro
+    return min(cached, key=lambda size: (abs(math.log(size / micro)), -size))
+
+  def compiled_programs(self) -> dict[str, Any] | None:
+    """What the persistent compilation cache holds from this run, for its checkpoints; None
+    without the cache.
+
+    The shapes (rows per slot) with a one-micro-batch program (``fused``)
+    and with a micro-step (``micro``), whether the update is (``apply``),
+    compiled by this process or by the earlier ones it resumed, and the
+    cache's folder: pass it as ``cached_programs`` when the run resumes.
+    """
+    if self._cache_dir is None:
+      return None
+    here = self._compiled_here()
+    before = self._cached or {"fused": set(), "micro": set(), "apply": False}
+    return {
+      "compilation_cache_dir": self._cache_dir,
+      "fused": sorted(here["fused"] | before["fused"]),
+      "micro": sorted(here["micro"] | before["micro"]),
+      "apply": bool(here["apply"] or before["apply"]),
+    }
 
   # ------------------------------------------------------------------ choosing
 
@@ -383,7 +436,17 @@ class StepPrograms:
       compiler = self.fused_compiler if plan.accumulation_steps == 1 else self.micro_compiler
       compiler.prefetch([needed])
     sizes = set(compiled["fused"]) | set(compiled["micro"])
-    return fallback_plan(plan, sizes, lambda size, steps: self._ready(size, steps, compiled))
+    fallback = fallback_plan(plan, sizes, lambda size, steps: self._ready(size, steps, compiled))
+    cached = self._cached
+    if (
+      fallback is plan
+      and cached is not None
+      and not self._ready(needed, plan.accumulation_steps, cached)
+    ):
+      # Nothing compiled runs it yet, and the cache lacks its program: wait for a load instead.
+      sizes = cached["fused"] | cached["micro"]
+      fallback = fallback_plan(plan, sizes, lambda size, steps: self._ready(size, steps, cached))
+    return fallback
 
   # ------------------------------------------------------------------ running
 
@@ -499,6 +562,24 @@ class StepPrograms:
     self.fused_compiler.close()
     self.micro_compiler.close()
     self._apply_pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _cached_programs(
+  record: Mapping[str, Any] | None, cache_dir: str | None, grid: set[int]
+) -> dict[str, Any] | None:
+  """A checkpoint's :meth:`StepPrograms.compiled_programs`, if it names ``cache_dir`` and this
+  grid's shapes; else None (a record it cannot use only costs the first step a compile)."""
+  if not isinstance(record, Mapping) or cache_dir is None:
+    return None
+  if record.get("compilation_cache_dir") != cache_dir:
+    return None
+  shapes = {}
+  for kind in ("fused", "micro"):
+    sizes = record.get(kind)
+    if not isinstance(sizes, list) or not all(isinstance(size, int) for size in sizes):
+      return None
+    shapes[kind] = set(sizes) & grid
+  return {**shapes, "apply": record.get("apply") is True}
 
 
 def fallback_plan(

@@ -216,7 +216,7 @@ def build_run(
     )
     resumed = checkpoints.resume(state, sampler, controller)
     if resumed is not None:
-      state, step, nonfinite_steps = resumed
+      state, step, nonfinite_steps = resumed.state, resumed.step, resumed.nonfinite_steps
     agreement.agree(
       "resumed state",
       set_up=True,
@@ -241,6 +241,8 @@ def build_run(
       background=config.background_compile,
       compile_fallback=config.uses_compile_fallback,
       shared_compiles=jax.process_count() > 1,
+      compilation_cache_dir=config.compilation_cache_dir,
+      cached_programs=None if resumed is None else resumed.compiled_programs,
     )
     # A model, loss, optimizer or data set that do not fit each other fail here.
     with trainer_checks.transform_named_for(config.axis_name):

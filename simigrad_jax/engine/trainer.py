@@ -222,6 +222,7 @@ class Trainer:
       sampler=self.sampler,
       controller=self.controller,
       nonfinite_steps=self._decider.nonfinite_steps,
+      compiled_programs=self._programs.compiled_programs(),
     )
 
   def train(

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 from simigrad_jax.errors import SimiGradError
@@ -49,11 +50,13 @@ class CheckpointSaveError(SimiGradError, RuntimeError):
 
 
 class Resumed(NamedTuple):
-  """What a run continues from: the restored arrays, the step and the non-finite steps so far."""
+  """What a run continues from: the restored arrays, the step and the non-finite steps so far,
+  and the compiled programs that the saving process recorded (None if it recorded none)."""
 
   state: Any
   step: int
   nonfinite_steps: int
+  compiled_programs: dict[str, Any] | None = None
 
 
 class RunCheckpoints:
@@ -172,7 +175,12 @@ class RunCheckpoints:
       )
     else:
       logger.info("resumed from the checkpoint at step %d in %s", step, directory)
-    return Resumed(state, int(host["step"]), int(host.get("nonfinite_steps", 0)))
+    return Resumed(
+      state,
+      int(host["step"]),
+      int(host.get("nonfinite_steps", 0)),
+      host.get("compiled_programs"),
+    )
 
   def _changes_since(self, host: dict[str, Any], where: str) -> run_record.RecordChanges | None:
     """How this run differs from the one that saved ``host``; refused unless allowed.
@@ -222,11 +230,20 @@ class RunCheckpoints:
     )
 
   def save(
-    self, step: int, state: Any, *, sampler: Any, controller: Any, nonfinite_steps: int
+    self,
+    step: int,
+    state: Any,
+    *,
+    sampler: Any,
+    controller: Any,
+    nonfinite_steps: int,
+    compiled_programs: Mapping[str, Any] | None = None,
   ) -> None:
     """Saves ``state`` and the host state as the checkpoint of ``step`` (once per step).
 
-    The last save is waited for first, on every process.
+    The last save is waited for first, on every process. ``compiled_programs``
+    (JSON: what the run has compiled into its persistent compilation cache)
+    comes back in :attr:`Resumed.compiled_programs`.
     """
     if self.checkpointer.latest_step() == step:
       return
@@ -240,6 +257,8 @@ class RunCheckpoints:
     }
     if self.record is not None:
       host.update(run=self.record, run_changes=self.changes)
+    if compiled_programs is not None:
+      host["compiled_programs"] = dict(compiled_programs)
     self.checkpointer.save(step, state, host)
     self._last_saved = step
 
