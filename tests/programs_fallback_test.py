@@ -1,17 +1,20 @@
-"""fallback_plan: a step whose shape is compiling runs in the fewest micro-steps compiled; the
-run's last step asks for no compile."""
+"""The compile fallback: a step whose shape is compiling runs in the fewest micro-steps compiled,
+or waits for a load rather than a compile; the run's last step asks for no compile."""
 
+import doctest
 import math
 
 import pytest
 
 import simigrad_jax
 import tiny_run
+from simigrad_jax.engine import compile_fallback
 from simigrad_jax.engine import compiler
 from simigrad_jax.engine import step_inputs
 from simigrad_jax.engine.batch_plan import BucketPolicy
 from simigrad_jax.engine.batch_plan import plan_batch
-from simigrad_jax.engine.programs import fallback_plan
+from simigrad_jax.engine.compile_fallback import choose_plan
+from simigrad_jax.engine.compile_fallback import fallback_plan
 
 POLICY = BucketPolicy(32, 1, shapes_per_octave=8)
 
@@ -43,6 +46,60 @@ def test_only_ready_programs_and_none_keeps_the_plan():
   one_step_only_for_32 = lambda size, steps: steps == 1 and size == 32 or size == 8
   assert fallback_plan(plan, {8, 32}, one_step_only_for_32).micro_batch_size == 32
   assert fallback_plan(plan, {8}, lambda size, steps: False) == plan
+
+
+def view(fused=(), micro=(), apply=False, failed_fused=()):
+  return {
+    "fused": set(fused),
+    "micro": set(micro),
+    "apply": apply,
+    "failed_fused": set(failed_fused),
+    "failed_micro": set(),
+  }
+
+
+def test_doctests():
+  result = doctest.testmod(compile_fallback)
+  assert result.attempted > 0 and result.failed == 0
+
+
+def test_choose_plan_keeps_a_ready_or_failed_plan_and_falls_back_otherwise():
+  plan = plan_batch(100, 8, POLICY)  # 13 rows a device
+  assert plan.micro_batch_size == 13
+  assert choose_plan(plan, view(fused={13, 16})) is plan
+  assert choose_plan(plan, view(fused={16}, failed_fused={13})) is plan  # running it raises
+  assert choose_plan(plan, view(fused={16})).micro_batch_size == 16
+  assert choose_plan(plan, view()) is plan  # nothing compiled: it waits for its own
+
+
+def test_with_nothing_compiled_the_plan_waits_for_a_program_the_cache_holds():
+  plan = plan_batch(100, 8, POLICY)
+  cached = {"fused": {32}, "micro": {4}, "apply": True}
+  assert choose_plan(plan, view(), cached).micro_batch_size == 32  # one step, padded
+  no_fused = {"fused": set(), "micro": {4}, "apply": True}
+  got = choose_plan(plan, view(), no_fused)
+  assert (got.micro_batch_size, got.accumulation_steps) == (4, 4)  # accumulated
+  # Its own program in the cache, or a compiled one that holds it: no detour to the cache.
+  assert choose_plan(plan, view(), {"fused": {13, 32}, "micro": set(), "apply": False}) is plan
+  assert choose_plan(plan, view(fused={8}, micro={8}, apply=True), cached).micro_batch_size == 8
+
+
+def test_nearest_cached_picks_the_nearest_shape_the_cache_holds():
+  cached = {"fused": {4, 16}, "micro": set(), "apply": False}
+  assert compile_fallback.nearest_cached("fused", 7, cached) == 4  # log scale: 7/4 < 16/7
+  assert compile_fallback.nearest_cached("fused", 8, cached) == 16  # a tie: the larger
+  assert compile_fallback.nearest_cached("fused", 16, cached) == 16
+  assert compile_fallback.nearest_cached("micro", 7, cached) == 7  # none of that kind
+  assert compile_fallback.nearest_cached("fused", 7, None) == 7
+
+
+def test_every_process_agrees_on_what_all_compiled_and_any_failed():
+  grid = [2, 4, 8, 16]
+  one = compile_fallback.report_bitmasks(view(fused={2, 4, 8}, micro={4}, apply=True), grid)
+  two = compile_fallback.report_bitmasks(view(fused={4, 8}, failed_fused={16}), grid)
+  assert one == {"fused": 0b0111, "micro": 0b0010, "apply": 1, "failed_fused": 0, "failed_micro": 0}
+  agreed = compile_fallback.agreed_view([one, two], grid)
+  assert agreed == view(fused={4, 8}, failed_fused={16})
 
 
 def test_the_runs_last_step_asks_for_no_compile(tmp_path, devices, monkeypatch):

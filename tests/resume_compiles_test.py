@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import simigrad_jax
-from simigrad_jax.engine import programs as programs_module
+from simigrad_jax.engine import compile_fallback
 from simigrad_jax.runtime.checkpointer import Checkpointer
 from tiny_run import train_records
 
@@ -79,12 +79,12 @@ def test_a_checkpoint_naming_another_cache_is_not_used(tmp_path):
   ],
 )
 def test_a_record_the_run_cannot_use_is_ignored(record):
-  assert programs_module._cached_programs(record, "/cache", {2, 4}) is None
+  assert compile_fallback.cached_view(record, "/cache", {2, 4}) is None
 
 
 def test_a_record_keeps_only_the_shapes_of_the_grid():
   record = {"compilation_cache_dir": "/cache", "fused": [4, 9], "micro": [2], "apply": 1}
-  assert programs_module._cached_programs(record, "/cache", {2, 4}) == {
+  assert compile_fallback.cached_view(record, "/cache", {2, 4}) == {
     "fused": {4},
     "micro": {2},
     "apply": False,  # only True counts

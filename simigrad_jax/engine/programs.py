@@ -20,12 +20,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import functools
-import math
-import operator
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -38,6 +35,12 @@ from jax.sharding import PartitionSpec as P
 from simigrad_jax.engine import batch_plan
 from simigrad_jax.engine import train_step
 from simigrad_jax.engine import trainer_checks
+from simigrad_jax.engine.compile_fallback import agreed_view
+from simigrad_jax.engine.compile_fallback import cached_view
+from simigrad_jax.engine.compile_fallback import choose_plan
+from simigrad_jax.engine.compile_fallback import nearest_cached
+from simigrad_jax.engine.compile_fallback import report_bitmasks
+from simigrad_jax.engine.compile_fallback import waits_for_compile
 from simigrad_jax.engine.compiler import StepCompiler
 from simigrad_jax.engine.layout import COMPILE_WINDOW_OCTAVES
 from simigrad_jax.engine.layout import StepLayout
@@ -139,7 +142,7 @@ class StepPrograms:
     )
     # What the cache holds from an earlier process of the run: loads, not compiles.
     self._cached = (
-      _cached_programs(cached_programs, self._cache_dir, set(self._grid))
+      cached_view(cached_programs, self._cache_dir, set(self._grid))
       if compile_fallback and not self._shared_compiles
       else None
     )
@@ -295,7 +298,9 @@ class StepPrograms:
     self.fused_compiler.prefetch(shapes)
     accumulating = []
     if self._compile_fallback:
-      accumulating.append(self._loadable("micro", self.layout.plan(batch_size).micro_batch_size))
+      accumulating.append(
+        nearest_cached("micro", self.layout.plan(batch_size).micro_batch_size, self._cached)
+      )
     accumulating.extend(self._accumulation_shapes)
     if accumulating:
       self._start_apply_compile()
@@ -325,18 +330,10 @@ class StepPrograms:
     """
     if not self._compile_fallback or self._fallback_ready:
       return
-    self.fused_compiler.get(self._loadable("fused", micro))
-    self.micro_compiler.get(self._loadable("micro", micro))
+    self.fused_compiler.get(nearest_cached("fused", micro, self._cached))
+    self.micro_compiler.get(nearest_cached("micro", micro, self._cached))
     self._apply_program()
     self._fallback_ready = True
-
-  def _loadable(self, kind: str, micro: int) -> int:
-    """``micro``, or the nearest shape whose ``kind`` program the cache holds from an earlier
-    process (ties: the larger) when it holds some but not ``micro``'s."""
-    cached = set() if self._cached is None else self._cached[kind]
-    if not cached or micro in cached:
-      return micro
-    return min(cached, key=lambda size: (abs(math.log(size / micro)), -size))
 
   def compiled_programs(self) -> dict[str, Any] | None:
     """What the persistent compilation cache holds from this run, for its checkpoints; None
@@ -374,14 +371,12 @@ class StepPrograms:
   def compiled_report(self) -> dict[str, int] | None:
     """This process's compiled shapes for the other processes; None unless ``shared_compiles``.
 
-    Bitmasks over the layout's grid of shapes (bit ``i``: the ``i``-th
-    smallest), so the report stays a few small integers however long the run.
+    Bitmasks over the layout's grid of shapes
+    (:func:`~simigrad_jax.engine.compile_fallback.report_bitmasks`).
     """
     if not self._shared_compiles:
       return None
-    here = self._compiled_here()
-    mask = lambda sizes: sum(1 << i for i, size in enumerate(self._grid) if size in sizes)
-    return {key: (int(value) if key == "apply" else mask(value)) for key, value in here.items()}
+    return report_bitmasks(self._compiled_here(), self._grid)
 
   def agree_on_compiles(self, reports: list[dict[str, int]]) -> None:
     """Sets the view :meth:`ready_plan` uses to what EVERY process reported compiled.
@@ -390,23 +385,7 @@ class StepPrograms:
     a step's agreement), so every process takes the same fallback decision
     at the next step and the collectives of the step match.
     """
-    sizes = lambda mask: {size for i, size in enumerate(self._grid) if mask >> i & 1}
-    every = lambda key: functools.reduce(operator.and_, (r[key] for r in reports))
-    anyone = lambda key: functools.reduce(operator.or_, (r[key] for r in reports))
-    self._agreed = {
-      "fused": sizes(every("fused")),
-      "micro": sizes(every("micro")),
-      "apply": bool(every("apply")),
-      "failed_fused": sizes(anyone("failed_fused")),
-      "failed_micro": sizes(anyone("failed_micro")),
-    }
-
-  @staticmethod
-  def _ready(micro: int, accumulation_steps: int, compiled: Mapping[str, Any]) -> bool:
-    # One micro-batch runs the fused program (see run), several the micro-step and the update.
-    if accumulation_steps == 1:
-      return micro in compiled["fused"]
-    return compiled["apply"] and micro in compiled["micro"]
+    self._agreed = agreed_view(reports, self._grid)
 
   def ready_plan(self, plan: batch_plan.BatchPlan, prefetch: bool = True) -> batch_plan.BatchPlan:
     """``plan``, or while its program is still compiling, the same batch on the nearest compiled one.
@@ -414,11 +393,12 @@ class StepPrograms:
     The compiled shape that holds the batch in the fewest micro-steps,
     the nearest in log scale among those (ties: the larger shape): a larger
     shape pads with zero-weight rows, a smaller one accumulates
-    (:func:`fallback_plan`). The examples and their devices are those of
-    ``plan``. A shape whose compile FAILED is not replaced: running it raises.
-    With ``shared_compiles``, "compiled" means compiled on every process, as
-    the last :meth:`agree_on_compiles` said. A program not compiled yet is
-    queued for compiling unless ``prefetch`` is False (the run's last step).
+    (:func:`~simigrad_jax.engine.compile_fallback.choose_plan`). The
+    examples and their devices are those of ``plan``. A shape whose compile
+    FAILED is not replaced: running it raises. With ``shared_compiles``,
+    "compiled" means compiled on every process, as the last
+    :meth:`agree_on_compiles` said. A program not compiled yet is queued for
+    compiling unless ``prefetch`` is False (the run's last step).
     """
     if not self._compile_fallback:
       return plan
@@ -428,25 +408,11 @@ class StepPrograms:
       compiled = self._agreed
     else:
       compiled = self._compiled_here()
-    needed = plan.micro_batch_size
-    failed = compiled["failed_fused"] if plan.accumulation_steps == 1 else compiled["failed_micro"]
-    if self._ready(needed, plan.accumulation_steps, compiled) or needed in failed:
-      return plan
-    if prefetch:  # (a no-op when queued or compiling)
+    if prefetch and waits_for_compile(plan, compiled):
+      # (a no-op when queued or compiling)
       compiler = self.fused_compiler if plan.accumulation_steps == 1 else self.micro_compiler
-      compiler.prefetch([needed])
-    sizes = set(compiled["fused"]) | set(compiled["micro"])
-    fallback = fallback_plan(plan, sizes, lambda size, steps: self._ready(size, steps, compiled))
-    cached = self._cached
-    if (
-      fallback is plan
-      and cached is not None
-      and not self._ready(needed, plan.accumulation_steps, cached)
-    ):
-      # Nothing compiled runs it yet, and the cache lacks its program: wait for a load instead.
-      sizes = cached["fused"] | cached["micro"]
-      fallback = fallback_plan(plan, sizes, lambda size, steps: self._ready(size, steps, cached))
-    return fallback
+      compiler.prefetch([plan.micro_batch_size])
+    return choose_plan(plan, compiled, self._cached)
 
   # ------------------------------------------------------------------ running
 
@@ -562,63 +528,3 @@ class StepPrograms:
     self.fused_compiler.close()
     self.micro_compiler.close()
     self._apply_pool.shutdown(wait=True, cancel_futures=True)
-
-
-def _cached_programs(
-  record: Mapping[str, Any] | None, cache_dir: str | None, grid: set[int]
-) -> dict[str, Any] | None:
-  """A checkpoint's :meth:`StepPrograms.compiled_programs`, if it names ``cache_dir`` and this
-  grid's shapes; else None (a record it cannot use only costs the first step a compile)."""
-  if not isinstance(record, Mapping) or cache_dir is None:
-    return None
-  if record.get("compilation_cache_dir") != cache_dir:
-    return None
-  shapes = {}
-  for kind in ("fused", "micro"):
-    sizes = record.get(kind)
-    if not isinstance(sizes, list) or not all(isinstance(size, int) for size in sizes):
-      return None
-    shapes[kind] = set(sizes) & grid
-  return {**shapes, "apply": record.get("apply") is True}
-
-
-def fallback_plan(
-  plan: batch_plan.BatchPlan,
-  compiled_sizes: set[int],
-  ready: Callable[[int, int], bool],
-) -> batch_plan.BatchPlan:
-  """``plan``'s batch on a compiled shape instead: the fewest micro-steps, then the nearest shape.
-
-  Each shape holds the batch in ``ceil(B / (slots * size))`` micro-steps; of
-  the shapes ``ready(size, steps)`` says can run them, those with the
-  fewest micro-steps (a micro-step costs more than the padding of a larger
-  shape), then the nearest in log scale to ``plan``'s (ties: the larger).
-
-  Args:
-    plan: the exact plan, whose shape is not compiled.
-    compiled_sizes: the shapes with some program compiled.
-    ready: whether a shape's program for that many micro-steps is compiled.
-
-  Returns:
-    The replacement plan, or ``plan`` when no shape is ready.
-
-  Example:
-    >>> plan = batch_plan.plan_batch(40, 8, batch_plan.BucketPolicy(8, 1))  # 5 rows, 1 step
-    >>> fallback_plan(plan, {3, 8}, lambda size, steps: True).micro_batch_size
-    8
-  """
-  n, needed = plan.num_devices, plan.micro_batch_size
-  candidates = []
-  for size in sorted(compiled_sizes):
-    steps = -(-plan.global_batch_size // (n * size))
-    if ready(size, steps):
-      candidates.append((steps, abs(math.log(size / needed)), -size, size))
-  if not candidates:
-    return plan
-  steps, _, _, size = min(candidates)
-  return dataclasses.replace(
-    plan,
-    micro_batch_size=size,
-    accumulation_steps=steps,
-    padded_examples=n * size * steps - plan.global_batch_size,
-  )
