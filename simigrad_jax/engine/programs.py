@@ -321,12 +321,13 @@ class StepPrograms:
 
     That is the one-micro-batch program of ``micro``, its micro-step and the
     update: a batch larger than one micro-batch of ``micro`` then accumulates
-    on it. Called once, at the first step (which waits for its own shape
+    on it. Called once, at the first step (which waits for its own program
     anyway, and whose devices run while this waits), so that no later step
-    waits for a compile. With :attr:`cached_programs`, the micro-step is
-    the cache's nearest to ``micro`` unless it holds ``micro``'s. The time
-    blocked counts as compile wait. A no-op without the fallback or once
-    done.
+    waits for a compile. When the persistent cache holds programs of an
+    earlier process of the run (``cached_programs``) but not ``micro``'s, the
+    programs are those of its nearest shape instead: loads, not compiles.
+    The time blocked counts as compile wait. A no-op without the fallback or
+    once done.
     """
     if not self._compile_fallback or self._fallback_ready:
       return
