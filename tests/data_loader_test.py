@@ -84,6 +84,27 @@ def test_an_unlikely_decision_is_placed_when_taken(loader_and_layout):
   assert np.asarray(batch.counters[0]).tolist() == [0, 0]
 
 
+def test_a_plans_weights_are_placed_once_and_kept_for_the_last_plans(loader_and_layout):
+  loader, layout, _ = loader_and_layout
+  placed = []
+  to_devices = loader._to_devices
+  loader._to_devices = lambda tree, micro: placed.append(tree) or to_devices(tree, micro)
+  loaded = loader._local_rows(0, 128)
+  first = loader.place(layout.plan(45), loaded, step=0)
+  again = loader.place(layout.plan(45), loaded, step=1)
+  assert len(placed) == 3  # rows, weights; then the rows alone
+  assert again.micro_batches[0][1] is first.micro_batches[0][1]
+  assert float(np.asarray(again.micro_batches[0][1]).sum()) == 45
+  # A plan evicted by WEIGHTS_KEPT later ones is placed again, with the same values.
+  for size in range(46, 46 + data_loader.WEIGHTS_KEPT):
+    loader.place(layout.plan(size), loaded, step=2)
+  evicted = loader.place(layout.plan(45), loaded, step=3)
+  assert evicted.micro_batches[0][1] is not first.micro_batches[0][1]
+  np.testing.assert_array_equal(
+    np.asarray(evicted.micro_batches[0][1]), np.asarray(first.micro_batches[0][1])
+  )
+
+
 def test_rows_are_gathered_and_padding_rows_are_zero():
   rows = np.arange(1, 13, dtype=np.float32).reshape(4, 3)
   take = np.array([2, 0, 0, 3])

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -42,6 +43,10 @@ from simigrad_jax.engine.programs import StepBatch
 
 # This process's rows among a step's examples: their offsets in the step, and the rows by feature.
 LoadedRows = tuple[np.ndarray, dict[str, np.ndarray]]
+
+# The plans whose row weights stay on the devices (a few kilobytes each): a moving batch comes
+# back to the sizes near it, and each step places the weights of two or three plans.
+WEIGHTS_KEPT = 64
 
 
 @dataclasses.dataclass
@@ -107,6 +112,9 @@ class StepDataLoader:
     self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="simigrad-data")
     self._pending: _Pending | None = None
     self._placed_counters: dict[tuple[int, int], jax.Array] = {}
+    # A plan's row weights depend on the plan alone, and no step donates them: each plan's are
+    # placed once and kept while it is among the last WEIGHTS_KEPT plans placed.
+    self._weights = functools.lru_cache(maxsize=WEIGHTS_KEPT)(self._place_weights)
     # A one-process run reads along the stream (every row is this process's), decoded ahead.
     streams = hasattr(source, "reader") and len(local_slots) == num_slots
     self._reader = source.reader(sampler) if streams else None
@@ -197,21 +205,21 @@ class StepDataLoader:
     """Arranges loaded rows into the plan's micro-batches on the devices."""
     local_examples, rows = loaded
     layout = plan.example_layout()[:, self._local_slots, :]  # (k, local slots, micro)
-    weights = plan.example_weights()[:, self._local_slots, :]
     where = np.searchsorted(local_examples, np.maximum(layout, 0))
+    weights = self._weights(plan)
     micro_batches, counters = [], []
     for j in range(plan.accumulation_steps):
       take = where[j].reshape(-1)
       real = layout[j].reshape(-1) >= 0
       local = {name: _gather_rows(array, take, real) for name, array in rows.items()}
-      micro_batches.append(
-        (
-          self._to_devices(local, plan.micro_batch_size),
-          self._to_devices(weights[j].reshape(-1).astype(np.float32), plan.micro_batch_size),
-        )
-      )
+      micro_batches.append((self._to_devices(local, plan.micro_batch_size), weights[j]))
       counters.append(self._counters(step, j))
     return StepBatch(plan, micro_batches, counters)
+
+  def _place_weights(self, plan: batch_plan.BatchPlan) -> list[jax.Array]:
+    """The plan's row weights on the devices, one array a micro-step (1 a real row, 0 padding)."""
+    weights = plan.example_weights()[:, self._local_slots, :]
+    return [self._to_devices(w.reshape(-1), plan.micro_batch_size) for w in weights]
 
   def _counters(self, step: int, micro_step: int) -> jax.Array:
     """``[step, micro_step]`` on the devices, placed once for every plan of the step."""
@@ -235,6 +243,7 @@ class StepDataLoader:
     """Waits for the load under way, and stops the source's reader (its worker processes)."""
     try:
       self._pool.shutdown(wait=True)
+      self._weights.cache_clear()  # frees the kept weights
     finally:
       if self._reader is not None:
         self._reader.close()
