@@ -65,7 +65,11 @@ stretches of its trajectory, each at other batch sizes, so a round's ratio
 mixes where the run is with what adapting costs; the whole run's ratio is
 the one the goal takes. From the timed steps' records the average batch size, the share of the rows computed that were
 padding (``padding_fraction``), the median host critical path
-(``host_seconds``), the average micro-steps, and the compiles and shapes.
+(``host_seconds``), the average micro-steps, and the compiles and shapes;
+from the process's thread clocks (Linux), the CPU seconds a timed step used
+(``cpu_seconds_per_step``) in Python threads (the host's work: the main,
+data and compile threads) and in the rest (XLA's: on CPU, the simulated
+devices' compute), which share this machine's cores.
 Goals, printed as PASS/FAIL: ``adaptive`` at least 0.95x ``fixed`` over the
 whole run (``ratio_to_fixed_run``) and without its first runs
 (``ratio_to_fixed_without_first_runs``), padding at most 5% and a host
@@ -342,6 +346,13 @@ def _format_table(results: dict[str, Any]) -> str:
   lines.append(
     f"  x fixed without the steps that ran a program for the first time (step records): {steady}"
   )
+  cpu = ", ".join(
+    f"{name} {v['cpu_seconds_per_step']['python_threads'] * 1e3:.1f} + "
+    f"{v['cpu_seconds_per_step']['other_threads'] * 1e3:.1f} "
+    f"({v['cpu_seconds_per_step']['other_threads'] * v['timed_steps'] / v['rows_computed'] * 1e6:.0f})"
+    for name, v in results["variants"].items()
+  )
+  lines.append(f"  CPU ms a step, Python threads + XLA's (XLA's per 1,000 rows computed): {cpu}")
   lines.append(
     f"  online / replay of its sizes (each known a step ahead), whole runs: adaptive "
     f"{results['adaptive_to_replay_run']:.3f}, adaptive_late "

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import pathlib
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -33,6 +34,36 @@ LEARNING_RATE = 0.05
 SEED = 0
 # The compiled step's memory: XLA's argument and temporary bytes, and its memory traffic.
 MEMORY_KEYS = ("argument_bytes", "temp_bytes", "bytes_accessed")
+
+
+def thread_cpu_seconds() -> dict[str, float] | None:
+  """The process's CPU seconds so far: ``"process"``, all its threads', and, by thread id, each
+  live Python thread's (the host's side: the main, data and compile threads); the rest are
+  XLA's (on CPU, the simulated devices'). None where threads have no CPU clock (not Linux)."""
+  if not hasattr(time, "pthread_getcpuclockid"):
+    return None
+  seconds = {"process": time.process_time()}
+  for thread in threading.enumerate():
+    if thread.ident is not None:
+      try:
+        seconds[str(thread.ident)] = time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
+      except OSError:  # it ended meanwhile
+        pass
+  return seconds
+
+
+def cpu_split(before: dict[str, float] | None, after: dict[str, float] | None) -> dict[str, float]:
+  """The CPU seconds between two :func:`thread_cpu_seconds`: Python threads' (a thread that
+  started meanwhile counts whole; one that ended is lost) and the rest's."""
+  if before is None or after is None:
+    return {"python_threads": math.nan, "other_threads": math.nan}
+  python = sum(
+    seconds - before.get(ident, 0.0) for ident, seconds in after.items() if ident != "process"
+  )
+  return {
+    "python_threads": python,
+    "other_threads": after["process"] - before["process"] - python,
+  }
 
 
 @dataclasses.dataclass(frozen=True)
@@ -344,17 +375,20 @@ class TrainerLoop:
       compile_fallback=False,
       **settings,
     )
-    # train() ends with a checkpoint save: mark when the step loop is over.
+    # train() ends with a checkpoint save: mark when the step loop is over (and the CPU used).
     self._save_calls: list[float] = []
+    self._save_cpu: list[dict[str, float] | None] = []
     save = self.trainer.save_checkpoint
 
     def marked_save() -> None:
       self._save_calls.append(time.perf_counter())
+      self._save_cpu.append(thread_cpu_seconds())
       save()
 
     self.trainer.save_checkpoint = marked_save
     self.checkpoint_seconds: list[float] = []
     self.timed_steps: list[tuple[int, int]] = []  # (first, last) step of each timed window
+    self.cpu_seconds = {"python_threads": 0.0, "other_threads": 0.0}  # the timed windows'
 
   def wait_for_compiles(self, timeout: float = 600.0) -> None:
     """Blocks until every shape the controller's bounds can reach is compiled."""
@@ -377,10 +411,15 @@ class TrainerLoop:
     """Trains ``steps`` more steps; returns (examples, seconds up to the final save)."""
     first = self.trainer.step + 1
     calls_before = len(self._save_calls)
+    cpu_start = thread_cpu_seconds()
     start = time.perf_counter()
     summary = self.trainer.train(num_steps=self.trainer.step + steps)
     end = time.perf_counter()
-    loop_end = self._save_calls[-1] if len(self._save_calls) > calls_before else end
+    saved = len(self._save_calls) > calls_before
+    loop_end = self._save_calls[-1] if saved else end
+    cpu_end = self._save_cpu[-1] if saved else thread_cpu_seconds()
+    for key, seconds in cpu_split(cpu_start, cpu_end).items():
+      self.cpu_seconds[key] += seconds
     self.checkpoint_seconds.append(end - loop_end)
     self.timed_steps.append((first, self.trainer.step))
     return int(summary["run_examples"]), loop_end - start
@@ -425,6 +464,12 @@ class TrainerLoop:
       ),
       "nonfinite_steps": int(sum(not r["grads_finite"] for r in records)),
       "timed_steps": len(records),
+      # CPU seconds a step in the timed windows, up to their saves: the Python threads' (the
+      # host's work) and the rest's (XLA's; on CPU the simulated devices' compute).
+      "cpu_seconds_per_step": {
+        key: seconds / len(records) for key, seconds in self.cpu_seconds.items()
+      },
+      "rows_computed": examples + sum(r["padded_examples"] for r in records),
       "step_memory": memory,
     }
 

@@ -67,6 +67,10 @@ def test_fixed_is_held_at_the_adaptive_average_and_ratios_are_to_it(quick_run):
     assert variant["host_seconds"] > 0 and math.isfinite(variant["host_seconds"]), name
     assert variant["timed_steps"] == 3 * 2 and variant["compile_fallback_steps"] == 0, name
     assert variant["average_accumulation_steps"] == 1.0, name  # the memory bound holds them
+    # The timed steps' CPU: the host's Python threads, and XLA's, which compute the steps.
+    cpu = variant["cpu_seconds_per_step"]
+    assert 0 < cpu["python_threads"] and 0 < cpu["other_threads"], name
+    assert variant["rows_computed"] >= variant["average_batch_size"] * variant["timed_steps"]
   assert variants["adaptive_s1"]["shapes_per_octave"] == 1
   assert variants["adaptive"]["shapes"] > variants["adaptive_s1"]["shapes"]
   # The adaptive run's first steps on a new shape, set aside in a ratio of their own.
