@@ -36,29 +36,30 @@ SEED = 0
 MEMORY_KEYS = ("argument_bytes", "temp_bytes", "bytes_accessed")
 
 
-def thread_cpu_seconds() -> dict[str, float] | None:
-  """The process's CPU seconds so far: ``"process"``, all its threads', and, by thread id, each
-  live Python thread's (the host's side: the main, data and compile threads); the rest are
-  XLA's (on CPU, the simulated devices'). None where threads have no CPU clock (not Linux)."""
+def thread_cpu_seconds() -> dict[Any, float] | None:
+  """The process's CPU seconds so far: under ``"process"``, all its threads'; under each live
+  Python thread (the :class:`threading.Thread`, so that a later thread that reuses its id is
+  another key), that thread's: the host's side, the main, data and compile threads. The rest
+  are XLA's (on CPU, the simulated devices'). None where threads have no CPU clock (not Linux)."""
   if not hasattr(time, "pthread_getcpuclockid"):
     return None
-  seconds = {"process": time.process_time()}
+  seconds: dict[Any, float] = {"process": time.process_time()}
   for thread in threading.enumerate():
     if thread.ident is not None:
       try:
-        seconds[str(thread.ident)] = time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
+        seconds[thread] = time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
       except OSError:  # it ended meanwhile
         pass
   return seconds
 
 
-def cpu_split(before: dict[str, float] | None, after: dict[str, float] | None) -> dict[str, float]:
+def cpu_split(before: dict[Any, float] | None, after: dict[Any, float] | None) -> dict[str, float]:
   """The CPU seconds between two :func:`thread_cpu_seconds`: Python threads' (a thread that
   started meanwhile counts whole; one that ended is lost) and the rest's."""
   if before is None or after is None:
     return {"python_threads": math.nan, "other_threads": math.nan}
   python = sum(
-    seconds - before.get(ident, 0.0) for ident, seconds in after.items() if ident != "process"
+    seconds - before.get(thread, 0.0) for thread, seconds in after.items() if thread != "process"
   )
   return {
     "python_threads": python,
@@ -377,7 +378,7 @@ class TrainerLoop:
     )
     # train() ends with a checkpoint save: mark when the step loop is over (and the CPU used).
     self._save_calls: list[float] = []
-    self._save_cpu: list[dict[str, float] | None] = []
+    self._save_cpu: list[dict[Any, float] | None] = []
     save = self.trainer.save_checkpoint
 
     def marked_save() -> None:
