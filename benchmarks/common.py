@@ -17,7 +17,7 @@ def configure_host_devices(count: int = 8) -> None:
   ``JAX_PLATFORMS`` to ``cpu`` (set it yourself to benchmark GPUs).
   """
   os.environ.setdefault("JAX_PLATFORMS", "cpu")  # read when JAX is imported, so first
-  from simigrad_jax.runtime import cpu_devices  # pylint: disable=import-outside-toplevel
+  from simigrad_jax.multihost import cpu_devices  # pylint: disable=import-outside-toplevel
 
   os.environ.update(cpu_devices.simulated_cpu_devices_env(count))
 

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from benchmarks import common
-from simigrad_jax.runtime import cpu_devices
+from simigrad_jax.multihost import cpu_devices
 
 
 def run_local_processes(

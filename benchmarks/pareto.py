@@ -65,23 +65,23 @@ the tasks.
 
 Usage::
 
-  python benchmarks/pareto.py --quick --profile --out docs/pareto_quick.json  # < 10 min on 2 cores
+  python benchmarks/pareto.py --quick --profile --out benchmarks/results/pareto_quick.json  # < 10 min on 2 cores
   python benchmarks/pareto.py --out /tmp/pareto.json --profile      # the full grid
   python benchmarks/pareto.py --task mlm --quick --out /tmp/mlm.json  # ~10 min on 2 cores
-  python benchmarks/pareto.py --task mlm --out docs/pareto_mlm.json   # ~1 h on 2 cores
+  python benchmarks/pareto.py --task mlm --out benchmarks/results/pareto_mlm.json   # ~1 h on 2 cores
   # Add learning-rate variants of the adaptive runs, reusing every run already done:
   python benchmarks/pareto.py --profile --reuse /tmp/pareto.json --out /tmp/pareto_lr.json \
       --adaptive-lr-multipliers 1,2 --adaptive-lr-rules sqrt,linear
   # SimiGrad with more Controller options, one variant per JSON object:
-  python benchmarks/pareto.py --reuse docs/pareto_mnist.json --targets 0.2,0.3,0.4 \
+  python benchmarks/pareto.py --reuse benchmarks/results/pareto_mnist.json --targets 0.2,0.3,0.4 \
       --bounds 16:1024 --gns "" --schedules "" --out /tmp/variants.json \
       --simigrad-options '[{}, {"smooth_factor": 0.5}, {"dead_band": 0.1}]'
   # Add runs to a committed result, keeping all of its runs and training only the new ones:
-  python benchmarks/pareto.py --profile --reuse docs/pareto_mnist.json --keep-reused \
+  python benchmarks/pareto.py --profile --reuse benchmarks/results/pareto_mnist.json --keep-reused \
       --targets 0.3,0.35 --bounds 16:1024 --gns "" --schedules "" \
-      --simigrad-options '[{"ema_decay": 0.9}]' --out docs/pareto_mnist.json
+      --simigrad-options '[{"ema_decay": 0.9}]' --out benchmarks/results/pareto_mnist.json
   # docs/results.md's tables for a result:
-  python benchmarks/pareto.py --markdown docs/pareto_mnist.json
+  python benchmarks/pareto.py --markdown benchmarks/results/pareto_mnist.json
 
 JSON written to ``--out`` (machine-read)::
 

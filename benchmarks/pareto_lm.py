@@ -38,10 +38,10 @@ ramp's steps to the target.
 Usage::
 
   python benchmarks/pareto_lm.py --quick --out /tmp/lm_quick.json   # 14 runs, about 3 min on 2 cores
-  python benchmarks/pareto_lm.py --out docs/pareto_lm.json          # the full grid, ~16 min
+  python benchmarks/pareto_lm.py --out benchmarks/results/pareto_lm.json          # the full grid, ~16 min
   python benchmarks/pareto_lm.py --train-windows 6144 --lr-multipliers 0.5,1,2 \
-      --targets 0.1,0.3 --out docs/pareto_lm_393k.json               # half the budget
-  python benchmarks/pareto_lm.py --markdown docs/pareto_lm.json     # docs/results.md's table
+      --targets 0.1,0.3 --out benchmarks/results/pareto_lm_393k.json               # half the budget
+  python benchmarks/pareto_lm.py --markdown benchmarks/results/pareto_lm.json     # docs/results.md's table
 
 JSON written to ``--out`` (machine-read)::
 

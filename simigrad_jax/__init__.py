@@ -36,8 +36,8 @@ Run services: EpochSampler, Checkpointer, MetricsWriter, read_metrics,
   ProgressBar, simulated_cpu_devices_env (set before JAX starts),
   exit_on_lost_process.
 Engine internals, documented in their rooms: StepCompiler
-  (simigrad_jax.engine.compiler), enable_persistent_cache and
-  persistent_cache_settings (simigrad_jax.engine.persistent_cache: JAX's
+  (simigrad_jax.compile.compiler), enable_persistent_cache and
+  persistent_cache_settings (simigrad_jax.compile.persistent_cache: JAX's
   persistent compilation cache).
 
 Errors: every one derives from SimiGradError and keeps its built-in parent:
@@ -50,6 +50,13 @@ Rooms: ingraph/ (pure, runs under jit), controllers/, data/, runtime/ (host
 side), engine/ (the Trainer and its compiled step).
 """
 
+from simigrad_jax.checkpoint.checkpointer import Checkpointer
+from simigrad_jax.checkpoint.checkpointer import CheckpointMismatchError
+from simigrad_jax.checkpoint.run_checkpoints import CheckpointSaveError
+from simigrad_jax.compile.compiler import StepCompileError
+from simigrad_jax.compile.compiler import StepCompiler
+from simigrad_jax.compile.persistent_cache import enable_persistent_cache
+from simigrad_jax.compile.persistent_cache import persistent_cache_settings
 from simigrad_jax.controllers.base import BaseController
 from simigrad_jax.controllers.interface import BatchSizeController
 from simigrad_jax.controllers.learning_rate import lr_factor
@@ -59,8 +66,6 @@ from simigrad_jax.controllers.registry import controller_names
 from simigrad_jax.controllers.registry import controller_options
 from simigrad_jax.controllers.registry import make_controller
 from simigrad_jax.controllers.registry import register_controller
-from simigrad_jax.controllers.replay import replay_controller
-from simigrad_jax.controllers.replay import replay_schedule
 from simigrad_jax.controllers.simigrad import Controller
 from simigrad_jax.data.device_order import deal_to_devices
 from simigrad_jax.data.grain_source import GrainSource
@@ -68,21 +73,6 @@ from simigrad_jax.data.record_reader import BadRecordError
 from simigrad_jax.data.sampler import EpochSampler
 from simigrad_jax.data.sources import ArraySource
 from simigrad_jax.data.sources import TfdsSource
-from simigrad_jax.engine.batch_plan import BatchPlan
-from simigrad_jax.engine.batch_plan import BucketPolicy
-from simigrad_jax.engine.batch_plan import bucket_shapes
-from simigrad_jax.engine.batch_plan import plan_batch
-from simigrad_jax.engine.batch_plan import representable_batch_sizes
-from simigrad_jax.engine.compiler import StepCompileError
-from simigrad_jax.engine.compiler import StepCompiler
-from simigrad_jax.engine.config import TrainerConfig
-from simigrad_jax.engine.hooks import StepHook
-from simigrad_jax.engine.persistent_cache import enable_persistent_cache
-from simigrad_jax.engine.persistent_cache import persistent_cache_settings
-from simigrad_jax.engine.preemption import Preempted
-from simigrad_jax.engine.step_record import StepRecord
-from simigrad_jax.engine.trainer import Trainer
-from simigrad_jax.engine.trainer_checks import LossContractError
 from simigrad_jax.errors import SimiGradError
 from simigrad_jax.files import UnsafePathError
 from simigrad_jax.flax_nnx import nnx_value_and_half_grads
@@ -93,27 +83,37 @@ from simigrad_jax.ingraph.device_halves_step import device_halves_step
 from simigrad_jax.ingraph.half_batch import value_and_half_grads
 from simigrad_jax.ingraph.lr_scaling import LrFactorState
 from simigrad_jax.ingraph.lr_scaling import scale_by_lr_factor
+from simigrad_jax.ingraph.train_step import LossContractError
 from simigrad_jax.ingraph.transform import AxisNameError
 from simigrad_jax.ingraph.transform import HalfGrads
 from simigrad_jax.ingraph.transform import HalvesContractError
 from simigrad_jax.ingraph.transform import SimilarityState
 from simigrad_jax.ingraph.transform import transform
+from simigrad_jax.multihost.cpu_devices import simulated_cpu_devices_env
+from simigrad_jax.multihost.preemption import Preempted
+from simigrad_jax.multihost.process_agreement import ProcessDisagreementError
+from simigrad_jax.multihost.process_agreement import ProcessLostError
+from simigrad_jax.multihost.process_agreement import exit_on_lost_process
+from simigrad_jax.multihost.workdir import WorkdirLockedError
 from simigrad_jax.optimizer_state import lr_factor_of
 from simigrad_jax.optimizer_state import set_coupled_batch_size
 from simigrad_jax.optimizer_state import set_lr_factor
 from simigrad_jax.optimizer_state import similarity
 from simigrad_jax.optimizer_state import similarity_stats
-from simigrad_jax.runtime.checkpointer import Checkpointer
-from simigrad_jax.runtime.checkpointer import CheckpointMismatchError
-from simigrad_jax.runtime.cpu_devices import simulated_cpu_devices_env
-from simigrad_jax.runtime.metrics import MetricsWriter
-from simigrad_jax.runtime.metrics import read_metrics
-from simigrad_jax.runtime.process_agreement import ProcessDisagreementError
-from simigrad_jax.runtime.process_agreement import ProcessLostError
-from simigrad_jax.runtime.process_agreement import exit_on_lost_process
-from simigrad_jax.runtime.progress import ProgressBar
-from simigrad_jax.runtime.run_checkpoints import CheckpointSaveError
-from simigrad_jax.runtime.workdir import WorkdirLockedError
+from simigrad_jax.ramps.replay import replay_controller
+from simigrad_jax.ramps.replay import replay_schedule
+from simigrad_jax.shapes.batch_plan import BatchPlan
+from simigrad_jax.shapes.batch_plan import BucketPolicy
+from simigrad_jax.shapes.batch_plan import bucket_shapes
+from simigrad_jax.shapes.batch_plan import plan_batch
+from simigrad_jax.shapes.batch_plan import representable_batch_sizes
+from simigrad_jax.trainer.config import TrainerConfig
+from simigrad_jax.trainer.hooks import StepHook
+from simigrad_jax.trainer.metrics import MetricsWriter
+from simigrad_jax.trainer.metrics import read_metrics
+from simigrad_jax.trainer.progress import ProgressBar
+from simigrad_jax.trainer.step_record import StepRecord
+from simigrad_jax.trainer.trainer import Trainer
 
 __version__ = "0.1.0"
 

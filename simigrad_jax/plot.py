@@ -30,7 +30,7 @@ from typing import Any
 
 from simigrad_jax import files
 from simigrad_jax import validation
-from simigrad_jax.runtime.metrics import read_metrics
+from simigrad_jax.trainer.metrics import read_metrics
 
 __all__ = ["main", "plot_metrics"]
 
@@ -113,7 +113,7 @@ def plot_metrics(
   (written as null) leave gaps.
 
   Args:
-    metrics_path: a metrics.jsonl (see :class:`simigrad_jax.runtime.metrics.MetricsWriter`).
+    metrics_path: a metrics.jsonl (see :class:`simigrad_jax.trainer.metrics.MetricsWriter`).
     png_path: the PNG to write; its folder is created if missing.
     similarity_target: the target to draw; by default the last
       ``similarity_target`` found in the records, if any.

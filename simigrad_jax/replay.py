@@ -9,7 +9,7 @@ From the command line::
 The output is Megatron-LM's threshold form, which the ``"step_schedule"``
 controller takes (``make_controller("step_schedule", thresholds=...)``, or
 ``--config.controller=step_schedule`` in the training scripts); see
-:mod:`simigrad_jax.controllers.replay`.
+:mod:`simigrad_jax.ramps.replay`.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import pathlib
 import sys
 from collections.abc import Sequence
 
-from simigrad_jax.controllers.replay import replay_schedule
-from simigrad_jax.runtime.metrics import read_metrics
+from simigrad_jax.ramps.replay import replay_schedule
+from simigrad_jax.trainer.metrics import read_metrics
 
 __all__ = ["main"]
 

@@ -4,7 +4,7 @@ import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # read when JAX is imported
 
-from simigrad_jax.runtime.cpu_devices import simulated_cpu_devices_env  # noqa: E402
+from simigrad_jax.multihost.cpu_devices import simulated_cpu_devices_env  # noqa: E402
 
 os.environ.update(simulated_cpu_devices_env(8))  # read when the CPU backend starts
 

@@ -1,11 +1,12 @@
 """The package's rooms: imports go down the floors only, no import cycle, and a light core install.
 
-Floors: the ground floor (``errors``, ``validation``, ``files``, ``ingraph/``:
-pure code that runs under jit, the checks and the safe file writes everything
-shares); the host rooms
-(``controllers/``, ``data/``, ``runtime/``, ``optimizer_state``), each importing
-only the ground floor and itself; the ``engine/`` and ``plot``, which may import
-anything below them; the package's ``__init__`` on top.
+Floors (docs/layout.md): the ground floor (``errors``, ``validation``,
+``files``, ``ingraph/``: pure code that runs under jit, the checks and the
+safe file writes everything shares); the host rooms that need only it
+(``controllers/``, ``shapes/``, ``multihost/``, ``optimizer_state``); the rooms
+built on those (``ramps/``, ``data/``, ``checkpoint/``, ``flax_nnx``);
+``compile/``; the ``trainer/``; the command-line tools (``plot``, ``replay``);
+the package's ``__init__`` on top.
 """
 
 import ast
@@ -31,19 +32,23 @@ FLOORS = {
   "files": 0,
   "ingraph": 0,
   "controllers": 1,
-  "data": 1,
-  "runtime": 1,
+  "shapes": 1,
+  "multihost": 1,
   "optimizer_state": 1,
-  "engine": 2,
+  "ramps": 2,
+  "data": 2,
+  "checkpoint": 2,
   "flax_nnx": 2,
-  "plot": 2,
-  "replay": 2,
-  "__init__": 3,
+  "compile": 3,
+  "trainer": 4,
+  "plot": 5,
+  "replay": 5,
+  "__init__": 6,
 }
 
 
 def room(module: str) -> str:
-  """``simigrad_jax.engine.trainer`` -> ``engine``; the package itself -> ``__init__``."""
+  """``simigrad_jax.trainer.trainer`` -> ``engine``; the package itself -> ``__init__``."""
   parts = module.split(".")
   return parts[1] if len(parts) > 1 else "__init__"
 
@@ -248,7 +253,7 @@ def test_the_library_works_without_the_extras(tmp_path):
 
 
 def test_tensorboard_true_without_tensorboardx_says_which_extra(tmp_path, monkeypatch):
-  from simigrad_jax.runtime import metrics
+  from simigrad_jax.trainer import metrics
 
   monkeypatch.setattr(metrics.importlib.util, "find_spec", lambda name: None)
   with pytest.raises(ModuleNotFoundError, match=r"simigrad-jax\[tensorboard\]"):

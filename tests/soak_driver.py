@@ -30,7 +30,7 @@ args = parser.parse_args()
 os.environ["JAX_PLATFORMS"] = "cpu"
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from simigrad_jax.runtime.cpu_devices import simulated_cpu_devices_env  # noqa: E402
+from simigrad_jax.multihost.cpu_devices import simulated_cpu_devices_env  # noqa: E402
 
 os.environ.update(simulated_cpu_devices_env(8))
 

@@ -14,13 +14,20 @@ import numpy as np
 import optax
 
 import simigrad_jax
-from simigrad_jax.engine import data_loader
+from simigrad_jax.data import data_loader
 
 
 class TinyMLP(nn.Module):
   @nn.compact
   def __call__(self, x):
     return nn.Dense(3)(nn.tanh(nn.Dense(8)(x)))
+
+
+def dataset(num_examples=200, seed=0):
+  rng = np.random.default_rng(seed)
+  x = rng.normal(size=(num_examples, 5)).astype(np.float32)
+  y = rng.integers(0, 3, size=num_examples).astype(np.int32)
+  return {"x": x, "y": y, "index": np.arange(num_examples, dtype=np.int32)}
 
 
 def mlp_loss(params, model_state, batch, weights, rng):

@@ -104,7 +104,7 @@ args = parser.parse_args()
 os.environ["JAX_PLATFORMS"] = "cpu"
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from simigrad_jax.runtime.cpu_devices import simulated_cpu_devices_env  # noqa: E402
+from simigrad_jax.multihost.cpu_devices import simulated_cpu_devices_env  # noqa: E402
 
 os.environ.update(simulated_cpu_devices_env(args.devices // args.num_processes))
 
@@ -123,7 +123,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import simigrad_jax  # noqa: E402
-from simigrad_jax.engine import compiler as compiler_module  # noqa: E402
+from simigrad_jax.compile import compiler as compiler_module  # noqa: E402
 
 if args.compile_cache:  # before the model's first eager ops, so that they come from the cache too
   simigrad_jax.enable_persistent_cache(args.compile_cache)

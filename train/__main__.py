@@ -68,7 +68,7 @@ def simulate_cpu_devices(count: int) -> None:
   """
   if "jax" in sys.modules or count <= 1:
     return
-  from simigrad_jax.runtime import cpu_devices  # pylint: disable=import-outside-toplevel
+  from simigrad_jax.multihost import cpu_devices  # pylint: disable=import-outside-toplevel
 
   os.environ.update(cpu_devices.simulated_cpu_devices_env(count))
 

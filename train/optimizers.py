@@ -19,7 +19,7 @@ import ml_collections
 import optax
 
 import simigrad_jax
-from simigrad_jax.controllers import SeesawController
+from simigrad_jax.ramps import SeesawController
 
 OPTIMIZERS: tuple[str, ...] = ("sgd", "adamw", "lamb")
 SCHEDULES: tuple[str, ...] = ("constant", "step", "cosine")

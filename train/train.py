@@ -28,10 +28,10 @@ import simigrad_jax
 from simigrad_jax import TrainerConfig
 from simigrad_jax import files
 from simigrad_jax import plot
-from simigrad_jax.engine import layout
-from simigrad_jax.runtime.process_agreement import ProcessAgreement
-from simigrad_jax.runtime.workdir import WorkdirLock
-from simigrad_jax.runtime.workdir import open_workdir
+from simigrad_jax.multihost.process_agreement import ProcessAgreement
+from simigrad_jax.multihost.workdir import WorkdirLock
+from simigrad_jax.multihost.workdir import open_workdir
+from simigrad_jax.shapes import layout
 from train import config_history
 from train import input_pipeline
 from train import mesh as mesh_setup
@@ -132,7 +132,7 @@ def _named_as_config_options():
 
 
 def create_trainer_config(config: ml_collections.ConfigDict) -> TrainerConfig:
-  """The :class:`simigrad_jax.engine.config.TrainerConfig` of ``config``'s Trainer settings.
+  """The :class:`simigrad_jax.trainer.config.TrainerConfig` of ``config``'s Trainer settings.
 
   ``max_micro_batch_size`` is the configured one (:func:`create_trainer`
   fits it to the bounds) and there is no compilation cache yet (it depends
@@ -182,7 +182,7 @@ def create_controller(
   split, twice that: one per half of a device), so that no device (half)
   ever holds only padding. ``"fixed"`` without a profile keeps its bounds at
   the initial size, so only the shapes it uses are compiled. A controller
-  that counts tokens (the ramps of :mod:`simigrad_jax.controllers.token_schedules`,
+  that counts tokens (the ramps of :mod:`simigrad_jax.ramps.token_schedules`,
   Seesaw) gets the data set's ``tokens_per_example`` (a language model's
   sequence length) unless ``config.controller_options`` sets it: its
   thresholds are then in tokens. With ``config.one_step_late`` the
@@ -417,7 +417,7 @@ def train_and_evaluate(
   appends to ``metrics.jsonl`` without repeating a step; a finished run trains
   nothing and reports again. One run per workdir: it is locked before
   anything in it is read or written, and a second run fails at once naming
-  the first (:mod:`simigrad_jax.runtime.workdir`); it must belong to this
+  the first (:mod:`simigrad_jax.multihost.workdir`); it must belong to this
   user and be writable by no other, unless ``config.allow_shared_workdir``.
   JAX's persistent compilation cache is on before the first compile (in
   ``<workdir>/compilation_cache`` unless the config says otherwise), so a

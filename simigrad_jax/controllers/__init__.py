@@ -5,12 +5,11 @@ controller here derives from :class:`BaseController`, on which a new one is a
 rule of two or three methods (docs/controllers.md). :class:`ProfilingController`
 adds a similarity-versus-batch-size profile to any controller;
 :class:`OneStepLateController` makes any controller's decisions take effect
-a step later.
+a step later. The batch-size ramps without gradient feedback are
+:mod:`simigrad_jax.ramps`, a floor above.
 
 Modules: ``interface`` (what the Trainer reads), ``base`` (the base class), ``simigrad``
-(:class:`Controller`, SimiGrad's rule), ``schedules`` (epoch schedules and the
-loss plateau rule), ``token_schedules`` and ``seesaw`` (ramps in tokens or
-examples), ``replay`` (a run's sizes as a step schedule), ``noise_scale`` (the gradient noise scale),
+(:class:`Controller`, SimiGrad's rule), ``noise_scale`` (the gradient noise scale),
 ``similarity_model`` (the noise scale read from the similarities),
 ``profiling``, ``one_step_late``, ``wrapper`` (what both wrappers share),
 ``registry`` (controllers by name) and ``learning_rate`` (the learning-rate
@@ -28,35 +27,19 @@ from simigrad_jax.controllers.registry import controller_names
 from simigrad_jax.controllers.registry import controller_options
 from simigrad_jax.controllers.registry import make_controller
 from simigrad_jax.controllers.registry import register_controller
-from simigrad_jax.controllers.replay import replay_controller
-from simigrad_jax.controllers.replay import replay_schedule
-from simigrad_jax.controllers.schedules import LossPlateauController
-from simigrad_jax.controllers.schedules import ScheduleController
-from simigrad_jax.controllers.seesaw import SeesawController
 from simigrad_jax.controllers.simigrad import Controller
-from simigrad_jax.controllers.token_schedules import DoublingWarmupController
-from simigrad_jax.controllers.token_schedules import LinearRampController
-from simigrad_jax.controllers.token_schedules import StepScheduleController
 
 __all__ = [
   "AnticipatesBatchSizes",
   "BaseController",
   "BatchSizeController",
   "Controller",
-  "DoublingWarmupController",
   "GnsController",
-  "LinearRampController",
-  "LossPlateauController",
   "OneStepLateController",
   "ProfilesBatchSizes",
   "ProfilingController",
-  "ScheduleController",
-  "SeesawController",
-  "StepScheduleController",
   "controller_names",
   "controller_options",
   "make_controller",
   "register_controller",
-  "replay_controller",
-  "replay_schedule",
 ]

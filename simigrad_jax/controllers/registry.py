@@ -24,8 +24,8 @@ Registered names (:func:`make_controller`):
   same half-batch gradient norms that ``simigrad_jax.transform`` measures.
 * ``"step_schedule"``, ``"linear_ramp"``, ``"doubling_warmup"``, ``"seesaw"``:
   the ramps language-model trainers use, counted in tokens or examples
-  (:mod:`simigrad_jax.controllers.token_schedules`,
-  :mod:`simigrad_jax.controllers.seesaw`): Megatron-LM's thresholds, MaxText's
+  (:mod:`simigrad_jax.ramps.token_schedules`,
+  :mod:`simigrad_jax.ramps.seesaw`): Megatron-LM's thresholds, MaxText's
   linear ramp, Merrill et al.'s doubling warmup and Seesaw.
 
 Every controller here holds its size on a non-finite step (a NaN or infinite
@@ -33,6 +33,10 @@ similarity, a ``stats["grads_finite"]`` of False or, for the noise scale, a
 non-finite norm) and counts it in ``nonfinite_count``; refuses bad settings
 with a ValueError that names the value and the valid range; and saves its
 whole state as plain JSON (``state_dict``) that resumes exactly.
+
+The ramps (:mod:`simigrad_jax.ramps`) live a floor above this room and
+register their names when they are imported, which ``import simigrad_jax``
+does.
 """
 
 from __future__ import annotations
@@ -45,16 +49,7 @@ from typing import Any
 from simigrad_jax import validation
 from simigrad_jax.controllers.base import BatchSizeController
 from simigrad_jax.controllers.noise_scale import GnsController
-from simigrad_jax.controllers.schedules import LossPlateauController
-from simigrad_jax.controllers.schedules import ScheduleController
-from simigrad_jax.controllers.schedules import decreasing_schedule
-from simigrad_jax.controllers.schedules import geometric_schedule
-from simigrad_jax.controllers.schedules import linear_schedule
-from simigrad_jax.controllers.seesaw import SeesawController
 from simigrad_jax.controllers.simigrad import Controller
-from simigrad_jax.controllers.token_schedules import DoublingWarmupController
-from simigrad_jax.controllers.token_schedules import LinearRampController
-from simigrad_jax.controllers.token_schedules import StepScheduleController
 
 _FACTORIES: dict[str, Callable[..., BatchSizeController]] = {}
 
@@ -171,24 +166,8 @@ def _fixed(initial_batch_size: int, similarity_target: float = 0.0, **options: A
   return Controller(initial_batch_size, similarity_target, enable_adjust=False, **options)
 
 
-for _factory, _target, _sets in (
-  (_fixed, Controller, ("enable_adjust",)),
-  (linear_schedule, ScheduleController, ("shape",)),
-  (geometric_schedule, ScheduleController, ("shape",)),
-  (decreasing_schedule, ScheduleController, ()),
-):
-  # Function attributes that _option_names reads, set through __dict__: a function's type
-  # declares no such attributes.
-  vars(_factory).update(forwards_options_to=_target, sets_options=_sets)
+vars(_fixed).update(forwards_options_to=Controller, sets_options=("enable_adjust",))
 
 register_controller("simigrad", Controller)
 register_controller("fixed", _fixed)
-register_controller("linear", linear_schedule)
-register_controller("geometric", geometric_schedule)
-register_controller("decreasing", decreasing_schedule)
-register_controller("loss_plateau", LossPlateauController)
 register_controller("gns", GnsController)
-register_controller("step_schedule", StepScheduleController)
-register_controller("linear_ramp", LinearRampController)
-register_controller("doubling_warmup", DoublingWarmupController)
-register_controller("seesaw", SeesawController)

@@ -3,7 +3,7 @@
 Plain Python and NumPy; nothing here is traced.
 
 A source maps global example indices (from :class:`~simigrad_jax.data.sampler.
-EpochSampler`, laid out by a :class:`~simigrad_jax.engine.batch_plan.BatchPlan`)
+EpochSampler`, laid out by a :class:`~simigrad_jax.shapes.batch_plan.BatchPlan`)
 to arrays. Every source has the same small contract:
 
 * ``len(source)``: the number of examples;

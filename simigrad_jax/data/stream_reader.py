@@ -10,7 +10,7 @@ position after position from ``start``, a few consecutive positions per
 element (:class:`StreamChunk`); its workers decode ahead of
 what the Trainer asked for, whatever batch size it asks for next. The data
 thread asks for a window of positions per step (the step's rows and the
-speculative ones of a grow, :mod:`simigrad_jax.engine.data_loader`); windows only
+speculative ones of a grow, :mod:`simigrad_jax.data.data_loader`); windows only
 move forward, and overlap by the speculative rows, so the reader keeps the
 examples from the start of the last window on. A window that starts before
 what the reader still holds, or far ahead of it (the first window, a resume),

@@ -1,0 +1,349 @@
+"""Host: a training run's checkpoints: the host state saved beside the arrays, resume, waits.
+
+Plain Python between steps; nothing here is traced. The arrays (parameters,
+optimizer and model state) go through :class:`~simigrad_jax.checkpoint.checkpointer.
+Checkpointer` (orbax); beside them each checkpoint holds what the host needs to
+continue exactly (the step, the seed, the controller's and the sampler's state
+and the count of non-finite steps) and what the run is: its record
+(:mod:`simigrad_jax.checkpoint.run_record`: the optimizer's hyperparameters, the
+settings, the controller, the data, the model, the devices and the versions)
+and the history of the changes its resumes allowed.
+
+A resume compares the checkpoint's record with the run's own: a changed
+optimizer setting, model, data set or other setting that decides the
+trajectory is refused with :class:`~simigrad_jax.checkpoint.checkpointer.
+CheckpointMismatchError` listing the differences, unless the run allows
+changed settings; then, as for a changed device count or version, which is
+always allowed, the changes are logged and kept in the history that every
+later checkpoint carries.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+from simigrad_jax.checkpoint import run_record
+from simigrad_jax.checkpoint.checkpointer import Checkpointer
+from simigrad_jax.checkpoint.checkpointer import CheckpointMismatchError
+from simigrad_jax.errors import SimiGradError
+from simigrad_jax.multihost.process_agreement import ProcessAgreement
+
+logger = logging.getLogger("simigrad_jax")
+
+# Multi-host: how long a process waits for a checkpoint save before it checks on the others.
+SAVE_WAIT_ROUND_SECONDS = 1.0
+_HOW_TO_ALLOW = (
+  "Resume with the settings it was made with, use a new workdir, or allow the "
+  "change with allow_changed_settings=True (it is then recorded in the run's "
+  "history)"
+)
+
+
+class CheckpointSaveError(SimiGradError, RuntimeError):
+  """Multi-host: another process's background checkpoint save failed, so every process stops.
+
+  The process whose save failed raises the save's own error instead.
+  """
+
+
+class Resumed(NamedTuple):
+  """What a run continues from: the restored arrays, the step and the non-finite steps so far,
+  and the compiled programs that the saving process recorded (None if it recorded none)."""
+
+  state: Any
+  step: int
+  nonfinite_steps: int
+  compiled_programs: dict[str, Any] | None = None
+
+
+class RunCheckpoints:
+  """Saves a run's state every so often and resumes it from the newest readable checkpoint.
+
+  Args:
+    directory: where the checkpoints go (created if missing).
+    seed: the run's seed; a checkpoint made with another seed is refused.
+    max_to_keep: how many checkpoints are kept.
+    agreement: the run's :class:`~simigrad_jax.multihost.process_agreement.
+      ProcessAgreement`: with several processes, they wait for each other's
+      saves through it, and a lost one is reported within its timeout.
+    record: the run's record (:func:`simigrad_jax.checkpoint.run_record.
+      make_record`), saved with every checkpoint and compared on resume;
+      None: nothing is recorded or compared.
+    allow_changed_settings: resume a checkpoint whose record differs in a
+      setting that decides the trajectory (the optimizer, the settings, the
+      controller, the data), recording the change, instead of refusing it.
+
+  Attributes:
+    changes: the history of the changes the run's resumes allowed, oldest
+      first: ``{"step", "settings", "environment"}`` each, the last two lists
+      of differences (see :func:`simigrad_jax.checkpoint.run_record.compare`).
+
+  Example::
+
+    checkpoints = RunCheckpoints(workdir / "checkpoints", seed=0, max_to_keep=3,
+                                 agreement=ProcessAgreement(timeout=300.0))
+    resumed = checkpoints.resume(state, sampler, controller)
+  """
+
+  def __init__(
+    self,
+    directory: str | os.PathLike,
+    *,
+    seed: int,
+    max_to_keep: int,
+    agreement: ProcessAgreement,
+    record: dict[str, Any] | None = None,
+    allow_changed_settings: bool = False,
+  ):
+    self.checkpointer = Checkpointer(directory, max_to_keep=max_to_keep)
+    self.seed = seed
+    self.record = record
+    self.allow_changed_settings = allow_changed_settings
+    self.changes: list[dict[str, Any]] = []
+    self._agreement = agreement
+    self._last_saved: int | None = None  # the step of the last save
+
+  def resume(self, like: Any, sampler: Any, controller: Any) -> Resumed | None:
+    """Restores the newest readable checkpoint into ``sampler`` and ``controller``.
+
+    Args:
+      like: the train state whose structure, shapes and shardings the arrays
+        are restored to (with :attr:`allow_changed_settings`, the source of
+        the changed ``inject_hyperparams`` values).
+      sampler: the run's :class:`~simigrad_jax.data.sampler.EpochSampler`.
+      controller: the run's controller.
+
+    Returns:
+      The restored state, step and non-finite step count, or None when the
+      directory holds no checkpoint.
+
+    Raises:
+      CheckpointMismatchError: (a ValueError) the checkpoints belong to
+        another run (other shapes, another seed, or, unless
+        :attr:`allow_changed_settings`, other settings); the message lists the
+        differences, and nothing is changed.
+    """
+    checkpointer = self.checkpointer
+    if checkpointer.latest_step() is None:
+      return None
+    directory = checkpointer.directory
+    try:
+      state, host, step = checkpointer.restore(like)
+    except CheckpointMismatchError as error:
+      raise CheckpointMismatchError(self._describe_other_run(error)) from error
+    where = f"the checkpoint at step {step} in {directory}"
+    if host.get("seed") != self.seed:
+      raise CheckpointMismatchError(
+        f"{where} was made with seed={host.get('seed')!r}, this run has seed={self.seed}; use "
+        "the same seed to resume, or a new workdir"
+      )
+    changes = self._changes_since(host, where)
+    sampler_state, controller_state = host["sampler"], host["controller"]
+    if changes is not None and changes.checked:  # allowed: the saved settings give way
+      sampler_state = {**sampler_state, "num_examples": sampler.num_examples}
+      controller_state = {**controller_state, "config": None}
+      assert self.record is not None  # changes are found only against a record
+      injected = run_record.changed_injected(host["run"], self.record)
+      if injected:
+        state = run_record.with_injected(state, like, injected)
+    try:  # both refuse without changing anything
+      sampler.load_state_dict(sampler_state)
+      controller.load_state_dict(controller_state)
+    except (KeyError, TypeError, ValueError) as error:
+      raise CheckpointMismatchError(
+        f"{where} does not match this run's settings: {error}; resume with the settings it "
+        "was made with, or use a new workdir"
+      ) from error
+    self.changes = list(host.get("run_changes", []))
+    if changes is not None and (changes.checked or changes.recorded):
+      self.changes.append(
+        {"step": step, "settings": changes.checked, "environment": changes.recorded}
+      )
+      _log_changes(changes, where)
+    skipped = checkpointer.skipped
+    if skipped:
+      logger.warning(
+        "resumed from the checkpoint at step %d in %s after skipping %d unreadable "
+        "newer one(s): %s",
+        step,
+        directory,
+        len(skipped),
+        "; ".join(f"step {s}: {why}" for s, why in skipped),
+      )
+    else:
+      logger.info("resumed from the checkpoint at step %d in %s", step, directory)
+    return Resumed(
+      state,
+      int(host["step"]),
+      int(host.get("nonfinite_steps", 0)),
+      host.get("compiled_programs"),
+    )
+
+  def _changes_since(self, host: dict[str, Any], where: str) -> run_record.RecordChanges | None:
+    """How this run differs from the one that saved ``host``; refused unless allowed.
+
+    None when either has no record (a checkpoint of an older simigrad_jax is
+    resumed with a warning).
+    """
+    if self.record is None:
+      return None
+    saved = host.get("run")
+    if saved is None:
+      logger.warning(
+        "%s was written before simigrad_jax recorded a run's settings in its "
+        "checkpoints: they cannot be checked against this run's; they are recorded "
+        "from the next checkpoint on",
+        where,
+      )
+      return None
+    changes = run_record.compare(saved, self.record)
+    if changes.checked and not self.allow_changed_settings:
+      raise CheckpointMismatchError(
+        f"{where} was made by a run with other settings:\n{run_record.listed(changes.checked)}"
+        f"\n{_HOW_TO_ALLOW}"
+      )
+    return changes
+
+  def _describe_other_run(self, error: CheckpointMismatchError) -> str:
+    """The message for a checkpoint whose arrays do not fit this run: how the records differ
+    when the newest checkpoint has a readable record that says, else the layouts' differences."""
+    workdir = os.path.dirname(self.checkpointer.directory)
+    changes = None
+    if self.record is not None:
+      try:
+        latest = self.checkpointer.latest_step()
+        saved = None if latest is None else self.checkpointer.read_host(latest).get("run")
+      except Exception:  # pylint: disable=broad-except  (the layouts' differences say enough)
+        saved = None
+      changes = None if saved is None else run_record.compare(saved, self.record)
+    if changes is None or not changes.checked:
+      return f"the workdir {workdir!r} holds checkpoints of another run: {error}"
+    return (
+      f"the workdir {workdir!r} holds checkpoints of another run, whose arrays do not fit "
+      f"this one's; the runs differ in:\n"
+      f"{run_record.listed(changes.checked + changes.recorded)}\n"
+      "A changed model or optimizer structure cannot be resumed, allowed or not: use the "
+      "model and optimizer it was made with, or a new workdir"
+    )
+
+  def save(
+    self,
+    step: int,
+    state: Any,
+    *,
+    sampler: Any,
+    controller: Any,
+    nonfinite_steps: int,
+    compiled_programs: Mapping[str, Any] | None = None,
+  ) -> None:
+    """Saves ``state`` and the host state as the checkpoint of ``step`` (once per step).
+
+    The last save is waited for first, on every process. ``compiled_programs``
+    (JSON: what the run has compiled into its persistent compilation cache)
+    comes back in :attr:`Resumed.compiled_programs`.
+    """
+    if self.checkpointer.latest_step() == step:
+      return
+    self.wait(f"checkpoint of step {step}")
+    host = {
+      "step": step,
+      "seed": self.seed,
+      "controller": controller.state_dict(),
+      "sampler": sampler.state_dict(),
+      "nonfinite_steps": nonfinite_steps,
+    }
+    if self.record is not None:
+      host.update(run=self.record, run_changes=self.changes)
+    if compiled_programs is not None:
+      host["compiled_programs"] = dict(compiled_programs)
+    self.checkpointer.save(step, state, host)
+    self._last_saved = step
+
+  def failed_save(self) -> str | None:
+    """``"ErrorType: message"`` (short) when this process's last save failed in the background,
+    else None (also while it is under way); never waits. See :meth:`stop_on_failed_saves`."""
+    error = self.checkpointer.failed_save()
+    if error is None:
+      return None
+    text = f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0]}"
+    return text.encode("ascii", "replace").decode()[:150]  # (it rides in the step's agreement)
+
+  def stop_on_failed_saves(self, failed: list[str | None], step: int) -> None:
+    """Raises when a process's last save failed in the background; every process calls it.
+
+    Args:
+      failed: every process's :meth:`failed_save`, in process order (the
+        same list on every process, gathered at a step's agreement).
+      step: the step training stops at.
+
+    Raises:
+      Exception: on a process whose save failed, the save's own error (e.g.
+        ``OSError`` of a full disk), with a note naming the checkpoint.
+      CheckpointSaveError: on the other processes, naming the process and
+        its error.
+    """
+    failures = {process: text for process, text in enumerate(failed) if text is not None}
+    if not failures:
+      return
+    saved = (
+      f"the background save of the checkpoint of step {self._last_saved} in "
+      f"{self.checkpointer.directory}"
+    )
+    then = f"training stopped at step {step}; a restart resumes from the newest finished checkpoint"
+    error = self.checkpointer.failed_save()
+    if error is not None:
+      newest = self.checkpointer.latest_step()
+      error.add_note(f"{saved} failed: {then} ({'none' if newest is None else f'step {newest}'})")
+      raise error
+    processes = ", ".join(f"process {p} ({text})" for p, text in failures.items())
+    raise CheckpointSaveError(f"{saved} failed on {processes}: {then}")
+
+  def wait(self, what: str) -> None:
+    """Waits until the last checkpoint save has finished on every process.
+
+    Multi-host: orbax's commit waits for every process with a timeout of 20
+    minutes, so the processes wait in rounds of at most
+    :data:`SAVE_WAIT_ROUND_SECONDS` and tell each other after each round
+    whether theirs has finished (all of them go on together): a process lost
+    meanwhile is reported within the agreement timeout.
+
+    Args:
+      what: names the wait in a report of a lost process.
+    """
+    if self._agreement.num_processes == 1:
+      self.checkpointer.wait()
+      return
+    while True:
+      finished = self.checkpointer.wait(timeout=SAVE_WAIT_ROUND_SECONDS)
+      if all(self._agreement.gather(what, finished)):
+        return
+
+  def close(self) -> None:
+    """Waits for the last save and releases orbax's resources.
+
+    After a lost process it does not wait for a save under way: the save
+    would wait for the lost process.
+    """
+    if not self._agreement.lost_processes():
+      self.checkpointer.close()
+
+
+def _log_changes(changes: run_record.RecordChanges, where: str) -> None:
+  """Warns of the changes a resume allowed (they are also kept in the run's history)."""
+  if changes.checked:
+    logger.warning(
+      "%s was made by a run with other settings; resuming with this run's, as "
+      "allow_changed_settings=True allows (recorded in the run's history):\n%s",
+      where,
+      run_record.listed(changes.checked),
+    )
+  if changes.recorded:
+    logger.warning(
+      "%s was made on other devices, shapes or versions; resuming exactly "
+      "(recorded in the run's history):\n%s",
+      where,
+      run_record.listed(changes.recorded),
+    )

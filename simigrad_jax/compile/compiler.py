@@ -1,0 +1,355 @@
+"""Ahead-of-time compiled step functions, one per micro-batch shape.
+
+Host side: Python threads around JAX's AOT API (``jax.stages``); nothing here
+runs under ``jit``.
+
+The global batch size changes at every optimizer step, but the step function
+only sees the micro-batch *shape*, drawn from a small grid known up front
+(:func:`simigrad_jax.bucket_shapes`). :class:`StepCompiler` holds one
+``jax.stages.Compiled`` per micro-batch size. It compiles the sizes the loop
+may need next in one background thread while the current step runs, so that
+after warm-up :meth:`StepCompiler.get` finds every variant ready and the loop
+never stalls on a compile. Compiles need no data: ``lower(micro)`` lowers the
+jitted step on ``jax.ShapeDtypeStruct`` placeholders that carry the input
+shardings.
+
+With JAX's persistent compilation cache on
+(:func:`simigrad_jax.compile.persistent_cache.enable_persistent_cache`), a
+compile that finds its executable there loads it; :meth:`StepCompiler.stats`
+counts those loads apart.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import jax
+
+from simigrad_jax import validation
+from simigrad_jax.compile.persistent_cache import counting_cache_hits
+from simigrad_jax.errors import SimiGradError
+
+__all__ = [
+  "StepCompileError",
+  "StepCompiler",
+]
+
+
+class StepCompileError(SimiGradError, RuntimeError):
+  """Lowering or compiling the step for one micro-batch size failed.
+
+  Raised by :meth:`StepCompiler.get` for that size; the original exception is
+  the ``__cause__``.
+  """
+
+
+class _Job:
+  """One micro-batch size: queued, compiling, or done (compiled or failed)."""
+
+  __slots__ = ("size", "done", "compiled", "error", "cache_hit")
+
+  def __init__(self, size: int):
+    self.size = size
+    self.done = threading.Event()
+    self.compiled: jax.stages.Compiled | None = None
+    self.error: BaseException | None = None
+    self.cache_hit = False  # loaded from the persistent cache
+
+
+class StepCompiler:
+  """Ahead-of-time compiled variants of one step function, one per micro-batch size, compiled in the background.
+
+  ``lower(micro_batch_size)`` returns the ``jax.stages.Lowered`` step for that
+  shape, typically ``jitted_step.lower(*placeholders)`` with
+  ``jax.ShapeDtypeStruct(shape, dtype, sharding=...)`` placeholders, so that
+  nothing needs real data. :meth:`prefetch` queues sizes for one background
+  worker thread, which lowers and compiles them in the order given;
+  :meth:`get` returns the compiled step, waiting for (or doing) the compile
+  only if it is not ready yet. Time spent blocked in :meth:`get` is the
+  *compile wait*, a stall of the training loop, reported by :meth:`stats`.
+
+  Each size is compiled at most once, whichever threads ask for it: a size
+  being compiled is waited for, and a size still queued behind other compiles
+  is taken off the queue and compiled at once in the thread that called
+  :meth:`get` (it does not wait for the compiles queued before it). A failed
+  compile is not retried: :meth:`get` for that size raises
+  :class:`StepCompileError` (naming the size, the original exception as its
+  cause) every time, and :meth:`prefetch` skips it; other sizes are
+  unaffected.
+
+  Args:
+    lower: maps a micro-batch size (an int ``>= 1``) to the
+      ``jax.stages.Lowered`` step for that shape. It runs in the worker
+      thread, so it must not rely on thread-local JAX context set by the
+      caller (``with mesh:``, ``jax.sharding.use_mesh``,
+      ``jax.default_device``, ...): put the shardings on the placeholders.
+    background: ``True`` compiles prefetched sizes in a background thread;
+      ``False`` makes :meth:`prefetch` a no-op, so every compile happens on
+      demand in :meth:`get` (handy for debugging and for one-shape runs).
+    name: a label for thread names and error messages.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> step = jax.jit(lambda w, x: x @ w)
+    >>> def lower(micro):
+    ...   return step.lower(jax.ShapeDtypeStruct((4, 2), jnp.float32),
+    ...                     jax.ShapeDtypeStruct((micro, 4), jnp.float32))
+    >>> with StepCompiler(lower) as compiler:
+    ...   compiler.prefetch([8, 16])  # returns at once
+    ...   compiled = compiler.get(8)  # waits only if 8 is still compiling
+    ...   compiled(jnp.ones((4, 2)), jnp.ones((8, 4))).shape
+    (8, 2)
+    >>> compiler.stats()["compiled_sizes"]
+    [8, 16]
+
+  .. note::
+    Lowering (tracing) is Python and holds the GIL; XLA's compile releases
+    it, so a compile overlaps the running step well when the host has spare
+    cores and little on a 2-core machine. Call the returned ``Compiled``
+    objects, not the jitted function: a jitted function keeps its own cache
+    and would compile again. :meth:`close` (or leaving the ``with`` block)
+    cancels queued compiles; a process that exits without it first finishes
+    the compiles already queued (the worker is not a daemon thread, and it
+    only exists while compiles are queued).
+  """
+
+  def __init__(
+    self, lower: Callable[[int], jax.stages.Lowered], *, background: bool = True, name: str = "step"
+  ):
+    if not callable(lower):
+      raise ValueError(
+        f"lower must be a callable micro_batch_size -> jax.stages.Lowered, got {lower!r}"
+      )
+    if not isinstance(name, str):
+      raise ValueError(f"name must be a str, got {name!r}")
+    self._lower = lower
+    self._background = validation.check_bool("background", background)
+    self._name = name
+    self._lock = threading.Lock()
+    self._jobs: dict[int, _Job] = {}  # every size asked for, in any state
+    self._queue: collections.deque[int] = collections.deque()  # not started
+    self._worker: threading.Thread | None = None
+    self._closed = False
+    self._compiles = 0
+    self._compile_seconds = 0.0
+    self._wait_seconds = 0.0
+    self._cache_hits = 0
+    self._cache_hit_seconds = 0.0
+
+  @property
+  def name(self) -> str:
+    """The label given at construction."""
+    return self._name
+
+  def __repr__(self) -> str:
+    stats = self.stats()
+    return (
+      f"StepCompiler(name={self._name!r}, background={self._background},"
+      f" compiled_sizes={stats['compiled_sizes']}, closed={self._closed})"
+    )
+
+  def prefetch(self, micro_batch_sizes: Iterable[int], *, first: bool = False) -> None:
+    """Schedules background compiles of the sizes not compiled or in flight.
+
+    Returns at once. Sizes are compiled one at a time in the order given,
+    after any already queued (``first``: before them); sizes compiled,
+    compiling or failed before are skipped, and so are those queued unless
+    ``first`` moves them ahead. With ``background=False`` nothing is
+    scheduled (the sizes are still validated).
+
+    Args:
+      micro_batch_sizes: an iterable of ints ``>= 1``, e.g. the result of
+        :func:`simigrad_jax.bucket_shapes`.
+      first: queue these sizes, in the order given, ahead of those queued
+        before (for the shapes a run needs soonest).
+
+    Raises:
+      ValueError: if ``micro_batch_sizes`` is not an iterable of ints
+        ``>= 1`` (nothing is scheduled then).
+      RuntimeError: if the compiler is closed.
+    """
+    sizes = _check_sizes(micro_batch_sizes)
+    with self._lock:
+      if self._closed:
+        raise RuntimeError(f"StepCompiler {self._name!r} is closed: prefetch is not allowed")
+      if not self._background:
+        return
+      waiting = [s for s in dict.fromkeys(sizes) if s not in self._jobs or s in self._queue]
+      for size in waiting:
+        if size not in self._jobs:
+          self._jobs[size] = _Job(size)
+          if not first:
+            self._queue.append(size)
+      if first:
+        ahead = set(waiting)
+        self._queue = collections.deque(waiting + [s for s in self._queue if s not in ahead])
+      if self._queue and self._worker is None:
+        self._worker = threading.Thread(
+          target=self._work, name=f"{self._name}-compiler", daemon=False
+        )
+        self._worker.start()
+
+  def get(self, micro_batch_size: int) -> jax.stages.Compiled:
+    """Returns the compiled step for one micro-batch size.
+
+    Ready variants return at once. A size compiling in the background is
+    waited for; a size never requested, or still queued, is compiled now in
+    the calling thread. The time this call blocks counts as compile wait in
+    :meth:`stats`. Still works after :meth:`close` (compiling synchronously).
+
+    Args:
+      micro_batch_size: rows per device per micro-step, an int ``>= 1``.
+
+    Returns:
+      The ``jax.stages.Compiled`` step for that shape.
+
+    Raises:
+      ValueError: if ``micro_batch_size`` is not an int ``>= 1``.
+      StepCompileError: if lowering or compiling that size failed (now or in
+        the background); the original exception is the ``__cause__``.
+    """
+    size = validation.check_int("micro_batch_size", micro_batch_size)
+    with self._lock:
+      job = self._jobs.get(size)
+      if job is not None and job.done.is_set():
+        compile_here = False
+      elif job is None:
+        job = self._jobs[size] = _Job(size)
+        compile_here = True
+      elif size in self._queue:  # queued, not started: take it over
+        self._queue.remove(size)
+        compile_here = True
+      else:  # compiling in another thread
+        compile_here = False
+      blocked = not job.done.is_set()
+    if blocked:
+      start = time.perf_counter()
+      if compile_here:
+        self._run(job)
+      else:
+        job.done.wait()
+      waited = time.perf_counter() - start
+      with self._lock:
+        self._wait_seconds += waited
+    if job.error is not None:
+      first_line = (str(job.error).strip().splitlines() or [""])[0][:300]
+      raise StepCompileError(
+        f"StepCompiler {self._name!r}: lowering or compiling the step for "
+        f"micro_batch_size={size} failed with "
+        f"{type(job.error).__name__}: {first_line} (the cause is chained "
+        "below)"
+      ) from job.error
+    assert job.compiled is not None  # done, without an error
+    return job.compiled
+
+  @property
+  def wait_seconds(self) -> float:
+    """Total time :meth:`get` has blocked so far (``stats()["compile_wait_seconds"]``)."""
+    with self._lock:
+      return self._wait_seconds
+
+  def stats(self) -> dict[str, Any]:
+    """Returns compile counts and times so far.
+
+    Returns:
+      A dict with ``compiles`` (successful compiles), ``compile_seconds``
+      (total lower + compile time in any thread, failed attempts included),
+      ``compile_wait_seconds`` (total time :meth:`get` blocked),
+      ``compiled_sizes`` (sorted list of the sizes ready to use),
+      ``failed_sizes`` (those whose lowering or compile failed; :meth:`get`
+      raises for them), ``cache_hits`` (the compiles, of ``compiles``, that
+      loaded their executable from JAX's persistent compilation cache) and
+      ``cache_hit_seconds`` (their lower + load time, of
+      ``compile_seconds``).
+    """
+    with self._lock:
+      return {
+        "compiles": self._compiles,
+        "compile_seconds": self._compile_seconds,
+        "compile_wait_seconds": self._wait_seconds,
+        "cache_hits": self._cache_hits,
+        "cache_hit_seconds": self._cache_hit_seconds,
+        "compiled_sizes": sorted(
+          size for size, job in self._jobs.items() if job.done.is_set() and job.error is None
+        ),
+        "failed_sizes": sorted(
+          size for size, job in self._jobs.items() if job.done.is_set() and job.error is not None
+        ),
+      }
+
+  def close(self) -> None:
+    """Stops the worker: waits for the compile in progress, cancels the rest.
+
+    Idempotent. Compiled variants stay available through :meth:`get`;
+    cancelled sizes are compiled on demand if asked for later.
+    """
+    with self._lock:
+      self._closed = True
+      for size in self._queue:  # never started, so nobody waits on them
+        del self._jobs[size]
+      self._queue.clear()
+      worker = self._worker
+    if worker is not None and worker is not threading.current_thread():
+      worker.join()
+
+  def __enter__(self) -> StepCompiler:
+    return self
+
+  def __exit__(self, *exc_info: object) -> None:
+    self.close()
+
+  def _work(self) -> None:
+    """Worker loop: compiles queued sizes in order; exits when none are left."""
+    while True:
+      with self._lock:
+        if self._closed or not self._queue:
+          self._worker = None
+          return
+        job = self._jobs[self._queue.popleft()]
+      self._run(job)
+
+  def _run(self, job: _Job) -> None:
+    """Lowers and compiles ``job.size`` in this thread; always marks it done."""
+    start = time.perf_counter()
+    try:
+      lowered = self._lower(job.size)
+      if not isinstance(lowered, jax.stages.Lowered):
+        raise TypeError(
+          f"lower({job.size}) must return a jax.stages.Lowered (e.g. "
+          f"jitted.lower(*placeholders)), got {type(lowered).__name__}: "
+          f"{lowered!r:.200}"
+        )
+      with counting_cache_hits() as hits:
+        job.compiled = lowered.compile()
+      job.cache_hit = hits[0] > 0
+    except Exception as err:  # surfaces in get() for this size
+      job.error = err
+    except BaseException as err:  # e.g. KeyboardInterrupt: do not keep it
+      job.error = err
+      with self._lock:
+        if self._jobs.get(job.size) is job:
+          del self._jobs[job.size]
+      raise
+    finally:
+      elapsed = time.perf_counter() - start
+      with self._lock:
+        self._compile_seconds += elapsed
+        if job.error is None:
+          self._compiles += 1
+          if job.cache_hit:
+            self._cache_hits += 1
+            self._cache_hit_seconds += elapsed
+      job.done.set()
+
+
+def _check_sizes(micro_batch_sizes: Any) -> list[int]:
+  """Returns the sizes as a list of ints, or raises ValueError."""
+  if isinstance(micro_batch_sizes, (str, bytes)) or not isinstance(micro_batch_sizes, Iterable):
+    raise ValueError(
+      f"micro_batch_sizes must be an iterable of ints >= 1, got {micro_batch_sizes!r}"
+    )
+  return [validation.check_int("micro_batch_size", size) for size in micro_batch_sizes]

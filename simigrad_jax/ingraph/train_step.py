@@ -1,0 +1,539 @@
+"""In-graph: the data-parallel steps that the training engine compiles, one set per shape.
+
+All run inside ``jax.shard_map`` over the mesh's data axis with
+``check_vma=False`` (the semantics of ``jax.pmap``: each device computes its
+own gradient). The shard_map is manual over the data axis only: on a mesh
+with model axes, the parameters keep their shardings over those axes and
+XLA's partitioner lays out the model's computation over them
+(:mod:`simigrad_jax.shapes.mesh_sharding`).
+
+* :func:`make_fused_step`, for a step of one micro-batch: gradient, reduction
+  and update in ONE program, so there is no accumulator to allocate or round
+  trip through memory, and XLA can overlap the reduction with the backward
+  pass.
+* :func:`make_micro_step` adds one micro-batch's gradient to each device's
+  accumulator, and :func:`make_apply_step` then updates from the accumulated
+  gradient, for a step of several micro-batches.
+
+The loss is the weighted SUM over a device's rows times
+``num_devices / total_weight``, so that averaging over devices gives exactly
+the mean gradient over the step's real examples (padding rows have weight 0
+and contribute nothing). The optimizer's :func:`simigrad_jax.transform`
+averages the per-device gradients and measures the half-batch similarity.
+
+The two halves are formed in one of two ways (``halves``):
+
+* ``"device"``: each device computes one gradient over its rows, and the
+  transform compares the even devices with the odd ones.
+* ``"local"``: each device's rows arrive as two equal blocks, the first
+  half's rows then the second half's (padded with zero-weight rows), and the
+  device takes one gradient per block in two passes, one after the other (as
+  :func:`simigrad_jax.value_and_half_grads` does). The per-half weighted sums
+  are kept apart through the micro-steps; at the update they are normalised
+  by each half's real-example count over the whole step and all devices
+  (``first_half_weight`` and ``total_weight - first_half_weight``) and given
+  to the transform as :class:`simigrad_jax.HalfGrads` with the first half's
+  share, while the mean gradient is their sum over ``total_weight``, exactly
+  the one the device split returns.
+
+The step returns every number the host needs in one small float32 vector
+(:data:`STEP_STATS`). The learning-rate factor arrives as an input and is
+written into the optimizer state in-graph, so the host never rewrites the
+state between steps. A step whose gradient is not finite keeps the
+parameters, the optimizer state and the model state as they were.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from simigrad_jax.errors import SimiGradError
+from simigrad_jax.ingraph import batch_coupling
+from simigrad_jax.ingraph import data_blocks
+from simigrad_jax.ingraph import half_batch
+from simigrad_jax.ingraph import transform
+from simigrad_jax.ingraph.transform import HalfGrads
+from simigrad_jax.ingraph.transform import HalvesContractError
+from simigrad_jax.ingraph.transform import SimilarityState
+
+# loss_fn(params, model_state, batch, weights, rng) -> (per_example_losses, new_model_state)
+PerExampleLossFn = Callable[[Any, Any, Any, jax.Array, jax.Array], tuple[jax.Array, Any]]
+
+STEP_STATS: tuple[str, ...] = (
+  "loss",
+  "similarity",
+  "norm_a",
+  "norm_b",
+  "norm_mean",
+  "measured",
+  "grads_finite",
+  "nonfinite_count",
+)
+# step_inputs: float32 [real examples of the step, learning-rate factor, real examples of the
+# first half (read with halves="local")].
+STEP_INPUTS: tuple[str, ...] = ("total_weight", "lr_factor", "first_half_weight")
+HALVES: tuple[str, ...] = ("device", "local")
+
+
+class LossContractError(SimiGradError, ValueError):
+  """``loss_fn`` returned something other than per-example losses and a model state."""
+
+
+def checked_loss_fn(loss_fn: PerExampleLossFn, model_state: Any) -> PerExampleLossFn:
+  """``loss_fn``, checked at trace time: one loss per row, and the model state's structure kept."""
+  state_structure = jax.tree.structure(model_state)
+
+  def checked(params, state, batch, weights, rng):
+    out = loss_fn(params, state, batch, weights, rng)
+    if not isinstance(out, (tuple, list)) or len(out) != 2:
+      raise LossContractError(
+        f"loss_fn must return (per_example_losses, new_model_state), got {type(out).__name__}"
+      )
+    losses, new_state = out
+    if jnp.shape(losses) != weights.shape:
+      raise LossContractError(
+        f"loss_fn must return one loss per row, shape {weights.shape}, got shape "
+        f"{jnp.shape(losses)}: the Trainer weights the rows itself (padding rows have weight "
+        "0), so a mean over the rows would count padding"
+      )
+    if jax.tree.structure(new_state) != state_structure:  # type: ignore[operator]  # PyTreeDef
+      raise LossContractError(
+        f"loss_fn must return a model state with the structure of model_state "
+        f"({state_structure}), got {jax.tree.structure(new_state)}"
+      )
+    return losses, new_state
+
+  return checked
+
+
+class Accumulator(NamedTuple):
+  """Per-device running sums of one optimizer step (leading device axis, sharded)."""
+
+  # Pytree like params (halves="device"), or a pair of them, the first and the second
+  # half's sums (halves="local"); each leaf with a leading device axis.
+  grads: Any
+  loss: jax.Array  # float32[num_devices]: each device's share of the step's mean loss.
+
+
+def _check_halves(halves: str) -> bool:
+  """Whether ``halves`` is the local split; raises for a name that is neither."""
+  if halves not in HALVES:
+    raise ValueError(f"halves={halves!r} is not valid; choose one of {HALVES}")
+  return halves == "local"
+
+
+def abstract_accumulator(
+  params: Any, mesh: Mesh, axis_name: str, halves: str = "device"
+) -> Accumulator:
+  """The :class:`Accumulator`'s shapes, dtypes and shardings, as placeholders (nothing allocated)."""
+  num_devices = mesh.shape[axis_name]
+  sharding = jax.sharding.NamedSharding(mesh, P(axis_name))
+  grads = (params, params) if _check_halves(halves) else params
+
+  def per_device(p):
+    # A leaf sharded over model axes keeps them after the leading device axis (a leaf sharded
+    # over the data axis is gathered for the step, and so is its gradient).
+    spec = _model_spec(p, axis_name)
+    return jax.ShapeDtypeStruct(
+      (num_devices,) + jnp.shape(p),
+      jnp.result_type(p),
+      sharding=jax.sharding.NamedSharding(mesh, P(axis_name, *spec)),
+    )
+
+  return Accumulator(
+    grads=jax.tree.map(per_device, grads),
+    # Placeholders, as the grads are: the type checker reads the field as an array.
+    loss=jax.ShapeDtypeStruct(
+      (num_devices,),
+      jnp.float32,  # type: ignore[arg-type]
+      sharding=sharding,
+    ),
+  )
+
+
+def _model_spec(leaf: Any, axis_name: str) -> tuple:
+  """The entries of ``leaf``'s ``PartitionSpec`` with the data axis dropped (none: replicated)."""
+  sharding = getattr(leaf, "sharding", None)
+  if not isinstance(sharding, jax.sharding.NamedSharding):
+    return ()
+  without = lambda names: tuple(n for n in names if n != axis_name) or None
+  return tuple(
+    None if e is None else without((e,) if isinstance(e, str) else tuple(e)) for e in sharding.spec
+  )
+
+
+def manual_over(mesh: Mesh, axis_name: str, fn: Callable, in_specs: tuple, out_specs: Any) -> Any:
+  """``fn`` as a ``jax.shard_map`` manual over ``axis_name`` only (the other axes: the partitioner)."""
+  return jax.shard_map(
+    fn,
+    mesh=mesh,
+    in_specs=in_specs,
+    out_specs=out_specs,
+    axis_names=frozenset({axis_name}),
+    check_vma=False,
+  )
+
+
+def zero_accumulator(
+  params: Any, mesh: Mesh, axis_name: str, halves: str = "device"
+) -> Accumulator:
+  """Returns a zero :class:`Accumulator` laid out one row per device of ``mesh``."""
+  abstract = abstract_accumulator(params, mesh, axis_name, halves)
+  return jax.jit(
+    lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), abstract),
+    out_shardings=jax.tree.map(lambda a: a.sharding, abstract),
+  )()
+
+
+def _device_gradient(
+  loss_fn,
+  num_devices,
+  axis_name,
+  seed,
+  local,
+  params,
+  model_state,
+  batch,
+  weights,
+  total_weight,
+  counters,
+):
+  """One device's share of the step's mean loss, its gradient and the new model state.
+
+  With the local split the gradient is the pair of the two halves' (the
+  first and the second block of rows) shares, from two passes in turn, each
+  with its own random key; the new model state is the mean of the two passes'.
+  """
+  rng = jax.random.key(seed)
+  for value in (counters[0], counters[1], lax.axis_index(axis_name)):
+    rng = jax.random.fold_in(rng, value)
+  scale = num_devices / total_weight
+
+  def weighted_loss(p, rows, row_weights, key):
+    losses, new_state = loss_fn(p, model_state, rows, row_weights, key)
+    return jnp.sum(losses.astype(jnp.float32) * row_weights) * scale, new_state
+
+  value_and_grad = jax.value_and_grad(weighted_loss, has_aux=True)
+  if not local:
+    (loss, new_state), grads = value_and_grad(params, batch, weights, rng)
+    return loss, grads, lax.pmean(new_state, axis_name)
+  first, second = half_batch.split_in_two((batch, weights))
+  pass_a, pass_b = half_batch.value_and_grads_in_turn(
+    value_and_grad,
+    params,
+    (*first, jax.random.fold_in(rng, 0)),
+    (*second, jax.random.fold_in(rng, 1)),
+  )
+  ((loss_a, state_a), grads_a), ((loss_b, state_b), grads_b) = pass_a, pass_b
+  new_state = jax.tree.map(lambda a, b: ((a + b) / 2).astype(jnp.result_type(a)), state_a, state_b)
+  return loss_a + loss_b, (grads_a, grads_b), lax.pmean(new_state, axis_name)
+
+
+def _optimizer_inputs(local, grads, step_inputs):
+  """The gradient and keyword arguments the optimizer's update takes.
+
+  Local split: the mean is the sum of the two halves' shares, and each half
+  is normalised by its own share of the step's real examples (a half with
+  none gets a zero gradient, which the transform reports as not measured).
+  """
+  if not local:
+    return grads, {}
+  first, second = grads
+  share = step_inputs[2] / step_inputs[0]
+
+  def rescale(tree, fraction):
+    factor = jnp.where(fraction > 0, 1 / jnp.where(fraction > 0, fraction, 1), 0)
+    return jax.tree.map(lambda g: (g.astype(jnp.float32) * factor).astype(g.dtype), tree)
+
+  mean = jax.tree.map(lambda a, b: a + b, first, second)
+  return mean, {"half_grads": HalfGrads(rescale(first, share), rescale(second, 1 - share), share)}
+
+
+def _keep_if_nonfinite(finite: jax.Array, new: Any, old: Any) -> Any:
+  """``new`` where the step's gradients were finite, else ``old`` (like ``optax.apply_if_finite``).
+
+  The :class:`SimilarityState` always takes the new value: it records the
+  event. The transform alone would only zero the update, and momentum, weight
+  decay or Adam's count would still move.
+  """
+
+  def keep(new_leaf, old_leaf):
+    if jax.dtypes.issubdtype(new_leaf.dtype, jax.dtypes.prng_key):
+      data = jnp.where(finite, jax.random.key_data(new_leaf), jax.random.key_data(old_leaf))
+      return jax.random.wrap_key_data(data, impl=jax.random.key_impl(new_leaf))
+    return jnp.where(finite, new_leaf, old_leaf)
+
+  def keep_state(new_node, old_node):
+    if isinstance(new_node, SimilarityState):
+      return new_node
+    return jax.tree.map(keep, new_node, old_node)
+
+  return jax.tree.map(keep_state, new, old, is_leaf=lambda x: isinstance(x, SimilarityState))
+
+
+def _update(optimizer, local, params, opt_state, grads, mean_loss, step_inputs):
+  """The optimizer step from per-device gradients: new params and state, and the stats vector.
+
+  ``mean_loss`` is the step's loss, averaged over the devices.
+  """
+  grads, extra = _optimizer_inputs(local, grads, step_inputs)
+  with_lr = optax.tree_utils.tree_set(opt_state, lr_factor=step_inputs[1])
+  with_lr = batch_coupling.with_batch_size(with_lr, step_inputs[0])  # Adam's b2, weight decay
+  try:
+    with transform.expecting_half_grads() if extra else contextlib.nullcontext():
+      updates, new_opt_state = optimizer.update(grads, with_lr, params, **extra)
+  except TypeError as error:
+    if not extra:
+      raise
+    raise HalvesContractError(
+      f"with halves='local' the optimizer's update must take half_grads=... and pass it on to "
+      f"simigrad_jax.transform (optax.chain does): {error}"
+    ) from error
+  new_params = optax.apply_updates(params, updates)
+  similarity_state = optax.tree_utils.tree_get(new_opt_state, SimilarityState.__name__)
+  stats = jnp.stack(
+    [
+      mean_loss,
+      similarity_state.similarity,
+      similarity_state.norm_a,
+      similarity_state.norm_b,
+      similarity_state.norm_mean,
+      similarity_state.measured.astype(jnp.float32),
+      similarity_state.grads_finite.astype(jnp.float32),
+      similarity_state.nonfinite_count.astype(jnp.float32),
+    ]
+  )
+  finite = similarity_state.grads_finite
+  return (
+    _keep_if_nonfinite(finite, new_params, params),
+    _keep_if_nonfinite(finite, new_opt_state, opt_state),
+    finite,
+    stats,
+  )
+
+
+def make_fused_step(
+  loss_fn: PerExampleLossFn,
+  optimizer: optax.GradientTransformation,
+  mesh: Mesh,
+  axis_name: str,
+  seed: int = 0,
+  halves: str = "device",
+  param_specs: Any = None,
+) -> Callable[..., tuple[Any, Any, Any, jax.Array]]:
+  """Returns ``step(params, opt_state, model_state, batch, weights, step_inputs, counters)``.
+
+  One optimizer step over one micro-batch per device, in one program.
+
+  Args:
+    loss_fn: ``loss_fn(params, model_state, batch, weights, rng) ->
+      (per_example_losses, new_model_state)`` on one device's rows; models with
+      BatchNorm should use ``weights`` as the normalisation mask.
+    optimizer: an optax optimizer whose chain contains
+      :func:`simigrad_jax.transform` over ``axis_name`` (it does the averaging)
+      and :func:`simigrad_jax.scale_by_lr_factor`.
+    mesh: the mesh; its axis ``axis_name`` holds the data-parallel devices.
+    axis_name: the mesh axis name.
+    seed: the run's seed; the key handed to ``loss_fn`` is derived from it,
+      the optimizer step, the micro-step and the device, so a resumed run draws
+      the same numbers.
+    halves: ``"device"`` (the even devices against the odd ones) or
+      ``"local"`` (each device's first block of rows against its second; the
+      rows per device must be even).
+    param_specs: the parameters' ``PartitionSpec``s on ``mesh`` (a pytree
+      like them; None: replicated). Each device reduces its own shards over
+      the model axes; with the device split a parameter in blocks over the
+      data axis (FSDP, :mod:`simigrad_jax.ingraph.data_blocks`) enters as
+      its block, is gathered for the gradient, and the optimizer then runs
+      on global arrays, its mean gradient and state in the same blocks.
+
+  Returns:
+    A function (to be jitted) from replicated ``params``, ``opt_state`` and
+    ``model_state``, a batch and weights sharded on their leading axis,
+    ``step_inputs`` (float32 :data:`STEP_INPUTS`) and ``counters`` (int32
+    ``[optimizer_step, micro_step]``), to the new params, optimizer state and
+    model state and a float32 vector of the :data:`STEP_STATS` (identical on
+    every device).
+  """
+  num_devices = mesh.shape[axis_name]
+  local = _check_halves(halves)
+  gradient = functools.partial(_device_gradient, loss_fn, num_devices, axis_name, seed, local)
+
+  def per_device(params, opt_state, model_state, batch, weights, step_inputs, counters):
+    loss, grads, new_model_state = gradient(
+      params, model_state, batch, weights, step_inputs[0], counters
+    )
+    params, opt_state, finite, stats = _update(
+      optimizer, local, params, opt_state, grads, lax.pmean(loss, axis_name), step_inputs
+    )
+    model_state = _keep_if_nonfinite(finite, new_model_state, model_state)
+    return params, opt_state, model_state, stats
+
+  def step(params, opt_state, model_state, batch, weights, step_inputs, counters):
+    blocks = data_blocks.DataBlocks(params, param_specs, axis_name)
+    with blocks.model_layout():
+      if local or not blocks.any:
+        return manual_over(
+          mesh,
+          axis_name,
+          per_device,
+          in_specs=(P(), P(), P(), P(axis_name), P(axis_name), P(), P()),
+          out_specs=(P(), P(), P(), P()),
+        )(params, opt_state, model_state, batch, weights, step_inputs, counters)
+      # FSDP: the gradient per device, then the optimizer on the parameters' blocks.
+      stacked, losses, new_model_state = manual_over(
+        mesh,
+        axis_name,
+        lambda p, *rest: _stacked(gradient(blocks.gather(p), *rest)),
+        in_specs=(blocks.entry, P(), P(axis_name), P(axis_name), P(), P()),
+        out_specs=(P(axis_name), P(axis_name), P()),
+      )(params, model_state, batch, weights, step_inputs[0], counters)
+      params, opt_state, finite, stats = _update_blocks(
+        optimizer, blocks, mesh, params, opt_state, stacked, losses, step_inputs
+      )
+    model_state = _keep_if_nonfinite(finite, new_model_state, model_state)
+    return params, opt_state, model_state, stats
+
+  return step
+
+
+def _stacked(device_gradient: tuple[jax.Array, Any, Any]) -> tuple[Any, jax.Array, Any]:
+  """A device's loss and gradient with a leading data dimension (for out_specs P(axis))."""
+  loss, grads, new_model_state = device_gradient
+  return jax.tree.map(lambda g: g[None], grads), loss[None], new_model_state
+
+
+def _update_blocks(optimizer, blocks, mesh, params, opt_state, stacked, losses, step_inputs):
+  """:func:`_update` on global arrays, the transform reducing the devices' stacked gradients
+  into the parameters' layout (FSDP blocks stay blocks)."""
+  with blocks.reduced_by_transform("the Trainer", mesh=mesh):
+    return _update(optimizer, False, params, opt_state, stacked, jnp.mean(losses), step_inputs)
+
+
+def make_micro_step(
+  loss_fn: PerExampleLossFn,
+  mesh: Mesh,
+  axis_name: str,
+  seed: int = 0,
+  halves: str = "device",
+  param_specs: Any = None,
+) -> Callable[..., tuple[Accumulator, Any]]:
+  """Returns ``micro_step(params, model_state, acc, batch, weights, step_inputs, counters)``.
+
+  Args:
+    loss_fn: as for :func:`make_fused_step`.
+    mesh: the mesh; its axis ``axis_name`` holds the data-parallel devices.
+    axis_name: the mesh axis name.
+    seed: as for :func:`make_fused_step`.
+    halves: as for :func:`make_fused_step`; the accumulator must be made with
+      the same value.
+    param_specs: as for :func:`make_fused_step` (a parameter in blocks
+      enters as its block and is gathered for the gradient).
+
+  Returns:
+    A function (to be jitted) from replicated ``params`` and ``model_state``,
+    the device-sharded :class:`Accumulator`, a batch and weights sharded on
+    their leading axis, ``step_inputs`` (float32 :data:`STEP_INPUTS`) and
+    ``counters`` (int32 ``[optimizer_step, micro_step]``), to the new
+    accumulator and the new model state (averaged over devices).
+  """
+  num_devices = mesh.shape[axis_name]
+  local = _check_halves(halves)
+
+  def per_device(params, model_state, acc, batch, weights, step_inputs, counters, blocks):
+    loss, grads, new_state = _device_gradient(
+      loss_fn,
+      num_devices,
+      axis_name,
+      seed,
+      local,
+      blocks.gather(params),
+      model_state,
+      batch,
+      weights,
+      step_inputs[0],
+      counters,
+    )
+    grads = jax.tree.map(lambda a, g: a + g[None].astype(a.dtype), acc.grads, grads)
+    return Accumulator(grads=grads, loss=acc.loss + loss[None]), new_state
+
+  def micro_step(params, model_state, acc, batch, weights, step_inputs, counters):
+    blocks = data_blocks.DataBlocks(params, None if local else param_specs, axis_name)
+    with blocks.model_layout():
+      return manual_over(
+        mesh,
+        axis_name,
+        functools.partial(per_device, blocks=blocks),
+        in_specs=(blocks.entry, P(), P(axis_name), P(axis_name), P(axis_name), P(), P()),
+        out_specs=(P(axis_name), P()),
+      )(params, model_state, acc, batch, weights, step_inputs, counters)
+
+  return micro_step
+
+
+def make_apply_step(
+  optimizer: optax.GradientTransformation,
+  mesh: Mesh,
+  axis_name: str,
+  halves: str = "device",
+  param_specs: Any = None,
+) -> Callable[..., tuple[Any, Any, Accumulator, Any, jax.Array]]:
+  """Returns ``apply_step(params, opt_state, acc, model_state_before, model_state, step_inputs)``.
+
+  Args:
+    optimizer: an optax optimizer whose chain contains
+      :func:`simigrad_jax.transform` over ``axis_name`` (it does the averaging)
+      and :func:`simigrad_jax.scale_by_lr_factor`.
+    mesh: the mesh; its axis ``axis_name`` holds the data-parallel devices.
+    axis_name: the mesh axis name.
+    halves: as for :func:`make_fused_step`.
+    param_specs: as for :func:`make_fused_step`.
+
+  Returns:
+    A function (to be jitted) returning the new replicated params and
+    optimizer state, the cleared accumulator, the model state (the one from
+    the micro-steps, or ``model_state_before`` when the gradients were not
+    finite) and a float32 vector of the :data:`STEP_STATS` (identical on every
+    device).
+  """
+  local = _check_halves(halves)
+
+  def per_device(params, opt_state, acc, model_state_before, model_state, step_inputs):
+    grads = jax.tree.map(lambda g: g[0], acc.grads)
+    params, opt_state, finite, stats = _update(
+      optimizer, local, params, opt_state, grads, lax.pmean(acc.loss[0], axis_name), step_inputs
+    )
+    cleared = jax.tree.map(jnp.zeros_like, acc)
+    model_state = _keep_if_nonfinite(finite, model_state, model_state_before)
+    return params, opt_state, cleared, model_state, stats
+
+  def apply_step(params, opt_state, acc, model_state_before, model_state, step_inputs):
+    blocks = data_blocks.DataBlocks(params, param_specs, axis_name)
+    with blocks.model_layout():
+      if local or not blocks.any:
+        return manual_over(
+          mesh,
+          axis_name,
+          per_device,
+          in_specs=(P(), P(), P(axis_name), P(), P(), P()),
+          out_specs=(P(), P(), P(axis_name), P(), P()),
+        )(params, opt_state, acc, model_state_before, model_state, step_inputs)
+      # FSDP: the accumulator holds each device's gradient, stacked; the update is on blocks.
+      params, opt_state, finite, stats = _update_blocks(
+        optimizer, blocks, mesh, params, opt_state, acc.grads, acc.loss, step_inputs
+      )
+    cleared = jax.tree.map(jnp.zeros_like, acc)
+    model_state = _keep_if_nonfinite(finite, model_state, model_state_before)
+    return params, opt_state, cleared, model_state, stats
+
+  return apply_step

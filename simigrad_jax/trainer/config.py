@@ -1,0 +1,272 @@
+"""Host: the Trainer's settings, one frozen object checked in one place.
+
+Every setting is checked when the :class:`TrainerConfig` is made, before
+anything is created, compiled or trained, so that a bad value fails in
+seconds, not after the first GPU-hour; each error names the value and what
+would be valid. What the settings cannot tell alone (a split the devices
+cannot serve, bounds the data set cannot fill) is checked when the run is
+built (:mod:`simigrad_jax.trainer.run_setup`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from collections.abc import Mapping
+from typing import Any, Literal
+
+from simigrad_jax import validation
+from simigrad_jax.controllers import learning_rate
+from simigrad_jax.multihost import process_agreement
+from simigrad_jax.shapes import batch_plan
+from simigrad_jax.shapes import layout
+
+Mode = Literal["recompile", "pad"]
+MODES: tuple[str, ...] = ("recompile", "pad")
+
+_FLAGS = (
+  "background_compile",
+  "compile_fallback",
+  "progress",
+  "allow_shared_workdir",
+  "allow_changed_settings",
+)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainerConfig:
+  """The settings of a training run, checked when made.
+
+  Attributes:
+    max_micro_batch_size: the most rows per device per micro-step (rounded up
+      to even with the local split, whose two passes hold half each).
+    mode: ``"recompile"`` (one compiled micro-step per shape of a grid,
+      compiled ahead in the background) or ``"pad"`` (one shape; smaller
+      batches are padded with zero-weight rows).
+    min_micro_batch_size: the smallest compiled shape in ``recompile`` mode
+      (None: 1; only the shapes the batch-size bounds need are compiled).
+    shapes_per_octave: the grid's shapes per factor of two in ``recompile``
+      mode, 1 to 16 (:class:`simigrad_jax.BucketPolicy`), or None (the
+      default): 8. A batch that moves pads about ``35% / shapes_per_octave``
+      of the rows it computes (8: 4%; 1, the halvings: 15-30%). With the
+      compile fallback only the shapes near the batch compile, as it comes
+      near them; without it, every shape of the grid is one compile.
+    lr_rule: ``"sqrt"``, ``"linear"`` or ``"none"`` (see
+      :func:`simigrad_jax.lr_factor`).
+    lr_adjust_factor: optional damping of the learning-rate factor (>= 0).
+    seed: seeds the data order and the per-step random keys.
+    checkpoint_every_steps: save every this many steps (None: only at epoch
+      ends and at the end).
+    checkpoint_every_seconds: also save at the first step that ends this
+      many seconds after the last checkpoint (None: never on time), so that
+      a process killed without warning (SIGKILL, a lost host) loses at most
+      about this much work. Decided on process 0's clock at each step's
+      agreement, so every process saves at the same step. (A SIGTERM or
+      SIGINT loses nothing: the run saves and stops.)
+    max_checkpoints: how many checkpoints to keep.
+    allow_changed_settings: resume from a checkpoint made with other
+      optimizer settings, controller settings, data, learning-rate rule or
+      ``run_settings`` (the Trainer's) instead of refusing it with
+      :class:`simigrad_jax.CheckpointMismatchError`; the changes are logged
+      and kept in the history every later checkpoint carries. A changed
+      model or optimizer structure is refused all the same (its arrays
+      cannot be restored); a changed device count is always allowed.
+    background_compile: compile the other shapes in a background thread.
+    compile_fallback: in ``"recompile"`` mode, run a step whose micro-batch
+      shape is still compiling on the nearest shape already compiled instead
+      of waiting (the same examples and global batch, with more accumulation
+      steps or zero-weight padding; the record's ``compile_fallback`` says
+      so), so that only the first step waits for a compile (for its shape's
+      programs, and the micro-step and update that let a larger batch
+      accumulate on that shape, compiled while it runs). With BatchNorm the
+      statistics are those of the fallback's micro-batches. With several
+      processes, the fallback shape is one that every process had compiled at
+      the previous step's agreement, so every process runs the same one.
+    compilation_cache_dir: optional persistent compilation cache directory
+      (:func:`simigrad_jax.enable_persistent_cache`, a process-wide setting).
+    allow_shared_workdir: use a workdir (and compilation cache) that other
+      users can change. By default the run refuses one that belongs to
+      another user, or that a group or other users can write to (or whose
+      parent folders they can: :func:`simigrad_jax.files.check_private_dir`),
+      and keeps its checkpoints and cache unreadable by other users. True
+      turns that off, for a shared file system of a pod whose folders are
+      group-writable by design. The risk: whoever else can write there can
+      change the run's checkpoints and metrics, or make it run code of their
+      choosing through the compilation cache, whose programs JAX loads and runs.
+    tensorboard: also write TensorBoard event files: None (the default) when
+      tensorboardX is installed (the ``tensorboard`` and ``train`` extras),
+      True to require it, False never.
+    progress: show a progress bar (process 0 only).
+    axis_name: the data-parallel axis name used by the transform.
+    halves: the split into the two halves the similarity compares
+      (:mod:`simigrad_jax.shapes.layout`): ``"device"`` (even devices
+      against odd ones), ``"local"`` (two blocks of rows per device), or
+      ``"auto"`` (``"device"`` on an even number of devices, else
+      ``"local"``; see :meth:`halves_for`).
+    agreement_timeout_seconds: several hosts: how long a process waits for
+      the others at a check (the settings, every step's decision, every
+      checkpoint; and after a step failed) before it raises
+      :class:`simigrad_jax.ProcessLostError` naming the missing ones. A
+      process that waits this long in a collective while a peer's heartbeats
+      have stopped is ended with the same error by a watchdog
+      (:class:`simigrad_jax.multihost.process_agreement.Watchdog`). Default
+      :data:`simigrad_jax.multihost.process_agreement.AGREEMENT_TIMEOUT_SECONDS`
+      (300; None means it too); keep it above the longest time a process may
+      wait for another at a step's end.
+
+  Raises:
+    ValueError: for a bad value, naming it and what is valid.
+
+  Example:
+    >>> config = TrainerConfig(max_micro_batch_size=32, seed=3)
+    >>> config.replace(mode="pad").mode
+    'pad'
+    >>> config.halves_for(3)
+    'local'
+  """
+
+  max_micro_batch_size: int
+  mode: Mode = "recompile"
+  min_micro_batch_size: int | None = None
+  shapes_per_octave: int | None = None
+  lr_rule: learning_rate.LrRule = "sqrt"
+  lr_adjust_factor: float | None = None
+  seed: int = 0
+  checkpoint_every_steps: int | None = None
+  checkpoint_every_seconds: float | None = None
+  max_checkpoints: int = 3
+  allow_changed_settings: bool = False
+  background_compile: bool = True
+  compile_fallback: bool = True
+  compilation_cache_dir: str | os.PathLike | None = None
+  allow_shared_workdir: bool = False
+  tensorboard: bool | None = None
+  progress: bool = True
+  axis_name: str = "batch"
+  halves: str = "auto"
+  agreement_timeout_seconds: float = process_agreement.AGREEMENT_TIMEOUT_SECONDS
+
+  def __post_init__(self):
+    if self.mode not in MODES:
+      raise ValueError(f"mode={self.mode!r} is not valid; choose one of {MODES}")
+    if self.lr_rule not in learning_rate.LR_RULES:
+      raise ValueError(
+        f"lr_rule={self.lr_rule!r} is not valid; choose one of {learning_rate.LR_RULES}"
+      )
+    checked: dict[str, Any] = {}
+    checked["max_micro_batch_size"] = max_micro = validation.check_int(
+      "max_micro_batch_size", self.max_micro_batch_size, 1
+    )
+    if self.min_micro_batch_size is not None:
+      if (
+        not validation.is_int(self.min_micro_batch_size)
+        or not 1 <= self.min_micro_batch_size <= max_micro
+      ):
+        raise ValueError(
+          f"min_micro_batch_size must be None or an integer in [1, max_micro_batch_size="
+          f"{max_micro}], got {self.min_micro_batch_size!r}"
+        )
+      checked["min_micro_batch_size"] = int(self.min_micro_batch_size)
+    if self.shapes_per_octave is not None:
+      checked["shapes_per_octave"] = batch_plan.check_shapes_per_octave(self.shapes_per_octave)
+    if self.lr_adjust_factor is not None:
+      checked["lr_adjust_factor"] = validation.check_real(  # (as lr_factor checks it)
+        "lr_adjust_factor", self.lr_adjust_factor, "[0, inf)", lambda f: 0 <= f < math.inf
+      )
+    checked["seed"] = validation.check_int("seed", self.seed, 0)
+    if self.checkpoint_every_steps is not None:
+      checked["checkpoint_every_steps"] = validation.check_int(
+        "checkpoint_every_steps", self.checkpoint_every_steps, 1
+      )
+    if self.checkpoint_every_seconds is not None:
+      checked["checkpoint_every_seconds"] = validation.check_real(
+        "checkpoint_every_seconds",
+        self.checkpoint_every_seconds,
+        "(0, inf) (finite)",
+        lambda x: 0 < x < math.inf,
+      )
+    checked["max_checkpoints"] = validation.check_int("max_checkpoints", self.max_checkpoints, 1)
+    for name in _FLAGS:
+      checked[name] = validation.check_bool(name, getattr(self, name))
+    if self.tensorboard is not None:
+      checked["tensorboard"] = validation.check_bool("tensorboard", self.tensorboard)
+    if self.compilation_cache_dir is not None and not isinstance(
+      self.compilation_cache_dir, (str, os.PathLike)
+    ):
+      raise ValueError(
+        f"compilation_cache_dir must be None or a path (str or os.PathLike), "
+        f"got {self.compilation_cache_dir!r}"
+      )
+    if not isinstance(self.axis_name, str) or not self.axis_name:
+      raise ValueError(f"axis_name must be a non-empty string, got {self.axis_name!r}")
+    layout.check_halves(self.halves)
+    timeout = self.agreement_timeout_seconds
+    checked["agreement_timeout_seconds"] = process_agreement.check_timeout(
+      process_agreement.AGREEMENT_TIMEOUT_SECONDS if timeout is None else timeout
+    )
+    for name, value in checked.items():  # as plain Python numbers (NumPy integers too)
+      object.__setattr__(self, name, value)
+
+  @classmethod
+  def from_settings(
+    cls, config: TrainerConfig | None, settings: Mapping[str, Any]
+  ) -> TrainerConfig:
+    """``config``, or a config made of ``settings`` (keyword arguments named as the fields).
+
+    Args:
+      config: a :class:`TrainerConfig`, or None.
+      settings: fields given one by one (e.g. the Trainer's keywords).
+
+    Returns:
+      The config.
+
+    Raises:
+      ValueError: both are given (the message names both), or ``config`` is
+        not a TrainerConfig.
+      TypeError: a setting that is not a field, or ``max_micro_batch_size``
+        missing.
+
+    Example:
+      >>> TrainerConfig.from_settings(None, {"max_micro_batch_size": 8}).max_micro_batch_size
+      8
+    """
+    if config is None:
+      unknown = sorted(set(settings) - {f.name for f in dataclasses.fields(cls)})
+      if unknown:
+        raise TypeError(
+          f"unexpected keyword argument(s) {unknown}; the settings are the fields "
+          f"of TrainerConfig: {[f.name for f in dataclasses.fields(cls)]}"
+        )
+      return cls(**settings)
+    if not isinstance(config, TrainerConfig):
+      raise ValueError(
+        f"config must be a simigrad_jax.TrainerConfig, got {config!r:.200} "
+        f"({type(config).__name__})"
+      )
+    if settings:
+      given = ", ".join(f"{name}={value!r:.80}" for name, value in settings.items())
+      raise ValueError(
+        f"give the settings either as config=TrainerConfig(...) or as keywords, "
+        f"not both: got config= and {given}; put them into the config instead: "
+        f"config.replace({given})"
+      )
+    return config
+
+  def replace(self, **changes: Any) -> TrainerConfig:
+    """A copy with ``changes`` (checked as a new config)."""
+    return dataclasses.replace(self, **changes)
+
+  def halves_for(self, num_devices: int) -> str:
+    """The split :attr:`halves` names on ``num_devices`` devices: ``"device"`` or ``"local"``.
+
+    Raises:
+      ValueError: ``"device"`` on an odd number of devices.
+    """
+    return layout.resolve_halves(self.halves, num_devices)
+
+  @property
+  def uses_compile_fallback(self) -> bool:
+    """Whether a step whose shape is still compiling runs on a compiled one (see
+    :attr:`compile_fallback`: ``"recompile"`` mode, compiling in the background)."""
+    return self.compile_fallback and self.background_compile and self.mode == "recompile"

@@ -1,0 +1,99 @@
+"""Host: the totals of one ``Trainer.train`` call, added up from its step records (a hook)."""
+
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+from typing import Any
+
+from simigrad_jax.trainer.step_record import StepRecord
+
+logger = logging.getLogger("simigrad_jax")
+
+
+class RunTotals:
+  """Adds up a run's step records: steps, examples, seconds, fallbacks, the host's critical path.
+
+  A hook (:class:`simigrad_jax.trainer.hooks.StepHook`) that the Trainer
+  makes for every ``train`` call. It counts the steps skipped because their
+  gradient was not finite, and logs a warning naming the first of them.
+
+  Example::
+
+    totals = RunTotals()
+    totals.on_step(record)  # once per step, in order
+    summary = totals.summary()
+  """
+
+  def __init__(self):
+    self.steps = 0
+    self.examples = 0
+    self.padded_rows = 0
+    self.wall_seconds = 0.0
+    self.data_seconds = 0.0
+    self.fallback_steps = 0
+    self.first_run_steps = 0
+    self.first_run_seconds = 0.0
+    self.nonfinite_steps = 0
+    self.first_nonfinite: StepRecord | None = None
+    self.host_seconds: list[float] = []
+    self.last: StepRecord | None = None
+
+  def on_step(self, record: StepRecord) -> None:
+    """Counts one step's record."""
+    self.examples += record.batch_size
+    self.padded_rows += record.padded_examples
+    self.steps += 1
+    self.wall_seconds += record.step_seconds
+    self.data_seconds += record.data_seconds
+    self.fallback_steps += record.compile_fallback
+    if record.first_run:
+      self.first_run_steps += 1
+      self.first_run_seconds += record.step_seconds
+    if not record.grads_finite:
+      self.nonfinite_steps += 1
+      if self.first_nonfinite is None:
+        self.first_nonfinite = record
+        logger.warning(
+          "step %d (batch size %d, epoch %d): the gradient was NaN or infinite on some device; "
+          "the step was skipped (parameters, optimizer and model state kept, batch size held). "
+          "Such steps are counted in the summary's nonfinite_steps and in each step's record "
+          "(grads_finite, nonfinite_steps)",
+          record.step,
+          record.batch_size,
+          record.epoch,
+        )
+    if math.isfinite(record.host_seconds):
+      self.host_seconds.append(record.host_seconds)
+    self.last = record
+
+  def summary(self) -> dict[str, Any]:
+    """The run's totals, and the last step's loss and similarity (None without a step).
+
+    ``run_nonfinite_steps`` counts the skipped steps and
+    ``first_nonfinite_step`` names the first (None without one);
+    ``padding_fraction`` is the share of the rows computed that were
+    zero-weight padding (NaN without a step); ``first_run_steps`` counts
+    the steps that ran a program for the first time in the Trainer, and
+    ``first_run_seconds`` adds up their step seconds.
+    """
+    rows = self.examples + self.padded_rows
+    return {
+      "run_steps": self.steps,
+      "run_examples": self.examples,
+      "average_batch_size": self.examples / self.steps if self.steps else math.nan,
+      "padding_fraction": self.padded_rows / rows if rows else math.nan,
+      "loss": None if self.last is None else self.last.loss,
+      "similarity": None if self.last is None else self.last.similarity,
+      "wall_seconds": self.wall_seconds,
+      "data_seconds": self.data_seconds,
+      "host_seconds_median": (
+        statistics.median(self.host_seconds) if self.host_seconds else math.nan
+      ),
+      "compile_fallback_steps": self.fallback_steps,
+      "first_run_steps": self.first_run_steps,
+      "first_run_seconds": self.first_run_seconds,
+      "run_nonfinite_steps": self.nonfinite_steps,
+      "first_nonfinite_step": None if self.first_nonfinite is None else self.first_nonfinite.step,
+    }

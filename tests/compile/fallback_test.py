@@ -1,0 +1,137 @@
+"""The compile fallback: a step whose shape is compiling runs in the fewest micro-steps compiled,
+or waits for a load rather than a compile; the run's last step asks for no compile."""
+
+import doctest
+import math
+
+import pytest
+
+import simigrad_jax
+import tiny_run
+from simigrad_jax.compile import compiler
+from simigrad_jax.compile import fallback
+from simigrad_jax.compile.fallback import choose_plan
+from simigrad_jax.compile.fallback import fallback_plan
+from simigrad_jax.shapes.batch_plan import BucketPolicy
+from simigrad_jax.shapes.batch_plan import plan_batch
+from simigrad_jax.trainer import step_inputs
+
+POLICY = BucketPolicy(32, 1, shapes_per_octave=8)
+
+
+def everything_ready(size, steps):
+  return True
+
+
+@pytest.mark.parametrize(
+  "batch_size, compiled, want",
+  [
+    (100, {8, 32}, (32, 1)),  # pad in one step rather than accumulate two of 8
+    (100, {12, 16, 32}, (16, 1)),  # the nearest of those in one step
+    (300, {16, 20, 32}, (20, 2)),  # two steps at the least: the nearest that holds it in two
+    (100, {4}, (4, 4)),  # only a smaller one: accumulate
+  ],
+)
+def test_fewest_micro_steps_then_the_nearest_shape(batch_size, compiled, want):
+  plan = plan_batch(batch_size, 8, POLICY)
+  got = fallback_plan(plan, compiled, everything_ready)
+  assert (got.micro_batch_size, got.accumulation_steps) == want
+  assert got.global_batch_size == batch_size
+  assert got.padded_examples == got.rows_per_step - batch_size
+  assert got.accumulation_steps == math.ceil(batch_size / (8 * got.micro_batch_size))
+
+
+def test_only_ready_programs_and_none_keeps_the_plan():
+  plan = plan_batch(100, 8, POLICY)
+  one_step_only_for_32 = lambda size, steps: steps == 1 and size == 32 or size == 8
+  assert fallback_plan(plan, {8, 32}, one_step_only_for_32).micro_batch_size == 32
+  assert fallback_plan(plan, {8}, lambda size, steps: False) == plan
+
+
+def view(fused=(), micro=(), apply=False, failed_fused=()):
+  return {
+    "fused": set(fused),
+    "micro": set(micro),
+    "apply": apply,
+    "failed_fused": set(failed_fused),
+    "failed_micro": set(),
+  }
+
+
+def test_doctests():
+  result = doctest.testmod(fallback)
+  assert result.attempted > 0 and result.failed == 0
+
+
+def test_choose_plan_keeps_a_ready_or_failed_plan_and_falls_back_otherwise():
+  plan = plan_batch(100, 8, POLICY)  # 13 rows a device
+  assert plan.micro_batch_size == 13
+  assert choose_plan(plan, view(fused={13, 16})) is plan
+  assert choose_plan(plan, view(fused={16}, failed_fused={13})) is plan  # running it raises
+  assert choose_plan(plan, view(fused={16})).micro_batch_size == 16
+  assert choose_plan(plan, view()) is plan  # nothing compiled: it waits for its own
+
+
+def test_with_nothing_compiled_the_plan_waits_for_a_program_the_cache_holds():
+  plan = plan_batch(100, 8, POLICY)
+  cached = {"fused": {32}, "micro": {4}, "apply": True}
+  assert choose_plan(plan, view(), cached).micro_batch_size == 32  # one step, padded
+  no_fused = {"fused": set(), "micro": {4}, "apply": True}
+  got = choose_plan(plan, view(), no_fused)
+  assert (got.micro_batch_size, got.accumulation_steps) == (4, 4)  # accumulated
+  # Its own program in the cache, or a compiled one that holds it: no detour to the cache.
+  assert choose_plan(plan, view(), {"fused": {13, 32}, "micro": set(), "apply": False}) is plan
+  assert choose_plan(plan, view(fused={8}, micro={8}, apply=True), cached).micro_batch_size == 8
+
+
+def test_nearest_cached_picks_the_nearest_shape_the_cache_holds():
+  cached = {"fused": {4, 16}, "micro": set(), "apply": False}
+  assert fallback.nearest_cached("fused", 7, cached) == 4  # log scale: 7/4 < 16/7
+  assert fallback.nearest_cached("fused", 8, cached) == 16  # a tie: the larger
+  assert fallback.nearest_cached("fused", 16, cached) == 16
+  assert fallback.nearest_cached("micro", 7, cached) == 7  # none of that kind
+  assert fallback.nearest_cached("fused", 7, None) == 7
+
+
+def test_every_process_agrees_on_what_all_compiled_and_any_failed():
+  grid = [2, 4, 8, 16]
+  one = fallback.report_bitmasks(view(fused={2, 4, 8}, micro={4}, apply=True), grid)
+  two = fallback.report_bitmasks(view(fused={4, 8}, failed_fused={16}), grid)
+  assert one == {"fused": 0b0111, "micro": 0b0010, "apply": 1, "failed_fused": 0, "failed_micro": 0}
+  agreed = fallback.agreed_view([one, two], grid)
+  assert agreed == view(fused={4, 8}, failed_fused={16})
+
+
+def test_the_runs_last_step_asks_for_no_compile(tmp_path, devices, monkeypatch):
+  """The last step, cut to land on the run's end, is followed by none: it runs on a compiled
+  shape (or waits for its own without the fallback), and queues no compile of its shape or of
+  the shapes near it. Every step before it does."""
+  del devices
+  asked: list[tuple[int, list[int]]] = []  # (step, sizes asked for) from a dispatch
+  in_dispatch: list[int] = []
+  prefetch, dispatch = compiler.StepCompiler.prefetch, step_inputs.StepDispatcher.dispatch
+
+  def recording_prefetch(self, sizes, *, first=False):
+    sizes = list(sizes)
+    if in_dispatch:
+      asked.append((in_dispatch[-1], sizes))
+    return prefetch(self, sizes, first=first)
+
+  def recording_dispatch(self, batch_size, total_examples, step, last_read):
+    in_dispatch.append(step)
+    try:
+      return dispatch(self, batch_size, total_examples, step, last_read)
+    finally:
+      in_dispatch.pop()
+
+  monkeypatch.setattr(compiler.StepCompiler, "prefetch", recording_prefetch)
+  monkeypatch.setattr(step_inputs.StepDispatcher, "dispatch", recording_dispatch)
+  with tiny_run.make_trainer(tmp_path) as trainer:
+    trainer.train(num_epochs=1.0)
+    records = [
+      r for r in simigrad_jax.read_metrics(tmp_path / "metrics.jsonl") if "batch_size" in r
+    ]
+  last = len(records) - 1  # the 0-based step of the last dispatch
+  assert records[-1]["examples_seen"] == 120  # one epoch: the last step lands on its end
+  assert not [sizes for step, sizes in asked if step == last]
+  assert {step for step, _ in asked} == set(range(last))  # the window follows every other step

@@ -1,0 +1,499 @@
+"""Corrupt checkpoints: a damaged newest checkpoint is detected, reported, and skipped for the previous one.
+
+Damage: truncated, emptied or deleted files, garbled JSON, and random single
+bit flips anywhere in the checkpoint. orbax alone reads some of these without
+an error and returns wrong values (a flipped bit in an array's data file or a
+digit of the JSON); the Checkpointer's checksums catch them.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import pathlib
+import random
+import re
+import shutil
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+import pytest
+
+import simigrad_jax
+from reliability_helpers import SEED
+from simigrad_jax.checkpoint import checkpointer as checkpointer_module
+from simigrad_jax.checkpoint.checkpointer import Checkpointer
+
+pytestmark = [
+  pytest.mark.reliability,
+  # orbax's reader leaves un-awaited coroutines behind when a damaged file fails a read.
+  pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning"),
+]
+
+
+def _files(directory: pathlib.Path, pattern: str) -> list[pathlib.Path]:
+  found = sorted(p for p in directory.glob(pattern) if p.is_file())
+  assert found, f"no {pattern} in {directory}"
+  return found
+
+
+def truncate_array_data(step_dir):
+  for f in _files(step_dir, "state/**/d/*"):
+    os.truncate(f, f.stat().st_size // 2)
+
+
+def flip_bit_in_array_data(step_dir):
+  """One flipped bit in the middle of every data file.
+
+  orbax writes each process's b-tree under ``ocdbt.process_<i>/d/`` and merges
+  it into ``state/d/``; small arrays are stored inline in the nodes, so which
+  copy a restore reads depends on the sizes. Every copy gets the flip, so the
+  restore reads a damaged one whatever the layout.
+  """
+  for f in _files(step_dir, "state/**/d/*"):
+    data = bytearray(f.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    f.write_bytes(bytes(data))
+
+
+def change_a_digit_of_the_json(step_dir):
+  """A plausible-looking change orbax cannot see: the sampler position moves by one."""
+  f = _files(step_dir, "host/metadata")[0]
+  text, count = re.subn(
+    r'"examples_seen": (\d+)', lambda m: f'"examples_seen": {int(m[1]) + 1}', f.read_text(), count=1
+  )
+  assert count == 1
+  f.write_text(text)
+
+
+def truncate_json(step_dir):
+  f = _files(step_dir, "host/metadata")[0]
+  f.write_text(f.read_text()[:40])
+
+
+def delete_the_manifest(step_dir):
+  for f in _files(step_dir, "state/**/manifest.ocdbt"):
+    f.unlink()
+
+
+def delete_the_arrays(step_dir):
+  shutil.rmtree(step_dir / "state")
+
+
+def empty_every_file(step_dir):
+  for f in _files(step_dir, "**/*"):
+    f.write_bytes(b"")
+
+
+def garble_the_metadata(step_dir):
+  (step_dir / "state" / "_METADATA").write_text('{"tree_metadata": ')
+
+
+CORRUPTIONS = [
+  truncate_array_data,
+  flip_bit_in_array_data,
+  change_a_digit_of_the_json,
+  truncate_json,
+  delete_the_manifest,
+  delete_the_arrays,
+  empty_every_file,
+  garble_the_metadata,
+]
+
+
+def small_state(scale: float):
+  return {
+    "w": jnp.arange(4000, dtype=jnp.float32).reshape(40, 100) * scale,
+    "b": jnp.full((7,), scale, jnp.float32),
+    "count": jnp.int32(scale),
+    "key": jax.random.key(int(scale)),
+  }
+
+
+def saved_steps(root, steps=(1, 2, 3)):
+  ckpt = Checkpointer(root, max_to_keep=5)
+  for step in steps:
+    ckpt.save(step, small_state(float(step)), {"step": step, "examples_seen": 100 * step})
+  ckpt.close()
+
+
+def _numbers(x):
+  """An array's values as NumPy (a PRNG key's data)."""
+  return np.asarray(
+    jax.random.key_data(x) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x
+  )
+
+
+def assert_state_equal(got, want):
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_array_equal(_numbers(a), _numbers(b))
+
+
+@pytest.mark.parametrize("corrupt", CORRUPTIONS, ids=lambda f: f.__name__)
+def test_damaged_newest_checkpoint_falls_back_to_the_previous_one(corrupt, tmp_path, caplog):
+  root = tmp_path / "checkpoints"
+  saved_steps(root)
+  corrupt(root / "3")
+  ckpt = Checkpointer(root)
+  with caplog.at_level(logging.WARNING, logger="simigrad_jax"):
+    state, host, step = ckpt.restore(small_state(0.0))
+  assert step == 2 and host == {"step": 2, "examples_seen": 200}
+  assert_state_equal(state, small_state(2.0))
+  assert "checkpoint at step 3" in caplog.text and "unreadable" in caplog.text  # it says so
+  assert [s for s, _ in ckpt.skipped] == [3]
+  # The damaged one is moved aside (kept for inspection), so step 3 can be saved again.
+  assert ckpt.all_steps() == [1, 2] and len(ckpt.quarantined) == 1
+  assert pathlib.Path(ckpt.quarantined[0]).is_dir()
+  ckpt.save(3, small_state(3.0), {"step": 3, "examples_seen": 300})
+  ckpt.wait()
+  state, host, step = ckpt.restore(small_state(0.0))
+  assert step == 3 and host["examples_seen"] == 300
+  ckpt.close()
+
+
+def _json_write(monkeypatch, write):
+  """Replaces the background write of a checkpoint's JSON item (orbax's) by ``write``."""
+  monkeypatch.setattr(ocp.handlers.JsonCheckpointHandler, "_save_fn", write)
+
+
+def test_a_bounded_wait_says_whether_the_save_has_finished(tmp_path, monkeypatch):
+  """``wait(timeout)`` (the multi-host Trainer's rounds) returns False while the save is under
+  way, True once it has finished, and raises the save's error once."""
+  release, write = threading.Event(), ocp.handlers.JsonCheckpointHandler._save_fn
+
+  async def held_write(self, item, directory):
+    release.wait()  # (orbax runs the write in a thread of its own)
+    await write(self, item, directory)
+
+  _json_write(monkeypatch, held_write)
+  ckpt = Checkpointer(tmp_path / "checkpoints")
+  ckpt.save(1, small_state(1.0), {"step": 1})
+  assert ckpt.wait(timeout=0.05) is False
+  assert ckpt.wait(timeout=0.05) is False and ckpt.failed_save() is None  # the same save goes on
+  release.set()
+  assert ckpt.wait(timeout=30) is True and ckpt.all_steps() == [1]
+
+  async def failed_write(self, item, directory):
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+  _json_write(monkeypatch, failed_write)
+  ckpt.save(2, small_state(2.0), {"step": 2})
+  with pytest.raises(OSError, match="No space left on device"):
+    ckpt.wait(timeout=30)
+  assert ckpt.wait(timeout=30) is True  # raised once
+  _json_write(monkeypatch, write)
+  ckpt.save(3, small_state(3.0), {"step": 3})
+  ckpt.close()
+  assert Checkpointer(tmp_path / "checkpoints").all_steps() == [1, 3]
+
+
+def _failing_reads(ckpt, error, steps, times=None):
+  """Makes orbax's reads of the checkpoints of ``steps`` raise ``error`` (the first ``times`` reads
+  only, if given); returns the steps of every read."""
+  restore, reads = ckpt._manager.restore, []
+
+  def flaky_restore(step, *args, **kwargs):
+    reads.append(step)
+    if step in steps and (times is None or reads.count(step) <= times):
+      raise error
+    return restore(step, *args, **kwargs)
+
+  ckpt._manager.restore = flaky_restore
+  return reads
+
+
+# Read errors of the file system: Python's, and tensorstore's report of one (as orbax raises it).
+READ_ERRORS = [
+  OSError(errno.EIO, "Input/output error"),
+  ValueError(
+    'UNKNOWN: Error reading local file "/ckpt/3/state/d/0": read failed '
+    "[OS error 5: Input/output error]"
+  ),
+]
+
+
+@pytest.mark.parametrize("error", READ_ERRORS, ids=["OSError", "tensorstore"])
+def test_a_transient_read_error_is_tried_again_and_restores_the_newest(
+  error, tmp_path, caplog, monkeypatch
+):
+  monkeypatch.setattr(checkpointer_module, "READ_RETRY_SECONDS", 0.01)
+  root = tmp_path / "checkpoints"
+  saved_steps(root)
+  ckpt = Checkpointer(root)
+  reads = _failing_reads(ckpt, error, steps={3}, times=2)
+  with caplog.at_level(logging.WARNING, logger="simigrad_jax"):
+    state, host, step = ckpt.restore(small_state(0.0))
+  assert step == 3 and host["step"] == 3 and reads[:3] == [3, 3, 3]
+  assert_state_equal(state, small_state(3.0))
+  assert ckpt.skipped == [] and ckpt.quarantined == [] and ckpt.all_steps() == [1, 2, 3]
+  assert (
+    caplog.text.count("reading the checkpoint at step 3") == 2 and "trying again" in caplog.text
+  )
+  assert not (tmp_path / "checkpoints.unreadable").exists()
+  ckpt.close()
+
+
+@pytest.mark.parametrize("error", READ_ERRORS, ids=["OSError", "tensorstore"])
+def test_a_read_error_that_persists_is_raised_and_moves_nothing(error, tmp_path, monkeypatch):
+  """The newest checkpoint is damaged, the one before fails every read: no checkpoint is
+  restored, skipped for good or moved (the failing one may be intact)."""
+  monkeypatch.setattr(checkpointer_module, "READ_RETRY_SECONDS", 0.01)
+  root = tmp_path / "checkpoints"
+  saved_steps(root)
+  truncate_array_data(root / "3")
+  ckpt = Checkpointer(root)
+  reads = _failing_reads(ckpt, error, steps={2})
+  with pytest.raises(
+    OSError,
+    match=r"\[Errno 5\] reading the checkpoint at step 2 in .* failed "
+    r"4 times with an error of the file system .*nothing was "
+    r"skipped or moved",
+  ) as raised:
+    ckpt.restore(small_state(0.0))
+  assert raised.value.errno == errno.EIO and raised.value.__cause__ is error
+  assert reads.count(2) == checkpointer_module.READ_ATTEMPTS
+  assert ckpt.all_steps() == [1, 2, 3] and ckpt.quarantined == []
+  assert not (tmp_path / "checkpoints.unreadable").exists()
+  ckpt.close()
+
+
+def test_two_damaged_checkpoints_fall_back_two_steps(tmp_path, caplog):
+  root = tmp_path / "checkpoints"
+  saved_steps(root)
+  truncate_array_data(root / "3")
+  change_a_digit_of_the_json(root / "2")
+  ckpt = Checkpointer(root)
+  with caplog.at_level(logging.WARNING, logger="simigrad_jax"):
+    _, host, step = ckpt.restore(small_state(0.0))
+  assert step == 1 and host["step"] == 1
+  assert [s for s, _ in ckpt.skipped] == [3, 2]
+  ckpt.close()
+
+
+def test_every_checkpoint_damaged_is_an_error_naming_each(tmp_path):
+  root = tmp_path / "checkpoints"
+  saved_steps(root, steps=(1, 2))
+  truncate_json(root / "1")
+  delete_the_arrays(root / "2")
+  ckpt = Checkpointer(root)
+  with pytest.raises(ValueError, match=r"no readable checkpoint in .*step 2: .*; step 1: "):
+    ckpt.restore(small_state(0.0))
+  assert ckpt.all_steps() == [1, 2]  # nothing moved when nothing could be restored
+  ckpt.close()
+
+
+def test_a_checkpoint_of_another_model_is_refused_not_skipped(tmp_path):
+  root = tmp_path / "checkpoints"
+  saved_steps(root, steps=(1, 2))
+  ckpt = Checkpointer(root)
+  other = {**small_state(0.0), "w": jnp.zeros((40, 99), jnp.float32)}
+  with pytest.raises(
+    simigrad_jax.CheckpointMismatchError,
+    match=r"step 2 .* different model or optimizer: \['w'\] is float32\[40, 100\] "
+    r"there and float32\[40, 99\] here",
+  ):
+    ckpt.restore(other)
+  assert ckpt.all_steps() == [1, 2]
+  ckpt.close()
+
+
+def test_random_bit_flips_never_restore_wrong_values(tmp_path):
+  """Flip one random bit of one file of the newest checkpoint, 40 times.
+
+  Each time the restore must return step 2 exactly or fall back to step 1
+  exactly; it never returns values that differ from what was saved. Counts how
+  often orbax alone (no checksums) would have restored wrong values silently.
+  """
+  base = tmp_path / "base"
+  saved_steps(base, steps=(1, 2))
+  # Sorted by folder and size: orbax names data files at random, their sizes do not change.
+  files = sorted(
+    (p for p in (base / "2").rglob("*") if p.is_file() and p.stat().st_size),
+    key=lambda p: (str(p.parent.relative_to(base)), p.stat().st_size, p.name),
+  )
+  # Two flips in three hit the array data or the JSON, the damage orbax can miss.
+  payload_files = [p for p in files if p.parent.name == "d" or p.name == "metadata"]
+  rng = random.Random(SEED)
+  outcomes = {"exact": 0, "fallback": 0, "orbax_alone_wrong": 0}
+  for trial in range(40):
+    root = tmp_path / f"trial{trial}"
+    shutil.copytree(base, root)
+    target = root / rng.choice(payload_files if trial % 3 else files).relative_to(base)
+    data = bytearray(target.read_bytes())
+    data[rng.randrange(len(data))] ^= 1 << rng.randrange(8)
+    target.write_bytes(bytes(data))
+    # What orbax alone returns for this damage.
+    manager = ocp.CheckpointManager(root, options=ocp.CheckpointManagerOptions(create=False))
+    try:
+      raw = manager.restore(
+        2,
+        args=ocp.args.Composite(
+          state=ocp.args.StandardRestore(small_state(0.0)), host=ocp.args.JsonRestore()
+        ),
+      )
+      payload = raw.host.get("payload", {}) if isinstance(raw.host, dict) else {}
+      same = payload.get("host") == {"step": 2, "examples_seen": 200} and all(
+        np.array_equal(_numbers(a), _numbers(b))
+        for a, b in zip(jax.tree.leaves(raw.state), jax.tree.leaves(small_state(2.0)))
+      )
+      outcomes["orbax_alone_wrong"] += not same
+    except Exception:  # pylint: disable=broad-except  (orbax noticed)
+      pass
+    manager.close()
+    ckpt = Checkpointer(root)
+    state, host, step = ckpt.restore(small_state(0.0))
+    ckpt.close()
+    assert_state_equal(state, small_state(float(step)))
+    assert host == {"step": step, "examples_seen": 100 * step}
+    outcomes["exact" if step == 2 else "fallback"] += 1
+  print(f"\nbit flips: {outcomes}")
+  assert outcomes["fallback"] >= outcomes["orbax_alone_wrong"]
+
+
+# ------------------------------------------------------------ in the Trainer
+
+
+class _Data:
+  """The trainer test's tiny MLP problem."""
+
+  @staticmethod
+  def make_trainer(workdir, **kwargs):
+    from tiny_run import TinyMLP  # pylint: disable=import-outside-toplevel
+    from tiny_run import dataset  # pylint: disable=import-outside-toplevel
+    from tiny_run import mlp_loss  # pylint: disable=import-outside-toplevel
+
+    params = TinyMLP().init(jax.random.key(0), np.zeros((1, 5), np.float32))["params"]
+    optimizer = optax.chain(
+      simigrad_jax.transform("batch"),
+      optax.sgd(0.1, momentum=0.9),
+      simigrad_jax.scale_by_lr_factor(),
+    )
+    controller = simigrad_jax.Controller(
+      24, 0.3, batch_size_lower_bound=8, batch_size_upper_bound=64
+    )
+    return simigrad_jax.Trainer(
+      loss_fn=mlp_loss,
+      params=params,
+      optimizer=optimizer,
+      source=simigrad_jax.ArraySource(dataset(num_examples=200)),
+      controller=controller,
+      workdir=workdir,
+      max_micro_batch_size=4,
+      seed=3,
+      checkpoint_every_steps=2,
+      progress=False,
+      tensorboard=False,
+      **kwargs,
+    )
+
+
+def _records(workdir):
+  return [
+    r for r in simigrad_jax.read_metrics(pathlib.Path(workdir) / "metrics.jsonl") if "loss" in r
+  ]
+
+
+@pytest.fixture(scope="module")
+def straight_trainer_run(tmp_path_factory):
+  workdir = tmp_path_factory.mktemp("straight_trainer")
+  with _Data.make_trainer(workdir) as trainer:
+    trainer.train(num_steps=8)
+  return _records(workdir)
+
+
+@pytest.mark.parametrize(
+  "corrupt", [flip_bit_in_array_data, change_a_digit_of_the_json], ids=lambda f: f.__name__
+)
+def test_trainer_resumes_from_the_previous_checkpoint_and_continues_exactly(
+  corrupt, straight_trainer_run, tmp_path, caplog
+):
+  with _Data.make_trainer(tmp_path) as trainer:
+    trainer.train(num_steps=6)  # checkpoints at steps 2, 4, 6
+  corrupt(tmp_path / "checkpoints" / "6")
+  with caplog.at_level(logging.WARNING, logger="simigrad_jax"):
+    trainer = _Data.make_trainer(tmp_path)
+  assert trainer.step == 4
+  assert (
+    "checkpoint at step 6" in caplog.text and "resumed from the checkpoint at step 4" in caplog.text
+  )
+  with trainer:
+    trainer.train(num_steps=8)
+  records = _records(tmp_path)
+  assert [r["step"] for r in records] == list(range(1, 9))
+  for key in ("batch_size", "lr_factor", "next_batch_size", "examples_seen"):
+    assert [r[key] for r in records] == [r[key] for r in straight_trainer_run], key
+  np.testing.assert_allclose(
+    [r["loss"] for r in records], [r["loss"] for r in straight_trainer_run], rtol=0, atol=1e-5
+  )
+  assert 6 in Checkpointer(tmp_path / "checkpoints").all_steps()  # step 6 was saved again
+  assert list((tmp_path / "checkpoints.unreadable").iterdir())  # the damaged one, kept aside
+  # other users can read neither the checkpoints nor the damaged ones
+  assert (tmp_path / "checkpoints.unreadable").stat().st_mode & 0o077 == 0
+
+
+def test_a_checkpoint_written_before_checksums_still_restores(tmp_path, caplog):
+  """Checkpoints of an older simigrad_jax (host JSON without checksums) restore, with a warning."""
+  manager = ocp.CheckpointManager(tmp_path / "checkpoints")
+  manager.save(
+    5,
+    args=ocp.args.Composite(
+      state=ocp.args.StandardSave(small_state(5.0)), host=ocp.args.JsonSave({"step": 5})
+    ),
+  )
+  manager.wait_until_finished()
+  manager.close()
+  ckpt = Checkpointer(tmp_path / "checkpoints")
+  with caplog.at_level(logging.WARNING, logger="simigrad_jax"):
+    state, host, step = ckpt.restore(small_state(0.0))
+  assert step == 5 and host == {"step": 5}
+  assert_state_equal(state, small_state(5.0))
+  assert "has no checksums" in caplog.text
+  ckpt.close()
+
+
+def test_a_failed_background_save_stops_training_at_the_next_step(tmp_path, monkeypatch):
+  """A full disk while step 4's checkpoint is written in the background: training stops at step 5
+  with the save's error, not at the next save (step 6) or at the end."""
+  write = ocp.handlers.JsonCheckpointHandler._save_fn
+
+  async def full_disk_at_step_4(self, item, directory):
+    if item["payload"]["host"]["step"] == 4:
+      raise OSError(errno.ENOSPC, "No space left on device")
+    await write(self, item, directory)
+
+  _json_write(monkeypatch, full_disk_at_step_4)
+  trainer = _Data.make_trainer(tmp_path)  # a checkpoint every 2 steps
+  checkpointer = trainer._checkpoints.checkpointer
+  save = checkpointer.save
+
+  def save_then_let_it_fail(step, state, host):  # the failure happens before the next step
+    save(step, state, host)
+    deadline = time.monotonic() + 60
+    while step == 4 and checkpointer.failed_save() is None and time.monotonic() < deadline:
+      time.sleep(0.005)
+
+  checkpointer.save = save_then_let_it_fail
+  with trainer:  # (closing does not raise the error again)
+    with pytest.raises(OSError, match="No space left on device") as raised:
+      trainer.train(num_steps=10)
+    assert trainer.step == 5
+  assert raised.value.errno == errno.ENOSPC
+  assert any(
+    re.search(
+      r"the background save of the checkpoint of step 4 in .* failed: training "
+      r"stopped at step 5; a restart resumes from the newest finished "
+      r"checkpoint \(step 2\)",
+      note,
+    )
+    for note in raised.value.__notes__
+  )
+  assert [r["step"] for r in _records(tmp_path)] == [1, 2, 3, 4]
+  resumed = Checkpointer(tmp_path / "checkpoints")
+  assert resumed.all_steps() == [2]
+  resumed.close()

@@ -1,0 +1,181 @@
+"""``python -m train``: config files and overrides, the workdir, resume without duplicated steps, errors."""
+
+import json
+import os
+import pathlib
+import re
+import shlex
+import subprocess
+import sys
+
+import pytest
+from absl import flags
+from ml_collections import config_flags
+
+# ml_collections loads config files with importlib's deprecated load_module().
+pytestmark = pytest.mark.filterwarnings("ignore:the load_module:DeprecationWarning")
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+CONFIG_DIR = ROOT / "train" / "configs"
+CONFIGS = sorted(p for p in CONFIG_DIR.glob("*.py") if p.stem != "__init__")
+DOCS = "".join(path.read_text() for path in [ROOT / "README.md", *sorted(ROOT.glob("docs/*.md"))])
+DOCS_COMMANDS = [
+  line
+  for block in re.findall(r"^```bash\n(.*?)^```", DOCS, re.S | re.M)
+  for line in block.replace("\\\n", " ").splitlines()  # backslash-continued: one line
+  if "python -m train " in line
+]
+MAIN_FLAGS = set(
+  re.findall(r'DEFINE_\w+\(\s*"(\w+)"', (ROOT / "train" / "__main__.py").read_text())
+)
+# The digits demo at a size that compiles once and trains in seconds.
+SMALL = [
+  "--config.mode=pad",
+  "--config.cnn_features=(4, 8)",
+  "--config.cnn_dense=16",
+  "--config.tensorboard=False",
+]
+
+
+def parse(config_path, *overrides):
+  """Parses a config file and overrides the way ``python -m train`` does, in a fresh flag set."""
+  argv = ["train", "--config", str(config_path), *overrides]
+  values = flags.FlagValues()
+  config_flags.DEFINE_config_file(
+    "config", None, "", flag_values=values, lock_config=True, sys_argv=argv
+  )
+  values(argv)
+  return values.config
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
+def test_every_config_file_takes_command_line_overrides(path):
+  config = parse(
+    path,
+    "--config.num_epochs=2",
+    "--config.seed=3",
+    "--config.similarity_target=0.25",
+    "--config.batch_size_upper_bound=4096",
+    "--config.smooth_factor=0.5",
+    "--config.batch_sizes_to_profile=(64, 128)",
+    "--config.lr_adjust_factor=0.5",
+    "--config.controller=fixed",
+  )
+  assert (config.num_epochs, config.seed, config.similarity_target) == (2, 3, 0.25)
+  assert (config.batch_size_upper_bound, config.smooth_factor) == (4096, 0.5)
+  assert tuple(config.batch_sizes_to_profile) == (64, 128) and config.controller == "fixed"
+  with pytest.raises(Exception, match="similarity_targt"):  # a typo is refused
+    parse(path, "--config.similarity_targt=0.1")
+
+
+def run_train(workdir, *args, env=None):
+  env = dict(os.environ, PYTHONPATH=str(ROOT), **(env or {}))
+  env.pop("XLA_FLAGS", None)  # python -m train sets up its simulated devices itself
+  command = [
+    sys.executable,
+    "-m",
+    "train",
+    "--config",
+    "train/configs/digits_demo.py",
+    "--workdir",
+    str(workdir),
+    *args,
+  ]
+  return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_runs_resumes_and_appends_without_duplicating_steps(tmp_path):
+  first = run_train(tmp_path, *SMALL, "--config.num_epochs=1", "--config.seed=3")
+  assert first.returncode == 0, first.stderr[-3000:]
+  assert "devices: 8 x cpu" in first.stdout and "epoch 1/1" in first.stdout
+  assert "final test accuracy" in first.stdout and str(tmp_path / "metrics.png") in first.stdout
+  lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+  steps_before = [json.loads(x)["step"] for x in lines if "batch_size" in x]
+
+  second = run_train(tmp_path, *SMALL, "--config.num_epochs=2", "--config.seed=3")
+  assert second.returncode == 0, second.stderr[-3000:]
+  assert f"resuming from the checkpoint at step {steps_before[-1]}" in second.stdout
+  assert "epoch 2/2" in second.stdout and "epoch 1/2" not in second.stdout
+  records = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+  assert (tmp_path / "metrics.jsonl").read_text().splitlines()[: len(lines)] == lines
+  steps = [r["step"] for r in records if "batch_size" in r]
+  assert steps == list(range(1, len(steps) + 1)) and len(steps) > len(steps_before)
+  assert [r["epoch"] for r in records if "eval_accuracy" in r] == [0, 1]
+  assert records[-1]["examples_seen"] == 2 * 1500
+
+  again = run_train(tmp_path, *SMALL, "--config.num_epochs=2", "--config.seed=3")
+  assert again.returncode == 0, again.stderr[-3000:]
+  assert "nothing to train" in again.stdout
+  assert [
+    json.loads(x)["step"]
+    for x in (tmp_path / "metrics.jsonl").read_text().splitlines()
+    if "batch_size" in x
+  ] == steps
+
+
+def test_a_resume_loads_every_executable_from_the_compilation_cache(tmp_path):
+  """On by default in <workdir>/compilation_cache: the second start of a run compiles nothing."""
+  cache = tmp_path / "compilation_cache"
+  # JAX logs every persistent-cache miss and hit as a warning (stderr).
+  logged = {"JAX_EXPLAIN_CACHE_MISSES": "1", "JAX_LOG_COMPILES": "1"}
+  runs = []
+  for num_steps in (3, 6):  # both inside the first epoch: the same programs
+    result = run_train(tmp_path, *SMALL, f"--config.num_steps={num_steps}", env=logged)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"compilation cache: {cache}" in result.stdout
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    runs.append(
+      {
+        "misses": result.stderr.count("PERSISTENT COMPILATION CACHE MISS"),
+        "hits": result.stderr.count("Persistent compilation cache hit"),
+        "entries": sorted(os.listdir(cache)),
+        "compile_seconds": summary["compile_seconds"],
+        "compiles": summary["compiles"],
+        "loaded": summary["compile_cache_hits"],
+        "loaded_seconds": summary["compile_cache_hit_seconds"],
+        "row": next(x for x in result.stdout.splitlines() if x.startswith("compiles ")),
+      }
+    )
+  cold, warm = runs
+  assert "resuming from the checkpoint at step 3" in result.stdout
+  # Measured: 59 misses and 59 entries, then 0 misses and 59 hits; step compile 1.4 s -> 0.09 s.
+  assert cold["hits"] == 0 and cold["misses"] >= len(cold["entries"]) > 0
+  assert warm["misses"] == 0 and warm["hits"] > 0
+  assert warm["entries"] == cold["entries"]  # nothing new written
+  assert warm["compile_seconds"] < 0.5 * cold["compile_seconds"]
+  # The Trainer counts the step programs it loaded, and says so.
+  assert (cold["loaded"], cold["loaded_seconds"]) == (0, 0.0)
+  assert warm["loaded"] == warm["compiles"] > 0
+  assert 0 < warm["loaded_seconds"] <= warm["compile_seconds"]
+  assert f"{warm['loaded']} loaded from the compilation cache" in warm["row"]
+  print(
+    f"compilation cache: cold {cold['misses']} misses, {cold['compile_seconds']:.2f} s "
+    f"compiling steps; warm {warm['misses']} misses, {warm['hits']} hits, "
+    f"{warm['compile_seconds']:.2f} s"
+  )
+
+
+def test_the_compilation_cache_can_be_turned_off(tmp_path):
+  result = run_train(tmp_path, *SMALL, "--config.num_steps=1", "--config.compilation_cache=False")
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert "compilation cache: off" in result.stdout
+  assert not (tmp_path / "compilation_cache").exists()
+
+
+def test_a_bad_controller_name_fails_before_training(tmp_path):
+  result = run_train(tmp_path, "--config.controller=simigard")
+  assert result.returncode != 0
+  assert "unknown controller 'simigard'" in result.stderr
+  assert not (tmp_path / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize("command", DOCS_COMMANDS)
+def test_docs_train_commands_name_real_configs_options_and_flags(command):
+  """The ``python -m train`` lines of README and docs/ (GPU ones included) parse: config, overrides, flags."""
+  args = shlex.split(command.split("python -m train ", 1)[1])
+  config_path = ROOT / args[args.index("--config") + 1]
+  overrides = [a for a in args if a.startswith("--config.")]
+  parse(config_path, *overrides)
+  for arg in args:
+    if arg.startswith("--") and not arg.startswith("--config"):
+      assert arg[2:].split("=")[0] in MAIN_FLAGS, arg
