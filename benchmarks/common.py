@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import Any
 
 REPOSITORY_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -72,3 +73,16 @@ def report(results: dict, table: str, out: str | None) -> dict:
       json.dump(results, f, indent=2)
     print(f"\nwrote {out}")
   return results
+
+
+def trainer_arguments(arguments: dict[str, Any], **settings: Any) -> dict[str, Any]:
+  """``simigrad_jax.Trainer``'s keyword arguments: the ``TrainerConfig`` fields among
+  ``arguments``, over ``settings``, as one ``config``; the rest as given."""
+  import dataclasses  # pylint: disable=import-outside-toplevel
+
+  import simigrad_jax  # pylint: disable=import-outside-toplevel
+
+  fields = {field.name for field in dataclasses.fields(simigrad_jax.TrainerConfig)}
+  config = settings | {name: value for name, value in arguments.items() if name in fields}
+  others = {name: value for name, value in arguments.items() if name not in fields}
+  return others | {"config": simigrad_jax.TrainerConfig(**config)}

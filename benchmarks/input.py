@@ -275,9 +275,11 @@ def data_wait_shares(
         source=make_source(blobs, workers, size),
         controller=controller,
         workdir=workdir,
-        max_micro_batch_size=max(batch_size // len(jax.devices()), 1),
-        progress=False,
-        tensorboard=False,
+        config=simigrad_jax.TrainerConfig(
+          max_micro_batch_size=max(batch_size // len(jax.devices()), 1),
+          progress=False,
+          tensorboard=False,
+        ),
       ) as trainer,
     ):
       trainer.train(num_steps=1)  # compiles; the workers start

@@ -26,6 +26,7 @@ import optax
 from jax import lax
 
 import simigrad_jax
+from benchmarks import common
 from train import models
 
 AXIS = "batch"
@@ -366,15 +367,17 @@ class TrainerLoop:
       source=simigrad_jax.ArraySource(data),
       controller=controller,
       workdir=workdir,
-      max_micro_batch_size=max_micro,
-      seed=SEED,
-      tensorboard=True,
-      progress=False,
-      axis_name=AXIS,
-      # Only warm-up steps can find their shape still compiling (the timed ones start
-      # after every shape compiled): let them wait rather than accumulate on a smaller one.
-      compile_fallback=False,
-      **settings,
+      **common.trainer_arguments(
+        settings,
+        max_micro_batch_size=max_micro,
+        seed=SEED,
+        tensorboard=True,
+        progress=False,
+        axis_name=AXIS,
+        # Only warm-up steps can find their shape still compiling (the timed ones start
+        # after every shape compiled): let them wait rather than accumulate on a smaller one.
+        compile_fallback=False,
+      ),
     )
     # train() ends with a checkpoint save: mark when the step loop is over (and the CPU used).
     self._save_calls: list[float] = []

@@ -23,6 +23,7 @@ import jax
 import numpy as np
 
 import simigrad_jax
+from benchmarks import common
 from benchmarks.pareto_analysis import SIMIGRAD_GRID_KEYS
 
 # A run option that is no controller option: 1 wraps the controller in OneStepLateController.
@@ -111,12 +112,14 @@ def benchmark_trainer(
   return simigrad_jax.Trainer(
     controller=controller,
     workdir=workdir,
-    max_micro_batch_size=max(1, -(-upper // jax.device_count())),
-    max_checkpoints=1,
-    compilation_cache_dir=cache_dir,
-    progress=False,
-    tensorboard=False,
-    **trainer_args,
+    **common.trainer_arguments(
+      trainer_args,
+      max_micro_batch_size=max(1, -(-upper // jax.device_count())),
+      max_checkpoints=1,
+      compilation_cache_dir=cache_dir,
+      progress=False,
+      tensorboard=False,
+    ),
   )
 
 

@@ -60,11 +60,9 @@ def prime_process(
     source=simigrad_jax.ArraySource(data),
     controller=controller,
     workdir=workdir,
-    max_micro_batch_size=1,
-    mode="pad",
-    tensorboard=False,
-    progress=False,
-    axis_name=AXIS,
+    config=simigrad_jax.TrainerConfig(
+      max_micro_batch_size=1, mode="pad", tensorboard=False, progress=False, axis_name=AXIS
+    ),
   ) as trainer:
     trainer.train(num_steps=2)
   shutil.rmtree(workdir, ignore_errors=True)
@@ -105,16 +103,18 @@ def run_mode(
     source=simigrad_jax.ArraySource(data),
     controller=controller,
     workdir=workdir,
-    max_micro_batch_size=max_micro,
-    min_micro_batch_size=1,
-    shapes_per_octave=1,  # the grid of halvings, its shapes listed in switching.py
-    mode="pad" if mode == "pad" else "recompile",
-    compile_fallback=mode != "recompile_wait",
-    seed=seed,
-    compilation_cache_dir=persistent_cache,
-    tensorboard=False,
-    progress=False,
-    axis_name=AXIS,
+    config=simigrad_jax.TrainerConfig(
+      max_micro_batch_size=max_micro,
+      min_micro_batch_size=1,
+      shapes_per_octave=1,  # the grid of halvings, its shapes listed in switching.py
+      mode="pad" if mode == "pad" else "recompile",
+      compile_fallback=mode != "recompile_wait",
+      seed=seed,
+      compilation_cache_dir=persistent_cache,
+      tensorboard=False,
+      progress=False,
+      axis_name=AXIS,
+    ),
   )
   setup = time.perf_counter() - total_start
   apply_compile_seconds = trainer.compile_stats()["compile_seconds"]  # nothing else compiled yet

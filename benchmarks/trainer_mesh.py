@@ -127,10 +127,10 @@ def measure(widths: Sequence[int], batch_size: int) -> dict[str, dict[str, int]]
           batch_size, 0.5, batch_size_lower_bound=batch_size, batch_size_upper_bound=batch_size
         ),
         workdir=pathlib.Path(workdir),
-        max_micro_batch_size=batch_size // DATA,
-        progress=False,
-        tensorboard=False,
         **settings,
+        config=simigrad_jax.TrainerConfig(
+          max_micro_batch_size=batch_size // DATA, progress=False, tensorboard=False
+        ),
       )
       with trainer:
         memory = trainer.step_memory()

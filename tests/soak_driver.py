@@ -74,21 +74,30 @@ trainer = simigrad_jax.Trainer(
   source=simigrad_jax.ArraySource({"x": x, "y": y}),
   controller=controller,
   workdir=args.workdir,
-  max_micro_batch_size=4,
-  seed=0,
-  checkpoint_every_steps=500,
-  max_checkpoints=2,
-  progress=False,
-  tensorboard=True,
+  config=simigrad_jax.TrainerConfig(
+    max_micro_batch_size=4,
+    seed=0,
+    checkpoint_every_steps=500,
+    max_checkpoints=2,
+    progress=False,
+    tensorboard=True,
+  ),
 )
 
 samples = []  # (step, rss, hwm, live objects)
 sizes = []
-original = trainer._read_and_decide
 
 
-def sampling_step(dispatched):
-  record = original(dispatched)
+class Sampling:
+  """Samples the process's memory as soon as a step is decided, before the next is dispatched."""
+
+  runs_at_once = True
+
+  def on_step(self, record):
+    sample(record)
+
+
+def sample(record):
   sizes.append(record.batch_size)
   step = record.step
   if step >= args.warmup and (step - args.warmup) % args.sample_every == 0 or step == args.steps:
@@ -103,10 +112,9 @@ def sampling_step(dispatched):
         "compiles": trainer.compile_stats()["compiles"],
       }
     )
-  return record
 
 
-trainer._read_and_decide = sampling_step
+trainer.add_hook(Sampling())
 start = time.perf_counter()
 with trainer:
   summary = trainer.train(num_steps=args.steps)

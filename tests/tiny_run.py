@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import pathlib
 import threading
 from collections.abc import Iterator
@@ -66,7 +67,17 @@ def make_trainer(workdir, **settings: Any) -> simigrad_jax.Trainer:
     "tensorboard": False,
     **settings,
   }
-  return simigrad_jax.Trainer(**trainer_objects(workdir), **settings)
+  return trainer_with(**trainer_objects(workdir), **settings)
+
+
+def trainer_with(**arguments: Any) -> simigrad_jax.Trainer:
+  """A Trainer of ``arguments``: the TrainerConfig fields among them as its ``config``, the rest
+  as its own arguments."""
+  fields = {field.name for field in dataclasses.fields(simigrad_jax.TrainerConfig)}
+  config = simigrad_jax.TrainerConfig(**{k: v for k, v in arguments.items() if k in fields})
+  return simigrad_jax.Trainer(
+    **{k: v for k, v in arguments.items() if k not in fields}, config=config
+  )
 
 
 def train_records(
@@ -85,11 +96,13 @@ def train_records(
   with simigrad_jax.persistent_cache_settings():  # the Trainer's cache is process-wide
     trainer = simigrad_jax.Trainer(
       **(trainer_objects(workdir) | overrides),
-      max_micro_batch_size=4,
-      seed=2,
-      progress=False,
-      tensorboard=False,
-      compilation_cache_dir=cache_dir,
+      config=simigrad_jax.TrainerConfig(
+        max_micro_batch_size=4,
+        seed=2,
+        progress=False,
+        tensorboard=False,
+        compilation_cache_dir=cache_dir,
+      ),
     )
     with trainer:
       summary = trainer.train(num_steps=num_steps)

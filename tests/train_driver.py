@@ -270,18 +270,20 @@ trainer = simigrad_jax.Trainer(
   source=source,
   controller=controller,
   workdir=args.workdir,
-  max_micro_batch_size=args.max_micro_batch_size,
-  shapes_per_octave=args.shapes_per_octave,
-  mode=args.mode,
-  seed=1,
-  checkpoint_every_steps=args.checkpoint_every or None,
-  checkpoint_every_seconds=args.checkpoint_every_seconds,
-  progress=False,
-  tensorboard=False,
-  compilation_cache_dir=args.compile_cache,
-  halves=args.halves,
-  compile_fallback=not args.no_compile_fallback,
-  agreement_timeout_seconds=args.agreement_timeout,
+  config=simigrad_jax.TrainerConfig(
+    max_micro_batch_size=args.max_micro_batch_size,
+    shapes_per_octave=args.shapes_per_octave,
+    mode=args.mode,
+    seed=1,
+    checkpoint_every_steps=args.checkpoint_every or None,
+    checkpoint_every_seconds=args.checkpoint_every_seconds,
+    progress=False,
+    tensorboard=False,
+    compilation_cache_dir=args.compile_cache,
+    halves=args.halves,
+    compile_fallback=not args.no_compile_fallback,
+    agreement_timeout_seconds=args.agreement_timeout,
+  ),
 )
 trace(
   {
@@ -333,11 +335,18 @@ def recording_take(plan, start, step):
 
 
 trainer._data.take = recording_take
-original_decide = trainer._read_and_decide
 
 
-def decide_then_maybe_die(dispatched):
-  record = original_decide(dispatched)
+class DecidedSteps:
+  """Traces each step as soon as it is decided, and dies or freezes there when asked."""
+
+  runs_at_once = True
+
+  def on_step(self, record):
+    trace_then_maybe_die(record)
+
+
+def trace_then_maybe_die(record):
   trace(
     {
       "event": "step",
@@ -366,10 +375,9 @@ def decide_then_maybe_die(dispatched):
     die("between_steps", step=record.step)
   if record.step == args.freeze_at:
     freeze(step=record.step)
-  return record
 
 
-trainer._read_and_decide = decide_then_maybe_die
+trainer.add_hook(DecidedSteps())
 
 if args.kill_in_save is not None:
   checkpointer = trainer._checkpoints.checkpointer

@@ -128,3 +128,15 @@ class AnticipatesBatchSizes(Protocol):
   def likely_batch_sizes(self, examples_seen: int, epochs: float) -> Sequence[int] | None:
     """The sizes this controller may decide for the step that starts after ``examples_seen``
     examples (``epochs`` epochs), the likeliest first; None: no better guess than SimiGrad's."""
+
+
+def likely_batch_sizes(controller: Any, examples_seen: int, epochs: float) -> tuple[int, ...]:
+  """The sizes ``controller`` may decide at its next update, the likeliest first (never empty)."""
+  said = getattr(controller, "likely_batch_sizes", None)
+  sizes = None if said is None else said(examples_seen, epochs)
+  return tuple(dict.fromkeys(int(s) for s in sizes)) if sizes else (int(controller.batch_size),)
+
+
+def similarity_target(controller: Any) -> float | None:
+  """The similarity ``controller`` steers toward (None for one that does not read it)."""
+  return controller.config.get("similarity_target")

@@ -5,13 +5,12 @@ the batch size (:class:`simigrad_jax.EpochSampler`); each process loads only
 its own devices' rows. Rows are laid out per slot: a slot is a device, or
 with the local split one of the two blocks of a device's rows
 (:mod:`simigrad_jax.shapes.layout`). While the devices run a step, a data thread loads the
-rows for the next one, enough for one grow of the batch size, and places them
-on the devices for each size the controller is likely to decide: those it
-names (a schedule knows its next size; ``likely_batch_sizes``), else
-SimiGrad's grow and shrink of the current size (:func:`likely_next_sizes`).
-If the controller decides one of them, the step
-starts with no host work; if not, the loaded rows are laid out for the new
-plan at once. With several processes
+rows for the next one, as many as the largest plan the caller expects, and
+places them on the devices for each of those plans (the Trainer expects the
+sizes its controller says it may decide next:
+:func:`simigrad_jax.controllers.interface.likely_batch_sizes`). If the step
+runs one of them, it starts with no host work; if not, the loaded rows are
+laid out for its plan at once. With several processes
 every transfer to the devices stays in the main thread, in the same order on
 every process (a transfer to a global sharding must not race the per-step
 agreement's collectives), so only the loading runs ahead.
@@ -27,7 +26,6 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import functools
-import math
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -36,7 +34,6 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from simigrad_jax import validation
 from simigrad_jax.data.sampler import EpochSampler
 from simigrad_jax.shapes import batch_plan
 
@@ -78,19 +75,13 @@ class StepDataLoader:
     local_slots: this process's slots (positions in the plans' device axis),
       in the order of its rows on the devices.
     num_slots: the slots of the mesh (the plans' ``num_devices``).
-    place_ahead: also place the likely plans' rows in the data thread (one
+    place_ahead: also place the expected plans' rows in the data thread (one
       process only).
-    upper: the run's largest global batch size (loads ahead stay below it).
-    plan_for: the plan a step of a given batch size would run now (the one
-      :meth:`submit_ahead` places for).
-    lower: the run's smallest global batch size.
-    anticipate: the controller's ``likely_batch_sizes(examples_seen, epochs)``
-      (:class:`~simigrad_jax.controllers.interface.AnticipatesBatchSizes`),
-      or None; where it is None or returns None, :func:`likely_next_sizes`.
-    place_inputs_ahead: called in the data thread, once the rows are placed
-      ahead, with the likely next sizes, the examples served so far and
-      those left in the run (e.g. :meth:`~simigrad_jax.trainer.step_inputs.
-      StepInputs.place_ahead`).
+
+  Example::
+
+    loader.submit(start=sampler.examples_seen, count=110, step=1, expected=[plan_110, plan_90])
+    step_batch, seconds = loader.take(plan_110, sampler.examples_seen, step=1)  # placed already
   """
 
   def __init__(
@@ -102,17 +93,8 @@ class StepDataLoader:
     local_slots: np.ndarray,
     num_slots: int,
     place_ahead: bool,
-    *,
-    upper: int,
-    plan_for: Callable[[int], batch_plan.BatchPlan],
-    lower: int = 1,
-    anticipate: Callable[[int, float], Sequence[int] | None] | None = None,
-    place_inputs_ahead: Callable[[list[int], int, float], None] | None = None,
   ):
-    self._place_ahead = place_ahead
-    self._anticipate = anticipate
-    self._place_inputs_ahead = place_inputs_ahead
-    self._lower, self._upper, self._plan_for = lower, upper, plan_for
+    self.places_ahead = place_ahead
     self._source, self._sampler = source, sampler
     self._sharded, self._replicated = sharded, replicated
     self._local_slots = local_slots
@@ -127,49 +109,28 @@ class StepDataLoader:
     streams = hasattr(source, "reader") and len(local_slots) == num_slots
     self._reader = source.reader(sampler) if streams else None
 
-  def submit_ahead(self, batch_size: int, total_examples: float, step: int) -> None:
-    """Starts loading the rows of step ``step`` (0-based) from the sampler's position, enough
-    for one grow of ``batch_size`` or the largest likely size (short of ``total_examples``, the
-    run's end), and placing them for each size the controller is likely to decide
-    (:meth:`likely_sizes`)."""
-    start = self._sampler.examples_seen
-    remaining = total_examples - start
-    sizes = self.likely_sizes(batch_size, start) if remaining > 0 else []
-    expected = [self._plan_for(int(min(size, remaining))) for size in sizes]
-    count = max(
-      [speculative_count(batch_size, self._upper, remaining)]
-      + [p.global_batch_size for p in expected]
-    )
-    self.submit(start, count, step, expected)
-    if self._place_ahead and self._place_inputs_ahead is not None and sizes:
-      self._pool.submit(self._place_inputs_ahead, sizes, start, remaining)  # after the rows
-
-  def likely_sizes(self, batch_size: int, examples_seen: int) -> list[int]:
-    """The sizes the controller may decide for the step after ``examples_seen`` examples (it
-    ran ``batch_size``): the controller's own, else :func:`likely_next_sizes`.
-
-    Raises:
-      ValueError: the controller named a size outside the run's bounds (or not an int).
-    """
-    said = None
-    if self._anticipate is not None:
-      said = self._anticipate(examples_seen, examples_seen / self._sampler.num_examples)
-    if said is None:
-      return likely_next_sizes(batch_size, self._lower, self._upper)
-    sizes = list(said)
-    for size in sizes:
-      if not (validation.is_int(size) and self._lower <= size <= self._upper):
-        raise ValueError(
-          f"the controller's likely_batch_sizes({examples_seen}, ...) returned {sizes!r}: each "
-          f"must be an int within the run's bounds [{self._lower}, {self._upper}]"
-        )
-    return list(dict.fromkeys(int(size) for size in sizes))
-
-  def submit(self, start: int, count: int, step: int, expected: list[batch_plan.BatchPlan]) -> None:
+  def submit(
+    self,
+    start: int,
+    count: int,
+    step: int,
+    expected: Sequence[batch_plan.BatchPlan],
+    then: Callable[[], None] | None = None,
+  ) -> None:
     """Starts loading ``count`` examples from ``start`` and placing them for each plan of
-    ``expected`` that they hold."""
+    ``expected`` that they hold (the likeliest first), for step ``step`` (0-based).
+
+    Args:
+      start: the examples served before the step (the sampler's position).
+      count: how many examples to load.
+      step: the step the rows are for (their counters).
+      expected: the plans the step is likely to run, the likeliest first.
+      then: called in the data thread after the rows are placed (with
+        :attr:`places_ahead` only), e.g. to place the step's scalars too.
+    """
     count = max(count, 1)
-    plans = [] if not self._place_ahead else [p for p in expected if p.global_batch_size <= count]
+    ahead = self.places_ahead
+    plans = [p for p in expected if p.global_batch_size <= count] if ahead else []
 
     def load():
       loaded = self._local_rows(start, count)
@@ -180,6 +141,8 @@ class StepDataLoader:
       return loaded, placed
 
     self._pending = _Pending(start, count, step, self._pool.submit(load))
+    if then is not None and ahead:
+      self._pool.submit(then)  # after the rows, in the same thread
 
   def take(self, plan: batch_plan.BatchPlan, start: int, step: int) -> tuple[StepBatch, float]:
     """The step's data on the devices, and the seconds the host spent waiting and placing."""
@@ -260,39 +223,6 @@ class StepDataLoader:
 def _release(unused: object) -> None:
   """Drops the last reference to ``unused`` (called in the data thread, so it is freed there)."""
   del unused
-
-
-def likely_next_sizes(batch_size: int, lower: int, upper: int | None) -> list[int]:
-  """The sizes a controller at ``batch_size`` is likely to decide next, the likeliest first.
-
-  SimiGrad's rule (the reference's): a grow to ``max(B + 1, int(1.1 B))`` or
-  a shrink to ``max(1, min(B - 1, int(0.9 B)))``, each clamped to
-  ``[lower, upper]`` (so ``B`` itself at a bound); a grow first, as a batch
-  mostly grows. ``B`` unchanged inside the bounds (a non-finite step, a
-  warm-up) is rare: it is placed when decided.
-
-  Example:
-    >>> likely_next_sizes(100, 1, 105)
-    [105, 90]
-  """
-  grow = _grow(batch_size)
-  shrink = max(1, min(batch_size - 1, int(batch_size * 0.9)))
-  clamp = lambda size: max(lower, size if upper is None else min(size, upper))
-  return list(dict.fromkeys(clamp(size) for size in (grow, shrink)))
-
-
-def _grow(batch_size: int) -> int:
-  """SimiGrad's grow of ``batch_size`` (the reference rule)."""
-  return max(batch_size + 1, int(batch_size * 1.1))
-
-
-def speculative_count(batch_size: int, upper: int | None, remaining: float) -> int:
-  """How many examples to load ahead: enough for one grow of ``batch_size`` (the reference rule)."""
-  most = _grow(batch_size)
-  if upper is not None:
-    most = min(most, upper)
-  most = max(most, batch_size)
-  return int(min(most, remaining)) if math.isfinite(remaining) else most
 
 
 def _gather_rows(array: np.ndarray, take: np.ndarray, real: np.ndarray) -> np.ndarray:

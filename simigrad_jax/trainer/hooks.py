@@ -9,13 +9,15 @@ devices work, except at a step that is checkpointed (an epoch's end, every
 ``checkpoint_every_steps``, once ``checkpoint_every_seconds`` have passed, the
 last step of a run or of a stop on a signal): its hooks run at once, so that
 a resumed run holds exactly the records up to its checkpoint, and the
-evaluation and the checkpoint see the parameters of that step.
+evaluation and the checkpoint see the parameters of that step. A hook whose
+``runs_at_once`` attribute is True runs as soon as its step is decided, before
+the next step is dispatched and before every other hook (it costs the host the
+overlap with the devices): for a hook that must act between two steps.
 """
 
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol, runtime_checkable
 
@@ -43,7 +45,8 @@ class StepHook(Protocol):
   """
 
   def on_step(self, record: StepRecord) -> None:
-    """Called once per optimizer step, after the next step is dispatched (see the module)."""
+    """Called once per optimizer step, after the next step is dispatched (see the module), or
+    as soon as the step is decided if the hook has ``runs_at_once = True``."""
 
 
 def check_hook(hook: Any) -> StepHook:
@@ -132,59 +135,6 @@ class EvaluationHook:
         **self.results,
       }
     )
-
-
-class CheckpointHook:
-  """Saves a checkpoint at every epoch's end, every ``every_steps`` steps and on time.
-
-  Args:
-    save: saves the run's current state as the checkpoint of its step.
-    every_steps: save every this many steps too (None: only at epoch ends).
-    every_seconds: save at the first step that ends this many seconds after
-      the last checkpoint (or the start of the ``train`` call) too (None:
-      never on time). The Trainer decides it at each step's agreement, on
-      process 0's clock (:meth:`save_on_time`), so that every process saves
-      at the same step.
-    clock: the clock in seconds (default ``time.monotonic``).
-  """
-
-  def __init__(
-    self,
-    save: Callable[[], None],
-    every_steps: int | None,
-    every_seconds: float | None = None,
-    clock: Callable[[], float] = time.monotonic,
-  ):
-    self._save, self._every_steps, self._every_seconds = save, every_steps, every_seconds
-    self._clock = clock
-    self._last_save = clock()
-    self._on_time: int | None = None  # a step due on time
-
-  def restart_clock(self) -> None:
-    """Counts the seconds to the next checkpoint on time from now."""
-    self._last_save = self._clock()
-
-  def seconds_since_save(self) -> float:
-    """Seconds since the last checkpoint (or :meth:`restart_clock`)."""
-    return self._clock() - self._last_save
-
-  def save_on_time(self, step: int, seconds_since_save: float) -> None:
-    """Makes ``step`` due if ``seconds_since_save`` (process 0's) reach ``every_seconds``."""
-    if self._every_seconds is not None and seconds_since_save >= self._every_seconds:
-      self._on_time = step
-
-  def due(self, record: StepRecord) -> bool:
-    """Whether the step of ``record`` is checkpointed."""
-    return (
-      record.epoch_end
-      or record.step == self._on_time
-      or bool(self._every_steps and record.step % self._every_steps == 0)
-    )
-
-  def on_step(self, record: StepRecord) -> None:
-    if self.due(record):
-      self._save()
-      self.restart_clock()
 
 
 def host_copy(tree: Any) -> Any:

@@ -1,48 +1,47 @@
-"""Host: building a training run: check the objects, lay out, agree, resume, trace.
+"""Host: what a Trainer builds before its first step, one function a collaborator.
 
-:func:`build_run` does what the Trainer needs before its first step, in order:
+:class:`simigrad_jax.Trainer` calls these in order, and keeps what each returns:
 
-1. check every object (loss, optimizer, data, controller, devices,
-   parameters, workdir) before anything is created, so that a bad one fails
-   in seconds; each error names the value and what would be valid;
-2. lay out: the mesh, the split into halves and the grid of compiled shapes
+1. :func:`check_objects`: every object (loss, optimizer, data, controller,
+   devices, parameters, workdir) checked before anything is created, so that a
+   bad one fails in seconds; each error names the value and what would be valid;
+2. :func:`make_layout`: the split into halves and the grid of compiled shapes
    (:class:`~simigrad_jax.shapes.layout.StepLayout`);
-3. agree: with several processes, every one must run the same program (a
-   difference would deadlock the first collective), so they compare their
-   settings first;
-4. take the workdir: checked, private, and locked for this run before anything
-   in it is read or written (:mod:`simigrad_jax.multihost.workdir`);
-5. record what the run is (:mod:`simigrad_jax.checkpoint.run_record`), resume
-   from the newest checkpoint in the workdir, if any, when its record allows
-   (:mod:`simigrad_jax.checkpoint.run_checkpoints`), and agree on it;
-6. trace the first step's program, so that a model, loss, optimizer and data
-   that do not fit each other fail now; the programs compile in the
-   background (:class:`~simigrad_jax.compile.programs.StepPrograms`).
+3. :func:`settings_to_agree`: with several processes, every one must run the
+   same program (a difference would deadlock the first collective), so they
+   compare these first;
+4. :func:`place_state`, then :func:`lock_workdir`: the workdir checked, private
+   and locked for this run before anything in it is read or written
+   (:mod:`simigrad_jax.multihost.workdir`);
+5. :func:`run_record_of` and :func:`open_checkpoints`: what the run is
+   (:mod:`simigrad_jax.checkpoint.run_record`), and its checkpoints, from
+   which it resumes when the record allows;
+6. :func:`make_programs` and :func:`make_data_loader`: the step's compiled
+   programs (:class:`~simigrad_jax.compile.programs.StepPrograms`) and its
+   rows' loader (:class:`~simigrad_jax.data.data_loader.StepDataLoader`).
 """
 
 from __future__ import annotations
 
-import dataclasses
+import contextlib
 import os
 import pathlib
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import jax
-import numpy as np
 import optax
 from jax.sharding import Mesh
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from simigrad_jax import files
-from simigrad_jax import optimizer_state
 from simigrad_jax.checkpoint import run_record
+from simigrad_jax.checkpoint.run_checkpoints import Resumed
 from simigrad_jax.checkpoint.run_checkpoints import RunCheckpoints
 from simigrad_jax.compile.persistent_cache import enable_persistent_cache
 from simigrad_jax.compile.programs import StepPrograms
 from simigrad_jax.controllers import learning_rate
-from simigrad_jax.data import grain_source
 from simigrad_jax.data.data_loader import StepDataLoader
 from simigrad_jax.data.data_loader import local_device_positions
 from simigrad_jax.data.sampler import EpochSampler
@@ -54,109 +53,51 @@ from simigrad_jax.shapes import mesh_sharding
 from simigrad_jax.shapes.layout import StepLayout
 from simigrad_jax.trainer import checks
 from simigrad_jax.trainer.config import TrainerConfig
-from simigrad_jax.trainer.step_inputs import StepInputs
 
 
-@dataclasses.dataclass
-class Run:
-  """What the training loop needs, checked and built by :func:`build_run`.
-
-  Attributes:
-    workdir: the absolute workdir.
-    workdir_lock: the run's lock on it, when the run took it (None: the
-      caller holds it, and releases it).
-    source: the random-access data source.
-    mesh: the mesh: one data axis over the training devices, or the mesh
-      given, whose other axes the parameters may be sharded over.
-    layout: the split into halves and the grid of compiled shapes.
-    sampler: the order of the examples (resumed).
-    state: the ``{"params", "opt_state", "model_state"}`` on the mesh, with
-      the parameters' shardings (replicated by default; resumed).
-    step: the optimizer steps done (resumed).
-    nonfinite_steps: the steps whose gradient was not finite, so far.
-    checkpoints: saves and resumes the run.
-    programs: the step's compiled programs.
-    data: loads each step's examples ahead.
-    step_inputs: the learning-rate factor and the step's scalars.
-  """
-
-  workdir: pathlib.Path
-  workdir_lock: WorkdirLock | None
-  source: Any
-  mesh: Mesh
-  layout: StepLayout
-  sampler: EpochSampler
-  state: dict[str, Any]
-  step: int
-  nonfinite_steps: int
-  checkpoints: RunCheckpoints
-  programs: StepPrograms
-  data: StepDataLoader
-  step_inputs: StepInputs
-
-
-def build_run(
-  config: TrainerConfig,
-  agreement: ProcessAgreement,
-  *,
-  loss_fn: train_step.PerExampleLossFn,
-  params: Any,
-  optimizer: optax.GradientTransformation,
-  source: Any,
-  controller: Any,
-  workdir: str | os.PathLike,
-  model_state: Any,
-  eval_fn: Callable[[Any, Any], Mapping[str, float]] | None,
-  lr_schedule: Callable[[float], float] | None,
-  devices: list[jax.Device] | None,
-  run_settings: Mapping[str, Any] | None = None,
-  mesh: Mesh | None = None,
-  param_sharding: mesh_sharding.ParamSharding = None,
-) -> Run:
-  """Checks the objects of a run, lays it out, agrees on it, resumes it and traces its first step.
+def lock_workdir(
+  given: Any, workdir: pathlib.Path, config: TrainerConfig, agreement: ProcessAgreement
+) -> WorkdirLock | None:
+  """Takes the workdir for this run (None when ``given`` is this process's held lock on it).
 
   Args:
-    config: the run's settings.
-    agreement: the run's agreement between processes (its watchdog starts
-      here and runs until it is closed).
-    loss_fn, params, optimizer, source, controller, workdir, model_state,
-      eval_fn, lr_schedule, devices, run_settings, mesh, param_sharding: as
-      :class:`simigrad_jax.Trainer` takes them (``source`` may be grain-style
-      data; ``devices`` None: all, or the mesh's).
+    given: the ``workdir`` the Trainer was given (a path, or a held
+      :class:`~simigrad_jax.multihost.workdir.WorkdirLock`).
+    workdir: the absolute workdir (:func:`check_objects`).
+    config: the run's settings (``allow_shared_workdir``).
+    agreement: the run's agreement between processes.
 
   Returns:
-    A :class:`Run`, resumed from the workdir's newest checkpoint if there is
-    one; ``controller`` is resumed in place.
-
-  Raises:
-    ValueError: an object that could not train as asked (see the Trainer).
-    CheckpointMismatchError: (a ValueError) the workdir holds checkpoints of
-      another run (see :mod:`simigrad_jax.checkpoint.run_checkpoints`).
-    ProcessDisagreementError: with several processes, different settings or
-      resumed states.
+    The run's lock on the workdir, or None when the caller holds it (and releases it).
   """
-  source = grain_source.as_source(source)
-  given_workdir = workdir
-  num_examples, workdir, devices, opt_state, lower, upper = _check_objects(
-    config,
-    loss_fn=loss_fn,
-    params=params,
-    optimizer=optimizer,
-    source=source,
-    controller=controller,
-    workdir=workdir,
-    eval_fn=eval_fn,
-    lr_schedule=lr_schedule,
-    devices=devices,
-    mesh=mesh,
+  if isinstance(given, WorkdirLock) and given.held and given.path == workdir:
+    return None
+  return open_workdir(workdir, allow_shared=config.allow_shared_workdir, agreement=agreement)
+
+
+def place_state(
+  initial: Mapping[str, Any], optimizer: optax.GradientTransformation, specs: Any, mesh: Mesh
+) -> dict[str, Any]:
+  """The run's ``{"params", "opt_state", "model_state"}`` on the mesh, with the parameters' specs.
+
+  Copies: the steps donate the state's buffers, and the caller may still hold
+  these arrays (``device_put`` alone would reuse a device array's buffer for
+  the shard on its device). The optimizer state's copies of the parameters
+  follow the parameters' specs.
+  """
+  return jax.device_put(
+    jax.tree.map(_own_copy, initial),
+    mesh_sharding.state_shardings(optimizer, initial, specs, mesh),
   )
-  if mesh is None:
-    mesh = Mesh(np.array(devices), (config.axis_name,))
-  num_data = mesh.shape[config.axis_name]  # data-parallel positions: the slots' devices
-  specs = mesh_sharding.param_specs(param_sharding, params, mesh)
-  replicated = NamedSharding(mesh, P())
-  # Plans and compiled shapes count rows per slot (a device, or half of one: see layout).
-  layout = StepLayout.create(
+
+
+def make_layout(config: TrainerConfig, num_data: int, lower: int, upper: int) -> StepLayout:
+  """The split into halves and the grid of compiled shapes of a run over ``num_data`` data positions.
+
+  Plans and compiled shapes count rows per slot (a device, or half of one:
+  :mod:`simigrad_jax.shapes.layout`), for global batch sizes in ``[lower, upper]``.
+  """
+  return StepLayout.create(
     config.halves_for(num_data),
     num_data,
     mode=config.mode,
@@ -166,148 +107,168 @@ def build_run(
     lower=lower,
     upper=upper,
   )
-  agreement.agree(
-    "settings",
-    set_up=True,
-    values=settings_to_agree(
-      config, layout, controller=controller, source=source, params=params, num_examples=num_examples
-    )
-    | _mesh_settings(mesh, specs),
+
+
+def open_checkpoints(
+  config: TrainerConfig, workdir: pathlib.Path, agreement: ProcessAgreement, record: dict[str, Any]
+) -> RunCheckpoints:
+  """The run's checkpoints in ``workdir/checkpoints`` (made private), recorded as ``record``."""
+  return RunCheckpoints(
+    files.make_private_dir(
+      workdir / "checkpoints",
+      what="checkpoint folder",
+      tighten=True,
+      allow_shared=config.allow_shared_workdir,
+    ),
+    seed=config.seed,
+    max_to_keep=config.max_checkpoints,
+    agreement=agreement,
+    record=record,
+    allow_changed_settings=config.allow_changed_settings,
   )
 
-  sampler = EpochSampler(num_examples, config.seed)
-  initial = {"params": params, "opt_state": opt_state, "model_state": model_state}
-  record = run_record_of(
-    config,
-    layout,
-    initial,
+
+def make_programs(
+  config: TrainerConfig,
+  *,
+  loss_fn: train_step.PerExampleLossFn,
+  model_state: Any,
+  optimizer: optax.GradientTransformation,
+  mesh: Mesh,
+  layout: StepLayout,
+  state: dict[str, Any],
+  element_spec: Any,
+  upper: int,
+  cached_programs: dict[str, Any] | None,
+) -> StepPrograms:
+  """The step's compiled programs, compiling in the background (nothing is traced yet).
+
+  With several processes, a fallback uses only shapes that every process
+  reported compiled at the last step's agreement, so all of them pick the
+  same shape. ``cached_programs``: what a resumed checkpoint says the
+  persistent compilation cache holds (None: a new run).
+  """
+  if config.compilation_cache_dir is not None:
+    enable_persistent_cache(config.compilation_cache_dir, allow_shared=config.allow_shared_workdir)
+  return StepPrograms(
+    loss_fn=train_step.checked_loss_fn(loss_fn, model_state),
     optimizer=optimizer,
-    controller=controller,
-    source=source,
-    num_examples=num_examples,
-    devices=devices,
-    run_settings=run_settings,
-    mesh_settings=_mesh_settings(mesh, specs),
+    mesh=mesh,
+    axis_name=config.axis_name,
+    layout=layout,
+    seed=config.seed,
+    state=state,
+    element_spec=element_spec,
+    accumulation_shapes=layout.accumulation_shapes(upper),
+    background=config.background_compile,
+    compile_fallback=config.uses_compile_fallback,
+    shared_compiles=jax.process_count() > 1,
+    compilation_cache_dir=config.compilation_cache_dir,
+    cached_programs=cached_programs,
   )
-  # Copies: the steps donate the state's buffers, and the caller may still hold these arrays
-  # (device_put alone would reuse a device array's buffer for the shard on its device).
-  state = jax.device_put(
-    jax.tree.map(_own_copy, initial),
-    mesh_sharding.state_shardings(optimizer, initial, specs, mesh),
-  )
-  step = nonfinite_steps = 0
-  workdir_lock = _lock_workdir(given_workdir, workdir, config, agreement)
-  checkpoints = programs = None
-  # Multi-host: names a lost process when this one waits for it in a collective (until closed).
-  agreement.start_watchdog()
-  try:
-    checkpoints = RunCheckpoints(
-      files.make_private_dir(
-        workdir / "checkpoints",
-        what="checkpoint folder",
-        tighten=True,
-        allow_shared=config.allow_shared_workdir,
-      ),
-      seed=config.seed,
-      max_to_keep=config.max_checkpoints,
-      agreement=agreement,
-      record=record,
-      allow_changed_settings=config.allow_changed_settings,
-    )
-    resumed = checkpoints.resume(state, sampler, controller)
-    if resumed is not None:
-      state, step, nonfinite_steps = resumed.state, resumed.step, resumed.nonfinite_steps
+
+
+def open_run(
+  config: TrainerConfig,
+  given_workdir: Any,
+  workdir: pathlib.Path,
+  agreement: ProcessAgreement,
+  record: dict[str, Any],
+  *,
+  state: dict[str, Any],
+  sampler: EpochSampler,
+  controller: Any,
+  loss_fn: train_step.PerExampleLossFn,
+  model_state: Any,
+  optimizer: optax.GradientTransformation,
+  element_spec: Any,
+  mesh: Mesh,
+  layout: StepLayout,
+  upper: int,
+) -> tuple[WorkdirLock | None, RunCheckpoints, StepPrograms, Resumed]:
+  """Takes the workdir, resumes from its newest checkpoint and traces the first step.
+
+  In order: the workdir locked (:func:`lock_workdir`); the watchdog that names
+  a lost process started; the checkpoints opened and the newest one resumed
+  when the run's record allows (``sampler`` and ``controller`` in place);
+  every process agreeing on the resumed state; the programs made
+  (:func:`make_programs`) and the first step's traced, so that a model, loss,
+  optimizer and data that do not fit each other fail now. On an error, what
+  was opened is closed again (the agreement too).
+
+  Args:
+    config: the run's settings.
+    given_workdir, workdir: the workdir as given, and as checked (absolute).
+    agreement: the run's agreement between processes.
+    record: the run's record (:func:`run_record_of`).
+    state: the initial state on the mesh (:func:`place_state`).
+    sampler, controller: the run's, resumed in place.
+    loss_fn, model_state, optimizer, element_spec, mesh, layout, upper: what
+      the programs are made of (:func:`make_programs`).
+
+  Returns:
+    ``(the run's lock on the workdir or None, the checkpoints, the programs,
+    what the run resumed from)``: a new run resumes from ``state`` at step 0.
+  """
+  with contextlib.ExitStack() as undo:
+    undo.callback(agreement.close)
+    workdir_lock = lock_workdir(given_workdir, workdir, config, agreement)
+    if workdir_lock is not None:
+      undo.callback(workdir_lock.close)
+    agreement.start_watchdog()  # names a lost process a collective waits for (until closed)
+    checkpoints = open_checkpoints(config, workdir, agreement, record)
+    undo.callback(checkpoints.close)
+    resumed = checkpoints.resume(state, sampler, controller) or Resumed(state, 0, 0)
     agreement.agree(
       "resumed state",
       set_up=True,
-      values={"step": step, "controller": controller.state_dict(), "sampler": sampler.state_dict()},
+      values={
+        "step": resumed.step,
+        "controller": controller.state_dict(),
+        "sampler": sampler.state_dict(),
+      },
     )
-    if config.compilation_cache_dir is not None:
-      enable_persistent_cache(
-        config.compilation_cache_dir, allow_shared=config.allow_shared_workdir
-      )
-    # With several processes, a fallback uses only shapes that every process reported compiled
-    # at the last step's agreement, so all of them pick the same shape.
-    programs = StepPrograms(
-      loss_fn=train_step.checked_loss_fn(loss_fn, model_state),
+    programs = make_programs(
+      config,
+      loss_fn=loss_fn,
+      model_state=model_state,
       optimizer=optimizer,
       mesh=mesh,
-      axis_name=config.axis_name,
       layout=layout,
-      seed=config.seed,
-      state=state,
-      element_spec=source.element_spec,
-      accumulation_shapes=layout.accumulation_shapes(upper),
-      background=config.background_compile,
-      compile_fallback=config.uses_compile_fallback,
-      shared_compiles=jax.process_count() > 1,
-      compilation_cache_dir=config.compilation_cache_dir,
-      cached_programs=None if resumed is None else resumed.compiled_programs,
+      state=resumed.state,
+      element_spec=element_spec,
+      upper=upper,
+      cached_programs=resumed.compiled_programs,
     )
-    # A model, loss, optimizer or data set that do not fit each other fail here.
-    with checks.transform_named_for(config.axis_name):
+    undo.callback(programs.close)
+    with checks.transform_named_for(config.axis_name):  # misfits fail here, at the first trace
       programs.trace(layout.plan(controller.batch_size).micro_batch_size)
-  except BaseException:
-    agreement.close()
-    if checkpoints is not None:
-      checkpoints.close()
-    if programs is not None:
-      programs.close()
-    if workdir_lock is not None:
-      workdir_lock.close()
-    raise
-  step_inputs = StepInputs(
-    base_batch_size=controller.initial_batch_size,
-    lr_rule=config.lr_rule,
-    lr_adjust_factor=config.lr_adjust_factor,
-    lr_schedule=lr_schedule,
-    lr_factor=optimizer_state.lr_factor_of(state["opt_state"]),
-    replicated=replicated,
-  )
-  data = StepDataLoader(
+    undo.pop_all()
+  return workdir_lock, checkpoints, programs, resumed
+
+
+def make_data_loader(
+  config: TrainerConfig,
+  source: Any,
+  sampler: EpochSampler,
+  mesh: Mesh,
+  devices: list[jax.Device],
+  layout: StepLayout,
+) -> StepDataLoader:
+  """The loader of each step's rows, placing them ahead on a one-process run."""
+  if mesh.axis_names == (config.axis_name,):
+    positions = local_device_positions(devices)
+  else:
+    positions = mesh_sharding.data_positions(mesh, config.axis_name)
+  return StepDataLoader(
     source,
     sampler,
     NamedSharding(mesh, P(config.axis_name)),
-    replicated,
-    layout.slot_positions(
-      local_device_positions(devices)
-      if mesh.axis_names == (config.axis_name,)
-      else mesh_sharding.data_positions(mesh, config.axis_name)
-    ),
+    NamedSharding(mesh, P()),
+    layout.slot_positions(positions),
     layout.num_slots,
     place_ahead=jax.process_count() == 1,
-    upper=upper,
-    plan_for=lambda batch_size: programs.ready_plan(layout.plan(batch_size)),
-    lower=lower,
-    anticipate=getattr(controller, "likely_batch_sizes", None),
-    place_inputs_ahead=lambda sizes, served, remaining: step_inputs.place_ahead(
-      sizes, served / num_examples, remaining
-    ),
   )
-  return Run(
-    workdir=workdir,
-    workdir_lock=workdir_lock,
-    source=source,
-    mesh=mesh,
-    layout=layout,
-    sampler=sampler,
-    state=state,
-    step=step,
-    nonfinite_steps=nonfinite_steps,
-    checkpoints=checkpoints,
-    programs=programs,
-    data=data,
-    step_inputs=step_inputs,
-  )
-
-
-def _lock_workdir(
-  given: Any, workdir: pathlib.Path, config: TrainerConfig, agreement: ProcessAgreement
-) -> WorkdirLock | None:
-  """Takes the workdir for this run (None when ``given`` is this process's held lock on it)."""
-  if isinstance(given, WorkdirLock) and given.held and given.path == workdir:
-    return None
-  return open_workdir(workdir, allow_shared=config.allow_shared_workdir, agreement=agreement)
 
 
 def _own_copy(leaf: Any) -> Any:
@@ -315,7 +276,7 @@ def _own_copy(leaf: Any) -> Any:
   return leaf.copy() if isinstance(leaf, jax.Array) else leaf
 
 
-def _check_objects(
+def check_objects(
   config: TrainerConfig,
   *,
   loss_fn: Any,
@@ -361,13 +322,72 @@ def _check_objects(
   return num_examples, workdir, devices, opt_state, lower, upper
 
 
-def _mesh_settings(mesh: Mesh, specs: Any) -> dict[str, Any]:
+def mesh_settings(mesh: Mesh, specs: Any) -> dict[str, Any]:
   """The mesh's axes and the parameters' specs as JSON data; empty on a one-axis, replicated run."""
   spec_leaves = jax.tree_util.tree_leaves_with_path(specs, is_leaf=lambda x: isinstance(x, P))
   sharded = {jax.tree_util.keystr(path): str(spec) for path, spec in spec_leaves if spec != P()}
   if len(mesh.axis_names) == 1 and not sharded:
     return {}
   return {"mesh": {str(name): int(size) for name, size in mesh.shape.items()}, "specs": sharded}
+
+
+def agree_on_run(
+  config: TrainerConfig,
+  layout: StepLayout,
+  agreement: ProcessAgreement,
+  initial: Mapping[str, Any],
+  *,
+  optimizer: optax.GradientTransformation,
+  controller: Any,
+  source: Any,
+  devices: list[jax.Device],
+  mesh: Mesh,
+  specs: Any,
+  run_settings: Mapping[str, Any] | None,
+) -> dict[str, Any]:
+  """Makes every process agree on what the run is, and returns the run's record.
+
+  With several processes, every one must run the same program (a difference
+  would deadlock the first collective), so they compare
+  :func:`settings_to_agree` and the mesh's settings before anything is
+  compiled.
+
+  Args:
+    config: the run's settings.
+    layout: the run's split and shapes.
+    agreement: the agreement between the run's processes.
+    initial: the initial ``{"params", "opt_state", "model_state"}``.
+    optimizer, controller, source, devices, run_settings: the run's.
+    mesh, specs: the mesh and the parameters' ``PartitionSpec``s.
+
+  Returns:
+    The run's record (:func:`run_record_of`), as JSON data.
+
+  Raises:
+    ProcessDisagreementError: the processes were built differently.
+  """
+  on_mesh = mesh_settings(mesh, specs)
+  shared = settings_to_agree(
+    config,
+    layout,
+    controller=controller,
+    source=source,
+    params=initial["params"],
+    num_examples=len(source),
+  )
+  agreement.agree("settings", set_up=True, values=shared | on_mesh)
+  return run_record_of(
+    config,
+    layout,
+    initial,
+    optimizer=optimizer,
+    controller=controller,
+    source=source,
+    num_examples=len(source),
+    devices=devices,
+    run_settings=run_settings,
+    mesh_settings=on_mesh,
+  )
 
 
 def settings_to_agree(

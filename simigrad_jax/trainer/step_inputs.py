@@ -1,8 +1,4 @@
-"""Host: a step's inputs: its plan, its examples and its scalars, handed to its program.
-
-:class:`StepDispatcher` plans the controller's batch size onto the devices,
-takes the step's examples (placed ahead for each size it is likely to decide)
-and calls the step's program; the step runs while the host goes on.
+"""Host: a step's scalars on the devices, and the learning-rate factor that follows the batch size.
 
 A step's program takes three float32 scalars (:data:`simigrad_jax.engine.
 train_step.STEP_INPUTS`): the step's real examples, the learning-rate factor
@@ -17,23 +13,20 @@ to decide (:meth:`StepInputs.place_ahead`, from the data thread).
 
 from __future__ import annotations
 
-import math
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import numpy as np
 import numpy.typing as npt
+from jax.sharding import Mesh
 from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from simigrad_jax.compile.programs import StepPrograms
+from simigrad_jax import optimizer_state
 from simigrad_jax.controllers import learning_rate
-from simigrad_jax.data.data_loader import StepDataLoader
-from simigrad_jax.data.sampler import EpochSampler
-from simigrad_jax.shapes import batch_plan
 from simigrad_jax.shapes.layout import StepLayout
-from simigrad_jax.trainer.step_record import DispatchedStep
+from simigrad_jax.trainer.config import TrainerConfig
 
 
 def host_scalars(values: list[float], dtype: npt.DTypeLike, sharding: NamedSharding) -> jax.Array:
@@ -77,6 +70,25 @@ class StepInputs:
     self._replicated = replicated
     self._placed: tuple[tuple[float, ...] | None, jax.Array | None] = (None, None)
     self._ahead: dict[tuple[float, ...], jax.Array] = {}  # placed by place_ahead
+
+  @classmethod
+  def for_run(
+    cls,
+    config: TrainerConfig,
+    controller: Any,
+    lr_schedule: Callable[[float], float] | None,
+    state: dict[str, Any],
+    mesh: Mesh,
+  ) -> StepInputs:
+    """The inputs of a run with these settings, from the factor its optimizer state holds."""
+    return cls(
+      base_batch_size=controller.initial_batch_size,
+      lr_rule=config.lr_rule,
+      lr_adjust_factor=config.lr_adjust_factor,
+      lr_schedule=lr_schedule,
+      lr_factor=optimizer_state.lr_factor_of(state["opt_state"]),
+      replicated=NamedSharding(mesh, P()),
+    )
 
   def lr_factors(self, batch_size: int, epochs: float) -> tuple[float, float]:
     """``(learning-rate factor, schedule factor)`` for ``batch_size`` after ``epochs`` epochs.
@@ -131,110 +143,3 @@ class StepInputs:
 def _step_inputs(batch_size: int, lr_factor: float) -> tuple[float, float, float]:
   """The scalars of a step of ``batch_size`` real examples at ``lr_factor``."""
   return (float(batch_size), lr_factor, float(StepLayout.first_half_weight(batch_size)))
-
-
-class StepDispatcher:
-  """Plans a batch size onto the devices, takes its examples and dispatches the step.
-
-  It holds the run's state, which each step's program takes (donated) and
-  replaces.
-
-  Args:
-    state: the run's replicated ``{"params", "opt_state", "model_state"}``.
-    layout: the step's layout (its plans).
-    programs: the step's compiled programs.
-    data: loads each step's examples, ahead of the step.
-    sampler: the run's example order (moved past each step's examples).
-    inputs: the step's scalars and learning-rate factor.
-
-  Example::
-
-    dispatcher.prepare(controller.batch_size, total_examples, step, epochs)
-    dispatched = dispatcher.dispatch(controller.batch_size, total_examples, step, last_read=None)
-  """
-
-  def __init__(
-    self,
-    state: dict[str, Any],
-    layout: StepLayout,
-    programs: StepPrograms,
-    data: StepDataLoader,
-    sampler: EpochSampler,
-    inputs: StepInputs,
-  ):
-    self.state = state
-    self._layout, self._programs, self._data = layout, programs, data
-    self._sampler, self._inputs = sampler, inputs
-    self._programs_run: set[tuple[str, int]] = set()  # see _first_run
-
-  def prepare(self, batch_size: int, total_examples: float, step: int, epochs: float) -> None:
-    """Before a ``train()`` call's first step: its learning-rate factor, its programs and its
-    examples, asked for ahead."""
-    self._inputs.set_lr_factor(self._inputs.lr_factors(batch_size, epochs))
-    self._programs.prefetch_for(batch_size)
-    self._data.submit_ahead(batch_size, total_examples, step)
-
-  def dispatch(
-    self, batch_size: int, total_examples: float, step: int, last_read: float | None
-  ) -> DispatchedStep:
-    """Dispatches the step after ``step`` at ``batch_size`` (cut to land on ``total_examples``).
-
-    The step's new state (not computed yet) is :attr:`state` from then on.
-
-    Args:
-      batch_size: the controller's batch size, of this step and (expected) of the next.
-      total_examples: the examples the run ends at.
-      step: the optimizer steps done.
-      last_read: when the last step's statistics were read (None: the first step of a
-        ``train()`` call).
-
-    Returns:
-      The step as dispatched.
-    """
-    start = time.perf_counter()
-    # The run's last step lands exactly on num_epochs.
-    remaining = total_examples - self._sampler.examples_seen
-    exact = self._layout.plan(int(min(batch_size, remaining)))
-    # No step follows the run's last one: a compile asked for now would never be used.
-    last = remaining <= batch_size
-    plan = self._programs.ready_plan(exact, prefetch=not last)
-    if not last:
-      self._programs.prefetch_near(exact.micro_batch_size)  # the compiles follow the batch
-    data, data_seconds = self._data.take(plan, self._sampler.examples_seen, step)
-    epoch = self._sampler.epoch
-    self._sampler.take(plan.global_batch_size)
-    step_inputs = self._inputs.on_devices(plan.global_batch_size)
-    wait_before = self._programs.wait_seconds()
-    # The host's critical path ends here: the program call is the runtime's (on CPU the
-    # simulated devices are host threads, and the call runs part of the step).
-    host_seconds = math.nan if last_read is None else time.perf_counter() - last_read
-    first_run = self._first_run(plan)
-    self.state, stats = self._programs.run(self.state, data, step_inputs)
-    # While the first step runs: the programs that let every later step fall back.
-    self._programs.await_fallback(plan.micro_batch_size)
-    compile_wait = self._programs.wait_seconds() - wait_before
-    # Load the next step's rows while the devices work.
-    self._data.submit_ahead(batch_size, total_examples, step + 1)
-    return DispatchedStep(
-      plan=plan,
-      exact_plan=exact,
-      stats=stats,
-      start=start,
-      epoch=epoch,
-      data_seconds=data_seconds,
-      host_seconds=host_seconds,
-      compile_wait_seconds=compile_wait,
-      first_run=first_run,
-      lr_factor=self._inputs.lr_factor,
-      schedule_factor=self._inputs.schedule_factor,
-    )
-
-  def _first_run(self, plan: batch_plan.BatchPlan) -> bool:
-    """Whether ``plan`` runs a program that no step of this Trainer has run yet (and notes it)."""
-    if plan.accumulation_steps == 1:
-      programs = {("step", plan.micro_batch_size)}
-    else:
-      programs = {("micro_step", plan.micro_batch_size), ("update", 0)}
-    first = not programs <= self._programs_run
-    self._programs_run |= programs
-    return first

@@ -1,60 +1,68 @@
 """Host: the adaptive-batch training loop.
 
-Every optimizer step:
+:meth:`Trainer.train` runs :meth:`StepLoop.run_steps`, one optimizer step after
+another, each in the same order, written out in that one method:
 
-1. the controller's global batch size is planned onto the devices
-   (:func:`simigrad_jax.plan_batch`): micro-batch shape, accumulation steps,
-   padding;
-2. the step's examples (the next ones of the epoch's permutation, counted in
-   examples, so nothing is dropped or repeated within an epoch) are on the
-   devices already when the batch size is the one expected, else they are
-   placed now (:mod:`simigrad_jax.data.data_loader`); each process loads only
-   the rows of its own devices;
-3. the step's compiled program runs (:mod:`simigrad_jax.compile.programs`):
-   one program for gradient, reduction and update when the step holds one
-   micro-batch per device, else micro-steps then the update. The transform
-   averages the gradients and measures the similarity; the host reads one
-   small vector of statistics;
-4. the controller picks the next batch size, the learning-rate factor follows
-   it, every process agrees on the decision
-   (:mod:`simigrad_jax.trainer.step_decision`), and the next step is
-   dispatched at once (:mod:`simigrad_jax.trainer.step_inputs`);
-5. while the devices run it, the last step's record
-   (:class:`~simigrad_jax.trainer.step_record.StepRecord`) goes to the hooks
-   (:mod:`simigrad_jax.trainer.hooks`): metrics to JSONL and TensorBoard, the
-   run's totals, the progress bar, yours; at an epoch's end the evaluation,
-   and checkpoints with orbax.
+1. plan: the controller's global batch size on the devices
+   (:class:`~simigrad_jax.shapes.layout.StepLayout`): micro-batch shape,
+   accumulation steps, padding; a shape still compiling falls back to a
+   compiled one (:class:`~simigrad_jax.compile.programs.StepPrograms`);
+2. take the rows: the next examples of the epoch's permutation, counted in
+   examples, so nothing is dropped or repeated within an epoch
+   (:class:`simigrad_jax.EpochSampler`), loaded and placed on the devices while
+   the last step ran (:class:`~simigrad_jax.data.data_loader.StepDataLoader`);
+3. run: the step's compiled program; the transform averages the gradients and
+   measures the similarity; the host goes on at once, loading the next step's
+   rows and running the last step's hooks while the devices work;
+4. read: the step's statistics, one small vector;
+5. decide: the controller's next batch size, and the learning-rate factor that
+   follows it (:class:`~simigrad_jax.trainer.step_inputs.StepInputs`);
+6. agree: every process holds the same decision before any of them uses it
+   (:class:`~simigrad_jax.trainer.step_agreement.StepAgreement`);
+7. hooks: the step's record (:class:`~simigrad_jax.trainer.step_record.
+   StepRecord`) to the metrics file, the run's totals, the progress bar, yours,
+   the evaluation and the checkpoint (:mod:`simigrad_jax.trainer.hooks`).
 
 A SIGTERM or SIGINT during :meth:`Trainer.train` stops every process after
 the same step, with that step's checkpoint saved
-(:mod:`simigrad_jax.multihost.preemption`).
-
-The settings are a :class:`~simigrad_jax.trainer.config.TrainerConfig`;
-building the run (checks, layout, agreement, resume, tracing) is
-:func:`~simigrad_jax.trainer.run_setup.build_run`.
+(:mod:`simigrad_jax.multihost.preemption`). What the Trainer builds before its
+first step is :mod:`simigrad_jax.trainer.run_setup`.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
+import functools
 import math
 import os
+import time
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 import optax
+from jax.sharding import Mesh
 
 from simigrad_jax import validation
+from simigrad_jax.checkpoint.hook import CheckpointHook
+from simigrad_jax.checkpoint.run_checkpoints import Resumed
+from simigrad_jax.checkpoint.run_checkpoints import RunCheckpoints
+from simigrad_jax.compile.programs import StepPrograms
+from simigrad_jax.controllers import interface as controller_interface
+from simigrad_jax.data import grain_source
+from simigrad_jax.data.data_loader import StepDataLoader
+from simigrad_jax.data.sampler import EpochSampler
 from simigrad_jax.ingraph import train_step
 from simigrad_jax.multihost import preemption
-from simigrad_jax.multihost.preemption import Preempted
 from simigrad_jax.multihost.process_agreement import ProcessAgreement
-from simigrad_jax.multihost.process_agreement import ProcessDisagreementError
-from simigrad_jax.multihost.process_agreement import ProcessLostError
+from simigrad_jax.shapes import batch_plan
+from simigrad_jax.shapes import mesh_sharding
+from simigrad_jax.shapes.layout import StepLayout
 from simigrad_jax.trainer import run_setup
-from simigrad_jax.trainer.config import MODES
 from simigrad_jax.trainer.config import TrainerConfig
-from simigrad_jax.trainer.hooks import CheckpointHook
 from simigrad_jax.trainer.hooks import EvaluationHook
 from simigrad_jax.trainer.hooks import MetricsHook
 from simigrad_jax.trainer.hooks import ProgressHook
@@ -62,30 +70,253 @@ from simigrad_jax.trainer.hooks import StepHook
 from simigrad_jax.trainer.hooks import check_hook
 from simigrad_jax.trainer.metrics import MetricsWriter
 from simigrad_jax.trainer.run_totals import RunTotals
-from simigrad_jax.trainer.step_decision import StepDecider
-from simigrad_jax.trainer.step_decision import epochs_trained
-from simigrad_jax.trainer.step_inputs import StepDispatcher
+from simigrad_jax.trainer.step_agreement import StepAgreement
+from simigrad_jax.trainer.step_inputs import StepInputs
 from simigrad_jax.trainer.step_record import DispatchedStep
 from simigrad_jax.trainer.step_record import StepRecord
+from simigrad_jax.trainer.step_record import StepStats
 
-__all__ = [
-  "MODES",
-  "Preempted",
-  "ProcessDisagreementError",
-  "ProcessLostError",
-  "Trainer",
-  "TrainerConfig",
-]
+
+class StepLoop:
+  """A run's optimizer steps, each in the same order: plan, take the rows, run, read, decide, agree,
+  hooks (the module's docstring says what each does).
+
+  It holds the run's state, which each step's program takes (donated) and
+  replaces, and counts the run's steps and those whose gradient was not finite.
+
+  Args:
+    controller: the run's batch-size controller (updated in place).
+    layout: the step's layout: its plans.
+    sampler: the run's example order (moved past each step's examples).
+    programs: the step's compiled programs.
+    data: loads each step's rows, ahead of the step.
+    inputs: the step's scalars and the learning-rate factor.
+    checkpoints: the run's checkpoints.
+    agreement: the agreement between the run's processes.
+    config: the run's settings (when to checkpoint).
+    resumed: what the run resumed from: its state on the mesh, steps done and
+      steps whose gradient was not finite.
+
+  Example::
+
+    loop.run([metrics_hook, loop.checkpoint], total_examples, max_steps=math.inf)
+  """
+
+  def __init__(
+    self,
+    *,
+    controller: Any,
+    layout: StepLayout,
+    sampler: EpochSampler,
+    programs: StepPrograms,
+    data: StepDataLoader,
+    inputs: StepInputs,
+    checkpoints: RunCheckpoints,
+    agreement: ProcessAgreement,
+    config: TrainerConfig,
+    resumed: Resumed,
+  ):
+    self.controller, self.layout, self.sampler = controller, layout, sampler
+    self._programs, self._data, self._inputs = programs, data, inputs
+    self._checkpoints, self._processes = checkpoints, agreement
+    self.state, self.step, self.nonfinite_steps = (
+      resumed.state,
+      resumed.step,
+      resumed.nonfinite_steps,
+    )
+    self.checkpoint = CheckpointHook(
+      self.save_checkpoint, config.checkpoint_every_steps, config.checkpoint_every_seconds
+    )
+    self.stop = preemption.RunStop()
+    self._agreement = StepAgreement(agreement, programs, checkpoints, self.checkpoint, self.stop)
+    self._programs_run: set[tuple[str, int]] = set()  # the programs a step of this loop ran
+    # A setting, read once: a schedule's config lists all its thresholds (a replay's, one a step).
+    self._similarity_target = controller_interface.similarity_target(controller)
+
+  def run(self, hooks: Sequence[StepHook], total_examples: float, max_steps: float) -> None:
+    """A ``train()`` call's steps, then its checkpoint, until its end or a stop on a signal.
+
+    Raises:
+      Exception: a background checkpoint save failed (its error); a collective
+        lost a process (:class:`simigrad_jax.multihost.ProcessLostError`).
+    """
+    first_step = self.step
+    self.prepare(total_examples)
+    self.checkpoint.restart_clock()
+    with self.stop:  # a signal stops the run after the step under way
+      try:
+        self.run_steps(hooks, total_examples, max_steps)
+        if self.step > first_step:
+          self.save_checkpoint()
+        self._checkpoints.wait(f"end of the run at step {self.step}")
+      except jax.errors.JaxRuntimeError as error:
+        # Multi-host: a collective that lost a peer fails with an error that names no process.
+        self._processes.roll_call(f"step {self.step + 1}", error)
+        raise
+
+  def save_checkpoint(self) -> None:
+    """Saves the current state as the checkpoint of the current step (once per step)."""
+    self._checkpoints.save(
+      self.step,
+      self.state,
+      sampler=self.sampler,
+      controller=self.controller,
+      nonfinite_steps=self.nonfinite_steps,
+      compiled_programs=self._programs.compiled_programs(),
+    )
+
+  def run_steps(self, hooks: Sequence[StepHook], total_examples: float, max_steps: float) -> None:
+    """The step loop, until the run's end (``total_examples``, ``max_steps``) or an agreed stop.
+
+    A step's hooks run while the next step runs on the devices, but a
+    checkpointed step's at once: the records up to a checkpoint are written
+    before it. A hook with ``runs_at_once`` set runs as soon as its step is
+    decided.
+    """
+    pending: StepRecord | None = None  # the last step's record, for the hooks
+    last_read: float | None = None  # when the last step's statistics were read
+    try:
+      while self.more_steps(total_examples, max_steps) and self.stop.agreed is None:
+        start = time.perf_counter()
+        # 1. Plan: the controller's size on the devices; the run's last step lands on its end.
+        batch_size = self.controller.batch_size
+        remaining = total_examples - self.sampler.examples_seen
+        exact = self.layout.plan(int(min(batch_size, remaining)))
+        last = remaining <= batch_size  # no step follows: a compile asked for now is never used
+        plan = self._programs.ready_plan(exact, prefetch=not last)
+        if not last:
+          self._programs.prefetch_near(exact.micro_batch_size)  # the compiles follow the batch
+        # 2. Take the rows, placed ahead while the last step ran.
+        rows, data_seconds = self._data.take(plan, self.sampler.examples_seen, self.step)
+        epoch = self.sampler.epoch
+        self.sampler.take(plan.global_batch_size)
+        # 3. Run. The host's critical path ends at the program's call.
+        inputs = self._inputs.on_devices(plan.global_batch_size)
+        wait_before = self._programs.wait_seconds()
+        host_seconds = math.nan if last_read is None else time.perf_counter() - last_read
+        first_run = not _programs_of(plan) <= self._programs_run
+        self._programs_run |= _programs_of(plan)
+        self.state, stats_on_devices = self._programs.run(self.state, rows, inputs)
+        self._programs.await_fallback(plan.micro_batch_size)  # (the first step: the fallbacks)
+        dispatched = DispatchedStep(
+          plan=plan,
+          exact_plan=exact,
+          stats=stats_on_devices,
+          start=start,
+          epoch=epoch,
+          data_seconds=data_seconds,
+          host_seconds=host_seconds,
+          compile_wait_seconds=self._programs.wait_seconds() - wait_before,
+          first_run=first_run,
+          lr_factor=self._inputs.lr_factor,
+          schedule_factor=self._inputs.schedule_factor,
+        )
+        # While the devices work: the next step's rows, and the last step's hooks.
+        self._load_ahead(total_examples)
+        if pending is not None:
+          self._run_hooks(hooks, pending)
+          pending = None
+        # 4. Read the step's measurements.
+        stats = StepStats.read(stats_on_devices)
+        read = time.perf_counter()
+        step_seconds, last_read = read - (start if last_read is None else last_read), read
+        # 5. Decide the next batch size, and the learning-rate factor that follows it.
+        self.nonfinite_steps += not stats.grads_finite
+        examples_seen = self.sampler.examples_seen
+        epochs = examples_seen / self.sampler.num_examples
+        epoch_end = self.sampler.epoch > epoch
+        next_batch_size = self.controller.update(
+          stats.similarity,
+          stats=stats.for_controller(
+            batch_size=plan.global_batch_size,
+            examples_seen=examples_seen,
+            epochs=epochs,
+            epoch_end=epoch_end,
+          ),
+        )
+        self.step += 1
+        self._inputs.set_lr_factor(self._inputs.lr_factors(next_batch_size, epochs))
+        decision = self.controller.last_decision
+        # 6. Agree: every process holds the same decision before any of them uses it.
+        agreement_seconds = self._agreement.agree(
+          self.step,
+          {
+            "step": self.step,
+            "batch_size": plan.global_batch_size,
+            "examples_seen": examples_seen,
+            "similarity": stats.similarity,
+            "decision": decision,
+            "next_batch_size": next_batch_size,
+            "next_lr_factor": self._inputs.lr_factor,
+          },
+        )
+        record = StepRecord.create(
+          dispatched,
+          stats,
+          step=self.step,
+          examples_seen=examples_seen,
+          micro_batch_size=self.layout.device_rows(plan.micro_batch_size),
+          decision=decision,
+          similarity_target=self._similarity_target,
+          next_batch_size=next_batch_size,
+          next_lr_factor=self._inputs.lr_factor,
+          nonfinite_steps=self.nonfinite_steps,
+          step_seconds=step_seconds,
+          agreement_seconds=agreement_seconds,
+          epoch_end=epoch_end,
+        )
+        # 7. Hooks: those that run at once, then the rest now if checkpointed, else next step.
+        self._run_hooks([h for h in hooks if getattr(h, "runs_at_once", False)], record)
+        if self.checkpoint.due(record):
+          self._run_hooks(hooks, record, at_once=False)
+        else:
+          pending = record
+    finally:
+      if pending is not None:
+        self._run_hooks(hooks, pending, at_once=False)
+
+  def _load_ahead(self, total_examples: float) -> None:
+    """Starts loading the next step's rows, placed for each plan it is likely to run."""
+    start = self.sampler.examples_seen
+    remaining = total_examples - start
+    if remaining <= 0:
+      return
+    epochs = start / self.sampler.num_examples
+    sizes = controller_interface.likely_batch_sizes(self.controller, start, epochs)
+    plans = [self._programs.ready_plan(self.layout.plan(int(min(s, remaining)))) for s in sizes]
+    count = int(min(max(self.controller.batch_size, *sizes), remaining))
+    place_inputs = functools.partial(self._inputs.place_ahead, sizes, epochs, remaining)
+    self._data.submit(start, count, self.step, plans, then=place_inputs)
+
+  def _run_hooks(self, hooks: Sequence[StepHook], record: StepRecord, at_once: bool = True) -> None:
+    """Hands ``record``, with the compile counters as they are now, to each hook (``at_once``
+    False: only to those without ``runs_at_once``, which had it already)."""
+    record = record.with_compile_stats(self._programs.stats())
+    for hook in hooks:
+      if at_once or not getattr(hook, "runs_at_once", False):
+        hook.on_step(record)
+
+  def prepare(self, total_examples: float) -> None:
+    """Before a ``train()`` call's first step: its learning-rate factor, programs and rows, asked
+    for ahead."""
+    batch_size, start = self.controller.batch_size, self.sampler.examples_seen
+    self._inputs.set_lr_factor(
+      self._inputs.lr_factors(batch_size, start / self.sampler.num_examples)
+    )
+    self._programs.prefetch_for(batch_size)
+    first = self.layout.plan(int(min(batch_size, total_examples - start)))
+    self._data.submit(start, first.global_batch_size, self.step, [first])
+
+  def more_steps(self, total_examples: float, max_steps: float) -> bool:
+    """Whether the run has steps left before ``total_examples`` or ``max_steps``."""
+    return self.step < max_steps and self.sampler.examples_seen < total_examples
 
 
 class Trainer:
   """Trains a model with SimiGrad's adaptive global batch size on all devices.
 
-  Every optimizer step plans the controller's batch size onto the devices,
-  runs the step, reads the similarity, lets the controller choose the next
-  size and hands the step's :class:`~simigrad_jax.trainer.step_record.
-  StepRecord` to the hooks: metrics, progress, evaluation, checkpoints and
-  yours. The arguments and errors in full: ``docs/trainer.md``.
+  Its steps are :class:`StepLoop`'s; the arguments and errors in full:
+  ``docs/trainer.md``.
 
   Args:
     loss_fn: ``loss_fn(params, model_state, batch, weights, rng) ->
@@ -100,26 +331,22 @@ class Trainer:
       :class:`simigrad_jax.Controller`.
     workdir: where metrics and checkpoints go, locked for this run; a run
       resumes from its newest checkpoint.
+    config: the run's settings, a :class:`simigrad_jax.TrainerConfig` (as
+      keywords instead: deprecated, until 0.3).
     model_state: non-trainable state (e.g. BatchNorm statistics), or None.
     eval_fn: optional ``eval_fn(params, model_state) -> dict``, run at every
       epoch's end.
     lr_schedule: optional ``lr_schedule(epochs) -> float``, a multiplier of
       the base learning rate.
     devices: the devices to train on (default: all, over every process).
-    mesh: a ``jax.sharding.Mesh`` (Auto axes) to train on instead of
-      ``devices``: the batch is sharded over its axis ``axis_name``, and the
-      parameters may be sharded over its other axes (``docs/trainer.md``,
-      "On a mesh").
-    param_sharding: the parameters' ``PartitionSpec``: None (replicated),
-      one spec, a pytree of them like ``params`` (or a prefix of it), or a
-      callable ``(path, leaf) -> PartitionSpec``; the optimizer state's
-      copies of the parameters follow them.
-    hooks: objects with ``on_step(record)``
-      (:class:`~simigrad_jax.trainer.hooks.StepHook`).
+    mesh: a ``jax.sharding.Mesh`` (Auto axes) instead of ``devices``: the
+      batch is sharded over ``axis_name``, parameters may be over the others.
+    param_sharding: the parameters' ``PartitionSpec``: None (replicated), one
+      spec, a pytree of them like ``params`` (or a prefix of it), or a
+      callable ``(path, leaf) -> PartitionSpec``.
+    hooks: objects with ``on_step(record)`` (:class:`simigrad_jax.StepHook`).
     run_settings: what else decides the run, as JSON data, recorded in every
       checkpoint and compared on resume.
-    config: the run's settings (:class:`TrainerConfig`), or
-    **settings: its fields as keywords (``max_micro_batch_size``, ``mode``, ...).
 
   Raises:
     ValueError: a setting or input that could not train as asked, before any
@@ -133,7 +360,7 @@ class Trainer:
     ...     optimizer=optimizer, source=simigrad_jax.ArraySource({"x": x, "y": y}),
     ...     controller=simigrad_jax.Controller(64, 0.1, batch_size_lower_bound=16,
     ...                                        batch_size_upper_bound=1024),
-    ...     workdir="/tmp/run", max_micro_batch_size=32)
+    ...     workdir="/tmp/run", config=simigrad_jax.TrainerConfig(max_micro_batch_size=32))
     >>> summary = trainer.train(num_epochs=3)  # doctest: +SKIP
   """
 
@@ -146,6 +373,7 @@ class Trainer:
     source: Any,
     controller: Any,
     workdir: str | os.PathLike,
+    config: TrainerConfig | None = None,
     model_state: Any = None,
     eval_fn: Callable[[Any, Any], Mapping[str, float]] | None = None,
     lr_schedule: Callable[[float], float] | None = None,
@@ -154,60 +382,96 @@ class Trainer:
     param_sharding: Any = None,
     hooks: Sequence[StepHook] = (),
     run_settings: Mapping[str, Any] | None = None,
-    config: TrainerConfig | None = None,
     **settings: Any,
   ):
     # Everything is checked before anything is created, compiled or trained.
-    self.config = config = TrainerConfig.from_settings(config, settings)
+    self.config = config = _config_of(config, settings)
     self._hooks = [check_hook(hook) for hook in hooks]
-    self._agreement = ProcessAgreement(config.agreement_timeout_seconds)
-    run = run_setup.build_run(
+    self.controller, self.eval_fn, self.source = controller, eval_fn, grain_source.as_source(source)
+    self._agreement = agreement = ProcessAgreement(config.agreement_timeout_seconds)
+    num_examples, self.workdir, devices, opt_state, lower, upper = run_setup.check_objects(
       config,
-      self._agreement,
       loss_fn=loss_fn,
       params=params,
       optimizer=optimizer,
-      source=source,
+      source=self.source,
       controller=controller,
       workdir=workdir,
-      model_state=model_state,
       eval_fn=eval_fn,
       lr_schedule=lr_schedule,
       devices=devices,
-      run_settings=run_settings,
       mesh=mesh,
-      param_sharding=param_sharding,
     )
-    self.controller, self.eval_fn = controller, eval_fn
-    self.workdir, self.source = run.workdir, run.source
-    self.mesh, self.layout, self.sampler = run.mesh, run.layout, run.sampler
-    self.halves, self.num_devices = run.layout.halves, run.layout.num_devices
-    self.shapes = run.layout.device_grid  # the compiled micro-batch shapes, rows per device
-    self._workdir_lock, self._checkpoints = run.workdir_lock, run.checkpoints
-    self._programs, self._data, self._is_main = run.programs, run.data, jax.process_index() == 0
+    self.mesh = mesh = Mesh(np.array(devices), (config.axis_name,)) if mesh is None else mesh
+    specs = mesh_sharding.param_specs(param_sharding, params, mesh)
+    self.layout = run_setup.make_layout(config, mesh.shape[config.axis_name], lower, upper)
+    self.halves, self.num_devices = self.layout.halves, self.layout.num_devices
+    self.shapes = self.layout.device_grid  # the compiled micro-batch shapes, rows per device
+    self.sampler = EpochSampler(num_examples, config.seed)
+    initial = {"params": params, "opt_state": opt_state, "model_state": model_state}
+    # What the run is, agreed between processes; the workdir locked, its checkpoints opened and
+    # resumed from, the first step traced.
+    record = run_setup.agree_on_run(
+      config,
+      self.layout,
+      agreement,
+      initial,
+      optimizer=optimizer,
+      controller=controller,
+      source=self.source,
+      devices=devices,
+      mesh=mesh,
+      specs=specs,
+      run_settings=run_settings,
+    )
+    self._workdir_lock, self._checkpoints, self._programs, resumed = run_setup.open_run(
+      config,
+      workdir,
+      self.workdir,
+      agreement,
+      record,
+      state=run_setup.place_state(initial, optimizer, specs, mesh),
+      sampler=self.sampler,
+      controller=controller,
+      loss_fn=loss_fn,
+      model_state=model_state,
+      optimizer=optimizer,
+      element_spec=self.source.element_spec,
+      mesh=mesh,
+      layout=self.layout,
+      upper=upper,
+    )
+    self._data = run_setup.make_data_loader(
+      config, self.source, self.sampler, mesh, devices, self.layout
+    )
+    self._loop = StepLoop(
+      controller=controller,
+      layout=self.layout,
+      sampler=self.sampler,
+      programs=self._programs,
+      data=self._data,
+      inputs=StepInputs.for_run(config, controller, lr_schedule, resumed.state, mesh),
+      checkpoints=self._checkpoints,
+      agreement=agreement,
+      config=config,
+      resumed=resumed,
+    )
+    on_main = jax.process_index() == 0
     self._metrics = MetricsHook(
       MetricsWriter(
-        run.workdir, tensorboard=config.tensorboard, resume_step=run.step, enabled=self._is_main
+        self.workdir, tensorboard=config.tensorboard, resume_step=resumed.step, enabled=on_main
       )
     )
-    self._checkpoint = CheckpointHook(
-      self.save_checkpoint, config.checkpoint_every_steps, config.checkpoint_every_seconds
-    )
-    self._stop = preemption.RunStop()
-    self._dispatcher = StepDispatcher(
-      run.state, run.layout, run.programs, run.data, run.sampler, run.step_inputs
-    )
-    self._decider = StepDecider(run, controller, self._agreement, self._checkpoint, self._stop)
 
   @property
   def step(self) -> int:
     """The optimizer steps done, over the whole run (resumes included)."""
-    return self._decider.step
+    return self._loop.step
 
   @property
   def state(self) -> dict[str, Any]:
     """The ``{"params", "opt_state", "model_state"}`` of the last step dispatched, on the mesh."""
-    return self._dispatcher.state
+    return self._loop.state
 
   def add_hook(self, hook: StepHook) -> None:
     """Adds ``hook`` (an object with ``on_step(record)``) after the others, from the next
@@ -216,14 +480,7 @@ class Trainer:
 
   def save_checkpoint(self) -> None:
     """Saves the current state as the checkpoint of the current step (once per step)."""
-    self._checkpoints.save(
-      self.step,
-      self.state,
-      sampler=self.sampler,
-      controller=self.controller,
-      nonfinite_steps=self._decider.nonfinite_steps,
-      compiled_programs=self._programs.compiled_programs(),
-    )
+    self._loop.save_checkpoint()
 
   def train(
     self, *, num_epochs: float | None = None, num_steps: int | None = None
@@ -250,83 +507,30 @@ class Trainer:
     total_examples, max_steps = _run_length(num_epochs, num_steps, self.sampler.num_examples)
     totals = RunTotals()
     progress = ProgressHook(
-      total_examples, self.sampler.examples_seen, enabled=self.config.progress and self._is_main
+      total_examples,
+      self.sampler.examples_seen,
+      enabled=self.config.progress and jax.process_index() == 0,
     )
     evaluation = EvaluationHook(self.eval_fn, lambda: self.state, self._metrics.writer)
     hooks: list[StepHook] = [self._metrics, totals, progress, *self._hooks]
-    hooks += [evaluation, self._checkpoint]  # an epoch's end: evaluated, then checkpointed
-    batch_size, epochs = self.controller.batch_size, epochs_trained(self.sampler)
-    self._dispatcher.prepare(batch_size, total_examples, self.step, epochs)
-    self._decider.last_read = None  # a call's first step has no host time before it
-    self._checkpoint.restart_clock()
-    with self._stop:  # a signal stops the run after the step under way
-      try:
-        self._run_steps(hooks, total_examples, max_steps)
-        if totals.steps:
-          self.save_checkpoint()
-        self._checkpoints.wait(f"end of the run at step {self.step}")
-      except jax.errors.JaxRuntimeError as error:
-        # Multi-host: a collective that lost a peer fails with an error that names no process.
-        self._agreement.roll_call(f"step {self.step + 1}", error)
-        raise
-      finally:
-        progress.close()
+    hooks += [evaluation, self._loop.checkpoint]  # an epoch's end: evaluated, then checkpointed
+    try:
+      self._loop.run(hooks, total_examples, max_steps)
+    finally:
+      progress.close()
     summary = {
       "steps": self.step,
       "examples_seen": self.sampler.examples_seen,
       "final_batch_size": self.controller.batch_size,
-      "nonfinite_steps": self._decider.nonfinite_steps,
+      "nonfinite_steps": self._loop.nonfinite_steps,
       **self.compile_stats(),
       **totals.summary(),
       **evaluation.results,
     }
-    if self._more_steps(total_examples, max_steps):
+    if self._loop.more_steps(total_examples, max_steps):
       checkpoint = os.path.join(self._checkpoints.checkpointer.directory, str(self.step))
-      self._stop.raise_if_agreed(self.step, checkpoint, summary)
+      self._loop.stop.raise_if_agreed(self.step, checkpoint, summary)
     return summary
-
-  def _more_steps(self, total_examples: float, max_steps: float) -> bool:
-    """Whether the run has steps left before ``total_examples`` or ``max_steps``."""
-    return self.step < max_steps and self.sampler.examples_seen < total_examples
-
-  def _run_steps(self, hooks: Sequence[StepHook], total_examples: float, max_steps: float) -> None:
-    """Runs steps until the run's end or a stop the processes agreed on.
-
-    A step's hooks run once the next step is dispatched, while the devices
-    work, but a checkpointed step's run at once: the records up to a
-    checkpoint are written before it.
-    """
-    pending = None  # the last step's record
-    try:
-      while self._more_steps(total_examples, max_steps) and self._stop.agreed is None:
-        dispatched = self._dispatch(total_examples)
-        if pending is not None:
-          self._run_hooks(hooks, pending)
-          pending = None
-        record = self._read_and_decide(dispatched)
-        if self._checkpoint.due(record):
-          self._run_hooks(hooks, record)
-        else:
-          pending = record
-    finally:
-      if pending is not None:
-        self._run_hooks(hooks, pending)
-
-  def _dispatch(self, total_examples: float) -> DispatchedStep:
-    """Plans the controller's batch size, takes its examples and dispatches the step."""
-    return self._dispatcher.dispatch(
-      self.controller.batch_size, total_examples, self.step, self._decider.last_read
-    )
-
-  def _read_and_decide(self, dispatched: DispatchedStep) -> StepRecord:
-    """Reads the step's statistics, decides the next batch size, agrees on it: the step's record."""
-    return self._decider.decide(dispatched)
-
-  def _run_hooks(self, hooks: Sequence[StepHook], record: StepRecord) -> None:
-    """A step's bookkeeping: its record, with the compile counters as they are now, to each hook."""
-    record = record.with_compile_stats(self._programs.stats())
-    for hook in hooks:
-      hook.on_step(record)
 
   def compile_stats(self) -> dict[str, Any]:
     """Compiles so far (programs per shape plus the update of accumulated steps), their seconds,
@@ -334,27 +538,17 @@ class Trainer:
     return self._programs.stats()
 
   def step_memory(self, micro_batch_size: int | None = None) -> dict[str, int]:
-    """XLA's compiled memory of the one-micro-batch step program for that shape.
-
-    Args:
-      micro_batch_size: rows per device (default: the shape of the
-        controller's current batch size). Compiled if it is not yet.
-
-    Returns:
-      ``argument_bytes``, ``output_bytes``, ``alias_bytes`` (outputs that reuse
-      the donated parameters and optimizer state) and ``temp_bytes``, per
-      device, from ``compiled.memory_analysis()``.
-    """
+    """XLA's memory per device (``compiled.memory_analysis()``) of the one-micro-batch step
+    of ``micro_batch_size`` rows per device (default: the current batch's; compiled if need be):
+    ``argument_bytes``, ``output_bytes``, ``alias_bytes`` (outputs reusing the donated state)
+    and ``temp_bytes``."""
     if micro_batch_size is None:
       return self._programs.memory(self.layout.plan(self.controller.batch_size).micro_batch_size)
     return self._programs.memory(self.layout.slot_rows(micro_batch_size))
 
   def close(self) -> None:
-    """Waits for saves and compiles, closes the metrics files and releases the workdir.
-
-    After a :class:`ProcessLostError` it does not wait for a checkpoint
-    save under way: the save would wait for the lost process.
-    """
+    """Waits for saves and compiles, closes the metrics files and releases the workdir (after a
+    lost process, it waits for no checkpoint save: the save would wait for that process)."""
     self._checkpoints.close()
     self._programs.close()
     self._data.close()
@@ -368,6 +562,37 @@ class Trainer:
 
   def __exit__(self, *exc: object) -> None:
     self.close()
+
+
+def _programs_of(plan: batch_plan.BatchPlan) -> set[tuple[str, int]]:
+  """The compiled programs a step of ``plan`` runs (see StepPrograms)."""
+  if plan.accumulation_steps == 1:
+    return {("step", plan.micro_batch_size)}
+  return {("micro_step", plan.micro_batch_size), ("update", 0)}
+
+
+def _config_of(config: TrainerConfig | None, settings: Mapping[str, Any]) -> TrainerConfig:
+  """The run's :class:`TrainerConfig`: ``config``, or (deprecated) one made of keyword settings."""
+  fields = [field.name for field in dataclasses.fields(TrainerConfig)]
+  for name in settings:
+    if name not in fields:
+      close = difflib.get_close_matches(name, fields, n=1)
+      hint = f" (did you mean {close[0]!r}?)" if close else ""
+      raise TypeError(f"Trainer() got an unexpected keyword argument {name!r}{hint}")
+  if settings:
+    given = ", ".join(f"{name}={value!r:.80}" for name, value in settings.items())
+    warnings.warn(
+      f"Trainer(..., {given}): settings given as keywords are deprecated and go in 0.3; "
+      f"pass config=simigrad_jax.TrainerConfig({given})",
+      DeprecationWarning,
+      stacklevel=3,
+    )
+  elif config is None:
+    raise TypeError(
+      "Trainer() needs its settings: config=simigrad_jax.TrainerConfig(max_micro_batch_size=...) "
+      "(the rows per device per micro-step; the other settings have defaults)"
+    )
+  return TrainerConfig.from_settings(config, settings)
 
 
 def _run_length(

@@ -14,7 +14,6 @@ from simigrad_jax.compile.fallback import choose_plan
 from simigrad_jax.compile.fallback import fallback_plan
 from simigrad_jax.shapes.batch_plan import BucketPolicy
 from simigrad_jax.shapes.batch_plan import plan_batch
-from simigrad_jax.trainer import step_inputs
 
 POLICY = BucketPolicy(32, 1, shapes_per_octave=8)
 
@@ -107,26 +106,19 @@ def test_the_runs_last_step_asks_for_no_compile(tmp_path, devices, monkeypatch):
   shape (or waits for its own without the fallback), and queues no compile of its shape or of
   the shapes near it. Every step before it does."""
   del devices
-  asked: list[tuple[int, list[int]]] = []  # (step, sizes asked for) from a dispatch
-  in_dispatch: list[int] = []
-  prefetch, dispatch = compiler.StepCompiler.prefetch, step_inputs.StepDispatcher.dispatch
+  asked: list[tuple[int, list[int]]] = []  # (steps done, sizes asked for)
+  prefetch = compiler.StepCompiler.prefetch
+  training = []  # the trainer, once built (its first trace asks for compiles too)
 
   def recording_prefetch(self, sizes, *, first=False):
     sizes = list(sizes)
-    if in_dispatch:
-      asked.append((in_dispatch[-1], sizes))
+    if training:
+      asked.append((training[0].step, sizes))
     return prefetch(self, sizes, first=first)
 
-  def recording_dispatch(self, batch_size, total_examples, step, last_read):
-    in_dispatch.append(step)
-    try:
-      return dispatch(self, batch_size, total_examples, step, last_read)
-    finally:
-      in_dispatch.pop()
-
   monkeypatch.setattr(compiler.StepCompiler, "prefetch", recording_prefetch)
-  monkeypatch.setattr(step_inputs.StepDispatcher, "dispatch", recording_dispatch)
   with tiny_run.make_trainer(tmp_path) as trainer:
+    training.append(trainer)
     trainer.train(num_epochs=1.0)
     records = [
       r for r in simigrad_jax.read_metrics(tmp_path / "metrics.jsonl") if "batch_size" in r

@@ -240,11 +240,13 @@ def _train(workdir, name, num_steps, cache_dir):
       source=simigrad_jax.ArraySource({"x": x, "y": y}),
       controller=simigrad_jax.make_controller(name, **OPTIONS[name]),
       workdir=workdir,
-      max_micro_batch_size=8,
-      seed=2,
-      progress=False,
-      tensorboard=False,
-      compilation_cache_dir=cache_dir,
+      config=simigrad_jax.TrainerConfig(
+        max_micro_batch_size=8,
+        seed=2,
+        progress=False,
+        tensorboard=False,
+        compilation_cache_dir=cache_dir,
+      ),
     )
     with trainer:
       trainer.train(num_steps=num_steps)

@@ -1,4 +1,4 @@
-"""StepDataLoader: a step's rows placed ahead for each size the controller is likely to decide."""
+"""StepDataLoader: a step's rows loaded and placed ahead for each plan it is likely to run."""
 
 import threading
 
@@ -12,19 +12,10 @@ from jax.sharding import PartitionSpec as P
 import simigrad_jax
 from simigrad_jax.data import data_loader
 from simigrad_jax.data.data_loader import StepDataLoader
-from simigrad_jax.data.data_loader import likely_next_sizes
 from simigrad_jax.shapes.layout import StepLayout
 
 
-def test_likely_next_sizes_follow_simigrads_rule_within_bounds():
-  assert likely_next_sizes(100, 1, None) == [110, 90]
-  assert likely_next_sizes(5, 1, 1000) == [6, 4]
-  assert likely_next_sizes(100, 95, 105) == [105, 95]
-  assert likely_next_sizes(100, 50, 100) == [100, 90]  # at the upper bound: held or shrunk
-  assert likely_next_sizes(64, 64, 64) == [64]
-
-
-def _loader(anticipate=None):
+def _loader():
   """A loader of 400 examples on 8 devices, bounds [16, 128], and its layout and sampler."""
   mesh = Mesh(np.array(jax.devices()), ("batch",))
   layout = StepLayout.create(
@@ -41,10 +32,6 @@ def _loader(anticipate=None):
     layout.slot_positions(np.arange(8)),
     layout.num_slots,
     place_ahead=True,
-    upper=128,
-    plan_for=layout.plan,
-    lower=16,
-    anticipate=anticipate,
   )
   return loader, layout, sampler
 
@@ -62,7 +49,7 @@ def test_a_likely_decision_finds_its_rows_placed(loader_and_layout, decided):
   placed = []
   place = loader.place
   loader.place = lambda plan, loaded, step: placed.append(plan) or place(plan, loaded, step)
-  loader.submit_ahead(50, float("inf"), step=0)  # grow 55, shrink 45
+  loader.submit(0, 55, step=0, expected=[layout.plan(55), layout.plan(45)])
   plan = layout.plan(decided)
   batch, _ = loader.take(plan, 0, 0)
   assert {p.global_batch_size for p in placed} == {55, 45}  # both ahead, none now
@@ -77,8 +64,8 @@ def test_a_likely_decision_finds_its_rows_placed(loader_and_layout, decided):
 
 def test_an_unlikely_decision_is_placed_when_taken(loader_and_layout):
   loader, layout, _ = loader_and_layout
-  loader.submit_ahead(50, float("inf"), step=0)
-  batch, _ = loader.take(layout.plan(50), 0, 0)  # held
+  loader.submit(0, 55, step=0, expected=[layout.plan(55), layout.plan(45)])
+  batch, _ = loader.take(layout.plan(50), 0, 0)  # neither: placed now, from the rows loaded
   assert batch.plan == layout.plan(50)
   assert float(np.asarray(batch.micro_batches[0][1]).sum()) == 50
   assert np.asarray(batch.counters[0]).tolist() == [0, 0]
@@ -131,33 +118,25 @@ def _placements(loader):
   return placed
 
 
-def test_a_controller_that_names_its_next_size_gets_that_size_placed_ahead():
-  asked = []
-  loader, layout, _ = _loader(lambda seen, epochs: asked.append((seen, epochs)) or [96])
-  try:
-    placed = _placements(loader)
-    loader.submit_ahead(50, float("inf"), step=0)  # SimiGrad's guess would be 55 and 45
-    batch, _ = loader.take(layout.plan(96), 0, 0)  # beyond one grow of 50: loaded all the same
-    assert placed == [(96, True)]
-    assert asked == [(0, 0.0)]
-    assert sum(float(np.asarray(weights).sum()) for _, weights in batch.micro_batches) == 96
-  finally:
-    loader.close()
+def test_only_the_expected_plans_the_rows_hold_are_placed_ahead_then_the_follow_up(
+  loader_and_layout,
+):
+  loader, layout, _ = loader_and_layout
+  placed = _placements(loader)
+  after = []
+  then = lambda: after.append((list(placed), threading.current_thread().name))
+  loader.submit(0, 96, step=0, expected=[layout.plan(96), layout.plan(128)], then=then)
+  batch, _ = loader.take(layout.plan(96), 0, 0)
+  loader.close()  # waits for the data thread
+  assert placed == [(96, True)]  # 128 rows were not loaded: not placed
+  assert after == [([(96, True)], after[0][1])] and after[0][1].startswith("simigrad-data")
+  assert sum(float(np.asarray(weights).sum()) for _, weights in batch.micro_batches) == 96
 
 
-def test_a_controller_without_a_guess_gets_simigrads():
-  loader, _, _ = _loader(lambda seen, epochs: None)
-  try:
-    assert loader.likely_sizes(50, 0) == [55, 45]
-  finally:
-    loader.close()
-
-
-@pytest.mark.parametrize("said", [[200], [8], [32.5], ["32"]])
-def test_a_named_size_outside_the_run_is_refused(said):
-  loader, _, _ = _loader(lambda seen, epochs: said)
-  try:
-    with pytest.raises(ValueError, match=r"likely_batch_sizes\(0, ...\).*\[16, 128\]"):
-      loader.submit_ahead(50, float("inf"), step=0)
-  finally:
-    loader.close()
+def test_a_step_larger_than_the_rows_loaded_loads_its_own(loader_and_layout):
+  loader, layout, _ = loader_and_layout
+  placed = _placements(loader)
+  loader.submit(0, 50, step=0, expected=[layout.plan(50)])
+  batch, _ = loader.take(layout.plan(96), 0, 0)
+  assert placed == [(50, True), (96, False)]
+  assert sum(float(np.asarray(weights).sum()) for _, weights in batch.micro_batches) == 96

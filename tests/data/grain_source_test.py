@@ -157,9 +157,7 @@ def test_the_trainer_takes_grain_style_data(tmp_path):
     source=data,
     controller=simigrad_jax.Controller(8, 0.3, batch_size_lower_bound=4, batch_size_upper_bound=16),
     workdir=tmp_path / "run",
-    max_micro_batch_size=4,
-    progress=False,
-    tensorboard=False,
+    config=simigrad_jax.TrainerConfig(max_micro_batch_size=4, progress=False, tensorboard=False),
   ) as trainer:
     assert isinstance(trainer.source, simigrad_jax.GrainSource)
     summary = trainer.train(num_steps=3)

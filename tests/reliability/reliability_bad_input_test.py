@@ -22,6 +22,7 @@ import optax
 import pytest
 
 import simigrad_jax
+from tiny_run import trainer_with
 
 pytestmark = pytest.mark.reliability
 
@@ -83,7 +84,7 @@ def trainer(workdir, *, hidden=8, data=None, **overrides):
     checkpoint_every_steps=2,
   )
   kwargs.update(overrides)
-  return simigrad_jax.Trainer(**kwargs)
+  return trainer_with(**kwargs)
 
 
 def without_extra_args(inner):

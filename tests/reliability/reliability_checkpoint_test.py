@@ -384,12 +384,10 @@ class _Data:
       source=simigrad_jax.ArraySource(dataset(num_examples=200)),
       controller=controller,
       workdir=workdir,
-      max_micro_batch_size=4,
-      seed=3,
-      checkpoint_every_steps=2,
-      progress=False,
-      tensorboard=False,
       **kwargs,
+      config=simigrad_jax.TrainerConfig(
+        max_micro_batch_size=4, seed=3, checkpoint_every_steps=2, progress=False, tensorboard=False
+      ),
     )
 
 

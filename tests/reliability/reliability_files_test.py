@@ -90,7 +90,12 @@ def test_a_second_run_fails_at_once_naming_the_first_and_a_dead_runs_lock_does_n
     objects = trainer_objects(workdir)
     start = time.perf_counter()
     with pytest.raises(simigrad_jax.WorkdirLockedError) as error:
-      simigrad_jax.Trainer(**objects, max_micro_batch_size=4, progress=False, tensorboard=False)
+      simigrad_jax.Trainer(
+        **objects,
+        config=simigrad_jax.TrainerConfig(
+          max_micro_batch_size=4, progress=False, tensorboard=False
+        ),
+      )
     seconds = time.perf_counter() - start
     message = str(error.value)
     assert f"pid {first.pid} on host {os.uname().nodename}" in message, message

@@ -88,11 +88,10 @@ def test_nonfinite_steps_are_skipped_and_counted(name, num_devices, tmp_path, ca
     source=simigrad_jax.ArraySource(data),
     controller=controller,
     workdir=tmp_path,
-    max_micro_batch_size=4,
-    seed=3,
-    progress=False,
-    tensorboard=False,
     devices=jax.devices()[:num_devices],
+    config=simigrad_jax.TrainerConfig(
+      max_micro_batch_size=4, seed=3, progress=False, tensorboard=False
+    ),
   )
   runs = []  # per step: the state before and after, and the controller's size before
   original_run = trainer._programs.run
@@ -112,10 +111,14 @@ def test_nonfinite_steps_are_skipped_and_counted(name, num_devices, tmp_path, ca
 
   trainer._programs.run = recording_run
   decided = []  # the step records as the trainer built them (NaN and Inf losses intact)
-  original_decide = trainer._read_and_decide
-  trainer._read_and_decide = lambda dispatched: (
-    decided.append(original_decide(dispatched)) or (decided[-1])
-  )
+
+  class Decided:
+    runs_at_once = True
+
+    def on_step(self, record):
+      decided.append(record)
+
+  trainer.add_hook(Decided())
   with trainer, caplog.at_level(logging.WARNING, logger="simigrad_jax"):
     summary = trainer.train(num_epochs=3)
 

@@ -292,13 +292,15 @@ def test_checkpoint_every_seconds_saves_once_that_many_seconds_passed(tmp_path):
   )
   with simigrad_jax.Trainer(
     **objects,
-    max_micro_batch_size=4,
-    seed=3,
-    progress=False,
-    tensorboard=False,
-    checkpoint_every_seconds=1.0,
-    max_checkpoints=30,
     hooks=[SimpleNamespace(on_step=slow_step)],
+    config=simigrad_jax.TrainerConfig(
+      max_micro_batch_size=4,
+      seed=3,
+      progress=False,
+      tensorboard=False,
+      checkpoint_every_seconds=1.0,
+      max_checkpoints=30,
+    ),
   ) as trainer:
     save = trainer._checkpoints.checkpointer.save
 

@@ -117,7 +117,7 @@ def test_settings_come_from_a_config_or_from_keywords_not_both():
     TrainerConfig.from_settings(None, {"seed": 3})
 
 
-def test_the_trainer_takes_a_config_or_its_keywords(tmp_path):
+def test_the_trainer_takes_a_config_and_its_keywords_only_with_a_deprecation(tmp_path):
   settings = dict(
     max_micro_batch_size=4,
     mode="pad",
@@ -128,7 +128,9 @@ def test_the_trainer_takes_a_config_or_its_keywords(tmp_path):
     halves="local",
     agreement_timeout_seconds=60.0,
   )
-  with simigrad_jax.Trainer(**trainer_objects(tmp_path / "keywords"), **settings) as by_keywords:
+  with pytest.warns(DeprecationWarning, match=r"pass config=simigrad_jax\.TrainerConfig\(max_m"):
+    by_keywords = simigrad_jax.Trainer(**trainer_objects(tmp_path / "keywords"), **settings)
+  with by_keywords:
     assert by_keywords.config == TrainerConfig(**settings)
   config = TrainerConfig(**settings)
   with simigrad_jax.Trainer(**trainer_objects(tmp_path / "config"), config=config) as by_config:
@@ -136,11 +138,24 @@ def test_the_trainer_takes_a_config_or_its_keywords(tmp_path):
 
 
 def test_a_config_with_setting_keywords_is_refused_before_anything_is_built(tmp_path):
-  with pytest.raises(ValueError, match=r"not both: got config= and seed=4"):
+  with (
+    pytest.raises(ValueError, match=r"not both: got config= and seed=4"),
+    pytest.warns(DeprecationWarning),
+  ):
     simigrad_jax.Trainer(
       **trainer_objects(tmp_path / "run"), config=TrainerConfig(max_micro_batch_size=4), seed=4
     )
   assert not (tmp_path / "run").exists()
+
+
+def test_a_trainer_without_settings_or_with_a_misspelt_one_is_refused(tmp_path):
+  with pytest.raises(TypeError, match=r"config=simigrad_jax\.TrainerConfig\(max_micro_batch_size="):
+    simigrad_jax.Trainer(**trainer_objects(tmp_path / "none"))
+  with pytest.raises(
+    TypeError, match=r"'max_micro_batch' \(did you mean 'max_micro_batch_size'\?\)"
+  ):
+    simigrad_jax.Trainer(**trainer_objects(tmp_path / "typo"), max_micro_batch=4)
+  assert not (tmp_path / "none").exists() and not (tmp_path / "typo").exists()
 
 
 def test_doctests():

@@ -6,8 +6,8 @@ import math
 
 import pytest
 
+from simigrad_jax.checkpoint.hook import CheckpointHook
 from simigrad_jax.trainer import hooks as hooks_module
-from simigrad_jax.trainer.hooks import CheckpointHook
 from simigrad_jax.trainer.hooks import StepHook
 from simigrad_jax.trainer.step_record import StepRecord
 from tiny_run import make_trainer

@@ -27,6 +27,7 @@ from trainer_processes_test import step_records
 import simigrad_jax
 from simigrad_jax.shapes import mesh_sharding
 from simigrad_jax.trainer import hooks
+from tiny_run import trainer_with
 from train import mesh as train_mesh
 
 NUM_STEPS = 6
@@ -79,7 +80,7 @@ def make_trainer(workdir, *, optimizer=None, nan_at=None, **kwargs):
   # The halving grid: few shapes to compile.
   settings = dict(max_micro_batch_size=8, shapes_per_octave=1, seed=3, progress=False)
   settings = settings | dict(tensorboard=False) | kwargs
-  return simigrad_jax.Trainer(
+  return trainer_with(
     loss_fn=mlp_loss,
     params=WideMLP().init(jax.random.key(0), data["x"][:1])["params"],
     optimizer=optimizer,

@@ -17,6 +17,7 @@ import simigrad_jax
 from tiny_run import TinyMLP
 from tiny_run import dataset
 from tiny_run import mlp_loss
+from tiny_run import trainer_with
 
 
 def make_trainer(
@@ -36,7 +37,7 @@ def make_trainer(
     simigrad_jax.transform("batch"), optax.sgd(learning_rate), simigrad_jax.scale_by_lr_factor()
   )
   kwargs.setdefault("max_micro_batch_size", 8)
-  return simigrad_jax.Trainer(
+  return trainer_with(
     loss_fn=loss_fn,
     params=params,
     model_state=model_state,
@@ -367,7 +368,7 @@ def test_refuses_an_optimizer_without_the_transform(tmp_path):
       source=simigrad_jax.ArraySource(dataset()),
       controller=simigrad_jax.Controller(16, 0.3),
       workdir=tmp_path,
-      max_micro_batch_size=8,
+      config=simigrad_jax.TrainerConfig(max_micro_batch_size=8),
     )
 
 
