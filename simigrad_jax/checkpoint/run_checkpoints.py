@@ -15,7 +15,7 @@ trajectory is refused with :class:`~simigrad_jax.checkpoint.checkpointer.
 CheckpointMismatchError` listing the differences, unless the run allows
 changed settings; then, as for a changed device count or version, which is
 always allowed, the changes are logged and kept in the history that every
-later checkpoint carries.
+later checkpoint carries (the checks: :mod:`simigrad_jax.checkpoint.resume_checks`).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import os
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
+from simigrad_jax.checkpoint import resume_checks
 from simigrad_jax.checkpoint import run_record
 from simigrad_jax.checkpoint.checkpointer import Checkpointer
 from simigrad_jax.checkpoint.checkpointer import CheckpointMismatchError
@@ -35,11 +36,6 @@ logger = logging.getLogger("simigrad_jax")
 
 # Multi-host: how long a process waits for a checkpoint save before it checks on the others.
 SAVE_WAIT_ROUND_SECONDS = 1.0
-_HOW_TO_ALLOW = (
-  "Resume with the settings it was made with, use a new workdir, or allow the "
-  "change with allow_changed_settings=True (it is then recorded in the run's "
-  "history)"
-)
 
 
 class CheckpointSaveError(SimiGradError, RuntimeError):
@@ -133,14 +129,14 @@ class RunCheckpoints:
     try:
       state, host, step = checkpointer.restore(like)
     except CheckpointMismatchError as error:
-      raise CheckpointMismatchError(self._describe_other_run(error)) from error
+      workdir, saved = os.path.dirname(directory), self._newest_saved_run()
+      message = resume_checks.other_run_message(error, workdir, saved, self.record)
+      raise CheckpointMismatchError(message) from error
     where = f"the checkpoint at step {step} in {directory}"
-    if host.get("seed") != self.seed:
-      raise CheckpointMismatchError(
-        f"{where} was made with seed={host.get('seed')!r}, this run has seed={self.seed}; use "
-        "the same seed to resume, or a new workdir"
-      )
-    changes = self._changes_since(host, where)
+    resume_checks.check_seed(host, self.seed, where)
+    changes = resume_checks.changes_since(
+      host, self.record, allow_changed_settings=self.allow_changed_settings, where=where
+    )
     sampler_state, controller_state = host["sampler"], host["controller"]
     if changes is not None and changes.checked:  # allowed: the saved settings give way
       sampler_state = {**sampler_state, "num_examples": sampler.num_examples}
@@ -162,7 +158,7 @@ class RunCheckpoints:
       self.changes.append(
         {"step": step, "settings": changes.checked, "environment": changes.recorded}
       )
-      _log_changes(changes, where)
+      resume_checks.log_changes(changes, where)
     skipped = checkpointer.skipped
     if skipped:
       logger.warning(
@@ -182,52 +178,16 @@ class RunCheckpoints:
       host.get("compiled_programs"),
     )
 
-  def _changes_since(self, host: dict[str, Any], where: str) -> run_record.RecordChanges | None:
-    """How this run differs from the one that saved ``host``; refused unless allowed.
-
-    None when either has no record (a checkpoint of an older simigrad_jax is
-    resumed with a warning).
-    """
+  def _newest_saved_run(self) -> dict[str, Any] | None:
+    """The record saved with the newest checkpoint; None without one, or when the run keeps
+    none (nothing is read then)."""
     if self.record is None:
       return None
-    saved = host.get("run")
-    if saved is None:
-      logger.warning(
-        "%s was written before simigrad_jax recorded a run's settings in its "
-        "checkpoints: they cannot be checked against this run's; they are recorded "
-        "from the next checkpoint on",
-        where,
-      )
+    try:
+      latest = self.checkpointer.latest_step()
+      return None if latest is None else self.checkpointer.read_host(latest).get("run")
+    except Exception:  # pylint: disable=broad-except  (the layouts' differences say enough)
       return None
-    changes = run_record.compare(saved, self.record)
-    if changes.checked and not self.allow_changed_settings:
-      raise CheckpointMismatchError(
-        f"{where} was made by a run with other settings:\n{run_record.listed(changes.checked)}"
-        f"\n{_HOW_TO_ALLOW}"
-      )
-    return changes
-
-  def _describe_other_run(self, error: CheckpointMismatchError) -> str:
-    """The message for a checkpoint whose arrays do not fit this run: how the records differ
-    when the newest checkpoint has a readable record that says, else the layouts' differences."""
-    workdir = os.path.dirname(self.checkpointer.directory)
-    changes = None
-    if self.record is not None:
-      try:
-        latest = self.checkpointer.latest_step()
-        saved = None if latest is None else self.checkpointer.read_host(latest).get("run")
-      except Exception:  # pylint: disable=broad-except  (the layouts' differences say enough)
-        saved = None
-      changes = None if saved is None else run_record.compare(saved, self.record)
-    if changes is None or not changes.checked:
-      return f"the workdir {workdir!r} holds checkpoints of another run: {error}"
-    return (
-      f"the workdir {workdir!r} holds checkpoints of another run, whose arrays do not fit "
-      f"this one's; the runs differ in:\n"
-      f"{run_record.listed(changes.checked + changes.recorded)}\n"
-      "A changed model or optimizer structure cannot be resumed, allowed or not: use the "
-      "model and optimizer it was made with, or a new workdir"
-    )
 
   def save(
     self,
@@ -329,21 +289,3 @@ class RunCheckpoints:
     """
     if not self._agreement.lost_processes():
       self.checkpointer.close()
-
-
-def _log_changes(changes: run_record.RecordChanges, where: str) -> None:
-  """Warns of the changes a resume allowed (they are also kept in the run's history)."""
-  if changes.checked:
-    logger.warning(
-      "%s was made by a run with other settings; resuming with this run's, as "
-      "allow_changed_settings=True allows (recorded in the run's history):\n%s",
-      where,
-      run_record.listed(changes.checked),
-    )
-  if changes.recorded:
-    logger.warning(
-      "%s was made on other devices, shapes or versions; resuming exactly "
-      "(recorded in the run's history):\n%s",
-      where,
-      run_record.listed(changes.recorded),
-    )

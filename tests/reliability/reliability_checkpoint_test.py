@@ -27,7 +27,7 @@ import pytest
 
 import simigrad_jax
 from reliability_helpers import SEED
-from simigrad_jax.checkpoint import checkpointer as checkpointer_module
+from simigrad_jax.checkpoint import read_retry
 from simigrad_jax.checkpoint.checkpointer import Checkpointer
 
 pytestmark = [
@@ -222,7 +222,7 @@ READ_ERRORS = [
 def test_a_transient_read_error_is_tried_again_and_restores_the_newest(
   error, tmp_path, caplog, monkeypatch
 ):
-  monkeypatch.setattr(checkpointer_module, "READ_RETRY_SECONDS", 0.01)
+  monkeypatch.setattr(read_retry, "READ_RETRY_SECONDS", 0.01)
   root = tmp_path / "checkpoints"
   saved_steps(root)
   ckpt = Checkpointer(root)
@@ -243,7 +243,7 @@ def test_a_transient_read_error_is_tried_again_and_restores_the_newest(
 def test_a_read_error_that_persists_is_raised_and_moves_nothing(error, tmp_path, monkeypatch):
   """The newest checkpoint is damaged, the one before fails every read: no checkpoint is
   restored, skipped for good or moved (the failing one may be intact)."""
-  monkeypatch.setattr(checkpointer_module, "READ_RETRY_SECONDS", 0.01)
+  monkeypatch.setattr(read_retry, "READ_RETRY_SECONDS", 0.01)
   root = tmp_path / "checkpoints"
   saved_steps(root)
   truncate_array_data(root / "3")
@@ -257,7 +257,7 @@ def test_a_read_error_that_persists_is_raised_and_moves_nothing(error, tmp_path,
   ) as raised:
     ckpt.restore(small_state(0.0))
   assert raised.value.errno == errno.EIO and raised.value.__cause__ is error
-  assert reads.count(2) == checkpointer_module.READ_ATTEMPTS
+  assert reads.count(2) == read_retry.READ_ATTEMPTS
   assert ckpt.all_steps() == [1, 2, 3] and ckpt.quarantined == []
   assert not (tmp_path / "checkpoints.unreadable").exists()
   ckpt.close()
