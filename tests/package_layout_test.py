@@ -132,6 +132,65 @@ def test_no_import_cycle():
   assert not cycles, "import cycles:\n" + "\n".join(cycles)
 
 
+# The limits that keep each room small enough to hold in one's head (docs/layout.md).
+MAX_MODULES_PER_ROOM = 12
+MAX_LINES_PER_ROOM = 3000
+MAX_CLASS_LINES = 250
+
+
+def test_every_room_is_small_enough_to_hold_in_ones_head():
+  too_big = []
+  for directory in sorted(p for p in PACKAGE.iterdir() if (p / "__init__.py").exists()):
+    files = sorted(directory.rglob("*.py"))
+    modules = [f for f in files if f.name != "__init__.py"]
+    lines = sum(len(f.read_text().splitlines()) for f in files)
+    if len(modules) > MAX_MODULES_PER_ROOM or lines > MAX_LINES_PER_ROOM:
+      too_big.append(f"{directory.name}/: {len(modules)} modules, {lines} lines")
+  assert not too_big, (
+    f"rooms over {MAX_MODULES_PER_ROOM} modules or {MAX_LINES_PER_ROOM} lines: {too_big}"
+  )
+
+
+def test_no_class_is_over_250_lines():
+  long = [
+    f"{node.name} ({path.relative_to(ROOT)}: {node.end_lineno - node.lineno + 1} lines)"
+    for path in modules().values()
+    for node in ast.walk(ast.parse(path.read_text()))
+    if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > MAX_CLASS_LINES
+  ]
+  assert not long, f"classes over {MAX_CLASS_LINES} lines: {long}"
+
+
+def test_simigrads_grow_and_shrink_factors_live_in_the_controllers_only():
+  """The rule's 1.1 and 0.9 (the reference's grow and shrink) are the controllers' knowledge."""
+  found = [
+    f"{name} line {node.lineno}: {node.value}"
+    for name, path in modules().items()
+    if room(name) != "controllers"
+    for node in ast.walk(ast.parse(path.read_text()))
+    if isinstance(node, ast.Constant) and node.value in (1.1, 0.9) and type(node.value) is float
+  ]
+  assert not found, f"SimiGrad's factors outside controllers/: {found}"
+
+
+# Trace-time context that only refuses misuse (docs/layout.md, "ingraph/"): the step's axis
+# (a transform named for another axis) and a step that promises half gradients.
+REFUSING_CONTEXT_VARIABLES = {"_STEP_AXIS", "_EXPECTING_HALF_GRADS"}
+
+
+def test_no_context_variable_changes_what_the_package_computes():
+  """optax's rule: a transformation's behaviour comes from its arguments and state only."""
+  found = {
+    target.id
+    for path in modules().values()
+    for node in ast.walk(ast.parse(path.read_text()))
+    if isinstance(node, ast.Assign) and "ContextVar" in ast.unparse(node.value)
+    for target in node.targets
+    if isinstance(target, ast.Name)
+  }
+  assert found <= REFUSING_CONTEXT_VARIABLES, sorted(found - REFUSING_CONTEXT_VARIABLES)
+
+
 def _dist_names(requirements: list[str], extras: tuple[str, ...] = ()) -> set[str]:
   """The installed distributions these requirements pull in, transitively (extras of others not)."""
   seen: set[str] = set()
