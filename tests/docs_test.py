@@ -20,6 +20,10 @@ PYTHON_BLOCKS = {
   for number, block in enumerate(re.findall(r"^```python\n(.*?)^```", text, re.S | re.M), start=1)
 }
 LINK = re.compile(r"\]\(([^)\s]+)\)")
+REPOSITORY_JSON = re.compile(
+  r"(?<![\w/.~<>{}-])((?:[\w-]+/)+[\w-]+\.json)\b"
+)  # benchmarks/x/y.json
+RESULTS = ROOT / "benchmarks" / "results"
 
 
 def test_quick_start_has_two_commands_and_ci_runs_the_test_line():
@@ -75,6 +79,26 @@ def test_relative_links_and_anchors_resolve(page):
     elif anchor and anchor not in heading_anchors(file.read_text()):
       broken.append(target)
   assert not broken, f"{page}: links that lead nowhere: {broken}"
+
+
+@pytest.mark.parametrize("page", sorted(PAGES))
+def test_result_json_is_referenced_where_it_lies_in_benchmarks_results(page):
+  """A link to a JSON file, a repository path to one, or a command's input names a result there."""
+  text = PAGES[page]
+  prose = re.sub(r"^```.*?^```", "", text, flags=re.S | re.M)
+  linked = [
+    ((ROOT / page).parent / target).resolve()
+    for target in LINK.findall(prose)
+    if target.partition("#")[0].endswith(".json") and not re.match(r"[a-z]+:", target)
+  ]
+  read = re.findall(r"--(?:reuse|markdown) ([\w-]+/\S+\.json)\b", text)  # a command reads it
+  named = [ROOT / path for path in REPOSITORY_JSON.findall(prose) + read]
+  wrong = [
+    path.relative_to(ROOT).as_posix() if path.is_relative_to(ROOT) else str(path)
+    for path in linked + named
+    if path.parent != RESULTS or not path.exists()
+  ]
+  assert not wrong, f"{page}: result JSON not found in benchmarks/results/: {wrong}"
 
 
 def test_layout_page_names_every_module_of_the_package():
