@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 from typing import Any
 
 REPOSITORY_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS_DIR = os.path.join(REPOSITORY_ROOT, "benchmarks", "results")  # the benchmarks' JSON
+PLOTS_DIR = os.path.join(REPOSITORY_ROOT, "docs")  # their plots, beside the pages that show them
 
 
 def configure_host_devices(count: int = 8) -> None:
@@ -62,6 +65,89 @@ def device_record() -> dict:
   }
 
 
+def add_out_flag(parser: argparse.ArgumentParser, name: str, *, quick: bool = True) -> None:
+  """Adds ``--out``, the results' JSON: by default ``benchmarks/results/NAME.json``.
+
+  Args:
+    parser: the benchmark's parser.
+    name: the result's name, e.g. ``"halves"``; see :func:`out_path`.
+    quick: whether the benchmark has ``--quick`` (its help names that run's file).
+  """
+  quick_file = f", {name}_quick.json with --quick" if quick else ""
+  parser.add_argument(
+    "--out",
+    default=None,
+    metavar="JSON",
+    help=f"write the results as JSON here (default: benchmarks/results/{name}.json"
+    f"{quick_file}; '' writes none)",
+  )
+
+
+def out_path(out: str | None, name: str, quick: bool = False) -> str:
+  """Where a benchmark writes its results' JSON.
+
+  Args:
+    out: the ``--out`` flag: a path, ``""`` for no file, or None for the default.
+    name: the result's name (``"pareto_mnist"``, ``"halves"``, ...).
+    quick: a ``--quick`` run, whose default file is ``NAME_quick.json`` so
+      that it never replaces the full run's.
+
+  Returns:
+    ``out`` when given, else ``benchmarks/results/NAME.json`` (or
+    ``NAME_quick.json``) in this repository, as an absolute path.
+
+  Example::
+
+    out_path(None, "halves", quick=True)  # .../benchmarks/results/halves_quick.json
+  """
+  if out is not None:
+    return out
+  return os.path.join(RESULTS_DIR, f"{name}_quick.json" if quick else f"{name}.json")
+
+
+def plot_path(png: str | None, out: str) -> str | None:
+  """Where a benchmark draws its plot.
+
+  Args:
+    png: the ``--png`` flag, or None for the default.
+    out: the results' JSON (:func:`out_path`), ``""`` for none.
+
+  Returns:
+    ``png`` when given; for a JSON in ``benchmarks/results/``, ``docs/STEM.png``
+    (the docs keep the plots they show); else the JSON's path with ``.png``;
+    None without either.
+
+  Example::
+
+    plot_path(None, "benchmarks/results/pareto_mnist.json")  # .../docs/pareto_mnist.png
+    plot_path(None, "/tmp/lm.json")  # /tmp/lm.png
+  """
+  if png:
+    return png
+  if not out:
+    return None
+  stem = os.path.splitext(out)[0]
+  if os.path.dirname(os.path.abspath(stem)) == RESULTS_DIR:
+    return os.path.join(PLOTS_DIR, os.path.basename(stem) + ".png")
+  return stem + ".png"
+
+
+def repository_path(path: str | os.PathLike) -> str:
+  """``path`` as a result records it: relative to the repository root when inside it.
+
+  Args:
+    path: a file a benchmark wrote, e.g. its plot.
+
+  Returns:
+    The path from the repository root (``docs/pareto_mnist.png``), so that a
+    committed result names no machine's folders; any other path as given.
+  """
+  absolute = os.path.abspath(path)
+  if os.path.commonpath([absolute, REPOSITORY_ROOT]) == REPOSITORY_ROOT:
+    return os.path.relpath(absolute, REPOSITORY_ROOT).replace(os.sep, "/")
+  return os.fspath(path)
+
+
 def report(results: dict, table: str, out: str | None) -> dict:
   """Prints ``table``, writes ``results`` as JSON to ``out`` when given, and returns ``results``."""
   import json  # pylint: disable=import-outside-toplevel
@@ -69,6 +155,7 @@ def report(results: dict, table: str, out: str | None) -> dict:
   print()
   print(table)
   if out:
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(out, "w") as f:
       json.dump(results, f, indent=2)
     print(f"\nwrote {out}")

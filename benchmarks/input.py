@@ -43,6 +43,9 @@ Goals, printed as PASS/FAIL: 2 workers give at least 1.6x the images/s of 1,
 and the data wait is under 5% of the step time at every bucket.
 
 python benchmarks/input.py [--quick] [--out input.json]
+
+The JSON goes to ``benchmarks/results/input.json`` (``input_quick.json`` with
+``--quick``) unless ``--out`` says otherwise (``--out ''``: none).
 """
 
 from __future__ import annotations
@@ -303,8 +306,9 @@ def main(argv=None) -> dict:
   parser.add_argument("--steps", type=int, default=None)
   parser.add_argument("--batch-sizes", type=int, nargs="+", default=None)
   parser.add_argument("--trainer-workers", type=int, default=None)
-  parser.add_argument("--out", default=None)
+  common.add_out_flag(parser, "input")
   args = parser.parse_args(argv)
+  args.out = common.out_path(args.out, "input", args.quick)
   preset = QUICK if args.quick else FULL
   common.apply_preset(
     args, preset, ["num_images", "timed_images", "window", "rounds", "steps", "batch_sizes"]

@@ -89,11 +89,11 @@ path.
 
 Usage::
 
-  python benchmarks/overhead.py                          # MLP, table only
+  python benchmarks/overhead.py                          # MLP: benchmarks/results/overhead.json
   python benchmarks/overhead.py --model all --out /tmp/overhead.json
-  python benchmarks/overhead.py --quick                  # tiny, for tests
+  python benchmarks/overhead.py --quick                  # tiny, for tests: overhead_quick.json
 
-JSON written to ``--out``::
+JSON written to ``--out`` (by default ``benchmarks/results/overhead.json``)::
 
   {"devices": 8, "global_batch_size": 256, "steps": ..., "rounds": ...,
    "models": {MODEL: {"params": ..., "plain_step_memory": {...},
@@ -293,8 +293,9 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   parser.add_argument(
     "--similarity-target", type=float, default=0.3, help="trainer_adaptive's similarity target"
   )
-  parser.add_argument("--out", default=None, help="write the results as JSON to this path")
+  common.add_out_flag(parser, "overhead")
   args = parser.parse_args(argv)
+  args.out = common.out_path(args.out, "overhead", args.quick)
   preset = QUICK if args.quick else FULL
   common.apply_preset(args, preset, ("batch_size", "rounds", "warmup_steps"))
   for key in ("steps", "rounds", "warmup_steps"):

@@ -83,6 +83,10 @@ Usage::
 
   python benchmarks/overhead_adaptive.py --also-shapes-per-octave 8 1 --out /tmp/adaptive.json
   python benchmarks/overhead_adaptive.py --quick    # tiny, for tests
+
+The JSON goes to ``benchmarks/results/overhead_adaptive.json``
+(``overhead_adaptive_quick.json`` with ``--quick``) unless ``--out`` says
+otherwise (``--out ''``: none).
 """
 
 from __future__ import annotations
@@ -414,8 +418,9 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     "more) and split the adaptive run's cost with their step times",
   )
   parser.add_argument("--compilation-cache", default=None, help="JAX's persistent cache folder")
-  parser.add_argument("--out", default=None, help="write the results as JSON to this path")
+  common.add_out_flag(parser, "overhead_adaptive")
   args = parser.parse_args(argv)
+  args.out = common.out_path(args.out, "overhead_adaptive", args.quick)
   common.apply_preset(args, QUICK if args.quick else FULL)
   for key in ("batch_size", "steps", "rounds", "warmup_steps"):
     if getattr(args, key) < 1:

@@ -65,10 +65,10 @@ the tasks.
 
 Usage::
 
-  python benchmarks/pareto.py --quick --profile --out benchmarks/results/pareto_quick.json  # < 10 min on 2 cores
+  python benchmarks/pareto.py --quick --profile     # < 10 min on 2 cores: pareto_quick.json
   python benchmarks/pareto.py --out /tmp/pareto.json --profile      # the full grid
   python benchmarks/pareto.py --task mlm --quick --out /tmp/mlm.json  # ~10 min on 2 cores
-  python benchmarks/pareto.py --task mlm --out benchmarks/results/pareto_mlm.json   # ~1 h on 2 cores
+  python benchmarks/pareto.py --task mlm            # ~1 h on 2 cores: pareto_mlm.json
   # Add learning-rate variants of the adaptive runs, reusing every run already done:
   python benchmarks/pareto.py --profile --reuse /tmp/pareto.json --out /tmp/pareto_lr.json \
       --adaptive-lr-multipliers 1,2 --adaptive-lr-rules sqrt,linear
@@ -83,14 +83,18 @@ Usage::
   # docs/results.md's tables for a result:
   python benchmarks/pareto.py --markdown benchmarks/results/pareto_mnist.json
 
-JSON written to ``--out`` (machine-read)::
+JSON written to ``--out`` (by default in ``benchmarks/results/``: ``pareto_mnist.json``,
+``pareto_mlm.json`` with ``--task mlm``, ``pareto_quick.json`` or
+``pareto_mlm_quick.json`` with ``--quick``; machine-read)::
 
   {"runs": [{"controller": "fixed" | "simigrad" | "gns" | ..., "seed": int,
              "test_accuracy": float in [0, 1], "avg_batch_size": float,
              "steps": int, "wall_seconds": float, "settings": {...}, ...}],
    "groups": [...], "summary": {...}, "profile": {...} | null, ...}
 
-and a PNG (``--png``, by default ``--out`` with ``.png``) of accuracy against
+and a PNG (``--png``; by default ``docs/NAME.png`` for a JSON in
+``benchmarks/results/``, where docs/results.md shows it, else ``--out`` with
+``.png``) of accuracy against
 average batch size with the fixed-batch Pareto front, the batch size over
 training of the adaptive runs and, with ``--profile``, similarity against
 batch size.
@@ -137,6 +141,24 @@ from benchmarks.pareto_report import format_table  # noqa: E402
 from benchmarks.pareto_report import lr_text  # noqa: E402
 from benchmarks.pareto_report import markdown_tables  # noqa: E402
 from benchmarks.pareto_report import plot  # noqa: E402
+
+
+def result_name(task: str, dataset: str, quick: bool) -> str:
+  """The default result's name: ``pareto_mnist``, ``pareto_mlm``, or ``pareto`` for the quick image grid.
+
+  Args:
+    task: ``--task`` (``"images"`` or ``"mlm"``).
+    dataset: the image task's data set as resolved (``"mnist"``, ``"digits"``).
+    quick: ``--quick``; :func:`benchmarks.common.out_path` adds ``_quick``, so
+      the quick image grid writes ``pareto_quick.json``.
+
+  Returns:
+    The name :func:`benchmarks.common.out_path` turns into
+    ``benchmarks/results/NAME.json``.
+  """
+  if task == "mlm":
+    return "pareto_mlm"
+  return "pareto" if quick else f"pareto_{dataset}"
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
@@ -300,10 +322,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   }
   table = format_table(groups, summary, profile)
   table += f"\n\ntotal wall time {results['total_wall_seconds']:.0f} s"
-  png = args.png or (str(pathlib.Path(args.out).with_suffix(".png")) if args.out else None)
+  out = common.out_path(args.out, result_name(args.task, info["dataset"], args.quick), args.quick)
+  png = common.plot_path(args.png, out)
   if png:
-    results["png"] = str(plot(results, png))
-  common.report(results, table, args.out)
+    results["png"] = common.repository_path(plot(results, png))
+  common.report(results, table, out)
   if png:
     print(f"wrote {png}")
   return results

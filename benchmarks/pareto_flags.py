@@ -173,8 +173,20 @@ def parse_args(argv: Sequence[str] | None, description: str = "") -> argparse.Na
     help="also profile similarity against batch size during a fixed run",
   )
   parser.add_argument("--profile-steps", type=int, default=None, help="steps per profiled size")
-  parser.add_argument("--out", default=None, help="write the results as JSON to this path")
-  parser.add_argument("--png", default=None, help="the plot (default: --out with .png)")
+  parser.add_argument(
+    "--out",
+    default=None,
+    metavar="JSON",
+    help="write the results as JSON here (default: benchmarks/results/pareto_mnist.json, "
+    "pareto_mlm.json with --task mlm, pareto_quick.json or pareto_mlm_quick.json with "
+    "--quick; '' writes none)",
+  )
+  parser.add_argument(
+    "--png",
+    default=None,
+    help="the plot (default: docs/NAME.png for a JSON in benchmarks/results/, else --out "
+    "with .png)",
+  )
   parser.add_argument("--workdir", default=None, help="keep every run's workdir under this path")
   args = parser.parse_args(argv)
   task = TASKS[args.task]

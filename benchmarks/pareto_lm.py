@@ -37,13 +37,14 @@ ramp's steps to the target.
 
 Usage::
 
-  python benchmarks/pareto_lm.py --quick --out /tmp/lm_quick.json   # 14 runs, about 3 min on 2 cores
-  python benchmarks/pareto_lm.py --out benchmarks/results/pareto_lm.json          # the full grid, ~16 min
+  python benchmarks/pareto_lm.py --quick      # 14 runs, about 3 min on 2 cores: pareto_lm_quick.json
+  python benchmarks/pareto_lm.py              # the full grid, ~10 min: benchmarks/results/pareto_lm.json
   python benchmarks/pareto_lm.py --train-windows 6144 --lr-multipliers 0.5,1,2 \
       --targets 0.1,0.3 --out benchmarks/results/pareto_lm_393k.json               # half the budget
   python benchmarks/pareto_lm.py --markdown benchmarks/results/pareto_lm.json     # docs/results.md's table
 
-JSON written to ``--out`` (machine-read)::
+JSON written to ``--out`` (by default ``benchmarks/results/pareto_lm.json``, or
+``pareto_lm_quick.json`` with ``--quick``; machine-read)::
 
   {"target_val_loss": float,
    "runs": [{"controller": "fixed" | "simigrad" | "gns" | "step_schedule" | "linear_ramp"
@@ -53,7 +54,9 @@ JSON written to ``--out`` (machine-read)::
              "steps": int, "tokens": int, "curve": [[steps, tokens, val_loss], ...], ...}],
    "settings": [...], "verdict": {...}, ...}
 
-and a PNG (``--png``, by default ``--out`` with ``.png``).
+and a PNG (``--png``; by default ``docs/NAME.png`` for a JSON in
+``benchmarks/results/``, where docs/results.md shows it, else ``--out`` with
+``.png``).
 """
 
 from __future__ import annotations
@@ -243,8 +246,13 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   p.add_argument(
     "--quick", action="store_true", help="the quick grid (14 runs, about 3 min on 2 cores)"
   )
-  p.add_argument("--out", default=None, help="write the JSON here")
-  p.add_argument("--png", default=None, help="the plot (default: --out with .png)")
+  common.add_out_flag(p, "pareto_lm")
+  p.add_argument(
+    "--png",
+    default=None,
+    help="the plot (default: docs/NAME.png for a JSON in benchmarks/results/, else --out "
+    "with .png)",
+  )
   p.add_argument("--markdown", default=None, help="print the docs table of this JSON, and stop")
   p.add_argument("--workdir", default=None, help="keep every run's workdir under this folder")
   p.add_argument("--text-file", default=None, help="train on this text, not tinyshakespeare")
@@ -266,6 +274,7 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   p.add_argument("--upper-bound", type=int, default=256, help="the adaptive runs' largest batch")
   p.add_argument("--ema-decay", type=float, default=0.9, help="the model rule's")
   args = p.parse_args(argv)
+  args.out = common.out_path(args.out, "pareto_lm", args.quick)
   common.apply_preset(args, QUICK if args.quick else FULL)
   return args
 
@@ -406,9 +415,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     }
   )
   table = pareto_lm_report.format_table(results)
-  png = args.png or (str(pathlib.Path(args.out).with_suffix(".png")) if args.out else None)
+  png = common.plot_path(args.png, args.out)
   if png:
-    results["png"] = str(pareto_lm_report.plot(results, png))
+    results["png"] = common.repository_path(pareto_lm_report.plot(results, png))
   common.report(results, table, args.out)
   if args.out:
     pathlib.Path(args.out + ".runs").unlink(missing_ok=True)

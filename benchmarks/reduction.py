@@ -37,11 +37,11 @@ their collective bytes (see SPEC.md) and time them on GPUs.
 
 Usage::
 
-  python benchmarks/reduction.py                       # full size, table only
-  python benchmarks/reduction.py --out /tmp/red.json   # also write JSON
+  python benchmarks/reduction.py                       # full size: benchmarks/results/reduction.json
+  python benchmarks/reduction.py --out /tmp/red.json   # the JSON elsewhere (--out '': none)
   python benchmarks/reduction.py --params 20000 --repeats 2
 
-JSON written to ``--out``::
+JSON written to ``--out`` (by default ``benchmarks/results/reduction.json``)::
 
   {"devices": 8, "params": N,
    "variants": {NAME: {"seconds": median, "collective_bytes": bytes,
@@ -279,14 +279,16 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     f"(default {RESNET18_CIFAR_PARAMS}, ResNet-18 for CIFAR)",
   )
   parser.add_argument("--repeats", type=int, default=20, help="timed runs per variant")
-  parser.add_argument("--out", default=None, help="write the results as JSON to this path")
+  common.add_out_flag(parser, "reduction", quick=False)
   parser.add_argument("--hlo-dir", default=None, help="write each variant's compiled HLO here")
   parser.add_argument(
     "--variants",
     default=",".join(VARIANTS),
     help="comma-separated subset of " + ",".join(VARIANTS),
   )
-  return parser.parse_args(argv)
+  args = parser.parse_args(argv)
+  args.out = common.out_path(args.out, "reduction")
+  return args
 
 
 def _format_table(results: dict[str, Any]) -> str:

@@ -50,12 +50,12 @@ SimiGrad steps (``simigrad`` or ``groups``, by temporary memory) at most
 
 Usage::
 
-  python benchmarks/sharded.py                         # full size, table only
+  python benchmarks/sharded.py                         # full size: benchmarks/results/sharded.json
   python benchmarks/sharded.py --out /tmp/sharded.json
   python benchmarks/sharded.py --models kernel --layouts tp --axes explicit
-  python benchmarks/sharded.py --quick                 # tiny, for tests
+  python benchmarks/sharded.py --quick                 # tiny, for tests: sharded_quick.json
 
-JSON written to ``--out``::
+JSON written to ``--out`` (by default ``benchmarks/results/sharded.json``)::
 
   {"runs": {"MODEL/LAYOUT/AXES": {"model", "layout", "axes", "mesh",
             "variants": {"plain" | "halves" | "simigrad": {"step_seconds",
@@ -372,8 +372,9 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   parser.add_argument(
     "--repeats", type=int, default=None, help=f"timed runs per step (default {FULL['repeats']})"
   )
-  parser.add_argument("--out", default=None, help="write the results as JSON to this path")
+  common.add_out_flag(parser, "sharded")
   args = parser.parse_args(argv)
+  args.out = common.out_path(args.out, "sharded", args.quick)
   common.apply_preset(args, QUICK if args.quick else FULL)
   error = batch_size_error(args.batch_size)
   if error:

@@ -20,9 +20,9 @@ SimiGrad step needs at most 1.05x the plain step's temporary memory.
 Usage::
 
   python benchmarks/sharded_memory.py --layouts fsdp_tp --axes auto --out /tmp/memory.json
-  python benchmarks/sharded_memory.py --quick    # tiny, for tests
+  python benchmarks/sharded_memory.py --quick    # tiny, for tests: sharded_memory_quick.json
 
-JSON written to ``--out``::
+JSON written to ``--out`` (by default ``benchmarks/results/sharded_memory.json``)::
 
   {"runs": {"MODEL/LAYOUT/AXES/BATCH": {"model", "layout", "axes", "batch_size",
             "temp_bytes": {"plain" | "simigrad" | "groups": bytes},
@@ -123,8 +123,9 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     help=f"comma-separated examples per step (default {FULL['batch_sizes']}); each of the "
     "data axis's devices needs an even number",
   )
-  parser.add_argument("--out", default=None, help="write the results as JSON to this path")
+  common.add_out_flag(parser, "sharded_memory")
   args = parser.parse_args(argv)
+  args.out = common.out_path(args.out, "sharded_memory", args.quick)
   common.apply_preset(args, QUICK if args.quick else FULL)
   for batch_size in args.batch_sizes:
     error = sharded_benchmark.batch_size_error(batch_size)

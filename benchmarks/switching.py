@@ -88,12 +88,13 @@ cache hit of the recompile mode's largest one.
 
 Usage::
 
-  python benchmarks/switching.py                          # table only
+  python benchmarks/switching.py                          # benchmarks/results/switching.json
   python benchmarks/switching.py --out /tmp/switching.json
   python benchmarks/switching.py --quick                  # small, for tests:
                                                           # MLP, [8, 64], 4 shapes
 
-JSON written to ``--out``::
+JSON written to ``--out`` (by default ``benchmarks/results/switching.json``,
+``switching_quick.json`` with ``--quick``)::
 
   {"devices": 8, "schedule": [...], ...,
    "modes": {"recompile": {"steps", "buckets_visited", "compiles",
@@ -243,7 +244,7 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   parser.add_argument(
     "--modes", default=",".join(MODES), help="comma-separated subset of " + ",".join(MODES)
   )
-  parser.add_argument("--out", default=None, help="write the results as JSON to this path")
+  common.add_out_flag(parser, "switching")
   parser.add_argument(
     "--workdir",
     default=None,
@@ -262,6 +263,7 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
       flag, default=None, type=int if "process" in flag else str, help=argparse.SUPPRESS
     )
   args = parser.parse_args(argv)
+  args.out = common.out_path(args.out, "switching", args.quick)
   common.apply_preset(
     args,
     QUICK if args.quick else FULL,

@@ -26,6 +26,10 @@ Usage::
 
   python benchmarks/trainer_mesh.py --out /tmp/trainer_mesh.json
   python benchmarks/trainer_mesh.py --quick    # tiny, for tests
+
+The JSON goes to ``benchmarks/results/trainer_mesh.json``
+(``trainer_mesh_quick.json`` with ``--quick``) unless ``--out`` says otherwise
+(``--out ''``: none).
 """
 
 from __future__ import annotations
@@ -164,8 +168,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   parser.add_argument("--quick", action="store_true", help=f"tiny, for tests: {QUICK}")
   parser.add_argument("--widths", type=int, nargs="+", default=None)
   parser.add_argument("--batch-size", type=int, default=None, help="the global batch")
-  parser.add_argument("--out", default=None, help="write the results as JSON to this path")
+  common.add_out_flag(parser, "trainer_mesh")
   args = parser.parse_args(argv)
+  args.out = common.out_path(args.out, "trainer_mesh", args.quick)
   common.apply_preset(args, QUICK if args.quick else FULL)
   if args.batch_size < DATA or args.batch_size % DATA:
     raise ValueError(

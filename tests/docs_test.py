@@ -1,5 +1,6 @@
-"""README.md and docs/*.md: every Python block runs as written, links resolve, the layout is whole."""
+"""README.md and docs/*.md: every Python block runs as written, links and named paths resolve, the layout is whole."""
 
+import importlib
 import os
 import pathlib
 import re
@@ -20,6 +21,10 @@ PYTHON_BLOCKS = {
   for number, block in enumerate(re.findall(r"^```python\n(.*?)^```", text, re.S | re.M), start=1)
 }
 LINK = re.compile(r"\]\(([^)\s]+)\)")
+REPOSITORY_JSON = re.compile(
+  r"(?<![\w/.~<>{}-])((?:[\w-]+/)+[\w-]+\.json)\b"
+)  # benchmarks/x/y.json
+RESULTS = ROOT / "benchmarks" / "results"
 
 
 def test_quick_start_has_two_commands_and_ci_runs_the_test_line():
@@ -75,6 +80,58 @@ def test_relative_links_and_anchors_resolve(page):
     elif anchor and anchor not in heading_anchors(file.read_text()):
       broken.append(target)
   assert not broken, f"{page}: links that lead nowhere: {broken}"
+
+
+@pytest.mark.parametrize("page", sorted(PAGES))
+def test_result_json_is_referenced_where_it_lies_in_benchmarks_results(page):
+  """A link to a JSON file, a repository path to one, or a command's input names a result there."""
+  text = PAGES[page]
+  prose = re.sub(r"^```.*?^```", "", text, flags=re.S | re.M)
+  linked = [
+    ((ROOT / page).parent / target).resolve()
+    for target in LINK.findall(prose)
+    if target.partition("#")[0].endswith(".json") and not re.match(r"[a-z]+:", target)
+  ]
+  read = re.findall(r"--(?:reuse|markdown) ([\w-]+/\S+\.json)\b", text)  # a command reads it
+  named = [ROOT / path for path in REPOSITORY_JSON.findall(prose) + read]
+  wrong = [
+    path.relative_to(ROOT).as_posix() if path.is_relative_to(ROOT) else str(path)
+    for path in linked + named
+    if path.parent != RESULTS or not path.exists()
+  ]
+  assert not wrong, f"{page}: result JSON not found in benchmarks/results/: {wrong}"
+
+
+def resolves(dotted: str) -> bool:
+  """Whether ``a.b.c`` is a module, or attributes of the longest prefix of it that imports."""
+  parts = dotted.split(".")
+  for end in range(len(parts), 0, -1):
+    try:
+      value = importlib.import_module(".".join(parts[:end]))
+    except ImportError:
+      continue
+    for name in parts[end:]:
+      if not hasattr(value, name):
+        return False
+      value = getattr(value, name)
+    return True
+  return False
+
+
+@pytest.mark.parametrize("page", sorted(PAGES))
+def test_repository_paths_and_modules_named_in_prose_exist(page):
+  """`simigrad_jax/...`, `tests/...`, `train/...`, `benchmarks/...` and `simigrad_jax.x.y` are there."""
+  prose = re.sub(r"^```.*?^```", "", PAGES[page], flags=re.S | re.M)
+  paths = re.findall(r"`((?:simigrad_jax|tests|train|benchmarks)/[\w./-]*)`", prose)
+  missing = [path for path in paths if not (ROOT / path).exists()]
+  names = set(re.findall(r"\bsimigrad_jax(?:\.\w+)+", prose))
+  missing += sorted(
+    name
+    for name in names
+    if not any(part.isupper() for part in name.split("."))  # simigrad_jax.NAME stands for one
+    and not resolves(name)
+  )
+  assert not missing, f"{page} names what is not there (moved or renamed?): {missing}"
 
 
 def test_layout_page_names_every_module_of_the_package():

@@ -131,6 +131,8 @@ def test_tiny_mlm_run(tmp_path):
       "32",
       "--reuse",
       str(out),
+      "--out",
+      str(tmp_path / "again.json"),
     ]
   )
   assert again["reused_runs"] == 1

@@ -1,12 +1,29 @@
 """The README's main command: the digits demo trains for real, adapts its batch size and reports."""
 
 import json
+import pathlib
+import re
 
 import simigrad_jax
 from train import train
 from train.configs import digits_demo
 
 STEP_KEYS = {"step", "batch_size", "similarity", "lr_factor", "loss", "examples_seen", "epoch"}
+README = pathlib.Path(__file__).resolve().parents[2] / "README.md"
+
+
+def line_names(output: str) -> list[str]:
+  """The names of a run's start lines and summary rows: ``devices``, ..., ``final test accuracy``, ...."""
+  lines = output.splitlines()
+  start = [line.split(":")[0].strip() for line in lines if line.startswith("  ") and ":" in line]
+  last_epoch = max(i for i, line in enumerate(lines) if line.startswith("epoch "))
+  rows = [re.split(r"\s{2,}", line)[0] for line in lines[last_epoch + 1 :] if line.strip()]
+  return start + rows
+
+
+def readme_output() -> str:
+  """The demo's output that README's Quick start shows."""
+  return re.search(r"^```text\n(simigrad-jax: .*?)^```", README.read_text(), re.S | re.M).group(1)
 
 
 def test_digits_demo_reaches_its_accuracy_and_writes_its_files(tmp_path, capsys):
@@ -15,9 +32,9 @@ def test_digits_demo_reaches_its_accuracy_and_writes_its_files(tmp_path, capsys)
   with simigrad_jax.persistent_cache_settings():  # the run's cache settings are process-wide
     summary = train.train_and_evaluate(config, tmp_path)
   # Measured with the default config on 8 simulated CPU devices: final test accuracy
-  # 0.976 (seed 0), 0.976 (1), 0.970 (2), 0.980 (3), 0.980 (4) of 297 images; 247 steps and
-  # an average batch of 91 for seed 0. The margin allows a different CPU's rounding to
-  # take another path.
+  # 0.976 (seed 0), 0.976 (1), 0.970 (2), 0.980 (3), 0.980 (4) of 297 images (README's
+  # Quick start shows one whole run of seed 0). The margin allows a different CPU's
+  # rounding to take another path.
   assert summary["eval_accuracy"] >= 0.95
 
   records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -64,3 +81,5 @@ def test_digits_demo_reaches_its_accuracy_and_writes_its_files(tmp_path, capsys)
     str(tmp_path / "metrics.png"),
   ):
     assert row in out, row
+  # README shows every line the run prints (its epochs 3 to 14 left out), as the run names them.
+  assert line_names(readme_output()) == line_names(out)

@@ -1,0 +1,85 @@
+"""Where the benchmarks write: their JSON in benchmarks/results/, the plots the docs show in docs/."""
+
+import importlib
+import os
+import pathlib
+import re
+
+import pytest
+
+from benchmarks import common
+from benchmarks import pareto
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+RESULTS = ROOT / "benchmarks" / "results"
+SCRIPTS = sorted(
+  path.stem
+  for path in (ROOT / "benchmarks").glob("*.py")
+  if re.search(r"^def main\(", path.read_text(), re.M)
+)
+
+
+def test_the_default_json_lies_in_benchmarks_results():
+  assert pathlib.Path(common.RESULTS_DIR) == RESULTS
+  assert common.out_path(None, "halves") == str(RESULTS / "halves.json")
+  assert common.out_path(None, "halves", quick=True) == str(RESULTS / "halves_quick.json")
+  assert common.out_path("/tmp/mine.json", "halves", quick=True) == "/tmp/mine.json"
+  assert common.out_path("", "halves") == ""  # --out '': no file
+
+
+def test_a_result_in_benchmarks_results_draws_its_plot_in_docs():
+  assert common.plot_path(None, str(RESULTS / "pareto_mnist.json")) == str(
+    ROOT / "docs" / "pareto_mnist.png"
+  )
+  assert common.plot_path(None, "/tmp/lm.json") == "/tmp/lm.png"
+  assert common.plot_path("/tmp/p.png", str(RESULTS / "pareto_mnist.json")) == "/tmp/p.png"
+  assert common.plot_path(None, "") is None
+  assert common.repository_path(ROOT / "docs" / "pareto_mnist.png") == "docs/pareto_mnist.png"
+  assert common.repository_path("/tmp/lm.png") == "/tmp/lm.png"
+
+
+@pytest.mark.parametrize(
+  "task, dataset, quick, committed",
+  [
+    ("images", "mnist", False, "pareto_mnist"),
+    ("images", "digits", True, "pareto_quick"),
+    ("mlm", "text", False, "pareto_mlm"),
+  ],
+)
+def test_the_pareto_runs_the_docs_show_write_the_committed_files(task, dataset, quick, committed):
+  out = common.out_path(None, pareto.result_name(task, dataset, quick), quick)
+  assert out == str(RESULTS / f"{committed}.json") and os.path.exists(out)
+  plot = common.plot_path(None, out)
+  assert plot == str(ROOT / "docs" / f"{committed}.png") and os.path.exists(plot)
+  assert pareto.result_name("mlm", "text", True) == "pareto_mlm"  # + _quick: never the full run's
+
+
+@pytest.mark.parametrize(
+  "name, argv",
+  [
+    ("halves", ["--quick"]),
+    ("overhead", ["--quick"]),
+    ("overhead_adaptive", ["--quick"]),
+    ("reduction", []),
+    ("sharded", ["--quick"]),
+    ("sharded_memory", ["--quick"]),
+    ("switching", ["--quick"]),
+    ("pareto_lm", ["--quick"]),
+  ],
+)
+def test_each_benchmark_writes_its_json_to_benchmarks_results_by_default(name, argv):
+  module = importlib.import_module(f"benchmarks.{name}")
+  args = module._parse_args(argv)  # pylint: disable=protected-access
+  expected = f"{name}_quick.json" if argv else f"{name}.json"
+  assert args.out == str(RESULTS / expected)
+  assert module._parse_args([*argv, "--out", "/tmp/x.json"]).out == "/tmp/x.json"  # pylint: disable=protected-access
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_every_script_takes_its_out_flag_and_path_from_common(name):
+  source = (ROOT / "benchmarks" / f"{name}.py").read_text()
+  flags = (ROOT / "benchmarks" / "pareto_flags.py").read_text() if name == "pareto" else source
+  assert '"--out"' not in source, f"{name}.py adds --out itself; use common.add_out_flag"
+  assert "common.add_out_flag(" in flags or '"--out"' in flags, name
+  assert "common.out_path(" in source, f"{name}.py does not resolve --out with common.out_path"
+  assert "benchmarks/results/" in source, f"{name}.py's docstring does not say where its JSON goes"

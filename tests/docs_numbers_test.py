@@ -1,0 +1,269 @@
+"""The figures the docs quote from the committed results: each is the JSON's in benchmarks/results/.
+
+docs/results.md's tables are generated from the JSON (``--markdown``) and
+must equal what the benchmark prints for it today; its prose and
+docs/controllers.md quote single figures from the same files, and each such
+figure is rebuilt here from the JSON and looked up in the page. A figure
+that changes in the JSON fails here until the page says it too.
+"""
+
+import json
+import pathlib
+
+import pytest
+
+from benchmarks import pareto_lm_report
+from benchmarks import pareto_report
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+
+
+def _flat(text: str) -> str:
+  """Whitespace collapsed, so that a quoted phrase may wrap across lines."""
+  return " ".join(text.split())
+
+
+def _page(name: str) -> str:
+  return (ROOT / "docs" / name).read_text()
+
+
+def _result(name: str) -> dict:
+  return json.loads((RESULTS / f"{name}.json").read_text())
+
+
+def _pct(accuracy: float) -> str:
+  return f"{100 * accuracy:.2f}"
+
+
+def _group(
+  results: dict,
+  label: str,
+  rule: str | None = None,
+  multiplier: float | None = None,
+  controller: str | None = None,
+) -> dict:
+  """The group of ``label``: the learning rate validation selected, or the one given."""
+  found = [
+    g
+    for g in results["groups"]
+    if g["label"] == label
+    and controller in (None, g["controller"])
+    and (
+      g["selected"]
+      if rule is None
+      else (g["settings"]["lr_rule"], g["settings"]["lr_multiplier"]) == (rule, multiplier)
+    )
+  ]
+  assert len(found) == 1, f"{label} ({rule}, {multiplier}): {len(found)} groups"
+  return found[0]
+
+
+def _at(group: dict) -> str:
+  """E.g. ``93.52% at 119``: mean test accuracy at the average batch."""
+  return f"{_pct(group['test_accuracy_mean'])}% at {group['avg_batch_size_mean']:.0f}"
+
+
+def _setting(results: dict, label: str) -> dict:
+  [found] = [s for s in results["settings"] if s["setting"] == label]
+  return found
+
+
+def _mnist_phrases() -> list[str]:
+  results = _result("pareto_mnist")
+  summary = results["summary"]
+  best = summary["best_fixed"]
+  simigrad = summary["simigrad"]
+  match = simigrad["matches_best_fixed"]
+  gns = summary["gns"]["matches_best_fixed"]
+  model = summary["simigrad ema_decay=0.9"]["matches_best_fixed"]
+  late = summary["simigrad one_step_late=1"]["matches_best_fixed"]
+  model_03 = _group(results, "s=0.3 ema_decay=0.9 [16,1024]")
+  slower = _group(results, "s=0.35 ema_decay=0.95 [16,1024]")
+  other_rate = _group(results, "s=0.35 ema_decay=0.95 [16,1024]", "linear", 1.0)
+  return [
+    f"(the best fixed batch: B={best['batch_size']} at {_pct(best['test_accuracy'])}%)",
+    f"All {simigrad['settings']} settings of the reference rule lie on or beyond the fixed-batch",
+    f"by up to {simigrad['best_gap_points']:.1f} points at large batches",
+    f"up to an average batch of {match['avg_batch_size']:.0f} (target 0.2), in "
+    f"{match['steps_ratio_to_best_fixed']:.2f}x its optimizer steps",
+    f"The gradient-noise-scale controller reaches {gns['avg_batch_size']:.0f} (multiple 1, "
+    f"{gns['steps_ratio_to_best_fixed']:.2f}x the steps)",
+    f"as good as SimiGrad at a batch of about "
+    f"{summary['geometric']['matches_best_fixed']['avg_batch_size']:.0f}",
+    f"up to an average batch of {model['avg_batch_size']:.0f} (target 0.35, "
+    f"{_pct(model['test_accuracy'])}%, {model['steps_ratio_to_best_fixed']:.2f}x the steps of "
+    f"B={best['batch_size']})",
+    f"beyond the noise-scale controller's {gns['avg_batch_size']:.0f} "
+    f"({_pct(gns['test_accuracy'])}%)",
+    f"Target 0.3 gives {_pct(model_03['test_accuracy_mean'])}% at "
+    f"{model_03['avg_batch_size_mean']:.0f}, level with the noise-scale controller",
+    f"tests 0.3 points worse ({_pct(slower['test_accuracy_mean'])}%) than the other rate "
+    f"({_at(other_rate)})",
+    f"up to an average batch of {late['avg_batch_size']:.0f} (target 0.2, "
+    f"{_pct(late['test_accuracy'])}%), where the reference order reaches "
+    f"{match['avg_batch_size']:.0f} ({_pct(match['test_accuracy'])}%)",
+    "at the rate picked for one step late (x1 linear) the reference order gives "
+    + _at(_group(results, "s=0.5 [16,1024]", "linear", 1.0)),
+  ]
+
+
+def _one_step_late_table() -> str:
+  results = _result("pareto_mnist")
+  rows = ["| target | reference order | one step late |", "|---|---|---|"]
+  for target in ("0.1", "0.2", "0.3", "0.4", "0.5", "0.6", "0.7"):
+    reference = _group(results, f"s={target} [16,1024]")
+    late = _group(results, f"s={target} one_step_late=1 [16,1024]")
+    rows.append(f"| {target} | {_at(reference).replace('%', '')} | {_at(late).replace('%', '')} |")
+  return "\n".join(rows)
+
+
+def _variants_phrases() -> list[str]:
+  results = _result("pareto_mnist_variants")
+  dead_band = _group(results, "s=0.4 dead_band=0.1 [16,1024]")
+  smooth = _group(results, "s=0.2 smooth_factor=0.5 [16,1024]")
+  return [
+    f"target 0.4 gives {_pct(dead_band['test_accuracy_mean'])}% at an average batch of "
+    f"{dead_band['avg_batch_size_mean']:.0f}",
+    f"target 0.2 gives {_at(smooth)}",
+  ]
+
+
+def _digits_phrases() -> list[str]:
+  results = _result("pareto_quick")
+  summary = results["summary"]
+  spreads = [100 * g["test_accuracy_std"] for g in results["groups"] if g["selected"]]
+  return [
+    f"fixed front is flat ({_pct(_group(results, 'B=32')['test_accuracy_mean'])}% at B=32, "
+    f"{_pct(_group(results, 'B=128')['test_accuracy_mean'])}% at B=128)",
+    f"seed spreads are {min(spreads):.1f} to {max(spreads):.1f} points",
+    "up to an average batch of "
+    f"{summary['simigrad']['matches_best_fixed']['avg_batch_size']:.0f} (target 0.5), the "
+    f"noise-scale controller up to {summary['gns']['matches_best_fixed']['avg_batch_size']:.0f}",
+    f"the geometric schedule reaches {_at(_group(results, '32->512', controller='geometric'))}",
+  ]
+
+
+def _mlm_phrases() -> list[str]:
+  results = _result("pareto_mlm")
+  summary = results["summary"]
+  best = summary["best_fixed"]
+  match = summary["simigrad"]["matches_best_fixed"]
+  adaptive = [g for g in results["groups"] if g["selected"] and g["controller"] != "fixed"]
+  gaps = [g["gap_points"] for g in adaptive]
+  target_08 = _group(results, "s=0.8 [16,512]")
+  b16 = _group(results, "B=16")
+  minutes = sum(run["wall_seconds"] for run in results["runs"]) / 60
+  return [
+    f"There are {len(results['seeds'])} seeds and {len(results['runs'])} runs, which took "
+    f"{minutes:.0f} minutes",
+    f"fixed B=16 ({b16['steps_mean']:.0f} steps), reaches "
+    f"{100 * b16['test_accuracy_mean']:.1f}% and a loss of {b16['test_loss_mean']:.2f}",
+    f"by {min(gaps):.1f} to {max(gaps):.1f} points at its average batch",
+    f"({_pct(match['test_accuracy'])}% against {_pct(best['test_accuracy'])}%) at an average "
+    f"batch of {match['avg_batch_size']:.0f}, with {match['steps_ratio_to_best_fixed']:.2f}x",
+    f"reaches {100 * target_08['test_accuracy_mean']:.1f}% at an average batch of "
+    f"{target_08['avg_batch_size_mean']:.0f}, "
+    f"{100 * (best['test_accuracy'] - target_08['test_accuracy_mean']):.1f} points below B=16 "
+    f"and {target_08['gap_points']:.1f} above the fixed B=64",
+  ]
+
+
+def _lm_phrases() -> list[str]:
+  results = _result("pareto_lm")
+  best = results["best_fixed"]
+  target = results["target_val_loss"]
+  steps = best["steps"]
+  simigrad = _setting(results, "s=0.1 [16,256]")
+  model = _setting(results, "s=0.1 ema_decay=0.9 [16,256]")
+  seesaw = _setting(results, "x2 at the cosine's 4 halvings, 16->256")
+  b32 = [s for s in results["settings"] if s["setting"] == "B=32" and s["seeds"] > 1]
+  half = _result("pareto_lm_393k")
+  half_steps = half["best_fixed"]["steps"]
+  half_simigrad = _setting(half, "s=0.1 [16,256]")
+  half_seesaw = _setting(half, "x2 at the cosine's 4 halvings, 16->256")
+  return [
+    f"3 seeds per setting, {len(results['runs'])} runs, "
+    f"{results['total_wall_seconds'] / 60:.0f} minutes",
+    f"The target is B=16's mean final loss, {target:.3f} nats/char (the unigram entropy of the "
+    f"text is {results['unigram_entropy']:.3f})",
+    f"ends at {simigrad['final_val_loss']:.3f} ± {simigrad['final_val_loss_std']:.3f} after "
+    f"{simigrad['steps']:.0f} steps (B=16: {steps:.0f}, so {simigrad['steps'] / steps:.2f}x), "
+    f"at an average batch of {simigrad['avg_batch_size']:.0f}: "
+    f"{simigrad['final_val_loss'] - target:.3f} above the target",
+    f"ends {model['final_val_loss'] - target:.3f} above it ({model['final_val_loss']:.3f} ± "
+    f"{model['final_val_loss_std']:.3f}) in {model['steps']:.0f} steps "
+    f"({model['steps'] / steps:.2f}x)",
+    f"after {model['steps_to_target']:.0f} steps ({model['steps_to_target'] / steps:.2f}x) and "
+    f"{model['tokens_to_target'] / 1000:.0f}k tokens "
+    f"({model['tokens_to_target'] / best['tokens']:.2f}x)",
+    f"The goal asks for {0.64 * steps:.0f} steps",
+    f"Seesaw comes closest: {seesaw['final_val_loss']:.3f} ± {seesaw['final_val_loss_std']:.3f} "
+    f"in {seesaw['steps']:.0f} steps ({seesaw['steps'] / steps:.2f}x)",
+    f"worse than B=32 ({b32[0]['final_val_loss']:.3f} in {b32[0]['steps']:.0f} steps)",
+    f"gives B=16 {half['target_val_loss']:.3f} nats/char in {half_steps:.0f} steps",
+    f"SimiGrad 0.1 ends {half_simigrad['final_val_loss'] - half['target_val_loss']:.3f} above "
+    f"that in {half_simigrad['steps'] / half_steps:.2f}x the steps "
+    f"({half_simigrad['reached']} of {half_simigrad['seeds']} seeds reach it, after "
+    f"{half_simigrad['steps_to_target'] / half_steps:.2f}x)",
+    f"Seesaw ends {half_seesaw['final_val_loss'] - half['target_val_loss']:.3f} above in "
+    f"{half_seesaw['steps'] / half_steps:.2f}x the steps "
+    f"({half_seesaw['reached']} of {half_seesaw['seeds']} seeds, after "
+    f"{half_seesaw['steps_to_target'] / half_steps:.2f}x)",
+    f"moved SimiGrad from {half_simigrad['steps'] / half_steps:.2f}x the steps to "
+    f"{simigrad['steps'] / steps:.2f}x (its mean final loss "
+    f"{half_simigrad['final_val_loss'] - half['target_val_loss']:.3f} and "
+    f"{simigrad['final_val_loss'] - target:.3f} above the target)",
+  ]
+
+
+def _controllers_phrases() -> list[str]:
+  summary = _result("pareto_mnist")["summary"]
+  late = summary["simigrad one_step_late=1"]["matches_best_fixed"]
+  reference = summary["simigrad"]["matches_best_fixed"]
+  return [f"{late['avg_batch_size']:.0f} against {reference['avg_batch_size']:.0f} ([results]"]
+
+
+@pytest.mark.parametrize(
+  "page, phrases",
+  [
+    ("results.md", _mnist_phrases),
+    ("results.md", _variants_phrases),
+    ("results.md", _digits_phrases),
+    ("results.md", _mlm_phrases),
+    ("results.md", _lm_phrases),
+    ("controllers.md", _controllers_phrases),
+  ],
+  ids=["mnist", "mnist_variants", "digits", "mlm", "causal_lm", "controllers"],
+)
+def test_the_page_quotes_the_json(page, phrases):
+  text = _flat(_page(page))
+  missing = [phrase for phrase in phrases() if _flat(phrase) not in text]
+  assert not missing, (
+    f"docs/{page} does not say what the JSON in benchmarks/results/ does: {missing}"
+  )
+
+
+def test_the_one_step_late_table_is_the_json():
+  page = "\n".join(line.strip() for line in _page("results.md").splitlines())  # in a list item
+  assert _one_step_late_table() in page
+
+
+@pytest.mark.parametrize(
+  "name, render, script, what",
+  [
+    ("pareto_mnist", pareto_report.markdown_tables, "pareto.py", "tables"),
+    ("pareto_mlm", pareto_report.markdown_tables, "pareto.py", "tables"),
+    ("pareto_lm", pareto_lm_report.markdown, "pareto_lm.py", "table"),
+  ],
+)
+def test_the_generated_tables_are_the_json(name, render, script, what):
+  page = _page("results.md")
+  command = f"python benchmarks/{script} --markdown benchmarks/results/{name}.json"
+  start, end = f"<!-- {name} {what}: {command} -->\n", f"\n<!-- end {name} {what} -->"
+  assert start in page and end in page, f"docs/results.md lost the markers of {name}'s {what}"
+  block = page[page.index(start) + len(start) : page.index(end)]
+  assert block == render(_result(name)), (
+    f"docs/results.md's {name} {what} differ from benchmarks/results/{name}.json; "
+    f"regenerate them with {command}"
+  )
