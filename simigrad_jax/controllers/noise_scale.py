@@ -8,7 +8,7 @@ from typing import Any
 
 from simigrad_jax import validation
 from simigrad_jax.controllers.base import BaseController
-from simigrad_jax.controllers.base import check_finite_float
+from simigrad_jax.controllers.state import check_finite_float
 
 
 def noise_scale_estimates(

@@ -25,13 +25,13 @@ import numpy as np
 
 from simigrad_jax import files
 from simigrad_jax import validation
-from simigrad_jax.controllers.base import STATE_VERSION
-from simigrad_jax.controllers.base import check_state_header
-from simigrad_jax.controllers.base import parse_last_decision
 from simigrad_jax.controllers.base import step_is_finite
 from simigrad_jax.controllers.interface import AnticipatesBatchSizes
 from simigrad_jax.controllers.interface import BatchSizeController
 from simigrad_jax.controllers.interface import ProfilesBatchSizes
+from simigrad_jax.controllers.state import STATE_VERSION
+from simigrad_jax.controllers.state import check_state_header
+from simigrad_jax.controllers.state import parse_last_decision
 from simigrad_jax.controllers.wrapper import ControllerWrapper
 
 SizeCheck = Callable[[str, Any], int]  # (name, value) -> the size, or raises ValueError

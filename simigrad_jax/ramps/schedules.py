@@ -13,7 +13,7 @@ from typing import Any
 from simigrad_jax import validation
 from simigrad_jax.controllers import registry
 from simigrad_jax.controllers.base import BaseController
-from simigrad_jax.controllers.base import check_finite_float
+from simigrad_jax.controllers.state import check_finite_float
 
 # ----------------------------------------------------------------------------
 # Schedules: the batch size as a function of the epochs trained.

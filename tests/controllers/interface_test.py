@@ -12,6 +12,7 @@ from simigrad_jax.controllers import BatchSizeController
 from simigrad_jax.controllers import base
 from simigrad_jax.controllers import interface
 from simigrad_jax.controllers import registry
+from simigrad_jax.controllers import state as controller_state
 from simigrad_jax.trainer import checks
 
 # ------------------------------------------------------------------ the protocol
@@ -124,7 +125,7 @@ def test_every_registered_controller_derives_from_the_base(name):
   c = simigrad_jax.make_controller(name, initial_batch_size=16, **options)
   assert isinstance(c, BaseController) and isinstance(c, BatchSizeController)
   checks.check_controller(c)
-  assert c.state_dict()["version"] == base.STATE_VERSION == 1
+  assert c.state_dict()["version"] == controller_state.STATE_VERSION == 1
   assert c.state_dict()["controller"] == c.config["controller"]
 
 
@@ -168,7 +169,7 @@ class MeanSimilarity(BaseController):
 
   def parse_extra_state(self, state):
     return {
-      "total": base.check_finite_float("total", state["total"]),
+      "total": controller_state.check_finite_float("total", state["total"]),
       "count": simigrad_jax.validation.check_int("count", state["count"], 0),
     }
 
@@ -342,7 +343,7 @@ def test_docstring_examples():
   from simigrad_jax.controllers import profiling  # pylint: disable=import-outside-toplevel
   from simigrad_jax.controllers import simigrad  # pylint: disable=import-outside-toplevel
 
-  for module in (base, profiling, registry, simigrad):
+  for module in (base, profiling, registry, simigrad, controller_state):
     result = doctest.testmod(module)
     assert result.attempted and not result.failed, module.__name__
 
