@@ -143,24 +143,27 @@ class Rule:
     del similarity, stats
     return finite
 
-  def likely_batch_sizes(self, examples_seen: int, epochs: float) -> Sequence[int] | None:
+  def likely_batch_sizes(self, examples_seen: int, epochs: float) -> Sequence[int]:
     """The sizes the rule may decide for the step after ``examples_seen`` examples, likeliest first.
 
     Called before the current step's :meth:`update`, to place the next
     step's rows ahead (:class:`~simigrad_jax.controllers.interface.
-    AnticipatesBatchSizes`). The default, None, leaves the guess to the
-    Trainer: SimiGrad's grow and shrink of the current size. A rule that
-    knows better (a schedule, a held size) returns its sizes.
+    AnticipatesBatchSizes`; the Trainer reads it through
+    :func:`~simigrad_jax.controllers.interface.likely_batch_sizes`). The
+    default is the size the controller has: what a warm-up, a non-finite
+    step or a rule that holds decides. A rule that moves says where to
+    (:meth:`BaseController._holds_next`: whether the next update holds the
+    size in any case).
 
     Args:
       examples_seen: the examples served once the current step has run.
       epochs: the same in epochs.
 
     Returns:
-      Batch sizes within the bounds, or None.
+      One or more batch sizes within the bounds.
     """
     del examples_seen, epochs
-    return None
+    return [self._batch_size]
 
   def settings(self) -> dict[str, Any]:
     """The controller's own settings, as plain JSON data, added to :attr:`config`.
@@ -188,6 +191,8 @@ class BaseController(Rule, SavedState):
   * :meth:`settings` (optional): its own settings, for :attr:`config` (which
     a saved state must match) and, if it keeps state across steps,
     :meth:`extra_state` and :meth:`parse_extra_state` to save and restore it.
+  * :meth:`likely_batch_sizes` (optional): the sizes the next update may
+    decide, where the rule can tell more than "the size it has".
 
   The class attribute ``KIND`` names the controller in :attr:`config` and in
   saved states (default: the class name); ``REQUIRED_STATS`` lists the keys
@@ -354,6 +359,10 @@ class BaseController(Rule, SavedState):
 
   def _clamp(self, size: int) -> int:
     return clamp_size(size, self._lower, self._upper)
+
+  def _holds_next(self) -> bool:
+    """Whether the next :meth:`update` is in the warm-up, so keeps the size whatever it measures."""
+    return self._step < self._warmup
 
 
 def require_stats(kind: str, stats: Mapping[str, Any] | None, keys: tuple[str, ...]) -> None:
