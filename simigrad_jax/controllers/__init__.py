@@ -8,7 +8,8 @@ adds a similarity-versus-batch-size profile to any controller;
 a step later. The batch-size ramps without gradient feedback are
 :mod:`simigrad_jax.ramps`, a floor above.
 
-Modules: ``interface`` (what the Trainer reads), ``base`` (the base class), ``simigrad``
+Modules: ``interface`` (what the Trainer reads), ``base`` (the base class), ``state``
+(the saved state every controller shares), ``simigrad``
 (:class:`Controller`, SimiGrad's rule), ``noise_scale`` (the gradient noise scale),
 ``similarity_model`` (the noise scale read from the similarities),
 ``profiling``, ``one_step_late``, ``wrapper`` (what both wrappers share),

@@ -6,12 +6,23 @@ members can drive a run, and
 :class:`ProfilesBatchSizes` marks a controller that may visit a list of batch
 sizes before it adapts; :class:`AnticipatesBatchSizes` one that can say which
 sizes it may decide next, before it decides.
+
+The engine reads a controller through the functions here, which work for any
+object with the protocol's members: :func:`likely_batch_sizes` (the sizes it
+may decide next), :func:`batch_size_bounds`, :func:`adapts` and
+:func:`similarity_target` (what its ``config`` says). How a rule moves the
+size is the controller's own business; nothing outside this room knows it.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+from simigrad_jax import validation
 
 
 @runtime_checkable
@@ -42,7 +53,7 @@ class BatchSizeController(Protocol):
 
   @property
   def config(self) -> Mapping[str, Any]:
-    """The settings as plain JSON data.
+    """The settings as plain JSON data (saved whole in every checkpoint).
 
     At least :data:`REQUIRED_CONFIG_KEYS`: ``batch_size_lower_bound`` and
     ``batch_size_upper_bound`` (the range the size can take, None where
@@ -50,7 +61,8 @@ class BatchSizeController(Protocol):
     for a controller that does not read the similarity; the Trainer then
     allows a batch of 1). An optional ``enable_adjust`` of False says the size
     never moves (no upper bound needed). Every process of a run must have the
-    same config.
+    same config. The engine reads these keys through :func:`batch_size_bounds`,
+    :func:`adapts` and :func:`similarity_target`.
     """
 
   @property
@@ -117,26 +129,156 @@ class AnticipatesBatchSizes(Protocol):
 
   While a step runs, :class:`simigrad_jax.Trainer` places the next step's
   rows on the devices for each size the controller may decide, so that the
-  step after the decision starts at once. Without this method (or where it
-  returns None) those are SimiGrad's grow and shrink of the current size. A
-  schedule knows its next size exactly; a controller holding its size says
-  that size. :class:`~simigrad_jax.controllers.base.BaseController` has it
-  (returning None), and the schedules and :class:`simigrad_jax.Controller`
-  answer it.
+  step after the decision starts at once; it asks through
+  :func:`likely_batch_sizes`. Without this method (or where it returns None)
+  that is the size the controller has. A schedule knows its next size
+  exactly; a feedback rule names where it moves for a similarity below and
+  above its target. :class:`~simigrad_jax.controllers.base.BaseController`
+  has it (the size it has, unless its rule says more), and every controller
+  in the library answers it.
   """
 
   def likely_batch_sizes(self, examples_seen: int, epochs: float) -> Sequence[int] | None:
     """The sizes this controller may decide for the step that starts after ``examples_seen``
-    examples (``epochs`` epochs), the likeliest first; None: no better guess than SimiGrad's."""
+    examples (``epochs`` epochs), the likeliest first, each within its bounds; None: only
+    the size it has."""
 
 
-def likely_batch_sizes(controller: Any, examples_seen: int, epochs: float) -> tuple[int, ...]:
-  """The sizes ``controller`` may decide at its next update, the likeliest first (never empty)."""
-  said = getattr(controller, "likely_batch_sizes", None)
-  sizes = None if said is None else said(examples_seen, epochs)
-  return tuple(dict.fromkeys(int(s) for s in sizes)) if sizes else (int(controller.batch_size),)
+# --------------------------------------------------- how the engine reads a controller
 
 
-def similarity_target(controller: Any) -> float | None:
-  """The similarity ``controller`` steers toward (None for one that does not read it)."""
-  return controller.config.get("similarity_target")
+def likely_batch_sizes(
+  controller: BatchSizeController, examples_seen: int, epochs: float
+) -> tuple[int, ...]:
+  """The sizes ``controller`` may decide at its next update, the likeliest first.
+
+  The controller's own
+  :meth:`~AnticipatesBatchSizes.likely_batch_sizes`, checked, where it has
+  one that names sizes; else ``(controller.batch_size,)``. Asked before the
+  current step's update, to place the next step's rows ahead.
+
+  Args:
+    controller: any object with the :class:`BatchSizeController` members.
+    examples_seen: the examples served once the current step has run.
+    epochs: the same in epochs (fractional).
+
+  Returns:
+    One or more distinct ints >= 1 within the controller's bounds
+    (:func:`batch_size_bounds`), the likeliest first.
+
+  Raises:
+    ValueError: the controller named no size, a size that is not an int
+      >= 1, or one outside its bounds; the message names the controller's
+      class and what it returned.
+
+  Example:
+    >>> import simigrad_jax
+    >>> from simigrad_jax.controllers import interface
+    >>> c = simigrad_jax.Controller(100, 0.3, batch_size_upper_bound=105)
+    >>> interface.likely_batch_sizes(c, 6400, 0.1)  # a grow (clamped) or a shrink
+    (105, 90)
+  """
+  own = getattr(controller, "likely_batch_sizes", None)
+  said = own(examples_seen, epochs) if callable(own) else None
+  if said is None:
+    return (int(controller.batch_size),)
+  lower, upper = batch_size_bounds(controller)
+  is_sequence = isinstance(said, (Sequence, np.ndarray)) and not isinstance(said, (str, bytes))
+  sizes = list(said) if is_sequence else None
+  if not sizes or not all(
+    validation.is_int(size) and (lower or 1) <= size <= (math.inf if upper is None else upper)
+    for size in sizes
+  ):
+    raise ValueError(
+      f"{type(controller).__name__}.likely_batch_sizes({examples_seen}, {epochs!r}) returned "
+      f"{said!r:.200}: it must return None or a non-empty sequence of ints within the "
+      f"controller's bounds [{lower or 1}, {'inf' if upper is None else upper}]"
+    )
+  return tuple(dict.fromkeys(int(size) for size in sizes))
+
+
+def batch_size_bounds(controller: BatchSizeController) -> tuple[int | None, int | None]:
+  """``(lower, upper)``: the range ``controller`` keeps the size in, as configured (None: unbounded).
+
+  Raises:
+    ValueError: its ``config`` lacks a bound, or a bound is not None or an
+      int >= 1.
+
+  Example:
+    >>> import simigrad_jax
+    >>> from simigrad_jax.controllers import interface
+    >>> interface.batch_size_bounds(simigrad_jax.Controller(64, 0.1, batch_size_upper_bound=512))
+    (None, 512)
+  """
+  bounds = []
+  for key in ("batch_size_lower_bound", "batch_size_upper_bound"):
+    value = _config_value(controller, key)
+    if value is not None and not (validation.is_int(value) and value >= 1):
+      raise ValueError(
+        f"{type(controller).__name__}.config[{key!r}] must be None (unbounded) or an int >= 1, "
+        f"got {value!r:.200}"
+      )
+    bounds.append(None if value is None else int(value))
+  return bounds[0], bounds[1]
+
+
+def adapts(controller: BatchSizeController) -> bool:
+  """Whether ``controller``'s rule may move the size.
+
+  False where its ``config`` says ``enable_adjust`` False or has equal
+  bounds. A profile (:class:`ProfilesBatchSizes`) visits its sizes either way.
+
+  Example:
+    >>> import simigrad_jax
+    >>> from simigrad_jax.controllers import interface
+    >>> interface.adapts(simigrad_jax.make_controller("fixed", initial_batch_size=64))
+    False
+  """
+  if _config(controller).get("enable_adjust", True) is False:
+    return False
+  lower, upper = batch_size_bounds(controller)
+  return lower is None or lower != upper
+
+
+def similarity_target(controller: BatchSizeController) -> float | None:
+  """The similarity ``controller`` holds, or None for one that does not read the similarity.
+
+  Raises:
+    ValueError: its ``config`` lacks ``similarity_target``, or it is not None
+      or a finite number.
+
+  Example:
+    >>> import simigrad_jax
+    >>> from simigrad_jax.controllers import interface
+    >>> interface.similarity_target(simigrad_jax.Controller(64, 0.1, batch_size_upper_bound=512))
+    0.1
+  """
+  value = _config_value(controller, "similarity_target")
+  if value is None:
+    return None
+  if not (validation.is_real(value) and math.isfinite(float(value))):
+    raise ValueError(
+      f"{type(controller).__name__}.config['similarity_target'] must be None or a finite "
+      f"number, got {value!r:.200}"
+    )
+  return float(value)
+
+
+def _config(controller: BatchSizeController) -> Mapping[str, Any]:
+  config = controller.config
+  if not isinstance(config, Mapping):
+    raise ValueError(
+      f"{type(controller).__name__}.config must be a dict with the keys "
+      f"{list(REQUIRED_CONFIG_KEYS)}, got {config!r:.200}"
+    )
+  return config
+
+
+def _config_value(controller: BatchSizeController, key: str) -> Any:
+  config = _config(controller)
+  if key not in config:
+    raise ValueError(
+      f"{type(controller).__name__}.config lacks {key!r}; a controller's config has the keys "
+      f"{list(REQUIRED_CONFIG_KEYS)} (None where one does not apply), got {sorted(config)}"
+    )
+  return config[key]

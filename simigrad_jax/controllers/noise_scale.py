@@ -8,7 +8,7 @@ from typing import Any
 
 from simigrad_jax import validation
 from simigrad_jax.controllers.base import BaseController
-from simigrad_jax.controllers.base import check_finite_float
+from simigrad_jax.controllers.state import check_finite_float
 
 
 def noise_scale_estimates(
@@ -205,11 +205,36 @@ class GnsController(BaseController):
       new: float = math.inf
     else:
       new = max(int(round(target)), 1)
-    if self._max_change is not None:
+    return self._paced(new)
+
+  def likely_batch_sizes(self, examples_seen: int, epochs: float) -> list[int]:
+    """What the averages as they stand decide: the likeliest next size.
+
+    A step whose estimates are what the averages expect keeps their ratio,
+    the noise scale, and one step moves each average by ``1 - ema_decay`` of
+    a sample, so the size they decide now is the likeliest; naming the
+    farthest a step can go as well (``max_change``) would load that many
+    rows ahead every step. Before the first estimate, which may move the
+    size anywhere within one step, the farthest it can go either way; the
+    size itself during the warm-up.
+    """
+    del examples_seen, epochs
+    if self._holds_next():
+      return [self._batch_size]
+    if self._ema_count == 0 and self._max_change is not None:
+      sizes = [self._paced(math.inf), self._paced(1)]
+    else:
+      sizes = [self.decide()]
+    return list(dict.fromkeys(self._clamp(size) for size in sizes))
+
+  def _paced(self, new: float) -> int:
+    """``new`` within one step of ``max_change`` from the size (any distance without it)."""
+    b, most = self._batch_size, self._max_change
+    if most is not None:
       if new > b:
-        new = min(new, max(b + 1, int(b * self._max_change)))
+        new = min(new, max(b + 1, int(b * most)))
       elif new < b:
-        new = max(new, min(b - 1, math.ceil(b / self._max_change)), 1)
+        new = max(new, min(b - 1, math.ceil(b / most)), 1)
     return int(new)
 
   def settings(self) -> dict[str, Any]:

@@ -16,10 +16,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from simigrad_jax.controllers.base import STATE_VERSION
-from simigrad_jax.controllers.base import check_state_header
 from simigrad_jax.controllers.interface import BatchSizeController
 from simigrad_jax.controllers.interface import ProfilesBatchSizes
+from simigrad_jax.controllers.state import STATE_VERSION
+from simigrad_jax.controllers.state import check_state_header
 from simigrad_jax.controllers.wrapper import ControllerWrapper
 
 

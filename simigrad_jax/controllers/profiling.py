@@ -25,13 +25,13 @@ import numpy as np
 
 from simigrad_jax import files
 from simigrad_jax import validation
-from simigrad_jax.controllers.base import STATE_VERSION
-from simigrad_jax.controllers.base import check_state_header
-from simigrad_jax.controllers.base import parse_last_decision
+from simigrad_jax.controllers import interface
 from simigrad_jax.controllers.base import step_is_finite
-from simigrad_jax.controllers.interface import AnticipatesBatchSizes
 from simigrad_jax.controllers.interface import BatchSizeController
 from simigrad_jax.controllers.interface import ProfilesBatchSizes
+from simigrad_jax.controllers.state import STATE_VERSION
+from simigrad_jax.controllers.state import check_state_header
+from simigrad_jax.controllers.state import parse_last_decision
 from simigrad_jax.controllers.wrapper import ControllerWrapper
 
 SizeCheck = Callable[[str, Any], int]  # (name, value) -> the size, or raises ValueError
@@ -106,21 +106,31 @@ class SimilarityProfile:
     return plan["sizes"][0]
 
   def record(self, batch_size: int, similarity: float, step: int) -> int:
-    """Records one finite sample; returns the size of the next step.
+    """Records one finite sample; returns the size of the next step (:meth:`upcoming`).
 
     After ``steps_per_size`` samples the profile moves to the next size; after
     the last, it ends and returns the size it began from.
     """
     plan = self._active_plan()
+    upcoming = self.upcoming()
     self._samples.append({"batch_size": batch_size, "similarity": similarity, "step": step})
     plan["count"] += 1
-    if plan["count"] < plan["steps_per_size"]:
+    if plan["count"] == plan["steps_per_size"]:
+      plan["position"] += 1
+      plan["count"] = 0
+      if plan["position"] == len(plan["sizes"]):
+        self._plan = None
+    return upcoming
+
+  def upcoming(self) -> int:
+    """The size of the step after one more finite sample (the first size, before it begins)."""
+    plan = self._active_plan()
+    if plan["return_to"] is None:
+      return plan["sizes"][0]
+    if plan["count"] + 1 < plan["steps_per_size"]:
       return plan["sizes"][plan["position"]]
-    plan["position"] += 1
-    plan["count"] = 0
-    if plan["position"] < len(plan["sizes"]):
-      return plan["sizes"][plan["position"]]
-    self._plan = None
+    if plan["position"] + 1 < len(plan["sizes"]):
+      return plan["sizes"][plan["position"] + 1]
     return plan["return_to"]
 
   def _active_plan(self) -> dict[str, Any]:
@@ -338,14 +348,12 @@ class ProfilingController(ControllerWrapper, ProfileMethods):
       tuple(inner.profile_batch_sizes) if isinstance(inner, ProfilesBatchSizes) else ()
     )
 
-  def likely_batch_sizes(self, examples_seen: int, epochs: float) -> Sequence[int] | None:
-    """The wrapped controller's, outside a profile; None during one (the Trainer's guess)."""
-    if self._current is not None or self._profile.active:
-      return None
-    inner = self._inner
-    if not isinstance(inner, AnticipatesBatchSizes):
-      return None
-    return inner.likely_batch_sizes(examples_seen, epochs)
+  def likely_batch_sizes(self, examples_seen: int, epochs: float) -> Sequence[int]:
+    """During a profile, its next size (or, after a non-finite step, the same); else the
+    wrapped controller's (:func:`~simigrad_jax.controllers.interface.likely_batch_sizes`)."""
+    if self._current is not None:
+      return list(dict.fromkeys([self._profile.upcoming(), self._current]))
+    return list(interface.likely_batch_sizes(self._inner, examples_seen, epochs))
 
   @property
   def last_decision(self) -> str | None:

@@ -53,6 +53,74 @@ from simigrad_jax.controllers.profiling import ProfileMethods
 from simigrad_jax.controllers.profiling import SimilarityProfile
 from simigrad_jax.controllers.similarity_model import SimilarityModel
 
+# A move of the rule: (grow?, the new size), or None to hold.
+Move = tuple[bool, int] | None
+
+
+def reference_move(batch_size: int, grow: bool) -> int:
+  """SimiGrad's step from ``batch_size`` B: the one place its factors live.
+
+  A grow goes to ``max(B + 1, int(B * 1.1))``, a shrink to
+  ``max(1, min(B - 1, int(B * 0.9)))``. ``int(B * 1.1)`` is a Python float
+  product truncated by ``int``, as in the reference, so size sequences match
+  it bit for bit.
+
+  Args:
+    batch_size: the current global batch size B (an int >= 1).
+    grow: grow (the similarity is below the target) or shrink.
+
+  Returns:
+    The new size, before the bounds.
+
+  Example:
+    >>> reference_move(100, True), reference_move(100, False), reference_move(5, True)
+    (110, 90, 6)
+  """
+  if grow:
+    return max(batch_size + 1, int(batch_size * 1.1))
+  return max(1, min(batch_size - 1, int(batch_size * 0.9)))
+
+
+def reference_step(batch_size: int, similarity: float, target: float, dead_band: float) -> Move:
+  """The reference rule's move from this step's similarity (a shrink needs B > 1)."""
+  if abs(similarity - target) <= dead_band:
+    return None
+  if similarity < target:
+    return True, reference_move(batch_size, True)
+  if batch_size > 1:
+    return False, reference_move(batch_size, False)
+  return None
+
+
+def model_step(model: SimilarityModel, batch_size: int, target: float, dead_band: float) -> Move:
+  """The model rule's move towards ``B*`` (at most the reference's step), None before any sample."""
+  b = batch_size
+  predicted, goal = model.similarity_at(b), model.batch_size_for(target)
+  if predicted is None or goal is None:  # no observation yet
+    return None
+  if abs(predicted - target) <= dead_band:
+    return None
+  goal = goal if math.isinf(goal) else round(goal)
+  if goal > b:  # goal may be inf: the reference's step is the finite bound
+    return True, int(min(goal, reference_move(b, True)))
+  if goal < b and b > 1:
+    return False, int(max(goal, reference_move(b, False)))
+  return None
+
+
+def smoothed(batch_size: int, move: Move, smooth_factor: float | None) -> int:
+  """The size a move decides: blended with ``batch_size`` by ``smooth_factor`` f, if any,
+  ``int(f * B + (1 - f) * new)``, keeping the move's direction (a grow is at least B + 1, a
+  shrink at most B - 1); ``batch_size`` for None (hold)."""
+  b = batch_size
+  if move is None:
+    return b
+  grow, new = move
+  if smooth_factor is not None:
+    blended = b * smooth_factor + new * (1 - smooth_factor)
+    new = max(b + 1, int(blended)) if grow else max(1, min(b - 1, int(blended)))
+  return new
+
 
 class Controller(ProfileMethods, BaseController):
   """Turns each step's gradient similarity into the next global batch size.
@@ -65,8 +133,8 @@ class Controller(ProfileMethods, BaseController):
     (shrink);
   * otherwise B is kept; the result is clamped to the bounds.
 
-  ``int(B * 1.1)`` is a Python float product truncated by ``int``, as in the
-  reference, so size sequences match it bit for bit. Beyond the reference:
+  The step is :func:`reference_move`, bit for bit the reference's. Beyond
+  the reference:
   ``dead_band`` (hysteresis), ``warmup_steps``, non-finite similarities held
   and counted, profiling for several steps per size, exact save/resume and,
   with ``ema_decay``, a rule that acts on a moving average instead of each
@@ -114,6 +182,18 @@ class Controller(ProfileMethods, BaseController):
     x accumulation, bucket grids) happens elsewhere. If that realises a
     different size than asked for, report it back with :meth:`set_batch_size`
     so the next rule step starts from the size that actually ran.
+
+    Before each update the Trainer asks :meth:`likely_batch_sizes` which sizes
+    it may decide, to place the next step's rows ahead. The reference rule
+    names its grow, then its shrink (smoothed and clamped, as :meth:`update`
+    decides them for a similarity below and above the target), then, with a
+    ``dead_band``, the size itself; the size alone in the warm-up or with
+    ``enable_adjust`` off; a profile its next size, then the size itself (a
+    non-finite step stays). The model rule names first what it decides if
+    the step measures the similarity the model expects at B: the averages
+    then keep their ratio, so ``B*`` stays where it is, and they move by
+    ``1 - d`` of a sample a step, so that is the likeliest. Then the
+    reference's grow and shrink, the farthest a surprising similarity moves it.
   """
 
   KIND = "simigrad"
@@ -199,25 +279,26 @@ class Controller(ProfileMethods, BaseController):
       return self._profile.record(self._batch_size, similarity, self._step), "profile"
     if not self._enable_adjust:
       return self._batch_size, "disabled"
-    b = self._batch_size
-    step = (
-      self._model_step(self._model) if self._model is not None else self._reference_step(similarity)
-    )
-    if step is None:
-      return b
-    grow, new = step
-    if self._smooth is not None:
-      blended = b * self._smooth + new * (1 - self._smooth)
-      new = max(b + 1, int(blended)) if grow else max(1, min(b - 1, int(blended)))
-    return new
+    b, target, band = self._batch_size, self._target, self._dead_band
+    if self._model is not None:
+      return smoothed(b, model_step(self._model, b, target, band), self._smooth)
+    return smoothed(b, reference_step(b, similarity, target, band), self._smooth)
 
-  def likely_batch_sizes(self, examples_seen: int, epochs: float) -> list[int] | None:
-    """The size itself when adjustment is off and no profile is planned; else None (the
-    Trainer's guess, the reference rule's grow and shrink)."""
+  def likely_batch_sizes(self, examples_seen: int, epochs: float) -> list[int]:
+    """The sizes the next update may decide, likeliest first (the class's Note says which)."""
     del examples_seen, epochs
-    if self._enable_adjust or self._profile.active:
-      return None
-    return [self._batch_size]
+    b = self._batch_size
+    if self._holds_next() or (not self._enable_adjust and not self._profile.active):
+      return [b]
+    if self._profile.active:  # the profile's next size; a non-finite step stays
+      return list(dict.fromkeys([self._profile.upcoming(), b]))
+    moves: list[Move] = [(True, reference_move(b, True))]
+    moves.append((False, reference_move(b, False)) if b > 1 else None)
+    if self._model is not None and self._model.count:  # first: the averages as they stand
+      moves.insert(0, model_step(self._model, b, self._target, self._dead_band))
+    elif self._model is None and self._dead_band > 0:
+      moves.append(None)  # within the dead band: hold
+    return list(dict.fromkeys(self._clamp(smoothed(b, move, self._smooth)) for move in moves))
 
   def settings(self) -> dict[str, Any]:
     """SimiGrad's settings, for :attr:`config`."""
@@ -261,32 +342,6 @@ class Controller(ProfileMethods, BaseController):
     return state
 
   # ---------------------------------------------------------------- internals
-
-  def _reference_step(self, s: float) -> tuple[bool, int] | None:
-    """The reference's step from this step's similarity: (grow?, new size), or None to hold."""
-    b = self._batch_size
-    if abs(s - self._target) <= self._dead_band:
-      return None
-    if s < self._target:
-      return True, max(b + 1, int(b * 1.1))
-    if b > 1:
-      return False, max(1, min(b - 1, int(b * 0.9)))
-    return None
-
-  def _model_step(self, model: SimilarityModel) -> tuple[bool, int] | None:
-    """The model rule's step towards ``B*`` (at most the reference's step), or None to hold."""
-    b = self._batch_size
-    predicted, goal = model.similarity_at(b), model.batch_size_for(self._target)
-    if predicted is None or goal is None:  # no observation yet
-      return None
-    if abs(predicted - self._target) <= self._dead_band:
-      return None
-    goal = goal if math.isinf(goal) else round(goal)
-    if goal > b:  # goal may be inf: the reference's step is the finite bound
-      return True, int(min(goal, max(b + 1, int(b * 1.1))))
-    if goal < b and b > 1:
-      return False, int(max(goal, 1, min(b - 1, int(b * 0.9))))
-    return None
 
   def _profile_planned(self) -> None:
     if self._step >= self._warmup:

@@ -13,7 +13,7 @@ from typing import Any
 from simigrad_jax import validation
 from simigrad_jax.controllers import registry
 from simigrad_jax.controllers.base import BaseController
-from simigrad_jax.controllers.base import check_finite_float
+from simigrad_jax.controllers.state import check_finite_float
 
 # ----------------------------------------------------------------------------
 # Schedules: the batch size as a function of the epochs trained.
@@ -75,6 +75,8 @@ class PositionSchedule(BaseController):
 
   def likely_batch_sizes(self, examples_seen: int, epochs: float) -> list[int]:
     """The schedule's size there: what :meth:`update` will decide after a finite step."""
+    if self._holds_next():
+      return [self._batch_size]
     return [self.size_at(examples_seen if self.POSITION == "examples_seen" else epochs)]
 
   def extra_state(self) -> dict[str, Any]:
@@ -365,10 +367,31 @@ class LossPlateauController(BaseController):
       self._grow_pending = True
 
   def decide(self) -> int:
-    b = self._batch_size
     if not self._grow_pending:
-      return b
+      return self._batch_size
     self._grow_pending = False
+    return self._grown()
+
+  def likely_batch_sizes(self, examples_seen: int, epochs: float) -> list[int]:
+    """The size itself, and its growth where the next update may end a plateau.
+
+    The size grows at the end of an epoch that makes ``patience`` bad ones
+    in a row (out of the cooldown), or at the first finite step after an
+    epoch that ended on a non-finite one (a growth due first); else it holds.
+    """
+    del examples_seen, epochs
+    b, grown = self._batch_size, self._clamp(self._grown())
+    if self._holds_next():
+      return [b]
+    if self._grow_pending:
+      return list(dict.fromkeys([grown, b]))
+    if self._cooldown_left == 0 and self._bad_epochs + 1 >= self._patience:
+      return list(dict.fromkeys([b, grown]))
+    return [b]
+
+  def _grown(self) -> int:
+    """The size one growth makes of the current one (before the bounds)."""
+    b = self._batch_size
     return max(b + 1, int(round(b * self._factor)))
 
   def settings(self) -> dict[str, Any]:

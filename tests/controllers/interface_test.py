@@ -12,6 +12,8 @@ from simigrad_jax.controllers import BatchSizeController
 from simigrad_jax.controllers import base
 from simigrad_jax.controllers import interface
 from simigrad_jax.controllers import registry
+from simigrad_jax.controllers import simigrad
+from simigrad_jax.controllers import state as controller_state
 from simigrad_jax.trainer import checks
 
 # ------------------------------------------------------------------ the protocol
@@ -110,21 +112,28 @@ def test_a_config_without_the_required_keys_is_refused():
     checks.check_controller(controller)
 
 
-@pytest.mark.parametrize("name", sorted(registry.controller_names()))
-def test_every_registered_controller_derives_from_the_base(name):
+def _options(name):
+  """Options that make each registered controller (besides initial_batch_size=16)."""
   options = {"similarity_target": 0.1} if name == "simigrad" else {}
   options |= {"final_batch_size": 64, "ramp_epochs": 1.0} if name in ("linear", "geometric") else {}
   options |= {"final_batch_size": 8, "ramp_epochs": 1.0} if name == "decreasing" else {}
   options |= {
-    "step_schedule": {"thresholds": "0:16,1k:32"},
-    "linear_ramp": {"final_batch_size": 64, "increment": 16, "ramp": "1k"},
-    "doubling_warmup": {"doubling_points": "1k"},
-    "seesaw": {"halving_points": "1k"},
+    "step_schedule": {"thresholds": "0:16,500:32"},
+    "linear_ramp": {"final_batch_size": 64, "increment": 16, "ramp": "500"},
+    "doubling_warmup": {"doubling_points": "500"},
+    "seesaw": {"halving_points": "500"},
   }.get(name, {})
-  c = simigrad_jax.make_controller(name, initial_batch_size=16, **options)
+  if name in ("simigrad", "gns", "loss_plateau"):
+    options |= {"batch_size_lower_bound": 2, "batch_size_upper_bound": 256}
+  return options
+
+
+@pytest.mark.parametrize("name", sorted(registry.controller_names()))
+def test_every_registered_controller_derives_from_the_base(name):
+  c = simigrad_jax.make_controller(name, initial_batch_size=16, **_options(name))
   assert isinstance(c, BaseController) and isinstance(c, BatchSizeController)
   checks.check_controller(c)
-  assert c.state_dict()["version"] == base.STATE_VERSION == 1
+  assert c.state_dict()["version"] == controller_state.STATE_VERSION == 1
   assert c.state_dict()["controller"] == c.config["controller"]
 
 
@@ -168,7 +177,7 @@ class MeanSimilarity(BaseController):
 
   def parse_extra_state(self, state):
     return {
-      "total": base.check_finite_float("total", state["total"]),
+      "total": controller_state.check_finite_float("total", state["total"]),
       "count": simigrad_jax.validation.check_int("count", state["count"], 0),
     }
 
@@ -340,9 +349,8 @@ def test_docstring_examples():
   import doctest  # pylint: disable=import-outside-toplevel
 
   from simigrad_jax.controllers import profiling  # pylint: disable=import-outside-toplevel
-  from simigrad_jax.controllers import simigrad  # pylint: disable=import-outside-toplevel
 
-  for module in (base, profiling, registry, simigrad):
+  for module in (base, interface, profiling, registry, simigrad, controller_state):
     result = doctest.testmod(module)
     assert result.attempted and not result.failed, module.__name__
 
@@ -375,33 +383,265 @@ def test_a_schedule_names_the_size_it_then_decides(index):
   assert controller.batch_size > 8  # the schedule moved in those steps
 
 
-def test_simigrad_names_its_size_only_while_it_holds_it():
+def _stats(controller, seen, num_examples, similarity):
+  """One step's measurements as the Trainer passes them (the norms noisier at low similarity)."""
+  b = controller.batch_size
+  return {
+    "loss": 1.0 + 0.5 * math.cos(seen / 97),  # plateaus now and then
+    "norm_a": 1.0,
+    "norm_b": 1.0 + (1.0 - similarity),
+    "norm_mean": 0.5 + similarity,
+    "batch_size": b,
+    "examples_seen": seen,
+    "epochs": seen / num_examples,
+    "epoch_end": (seen - b) // num_examples < seen // num_examples,
+    "grads_finite": True,
+  }
+
+
+@pytest.mark.parametrize("name", sorted(registry.controller_names()))
+def test_the_accessors_read_every_registered_controller(name):
+  c = simigrad_jax.make_controller(name, initial_batch_size=16, **_options(name))
+  config = c.config
+  assert interface.batch_size_bounds(c) == (
+    config["batch_size_lower_bound"],
+    config["batch_size_upper_bound"],
+  )
+  assert interface.adapts(c) is (name != "fixed")
+  assert interface.similarity_target(c) == {"simigrad": 0.1, "fixed": 0.0}.get(name)
+  # The sizes named before each step hold the size then decided (the noise scale's names the
+  # size its averages decide as they stand: the likeliest, not sure).
+  num_examples, seen, sizes = 300, 0, set()
+  for step in range(60):
+    similarity = (0.02, 0.4, 0.08, 0.3)[step % 4]
+    seen += c.batch_size
+    lower, upper = interface.batch_size_bounds(c)
+    likely = interface.likely_batch_sizes(c, seen, seen / num_examples)
+    assert likely and len(set(likely)) == len(likely)
+    assert all(type(b) is int and (lower or 1) <= b <= (upper or math.inf) for b in likely)
+    decided = c.update(similarity, stats=_stats(c, seen, num_examples, similarity))
+    if name != "gns":
+      assert decided in likely, (name, step, likely, decided)
+    sizes.add(decided)
+  assert len(sizes) > 1 or name == "fixed"  # the size moved
+
+
+def test_the_accessors_read_a_controller_with_only_the_protocols_members():
+  controller = Minimal()
+  assert interface.likely_batch_sizes(controller, 100, 0.5) == (32,)
+  assert interface.batch_size_bounds(controller) == (32, 32)
+  assert interface.adapts(controller) is False  # equal bounds: the size never moves
+  assert interface.similarity_target(controller) is None
+  controller.config = {**Minimal.config, "batch_size_upper_bound": None, "similarity_target": 0.2}
+  assert interface.batch_size_bounds(controller) == (32, None)
+  assert interface.adapts(controller) is True
+  assert interface.similarity_target(controller) == 0.2
+  controller.config = {**controller.config, "enable_adjust": False}
+  assert interface.adapts(controller) is False
+  controller.likely_batch_sizes = lambda seen, epochs: (40, 32, 40)  # its own, deduplicated
+  assert interface.likely_batch_sizes(controller, 100, 0.5) == (40, 32)
+  controller.likely_batch_sizes = lambda seen, epochs: None  # no guess: the size it has
+  assert interface.likely_batch_sizes(controller, 100, 0.5) == (32,)
+
+
+def test_the_accessors_read_a_controller_on_the_base():
+  c = Halving(16, batch_size_lower_bound=4, batch_size_upper_bound=48)
+  assert interface.likely_batch_sizes(c, 16, 0.1) == (16,)  # the base's default: the size it has
+  assert interface.batch_size_bounds(c) == (4, 48)
+  assert interface.adapts(c) is True
+  assert interface.similarity_target(c) is None
+  assert interface.batch_size_bounds(Halving(16)) == (None, None)
+  assert (
+    interface.adapts(Halving(16, batch_size_lower_bound=16, batch_size_upper_bound=16)) is False
+  )
+
+
+@pytest.mark.parametrize(
+  "said, match",
+  [
+    ([16, 200], r"returned \[16, 200\]: .* within the controller's bounds \[8, 64\]"),
+    ([4], r"returned \[4\]"),
+    ([32.0], r"returned \[32.0\]"),
+    (["32"], r"returned \['32'\]"),
+    ([True], r"returned \[True\]"),
+    ([], r"returned \[\]: it must return None or a non-empty sequence"),
+    ("32", r"returned '32'"),
+    (32, r"returned 32"),
+  ],
+)
+def test_a_bad_likely_batch_sizes_is_refused_naming_the_class_and_value(said, match):
+  class Naming(BaseController):
+    def decide(self):
+      return self.batch_size
+
+    def likely_batch_sizes(self, examples_seen, epochs):
+      return said
+
+  with pytest.raises(ValueError, match=r"Naming.likely_batch_sizes\(100, 0.5\) " + match):
+    interface.likely_batch_sizes(
+      Naming(16, batch_size_lower_bound=8, batch_size_upper_bound=64), 100, 0.5
+    )
+
+
+@pytest.mark.parametrize(
+  "config, accessor, match",
+  [
+    ({"similarity_target": None}, interface.batch_size_bounds, r"config lacks 'batch_size_lower"),
+    (
+      {"batch_size_lower_bound": 0, "batch_size_upper_bound": None},
+      interface.batch_size_bounds,
+      r"config\['batch_size_lower_bound'\] must be None \(unbounded\) or an int >= 1, got 0",
+    ),
+    ({"similarity_target": "0.1"}, interface.similarity_target, r"finite number, got '0.1'"),
+    ({}, interface.similarity_target, r"Minimal.config lacks 'similarity_target'"),
+    ([1, 2], interface.adapts, r"Minimal.config must be a dict .* got \[1, 2\]"),
+  ],
+)
+def test_a_config_the_accessors_cannot_read_is_refused(config, accessor, match):
+  controller = Minimal()
+  controller.config = config
+  with pytest.raises(ValueError, match=match):
+    accessor(controller)
+
+
+# The reference rule's likely sizes are what it then decides for a similarity below and above.
+@pytest.mark.parametrize(
+  "b, options, expected",
+  [
+    (100, {}, (110, 90)),
+    (5, {}, (6, 4)),
+    (1, {}, (2, 1)),  # no shrink below 1
+    (100, {"batch_size_upper_bound": 105}, (105, 90)),
+    (100, {"batch_size_lower_bound": 95}, (110, 95)),
+    (64, {"batch_size_upper_bound": 64}, (64, 57)),
+    (100, {"smooth_factor": 0.5}, (105, 95)),
+    (10, {"smooth_factor": 0.5}, (11, 9)),
+    (100, {"dead_band": 0.05}, (110, 90, 100)),
+  ],
+)
+def test_simigrads_likely_sizes_are_what_it_decides_below_and_above_its_target(
+  b, options, expected
+):
+  likely = interface.likely_batch_sizes(simigrad_jax.Controller(b, 0.3, **options), 6400, 1.0)
+  assert likely == expected
+  below = simigrad_jax.Controller(b, 0.3, **options).update(0.1)
+  above = simigrad_jax.Controller(b, 0.3, **options).update(0.5)
+  assert likely[:2] == (below, above)
+  if options.get("dead_band"):  # a similarity within the dead band holds
+    assert simigrad_jax.Controller(b, 0.3, **options).update(0.32) == likely[2]
+
+
+def test_simigrad_names_its_size_while_it_holds_it():
   held = simigrad_jax.Controller(32, 0.5, enable_adjust=False, batch_size_upper_bound=64)
   assert held.likely_batch_sizes(100, 0.5) == [32]
-  adapting = simigrad_jax.Controller(32, 0.5, batch_size_upper_bound=64)
-  assert adapting.likely_batch_sizes(100, 0.5) is None  # the Trainer's guess: grow or shrink
-  profiling = simigrad_jax.Controller(
-    32, 0.5, enable_adjust=False, batch_size_upper_bound=64, batch_sizes_to_profile=[16]
+  warming = simigrad_jax.Controller(32, 0.5, batch_size_upper_bound=64, warmup_steps=2)
+  assert warming.likely_batch_sizes(100, 0.5) == [32]
+  warming.update(0.1)
+  assert warming.likely_batch_sizes(100, 0.5) == [32]
+  warming.update(0.1)  # the warm-up is over: the next update moves
+  assert warming.likely_batch_sizes(100, 0.5) == [35, 28]
+
+
+def test_simigrad_names_the_profiles_next_size():
+  c = simigrad_jax.Controller(
+    32, 0.5, batch_size_upper_bound=64, warmup_steps=1, batch_sizes_to_profile=[16, 48]
   )
-  assert profiling.likely_batch_sizes(100, 0.5) is None
+  decided = []
+  for s in (0.2, 0.2, math.nan, 0.2, 0.2, 0.2):
+    likely = c.likely_batch_sizes(0, 0.0)
+    decided.append(c.update(s))
+    assert decided[-1] == likely[0 if math.isfinite(s) else -1], (likely, decided)
+  assert decided == [32, 16, 16, 48, 32, 35]  # warm-up, profile (a NaN stays), back, the rule
 
 
-def test_a_controller_on_the_base_leaves_the_guess_to_the_trainer():
+def test_the_model_rules_likely_sizes_lead_with_the_similarity_it_expects():
+  def controller():
+    c = simigrad_jax.Controller(64, 0.3, batch_size_upper_bound=4096, ema_decay=0.9)
+    for _ in range(20):  # near B* = 150: the similarity of a noise scale of 75
+      c.update(c.batch_size / (c.batch_size + 150))
+    return c
+
+  c = controller()
+  likely = interface.likely_batch_sizes(c, 0, 0.0)
+  b = c.batch_size
+  assert likely[1:] == (
+    simigrad.reference_move(b, True),
+    simigrad.reference_move(b, False),
+  )
+  # A step that measures what the model expects keeps B*: the likeliest size.
+  assert controller().update(c.model_similarity) == likely[0]
+  # Whatever it measures, the size stays within the reference's grow and shrink.
+  for s in (-0.5, 0.0, 0.05, 0.2, 0.35, 0.6, 0.99):
+    assert likely[2] <= controller().update(s) <= likely[1], s
+  # Before any sample, the reference's grow and shrink.
+  fresh = simigrad_jax.Controller(64, 0.3, batch_size_upper_bound=4096, ema_decay=0.9)
+  assert interface.likely_batch_sizes(fresh, 0, 0.0) == (70, 57)
+
+
+def test_the_noise_scale_controllers_likely_sizes_lead_with_what_its_averages_expect():
+  def controller():
+    c = simigrad_jax.make_controller(
+      "gns", initial_batch_size=64, multiple=2.0, batch_size_upper_bound=1024
+    )
+    for norm_b in (1.2, 1.5, 1.3):
+      stats = {"norm_a": 1.0, "norm_b": norm_b, "norm_mean": 0.9, "batch_size": c.batch_size}
+      c.update(0.2, stats=stats)
+    return c
+
+  c = controller()
+  likely = interface.likely_batch_sizes(c, 0, 0.0)
+  b = c.batch_size
+  # A step whose estimates are the averages keeps the noise scale: the likeliest size.
+  g2, trace = c.g2_estimate, c.trace_estimate
+  small, big = g2 + 2 * trace / b, g2 + trace / b
+  expected = {"norm_a": small**0.5, "norm_b": small**0.5, "norm_mean": big**0.5, "batch_size": b}
+  assert likely == (controller().update(0.2, stats=expected),)
+  assert b == 512 and likely == (848,)  # it moves, less than a step of max_change=2
+  # Before the first estimate, the farthest one step goes (max_change=2); none in the warm-up.
+  fresh = simigrad_jax.make_controller("gns", initial_batch_size=64, batch_size_upper_bound=1024)
+  assert interface.likely_batch_sizes(fresh, 0, 0.0) == (128, 32)
+  warming = simigrad_jax.make_controller("gns", initial_batch_size=64, warmup_steps=1)
+  assert interface.likely_batch_sizes(warming, 0, 0.0) == (64,)
+
+
+def test_the_loss_plateau_names_its_growth_where_an_epoch_may_end_a_plateau():
+  c = simigrad_jax.make_controller(
+    "loss_plateau", initial_batch_size=16, patience=2, batch_size_upper_bound=128
+  )
+
+  def step(loss, epoch_end, finite=True):
+    stats = {"loss": loss, "batch_size": c.batch_size, "epoch_end": epoch_end}
+    return c.update(0.1 if finite else math.nan, stats=stats)
+
+  assert c.likely_batch_sizes(0, 0.0) == [16]  # two bad epochs needed: none yet
+  step(1.0, True)  # the first epoch: the best so far
+  assert c.likely_batch_sizes(0, 0.0) == [16]
+  step(1.0, True)  # one bad epoch: the next may make two
+  assert c.likely_batch_sizes(0, 0.0) == [16, 32]
+  assert step(1.0, False) == 16  # within the epoch: no judgement yet
+  assert step(1.0, True, finite=False) == 16  # two, on a non-finite step: the growth waits
+  assert c.likely_batch_sizes(0, 0.0) == [32, 16]
+  assert step(1.0, False) == 32
+
+
+def test_a_controller_on_the_base_names_the_size_it_has():
   class Doubling(BaseController):
     def decide(self):
       return 2 * self.batch_size
 
-  assert Doubling(8, batch_size_upper_bound=64).likely_batch_sizes(8, 0.1) is None
+  assert Doubling(8, batch_size_upper_bound=64).likely_batch_sizes(8, 0.1) == [8]
   assert isinstance(Doubling(8, batch_size_upper_bound=64), interface.AnticipatesBatchSizes)
   assert not isinstance(Minimal(), interface.AnticipatesBatchSizes)
 
 
 def test_the_profiling_wrapper_passes_the_wrapped_controllers_sizes_on_outside_a_profile():
   wrapped = simigrad_jax.ramps.StepScheduleController("0:8,100:16")
-  profiling = simigrad_jax.ProfilingController(wrapped, [12])
-  assert profiling.likely_batch_sizes(0, 0.0) is None  # the profile chooses the sizes
-  seen = 0
+  profiling = simigrad_jax.ProfilingController(wrapped, [12, 10], steps_per_size=2)
+  seen, named = 0, []
   while profiling.profile_batch_sizes:
+    named.append(profiling.likely_batch_sizes(0, 0.0))
     seen += profiling.batch_size
     profiling.update(0.3, stats={"examples_seen": seen, "epochs": 0.0})
+  # The profile's next size first, then the size it is at (a non-finite step stays there).
+  assert named == [[12], [10, 12], [10], [8, 10]]
   assert profiling.likely_batch_sizes(120, 0.0) == [16]

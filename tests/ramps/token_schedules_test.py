@@ -420,16 +420,16 @@ def _ramp_run(workdir, cache_dir):
 
 def test_a_ramp_finds_every_steps_rows_placed_ahead(tmp_path, devices, monkeypatch):
   """The schedule names its next size, so the data thread places exactly that one, ahead of each
-  step; with SimiGrad's guess (a grow or a shrink) a held size is laid out when it is taken."""
+  step; a size the controller did not name is laid out when it is taken."""
   del devices
   steps, placed = _ramp_run(tmp_path / "named", tmp_path / "cache")
   assert [b for b, _ in steps] == [8] * 5 + [16] * 5 + [24] * 2
   # One plan a step, each ahead of it (and the next one, for a step not taken).
   assert placed == [(b, True) for b, _ in steps] + [(24, True)]
-  monkeypatch.setattr(StepScheduleController, "likely_batch_sizes", lambda *args: None)
-  guessed_steps, guessed = _ramp_run(tmp_path / "guessed", tmp_path / "cache")
-  assert guessed_steps == steps
-  # At 8 (the lower bound) and 24 (the upper) the guess holds the size among others; at 16 it
-  # is 17 or 14, never 16, and the ramp's step to 24 is no grow of 16 either.
-  assert [b for b, ahead in guessed if not ahead] == [16] * 5 + [24]
-  assert len(guessed) > len(placed) + 6
+  # A controller that names the wrong size (here always the first): the ramp's later sizes
+  # are laid out when taken.
+  monkeypatch.setattr(StepScheduleController, "likely_batch_sizes", lambda *args: [8])
+  wrong_steps, wrong = _ramp_run(tmp_path / "wrong", tmp_path / "cache")
+  assert wrong_steps == steps
+  assert [b for b, ahead in wrong if not ahead] == [16] * 5 + [24] * 2
+  assert [b for b, ahead in wrong if ahead] == [8] * 13
