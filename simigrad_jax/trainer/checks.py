@@ -160,9 +160,8 @@ def check_bounds(controller: Any, num_examples: int, halves: str) -> tuple[int, 
   measured and the size never moves again). Under either split (``halves``)
   half B holds the step's odd-numbered examples, so a batch needs 2.
   """
-  config = controller.config
-  lower, upper = config["batch_size_lower_bound"], config["batch_size_upper_bound"]
-  adapting = config.get("enable_adjust", True) is not False
+  lower, upper = controller_interface.batch_size_bounds(controller)
+  adapting = controller_interface.adapts(controller)
   profile = _profile_sizes(controller)
   sizes = [controller.batch_size, controller.initial_batch_size, *profile]
   if upper is None and adapting:
@@ -186,7 +185,7 @@ def check_bounds(controller: Any, num_examples: int, halves: str) -> tuple[int, 
     if halves == "device"
     else "the second half (the step's odd-numbered examples)"
   )
-  if config["similarity_target"] is not None:
+  if controller_interface.similarity_target(controller) is not None:
     smallest = min([lower if lower is not None else 1] if adapting else sizes)
     smallest = min([smallest] + profile)
     if smallest < floor:
