@@ -5,18 +5,18 @@ shapes (rows per slot) with a one-micro-batch program and with a micro-step;
 ``apply``, whether the update of accumulated steps is compiled; and in the
 views of this run's processes, ``failed_fused`` and ``failed_micro``, the
 shapes whose compile failed. :class:`simigrad_jax.compile.programs.
-StepPrograms` keeps the views (this process's, what every process compiled,
-what the persistent compilation cache holds from an earlier process) and
-asks the functions here which plan runs. Nothing here runs under ``jit``.
+StepPrograms` keeps the views (this process's, what every process compiled:
+:mod:`simigrad_jax.compile.agreement`, what the persistent compilation cache
+holds from an earlier process:
+:func:`simigrad_jax.compile.persistent_cache.cached_view`) and asks the
+functions here which plan runs. Nothing here runs under ``jit``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
-import operator
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from simigrad_jax.shapes import batch_plan
@@ -88,58 +88,6 @@ def nearest_cached(kind: str, micro: int, cached: Mapping[str, Any] | None) -> i
   if not sizes or micro in sizes:
     return micro
   return min(sizes, key=lambda size: (abs(math.log(size / micro)), -size))
-
-
-def cached_view(
-  record: Mapping[str, Any] | None, cache_dir: str | None, grid: set[int]
-) -> dict[str, Any] | None:
-  """The view of what a checkpoint's record says the cache in ``cache_dir`` holds.
-
-  Args:
-    record: ``{"compilation_cache_dir", "fused", "micro", "apply"}``, as
-      :meth:`simigrad_jax.compile.programs.StepPrograms.compiled_programs`
-      wrote it, or None.
-    cache_dir: this run's cache folder (absolute), or None.
-    grid: this run's shapes.
-
-  Returns:
-    ``{"fused", "micro", "apply"}`` of the record's shapes in ``grid``; None
-    when the record is missing, malformed or names another folder (such a
-    record only costs the first step a compile).
-  """
-  if not isinstance(record, Mapping) or cache_dir is None:
-    return None
-  if record.get("compilation_cache_dir") != cache_dir:
-    return None
-  shapes = {}
-  for kind in ("fused", "micro"):
-    sizes = record.get(kind)
-    if not isinstance(sizes, list) or not all(isinstance(size, int) for size in sizes):
-      return None
-    shapes[kind] = set(sizes) & grid
-  return {**shapes, "apply": record.get("apply") is True}
-
-
-def report_bitmasks(view: Mapping[str, Any], grid: Sequence[int]) -> dict[str, int]:
-  """``view`` as bitmasks over ``grid`` (bit ``i``: its ``i``-th shape), ``apply`` as 0 or 1:
-  a few small integers however long the run, for the other processes."""
-  mask = lambda sizes: sum(1 << i for i, size in enumerate(grid) if size in sizes)
-  return {key: (int(value) if key == "apply" else mask(value)) for key, value in view.items()}
-
-
-def agreed_view(reports: Sequence[Mapping[str, int]], grid: Sequence[int]) -> dict[str, Any]:
-  """The view of what EVERY process reported compiled (:func:`report_bitmasks`), and what
-  ANY process failed to compile."""
-  sizes = lambda mask: {size for i, size in enumerate(grid) if mask >> i & 1}
-  every = lambda key: functools.reduce(operator.and_, (r[key] for r in reports))
-  anyone = lambda key: functools.reduce(operator.or_, (r[key] for r in reports))
-  return {
-    "fused": sizes(every("fused")),
-    "micro": sizes(every("micro")),
-    "apply": bool(every("apply")),
-    "failed_fused": sizes(anyone("failed_fused")),
-    "failed_micro": sizes(anyone("failed_micro")),
-  }
 
 
 def fallback_plan(

@@ -31,13 +31,14 @@ from jax.sharding import Mesh
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from simigrad_jax.compile.agreement import agreed_view
+from simigrad_jax.compile.agreement import report_bitmasks
 from simigrad_jax.compile.compiler import StepCompiler
-from simigrad_jax.compile.fallback import agreed_view
-from simigrad_jax.compile.fallback import cached_view
 from simigrad_jax.compile.fallback import choose_plan
 from simigrad_jax.compile.fallback import nearest_cached
-from simigrad_jax.compile.fallback import report_bitmasks
 from simigrad_jax.compile.fallback import waits_for_compile
+from simigrad_jax.compile.persistent_cache import cache_record
+from simigrad_jax.compile.persistent_cache import cached_view
 from simigrad_jax.compile.persistent_cache import counting_cache_hits
 from simigrad_jax.data.data_loader import StepBatch
 from simigrad_jax.ingraph import train_step
@@ -337,14 +338,7 @@ class StepPrograms:
     """
     if self._cache_dir is None:
       return None
-    here = self._compiled_here()
-    before = self._cached or {"fused": set(), "micro": set(), "apply": False}
-    return {
-      "compilation_cache_dir": self._cache_dir,
-      "fused": sorted(here["fused"] | before["fused"]),
-      "micro": sorted(here["micro"] | before["micro"]),
-      "apply": bool(here["apply"] or before["apply"]),
-    }
+    return cache_record(self._cache_dir, self._compiled_here(), self._cached)
 
   # ------------------------------------------------------------------ choosing
 
@@ -363,7 +357,7 @@ class StepPrograms:
     """This process's compiled shapes for the other processes; None unless ``shared_compiles``.
 
     Bitmasks over the layout's grid of shapes
-    (:func:`~simigrad_jax.compile.fallback.report_bitmasks`).
+    (:func:`~simigrad_jax.compile.agreement.report_bitmasks`).
     """
     if not self._shared_compiles:
       return None

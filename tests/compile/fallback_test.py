@@ -93,15 +93,6 @@ def test_nearest_cached_picks_the_nearest_shape_the_cache_holds():
   assert fallback.nearest_cached("fused", 7, None) == 7
 
 
-def test_every_process_agrees_on_what_all_compiled_and_any_failed():
-  grid = [2, 4, 8, 16]
-  one = fallback.report_bitmasks(view(fused={2, 4, 8}, micro={4}, apply=True), grid)
-  two = fallback.report_bitmasks(view(fused={4, 8}, failed_fused={16}), grid)
-  assert one == {"fused": 0b0111, "micro": 0b0010, "apply": 1, "failed_fused": 0, "failed_micro": 0}
-  agreed = fallback.agreed_view([one, two], grid)
-  assert agreed == view(fused={4, 8}, failed_fused={16})
-
-
 def test_the_runs_last_step_asks_for_no_compile(tmp_path, devices, monkeypatch):
   """The last step, cut to land on the run's end, is followed by none: it runs on a compiled
   shape (or waits for its own without the fallback), and queues no compile of its shape or of
