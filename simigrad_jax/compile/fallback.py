@@ -4,12 +4,13 @@ A *view* of the compiled programs is a dict: ``fused`` and ``micro``, the
 shapes (rows per slot) with a one-micro-batch program and with a micro-step;
 ``apply``, whether the update of accumulated steps is compiled; and in the
 views of this run's processes, ``failed_fused`` and ``failed_micro``, the
-shapes whose compile failed. :class:`simigrad_jax.compile.programs.
-StepPrograms` keeps the views (this process's, what every process compiled:
-:mod:`simigrad_jax.compile.agreement`, what the persistent compilation cache
-holds from an earlier process:
-:func:`simigrad_jax.compile.persistent_cache.cached_view`) and asks the
-functions here which plan runs. Nothing here runs under ``jit``.
+shapes whose compile failed. The views are this process's
+(:meth:`simigrad_jax.compile.step_compilers.StepCompilers.view`), what every
+process compiled (:mod:`simigrad_jax.compile.agreement`) and what the
+persistent compilation cache holds from an earlier process of the run
+(:func:`simigrad_jax.compile.persistent_cache.cached_view`); the functions
+here say which plan runs on them, and :class:`CompileFallback` asks them at
+each step. Nothing here runs under ``jit``.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from simigrad_jax.compile.agreement import CompileAgreement
+from simigrad_jax.compile.step_compilers import StepCompilers
 from simigrad_jax.shapes import batch_plan
 
 
@@ -130,3 +133,80 @@ def fallback_plan(
     accumulation_steps=steps,
     padded_examples=n * size * steps - plan.global_batch_size,
   )
+
+
+class CompileFallback:
+  """Runs a step whose program is still compiling on a compiled one instead, with the same examples.
+
+  Args:
+    compilers: the step's compilers: what this process has compiled, and the
+      programs the first step waits for.
+    cached: what the persistent cache holds from an earlier process of the
+      run (:func:`~simigrad_jax.compile.persistent_cache.cached_view`), or
+      None.
+    agreement: with several processes, where what EVERY process compiled is
+      agreed (a plan is then only replaced by a shape compiled on every one,
+      and kept until a first view is agreed); None when this process decides
+      alone.
+
+  Example:
+    ``CompileFallback(compilers, cached=None, agreement=None).ready_plan(plan)``
+    is ``plan`` once its program is compiled, and until then the same batch
+    on the nearest compiled shape.
+  """
+
+  def __init__(
+    self,
+    compilers: StepCompilers,
+    *,
+    cached: Mapping[str, Any] | None,
+    agreement: CompileAgreement | None,
+  ):
+    self._compilers = compilers
+    self._cached = cached
+    self._agreement = agreement
+    self._ready = False  # see await_fallback
+
+  def ready_plan(self, plan: batch_plan.BatchPlan, prefetch: bool = True) -> batch_plan.BatchPlan:
+    """``plan``, or while its program is still compiling, the same batch on the nearest compiled one.
+
+    The compiled shape that holds the batch in the fewest micro-steps, the
+    nearest in log scale among those (ties: the larger shape): a larger
+    shape pads with zero-weight rows, a smaller one accumulates
+    (:func:`choose_plan`). The examples and their devices are those of
+    ``plan``. A shape whose compile FAILED is not replaced: running it
+    raises. With an ``agreement``, "compiled" means compiled on every
+    process, as its last view says. A program not compiled yet is queued for
+    compiling unless ``prefetch`` is False (the run's last step).
+    """
+    if self._agreement is not None:
+      if self._agreement.view is None:
+        return plan
+      compiled = self._agreement.view
+    else:
+      compiled = self._compilers.view()
+    if prefetch and waits_for_compile(plan, compiled):
+      # (a no-op when queued or compiling)
+      one_step = plan.accumulation_steps == 1
+      compiler = self._compilers.fused if one_step else self._compilers.micro
+      compiler.prefetch([plan.micro_batch_size])
+    return choose_plan(plan, compiled, self._cached)
+
+  def await_fallback(self, micro: int) -> None:
+    """Waits until the fallback can hold a batch of any size on shape ``micro``.
+
+    That is the one-micro-batch program of ``micro``, its micro-step and the
+    update: a batch larger than one micro-batch of ``micro`` then accumulates
+    on it. Called once, at the first step (which waits for its own program
+    anyway, and whose devices run while this waits), so that no later step
+    waits for a compile. When the persistent cache holds programs of an
+    earlier process of the run (``cached``) but not ``micro``'s, the
+    programs are those of its nearest shape instead: loads, not compiles.
+    The time blocked counts as compile wait. A no-op once done.
+    """
+    if self._ready:
+      return
+    self._compilers.fused.get(nearest_cached("fused", micro, self._cached))
+    self._compilers.micro.get(nearest_cached("micro", micro, self._cached))
+    self._compilers.update.get()
+    self._ready = True
