@@ -1,7 +1,7 @@
-"""Ahead-of-time compiled step functions, one per micro-batch shape.
+"""Host: ahead-of-time compiled step functions, one per micro-batch shape.
 
-Host side: Python threads around JAX's AOT API (``jax.stages``); nothing here
-runs under ``jit``.
+Python threads around JAX's AOT API (``jax.stages``); nothing here runs under
+``jit``.
 
 The global batch size changes at every optimizer step, but the step function
 only sees the micro-batch *shape*, drawn from a small grid known up front
@@ -13,6 +13,9 @@ never stalls on a compile. Compiles need no data: ``lower(micro)`` lowers the
 jitted step on ``jax.ShapeDtypeStruct`` placeholders that carry the input
 shardings.
 
+A program that has one shape only (the update of accumulated steps) is a
+:class:`ProgramCompiler`: compiled once, in a background thread or at once.
+
 With JAX's persistent compilation cache on
 (:func:`simigrad_jax.compile.persistent_cache.enable_persistent_cache`), a
 compile that finds its executable there loads it; :meth:`StepCompiler.stats`
@@ -22,6 +25,7 @@ counts those loads apart.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -34,6 +38,7 @@ from simigrad_jax.compile.persistent_cache import counting_cache_hits
 from simigrad_jax.errors import SimiGradError
 
 __all__ = [
+  "ProgramCompiler",
   "StepCompileError",
   "StepCompiler",
 ]
@@ -58,6 +63,134 @@ class _Job:
     self.compiled: jax.stages.Compiled | None = None
     self.error: BaseException | None = None
     self.cache_hit = False  # loaded from the persistent cache
+
+  def compile(self, lower: Callable[[int], jax.stages.Lowered]) -> None:
+    """Lowers and compiles this size in this thread, keeping the program or the error (an
+    ``Exception``; anything else, e.g. ``KeyboardInterrupt``, is raised)."""
+    try:
+      lowered = lower(self.size)
+      if not isinstance(lowered, jax.stages.Lowered):
+        raise TypeError(
+          f"lower({self.size}) must return a jax.stages.Lowered (e.g. "
+          f"jitted.lower(*placeholders)), got {type(lowered).__name__}: "
+          f"{lowered!r:.200}"
+        )
+      self.compiled, self.cache_hit = _compile(lowered)
+    except Exception as err:  # surfaces in result() for this size
+      self.error = err
+
+  def result(self, compiler: str) -> jax.stages.Compiled:
+    """The compiled program of this done job, or :class:`StepCompileError` naming ``compiler``,
+    the size and the error."""
+    if self.error is not None:
+      first_line = (str(self.error).strip().splitlines() or [""])[0][:300]
+      raise StepCompileError(
+        f"StepCompiler {compiler!r}: lowering or compiling the step for "
+        f"micro_batch_size={self.size} failed with "
+        f"{type(self.error).__name__}: {first_line} (the cause is chained "
+        "below)"
+      ) from self.error
+    assert self.compiled is not None  # done, without an error
+    return self.compiled
+
+
+def _compile(lowered: jax.stages.Lowered) -> tuple[jax.stages.Compiled, bool]:
+  """``lowered`` compiled, and whether JAX's persistent cache gave the program back."""
+  with counting_cache_hits() as hits:
+    compiled = lowered.compile()
+  return compiled, hits[0] > 0
+
+
+class _Queue:
+  """The sizes a :class:`StepCompiler` was asked for: each one's job, and the order of those not
+  started yet. Its compiler holds its lock around every call."""
+
+  __slots__ = ("jobs", "waiting")
+
+  def __init__(self):
+    self.jobs: dict[int, _Job] = {}  # every size asked for, in any state
+    self.waiting: collections.deque[int] = collections.deque()  # not started, in order
+
+  def add(self, sizes: list[int], first: bool) -> None:
+    """Queues the sizes not asked for before, after those waiting; with ``first``, ahead of
+    them, the waiting sizes among ``sizes`` moved ahead too (in the order given)."""
+    waiting = [s for s in dict.fromkeys(sizes) if s not in self.jobs or s in self.waiting]
+    for size in waiting:
+      if size not in self.jobs:
+        self.jobs[size] = _Job(size)
+        if not first:
+          self.waiting.append(size)
+    if first:
+      ahead = set(waiting)
+      self.waiting = collections.deque(waiting + [s for s in self.waiting if s not in ahead])
+
+  def claim(self, size: int) -> tuple[_Job, bool]:
+    """``size``'s job, and whether the caller is to compile it: a size never asked for, or one
+    still waiting (taken off the queue: it does not wait for those queued before it)."""
+    job = self.jobs.get(size)
+    if job is None:
+      job = self.jobs[size] = _Job(size)
+      return job, True
+    if size in self.waiting:  # not started, so not done
+      self.waiting.remove(size)
+      return job, True
+    return job, False
+
+  def next(self) -> _Job | None:
+    """The next waiting job, taken off the queue; None when none waits."""
+    return self.jobs[self.waiting.popleft()] if self.waiting else None
+
+  def cancel(self) -> None:
+    """Forgets the sizes not started (nobody waits on them)."""
+    for size in self.waiting:
+      del self.jobs[size]
+    self.waiting.clear()
+
+  def forget(self, job: _Job) -> None:
+    """Forgets ``job`` (interrupted: a later request compiles its size again)."""
+    if self.jobs.get(job.size) is job:
+      del self.jobs[job.size]
+
+  def done_sizes(self, failed: bool) -> list[int]:
+    """The sizes compiled, or with ``failed`` those whose compile failed, sorted."""
+    return sorted(
+      size
+      for size, job in self.jobs.items()
+      if job.done.is_set() and (job.error is not None) == failed
+    )
+
+
+class _Tally:
+  """The counts and seconds of a compiler's compiles (its owner holds its lock around them)."""
+
+  __slots__ = ("compiles", "compile_seconds", "wait_seconds", "cache_hits", "cache_hit_seconds")
+
+  def __init__(self):
+    self.compiles = 0  # successful compiles
+    self.compile_seconds = 0.0  # lowering and compiling, failed attempts included
+    self.wait_seconds = 0.0  # callers blocked for a compile
+    self.cache_hits = 0  # the compiles (of ``compiles``) the persistent cache gave back
+    self.cache_hit_seconds = 0.0  # their seconds (of ``compile_seconds``)
+
+  def count(self, seconds: float, compiled: bool, cache_hit: bool) -> None:
+    """Counts one compile attempt of ``seconds``."""
+    self.compile_seconds += seconds
+    if compiled:
+      self.compiles += 1
+      if cache_hit:
+        self.cache_hits += 1
+        self.cache_hit_seconds += seconds
+
+  def stats(self) -> dict[str, Any]:
+    """``compiles``, ``compile_seconds``, ``compile_wait_seconds``, ``cache_hits`` and
+    ``cache_hit_seconds``."""
+    return {
+      "compiles": self.compiles,
+      "compile_seconds": self.compile_seconds,
+      "compile_wait_seconds": self.wait_seconds,
+      "cache_hits": self.cache_hits,
+      "cache_hit_seconds": self.cache_hit_seconds,
+    }
 
 
 class StepCompiler:
@@ -130,15 +263,10 @@ class StepCompiler:
     self._background = validation.check_bool("background", background)
     self._name = name
     self._lock = threading.Lock()
-    self._jobs: dict[int, _Job] = {}  # every size asked for, in any state
-    self._queue: collections.deque[int] = collections.deque()  # not started
+    self._queue = _Queue()
     self._worker: threading.Thread | None = None
     self._closed = False
-    self._compiles = 0
-    self._compile_seconds = 0.0
-    self._wait_seconds = 0.0
-    self._cache_hits = 0
-    self._cache_hit_seconds = 0.0
+    self._tally = _Tally()
 
   @property
   def name(self) -> str:
@@ -178,16 +306,8 @@ class StepCompiler:
         raise RuntimeError(f"StepCompiler {self._name!r} is closed: prefetch is not allowed")
       if not self._background:
         return
-      waiting = [s for s in dict.fromkeys(sizes) if s not in self._jobs or s in self._queue]
-      for size in waiting:
-        if size not in self._jobs:
-          self._jobs[size] = _Job(size)
-          if not first:
-            self._queue.append(size)
-      if first:
-        ahead = set(waiting)
-        self._queue = collections.deque(waiting + [s for s in self._queue if s not in ahead])
-      if self._queue and self._worker is None:
+      self._queue.add(sizes, first)
+      if self._queue.waiting and self._worker is None:
         self._worker = threading.Thread(
           target=self._work, name=f"{self._name}-compiler", daemon=False
         )
@@ -214,17 +334,7 @@ class StepCompiler:
     """
     size = validation.check_int("micro_batch_size", micro_batch_size)
     with self._lock:
-      job = self._jobs.get(size)
-      if job is not None and job.done.is_set():
-        compile_here = False
-      elif job is None:
-        job = self._jobs[size] = _Job(size)
-        compile_here = True
-      elif size in self._queue:  # queued, not started: take it over
-        self._queue.remove(size)
-        compile_here = True
-      else:  # compiling in another thread
-        compile_here = False
+      job, compile_here = self._queue.claim(size)
       blocked = not job.done.is_set()
     if blocked:
       start = time.perf_counter()
@@ -234,23 +344,14 @@ class StepCompiler:
         job.done.wait()
       waited = time.perf_counter() - start
       with self._lock:
-        self._wait_seconds += waited
-    if job.error is not None:
-      first_line = (str(job.error).strip().splitlines() or [""])[0][:300]
-      raise StepCompileError(
-        f"StepCompiler {self._name!r}: lowering or compiling the step for "
-        f"micro_batch_size={size} failed with "
-        f"{type(job.error).__name__}: {first_line} (the cause is chained "
-        "below)"
-      ) from job.error
-    assert job.compiled is not None  # done, without an error
-    return job.compiled
+        self._tally.wait_seconds += waited
+    return job.result(self._name)
 
   @property
   def wait_seconds(self) -> float:
     """Total time :meth:`get` has blocked so far (``stats()["compile_wait_seconds"]``)."""
     with self._lock:
-      return self._wait_seconds
+      return self._tally.wait_seconds
 
   def stats(self) -> dict[str, Any]:
     """Returns compile counts and times so far.
@@ -268,17 +369,9 @@ class StepCompiler:
     """
     with self._lock:
       return {
-        "compiles": self._compiles,
-        "compile_seconds": self._compile_seconds,
-        "compile_wait_seconds": self._wait_seconds,
-        "cache_hits": self._cache_hits,
-        "cache_hit_seconds": self._cache_hit_seconds,
-        "compiled_sizes": sorted(
-          size for size, job in self._jobs.items() if job.done.is_set() and job.error is None
-        ),
-        "failed_sizes": sorted(
-          size for size, job in self._jobs.items() if job.done.is_set() and job.error is not None
-        ),
+        **self._tally.stats(),
+        "compiled_sizes": self._queue.done_sizes(failed=False),
+        "failed_sizes": self._queue.done_sizes(failed=True),
       }
 
   def close(self) -> None:
@@ -289,9 +382,7 @@ class StepCompiler:
     """
     with self._lock:
       self._closed = True
-      for size in self._queue:  # never started, so nobody waits on them
-        del self._jobs[size]
-      self._queue.clear()
+      self._queue.cancel()
       worker = self._worker
     if worker is not None and worker is not threading.current_thread():
       worker.join()
@@ -306,44 +397,138 @@ class StepCompiler:
     """Worker loop: compiles queued sizes in order; exits when none are left."""
     while True:
       with self._lock:
-        if self._closed or not self._queue:
+        job = None if self._closed else self._queue.next()
+        if job is None:
           self._worker = None
           return
-        job = self._jobs[self._queue.popleft()]
       self._run(job)
 
   def _run(self, job: _Job) -> None:
     """Lowers and compiles ``job.size`` in this thread; always marks it done."""
     start = time.perf_counter()
     try:
-      lowered = self._lower(job.size)
-      if not isinstance(lowered, jax.stages.Lowered):
-        raise TypeError(
-          f"lower({job.size}) must return a jax.stages.Lowered (e.g. "
-          f"jitted.lower(*placeholders)), got {type(lowered).__name__}: "
-          f"{lowered!r:.200}"
-        )
-      with counting_cache_hits() as hits:
-        job.compiled = lowered.compile()
-      job.cache_hit = hits[0] > 0
-    except Exception as err:  # surfaces in get() for this size
-      job.error = err
+      job.compile(self._lower)
     except BaseException as err:  # e.g. KeyboardInterrupt: do not keep it
       job.error = err
       with self._lock:
-        if self._jobs.get(job.size) is job:
-          del self._jobs[job.size]
+        self._queue.forget(job)
       raise
     finally:
       elapsed = time.perf_counter() - start
       with self._lock:
-        self._compile_seconds += elapsed
-        if job.error is None:
-          self._compiles += 1
-          if job.cache_hit:
-            self._cache_hits += 1
-            self._cache_hit_seconds += elapsed
+        self._tally.count(elapsed, compiled=job.error is None, cache_hit=job.cache_hit)
       job.done.set()
+
+
+class ProgramCompiler:
+  """One program compiled ahead of time, once: in a background thread, or at once.
+
+  The program of one shape only, such as the update of a step that
+  accumulated micro-batches. :meth:`prefetch` starts its compile (in a
+  background thread, or with ``background=False`` at once in the calling
+  thread); :meth:`get` returns it, waiting for the compile if it is still
+  running. Time spent blocked in :meth:`get` is compile wait, reported by
+  :meth:`stats`.
+
+  Args:
+    lower: returns the ``jax.stages.Lowered`` program (e.g.
+      ``jitted.lower(*placeholders)``); runs in the background thread, so the
+      placeholders carry their shardings.
+    background: compile in a background thread.
+    name: a label for the thread's name.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> def lower():
+    ...   return jax.jit(lambda x: 2 * x).lower(jax.ShapeDtypeStruct((3,), jnp.float32))
+    >>> compiler = ProgramCompiler(lower, background=True, name="double")
+    >>> compiler.prefetch()  # returns at once
+    >>> compiler.get()(jnp.ones(3)).tolist()
+    [2.0, 2.0, 2.0]
+    >>> compiler.stats()["compiled"]
+    True
+    >>> compiler.close()
+  """
+
+  def __init__(
+    self, lower: Callable[[], jax.stages.Lowered], *, background: bool, name: str
+  ) -> None:
+    if not callable(lower):
+      raise ValueError(f"lower must be a callable () -> jax.stages.Lowered, got {lower!r}")
+    if not isinstance(name, str):
+      raise ValueError(f"name must be a str, got {name!r}")
+    self._lower = lower
+    self._background = validation.check_bool("background", background)
+    self._pool = concurrent.futures.ThreadPoolExecutor(
+      1, thread_name_prefix=f"simigrad-{name}-compiler"
+    )
+    self._future: concurrent.futures.Future | None = None
+    self._lock = threading.Lock()
+    self._tally = _Tally()
+
+  def prefetch(self) -> None:
+    """Starts the compile unless started before; with ``background=False`` compiles now.
+
+    Raises:
+      Exception: without background, what lowering or compiling raised (the
+        next call tries again).
+    """
+    if self._future is None:
+      if self._background:
+        self._future = self._pool.submit(self._compile)
+      else:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        future.set_result(self._compile())
+        self._future = future
+
+  def get(self) -> jax.stages.Compiled:
+    """The compiled program, starting its compile or waiting for it as needed.
+
+    Raises:
+      Exception: what lowering or compiling raised.
+    """
+    self.prefetch()
+    assert self._future is not None
+    start = time.perf_counter()
+    done = self._future.done()
+    compiled = self._future.result()
+    if not done:
+      with self._lock:
+        self._tally.wait_seconds += time.perf_counter() - start
+    return compiled
+
+  @property
+  def done(self) -> bool:
+    """Whether the compile has finished, compiled or failed."""
+    return self._future is not None and self._future.done()
+
+  @property
+  def wait_seconds(self) -> float:
+    """Total time :meth:`get` has blocked so far (``stats()["compile_wait_seconds"]``)."""
+    with self._lock:
+      return self._tally.wait_seconds
+
+  def stats(self) -> dict[str, Any]:
+    """``compiled`` (finished without an error), ``compiles`` (0 or 1), ``compile_seconds``,
+    ``compile_wait_seconds``, ``cache_hits`` and ``cache_hit_seconds``, as
+    :meth:`StepCompiler.stats` counts them (a failed compile's seconds are not counted)."""
+    future = self._future
+    compiled = (
+      future is not None and future.done() and not future.cancelled() and future.exception() is None
+    )
+    with self._lock:
+      return {**self._tally.stats(), "compiled": compiled}
+
+  def close(self) -> None:
+    """Cancels a compile not started and waits for one in progress."""
+    self._pool.shutdown(wait=True, cancel_futures=True)
+
+  def _compile(self) -> jax.stages.Compiled:
+    start = time.perf_counter()
+    compiled, cache_hit = _compile(self._lower())
+    with self._lock:
+      self._tally.count(time.perf_counter() - start, compiled=True, cache_hit=cache_hit)
+    return compiled
 
 
 def _check_sizes(micro_batch_sizes: Any) -> list[int]:

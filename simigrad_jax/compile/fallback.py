@@ -4,21 +4,24 @@ A *view* of the compiled programs is a dict: ``fused`` and ``micro``, the
 shapes (rows per slot) with a one-micro-batch program and with a micro-step;
 ``apply``, whether the update of accumulated steps is compiled; and in the
 views of this run's processes, ``failed_fused`` and ``failed_micro``, the
-shapes whose compile failed. :class:`simigrad_jax.compile.programs.
-StepPrograms` keeps the views (this process's, what every process compiled,
-what the persistent compilation cache holds from an earlier process) and
-asks the functions here which plan runs. Nothing here runs under ``jit``.
+shapes whose compile failed. The views are this process's
+(:meth:`simigrad_jax.compile.step_compilers.StepCompilers.view`), what every
+process compiled (:mod:`simigrad_jax.compile.agreement`) and what the
+persistent compilation cache holds from an earlier process of the run
+(:func:`simigrad_jax.compile.persistent_cache.cached_view`); the functions
+here say which plan runs on them, and :class:`CompileFallback` asks them at
+each step. Nothing here runs under ``jit``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
-import operator
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any
 
+from simigrad_jax.compile.agreement import CompileAgreement
+from simigrad_jax.compile.step_compilers import StepCompilers
 from simigrad_jax.shapes import batch_plan
 
 
@@ -90,58 +93,6 @@ def nearest_cached(kind: str, micro: int, cached: Mapping[str, Any] | None) -> i
   return min(sizes, key=lambda size: (abs(math.log(size / micro)), -size))
 
 
-def cached_view(
-  record: Mapping[str, Any] | None, cache_dir: str | None, grid: set[int]
-) -> dict[str, Any] | None:
-  """The view of what a checkpoint's record says the cache in ``cache_dir`` holds.
-
-  Args:
-    record: ``{"compilation_cache_dir", "fused", "micro", "apply"}``, as
-      :meth:`simigrad_jax.compile.programs.StepPrograms.compiled_programs`
-      wrote it, or None.
-    cache_dir: this run's cache folder (absolute), or None.
-    grid: this run's shapes.
-
-  Returns:
-    ``{"fused", "micro", "apply"}`` of the record's shapes in ``grid``; None
-    when the record is missing, malformed or names another folder (such a
-    record only costs the first step a compile).
-  """
-  if not isinstance(record, Mapping) or cache_dir is None:
-    return None
-  if record.get("compilation_cache_dir") != cache_dir:
-    return None
-  shapes = {}
-  for kind in ("fused", "micro"):
-    sizes = record.get(kind)
-    if not isinstance(sizes, list) or not all(isinstance(size, int) for size in sizes):
-      return None
-    shapes[kind] = set(sizes) & grid
-  return {**shapes, "apply": record.get("apply") is True}
-
-
-def report_bitmasks(view: Mapping[str, Any], grid: Sequence[int]) -> dict[str, int]:
-  """``view`` as bitmasks over ``grid`` (bit ``i``: its ``i``-th shape), ``apply`` as 0 or 1:
-  a few small integers however long the run, for the other processes."""
-  mask = lambda sizes: sum(1 << i for i, size in enumerate(grid) if size in sizes)
-  return {key: (int(value) if key == "apply" else mask(value)) for key, value in view.items()}
-
-
-def agreed_view(reports: Sequence[Mapping[str, int]], grid: Sequence[int]) -> dict[str, Any]:
-  """The view of what EVERY process reported compiled (:func:`report_bitmasks`), and what
-  ANY process failed to compile."""
-  sizes = lambda mask: {size for i, size in enumerate(grid) if mask >> i & 1}
-  every = lambda key: functools.reduce(operator.and_, (r[key] for r in reports))
-  anyone = lambda key: functools.reduce(operator.or_, (r[key] for r in reports))
-  return {
-    "fused": sizes(every("fused")),
-    "micro": sizes(every("micro")),
-    "apply": bool(every("apply")),
-    "failed_fused": sizes(anyone("failed_fused")),
-    "failed_micro": sizes(anyone("failed_micro")),
-  }
-
-
 def fallback_plan(
   plan: batch_plan.BatchPlan,
   compiled_sizes: set[int],
@@ -182,3 +133,80 @@ def fallback_plan(
     accumulation_steps=steps,
     padded_examples=n * size * steps - plan.global_batch_size,
   )
+
+
+class CompileFallback:
+  """Runs a step whose program is still compiling on a compiled one instead, with the same examples.
+
+  Args:
+    compilers: the step's compilers: what this process has compiled, and the
+      programs the first step waits for.
+    cached: what the persistent cache holds from an earlier process of the
+      run (:func:`~simigrad_jax.compile.persistent_cache.cached_view`), or
+      None.
+    agreement: with several processes, where what EVERY process compiled is
+      agreed (a plan is then only replaced by a shape compiled on every one,
+      and kept until a first view is agreed); None when this process decides
+      alone.
+
+  Example:
+    ``CompileFallback(compilers, cached=None, agreement=None).ready_plan(plan)``
+    is ``plan`` once its program is compiled, and until then the same batch
+    on the nearest compiled shape.
+  """
+
+  def __init__(
+    self,
+    compilers: StepCompilers,
+    *,
+    cached: Mapping[str, Any] | None,
+    agreement: CompileAgreement | None,
+  ):
+    self._compilers = compilers
+    self._cached = cached
+    self._agreement = agreement
+    self._ready = False  # see await_fallback
+
+  def ready_plan(self, plan: batch_plan.BatchPlan, prefetch: bool = True) -> batch_plan.BatchPlan:
+    """``plan``, or while its program is still compiling, the same batch on the nearest compiled one.
+
+    The compiled shape that holds the batch in the fewest micro-steps, the
+    nearest in log scale among those (ties: the larger shape): a larger
+    shape pads with zero-weight rows, a smaller one accumulates
+    (:func:`choose_plan`). The examples and their devices are those of
+    ``plan``. A shape whose compile FAILED is not replaced: running it
+    raises. With an ``agreement``, "compiled" means compiled on every
+    process, as its last view says. A program not compiled yet is queued for
+    compiling unless ``prefetch`` is False (the run's last step).
+    """
+    if self._agreement is not None:
+      if self._agreement.view is None:
+        return plan
+      compiled = self._agreement.view
+    else:
+      compiled = self._compilers.view()
+    if prefetch and waits_for_compile(plan, compiled):
+      # (a no-op when queued or compiling)
+      one_step = plan.accumulation_steps == 1
+      compiler = self._compilers.fused if one_step else self._compilers.micro
+      compiler.prefetch([plan.micro_batch_size])
+    return choose_plan(plan, compiled, self._cached)
+
+  def await_fallback(self, micro: int) -> None:
+    """Waits until the fallback can hold a batch of any size on shape ``micro``.
+
+    That is the one-micro-batch program of ``micro``, its micro-step and the
+    update: a batch larger than one micro-batch of ``micro`` then accumulates
+    on it. Called once, at the first step (which waits for its own program
+    anyway, and whose devices run while this waits), so that no later step
+    waits for a compile. When the persistent cache holds programs of an
+    earlier process of the run (``cached``) but not ``micro``'s, the
+    programs are those of its nearest shape instead: loads, not compiles.
+    The time blocked counts as compile wait. A no-op once done.
+    """
+    if self._ready:
+      return
+    self._compilers.fused.get(nearest_cached("fused", micro, self._cached))
+    self._compilers.micro.get(nearest_cached("micro", micro, self._cached))
+    self._compilers.update.get()
+    self._ready = True

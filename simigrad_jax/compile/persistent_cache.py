@@ -1,11 +1,14 @@
-"""JAX's persistent (on-disk) compilation cache: turning it on, putting it back, counting its hits.
+"""Host: JAX's persistent (on-disk) compilation cache: turning it on, putting it back, counting
+its hits, and the record of what it holds from a run.
 
-Host side; nothing here runs under ``jit``. :func:`enable_persistent_cache`
+Nothing here runs under ``jit``. :func:`enable_persistent_cache`
 turns the cache on, so that a second run of the same script (or a resumed
 one) loads its executables instead of compiling them again;
 :func:`persistent_cache_settings` puts the process-wide settings it changes
 back afterwards; :func:`counting_cache_hits` counts the compiles of a thread
-that loaded their executable from it.
+that loaded their executable from it. :func:`cache_record` writes down which
+of a run's programs the cache holds, for its checkpoints, and
+:func:`cached_view` reads that record back when the run resumes.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import logging
 import os
 import pathlib
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import jax
@@ -27,6 +30,8 @@ from simigrad_jax import files
 logger = logging.getLogger("simigrad_jax")
 
 __all__ = [
+  "cache_record",
+  "cached_view",
   "counting_cache_hits",
   "enable_persistent_cache",
   "persistent_cache_settings",
@@ -229,3 +234,71 @@ def counting_cache_hits() -> Iterator[list[int]]:
     _cache_hit_counts.hits = outer
     if outer is not None:
       outer[0] += hits[0]
+
+
+def cache_record(
+  cache_dir: str, compiled: Mapping[str, Any], cached: Mapping[str, Any] | None
+) -> dict[str, Any]:
+  """What the persistent cache in ``cache_dir`` holds from a run, for its checkpoints.
+
+  Args:
+    cache_dir: the cache's folder (absolute).
+    compiled: the view of what this process compiled
+      (:meth:`simigrad_jax.compile.step_compilers.StepCompilers.view`).
+    cached: the view of what the earlier processes of the run left in the
+      cache (:func:`cached_view`), or None.
+
+  Returns:
+    ``{"compilation_cache_dir", "fused", "micro", "apply"}``: the folder,
+    the shapes (rows per slot) with a one-micro-batch program and with a
+    micro-step, sorted, and whether the update is, compiled by this process
+    or by the earlier ones. :func:`cached_view` reads it back.
+
+  Example:
+    >>> here = {"fused": {4}, "micro": set(), "apply": False}
+    >>> cache_record("/cache", here, {"fused": {2}, "micro": {2}, "apply": True})
+    {'compilation_cache_dir': '/cache', 'fused': [2, 4], 'micro': [2], 'apply': True}
+  """
+  before = cached or {"fused": set(), "micro": set(), "apply": False}
+  return {
+    "compilation_cache_dir": cache_dir,
+    "fused": sorted(set(compiled["fused"]) | set(before["fused"])),
+    "micro": sorted(set(compiled["micro"]) | set(before["micro"])),
+    "apply": bool(compiled["apply"] or before["apply"]),
+  }
+
+
+def cached_view(
+  record: Mapping[str, Any] | None, cache_dir: str | None, grid: set[int]
+) -> dict[str, Any] | None:
+  """The view of what a checkpoint's record says the cache in ``cache_dir`` holds.
+
+  Args:
+    record: ``{"compilation_cache_dir", "fused", "micro", "apply"}``, as
+      :func:`cache_record` wrote it, or None.
+    cache_dir: this run's cache folder (absolute), or None.
+    grid: this run's shapes.
+
+  Returns:
+    ``{"fused", "micro", "apply"}`` of the record's shapes in ``grid``; None
+    when the record is missing, malformed or names another folder (such a
+    record only costs the first step a compile).
+
+  Example:
+    >>> record = {"compilation_cache_dir": "/cache", "fused": [4, 9], "micro": [], "apply": True}
+    >>> cached_view(record, "/cache", {2, 4})
+    {'fused': {4}, 'micro': set(), 'apply': True}
+    >>> cached_view(record, "/elsewhere", {2, 4}) is None
+    True
+  """
+  if not isinstance(record, Mapping) or cache_dir is None:
+    return None
+  if record.get("compilation_cache_dir") != cache_dir:
+    return None
+  shapes = {}
+  for kind in ("fused", "micro"):
+    sizes = record.get(kind)
+    if not isinstance(sizes, list) or not all(isinstance(size, int) for size in sizes):
+      return None
+    shapes[kind] = set(sizes) & grid
+  return {**shapes, "apply": record.get("apply") is True}

@@ -5,11 +5,14 @@ import doctest
 import math
 
 import pytest
+from recording_compilers import RecordingCompilers
 
 import simigrad_jax
 import tiny_run
 from simigrad_jax.compile import compiler
 from simigrad_jax.compile import fallback
+from simigrad_jax.compile.agreement import CompileAgreement
+from simigrad_jax.compile.fallback import CompileFallback
 from simigrad_jax.compile.fallback import choose_plan
 from simigrad_jax.compile.fallback import fallback_plan
 from simigrad_jax.shapes.batch_plan import BucketPolicy
@@ -92,13 +95,45 @@ def test_nearest_cached_picks_the_nearest_shape_the_cache_holds():
   assert fallback.nearest_cached("fused", 7, None) == 7
 
 
-def test_every_process_agrees_on_what_all_compiled_and_any_failed():
-  grid = [2, 4, 8, 16]
-  one = fallback.report_bitmasks(view(fused={2, 4, 8}, micro={4}, apply=True), grid)
-  two = fallback.report_bitmasks(view(fused={4, 8}, failed_fused={16}), grid)
-  assert one == {"fused": 0b0111, "micro": 0b0010, "apply": 1, "failed_fused": 0, "failed_micro": 0}
-  agreed = fallback.agreed_view([one, two], grid)
-  assert agreed == view(fused={4, 8}, failed_fused={16})
+def test_a_plan_still_compiling_runs_on_a_compiled_shape_and_its_own_is_queued():
+  compilers = RecordingCompilers(view(fused={16}))
+  chooser = CompileFallback(compilers, cached=None, agreement=None)
+  plan = plan_batch(100, 8, POLICY)  # 13 rows a device, one step
+  assert chooser.ready_plan(plan).micro_batch_size == 16
+  assert compilers.fused.queued == [[13]] and compilers.micro.queued == []
+  assert chooser.ready_plan(plan, prefetch=False).micro_batch_size == 16  # the last step
+  assert compilers.fused.queued == [[13]]
+  big = plan_batch(1000, 8, POLICY)  # four micro-steps of 32 rows: the micro-step is queued
+  assert big.accumulation_steps == 4 and chooser.ready_plan(big) is big  # none to accumulate on
+  assert compilers.micro.queued == [[32]]
+  compilers.compiled = view(fused={13, 16})
+  assert chooser.ready_plan(plan) is plan and compilers.fused.queued == [[13]]
+
+
+def test_with_several_processes_only_the_agreed_view_counts():
+  compilers = RecordingCompilers(view(fused={13, 16}))
+  agreement = CompileAgreement(POLICY.micro_batch_sizes())
+  chooser = CompileFallback(compilers, cached=None, agreement=agreement)
+  plan = plan_batch(100, 8, POLICY)
+  assert chooser.ready_plan(plan) is plan  # nothing agreed yet: it waits for its own
+  assert compilers.fused.queued == []
+  reports = [agreement.report(view(fused={13, 16})), agreement.report(view(fused={16}))]
+  agreement.agree(reports)
+  assert chooser.ready_plan(plan).micro_batch_size == 16  # 13 is not compiled everywhere
+  assert compilers.fused.queued == [[13]]
+
+
+def test_the_first_step_waits_once_for_the_programs_the_fallback_holds_a_batch_on():
+  compilers = RecordingCompilers(view())
+  chooser = CompileFallback(compilers, cached=None, agreement=None)
+  chooser.await_fallback(13)
+  chooser.await_fallback(16)  # once only
+  assert (compilers.fused.got, compilers.micro.got, compilers.update.gets) == ([13], [13], 1)
+  # With the cache's programs of an earlier process, the nearest of those: loads, not compiles.
+  compilers = RecordingCompilers(view())
+  cached = {"fused": {16, 4}, "micro": {8}, "apply": True}
+  CompileFallback(compilers, cached=cached, agreement=None).await_fallback(13)
+  assert (compilers.fused.got, compilers.micro.got, compilers.update.gets) == ([16], [8], 1)
 
 
 def test_the_runs_last_step_asks_for_no_compile(tmp_path, devices, monkeypatch):

@@ -8,7 +8,7 @@ import pytest
 
 import simigrad_jax
 from simigrad_jax.checkpoint.checkpointer import Checkpointer
-from simigrad_jax.compile import fallback
+from simigrad_jax.compile import persistent_cache
 from tiny_run import train_records
 
 # 32 rows (4 a device) for the first two steps, then 16 (2 a device): a shape a whole
@@ -79,12 +79,12 @@ def test_a_checkpoint_naming_another_cache_is_not_used(tmp_path):
   ],
 )
 def test_a_record_the_run_cannot_use_is_ignored(record):
-  assert fallback.cached_view(record, "/cache", {2, 4}) is None
+  assert persistent_cache.cached_view(record, "/cache", {2, 4}) is None
 
 
 def test_a_record_keeps_only_the_shapes_of_the_grid():
   record = {"compilation_cache_dir": "/cache", "fused": [4, 9], "micro": [2], "apply": 1}
-  assert fallback.cached_view(record, "/cache", {2, 4}) == {
+  assert persistent_cache.cached_view(record, "/cache", {2, 4}) == {
     "fused": {4},
     "micro": {2},
     "apply": False,  # only True counts

@@ -1,0 +1,184 @@
+"""Host: the jitted functions of a training step, and the placeholders they are traced and
+lowered on.
+
+A step of one micro-batch per device runs the fused step (gradient,
+reduction and update: :func:`simigrad_jax.ingraph.train_step.make_fused_step`);
+a step of several micro-batches accumulates with the micro-step, then applies
+the update (:func:`~simigrad_jax.ingraph.train_step.make_micro_step` and
+:func:`~simigrad_jax.ingraph.train_step.make_apply_step`). Each is jitted once
+with the shardings the state keeps, and lowered per micro-batch shape on
+``jax.ShapeDtypeStruct`` placeholders (no data needed), for the compilers of
+:mod:`simigrad_jax.compile.compiler`. Nothing here runs a step.
+
+Shapes are counted in rows per slot: a slot is a device, or with the local
+split one of the two blocks of a device's rows
+(:mod:`simigrad_jax.shapes.layout`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from simigrad_jax.ingraph import train_step
+from simigrad_jax.shapes.layout import StepLayout
+
+
+def abstract(tree: Any) -> Any:
+  """Placeholders (shape, dtype, sharding) for the arrays of ``tree``.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> abstract({"w": jnp.zeros((2, 3))})["w"].shape
+    (2, 3)
+  """
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+
+
+class StepFunctions:
+  """The jitted fused step, micro-step and update of a data-parallel training step, lowered on
+  placeholders for any micro-batch shape.
+
+  Args:
+    loss_fn: the per-example loss (see :class:`simigrad_jax.Trainer`), already
+      checked.
+    optimizer: the optax optimizer, with :func:`simigrad_jax.transform` over
+      ``axis_name`` and :func:`simigrad_jax.scale_by_lr_factor`.
+    mesh: the mesh; its axis ``axis_name`` holds the data-parallel devices
+      (the slots), its other axes, if any, the model's shards.
+    axis_name: the data axis.
+    layout: the step layout (halves, slots); shapes (``micro``) are in rows
+      per slot.
+    seed: the run's seed (per-step random keys derive from it).
+    state: the ``{"params", "opt_state", "model_state"}`` on the mesh (its
+      shapes, dtypes and shardings make the placeholders and the shardings
+      the steps keep; nothing else is kept).
+    element_spec: the source's ``{name: (shape, dtype)}`` per example.
+
+  Example:
+    A step's programs come from its lowerings, e.g.
+    ``StepCompiler(functions.lower_fused)`` for the one-micro-batch programs
+    (:class:`simigrad_jax.compile.programs.StepPrograms` does so).
+  """
+
+  def __init__(
+    self,
+    *,
+    loss_fn: train_step.PerExampleLossFn,
+    optimizer: optax.GradientTransformation,
+    mesh: Mesh,
+    axis_name: str,
+    layout: StepLayout,
+    seed: int,
+    state: Mapping[str, Any],
+    element_spec: Mapping[str, tuple[Any, Any]],
+  ):
+    self._axis_name, self._layout = axis_name, layout
+    self._replicated = NamedSharding(mesh, P())
+    self._sharded = NamedSharding(mesh, P(axis_name))
+    self._element_spec = element_spec
+    self._state = abstract(dict(state))
+    halves = layout.halves
+    self._acc = train_step.abstract_accumulator(state["params"], mesh, axis_name, halves)
+    # The state keeps its shardings through every step (model axes, and the data axis a leaf
+    # stored sharded over it is gathered from for the step).
+    keep = jax.tree.map(lambda x: x.sharding, self._state)
+    specs = jax.tree.map(lambda x: x.spec, keep["params"])
+    acc_sharding = jax.tree.map(lambda x: x.sharding, self._acc)
+    self._fused = jax.jit(
+      train_step.make_fused_step(loss_fn, optimizer, mesh, axis_name, seed, halves, specs),
+      donate_argnums=(0, 1, 2),
+      out_shardings=(keep["params"], keep["opt_state"], keep["model_state"], self._replicated),
+    )
+    self._micro = jax.jit(
+      train_step.make_micro_step(loss_fn, mesh, axis_name, seed, halves, specs),
+      donate_argnums=(2,),
+      out_shardings=(acc_sharding, keep["model_state"]),
+    )
+    self._apply = jax.jit(
+      train_step.make_apply_step(optimizer, mesh, axis_name, halves, specs),
+      donate_argnums=(0, 1, 2),
+      out_shardings=(
+        keep["params"],
+        keep["opt_state"],
+        acc_sharding,
+        keep["model_state"],
+        self._replicated,
+      ),
+    )
+    self._traced: dict[int, jax.stages.Traced] = {}
+
+  def trace(self, micro: int) -> None:
+    """Traces (does not compile) the fused step of shape ``micro``.
+
+    A model, loss, optimizer or data set that do not fit each other fail here
+    in seconds; the trace is reused when :meth:`lower_fused` lowers that shape.
+
+    Raises:
+      ValueError: naming the features, the rows and the error; or the
+        ``loss_fn`` contract error as it is.
+    """
+    try:
+      self._traced[micro] = self._fused.trace(*self._fused_args(micro))
+    except (train_step.LossContractError, train_step.HalvesContractError):
+      raise
+    except Exception as error:
+      # JAX's "unbound axis name: data", raised as it is or named by the transform's own check.
+      if isinstance(error, NameError) or isinstance(error.__cause__, NameError):
+        raise ValueError(
+          f"the optimizer's simigrad_jax.transform must use the Trainer's "
+          f"axis_name={self._axis_name!r}: {error}"
+        ) from error
+      spec = {k: (tuple(s), str(d)) for k, (s, d) in self._element_spec.items()}
+      raise ValueError(
+        f"loss_fn fails on one device's rows of this source (features {spec}, "
+        f"{self._layout.device_rows(micro)} rows): {type(error).__name__}: {error}"
+      ) from error
+
+  def lower_fused(self, micro: int) -> jax.stages.Lowered:
+    """The fused step of shape ``micro``, lowered (from its :meth:`trace`, if any)."""
+    traced = self._traced.pop(micro, None)
+    return traced.lower() if traced is not None else self._fused.lower(*self._fused_args(micro))
+
+  def lower_micro(self, micro: int) -> jax.stages.Lowered:
+    """The micro-step of shape ``micro``, lowered."""
+    state = self._state
+    return self._micro.lower(
+      state["params"], state["model_state"], self._acc, *self._step_args(micro)
+    )
+
+  def lower_apply(self) -> jax.stages.Lowered:
+    """The update of accumulated micro-steps (one program for every shape), lowered."""
+    state = self._state
+    return self._apply.lower(
+      state["params"],
+      state["opt_state"],
+      self._acc,
+      state["model_state"],
+      state["model_state"],
+      self._step_args(1)[2],
+    )
+
+  def _step_args(self, micro: int) -> tuple:
+    rows = self._layout.num_slots * micro
+    batch = {
+      name: jax.ShapeDtypeStruct((rows,) + tuple(shape), dtype, sharding=self._sharded)
+      for name, (shape, dtype) in self._element_spec.items()
+    }
+    weights = jax.ShapeDtypeStruct((rows,), jnp.float32, sharding=self._sharded)
+    step_inputs = jax.ShapeDtypeStruct(
+      (len(train_step.STEP_INPUTS),), jnp.float32, sharding=self._replicated
+    )
+    counters = jax.ShapeDtypeStruct((2,), jnp.int32, sharding=self._replicated)
+    return batch, weights, step_inputs, counters
+
+  def _fused_args(self, micro: int) -> tuple:
+    state = self._state
+    return (state["params"], state["opt_state"], state["model_state"], *self._step_args(micro))

@@ -1,0 +1,87 @@
+"""Host: running one optimizer step's plan on its compiled programs.
+
+A step of one micro-batch per device runs the one-micro-batch program of its
+shape; a step of several accumulates with the micro-step of its shape, then
+applies the update (:class:`~simigrad_jax.compile.step_compilers.StepCompilers`
+compiles them). The steps are dispatched, not waited for.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+from jax.sharding import Mesh
+
+from simigrad_jax.compile.step_compilers import StepCompilers
+from simigrad_jax.data.data_loader import StepBatch
+from simigrad_jax.ingraph import train_step
+
+
+class StepRunner:
+  """Runs a step's micro-batches on the compiled programs of its plan.
+
+  The gradient accumulator of steps of several micro-batches is allocated
+  when a step first accumulates, and reused (donated) by the next.
+
+  Args:
+    compilers: the step's compilers (a program not compiled yet is waited
+      for, or compiled at once).
+    mesh: the mesh.
+    axis_name: the data axis.
+    halves: the step layout's split of the rows into halves (``"device"``
+      or ``"local"``).
+
+  Example:
+    ``state, stats = StepRunner(compilers, mesh, "batch", "device").run(state,
+    data, step_inputs)`` dispatches one step (see :meth:`run`).
+  """
+
+  def __init__(self, compilers: StepCompilers, mesh: Mesh, axis_name: str, halves: str):
+    self._compilers = compilers
+    self._mesh, self._axis_name, self._halves = mesh, axis_name, halves
+    self._acc: Any = None  # allocated when a step first accumulates
+
+  def run(
+    self, state: Mapping[str, Any], data: StepBatch, step_inputs: jax.Array
+  ) -> tuple[dict[str, Any], jax.Array]:
+    """Dispatches one optimizer step; returns the new state and the stats vector (not waited for).
+
+    Args:
+      state: the ``{"params", "opt_state", "model_state"}`` on the mesh; its
+        arrays are donated.
+      data: the step's micro-batches, as :attr:`StepBatch.plan` lays them out.
+      step_inputs: float32 :data:`~simigrad_jax.ingraph.train_step.STEP_INPUTS`,
+        replicated.
+
+    Returns:
+      ``(new_state, stats)``: ``stats`` is the float32 vector of
+      :data:`~simigrad_jax.ingraph.train_step.STEP_STATS`.
+
+    Raises:
+      StepCompileError: when the compile of the plan's program failed.
+    """
+    plan = data.plan
+    params, opt_state, model_state = state["params"], state["opt_state"], state["model_state"]
+    if plan.accumulation_steps == 1:
+      ((batch, weights),) = data.micro_batches
+      program = self._compilers.fused.get(plan.micro_batch_size)
+      params, opt_state, model_state, stats = program(
+        params, opt_state, model_state, batch, weights, step_inputs, data.counters[0]
+      )
+    else:
+      program = self._compilers.micro.get(plan.micro_batch_size)
+      apply = self._compilers.update.get()
+      acc = self._acc
+      if acc is None:
+        acc = train_step.zero_accumulator(params, self._mesh, self._axis_name, self._halves)
+      accumulated_state = model_state
+      for (batch, weights), counters in zip(data.micro_batches, data.counters, strict=True):
+        acc, accumulated_state = program(
+          params, accumulated_state, acc, batch, weights, step_inputs, counters
+        )
+      params, opt_state, self._acc, model_state, stats = apply(
+        params, opt_state, acc, model_state, accumulated_state, step_inputs
+      )
+    return {"params": params, "opt_state": opt_state, "model_state": model_state}, stats

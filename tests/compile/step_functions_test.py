@@ -1,0 +1,98 @@
+"""The step's jitted functions: lowered on placeholders of any shape, traced once, and a loss
+that does not fit the data named in the error."""
+
+import doctest
+
+import jax
+import numpy as np
+import optax
+import pytest
+from jax.sharding import Mesh
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import simigrad_jax
+import tiny_run
+from simigrad_jax.compile import step_functions
+from simigrad_jax.compile.step_functions import StepFunctions
+from simigrad_jax.ingraph import train_step
+from simigrad_jax.shapes.layout import StepLayout
+
+ELEMENT_SPEC = {"x": ((5,), np.dtype("float32")), "y": ((), np.dtype("int32"))}
+
+
+def functions(devices, halves="device", loss_fn=tiny_run.mlp_loss, axis_name="batch"):
+  mesh = Mesh(np.array(devices), ("batch",))
+  optimizer = optax.chain(
+    simigrad_jax.transform(axis_name), optax.sgd(0.1), simigrad_jax.scale_by_lr_factor()
+  )
+  params = tiny_run.TinyMLP().init(jax.random.key(0), np.zeros((1, 5), np.float32))["params"]
+  params = jax.device_put(params, NamedSharding(mesh, P()))
+  opt_state = jax.device_put(optimizer.init(params), NamedSharding(mesh, P()))
+  state = {"params": params, "opt_state": opt_state, "model_state": {}}
+  layout = StepLayout.create(
+    halves, len(devices), mode="recompile", max_micro=8, min_micro=2, lower=16, upper=64
+  )
+  return StepFunctions(
+    loss_fn=train_step.checked_loss_fn(loss_fn, {}),
+    optimizer=optimizer,
+    mesh=mesh,
+    axis_name="batch",
+    layout=layout,
+    seed=0,
+    state=state,
+    element_spec=ELEMENT_SPEC,
+  )
+
+
+def batch_rows(lowered):
+  """The rows of the lowered step's batch (its fourth argument, after the state)."""
+  args, _ = lowered.in_avals
+  return args[3]["x"].shape[0]
+
+
+def test_doctests():
+  result = doctest.testmod(step_functions)
+  assert result.attempted > 0 and result.failed == 0
+
+
+@pytest.mark.parametrize("halves, slots", [("device", 8), ("local", 16)])
+def test_each_shape_lowers_on_placeholders_of_its_rows(devices, halves, slots):
+  steps = functions(devices, halves)
+  assert batch_rows(steps.lower_fused(2)) == 2 * slots
+  assert batch_rows(steps.lower_micro(4)) == 4 * slots
+  assert isinstance(steps.lower_apply(), jax.stages.Lowered)
+
+
+def test_a_trace_is_lowered_once(devices):
+  steps = functions(devices)
+  steps.trace(2)
+  assert list(steps._traced) == [2]
+  from_trace = steps.lower_fused(2)
+  assert steps._traced == {}  # kept no longer than its lowering
+  assert from_trace.as_text() == steps.lower_fused(2).as_text()
+
+
+def test_a_loss_that_does_not_fit_the_data_names_the_features_and_rows(devices):
+  def wrong_feature(params, model_state, batch, weights, rng):
+    return tiny_run.mlp_loss(params, model_state, {"x": batch["image"], **batch}, weights, rng)
+
+  steps = functions(devices, "local", loss_fn=wrong_feature)
+  with pytest.raises(
+    ValueError, match=r"features .*'x': \(\(5,\), 'float32'\).* 4 rows\): KeyError"
+  ):
+    steps.trace(2)  # 2 rows a slot: 4 a device with the local split
+
+
+def test_the_loss_contract_error_is_raised_as_it_is(devices):
+  def mean_loss(params, model_state, batch, weights, rng):
+    losses, state = tiny_run.mlp_loss(params, model_state, batch, weights, rng)
+    return losses.mean(), state
+
+  with pytest.raises(train_step.LossContractError, match="one loss per row"):
+    functions(devices, loss_fn=mean_loss).trace(2)
+
+
+def test_an_optimizer_over_another_axis_is_named(devices):
+  with pytest.raises(ValueError, match="must use the Trainer's axis_name='batch'"):
+    functions(devices, axis_name="data").trace(2)
