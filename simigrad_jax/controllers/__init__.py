@@ -22,7 +22,10 @@ Documented API: the interface and its optional parts
 :func:`controller_names`, :func:`controller_options`,
 :func:`register_controller`), :func:`lr_factor` (the learning-rate factor at a
 batch size, under one of ``LR_RULES``) and :func:`noise_scale_estimates` (one
-step's estimates of ``|G|^2`` and ``tr(Sigma)`` from the halves' norms).
+step's estimates of ``|G|^2`` and ``tr(Sigma)`` from the halves' norms). The
+ramps' names that 0.1.0 exported here moved to :mod:`simigrad_jax.ramps`;
+until 0.3 they still resolve here, with a ``DeprecationWarning``
+(:mod:`simigrad_jax.moved`).
 """
 
 from simigrad_jax.controllers.base import BaseController
