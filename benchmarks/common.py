@@ -21,9 +21,9 @@ def configure_host_devices(count: int = 8) -> None:
   ``JAX_PLATFORMS`` to ``cpu`` (set it yourself to benchmark GPUs).
   """
   os.environ.setdefault("JAX_PLATFORMS", "cpu")  # read when JAX is imported, so first
-  from simigrad_jax.multihost import cpu_devices  # pylint: disable=import-outside-toplevel
+  import simigrad_jax  # pylint: disable=import-outside-toplevel
 
-  os.environ.update(cpu_devices.simulated_cpu_devices_env(count))
+  os.environ.update(simigrad_jax.simulated_cpu_devices_env(count))
 
 
 def prepare_script() -> None:

@@ -185,7 +185,7 @@ def decode_rates(
   Every reader starts first; the rounds then time ``count`` images of each
   pipeline, the order rotating.
   """
-  from simigrad_jax.data.sampler import EpochSampler  # pylint: disable=import-outside-toplevel
+  from simigrad_jax.data import EpochSampler  # pylint: disable=import-outside-toplevel
 
   work = DecodeCropFlip(size)
   records = JpegBlobs(blobs)
@@ -293,7 +293,7 @@ def data_wait_shares(
 
 
 def main(argv=None) -> dict:
-  from simigrad_jax.data import grain_source  # pylint: disable=import-outside-toplevel
+  from simigrad_jax.data import default_num_workers  # pylint: disable=import-outside-toplevel
 
   parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
   parser.add_argument("--quick", action="store_true", help="a small run (seconds), for tests")
@@ -314,9 +314,7 @@ def main(argv=None) -> dict:
     args, preset, ["num_images", "timed_images", "window", "rounds", "steps", "batch_sizes"]
   )
   size = preset.get("crop", CROP)
-  trainer_workers = (
-    grain_source.default_num_workers() if args.trainer_workers is None else args.trainer_workers
-  )
+  trainer_workers = default_num_workers() if args.trainer_workers is None else args.trainer_workers
   blobs = [photo_jpeg(i, preset["image_size"]) for i in range(args.num_images)]
   rates = decode_rates(blobs, preset["workers"], args.timed_images, args.window, size, args.rounds)
   single = float(np.median(rates.pop("single_thread")))

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from benchmarks import common
-from simigrad_jax.multihost import cpu_devices
+from simigrad_jax import simulated_cpu_devices_env
 
 
 def run_local_processes(
@@ -55,7 +55,7 @@ def run_local_processes(
     probe.bind(("127.0.0.1", 0))
     coordinator = f"127.0.0.1:{probe.getsockname()[1]}"
   env = {key: value for key, value in os.environ.items() if key not in ("XLA_FLAGS", "PJRT_NPROC")}
-  env.update(cpu_devices.simulated_cpu_devices_env(devices_per_process, environ=env))
+  env.update(simulated_cpu_devices_env(devices_per_process, environ=env))
   env["PYTHONPATH"] = os.pathsep.join(filter(None, [common.REPOSITORY_ROOT, env.get("PYTHONPATH")]))
   command = [
     sys.executable,

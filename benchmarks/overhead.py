@@ -39,7 +39,7 @@ in six variants, side by side in one process:
   micro-steps).
 
 Every variant reads its rows from the same NumPy arrays in the same order (a
-seeded :class:`simigrad_jax.EpochSampler`); the plain loops gather them on the
+seeded :class:`simigrad_jax.data.EpochSampler`); the plain loops gather them on the
 host thread, the Trainer in its background data thread. The data set holds
 enough examples that the fixed-size variants finish the whole benchmark within
 one epoch (so they save no epoch-end checkpoint); the adaptive variant's larger

@@ -120,7 +120,9 @@ from benchmarks.overhead_loops import QUICK_MODELS  # noqa: E402
 from benchmarks.overhead_loops import TrainerLoop  # noqa: E402
 from benchmarks.overhead_loops import make_data  # noqa: E402
 from benchmarks.overhead_loops import trainer_controller  # noqa: E402
+from simigrad_jax.compile import persistent_cache_settings  # noqa: E402
 from simigrad_jax.controllers import OneStepLateController  # noqa: E402
+from simigrad_jax.ramps import replay_controller  # noqa: E402
 
 FULL = {"batch_size": 256, "steps": 30, "rounds": 5, "warmup_steps": 5}
 QUICK = {"batch_size": 32, "steps": 3, "rounds": 2, "warmup_steps": 2}
@@ -198,7 +200,7 @@ def run(args: argparse.Namespace, root: pathlib.Path, cache: str) -> dict[str, A
     build("fixed", fixed_batch, False, max_micro_batch_size=fixed_batch // n)
     build("adaptive_late", args.batch_size, True, controller=online(True), **grid)
     for name, late in (("replay", False), ("replay_late", True)):
-      replay = simigrad_jax.replay_controller(probed[late], **bounds)
+      replay = replay_controller(probed[late], **bounds)
       build(name, args.batch_size, True, controller=replay, **grid)
     for per_octave in args.also_shapes_per_octave:
       build(f"adaptive_s{per_octave}", args.batch_size, True, shapes_per_octave=per_octave)
@@ -434,7 +436,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   root = pathlib.Path(tempfile.mkdtemp(prefix="simigrad-overhead-adaptive-"))
   cache = args.compilation_cache or str(root / "compilation_cache")
   try:
-    with simigrad_jax.persistent_cache_settings():
+    with persistent_cache_settings():
       results = run(args, root, cache)
   finally:
     shutil.rmtree(root, ignore_errors=True)

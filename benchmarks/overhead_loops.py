@@ -27,6 +27,7 @@ from jax import lax
 
 import simigrad_jax
 from benchmarks import common
+from simigrad_jax.data import EpochSampler
 from train import models
 
 AXIS = "batch"
@@ -237,7 +238,7 @@ class PmapLoop:
     )
     params, model_state = init_model(spec)
     self._state = _replicate((params, model_state, optimizer.init(params)), self._n)
-    self._sampler = simigrad_jax.EpochSampler(len(data["y"]), SEED)
+    self._sampler = EpochSampler(len(data["y"]), SEED)
     self.last_similarity = math.nan
     self.last_loss = math.nan
 

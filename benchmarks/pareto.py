@@ -124,7 +124,6 @@ from typing import Any  # noqa: E402
 
 import jax  # noqa: E402
 
-import simigrad_jax  # noqa: E402
 from benchmarks import common  # noqa: E402
 from benchmarks import pareto_flags  # noqa: E402
 from benchmarks import pareto_images  # noqa: E402
@@ -141,6 +140,7 @@ from benchmarks.pareto_report import format_table  # noqa: E402
 from benchmarks.pareto_report import lr_text  # noqa: E402
 from benchmarks.pareto_report import markdown_tables  # noqa: E402
 from benchmarks.pareto_report import plot  # noqa: E402
+from simigrad_jax.compile import persistent_cache_settings  # noqa: E402
 
 
 def result_name(task: str, dataset: str, quick: bool) -> str:
@@ -192,7 +192,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     if not keep:
       cleanup.callback(shutil.rmtree, root, ignore_errors=True)
     # The trainers point JAX's process-wide cache into root; put the settings back before it goes.
-    cleanup.enter_context(simigrad_jax.persistent_cache_settings())
+    cleanup.enter_context(persistent_cache_settings())
     exp = task.setup(grid, lr_schedule=args.lr_schedule, root=root, keep_workdirs=keep)
     info = exp.info()
     if args.base_lr is None:

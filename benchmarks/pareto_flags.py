@@ -10,7 +10,7 @@ from benchmarks import pareto_images
 from benchmarks import pareto_mlm
 from benchmarks.pareto_protocol import LR_SCHEDULES
 from benchmarks.pareto_protocol import SIMIGRAD_GRID_KEYS
-from simigrad_jax.controllers import learning_rate
+from simigrad_jax.controllers import LR_RULES
 
 
 def _floats(text: str) -> tuple[float, ...]:
@@ -249,10 +249,8 @@ def validate(args: argparse.Namespace, num_train: int) -> None:
     if not -1 <= target <= 1:
       raise ValueError(f"similarity target {target} must lie in [-1, 1]")
   rules = grid["adaptive_lr_rules"]
-  if not rules or set(rules) - set(learning_rate.LR_RULES):
-    raise ValueError(
-      f"--adaptive-lr-rules must name some of {learning_rate.LR_RULES}, got {rules!r}"
-    )
+  if not rules or set(rules) - set(LR_RULES):
+    raise ValueError(f"--adaptive-lr-rules must name some of {LR_RULES}, got {rules!r}")
   unknown = sorted(set(grid["schedules"]) - {"linear", "geometric", "loss_plateau"})
   if unknown:
     raise ValueError(f"unknown schedules {unknown}; choose from linear, geometric, loss_plateau")

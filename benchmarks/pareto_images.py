@@ -32,7 +32,7 @@ from benchmarks.pareto_protocol import RunSpec
 from benchmarks.pareto_protocol import benchmark_trainer
 from benchmarks.pareto_protocol import lr_schedule_fn
 from benchmarks.pareto_protocol import train_run
-from simigrad_jax.controllers.noise_scale import noise_scale_estimates
+from simigrad_jax.controllers import noise_scale_estimates
 from train import image_data
 
 DATA_DIR = pathlib.Path(common.REPOSITORY_ROOT).parent / "shared" / "data"

@@ -89,6 +89,7 @@ from benchmarks import pareto_lm_report  # noqa: E402
 from benchmarks.lm_experiment import LmExperiment  # noqa: E402
 from benchmarks.pareto_protocol import RunSpec  # noqa: E402
 from benchmarks.pareto_protocol import base_lr_for  # noqa: E402
+from simigrad_jax.compile import persistent_cache_settings  # noqa: E402
 
 RAMPS = ("step_schedule", "linear_ramp", "doubling_warmup", "seesaw")
 
@@ -345,7 +346,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   with contextlib.ExitStack() as cleanup:
     if not keep:
       cleanup.callback(shutil.rmtree, root, ignore_errors=True)
-    cleanup.enter_context(simigrad_jax.persistent_cache_settings())
+    cleanup.enter_context(persistent_cache_settings())
     exp = LmExperiment(
       hidden=args.hidden,
       seq_length=args.seq_length,

@@ -25,6 +25,7 @@ import numpy as np
 import simigrad_jax
 from benchmarks import common
 from benchmarks.pareto_analysis import SIMIGRAD_GRID_KEYS
+from simigrad_jax.controllers import OneStepLateController
 
 # A run option that is no controller option: 1 wraps the controller in OneStepLateController.
 ONE_STEP_LATE = "one_step_late"
@@ -125,11 +126,11 @@ def benchmark_trainer(
 
 def run_controller(spec: RunSpec) -> simigrad_jax.controllers.BatchSizeController:
   """The run's controller: ``make_controller`` of its options, in
-  :class:`simigrad_jax.OneStepLateController` where they say ``one_step_late``."""
+  :class:`simigrad_jax.controllers.OneStepLateController` where they say ``one_step_late``."""
   options = dict(spec.options)
   one_step_late = options.pop(ONE_STEP_LATE, 0)
   controller = simigrad_jax.make_controller(spec.controller, **options)
-  return simigrad_jax.OneStepLateController(controller) if one_step_late else controller
+  return OneStepLateController(controller) if one_step_late else controller
 
 
 def train_run(exp: Any, spec: RunSpec) -> dict[str, Any]:

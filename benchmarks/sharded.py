@@ -11,7 +11,7 @@ model on the same batch (``benchmarks/sharded_models.py``):
 * ``simigrad``: the same with ``simigrad_jax.transform()`` given the halves;
 * ``groups``: :func:`simigrad_jax.device_halves_step` with
   ``simigrad_jax.transform("data")``, the even data positions against the odd
-  ones, on the batch ordered by :func:`simigrad_jax.deal_to_devices` (so that
+  ones, on the batch ordered by :func:`simigrad_jax.data.deal_to_devices` (so that
   its halves are the same even- and odd-numbered examples).
 
 Models (``--models``): ``kernel``, one ``W x W`` kernel (``--kernel-width``,
@@ -97,6 +97,7 @@ from benchmarks import common  # noqa: E402
 from benchmarks import halves as halves_benchmark  # noqa: E402
 from benchmarks import hlo_collectives  # noqa: E402
 from benchmarks import sharded_models  # noqa: E402
+from simigrad_jax.data import deal_to_devices  # noqa: E402
 
 FULL = {"kernel_width": 8192, "mlp_widths": (784, 1024, 1024, 10), "batch_size": 64, "repeats": 3}
 QUICK = {"kernel_width": 512, "mlp_widths": (32, 64, 64, 10), "batch_size": 32, "repeats": 1}
@@ -138,7 +139,7 @@ def run_one(
   mesh, params, batch = placed.mesh, placed.params, placed.batch
   # The groups step's batch, dealt so that its halves are the even and odd examples too.
   _, dealt = sharded_models.place(
-    host_params, simigrad_jax.deal_to_devices(host_batch, mesh.shape["data"]), mesh, layout
+    host_params, deal_to_devices(host_batch, mesh.shape["data"]), mesh, layout
   )
   states = {name: optimizer.init(params) for name, optimizer in placed.optimizers.items()}
 

@@ -127,7 +127,6 @@ from typing import Any  # noqa: E402
 
 import jax  # noqa: E402
 
-import simigrad_jax  # noqa: E402
 from benchmarks import common  # noqa: E402
 from benchmarks import switching_report  # noqa: E402
 from benchmarks.switching_models import MODELS  # noqa: E402
@@ -136,6 +135,8 @@ from benchmarks.switching_modes import MULTI_PROCESS_MODES  # noqa: E402
 from benchmarks.switching_modes import prime_process  # noqa: E402
 from benchmarks.switching_modes import run_mode  # noqa: E402
 from benchmarks.switching_modes import run_processes_mode  # noqa: E402
+from simigrad_jax.shapes import BucketPolicy  # noqa: E402
+from simigrad_jax.shapes import bucket_shapes  # noqa: E402
 
 MODES = ("recompile", "recompile_wait", "pad", "recompile_2proc")
 
@@ -303,9 +304,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     raise ValueError(f"--upper {args.upper} exceeds the {len(data['label'])} digits examples")
   schedule = rule_sweep(args.lower, args.upper, args.steps)
   devices = jax.devices()
-  grid = simigrad_jax.BucketPolicy(args.max_micro_batch_size, 1).micro_batch_sizes()
-  shapes = simigrad_jax.bucket_shapes(
-    simigrad_jax.BucketPolicy(args.max_micro_batch_size, 1), len(devices), args.lower, args.upper
+  grid = BucketPolicy(args.max_micro_batch_size, 1).micro_batch_sizes()
+  shapes = bucket_shapes(
+    BucketPolicy(args.max_micro_batch_size, 1), len(devices), args.lower, args.upper
   )
   print(
     f"{len(devices)} x {devices[0].platform} devices; {args.model} on digits "

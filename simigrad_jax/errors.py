@@ -1,15 +1,40 @@
-"""The base class of every error simigrad-jax defines.
+"""Host: the base class of every error simigrad-jax defines, and where each error is imported from.
 
 Each error also keeps the built-in parent it always had (``ValueError`` for a
 bad input or a checkpoint of another run, ``RuntimeError`` for a failure while
 running), so code that catches those keeps working; ``except
 simigrad_jax.SimiGradError`` catches every one of them.
 
+Each error is imported from the room that raises it (the room's
+``__init__``); the top level holds only ``SimiGradError`` and ``Preempted``:
+
+* ``simigrad_jax.errors.SimiGradError`` (``Exception``): the base class, also
+  ``simigrad_jax.SimiGradError``.
+* ``simigrad_jax.ingraph.AxisNameError``, ``simigrad_jax.ingraph.HalvesContractError``
+  and ``simigrad_jax.ingraph.LossContractError`` (``ValueError``): a transform
+  not named for its step's axis, half gradients not passed on to it, a loss
+  function that breaks the Trainer's contract.
+* ``simigrad_jax.data.BadRecordError`` (``ValueError``): a record that cannot
+  be read or decoded.
+* ``simigrad_jax.files.UnsafePathError`` (``ValueError``): a folder other
+  users can change, or a symlink where a file is written.
+* ``simigrad_jax.checkpoint.CheckpointMismatchError`` (``ValueError``): a
+  checkpoint of a run with other settings; ``simigrad_jax.checkpoint.CheckpointSaveError``
+  (``RuntimeError``): another process's background save failed.
+* ``simigrad_jax.compile.StepCompileError`` (``RuntimeError``): a step's
+  compile failed.
+* ``simigrad_jax.multihost.ProcessDisagreementError`` and its
+  ``simigrad_jax.multihost.ProcessLostError``, ``simigrad_jax.multihost.WorkdirLockedError``
+  and ``simigrad_jax.multihost.Preempted`` (``RuntimeError``; ``Preempted``
+  also ``simigrad_jax.Preempted``): processes that disagree or are gone, a
+  workdir another run holds, a run stopped by a signal.
+
 Example:
   >>> import simigrad_jax
-  >>> issubclass(simigrad_jax.CheckpointMismatchError, simigrad_jax.SimiGradError)
+  >>> from simigrad_jax import checkpoint
+  >>> issubclass(checkpoint.CheckpointMismatchError, simigrad_jax.SimiGradError)
   True
-  >>> issubclass(simigrad_jax.CheckpointMismatchError, ValueError)
+  >>> issubclass(checkpoint.CheckpointMismatchError, ValueError)
   True
 """
 

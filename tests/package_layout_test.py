@@ -1,15 +1,24 @@
-"""The package's rooms: imports go down the floors only, no import cycle, and a light core install.
+"""The package's rooms and its public face.
 
-Floors (docs/layout.md): the ground floor (``errors``, ``validation``,
-``files``, ``ingraph/``: pure code that runs under jit, the checks and the
-safe file writes everything shares); the host rooms that need only it
-(``controllers/``, ``shapes/``, ``multihost/``, ``optimizer_state``); the rooms
-built on those (``ramps/``, ``data/``, ``checkpoint/``, ``flax_nnx``);
-``compile/``; the ``trainer/``; the command-line tools (``plot``, ``replay``);
-the package's ``__init__`` on top.
+Imports go down the floors only, with no import cycle, and the core install
+is light. Floors (docs/layout.md): the ground floor (``errors``,
+``validation``, ``files``, ``ingraph/``: pure code that runs under jit, the
+checks and the safe file writes everything shares); the host rooms that need
+only it (``controllers/``, ``shapes/``, ``multihost/``, ``optimizer_state``);
+the rooms built on those (``ramps/``, ``data/``, ``checkpoint/``,
+``flax_nnx``); ``compile/``; the ``trainer/``; the command-line tools
+(``plot``, ``replay``) and ``moved`` (0.1.0's names, found by their new paths
+when asked); the package's ``__init__`` on top.
+
+The public face: ``simigrad_jax.__all__`` is a short sorted list of the names
+a user types; every other name is imported from its room, whose ``__init__``
+documents it; every error from the room that raises it. The training scripts
+and the benchmarks use only those.
 """
 
 import ast
+import doctest
+import importlib
 import importlib.metadata
 import os
 import pathlib
@@ -43,6 +52,7 @@ FLOORS = {
   "trainer": 4,
   "plot": 5,
   "replay": 5,
+  "moved": 5,
   "__init__": 6,
 }
 
@@ -296,7 +306,7 @@ def test_the_library_works_without_the_extras(tmp_path):
                                            batch_size_upper_bound=64)
       opt_state = simigrad_jax.set_lr_factor(opt_state, simigrad_jax.lr_factor(
           controller.update(s), 16))
-      with simigrad_jax.MetricsWriter("{tmp_path}/run") as writer:
+      with simigrad_jax.trainer.MetricsWriter("{tmp_path}/run") as writer:
         writer.write({{"step": 1, "similarity": s}})
       assert not os.path.exists("{tmp_path}/run/tensorboard")
       print("ok", s)
@@ -320,85 +330,153 @@ def test_tensorboard_true_without_tensorboardx_says_which_extra(tmp_path, monkey
   assert not metrics.tensorboard_available(None)
 
 
-def test_every_error_derives_from_simigrad_error_and_is_exported():
-  errors = []
-  for path in modules().values():
+ROOM_PACKAGES = sorted(p.parent.name for p in PACKAGE.glob("*/__init__.py"))
+# The rooms a user imports from: the subpackages and the modules of the package's own folder.
+ROOMS = sorted(set(FLOORS) - {"__init__"})
+PUBLIC_FACE_LIMIT = 32
+
+
+def _room(name: str):
+  return importlib.import_module(f"simigrad_jax.{name}")
+
+
+def test_the_public_face_is_short_sorted_and_whole():
+  names = simigrad_jax.__all__
+  assert names == sorted(set(names)), "simigrad_jax.__all__ is not sorted, or repeats a name"
+  assert len(names) <= PUBLIC_FACE_LIMIT, f"simigrad_jax.__all__ has {len(names)} names"
+  # Held by the package itself, not found by its __getattr__ (which serves the moved names).
+  missing = [name for name in names if name not in vars(simigrad_jax)]
+  assert not missing, f"simigrad_jax.__all__ lists {missing}, which the package does not hold"
+
+
+def test_the_package_docstring_names_every_export_and_room():
+  doc = simigrad_jax.__doc__
+  missing = [name for name in simigrad_jax.__all__ if not re.search(rf"\b{name}\b", doc)]
+  assert not missing, f"the package docstring does not mention {missing}"
+  rooms = [room for room in ROOM_PACKAGES if f"simigrad_jax.{room}" not in doc]
+  assert not rooms, f"the package docstring does not name the rooms {rooms}"
+
+
+@pytest.mark.parametrize("room", ROOM_PACKAGES)
+def test_each_room_documents_its_api(room):
+  """A room's ``__all__`` is sorted, held, named in its docstring, and hides none of its modules."""
+  package = _room(room)
+  names = package.__all__
+  assert names == sorted(set(names))
+  submodules = {path.stem for path in (PACKAGE / room).glob("*.py")}
+  for name in names:
+    assert name in vars(package), (
+      f"simigrad_jax.{room}.__all__ lists {name}, which it does not hold"
+    )
+    assert re.search(rf"\b{name}\b", package.__doc__), (
+      f"simigrad_jax.{room}'s docstring omits {name}"
+    )
+    # `from simigrad_jax.ingraph import transform` would give the function, not the module.
+    assert name not in submodules, f"simigrad_jax.{room}.{name} hides the module of that name"
+  assert doctest.testmod(package).failed == 0
+
+
+def test_the_rooms_hide_no_module_behind_a_name():
+  """After the rooms' re-exports, each module is still its room's attribute of that name."""
+  for name in modules():
+    if "." in name.removeprefix("simigrad_jax."):
+      parent, _, child = name.rpartition(".")
+      assert getattr(importlib.import_module(parent), child) is importlib.import_module(name), name
+
+
+def _errors() -> dict[str, str]:
+  """``{error class: module}`` of the package's errors: its public classes named ``...Error``
+  and every class that derives from one of them."""
+  classes = {}
+  for module, path in modules().items():
     for node in ast.walk(ast.parse(path.read_text())):
-      if (
-        isinstance(node, ast.ClassDef)
-        and node.name.endswith("Error")
-        and not node.name.startswith("_")
-      ):
-        errors.append(node.name)
-  assert len(errors) >= 7
-  for name in errors:
-    assert name in simigrad_jax.__all__, f"{name} is not exported from simigrad_jax"
-    error = getattr(simigrad_jax, name)
+      if isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
+        classes[node.name] = (module, {ast.unparse(base) for base in node.bases})
+  errors = {name for name in classes if name.endswith("Error")}
+  while grown := {n for n, (_, bases) in classes.items() if bases & errors} - errors:
+    errors |= grown
+  return {name: classes[name][0] for name in sorted(errors)}
+
+
+def test_every_error_derives_from_simigrad_error_and_is_exported_by_its_room():
+  errors = _errors()
+  assert len(errors) >= 13 and "Preempted" in errors
+  for name, module in errors.items():
+    home = room(module)
+    package = _room(home)
+    assert name in package.__all__, f"{name} is not exported by simigrad_jax.{home}"
+    error = vars(package)[name]
     assert issubclass(error, simigrad_jax.SimiGradError)
     assert error is simigrad_jax.SimiGradError or issubclass(error, (ValueError, RuntimeError)), (
       name
     )
+    assert f"simigrad_jax.{home}.{name}" in simigrad_jax.errors.__doc__, (
+      f"simigrad_jax.errors does not say where {name} is imported from"
+    )
+  # The top level holds the base class and the error a run ends with on a signal.
+  top = [name for name in simigrad_jax.__all__ if name in errors]
+  assert top == ["Preempted", "SimiGradError"]
+  assert doctest.testmod(simigrad_jax.errors).failed == 0
 
 
-def test_the_package_docstring_names_every_export():
-  doc = simigrad_jax.__doc__
-  missing = [name for name in simigrad_jax.__all__ if not re.search(rf"\b{name}\b", doc)]
-  assert not missing, f"the package docstring does not mention {missing}"
+def _spelling_errors(source: str, label: str) -> list[str]:
+  """Where ``source`` imports or uses simigrad_jax other than by its public names and rooms' APIs."""
+  public = set(simigrad_jax.__all__) | set(ROOMS)
+  wrong = []
+
+  def check(line: int, spelled: str) -> None:
+    parts = spelled.split(".")[1:]  # after "simigrad_jax"
+    if len(parts) == 1:
+      ok = parts[0] in public or parts[0].startswith("__")
+    else:
+      ok = len(parts) == 2 and parts[0] in ROOMS and parts[1] in _room(parts[0]).__all__
+    if not ok:
+      wrong.append(f"{label}:{line}: {spelled}")
+
+  for node in ast.walk(ast.parse(source)):
+    if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("simigrad_jax"):
+      for alias in node.names:
+        check(node.lineno, f"{node.module}.{alias.name}")
+    elif isinstance(node, ast.Import):
+      for alias in node.names:
+        if alias.name.startswith("simigrad_jax."):
+          check(node.lineno, alias.name)
+    elif isinstance(node, ast.Attribute):
+      spelled = ast.unparse(node)
+      inner = node.value
+      if isinstance(inner, ast.Name) and inner.id == "simigrad_jax":
+        check(node.lineno, spelled)
+      elif (
+        isinstance(inner, ast.Attribute)
+        and ast.unparse(inner.value) == "simigrad_jax"
+        and inner.attr in set(ROOMS) - set(simigrad_jax.__all__)
+      ):
+        check(node.lineno, spelled)
+  return wrong
 
 
-# Every name simigrad_jax exported before the package was split into rooms (version 0.1.0).
-NAMES_BEFORE_THE_ROOMS = (
-  "ArraySource",
-  "BadRecordError",
-  "BatchPlan",
-  "BucketPolicy",
-  "CheckpointMismatchError",
-  "Checkpointer",
-  "Controller",
-  "EpochSampler",
-  "GrainSource",
-  "HalfGrads",
-  "HalvesContractError",
-  "LrFactorState",
-  "MetricsWriter",
-  "ProcessDisagreementError",
-  "ProcessLostError",
-  "ProgressBar",
-  "SimilarityState",
-  "StepCompileError",
-  "StepCompiler",
-  "TfdsSource",
-  "Trainer",
-  "bucket_shapes",
-  "controller_names",
-  "controller_options",
-  "enable_persistent_cache",
-  "exit_on_lost_process",
-  "lr_factor",
-  "lr_factor_of",
-  "make_controller",
-  "persistent_cache_settings",
-  "plan_batch",
-  "read_metrics",
-  "register_controller",
-  "representable_batch_sizes",
-  "scale_by_lr_factor",
-  "set_lr_factor",
-  "similarity",
-  "similarity_stats",
-  "simulated_cpu_devices_env",
-  "transform",
-  "value_and_half_grads",
-)
+def test_the_scripts_and_benchmarks_use_public_names_and_the_rooms_apis():
+  wrong = []
+  for folder in ("train", "benchmarks"):
+    for path in sorted((ROOT / folder).rglob("*.py")):
+      wrong += _spelling_errors(path.read_text(), str(path.relative_to(ROOT)))
+  assert not wrong, "deep or moved imports:\n" + "\n".join(wrong)
 
 
-@pytest.mark.parametrize("name", NAMES_BEFORE_THE_ROOMS)
-def test_every_name_exported_before_still_imports(name):
-  assert name in simigrad_jax.__all__
-  assert getattr(simigrad_jax, name) is not None
-
-
-def test_all_lists_what_the_package_holds():
-  assert sorted(simigrad_jax.__all__) == sorted(set(simigrad_jax.__all__))
-  for name in simigrad_jax.__all__:
-    assert hasattr(simigrad_jax, name), name
+def test_the_spelling_check_sees_deep_and_moved_names():
+  source = textwrap.dedent("""
+    import simigrad_jax
+    import simigrad_jax.shapes
+    from simigrad_jax import Trainer
+    from simigrad_jax.shapes import plan_batch
+    from simigrad_jax.shapes.layout import StepLayout
+    import simigrad_jax.trainer.metrics
+    simigrad_jax.transform, simigrad_jax.compile.StepCompiler, simigrad_jax.Checkpointer
+    simigrad_jax.shapes.layout.StepLayout
+    """)
+  assert _spelling_errors(source, "script.py") == [
+    "script.py:6: simigrad_jax.shapes.layout.StepLayout",
+    "script.py:7: simigrad_jax.trainer.metrics",
+    "script.py:8: simigrad_jax.Checkpointer",
+    "script.py:9: simigrad_jax.shapes.layout",
+  ]

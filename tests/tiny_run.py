@@ -93,7 +93,7 @@ def train_records(
     The summary, the optimizer state on the host, and the metrics records of
     every step.
   """
-  with simigrad_jax.persistent_cache_settings():  # the Trainer's cache is process-wide
+  with simigrad_jax.compile.persistent_cache_settings():  # the Trainer's cache is process-wide
     trainer = simigrad_jax.Trainer(
       **(trainer_objects(workdir) | overrides),
       config=simigrad_jax.TrainerConfig(

@@ -126,7 +126,7 @@ import simigrad_jax  # noqa: E402
 from simigrad_jax.compile import compiler as compiler_module  # noqa: E402
 
 if args.compile_cache:  # before the model's first eager ops, so that they come from the cache too
-  simigrad_jax.enable_persistent_cache(args.compile_cache)
+  simigrad_jax.compile.enable_persistent_cache(args.compile_cache)
 
 
 class MLP(nn.Module):
@@ -175,7 +175,7 @@ def freeze(**details):
 
 def exit_if_lost(kind, error, tb):
   """A ProcessLostError ends the process at once, as in ``python -m train``."""
-  if isinstance(error, simigrad_jax.ProcessLostError):
+  if isinstance(error, simigrad_jax.multihost.ProcessLostError):
     try:
       trace(
         {
@@ -186,7 +186,7 @@ def exit_if_lost(kind, error, tb):
         }
       )
     finally:
-      simigrad_jax.exit_on_lost_process(error)
+      simigrad_jax.multihost.exit_on_lost_process(error)
   sys.__excepthook__(kind, error, tb)
 
 

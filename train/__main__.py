@@ -68,9 +68,9 @@ def simulate_cpu_devices(count: int) -> None:
   """
   if "jax" in sys.modules or count <= 1:
     return
-  from simigrad_jax.multihost import cpu_devices  # pylint: disable=import-outside-toplevel
+  import simigrad_jax  # pylint: disable=import-outside-toplevel
 
-  os.environ.update(cpu_devices.simulated_cpu_devices_env(count))
+  os.environ.update(simigrad_jax.simulated_cpu_devices_env(count))
 
 
 def default_workdir(config_name: str) -> str:
@@ -103,14 +103,15 @@ def main(argv: list[str]) -> None:
       process_id=FLAGS.process_id,
     )
   import simigrad_jax  # pylint: disable=import-outside-toplevel
+  from simigrad_jax import multihost  # pylint: disable=import-outside-toplevel
   from train import train  # pylint: disable=import-outside-toplevel
 
   name = pathlib.Path(config_flags.get_config_filename(FLAGS["config"])).stem
   workdir = FLAGS.workdir or default_workdir(name)
   try:
     train.train_and_evaluate(config, workdir, title=f"SimiGrad: {name}")
-  except simigrad_jax.ProcessLostError as error:  # a normal exit would wait for the lost process
-    simigrad_jax.exit_on_lost_process(error)
+  except multihost.ProcessLostError as error:  # a normal exit would wait for the lost process
+    multihost.exit_on_lost_process(error)
   except simigrad_jax.Preempted as stop:
     print(stop, flush=True)
     sys.exit(stop.exit_code)

@@ -25,7 +25,7 @@ from typing import Any
 import ml_collections
 import numpy as np
 
-from simigrad_jax.data.sources import check_indices
+from simigrad_jax.data import check_indices
 from train import input_pipeline
 from train.text_data import read_text_files
 

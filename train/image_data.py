@@ -17,7 +17,7 @@ import pathlib
 
 import numpy as np
 
-from simigrad_jax.data.sources import open_tfds
+from simigrad_jax.data import open_tfds
 
 DIGITS_TEST_SIZE = 297
 

@@ -18,7 +18,7 @@ import jax
 import numpy as np
 import tqdm
 
-from simigrad_jax.trainer.metrics import read_metrics
+from simigrad_jax import read_metrics
 
 
 def _mean(values: list[float]) -> float:

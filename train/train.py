@@ -28,10 +28,13 @@ import simigrad_jax
 from simigrad_jax import TrainerConfig
 from simigrad_jax import files
 from simigrad_jax import plot
-from simigrad_jax.multihost.process_agreement import ProcessAgreement
-from simigrad_jax.multihost.workdir import WorkdirLock
-from simigrad_jax.multihost.workdir import open_workdir
-from simigrad_jax.shapes import layout
+from simigrad_jax.compile import enable_persistent_cache
+from simigrad_jax.controllers import OneStepLateController
+from simigrad_jax.controllers import controller_options
+from simigrad_jax.multihost import ProcessAgreement
+from simigrad_jax.multihost import WorkdirLock
+from simigrad_jax.multihost import open_workdir
+from simigrad_jax.shapes import blocks_per_device
 from train import config_history
 from train import input_pipeline
 from train import mesh as mesh_setup
@@ -132,7 +135,7 @@ def _named_as_config_options():
 
 
 def create_trainer_config(config: ml_collections.ConfigDict) -> TrainerConfig:
-  """The :class:`simigrad_jax.trainer.config.TrainerConfig` of ``config``'s Trainer settings.
+  """The :class:`simigrad_jax.TrainerConfig` of ``config``'s Trainer settings.
 
   ``max_micro_batch_size`` is the configured one (:func:`create_trainer`
   fits it to the bounds) and there is no compilation cache yet (it depends
@@ -186,13 +189,13 @@ def create_controller(
   Seesaw) gets the data set's ``tokens_per_example`` (a language model's
   sequence length) unless ``config.controller_options`` sets it: its
   thresholds are then in tokens. With ``config.one_step_late`` the
-  controller is wrapped in :class:`simigrad_jax.OneStepLateController`.
+  controller is wrapped in :class:`simigrad_jax.controllers.OneStepLateController`.
 
   Raises:
     ValueError: for an unknown controller, bad options or bad JSON.
   """
   lower = config.batch_size_lower_bound
-  slots = num_devices * layout.blocks_per_device(halves)
+  slots = num_devices * blocks_per_device(halves)
   options: dict[str, Any] = {
     "initial_batch_size": config.initial_batch_size,
     "batch_size_lower_bound": slots if lower is None else lower,
@@ -228,7 +231,7 @@ def create_controller(
         f"config.controller_options must be a JSON object, got {config.controller_options!r}"
       )
     options.update(extra)
-  accepted = simigrad_jax.controller_options(config.controller) or ()
+  accepted = controller_options(config.controller) or ()
   if tokens_per_example is not None and "tokens_per_example" in accepted:
     options.setdefault("tokens_per_example", tokens_per_example)
   try:
@@ -237,7 +240,7 @@ def create_controller(
     raise ValueError(
       f"controller {config.controller!r} refused its options {sorted(options)}: {e}"
     ) from e
-  return simigrad_jax.OneStepLateController(controller) if config.one_step_late else controller
+  return OneStepLateController(controller) if config.one_step_late else controller
 
 
 # ------------------------------------------------------------------ assembly
@@ -380,7 +383,7 @@ def create_trainer(
   Its checkpoints record the options that decide the run (:mod:`train.run_settings`).
   The Trainer turns on JAX's persistent compilation cache in
   :func:`compilation_cache_dir` unless the config turns it off: a
-  process-wide setting (see ``simigrad_jax.persistent_cache_settings``).
+  process-wide setting (see ``simigrad_jax.compile.persistent_cache_settings``).
   """
   settings = experiment.trainer_config
   upper = experiment.controller.config.get("batch_size_upper_bound") or len(
@@ -424,7 +427,7 @@ def train_and_evaluate(
   second run or a resume loads its executables from disk. That changes
   process-wide ``jax.config`` settings: a caller that compiles other things
   afterwards can run this inside
-  ``simigrad_jax.persistent_cache_settings()``.
+  ``simigrad_jax.compile.persistent_cache_settings()``.
 
   Args:
     config: the experiment config.
@@ -439,8 +442,8 @@ def train_and_evaluate(
     ``final_batch_size``, ``compiles``, ``seconds`` and the file paths.
 
   Raises:
-    simigrad_jax.WorkdirLockedError: another run holds the workdir.
-    simigrad_jax.UnsafePathError: another user could change the workdir or
+    simigrad_jax.multihost.WorkdirLockedError: another run holds the workdir.
+    simigrad_jax.files.UnsafePathError: another user could change the workdir or
       the cache, or ``config.json`` is a symlink.
     simigrad_jax.Preempted: a SIGTERM or SIGINT stopped the run after saving
       the checkpoint of its last step (nothing is reported).
@@ -464,7 +467,7 @@ def _train_and_evaluate_in(
     config_history.read_starts(workdir)
   cache_dir = compilation_cache_dir(config, workdir)
   if cache_dir is not None:  # before the model's first compile, so that it is cached too
-    simigrad_jax.enable_persistent_cache(cache_dir, allow_shared=config.allow_shared_workdir)
+    enable_persistent_cache(cache_dir, allow_shared=config.allow_shared_workdir)
   experiment = create_experiment(config)
   printer = report.EpochPrinter(
     experiment.evaluate,

@@ -1,1 +1,28 @@
-"""Host side: a run's checkpoints: orbax saves and restores, integrity, the run's record, resume."""
+"""Host: a run's checkpoints: orbax saves and restores, integrity, the run's record, resume.
+
+Documented API:
+  Checkpointer: training state saved and restored with orbax-checkpoint; a
+    damaged checkpoint is detected, moved aside and the one before it restored.
+  Errors: CheckpointMismatchError (a checkpoint made by a run with other
+    settings, or of another model), CheckpointSaveError (another process's
+    background save failed, so every process stops).
+
+Modules: ``checkpointer``, ``integrity`` (what a checkpoint carries to be
+verified), ``run_record`` (what a run is, recorded in every checkpoint) and
+``run_checkpoints`` (a training run's checkpoints and its resume).
+
+Example:
+  >>> from simigrad_jax import checkpoint
+  >>> issubclass(checkpoint.CheckpointMismatchError, ValueError)
+  True
+"""
+
+from simigrad_jax.checkpoint.checkpointer import Checkpointer
+from simigrad_jax.checkpoint.checkpointer import CheckpointMismatchError
+from simigrad_jax.checkpoint.run_checkpoints import CheckpointSaveError
+
+__all__ = [
+  "CheckpointMismatchError",
+  "CheckpointSaveError",
+  "Checkpointer",
+]

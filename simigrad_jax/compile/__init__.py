@@ -1,3 +1,33 @@
 """Host: a step's compiled programs: its jitted functions, ahead-of-time and background compiles
 and their order, the fallback shape while one compiles, agreement on compiles across hosts, JAX's
-persistent compilation cache, and running a step on the programs."""
+persistent compilation cache, and running a step on the programs.
+
+Documented API:
+  StepCompiler: one compiled step per micro-batch shape, compiled ahead of
+    time in a background thread; a compile that fails raises StepCompileError.
+  enable_persistent_cache: JAX's persistent (on-disk) compilation cache, so
+    that a second or resumed run loads its programs instead of compiling them;
+    persistent_cache_settings puts the process-wide settings it changes back.
+
+Modules: ``programs`` (a training step's compiled programs, composing the
+others), ``step_functions``, ``compiler``, ``step_compilers``, ``prefetch``,
+``fallback`` (the compiled program a step runs while its own compiles),
+``agreement``, ``persistent_cache`` and ``step_runner``.
+
+Example:
+  >>> import simigrad_jax.compile
+  >>> with simigrad_jax.compile.persistent_cache_settings():
+  ...   pass  # an enable_persistent_cache(...) in here is undone on the way out
+"""
+
+from simigrad_jax.compile.compiler import StepCompileError
+from simigrad_jax.compile.compiler import StepCompiler
+from simigrad_jax.compile.persistent_cache import enable_persistent_cache
+from simigrad_jax.compile.persistent_cache import persistent_cache_settings
+
+__all__ = [
+  "StepCompileError",
+  "StepCompiler",
+  "enable_persistent_cache",
+  "persistent_cache_settings",
+]

@@ -1,4 +1,4 @@
-"""Host side: controllers that turn each step's measurements into the next global batch size.
+"""Host: controllers that turn each step's measurements into the next global batch size.
 
 The interface the Trainer reads is :class:`BatchSizeController`; every
 controller here derives from :class:`BaseController`, on which a new one is a
@@ -15,13 +15,28 @@ Modules: ``interface`` (what the Trainer reads), ``base`` (the base class), ``st
 ``profiling``, ``one_step_late``, ``wrapper`` (what both wrappers share),
 ``registry`` (controllers by name) and ``learning_rate`` (the learning-rate
 factor that follows the batch size).
+
+Documented API: the interface and its optional parts
+(:class:`BatchSizeController`, :class:`AnticipatesBatchSizes`,
+:class:`ProfilesBatchSizes`), the controllers above and :class:`GnsController`
+(the gradient noise scale), the registry (:func:`make_controller`,
+:func:`controller_names`, :func:`controller_options`,
+:func:`register_controller`), :func:`lr_factor` (the learning-rate factor at a
+batch size, under one of ``LR_RULES``) and :func:`noise_scale_estimates` (one
+step's estimates of ``|G|^2`` and ``tr(Sigma)`` from the halves' norms). The
+ramps' names that 0.1.0 exported here moved to :mod:`simigrad_jax.ramps`;
+until 0.3 they still resolve here, with a ``DeprecationWarning``
+(:mod:`simigrad_jax.moved`).
 """
 
 from simigrad_jax.controllers.base import BaseController
 from simigrad_jax.controllers.interface import AnticipatesBatchSizes
 from simigrad_jax.controllers.interface import BatchSizeController
 from simigrad_jax.controllers.interface import ProfilesBatchSizes
+from simigrad_jax.controllers.learning_rate import LR_RULES
+from simigrad_jax.controllers.learning_rate import lr_factor
 from simigrad_jax.controllers.noise_scale import GnsController
+from simigrad_jax.controllers.noise_scale import noise_scale_estimates
 from simigrad_jax.controllers.one_step_late import OneStepLateController
 from simigrad_jax.controllers.profiling import ProfilingController
 from simigrad_jax.controllers.registry import controller_names
@@ -36,11 +51,14 @@ __all__ = [
   "BatchSizeController",
   "Controller",
   "GnsController",
+  "LR_RULES",
   "OneStepLateController",
   "ProfilesBatchSizes",
   "ProfilingController",
   "controller_names",
   "controller_options",
+  "lr_factor",
   "make_controller",
+  "noise_scale_estimates",
   "register_controller",
 ]

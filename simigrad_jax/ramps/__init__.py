@@ -1,4 +1,4 @@
-"""Host side: batch-size ramps, schedules that move the batch without gradient feedback.
+"""Host: batch-size ramps, schedules that move the batch without gradient feedback.
 
 The baselines an adaptive batch is compared with: epoch schedules and the
 loss-plateau rule (``schedules``), the ramps language-model trainers use,
@@ -7,6 +7,13 @@ MaxText's linear ramp, the doubling warmup; ``seesaw``), and a run's realised
 sizes replayed as a step schedule (``replay``). Each is a controller
 (:class:`simigrad_jax.controllers.BaseController`) and registers its name with
 :func:`simigrad_jax.make_controller` when this room is imported.
+
+Documented API: :class:`ScheduleController` (``"linear"``, ``"geometric"``,
+``"decreasing"``) and :class:`LossPlateauController`;
+:class:`StepScheduleController`, :class:`LinearRampController` and
+:class:`DoublingWarmupController`; :class:`SeesawController`;
+:func:`replay_schedule` (a run's records as a step schedule) and
+:func:`replay_controller` (the ``"step_schedule"`` controller that runs it again).
 """
 
 from simigrad_jax.ramps.replay import replay_controller

@@ -1,2 +1,48 @@
-"""Host side: the Trainer: its step loop, its settings, the step record and the hooks that
-consume it (metrics, progress, evaluation, checkpoints), and the checks before its first step."""
+"""Host: the Trainer: its step loop, its settings, the step record and the hooks that
+consume it (metrics, progress, evaluation, checkpoints), and the checks before its first step.
+
+Documented API:
+  Trainer, TrainerConfig, StepHook, StepRecord: the training loop, its
+    settings, what a hook implements (``on_step(record)``) and the record each
+    step hands the hooks; the four are on the top level too.
+  MetricsWriter: one JSON line per step in ``metrics.jsonl`` (and TensorBoard
+    scalars); read_metrics reads such a file back (also on the top level).
+  ProgressBar: a progress bar over examples, with the loss, batch size and
+    similarity beside it.
+  host_copy: a NumPy copy of a tree on the devices (a hook's view of the
+    parameters).
+
+Modules: ``trainer``, ``config``, ``step_record``, ``hooks``, ``metrics``,
+``progress``, and the step's parts: ``run_setup`` (a run built from the
+Trainer's arguments), ``checks``, ``step_inputs``, ``step_decision`` and
+``run_totals``.
+
+Example:
+  >>> import tempfile
+  >>> from simigrad_jax import trainer
+  >>> workdir = tempfile.mkdtemp()
+  >>> with trainer.MetricsWriter(workdir) as writer:
+  ...   writer.write({"step": 1, "batch_size": 64})
+  >>> [record["batch_size"] for record in trainer.read_metrics(workdir + "/metrics.jsonl")]
+  [64]
+"""
+
+from simigrad_jax.trainer.config import TrainerConfig
+from simigrad_jax.trainer.hooks import StepHook
+from simigrad_jax.trainer.hooks import host_copy
+from simigrad_jax.trainer.metrics import MetricsWriter
+from simigrad_jax.trainer.metrics import read_metrics
+from simigrad_jax.trainer.progress import ProgressBar
+from simigrad_jax.trainer.step_record import StepRecord
+from simigrad_jax.trainer.trainer import Trainer
+
+__all__ = [
+  "MetricsWriter",
+  "ProgressBar",
+  "StepHook",
+  "StepRecord",
+  "Trainer",
+  "TrainerConfig",
+  "host_copy",
+  "read_metrics",
+]

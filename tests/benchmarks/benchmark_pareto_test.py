@@ -413,7 +413,7 @@ def test_simigrad_option_variants_are_separate_settings():
   # Each variant is a controller the registry builds; one_step_late wraps it.
   plain, smooth, late = (pareto_protocol.run_controller(spec) for spec in specs)
   assert smooth.config["smooth_factor"] == 0.5
-  assert isinstance(late, simigrad_jax.OneStepLateController)
+  assert isinstance(late, simigrad_jax.controllers.OneStepLateController)
   assert late.config == {**plain.config, "one_step_late": True}
   for bad in (
     '{"smooth_factor": 0.5}',

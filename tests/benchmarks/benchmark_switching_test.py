@@ -35,8 +35,8 @@ def test_rule_sweep_moves_like_the_controller_up_and_down(switching):
     shrink = max(min(before - 1, int(before * 0.9)), 8)
     assert after in (grow, shrink)
   # The full preset visits at least 10 shapes in recompile mode.
-  policy = simigrad_jax.BucketPolicy(switching.FULL["max_micro"], 1)
-  visited = {simigrad_jax.plan_batch(b, 8, policy).micro_batch_size for b in sizes}
+  policy = simigrad_jax.shapes.BucketPolicy(switching.FULL["max_micro"], 1)
+  visited = {simigrad_jax.shapes.plan_batch(b, 8, policy).micro_batch_size for b in sizes}
   assert len(visited) >= 10
 
 
@@ -116,8 +116,8 @@ def test_padding_fraction_matches_the_plans(quick_run):
     if result["compile_fallback_steps"]:  # steps on another shape than their plan's
       continue
     low = written["max_micro_batch_size"] if mode == "pad" else 1
-    policy = simigrad_jax.BucketPolicy(written["max_micro_batch_size"], low)
-    plans = [simigrad_jax.plan_batch(b, 8, policy) for b in written["schedule"]]
+    policy = simigrad_jax.shapes.BucketPolicy(written["max_micro_batch_size"], low)
+    plans = [simigrad_jax.shapes.plan_batch(b, 8, policy) for b in written["schedule"]]
     padded = sum(p.padded_examples for p in plans)
     rows = sum(p.rows_per_step for p in plans)
     assert 0 <= result["padding_fraction"] < 1

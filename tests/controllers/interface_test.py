@@ -290,7 +290,7 @@ def test_a_refused_state_changes_nothing():
 def test_a_new_controller_registers_by_name(monkeypatch):
   monkeypatch.setattr(registry, "_FACTORIES", dict(registry._FACTORIES))
   simigrad_jax.register_controller("halving", Halving)
-  assert simigrad_jax.controller_options("halving") == (
+  assert simigrad_jax.controllers.controller_options("halving") == (
     "batch_size_lower_bound",
     "batch_size_upper_bound",
     "initial_batch_size",
@@ -636,7 +636,7 @@ def test_a_controller_on_the_base_names_the_size_it_has():
 
 def test_the_profiling_wrapper_passes_the_wrapped_controllers_sizes_on_outside_a_profile():
   wrapped = simigrad_jax.ramps.StepScheduleController("0:8,100:16")
-  profiling = simigrad_jax.ProfilingController(wrapped, [12, 10], steps_per_size=2)
+  profiling = simigrad_jax.controllers.ProfilingController(wrapped, [12, 10], steps_per_size=2)
   seen, named = 0, []
   while profiling.profile_batch_sizes:
     named.append(profiling.likely_batch_sizes(0, 0.0))

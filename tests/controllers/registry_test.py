@@ -45,13 +45,13 @@ def test_misspelt_and_foreign_options_are_refused_with_the_valid_names():
     simigrad_jax.make_controller(
       "geometric", initial_batch_size=8, final_batch_size=64, ramp_epochs=1.0, multiple=2.0
     )
-  assert "shape" not in simigrad_jax.controller_options("linear")
-  assert "shape" in simigrad_jax.controller_options("decreasing")
-  assert "final_batch_size" in simigrad_jax.controller_options("linear")
-  assert "enable_adjust" not in simigrad_jax.controller_options("fixed")
-  assert "similarity_target" in simigrad_jax.controller_options("fixed")
+  assert "shape" not in simigrad_jax.controllers.controller_options("linear")
+  assert "shape" in simigrad_jax.controllers.controller_options("decreasing")
+  assert "final_batch_size" in simigrad_jax.controllers.controller_options("linear")
+  assert "enable_adjust" not in simigrad_jax.controllers.controller_options("fixed")
+  assert "similarity_target" in simigrad_jax.controllers.controller_options("fixed")
   with pytest.raises(ValueError, match="unknown controller 'adaptive'"):
-    simigrad_jax.controller_options("adaptive")
+    simigrad_jax.controllers.controller_options("adaptive")
 
 
 # ----------------------------------------------------- every registered controller
@@ -232,7 +232,7 @@ def _train(workdir, name, num_steps, cache_dir):
   optimizer = optax.chain(
     simigrad_jax.transform("batch"), optax.sgd(0.3, momentum=0.9), simigrad_jax.scale_by_lr_factor()
   )
-  with simigrad_jax.persistent_cache_settings():  # the Trainer's cache is process-wide
+  with simigrad_jax.compile.persistent_cache_settings():  # the Trainer's cache is process-wide
     trainer = simigrad_jax.Trainer(
       loss_fn=_loss,
       params=params,

@@ -23,7 +23,7 @@ def _loader():
     shapes_per_octave=8,
   )  # fmt: skip
   data = {"x": np.arange(400, dtype=np.float32)[:, None] * np.ones((1, 3), np.float32)}
-  sampler = simigrad_jax.EpochSampler(400, 0)
+  sampler = simigrad_jax.data.EpochSampler(400, 0)
   loader = StepDataLoader(
     simigrad_jax.ArraySource(data),
     sampler,

@@ -73,10 +73,12 @@ def test_a_corrupt_record_raises_naming_its_index():
   sampler = EpochSampler(N, seed=0, shuffle=False)
   with source.reader(sampler) as reader:
     assert reader.read(np.arange(5))["index"].tolist() == [0, 1, 2, 3, 4]
-    with pytest.raises(simigrad_jax.BadRecordError, match="record 7 could not be read") as info:
+    with pytest.raises(
+      simigrad_jax.data.BadRecordError, match="record 7 could not be read"
+    ) as info:
       reader.read(np.arange(5, 10))
   assert info.value.index == 7
-  with pytest.raises(simigrad_jax.BadRecordError, match="record 7"):
+  with pytest.raises(simigrad_jax.data.BadRecordError, match="record 7"):
     source.get_batch(np.array([7]))
 
 

@@ -139,7 +139,7 @@ def test_the_trainer_sets_each_steps_batch_size_without_compiling_more(tmp_path,
 
 
 def coupling_states(opt_state):
-  is_coupling = lambda n: isinstance(n, simigrad_jax.BatchCouplingState)  # noqa: E731
+  is_coupling = lambda n: isinstance(n, simigrad_jax.ingraph.BatchCouplingState)  # noqa: E731
   return [n for n in jax.tree.leaves(opt_state, is_leaf=is_coupling) if is_coupling(n)]
 
 

@@ -30,7 +30,7 @@ def _placed(layout, axes):
   host_batch = sharded_models.make_batch(WIDTHS, BATCH)
   params, batch = sharded_models.place(host_params, host_batch, mesh, layout)
   _, dealt = sharded_models.place(
-    host_params, simigrad_jax.deal_to_devices(host_batch, mesh.shape["data"]), mesh, layout
+    host_params, simigrad_jax.data.deal_to_devices(host_batch, mesh.shape["data"]), mesh, layout
   )
   specs = jax.tree.map(lambda a: a.sharding.spec, params)
   return mesh, host_params, host_batch, params, batch, dealt, specs
@@ -98,15 +98,15 @@ def test_no_permute_no_gathered_kernel_and_the_sharding_kept(run):
 
 def test_deal_to_devices_puts_example_e_on_data_position_e_mod_n():
   batch = {"x": np.arange(12) * 10, "y": np.arange(24).reshape(12, 2)}
-  dealt = simigrad_jax.deal_to_devices(batch, 4)
+  dealt = simigrad_jax.data.deal_to_devices(batch, 4)
   blocks = dealt["x"].reshape(4, 3) // 10
   for position, block in enumerate(blocks):
     assert set(block % 4) == {position}
   np.testing.assert_array_equal(dealt["y"][:, 0] // 2, dealt["x"] // 10)
   with pytest.raises(ValueError, match="not a multiple of num_devices=5"):
-    simigrad_jax.deal_to_devices(batch, 5)
+    simigrad_jax.data.deal_to_devices(batch, 5)
   with pytest.raises(ValueError, match="num_devices=0"):
-    simigrad_jax.deal_to_devices(batch, 0)
+    simigrad_jax.data.deal_to_devices(batch, 0)
 
 
 def test_a_step_without_the_data_axis_or_with_an_unnamed_transform_names_the_fix(devices):
@@ -129,7 +129,10 @@ def test_a_step_without_the_data_axis_or_with_an_unnamed_transform_names_the_fix
     step(w, optimizer.init(w), x_odd)
   unnamed = optax.chain(simigrad_jax.transform(), optax.sgd(0.1))
   step = jax.jit(simigrad_jax.device_halves_step(loss_fn, unnamed, axis_name="batch"))
-  with jax.set_mesh(mesh), pytest.raises(simigrad_jax.AxisNameError, match="axis_name='batch'"):
+  with (
+    jax.set_mesh(mesh),
+    pytest.raises(simigrad_jax.ingraph.AxisNameError, match="axis_name='batch'"),
+  ):
     step(w, unnamed.init(w), x)
   # Without the transform the optimizer would see each device's gradient stacked.
   plain = optax.sgd(0.1)

@@ -30,9 +30,9 @@ def test_thresholds_are_where_the_size_changed():
   run.insert(3, {"step": 3, "eval_accuracy": 0.5})  # an evaluation's record is skipped
   assert replay.replay_thresholds(run) == [(0, 20), (40, 22), (106, 20), (126, 30)]
   assert (
-    simigrad_jax.replay_schedule(run, tokens_per_example=4) == "0:20,160:22,424:20,504:30"
+    simigrad_jax.ramps.replay_schedule(run, tokens_per_example=4) == "0:20,160:22,424:20,504:30"
   )  # sizes in sequences
-  c = simigrad_jax.replay_controller(run)
+  c = simigrad_jax.ramps.replay_controller(run)
   seen, sizes = 0, []
   for _ in range(7):
     sizes.append(c.batch_size)

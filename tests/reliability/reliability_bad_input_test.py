@@ -348,8 +348,8 @@ CASES = [
   ),
   Case(
     "batch the devices cannot divide without padding",
-    lambda w: simigrad_jax.plan_batch(
-      13, 8, simigrad_jax.BucketPolicy(4, 4, padding=False), lower=10, upper=15
+    lambda w: simigrad_jax.shapes.plan_batch(
+      13, 8, simigrad_jax.shapes.BucketPolicy(4, 4, padding=False), lower=10, upper=15
     ),
     ValueError,
     r"no batch size in \[lower=10, upper=15\] is realisable without padding on 8 devices with "
@@ -379,14 +379,14 @@ CASES = [
   Case(
     "local split on 8 devices with an optimizer that drops half_grads",
     lambda w: trainer(w, halves="local", optimizer=dropping_extra_args(optimizer())),
-    simigrad_jax.HalvesContractError,
+    simigrad_jax.ingraph.HalvesContractError,
     r"the optimizer's update was given half_grads=\.\.\., but simigrad_jax.transform did "
     r"not receive them, so it would compare the device halves instead",
   ),
   Case(
     "local split with an optimizer that drops half_grads",
     lambda w: trainer(w, devices=jax.devices()[:3], optimizer=dropping_extra_args(optimizer())),
-    simigrad_jax.HalvesContractError,
+    simigrad_jax.ingraph.HalvesContractError,
     r"the optimizer's update was given half_grads=\.\.\., but simigrad_jax.transform did "
     r"not receive them, so it would compare the device halves instead",
   ),
@@ -401,14 +401,14 @@ CASES = [
   Case(
     "transform without an axis name, device split",
     lambda w: trainer(w, optimizer=optimizer(None)),
-    simigrad_jax.AxisNameError,
+    simigrad_jax.ingraph.AxisNameError,
     r"the optimizer's simigrad_jax.transform must use the Trainer's axis_name='batch', got "
     r"axis_name=None: build it with simigrad_jax.transform\(axis_name='batch'\)",
   ),
   Case(
     "transform without an axis name, local split",
     lambda w: trainer(w, devices=jax.devices()[:3], optimizer=optimizer(None)),
-    simigrad_jax.AxisNameError,
+    simigrad_jax.ingraph.AxisNameError,
     r"the optimizer's simigrad_jax.transform must use the Trainer's axis_name='batch', got "
     r"axis_name=None",
   ),
@@ -466,7 +466,7 @@ CASES = [
   Case(
     "checkpoint from a different model",
     resume_with(hidden=16),
-    simigrad_jax.CheckpointMismatchError,
+    simigrad_jax.checkpoint.CheckpointMismatchError,
     r"(?s)holds checkpoints of another run, whose arrays do not fit this one's; the runs differ "
     r"in:\n.*  - model.params\['Dense_1'\]\['kernel'\]: 'float32\[5, 8\]' there, "
     r"'float32\[5, 16\]' here\n.*cannot be resumed, allowed or not",
@@ -475,7 +475,7 @@ CASES = [
   Case(
     "checkpoint with another similarity target",
     resume_with(controller=controller(similarity_target=0.5)),
-    simigrad_jax.CheckpointMismatchError,
+    simigrad_jax.checkpoint.CheckpointMismatchError,
     r"the checkpoint at step 4 .* was made by a run with other settings:\n"
     r"  - controller.similarity_target: 0.3 there, 0.5 here\n.*allow_changed_settings=True",
     resume=True,
@@ -483,14 +483,14 @@ CASES = [
   Case(
     "checkpoint with another seed",
     resume_with(seed=4),
-    simigrad_jax.CheckpointMismatchError,
+    simigrad_jax.checkpoint.CheckpointMismatchError,
     r"the checkpoint at step 4 .* was made with seed=3, this run has seed=4",
     resume=True,
   ),
   Case(
     "checkpoint of a different data set",
     resume_with(data=dataset(num_examples=180)),
-    simigrad_jax.CheckpointMismatchError,
+    simigrad_jax.checkpoint.CheckpointMismatchError,
     r"was made by a run with other settings:\n  - data.num_examples: 200 there, 180 here\n",
     resume=True,
   ),

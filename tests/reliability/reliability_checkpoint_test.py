@@ -294,7 +294,7 @@ def test_a_checkpoint_of_another_model_is_refused_not_skipped(tmp_path):
   ckpt = Checkpointer(root)
   other = {**small_state(0.0), "w": jnp.zeros((40, 99), jnp.float32)}
   with pytest.raises(
-    simigrad_jax.CheckpointMismatchError,
+    simigrad_jax.checkpoint.CheckpointMismatchError,
     match=r"step 2 .* different model or optimizer: \['w'\] is float32\[40, 100\] "
     r"there and float32\[40, 99\] here",
   ):

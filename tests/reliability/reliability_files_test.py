@@ -89,7 +89,7 @@ def test_a_second_run_fails_at_once_naming_the_first_and_a_dead_runs_lock_does_n
     wait_for(lambda: trace.exists() and '"freeze"' in trace.read_text(), 120, "run A's step 1")
     objects = trainer_objects(workdir)
     start = time.perf_counter()
-    with pytest.raises(simigrad_jax.WorkdirLockedError) as error:
+    with pytest.raises(simigrad_jax.multihost.WorkdirLockedError) as error:
       simigrad_jax.Trainer(
         **objects,
         config=simigrad_jax.TrainerConfig(
@@ -115,7 +115,7 @@ def test_a_second_run_fails_at_once_naming_the_first_and_a_dead_runs_lock_does_n
 
 def test_a_trainer_holds_its_workdir_until_closed(tmp_path):
   trainer = make_trainer(tmp_path / "run")
-  with pytest.raises(simigrad_jax.WorkdirLockedError, match=f"pid {os.getpid()} "):
+  with pytest.raises(simigrad_jax.multihost.WorkdirLockedError, match=f"pid {os.getpid()} "):
     make_trainer(tmp_path / "run")
   trainer.close()
   make_trainer(tmp_path / "run").close()
@@ -125,7 +125,9 @@ def test_python_m_train_takes_the_lock_before_it_writes_anything(tmp_path):
   workdir = tmp_path / "run"
   with workdir_module.open_workdir(workdir):
     start = time.perf_counter()
-    with pytest.raises(simigrad_jax.WorkdirLockedError, match="is in use by another run: pid"):
+    with pytest.raises(
+      simigrad_jax.multihost.WorkdirLockedError, match="is in use by another run: pid"
+    ):
       train.train_and_evaluate(tiny_demo_config(), workdir)
     assert time.perf_counter() - start < 1.0
   assert sorted(os.listdir(workdir)) == ["run.lock"]  # no config.json, cache or metrics
@@ -156,7 +158,7 @@ def test_when_another_process_cannot_lock_every_process_raises(tmp_path, monkeyp
   other = ["WorkdirLockedError", "the workdir is in use by another run: pid 7 on host h"]
   monkeypatch.setattr(ProcessAgreement, "gather", lambda self, what, value: [value, other])
   with pytest.raises(
-    simigrad_jax.WorkdirLockedError,
+    simigrad_jax.multihost.WorkdirLockedError,
     match=r"process 1 could not open the workdir: .* pid 7 on host h",
   ):
     workdir_module.open_workdir(tmp_path / "run")
@@ -180,7 +182,7 @@ def test_a_foreign_or_writable_workdir_is_refused_unless_allowed(tmp_path, monke
   foreign.mkdir()
   make_foreign(foreign, monkeypatch)
   with pytest.raises(
-    simigrad_jax.UnsafePathError,
+    simigrad_jax.files.UnsafePathError,
     match=r"the workdir '.*foreign' belongs to "
     r".*, not to this user, .*allow_shared_workdir=True",
   ):
@@ -192,14 +194,14 @@ def test_a_foreign_or_writable_workdir_is_refused_unless_allowed(tmp_path, monke
     shared.mkdir()
     shared.chmod(mode)
     with pytest.raises(
-      simigrad_jax.UnsafePathError, match=f"has mode {mode:#o}: it is {who}-writable"
+      simigrad_jax.files.UnsafePathError, match=f"has mode {mode:#o}: it is {who}-writable"
     ):
       make_trainer(shared)
   # A parent other users can write to, without the sticky bit: they could swap the workdir.
   (tmp_path / "open").mkdir()
   (tmp_path / "open").chmod(0o777)
   with pytest.raises(
-    simigrad_jax.UnsafePathError,
+    simigrad_jax.files.UnsafePathError,
     match=r"is inside '.*open', which has mode 0o777: .*without the sticky bit",
   ):
     make_trainer(tmp_path / "open" / "run")
@@ -213,15 +215,17 @@ def test_a_foreign_or_writable_compilation_cache_is_refused(tmp_path, monkeypatc
   cache = tmp_path / "cache"
   cache.mkdir()
   cache.chmod(0o777)
-  with simigrad_jax.persistent_cache_settings():
+  with simigrad_jax.compile.persistent_cache_settings():
     with pytest.raises(
-      simigrad_jax.UnsafePathError, match="the compilation cache .* has mode 0o777"
+      simigrad_jax.files.UnsafePathError, match="the compilation cache .* has mode 0o777"
     ):
-      simigrad_jax.enable_persistent_cache(cache)
+      simigrad_jax.compile.enable_persistent_cache(cache)
     cache.chmod(0o755)
     make_foreign(cache, monkeypatch)
-    with pytest.raises(simigrad_jax.UnsafePathError, match="the compilation cache .* belongs to"):
-      simigrad_jax.enable_persistent_cache(cache)
+    with pytest.raises(
+      simigrad_jax.files.UnsafePathError, match="the compilation cache .* belongs to"
+    ):
+      simigrad_jax.compile.enable_persistent_cache(cache)
 
 
 def test_python_m_train_refuses_a_workdir_another_user_prepared(tmp_path, monkeypatch):
@@ -233,7 +237,7 @@ def test_python_m_train_refuses_a_workdir_another_user_prepared(tmp_path, monkey
   (workdir / "config.json").symlink_to(secret)
   workdir.chmod(0o777)
   make_foreign(workdir, monkeypatch)
-  with pytest.raises(simigrad_jax.UnsafePathError, match="belongs to"):
+  with pytest.raises(simigrad_jax.files.UnsafePathError, match="belongs to"):
     train.train_and_evaluate(tiny_demo_config(), workdir)
   assert secret.read_text() == "root only\n"
 
@@ -255,10 +259,12 @@ def test_a_symlink_is_replaced_never_written_through(tmp_path, caplog):
   (tmp_path / "run").mkdir()
   (tmp_path / "run" / "metrics.jsonl").symlink_to(secret)
   for resume_step in (None, 3):
-    with pytest.raises(simigrad_jax.UnsafePathError, match="metrics.jsonl is a symlink to"):
-      simigrad_jax.MetricsWriter(tmp_path / "run", tensorboard=False, resume_step=resume_step)
+    with pytest.raises(simigrad_jax.files.UnsafePathError, match="metrics.jsonl is a symlink to"):
+      simigrad_jax.trainer.MetricsWriter(
+        tmp_path / "run", tensorboard=False, resume_step=resume_step
+      )
   (tmp_path / "run" / "run.lock").symlink_to(secret)  # and so is the lock file
-  with pytest.raises(simigrad_jax.UnsafePathError, match="run.lock is a symlink to"):
+  with pytest.raises(simigrad_jax.files.UnsafePathError, match="run.lock is a symlink to"):
     workdir_module.open_workdir(tmp_path / "run")
   assert secret.read_text() == "root only\n"
 
@@ -282,7 +288,7 @@ def test_checkpoints_and_the_compilation_cache_are_private(tmp_path):
   (tmp_path / "run" / "checkpoints").mkdir(parents=True)  # made by hand, readable by all
   (tmp_path / "run" / "checkpoints").chmod(0o755)
   cache = tmp_path / "cache"
-  with simigrad_jax.persistent_cache_settings():
+  with simigrad_jax.compile.persistent_cache_settings():
     with make_trainer(tmp_path / "run", compilation_cache_dir=cache) as trainer:
       trainer.train(num_steps=1)
     with make_trainer(tmp_path / "new", compilation_cache_dir=cache) as trainer:
@@ -303,7 +309,7 @@ def test_an_unreadable_compilation_cache_entry_is_replaced(tmp_path, caplog):
       assert float(jax.jit(lambda x: x * 3 + 1)(jnp.float32(2))) == 7
     return [str(w.message) for w in caught if "compilation cache" in str(w.message)]
 
-  with simigrad_jax.persistent_cache_settings():
+  with simigrad_jax.compile.persistent_cache_settings():
     persistent_cache.enable_persistent_cache(cache)
     assert compile_and_collect_warnings() == []
     entries = sorted(cache.glob("*-cache"))
@@ -326,7 +332,7 @@ def test_config_json_keeps_every_start_and_summary_json_replaces_a_symlink(tmp_p
   workdir = tmp_path / "run"
   workdir.mkdir(mode=0o700)
   (workdir / "config.json").write_text(json.dumps({"seed": 9, "model": "old"}))  # an old version's
-  with simigrad_jax.persistent_cache_settings():
+  with simigrad_jax.compile.persistent_cache_settings():
     train.train_and_evaluate(tiny_demo_config(num_steps=2, plot=False), workdir)
     assert not (workdir / "metrics.png").exists()
     secret = tmp_path / "secret"

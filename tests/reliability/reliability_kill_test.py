@@ -134,7 +134,7 @@ def _straight_run(shared, compile_cache, num_devices):
 
 def _ordered_examples(event: dict) -> list[tuple[int, int]]:
   """``(epoch, example)`` of every example a logged step trained, from the sampler's order."""
-  sampler = simigrad_jax.EpochSampler(NUM_EXAMPLES, SAMPLER_SEED)
+  sampler = simigrad_jax.data.EpochSampler(NUM_EXAMPLES, SAMPLER_SEED)
   first = event["examples_seen"] - event["batch_size"]
   indices = sampler.indices_at(first, event["batch_size"])
   assert sorted(indices.tolist()) == event["indices"], (

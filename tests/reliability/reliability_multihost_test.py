@@ -57,7 +57,7 @@ def _run_and_check_agreement(workdir, steps, per_process_args):
   assert (
     [e["step"] for e in traces[0]] == [e["step"] for e in traces[1]] == list(range(1, steps + 1))
   )
-  sampler = simigrad_jax.EpochSampler(600, 1)
+  sampler = simigrad_jax.data.EpochSampler(600, 1)
   for first, second in zip(*traces):
     for key in DECISION_KEYS:  # identical decisions, bit for bit
       assert first[key] == second[key], (first["step"], key, first[key], second[key])

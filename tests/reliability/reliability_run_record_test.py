@@ -80,7 +80,7 @@ def test_a_changed_learning_rate_and_data_set_are_refused_then_allowed_and_recor
     optimizer=sgd(2.0), data=dataset(num_examples=180), run_settings={"learning_rate": 2.0}
   )
   before = (workdir / "metrics.jsonl").read_bytes()
-  with pytest.raises(simigrad_jax.CheckpointMismatchError) as refused:
+  with pytest.raises(simigrad_jax.checkpoint.CheckpointMismatchError) as refused:
     trainer(workdir, **changed)
   message = str(refused.value)
   for difference in (
@@ -119,7 +119,7 @@ def test_a_changed_learning_rate_and_data_set_are_refused_then_allowed_and_recor
 
 def test_a_changed_model_is_refused_even_when_changes_are_allowed(workdir):
   with pytest.raises(
-    simigrad_jax.CheckpointMismatchError,
+    simigrad_jax.checkpoint.CheckpointMismatchError,
     match=r"(?s)the runs differ in:\n.*  - model.params\['Dense_0'\]\['kernel'\]: "
     r"'float32\[8, 3\]' there, 'float32\[16, 3\]' here.*allowed or not",
   ):
@@ -140,7 +140,7 @@ def test_a_changed_injected_learning_rate_takes_effect_when_allowed(tmp_path):
   with trainer(tmp_path, optimizer=injected(0.1)) as first:
     first.train(num_steps=2)
   with pytest.raises(
-    simigrad_jax.CheckpointMismatchError,
+    simigrad_jax.checkpoint.CheckpointMismatchError,
     match=r"optimizer.injected\['opt_state'\]\[1\].hyperparams"
     r"\['learning_rate'\]: 0.1 there, 0.05 here",
   ):

@@ -192,8 +192,8 @@ def test_similarity_ema_decay_turns_on_the_model_rule():
 def test_one_step_late_wraps_the_controller():
   plain = train.create_controller(tiny_config("digits_demo"), 8)
   late = train.create_controller(tiny_config("digits_demo", one_step_late=True), 8)
-  assert isinstance(late, simigrad_jax.OneStepLateController)
-  assert not isinstance(plain, simigrad_jax.OneStepLateController)
+  assert isinstance(late, simigrad_jax.controllers.OneStepLateController)
+  assert not isinstance(plain, simigrad_jax.controllers.OneStepLateController)
   assert late.config == {**plain.config, "one_step_late": True}
   assert [late.update(0.0), late.update(0.0)] == [plain.batch_size, plain.update(0.0)]
   with pytest.raises(ValueError, match=r"similarity profile of \[16, 32\]"):
@@ -277,7 +277,7 @@ def test_a_resume_with_another_learning_rate_is_refused_unless_the_config_allows
     trainer.train(num_steps=2)
   changed = tiny_config("digits_demo", learning_rate=0.2, num_steps=3, verbose=True)
   with pytest.raises(
-    simigrad_jax.CheckpointMismatchError,
+    simigrad_jax.checkpoint.CheckpointMismatchError,
     match=r"\n  - settings.learning_rate: 0.1 there, 0.2 here\n",
   ):
     train.create_trainer(train.create_experiment(changed, devices=devices), tmp_path)

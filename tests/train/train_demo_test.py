@@ -29,7 +29,9 @@ def readme_output() -> str:
 def test_digits_demo_reaches_its_accuracy_and_writes_its_files(tmp_path, capsys):
   config = digits_demo.get_config()
   config.progress = False
-  with simigrad_jax.persistent_cache_settings():  # the run's cache settings are process-wide
+  with (
+    simigrad_jax.compile.persistent_cache_settings()
+  ):  # the run's cache settings are process-wide
     summary = train.train_and_evaluate(config, tmp_path)
   # Measured with the default config on 8 simulated CPU devices: final test accuracy
   # 0.976 (seed 0), 0.976 (1), 0.970 (2), 0.980 (3), 0.980 (4) of 297 images (README's

@@ -31,7 +31,7 @@ def test_the_digits_demo_trains_on_a_4x2_mesh_as_on_4_devices(tmp_path):
     ("data_parallel", {}, jax.devices()[:4]),
   ):
     experiment = train.create_experiment(demo_config(**options), devices=devices)
-    with simigrad_jax.persistent_cache_settings():
+    with simigrad_jax.compile.persistent_cache_settings():
       with train.create_trainer(experiment, tmp_path / name) as trainer:
         trainer.train(num_steps=3)
         params = trainer.state["params"]

@@ -113,7 +113,7 @@ def runs(tmp_path_factory):
   root = tmp_path_factory.mktemp("mesh")
   # The mesh runs share their compiled programs through the persistent cache.
   on_mesh = dict(mesh=mesh_of(4), compilation_cache_dir=root / "cache")
-  with simigrad_jax.persistent_cache_settings():
+  with simigrad_jax.compile.persistent_cache_settings():
     return {
       "dp": train(root / "dp", NUM_STEPS, devices=jax.devices()[:4]),
       "tp": train(root / "tp", NUM_STEPS, param_sharding=TP_SPECS, **on_mesh),

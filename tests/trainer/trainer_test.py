@@ -96,7 +96,7 @@ def test_one_step_is_the_exact_mean_gradient_step(tmp_path, case):
   assert (record["micro_batch_size"], record["accumulation_steps"]) == (rows, steps)
   assert trainer.halves == ("device" if num_devices % 2 == 0 and halves != "local" else "local")
 
-  indices = simigrad_jax.EpochSampler(len(data["y"]), 3).indices_at(0, 45)
+  indices = simigrad_jax.data.EpochSampler(len(data["y"]), 3).indices_at(0, 45)
   with jax.enable_x64(True):
     params64 = jax.tree.map(lambda a: np.asarray(a, np.float64), params0)
     x, y = np.asarray(data["x"][indices], np.float64), data["y"][indices]
@@ -231,7 +231,7 @@ def test_batchnorm_statistics_cover_all_devices_and_skip_padding(tmp_path):
   trainer = make_bn_trainer(tmp_path, data, controller)
   trainer.train(num_steps=1)
   trainer.close()
-  indices = simigrad_jax.EpochSampler(len(data["y"]), 3).indices_at(0, 44)
+  indices = simigrad_jax.data.EpochSampler(len(data["y"]), 3).indices_at(0, 44)
   mean = np.asarray(
     trainer.state["model_state"]["batch_stats"]["BatchNorm_0"]["mean"].addressable_data(0)
   )
@@ -258,7 +258,7 @@ def test_batchnorm_statistics_of_the_local_split_are_per_half(tmp_path):
   )
   trainer.train(num_steps=1)
   trainer.close()
-  x = data["x"][simigrad_jax.EpochSampler(len(data["y"]), 3).indices_at(0, 45)]
+  x = data["x"][simigrad_jax.data.EpochSampler(len(data["y"]), 3).indices_at(0, 45)]
   slot = np.arange(45) % 6  # example e: device slot // 2, half slot % 2
   half_means = [
     np.mean([x[slot == 2 * d + h].mean(axis=0) for d in range(3)], axis=0) for h in (0, 1)
@@ -509,7 +509,7 @@ def test_a_shape_that_fails_to_compile_is_raised_not_replaced(tmp_path):
   while broken not in compiler.stats()["failed_sizes"]:
     time.sleep(0.01)
   with pytest.raises(
-    simigrad_jax.StepCompileError,
+    simigrad_jax.compile.StepCompileError,
     match=f"micro_batch_size={broken} failed with "
     r"RuntimeError: out of memory \(injected\)",
   ):
