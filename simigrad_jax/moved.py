@@ -126,7 +126,6 @@ MOVED_MODULES: dict[str, str] = {
   "simigrad_jax.engine.programs": "simigrad_jax.compile.programs",
   "simigrad_jax.engine.run_setup": "simigrad_jax.trainer.run_setup",
   "simigrad_jax.engine.run_totals": "simigrad_jax.trainer.run_totals",
-  "simigrad_jax.engine.step_decision": "simigrad_jax.trainer.step_decision",
   "simigrad_jax.engine.step_inputs": "simigrad_jax.trainer.step_inputs",
   "simigrad_jax.engine.step_record": "simigrad_jax.trainer.step_record",
   "simigrad_jax.engine.train_step": "simigrad_jax.ingraph.train_step",

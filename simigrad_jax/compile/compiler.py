@@ -5,7 +5,7 @@ Python threads around JAX's AOT API (``jax.stages``); nothing here runs under
 
 The global batch size changes at every optimizer step, but the step function
 only sees the micro-batch *shape*, drawn from a small grid known up front
-(:func:`simigrad_jax.bucket_shapes`). :class:`StepCompiler` holds one
+(:func:`simigrad_jax.shapes.bucket_shapes`). :class:`StepCompiler` holds one
 ``jax.stages.Compiled`` per micro-batch size. It compiles the sizes the loop
 may need next in one background thread while the current step runs, so that
 after warm-up :meth:`StepCompiler.get` finds every variant ready and the loop
@@ -291,7 +291,7 @@ class StepCompiler:
 
     Args:
       micro_batch_sizes: an iterable of ints ``>= 1``, e.g. the result of
-        :func:`simigrad_jax.bucket_shapes`.
+        :func:`simigrad_jax.shapes.bucket_shapes`.
       first: queue these sizes, in the order given, ahead of those queued
         before (for the shapes a run needs soonest).
 

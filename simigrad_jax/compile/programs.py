@@ -7,7 +7,7 @@ accumulates with the micro-step of its shape, then applies the update
 (:func:`~simigrad_jax.ingraph.train_step.make_micro_step` and
 :func:`~simigrad_jax.ingraph.train_step.make_apply_step`). Every program is
 compiled ahead of time from placeholders, in background threads
-(:class:`simigrad_jax.StepCompiler`), so that a new shape need not stall the
+(:class:`simigrad_jax.compile.StepCompiler`), so that a new shape need not stall the
 loop; while a step's program is still compiling, the compile fallback runs the
 same examples on the nearest program already compiled.
 

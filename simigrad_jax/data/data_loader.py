@@ -1,7 +1,7 @@
 """Host: load a step's examples and lay them out on the devices, ahead of the step.
 
 The examples of a step are the next ones of the epoch's permutation, whatever
-the batch size (:class:`simigrad_jax.EpochSampler`); each process loads only
+the batch size (:class:`simigrad_jax.data.EpochSampler`); each process loads only
 its own devices' rows. Rows are laid out per slot: a slot is a device, or
 with the local split one of the two blocks of a device's rows
 (:mod:`simigrad_jax.shapes.layout`). While the devices run a step, a data thread loads the
@@ -69,7 +69,7 @@ class StepDataLoader:
 
   Args:
     source: a random-access source (``get_batch(indices)``).
-    sampler: the run's :class:`simigrad_jax.EpochSampler` (read, not advanced).
+    sampler: the run's :class:`simigrad_jax.data.EpochSampler` (read, not advanced).
     sharded: the data sharding (leading axis over the devices).
     replicated: the replicated sharding (for the counters).
     local_slots: this process's slots (positions in the plans' device axis),

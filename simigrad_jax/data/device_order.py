@@ -34,7 +34,7 @@ def deal_to_devices(batch: Any, num_devices: int) -> Any:
 
   Example:
     >>> import numpy as np, simigrad_jax
-    >>> simigrad_jax.deal_to_devices({"x": np.arange(8)}, 4)["x"].tolist()
+    >>> simigrad_jax.data.deal_to_devices({"x": np.arange(8)}, 4)["x"].tolist()
     [0, 4, 1, 5, 2, 6, 3, 7]
   """
   if isinstance(num_devices, bool) or not isinstance(num_devices, int) or num_devices < 1:

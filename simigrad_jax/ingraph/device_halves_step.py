@@ -89,7 +89,7 @@ def device_halves_step(
   Call the step inside ``jax.jit`` and ``with jax.set_mesh(mesh):``, with the
   batch's leaves sharded over ``axis_name`` on their leading axis. The
   halves are the even data positions' rows and the odd ones': order a
-  global batch with :func:`simigrad_jax.deal_to_devices` to make them the
+  global batch with :func:`simigrad_jax.data.deal_to_devices` to make them the
   batch's even- and odd-numbered examples.
 
   Args:

@@ -26,7 +26,7 @@ With an even number of devices the two splits put the same examples in each
 half; only the devices that hold them differ.
 
 :class:`StepLayout` holds the split and the grid of compiled shapes, and plans
-each batch size onto the slots (:func:`simigrad_jax.plan_batch`).
+each batch size onto the slots (:func:`simigrad_jax.shapes.plan_batch`).
 """
 
 from __future__ import annotations
@@ -118,7 +118,7 @@ class StepLayout:
 
   @property
   def num_slots(self) -> int:
-    """The slots a batch is planned over (:func:`simigrad_jax.plan_batch`'s ``num_devices``)."""
+    """The slots a batch is planned over (:func:`simigrad_jax.shapes.plan_batch`'s ``num_devices``)."""
     return self.num_devices * self.slots_per_device
 
   def device_rows(self, slot_rows: int) -> int:

@@ -35,7 +35,7 @@ _CONTROLLER_CONFIG_KEYS = controller_interface.REQUIRED_CONFIG_KEYS
 def transform_named_for(axis_name: str) -> Iterator[None]:
   """Traces the block with the step mapped over ``axis_name``; a transform not named so is refused.
 
-  The transform raises :class:`simigrad_jax.AxisNameError` while the step is
+  The transform raises :class:`simigrad_jax.ingraph.AxisNameError` while the step is
   traced; the program's trace reports it as a failing ``loss_fn``, so the
   error is raised again here, naming the fix, with the transform's as its cause.
   """

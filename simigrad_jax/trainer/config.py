@@ -47,7 +47,7 @@ class TrainerConfig:
     min_micro_batch_size: the smallest compiled shape in ``recompile`` mode
       (None: 1; only the shapes the batch-size bounds need are compiled).
     shapes_per_octave: the grid's shapes per factor of two in ``recompile``
-      mode, 1 to 16 (:class:`simigrad_jax.BucketPolicy`), or None (the
+      mode, 1 to 16 (:class:`simigrad_jax.shapes.BucketPolicy`), or None (the
       default): 8. A batch that moves pads about ``35% / shapes_per_octave``
       of the rows it computes (8: 4%; 1, the halvings: 15-30%). With the
       compile fallback only the shapes near the batch compile, as it comes
@@ -68,7 +68,7 @@ class TrainerConfig:
     allow_changed_settings: resume from a checkpoint made with other
       optimizer settings, controller settings, data, learning-rate rule or
       ``run_settings`` (the Trainer's) instead of refusing it with
-      :class:`simigrad_jax.CheckpointMismatchError`; the changes are logged
+      :class:`simigrad_jax.checkpoint.CheckpointMismatchError`; the changes are logged
       and kept in the history every later checkpoint carries. A changed
       model or optimizer structure is refused all the same (its arrays
       cannot be restored); a changed device count is always allowed.
@@ -84,7 +84,7 @@ class TrainerConfig:
       processes, the fallback shape is one that every process had compiled at
       the previous step's agreement, so every process runs the same one.
     compilation_cache_dir: optional persistent compilation cache directory
-      (:func:`simigrad_jax.enable_persistent_cache`, a process-wide setting).
+      (:func:`simigrad_jax.compile.enable_persistent_cache`, a process-wide setting).
     allow_shared_workdir: use a workdir (and compilation cache) that other
       users can change. By default the run refuses one that belongs to
       another user, or that a group or other users can write to (or whose
@@ -107,7 +107,7 @@ class TrainerConfig:
     agreement_timeout_seconds: several hosts: how long a process waits for
       the others at a check (the settings, every step's decision, every
       checkpoint; and after a step failed) before it raises
-      :class:`simigrad_jax.ProcessLostError` naming the missing ones. A
+      :class:`simigrad_jax.multihost.ProcessLostError` naming the missing ones. A
       process that waits this long in a collective while a peer's heartbeats
       have stopped is ended with the same error by a watchdog
       (:class:`simigrad_jax.multihost.process_agreement.Watchdog`). Default

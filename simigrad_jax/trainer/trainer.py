@@ -9,7 +9,7 @@ another, each in the same order, written out in that one method:
    compiled one (:class:`~simigrad_jax.compile.programs.StepPrograms`);
 2. take the rows: the next examples of the epoch's permutation, counted in
    examples, so nothing is dropped or repeated within an epoch
-   (:class:`simigrad_jax.EpochSampler`), loaded and placed on the devices while
+   (:class:`simigrad_jax.data.EpochSampler`), loaded and placed on the devices while
    the last step ran (:class:`~simigrad_jax.data.data_loader.StepDataLoader`);
 3. run: the step's compiled program; the transform averages the gradients and
    measures the similarity; the host goes on at once, loading the next step's
