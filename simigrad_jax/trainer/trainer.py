@@ -173,7 +173,9 @@ class StepLoop:
     before it. A hook with ``runs_at_once`` set runs as soon as its step is
     decided.
     """
-    pending: StepRecord | None = None  # the last step's record, for the hooks
+    at_once = [hook for hook in hooks if getattr(hook, "runs_at_once", False)]
+    later = [hook for hook in hooks if hook not in at_once]
+    pending: StepRecord | None = None  # the last step's record, for the later hooks
     last_read: float | None = None  # when the last step's statistics were read
     try:
       while self.more_steps(total_examples, max_steps) and self.stop.agreed is None:
@@ -214,7 +216,7 @@ class StepLoop:
         # While the devices work: the next step's rows, and the last step's hooks.
         self._load_ahead(total_examples)
         if pending is not None:
-          self._run_hooks(hooks, pending)
+          self._run_hooks(later, pending)
           pending = None
         # 4. Read the step's measurements.
         stats = StepStats.read(stats_on_devices)
@@ -266,14 +268,14 @@ class StepLoop:
           epoch_end=epoch_end,
         )
         # 7. Hooks: those that run at once, then the rest now if checkpointed, else next step.
-        self._run_hooks([h for h in hooks if getattr(h, "runs_at_once", False)], record)
+        self._run_hooks(at_once, record)
         if self.checkpoint.due(record):
-          self._run_hooks(hooks, record, at_once=False)
+          self._run_hooks(later, record)
         else:
           pending = record
     finally:
       if pending is not None:
-        self._run_hooks(hooks, pending, at_once=False)
+        self._run_hooks(later, pending)
 
   def _load_ahead(self, total_examples: float) -> None:
     """Starts loading the next step's rows, placed for each plan it is likely to run."""
@@ -288,13 +290,11 @@ class StepLoop:
     place_inputs = functools.partial(self._inputs.place_ahead, sizes, epochs, remaining)
     self._data.submit(start, count, self.step, plans, then=place_inputs)
 
-  def _run_hooks(self, hooks: Sequence[StepHook], record: StepRecord, at_once: bool = True) -> None:
-    """Hands ``record``, with the compile counters as they are now, to each hook (``at_once``
-    False: only to those without ``runs_at_once``, which had it already)."""
+  def _run_hooks(self, hooks: Sequence[StepHook], record: StepRecord) -> None:
+    """Hands ``record``, with the compile counters as they are now, to each of ``hooks``."""
     record = record.with_compile_stats(self._programs.stats())
     for hook in hooks:
-      if at_once or not getattr(hook, "runs_at_once", False):
-        hook.on_step(record)
+      hook.on_step(record)
 
   def prepare(self, total_examples: float) -> None:
     """Before a ``train()`` call's first step: its learning-rate factor, programs and rows, asked

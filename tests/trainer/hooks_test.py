@@ -68,6 +68,24 @@ def test_a_user_hook_gets_every_typed_record_in_order_after_the_metrics(tmp_path
   assert any(r.epoch_end for r in records) and sum(r.epoch_end for r in records) == 2
 
 
+class AtOnce(Recorder):
+  runs_at_once = True
+
+
+def test_a_hook_that_runs_at_once_sees_each_step_once_before_the_next_is_dispatched(tmp_path):
+  box = []
+  at_once = AtOnce(box, tmp_path / "metrics.jsonl")
+  later = Recorder(box, tmp_path / "metrics.jsonl")
+  with make_trainer(tmp_path, hooks=[later, at_once], checkpoint_every_steps=3) as trainer:
+    box.append(trainer)
+    summary = trainer.train(num_epochs=2.5)
+  steps = list(range(1, summary["steps"] + 1))
+  assert [r.step for r in at_once.records] == [r.step for r in later.records] == steps
+  # Before the next step took its examples, and before any other hook (the metrics) saw it.
+  assert at_once.seen_then == [r.examples_seen for r in at_once.records]
+  assert [n + 1 for n in at_once.logged_then] == later.logged_then
+
+
 def test_a_hook_without_on_step_is_refused_naming_it(tmp_path):
   with pytest.raises(ValueError, match=r"a hook must have a method on_step\(record\).*got <object"):
     make_trainer(tmp_path / "run", hooks=[object()])
