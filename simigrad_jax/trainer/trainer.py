@@ -304,8 +304,9 @@ class StepLoop:
       self._inputs.lr_factors(batch_size, start / self.sampler.num_examples)
     )
     self._programs.prefetch_for(batch_size)
-    first = self.layout.plan(int(min(batch_size, total_examples - start)))
-    self._data.submit(start, first.global_batch_size, self.step, [first])
+    if total_examples > start:  # (a resumed run may have no step left)
+      first = self.layout.plan(int(min(batch_size, total_examples - start)))
+      self._data.submit(start, first.global_batch_size, self.step, [first])
 
   def more_steps(self, total_examples: float, max_steps: float) -> bool:
     """Whether the run has steps left before ``total_examples`` or ``max_steps``."""
