@@ -7,10 +7,12 @@ of ``n`` along that dimension. A step that takes each device's gradient in a
 ``jax.shard_map`` manual over the data axis (the model axes left to XLA's
 partitioner) gathers the blocks there for the loss (:meth:`DataBlocks.gather`),
 hands the devices' gradients out stacked along a leading data dimension, and
-runs the optimizer on global arrays: :func:`simigrad_jax.transform` then
-reduces the stacked gradients with :meth:`DataBlocks.reduce_devices`, which
-leaves each such leaf's mean in the same blocks (reduce-scattered, never
-gathered), so the update and the optimizer state stay in blocks.
+runs the optimizer on global arrays, saying so in the call:
+``optimizer.update(stacked, state, params, stacked_grads=StackedGrads(axis_name,
+mesh), param_specs=specs)``. :func:`simigrad_jax.transform` then reduces the
+stacked gradients with :meth:`DataBlocks.reduce_devices`, which leaves each
+such leaf's mean in the same blocks (reduce-scattered, never gathered), so
+the update and the optimizer state stay in blocks.
 
 A spec that names the data axis together with another axis on one dimension
 (``P(("model", "data"))``) is not kept in blocks: the leaf is gathered whole
@@ -19,23 +21,17 @@ over the data axis for the step.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from simigrad_jax.ingraph import group_reduction
 from simigrad_jax.ingraph import halves_reduction
-from simigrad_jax.ingraph import transform
+from simigrad_jax.ingraph.group_reduction import is_spec
 from simigrad_jax.ingraph.half_statistics import HalfStatistics
-
-
-def is_spec(x: Any) -> bool:
-  """Whether ``x`` is a ``PartitionSpec`` (a leaf of a tree of specs)."""
-  return isinstance(x, P)
 
 
 def without_axis(spec: P, axis_name: str) -> P:
@@ -116,15 +112,14 @@ class DataBlocks:
     """Whether any leaf is kept in blocks."""
     return any(d is not None for d in jax.tree.leaves(self.dims, is_leaf=_is_dim))
 
-  @contextlib.contextmanager
-  def model_layout(self) -> Iterator[None]:
-    """While tracing the block, the reductions know the leaves' layout over the model axes.
+  @property
+  def model_specs(self) -> Any:
+    """The leaves' layout over the model axes (``inner``), or None when the specs are unknown.
 
-    Needed under ``Auto`` mesh axes, where the leaves' types do not carry it
-    (:func:`simigrad_jax.ingraph.group_reduction.gradient_specs`).
+    What the reductions are given where the leaves' types do not carry it
+    (``Auto`` mesh axes): :func:`simigrad_jax.ingraph.group_reduction.on_local_shards`.
     """
-    with group_reduction.gradient_specs(self.inner if self.known else None):
-      yield
+    return self.inner if self.known else None
 
   def gather(self, params: Any) -> Any:
     """Inside a ``shard_map`` manual over the data axis: the parameters whole over it.
@@ -143,43 +138,7 @@ class DataBlocks:
         is_leaf=lambda x: x is None,
       )
 
-    return group_reduction.each_local_shard(gather_local, params, self.axis_name)
-
-  @contextlib.contextmanager
-  def reduced_by_transform(
-    self,
-    who: str,
-    *,
-    mesh: jax.sharding.Mesh | None = None,
-    explicit_axes: tuple[str, ...] = (),
-  ) -> Iterator[None]:
-    """While tracing the block, ``transform(axis_name)`` reduces with :meth:`reduce_devices`.
-
-    Around the optimizer's update when it is handed the devices' stacked
-    gradients. Raises after the block when the update never reached the
-    transform (the rest of the optimizer would have seen one gradient per
-    device).
-
-    Args:
-      who: the step, for the error (``"device_halves_step"``).
-      mesh: as for :meth:`reduce_devices`.
-      explicit_axes: as for :meth:`reduce_devices`.
-    """
-    reached: list[bool] = []
-
-    def reduce(stacked: Any, reduction: Any, zero_nonfinite: bool) -> tuple[Any, HalfStatistics]:
-      reached.append(True)
-      return self.reduce_devices(
-        stacked, reduction, zero_nonfinite, mesh=mesh, explicit_axes=explicit_axes
-      )
-
-    with transform.gradients_of_devices(self.axis_name, reduce):
-      yield
-    if not reached:
-      raise ValueError(
-        f"{who}'s optimizer never reached simigrad_jax.transform({self.axis_name!r}): chain it "
-        f"first, optax.chain(simigrad_jax.transform({self.axis_name!r}), ...)"
-      )
+    return group_reduction.each_local_shard(gather_local, params, self.axis_name, self.model_specs)
 
   def reduce_devices(
     self,
@@ -187,7 +146,7 @@ class DataBlocks:
     reduction: halves_reduction.Reduction = "hierarchical",
     zero_nonfinite: bool = False,
     *,
-    mesh: jax.sharding.Mesh | None = None,
+    mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None = None,
     explicit_axes: tuple[str, ...] = (),
   ) -> tuple[Any, HalfStatistics]:
     """The mean and the statistics of the even and odd devices, from their stacked gradients.
@@ -213,7 +172,12 @@ class DataBlocks:
     def reduce_local(local: Any) -> tuple[Any, HalfStatistics]:
       grads = jax.tree.map(lambda g: g[0], local)
       return halves_reduction.reduce_device_halves(
-        grads, self.axis_name, reduction, zero_nonfinite=zero_nonfinite, scatter_dims=self.dims
+        grads,
+        self.axis_name,
+        reduction,
+        zero_nonfinite=zero_nonfinite,
+        scatter_dims=self.dims,
+        specs=self.model_specs,
       )
 
     over_data = jax.shard_map(
@@ -224,11 +188,38 @@ class DataBlocks:
       axis_names={self.axis_name},
       check_vma=False,
     )
-    with self.model_layout():
-      if not explicit_axes:
-        return over_data(stacked)
-      mean, stats = jax.sharding.auto_axes(
-        over_data, axes=explicit_axes, out_sharding=(self.mean, P())
-      )(stacked)
+    if not explicit_axes:
+      return over_data(stacked)
+    mean, stats = jax.sharding.auto_axes(
+      over_data, axes=explicit_axes, out_sharding=(self.mean, P())
+    )(stacked)
     # A leaf sharded over the data axis together with another axis: its part of the mean.
     return jax.tree.map(jax.sharding.reshard, mean, self.specs), stats
+
+
+def check_reduced(updates: Any, params: Any, axis_name: str, who: str) -> None:
+  """Raises unless every update has its parameter's shape, after an update on stacked gradients.
+
+  A step that hands the optimizer the devices' gradients stacked along a
+  leading ``axis_name`` dimension relies on :func:`simigrad_jax.transform`
+  to reduce them; an optimizer that never reached it (none in the chain, or
+  a wrapper that takes no extra arguments) returns updates with that
+  leading dimension, which ``optax.apply_updates`` would broadcast.
+
+  Args:
+    updates: the optimizer's updates.
+    params: the parameters.
+    axis_name: the data axis, for the error.
+    who: the step, for the error (``"device_halves_step"``).
+  """
+  for (path, update), param in zip(
+    jax.tree_util.tree_flatten_with_path(updates)[0], jax.tree.leaves(params), strict=True
+  ):
+    if jnp.shape(update) != jnp.shape(param):
+      raise ValueError(
+        f"{who}'s optimizer never reached simigrad_jax.transform({axis_name!r}): the update "
+        f"{jax.tree_util.keystr(path)} has shape {jnp.shape(update)}, its parameter "
+        f"{jnp.shape(param)} (one gradient per device, stacked). Chain it first, "
+        f"optax.chain(simigrad_jax.transform({axis_name!r}), ...); a wrapper around the "
+        "optimizer must pass the extra keyword arguments of its update on (optax.chain does)"
+      )

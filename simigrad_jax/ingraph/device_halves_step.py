@@ -24,6 +24,7 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 from simigrad_jax.ingraph import data_blocks
+from simigrad_jax.ingraph.transform import StackedGrads
 
 Step = Callable[[Any, Any, Any], tuple[Any, ...]]
 
@@ -60,6 +61,50 @@ def _mean_over(tree: Any, axis_name: str) -> Any:
   )
 
 
+def update_stacked(
+  optimizer: optax.GradientTransformation,
+  stacked: Any,
+  opt_state: Any,
+  params: Any,
+  stacked_grads: StackedGrads,
+  param_specs: Any,
+  who: str,
+) -> tuple[Any, Any]:
+  """``optimizer.update`` on the devices' stacked gradients, told so in the call.
+
+  Passes ``stacked_grads`` and ``param_specs`` to the update (``optax.chain``
+  passes them on to :func:`simigrad_jax.transform`), and refuses an optimizer
+  that never reached the transform: its updates would still hold one
+  gradient per device.
+
+  Args:
+    optimizer: the optimizer, :func:`simigrad_jax.transform` first in its chain.
+    stacked: each device's gradient, stacked along a leading dimension sharded
+      over ``stacked_grads.axis_name``.
+    opt_state: the optimizer's state.
+    params: the parameters.
+    stacked_grads: the :class:`~simigrad_jax.ingraph.transform.StackedGrads`
+      that describes ``stacked``.
+    param_specs: the parameters' ``PartitionSpec``s, or None.
+    who: the step, for the errors.
+
+  Returns:
+    ``(updates, new_opt_state)``.
+  """
+  axis_name = stacked_grads.axis_name
+  if not isinstance(optimizer, optax.GradientTransformationExtraArgs):
+    raise ValueError(
+      f"{who}'s optimizer never reached simigrad_jax.transform({axis_name!r}): its update "
+      "takes no extra keyword arguments, so it cannot be handed stacked_grads=...; chain it, "
+      f"optax.chain(simigrad_jax.transform({axis_name!r}), ...)"
+    )
+  updates, new_opt_state = optimizer.update(
+    stacked, opt_state, params, stacked_grads=stacked_grads, param_specs=param_specs
+  )
+  data_blocks.check_reduced(updates, params, axis_name, who)
+  return updates, new_opt_state
+
+
 def device_halves_step(
   loss_fn: Callable[..., Any],
   optimizer: optax.GradientTransformation,
@@ -77,6 +122,9 @@ def device_halves_step(
   keep their sharding. The optimizer then runs on global arrays, as in a
   plain step (a global-norm clip sees the whole gradient): its
   ``simigrad_jax.transform(axis_name)``, which must come first in the chain,
+  is handed the devices' gradients stacked, and told so in the call
+  (``optimizer.update(stacked, opt_state, params, stacked_grads=StackedGrads(
+  axis_name), param_specs=specs)``, which ``optax.chain`` passes on to it); it
   compares the even devices' mean gradient with the odd devices' and
   averages them (the bytes of one all-reduce of the gradient: the plain
   step's), and returns the mean laid out as the parameters are. Parameters
@@ -183,17 +231,14 @@ def device_halves_step(
       stacked_specs = jax.tree.map(
         lambda spec: P(axis_name, *spec), blocks.inner, is_leaf=data_blocks.is_spec
       )
-      with blocks.model_layout():
-        outputs = jax.sharding.auto_axes(
-          over_data, axes=others, out_sharding=(stacked_specs,) + scalars
-        )(entered, batch)
+      outputs = jax.sharding.auto_axes(
+        over_data, axes=others, out_sharding=(stacked_specs,) + scalars
+      )(entered, batch)
     else:
-      with blocks.model_layout():
-        outputs = over_data(params, batch)
-    with blocks.reduced_by_transform(
-      "device_halves_step", explicit_axes=others if explicit else ()
-    ):
-      updates, opt_state = optimizer.update(outputs[0], opt_state, params)
+      outputs = over_data(params, batch)
+    updates, opt_state = update_stacked(
+      optimizer, outputs[0], opt_state, params, StackedGrads(axis_name), specs, "device_halves_step"
+    )
     return (optax.apply_updates(params, updates), opt_state) + tuple(outputs[1:])
 
   return step

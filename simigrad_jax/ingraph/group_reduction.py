@@ -13,16 +13,16 @@ hierarchical reduction (:mod:`simigrad_jax.ingraph.halves_reduction`).
 every device reduces the shard it holds, so nothing is gathered and the mean
 keeps each leaf's sharding. A leaf's spec is read from its type, which
 carries it under ``Explicit`` mesh axes; under ``Auto`` axes only XLA knows
-it, and the leaf is taken whole (gathered over the other axes), which costs
-memory and bytes over those axes (``docs/design.md``).
+it, so a caller that knows the layout passes it (``specs``: the parameters'
+``PartitionSpec``s, entries of the manual axis ignored), and without it the
+leaf is taken whole (gathered over the other axes), which costs memory and
+bytes over those axes (``docs/design.md``).
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -33,32 +33,28 @@ from jax.sharding import PartitionSpec as P
 LocalReduction = Callable[[Any, "list[float] | None", tuple[str, ...]], tuple[Any, Any]]
 
 
-# Trace time only: the partition specs of the gradient's leaves, where their types do not say.
-_GRADIENT_SPECS = contextvars.ContextVar[Any]("simigrad_jax_gradient_specs", default=None)
+def is_spec(x: Any) -> bool:
+  """Whether ``x`` is a ``PartitionSpec`` (a leaf of a tree of specs)."""
+  return isinstance(x, P)
 
 
-@contextlib.contextmanager
-def gradient_specs(specs: Any) -> Iterator[None]:
-  """While tracing the block, a gradient with the structure of ``specs`` is laid out as they say.
+def given_specs(tree: Any, specs: Any, what: str = "specs") -> list[P] | None:
+  """``specs``' leaves, one ``PartitionSpec`` per leaf of ``tree``; None for None.
 
-  ``specs`` is a pytree of ``PartitionSpec``, one per gradient leaf (the
-  parameters' specs without the data axis). A step that knows its parameters'
-  layout but runs the reduction where the leaves' types do not carry it
-  (``Auto`` axes) gives it here.
+  Raises ``ValueError``, naming ``what``, when ``specs`` does not have ``tree``'s
+  structure (a spec for each leaf).
   """
-  token = _GRADIENT_SPECS.set(specs)
-  try:
-    yield
-  finally:
-    _GRADIENT_SPECS.reset(token)
-
-
-def _given_specs(treedef: Any, count: int) -> list[P] | None:
-  specs = _GRADIENT_SPECS.get()
   if specs is None:
     return None
-  leaves, given = jax.tree.flatten(specs, is_leaf=lambda x: isinstance(x, P))
-  return leaves if given == treedef and len(leaves) == count else None
+  leaves, given = jax.tree.flatten(specs, is_leaf=is_spec)
+  expected = jax.tree.structure(tree)
+  # PyTreeDef: no stub for its comparison.
+  if given != expected or not all(is_spec(leaf) for leaf in leaves):  # type: ignore[operator]
+    raise ValueError(
+      f"{what} must be a PartitionSpec for each leaf of the gradient, with its tree structure "
+      f"{expected}; got {given}"
+    )
+  return leaves
 
 
 def axes_left_to_partitioner() -> tuple[str, ...]:
@@ -93,11 +89,14 @@ def _named_axes(spec: P) -> set[str]:
   return names
 
 
-def _local_specs(tree: Any, axis_name: str) -> tuple[tuple[str, ...], Any]:
-  """The axes left to the partitioner but ``axis_name``, and ``tree``'s leaves' specs over them."""
+def _local_specs(tree: Any, axis_name: str, specs: Any) -> tuple[tuple[str, ...], Any]:
+  """The axes left to the partitioner but ``axis_name``, and ``tree``'s leaves' specs over them.
+
+  A leaf's spec is its entry in ``specs`` (a tree like ``tree``), else its type's.
+  """
   other_axes = tuple(name for name in axes_left_to_partitioner() if name != axis_name)
   leaves, treedef = jax.tree.flatten(tree)
-  given = _given_specs(treedef, len(leaves))
+  given = given_specs(tree, specs)
   specs = [
     _spec_over(leaf, other_axes, given[index] if given else None)
     for index, leaf in enumerate(leaves)
@@ -105,15 +104,16 @@ def _local_specs(tree: Any, axis_name: str) -> tuple[tuple[str, ...], Any]:
   return other_axes, jax.tree.unflatten(treedef, specs)
 
 
-def each_local_shard(fn: Callable[[Any], Any], tree: Any, axis_name: str) -> Any:
+def each_local_shard(fn: Callable[[Any], Any], tree: Any, axis_name: str, specs: Any = None) -> Any:
   """Runs ``fn`` on each device's own shard of every leaf of ``tree``; its output laid out alike.
 
   For a collective over the manual ``axis_name`` on leaves that the other
   axes shard (an all-gather of FSDP blocks of a tensor-parallel kernel):
   XLA would gather them whole over those axes first. ``fn`` may change a
-  leaf's size along a dimension that the other axes do not shard.
+  leaf's size along a dimension that the other axes do not shard. ``specs``:
+  as for :func:`on_local_shards`.
   """
-  other_axes, spec_tree = _local_specs(tree, axis_name)
+  other_axes, spec_tree = _local_specs(tree, axis_name, specs)
   if not other_axes:
     return fn(tree)
   return jax.shard_map(
@@ -121,7 +121,9 @@ def each_local_shard(fn: Callable[[Any], Any], tree: Any, axis_name: str) -> Any
   )(tree)
 
 
-def on_local_shards(reduce: LocalReduction, grads: Any, axis_name: str) -> tuple[Any, Any]:
+def on_local_shards(
+  reduce: LocalReduction, grads: Any, axis_name: str, specs: Any = None
+) -> tuple[Any, Any]:
   """Runs ``reduce`` on each device's own shard of every leaf of ``grads``.
 
   Args:
@@ -134,17 +136,22 @@ def on_local_shards(reduce: LocalReduction, grads: Any, axis_name: str) -> tuple
     grads: this data position's gradient (a pytree), global over the axes
       left to the partitioner.
     axis_name: the manual data axis.
+    specs: None, or a ``PartitionSpec`` per leaf of ``grads`` (a tree like
+      it; the parameters' specs will do, ``axis_name`` is ignored in them):
+      each leaf's layout over the other axes, where its type does not carry
+      it (``Auto`` mesh axes). None: each leaf's type says (``P()`` when it
+      does not: the leaf is taken whole).
 
   Returns:
     ``reduce``'s ``(mean, stats)``, the mean laid out as ``grads`` is.
   """
-  other_axes, spec_tree = _local_specs(grads, axis_name)
+  other_axes, spec_tree = _local_specs(grads, axis_name, specs)
   if not other_axes:
     return reduce(grads, None, ())
   mesh = jax.sharding.get_abstract_mesh()
   weights = [
     1.0 / math.prod(mesh.shape[name] for name in other_axes if name not in _named_axes(spec))
-    for spec in jax.tree.leaves(spec_tree, is_leaf=lambda x: isinstance(x, P))
+    for spec in jax.tree.leaves(spec_tree, is_leaf=is_spec)
   ]
   return jax.shard_map(
     lambda local: reduce(local, weights, other_axes),

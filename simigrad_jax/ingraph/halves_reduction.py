@@ -183,13 +183,15 @@ def reduce_device_halves(
   *,
   zero_nonfinite: bool = False,
   scatter_dims: Any = None,
+  specs: Any = None,
 ) -> tuple[object, HalfStatistics]:
   """Reduces each device's own gradient to the mean and the statistics of the parity halves.
 
   Inside a ``jax.shard_map`` that is manual over ``axis_name`` only, with
   other mesh axes left to XLA's partitioner (tensor-parallel leaves), the
   hierarchical reduction runs on each device's own shard of every leaf
-  (:func:`simigrad_jax.ingraph.group_reduction.on_local_shards`).
+  (:func:`simigrad_jax.ingraph.group_reduction.on_local_shards`), laid out
+  as ``specs`` or, without them, as the leaves' types say.
 
   Args:
     grads: this device's gradient (a pytree).
@@ -203,6 +205,11 @@ def reduce_device_halves(
       ``n`` equal blocks, the layout of a leaf sharded over ``axis_name`` on
       ``d``: FSDP), never gathered; ``d`` must divide by ``n``. Needs the
       ``"hierarchical"`` reduction.
+    specs: None, or a ``PartitionSpec`` per leaf (a pytree like ``grads``;
+      the parameters' specs, ``axis_name`` ignored in them): the leaves'
+      layout over the other mesh axes, where their types do not carry it
+      (``Auto`` axes): with them each device reduces its own shard of a
+      tensor-parallel leaf instead of the leaf gathered whole.
 
   Returns:
     ``(mean, stats)``: ``mean`` as ``lax.pmean(grads, axis_name)`` returns it
@@ -237,6 +244,7 @@ def reduce_device_halves(
       ),
       grads,
       axis_name,
+      specs,
     )
   except _GroupsUnsupported:
     # Under jax.vmap with a named axis there is no network to save bytes on.

@@ -62,9 +62,11 @@ from simigrad_jax.ingraph import batch_coupling
 from simigrad_jax.ingraph import data_blocks
 from simigrad_jax.ingraph import half_batch
 from simigrad_jax.ingraph import transform
+from simigrad_jax.ingraph.device_halves_step import update_stacked
 from simigrad_jax.ingraph.transform import HalfGrads
 from simigrad_jax.ingraph.transform import HalvesContractError
 from simigrad_jax.ingraph.transform import SimilarityState
+from simigrad_jax.ingraph.transform import StackedGrads
 
 # loss_fn(params, model_state, batch, weights, rng) -> (per_example_losses, new_model_state)
 PerExampleLossFn = Callable[[Any, Any, Any, jax.Array, jax.Array], tuple[jax.Array, Any]]
@@ -239,15 +241,21 @@ def _device_gradient(
   return loss_a + loss_b, (grads_a, grads_b), lax.pmean(new_state, axis_name)
 
 
-def _optimizer_inputs(local, grads, step_inputs):
+def _optimizer_inputs(optimizer, local, grads, step_inputs, param_specs):
   """The gradient and keyword arguments the optimizer's update takes.
+
+  Device split: the parameters' specs, for the transform's reduction to
+  reduce each device's own shards over the model axes (given where the
+  optimizer's update takes extra keyword arguments to pass them on; else
+  the leaves' types say, and the numbers are the same).
 
   Local split: the mean is the sum of the two halves' shares, and each half
   is normalised by its own share of the step's real examples (a half with
   none gets a zero gradient, which the transform reports as not measured).
   """
   if not local:
-    return grads, {}
+    takes_extra = isinstance(optimizer, optax.GradientTransformationExtraArgs)
+    return grads, ({"param_specs": param_specs} if takes_extra and param_specs is not None else {})
   first, second = grads
   share = step_inputs[2] / step_inputs[0]
 
@@ -281,24 +289,42 @@ def _keep_if_nonfinite(finite: jax.Array, new: Any, old: Any) -> Any:
   return jax.tree.map(keep_state, new, old, is_leaf=lambda x: isinstance(x, SimilarityState))
 
 
-def _update(optimizer, local, params, opt_state, grads, mean_loss, step_inputs):
-  """The optimizer step from per-device gradients: new params and state, and the stats vector.
-
-  ``mean_loss`` is the step's loss, averaged over the devices.
-  """
-  grads, extra = _optimizer_inputs(local, grads, step_inputs)
-  with_lr = optax.tree_utils.tree_set(opt_state, lr_factor=step_inputs[1])
-  with_lr = batch_coupling.with_batch_size(with_lr, step_inputs[0])  # Adam's b2, weight decay
+def _update_in_step(optimizer, local, params, opt_state, grads, step_inputs, param_specs):
+  """``optimizer.update`` inside the step mapped over the data axis: ``(updates, new_state)``."""
+  grads, extra = _optimizer_inputs(optimizer, local, grads, step_inputs, param_specs)
+  expecting = "half_grads" in extra
   try:
-    with transform.expecting_half_grads() if extra else contextlib.nullcontext():
-      updates, new_opt_state = optimizer.update(grads, with_lr, params, **extra)
+    with transform.expecting_half_grads() if expecting else contextlib.nullcontext():
+      return optimizer.update(grads, opt_state, params, **extra)
   except TypeError as error:
-    if not extra:
+    if not expecting:
       raise
     raise HalvesContractError(
       f"with halves='local' the optimizer's update must take half_grads=... and pass it on to "
       f"simigrad_jax.transform (optax.chain does): {error}"
     ) from error
+
+
+def _update(
+  optimizer, local, params, opt_state, grads, mean_loss, step_inputs, param_specs, stacked=None
+):
+  """The optimizer step from per-device gradients: new params and state, and the stats vector.
+
+  ``mean_loss`` is the step's loss, averaged over the devices. ``stacked``:
+  None inside the step mapped over the data axis; else the
+  :class:`StackedGrads` that says ``grads`` are every device's gradient,
+  stacked, for the update on global arrays.
+  """
+  with_lr = optax.tree_utils.tree_set(opt_state, lr_factor=step_inputs[1])
+  with_lr = batch_coupling.with_batch_size(with_lr, step_inputs[0])  # Adam's b2, weight decay
+  if stacked is None:
+    updates, new_opt_state = _update_in_step(
+      optimizer, local, params, with_lr, grads, step_inputs, param_specs
+    )
+  else:
+    updates, new_opt_state = update_stacked(
+      optimizer, grads, with_lr, params, stacked, param_specs, "the Trainer"
+    )
   new_params = optax.apply_updates(params, updates)
   similarity_state = optax.tree_utils.tree_get(new_opt_state, SimilarityState.__name__)
   stats = jnp.stack(
@@ -374,33 +400,39 @@ def make_fused_step(
       params, model_state, batch, weights, step_inputs[0], counters
     )
     params, opt_state, finite, stats = _update(
-      optimizer, local, params, opt_state, grads, lax.pmean(loss, axis_name), step_inputs
+      optimizer,
+      local,
+      params,
+      opt_state,
+      grads,
+      lax.pmean(loss, axis_name),
+      step_inputs,
+      param_specs,
     )
     model_state = _keep_if_nonfinite(finite, new_model_state, model_state)
     return params, opt_state, model_state, stats
 
   def step(params, opt_state, model_state, batch, weights, step_inputs, counters):
     blocks = data_blocks.DataBlocks(params, param_specs, axis_name)
-    with blocks.model_layout():
-      if local or not blocks.any:
-        return manual_over(
-          mesh,
-          axis_name,
-          per_device,
-          in_specs=(P(), P(), P(), P(axis_name), P(axis_name), P(), P()),
-          out_specs=(P(), P(), P(), P()),
-        )(params, opt_state, model_state, batch, weights, step_inputs, counters)
-      # FSDP: the gradient per device, then the optimizer on the parameters' blocks.
-      stacked, losses, new_model_state = manual_over(
+    if local or not blocks.any:
+      return manual_over(
         mesh,
         axis_name,
-        lambda p, *rest: _stacked(gradient(blocks.gather(p), *rest)),
-        in_specs=(blocks.entry, P(), P(axis_name), P(axis_name), P(), P()),
-        out_specs=(P(axis_name), P(axis_name), P()),
-      )(params, model_state, batch, weights, step_inputs[0], counters)
-      params, opt_state, finite, stats = _update_blocks(
-        optimizer, blocks, mesh, params, opt_state, stacked, losses, step_inputs
-      )
+        per_device,
+        in_specs=(P(), P(), P(), P(axis_name), P(axis_name), P(), P()),
+        out_specs=(P(), P(), P(), P()),
+      )(params, opt_state, model_state, batch, weights, step_inputs, counters)
+    # FSDP: the gradient per device, then the optimizer on the parameters' blocks.
+    stacked, losses, new_model_state = manual_over(
+      mesh,
+      axis_name,
+      lambda p, *rest: _stacked(gradient(blocks.gather(p), *rest)),
+      in_specs=(blocks.entry, P(), P(axis_name), P(axis_name), P(), P()),
+      out_specs=(P(axis_name), P(axis_name), P()),
+    )(params, model_state, batch, weights, step_inputs[0], counters)
+    params, opt_state, finite, stats = _update_blocks(
+      optimizer, blocks, mesh, params, opt_state, stacked, losses, step_inputs
+    )
     model_state = _keep_if_nonfinite(finite, new_model_state, model_state)
     return params, opt_state, model_state, stats
 
@@ -416,8 +448,17 @@ def _stacked(device_gradient: tuple[jax.Array, Any, Any]) -> tuple[Any, jax.Arra
 def _update_blocks(optimizer, blocks, mesh, params, opt_state, stacked, losses, step_inputs):
   """:func:`_update` on global arrays, the transform reducing the devices' stacked gradients
   into the parameters' layout (FSDP blocks stay blocks)."""
-  with blocks.reduced_by_transform("the Trainer", mesh=mesh):
-    return _update(optimizer, False, params, opt_state, stacked, jnp.mean(losses), step_inputs)
+  return _update(
+    optimizer,
+    False,
+    params,
+    opt_state,
+    stacked,
+    jnp.mean(losses),
+    step_inputs,
+    blocks.specs,
+    StackedGrads(blocks.axis_name, mesh),
+  )
 
 
 def make_micro_step(
@@ -469,14 +510,13 @@ def make_micro_step(
 
   def micro_step(params, model_state, acc, batch, weights, step_inputs, counters):
     blocks = data_blocks.DataBlocks(params, None if local else param_specs, axis_name)
-    with blocks.model_layout():
-      return manual_over(
-        mesh,
-        axis_name,
-        functools.partial(per_device, blocks=blocks),
-        in_specs=(blocks.entry, P(), P(axis_name), P(axis_name), P(axis_name), P(), P()),
-        out_specs=(P(axis_name), P()),
-      )(params, model_state, acc, batch, weights, step_inputs, counters)
+    return manual_over(
+      mesh,
+      axis_name,
+      functools.partial(per_device, blocks=blocks),
+      in_specs=(blocks.entry, P(), P(axis_name), P(axis_name), P(axis_name), P(), P()),
+      out_specs=(P(axis_name), P()),
+    )(params, model_state, acc, batch, weights, step_inputs, counters)
 
   return micro_step
 
@@ -511,7 +551,14 @@ def make_apply_step(
   def per_device(params, opt_state, acc, model_state_before, model_state, step_inputs):
     grads = jax.tree.map(lambda g: g[0], acc.grads)
     params, opt_state, finite, stats = _update(
-      optimizer, local, params, opt_state, grads, lax.pmean(acc.loss[0], axis_name), step_inputs
+      optimizer,
+      local,
+      params,
+      opt_state,
+      grads,
+      lax.pmean(acc.loss[0], axis_name),
+      step_inputs,
+      param_specs,
     )
     cleared = jax.tree.map(jnp.zeros_like, acc)
     model_state = _keep_if_nonfinite(finite, model_state, model_state_before)
@@ -519,19 +566,18 @@ def make_apply_step(
 
   def apply_step(params, opt_state, acc, model_state_before, model_state, step_inputs):
     blocks = data_blocks.DataBlocks(params, param_specs, axis_name)
-    with blocks.model_layout():
-      if local or not blocks.any:
-        return manual_over(
-          mesh,
-          axis_name,
-          per_device,
-          in_specs=(P(), P(), P(axis_name), P(), P(), P()),
-          out_specs=(P(), P(), P(axis_name), P(), P()),
-        )(params, opt_state, acc, model_state_before, model_state, step_inputs)
-      # FSDP: the accumulator holds each device's gradient, stacked; the update is on blocks.
-      params, opt_state, finite, stats = _update_blocks(
-        optimizer, blocks, mesh, params, opt_state, acc.grads, acc.loss, step_inputs
-      )
+    if local or not blocks.any:
+      return manual_over(
+        mesh,
+        axis_name,
+        per_device,
+        in_specs=(P(), P(), P(axis_name), P(), P(), P()),
+        out_specs=(P(), P(), P(axis_name), P(), P()),
+      )(params, opt_state, acc, model_state_before, model_state, step_inputs)
+    # FSDP: the accumulator holds each device's gradient, stacked; the update is on blocks.
+    params, opt_state, finite, stats = _update_blocks(
+      optimizer, blocks, mesh, params, opt_state, acc.grads, acc.loss, step_inputs
+    )
     cleared = jax.tree.map(jnp.zeros_like, acc)
     model_state = _keep_if_nonfinite(finite, model_state, model_state_before)
     return params, opt_state, cleared, model_state, stats

@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 from jax import lax
+from jax.sharding import AxisType
 
 from simigrad_jax.errors import SimiGradError
+from simigrad_jax.ingraph import data_blocks
+from simigrad_jax.ingraph import group_reduction
 from simigrad_jax.ingraph import half_statistics
 from simigrad_jax.ingraph import halves_reduction
 
@@ -54,11 +57,33 @@ class HalfGrads(NamedTuple):
   share: Any = None
 
 
+class StackedGrads(NamedTuple):
+  """Says that the gradient handed to :func:`transform` is every device's own, stacked.
+
+  For a plain ``jax.jit`` step that takes each device's gradient inside a
+  ``jax.shard_map`` manual over the mesh axis ``axis_name`` and runs the
+  optimizer on global arrays outside it (:func:`simigrad_jax.device_halves_step`
+  does, and so do the Trainer's steps with parameters in blocks over the data
+  axis): every leaf of the gradient has a leading dimension of the axis's
+  size, sharded over it, device ``i``'s gradient at index ``i`` (the
+  ``out_specs=P(axis_name)`` of ``g[None]``). The step passes it in the call,
+  ``optimizer.update(stacked, state, params, stacked_grads=StackedGrads("data"))``,
+  and the transform reduces the devices' gradients (even devices against odd
+  ones) into the parameters' layout.
+  """
+
+  axis_name: str  # the mesh axis the gradients are stacked over: the transform's axis name.
+  # The mesh that axis belongs to; None: the one set with jax.set_mesh.
+  mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None = None
+
+
 class HalvesContractError(SimiGradError, ValueError):
   """The optimizer does not pass ``half_grads`` on to :func:`transform`."""
 
 
 # Trace time only: True while a caller that passes half_grads runs the optimizer's update.
+# It only refuses (a transform reached without half_grads raises); it never changes what the
+# transform computes, which depends on its arguments and its state alone.
 _EXPECTING_HALF_GRADS = contextvars.ContextVar("simigrad_jax_expecting_half_grads", default=False)
 
 
@@ -69,7 +94,9 @@ def expecting_half_grads() -> Iterator[None]:
   A wrapper around the transform that takes extra keyword arguments but does
   not pass them on would make the transform measure the device split where
   the caller asked for the local one; a caller that passes ``half_grads`` to
-  ``optimizer.update`` runs it inside this block to refuse that.
+  ``optimizer.update`` runs it inside this block to refuse that. The block
+  only refuses: a transform that runs inside it computes what it computes
+  outside it.
   """
   token = _EXPECTING_HALF_GRADS.set(True)
   try:
@@ -88,6 +115,8 @@ class AxisNameError(SimiGradError, ValueError):
 
 
 # Trace time only: the axis a caller maps its step over, which the transform must name.
+# It only refuses (a transform named otherwise raises); it never changes what the transform
+# computes, which depends on its arguments and its state alone.
 _STEP_AXIS = contextvars.ContextVar[str | None]("simigrad_jax_step_axis", default=None)
 
 
@@ -98,46 +127,14 @@ def step_mapped_over(axis_name: str) -> Iterator[None]:
   Without the axis name the transform never averages the devices' gradients
   (with ``half_grads`` it measures each device's own rows): the replicas would
   drift apart without an error. A caller that maps its step over an axis
-  traces it inside this block to refuse that.
+  traces it inside this block to refuse that. The block only refuses: a
+  transform named ``axis_name`` computes inside it what it computes outside.
   """
   token = _STEP_AXIS.set(axis_name)
   try:
     yield
   finally:
     _STEP_AXIS.reset(token)
-
-
-# reduce(per_device_updates, reduction, zero_nonfinite) -> (mean, stats).
-DeviceGradientsReduction = Callable[
-  [Any, halves_reduction.Reduction, bool], tuple[Any, half_statistics.HalfStatistics]
-]
-
-# Trace time only: the reduction of a step that hands the transform its devices' gradients.
-_DEVICE_GRADIENTS = contextvars.ContextVar[DeviceGradientsReduction | None](
-  "simigrad_jax_device_gradients", default=None
-)
-
-
-@contextlib.contextmanager
-def gradients_of_devices(axis_name: str, reduce: DeviceGradientsReduction) -> Iterator[None]:
-  """While tracing the block, :func:`transform` reduces its input with ``reduce``.
-
-  A plain ``jax.jit`` step that takes each device's gradient inside a
-  ``jax.shard_map`` over the mesh axis ``axis_name`` and runs the optimizer
-  on global arrays outside it (:func:`simigrad_jax.device_halves_step`)
-  hands the transform the devices' gradients stacked along a leading
-  ``axis_name`` dimension; ``reduce`` runs the device split's reduction on
-  them (in a ``jax.shard_map`` of its own) and returns the mean laid out as
-  the parameters are, and the statistics. A transform named for another
-  axis raises :class:`AxisNameError`.
-  """
-  axis_token = _STEP_AXIS.set(axis_name)
-  token = _DEVICE_GRADIENTS.set(reduce)
-  try:
-    yield
-  finally:
-    _DEVICE_GRADIENTS.reset(token)
-    _STEP_AXIS.reset(axis_token)
 
 
 def _check_step_axis(axis_name: str | None) -> None:
@@ -178,6 +175,15 @@ def _check_not_already_reduced(leaves: list[jax.Array], axis_name: str) -> None:
       )
 
 
+def _axis_is_bound(axis_name: str) -> bool:
+  """Whether a ``jax.pmap``, ``jax.shard_map`` or ``jax.vmap`` binds ``axis_name`` here."""
+  try:
+    lax.axis_size(axis_name)
+  except NameError:
+    return False
+  return True
+
+
 def _check_axis_is_bound(axis_name: str) -> None:
   """Raises, naming the fix, when no ``jax.pmap``, ``jax.shard_map`` or ``jax.vmap`` binds it."""
   try:
@@ -189,8 +195,66 @@ def _check_axis_is_bound(axis_name: str) -> None:
       f"axis_name={axis_name!r}) or jax.shard_map over a mesh axis {axis_name!r}. In a "
       "plain jax.jit step over arrays sharded on a mesh, use simigrad_jax.transform() "
       "without an axis name and pass half_grads=... from "
-      "simigrad_jax.value_and_half_grads"
+      "simigrad_jax.value_and_half_grads; or, where the step hands the optimizer each "
+      f"device's gradient stacked along a leading {axis_name!r} dimension, pass "
+      f"stacked_grads=StackedGrads({axis_name!r}) to its update (an optimizer wrapper that "
+      "does not pass extra keyword arguments on loses it; optax.chain passes them)"
     ) from error
+
+
+def _check_stacked(
+  updates: Any, stacked_grads: Any, axis_name: str | None, half_grads: Any
+) -> jax.sharding.Mesh | jax.sharding.AbstractMesh:
+  """Refuses ``stacked_grads`` that do not describe ``updates``; returns the mesh."""
+  if not isinstance(stacked_grads, StackedGrads):
+    raise ValueError(
+      "stacked_grads must be a simigrad_jax.ingraph.transform.StackedGrads(axis_name, mesh), "
+      f"got {type(stacked_grads).__name__}"
+    )
+  stacked_axis = stacked_grads.axis_name
+  if axis_name != stacked_axis:
+    raise AxisNameError(
+      f"simigrad_jax.transform(axis_name={axis_name!r}) was handed the devices' gradients "
+      f"stacked over the mesh axis {stacked_axis!r} (stacked_grads=...): it reduces them "
+      f"over its own axis; use simigrad_jax.transform(axis_name={stacked_axis!r})",
+      axis_name,
+      stacked_axis,
+    )
+  if half_grads is not None:
+    raise ValueError(
+      "simigrad_jax.transform received half_grads=... in a step whose halves are the "
+      "data axis's even and odd devices (stacked_grads=..., as in "
+      "simigrad_jax.device_halves_step): leave half_grads out there"
+    )
+  if _axis_is_bound(stacked_axis):
+    raise ValueError(
+      f"simigrad_jax.transform({stacked_axis!r}) was given stacked_grads=... inside a step "
+      f"mapped over the axis {stacked_axis!r} (jax.pmap or jax.shard_map): stacked_grads "
+      "says that the optimizer runs on global arrays outside the step's shard_map, on every "
+      "device's gradient stacked; inside the mapped step pass each device's own gradient "
+      "without it"
+    )
+  mesh = jax.sharding.get_abstract_mesh() if stacked_grads.mesh is None else stacked_grads.mesh
+  if mesh.empty or stacked_axis not in mesh.axis_names:
+    found = "no mesh" if mesh.empty else f"a mesh with the axes {tuple(mesh.axis_names)}"
+    raise ValueError(
+      f"stacked_grads=StackedGrads({stacked_axis!r}) stacks the devices' gradients over the "
+      f"mesh axis {stacked_axis!r}, and found {found}: give StackedGrads(axis_name, mesh) "
+      f"or run the step inside `with jax.set_mesh(mesh):`, mesh having an axis "
+      f"{stacked_axis!r}"
+    )
+  size = mesh.shape[stacked_axis]
+  for path, leaf in jax.tree_util.tree_flatten_with_path(updates)[0]:
+    shape = jnp.shape(leaf)
+    if not shape or shape[0] != size:
+      raise ValueError(
+        f"with stacked_grads=StackedGrads({stacked_axis!r}) every gradient leaf is each "
+        f"device's gradient stacked along a leading dimension of the axis's size {size}; "
+        f"the gradient{jax.tree_util.keystr(path)} has shape {shape}. Return g[None] from "
+        f"the jax.shard_map with out_specs=P({stacked_axis!r}), or leave stacked_grads out "
+        "for a gradient that is not stacked"
+      )
+  return mesh
 
 
 def _check_half_grads(updates: Any, half_grads: Any) -> None:
@@ -244,13 +308,25 @@ def transform(
   taken over all leaves as one vector and accumulated in float32. The host reads it with
   :func:`simigrad_jax.similarity` and feeds it to :class:`simigrad_jax.Controller`.
 
-  In :func:`simigrad_jax.device_halves_step` (and in the Trainer's steps on
-  a mesh) each device reduces its own shard of every leaf, model axes left
-  to XLA's partitioner, so a tensor-parallel gradient is not gathered;
-  there the step hands the transform each device's gradient stacked along
-  the data axis, and the mean comes back laid out as the parameters are
-  (a leaf in blocks over the data axis, FSDP, in its blocks), for the rest
-  of the chain to run on global arrays.
+  Inside a ``jax.shard_map`` manual over ``axis_name`` only, with model
+  axes left to XLA's partitioner, each device reduces its own shard of
+  every leaf, so a tensor-parallel gradient is not gathered; under ``Auto``
+  mesh axes the leaves' types do not say how they lie, and the step passes
+  the parameters' specs as ``param_specs``.
+
+  A step may also run the optimizer on global arrays outside its
+  ``shard_map`` and hand the transform each device's gradient stacked along
+  the data axis, saying so with ``stacked_grads``
+  (:func:`simigrad_jax.device_halves_step` does, and so do the Trainer's
+  steps with parameters in blocks over the data axis): the transform then
+  reduces them in a ``shard_map`` of its own, and the mean comes back laid
+  out as the parameters are (a leaf in blocks over the data axis, FSDP, in
+  its blocks, given ``param_specs``), for the rest of the chain to run on
+  global arrays.
+
+  The step says in the call what it hands over (``half_grads``,
+  ``stacked_grads``, ``param_specs``): no context set around the call
+  changes what the update computes.
 
   With one device or an odd number of devices the device halves do not exist;
   then split each device's own batch in two and pass the two half gradients
@@ -275,8 +351,9 @@ def transform(
   collective (scalars, or each row's partial sums): nothing is gathered or
   flattened, and the mean keeps each leaf's sharding. The halves are the
   batch's even- and odd-numbered examples as ``value_and_half_grads`` splits
-  them. Called with an axis name outside ``jax.pmap`` or ``jax.shard_map``,
-  the update raises an error that says to leave the name out.
+  them. Called with an axis name outside ``jax.pmap`` or ``jax.shard_map``
+  and without ``stacked_grads``, the update raises an error that says to
+  leave the name out.
 
   Args:
     axis_name: the name of the mapped data-parallel axis, or None in a plain
@@ -292,10 +369,39 @@ def transform(
       non-finite mean, identical on every device, for a following
       ``optax.apply_if_finite`` to skip the whole step consistently. The state
       stays finite either way and counts the event.
+    half_grads: (an argument of the update, ``update(updates, state, params,
+      half_grads=...)``, as are the two below) a :class:`simigrad_jax.HalfGrads`,
+      the two halves of each device's batch (the local split), ``updates``
+      then their mean; None: the halves are the even and odd devices of
+      ``axis_name``.
+    stacked_grads: (update) a :class:`StackedGrads`, ``StackedGrads(axis_name,
+      mesh=None)`` with the transform's own axis name, when ``updates`` are
+      every device's gradient stacked along a leading dimension sharded over
+      that mesh axis and the optimizer runs on global arrays outside the
+      step's ``shard_map``: the update reduces them and returns the mean laid
+      out as the parameters are. None: ``updates`` are this device's own
+      gradient (inside the mapped step) or, with ``half_grads``, the global
+      one. Not with ``half_grads``, and not inside a step mapped over the axis.
+    param_specs: (update) None, or the parameters' ``PartitionSpec``s on the
+      mesh (a pytree like ``updates``, one spec per leaf) for the device
+      split, where the leaves' types do not carry them (``Auto`` mesh axes):
+      each device then reduces its own shard of a tensor-parallel leaf
+      instead of the leaf gathered whole, and with ``stacked_grads`` a leaf
+      in blocks over the data axis alone (FSDP) gets its mean in the same
+      blocks. They decide where the mean lies and which shard each device
+      adds up (the statistics' float32 sums in another order), not what the
+      mean is. None: the leaves' types give their layout over the model axes
+      (``P()`` where they say nothing), and with ``stacked_grads`` every
+      leaf's mean comes back whole over the data axis. The local split does
+      not use them.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``. Its ``update(updates, state,
-    params=None, *, half_grads=None)`` returns ``(mean_updates, new_state)``.
+    params=None, *, half_grads=None, stacked_grads=None, param_specs=None)``
+    returns ``(mean_updates, new_state)``, ``mean_updates`` the mean of the
+    devices' gradients; ``optax.chain`` passes the keyword arguments of its
+    own update on to it. What the update computes depends on these arguments
+    and its state alone.
 
   Example:
     >>> import jax, jax.numpy as jnp, optax, simigrad_jax
@@ -347,7 +453,7 @@ def transform(
     )
 
   def reduce_in_step(
-    updates: optax.Updates, half_grads: HalfGrads | None
+    updates: optax.Updates, half_grads: HalfGrads | None, param_specs: Any
   ) -> tuple[optax.Updates, half_statistics.HalfStatistics]:
     """The mean and the statistics, in a mapped step or a plain ``jax.jit`` one."""
     if axis_name is not None:
@@ -362,7 +468,7 @@ def transform(
           "simigrad_jax.value_and_half_grads, or give the mapped axis name"
         )
       return halves_reduction.reduce_device_halves(
-        updates, axis_name, reduction, zero_nonfinite=zero_nonfinite
+        updates, axis_name, reduction, zero_nonfinite=zero_nonfinite, specs=param_specs
       )
     _check_half_grads(updates, half_grads)
     share = 0.5 if half_grads.share is None else half_grads.share
@@ -380,12 +486,34 @@ def transform(
       updates, diff_shares, axis_name, reduction, zero_nonfinite=zero_nonfinite, share=share
     )
 
+  def reduce_stacked(
+    updates: optax.Updates, stacked_grads: StackedGrads, half_grads: Any, param_specs: Any
+  ) -> tuple[optax.Updates, half_statistics.HalfStatistics]:
+    """The mean, laid out as the parameters are, and the statistics, from stacked gradients."""
+    mesh = _check_stacked(updates, stacked_grads, axis_name, half_grads)
+    stacked_axis = stacked_grads.axis_name
+    explicit_axes = (
+      tuple(name for name in mesh.axis_names if name != stacked_axis)
+      if AxisType.Explicit in mesh.axis_types
+      else ()
+    )
+    blocks = data_blocks.DataBlocks(updates, param_specs, stacked_axis)
+    return blocks.reduce_devices(
+      updates,
+      reduction,
+      nonfinite == "zero",
+      mesh=stacked_grads.mesh,
+      explicit_axes=explicit_axes,
+    )
+
   def update_fn(
     updates: optax.Updates,
     state: SimilarityState,
     params: optax.Params | None = None,
     *,
     half_grads: HalfGrads | None = None,
+    stacked_grads: StackedGrads | None = None,
+    param_specs: Any = None,
     **extra: Any,
   ) -> tuple[optax.Updates, SimilarityState]:
     del params, extra
@@ -396,17 +524,11 @@ def transform(
         "optimizer takes extra keyword arguments and does not pass them on (optax.chain does)"
       )
     _check_step_axis(axis_name)
-    reduce_devices = _DEVICE_GRADIENTS.get()
-    if reduce_devices is None:
-      mean, stats = reduce_in_step(updates, half_grads)
-    elif half_grads is not None:
-      raise ValueError(
-        "simigrad_jax.transform received half_grads=... in a step whose halves are the "
-        "data axis's even and odd devices (simigrad_jax.device_halves_step): leave "
-        "half_grads out there"
-      )
+    group_reduction.given_specs(updates, param_specs, "param_specs")
+    if stacked_grads is None:
+      mean, stats = reduce_in_step(updates, half_grads, param_specs)
     else:
-      mean, stats = reduce_devices(updates, reduction, nonfinite == "zero")
+      mean, stats = reduce_stacked(updates, stacked_grads, half_grads, param_specs)
 
     grads_finite = stats.finite
     positive = (stats.sq_norm_a > 0) & (stats.sq_norm_b > 0)

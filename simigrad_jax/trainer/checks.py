@@ -38,6 +38,8 @@ def transform_named_for(axis_name: str) -> Iterator[None]:
   The transform raises :class:`simigrad_jax.ingraph.AxisNameError` while the step is
   traced; the program's trace reports it as a failing ``loss_fn``, so the
   error is raised again here, naming the fix, with the transform's as its cause.
+  The block only refuses: a transform named ``axis_name`` computes inside it
+  what it computes outside (:func:`simigrad_jax.ingraph.transform.step_mapped_over`).
   """
   try:
     with transform.step_mapped_over(axis_name):
