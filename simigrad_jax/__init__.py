@@ -37,7 +37,8 @@ Errors: every one derives from SimiGradError and keeps its built-in parent
 
 The rooms, each documenting its API in its ``__init__``:
   simigrad_jax.ingraph (runs under jit: the transform, the half gradients, the
-    learning-rate and Adam coupling states), simigrad_jax.controllers
+    learning-rate and Adam coupling states, StackedGrads), simigrad_jax.reductions
+    (the collectives behind the transform), simigrad_jax.controllers
     (OneStepLateController, ProfilingController, controller_options, ...),
     simigrad_jax.ramps (batch-size ramps without feedback, replay_schedule,
     replay_controller), simigrad_jax.shapes (plan_batch, BucketPolicy,

@@ -110,6 +110,10 @@ MOVED_NAMES: dict[str, dict[str, str]] = {
 # 0.1.0's module paths and the module each one is now.
 MOVED_MODULES: dict[str, str] = {
   "simigrad_jax.controllers.replay": "simigrad_jax.ramps.replay",
+  "simigrad_jax.ingraph.data_blocks": "simigrad_jax.reductions.data_blocks",
+  "simigrad_jax.ingraph.group_reduction": "simigrad_jax.reductions.group_reduction",
+  "simigrad_jax.ingraph.half_statistics": "simigrad_jax.reductions.half_statistics",
+  "simigrad_jax.ingraph.halves_reduction": "simigrad_jax.reductions.halves_reduction",
   "simigrad_jax.controllers.schedules": "simigrad_jax.ramps.schedules",
   "simigrad_jax.controllers.seesaw": "simigrad_jax.ramps.seesaw",
   "simigrad_jax.controllers.token_schedules": "simigrad_jax.ramps.token_schedules",

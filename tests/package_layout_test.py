@@ -40,6 +40,7 @@ FLOORS = {
   "validation": 0,
   "files": 0,
   "ingraph": 0,
+  "reductions": 0,
   "controllers": 1,
   "shapes": 1,
   "multihost": 1,

@@ -4,7 +4,8 @@ Documented API:
   SimilarityState, HalfGrads: the state of ``simigrad_jax.transform`` (the
     optax transformation that replaces ``lax.pmean(grads)`` and measures the
     similarity of the two halves' gradients) and a step's own halves handed
-    to it.
+    to it. StackedGrads: the update's argument that says its gradients are
+    every device's, stacked along a leading dimension over a mesh axis.
   value_and_half_grads: the gradients of a batch's even- and odd-numbered
     examples, one pass after the other (the local split).
   scale_by_lr_factor: the updates scaled by a learning-rate factor the host
@@ -22,9 +23,8 @@ Documented API:
   their modules.
 
 Modules: ``transform``, ``half_batch``, ``device_halves_step``,
-``lr_scaling``, ``batch_coupling``, ``train_step`` (the Trainer's steps), and
-the reductions they share: ``halves_reduction``, ``group_reduction``,
-``half_statistics`` and ``data_blocks``.
+``lr_scaling``, ``batch_coupling`` and ``train_step`` (the Trainer's steps);
+the collectives they share are :mod:`simigrad_jax.reductions`.
 
 Example:
   >>> import optax
@@ -47,6 +47,7 @@ from simigrad_jax.ingraph.transform import AxisNameError
 from simigrad_jax.ingraph.transform import HalfGrads
 from simigrad_jax.ingraph.transform import HalvesContractError
 from simigrad_jax.ingraph.transform import SimilarityState
+from simigrad_jax.ingraph.transform import StackedGrads
 
 __all__ = [
   "AxisNameError",
@@ -56,6 +57,7 @@ __all__ = [
   "LossContractError",
   "LrFactorState",
   "SimilarityState",
+  "StackedGrads",
   "couple_to_batch_size",
   "scale_by_lr_factor",
   "value_and_half_grads",

@@ -23,8 +23,8 @@ from jax import lax
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
-from simigrad_jax.ingraph import data_blocks
 from simigrad_jax.ingraph.transform import StackedGrads
+from simigrad_jax.reductions import data_blocks
 
 Step = Callable[[Any, Any, Any], tuple[Any, ...]]
 

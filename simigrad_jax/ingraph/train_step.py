@@ -59,7 +59,6 @@ from jax.sharding import PartitionSpec as P
 
 from simigrad_jax.errors import SimiGradError
 from simigrad_jax.ingraph import batch_coupling
-from simigrad_jax.ingraph import data_blocks
 from simigrad_jax.ingraph import half_batch
 from simigrad_jax.ingraph import transform
 from simigrad_jax.ingraph.device_halves_step import update_stacked
@@ -67,6 +66,7 @@ from simigrad_jax.ingraph.transform import HalfGrads
 from simigrad_jax.ingraph.transform import HalvesContractError
 from simigrad_jax.ingraph.transform import SimilarityState
 from simigrad_jax.ingraph.transform import StackedGrads
+from simigrad_jax.reductions import data_blocks
 
 # loss_fn(params, model_state, batch, weights, rng) -> (per_example_losses, new_model_state)
 PerExampleLossFn = Callable[[Any, Any, Any, jax.Array, jax.Array], tuple[jax.Array, Any]]
@@ -379,7 +379,7 @@ def make_fused_step(
     param_specs: the parameters' ``PartitionSpec``s on ``mesh`` (a pytree
       like them; None: replicated). Each device reduces its own shards over
       the model axes; with the device split a parameter in blocks over the
-      data axis (FSDP, :mod:`simigrad_jax.ingraph.data_blocks`) enters as
+      data axis (FSDP, :mod:`simigrad_jax.reductions.data_blocks`) enters as
       its block, is gathered for the gradient, and the optimizer then runs
       on global arrays, its mean gradient and state in the same blocks.
 

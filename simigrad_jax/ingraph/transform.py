@@ -14,10 +14,10 @@ from jax import lax
 from jax.sharding import AxisType
 
 from simigrad_jax.errors import SimiGradError
-from simigrad_jax.ingraph import data_blocks
-from simigrad_jax.ingraph import group_reduction
-from simigrad_jax.ingraph import half_statistics
-from simigrad_jax.ingraph import halves_reduction
+from simigrad_jax.reductions import data_blocks
+from simigrad_jax.reductions import group_reduction
+from simigrad_jax.reductions import half_statistics
+from simigrad_jax.reductions import halves_reduction
 
 NonFinitePolicy = Literal["zero", "propagate"]
 _NONFINITE_POLICIES = ("zero", "propagate")

@@ -15,8 +15,8 @@ from jax.sharding import PartitionSpec as P
 import simigrad_jax
 from benchmarks import hlo_collectives
 from benchmarks import sharded_models
-from simigrad_jax.ingraph import data_blocks
 from simigrad_jax.ingraph import device_halves_step as device_halves_step_module
+from simigrad_jax.reductions import data_blocks
 
 WIDTHS = (64, 64, 10)
 BATCH = 32

@@ -19,10 +19,10 @@ from jax.sharding import PartitionSpec as P
 
 import simigrad_jax
 from benchmarks import hlo_collectives
-from simigrad_jax.ingraph import data_blocks
 from simigrad_jax.ingraph import train_step
 from simigrad_jax.ingraph import transform as transform_module
 from simigrad_jax.ingraph.transform import StackedGrads
+from simigrad_jax.reductions import data_blocks
 
 AXIS = "data"
 DATA, MODEL = 4, 2
@@ -264,7 +264,7 @@ def test_the_argument_misused_fails_with_our_own_error(devices):
   # A transform named for another axis, or for none.
   for name in ("batch", None):
     named = simigrad_jax.transform(name)
-    with pytest.raises(simigrad_jax.AxisNameError, match="axis_name='data'") as raised:
+    with pytest.raises(simigrad_jax.ingraph.AxisNameError, match="axis_name='data'") as raised:
       run(lambda s, tx=named: _update(tx, s, stacked_grads=StackedGrads(AXIS, mesh)), stacked)
     assert raised.value.axis_name == name and raised.value.step_axis == AXIS
   # No mesh to find the axis on, or a mesh without it.

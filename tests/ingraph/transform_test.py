@@ -11,8 +11,8 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import simigrad_jax
-from simigrad_jax.ingraph import half_statistics
-from simigrad_jax.ingraph import halves_reduction
+from simigrad_jax.reductions import half_statistics
+from simigrad_jax.reductions import halves_reduction
 
 AXIS = "batch"
 

@@ -6,7 +6,7 @@ so the statistics of pieces add up to the whole gradient's:
 
 * :func:`pair_statistics` sums matching pieces of the two halves, as a
   device holds them inside a collective reduction
-  (:mod:`simigrad_jax.ingraph.halves_reduction`), whose partial sums one small
+  (:mod:`simigrad_jax.reductions.halves_reduction`), whose partial sums one small
   ``psum`` then adds;
 * :func:`global_halves` sums each leaf of two half gradients that are global
   arrays, in a plain ``jax.jit`` step: on a leaf sharded over a mesh XLA's

@@ -3,7 +3,7 @@
 Runs inside a step mapped over a named axis (``jax.pmap`` or ``jax.shard_map``).
 A plain ``jax.jit`` step whose gradients are global arrays sharded over a mesh
 needs no collective of its own: XLA's partitioner does the reduction there
-(:func:`simigrad_jax.ingraph.half_statistics.global_halves`).
+(:func:`simigrad_jax.reductions.half_statistics.global_halves`).
 
 The two halves are formed in one of two ways:
 
@@ -42,7 +42,7 @@ all-reduce of the gradient:
 
 Collectives run in the gradient's own dtype (bfloat16 gradients move bfloat16
 bytes), while every dot product and norm is accumulated in float32
-(:mod:`simigrad_jax.ingraph.half_statistics`).
+(:mod:`simigrad_jax.reductions.half_statistics`).
 """
 
 from __future__ import annotations
@@ -53,12 +53,12 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from simigrad_jax.ingraph import group_reduction
-from simigrad_jax.ingraph.half_statistics import HalfStatistics
-from simigrad_jax.ingraph.half_statistics import finish_statistics
-from simigrad_jax.ingraph.half_statistics import flatten_up_to
-from simigrad_jax.ingraph.half_statistics import halves_of
-from simigrad_jax.ingraph.half_statistics import pair_statistics
+from simigrad_jax.reductions import group_reduction
+from simigrad_jax.reductions.half_statistics import HalfStatistics
+from simigrad_jax.reductions.half_statistics import finish_statistics
+from simigrad_jax.reductions.half_statistics import flatten_up_to
+from simigrad_jax.reductions.half_statistics import halves_of
+from simigrad_jax.reductions.half_statistics import pair_statistics
 
 Reduction = Literal["hierarchical", "scatter", "stacked"]
 REDUCTIONS: tuple[str, ...] = ("hierarchical", "scatter", "stacked")
@@ -190,7 +190,7 @@ def reduce_device_halves(
   Inside a ``jax.shard_map`` that is manual over ``axis_name`` only, with
   other mesh axes left to XLA's partitioner (tensor-parallel leaves), the
   hierarchical reduction runs on each device's own shard of every leaf
-  (:func:`simigrad_jax.ingraph.group_reduction.on_local_shards`), laid out
+  (:func:`simigrad_jax.reductions.group_reduction.on_local_shards`), laid out
   as ``specs`` or, without them, as the leaves' types say.
 
   Args:

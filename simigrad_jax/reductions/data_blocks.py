@@ -28,10 +28,10 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from simigrad_jax.ingraph import group_reduction
-from simigrad_jax.ingraph import halves_reduction
-from simigrad_jax.ingraph.group_reduction import is_spec
-from simigrad_jax.ingraph.half_statistics import HalfStatistics
+from simigrad_jax.reductions import group_reduction
+from simigrad_jax.reductions import halves_reduction
+from simigrad_jax.reductions.group_reduction import is_spec
+from simigrad_jax.reductions.half_statistics import HalfStatistics
 
 
 def without_axis(spec: P, axis_name: str) -> P:
@@ -117,7 +117,7 @@ class DataBlocks:
     """The leaves' layout over the model axes (``inner``), or None when the specs are unknown.
 
     What the reductions are given where the leaves' types do not carry it
-    (``Auto`` mesh axes): :func:`simigrad_jax.ingraph.group_reduction.on_local_shards`.
+    (``Auto`` mesh axes): :func:`simigrad_jax.reductions.group_reduction.on_local_shards`.
     """
     return self.inner if self.known else None
 

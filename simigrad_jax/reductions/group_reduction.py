@@ -6,7 +6,7 @@ XLA's partitioner: inside it, a gradient leaf is still a global array over
 those axes. XLA partitions an all-reduce over the data axis on each shard, but
 it gathers a leaf whole across the other axes before a reduce-scatter, an
 all-to-all or an all-gather over the data axis, the collectives of the
-hierarchical reduction (:mod:`simigrad_jax.ingraph.halves_reduction`).
+hierarchical reduction (:mod:`simigrad_jax.reductions.halves_reduction`).
 
 :func:`on_local_shards` therefore runs the reduction in a nested
 ``jax.shard_map`` over the other axes, with each leaf's own partition spec:
