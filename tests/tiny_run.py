@@ -86,7 +86,8 @@ def train_records(
   """Trains the tiny run for ``num_steps`` steps (resuming from ``workdir``'s checkpoint).
 
   ``overrides`` replace :func:`trainer_objects`' entries (``optimizer``,
-  ``controller``, ...) or add Trainer arguments (``lr_schedule``); the
+  ``controller``, ...), add Trainer arguments (``lr_schedule``) or settings
+  (``compile_fallback``); the
   compilation cache in ``cache_dir`` is shared between the runs of a test.
 
   Returns:
@@ -94,16 +95,14 @@ def train_records(
     every step.
   """
   with simigrad_jax.compile.persistent_cache_settings():  # the Trainer's cache is process-wide
-    trainer = simigrad_jax.Trainer(
-      **(trainer_objects(workdir) | overrides),
-      config=simigrad_jax.TrainerConfig(
-        max_micro_batch_size=4,
-        seed=2,
-        progress=False,
-        tensorboard=False,
-        compilation_cache_dir=cache_dir,
-      ),
+    settings = dict(
+      max_micro_batch_size=4,
+      seed=2,
+      progress=False,
+      tensorboard=False,
+      compilation_cache_dir=cache_dir,
     )
+    trainer = trainer_with(**(trainer_objects(workdir) | settings | overrides))
     with trainer:
       summary = trainer.train(num_steps=num_steps)
       opt_state = jax.device_get(trainer.state["opt_state"])

@@ -148,7 +148,10 @@ class AnticipatesBatchSizes(Protocol):
 
 
 def likely_batch_sizes(
-  controller: BatchSizeController, examples_seen: int, epochs: float
+  controller: BatchSizeController,
+  examples_seen: int,
+  epochs: float,
+  bounds: tuple[int | None, int | None] | None = None,
 ) -> tuple[int, ...]:
   """The sizes ``controller`` may decide at its next update, the likeliest first.
 
@@ -161,6 +164,9 @@ def likely_batch_sizes(
     controller: any object with the :class:`BatchSizeController` members.
     examples_seen: the examples served once the current step has run.
     epochs: the same in epochs (fractional).
+    bounds: the controller's :func:`batch_size_bounds`, read once by a
+      caller that asks at every step (None: read now from its ``config``,
+      which for a schedule lists every threshold).
 
   Returns:
     One or more distinct ints >= 1 within the controller's bounds
@@ -182,7 +188,7 @@ def likely_batch_sizes(
   said = own(examples_seen, epochs) if callable(own) else None
   if said is None:
     return (int(controller.batch_size),)
-  lower, upper = batch_size_bounds(controller)
+  lower, upper = batch_size_bounds(controller) if bounds is None else bounds
   is_sequence = isinstance(said, (Sequence, np.ndarray)) and not isinstance(said, (str, bytes))
   sizes = list(said) if is_sequence else None
   if not sizes or not all(

@@ -132,6 +132,7 @@ class StepLoop:
     self._programs_run: set[tuple[str, int]] = set()  # the programs a step of this loop ran
     # A setting, read once: a schedule's config lists all its thresholds (a replay's, one a step).
     self._similarity_target = controller_interface.similarity_target(controller)
+    self._bounds = controller_interface.batch_size_bounds(controller)
 
   def run(self, hooks: Sequence[StepHook], total_examples: float, max_steps: float) -> None:
     """A ``train()`` call's steps, then its checkpoint, until its end or a stop on a signal.
@@ -284,11 +285,11 @@ class StepLoop:
     if remaining <= 0:
       return
     epochs = start / self.sampler.num_examples
-    sizes = controller_interface.likely_batch_sizes(self.controller, start, epochs)
+    sizes = controller_interface.likely_batch_sizes(self.controller, start, epochs, self._bounds)
     plans = [self._programs.ready_plan(self.layout.plan(int(min(s, remaining)))) for s in sizes]
     count = int(min(max(self.controller.batch_size, *sizes), remaining))
     place_inputs = functools.partial(self._inputs.place_ahead, sizes, epochs, remaining)
-    self._data.submit(start, count, self.step, plans, then=place_inputs)
+    self._data.submit(start, count, self.step + 1, plans, then=place_inputs)  # the next step
 
   def _run_hooks(self, hooks: Sequence[StepHook], record: StepRecord) -> None:
     """Hands ``record``, with the compile counters as they are now, to each of ``hooks``."""
