@@ -109,7 +109,7 @@ def benchmark_trainer(
   bound, keep one checkpoint, share the task's compilation cache and show no
   progress bar or TensorBoard events.
   """
-  upper = controller.config.get("batch_size_upper_bound") or controller.batch_size
+  upper = simigrad_jax.controllers.batch_size_bounds(controller)[1] or controller.batch_size
   return simigrad_jax.Trainer(
     controller=controller,
     workdir=workdir,

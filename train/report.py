@@ -18,6 +18,7 @@ import jax
 import numpy as np
 import tqdm
 
+import simigrad_jax
 from simigrad_jax import read_metrics
 
 
@@ -100,11 +101,9 @@ def print_start(experiment: Any, trainer: Any) -> None:
   config, data = experiment.config, experiment.datasets
   devices = experiment.devices
   controller = trainer.controller
-  bounds = (
-    f"[{controller.config.get('batch_size_lower_bound') or 1}, "
-    f"{controller.config.get('batch_size_upper_bound') or len(data.train)}]"
-  )
-  target = controller.config.get("similarity_target")
+  lower, upper = simigrad_jax.controllers.batch_size_bounds(controller)
+  bounds = f"[{lower or 1}, {upper or len(data.train)}]"
+  target = simigrad_jax.controllers.similarity_target(controller)
   lines = [
     f"simigrad-jax: {config.model} on {data.description}: {len(data.train):,} training "
     f"examples" + (f", {len(data.eval):,} for evaluation" if data.eval is not None else ""),

@@ -386,7 +386,7 @@ def create_trainer(
   process-wide setting (see ``simigrad_jax.compile.persistent_cache_settings``).
   """
   settings = experiment.trainer_config
-  upper = experiment.controller.config.get("batch_size_upper_bound") or len(
+  upper = simigrad_jax.controllers.batch_size_bounds(experiment.controller)[1] or len(
     experiment.datasets.train
   )
   return simigrad_jax.Trainer(

@@ -21,7 +21,9 @@ Documented API: the interface and its optional parts
 :class:`ProfilesBatchSizes`), the controllers above and :class:`GnsController`
 (the gradient noise scale), the registry (:func:`make_controller`,
 :func:`controller_names`, :func:`controller_options`,
-:func:`register_controller`), :func:`lr_factor` (the learning-rate factor at a
+:func:`register_controller`), the accessors through which the rest of the
+package reads any controller (:func:`batch_size_bounds`, :func:`adapts`,
+:func:`similarity_target`, :func:`likely_batch_sizes`), :func:`lr_factor` (the learning-rate factor at a
 batch size, under one of ``LR_RULES``) and :func:`noise_scale_estimates` (one
 step's estimates of ``|G|^2`` and ``tr(Sigma)`` from the halves' norms). The
 ramps' names that 0.1.0 exported here moved to :mod:`simigrad_jax.ramps`;
@@ -33,6 +35,10 @@ from simigrad_jax.controllers.base import BaseController
 from simigrad_jax.controllers.interface import AnticipatesBatchSizes
 from simigrad_jax.controllers.interface import BatchSizeController
 from simigrad_jax.controllers.interface import ProfilesBatchSizes
+from simigrad_jax.controllers.interface import adapts
+from simigrad_jax.controllers.interface import batch_size_bounds
+from simigrad_jax.controllers.interface import likely_batch_sizes
+from simigrad_jax.controllers.interface import similarity_target
 from simigrad_jax.controllers.learning_rate import LR_RULES
 from simigrad_jax.controllers.learning_rate import lr_factor
 from simigrad_jax.controllers.noise_scale import GnsController
@@ -55,10 +61,14 @@ __all__ = [
   "OneStepLateController",
   "ProfilesBatchSizes",
   "ProfilingController",
+  "adapts",
+  "batch_size_bounds",
   "controller_names",
   "controller_options",
+  "likely_batch_sizes",
   "lr_factor",
   "make_controller",
   "noise_scale_estimates",
   "register_controller",
+  "similarity_target",
 ]
