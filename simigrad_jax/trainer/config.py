@@ -11,6 +11,7 @@ built (:mod:`simigrad_jax.trainer.run_setup`).
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import os
 from collections.abc import Mapping
@@ -231,13 +232,8 @@ class TrainerConfig:
       >>> TrainerConfig.from_settings(None, {"max_micro_batch_size": 8}).max_micro_batch_size
       8
     """
+    check_setting_names(settings)
     if config is None:
-      unknown = sorted(set(settings) - {f.name for f in dataclasses.fields(cls)})
-      if unknown:
-        raise TypeError(
-          f"unexpected keyword argument(s) {unknown}; the settings are the fields "
-          f"of TrainerConfig: {[f.name for f in dataclasses.fields(cls)]}"
-        )
       return cls(**settings)
     if not isinstance(config, TrainerConfig):
       raise ValueError(
@@ -270,3 +266,28 @@ class TrainerConfig:
     """Whether a step whose shape is still compiling runs on a compiled one (see
     :attr:`compile_fallback`: ``"recompile"`` mode, compiling in the background)."""
     return self.compile_fallback and self.background_compile and self.mode == "recompile"
+
+
+def check_setting_names(settings: Mapping[str, Any]) -> None:
+  """Refuses a name in ``settings`` that is no field of :class:`TrainerConfig`, suggesting the
+  field it resembles.
+
+  Raises:
+    TypeError: naming every unknown setting and the fields.
+
+  Example:
+    >>> check_setting_names({"seed": 3})  # a field: nothing happens
+  """
+  fields = [f.name for f in dataclasses.fields(TrainerConfig)]
+  unknown = sorted(set(settings) - set(fields))
+  if unknown:
+    hints = [
+      f"{name!r} (did you mean {close[0]!r}?)"
+      if (close := difflib.get_close_matches(name, fields, n=1))
+      else repr(name)
+      for name in unknown
+    ]
+    raise TypeError(
+      f"unexpected keyword argument(s) {unknown}: {', '.join(hints)}; the settings are the "
+      f"fields of TrainerConfig: {fields}"
+    )

@@ -31,8 +31,6 @@ first step is :mod:`simigrad_jax.trainer.run_setup`.
 
 from __future__ import annotations
 
-import dataclasses
-import difflib
 import functools
 import math
 import os
@@ -63,6 +61,7 @@ from simigrad_jax.shapes import mesh_sharding
 from simigrad_jax.shapes.layout import StepLayout
 from simigrad_jax.trainer import run_setup
 from simigrad_jax.trainer.config import TrainerConfig
+from simigrad_jax.trainer.config import check_setting_names
 from simigrad_jax.trainer.hooks import EvaluationHook
 from simigrad_jax.trainer.hooks import MetricsHook
 from simigrad_jax.trainer.hooks import ProgressHook
@@ -575,12 +574,7 @@ def _programs_of(plan: batch_plan.BatchPlan) -> set[tuple[str, int]]:
 
 def _config_of(config: TrainerConfig | None, settings: Mapping[str, Any]) -> TrainerConfig:
   """The run's :class:`TrainerConfig`: ``config``, or (deprecated) one made of keyword settings."""
-  fields = [field.name for field in dataclasses.fields(TrainerConfig)]
-  for name in settings:
-    if name not in fields:
-      close = difflib.get_close_matches(name, fields, n=1)
-      hint = f" (did you mean {close[0]!r}?)" if close else ""
-      raise TypeError(f"Trainer() got an unexpected keyword argument {name!r}{hint}")
+  check_setting_names(settings)  # a misspelt one is refused before any warning
   if settings:
     given = ", ".join(f"{name}={value!r:.80}" for name, value in settings.items())
     warnings.warn(
