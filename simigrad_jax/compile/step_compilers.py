@@ -124,7 +124,7 @@ class StepCompilers:
     }
 
   def close(self) -> None:
-    """Cancels queued compiles and waits for those in progress."""
+    """Cancels queued compiles and abandons those in progress (returns at once)."""
     self.fused.close()
     self.micro.close()
     self.update.close()
