@@ -48,7 +48,6 @@ from simigrad_jax.compile.persistent_cache import cache_record
 from simigrad_jax.compile.persistent_cache import cached_view
 from simigrad_jax.compile.prefetch import Prefetcher
 from simigrad_jax.compile.schedule import CompileSchedule
-from simigrad_jax.compile.schedule import Program
 from simigrad_jax.compile.step_compilers import StepCompilers
 from simigrad_jax.compile.step_functions import StepFunctions
 from simigrad_jax.compile.step_runner import StepRunner
@@ -149,14 +148,11 @@ class StepPrograms:
     self._compilers = StepCompilers(self._functions, layout, background=background)
     self.fused_compiler, self.micro_compiler = self._compilers.fused, self._compilers.micro
     self._layout = layout
-    scheduled = compile_fallback and steps_per_compile is not None
-    self._schedule = (
-      CompileSchedule(layout, steps_per_compile, accumulation_shapes)
-      if scheduled and steps_per_compile is not None
-      else None
-    )
-    if self._schedule is not None and cached_programs is not None:
-      self._schedule.load_state_dict(cached_programs.get("schedule"))
+    self._schedule = None
+    if compile_fallback and steps_per_compile is not None:
+      self._schedule = CompileSchedule(layout, steps_per_compile, accumulation_shapes)
+      self._schedule.load_state_dict((cached_programs or {}).get("schedule"))
+    scheduled = self._schedule is not None
     self._shared_compiles = shared_compiles and compile_fallback and not scheduled
     self._agreement = CompileAgreement(layout.grid)
     self._cache_dir = (
@@ -203,7 +199,7 @@ class StepPrograms:
     if self._schedule is None:
       self._prefetcher.prefetch_for(batch_size)
     else:
-      self._queue(self._schedule.start(self._layout.plan(batch_size), step))
+      self._compilers.queue(self._schedule.start(self._layout.plan(batch_size), step))
 
   def choose(self, exact: batch_plan.BatchPlan, step: int, last: bool) -> batch_plan.BatchPlan:
     """The plan step ``step`` runs: ``exact``, or the fallback's (:meth:`ready_plan`); and the
@@ -216,7 +212,7 @@ class StepPrograms:
       plan = self._schedule.choose(exact, step)
       requested = self._schedule.advance(exact, step)
       if not last:
-        self._queue(requested)
+        self._compilers.queue(requested)
       return plan
     plan = self.ready_plan(exact, step, prefetch=not last)
     if not last:
@@ -242,23 +238,14 @@ class StepPrograms:
     return self._fallback.ready_plan(plan, prefetch)
 
   def wait_for(self, plan: batch_plan.BatchPlan) -> None:
-    """Waits until ``plan``'s programs are compiled (a no-op when they are).
-
-    Raises:
-      CompileAbandoned: the interrupt (:meth:`set_interrupt`) said to give up.
-      StepCompileError: the compile of one of them failed.
-    """
-    if plan.accumulation_steps == 1:
-      self._compilers.fused.get(plan.micro_batch_size)
-    else:
-      self._compilers.micro.get(plan.micro_batch_size)
-      self._compilers.update.get()
+    """Waits until ``plan``'s programs are compiled
+    (:meth:`~simigrad_jax.compile.step_compilers.StepCompilers.wait_for`)."""
+    self._compilers.wait_for(plan)
 
   def set_interrupt(self, interrupt: Any) -> None:
-    """Makes a wait for a compile ask ``interrupt()`` every 50 ms whether to give up
-    (:class:`~simigrad_jax.compile.compiler.CompileAbandoned`); None: never give up."""
-    for compiler in (self._compilers.fused, self._compilers.micro, self._compilers.update):
-      compiler.interrupt = interrupt
+    """Makes a wait for a compile give up when ``interrupt()`` says so
+    (:meth:`~simigrad_jax.compile.step_compilers.StepCompilers.set_interrupt`)."""
+    self._compilers.set_interrupt(interrupt)
 
   def await_fallback(self, micro: int) -> None:
     """Waits, once, until the fallback can hold a batch of any size on shape ``micro``
@@ -269,17 +256,6 @@ class StepPrograms:
         self._fallback.await_fallback(micro)
       except CompileAbandoned:
         pass  # the run is stopping: the later steps that would use them will not run
-
-  def _queue(self, programs: list[Program]) -> None:
-    """Queues ``programs`` for the background compilers, in order (each kind's queue apart)."""
-    fused = [size for kind, size in programs if kind == "fused"]
-    micro = [size for kind, size in programs if kind == "micro"]
-    if fused:
-      self._compilers.fused.prefetch(fused)
-    if micro:
-      self._compilers.micro.prefetch(micro)
-    if ("apply", 0) in programs:
-      self._compilers.update.prefetch()
 
   def compiled_programs(self) -> dict[str, Any] | None:
     """What the persistent compilation cache holds from this run

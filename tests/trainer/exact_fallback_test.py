@@ -110,8 +110,9 @@ SIGTERM_SCRIPT = textwrap.dedent(
   try:
     trainer.train(num_steps=40)
   except simigrad_jax.Preempted as stop:
-    print("preempted", stop.step, flush=True)
+    print("preempted", stop.step, time.time(), flush=True)
     trainer.close()
+    print("closed", time.time(), flush=True)
     sys.exit(stop.exit_code)
   """
 )
@@ -139,10 +140,11 @@ def test_sigterm_while_a_step_waits_for_a_slow_compile_exits_0_within_seconds(tm
     if line.startswith("step"):
       break
   time.sleep(3.0)
-  sent = time.perf_counter()
+  sent, sent_at = time.perf_counter(), time.time()
   process.send_signal(signal.SIGTERM)
   out, _ = process.communicate(timeout=60)
   seconds = time.perf_counter() - sent
+  print(f"signal to exit: {seconds:.2f} s; {out.split()!r:.1000} (sent at {sent_at:.2f})")
   output = "".join(lines) + out
   assert process.returncode == 0, output
   assert seconds < 10, output
