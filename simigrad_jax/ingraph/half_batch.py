@@ -174,6 +174,10 @@ def halves_and_mean(
     at least float32.
   """
   layout = half_layout.data_layout(batch)
+  if layout is not None and any(jnp.ndim(leaf) > 2 for leaf in jax.tree.leaves(params)):
+    # A convolutional model: a dense kernel in blocks over its inputs shards the pooled
+    # activations' channels and reshards the batch; its gradients stay where XLA puts them.
+    layout = None
   one_pass = value_and_grad if layout is None else _in_blocks(value_and_grad, layout)
   (value_a, first), (value_b, second) = value_and_grads_in_turn(
     one_pass, params, first_args, second_args
