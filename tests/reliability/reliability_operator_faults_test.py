@@ -348,15 +348,26 @@ def test_damaged_metrics_never_block_a_resume_and_lose_nothing(baseline, tmp_pat
 # ------------------------------------------------------------------ kills under load
 
 
-def _kills() -> list[tuple[str, int, float]]:
+def _kills() -> list[tuple[str, int, int, float]]:
+  """(signal name, signal, the step record to wait for, then seconds more): seeded."""
   rng = random.Random(SEED)
-  kills = [("SIGKILL", signal.SIGKILL, rng.uniform(2.0, 20.0)) for _ in range(5)]
-  kills += [("SIGTERM", signal.SIGTERM, rng.uniform(2.0, 20.0)) for _ in range(5)]
-  return kills
+  return [
+    (name, number, rng.randrange(1, 29), rng.uniform(0.0, 1.0))
+    for name, number in [("SIGKILL", signal.SIGKILL)] * 5 + [("SIGTERM", signal.SIGTERM)] * 5
+  ]
+
+
+def _wait_for_step(workdir: pathlib.Path, step: int, proc: subprocess.Popen) -> None:
+  """Waits until the run logged ``step`` (or ended): a kill lands in training, whatever the load."""
+  deadline = time.monotonic() + TIMEOUT
+  while proc.poll() is None and time.monotonic() < deadline:
+    if any(r.get("step", 0) >= step for r in _records(workdir)):
+      return
+    time.sleep(0.05)
 
 
 def _kill_and_resume(base: pathlib.Path, cache: pathlib.Path, index: int, kill) -> dict:
-  name, number, after = kill
+  name, number, at_step, after = kill
   workdir = base / f"kill-{index}"
   proc = subprocess.Popen(
     train_command(workdir, cache),
@@ -366,6 +377,7 @@ def _kill_and_resume(base: pathlib.Path, cache: pathlib.Path, index: int, kill) 
     stderr=subprocess.PIPE,
     text=True,
   )
+  _wait_for_step(workdir, at_step, proc)
   time.sleep(after)
   proc.send_signal(number)
   start = time.monotonic()
@@ -378,7 +390,7 @@ def _kill_and_resume(base: pathlib.Path, cache: pathlib.Path, index: int, kill) 
   result = run_train(workdir, cache)
   summary = json.loads((workdir / "summary.json").read_text()) if result.returncode == 0 else {}
   return {
-    "fault": f"{name} after {after:.1f} s",
+    "fault": f"{name} {after:.2f} s after step {at_step}",
     "returncode": proc.returncode,
     "stop_seconds": stopped,
     "saved": saved,
