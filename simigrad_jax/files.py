@@ -65,7 +65,7 @@ class UnsafePathError(SimiGradError, ValueError):
   """
 
 
-class WorkdirAccessError(SimiGradError, PermissionError):
+class WorkdirAccessError(SimiGradError, PermissionError, RuntimeError):
   """A run's folder (the workdir, its checkpoints, the cache) that this user may not create or use.
 
   The message names the folder and the fix.

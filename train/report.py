@@ -20,7 +20,7 @@ import tqdm
 
 import simigrad_jax
 from simigrad_jax import read_metrics
-from simigrad_jax.checkpoint import metrics_recovery
+from simigrad_jax.checkpoint import missing_steps
 
 
 def _mean(values: list[float]) -> float:
@@ -152,7 +152,7 @@ def summarize(
   count = last.get("step", run["steps"])
   return {
     # Steps whose records damage took and nothing restored: never counted as present.
-    "missing_steps": metrics_recovery.missing_steps(steps, count),
+    "missing_steps": missing_steps(steps, count),
     "eval_accuracy": evals[-1]["eval_accuracy"] if evals else run.get("eval_accuracy"),
     "eval_loss": evals[-1].get("eval_loss") if evals else run.get("eval_loss"),
     "steps": count,
