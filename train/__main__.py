@@ -193,7 +193,9 @@ def _exit_with_one_line(error: Exception, workdir: pathlib.Path) -> None:
   if logged and not verbose:
     line += f" (traceback: {logged}, or --verbose)"
   sys.stdout.flush()
-  print(line, file=sys.stderr, flush=True)
+  sys.stderr.flush()
+  # Past the traceback filter: a background thread's traceback cut off mid-way must not take it.
+  print(line, file=sys.__stderr__, flush=True)
   os._exit(1)  # pylint: disable=protected-access  (no background thread's error after the line)
 
 
