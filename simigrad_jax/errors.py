@@ -17,7 +17,9 @@ Each error is imported from the room that raises it (the room's
 * ``simigrad_jax.data.BadRecordError`` (``ValueError``): a record that cannot
   be read or decoded.
 * ``simigrad_jax.files.UnsafePathError`` (``ValueError``): a folder other
-  users can change, or a symlink where a file is written.
+  users can change, or a symlink where a file is written;
+  ``simigrad_jax.files.WorkdirAccessError`` (``PermissionError``, ``RuntimeError``):
+  a run's folder this user may not create or write to.
 * ``simigrad_jax.checkpoint.CheckpointMismatchError`` (``ValueError``): a
   checkpoint of a run with other settings; ``simigrad_jax.checkpoint.CheckpointSaveError``
   (``RuntimeError``): another process's background save failed.
