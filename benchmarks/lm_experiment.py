@@ -13,7 +13,9 @@ The runs are reproducible on one machine: a step waits for its own shape's
 compilation (no compile fallback, whose choice of shape depends on timing),
 so the same seed and code run the same programs on the same rows; the
 shapes are the halvings (``shapes_per_octave=1``), few enough that waiting
-for them costs little.
+for them costs little. The learning rate lives in the optimizer state (AdamW
+at rate 1, its update scaled by the run's rate, the same arithmetic), so that
+every rate and seed of a shape runs one compiled program, from the cache.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 import simigrad_jax
 from benchmarks.pareto_protocol import RunSpec
@@ -197,14 +200,17 @@ class LmExperiment:
     self, controller: Any, spec: RunSpec, epochs: float, workdir: pathlib.Path, curve: Any
   ) -> simigrad_jax.Trainer:
     config = self.config.copy_and_resolve_references()
-    config.learning_rate = spec.lr
+    config.learning_rate = 1.0  # the rate is in the optimizer state: one program for every rate
+    optimizer = optax.chain(
+      optimizers.create_optimizer(config), optax.inject_hyperparams(optax.scale)(step_size=spec.lr)
+    )
     return benchmark_trainer(
       controller,
       workdir,
       self.cache_dir,
       loss_fn=self.loss_fn,
       params=jax.tree.map(np.asarray, self._init(jax.random.key(spec.seed, impl="rbg"))),
-      optimizer=optimizers.create_optimizer(config),
+      optimizer=optimizer,
       source=self.train,
       lr_schedule=self._lr_schedule(controller, epochs),
       lr_rule=spec.lr_rule,

@@ -24,8 +24,9 @@ The protocol, built so that it can be won or lost honestly:
    same data order and initial parameters in every setting): its mean final
    validation loss is the target, its steps and tokens the reference
    (``best_fixed``).
-3. Every adaptive setting from that size and learning rate, with every seed,
-   on ``--token-allowance`` (1.10) times the best constant run's tokens:
+3. Every adaptive setting from that size and learning rate, within
+   ``[B_0, --upper-factor x B_0]``, with every seed, on ``--token-allowance``
+   (1.10) times the best constant run's tokens:
    ``allowance`` (the new rule, its only setting the allowance), SimiGrad at
    ``--targets`` under both learning-rate couplings (``"full"``: the
    square-root factor times the schedule; ``"peak"``: the factor in full at
@@ -47,11 +48,14 @@ the earlier comparison's) and ``--budget long`` (4x: 3.1M tokens, about 3.1
 passes over tinyshakespeare's 15,685 training windows). Results JSON live in
 ``benchmarks/results/`` (``pareto_lm.json``, ``pareto_lm_long.json``,
 ``pareto_lm_quick.json``), not in ``docs/`` as the issue that asked for them
-named them; the plots go to ``docs/``. Runtime on 2 loaded CPU cores:
-``--quick`` measured (see docs/results.md); the full budgets estimated from
-run counts (about 90 runs each: the grid 20-30, the best size's 4 more seeds,
-11 adaptive settings x 5 seeds, the repeat) at about 15-25 s a run today and
-4x that on the long budget: about 40 minutes and 3 hours.
+named them; the plots go to ``docs/``. Runtime: ``--quick`` measured at 248 s
+and 314 s on 2 CPU cores shared with other jobs (load average 20-30); the
+full budgets not yet
+measured, estimated from run counts: about 70-85 runs each (the grid 12-30,
+the best size's 4 more seeds, 10 adaptive settings and ramps x 5 seeds, the
+repeat), at the earlier comparison's 15 s a run on 2 cores (40 runs in 10
+minutes) about 20-30 minutes today's and 4x that, 1.5-2 hours, the long one;
+several times longer on a loaded machine.
 
 Resume: every finished run is appended to ``OUT.runs.jsonl`` as it ends;
 killed and started again with the same flags, the comparison reads them back
@@ -61,7 +65,7 @@ both budgets in the background at low priority.
 
 Usage::
 
-  python benchmarks/pareto_lm.py --quick            # pareto_lm_quick.json, under 5 min
+  python benchmarks/pareto_lm.py --quick            # pareto_lm_quick.json, 4-5 min (loaded)
   python benchmarks/pareto_lm.py                    # today's budget: pareto_lm.json
   python benchmarks/pareto_lm.py --budget long      # 4x the tokens: pareto_lm_long.json
   python benchmarks/pareto_lm.py --markdown benchmarks/results/pareto_lm.json   # the docs table
@@ -441,15 +445,14 @@ class Protocol:
     a = self.args
     b0, lr = dict(best.options)["initial_batch_size"], best.lr
     upper = min(a.upper_factor * b0, num_train)
-    bounds = (("batch_size_lower_bound", max(b0 // 2, 2)), ("batch_size_upper_bound", upper))
+    bounds = (("batch_size_lower_bound", b0), ("batch_size_upper_bound", upper))
     settings: list[tuple[str, tuple[tuple[str, Any], ...], str]] = [
       (
         "allowance",
         (
           ("initial_batch_size", b0),
           ("token_allowance", a.token_allowance),
-          ("batch_size_lower_bound", b0),
-          ("batch_size_upper_bound", upper),
+          *bounds,
           ("ema_decay", a.ema_decay),
         ),
         a.lr_coupling,
