@@ -31,7 +31,8 @@ The protocol, built so that it can be won or lost honestly:
    ``--targets`` under both learning-rate couplings (``"full"``: the
    square-root factor times the schedule; ``"peak"``: the factor in full at
    the schedule's peak, fading as it decays), ``gns`` and the four ramps LM
-   trainers use (:func:`ramp_specs`). The others use ``--lr-coupling``.
+   trainers use (:func:`ramp_specs`). The others use ``--lr-coupling``
+   (``"peak"``), but Seesaw, whose own schedule assumes the full coupling.
 4. Steps and tokens to the target, read on each run's validation curve
    (``--evals`` >= 20 evaluations, evenly in tokens, on ``--eval-windows``
    windows spread over the whole held-out text), interpolated between the
@@ -474,8 +475,12 @@ class Protocol:
     ramps, a.missing_ramps = ramp_specs(
       a.ramps, a.seeds, initial=b0, upper=upper, num_tokens=tokens, seq_length=a.seq_length, lr=lr
     )
-    return specs + [
-      dataclasses.replace(r, lr_multiplier=best.lr_multiplier, lr_coupling=a.lr_coupling)
+    return specs + [  # Seesaw's own schedule is built for the full coupling (2^-k sqrt(B_k / B_0))
+      dataclasses.replace(
+        r,
+        lr_multiplier=best.lr_multiplier,
+        lr_coupling="full" if r.controller == "seesaw" else a.lr_coupling,
+      )
       for r in ramps
     ]
 

@@ -209,6 +209,12 @@ def test_the_grid_widens_the_learning_rate_and_the_sizes_until_each_best_is_insi
   allowance = dict(adaptive[0].options)
   assert (allowance["initial_batch_size"], allowance["token_allowance"]) == (32, 1.1)
   assert allowance["batch_size_upper_bound"] == 16 * 32
+  protocol.args.ramps = ("doubling_warmup", "seesaw")
+  ramps = [s for s in protocol.adaptive_specs(best, 10_000) if s.controller in pareto_lm.RAMPS]
+  assert {(s.controller, s.lr_coupling) for s in ramps} == {
+    ("doubling_warmup", "peak"),
+    ("seesaw", "full"),  # its schedule is built for the full coupling
+  }
 
 
 def test_toy_comparison_end_to_end_and_resumed(tmp_path):
