@@ -57,6 +57,10 @@ class TrainerConfig:
     lr_rule: ``"sqrt"``, ``"linear"`` or ``"none"`` (see
       :func:`simigrad_jax.lr_factor`).
     lr_adjust_factor: optional damping of the learning-rate factor (>= 0).
+    lr_coupling: how the batch-size factor meets ``lr_schedule``: ``"full"``
+      (multiplied at every step) or ``"peak"`` (in full at the schedule's
+      peak, fading as it decays; see
+      :func:`simigrad_jax.controllers.learning_rate.scheduled_lr_factor`).
     seed: seeds the data order and the per-step random keys.
     checkpoint_every_steps: save every this many steps (None: only at epoch
       ends and at the end).
@@ -149,6 +153,7 @@ class TrainerConfig:
   shapes_per_octave: int | None = None
   lr_rule: learning_rate.LrRule = "sqrt"
   lr_adjust_factor: float | None = None
+  lr_coupling: learning_rate.LrCoupling = "full"
   seed: int = 0
   checkpoint_every_steps: int | None = None
   checkpoint_every_seconds: float | None = None
@@ -172,6 +177,10 @@ class TrainerConfig:
     if self.lr_rule not in learning_rate.LR_RULES:
       raise ValueError(
         f"lr_rule={self.lr_rule!r} is not valid; choose one of {learning_rate.LR_RULES}"
+      )
+    if self.lr_coupling not in learning_rate.LR_COUPLINGS:
+      raise ValueError(
+        f"lr_coupling={self.lr_coupling!r} is not valid; choose one of {learning_rate.LR_COUPLINGS}"
       )
     checked: dict[str, Any] = {}
     checked["max_micro_batch_size"] = max_micro = validation.check_int(

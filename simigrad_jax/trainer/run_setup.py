@@ -452,9 +452,10 @@ def run_record_of(
   """The run's record, saved with every checkpoint and compared on resume.
 
   Args:
-    config: the run's settings: ``lr_rule`` and ``lr_adjust_factor`` decide
-      the trajectory (the seed is checked on its own); the split, the shapes
-      and the fallback only lay the steps out.
+    config: the run's settings: ``lr_rule``, ``lr_adjust_factor`` and
+      ``lr_coupling`` (recorded when not ``"full"``) decide the trajectory
+      (the seed is checked on its own); the split, the shapes and the
+      fallback only lay the steps out.
     layout: the run's split and shapes.
     initial: the initial ``{"params", "opt_state", "model_state"}``.
     optimizer, controller, source, num_examples, devices, run_settings: the
@@ -471,7 +472,8 @@ def run_record_of(
     num_examples=num_examples,
     element_spec=source.element_spec,
     controller=controller.config,
-    trainer={"lr_rule": config.lr_rule, "lr_adjust_factor": config.lr_adjust_factor},
+    trainer={"lr_rule": config.lr_rule, "lr_adjust_factor": config.lr_adjust_factor}
+    | ({} if config.lr_coupling == "full" else {"lr_coupling": config.lr_coupling}),
     layout={
       "halves": layout.halves,
       "mode": config.mode,

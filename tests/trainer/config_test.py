@@ -29,6 +29,11 @@ BAD_SETTINGS = [
   ),
   ("shapes_per_octave", 2.5, r"shapes_per_octave must be an int in \[1, 16\].*got 2.5"),
   ("lr_rule", "cube", r"lr_rule='cube' is not valid; choose one of \('sqrt', 'linear', 'none'\)"),
+  (
+    "lr_coupling",
+    "cap",
+    r"lr_coupling='cap' is not valid; choose one of \('full', 'peak'\)",
+  ),
   ("lr_adjust_factor", -1.0, r"lr_adjust_factor must be a number in \[0, inf\), got -1.0"),
   ("seed", -1, r"seed must be an integer >= 0, got -1"),
   ("checkpoint_every_steps", 0, r"checkpoint_every_steps must be an integer >= 1, got 0"),
