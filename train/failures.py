@@ -49,17 +49,17 @@ def verbose_requested(flag: bool = False) -> bool:
 
 def _chain(error: BaseException) -> list[BaseException]:
   """``error`` and the errors it was raised from or during, outermost first."""
-  from simigrad_jax.checkpoint import emergency  # pylint: disable=import-outside-toplevel
+  from simigrad_jax import checkpoint  # pylint: disable=import-outside-toplevel
 
-  return emergency.chain(error)
+  return checkpoint.error_chain(error)
 
 
 def disk_errno(error: BaseException) -> int | None:
   """The errno of a file system's failure somewhere in ``error``'s chain, or None
-  (:func:`simigrad_jax.checkpoint.emergency.disk_errno`: imported when called, as JAX is)."""
-  from simigrad_jax.checkpoint import emergency  # pylint: disable=import-outside-toplevel
+  (:func:`simigrad_jax.checkpoint.disk_errno`: imported when called, as JAX is)."""
+  from simigrad_jax import checkpoint  # pylint: disable=import-outside-toplevel
 
-  return emergency.disk_errno(error)
+  return checkpoint.disk_errno(error)
 
 
 def _file_of(error: BaseException, workdir: pathlib.Path | None) -> str | None:
@@ -123,7 +123,8 @@ def one_line(error: BaseException, workdir: pathlib.Path | None, *, step: int | 
       kept += f"; step {step} was saved in an emergency checkpoint, {rescued}, so nothing is lost"
       lost = _resume_from(pathlib.Path(rescued), workdir)
     elif _emergency_attribute(error, "emergency_step", None) is not None:
-      lost = f"the emergency save of step {step} elsewhere failed too: {lost}"
+      why = _emergency_attribute(error, "emergency_why", "")
+      lost = f"no emergency checkpoint of step {step} ({clean(why)[:200]}): {lost}"
     kept = f"{kept}; {lost}"
     return clean(
       f"simigrad: {cause}: {type(error).__name__} writing {where!r}"

@@ -167,17 +167,23 @@ def save_after(
 
   :func:`save_elsewhere`, then records on ``error`` where the checkpoint of
   ``step`` went: ``error.emergency_checkpoint`` (its folder, or None when no
-  place took it) and ``error.emergency_step``, and a note that says so.
+  place took it, or ``state`` is None: not the state of a whole step),
+  ``error.emergency_step`` and ``error.emergency_why`` (why not), and a note.
   """
   if disk_errno(error) is None:
     return
-  folder, why = save_elsewhere(checkpoints_dir, step, lambda other: other.save(step, state, host))
+  if state is None:
+    folder, why = None, f"step {step + 1} was under way"
+  else:
+    save = lambda other: other.save(step, state, host)
+    folder, why = save_elsewhere(checkpoints_dir, step, save)
   try:
     error.emergency_checkpoint = folder  # type: ignore[attr-defined]
     error.emergency_step = step  # type: ignore[attr-defined]
+    error.emergency_why = why  # type: ignore[attr-defined]
   except AttributeError:  # (an exception type with slots)
     pass
   if folder is None:
-    error.add_note(f"the emergency save of step {step} failed too: {why}")
+    error.add_note(f"no emergency checkpoint of step {step}: {why}")
   else:
     error.add_note(f"step {step} was saved in an emergency checkpoint: {folder}")

@@ -232,7 +232,8 @@ class RunCheckpoints:
     One process only (several save together), a step not saved yet, in
     ``<workdir>/emergency/`` or ``$TMPDIR`` (:func:`simigrad_jax.checkpoint.
     emergency.save_after`, which records on ``error`` where it went). The
-    other arguments are :meth:`save`'s.
+    other arguments are :meth:`save`'s; ``state`` None: not a whole step's (the
+    next was under way), nothing is saved and ``error`` says so.
     """
     if self._agreement.num_processes == 1 and step > (self.checkpointer.latest_step() or 0):
       host = _host_state(self, step, **saved_with)

@@ -153,8 +153,8 @@ class StepLoop:
         if isinstance(error, jax.errors.JaxRuntimeError):
           # Multi-host: a collective that lost a peer fails with an error that names no process.
           self._processes.roll_call(f"step {self.step + 1}", error)
-        if self._taken_at < self.step:  # a save its disk stopped: this whole step saved elsewhere
-          self._checkpoints.save_elsewhere(error, self.step, self.state, **self._saved_with())
+        state = self.state if self._taken_at < self.step else None  # (None: a step under way)
+        self._checkpoints.save_elsewhere(error, self.step, state, **self._saved_with())  # a disk's
         raise
       finally:
         self._programs.set_interrupt(None)
@@ -285,6 +285,7 @@ class StepLoop:
           self._run_hooks(later, record)
         else:
           pending = record
+        self._agreement.raise_failed_saves(self.step)  # (the records are out: pending's, finally)
     finally:
       if pending is not None:
         self._run_hooks(later, pending)

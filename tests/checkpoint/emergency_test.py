@@ -70,7 +70,7 @@ def test_no_place_taking_it_is_said_and_other_errors_save_nothing(tmp_path, monk
   error = _disk_error()
   emergency.save_after(error, tmp_path / "checkpoints", 3, STATE, {"step": 3})
   assert error.emergency_checkpoint is None
-  assert "failed too" in error.__notes__[0] and "not-there" in error.__notes__[0]
+  assert "no emergency checkpoint" in error.__notes__[0] and "not-there" in error.__notes__[0]
   other = ValueError("a bug")
   emergency.save_after(other, tmp_path / "checkpoints", 3, STATE, {"step": 3})
   assert not hasattr(other, "emergency_checkpoint")
@@ -88,32 +88,42 @@ def _metrics(workdir):
   return [json.loads(line) for line in lines if '"batch_size"' in line]
 
 
+@pytest.mark.parametrize("where", ["in the save", "in the background"])
 def test_a_full_disk_before_the_first_save_loses_no_step_and_the_resume_is_exact(
-  tmp_path, monkeypatch
+  tmp_path, monkeypatch, where
 ):
-  """A Trainer whose every save in checkpoints/ fails (a full disk there) before its first
-  checkpoint: the steps done are saved in emergency/, and the resume ends as a run never
-  stopped."""
+  """A Trainer whose saves in checkpoints/ fail (a full disk there) before its first checkpoint,
+  at once or in the background (then known at the next step): the steps done, their records
+  too, are kept in emergency/, and the resume ends as a run never stopped."""
   straight = make_trainer(tmp_path / "straight", checkpoint_every_steps=3)
   with straight:
     want = straight.train(num_steps=6)
-  real_save = checkpointer_module.Checkpointer.save
+  cls = checkpointer_module.Checkpointer
+  real_save, real_failed = cls.save, cls.failed_save
+  failed: list[OSError] = []
 
   def full_disk(self, step, state, host):
-    if os.path.basename(self.directory) == "checkpoints":
-      raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), f"{self.directory}/{step}")
-    return real_save(self, step, state, host)
+    if os.path.basename(self.directory) != "checkpoints":
+      return real_save(self, step, state, host)
+    error = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), f"{self.directory}/{step}")
+    if where == "in the save":
+      raise error
+    failed.append(error)  # nothing written; the failure is reported by failed_save()
 
+  monkeypatch.setattr(cls, "save", full_disk)
+  monkeypatch.setattr(cls, "failed_save", lambda self: failed[-1] if failed else None)
   workdir = tmp_path / "full"
-  monkeypatch.setattr(checkpointer_module.Checkpointer, "save", full_disk)
   trainer = make_trainer(workdir, checkpoint_every_steps=3)
-  with pytest.raises(OSError) as failed, trainer:
+  with pytest.raises(OSError) as error, trainer:
     trainer.train(num_steps=6)
-  assert failed.value.emergency_step == 3
-  assert failed.value.emergency_checkpoint == workdir / "emergency" / "3"
-  monkeypatch.setattr(checkpointer_module.Checkpointer, "save", real_save)
+  kept = 3 if where == "in the save" else 4  # the step whose agreement learnt of it
+  assert error.value.emergency_step == kept
+  assert error.value.emergency_checkpoint == workdir / "emergency" / str(kept)
+  assert [r["step"] for r in _metrics(workdir)] == list(range(1, kept + 1))
+  monkeypatch.setattr(cls, "save", real_save)
+  monkeypatch.setattr(cls, "failed_save", real_failed)
   resumed = make_trainer(workdir, checkpoint_every_steps=3)
-  assert resumed.step == 3
+  assert resumed.step == kept
   with resumed:
     got = resumed.train(num_steps=6)
   assert got["steps"] == want["steps"] == 6
