@@ -120,6 +120,18 @@ def run_train(
   )
 
 
+def start_train(workdir, cache, *flags, env=None) -> subprocess.Popen:
+  """``python -m train`` started, its output piped (for a signal sent while it runs)."""
+  return subprocess.Popen(
+    train_command(workdir, cache, *flags),
+    cwd=ROOT,
+    env=env or driver_env(),
+    stdout=subprocess.PIPE,
+    stderr=subprocess.PIPE,
+    text=True,
+  )
+
+
 def one_clear_line(result: subprocess.CompletedProcess) -> str:
   """The failure's last stderr line, after checking there is no traceback and a non-zero status."""
   lines = result.stderr.strip().splitlines()
@@ -541,14 +553,7 @@ def test_a_read_only_checkpoints_folder_keeps_every_step_in_the_workdir(
   if not can_mount:
     pytest.skip("needs mount (root with CAP_SYS_ADMIN)")
   workdir = tmp_path / "run"
-  proc = subprocess.Popen(
-    train_command(workdir, baseline.cache),
-    cwd=ROOT,
-    env=driver_env(),
-    stdout=subprocess.PIPE,
-    stderr=subprocess.PIPE,
-    text=True,
-  )
+  proc = start_train(workdir, baseline.cache)
   _wait_for_step(workdir, 2, proc)
   folder = str(workdir / "checkpoints")
   _mount("--bind", folder, folder)
@@ -581,14 +586,7 @@ def test_a_full_disk_before_the_first_save_keeps_every_step_in_tmpdir(
   _mount("-t", "tmpfs", "-o", "size=32m,mode=0700", "tmpfs", str(disk))
   try:
     workdir = disk / "run"
-    proc = subprocess.Popen(
-      train_command(workdir, baseline.cache),
-      cwd=ROOT,
-      env=dict(driver_env(), TMPDIR=str(tmp)),
-      stdout=subprocess.PIPE,
-      stderr=subprocess.PIPE,
-      text=True,
-    )
+    proc = start_train(workdir, baseline.cache, env=dict(driver_env(), TMPDIR=str(tmp)))
     _wait_for_step(workdir, 2, proc)
     with open(disk / "filler", "wb") as filler:  # until the disk is full
       with contextlib.suppress(OSError):
@@ -749,14 +747,7 @@ def _signal_at(kill: Kill, workdir: pathlib.Path, proc: subprocess.Popen) -> str
 def test_a_kill_or_preemption_under_load_resumes_the_uninterrupted_run(baseline, cpu_load, kill):
   workdir = baseline.base / f"kill-{KILLS.index(kill)}"
   shutil.rmtree(workdir, ignore_errors=True)
-  proc = subprocess.Popen(
-    train_command(workdir, baseline.cache),
-    cwd=ROOT,
-    env=driver_env(),
-    stdout=subprocess.PIPE,
-    stderr=subprocess.PIPE,
-    text=True,
-  )
+  proc = start_train(workdir, baseline.cache)
   where = _signal_at(kill, workdir, proc)
   sent = time.monotonic()
   out, err = proc.communicate(timeout=TIMEOUT)
