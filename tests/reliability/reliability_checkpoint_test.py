@@ -457,7 +457,8 @@ def test_a_checkpoint_written_before_checksums_still_restores(tmp_path, caplog):
 
 def test_a_failed_background_save_stops_training_at_the_next_step(tmp_path, monkeypatch):
   """A full disk while step 4's checkpoint is written in the background: training stops at step 5
-  with the save's error, not at the next save (step 6) or at the end."""
+  with the save's error, not at the next save (step 6) or at the end, once step 5's record is
+  written; step 5 is kept in an emergency checkpoint in the workdir."""
   write = ocp.handlers.JsonCheckpointHandler._save_fn
 
   async def full_disk_at_step_4(self, item, directory):
@@ -491,7 +492,8 @@ def test_a_failed_background_save_stops_training_at_the_next_step(tmp_path, monk
     )
     for note in raised.value.__notes__
   )
-  assert [r["step"] for r in _records(tmp_path)] == [1, 2, 3, 4]
+  assert [r["step"] for r in _records(tmp_path)] == [1, 2, 3, 4, 5]
+  assert raised.value.emergency_checkpoint == tmp_path / "emergency" / "5"
   resumed = Checkpointer(tmp_path / "checkpoints")
   assert resumed.all_steps() == [2]
   resumed.close()
