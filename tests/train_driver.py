@@ -51,7 +51,8 @@ Compile timing: ``--hold-compiles K`` holds the compile of every
 one-micro-batch program but the first step's until this process has finished
 step K (each process may hold its own number of steps; micro-steps still
 compile), so the compile fallback has shapes to cover, with accumulation;
-``--no-compile-fallback`` waits for every shape instead. Each ``step`` line
+``--no-compile-fallback`` waits for every shape instead, ``--timed-fallback`` falls back
+on the compiles' timing (not the step count). Each ``step`` line
 also has the step's ``micro_batch_size`` and ``compile_fallback``, and an
 ``end`` line has the final parameters.
 
@@ -94,6 +95,7 @@ parser.add_argument("--devices", type=int, default=8)
 parser.add_argument("--halves", default="auto")
 parser.add_argument("--hold-compiles", type=int, default=None)
 parser.add_argument("--no-compile-fallback", action="store_true")
+parser.add_argument("--timed-fallback", action="store_true")
 parser.add_argument("--grain-workers", type=int, default=None)
 parser.add_argument("--checkpoint-every-seconds", type=float, default=None)
 parser.add_argument("--slow-save", type=float, default=None)
@@ -282,6 +284,7 @@ trainer = simigrad_jax.Trainer(
     compilation_cache_dir=args.compile_cache,
     halves=args.halves,
     compile_fallback=not args.no_compile_fallback,
+    timed_fallback=args.timed_fallback,
     agreement_timeout_seconds=args.agreement_timeout,
   ),
 )

@@ -1,4 +1,5 @@
-"""The compile fallback with 2 local processes (jax.distributed on 127.0.0.1, CPU, 4 devices each).
+"""The timed compile fallback with 2 local processes (jax.distributed on 127.0.0.1, 4 CPU devices
+each): ``timed_fallback=True``, the fallback that follows the compiles' timing.
 
 Each process holds back its compiles for a different number of steps, so at
 some steps a shape is compiled on one process and not on the other. Both must
@@ -43,7 +44,7 @@ def test_processes_fall_back_to_a_shape_compiled_on_all_of_them(tmp_path):
   results = run_processes(
     tmp_path / "fallback",
     [
-      ["--steps", STEPS, *GROWING, "--hold-compiles", held, *cache]
+      ["--steps", STEPS, *GROWING, "--timed-fallback", "--hold-compiles", held, *cache]
       for held, cache in zip(HELD_STEPS, caches)
     ],
     timeout=TIMEOUT_SECONDS,
