@@ -1,7 +1,8 @@
 """The figures the docs quote from the committed results: each is the JSON's in benchmarks/results/.
 
-docs/results.md's tables are generated from the JSON (``--markdown``) and
-must equal what the benchmark prints for it today; its prose and
+docs/results.md's tables and docs/own_step.md's table of the SimiGrad steps'
+costs are generated from the JSON (``--markdown``) and must equal what the
+benchmark prints for it today; its prose and
 docs/controllers.md quote single figures from the same files, and each such
 figure is rebuilt here from the JSON and looked up in the page. A figure
 that changes in the JSON fails here until the page says it too.
@@ -12,6 +13,7 @@ import pathlib
 
 import pytest
 
+from benchmarks import halves_steps
 from benchmarks import pareto_lm_report
 from benchmarks import pareto_report
 
@@ -250,20 +252,21 @@ def test_the_one_step_late_table_is_the_json():
 
 
 @pytest.mark.parametrize(
-  "name, render, script, what",
+  "page, name, render, script, what",
   [
-    ("pareto_mnist", pareto_report.markdown_tables, "pareto.py", "tables"),
-    ("pareto_mlm", pareto_report.markdown_tables, "pareto.py", "tables"),
-    ("pareto_lm", pareto_lm_report.markdown, "pareto_lm.py", "table"),
+    ("results.md", "pareto_mnist", pareto_report.markdown_tables, "pareto.py", "tables"),
+    ("results.md", "pareto_mlm", pareto_report.markdown_tables, "pareto.py", "tables"),
+    ("results.md", "pareto_lm", pareto_lm_report.markdown, "pareto_lm.py", "table"),
+    ("own_step.md", "halves", halves_steps.markdown_table, "halves_steps.py", "table"),
   ],
 )
-def test_the_generated_tables_are_the_json(name, render, script, what):
-  page = _page("results.md")
+def test_the_generated_tables_are_the_json(page, name, render, script, what):
+  text = _page(page)
   command = f"python benchmarks/{script} --markdown benchmarks/results/{name}.json"
   start, end = f"<!-- {name} {what}: {command} -->\n", f"\n<!-- end {name} {what} -->"
-  assert start in page and end in page, f"docs/results.md lost the markers of {name}'s {what}"
-  block = page[page.index(start) + len(start) : page.index(end)]
+  assert start in text and end in text, f"docs/{page} lost the markers of {name}'s {what}"
+  block = text[text.index(start) + len(start) : text.index(end)]
   assert block == render(_result(name)), (
-    f"docs/results.md's {name} {what} differ from benchmarks/results/{name}.json; "
+    f"docs/{page}'s {name} {what} differ from benchmarks/results/{name}.json; "
     f"regenerate them with {command}"
   )

@@ -55,22 +55,24 @@ def test_the_pareto_runs_the_docs_show_write_the_committed_files(task, dataset, 
 
 
 @pytest.mark.parametrize(
-  "name, argv",
+  "name, result, argv",
   [
-    ("halves", ["--quick"]),
-    ("overhead", ["--quick"]),
-    ("overhead_adaptive", ["--quick"]),
-    ("reduction", []),
-    ("sharded", ["--quick"]),
-    ("sharded_memory", ["--quick"]),
-    ("switching", ["--quick"]),
-    ("pareto_lm", ["--quick"]),
+    ("halves", "halves_resnet", ["--quick"]),
+    ("halves_steps", "halves", ["--quick"]),
+    ("halves_steps", "halves", []),
+    ("overhead", "overhead", ["--quick"]),
+    ("overhead_adaptive", "overhead_adaptive", ["--quick"]),
+    ("reduction", "reduction", []),
+    ("sharded", "sharded", ["--quick"]),
+    ("sharded_memory", "sharded_memory", ["--quick"]),
+    ("switching", "switching", ["--quick"]),
+    ("pareto_lm", "pareto_lm", ["--quick"]),
   ],
 )
-def test_each_benchmark_writes_its_json_to_benchmarks_results_by_default(name, argv):
+def test_each_benchmark_writes_its_json_to_benchmarks_results_by_default(name, result, argv):
   module = importlib.import_module(f"benchmarks.{name}")
   args = module._parse_args(argv)  # pylint: disable=protected-access
-  expected = f"{name}_quick.json" if argv else f"{name}.json"
+  expected = f"{result}_quick.json" if argv else f"{result}.json"
   assert args.out == str(RESULTS / expected)
   assert module._parse_args([*argv, "--out", "/tmp/x.json"]).out == "/tmp/x.json"  # pylint: disable=protected-access
 
