@@ -184,6 +184,14 @@ def _axis_is_bound(axis_name: str) -> bool:
   return True
 
 
+def _one_untracked_device(axis_name: str) -> bool:
+  """Whether the axis has one device and no type tracks what varies over it (pmap, or
+  ``check_vma=False``): its halves are then the step's own, and the buckets of a reduction
+  would only copy both gradients. (With ``check_vma=True`` only a collective marks the
+  result replicated, so the reduction stays.)"""
+  return lax.axis_size(axis_name) == 1 and not halves_reduction.tracks_varying(axis_name)
+
+
 def _check_axis_is_bound(axis_name: str) -> None:
   """Raises, naming the fix, when no ``jax.pmap``, ``jax.shard_map`` or ``jax.vmap`` binds it."""
   try:
@@ -472,7 +480,7 @@ def transform(
       )
     _check_half_grads(updates, half_grads)
     share = 0.5 if half_grads.share is None else half_grads.share
-    if axis_name is None:
+    if axis_name is None or _one_untracked_device(axis_name):
       return half_statistics.global_halves(
         updates, half_grads.first, half_grads.second, zero_nonfinite=zero_nonfinite, share=share
       )
