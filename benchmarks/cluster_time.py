@@ -354,15 +354,25 @@ def summarize(info: dict[str, Any], measured: list[dict[str, Any]], cores: int) 
     if not points:
       continue
     rows = [(p["devices"], p["batch_size"], p["measured_s"], p["host_s"]) for p in points]
-    fit = cluster_time.fit_cpu_model(rows, cores)
-    for p, predicted in zip(points, cluster_time.leave_one_out(rows, cores), strict=True):
+    # The cores the devices' work is spread over: those whose model predicts the points best
+    # (on a loaded machine, fewer than it has).
+    held_out = {c: cluster_time.leave_one_out(rows, c) for c in range(1, max(cores, 1) + 1)}
+    worst = {
+      c: max(abs(q / p["measured_s"] - 1) for p, q in zip(points, held_out[c], strict=True))
+      for c in held_out
+    }
+    supported = min(worst, key=lambda c: worst[c])
+    fit = cluster_time.fit_cpu_model(rows, supported)
+    for p, predicted in zip(points, held_out[supported], strict=True):
       validation.append({**p, "predicted_s": predicted, "error": predicted / p["measured_s"] - 1})
+    curve = fit.device_curve()
     models[name] = {
       **info[name],
       "cpu_fit": fit.as_dict(),
       "device_curve": {
-        "overhead_s": fit.overhead_s,
-        "seconds_per_example": fit.seconds_per_example,
+        "overhead_s": curve.overhead_s,
+        "seconds_per_example": curve.seconds_per_example,
+        "seconds_per_example_squared": curve.seconds_per_example_squared,
       },
       "host_s": statistics.median(p["host_s"] for p in points),
     }
@@ -404,9 +414,7 @@ def add_answers(results: dict[str, Any], png: str | None) -> dict[str, Any]:
       "comparison": f"benchmarks/results/{file}",
       "target": target,
       **{
-        device: cluster_time.to_target(
-          settings, cluster_time.step_model(results, name, device), links
-        )
+        device: cluster_time.answer(settings, cluster_time.step_model(results, name, device), links)
         for device in ANSWER_DEVICES
       },
     }
@@ -421,6 +429,35 @@ def add_answers(results: dict[str, Any], png: str | None) -> dict[str, Any]:
     )
     results = {**results, "png": common.repository_path(png)}
   return {**results, "answers": answers}
+
+
+def markdown(results: dict[str, Any]) -> str:
+  """docs/results.md's tables: the validation, and each comparison's time to target on
+  H100-class devices (``--markdown JSON`` prints them; a test checks the page holds them)."""
+  lines = [
+    "| model | devices | batch | measured ms | predicted ms | error |",
+    "|---|---|---|---|---|---|",
+  ]
+  for v in results["validation"]:
+    lines.append(
+      f"| {v['model']} | {v['devices']} | {v['batch_size']} | {v['measured_s'] * 1e3:.2f} | "
+      f"{v['predicted_s'] * 1e3:.2f} | {v['error']:+.1%} |"
+    )
+  for name, a in results.get("answers", {}).items():
+    result = a[ANSWER_DEVICES[0]]
+    lines += [
+      "",
+      f"{name}: seconds to the target, fastest setting of each family, "
+      f"{ANSWER_DEVICES[0]}-class devices",
+      "",
+      "| link | family | " + " | ".join(str(n) for n in result["devices"]) + " |",
+      "|---|---|" + "---|" * len(result["devices"]),
+    ]
+    for link, families in result["best"].items():
+      for kind, entries in families.items():
+        cells = " | ".join("-" if e is None else f"{e['seconds']:.3g}" for e in entries)
+        lines.append(f"| {link} | {kind} | {cells} |")
+  return "\n".join(lines)
 
 
 def _format_table(results: dict[str, Any]) -> str:
@@ -441,8 +478,10 @@ def _format_table(results: dict[str, Any]) -> str:
   for name, m in results["models"].items():
     fit = m["cpu_fit"]
     lines.append(
-      f"  {name}: per device {fit['overhead_s'] * 1e3:.3f} ms + {fit['seconds_per_example'] * 1e6:.1f}"
-      f" us/example, collective {fit['collective_s'] * 1e3:.3f} ms x (N-1), host "
+      f"  {name}: a device's rows r: {fit['overhead_s'] * 1e3:.3f} ms + "
+      f"{fit['seconds_per_example'] * 1e6:.1f} us x r + "
+      f"{fit['seconds_per_example_squared'] * 1e6:.3f} us x r^2; collective "
+      f"{fit['collective_s'] * 1e3:.3f} ms x (N-1); over {fit['cores']} core(s); host "
       f"{m['host_s'] * 1e3:.3f} ms; {m['parameters']:,} parameters"
     )
   for name, a in results.get("answers", {}).items():
@@ -472,6 +511,7 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     help="measure nothing: recompute the answers and plot from the --out JSON's calibration",
   )
   parser.add_argument("--png", default=None, help="the plot (default: docs/cluster_time.png)")
+  parser.add_argument("--markdown", default=None, metavar="JSON", help="print docs' tables of JSON")
   parser.add_argument(
     "--docs-json",
     default=None,
@@ -504,6 +544,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
   args = _parse_args(argv)
   if args.worker is not None:
     worker(args.worker, args.batch_sizes, args.warmup_steps, args.quick)
+    return None
+  if args.markdown:
+    with open(args.markdown) as f:
+      print(markdown(json.load(f)))
     return None
   if args.answers_only:
     with open(args.out) as f:

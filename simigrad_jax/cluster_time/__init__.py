@@ -23,6 +23,9 @@ Example:
   True
 """
 
+import importlib
+from types import ModuleType
+
 from simigrad_jax.cluster_time.model import DEVICES
 from simigrad_jax.cluster_time.model import LINKS
 from simigrad_jax.cluster_time.model import CpuStepModel
@@ -60,3 +63,11 @@ __all__ = [
   "step_model",
   "time_to_target",
 ]
+
+
+def __getattr__(name: str) -> ModuleType:
+  """The command line's module, ``simigrad_jax.cluster_time.__main__``, imported when asked
+  for: importing it with the package would make ``python -m`` run a second copy."""
+  if name == "__main__":
+    return importlib.import_module(f"{__name__}.__main__")
+  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

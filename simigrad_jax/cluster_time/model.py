@@ -28,10 +28,17 @@ devices' work (each its fixed overhead and its rows) is serialised over
 ``min(N, cores)`` cores, and their collective is a copy in memory whose cost
 grows with the devices taking part:
 
-  ``host_s + (N x overhead_s + B x seconds_per_example) / min(N, cores)
-  + (N - 1) x collective_s``
+  ``host_s + N x c(B / N) / min(N, cores) + (N - 1) x collective_s``
 
-Its ``overhead_s`` and ``seconds_per_example`` are one device's curve
+with one device's curve ``c(rows) = overhead_s + rows x seconds_per_example
++ rows^2 x seconds_per_example_squared``: the sweep on this machine found
+an example's cost growing with the rows a device holds (a 2-layer LM's
+activations outgrowing the CPU's caches), which a line through the points
+misses by up to 50%. ``cores`` is the parallelism the sweep's points
+support (on a machine loaded by other users, fewer than its cores).
+
+Its ``overhead_s``, ``seconds_per_example`` and ``seconds_per_example_squared``
+are one device's curve
 (:meth:`CpuStepModel.device_curve`), the part the cluster prediction takes;
 ``collective_s`` is the CPU's own and is not carried over.
 """
@@ -101,21 +108,32 @@ LINKS = {
 
 @dataclasses.dataclass(frozen=True)
 class DeviceCurve:
-  """One device's compute time of ``rows`` examples: ``overhead_s + rows x seconds_per_example``.
+  """One device's compute time of ``rows`` examples: ``overhead_s + rows x seconds_per_example
+  + rows^2 x seconds_per_example_squared``.
+
+  The square term is 0 for a device that computes each example at the same
+  cost; a CPU's cost per example grows with the rows once their activations
+  outgrow its caches, which the measured curve's square term holds.
 
   Attributes:
     overhead_s: the fixed part of a step on the device (launches, the update).
     seconds_per_example: what each more example costs.
     source: where the figures come from (a measured sweep, a preset).
+    seconds_per_example_squared: the growth of an example's cost with the rows.
   """
 
   overhead_s: float
   seconds_per_example: float
   source: str = "given"
+  seconds_per_example_squared: float = 0.0
 
   def seconds(self, rows: float) -> float:
     """The device's time for ``rows`` examples."""
-    return self.overhead_s + rows * self.seconds_per_example
+    return (
+      self.overhead_s
+      + rows * self.seconds_per_example
+      + rows * rows * self.seconds_per_example_squared
+    )
 
   def as_dict(self) -> dict[str, float | str]:
     return dataclasses.asdict(self)
@@ -215,13 +233,15 @@ class CpuStepModel:
     overhead_s: one device's fixed time a step.
     seconds_per_example: one device's time an example.
     collective_s: the collective's time per device beyond the first.
-    cores: the machine's cores the devices share.
+    cores: the cores the devices' work is spread over.
+    seconds_per_example_squared: the growth of an example's cost with the rows.
   """
 
   overhead_s: float
   seconds_per_example: float
   collective_s: float
   cores: int
+  seconds_per_example_squared: float = 0.0
 
   def seconds(self, batch_size: float, devices: int, host_s: float) -> float:
     """A step of ``batch_size`` examples on ``devices`` simulated devices.
@@ -231,13 +251,23 @@ class CpuStepModel:
       0.0067
     """
     row = _cpu_row(batch_size, devices, self.cores)
-    terms = row @ np.array([self.overhead_s, self.seconds_per_example, self.collective_s])
+    terms = row @ np.array(
+      [
+        self.overhead_s,
+        self.seconds_per_example,
+        self.collective_s,
+        self.seconds_per_example_squared,
+      ]
+    )
     return round(host_s + float(terms), 15)
 
   def device_curve(self) -> DeviceCurve:
     """One device's curve, the part a cluster prediction takes."""
     return DeviceCurve(
-      self.overhead_s, self.seconds_per_example, "measured: one simulated CPU device of the sweep"
+      self.overhead_s,
+      self.seconds_per_example,
+      "measured: one simulated CPU device of the sweep",
+      self.seconds_per_example_squared,
     )
 
   def as_dict(self) -> dict[str, float]:
@@ -245,9 +275,12 @@ class CpuStepModel:
 
 
 def _cpu_row(batch_size: float, devices: int, cores: int) -> np.ndarray:
-  """The CPU model's terms for one point, the coefficients of its three parameters."""
+  """The CPU model's terms for one point, the coefficients of its four parameters."""
   parallel = min(devices, cores)
-  return np.array([devices / parallel, batch_size / parallel, devices - 1.0])
+  rows = batch_size / devices
+  return np.array(
+    [devices / parallel, batch_size / parallel, devices - 1.0, devices * rows * rows / parallel]
+  )
 
 
 def step_model(calibration: dict[str, Any], name: str, device: str) -> StepTimeModel:
@@ -308,23 +341,25 @@ def fit_cpu_model(points: Sequence[Point], cores: int) -> CpuStepModel:
     >>> fit = fit_cpu_model(points, cores=2)
     >>> [round(v, 6) for v in (fit.overhead_s, fit.seconds_per_example, fit.collective_s)]
     [0.001, 0.0001, 0.0005]
+    >>> round(fit.seconds_per_example_squared, 9)
+    0.0
   """
-  if len(points) < 3:
-    raise ValueError(f"fitting the CPU model needs at least 3 points, got {len(points)}")
+  if len(points) < 4:
+    raise ValueError(f"fitting the CPU model needs at least 4 points, got {len(points)}")
   rows = np.array([_cpu_row(b, n, cores) for n, b, _, _ in points])
   target = np.array([t - h for _, _, t, h in points])
   weights = 1.0 / np.array([t for _, _, t, _ in points])
-  free = [0, 1, 2]
+  free = [0, 1, 2, 3]
   while True:  # least squares, a parameter that comes out negative held at 0
-    solution = np.zeros(3)
+    solution = np.zeros(4)
     coef, *_ = np.linalg.lstsq(rows[:, free] * weights[:, None], target * weights, rcond=None)
     solution[free] = coef
     negative = [i for i in free if solution[i] < 0]
     if not negative:
       break
     free.remove(min(negative, key=lambda i: solution[i]))
-  overhead, per_example, collective = map(float, solution)
-  return CpuStepModel(overhead, per_example, collective, cores)
+  overhead, per_example, collective, squared = map(float, solution)
+  return CpuStepModel(overhead, per_example, collective, cores, squared)
 
 
 def leave_one_out(points: Sequence[Point], cores: int) -> list[float]:
@@ -333,7 +368,7 @@ def leave_one_out(points: Sequence[Point], cores: int) -> list[float]:
   Example:
     >>> truth = CpuStepModel(1e-3, 1e-4, 5e-4, cores=2)
     >>> points = [(n, b, truth.seconds(b, n, 0.0), 0.0) for n in (1, 2, 4) for b in (8, 64)]
-    >>> [round(p / q[2], 6) for p, q in zip(leave_one_out(points, 2), points)]
+    >>> [round(p / q[2], 6) for p, q in zip(leave_one_out(points, 2), points, strict=True)]
     [1.0, 1.0, 1.0, 1.0, 1.0, 1.0]
   """
   predictions = []

@@ -74,6 +74,19 @@ def test_a_term_the_points_do_not_support_is_held_at_zero():
   assert not math.isnan(fit.seconds(64, 8, 0.0))
 
 
-def test_the_fit_needs_three_points():
-  with pytest.raises(ValueError, match="at least 3 points, got 2"):
-    fit_cpu_model([(1, 8, 1.0, 0.0), (2, 8, 1.0, 0.0)], cores=2)
+def test_the_fit_needs_four_points():
+  with pytest.raises(ValueError, match="at least 4 points, got 3"):
+    fit_cpu_model([(1, 8, 1.0, 0.0), (2, 8, 1.0, 0.0), (4, 8, 1.0, 0.0)], cores=2)
+
+
+def test_an_examples_cost_that_grows_with_the_rows_is_the_square_term():
+  curve = DeviceCurve(1e-3, 1e-4, "measured", seconds_per_example_squared=1e-6)
+  # 100 rows: 1 + 10 + 10 ms.
+  assert curve.seconds(100) == pytest.approx(21e-3)
+  truth = CpuStepModel(1e-3, 1e-4, 5e-4, cores=1, seconds_per_example_squared=1e-6)
+  # 4 devices on one core, 128 examples: 4 x (1 + 3.2 + 1.024) ms + 3 x 0.5 ms.
+  assert truth.seconds(128, 4, 0.0) == pytest.approx(4 * 5.224e-3 + 1.5e-3)
+  points = [(n, b, truth.seconds(b, n, 0.0), 0.0) for n in (1, 2, 4, 8) for b in (16, 64, 128)]
+  fit = fit_cpu_model(points, cores=1)
+  assert fit.seconds_per_example_squared == pytest.approx(1e-6)
+  assert fit.device_curve().seconds(50) == pytest.approx(1e-3 + 5e-3 + 2.5e-3)
