@@ -17,8 +17,8 @@ The cluster model (:class:`StepTimeModel`): a step of global batch ``B`` on
 * the host path (``host_s``): the Trainer's critical path between steps
   (the step record's ``host_seconds``), taken as a constant.
 
-Assumptions: compute does not overlap the all-reduce (a lower bound on
-overlap's benefit is none); a device's batch fits its memory in one
+Assumptions: compute does not overlap the all-reduce (where it would, a
+step takes less); a device's batch fits its memory in one
 micro-step; the link is the slowest one on the ring.
 
 The CPU stand-in (:class:`CpuStepModel`) is what the sweep on simulated
