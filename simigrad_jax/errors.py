@@ -22,7 +22,8 @@ Each error is imported from the room that raises it (the room's
   checkpoint of a run with other settings; ``simigrad_jax.checkpoint.CheckpointSaveError``
   (``RuntimeError``): another process's background save failed.
 * ``simigrad_jax.compile.StepCompileError`` (``RuntimeError``): a step's
-  compile failed.
+  compile failed; ``simigrad_jax.compile.CompileAbandoned`` (``RuntimeError``):
+  a wait for a compile given up, the run stopping.
 * ``simigrad_jax.multihost.ProcessDisagreementError`` and its
   ``simigrad_jax.multihost.ProcessLostError``, ``simigrad_jax.multihost.WorkdirLockedError``
   and ``simigrad_jax.multihost.Preempted`` (``RuntimeError``; ``Preempted``

@@ -143,10 +143,12 @@ def make_programs(
 ) -> StepPrograms:
   """The step's compiled programs, compiling in the background (nothing is traced yet).
 
-  With several processes, a fallback uses only shapes that every process
-  reported compiled at the last step's agreement, so all of them pick the
-  same shape. ``cached_programs``: what a resumed checkpoint says the
-  persistent compilation cache holds (None: a new run).
+  The fallback follows the schedule of ``steps_per_compile``, the same on
+  every process; with ``timed_fallback`` and several processes, it uses only
+  shapes that every process reported compiled at the last step's agreement,
+  so all of them pick the same shape. ``cached_programs``: what a resumed
+  checkpoint says the persistent compilation cache holds and the schedule's
+  state (None: a new run).
   """
   if config.compilation_cache_dir is not None:
     enable_persistent_cache(config.compilation_cache_dir, allow_shared=config.allow_shared_workdir)
@@ -162,6 +164,7 @@ def make_programs(
     accumulation_shapes=layout.accumulation_shapes(upper),
     background=config.background_compile,
     compile_fallback=config.uses_compile_fallback,
+    steps_per_compile=None if config.timed_fallback else config.steps_per_compile,
     shared_compiles=jax.process_count() > 1,
     compilation_cache_dir=config.compilation_cache_dir,
     cached_programs=cached_programs,

@@ -41,6 +41,8 @@ BAD_SETTINGS = [
   ("allow_changed_settings", "yes", r"allow_changed_settings must be True or False, got 'yes'"),
   ("background_compile", 1, r"background_compile must be True or False, got 1 \(int\)"),
   ("compile_fallback", "yes", r"compile_fallback must be True or False, got 'yes'"),
+  ("timed_fallback", 1, r"timed_fallback must be True or False, got 1"),
+  ("steps_per_compile", 0, r"steps_per_compile must be .*\(0, inf\) \(finite\), got 0"),
   ("tensorboard", "yes", r"tensorboard must be True or False, got 'yes'"),
   ("progress", 0, r"progress must be True or False, got 0"),
   ("compilation_cache_dir", 3, r"compilation_cache_dir must be None or a path"),
