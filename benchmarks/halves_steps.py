@@ -291,7 +291,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   with tempfile.TemporaryDirectory() as folder:
     for count in preset["devices"]:
       part = os.path.join(folder, f"{count}.json")
-      command = [sys.executable, script, "--child", str(count), "--out", part]
+      command = [sys.executable, script, "--child", str(count), f"--out={part}"]
       command += ["--rounds", str(args.rounds), "--batch", str(args.batch)]
       env = {**os.environ, "PYTHONPATH": common.REPOSITORY_ROOT}
       subprocess.run(command, check=True, env=env)
