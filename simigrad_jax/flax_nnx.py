@@ -221,7 +221,9 @@ def nnx_value_and_half_grads(
     value = (loss, jax.tree.map(lambda a, b: jnp.stack([a, b]), aux_a, aux_b)) if has_aux else loss
     return value, grads, HalfGrads(first, second)
 
-  return _lending_streams(nnx, wrapped)
+  return half_batch.explaining_explicit_axes(
+    _lending_streams(nnx, wrapped), "nnx_value_and_half_grads"
+  )
 
 
 def set_nnx_lr_factor(optimizer: Any, factor: float) -> None:
