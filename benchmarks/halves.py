@@ -43,12 +43,12 @@ program holds the model twice, so it compiles in about twice the time.
 
 Usage::
 
-  python benchmarks/halves.py                        # full size: benchmarks/results/halves.json
+  python benchmarks/halves.py                        # full size: benchmarks/results/halves_resnet.json
   python benchmarks/halves.py --out /tmp/halves.json # the JSON elsewhere (--out '': none)
   python benchmarks/halves.py --batch-sizes 8,32 --repeats 5
-  python benchmarks/halves.py --quick                # tiny, for tests: halves_quick.json
+  python benchmarks/halves.py --quick                # tiny, for tests: halves_resnet_quick.json
 
-JSON written to ``--out`` (by default ``benchmarks/results/halves.json``)::
+JSON written to ``--out`` (by default ``benchmarks/results/halves_resnet.json``)::
 
   {"variants": {"plain": {"32": {"step_seconds", "compile_seconds",
                                  "temp_bytes", "time_ratio_to_plain",
@@ -311,9 +311,9 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     default=None,
     help=f"timed runs per variant and batch size (default {FULL['repeats']})",
   )
-  common.add_out_flag(parser, "halves")
+  common.add_out_flag(parser, "halves_resnet")
   args = parser.parse_args(argv)
-  args.out = common.out_path(args.out, "halves", args.quick)
+  args.out = common.out_path(args.out, "halves_resnet", args.quick)
   common.apply_preset(args, QUICK if args.quick else FULL)
   odd = [size for size in args.batch_sizes if size <= 0 or size % 2]
   if odd:

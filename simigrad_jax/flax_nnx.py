@@ -205,10 +205,11 @@ def nnx_value_and_half_grads(
     graphdef, params, keys, rest = nnx.split(model, nnx.Param, nnx.RngKey, ...)
     second_keys = jax.tree.map(lambda k: jax.random.fold_in(k, SECOND_HALF_STREAM), keys)
     first_half, second_half = half_batch.split_even_odd(batch)
-    ((loss_a, (aux_a, state_a)), first), ((loss_b, (aux_b, state_b)), second) = (
-      half_batch.value_and_grads_in_turn(
+    ((loss_a, (aux_a, state_a)), first), ((loss_b, (aux_b, state_b)), second), grads = (
+      half_batch.halves_and_mean(
         value_and_grad,
         params,
+        batch,
         (first_half, keys, rest, graphdef, *args),
         (second_half, second_keys, rest, graphdef, *args),
       )
@@ -216,7 +217,6 @@ def nnx_value_and_half_grads(
     # The streams' keys stay the model's own: only their counts move.
     new_state = jax.tree.map(_average_halves, state_a, state_b)
     nnx.update(model, nnx.filter_state(new_state, nnx.Not(nnx.RngKey)))
-    grads = jax.tree.map(half_batch.average_in_float32, first, second)
     loss = jnp.mean(jnp.stack([loss_a, loss_b]))
     value = (loss, jax.tree.map(lambda a, b: jnp.stack([a, b]), aux_a, aux_b)) if has_aux else loss
     return value, grads, HalfGrads(first, second)

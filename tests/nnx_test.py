@@ -18,6 +18,8 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import simigrad_jax
 from simigrad_jax import flax_nnx
@@ -294,3 +296,30 @@ def test_a_pytree_of_parameters_is_refused_naming_the_other_function():
 def test_docstring_examples():
   result = doctest.testmod(flax_nnx, optionflags=doctest.ELLIPSIS)
   assert result.attempted >= 10 and result.failed == 0
+
+
+@pytest.mark.parametrize("axis_type", [jax.sharding.AxisType.Auto, jax.sharding.AxisType.Explicit])
+def test_on_a_data_parallel_mesh_the_halves_are_the_even_and_odd_examples(devices, axis_type):
+  mesh = jax.make_mesh((len(devices),), ("data",), axis_types=(axis_type,))
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(64, 16)).astype(np.float32)
+  y = rng.normal(size=(64, 8)).astype(np.float32)
+  loss_fn = lambda model, b: jnp.mean((model(b["x"]) - b["y"]) ** 2)
+  with jax.set_mesh(mesh):
+    model = nnx.Linear(16, 8, rngs=nnx.Rngs(0))
+    batch = jax.device_put({"x": x, "y": y}, NamedSharding(mesh, P("data")))
+    _, grads, halves = nnx.jit(simigrad_jax.nnx_value_and_half_grads(loss_fn))(model, batch)
+  plain = lambda rows: nnx.grad(loss_fn)(nnx.Linear(16, 8, rngs=nnx.Rngs(0)), rows)
+  host = {"x": x, "y": y}
+  for got, rows in (
+    (grads, host),
+    (halves.first, jax.tree.map(lambda a: a[0::2], host)),
+    (halves.second, jax.tree.map(lambda a: a[1::2], host)),
+  ):
+    want = plain(rows)
+    np.testing.assert_allclose(
+      np.asarray(got["kernel"][...]), want["kernel"][...], rtol=2e-5, atol=1e-6
+    )
+    np.testing.assert_allclose(
+      np.asarray(got["bias"][...]), want["bias"][...], rtol=2e-5, atol=1e-6
+    )

@@ -16,6 +16,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from simigrad_jax.ingraph import half_layout
 from simigrad_jax.ingraph.transform import HalfGrads
 
 
@@ -35,6 +36,11 @@ def _even_example_count(batch: Any) -> int:
     raise ValueError(
       "every array in the batch needs the same leading (example) axis; "
       f"got sizes {sorted(map(str, sizes))}"
+    )
+  if size == 0:
+    raise ValueError(
+      "the batch has 0 examples; value_and_half_grads needs an even number of examples, "
+      "at least 2 (one in each half, per device inside pmap or shard_map)"
     )
   if size % 2:
     raise ValueError(
@@ -132,6 +138,56 @@ def value_and_grads_in_turn(
   return (value_a, first), (value_b, second)
 
 
+def _in_blocks(
+  value_and_grad: Callable[..., tuple[Any, Any]], layout: half_layout.DataLayout
+) -> Callable[..., tuple[Any, Any]]:
+  def one_pass(params: Any, *args: Any) -> tuple[Any, Any]:
+    value, grads = value_and_grad(params, *args)
+    return value, half_layout.in_blocks(grads, params, layout)
+
+  return one_pass
+
+
+def halves_and_mean(
+  value_and_grad: Callable[..., tuple[Any, Any]],
+  params: Any,
+  batch: Any,
+  first_args: tuple[Any, ...],
+  second_args: tuple[Any, ...],
+) -> tuple[tuple[Any, Any], tuple[Any, Any], Any]:
+  """Both halves' values and gradients in turn, and the mean gradient, laid out for the mesh.
+
+  On a data-parallel mesh (:func:`simigrad_jax.ingraph.half_layout.data_layout`)
+  each half's gradient is kept in blocks over the data axis as soon as it is
+  taken, and the mean, averaged on the blocks, is gathered once into the
+  parameters' layout; elsewhere the gradients lie where XLA puts them.
+
+  Args:
+    value_and_grad: ``value_and_grad(params, *args) -> (value, grads)``.
+    params: the parameters.
+    batch: the whole batch (its layout names the data axis).
+    first_args: the first pass's other arguments (the first half first).
+    second_args: the second pass's.
+
+  Returns:
+    ``((value_a, grads_a), (value_b, grads_b), mean)``, the mean computed in
+    at least float32.
+  """
+  layout = half_layout.data_layout(batch)
+  if layout is not None and any(jnp.ndim(leaf) > 2 for leaf in jax.tree.leaves(params)):
+    # A convolutional model: a dense kernel in blocks over its inputs shards the pooled
+    # activations' channels and reshards the batch; its gradients stay where XLA puts them.
+    layout = None
+  one_pass = value_and_grad if layout is None else _in_blocks(value_and_grad, layout)
+  (value_a, first), (value_b, second) = value_and_grads_in_turn(
+    one_pass, params, first_args, second_args
+  )
+  mean = jax.tree.map(average_in_float32, first, second)
+  if layout is not None:
+    mean = half_layout.like_params(mean, params, layout)
+  return (value_a, first), (value_b, second), mean
+
+
 def average_in_float32(a: jax.Array, b: jax.Array) -> jax.Array:
   """``(a + b) / 2`` computed in at least float32, returned in ``a``'s dtype."""
   dtype = jnp.promote_types(a.dtype, jnp.float32)
@@ -161,6 +217,13 @@ def checked_scalar_loss(
       raise ValueError(
         f"{caller}(loss_fn, has_aux=True) expects loss_fn to return "
         f"(loss, aux), got {_describe(value)}: return the pair, or leave has_aux out"
+      )
+    loss = value[0] if has_aux else value
+    if jnp.ndim(loss):
+      raise ValueError(
+        f"loss_fn returned {_describe(loss)} as its loss where {caller} needs a scalar: "
+        "the MEAN of the per-example losses over the examples it is given (each half's "
+        "gradient is then that half's mean gradient); return jnp.mean(losses)"
       )
     return value
 
@@ -281,10 +344,9 @@ def value_and_half_grads(
 
   def wrapped(params, batch, *args):
     first_half, second_half = split_even_odd(batch)
-    (value_a, first), (value_b, second) = value_and_grads_in_turn(
-      value_and_grad, params, (first_half, *args), (second_half, *args)
+    (value_a, first), (value_b, second), mean_grads = halves_and_mean(
+      value_and_grad, params, batch, (first_half, *args), (second_half, *args)
     )
-    mean_grads = jax.tree.map(average_in_float32, first, second)
     value: jax.Array | tuple[jax.Array, Any]  # the loss, and the aux of both halves if has_aux
     if has_aux:
       (loss_a, aux_a), (loss_b, aux_b) = value_a, value_b

@@ -283,3 +283,17 @@ def test_the_halves_run_one_after_the_other(image_dtype):
   plain = temp_bytes(jax.value_and_grad(loss))
   halves = temp_bytes(simigrad_jax.value_and_half_grads(loss))
   assert halves <= 0.75 * plain, (halves, plain)
+
+
+def test_a_batch_of_no_examples_is_refused_naming_its_size():
+  loss = lambda w, x: jnp.mean(x * w)
+  with pytest.raises(ValueError, match="0 examples.*even number of examples, at least 2"):
+    simigrad_jax.value_and_half_grads(loss)(jnp.ones(()), jnp.ones((0, 3)))
+
+
+@pytest.mark.parametrize("has_aux", [False, True])
+def test_a_per_example_loss_is_refused_naming_the_mean(has_aux):
+  losses = lambda w, x: (x @ w) ** 2  # one loss per example, not their mean
+  loss = (lambda w, x: (losses(w, x), None)) if has_aux else losses
+  with pytest.raises(ValueError, match=r"shape \(2,\).*scalar.*MEAN.*jnp\.mean\(losses\)"):
+    simigrad_jax.value_and_half_grads(loss, has_aux=has_aux)(jnp.ones(3), jnp.ones((4, 3)))
