@@ -2,9 +2,20 @@
 
 :class:`LmExperiment` builds ``train/configs/shakespeare_lm.py``'s data, model
 and loss once and trains one :class:`~benchmarks.pareto_protocol.RunSpec` at
-a time with the real Trainer, all runs sharing one compilation cache. A
-:class:`ValidationCurve` hook measures the validation loss at evenly spaced
-token counts during each run.
+a time with the real Trainer, all runs sharing one compilation cache. A run
+trains a share of the token budget (1 for a constant batch, the allowance for
+an adaptive run), its learning-rate schedule stretched over its own length.
+A :class:`ValidationCurve` hook measures the validation loss at evenly spaced
+token counts during each run, on windows spread evenly over the whole
+held-out text.
+
+The runs are reproducible on one machine: a step waits for its own shape's
+compilation (no compile fallback, whose choice of shape depends on timing),
+so the same seed and code run the same programs on the same rows; the
+shapes are the halvings (``shapes_per_octave=1``), few enough that waiting
+for them costs little. The learning rate lives in the optimizer state (AdamW
+at rate 1, its update scaled by the run's rate, the same arithmetic), so that
+every rate and seed of a shape runs one compiled program, from the cache.
 """
 
 from __future__ import annotations
@@ -20,6 +31,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 import simigrad_jax
 from benchmarks.pareto_protocol import RunSpec
@@ -33,7 +45,7 @@ from train import optimizers
 from train import tasks
 from train.configs import shakespeare_lm
 
-WARMUP_EPOCHS = 0.1  # the warm-up of lr_schedule_fn("warmup_cosine", 1.0)
+WARMUP_FRACTION = 0.1  # the warm-up of lr_schedule_fn("warmup_cosine", epochs), of the run
 
 
 class ValidationCurve:
@@ -98,8 +110,11 @@ class LmExperiment:
   Args:
     hidden: the width (heads of 16; MLP 4x; 2 layers).
     seq_length: tokens each window predicts.
-    train_windows: the budget: one pass over the first this many training windows.
-    eval_windows: the validation windows (the first of the held-out 10%).
+    budget_windows: the token budget in windows (a constant batch's run).
+    max_share: the largest share of the budget a run trains (the allowance):
+      the training windows are the first ``ceil(max_share * budget_windows)``
+      (or all there are: a run then passes over some windows again).
+    eval_windows: the validation windows, spread evenly over the held-out text.
     evals: validation measurements per run, evenly in tokens (and one at the end).
     root: where workdirs and the compilation cache go.
     keep_workdirs: keep each run's workdir.
@@ -111,7 +126,8 @@ class LmExperiment:
     *,
     hidden: int,
     seq_length: int,
-    train_windows: int,
+    budget_windows: int,
+    max_share: float,
     eval_windows: int,
     evals: int,
     root: pathlib.Path,
@@ -121,29 +137,31 @@ class LmExperiment:
     config = shakespeare_lm.get_config()
     config.seq_length, config.bert_hidden = seq_length, hidden
     config.bert_heads, config.bert_mlp = max(1, hidden // 16), 4 * hidden
-    config.eval_examples, config.eval_batch_size = eval_windows, min(eval_windows, 256)
+    config.eval_examples, config.eval_batch_size = None, min(eval_windows, 256)
     if text_file:
       config.text_files = str(text_file)
     self.config = config
     datasets = input_pipeline.create_datasets(config)
-    if train_windows > len(datasets.train):
-      raise ValueError(
-        f"--train-windows={train_windows} exceeds the {len(datasets.train)} windows of "
-        f"{seq_length} tokens the training text holds"
-      )
-    self.train = input_pipeline.limit_examples(datasets.train, train_windows)
-    self.num_val = len(datasets.eval)
+    windows = min(len(datasets.train), math.ceil(max_share * budget_windows))
+    if windows < 1 or budget_windows < 1:
+      raise ValueError(f"--budget-windows must be >= 1, got {budget_windows}")
+    self.train = input_pipeline.limit_examples(datasets.train, windows)
+    num_val = len(datasets.eval)
+    picks = np.unique(np.linspace(0, num_val - 1, min(eval_windows, num_val)).round().astype(int))
+    datasets.eval = simigrad_jax.ArraySource(datasets.eval.get_batch(picks))
+    self.num_val = len(picks)
+    self.budget_windows = budget_windows
     self.vocab_size = datasets.vocab_size
     self.unigram_entropy = datasets.unigram_entropy
     self.model = models.create_model(config, vocab_size=datasets.vocab_size)
     self.loss_fn, _, eval_step = tasks.causal_lm_fns(config, self.model, datasets)
     self.evaluate = tasks.make_evaluate(config, datasets, eval_step, text=False)
     self.evals, self.root, self.keep_workdirs = evals, root, keep_workdirs
-    self.lr_schedule = lr_schedule_fn("warmup_cosine", 1.0)
     self.cache_dir = root / "compilation_cache"
     self.description = (
-      f"{datasets.description}; {len(self.train)} training windows of {seq_length} tokens "
-      f"({self.num_train * seq_length:,} tokens), {self.num_val} validation windows"
+      f"{datasets.description}; a budget of {budget_windows} windows of {seq_length} tokens "
+      f"({budget_windows * seq_length:,} tokens) from {len(self.train)} training windows; "
+      f"{self.num_val} validation windows spread over the {num_val} held-out ones"
     )
     model = self.model
     self._init = jax.jit(
@@ -163,60 +181,75 @@ class LmExperiment:
       "num_train": self.num_train,
       "num_val": self.num_val,
       "seq_length": c.seq_length,
-      "token_budget": self.num_train * c.seq_length,
+      "budget_windows": self.budget_windows,
+      "token_budget": self.budget_windows * c.seq_length,
       "vocab_size": self.vocab_size,
       "unigram_entropy": round(self.unigram_entropy, 6),
       "model": f"causal_lm (hidden {c.bert_hidden}, {c.bert_layers} layers, "
       f"{c.bert_heads} heads, MLP {c.bert_mlp})",
       "optimizer": f"adamw(b2={c.b2}, weight_decay={c.weight_decay}, "
-      f"clip {c.grad_clip_norm}); warm-up 10% then cosine to 0.02x, in tokens",
+      f"clip {c.grad_clip_norm}); warm-up 10% then cosine to 0.02x over each run, in tokens",
       "evals_per_run": self.evals,
     }
 
+  def epochs_of(self, share: float) -> float:
+    """The epochs (passes over the training windows) of ``share`` of the budget."""
+    return share * self.budget_windows / self.num_train
+
   def _trainer(
-    self, controller: Any, spec: RunSpec, workdir: pathlib.Path, curve: ValidationCurve
+    self, controller: Any, spec: RunSpec, epochs: float, workdir: pathlib.Path, curve: Any
   ) -> simigrad_jax.Trainer:
     config = self.config.copy_and_resolve_references()
-    config.learning_rate = spec.lr
+    config.learning_rate = 1.0  # the rate is in the optimizer state: one program for every rate
+    optimizer = optax.chain(
+      optimizers.create_optimizer(config), optax.inject_hyperparams(optax.scale)(step_size=spec.lr)
+    )
     return benchmark_trainer(
       controller,
       workdir,
       self.cache_dir,
       loss_fn=self.loss_fn,
       params=jax.tree.map(np.asarray, self._init(jax.random.key(spec.seed, impl="rbg"))),
-      optimizer=optimizers.create_optimizer(config),
+      optimizer=optimizer,
       source=self.train,
-      lr_schedule=self._lr_schedule(controller),
+      lr_schedule=self._lr_schedule(controller, epochs),
       lr_rule=spec.lr_rule,
+      lr_coupling=spec.lr_coupling,
+      compile_fallback=False,  # a step's shape must not depend on compile timing
+      shapes_per_octave=1,  # few shapes to compile: each step waits for its own
       seed=spec.seed,
       checkpoint_every_seconds=None,
       hooks=[curve],
     )
 
-  def _lr_schedule(self, controller: Any) -> Callable[[float], float]:
-    """The run's learning-rate schedule: warm-up then cosine, or Seesaw's own after the warm-up."""
+  def _lr_schedule(self, controller: Any, epochs: float) -> Callable[[float], float]:
+    """Warm-up then cosine over the run's ``epochs``, or Seesaw's own after the warm-up."""
+    schedule = lr_schedule_fn("warmup_cosine", epochs)
     if not hasattr(controller, "lr_schedule"):
-      return self.lr_schedule
-    cosine = self.lr_schedule
+      return schedule
+    warmup = WARMUP_FRACTION * epochs
     return controller.lr_schedule(
-      self.num_train, base_schedule=lambda e: cosine(e) if e < WARMUP_EPOCHS else 1.0
+      self.num_train, base_schedule=lambda e: schedule(e) if e < warmup else 1.0
     )
 
-  def run(self, spec: RunSpec, setting: str) -> dict[str, Any]:
-    """Trains one run for the budget; returns its JSON record (the target is set later).
+  def run(self, spec: RunSpec, setting: str, share: float = 1.0) -> dict[str, Any]:
+    """Trains one run for ``share`` of the budget; returns its JSON record (the target is set later).
 
     Args:
       spec: the run.
       setting: its label in the record.
+      share: the share of the token budget it trains (the allowance for an
+        adaptive run).
     """
     workdir = pathlib.Path(tempfile.mkdtemp(prefix=f"{spec.controller}-", dir=self.root))
     start = time.perf_counter()
     controller = simigrad_jax.make_controller(spec.controller, **dict(spec.options))
-    curve = ValidationCurve(self.evaluate, self.num_train, self.evals)
-    with self._trainer(controller, spec, workdir, curve) as trainer:
+    epochs = self.epochs_of(share)
+    curve = ValidationCurve(self.evaluate, round(epochs * self.num_train), self.evals)
+    with self._trainer(controller, spec, epochs, workdir, curve) as trainer:
       curve.trainer = trainer
       curve.measure(host_copy(trainer.state["params"]), 0, 0)
-      summary = trainer.train(num_epochs=1.0)
+      summary = trainer.train(num_epochs=epochs)
       curve.measure(host_copy(trainer.state["params"]), summary["steps"], summary["examples_seen"])
     wall = time.perf_counter() - start
     records = [r for r in simigrad_jax.read_metrics(workdir / "metrics.jsonl") if "batch_size" in r]
@@ -224,6 +257,7 @@ class LmExperiment:
       shutil.rmtree(workdir, ignore_errors=True)
     tokens = self.config.seq_length
     sims = [r["similarity"] for r in records if r["similarity"] is not None]
+    options = dict(spec.options)
     return {
       "controller": spec.controller,
       "setting": setting,
@@ -235,7 +269,10 @@ class LmExperiment:
       "tokens": int(summary["examples_seen"]) * tokens,
       "learning_rate": spec.lr,
       "lr_multiplier": spec.lr_multiplier,
-      "options": dict(spec.options),
+      "lr_coupling": spec.lr_coupling,
+      "budget_share": share,
+      **({"batch_size": int(options["initial_batch_size"])} if spec.controller == "fixed" else {}),
+      "options": options,
       "avg_batch_size": round(summary["examples_seen"] / max(summary["steps"], 1), 3),
       "final_batch_size": int(records[-1]["next_batch_size"]),
       "max_batch_size": int(max(r["batch_size"] for r in records)),

@@ -73,7 +73,11 @@ devices' compute), which share this machine's cores.
 Goals, printed as PASS/FAIL: ``adaptive`` at least 0.95x ``fixed`` over the
 whole run (``ratio_to_fixed_run``) and without its first runs
 (``ratio_to_fixed_without_first_runs``), padding at most 5% and a host
-critical path at most 1 ms.
+critical path at most 1 ms; and ``warm_start``: new Trainers on the cache
+the untimed runs left warm, timed from their first step
+(``--warm-start-steps``, 120, in ``--warm-start-rounds`` rounds, adaptive and
+fixed in turns): the adaptive one's steps on a fallback shape (at most 5),
+its compile wait, and its examples/s against the fixed one's.
 
 NOTE: CPU timings are noisy (other processes; the simulated devices share
 the host's cores, so host work costs the devices time). Compare ratios
@@ -124,13 +128,28 @@ from simigrad_jax.compile import persistent_cache_settings  # noqa: E402
 from simigrad_jax.controllers import OneStepLateController  # noqa: E402
 from simigrad_jax.ramps import replay_controller  # noqa: E402
 
-FULL = {"batch_size": 256, "steps": 30, "rounds": 5, "warmup_steps": 5}
-QUICK = {"batch_size": 32, "steps": 3, "rounds": 2, "warmup_steps": 2}
+FULL = {
+  "batch_size": 256,
+  "steps": 30,
+  "rounds": 5,
+  "warmup_steps": 5,
+  "warm_start_steps": 120,
+  "warm_start_rounds": 3,
+}
+QUICK = {
+  "batch_size": 32,
+  "steps": 3,
+  "rounds": 2,
+  "warmup_steps": 2,
+  "warm_start_steps": 6,
+  "warm_start_rounds": 1,
+}
 GOALS = {
   "ratio_to_fixed_run": 0.95,
   "ratio_to_fixed_without_first_runs": 0.95,
   "padding_fraction": 0.05,
   "host_seconds": 0.001,
+  "warm_start_fallback_steps": 5,
 }
 
 
@@ -196,6 +215,7 @@ def run(args: argparse.Namespace, root: pathlib.Path, cache: str) -> dict[str, A
     bounds = {
       key: online(False).config[key] for key in ("batch_size_lower_bound", "batch_size_upper_bound")
     }
+    warm_start = _warm_start(args, spec, data, root, settings, grid, fixed_batch)
     build("adaptive", args.batch_size, True, controller=online(False), **grid)
     build("fixed", fixed_batch, False, max_micro_batch_size=fixed_batch // n)
     build("adaptive_late", args.batch_size, True, controller=online(True), **grid)
@@ -259,7 +279,70 @@ def run(args: argparse.Namespace, root: pathlib.Path, cache: str) -> dict[str, A
     / variants["replay"]["examples_per_second_run"],
     "adaptive_late_to_replay_late_run": variants["adaptive_late"]["examples_per_second_run"]
     / variants["replay_late"]["examples_per_second_run"],
-    "goals": _goals(variants["adaptive"]),
+    "warm_start": warm_start,
+    "goals": _goals(variants["adaptive"], warm_start),
+  }
+
+
+def _warm_start(
+  args: argparse.Namespace,
+  spec: Any,
+  data: dict[str, np.ndarray],
+  root: pathlib.Path,
+  settings: dict[str, Any],
+  grid: dict[str, Any],
+  fixed_batch: int,
+) -> dict[str, Any]:
+  """New Trainers on the cache the probes left warm, timed from their first step.
+
+  Each round builds a new adaptive Trainer and a new one fixed at
+  ``fixed_batch`` (in turns, the first alternating) and trains each
+  ``--warm-start-steps`` steps, the first step and its compile wait
+  included: the adaptive one's steps on a fallback shape (the summary's
+  ``compile_fallback_steps``), its seconds waiting for compiles, and its
+  examples/s against the fixed one's (the median of the rounds' ratios).
+  """
+  n = jax.device_count()
+  rounds: list[dict[str, Any]] = []
+  for index in range(args.warm_start_rounds):
+    order = [("adaptive", True), ("fixed", False)]
+    measured: dict[str, Any] = {}
+    for name, adaptive in order if index % 2 == 0 else order[::-1]:
+      workdir = pathlib.Path(tempfile.mkdtemp(prefix=f"warm-{name}-", dir=root))
+      more = grid if adaptive else {"max_micro_batch_size": fixed_batch // n}
+      batch = args.batch_size if adaptive else fixed_batch
+      loop = TrainerLoop(
+        spec, data, batch, adaptive, args.similarity_target, workdir, **{**settings, **more}
+      )
+      try:
+        examples, seconds = loop.run(args.warm_start_steps)
+        summary = loop.trainer.compile_stats()
+        records = [
+          r for r in simigrad_jax.read_metrics(workdir / "metrics.jsonl") if "batch_size" in r
+        ]
+      finally:
+        loop.close()
+      measured[name] = {
+        "examples_per_second": examples / seconds,
+        "fallback_steps": sum(bool(r["compile_fallback"]) for r in records),
+        "compile_wait_seconds": summary["compile_wait_seconds"],
+        "compile_cache_hits": summary["compile_cache_hits"],
+        "compiles": summary["compiles"],
+      }
+    rounds.append(measured)
+  ratios = [
+    r["adaptive"]["examples_per_second"] / r["fixed"]["examples_per_second"] for r in rounds
+  ]
+  return {
+    "steps": args.warm_start_steps,
+    "fixed_batch_size": fixed_batch,
+    "fallback_steps": max(r["adaptive"]["fallback_steps"] for r in rounds),
+    "compile_wait_seconds": statistics.median(
+      r["adaptive"]["compile_wait_seconds"] for r in rounds
+    ),
+    "ratio_to_fixed_paired": statistics.median(ratios),
+    "ratio_to_fixed_paired_range": [min(ratios), max(ratios)],
+    "rounds": rounds,
   }
 
 
@@ -315,10 +398,10 @@ def _breakdown(
   }
 
 
-def _goals(adaptive: dict[str, Any]) -> dict[str, dict[str, Any]]:
+def _goals(adaptive: dict[str, Any], warm_start: dict[str, Any]) -> dict[str, dict[str, Any]]:
   goals = {}
   for key, bound in GOALS.items():
-    value = adaptive[key]
+    value = warm_start["fallback_steps"] if key == "warm_start_fallback_steps" else adaptive[key]
     passed = value is not None and (value >= bound if key.startswith("ratio") else value <= bound)
     goals[key] = {"bound": bound, "value": value, "pass": passed}
   return goals
@@ -384,6 +467,12 @@ def _format_table(results: dict[str, Any]) -> str:
         f" {split['first_run_excess_seconds'] * 1e3:.0f} ms above the curve;"
         f" {split['outside_curve_steps']} steps outside the curve's sizes)"
       )
+  warm = results["warm_start"]
+  lines.append(
+    f"  warm start, a new Trainer timed from step 1 over {warm['steps']} steps:"
+    f" {warm['fallback_steps']} fallback steps, {warm['compile_wait_seconds']:.2f} s compile wait,"
+    f" {warm['ratio_to_fixed_paired']:.3f}x the fixed Trainer's examples/s"
+  )
   for key, goal in results["goals"].items():
     value = "-" if goal["value"] is None else f"{goal['value']:.4g}"
     lines.append(
@@ -419,12 +508,26 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     help="also time the Trainer fixed at these batch sizes (multiples of the devices; two or "
     "more) and split the adaptive run's cost with their step times",
   )
+  parser.add_argument(
+    "--warm-start-steps",
+    type=int,
+    default=None,
+    help="steps of each new Trainer on the warm cache, timed from step 1",
+  )
+  parser.add_argument("--warm-start-rounds", type=int, default=None)
   parser.add_argument("--compilation-cache", default=None, help="JAX's persistent cache folder")
   common.add_out_flag(parser, "overhead_adaptive")
   args = parser.parse_args(argv)
   args.out = common.out_path(args.out, "overhead_adaptive", args.quick)
   common.apply_preset(args, QUICK if args.quick else FULL)
-  for key in ("batch_size", "steps", "rounds", "warmup_steps"):
+  for key in (
+    "batch_size",
+    "steps",
+    "rounds",
+    "warmup_steps",
+    "warm_start_steps",
+    "warm_start_rounds",
+  ):
     if getattr(args, key) < 1:
       raise ValueError(f"--{key.replace('_', '-')} must be >= 1, got {getattr(args, key)}")
   return args

@@ -72,13 +72,16 @@ class RunSpec:
   lr_multiplier: float
   seed: int
   lr_rule: str = "sqrt"  # how the trainer scales the lr as the batch moves from B_0
+  lr_coupling: str = "full"  # how that factor meets the schedule (TrainerConfig.lr_coupling)
 
   def settings_dict(self) -> dict[str, Any]:
+    """The run's settings in a result's JSON (``lr_coupling`` only where not ``"full"``)."""
     return {
       **dict(self.options),
       "learning_rate": self.lr,
       "lr_multiplier": self.lr_multiplier,
       "lr_rule": self.lr_rule,
+      **({} if self.lr_coupling == "full" else {"lr_coupling": self.lr_coupling}),
     }
 
   def label(self) -> str:
@@ -93,6 +96,11 @@ class RunSpec:
       )
     if self.controller == "gns":
       return f"m={o['multiple']:g} [{o['batch_size_lower_bound']},{o['batch_size_upper_bound']}]"
+    if self.controller == "allowance":
+      return (
+        f"a={o['token_allowance']:g} [{o.get('batch_size_lower_bound')},"
+        f"{o.get('batch_size_upper_bound')}]"
+      )
     if self.controller in ("linear", "geometric"):
       return f"{o['initial_batch_size']}->{o['final_batch_size']}"
     if self.controller == "loss_plateau":

@@ -19,12 +19,15 @@ Each error is imported from the room that raises it (the room's
 * ``simigrad_jax.data.BadRecordError`` (``ValueError``): a record that cannot
   be read or decoded.
 * ``simigrad_jax.files.UnsafePathError`` (``ValueError``): a folder other
-  users can change, or a symlink where a file is written.
+  users can change, or a symlink where a file is written;
+  ``simigrad_jax.files.WorkdirAccessError`` (``PermissionError``, ``RuntimeError``):
+  a run's folder this user may not create or write to.
 * ``simigrad_jax.checkpoint.CheckpointMismatchError`` (``ValueError``): a
   checkpoint of a run with other settings; ``simigrad_jax.checkpoint.CheckpointSaveError``
   (``RuntimeError``): another process's background save failed.
 * ``simigrad_jax.compile.StepCompileError`` (``RuntimeError``): a step's
-  compile failed.
+  compile failed; ``simigrad_jax.compile.CompileAbandoned`` (``RuntimeError``):
+  a wait for a compile given up, the run stopping.
 * ``simigrad_jax.multihost.ProcessDisagreementError`` and its
   ``simigrad_jax.multihost.ProcessLostError``, ``simigrad_jax.multihost.WorkdirLockedError``
   and ``simigrad_jax.multihost.Preempted`` (``RuntimeError``; ``Preempted``

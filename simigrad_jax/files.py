@@ -42,6 +42,7 @@ logger = logging.getLogger("simigrad_jax")
 
 __all__ = [
   "UnsafePathError",
+  "WorkdirAccessError",
   "check_private_dir",
   "make_private_dir",
   "open_for_append",
@@ -64,6 +65,13 @@ class UnsafePathError(SimiGradError, ValueError):
   """
 
 
+class WorkdirAccessError(SimiGradError, PermissionError, RuntimeError):
+  """A run's folder (the workdir, its checkpoints, the cache) that this user may not create or use.
+
+  The message names the folder and the fix.
+  """
+
+
 def current_uid() -> int:
   """The user the process acts as (its effective uid): the owner a private folder must have."""
   return os.geteuid()
@@ -79,13 +87,8 @@ def _user(uid: int) -> str:
     return f"uid {uid}"
 
 
-def _new_file_mode() -> int:
-  """The mode ``open()`` would give a new file: ``0o666`` less the process's umask."""
-  # The umask can only be read by setting it; the tightest value stands in for the instant
-  # between the two calls, so a file another thread creates then is private, never open.
-  umask = os.umask(0o077)
-  os.umask(umask)
-  return 0o666 & ~umask
+# The mode of every file a run creates, whatever the umask: only this user reads a run's files.
+PRIVATE_FILE_MODE = 0o600
 
 
 def write_atomic(path: str | os.PathLike, data: bytes | str) -> pathlib.Path:
@@ -93,8 +96,8 @@ def write_atomic(path: str | os.PathLike, data: bytes | str) -> pathlib.Path:
 
   A reader (or a crash) sees the old content or the new one, never a mix. A
   symlink at ``path`` is replaced by the file (a warning names its target),
-  never followed. An existing file keeps its mode; a new one gets
-  ``0o666`` less the umask, as ``open()`` would give it.
+  never followed. An existing file keeps its mode; a new one is ``0600``
+  whatever the umask (a run's files are this user's alone).
 
   Args:
     path: the file to write; its folder must exist.
@@ -123,7 +126,9 @@ def write_atomic(path: str | os.PathLike, data: bytes | str) -> pathlib.Path:
       os.readlink(path),
     )
   mode = (
-    stat.S_IMODE(old.st_mode) if old is not None and stat.S_ISREG(old.st_mode) else _new_file_mode()
+    stat.S_IMODE(old.st_mode)
+    if old is not None and stat.S_ISREG(old.st_mode)
+    else PRIVATE_FILE_MODE
   )
   # mkstemp creates the file exclusively (O_EXCL), so it never opens a planted one.
   fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
@@ -157,13 +162,15 @@ def _sync_folder(folder: pathlib.Path) -> None:
 
 
 def open_for_append(path: str | os.PathLike) -> TextIO:
-  """Opens the file ``path`` (created if missing) to append UTF-8 text to, refusing a symlink.
+  """Opens the file ``path`` (created ``0600`` if missing) to append UTF-8 text to, refusing a symlink.
 
   Raises:
     UnsafePathError: ``path`` is a symlink (the message names its target).
   """
   return os.fdopen(
-    open_nofollow(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT), "a", encoding="utf-8"
+    open_nofollow(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, PRIVATE_FILE_MODE),
+    "a",
+    encoding="utf-8",
   )
 
 
@@ -182,16 +189,29 @@ def open_nofollow(path: str | os.PathLike, flags: int, mode: int = 0o666) -> int
     raise
 
 
-def refuse_symlink(path: pathlib.Path) -> UnsafePathError:
-  """The error for a symlink found where a run's file is kept (to raise)."""
+def refuse_symlink(path: pathlib.Path, *, what: str | None = None) -> UnsafePathError:
+  """The error for a symlink found where a run's file or folder is kept (to raise).
+
+  Args:
+    path: the link.
+    what: what the folder is (``"checkpoint folder"``, ...), or None for a file.
+  """
+  named = f"the {what} {path}" if what else str(path)
+  fix = (
+    f"remove the link (rm {path}) and, to keep what it points to, move that folder there "
+    f"(mv TARGET {path}), or use another workdir"
+    if what
+    else "remove the link, or use another workdir"
+  )
   return UnsafePathError(
-    f"{path} is a symlink to {os.readlink(path)!r}; a run never writes or reads its files "
-    f"through a symlink (another user may have planted it): remove the link, or use another "
-    f"workdir"
+    f"{named} is a symlink to {os.readlink(path)!r}; a run never writes or reads its files "
+    f"through a symlink (another user may have planted it): {fix}"
   )
 
 
-def check_private_dir(path: str | os.PathLike, *, what: str = "workdir") -> None:
+def check_private_dir(
+  path: str | os.PathLike, *, what: str = "workdir", named: str | os.PathLike | None = None
+) -> None:
   """Raises :class:`UnsafePathError` unless only this user (and root) can change the folder ``path``.
 
   The folder must belong to this user and be writable by no group or other
@@ -204,6 +224,9 @@ def check_private_dir(path: str | os.PathLike, *, what: str = "workdir") -> None
   Args:
     path: an existing folder (a symlink to one is checked at its target).
     what: what the folder is, for the message (``"workdir"``, ...).
+    named: the folder that is wanted, when ``path`` is the existing folder it
+      is to be created in: then ``path`` is checked as a parent (its owner,
+      and no other user may write to it without the sticky bit).
 
   Raises:
     UnsafePathError: the message names the folder, its owner and mode, and
@@ -211,34 +234,41 @@ def check_private_dir(path: str | os.PathLike, *, what: str = "workdir") -> None
   """
   path = pathlib.Path(path).absolute()
   uid = current_uid()
-  info = os.stat(path)
-  mode = stat.S_IMODE(info.st_mode)
   risk = (
     f"another user could change the run's files there (its checkpoints, or the compiled "
     f"programs JAX loads and runs). Use a folder of your own (mode 0700 or 0755), or set "
     f"{ALLOW_SHARED} if you trust every user who can write there"
   )
-  if info.st_uid != uid:
-    raise UnsafePathError(
-      f"the {what} {str(path)!r} belongs to {_user(info.st_uid)}, not to this "
-      f"user, {_user(uid)}: {risk}"
-    )
-  if mode & 0o022:
-    raise UnsafePathError(
-      f"the {what} {str(path)!r} has mode {mode:#o}: it is {_writable_by(mode)}-writable, so {risk}"
-    )
-  parents = dict.fromkeys([*path.parents, *pathlib.Path(os.path.realpath(path)).parents])
+  real = pathlib.Path(os.path.realpath(path))
+  if named is None:
+    wanted = path
+    info = os.stat(path)
+    mode = stat.S_IMODE(info.st_mode)
+    if info.st_uid != uid:
+      raise UnsafePathError(
+        f"the {what} {str(path)!r} belongs to {_user(info.st_uid)}, not to this "
+        f"user, {_user(uid)}: {risk}"
+      )
+    if mode & 0o022:
+      raise UnsafePathError(
+        f"the {what} {str(path)!r} has mode {mode:#o}: it is {_writable_by(mode)}-writable, "
+        f"so {risk}"
+      )
+    parents = dict.fromkeys([*path.parents, *real.parents])
+  else:
+    wanted = pathlib.Path(named).absolute()
+    parents = dict.fromkeys([path, *path.parents, real, *real.parents])
   for parent in parents:
     info = os.stat(parent)
     mode = stat.S_IMODE(info.st_mode)
     if info.st_uid not in (uid, 0):
       raise UnsafePathError(
-        f"the {what} {str(path)!r} is inside {str(parent)!r}, which belongs to "
+        f"the {what} {str(wanted)!r} is inside {str(parent)!r}, which belongs to "
         f"{_user(info.st_uid)}, who could replace the {what} by a folder of theirs: {risk}"
       )
     if mode & 0o022 and not mode & stat.S_ISVTX:
       raise UnsafePathError(
-        f"the {what} {str(path)!r} is inside {str(parent)!r}, which has mode {mode:#o}: it is "
+        f"the {what} {str(wanted)!r} is inside {str(parent)!r}, which has mode {mode:#o}: it is "
         f"{_writable_by(mode)}-writable without the sticky bit, so any user who can write "
         f"there could replace the {what} by a folder of theirs: {risk}"
       )
@@ -254,42 +284,80 @@ def make_private_dir(
   what: str = "workdir",
   allow_shared: bool = False,
   tighten: bool = False,
+  allow_link: bool = False,
 ) -> pathlib.Path:
   """Creates the folder ``path`` (mode ``0700``, as any missing parent) and checks it.
+
+  The parents that exist are checked first, so that nothing is created in a
+  folder that is refused (e.g. another user's world-writable one). A symlink
+  at ``path`` is refused unless ``allow_link``: a run never writes its files
+  through a link (a planted ``checkpoints`` link would send them elsewhere).
+  Only the folders this call creates are given a mode; an existing folder
+  keeps its own (a warning names one that other users can read).
 
   Args:
     path: the folder.
     what: what the folder is, for the messages.
-    allow_shared: skip :func:`check_private_dir` (and ``tighten``): for a
-      shared file system whose users are trusted.
-    tighten: also take the group's and other users' permissions off an
-      existing folder (for the library's own folders: the checkpoints and the
-      compilation cache, which other users must not read).
+    allow_shared: skip :func:`check_private_dir`: for a shared file system
+      whose users are trusted (a symlink is refused all the same).
+    tighten: warn when an existing folder can be read by other users (for the
+      library's own folders: the checkpoints and the compilation cache).
+    allow_link: accept a symlink at ``path`` (checked at its target): for the
+      workdir the user names, never for the folders inside it.
 
   Returns:
     The absolute folder.
 
   Raises:
-    UnsafePathError: see :func:`check_private_dir`.
+    UnsafePathError: see :func:`check_private_dir`, or ``path`` is a symlink.
+    WorkdirAccessError: (a PermissionError) the folder cannot be created or
+      read for lack of permission; the message names it.
     ValueError: ``path`` exists and is not a folder.
+
+  Example:
+    >>> import tempfile
+    >>> oct(make_private_dir(tempfile.mkdtemp() + "/a/b").stat().st_mode & 0o777)
+    '0o700'
   """
   path = pathlib.Path(path).absolute()
+  if not allow_link and path.is_symlink():
+    raise refuse_symlink(path, what=what)
   missing = []
   for folder in (path, *path.parents):
     if os.path.lexists(folder):
       break
     missing.append(folder)
-  for folder in reversed(missing):
-    try:
-      folder.mkdir(mode=0o700)
-    except FileExistsError:  # made by another process meanwhile: checked below
-      pass
-  if not path.is_dir():
-    raise ValueError(f"the {what} {str(path)!r} exists and is not a directory")
-  if allow_shared:
-    return path
-  check_private_dir(path, what=what)
+  try:
+    if missing and not allow_shared:  # refused before anything is created in it
+      check_private_dir(missing[-1].parent, what=what, named=path)
+    for folder in reversed(missing):
+      try:
+        folder.mkdir(mode=0o700)
+      except FileExistsError:  # made by another process meanwhile: checked below
+        pass
+      else:
+        folder.chmod(0o700)  # mkdir's mode is cut by the umask, never widened: exactly 0700
+    if not allow_link and path.is_symlink():  # planted between the check and the mkdir
+      raise refuse_symlink(path, what=what)
+    if not path.is_dir():
+      raise ValueError(f"the {what} {str(path)!r} exists and is not a directory")
+    if allow_shared:
+      return path
+    check_private_dir(path, what=what)
+  except PermissionError as error:
+    raise WorkdirAccessError(
+      f"the {what} {str(path)!r} cannot be {'created' if missing else 'used'}: permission denied "
+      f"on {error.filename or str(path)!r}; give a {what} in a folder you can write to, or fix "
+      f"its permissions (e.g. chmod u+rwx)"
+    ) from error
   mode = stat.S_IMODE(path.stat().st_mode)
-  if tighten and mode & 0o077:
-    path.chmod(mode & 0o700)
+  if tighten and mode & 0o077 and path not in missing:
+    logger.warning(
+      "the %s %s has mode %#o: other users can read the run's files there; it was not made by "
+      "this run, so it is left as it is (chmod 700 %s to make it private)",
+      what,
+      path,
+      mode,
+      path,
+    )
   return path

@@ -24,13 +24,25 @@ way on every process, saves its checkpoint, prints where it stopped and
 exits 0 for SIGTERM (a clean stop, as schedulers expect) or 130 for SIGINT;
 the same command resumes from there. A second signal exits at once, without
 the checkpoint.
+
+An expected failure (a bad config or a config typo, the workdir in use,
+unsafe or not writable, changed settings, a full disk, a file-size limit, no
+readable checkpoint, ...) ends with one line on stderr that names the cause,
+the file and the fix, and exit status 1 (2 for a bad command line); the
+traceback only with ``--verbose`` or ``SIMIGRAD_VERBOSE=1``, and in
+``<workdir>/failure.log`` (:mod:`train.failures`). Every file and folder the
+run makes is private (``0600``/``0700``) whatever the umask.
 """
 
 from __future__ import annotations
 
 import os
 import pathlib
+import re
+import signal
 import sys
+import threading
+import traceback
 
 from absl import app
 from absl import flags
@@ -56,7 +68,52 @@ flags.DEFINE_bool(
 flags.DEFINE_string("coordinator_address", None, "jax.distributed: host:port of process 0.")
 flags.DEFINE_integer("num_processes", None, "jax.distributed: the number of processes.")
 flags.DEFINE_integer("process_id", None, "jax.distributed: this process's id.")
+flags.DEFINE_bool(
+  "verbose",
+  False,
+  "Print the traceback of a failure (default: one line; also $SIMIGRAD_VERBOSE=1).",
+)
 flags.mark_flags_as_required(["config"])
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+  """absl's flag parsing, with a bad flag or config override as one line (exit status 2)."""
+  try:
+    return FLAGS(argv)
+  except Exception as error:  # pylint: disable=broad-except  (flags.Error, a config's own)
+    from train import failures  # pylint: disable=import-outside-toplevel
+
+    if failures.verbose_requested("--verbose" in argv):
+      traceback.print_exc()
+    print(f"simigrad: {flag_error_line(error, argv)}", file=sys.stderr)
+    sys.exit(2)
+
+
+def flag_error_line(error: Exception, argv: list[str]) -> str:
+  """What was wrong on the command line, the suggestion of ml_collections included, in one line.
+
+  Example:
+    >>> flag_error_line(AttributeError("'lr'\\nDid you mean \\"lr2\\" instead of \\"lr\\"?"),
+    ...                 ["train", "--config=c.py", "--config.lr=1"])
+    "the config has no key 'lr' (--config.lr=1); did you mean --config.lr2? (the keys: c.py)"
+  """
+  config = next(
+    (a.split("=", 1)[1] for a in argv if a.startswith("--config=")),
+    next((argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--config"), "the config file"),
+  )
+  text = str(error.args[0] if error.args else error)
+  text = " ".join(text.replace("\\n", "\n").replace("\\'", "'").replace('\\"', '"').split())
+  typo = re.search(r'Did you mean "([\w.]+)" instead of "([\w.]+)"', text)
+  if typo:
+    wanted, given = typo.groups()
+    override = next((a for a in argv if a.startswith(f"--config.{given}")), f"--config.{given}")
+    return (
+      f"the config has no key {given!r} ({override}); did you mean --config.{wanted}? "
+      f"(the keys: {config})"
+    )
+  if isinstance(error, AttributeError):
+    return f"the config has no key {text.strip(chr(34))} (the keys: {config})"
+  return f"bad command line: {text.rstrip('.')}; python -m train --help lists the flags"
 
 
 def simulate_cpu_devices(count: int) -> None:
@@ -92,6 +149,9 @@ def main(argv: list[str]) -> None:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   if not FLAGS["verbosity"].present:  # orbax logs every save at INFO
     logging.set_verbosity(logging.WARNING)
+  os.umask(0o077)  # what JAX, orbax and TensorBoard write is private too: 0600 files, 0700 folders
+  signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a file-size limit: an error naming the file
+  _quiet_threads()
   config = FLAGS.config
   simulate_cpu_devices(config.num_cpu_devices)
   import jax  # pylint: disable=import-outside-toplevel
@@ -115,7 +175,46 @@ def main(argv: list[str]) -> None:
   except simigrad_jax.Preempted as stop:
     print(stop, flush=True)
     sys.exit(stop.exit_code)
+  except Exception as error:  # pylint: disable=broad-except
+    _exit_with_one_line(error, pathlib.Path(workdir).absolute())
+
+
+def _exit_with_one_line(error: Exception, workdir: pathlib.Path) -> None:
+  """Ends the run with the failure's one line (and its traceback when asked for); exit status 1."""
+  from train import failures  # pylint: disable=import-outside-toplevel
+
+  if not failures.is_expected(error):
+    raise error
+  verbose = failures.verbose_requested(FLAGS.verbose)
+  if verbose:
+    traceback.print_exception(error)
+  logged = getattr(error, "failure_log", None)
+  line = failures.one_line(error, workdir if workdir.is_dir() else None)
+  if logged and not verbose:
+    line += f" (traceback: {logged}, or --verbose)"
+  sys.stdout.flush()
+  sys.stderr.flush()
+  # Past the traceback filter: a background thread's traceback cut off mid-way must not take it.
+  print(line, file=sys.__stderr__, flush=True)
+  os._exit(1)  # pylint: disable=protected-access  (no background thread's error after the line)
+
+
+def _quiet_threads() -> None:
+  """A background thread's error (a save, a compile) reaches the run as its failure: one line then.
+
+  Its own traceback is printed only with ``--verbose``.
+  """
+  from train import failures  # pylint: disable=import-outside-toplevel
+
+  def hook(args: threading.ExceptHookArgs) -> None:
+    if failures.verbose_requested(FLAGS.verbose):
+      traceback.print_exception(args.exc_value)
+
+  threading.excepthook = hook
+  if not failures.verbose_requested(FLAGS.verbose):
+    sys.stderr = failures.TracebackFilter(sys.stderr)  # type: ignore[assignment]
+    logging.get_absl_handler().python_handler.stream = sys.stderr
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=parse_flags)

@@ -20,6 +20,7 @@ import tqdm
 
 import simigrad_jax
 from simigrad_jax import read_metrics
+from simigrad_jax.checkpoint import missing_steps
 
 
 def _mean(values: list[float]) -> float:
@@ -150,6 +151,8 @@ def summarize(
   examples = last.get("examples_seen", run["examples_seen"])
   count = last.get("step", run["steps"])
   return {
+    # Steps whose records damage took and nothing restored: never counted as present.
+    "missing_steps": missing_steps(steps, count),
     "eval_accuracy": evals[-1]["eval_accuracy"] if evals else run.get("eval_accuracy"),
     "eval_loss": evals[-1].get("eval_loss") if evals else run.get("eval_loss"),
     "steps": count,
@@ -252,6 +255,11 @@ def _nonfinite_row(summary: dict[str, Any]) -> str:
   )
 
 
+def _missing_row(ranges: list[list[int]]) -> str:
+  steps = ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in ranges)
+  return f"steps {steps} (lost from metrics.jsonl, not in the TensorBoard events either)"
+
+
 def print_summary(summary: dict[str, Any]) -> None:
   """The summary table and where the files are."""
   accuracy = summary["eval_accuracy"]
@@ -285,6 +293,11 @@ def print_summary(summary: dict[str, Any]) -> None:
     ("final batch size", summary["final_batch_size"]),
     ("optimizer steps", f"{summary['steps']:,} ({summary['steps_this_run']:,} in this run)"),
     ("examples seen", f"{summary['examples_seen']:,}"),
+    *(
+      [("missing records", _missing_row(summary["missing_steps"]))]
+      if summary.get("missing_steps")
+      else []
+    ),
     ("non-finite steps", _nonfinite_row(summary)),
     (
       "compiles",

@@ -14,6 +14,7 @@ import dataclasses
 import json
 import os
 import pathlib
+import shutil
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -36,6 +37,7 @@ from simigrad_jax.multihost import WorkdirLock
 from simigrad_jax.multihost import open_workdir
 from simigrad_jax.shapes import blocks_per_device
 from train import config_history
+from train import failures
 from train import input_pipeline
 from train import mesh as mesh_setup
 from train import models
@@ -422,6 +424,10 @@ def train_and_evaluate(
   anything in it is read or written, and a second run fails at once naming
   the first (:mod:`simigrad_jax.multihost.workdir`); it must belong to this
   user and be writable by no other, unless ``config.allow_shared_workdir``.
+  A start refused before its first step (a bad config, a missing data
+  folder, ...) in a workdir it created leaves nothing behind; any other
+  failure appends its traceback to ``<workdir>/failure.log``
+  (:mod:`train.failures`).
   JAX's persistent compilation cache is on before the first compile (in
   ``<workdir>/compilation_cache`` unless the config says otherwise), so a
   second run or a resume loads its executables from disk. That changes
@@ -449,12 +455,41 @@ def train_and_evaluate(
       the checkpoint of its last step (nothing is reported).
   """
   start = time.perf_counter()
-  with open_workdir(
-    workdir,
-    allow_shared=config.allow_shared_workdir,
-    agreement=ProcessAgreement(config.agreement_timeout_seconds),
-  ) as held:
-    return _train_and_evaluate_in(config, held, start=start, title=title)
+  made = _missing_folders(workdir)
+  try:
+    with open_workdir(
+      workdir,
+      allow_shared=config.allow_shared_workdir,
+      agreement=ProcessAgreement(config.agreement_timeout_seconds),
+    ) as held:
+      try:
+        return _train_and_evaluate_in(config, held, start=start, title=title)
+      except BaseException as error:
+        if made and not _holds_a_run(held.path):
+          shutil.rmtree(held.path, ignore_errors=True)  # a refused start leaves nothing behind
+        elif jax.process_index() == 0 and not isinstance(error, simigrad_jax.Preempted):
+          with contextlib.suppress(AttributeError):  # where __main__ says the traceback is
+            error.failure_log = failures.log_failure(held.path, error)  # type: ignore[attr-defined]
+        raise
+  finally:
+    for folder in made[1:]:  # the parents this start made, if nothing else went in
+      with contextlib.suppress(OSError):
+        folder.rmdir()
+
+
+def _missing_folders(workdir: str | os.PathLike) -> list[pathlib.Path]:
+  """The workdir and its parents that do not exist yet, the workdir first."""
+  path = pathlib.Path(workdir).absolute()
+  return [p for p in (path, *path.parents) if not os.path.lexists(p)]
+
+
+def _holds_a_run(workdir: pathlib.Path) -> bool:
+  """Whether a start in ``workdir`` got as far as a step: its metrics or a checkpoint."""
+  metrics = workdir / "metrics.jsonl"
+  checkpoints = workdir / "checkpoints"
+  return (metrics.is_file() and metrics.stat().st_size > 0) or (
+    checkpoints.is_dir() and any(checkpoints.iterdir())
+  )
 
 
 def _train_and_evaluate_in(

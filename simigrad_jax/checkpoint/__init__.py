@@ -3,13 +3,16 @@
 Documented API:
   Checkpointer: training state saved and restored with orbax-checkpoint; a
     damaged checkpoint is detected, moved aside and the one before it restored.
+  missing_steps: the steps of a run whose records its metrics file lost
+    (metrics_recovery restores what the TensorBoard events hold on resume).
   Errors: CheckpointMismatchError (a checkpoint made by a run with other
     settings, or of another model), CheckpointSaveError (another process's
     background save failed, so every process stops).
 
 Modules: ``checkpointer``, ``integrity`` (what a checkpoint carries to be
 verified), ``run_record`` (what a run is, recorded in every checkpoint) and
-``run_checkpoints`` (a training run's checkpoints and its resume).
+``run_checkpoints`` (a training run's checkpoints and its resume) and
+``metrics_recovery`` (``metrics.jsonl`` read back on resume, whatever damage it took).
 
 Example:
   >>> from simigrad_jax import checkpoint
@@ -19,10 +22,12 @@ Example:
 
 from simigrad_jax.checkpoint.checkpointer import Checkpointer
 from simigrad_jax.checkpoint.checkpointer import CheckpointMismatchError
+from simigrad_jax.checkpoint.metrics_recovery import missing_steps
 from simigrad_jax.checkpoint.run_checkpoints import CheckpointSaveError
 
 __all__ = [
   "CheckpointMismatchError",
   "CheckpointSaveError",
   "Checkpointer",
+  "missing_steps",
 ]

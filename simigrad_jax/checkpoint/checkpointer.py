@@ -35,6 +35,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import re
 from typing import Any
 
 import jax
@@ -47,6 +48,11 @@ from simigrad_jax.checkpoint.quarantine import quarantine
 from simigrad_jax.errors import SimiGradError
 
 logger = logging.getLogger("simigrad_jax")
+
+
+def _plain(text: str) -> str:
+  """``text`` without the ``<bound method ...>`` reprs that compiled libraries put in messages."""
+  return re.sub(r"\s*<bound method [^>]*>", "", text)
 
 
 class CheckpointMismatchError(SimiGradError, ValueError):
@@ -191,7 +197,7 @@ class Checkpointer:
         )
       except read_retry.Damaged as damage:
         error = damage.__cause__ or damage
-        reason = f"{type(error).__name__}: {read_retry.first_line(error)}"
+        reason = f"{type(error).__name__}: {_plain(read_retry.first_line(error))}"
         logger.warning(
           "checkpoint at step %d in %s is unreadable (%s); trying an older one",
           candidate,
@@ -213,7 +219,11 @@ class Checkpointer:
           self.quarantined,
         )
       return state, host, candidate
-    raise ValueError(f"no readable checkpoint in {self.directory}: " + "; ".join(errors))
+    raise ValueError(
+      f"no readable checkpoint in {self.directory}: " + "; ".join(errors) + ". Every checkpoint "
+      f"there is damaged: restore one from a backup into {self.directory}, or move the folder "
+      f"aside (mv {self.directory} {self.directory}.damaged) to start the run again from step 0"
+    )
 
   def _host_record(self, step: int) -> Any:
     """The host item of the checkpoint of ``step`` as saved (see :mod:`.integrity`)."""

@@ -4,7 +4,8 @@ persistent compilation cache, and running a step on the programs.
 
 Documented API:
   StepCompiler: one compiled step per micro-batch shape, compiled ahead of
-    time in a background thread; a compile that fails raises StepCompileError.
+    time in a background thread; a compile that fails raises StepCompileError,
+    a wait for one that its interrupt gives up CompileAbandoned.
   enable_persistent_cache: JAX's persistent (on-disk) compilation cache, so
     that a second or resumed run loads its programs instead of compiling them;
     persistent_cache_settings puts the process-wide settings it changes back.
@@ -12,6 +13,7 @@ Documented API:
 Modules: ``programs`` (a training step's compiled programs, composing the
 others), ``step_functions``, ``compiler``, ``step_compilers``, ``prefetch``,
 ``fallback`` (the compiled program a step runs while its own compiles),
+``schedule`` (which programs a step may run on, by the step count),
 ``agreement``, ``persistent_cache`` and ``step_runner``.
 
 Example:
@@ -20,12 +22,14 @@ Example:
   ...   pass  # an enable_persistent_cache(...) in here is undone on the way out
 """
 
+from simigrad_jax.compile.compiler import CompileAbandoned
 from simigrad_jax.compile.compiler import StepCompileError
 from simigrad_jax.compile.compiler import StepCompiler
 from simigrad_jax.compile.persistent_cache import enable_persistent_cache
 from simigrad_jax.compile.persistent_cache import persistent_cache_settings
 
 __all__ = [
+  "CompileAbandoned",
   "StepCompileError",
   "StepCompiler",
   "enable_persistent_cache",

@@ -25,7 +25,6 @@ counts those loads apart.
 from __future__ import annotations
 
 import collections
-import concurrent.futures
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -38,6 +37,7 @@ from simigrad_jax.compile.persistent_cache import counting_cache_hits
 from simigrad_jax.errors import SimiGradError
 
 __all__ = [
+  "CompileAbandoned",
   "ProgramCompiler",
   "StepCompileError",
   "StepCompiler",
@@ -92,6 +92,38 @@ class _Job:
       ) from self.error
     assert self.compiled is not None  # done, without an error
     return self.compiled
+
+
+class CompileAbandoned(SimiGradError, RuntimeError):
+  """A wait for a compile was given up: the ``interrupt`` of its compiler said the run is stopping.
+
+  Raised by :meth:`StepCompiler.get` and :meth:`ProgramCompiler.get` while
+  they wait; the compile itself goes on in its daemon thread, unawaited (a
+  compile in XLA cannot be stopped), and the process may exit without it.
+  """
+
+
+# How often a wait for a compile asks its compiler's interrupt whether to give up (seconds).
+_POLL_SECONDS = 0.05
+
+
+def _wait(done: threading.Event, interrupt: Callable[[], bool] | None, what: str) -> None:
+  """Waits for ``done``, asking ``interrupt`` every :data:`_POLL_SECONDS` whether to give up.
+
+  The main thread stays in Python between polls, so a signal's handler runs
+  at once (a wait inside XLA would run it only when the compile returns).
+
+  Raises:
+    CompileAbandoned: ``interrupt()`` returned True before ``done`` was set.
+  """
+  while not done.wait(_POLL_SECONDS):
+    if interrupt is not None and interrupt():
+      raise CompileAbandoned(f"stopped waiting for the compile of {what}: the run is stopping")
+
+
+def _start_daemon(target: Callable[[], None], name: str) -> None:
+  """Runs ``target`` in a new daemon thread: a process exits without waiting for it."""
+  threading.Thread(target=target, name=name, daemon=True).start()
 
 
 def _compile(lowered: jax.stages.Lowered) -> tuple[jax.stages.Compiled, bool]:
@@ -245,9 +277,11 @@ class StepCompiler:
     cores and little on a 2-core machine. Call the returned ``Compiled``
     objects, not the jitted function: a jitted function keeps its own cache
     and would compile again. :meth:`close` (or leaving the ``with`` block)
-    cancels queued compiles; a process that exits without it first finishes
-    the compiles already queued (the worker is not a daemon thread, and it
-    only exists while compiles are queued).
+    cancels queued compiles and abandons the one in progress: compiles run
+    in daemon threads, which a process exits without waiting for. While
+    :attr:`interrupt` is set, a :meth:`get` that waits asks it every 50 ms
+    whether to give up (:class:`CompileAbandoned`): a compile of a step the
+    run no longer needs is never awaited.
   """
 
   def __init__(
@@ -267,6 +301,7 @@ class StepCompiler:
     self._worker: threading.Thread | None = None
     self._closed = False
     self._tally = _Tally()
+    self.interrupt: Callable[[], bool] | None = None  # True: a waiting get() gives up
 
   @property
   def name(self) -> str:
@@ -309,7 +344,7 @@ class StepCompiler:
       self._queue.add(sizes, first)
       if self._queue.waiting and self._worker is None:
         self._worker = threading.Thread(
-          target=self._work, name=f"{self._name}-compiler", daemon=False
+          target=self._work, name=f"{self._name}-compiler", daemon=True
         )
         self._worker.start()
 
@@ -318,7 +353,8 @@ class StepCompiler:
 
     Ready variants return at once. A size compiling in the background is
     waited for; a size never requested, or still queued, is compiled now in
-    the calling thread. The time this call blocks counts as compile wait in
+    the calling thread (with :attr:`interrupt` set, in a daemon thread of its
+    own, waited for as the others). The time this call blocks counts as compile wait in
     :meth:`stats`. Still works after :meth:`close` (compiling synchronously).
 
     Args:
@@ -331,6 +367,8 @@ class StepCompiler:
       ValueError: if ``micro_batch_size`` is not an int ``>= 1``.
       StepCompileError: if lowering or compiling that size failed (now or in
         the background); the original exception is the ``__cause__``.
+      CompileAbandoned: :attr:`interrupt` said to give up while this waited
+        (the compile goes on unawaited; a later call waits for it again).
     """
     size = validation.check_int("micro_batch_size", micro_batch_size)
     with self._lock:
@@ -338,13 +376,16 @@ class StepCompiler:
       blocked = not job.done.is_set()
     if blocked:
       start = time.perf_counter()
-      if compile_here:
-        self._run(job)
-      else:
-        job.done.wait()
-      waited = time.perf_counter() - start
-      with self._lock:
-        self._tally.wait_seconds += waited
+      try:
+        if compile_here and self.interrupt is None:
+          self._run(job)
+        else:
+          if compile_here:  # in a thread of its own, so that this wait can be given up
+            _start_daemon(lambda: self._run(job), f"{self._name}-compile-{size}")
+          _wait(job.done, self.interrupt, f"{self._name} micro_batch_size={size}")
+      finally:
+        with self._lock:
+          self._tally.wait_seconds += time.perf_counter() - start
     return job.result(self._name)
 
   @property
@@ -375,17 +416,17 @@ class StepCompiler:
       }
 
   def close(self) -> None:
-    """Stops the worker: waits for the compile in progress, cancels the rest.
+    """Stops the worker: cancels the queued compiles and abandons the one in progress.
 
-    Idempotent. Compiled variants stay available through :meth:`get`;
-    cancelled sizes are compiled on demand if asked for later.
+    Returns at once: the compile in progress finishes in its daemon thread
+    unawaited (XLA's compile cannot be stopped), and a process may exit
+    before it ends. Idempotent. Compiled variants stay available through
+    :meth:`get` (a size still compiling is waited for); cancelled sizes are
+    compiled on demand if asked for later.
     """
     with self._lock:
       self._closed = True
       self._queue.cancel()
-      worker = self._worker
-    if worker is not None and worker is not threading.current_thread():
-      worker.join()
 
   def __enter__(self) -> StepCompiler:
     return self
@@ -459,48 +500,64 @@ class ProgramCompiler:
       raise ValueError(f"name must be a str, got {name!r}")
     self._lower = lower
     self._background = validation.check_bool("background", background)
-    self._pool = concurrent.futures.ThreadPoolExecutor(
-      1, thread_name_prefix=f"simigrad-{name}-compiler"
-    )
-    self._future: concurrent.futures.Future | None = None
+    self._name = name
+    self._job: _Job | None = None
+    self._closed = False
     self._lock = threading.Lock()
     self._tally = _Tally()
+    self.interrupt: Callable[[], bool] | None = None  # True: a waiting get() gives up
 
   def prefetch(self) -> None:
-    """Starts the compile unless started before; with ``background=False`` compiles now.
+    """Starts the compile unless started before (or closed); with ``background=False``
+    compiles now.
 
     Raises:
       Exception: without background, what lowering or compiling raised (the
         next call tries again).
     """
-    if self._future is None:
-      if self._background:
-        self._future = self._pool.submit(self._compile)
-      else:
-        future: concurrent.futures.Future = concurrent.futures.Future()
-        future.set_result(self._compile())
-        self._future = future
+    with self._lock:
+      if self._job is not None or (self._closed and self._background):
+        return
+      job = self._job = _Job(0)
+    if self._background:
+      _start_daemon(lambda: self._run(job), f"simigrad-{self._name}-compiler")
+      return
+    self._run(job)
+    if job.error is not None:
+      with self._lock:
+        self._job = None
+      raise job.error
 
   def get(self) -> jax.stages.Compiled:
     """The compiled program, starting its compile or waiting for it as needed.
 
     Raises:
       Exception: what lowering or compiling raised.
+      CompileAbandoned: :attr:`interrupt` said to give up while this waited.
     """
+    with self._lock:
+      if self._closed and self._job is None:
+        self._closed = False  # (on demand after close, as StepCompiler.get)
     self.prefetch()
-    assert self._future is not None
-    start = time.perf_counter()
-    done = self._future.done()
-    compiled = self._future.result()
-    if not done:
-      with self._lock:
-        self._tally.wait_seconds += time.perf_counter() - start
-    return compiled
+    job = self._job
+    assert job is not None
+    if not job.done.is_set():
+      start = time.perf_counter()
+      try:
+        _wait(job.done, self.interrupt, self._name)
+      finally:
+        with self._lock:
+          self._tally.wait_seconds += time.perf_counter() - start
+    if job.error is not None:
+      raise job.error
+    assert job.compiled is not None
+    return job.compiled
 
   @property
   def done(self) -> bool:
     """Whether the compile has finished, compiled or failed."""
-    return self._future is not None and self._future.done()
+    job = self._job
+    return job is not None and job.done.is_set()
 
   @property
   def wait_seconds(self) -> float:
@@ -512,23 +569,26 @@ class ProgramCompiler:
     """``compiled`` (finished without an error), ``compiles`` (0 or 1), ``compile_seconds``,
     ``compile_wait_seconds``, ``cache_hits`` and ``cache_hit_seconds``, as
     :meth:`StepCompiler.stats` counts them (a failed compile's seconds are not counted)."""
-    future = self._future
-    compiled = (
-      future is not None and future.done() and not future.cancelled() and future.exception() is None
-    )
+    job = self._job
+    compiled = job is not None and job.done.is_set() and job.error is None
     with self._lock:
       return {**self._tally.stats(), "compiled": compiled}
 
   def close(self) -> None:
-    """Cancels a compile not started and waits for one in progress."""
-    self._pool.shutdown(wait=True, cancel_futures=True)
-
-  def _compile(self) -> jax.stages.Compiled:
-    start = time.perf_counter()
-    compiled, cache_hit = _compile(self._lower())
+    """Cancels a compile not started; one in progress is abandoned (its daemon thread is not
+    awaited). Returns at once."""
     with self._lock:
-      self._tally.count(time.perf_counter() - start, compiled=True, cache_hit=cache_hit)
-    return compiled
+      self._closed = True
+
+  def _run(self, job: _Job) -> None:
+    start = time.perf_counter()
+    try:
+      job.compile(lambda _size: self._lower())
+    finally:
+      if job.error is None:
+        with self._lock:
+          self._tally.count(time.perf_counter() - start, compiled=True, cache_hit=job.cache_hit)
+      job.done.set()
 
 
 def _check_sizes(micro_batch_sizes: Any) -> list[int]:

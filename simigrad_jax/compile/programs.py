@@ -8,15 +8,20 @@ accumulates with the micro-step of its shape, then applies the update
 :func:`~simigrad_jax.ingraph.train_step.make_apply_step`). Every program is
 compiled ahead of time from placeholders, in background threads
 (:class:`simigrad_jax.compile.StepCompiler`), so that a new shape need not stall the
-loop; while a step's program is still compiling, the compile fallback runs the
-same examples on the nearest program already compiled.
+loop; while a step's program is not ready, the compile fallback runs the same
+examples on another compiled shape. Which programs are ready is decided from
+the step count (:mod:`~simigrad_jax.compile.schedule`), so that a run's
+trajectory does not depend on how fast its compiles are; ``timed_fallback``
+decides it from the compiles' timing instead (never a wait after the first
+step, but the trajectory then depends on the machine's load).
 
 :class:`StepPrograms` is what the Trainer holds; it composes the pieces of
 this room, each one thing: the jitted functions and their tracing
 (:mod:`~simigrad_jax.compile.step_functions`), their compilers
 (:mod:`~simigrad_jax.compile.step_compilers`), the order of the compiles
 (:mod:`~simigrad_jax.compile.prefetch`), the fallback
-(:mod:`~simigrad_jax.compile.fallback`), the agreement across processes
+(:mod:`~simigrad_jax.compile.fallback`) and its schedule
+(:mod:`~simigrad_jax.compile.schedule`), the agreement across processes
 (:mod:`~simigrad_jax.compile.agreement`), the record of the persistent cache
 (:mod:`~simigrad_jax.compile.persistent_cache`) and running a step
 (:mod:`~simigrad_jax.compile.step_runner`).
@@ -37,10 +42,12 @@ import optax
 from jax.sharding import Mesh
 
 from simigrad_jax.compile.agreement import CompileAgreement
+from simigrad_jax.compile.compiler import CompileAbandoned
 from simigrad_jax.compile.fallback import CompileFallback
 from simigrad_jax.compile.persistent_cache import cache_record
 from simigrad_jax.compile.persistent_cache import cached_view
 from simigrad_jax.compile.prefetch import Prefetcher
+from simigrad_jax.compile.schedule import CompileSchedule
 from simigrad_jax.compile.step_compilers import StepCompilers
 from simigrad_jax.compile.step_functions import StepFunctions
 from simigrad_jax.compile.step_runner import StepRunner
@@ -73,20 +80,26 @@ class StepPrograms:
       compiled in the background from the start; the others only when the
       fallback or a plan first needs them).
     background: compile in background threads.
-    compile_fallback: let :meth:`ready_plan` replace a plan whose program is
-      still compiling.
-    shared_compiles: several processes run the steps together, so a plan
-      may only be replaced by a shape compiled on every one of them:
-      :meth:`ready_plan` then uses the view that :meth:`agree_on_compiles`
-      last set from every process's :meth:`compiled_report`, and waits for
-      the exact shape until a first view is set.
+    compile_fallback: let :meth:`choose` replace a plan whose program is
+      not ready.
+    steps_per_compile: the steps the schedule gives each program it admits
+      (:class:`~simigrad_jax.compile.schedule.CompileSchedule`): a plan is
+      replaced by the step count, the same whatever the compiles' timing;
+      None (the timed fallback): while its program is still compiling.
+    shared_compiles: several processes run the steps together; with the
+      timed fallback a plan may then only be replaced by a shape compiled on
+      every one of them: :meth:`choose` uses the view that
+      :meth:`agree_on_compiles` last set from every process's
+      :meth:`compiled_report`, and waits for the exact shape until a first
+      view is set. (The schedule is the same on every process.)
     compilation_cache_dir: JAX's persistent compilation cache, if on.
     cached_programs: what an earlier process of the run compiled into that
       cache, as its :meth:`compiled_programs` said (from the checkpoint a
       run resumes). With the fallback and one process, those programs load
       first, and a step that no compiled program can run yet (the first)
-      runs on one of them rather than wait for a compile. Ignored when it
-      names another cache.
+      runs on one of them rather than wait for a compile (with the timed
+      fallback). Ignored when it names another cache. Its ``"schedule"``
+      restores the schedule of the run's steps.
 
   Attributes:
     fused_compiler: the :class:`~simigrad_jax.compile.compiler.StepCompiler`
@@ -99,8 +112,8 @@ class StepPrograms:
 
   Example:
     The Trainer builds one (:mod:`simigrad_jax.trainer.run_setup`), calls
-    :meth:`trace` and :meth:`prefetch_for` once, then at each step
-    :meth:`ready_plan`, :meth:`run` and :meth:`await_fallback`.
+    :meth:`trace` and :meth:`start` once, then at each step :meth:`choose`,
+    :meth:`wait_for`, :meth:`run` and :meth:`await_fallback`.
   """
 
   def __init__(
@@ -117,6 +130,7 @@ class StepPrograms:
     accumulation_shapes: list[int],
     background: bool,
     compile_fallback: bool,
+    steps_per_compile: float | None = None,
     shared_compiles: bool = False,
     compilation_cache_dir: str | os.PathLike | None = None,
     cached_programs: Mapping[str, Any] | None = None,
@@ -133,7 +147,13 @@ class StepPrograms:
     )
     self._compilers = StepCompilers(self._functions, layout, background=background)
     self.fused_compiler, self.micro_compiler = self._compilers.fused, self._compilers.micro
-    self._shared_compiles = shared_compiles and compile_fallback
+    self._layout = layout
+    self._schedule = None
+    if compile_fallback and steps_per_compile is not None:
+      self._schedule = CompileSchedule(layout, steps_per_compile, accumulation_shapes)
+      self._schedule.load_state_dict((cached_programs or {}).get("schedule"))
+    scheduled = self._schedule is not None
+    self._shared_compiles = shared_compiles and compile_fallback and not scheduled
     self._agreement = CompileAgreement(layout.grid)
     self._cache_dir = (
       None if compilation_cache_dir is None else os.path.abspath(compilation_cache_dir)
@@ -141,7 +161,7 @@ class StepPrograms:
     # What the cache holds from an earlier process of the run: loads, not compiles.
     self._cached = (
       cached_view(cached_programs, self._cache_dir, set(layout.grid))
-      if compile_fallback and not self._shared_compiles
+      if compile_fallback and not self._shared_compiles and not scheduled
       else None
     )
     self._fallback = (
@@ -168,30 +188,85 @@ class StepPrograms:
     or data set that do not fit each other fail here in seconds, with a ValueError."""
     self._functions.trace(micro)
 
-  def prefetch_for(self, batch_size: int) -> None:
-    """Queues for the background compilers what a run starting at ``batch_size`` needs
-    (:meth:`~simigrad_jax.compile.prefetch.Prefetcher.prefetch_for`)."""
-    self._prefetcher.prefetch_for(batch_size)
+  def start(self, batch_size: int, step: int) -> None:
+    """Queues for the background compilers what a run at ``batch_size`` from ``step`` needs.
 
-  def prefetch_near(self, micro: int) -> None:
-    """With the fallback, queues the one-micro-batch programs near shape ``micro``, ahead of
-    those queued before (:meth:`~simigrad_jax.compile.prefetch.Prefetcher.prefetch_near`)."""
-    self._prefetcher.prefetch_near(micro)
+    With the schedule, the programs it admits (a new run's first plan and its
+    fallback at ``step``, a resumed run's as its checkpoint saved them) and
+    those it requests near the batch; else
+    :meth:`~simigrad_jax.compile.prefetch.Prefetcher.prefetch_for`'s.
+    """
+    if self._schedule is None:
+      self._prefetcher.prefetch_for(batch_size)
+    else:
+      self._compilers.queue(self._schedule.start(self._layout.plan(batch_size), step))
+
+  def choose(self, exact: batch_plan.BatchPlan, step: int, last: bool) -> batch_plan.BatchPlan:
+    """The plan step ``step`` runs: ``exact``, or the fallback's (:meth:`ready_plan`); and the
+    compiles that follow the batch queued, unless the step is the run's ``last``.
+
+    Call it once a step, in step order: the schedule requests the programs
+    near ``exact``'s shape at ``step``.
+    """
+    if self._schedule is not None:
+      plan = self._schedule.choose(exact, step)
+      requested = self._schedule.advance(exact, step)
+      if not last:
+        self._compilers.queue(requested)
+      return plan
+    plan = self.ready_plan(exact, step, prefetch=not last)
+    if not last:
+      self._prefetcher.prefetch_near(exact.micro_batch_size)  # the compiles follow the batch
+    return plan
+
+  def ready_plan(
+    self, plan: batch_plan.BatchPlan, step: int, prefetch: bool = True
+  ) -> batch_plan.BatchPlan:
+    """``plan``, or the same batch on other programs when its own are not ready at ``step``.
+
+    With the schedule, ready means admitted at ``step``
+    (:meth:`~simigrad_jax.compile.schedule.CompileSchedule.choose`); with the
+    timed fallback, compiled now
+    (:meth:`~simigrad_jax.compile.fallback.CompileFallback.ready_plan`,
+    which queues the compile unless ``prefetch`` is False); ``plan`` without
+    the fallback.
+    """
+    if self._schedule is not None:
+      return self._schedule.choose(plan, step)
+    if self._fallback is None:
+      return plan
+    return self._fallback.ready_plan(plan, prefetch)
+
+  def wait_for(self, plan: batch_plan.BatchPlan) -> None:
+    """Waits until ``plan``'s programs are compiled
+    (:meth:`~simigrad_jax.compile.step_compilers.StepCompilers.wait_for`)."""
+    self._compilers.wait_for(plan)
+
+  def set_interrupt(self, interrupt: Any) -> None:
+    """Makes a wait for a compile give up when ``interrupt()`` says so
+    (:meth:`~simigrad_jax.compile.step_compilers.StepCompilers.set_interrupt`)."""
+    self._compilers.set_interrupt(interrupt)
 
   def await_fallback(self, micro: int) -> None:
     """Waits, once, until the fallback can hold a batch of any size on shape ``micro``
     (:meth:`~simigrad_jax.compile.fallback.CompileFallback.await_fallback`); a no-op without
-    the fallback."""
+    the fallback, and given up (no error) when the interrupt says so."""
     if self._fallback is not None:
-      self._fallback.await_fallback(micro)
+      try:
+        self._fallback.await_fallback(micro)
+      except CompileAbandoned:
+        pass  # the run is stopping: the later steps that would use them will not run
 
   def compiled_programs(self) -> dict[str, Any] | None:
-    """What the persistent compilation cache holds from this run, for its checkpoints
-    (:func:`~simigrad_jax.compile.persistent_cache.cache_record`: pass it as
-    ``cached_programs`` when the run resumes); None without the cache."""
-    if self._cache_dir is None:
-      return None
-    return cache_record(self._cache_dir, self._compilers.view(), self._cached)
+    """What the persistent compilation cache holds from this run
+    (:func:`~simigrad_jax.compile.persistent_cache.cache_record`) and the schedule's state, for
+    its checkpoints: pass it as ``cached_programs`` when the run resumes; None with neither."""
+    record: dict[str, Any] = {}
+    if self._cache_dir is not None:
+      record = cache_record(self._cache_dir, self._compilers.view(), self._cached)
+    if self._schedule is not None:
+      record["schedule"] = self._schedule.state_dict()
+    return record or None
 
   def compiled_report(self) -> dict[str, int] | None:
     """This process's compiled shapes for the other processes, as bitmasks over the layout's
@@ -206,14 +281,6 @@ class StepPrograms:
     process passes the same ``reports``, one per process
     (:meth:`~simigrad_jax.compile.agreement.CompileAgreement.agree`)."""
     self._agreement.agree(reports)
-
-  def ready_plan(self, plan: batch_plan.BatchPlan, prefetch: bool = True) -> batch_plan.BatchPlan:
-    """``plan``, or while its program is still compiling, the same batch on the nearest compiled
-    one (:meth:`~simigrad_jax.compile.fallback.CompileFallback.ready_plan`); ``plan`` without
-    the fallback. ``prefetch=False`` (the run's last step) queues no compile."""
-    if self._fallback is None:
-      return plan
-    return self._fallback.ready_plan(plan, prefetch)
 
   def run(
     self, state: Mapping[str, Any], data: StepBatch, step_inputs: jax.Array
@@ -237,5 +304,5 @@ class StepPrograms:
     return self._compilers.stats()
 
   def close(self) -> None:
-    """Cancels queued compiles and waits for those in progress."""
+    """Cancels queued compiles and abandons those in progress (returns at once)."""
     self._compilers.close()

@@ -12,6 +12,7 @@ long compiles took and steps waited, and what a program's memory is.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -19,6 +20,7 @@ import jax
 from simigrad_jax.compile.compiler import ProgramCompiler
 from simigrad_jax.compile.compiler import StepCompiler
 from simigrad_jax.compile.step_functions import StepFunctions
+from simigrad_jax.shapes import batch_plan
 from simigrad_jax.shapes.layout import StepLayout
 
 # The counts a compiler's stats() gives that the step's stats() adds up over its three compilers.
@@ -123,8 +125,39 @@ class StepCompilers:
       "temp_bytes": int(analysis.temp_size_in_bytes),
     }
 
+  def queue(self, programs: list[tuple[str, int]]) -> None:
+    """Queues ``programs`` (``("fused", shape)``, ``("micro", shape)`` or ``("apply", 0)``) for
+    the background compilers, in order (each compiler's queue apart)."""
+    fused = [size for kind, size in programs if kind == "fused"]
+    micro = [size for kind, size in programs if kind == "micro"]
+    if fused:
+      self.fused.prefetch(fused)
+    if micro:
+      self.micro.prefetch(micro)
+    if ("apply", 0) in programs:
+      self.update.prefetch()
+
+  def wait_for(self, plan: batch_plan.BatchPlan) -> None:
+    """Waits until ``plan``'s programs are compiled (a no-op when they are).
+
+    Raises:
+      CompileAbandoned: the interrupt (:meth:`set_interrupt`) said to give up.
+      StepCompileError: the compile of one of them failed.
+    """
+    if plan.accumulation_steps == 1:
+      self.fused.get(plan.micro_batch_size)
+    else:
+      self.micro.get(plan.micro_batch_size)
+      self.update.get()
+
+  def set_interrupt(self, interrupt: Callable[[], bool] | None) -> None:
+    """Makes a wait for a compile ask ``interrupt()`` every 50 ms whether to give up
+    (:class:`~simigrad_jax.compile.compiler.CompileAbandoned`); None: never give up."""
+    for compiler in (self.fused, self.micro, self.update):
+      compiler.interrupt = interrupt
+
   def close(self) -> None:
-    """Cancels queued compiles and waits for those in progress."""
+    """Cancels queued compiles and abandons those in progress (returns at once)."""
     self.fused.close()
     self.micro.close()
     self.update.close()

@@ -11,6 +11,7 @@ a step later. The batch-size ramps without gradient feedback are
 Modules: ``interface`` (what the Trainer reads), ``base`` (the base class), ``state``
 (the saved state every controller shares), ``simigrad``
 (:class:`Controller`, SimiGrad's rule), ``noise_scale`` (the gradient noise scale),
+``token_allowance`` (:class:`AllowanceController`, the fewest steps for a token allowance),
 ``similarity_model`` (the noise scale read from the similarities),
 ``profiling``, ``one_step_late``, ``wrapper`` (what both wrappers share),
 ``registry`` (controllers by name) and ``learning_rate`` (the learning-rate
@@ -18,8 +19,8 @@ factor that follows the batch size).
 
 Documented API: the interface and its optional parts
 (:class:`BatchSizeController`, :class:`AnticipatesBatchSizes`,
-:class:`ProfilesBatchSizes`), the controllers above and :class:`GnsController`
-(the gradient noise scale), the registry (:func:`make_controller`,
+:class:`ProfilesBatchSizes`), the controllers above, :class:`GnsController`
+(the gradient noise scale) and :class:`AllowanceController` (a token allowance), the registry (:func:`make_controller`,
 :func:`controller_names`, :func:`controller_options`,
 :func:`register_controller`), the accessors through which the rest of the
 package reads any controller (:func:`batch_size_bounds`, :func:`adapts`,
@@ -50,8 +51,10 @@ from simigrad_jax.controllers.registry import controller_options
 from simigrad_jax.controllers.registry import make_controller
 from simigrad_jax.controllers.registry import register_controller
 from simigrad_jax.controllers.simigrad import Controller
+from simigrad_jax.controllers.token_allowance import AllowanceController
 
 __all__ = [
+  "AllowanceController",
   "AnticipatesBatchSizes",
   "BaseController",
   "BatchSizeController",

@@ -10,6 +10,11 @@ from simigrad_jax import validation
 
 LrRule = Literal["sqrt", "linear", "none"]
 LR_RULES: tuple[str, ...] = ("sqrt", "linear", "none")
+# How the batch-size factor meets the schedule (scheduled_lr_factor): "full" multiplies them at
+# every step; "peak" applies the batch-size factor in full at the schedule's peak only, fading
+# with the schedule as it decays.
+LrCoupling = Literal["full", "peak"]
+LR_COUPLINGS: tuple[str, ...] = ("full", "peak")
 
 
 def lr_factor(
@@ -76,8 +81,18 @@ def scheduled_lr_factor(
   lr_adjust_factor: float | None,
   lr_schedule: Callable[[float], float] | None,
   epochs: float,
+  coupling: LrCoupling = "full",
 ) -> tuple[float, float]:
-  """The batch-size factor of :func:`lr_factor` times a schedule's factor at ``epochs``.
+  """The batch-size factor of :func:`lr_factor` coupled to a schedule's factor at ``epochs``.
+
+  With ``coupling="full"`` the two multiply: ``r(B) s(e)``. A batch that
+  grows while the schedule decays then raises the learning rate by ``r(B)``
+  even where the schedule has brought it near zero. ``"peak"`` applies the
+  batch-size factor in full at the schedule's peak (``s = 1``) and fades it
+  with the schedule, ``s (1 + (r(B) - 1) min(s, 1))``: the rate still ends
+  where the schedule ends it, whatever the batch, and a batch that grows at
+  schedule value s raises the rate by at most ``(r - 1) s`` of the
+  schedule's (e.g. 1.6% for ``r = 2.6`` at ``s = 0.01``, against 160%).
 
   Args:
     batch_size, base_batch_size, rule, lr_adjust_factor: as for
@@ -85,6 +100,8 @@ def scheduled_lr_factor(
     lr_schedule: a function of the epochs trained (fractional) that returns a
       factor, or None (1).
     epochs: the epochs trained so far.
+    coupling: ``"full"`` or ``"peak"`` (:data:`LR_COUPLINGS`); the same
+      without a schedule.
 
   Returns:
     ``(factor, schedule factor)``.
@@ -97,9 +114,16 @@ def scheduled_lr_factor(
     >>> from simigrad_jax.controllers import learning_rate
     >>> learning_rate.scheduled_lr_factor(512, 128, "sqrt", None, lambda e: 0.5, 1.0)
     (1.0, 0.5)
+    >>> learning_rate.scheduled_lr_factor(512, 128, "sqrt", None, lambda e: 0.5, 1.0, "peak")
+    (0.75, 0.5)
   """
+  if coupling not in LR_COUPLINGS:
+    raise ValueError(f"lr_coupling={coupling!r} is not valid; choose one of {LR_COUPLINGS}")
   schedule = 1.0 if lr_schedule is None else float(lr_schedule(epochs))
-  factor = lr_factor(batch_size, base_batch_size, rule, lr_adjust_factor) * schedule
+  batch_factor = lr_factor(batch_size, base_batch_size, rule, lr_adjust_factor)
+  if coupling == "peak" and math.isfinite(schedule):
+    batch_factor = (batch_factor - 1.0) * min(max(schedule, 0.0), 1.0) + 1.0
+  factor = batch_factor * schedule
   if not math.isfinite(factor) or factor <= 0:
     raise ValueError(
       f"the learning-rate factor at epoch {epochs:.3f} would be {factor} "

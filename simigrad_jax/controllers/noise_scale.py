@@ -53,6 +53,38 @@ def noise_scale_estimates(
   return g2, trace
 
 
+def paced(size: int, new: float, max_change: float | None) -> int:
+  """``new`` (may be inf) moved to within one step of ``max_change`` from ``size``.
+
+  Growing, at most to ``max(size + 1, int(size * max_change))``; shrinking, at
+  least to ``min(size - 1, ceil(size / max_change))`` (and 1); None: any
+  distance (``new`` must then be finite).
+
+  Example:
+    >>> paced(16, 100.0, 2.0), paced(16, 3.0, 2.0), paced(16, 20.0, None)
+    (32, 8, 20)
+  """
+  if max_change is not None:
+    if new > size:
+      new = min(new, max(size + 1, int(size * max_change)))
+    elif new < size:
+      new = max(new, min(size - 1, math.ceil(size / max_change)), 1)
+  return int(new)
+
+
+def check_pacing(max_change: Any, batch_size_lower_bound: Any) -> float | None:
+  """A noise-scale controller's ``max_change`` (None or > 1), checked with its lower bound (>= 2).
+
+  Raises:
+    ValueError: naming the value and the valid range.
+  """
+  if batch_size_lower_bound is not None:
+    validation.check_int("batch_size_lower_bound", batch_size_lower_bound, 2)
+  if max_change is None:
+    return None
+  return validation.check_real("max_change", max_change, "(1, inf)", lambda x: 1.0 < x < math.inf)
+
+
 class GnsController(BaseController):
   """Keeps the batch size near a multiple of the gradient noise scale.
 
@@ -126,13 +158,7 @@ class GnsController(BaseController):
       "multiple", multiple, "(0, inf)", lambda x: 0.0 < x < math.inf
     )
     self._decay = validation.check_real("ema_decay", ema_decay, "[0, 1)", lambda x: 0.0 <= x < 1.0)
-    self._max_change = (
-      None
-      if max_change is None
-      else validation.check_real("max_change", max_change, "(1, inf)", lambda x: 1.0 < x < math.inf)
-    )
-    if batch_size_lower_bound is not None:
-      validation.check_int("batch_size_lower_bound", batch_size_lower_bound, 2)
+    self._max_change = check_pacing(max_change, batch_size_lower_bound)
     super().__init__(
       initial_batch_size,
       batch_size_lower_bound=batch_size_lower_bound,
@@ -228,14 +254,7 @@ class GnsController(BaseController):
     return list(dict.fromkeys(self._clamp(size) for size in sizes))
 
   def _paced(self, new: float) -> int:
-    """``new`` within one step of ``max_change`` from the size (any distance without it)."""
-    b, most = self._batch_size, self._max_change
-    if most is not None:
-      if new > b:
-        new = min(new, max(b + 1, int(b * most)))
-      elif new < b:
-        new = max(new, min(b - 1, math.ceil(b / most)), 1)
-    return int(new)
+    return paced(self._batch_size, new, self._max_change)
 
   def settings(self) -> dict[str, Any]:
     return {

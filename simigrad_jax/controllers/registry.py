@@ -22,6 +22,10 @@ Registered names (:func:`make_controller`):
 * ``"gns"``: :class:`GnsController`, keep the batch size near a multiple of
   McCandlish et al.'s (2018) simple gradient noise scale, estimated from the
   same half-batch gradient norms that ``simigrad_jax.transform`` measures.
+* ``"allowance"``: :class:`AllowanceController`, the batch that spends a
+  stated token allowance (e.g. 1.10x the initial batch's tokens) for the
+  fewest steps, from the noise scale read from the similarities; nothing to
+  tune but the allowance.
 * ``"step_schedule"``, ``"linear_ramp"``, ``"doubling_warmup"``, ``"seesaw"``:
   the ramps language-model trainers use, counted in tokens or examples
   (:mod:`simigrad_jax.ramps.token_schedules`,
@@ -50,6 +54,7 @@ from simigrad_jax import validation
 from simigrad_jax.controllers.base import BatchSizeController
 from simigrad_jax.controllers.noise_scale import GnsController
 from simigrad_jax.controllers.simigrad import Controller
+from simigrad_jax.controllers.token_allowance import AllowanceController
 
 _FACTORIES: dict[str, Callable[..., BatchSizeController]] = {}
 
@@ -86,6 +91,7 @@ def make_controller(name: str, **options: Any) -> BatchSizeController:
       batch size; the baseline), ``"linear"``, ``"geometric"`` and
       ``"decreasing"`` (:class:`ScheduleController`), ``"loss_plateau"``
       (:class:`LossPlateauController`), ``"gns"`` (:class:`GnsController`),
+      ``"allowance"`` (:class:`AllowanceController`),
       ``"step_schedule"``, ``"linear_ramp"``, ``"doubling_warmup"``,
       ``"seesaw"`` (ramps in tokens), or any name added with :func:`register_controller`.
     **options: the controller's constructor arguments (for ``"fixed"``: those
@@ -171,3 +177,4 @@ vars(_fixed).update(forwards_options_to=Controller, sets_options=("enable_adjust
 register_controller("simigrad", Controller)
 register_controller("fixed", _fixed)
 register_controller("gns", GnsController)
+register_controller("allowance", AllowanceController)

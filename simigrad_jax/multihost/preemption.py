@@ -5,7 +5,10 @@ SIGTERM (a scheduler's preemption) or SIGINT (Ctrl-C) is only recorded
 (:class:`StopSignals`). The step under way finishes; at its agreement every
 process learns whether any of them received a signal, so all of them stop
 after the same step; that step's records and checkpoint are written and
-waited for, and ``train()`` raises :class:`Preempted`. A second signal ends
+waited for, and ``train()`` raises :class:`Preempted`. A one-process run that
+is waiting for a step's compile when the signal comes gives the wait up and
+stops before that step (:meth:`RunStop.stop_alone`): the compile is
+abandoned, never awaited. A second signal ends
 the process at once, by the signal's default action, without a checkpoint.
 
 The same per-step exchange (:func:`step_report`, read by :class:`Agreed`)
@@ -190,6 +193,19 @@ class RunStop:
   def report(self, seconds_since_checkpoint: float, failed_save: str | None) -> dict[str, Any]:
     """This process's part of a step's agreement (:func:`step_report`)."""
     return step_report(self.signals, seconds_since_checkpoint, failed_save)
+
+  def stop_alone(self) -> bool:
+    """Stops a one-process run on the signal received, before the step under way ran (a wait
+    for its compile given up); False, and no stop, when no signal was received."""
+    if self.signals.received is None:
+      return False
+    self.agreed = self.signals.received.name
+    return True
+
+  @property
+  def signalled(self) -> bool:
+    """Whether this process received a signal in this ``train()`` call."""
+    return self.signals.received is not None
 
   def raise_if_agreed(self, step: int, checkpoint: str, summary: dict[str, Any]) -> None:
     """Raises :class:`Preempted` if the processes agreed to stop on a signal.

@@ -151,12 +151,16 @@ def open_workdir(
     WorkdirLockedError: another run holds the lock (named).
     UnsafePathError: a workdir other users can change, or a symlink where
       the lock file goes.
+    WorkdirAccessError: (a PermissionError) the workdir cannot be created,
+      or its lock file written, by this user.
   """
   error, lock = None, None
   try:
-    path = files.make_private_dir(workdir, what="workdir", allow_shared=allow_shared)
+    path = files.make_private_dir(
+      workdir, what="workdir", allow_shared=allow_shared, allow_link=True
+    )
     lock = _lock(path, jax.process_index())
-  except (WorkdirLockedError, files.UnsafePathError) as e:
+  except (WorkdirLockedError, files.UnsafePathError, files.WorkdirAccessError) as e:
     error = e
   outcome = None if error is None else [type(error).__name__, str(error)]
   outcomes = (agreement or ProcessAgreement()).gather("workdir locks", outcome)
@@ -166,7 +170,8 @@ def open_workdir(
   failed = [(i, o) for i, o in enumerate(outcomes) if o is not None]
   if failed:
     lock.close()
-    kind = files.UnsafePathError if failed[0][1][0] == "UnsafePathError" else WorkdirLockedError
+    kinds = {k.__name__: k for k in (files.UnsafePathError, files.WorkdirAccessError)}
+    kind = kinds.get(failed[0][1][0], WorkdirLockedError)
     raise kind(
       "; ".join(f"process {i} could not open the workdir: {message}" for i, (_, message) in failed)
     )
@@ -176,7 +181,14 @@ def open_workdir(
 def _lock(path: pathlib.Path, process_index: int) -> WorkdirLock:
   """Takes the lock file of ``process_index`` in ``path``, or raises naming its holder."""
   lock_path = path / lock_filename(process_index)
-  fd = files.open_nofollow(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+  try:
+    fd = files.open_nofollow(lock_path, os.O_RDWR | os.O_CREAT, files.PRIVATE_FILE_MODE)
+  except PermissionError as error:
+    raise files.WorkdirAccessError(
+      f"the workdir {str(path)!r} is not writable by this user: cannot create its lock file "
+      f"{str(lock_path)!r} ({error.strerror}); fix its permissions (chmod u+rwx) or give the run "
+      f"another workdir"
+    ) from error
   try:
     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
   except BlockingIOError:
@@ -211,17 +223,64 @@ def _describe_holder(lock_path: pathlib.Path) -> str:
       os.close(fd)
     pid, host = int(holder["pid"]), str(holder["host"])
   except (OSError, ValueError, KeyError, TypeError):
-    return f"a process holds {str(lock_path)!r} (it has not written its details yet)"
+    return f"no run's details in {str(lock_path)!r}: {_actual_holder(lock_path)}"
   text = (
     f"pid {pid} on host {host} (process {holder.get('process_index', 0)} of its run), "
     f"since {holder.get('since', '?')}; command: {holder.get('command', '?')}"
   )
   if host == socket.gethostname() and not _alive(pid):
-    text += (
-      f". Pid {pid} is no longer running: a process it started (e.g. a data worker) "
-      f"still holds {str(lock_path)!r}"
-    )
+    text += f". Pid {pid} is no longer running: {_actual_holder(lock_path)}"
   return text
+
+
+def _actual_holder(lock_path: pathlib.Path) -> str:
+  """Who holds the lock file open now (Linux's ``/proc``; the processes this user may see)."""
+  holders = _processes_with_open(lock_path)
+  if holders:
+    named = "; ".join(f"pid {pid} ({_command_of(pid)})" for pid in holders[:3])
+    return (
+      f"{named} {'has' if len(holders) == 1 else 'have'} {str(lock_path)!r} open now, one of "
+      f"them holding the lock (a process the run started, or one of its own); stop it, or give "
+      f"this run another workdir"
+    )
+  return (
+    f"a process this user cannot see holds {str(lock_path)!r} (`fuser -v {lock_path}` names "
+    f"it); stop it, or give this run another workdir"
+  )
+
+
+def _processes_with_open(path: pathlib.Path) -> list[str]:
+  """The pids (other than this one) with a descriptor open on the file ``path``."""
+  try:
+    target = os.stat(path)
+    pids = [name for name in os.listdir("/proc") if name.isdigit()]
+  except OSError:
+    return []
+  found = []
+  for pid in pids:
+    if int(pid) == os.getpid():
+      continue
+    try:
+      descriptors = os.listdir(f"/proc/{pid}/fd")
+    except OSError:  # another user's process, or one that has ended
+      continue
+    for fd in descriptors:
+      try:
+        info = os.stat(f"/proc/{pid}/fd/{fd}")
+      except OSError:
+        continue
+      if (info.st_dev, info.st_ino) == (target.st_dev, target.st_ino):
+        found.append(pid)
+        break
+  return found
+
+
+def _command_of(pid: str) -> str:
+  try:
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+      return f.read().replace(b"\0", b" ").decode(errors="replace").strip()[:200] or "?"
+  except OSError:
+    return "command unknown"
 
 
 def _alive(pid: int) -> bool:

@@ -29,6 +29,7 @@ MODES: tuple[str, ...] = ("recompile", "pad")
 _FLAGS = (
   "background_compile",
   "compile_fallback",
+  "timed_fallback",
   "progress",
   "allow_shared_workdir",
   "allow_changed_settings",
@@ -56,6 +57,10 @@ class TrainerConfig:
     lr_rule: ``"sqrt"``, ``"linear"`` or ``"none"`` (see
       :func:`simigrad_jax.lr_factor`).
     lr_adjust_factor: optional damping of the learning-rate factor (>= 0).
+    lr_coupling: how the batch-size factor meets ``lr_schedule``: ``"full"``
+      (multiplied at every step) or ``"peak"`` (in full at the schedule's
+      peak, fading as it decays; see
+      :func:`simigrad_jax.controllers.learning_rate.scheduled_lr_factor`).
     seed: seeds the data order and the per-step random keys.
     checkpoint_every_steps: save every this many steps (None: only at epoch
       ends and at the end).
@@ -81,9 +86,24 @@ class TrainerConfig:
       so), so that only the first step waits for a compile (for its shape's
       programs, and the micro-step and update that let a larger batch
       accumulate on that shape, compiled while it runs). With BatchNorm the
-      statistics are those of the fallback's micro-batches. With several
-      processes, the fallback shape is one that every process had compiled at
-      the previous step's agreement, so every process runs the same one.
+      statistics are those of the fallback's micro-batches. Which steps fall
+      back is decided from the step count, never the clock
+      (:mod:`simigrad_jax.compile.schedule`): each program the run requests
+      (its batch's shape and those near it) may run ``steps_per_compile``
+      steps after the one before it in the schedule, so the same config and
+      seed give the same steps whether interrupted or not, on a loaded
+      machine or an idle one; a step whose program the schedule admits
+      before its compile has finished waits for it.
+    steps_per_compile: the steps the schedule gives each compile (> 0; a
+      fraction admits several programs a step). Larger: fewer waits on a
+      slow compiler, more steps on a fallback shape.
+    timed_fallback: let the fallback follow the compiles' timing instead: a
+      step runs on its own shape as soon as that is compiled, and never
+      waits for a compile after the first step; but the shapes, hence the
+      sums, the similarity and every later batch size, then depend on the
+      machine's load, and a resumed run may differ from one not interrupted.
+      With several processes, the fallback shape is then one that every
+      process had compiled at the previous step's agreement.
     compilation_cache_dir: optional persistent compilation cache directory
       (:func:`simigrad_jax.compile.enable_persistent_cache`, a process-wide setting).
     allow_shared_workdir: use a workdir (and compilation cache) that other
@@ -133,6 +153,7 @@ class TrainerConfig:
   shapes_per_octave: int | None = None
   lr_rule: learning_rate.LrRule = "sqrt"
   lr_adjust_factor: float | None = None
+  lr_coupling: learning_rate.LrCoupling = "full"
   seed: int = 0
   checkpoint_every_steps: int | None = None
   checkpoint_every_seconds: float | None = None
@@ -140,6 +161,8 @@ class TrainerConfig:
   allow_changed_settings: bool = False
   background_compile: bool = True
   compile_fallback: bool = True
+  steps_per_compile: float = 0.5
+  timed_fallback: bool = False
   compilation_cache_dir: str | os.PathLike | None = None
   allow_shared_workdir: bool = False
   tensorboard: bool | None = None
@@ -154,6 +177,10 @@ class TrainerConfig:
     if self.lr_rule not in learning_rate.LR_RULES:
       raise ValueError(
         f"lr_rule={self.lr_rule!r} is not valid; choose one of {learning_rate.LR_RULES}"
+      )
+    if self.lr_coupling not in learning_rate.LR_COUPLINGS:
+      raise ValueError(
+        f"lr_coupling={self.lr_coupling!r} is not valid; choose one of {learning_rate.LR_COUPLINGS}"
       )
     checked: dict[str, Any] = {}
     checked["max_micro_batch_size"] = max_micro = validation.check_int(
@@ -187,6 +214,9 @@ class TrainerConfig:
         "(0, inf) (finite)",
         lambda x: 0 < x < math.inf,
       )
+    checked["steps_per_compile"] = validation.check_real(
+      "steps_per_compile", self.steps_per_compile, "(0, inf) (finite)", lambda x: 0 < x < math.inf
+    )
     checked["max_checkpoints"] = validation.check_int("max_checkpoints", self.max_checkpoints, 1)
     for name in _FLAGS:
       checked[name] = validation.check_bool(name, getattr(self, name))

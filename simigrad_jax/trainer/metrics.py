@@ -29,6 +29,7 @@ import numpy as np
 
 from simigrad_jax import files
 from simigrad_jax import validation
+from simigrad_jax.checkpoint import metrics_recovery
 
 logger = logging.getLogger("simigrad_jax")
 
@@ -39,50 +40,6 @@ TENSORBOARD_DIRNAME = "tensorboard"
 
 
 # ------------------------------------------------------------------ file format
-
-
-def _parse_line(line: bytes) -> dict[str, Any] | None:
-  """The JSON object on ``line``, or None if it is not one."""
-  try:
-    value = json.loads(line)
-  except ValueError:  # json.JSONDecodeError and UnicodeDecodeError alike
-    return None
-  return value if isinstance(value, dict) else None
-
-
-def _split_records(
-  data: bytes,
-  path: os.PathLike | str,
-) -> tuple[list[tuple[bytes, dict[str, Any]]], bytes | None]:
-  """Splits a metrics file into its records and a torn last line.
-
-  Returns:
-    ``(entries, torn)``: ``entries`` holds ``(line, record)`` per record in
-    file order, each line newline-terminated and otherwise verbatim; ``torn``
-    is the unterminated last line that is not a complete JSON object (a crash
-    mid-write), or None. Blank lines are skipped.
-
-  Raises:
-    ValueError: for a line other than the last that is not a JSON object.
-  """
-  lines = data.split(b"\n")
-  tail = lines.pop()  # b"" when the file ends with a newline
-  entries = []
-  for number, line in enumerate(lines, start=1):
-    if not line.strip():
-      continue
-    record = _parse_line(line)
-    if record is None:
-      raise ValueError(f"{os.fspath(path)}: line {number} is not a JSON object: {line[:80]!r}")
-    entries.append((line + b"\n", record))
-  torn = None
-  if tail.strip():
-    record = _parse_line(tail)
-    if record is None:
-      torn = tail
-    else:  # complete but for its newline
-      entries.append((tail + b"\n", record))
-  return entries, torn
 
 
 def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
@@ -99,7 +56,7 @@ def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
   Raises:
     FileNotFoundError: if ``path`` does not exist.
     ValueError: if a line other than an unterminated last one is not a JSON
-      object (the message names the line).
+      object with an integer ``"step"`` (the message names the line).
 
   Example:
     >>> with MetricsWriter(f"{workdir}/read", tensorboard=False) as writer:
@@ -108,52 +65,18 @@ def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
     [{'step': 1, 'loss': None}]
   """
   path = pathlib.Path(path)
-  entries, torn = _split_records(path.read_bytes(), path)
+  data = path.read_bytes()
+  entries, damaged, torn = metrics_recovery.parse_records(data)
+  if damaged:
+    line = data.split(b"\n")[damaged[0] - 1]
+    raise ValueError(
+      f"{path}: line {damaged[0]} is not a JSON object with an integer 'step': {line[:80]!r} "
+      f"({len(damaged)} such line(s); a resume drops them and restores what the TensorBoard "
+      f"events hold)"
+    )
   if torn is not None:
     logger.warning("%s: ignoring a torn last line (%d bytes)", path, len(torn))
   return [record for _, record in entries]
-
-
-def _prepare_for_append(path: pathlib.Path, resume_step: int | None) -> None:
-  """Drops a torn last line and, on resume, the records after ``resume_step``."""
-  if path.is_symlink():  # never read or write a run's metrics through a link
-    raise files.refuse_symlink(path)
-  if not path.exists():
-    return
-  data = path.read_bytes()
-  if resume_step is None:
-    if not data or data.endswith(b"\n"):
-      return
-    cut = data.rfind(b"\n") + 1
-    tail = data[cut:]
-    if _parse_line(tail) is not None or not tail.strip():
-      with files.open_for_append(path) as f:  # complete but for its newline
-        f.write("\n")
-    else:
-      logger.warning("%s: dropping a torn last line (%d bytes)", path, len(tail))
-      files.write_atomic(path, data[:cut])
-    return
-  entries, torn = _split_records(data, path)
-  if torn is not None:
-    logger.warning("%s: dropping a torn last line (%d bytes)", path, len(torn))
-  kept = []
-  for line, record in entries:
-    step = record.get("step")
-    if not validation.is_int(step):
-      raise ValueError(
-        f"{path}: cannot resume at step {resume_step}: record {line[:80]!r} has no integer 'step'"
-      )
-    if step <= resume_step:
-      kept.append(line)
-  if len(kept) < len(entries):
-    logger.info(
-      "%s: resuming after step %d, dropping %d of %d records",
-      path,
-      resume_step,
-      len(entries) - len(kept),
-      len(entries),
-    )
-  files.write_atomic(path, b"".join(kept))
 
 
 def _to_json(value: Any, where: str) -> Any:
@@ -240,12 +163,20 @@ class MetricsWriter:
       file (atomically: a synced temporary file replaces it), so the steps
       that are run again are not logged twice; TensorBoard is told to hide
       its own events from step ``resume_step + 1`` on (``purge_step``).
+      Damaged lines are dropped and the records they held restored from the
+      event files where those hold them
+      (:mod:`simigrad_jax.checkpoint.metrics_recovery`).
     enabled: False makes a writer that checks records but writes nothing and
       creates no files (for processes other than 0 in a multi-host run).
 
+  Attributes:
+    missing_steps: on resume, the steps up to ``resume_step`` that have no
+      record left (neither the file nor the events hold one), as
+      ``[first, last]`` ranges; empty otherwise.
+
   Raises:
-    ValueError: for a bad setting, or, when resuming, a file with a corrupt
-      line or a record without an integer ``"step"``.
+    ValueError: for a bad setting.
+    UnsafePathError: the file or the TensorBoard folder is a symlink.
 
   Example:
     >>> with MetricsWriter(f"{workdir}/run", tensorboard=False) as writer:
@@ -281,10 +212,12 @@ class MetricsWriter:
     self._file: TextIO | None = None
     self._tensorboard = None
     self._closed = False
+    self.missing_steps: list[list[int]] = []
     if not self._enabled:
       return
     self._workdir.mkdir(parents=True, exist_ok=True)
-    _prepare_for_append(self._path, self._resume_step)
+    events = self._workdir / TENSORBOARD_DIRNAME
+    self.missing_steps = metrics_recovery.prepare_for_append(self._path, self._resume_step, events)
     self._file = files.open_for_append(self._path)
     if tensorboard:
       try:
@@ -294,11 +227,16 @@ class MetricsWriter:
         self._summary = summary_pb2.Summary
         # tensorboardX names event files by the second and host; the suffix
         # keeps a writer reopened within the same second from overwriting.
+        files.make_private_dir(events, what="TensorBoard folder", allow_shared=True)
+        suffix = f".{time.time_ns()}"
         self._tensorboard = tensorboardX.SummaryWriter(
-          str(self._workdir / TENSORBOARD_DIRNAME),
+          str(events),
           purge_step=None if self._resume_step is None else self._resume_step + 1,
-          filename_suffix=f".{time.time_ns()}",
+          filename_suffix=suffix,
         )
+        for made in events.glob(f"events.out.tfevents.*{suffix}"):  # its file: 0600, as ours
+          if not made.is_symlink():
+            made.chmod(files.PRIVATE_FILE_MODE)
       except BaseException:
         self._file.close()
         raise

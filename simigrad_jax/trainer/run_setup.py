@@ -143,10 +143,12 @@ def make_programs(
 ) -> StepPrograms:
   """The step's compiled programs, compiling in the background (nothing is traced yet).
 
-  With several processes, a fallback uses only shapes that every process
-  reported compiled at the last step's agreement, so all of them pick the
-  same shape. ``cached_programs``: what a resumed checkpoint says the
-  persistent compilation cache holds (None: a new run).
+  The fallback follows the schedule of ``steps_per_compile``, the same on
+  every process; with ``timed_fallback`` and several processes, it uses only
+  shapes that every process reported compiled at the last step's agreement,
+  so all of them pick the same shape. ``cached_programs``: what a resumed
+  checkpoint says the persistent compilation cache holds and the schedule's
+  state (None: a new run).
   """
   if config.compilation_cache_dir is not None:
     enable_persistent_cache(config.compilation_cache_dir, allow_shared=config.allow_shared_workdir)
@@ -162,6 +164,7 @@ def make_programs(
     accumulation_shapes=layout.accumulation_shapes(upper),
     background=config.background_compile,
     compile_fallback=config.uses_compile_fallback,
+    steps_per_compile=None if config.timed_fallback else config.steps_per_compile,
     shared_compiles=jax.process_count() > 1,
     compilation_cache_dir=config.compilation_cache_dir,
     cached_programs=cached_programs,
@@ -449,9 +452,10 @@ def run_record_of(
   """The run's record, saved with every checkpoint and compared on resume.
 
   Args:
-    config: the run's settings: ``lr_rule`` and ``lr_adjust_factor`` decide
-      the trajectory (the seed is checked on its own); the split, the shapes
-      and the fallback only lay the steps out.
+    config: the run's settings: ``lr_rule``, ``lr_adjust_factor`` and
+      ``lr_coupling`` (recorded when not ``"full"``) decide the trajectory
+      (the seed is checked on its own); the split, the shapes and the
+      fallback only lay the steps out.
     layout: the run's split and shapes.
     initial: the initial ``{"params", "opt_state", "model_state"}``.
     optimizer, controller, source, num_examples, devices, run_settings: the
@@ -468,7 +472,8 @@ def run_record_of(
     num_examples=num_examples,
     element_spec=source.element_spec,
     controller=controller.config,
-    trainer={"lr_rule": config.lr_rule, "lr_adjust_factor": config.lr_adjust_factor},
+    trainer={"lr_rule": config.lr_rule, "lr_adjust_factor": config.lr_adjust_factor}
+    | ({} if config.lr_coupling == "full" else {"lr_coupling": config.lr_coupling}),
     layout={
       "halves": layout.halves,
       "mode": config.mode,

@@ -42,6 +42,7 @@ class StepInputs:
       (the controller's initial one).
     lr_rule: ``"sqrt"``, ``"linear"`` or ``"none"``.
     lr_adjust_factor: optional damping of the factor.
+    lr_coupling: how it meets the schedule (``"full"`` or ``"peak"``).
     lr_schedule: optional ``lr_schedule(epochs) -> float``, a multiplier of
       the base learning rate.
     lr_factor: the factor to start from (the optimizer state's).
@@ -62,9 +63,11 @@ class StepInputs:
     lr_schedule: Callable[[float], float] | None,
     lr_factor: float,
     replicated: NamedSharding,
+    lr_coupling: learning_rate.LrCoupling = "full",
   ):
     self.base_batch_size = base_batch_size
     self.lr_rule, self.lr_adjust_factor, self.lr_schedule = lr_rule, lr_adjust_factor, lr_schedule
+    self.lr_coupling = lr_coupling
     self.lr_factor = lr_factor  # as float32 holds it
     self.schedule_factor = 1.0
     self._replicated = replicated
@@ -88,6 +91,7 @@ class StepInputs:
       lr_schedule=lr_schedule,
       lr_factor=optimizer_state.lr_factor_of(state["opt_state"]),
       replicated=NamedSharding(mesh, P()),
+      lr_coupling=config.lr_coupling,
     )
 
   def lr_factors(self, batch_size: int, epochs: float) -> tuple[float, float]:
@@ -103,6 +107,7 @@ class StepInputs:
       self.lr_adjust_factor,
       self.lr_schedule,
       epochs,
+      self.lr_coupling,
     )
 
   def set_lr_factor(self, factors: tuple[float, float]) -> None:

@@ -48,6 +48,7 @@ from simigrad_jax import validation
 from simigrad_jax.checkpoint.hook import CheckpointHook
 from simigrad_jax.checkpoint.run_checkpoints import Resumed
 from simigrad_jax.checkpoint.run_checkpoints import RunCheckpoints
+from simigrad_jax.compile.compiler import CompileAbandoned
 from simigrad_jax.compile.programs import StepPrograms
 from simigrad_jax.controllers import interface as controller_interface
 from simigrad_jax.data import grain_source
@@ -144,6 +145,8 @@ class StepLoop:
     self.prepare(total_examples)
     self.checkpoint.restart_clock()
     with self.stop:  # a signal stops the run after the step under way
+      if jax.process_count() == 1:  # (with several, every process runs the step under way)
+        self._programs.set_interrupt(lambda: self.stop.signalled)
       try:
         self.run_steps(hooks, total_examples, max_steps)
         if self.step > first_step:
@@ -153,6 +156,8 @@ class StepLoop:
         # Multi-host: a collective that lost a peer fails with an error that names no process.
         self._processes.roll_call(f"step {self.step + 1}", error)
         raise
+      finally:
+        self._programs.set_interrupt(None)
 
   def save_checkpoint(self) -> None:
     """Saves the current state as the checkpoint of the current step (once per step)."""
@@ -185,16 +190,20 @@ class StepLoop:
         remaining = total_examples - self.sampler.examples_seen
         exact = self.layout.plan(int(min(batch_size, remaining)))
         last = remaining <= batch_size  # no step follows: a compile asked for now is never used
-        plan = self._programs.ready_plan(exact, prefetch=not last)
-        if not last:
-          self._programs.prefetch_near(exact.micro_batch_size)  # the compiles follow the batch
+        plan = self._programs.choose(exact, self.step, last)  # decided by the step count
+        wait_before = self._programs.wait_seconds()
+        try:
+          self._programs.wait_for(plan)
+        except CompileAbandoned:  # a signal while this step's compile was awaited: not run
+          if self.stop.stop_alone():
+            break
+          raise
         # 2. Take the rows, placed ahead while the last step ran.
         rows, data_seconds = self._data.take(plan, self.sampler.examples_seen, self.step)
         epoch = self.sampler.epoch
         self.sampler.take(plan.global_batch_size)
         # 3. Run. The host's critical path ends at the program's call.
         inputs = self._inputs.on_devices(plan.global_batch_size)
-        wait_before = self._programs.wait_seconds()
         host_seconds = math.nan if last_read is None else time.perf_counter() - last_read
         first_run = not _programs_of(plan) <= self._programs_run
         self._programs_run |= _programs_of(plan)
@@ -285,7 +294,10 @@ class StepLoop:
       return
     epochs = start / self.sampler.num_examples
     sizes = controller_interface.likely_batch_sizes(self.controller, start, epochs, self._bounds)
-    plans = [self._programs.ready_plan(self.layout.plan(int(min(s, remaining)))) for s in sizes]
+    plans = [
+      self._programs.ready_plan(self.layout.plan(int(min(s, remaining))), self.step + 1)
+      for s in sizes
+    ]
     count = int(min(max(self.controller.batch_size, *sizes), remaining))
     place_inputs = functools.partial(self._inputs.place_ahead, sizes, epochs, remaining)
     self._data.submit(start, count, self.step + 1, plans, then=place_inputs)  # the next step
@@ -303,7 +315,7 @@ class StepLoop:
     self._inputs.set_lr_factor(
       self._inputs.lr_factors(batch_size, start / self.sampler.num_examples)
     )
-    self._programs.prefetch_for(batch_size)
+    self._programs.start(batch_size, self.step)
     if total_examples > start:  # (a resumed run may have no step left)
       first = self.layout.plan(int(min(batch_size, total_examples - start)))
       self._data.submit(start, first.global_batch_size, self.step, [first])

@@ -143,8 +143,9 @@ def test_step_curve_sizes_must_divide_over_the_devices(adaptive_benchmark):
 
 def test_goals_follow_the_adaptive_numbers(quick_run, adaptive_benchmark):
   adaptive = quick_run["variants"]["adaptive"]
+  numbers = {**adaptive, "warm_start_fallback_steps": quick_run["warm_start"]["fallback_steps"]}
   for key, goal in quick_run["goals"].items():
-    assert goal["bound"] == adaptive_benchmark.GOALS[key] and goal["value"] == adaptive[key]
+    assert goal["bound"] == adaptive_benchmark.GOALS[key] and goal["value"] == numbers[key]
     at_least = key.startswith("ratio_to_fixed")
     assert goal["pass"] == (
       goal["value"] >= goal["bound"] if at_least else goal["value"] <= goal["bound"]
@@ -154,3 +155,14 @@ def test_goals_follow_the_adaptive_numbers(quick_run, adaptive_benchmark):
 def test_rejects_a_window_without_steps(adaptive_benchmark):
   with pytest.raises(ValueError, match="--steps must be >= 1, got 0"):
     adaptive_benchmark.main(["--quick", "--steps", "0"])
+
+
+def test_a_warm_start_is_timed_from_step_1_and_counts_its_fallback_steps(quick_run):
+  warm = quick_run["warm_start"]
+  assert warm["steps"] == 6 and len(warm["rounds"]) == 1
+  adaptive = warm["rounds"][0]["adaptive"]
+  assert warm["fallback_steps"] == adaptive["fallback_steps"] <= warm["steps"]
+  assert adaptive["compile_cache_hits"] > 0  # the untimed runs left the cache warm
+  assert warm["ratio_to_fixed_paired"] > 0
+  goal = quick_run["goals"]["warm_start_fallback_steps"]
+  assert goal["value"] == warm["fallback_steps"] and goal["bound"] == 5

@@ -14,6 +14,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from simigrad_jax.compile import compiler
+from simigrad_jax.compile.compiler import CompileAbandoned
 from simigrad_jax.compile.compiler import ProgramCompiler
 from simigrad_jax.compile.compiler import StepCompileError
 from simigrad_jax.compile.compiler import StepCompiler
@@ -274,21 +275,56 @@ def test_background_false_compiles_only_on_demand(mesh):
   assert stats["compile_wait_seconds"] > 0
 
 
-# --------------------------------------------------------------------- close
+# --------------------------------------------------------------------- close and interrupt
 
 
-def test_close_waits_for_running_compile_and_cancels_the_rest(mesh):
+def test_a_wait_gives_up_when_its_interrupt_says_so_and_a_later_get_waits_again(mesh):
+  lower = Lowerer(mesh, gated=[1, 2])
+  compiler = StepCompiler(lower)
+  stop = threading.Event()
+  compiler.interrupt = stop.is_set
+  compiler.prefetch([1])
+  assert lower.started[1].wait(TIMEOUT)
+  threading.Timer(0.2, stop.set).start()
+  with pytest.raises(CompileAbandoned, match="micro_batch_size=1"):
+    compiler.get(1)  # compiling in the background
+  with pytest.raises(CompileAbandoned, match="micro_batch_size=2"):
+    compiler.get(2)  # never asked for: compiles in a daemon thread, not in this one
+  assert lower.started[2].wait(TIMEOUT)
+  assert [t.daemon for t in lower.threads] == [True, True]
+  stop.clear()
+  lower.gates[1].set()
+  lower.gates[2].set()
+  check_runs(compiler.get(1), 1)
+  check_runs(compiler.get(2), 2)
+  assert lower.calls == [1, 2]  # each compiled once
+  compiler.close()
+
+
+def test_a_program_compilers_wait_gives_up_on_its_interrupt():
+  gate = threading.Event()
+  program = ProgramCompiler(OneProgram(gate=gate), background=True, name="update")
+  program.interrupt = lambda: True
+  with pytest.raises(CompileAbandoned, match="update"):
+    program.get()
+  program.close()  # at once, the compile still running
+  gate.set()
+  program.interrupt = None
+  np.testing.assert_allclose(program.get()(jnp.ones(3)), [2.0, 2.0, 2.0])
+
+
+def test_close_abandons_the_running_compile_and_cancels_the_rest(mesh):
   lower = Lowerer(mesh, gated=[1])
   compiler = StepCompiler(lower)
   compiler.prefetch([1, 2, 4])
   assert lower.started[1].wait(TIMEOUT)
-  closer = threading.Thread(target=compiler.close)
-  closer.start()
-  time.sleep(0.2)
-  assert closer.is_alive()  # waits for the running compile
+  start = time.perf_counter()
+  compiler.close()  # returns at once: the compile of 1 is not awaited
+  assert time.perf_counter() - start < 1.0
+  worker = next(t for t in threading.enumerate() if t.name == "step-compiler")
+  assert worker.daemon  # a process exits without waiting for it
   lower.gates[1].set()
-  closer.join(TIMEOUT)
-  assert not closer.is_alive()
+  worker.join(TIMEOUT)
   assert lower.calls == [1]  # 2 and 4 were cancelled
   assert compiler.stats()["compiled_sizes"] == [1]
   compiler.close()  # idempotent
@@ -380,7 +416,7 @@ def test_a_program_compiles_once_in_its_background_thread():
   assert program.get() is program.get()
   stats = program.stats()
   program.close()
-  assert lower.threads == ["simigrad-update-compiler_0"]
+  assert lower.threads == ["simigrad-update-compiler"]
   assert program.done and stats["compiled"] and stats["compiles"] == 1
   assert stats["compile_seconds"] > 0 and stats["cache_hits"] == 0
 

@@ -1,4 +1,5 @@
-"""A resume with a warm compilation cache: its first step loads a program, it compiles none first."""
+"""A resume with a warm compilation cache and the timed fallback: its first step loads a program,
+it compiles none first."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ def _train(workdir, cache_dir, num_steps):
   """The tiny run on the schedule, resumed from ``workdir``: its summary, optimizer state and
   records."""
   schedule = simigrad_jax.make_controller("step_schedule", thresholds=THRESHOLDS)
-  return train_records(workdir, cache_dir, num_steps, controller=schedule)
+  return train_records(workdir, cache_dir, num_steps, controller=schedule, timed_fallback=True)
 
 
 @pytest.fixture(scope="module")

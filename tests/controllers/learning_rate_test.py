@@ -12,6 +12,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import simigrad_jax
+from simigrad_jax.controllers import learning_rate
 
 
 @pytest.mark.parametrize(
@@ -122,3 +123,48 @@ def test_set_lr_factor_refuses_bad_values(bad):
 def test_set_lr_factor_needs_the_transformation():
   with pytest.raises(ValueError, match="no LrFactorState.*scale_by_lr_factor"):
     simigrad_jax.set_lr_factor(optax.sgd(0.1).init(jnp.zeros(2)), 2.0)
+
+
+# ------------------------------------------------------------------ coupling with a schedule
+
+
+def cosine(e):
+  return 0.02 + 0.98 * 0.5 * (1 + math.cos(math.pi * min(e, 1.0)))
+
+
+def test_full_coupling_multiplies_the_batch_factor_and_the_schedule_at_every_step():
+  for e in (0.0, 0.5, 0.99):
+    factor, schedule = learning_rate.scheduled_lr_factor(256, 16, "sqrt", None, cosine, e)
+    assert schedule == cosine(e) and factor == pytest.approx(4.0 * cosine(e))
+
+
+def test_peak_coupling_is_full_at_the_peak_and_fades_with_the_decay():
+  def peak(batch_size, e):
+    return learning_rate.scheduled_lr_factor(batch_size, 16, "sqrt", None, cosine, e, "peak")
+
+  assert peak(256, 0.0) == (pytest.approx(4.0), 1.0)  # at the peak: the square-root rule
+  assert peak(16, 0.7)[0] == pytest.approx(cosine(0.7))  # at B_0: the schedule alone
+  # A batch that grows 16x during the decay. The full coupling raises the rate r(B) = up to 4x
+  # over the schedule's; the peak coupling by (r - 1) s at most, which vanishes as the schedule
+  # does: the rate falls with the schedule over its last 70% and ends within 6% of its end.
+  epochs = np.linspace(0.05, 1.0, 40)
+  sizes = np.round(16 * 16 ** np.linspace(0, 1, 40)).astype(int).tolist()
+  rates = [peak(b, e)[0] for b, e in zip(sizes, epochs, strict=True)]
+  for b, e, rate in zip(sizes, epochs, rates, strict=True):
+    r = math.sqrt(b / 16)
+    assert rate == pytest.approx(cosine(e) * (1 + (r - 1) * cosine(e)))
+  late = [rate for rate, e in zip(rates, epochs, strict=True) if e >= 0.3]
+  assert all(a > b for a, b in zip(late, late[1:], strict=False))
+  assert rates[-1] <= 1.06 * cosine(1.0)
+  full = learning_rate.scheduled_lr_factor(256, 16, "sqrt", None, cosine, 1.0)[0]
+  assert full == pytest.approx(4 * cosine(1.0))
+  # Without a schedule the two couplings agree.
+  for coupling in learning_rate.LR_COUPLINGS:
+    assert learning_rate.scheduled_lr_factor(64, 16, "sqrt", None, None, 0.3, coupling)[0] == 2.0
+
+
+def test_a_bad_coupling_names_the_valid_ones():
+  with pytest.raises(ValueError, match=r"lr_coupling='cap' is not valid; choose one of \('full'"):
+    learning_rate.scheduled_lr_factor(64, 16, "sqrt", None, None, 0.3, "cap")  # type: ignore[arg-type]
+  with pytest.raises(ValueError, match=r"lr_coupling='cap' is not valid"):
+    simigrad_jax.TrainerConfig(max_micro_batch_size=4, lr_coupling="cap")  # type: ignore[arg-type]

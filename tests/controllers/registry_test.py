@@ -88,6 +88,9 @@ OPTIONS = {
     batch_size_lower_bound=8,
     batch_size_upper_bound=64,
   ),
+  "allowance": dict(
+    initial_batch_size=16, token_allowance=1.5, ema_decay=0.5, batch_size_upper_bound=64
+  ),
   "step_schedule": dict(thresholds="0:16,40:32,150:64"),
   "linear_ramp": dict(initial_batch_size=16, final_batch_size=64, increment=16, ramp=300),
   "doubling_warmup": dict(initial_batch_size=16, doubling_points="50,300"),
@@ -118,6 +121,7 @@ def test_every_name_has_options_here():
       "decreasing",
       "loss_plateau",
       "gns",
+      "allowance",
       "step_schedule",
       "linear_ramp",
       "doubling_warmup",
@@ -289,7 +293,7 @@ def _train(workdir, name, num_steps, cache_dir):
   ]
 
 
-@pytest.mark.parametrize("name", ["gns", "loss_plateau", "geometric"])
+@pytest.mark.parametrize("name", ["gns", "allowance", "loss_plateau", "geometric"])
 def test_trainer_runs_and_resumes_each_controller_exactly(name, tmp_path, devices):
   del devices
   cache = tmp_path / "cache"
@@ -310,6 +314,7 @@ OWN_OPTIONS = {
   "decreasing": dict(final_batch_size=8, ramp_epochs=4.0),
   "loss_plateau": dict(factor=2.0),
   "gns": dict(multiple=0.5),
+  "allowance": dict(token_allowance=1.1),
   "step_schedule": dict(thresholds="0:32,100:64,400:256"),
   "linear_ramp": dict(final_batch_size=256, increment=32, ramp="1k"),
   "doubling_warmup": dict(doubling_points="100,400,900"),

@@ -179,3 +179,29 @@ def test_docs_train_commands_name_real_configs_options_and_flags(command):
   for arg in args:
     if arg.startswith("--") and not arg.startswith("--config"):
       assert arg[2:].split("=")[0] in MAIN_FLAGS, arg
+
+
+def test_a_config_typo_is_one_line_with_the_suggestion():
+  from train import __main__ as main  # pylint: disable=import-outside-toplevel
+
+  error = AttributeError(
+    '\'learning_rat\'\\nDid you mean "learning_rate" instead of "learning_rat"?'
+  )
+  line = main.flag_error_line(error, ["train", "--config", "c.py", "--config.learning_rat=0.1"])
+  assert line == (
+    "the config has no key 'learning_rat' (--config.learning_rat=0.1); did you mean "
+    "--config.learning_rate? (the keys: c.py)"
+  )
+
+
+def test_failure_lines_and_the_traceback_filter():
+  import doctest  # pylint: disable=import-outside-toplevel
+
+  from train import failures  # pylint: disable=import-outside-toplevel
+
+  result = doctest.testmod(failures, optionflags=doctest.ELLIPSIS)
+  assert result.attempted and not result.failed
+  line = failures.one_line(
+    ValueError("no readable checkpoint in /w: step 3: x <bound method a.b of <c>> y"), None
+  )
+  assert "bound method" not in line

@@ -235,12 +235,13 @@ def test_resume_keeps_file_mode(tmp_path):
   assert os.stat(path).st_mode & 0o777 == 0o640
 
 
-def test_resume_refuses_records_without_step(tmp_path):
+def test_resume_drops_records_without_step_and_names_them(tmp_path, caplog):
   path = tmp_path / "metrics.jsonl"
   path.write_text('{"step": 1}\n{"loss": 2.0}\n')
-  with pytest.raises(ValueError, match="integer 'step'"):
-    MetricsWriter(tmp_path, tensorboard=False, resume_step=5)
-  assert path.read_text() == '{"step": 1}\n{"loss": 2.0}\n'  # untouched
+  with caplog.at_level("WARNING", logger="simigrad_jax"):
+    MetricsWriter(tmp_path, tensorboard=False, resume_step=5).close()
+  assert path.read_text() == '{"step": 1}\n'
+  assert "dropped 1 damaged line(s) (line 2)" in caplog.text
 
 
 @pytest.mark.parametrize("resume_step", [None, 5])

@@ -6,7 +6,9 @@ from jax.sharding import Mesh
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+import simigrad_jax
 from simigrad_jax.trainer.step_inputs import StepInputs
+from tests import tiny_run
 
 
 def make_inputs(lr_schedule=None):
@@ -37,3 +39,25 @@ def test_a_failing_schedule_is_left_to_the_decision():
   inputs = make_inputs(lambda epochs: float("nan"))
   inputs.place_ahead([110, 90], epochs=0.5, remaining=float("inf"))
   assert inputs._ahead == {}
+
+
+def test_the_trainer_couples_the_factor_to_the_schedules_peak_when_asked(tmp_path):
+  schedule = lambda epochs: max(0.05, 1.0 - epochs / 2)  # noqa: E731  (decays over 2 epochs)
+  objects = tiny_run.trainer_objects(tmp_path)
+  objects["controller"] = simigrad_jax.make_controller(
+    "linear", initial_batch_size=16, final_batch_size=64, ramp_epochs=2.0
+  )
+  with tiny_run.trainer_with(
+    **objects,
+    lr_schedule=schedule,
+    lr_coupling="peak",
+    max_micro_batch_size=8,
+    progress=False,
+    tensorboard=False,
+  ) as trainer:
+    trainer.train(num_epochs=2)
+  records = [r for r in simigrad_jax.read_metrics(tmp_path / "metrics.jsonl") if "batch_size" in r]
+  assert records[-1]["batch_size"] > 32  # the batch grew while the schedule decayed
+  for r in records[:-1]:  # (the last step, cut short to the budget, runs the decided size's)
+    s, grown = r["schedule_factor"], (r["batch_size"] / 16) ** 0.5
+    np.testing.assert_allclose(r["lr_factor"], s * (1 + (grown - 1) * s), rtol=1e-6)

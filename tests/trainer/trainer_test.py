@@ -388,7 +388,7 @@ def test_refuses_an_optimizer_without_the_transform(tmp_path):
 
 @pytest.mark.parametrize("num_devices, max_micro", [(8, 8), (3, 16)])
 def test_a_step_whose_shape_is_compiling_runs_on_a_compiled_shape(tmp_path, num_devices, max_micro):
-  """compile_fallback: same examples, same update, no compile wait after the first step."""
+  """The timed fallback: same examples, same update, no compile wait after the first step."""
   data = dataset()
 
   def run(workdir, fallback, gate=None):
@@ -408,6 +408,7 @@ def test_a_step_whose_shape_is_compiling_runs_on_a_compiled_shape(tmp_path, num_
       data,
       controller,
       compile_fallback=fallback,
+      timed_fallback=True,
       devices=jax.devices()[:num_devices],
       max_micro_batch_size=max_micro,
     )
@@ -468,7 +469,7 @@ def test_the_first_step_waits_for_the_programs_the_fallback_needs(tmp_path):
     batch_sizes_to_profile=(16, 44),
     profile_steps_per_size=1,
   )
-  trainer = make_trainer(tmp_path, dataset(), controller)
+  trainer = make_trainer(tmp_path, dataset(), controller, timed_fallback=True)
   first = trainer.layout.plan(16).micro_batch_size
   gate = threading.Event()
   delay_seconds = 1.0

@@ -1,0 +1,158 @@
+"""Host: which compiled programs a step may run on, decided from the step count, never the clock.
+
+The compile fallback (:mod:`simigrad_jax.compile.fallback`) runs a step whose
+own program is not ready on another compiled shape. Which shape that is
+changes the step's floating-point sums, hence its similarity and every later
+batch size; so if it followed the compiles' timing, a run's trajectory would
+depend on the machine's load, and a resumed run would differ from one never
+interrupted. :class:`CompileSchedule` makes it a function of the run's steps
+alone: a program becomes *admitted* (a step may run on it) a fixed number of
+steps after it was first requested, as if one compiler compiled the requests
+in order, ``steps_per_compile`` steps each. A step runs its own plan when its
+programs are admitted, else the fallback among the admitted ones; a step that
+needs an admitted program whose real compile has not finished waits for it.
+The schedule's state is saved in every checkpoint, so a resumed run admits
+the same programs at the same steps. Nothing here runs under ``jit``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from simigrad_jax.compile.fallback import choose_plan
+from simigrad_jax.shapes import batch_plan
+from simigrad_jax.shapes.layout import COMPILE_WINDOW_OCTAVES
+from simigrad_jax.shapes.layout import StepLayout
+
+# A program: its kind ("fused", the one-micro-batch step; "micro", the micro-step; "apply", the
+# update of accumulated steps) and its shape in rows per slot (0 for "apply").
+Program = tuple[str, int]
+APPLY: Program = ("apply", 0)
+
+
+def programs_of(plan: batch_plan.BatchPlan) -> list[Program]:
+  """The programs a step of ``plan`` runs: its shape's one-micro-batch step, or its micro-step
+  and the update."""
+  if plan.accumulation_steps == 1:
+    return [("fused", plan.micro_batch_size)]
+  return [("micro", plan.micro_batch_size), APPLY]
+
+
+class CompileSchedule:
+  """The programs admitted at each step: requested programs, ``steps_per_compile`` steps each.
+
+  Args:
+    layout: the step layout (its grid of shapes, in rows per slot).
+    steps_per_compile: the steps each requested program takes, in the
+      schedule, before a step may run on it (> 0; a fraction admits several a
+      step).
+    accumulation_shapes: the shapes a planned step of several micro-batches
+      can use (their micro-steps are requested with their one-micro-batch
+      programs).
+
+  Example:
+    >>> from simigrad_jax.shapes.layout import StepLayout
+    >>> layout = StepLayout.create("device", 8, mode="recompile", max_micro=8, min_micro=None,
+    ...                            shapes_per_octave=1, lower=8, upper=64)
+    >>> schedule = CompileSchedule(layout, 2.0, [])
+    >>> first = schedule.start(layout.plan(8), step=0)  # admitted at once: the first step waits
+    >>> schedule.choose(layout.plan(64), step=0).micro_batch_size  # 8 rows a device: on 1 row
+    1
+  """
+
+  def __init__(
+    self, layout: StepLayout, steps_per_compile: float, accumulation_shapes: list[int]
+  ) -> None:
+    if not (isinstance(steps_per_compile, (int, float)) and 0 < steps_per_compile < math.inf):
+      raise ValueError(f"steps_per_compile must be a finite number > 0, got {steps_per_compile!r}")
+    self._layout = layout
+    self._pace = float(steps_per_compile)
+    self._accumulation = set(accumulation_shapes)
+    self._admitted: dict[Program, int] = {}  # program -> the step from which it may run
+    self._free_at = 0.0  # when the schedule's one compiler is free (in steps)
+
+  def start(self, plan: batch_plan.BatchPlan, step: int) -> list[Program]:
+    """Admits ``plan``'s programs, and the fallback's (its shape's one-micro-batch step,
+    micro-step and the update), at ``step`` when nothing is admitted yet (a new run).
+
+    Changes nothing otherwise (a resumed run, a later ``train()`` call), so
+    that the schedule is the same whether a run was interrupted or not.
+
+    Returns:
+      Every program admitted or requested, in the order the schedule
+      admits them: the order to compile them in.
+    """
+    if not self._admitted:
+      size = plan.micro_batch_size
+      for program in [*programs_of(plan), ("fused", size), ("micro", size), APPLY]:
+        self._admitted.setdefault(program, step)
+      self._free_at = float(step)
+    return sorted(self._admitted, key=lambda program: (self._admitted[program], program))
+
+  def admitted(self, step: int) -> dict[str, Any]:
+    """The view (:mod:`~simigrad_jax.compile.fallback`) of the programs admitted at ``step``."""
+    ready = [program for program, at in self._admitted.items() if at <= step]
+    return {
+      "fused": {size for kind, size in ready if kind == "fused"},
+      "micro": {size for kind, size in ready if kind == "micro"},
+      "apply": APPLY in ready,
+      "failed_fused": set(),
+      "failed_micro": set(),
+    }
+
+  def choose(self, plan: batch_plan.BatchPlan, step: int) -> batch_plan.BatchPlan:
+    """``plan`` when its programs are admitted at ``step``, else the same batch on admitted
+    programs (:func:`~simigrad_jax.compile.fallback.choose_plan`)."""
+    return choose_plan(plan, self.admitted(step))
+
+  def advance(self, plan: batch_plan.BatchPlan, step: int) -> list[Program]:
+    """Requests, at ``step``, ``plan``'s programs and the one-micro-batch programs near its
+    shape (within :data:`~simigrad_jax.shapes.layout.COMPILE_WINDOW_OCTAVES`, nearest first;
+    with the micro-step of a shape a planned step may accumulate on).
+
+    Call it once a step, with the step's own plan; what it admits depends
+    only on the requests and their steps.
+
+    Returns:
+      The programs newly requested, in the order the schedule admits them.
+    """
+    wanted = list(programs_of(plan))
+    for size in self._layout.shapes_near(plan.micro_batch_size, COMPILE_WINDOW_OCTAVES):
+      wanted.append(("fused", size))
+      if size in self._accumulation:
+        wanted.extend([("micro", size), APPLY])
+    new = [program for program in dict.fromkeys(wanted) if program not in self._admitted]
+    for program in new:
+      self._free_at = max(self._free_at, float(step)) + self._pace
+      self._admitted[program] = math.ceil(self._free_at)
+    return new
+
+  def state_dict(self) -> dict[str, Any]:
+    """The schedule as JSON data, for a checkpoint (:meth:`load_state_dict` reads it back)."""
+    admitted = sorted([kind, size, at] for (kind, size), at in self._admitted.items())
+    return {"steps_per_compile": self._pace, "free_at": self._free_at, "admitted": admitted}
+
+  def load_state_dict(self, state: Mapping[str, Any] | None) -> bool:
+    """Restores a checkpoint's schedule; False (nothing restored) when ``state`` is missing,
+    malformed, of another ``steps_per_compile`` or names shapes off this grid."""
+    try:
+      admitted, free_at = self._read_state(state)
+    except (KeyError, TypeError, ValueError):
+      return False
+    self._admitted, self._free_at = admitted, free_at
+    return True
+
+  def _read_state(self, state: Any) -> tuple[dict[Program, int], float]:
+    """The admitted programs and the compiler's free step of a saved ``state``; ValueError
+    when it is not one of this schedule's."""
+    if not isinstance(state, Mapping) or state["steps_per_compile"] != self._pace:
+      raise ValueError("another schedule")
+    admitted = {}
+    for kind, size, at in state["admitted"]:
+      on_grid = size in self._layout.grid or (kind, size) == APPLY
+      if kind not in ("fused", "micro", "apply") or not isinstance(at, int) or not on_grid:
+        raise ValueError(f"not a program of this grid: {[kind, size, at]}")
+      admitted[(str(kind), int(size))] = at
+    return admitted, float(state["free_at"])
