@@ -5,7 +5,8 @@ costs are generated from the JSON (``--markdown``) and must equal what the
 benchmark prints for it today; results.md's prose and docs/controllers.md,
 own_step.md, design.md and nnx.md quote single figures from the same files,
 and each such figure is rebuilt here from the JSON and looked up in the page.
-A figure that changes in the JSON fails here until the page says it too.
+docs/trainer.md and docs/training_scripts.md quote the fault suite's counts from
+faults.json. A figure that changes in the JSON fails here until the page says it too.
 """
 
 import json
@@ -275,9 +276,36 @@ def _nnx_phrases() -> list[str]:
   ]
 
 
+def _fault_phrases() -> list[str]:
+  """The fault suite's counts (tests/reliability/reliability_operator_faults_test.py's table)."""
+  faults = _result("faults")
+  table = faults["table"]
+  kills = [row for row in table if row["kind"] == "kill"]
+  seconds = [row["sigterm_exit_seconds"] for row in table if "sigterm_exit_seconds" in row]
+  assert faults["faults"] == len(table) and faults["ok"] == sum(row["ok"] for row in table)
+  assert faults["sigterm_exit_seconds_max"] == round(max(seconds), 1)
+  return [
+    f"{faults['faults']} faults were tried and {faults['ok']} of them ended as expected",
+    f"{len(kills)} kills and preemptions (SIGKILL and SIGTERM)",
+    f"of {len(seconds)} SIGTERMs, {sum(s <= 10 for s in seconds)} exited within 10 s, the "
+    f"longest in {max(seconds):.1f} s",
+  ]
+
+
+def _fault_kinds_phrases() -> list[str]:
+  """docs/trainer.md's count of each kind of fault too."""
+  kinds = _result("faults")["by_kind"]
+  return _fault_phrases() + [
+    f"({kinds['refused start']} refused starts, {kinds['disk']} disk faults, "
+    f"{kinds['damaged metrics']} damaged metrics files, umask 000 and the kills)"
+  ]
+
+
 @pytest.mark.parametrize(
   "page, phrases",
   [
+    ("trainer.md", _fault_kinds_phrases),
+    ("training_scripts.md", _fault_phrases),
     ("results.md", _mnist_phrases),
     ("results.md", _variants_phrases),
     ("results.md", _digits_phrases),
@@ -289,6 +317,8 @@ def _nnx_phrases() -> list[str]:
     ("nnx.md", _nnx_phrases),
   ],
   ids=[
+    "faults",
+    "faults_scripts",
     "mnist",
     "mnist_variants",
     "digits",

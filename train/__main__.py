@@ -23,7 +23,11 @@ SIGTERM (a scheduler's preemption) or SIGINT (Ctrl-C) finishes the step under
 way on every process, saves its checkpoint, prints where it stopped and
 exits 0 for SIGTERM (a clean stop, as schedulers expect) or 130 for SIGINT;
 the same command resumes from there. A second signal exits at once, without
-the checkpoint.
+the checkpoint. A SIGTERM before the first step (while JAX starts, the data
+loads, the checkpoint is read) ends the start at once with exit status 0:
+no step was done, so there is nothing to save; one after the last step lets
+the run finish its report. The process ends without waiting for compiles
+still under way in the background (they are abandoned, never awaited).
 
 An expected failure (a bad config or a config typo, the workdir in use,
 unsafe or not writable, changed settings, a full disk, a file-size limit, no
@@ -44,10 +48,20 @@ import sys
 import threading
 import traceback
 
-from absl import app
-from absl import flags
-from absl import logging
-from ml_collections import config_flags
+
+def _exit_before_start(signum: int, frame: object) -> None:
+  """SIGTERM while the entry point imports its libraries: nothing was done, exit status 0."""
+  del signum, frame
+  os._exit(0)  # pylint: disable=protected-access
+
+
+if __name__ == "__main__":  # (until stop_before_training replaces it, below)
+  signal.signal(signal.SIGTERM, _exit_before_start)
+
+from absl import app  # noqa: E402
+from absl import flags  # noqa: E402
+from absl import logging  # noqa: E402
+from ml_collections import config_flags  # noqa: E402
 
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file(
@@ -74,6 +88,30 @@ flags.DEFINE_bool(
   "Print the traceback of a failure (default: one line; also $SIMIGRAD_VERBOSE=1).",
 )
 flags.mark_flags_as_required(["config"])
+
+
+def stop_before_training(signum: int, frame: object) -> None:
+  """SIGTERM's handler from the start of ``python -m train`` until the training loop's own.
+
+  Before the loop (:func:`simigrad_jax.multihost.preemption.training_started`)
+  the start ends at once, exit status 0: no step was done, so there is nothing
+  to save, and whatever the start was doing (importing JAX, loading the data,
+  reading the checkpoint, compiling) is left as a SIGKILL would leave it, which
+  a run survives. After the loop (its checkpoint saved, the report under way)
+  the signal is only noted: the run is finishing.
+  """
+  del frame
+  name = signal.Signals(signum).name
+  preemption = sys.modules.get("simigrad_jax.multihost.preemption")
+  if preemption is not None and preemption.training_started():
+    print(f"simigrad: {name} after training: finishing the report", flush=True)
+    return
+  print(
+    f"simigrad: {name} before the first step of this start: no step was done, nothing to "
+    "save; run the same command to start (or resume from the newest checkpoint)",
+    flush=True,
+  )
+  os._exit(0)  # pylint: disable=protected-access  (no exception: a library could swallow it)
 
 
 def parse_flags(argv: list[str]) -> list[str]:
@@ -174,9 +212,28 @@ def main(argv: list[str]) -> None:
     multihost.exit_on_lost_process(error)
   except simigrad_jax.Preempted as stop:
     print(stop, flush=True)
-    sys.exit(stop.exit_code)
+    exit_now(stop.exit_code)
   except Exception as error:  # pylint: disable=broad-except
     _exit_with_one_line(error, pathlib.Path(workdir).absolute())
+  exit_now(0)
+
+
+def exit_now(code: int) -> None:
+  """Ends the process with ``code`` once its output is out, without Python's shutdown.
+
+  A compile abandoned in a background thread (a signal's stop does not wait
+  for it, nor does the end of a run) would otherwise meet the interpreter's
+  shutdown inside JAX and abort the process (exit status 134). The run's
+  files are complete by now: the Trainer waited for its checkpoint and
+  closed its files. A multi-host run leaves ``jax.distributed`` first.
+  """
+  sys.stdout.flush()
+  sys.stderr.flush()
+  if FLAGS.distributed:
+    import jax  # pylint: disable=import-outside-toplevel
+
+    jax.distributed.shutdown()
+  os._exit(code)  # pylint: disable=protected-access
 
 
 def _exit_with_one_line(error: Exception, workdir: pathlib.Path) -> None:
@@ -217,4 +274,5 @@ def _quiet_threads() -> None:
 
 
 if __name__ == "__main__":
+  signal.signal(signal.SIGTERM, stop_before_training)
   app.run(main, flags_parser=parse_flags)

@@ -40,14 +40,6 @@ DISK_ERRORS = {
   errno.EACCES: ("permission denied", "give yourself write access (chmod u+rwX)"),
   errno.EPERM: ("operation not permitted", "give yourself write access (chmod u+rwX)"),
 }
-# Texts by which C++ libraries (TensorStore, XLA) report the same errors without an errno.
-DISK_TEXTS = {
-  "No space left on device": errno.ENOSPC,
-  "Disk quota exceeded": errno.EDQUOT,
-  "File too large": errno.EFBIG,
-  "Read-only file system": errno.EROFS,
-  "Permission denied": errno.EACCES,
-}
 
 
 def verbose_requested(flag: bool = False) -> bool:
@@ -57,23 +49,17 @@ def verbose_requested(flag: bool = False) -> bool:
 
 def _chain(error: BaseException) -> list[BaseException]:
   """``error`` and the errors it was raised from or during, outermost first."""
-  seen: list[BaseException] = []
-  current: BaseException | None = error
-  while current is not None and current not in seen:
-    seen.append(current)
-    current = current.__cause__ or current.__context__
-  return seen
+  from simigrad_jax import checkpoint  # pylint: disable=import-outside-toplevel
+
+  return checkpoint.error_chain(error)
 
 
 def disk_errno(error: BaseException) -> int | None:
-  """The errno of a file system's failure somewhere in ``error``'s chain, or None."""
-  for link in _chain(error):
-    if isinstance(link, OSError) and link.errno in DISK_ERRORS:
-      return link.errno
-    for text, number in DISK_TEXTS.items():
-      if text in str(link):
-        return number
-  return None
+  """The errno of a file system's failure somewhere in ``error``'s chain, or None
+  (:func:`simigrad_jax.checkpoint.disk_errno`: imported when called, as JAX is)."""
+  from simigrad_jax import checkpoint  # pylint: disable=import-outside-toplevel
+
+  return checkpoint.disk_errno(error)
 
 
 def _file_of(error: BaseException, workdir: pathlib.Path | None) -> str | None:
@@ -124,20 +110,45 @@ def one_line(error: BaseException, workdir: pathlib.Path | None, *, step: int | 
     cause, fix = DISK_ERRORS[number]
     where = _file_of(error, workdir)
     saved = last_checkpoint(workdir)
+    step = _emergency_attribute(error, "emergency_step", step)
+    rescued = _emergency_attribute(error, "emergency_checkpoint", None)
     if saved is None:
-      kept = "no checkpoint was saved yet: the steps trained are lost"
+      kept = "no checkpoint was saved before"
+      lost = f"the steps trained (1-{step}) are lost" if step else "the steps trained are lost"
     else:
+      kept = f"the last good checkpoint is step {saved} in {workdir / 'checkpoints' / str(saved)}"
       again = f" (steps {saved + 1}-{step})" if step is not None and step > saved else ""
-      kept = (
-        f"the last good checkpoint is step {saved} in {workdir / 'checkpoints' / str(saved)}; "
-        f"a resume trains the steps after it again{again}"
-      )
+      lost = f"a resume trains the steps after it again{again}"
+    if rescued is not None:
+      kept += f"; step {step} was saved in an emergency checkpoint, {rescued}, so nothing is lost"
+      lost = _resume_from(pathlib.Path(rescued), workdir)
+    elif _emergency_attribute(error, "emergency_step", None) is not None:
+      why = _emergency_attribute(error, "emergency_why", "")
+      lost = f"no emergency checkpoint of step {step} ({clean(why)[:200]}): {lost}"
+    kept = f"{kept}; {lost}"
     return clean(
       f"simigrad: {cause}: {type(error).__name__} writing {where!r}"
       f"{'' if where else ' (file unknown)'}; {kept}. Fix: {fix}, then run the same command "
       f"to resume"
     )
   return clean(f"simigrad: {_message(error)}")
+
+
+def _emergency_attribute(error: BaseException, name: str, default):
+  """An attribute that :func:`simigrad_jax.checkpoint.emergency.save_after` set in the chain."""
+  for link in _chain(error):
+    if hasattr(link, name):
+      return getattr(link, name)
+  return default
+
+
+def _resume_from(folder: pathlib.Path, workdir: pathlib.Path | None) -> str:
+  """How a resume takes the emergency checkpoint in ``folder``."""
+  emergency = None if workdir is None else workdir / "emergency"
+  if emergency is not None and folder.parent == emergency:
+    return "the same command resumes from it"
+  into = emergency or "<workdir>/emergency"
+  return f"to resume from it: mkdir -p {into} && mv {folder} {into}/, then the same command"
 
 
 def _message(error: BaseException) -> str:

@@ -467,7 +467,11 @@ def train_and_evaluate(
       except BaseException as error:
         if made and not _holds_a_run(held.path):
           shutil.rmtree(held.path, ignore_errors=True)  # a refused start leaves nothing behind
-        elif jax.process_index() == 0 and not isinstance(error, simigrad_jax.Preempted):
+        elif (
+          jax.process_index() == 0
+          and isinstance(error, Exception)  # (not a stop on a signal before training)
+          and not isinstance(error, simigrad_jax.Preempted)
+        ):
           with contextlib.suppress(AttributeError):  # where __main__ says the traceback is
             error.failure_log = failures.log_failure(held.path, error)  # type: ignore[attr-defined]
         raise

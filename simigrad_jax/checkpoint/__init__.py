@@ -5,6 +5,9 @@ Documented API:
     damaged checkpoint is detected, moved aside and the one before it restored.
   missing_steps: the steps of a run whose records its metrics file lost
     (metrics_recovery restores what the TensorBoard events hold on resume).
+  disk_errno, error_chain: the errno of a file system's failure in an error's
+    chain (a full disk, a read-only folder; ``emergency`` saves the run's last
+    whole step elsewhere on one), and that chain.
   Errors: CheckpointMismatchError (a checkpoint made by a run with other
     settings, or of another model), CheckpointSaveError (another process's
     background save failed, so every process stops).
@@ -12,7 +15,8 @@ Documented API:
 Modules: ``checkpointer``, ``integrity`` (what a checkpoint carries to be
 verified), ``run_record`` (what a run is, recorded in every checkpoint) and
 ``run_checkpoints`` (a training run's checkpoints and its resume) and
-``metrics_recovery`` (``metrics.jsonl`` read back on resume, whatever damage it took).
+``metrics_recovery`` (``metrics.jsonl`` read back on resume, whatever damage it took)
+and ``emergency`` (a save its disk stopped: the last whole step saved elsewhere).
 
 Example:
   >>> from simigrad_jax import checkpoint
@@ -22,6 +26,8 @@ Example:
 
 from simigrad_jax.checkpoint.checkpointer import Checkpointer
 from simigrad_jax.checkpoint.checkpointer import CheckpointMismatchError
+from simigrad_jax.checkpoint.emergency import chain as error_chain
+from simigrad_jax.checkpoint.emergency import disk_errno
 from simigrad_jax.checkpoint.metrics_recovery import missing_steps
 from simigrad_jax.checkpoint.run_checkpoints import CheckpointSaveError
 
@@ -29,5 +35,7 @@ __all__ = [
   "CheckpointMismatchError",
   "CheckpointSaveError",
   "Checkpointer",
+  "disk_errno",
+  "error_chain",
   "missing_steps",
 ]

@@ -263,6 +263,10 @@ class Checkpointer:
     integrity.check_checksums(payload, restored, step)
     return restored, payload["host"]
 
+  def reload(self) -> None:
+    """Reads the directory's checkpoints again (after one was moved in from elsewhere)."""
+    self._manager.reload()
+
   def wait(self, timeout: float | None = None) -> bool:
     """Waits until a background save has finished; returns whether it has.
 

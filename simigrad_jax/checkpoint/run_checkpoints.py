@@ -25,6 +25,7 @@ import os
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
+from simigrad_jax.checkpoint import emergency
 from simigrad_jax.checkpoint import resume_checks
 from simigrad_jax.checkpoint import run_record
 from simigrad_jax.checkpoint.checkpointer import Checkpointer
@@ -105,6 +106,9 @@ class RunCheckpoints:
   def resume(self, like: Any, sampler: Any, controller: Any) -> Resumed | None:
     """Restores the newest readable checkpoint into ``sampler`` and ``controller``.
 
+    An emergency checkpoint newer than the newest in the directory is moved
+    there first (:func:`simigrad_jax.checkpoint.emergency.adopt`).
+
     Args:
       like: the train state whose structure, shapes and shardings the arrays
         are restored to (with :attr:`allow_changed_settings`, the source of
@@ -123,6 +127,9 @@ class RunCheckpoints:
         differences, and nothing is changed.
     """
     checkpointer = self.checkpointer
+    if self._agreement.num_processes == 1:  # (only one process saves one)
+      if emergency.adopt(checkpointer.directory, checkpointer.latest_step()) is not None:
+        checkpointer.reload()
     if checkpointer.latest_step() is None:
       return None
     directory = checkpointer.directory
@@ -208,19 +215,29 @@ class RunCheckpoints:
     if self.checkpointer.latest_step() == step:
       return
     self.wait(f"checkpoint of step {step}")
-    host = {
-      "step": step,
-      "seed": self.seed,
-      "controller": controller.state_dict(),
-      "sampler": sampler.state_dict(),
-      "nonfinite_steps": nonfinite_steps,
-    }
-    if self.record is not None:
-      host.update(run=self.record, run_changes=self.changes)
-    if compiled_programs is not None:
-      host["compiled_programs"] = dict(compiled_programs)
+    host = _host_state(
+      self,
+      step,
+      sampler=sampler,
+      controller=controller,
+      nonfinite_steps=nonfinite_steps,
+      compiled_programs=compiled_programs,
+    )
     self.checkpointer.save(step, state, host)
     self._last_saved = step
+
+  def save_elsewhere(self, error: BaseException, step: int, state: Any, **saved_with: Any) -> None:
+    """After ``error``, a save its disk stopped: the checkpoint of ``step`` saved elsewhere.
+
+    One process only (several save together), a step not saved yet, in
+    ``<workdir>/emergency/`` or ``$TMPDIR`` (:func:`simigrad_jax.checkpoint.
+    emergency.save_after`, which records on ``error`` where it went). The
+    other arguments are :meth:`save`'s; ``state`` None: not a whole step's (the
+    next was under way), nothing is saved and ``error`` says so.
+    """
+    if self._agreement.num_processes == 1 and step > (self.checkpointer.latest_step() or 0):
+      host = _host_state(self, step, **saved_with)
+      emergency.save_after(error, self.checkpointer.directory, step, state, host)
 
   def failed_save(self) -> str | None:
     """``"ErrorType: message"`` (short) when this process's last save failed in the background,
@@ -289,3 +306,27 @@ class RunCheckpoints:
     """
     if not self._agreement.lost_processes():
       self.checkpointer.close()
+
+
+def _host_state(
+  checkpoints: RunCheckpoints,
+  step: int,
+  *,
+  sampler: Any,
+  controller: Any,
+  nonfinite_steps: int,
+  compiled_programs: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+  """What a checkpoint of ``step`` holds beside the arrays (JSON)."""
+  host = {
+    "step": step,
+    "seed": checkpoints.seed,
+    "controller": controller.state_dict(),
+    "sampler": sampler.state_dict(),
+    "nonfinite_steps": nonfinite_steps,
+  }
+  if checkpoints.record is not None:
+    host.update(run=checkpoints.record, run_changes=checkpoints.changes)
+  if compiled_programs is not None:
+    host["compiled_programs"] = dict(compiled_programs)
+  return host

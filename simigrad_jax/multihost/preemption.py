@@ -34,6 +34,25 @@ logger = logging.getLogger("simigrad_jax")
 
 SIGNALS: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGINT)
 
+# Whether a StopSignals was entered in this process: a training loop has taken over the signals.
+_entered = threading.Event()
+
+
+def training_started() -> bool:
+  """Whether a training loop of this process has taken over SIGTERM and SIGINT (:class:`StopSignals`).
+
+  A script's own early handler reads it: before, a signal can end the start
+  at once (no step was done, nothing to save); after, the loop has saved its
+  checkpoint or is finishing, and the signal needs no action.
+
+  Example:
+    >>> with StopSignals():
+    ...   pass
+    >>> training_started()
+    True
+  """
+  return _entered.is_set()
+
 
 class Preempted(SimiGradError, RuntimeError):
   """``Trainer.train`` stopped on SIGTERM or SIGINT, after saving the checkpoint of its last step.
@@ -62,10 +81,13 @@ class Preempted(SimiGradError, RuntimeError):
   def __init__(self, signal_name: str, step: int, checkpoint: str, summary: dict[str, Any]):
     self.signal = signal.Signals[signal_name]
     self.step, self.checkpoint, self.summary = step, checkpoint, summary
-    super().__init__(
-      f"training stopped by {signal_name} after step {step}; its checkpoint is "
-      f"saved in {checkpoint}: run the same command again to resume from it"
-    )
+    if step == 0:  # stopped while its first step's program compiled
+      saved = "no step was done, nothing to save: run the same command again to start"
+    else:
+      saved = (
+        f"its checkpoint is saved in {checkpoint}: run the same command again to resume from it"
+      )
+    super().__init__(f"training stopped by {signal_name} after step {step}; {saved}")
 
   @property
   def exit_code(self) -> int:
@@ -100,6 +122,7 @@ class StopSignals:
   def __enter__(self) -> StopSignals:
     self.received = None
     if threading.current_thread() is threading.main_thread():
+      _entered.set()
       for signum in SIGNALS:
         if signal.getsignal(signum) is not signal.SIG_IGN:
           self._previous[signum] = signal.signal(signum, self._on_signal)

@@ -277,8 +277,11 @@ class MetricsWriter:
       raise RuntimeError(f"MetricsWriter for {self._path} is closed")
     if self._file is None:  # not enabled
       return
-    self._file.write(line)
-    self._file.flush()
+    try:
+      self._file.write(line)
+      self._file.flush()
+    except OSError as error:  # (a full disk's flush names no file: this error does)
+      raise OSError(error.errno, error.strerror, str(self._path)) from error
     if self._tensorboard is not None:
       # One Summary holding every scalar of the record: a tenth of the cost of one
       # add_scalar call per key, and the same events for TensorBoard's readers.

@@ -48,6 +48,7 @@ class StepAgreement:
   ):
     self._agreement, self._programs, self._checkpoints = agreement, programs, checkpoints
     self._checkpoint, self._stop = checkpoint, stop
+    self._failed_saves: list[str | None] = []  # agreed, raised once the step's records are out
 
   def agree(self, step: int, decision: dict[str, Any]) -> float:
     """Makes every process hold ``decision`` of ``step`` and act on every report alike.
@@ -61,7 +62,6 @@ class StepAgreement:
 
     Raises:
       ProcessDisagreementError: the processes decided differently.
-      Exception: a process's background checkpoint save failed (its error).
     """
     start = time.perf_counter()
     compiled = self._programs.compiled_report()
@@ -74,7 +74,20 @@ class StepAgreement:
     if compiled is not None:
       self._programs.agree_on_compiles([r["compiled"] for r in reports])
     agreed = preemption.Agreed.read(reports)
-    self._checkpoints.stop_on_failed_saves(agreed.failed_saves, step)
+    self._failed_saves = agreed.failed_saves
     self._checkpoint.save_on_time(step, agreed.seconds_since_checkpoint)
     self._stop.agreed = agreed.stop
     return time.perf_counter() - start
+
+  def raise_failed_saves(self, step: int) -> None:
+    """Stops every process alike when a background save failed, as agreed at ``step``'s agreement.
+
+    Called once the step's records are written (or handed to the hooks that
+    write them), so that the run's last whole step, which an emergency save
+    keeps, has its records too.
+
+    Raises:
+      Exception: a process's background checkpoint save failed (its error).
+    """
+    failed, self._failed_saves = self._failed_saves, []
+    self._checkpoints.stop_on_failed_saves(failed, step)

@@ -119,17 +119,14 @@ class StepLoop:
     self.controller, self.layout, self.sampler = controller, layout, sampler
     self._programs, self._data, self._inputs = programs, data, inputs
     self._checkpoints, self._processes = checkpoints, agreement
-    self.state, self.step, self.nonfinite_steps = (
-      resumed.state,
-      resumed.step,
-      resumed.nonfinite_steps,
-    )
+    self.state, self.step, self.nonfinite_steps = resumed[:3]
     self.checkpoint = CheckpointHook(
       self.save_checkpoint, config.checkpoint_every_steps, config.checkpoint_every_seconds
     )
     self.stop = preemption.RunStop()
     self._agreement = StepAgreement(agreement, programs, checkpoints, self.checkpoint, self.stop)
     self._programs_run: set[tuple[str, int]] = set()  # the programs a step of this loop ran
+    self._taken_at = -1  # the step whose rows the sampler last gave (the state is whole after it)
     # A setting, read once: a schedule's config lists all its thresholds (a replay's, one a step).
     self._similarity_target = controller_interface.similarity_target(controller)
     self._bounds = controller_interface.batch_size_bounds(controller)
@@ -152,23 +149,28 @@ class StepLoop:
         if self.step > first_step:
           self.save_checkpoint()
         self._checkpoints.wait(f"end of the run at step {self.step}")
-      except jax.errors.JaxRuntimeError as error:
-        # Multi-host: a collective that lost a peer fails with an error that names no process.
-        self._processes.roll_call(f"step {self.step + 1}", error)
+      except Exception as error:
+        if isinstance(error, jax.errors.JaxRuntimeError):
+          # Multi-host: a collective that lost a peer fails with an error that names no process.
+          self._processes.roll_call(f"step {self.step + 1}", error)
+        state = self.state if self._taken_at < self.step else None  # (None: a step under way)
+        self._checkpoints.save_elsewhere(error, self.step, state, **self._saved_with())  # a disk's
         raise
       finally:
         self._programs.set_interrupt(None)
 
   def save_checkpoint(self) -> None:
     """Saves the current state as the checkpoint of the current step (once per step)."""
-    self._checkpoints.save(
-      self.step,
-      self.state,
-      sampler=self.sampler,
-      controller=self.controller,
-      nonfinite_steps=self.nonfinite_steps,
-      compiled_programs=self._programs.compiled_programs(),
-    )
+    self._checkpoints.save(self.step, self.state, **self._saved_with())
+
+  def _saved_with(self) -> dict[str, Any]:
+    """What a checkpoint holds beside the state and the step."""
+    return {
+      "sampler": self.sampler,
+      "controller": self.controller,
+      "nonfinite_steps": self.nonfinite_steps,
+      "compiled_programs": self._programs.compiled_programs(),
+    }
 
   def run_steps(self, hooks: Sequence[StepHook], total_examples: float, max_steps: float) -> None:
     """The step loop, until the run's end (``total_examples``, ``max_steps``) or an agreed stop.
@@ -201,6 +203,7 @@ class StepLoop:
         # 2. Take the rows, placed ahead while the last step ran.
         rows, data_seconds = self._data.take(plan, self.sampler.examples_seen, self.step)
         epoch = self.sampler.epoch
+        self._taken_at = self.step
         self.sampler.take(plan.global_batch_size)
         # 3. Run. The host's critical path ends at the program's call.
         inputs = self._inputs.on_devices(plan.global_batch_size)
@@ -282,6 +285,7 @@ class StepLoop:
           self._run_hooks(later, record)
         else:
           pending = record
+        self._agreement.raise_failed_saves(self.step)  # (the records are out: pending's, finally)
     finally:
       if pending is not None:
         self._run_hooks(later, pending)

@@ -177,7 +177,7 @@ def test_a_second_signal_ends_the_process_at_once(compile_cache, tmp_path):
   sent = time.monotonic()
   driver.signal(signal.SIGINT)
   assert driver.returncode() == -signal.SIGINT
-  assert time.monotonic() - sent < 10  # not after the minute of the save
+  assert time.monotonic() - sent < 30  # not after the minute of the save (loose: CI is loaded)
   assert saving["step"] not in finished_checkpoints(workdir) and not _preempted(workdir)
 
 

@@ -147,7 +147,7 @@ def test_sigterm_while_a_step_waits_for_a_slow_compile_exits_0_within_seconds(tm
   print(f"signal to exit: {seconds:.2f} s; {out.split()!r:.1000} (sent at {sent_at:.2f})")
   output = "".join(lines) + out
   assert process.returncode == 0, output
-  assert seconds < 10, output
+  assert seconds < 60, output  # about 1 s idle; a loaded CI machine took 13.7 s once
   stopped = int(output.split("preempted ")[1].split()[0])
   assert stopped >= 1
   assert (tmp_path / "w" / "checkpoints" / str(stopped)).is_dir(), output
