@@ -16,16 +16,23 @@ axis with ``Auto`` axes (``nn.Conv`` under ``Explicit`` axes fails in JAX):
   ``value_and_half_grads`` passed as ``half_grads``), against ``pmap_plain``
   (``lax.pmean`` of the gradient).
 
+Every step starts from the same parameters (the NNX model takes the linen
+model's) and the same examples, dealt to the devices
+(``simigrad_jax.data.deal_to_devices``) for the device splits, so that every
+step compares the batch's even- and odd-numbered examples: the similarity
+each measured in its first step is recorded and agrees between the steps.
+
 Each device count runs in its own process (the simulated devices are fixed
 when JAX starts). Per row: ``paired_time_ratio``, the median over rounds of
 the SimiGrad step's time over its plain step's timed just before or after
-(the order alternates every round), and ``temp_ratio``, the ratio of
-``compiled.memory_analysis().temp_size_in_bytes``.
+(the order alternates every round), ``temp_ratio``, the ratio of
+``compiled.memory_analysis().temp_size_in_bytes``, and ``similarity``.
 
 Usage::
 
   python benchmarks/halves_steps.py           # benchmarks/results/halves.json
-  python benchmarks/halves_steps.py --quick   # small: halves_quick.json
+  python benchmarks/halves_steps.py --quick   # tiny models: halves_quick.json
+  python benchmarks/halves_steps.py --markdown benchmarks/results/halves.json  # docs/own_step.md's table
 """
 
 from __future__ import annotations
@@ -43,13 +50,33 @@ import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
-from collections.abc import Sequence  # noqa: E402
-from typing import Any  # noqa: E402
+from collections.abc import (
+  Callable,  # noqa: E402
+  Sequence,  # noqa: E402
+)
+from typing import (
+  Any,  # noqa: E402
+  NamedTuple,  # noqa: E402
+)
 
 from benchmarks import common  # noqa: E402
 
-FULL = {"batch": 256, "rounds": 15, "devices": (1, 8)}
-QUICK = {"batch": 32, "rounds": 2, "devices": (1, 8)}
+FULL = {
+  "batch": 256,
+  "rounds": 15,
+  "devices": (1, 8),
+  "widths": (1024, 1024),
+  "channels": (16, 32, 32),
+  "image": 28,
+}
+QUICK = {
+  "batch": 32,
+  "rounds": 2,
+  "devices": (1, 8),
+  "widths": (32, 32),
+  "channels": (4, 8),
+  "image": 8,
+}
 MODELS = ("mlp", "cnn")
 # Each SimiGrad step, by name, and the plain step it is compared with.
 BASELINES = {
@@ -58,10 +85,33 @@ BASELINES = {
   "nnx": "nnx_plain",
   "pmap": "pmap_plain",
 }
+# The docs' column of each SimiGrad step (docs/own_step.md's table: markdown_table).
+COLUMNS = {
+  "two_pass": "`value_and_half_grads`",
+  "nnx": "`nnx_value_and_half_grads`",
+  "device_halves": "`device_halves_step`",
+  "pmap": 'pmap, `transform("batch")`',
+}
+MODEL_NAMES = {"mlp": "MLP", "cnn": "CNN"}
 
 
-def _steps(model_name: str, batch_size: int, num_devices: int) -> dict[str, tuple[Any, tuple]]:
-  """name -> (compiled step, its arguments), every step of one model on this process's devices."""
+class _Step(NamedTuple):
+  """A compiled step, its arguments, and how to read its similarity from its outputs."""
+
+  compiled: Any
+  args: tuple
+  similarity: Callable[[Any], float] | None  # None: a plain step, which measures none.
+
+
+def _steps(model_name: str, batch_size: int, num_devices: int, sizes: dict) -> dict[str, _Step]:
+  """name -> :class:`_Step`, every step of one model on this process's devices.
+
+  Every step starts from the same parameters (the NNX model takes the linen
+  model's) and the same examples; the device splits (``device_halves`` and
+  ``pmap`` on several devices) take them dealt to the devices
+  (``deal_to_devices``), so that every step compares the batch's even- and
+  odd-numbered examples and measures the same similarity.
+  """
   import flax.linen as nn  # pylint: disable=import-outside-toplevel
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
@@ -74,15 +124,17 @@ def _steps(model_name: str, batch_size: int, num_devices: int) -> dict[str, tupl
 
   import simigrad_jax  # pylint: disable=import-outside-toplevel
 
+  widths, channels, image = tuple(sizes["widths"]), tuple(sizes["channels"]), sizes["image"]
+
   class LinenNet(nn.Module):
     @nn.compact
     def __call__(self, x):
       if model_name == "mlp":
         x = x.reshape(x.shape[0], -1)
-        for width in (1024, 1024):
+        for width in widths:
           x = nn.relu(nn.Dense(width)(x))
       else:
-        for width in (16, 32, 32):
+        for width in channels:
           x = nn.relu(nn.Conv(width, (3, 3))(x))
         x = jnp.mean(x, axis=(1, 2))
       return nn.Dense(10)(x)
@@ -90,12 +142,13 @@ def _steps(model_name: str, batch_size: int, num_devices: int) -> dict[str, tupl
   class NnxNet(nnx.Module):
     def __init__(self, rngs: nnx.Rngs):
       if model_name == "mlp":
-        self.layers = nnx.List(
-          [nnx.Linear(a, b, rngs=rngs) for a, b in ((784, 1024), (1024, 1024), (1024, 10))]
-        )
+        ins = (image * image, *widths)
+        layers = [nnx.Linear(a, b, rngs=rngs) for a, b in zip(ins, (*widths, 10), strict=True)]
       else:
-        convs = [nnx.Conv(a, b, (3, 3), rngs=rngs) for a, b in ((1, 16), (16, 32), (32, 32))]
-        self.layers = nnx.List([*convs, nnx.Linear(32, 10, rngs=rngs)])
+        ins = (1, *channels)
+        layers = [nnx.Conv(a, b, (3, 3), rngs=rngs) for a, b in zip(ins, channels, strict=False)]
+        layers.append(nnx.Linear(channels[-1], 10, rngs=rngs))
+      self.layers = nnx.List(layers)
 
     def __call__(self, x):
       if model_name == "mlp":
@@ -108,15 +161,16 @@ def _steps(model_name: str, batch_size: int, num_devices: int) -> dict[str, tupl
 
   rng = np.random.default_rng(0)
   host = {
-    "x": rng.normal(size=(batch_size, 28, 28, 1)).astype(np.float32),
+    "x": rng.normal(size=(batch_size, image, image, 1)).astype(np.float32),
     "y": rng.integers(0, 10, size=batch_size).astype(np.int32),
   }
+  dealt = simigrad_jax.data.deal_to_devices(host, num_devices)
   mesh = jax.make_mesh((num_devices,), ("data",), axis_types=(AxisType.Auto,))
-  batch = jax.device_put(host, NamedSharding(mesh, P("data")))
+  rows = NamedSharding(mesh, P("data"))
+  batch = jax.device_put(host, rows)
   net = LinenNet()
-  params = jax.device_put(
-    net.init(jax.random.key(0), host["x"][:1])["params"], NamedSharding(mesh, P())
-  )
+  host_params = net.init(jax.random.key(0), host["x"][:1])["params"]
+  params = jax.device_put(host_params, NamedSharding(mesh, P()))
 
   def loss(p, b):
     logits = net.apply({"params": p}, b["x"])
@@ -124,6 +178,7 @@ def _steps(model_name: str, batch_size: int, num_devices: int) -> dict[str, tupl
 
   sgd = optax.sgd(0.1)
   simigrad = optax.chain(simigrad_jax.transform(), optax.sgd(0.1))
+  of_state = lambda outputs: simigrad_jax.similarity(outputs[1])
 
   def plain(p, s, b):
     value, grads = jax.value_and_grad(loss)(p, b)
@@ -135,20 +190,25 @@ def _steps(model_name: str, batch_size: int, num_devices: int) -> dict[str, tupl
     updates, s = simigrad.update(grads, s, p, half_grads=halves)
     return optax.apply_updates(p, updates), s, value
 
-  out: dict[str, tuple[Any, tuple]] = {}
+  out: dict[str, _Step] = {}
   with jax.set_mesh(mesh):
-    for name, fn, opt in (("plain", plain, sgd), ("two_pass", two_pass, simigrad)):
+    for name, fn, opt, read in (
+      ("plain", plain, sgd, None),
+      ("two_pass", two_pass, simigrad, of_state),
+    ):
       args = (params, opt.init(params), batch)
-      out[name] = (jax.jit(fn).lower(*args).compile(), args)
+      out[name] = _Step(jax.jit(fn).lower(*args).compile(), args, read)
     if num_devices % 2 == 0:
       devices_opt = optax.chain(simigrad_jax.transform("data"), optax.sgd(0.1))
-      args = (params, devices_opt.init(params), batch)
+      args = (params, devices_opt.init(params), jax.device_put(dealt, rows))
       step = jax.jit(simigrad_jax.device_halves_step(loss, devices_opt))
-      out["device_halves"] = (step.lower(*args).compile(), args)
+      out["device_halves"] = _Step(step.lower(*args).compile(), args, of_state)
 
     # NNX: pure functions of the split states, so that they compile ahead like the others.
-    with jax.set_mesh(mesh):
-      model = NnxNet(nnx.Rngs(0))
+    model = NnxNet(nnx.Rngs(0))
+    for layer, name in zip(model.layers, sorted(host_params), strict=True):
+      layer.kernel.value = jnp.asarray(host_params[name]["kernel"])
+      layer.bias.value = jnp.asarray(host_params[name]["bias"])
     nnx_loss = lambda m, b: jnp.mean(
       optax.softmax_cross_entropy_with_integer_labels(m(b["x"]), b["y"])
     )
@@ -166,14 +226,16 @@ def _steps(model_name: str, batch_size: int, num_devices: int) -> dict[str, tupl
           o.update(m, grads)
         return nnx.state((m, o)), value
 
-      args = (jax.device_put(state, NamedSharding(mesh, P())), batch)
-      out[name] = (jax.jit(nnx_step).lower(*args).compile(), args)
+      def of_nnx(outputs, graphdef=graphdef):
+        return simigrad_jax.similarity(nnx.merge(graphdef, outputs[0])[1].opt_state)
 
-  # pmap: each device's rows, its own leading axis.
+      args = (jax.device_put(state, NamedSharding(mesh, P())), batch)
+      out[name] = _Step(jax.jit(nnx_step).lower(*args).compile(), args, of_nnx if halves else None)
+
+  # pmap: each device's rows (on several devices, the dealt batch's), its own leading axis.
   stacked = lambda tree: jax.tree.map(lambda a: np.stack([np.asarray(a)] * num_devices), tree)
-  local = jax.tree.map(lambda a: a.reshape(num_devices, -1, *a.shape[1:]), host)
+  local = jax.tree.map(lambda a: a.reshape(num_devices, -1, *a.shape[1:]), dealt)
   pmap_opt = optax.chain(simigrad_jax.transform("batch"), optax.sgd(0.1))
-  host_params = jax.device_get(params)
 
   def pmap_plain(p, s, b):
     value, grads = jax.value_and_grad(loss)(p, b)
@@ -189,22 +251,28 @@ def _steps(model_name: str, batch_size: int, num_devices: int) -> dict[str, tupl
       updates, s = pmap_opt.update(grads, s, p)
     return optax.apply_updates(p, updates), s, jax.lax.pmean(value, "batch")
 
-  for name, fn, opt in (("pmap_plain", pmap_plain, sgd), ("pmap", pmap_simigrad, pmap_opt)):
+  for name, fn, opt, read in (
+    ("pmap_plain", pmap_plain, sgd, None),
+    ("pmap", pmap_simigrad, pmap_opt, of_state),
+  ):
     args = (stacked(host_params), stacked(opt.init(host_params)), local)
     args = tuple(jax.pmap(lambda *a: a)(*args))  # on the devices once, as a loop holds them
-    out[name] = (jax.pmap(fn, axis_name="batch").lower(*args).compile(), args)
+    out[name] = _Step(jax.pmap(fn, axis_name="batch").lower(*args).compile(), args, read)
   return out
 
 
-def _measure(steps: dict[str, tuple[Any, tuple]], rounds: int) -> dict[str, dict[str, Any]]:
+def _measure(steps: dict[str, _Step], rounds: int) -> dict[str, dict[str, Any]]:
   """Times every SimiGrad step paired with its plain step, in alternating order."""
   import jax  # pylint: disable=import-outside-toplevel
 
-  for compiled, args in steps.values():
-    jax.block_until_ready(compiled(*args))
+  similarity = {}
+  for name, step in steps.items():
+    outputs = jax.block_until_ready(step.compiled(*step.args))
+    if step.similarity is not None:
+      similarity[name] = float(step.similarity(outputs))
 
   def run(name: str) -> float:
-    compiled, args = steps[name]
+    compiled, args, _ = steps[name]
     start = time.perf_counter()
     jax.block_until_ready(compiled(*args))
     return time.perf_counter() - start
@@ -222,8 +290,8 @@ def _measure(steps: dict[str, tuple[Any, tuple]], rounds: int) -> dict[str, dict
       ratios.append(s / b)
       own.append(s)
       plain.append(b)
-    temp = steps[name][0].memory_analysis().temp_size_in_bytes
-    base_temp = steps[base][0].memory_analysis().temp_size_in_bytes
+    temp = steps[name].compiled.memory_analysis().temp_size_in_bytes
+    base_temp = steps[base].compiled.memory_analysis().temp_size_in_bytes
     rows[name] = {
       "baseline": base,
       "paired_time_ratio": statistics.median(ratios),
@@ -232,35 +300,130 @@ def _measure(steps: dict[str, tuple[Any, tuple]], rounds: int) -> dict[str, dict
       "temp_bytes": int(temp),
       "plain_temp_bytes": int(base_temp),
       "temp_ratio": temp / base_temp if base_temp else None,
+      "similarity": similarity[name],
     }
   return rows
 
 
 def _child(args: argparse.Namespace) -> None:
   common.configure_host_devices(args.child)
+  sizes = {key: getattr(args, key) for key in ("widths", "channels", "image")}
   results = {}
-  for model in MODELS:
-    steps = _steps(model, args.batch, args.child)
+  for model in args.models:
+    steps = _steps(model, args.batch, args.child, sizes)
     results[model] = _measure(steps, args.rounds)
     print(f"{args.child} device(s), {model}: done", flush=True)
   with open(args.out, "w") as f:
     json.dump({"rows": results, "device": common.device_record()}, f)
 
 
+def met_goal(row: dict[str, Any]) -> bool:
+  """Whether a row is within the goal: at most 1.10x the time and 1.25x the temp memory."""
+  temp = row["temp_ratio"]
+  return row["paired_time_ratio"] <= 1.10 and temp is not None and temp <= 1.25
+
+
 def _format_table(results: dict[str, Any]) -> str:
-  header = f"{'devices':>7}  {'model':<5} {'step':<14}{'vs':<11}{'time':>8}{'temp':>8}  goal"
+  header = (
+    f"{'devices':>7}  {'model':<5} {'step':<14}{'vs':<11}{'time':>8}{'temp':>8}"
+    f"{'similarity':>12}  goal"
+  )
   lines = [header, "-" * len(header)]
   for devices, by_model in results["devices"].items():
     for model, rows in by_model["rows"].items():
       for name, row in rows.items():
-        temp = row["temp_ratio"]
-        met = row["paired_time_ratio"] <= 1.10 and temp is not None and temp <= 1.25
         lines.append(
           f"{devices:>7}  {model:<5} {name:<14}{row['baseline']:<11}"
-          f"{row['paired_time_ratio']:>7.2f}x{(temp or float('nan')):>7.2f}x  "
-          f"{'met' if met else 'missed'}"
+          f"{row['paired_time_ratio']:>7.2f}x{(row['temp_ratio'] or float('nan')):>7.2f}x"
+          f"{row.get('similarity', float('nan')):>12.6f}  {'met' if met_goal(row) else 'missed'}"
         )
   return "\n".join(lines)
+
+
+def markdown_table(results: dict[str, Any]) -> str:
+  """docs/own_step.md's table: per device count and model, each step's time and temp / plain.
+
+  Args:
+    results: the JSON :func:`main` writes.
+
+  Returns:
+    The markdown table, one row per device count and model, one column per
+    SimiGrad step (``-`` where a step does not run: the device split on one
+    device), each cell ``time / plain, temp memory / plain``.
+  """
+  lines = [
+    "| devices | model | " + " | ".join(COLUMNS.values()) + " |",
+    "|---|---|" + "---|" * len(COLUMNS),
+  ]
+  for devices, by_model in results["devices"].items():
+    for model, rows in by_model["rows"].items():
+      cells = [
+        f"{rows[name]['paired_time_ratio']:.2f}x, {rows[name]['temp_ratio']:.2f}x"
+        if name in rows
+        else "-"
+        for name in COLUMNS
+      ]
+      lines.append(f"| {devices} | {MODEL_NAMES[model]} | " + " | ".join(cells) + " |")
+  return "\n".join(lines)
+
+
+def _sizes(text: str) -> tuple[int, ...]:
+  """A comma-separated list of positive layer sizes (``--widths``, ``--channels``)."""
+  try:
+    sizes = tuple(int(part) for part in text.split(","))
+  except ValueError:
+    sizes = ()
+  if not sizes or min(sizes) <= 0:
+    raise argparse.ArgumentTypeError(
+      f"expected positive integers separated by commas, e.g. 32,32; got {text!r}"
+    )
+  return sizes
+
+
+def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--quick", action="store_true", help=f"tiny models, for tests: {QUICK}")
+  parser.add_argument("--rounds", type=int, default=None, help="paired timed rounds per step")
+  parser.add_argument("--batch", type=int, default=None, help="global batch size")
+  parser.add_argument("--widths", type=_sizes, default=None, help="the MLP's hidden widths")
+  parser.add_argument("--channels", type=_sizes, default=None, help="the CNN's conv channels")
+  parser.add_argument(
+    "--models",
+    type=lambda text: tuple(text.split(",")),
+    default=MODELS,
+    help=f"which models, comma-separated (default {','.join(MODELS)})",
+  )
+  parser.add_argument("--image", type=int, default=None, help="image side (pixels)")
+  parser.add_argument(
+    "--markdown", default=None, help="print the docs table of this JSON, and stop"
+  )
+  parser.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
+  common.add_out_flag(parser, "halves")
+  args = parser.parse_args(argv)
+  preset = QUICK if args.quick else FULL
+  common.apply_preset(args, preset, ("rounds", "batch", "widths", "channels", "image"))
+  args.devices = preset["devices"]
+  unknown = sorted(set(args.models) - set(MODELS))
+  if unknown or not args.models:
+    parser.error(f"--models {','.join(args.models)}: expected some of {', '.join(MODELS)}")
+  if args.child is None:
+    args.out = common.out_path(args.out, "halves", args.quick)
+  if args.batch <= 0 or args.batch % (2 * max(args.devices)):
+    parser.error(
+      f"--batch {args.batch}: every device needs an even number of rows, so the batch must be "
+      f"a positive multiple of {2 * max(args.devices)}"
+    )
+  return args
+
+
+def _child_env() -> dict[str, str]:
+  """This environment for a child that simulates its own device count (none inherited)."""
+  env = {**os.environ, "PYTHONPATH": common.REPOSITORY_ROOT}
+  flags = env.get("XLA_FLAGS", "").split()
+  kept = [flag for flag in flags if not flag.startswith("--xla_force_host_platform_device_count")]
+  env["XLA_FLAGS"] = " ".join(kept)
+  env.pop("PJRT_NPROC", None)  # sized for the inherited count
+  return env
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
@@ -271,33 +434,37 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
   Returns:
     ``{"devices": {"1" | "8": {"rows": {model: {step: {"paired_time_ratio",
-    "temp_ratio", ...}}}, "device": {...}}}, "batch", "rounds", ...}``.
+    "temp_ratio", "similarity", ...}}}, "device": {...}}}, "batch", "rounds",
+    "sizes"}``, or ``{}`` with ``--markdown``.
   """
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--quick", action="store_true", help=f"small: {QUICK}")
-  parser.add_argument("--rounds", type=int, default=None, help="paired timed rounds per step")
-  parser.add_argument("--batch", type=int, default=None, help="global batch size")
-  parser.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
-  common.add_out_flag(parser, "halves")
-  args = parser.parse_args(argv)
-  preset = QUICK if args.quick else FULL
-  common.apply_preset(args, preset, ("rounds", "batch"))
+  args = _parse_args(argv)
+  if args.markdown:
+    with open(args.markdown, encoding="utf-8") as f:
+      print(markdown_table(json.load(f)))
+    return {}
   if args.child is not None:
     _child(args)
     return {}
-  out = common.out_path(args.out, "halves", args.quick)
-  results: dict[str, Any] = {"devices": {}, "batch": args.batch, "rounds": args.rounds}
+  sizes = {"widths": list(args.widths), "channels": list(args.channels), "image": args.image}
+  results: dict[str, Any] = {
+    "devices": {},
+    "batch": args.batch,
+    "rounds": args.rounds,
+    "sizes": sizes,
+  }
   script = os.path.abspath(__file__)
   with tempfile.TemporaryDirectory() as folder:
-    for count in preset["devices"]:
+    for count in args.devices:
       part = os.path.join(folder, f"{count}.json")
-      command = [sys.executable, script, "--child", str(count), "--out", part]
+      command = [sys.executable, script, "--child", str(count), f"--out={part}"]
       command += ["--rounds", str(args.rounds), "--batch", str(args.batch)]
-      env = {**os.environ, "PYTHONPATH": common.REPOSITORY_ROOT}
-      subprocess.run(command, check=True, env=env)
+      command += ["--image", str(args.image), "--models", ",".join(args.models)]
+      command += ["--widths", ",".join(map(str, args.widths))]
+      command += ["--channels", ",".join(map(str, args.channels))]
+      subprocess.run(command, check=True, env=_child_env())
       with open(part) as f:
         results["devices"][str(count)] = json.load(f)
-  return common.report(results, _format_table(results), out)
+  return common.report(results, _format_table(results), args.out)
 
 
 if __name__ == "__main__":

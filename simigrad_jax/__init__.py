@@ -46,7 +46,8 @@ The rooms, each documenting its API in its ``__init__``:
     ...), simigrad_jax.checkpoint (Checkpointer), simigrad_jax.compile
     (StepCompiler, enable_persistent_cache, persistent_cache_settings),
     simigrad_jax.multihost (the processes' agreement, the workdir's lock),
-    simigrad_jax.trainer (MetricsWriter, ProgressBar, ...).
+    simigrad_jax.trainer (MetricsWriter, ProgressBar, ...), simigrad_jax.cluster_time
+    (training time against cluster size and bandwidth).
 Names and module paths of 0.1.0 that moved (``simigrad_jax.plan_batch``,
 ``simigrad_jax.engine.trainer``) still resolve until 0.3, with a
 DeprecationWarning that names the new place (simigrad_jax.moved).

@@ -14,6 +14,8 @@ Each error is imported from the room that raises it (the room's
   and ``simigrad_jax.ingraph.LossContractError`` (``ValueError``): a transform
   not named for its step's axis, half gradients not passed on to it, a loss
   function that breaks the Trainer's contract.
+* ``simigrad_jax.flax_nnx.NNXStateError`` (``ValueError``): an NNX loss that
+  changes a stream it reaches from outside the gradient.
 * ``simigrad_jax.data.BadRecordError`` (``ValueError``): a record that cannot
   be read or decoded.
 * ``simigrad_jax.files.UnsafePathError`` (``ValueError``): a folder other

@@ -15,6 +15,7 @@ function is called, not with the package.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -22,8 +23,16 @@ import jax
 import jax.numpy as jnp
 
 from simigrad_jax import optimizer_state
+from simigrad_jax.errors import SimiGradError
 from simigrad_jax.ingraph import half_batch
 from simigrad_jax.ingraph.transform import HalfGrads
+
+__all__ = [
+  "NNXStateError",
+  "SECOND_HALF_STREAM",
+  "nnx_value_and_half_grads",
+  "set_nnx_lr_factor",
+]
 
 # The second half's dropout (and every other random stream) draws from each stream's key
 # folded with this number; the first half, and the model after the step, keep the key.
@@ -38,6 +47,80 @@ def _flax_nnx() -> Any:
       "simigrad_jax's NNX helpers need flax: pip install 'simigrad-jax[train]' (or flax)"
     ) from error
   return nnx
+
+
+class NNXStateError(SimiGradError, ValueError):
+  """A loss changed NNX state from outside the gradient: a stream or variable it was not given."""
+
+
+# The supported pattern, as flax's own examples write it: every layer owns its random stream.
+_OWN_STREAMS_FIX = (
+  "    self.dropout = nnx.Dropout(0.25, rngs=rngs)  # in __init__: the layer owns its stream\n"
+  "    x = self.dropout(x)                           # in __call__: no rngs argument\n"
+  "    grad_fn(model, batch)                         # in the step: no nnx.Rngs from outside"
+)
+
+# The attribute an nnx.Rngs passed to the gradient function is lent to the model under, for
+# one call, so that it travels with the model's own streams (its own key for each half).
+_LENT = "_simigrad_lent_streams"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Lent:
+  """Where an argument lent to the model was: a static placeholder, the stream's position."""
+
+  position: int
+
+
+jax.tree_util.register_static(_Lent)
+
+
+def _taking_lent_streams(loss_fn: Callable[..., Any]) -> Callable[..., Any]:
+  """``loss_fn`` given back its ``nnx.Rngs`` arguments, and flax's TraceContextError explained."""
+  from flax import errors  # pylint: disable=import-outside-toplevel
+
+  def loss(model, batch, *args):
+    if any(isinstance(a, _Lent) for a in args):
+      lent = getattr(model, _LENT)
+      args = tuple(lent[a.position] if isinstance(a, _Lent) else a for a in args)
+    try:
+      return loss_fn(model, batch, *args)
+    except errors.TraceContextError as error:
+      raise NNXStateError(
+        "nnx_value_and_half_grads runs the loss inside jax.grad, on a copy of the model, and "
+        f"the loss changed an NNX object that is neither the model's nor an argument ({error}). "
+        "An nnx.Rngs passed as an argument, grad_fn(model, batch, rngs), works; one the loss "
+        "reaches otherwise (a closure, a global) does not. Or let each layer own its stream:\n"
+        + _OWN_STREAMS_FIX
+      ) from error
+
+  return loss
+
+
+def _lending_streams(nnx: Any, grad_fn: Callable[..., Any]) -> Callable[..., Any]:
+  """``grad_fn`` with its ``nnx.Rngs`` arguments lent to the model for the call.
+
+  Passed as they are, they would be changed inside ``jax.grad`` (each call
+  of a stream counts), which NNX refuses with a ``TraceContextError``. Lent to
+  the model, they are split and merged with the model's own streams: each
+  half draws from its own key, and the streams' counts move on after the step.
+  """
+
+  def call(model, batch, *args):
+    streams = [a for a in args if isinstance(a, (nnx.Rngs, nnx.RngStream))]
+    if not streams or not isinstance(model, nnx.Module) or hasattr(model, _LENT):
+      return grad_fn(model, batch, *args)
+    positions = iter(range(len(streams)))
+    placed = tuple(
+      _Lent(next(positions)) if isinstance(a, (nnx.Rngs, nnx.RngStream)) else a for a in args
+    )
+    setattr(model, _LENT, nnx.data(streams))
+    try:
+      return grad_fn(model, batch, *placed)
+    finally:
+      delattr(model, _LENT)
+
+  return call
 
 
 def _average_halves(first: jax.Array, second: jax.Array) -> jax.Array:
@@ -62,14 +145,19 @@ def nnx_value_and_half_grads(
   two halves' batch statistics; the others (the random streams' counts) to
   the first half's. Each half draws its own random numbers: the second half
   from every stream's key folded with :data:`SECOND_HALF_STREAM`, so the two
-  halves' dropout masks differ. The model's layers draw from the streams
-  they were built with (``nnx.Dropout(rate, rngs=rngs)``); an ``nnx.Rngs``
-  passed in ``*args`` would be changed inside ``jax.grad``, which NNX refuses.
+  halves' dropout masks differ. The layers may draw from the streams they
+  were built with (``nnx.Dropout(rate, rngs=rngs)``) or, as flax's MNIST
+  tutorial writes it, from an ``nnx.Rngs`` passed in ``*args`` to the model's
+  ``__call__``: such an argument is lent to the model for the call, so that
+  it draws like the model's own streams (a key for each half) and moves on
+  after the step. A stream the loss reaches otherwise (a closure) cannot be
+  changed inside ``jax.grad``: :class:`NNXStateError` names the fix.
 
   Args:
     loss_fn: ``loss_fn(model, batch, *args)`` returning a scalar loss that is
       a mean over the examples of ``batch`` (or ``(loss, aux)`` with
-      ``has_aux``), with the model in training mode.
+      ``has_aux``), with the model in training mode; ``args`` may hold
+      ``nnx.Rngs`` (or ``nnx.RngStream``) objects.
     has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
 
   Returns:
@@ -97,6 +185,7 @@ def nnx_value_and_half_grads(
     True
   """
   nnx = _flax_nnx()
+  loss_fn = _taking_lent_streams(loss_fn)
   checked_loss = half_batch.checked_scalar_loss(loss_fn, has_aux, "nnx_value_and_half_grads")
 
   def pure_loss(params, batch, keys, rest, graphdef, *args):
@@ -132,7 +221,9 @@ def nnx_value_and_half_grads(
     value = (loss, jax.tree.map(lambda a, b: jnp.stack([a, b]), aux_a, aux_b)) if has_aux else loss
     return value, grads, HalfGrads(first, second)
 
-  return wrapped
+  return half_batch.explaining_explicit_axes(
+    _lending_streams(nnx, wrapped), "nnx_value_and_half_grads"
+  )
 
 
 def set_nnx_lr_factor(optimizer: Any, factor: float) -> None:

@@ -109,9 +109,38 @@ def similarity(opt_state: Any) -> float:
   return float(value) if measured else math.nan
 
 
+# How an nnx.Optimizer's state is set in place, for the fields the setters here write.
+_NNX_SETTERS = {
+  "lr_factor": "simigrad_jax.set_nnx_lr_factor(optimizer, factor)",
+  "coupled_batch_size": (
+    "nnx.update(optimizer.opt_state, nnx.state(simigrad_jax.set_coupled_batch_size("
+    "nnx.as_pure(optimizer.opt_state), batch_size)))"
+  ),
+}
+
+
+def _refuse_nnx_variable(old: Any, name: str) -> None:
+  """Raises when ``old`` is a Flax NNX variable: the state is an ``nnx.Optimizer``'s.
+
+  A new state built from it would hold plain arrays where the optimizer's
+  variables were, and the next ``optimizer.update`` fails far from here
+  ("Cannot set key ... on immutable node"); the NNX setter changes the
+  variables in place.
+  """
+  if isinstance(old, (jax.Array, np.ndarray, np.generic, int, float)):
+    return
+  if type(old).__module__.startswith("flax."):
+    raise ValueError(
+      f"this optimizer state holds Flax NNX variables ({type(old).__name__}: an "
+      f"nnx.Optimizer's opt_state), which a new state of arrays cannot replace; set its "
+      f"{name} in place with {_NNX_SETTERS[name]}"
+    )
+
+
 def _with_scalar(opt_state: Any, old: Any, name: str, value: float) -> Any:
   """``opt_state`` with the field ``name`` (now ``old``) set to ``value``, keeping its dtype,
   shape and placement."""
+  _refuse_nnx_variable(old, name)
   new_value: np.ndarray | jax.Array = np.full(
     np.shape(old), value, dtype=np.asarray(_first_copy(old)).dtype
   )
@@ -129,7 +158,9 @@ def set_lr_factor(opt_state: Any, factor: float) -> Any:
   so a jitted, pmapped or shard_mapped step runs with it without recompiling.
 
   Args:
-    opt_state: an optimizer state containing one :class:`LrFactorState`.
+    opt_state: an optimizer state containing one :class:`LrFactorState`, of
+      arrays (an ``nnx.Optimizer``'s state, of NNX variables, is refused:
+      :func:`simigrad_jax.set_nnx_lr_factor` sets it in place).
     factor: the new factor, finite and > 0 (e.g. from :func:`lr_factor`).
 
   Returns:

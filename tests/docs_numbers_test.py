@@ -1,11 +1,12 @@
 """The figures the docs quote from the committed results: each is the JSON's in benchmarks/results/.
 
-docs/results.md's tables are generated from the JSON (``--markdown``) and
-must equal what the benchmark prints for it today; its prose and
-docs/controllers.md quote single figures from the same files, and each such
-figure is rebuilt here from the JSON and looked up in the page (docs/trainer.md and
-docs/training_scripts.md quote the fault suite's counts from faults.json). A figure
-that changes in the JSON fails here until the page says it too.
+docs/results.md's tables and docs/own_step.md's table of the SimiGrad steps'
+costs are generated from the JSON (``--markdown``) and must equal what the
+benchmark prints for it today; results.md's prose and docs/controllers.md,
+own_step.md, design.md and nnx.md quote single figures from the same files,
+and each such figure is rebuilt here from the JSON and looked up in the page.
+docs/trainer.md and docs/training_scripts.md quote the fault suite's counts from
+faults.json. A figure that changes in the JSON fails here until the page says it too.
 """
 
 import json
@@ -13,6 +14,7 @@ import pathlib
 
 import pytest
 
+from benchmarks import halves_steps
 from benchmarks import pareto_lm_report
 from benchmarks import pareto_report
 
@@ -225,6 +227,55 @@ def _controllers_phrases() -> list[str]:
   return [f"{late['avg_batch_size']:.0f} against {reference['avg_batch_size']:.0f} ([results]"]
 
 
+def _halves(devices: str, model: str, step: str) -> dict:
+  return _result("halves")["devices"][devices]["rows"][model][step]
+
+
+def _times(row: dict) -> str:
+  """A row's paired time ratio as the docs write it, e.g. ``0.90x``."""
+  return f"{row['paired_time_ratio']:.2f}x"
+
+
+def _memory(row: dict) -> str:
+  """A row's temporary-memory ratio as the docs write it, e.g. ``0.38x``."""
+  return f"{row['temp_ratio']:.2f}x"
+
+
+def _own_step_phrases() -> list[str]:
+  mlp, cnn = _halves("1", "mlp", "two_pass"), _halves("1", "cnn", "two_pass")
+  pmap_one, pmap_eight = _halves("1", "mlp", "pmap"), _halves("8", "mlp", "pmap")
+  return [
+    f"Every step measured the same similarity ({mlp['similarity']:.6f} for the MLP, "
+    f"{cnn['similarity']:.6f} for the CNN)",
+    f"{_times(pmap_eight)} in this one",
+    f"**One device, MLP, memory ({_memory(mlp)}; pmap {_memory(pmap_one)}).**",
+    f"against {mlp['plain_temp_bytes'] / 1e6:.1f} MB of the plain step's temporaries",
+    f"**One device, MLP, time ({_times(mlp)} two-pass, {_times(pmap_one)} pmap; NNX "
+    f"{_times(_halves('1', 'mlp', 'nnx'))}).**",
+    f"**Eight devices, pmap ({_times(pmap_eight)} in this run).**",
+    f"its memory is the plain step's ({_memory(pmap_eight)})",
+  ]
+
+
+def _design_halves_phrases() -> list[str]:
+  mlp, cnn = _halves("8", "mlp", "two_pass"), _halves("8", "cnn", "two_pass")
+  return [
+    f"MLP's two-pass step then took {_times(mlp)} the plain step's time and {_memory(mlp)} its "
+    f"temporary memory, the CNN's {_times(cnn)} and {_memory(cnn)}"
+  ]
+
+
+def _nnx_phrases() -> list[str]:
+  row = lambda devices, model: _halves(devices, model, "nnx")
+  mlp8, cnn8, cnn1, mlp1 = row("8", "mlp"), row("8", "cnn"), row("1", "cnn"), row("1", "mlp")
+  return [
+    f"on 8 simulated devices {_times(mlp8)} the time and {_memory(mlp8)} the temporary memory "
+    f"for an MLP, {_times(cnn8)} and {_memory(cnn8)} for a small CNN; on one device the CNN "
+    f"takes {_times(cnn1)} and {_memory(cnn1)}, and the MLP {_times(mlp1)} the time but "
+    f"{_memory(mlp1)} the memory"
+  ]
+
+
 def _fault_phrases() -> list[str]:
   """The fault suite's counts (tests/reliability/reliability_operator_faults_test.py's table)."""
   faults = _result("faults")
@@ -261,9 +312,23 @@ def _fault_kinds_phrases() -> list[str]:
     ("results.md", _mlm_phrases),
     ("results.md", _lm_phrases),
     ("controllers.md", _controllers_phrases),
+    ("own_step.md", _own_step_phrases),
+    ("design.md", _design_halves_phrases),
+    ("nnx.md", _nnx_phrases),
   ],
-  ids=["faults", "faults_scripts", "mnist", "mnist_variants", "digits", "mlm", "causal_lm"]
-  + ["controllers"],
+  ids=[
+    "faults",
+    "faults_scripts",
+    "mnist",
+    "mnist_variants",
+    "digits",
+    "mlm",
+    "causal_lm",
+    "controllers",
+    "own_step_halves",
+    "design_halves",
+    "nnx_halves",
+  ],
 )
 def test_the_page_quotes_the_json(page, phrases):
   text = _flat(_page(page))
@@ -279,20 +344,21 @@ def test_the_one_step_late_table_is_the_json():
 
 
 @pytest.mark.parametrize(
-  "name, render, script, what",
+  "page, name, render, script, what",
   [
-    ("pareto_mnist", pareto_report.markdown_tables, "pareto.py", "tables"),
-    ("pareto_mlm", pareto_report.markdown_tables, "pareto.py", "tables"),
-    ("pareto_lm", pareto_lm_report.markdown, "pareto_lm.py", "table"),
+    ("results.md", "pareto_mnist", pareto_report.markdown_tables, "pareto.py", "tables"),
+    ("results.md", "pareto_mlm", pareto_report.markdown_tables, "pareto.py", "tables"),
+    ("results.md", "pareto_lm", pareto_lm_report.markdown, "pareto_lm.py", "table"),
+    ("own_step.md", "halves", halves_steps.markdown_table, "halves_steps.py", "table"),
   ],
 )
-def test_the_generated_tables_are_the_json(name, render, script, what):
-  page = _page("results.md")
+def test_the_generated_tables_are_the_json(page, name, render, script, what):
+  text = _page(page)
   command = f"python benchmarks/{script} --markdown benchmarks/results/{name}.json"
   start, end = f"<!-- {name} {what}: {command} -->\n", f"\n<!-- end {name} {what} -->"
-  assert start in page and end in page, f"docs/results.md lost the markers of {name}'s {what}"
-  block = page[page.index(start) + len(start) : page.index(end)]
+  assert start in text and end in text, f"docs/{page} lost the markers of {name}'s {what}"
+  block = text[text.index(start) + len(start) : text.index(end)]
   assert block == render(_result(name)), (
-    f"docs/results.md's {name} {what} differ from benchmarks/results/{name}.json; "
+    f"docs/{page}'s {name} {what} differ from benchmarks/results/{name}.json; "
     f"regenerate them with {command}"
   )

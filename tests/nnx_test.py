@@ -175,6 +175,116 @@ def test_the_learning_rate_factor_reaches_the_update(digits):
     simigrad_jax.set_nnx_lr_factor(optimizer.opt_state, 2.0)
 
 
+class TutorialCNN(nnx.Module):
+  """The flax MNIST tutorial's model shape, with its ``rngs`` passed to ``__call__``.
+
+  Two convolutions with BatchNorm, Dropout built without a stream (it takes
+  the one the call gives), average pooling and two dense layers.
+  """
+
+  def __init__(self, *, rngs: nnx.Rngs):
+    self.conv1 = nnx.Conv(1, 8, kernel_size=(3, 3), rngs=rngs)
+    self.batch_norm1 = nnx.BatchNorm(8, rngs=rngs)
+    self.dropout1 = nnx.Dropout(rate=0.025)
+    self.conv2 = nnx.Conv(8, 16, kernel_size=(3, 3), rngs=rngs)
+    self.batch_norm2 = nnx.BatchNorm(16, rngs=rngs)
+    self.avg_pool = functools.partial(nnx.avg_pool, window_shape=(2, 2), strides=(2, 2))
+    self.linear1 = nnx.Linear(4 * 4 * 16, 32, rngs=rngs)
+    self.dropout2 = nnx.Dropout(rate=0.25)
+    self.linear2 = nnx.Linear(32, 10, rngs=rngs)
+
+  def __call__(self, x, rngs: nnx.Rngs | None = None):
+    x = self.dropout1(nnx.relu(self.batch_norm1(self.conv1(x))), rngs=rngs)
+    x = self.avg_pool(nnx.relu(self.batch_norm2(self.conv2(x))))
+    x = self.dropout2(nnx.relu(self.linear1(x.reshape(x.shape[0], -1))), rngs=rngs)
+    return self.linear2(x)
+
+
+def tutorial_loss(model: TutorialCNN, batch, rngs: nnx.Rngs):
+  logits = model(batch["image"], rngs)
+  loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
+  return loss, logits
+
+
+@nnx.jit
+def tutorial_step(model, optimizer, rngs, batch):
+  """The tutorial's step with SimiGrad: an nnx.Rngs, or a key wrapped into one here."""
+  if not isinstance(rngs, nnx.Rngs):
+    rngs = nnx.Rngs(dropout=rngs)
+  grad_fn = simigrad_jax.nnx_value_and_half_grads(tutorial_loss, has_aux=True)
+  (loss, _), grads, halves = grad_fn(model, batch, rngs)
+  optimizer.update(model, grads, half_grads=halves)
+  return loss
+
+
+@pytest.mark.parametrize("given", ["rngs", "key"])
+def test_the_tutorial_model_with_rngs_passed_to_call_trains(digits, given):
+  train, _ = digits
+  model = TutorialCNN(rngs=nnx.Rngs(0))
+  optimizer = make_optimizer(model)
+  rngs = nnx.Rngs(dropout=7) if given == "rngs" else jax.random.key(7)
+  model.train()
+  losses = [float(tutorial_step(model, optimizer, rngs, batch_at(train, i % 4))) for i in range(12)]
+  assert np.mean(losses[-4:]) < np.mean(losses[:4])
+  assert -1 <= simigrad_jax.similarity(optimizer.opt_state) <= 1
+  if given == "rngs":  # the stream moved on, once a dropout layer a step: new masks each step
+    assert int(rngs.dropout.count[...]) == 2 * 12
+  assert not hasattr(model, flax_nnx._LENT)  # the stream was lent for the call only
+
+
+def test_an_rngs_argument_gives_each_half_its_own_mask():
+  model = TutorialCNN(rngs=nnx.Rngs(0))
+
+  def masks(model, batch, rngs):
+    return jnp.mean(batch["x"]) * model.linear2.bias[...].sum(), model.dropout2(
+      jnp.ones((4, 32)), rngs=rngs
+    )
+
+  @nnx.jit
+  def draw(model, batch, rngs):
+    grad_fn = simigrad_jax.nnx_value_and_half_grads(masks, has_aux=True)
+    (_, kept), _, _ = grad_fn(model, batch, rngs)
+    return kept
+
+  rngs = nnx.Rngs(dropout=3)
+  first = np.asarray(draw(model, {"x": jnp.ones((4, 1))}, rngs))
+  second = np.asarray(draw(model, {"x": jnp.ones((4, 1))}, rngs))
+  assert 0.1 < (first == 0).mean() < 0.4  # rate 0.25
+  assert not np.array_equal(first[0] == 0, first[1] == 0)  # the halves' masks differ
+  assert not np.array_equal(first, second)  # and the stream moves on between steps
+
+
+def test_a_stream_the_loss_reaches_from_outside_is_refused_with_the_fix(digits):
+  train, _ = digits
+  model = TutorialCNN(rngs=nnx.Rngs(0))
+  outside = nnx.Rngs(dropout=1)
+
+  @nnx.jit
+  def step(model, batch):
+    grad_fn = simigrad_jax.nnx_value_and_half_grads(
+      lambda model, batch: tutorial_loss(model, batch, outside), has_aux=True
+    )
+    return grad_fn(model, batch)[0][0]
+
+  model.train()
+  with pytest.raises(flax_nnx.NNXStateError) as refused:
+    step(model, batch_at(train, 0))
+  message = str(refused.value)
+  assert "grad_fn(model, batch, rngs), works" in message
+  assert "nnx.Dropout(0.25, rngs=rngs)" in message and "x = self.dropout(x)" in message
+  assert isinstance(refused.value, simigrad_jax.SimiGradError)
+
+
+def test_set_lr_factor_on_an_nnx_optimizers_state_names_set_nnx_lr_factor():
+  model = CNN(rngs=nnx.Rngs(0))
+  optimizer = make_optimizer(model)
+  with pytest.raises(ValueError, match=r"NNX variables .*set_nnx_lr_factor\(optimizer, factor\)"):
+    simigrad_jax.set_lr_factor(optimizer.opt_state, 2.0)
+  assert simigrad_jax.lr_factor_of(optimizer.opt_state) == 1.0  # nothing changed
+  simigrad_jax.set_nnx_lr_factor(optimizer, 2.0)  # the named fix works
+  assert simigrad_jax.lr_factor_of(optimizer.opt_state) == 2.0
+
+
 def test_a_pytree_of_parameters_is_refused_naming_the_other_function():
   grad_fn = simigrad_jax.nnx_value_and_half_grads(lambda p, x: jnp.mean(x @ p["w"]))
   with pytest.raises(

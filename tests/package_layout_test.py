@@ -53,6 +53,7 @@ FLOORS = {
   "trainer": 4,
   "plot": 5,
   "replay": 5,
+  "cluster_time": 5,
   "moved": 5,
   "__init__": 6,
 }

@@ -170,6 +170,7 @@ def summarize(
     "first_run_steps": run.get("first_run_steps"),
     "first_run_seconds": run.get("first_run_seconds"),
     "padding_fraction": run.get("padding_fraction"),
+    **_own_shape_padding(steps[len(steps) - run["run_steps"] :] if run["run_steps"] else []),
     "nonfinite_steps": len(nonfinite),
     "first_nonfinite_step": (
       {"step": nonfinite[0]["step"], "batch_size": nonfinite[0]["batch_size"]}
@@ -183,6 +184,38 @@ def summarize(
     "tensorboard": str(pathlib.Path(workdir) / "tensorboard"),
     "checkpoints": str(pathlib.Path(workdir) / "checkpoints"),
   }
+
+
+def _own_shape_padding(records: list[dict[str, Any]]) -> dict[str, Any]:
+  """The padding of the steps that ran their own shape, apart from the fallback steps'.
+
+  A step whose shape is still compiling runs on a larger compiled one, padded
+  with zero-weight rows; how many do depends on how fast the compiles run, so
+  on how busy the machine is. The steps on their own shape pad only to the
+  grid's next size.
+  """
+  own = [r for r in records if not r.get("compile_fallback")]
+  rows = sum(r["batch_size"] + r.get("padded_examples", 0) for r in own)
+  return {
+    "own_shape_steps": len(own),
+    "own_shape_padding_fraction": (
+      sum(r.get("padded_examples", 0) for r in own) / rows if rows else math.nan
+    ),
+  }
+
+
+def _padding_row(summary: dict[str, Any]) -> str:
+  """The padding line: the share of the rows computed, and where it came from."""
+  text = f"{summary['padding_fraction']:.1%} of the rows computed (this run's steps)"
+  fallback = summary["compile_fallback_steps"]
+  own = summary.get("own_shape_padding_fraction")
+  if not fallback or not isinstance(own, float) or not math.isfinite(own):
+    return text
+  return (
+    f"{text}: {own:.1%} on the {summary['own_shape_steps']} steps that ran their own shape, "
+    f"the rest on the {fallback} that ran a larger compiled shape while theirs compiled "
+    "(more of them on a busy machine)"
+  )
 
 
 def token_counts(summary: dict[str, Any], run: dict[str, Any], datasets: Any) -> dict[str, Any]:
@@ -288,7 +321,7 @@ def print_summary(summary: dict[str, Any]) -> None:
       else []
     ),
     *(
-      [("padding", f"{summary['padding_fraction']:.1%} of the rows computed (this run's steps)")]
+      [("padding", _padding_row(summary))]
       if isinstance(summary.get("padding_fraction"), float)
       and math.isfinite(summary["padding_fraction"])
       else []

@@ -83,6 +83,65 @@ def named_decision(
   return clamped, decision
 
 
+# A similarity a little outside [-1, 1] is float rounding (a cosine computed in float32);
+# further out it is not a similarity at all.
+_SIMILARITY_ROUNDING = 1e-5
+
+
+def check_similarity(similarity: Any) -> float:
+  """``similarity`` as a float: a real scalar in [-1, 1], or NaN or infinite for an unmeasured step.
+
+  Python, NumPy and 0-d JAX scalars are accepted; a value within float
+  rounding of the range (1e-5) is clipped into it.
+
+  Raises:
+    ValueError: a string, None, a bool, an array with more than one element,
+      or a finite number outside [-1, 1], named with what is valid.
+
+  Example:
+    >>> check_similarity(0.25), check_similarity(1.000001)
+    (0.25, 1.0)
+  """
+  value = None if isinstance(similarity, str) else validation.as_float(similarity)
+  if value is None or validation.is_bool(similarity):
+    shape = getattr(similarity, "shape", None)
+    what = f"an array of shape {tuple(shape)}" if shape is not None else repr(similarity)
+    raise ValueError(
+      "update(similarity) takes the cosine similarity of the two half-batch gradients, a real "
+      f"scalar in [-1, 1] (NaN for a step without a measurement), got {what} "
+      f"({type(similarity).__name__}); read it with simigrad_jax.similarity(opt_state)"
+    )
+  if math.isfinite(value) and not -1 - _SIMILARITY_ROUNDING <= value <= 1 + _SIMILARITY_ROUNDING:
+    raise ValueError(
+      f"update(similarity) takes a cosine similarity, in [-1, 1] (NaN for a step without a "
+      f"measurement), got {value!r}; read it with simigrad_jax.similarity(opt_state)"
+    )
+  return min(max(value, -1.0), 1.0) if math.isfinite(value) else value
+
+
+def check_stats(stats: Any) -> Mapping[str, Any] | None:
+  """``stats`` if it is None or a mapping (the step's measurements by name), else a ValueError."""
+  if stats is not None and not isinstance(stats, Mapping):
+    raise ValueError(
+      "update(similarity, stats=...) takes the step's measurements as a mapping of names to "
+      f"values (e.g. simigrad_jax.similarity_stats(opt_state)) or None, got "
+      f"{type(stats).__name__}"
+    )
+  return stats
+
+
+def unmeasured_but_finite(similarity: float, stats: Mapping[str, Any] | None) -> bool:
+  """True for a step without a similarity (NaN) whose ``stats`` say its gradients were finite.
+
+  A half whose mean gradient is exactly zero has no direction, so the
+  transform measures no similarity; the gradients themselves were finite.
+  Without ``stats`` a NaN similarity cannot be told apart from a non-finite
+  gradient, and counts as non-finite.
+  """
+  said_finite = stats is not None and validation.is_bool(stats.get("grads_finite"))
+  return math.isnan(similarity) and said_finite and bool(stats["grads_finite"])  # type: ignore[index]
+
+
 def step_is_finite(similarity: float, stats: Mapping[str, Any] | None) -> bool:
   """False for a non-finite similarity or a step whose ``stats`` say ``grads_finite`` is False."""
   bad_step = (
@@ -198,8 +257,10 @@ class BaseController(Rule, SavedState):
   saved states (default: the class name); ``REQUIRED_STATS`` lists the keys
   of ``stats`` that :meth:`update` needs (checked before anything changes).
 
-  Each :meth:`update` counts the step, calls :meth:`observe`, and then holds
-  the size on a non-finite step (decision ``"nonfinite"``) or during the first
+  Each :meth:`update` checks its arguments, counts the step, calls
+  :meth:`observe`, and then holds the size on a non-finite step (decision
+  ``"nonfinite"``), on a step without a measurement whose gradients were
+  finite (``"unmeasured"``) or during the first
   ``warmup_steps`` updates (``"warmup"``); otherwise it calls :meth:`decide`,
   clamps the size to the bounds and names the decision (``"grow"``,
   ``"shrink"``, ``"hold"``, or ``"clamped"`` when the bounds changed it).
@@ -299,11 +360,15 @@ class BaseController(Rule, SavedState):
     Call once after every optimizer step. A non-finite similarity, or a step
     whose ``stats`` say ``grads_finite`` is False, keeps the size and is
     counted in :attr:`nonfinite_count` (a controller may count more steps as
-    non-finite, see :meth:`observe`).
+    non-finite, see :meth:`observe`). A NaN similarity whose ``stats`` say
+    ``grads_finite`` is True (a half whose mean gradient is exactly zero, so
+    no similarity was measured) keeps the size too, with the decision
+    ``"unmeasured"``, and is not counted as non-finite.
 
     Args:
-      similarity: the cosine similarity of the two half-batch gradients
-        (anything ``float()`` accepts: Python, NumPy or 0-d JAX scalars).
+      similarity: the cosine similarity of the two half-batch gradients, a
+        real scalar in [-1, 1] (Python, NumPy or 0-d JAX), NaN for a step
+        without a measurement; anything else raises a ValueError.
       stats: the step's measurements as :class:`simigrad_jax.Trainer` passes
         them (``loss``, ``norm_a``, ``norm_b``, ``norm_mean``, ``batch_size``,
         ``examples_seen``, ``epochs``, ``epoch_end``, ``grads_finite``);
@@ -312,17 +377,21 @@ class BaseController(Rule, SavedState):
     Returns:
       The batch size for the next step (also :attr:`batch_size`).
     """
+    s = check_similarity(similarity)
+    stats = check_stats(stats)
     if self.REQUIRED_STATS:
       require_stats(self.KIND, stats, self.REQUIRED_STATS)
-    s = float(similarity)
     self._step += 1
     self._last_similarity = s
     before = self._batch_size
     finite = step_is_finite(s, stats)
     counted = self.observe(s, stats, finite)
     if not (finite if counted is None else counted):
-      self._nonfinite += 1
-      decision = "nonfinite"
+      if unmeasured_but_finite(s, stats):
+        decision = "unmeasured"
+      else:
+        self._nonfinite += 1
+        decision = "nonfinite"
     elif self._step <= self._warmup:
       decision = "warmup"
     else:

@@ -26,7 +26,9 @@ import numpy as np
 from simigrad_jax import files
 from simigrad_jax import validation
 from simigrad_jax.controllers import interface
+from simigrad_jax.controllers.base import check_similarity
 from simigrad_jax.controllers.base import step_is_finite
+from simigrad_jax.controllers.base import unmeasured_but_finite
 from simigrad_jax.controllers.interface import BatchSizeController
 from simigrad_jax.controllers.interface import ProfilesBatchSizes
 from simigrad_jax.controllers.state import STATE_VERSION
@@ -357,7 +359,7 @@ class ProfilingController(ControllerWrapper, ProfileMethods):
 
   @property
   def last_decision(self) -> str | None:
-    """``"profile"`` or ``"nonfinite"`` during a profile, else the wrapped controller's."""
+    """``"profile"``, ``"nonfinite"`` or ``"unmeasured"`` during a profile, else the wrapped one's."""
     return self._last_decision
 
   def update(self, similarity: float, stats: Mapping[str, Any] | None = None) -> int:
@@ -375,7 +377,7 @@ class ProfilingController(ControllerWrapper, ProfileMethods):
     self._inner.set_batch_size(ran)
     self._inner.update(similarity, stats=stats)
     self._step += 1
-    s = float(similarity)
+    s = check_similarity(similarity)
     if step_is_finite(s, stats):
       self._current = self._profile.record(ran, s, self._step)
       if not self._profile.active:
@@ -383,7 +385,7 @@ class ProfilingController(ControllerWrapper, ProfileMethods):
         self._current = None
       self._last_decision = "profile"
     else:
-      self._last_decision = "nonfinite"
+      self._last_decision = "unmeasured" if unmeasured_but_finite(s, stats) else "nonfinite"
     return self.batch_size
 
   def set_batch_size(self, batch_size: int) -> None:

@@ -22,8 +22,9 @@ from simigrad_jax import validation
 # One version for every controller's saved state (and for saved profiles).
 STATE_VERSION = 1
 # Why an update kept or moved the size: "grow", "shrink" and "hold" by the direction of the
-# rule's size, "clamped" when the bounds changed it, "warmup" and "nonfinite" when the rule did
-# not run; "disabled" and "profile" are SimiGrad's (adjustment off; visiting profiled sizes).
+# rule's size, "clamped" when the bounds changed it, "warmup", "nonfinite" and "unmeasured" (no
+# similarity, gradients finite) when the rule did not run; "disabled" and "profile" are
+# SimiGrad's (adjustment off; visiting profiled sizes).
 DECISIONS: tuple[str, ...] = (
   "grow",
   "shrink",
@@ -33,6 +34,7 @@ DECISIONS: tuple[str, ...] = (
   "disabled",
   "profile",
   "nonfinite",
+  "unmeasured",
 )
 
 

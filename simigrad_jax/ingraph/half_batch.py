@@ -230,6 +230,45 @@ def checked_scalar_loss(
   return checked
 
 
+def explaining_explicit_axes(grad_fn: Callable[..., Any], caller: str) -> Callable[..., Any]:
+  """``grad_fn``, with JAX's refusal of an operation on Explicit mesh axes explained.
+
+  ``jax.make_mesh`` makes Explicit axes by default; there an operation
+  without a sharding rule for its operands (a convolution: ``nn.Conv``,
+  ``nnx.Conv``, whose gradient fails the same way in a plain ``jax.grad``
+  step) raises JAX's ``ShardingTypeError`` asking for an ``out_sharding``,
+  which does not say what to change in a training step. This raises a
+  ValueError that does; every other error is raised as it is.
+  """
+
+  def call(*args: Any, **kwargs: Any) -> Any:
+    try:
+      return grad_fn(*args, **kwargs)
+    except Exception as error:
+      if type(error).__name__ != "ShardingTypeError":  # JAX's class is not public
+        raise
+      mesh = jax.sharding.get_abstract_mesh()
+      explicit = [
+        name
+        for name, kind in zip(mesh.axis_names, mesh.axis_types, strict=True)
+        if kind == jax.sharding.AxisType.Explicit
+      ]
+      if not explicit:
+        raise
+      raise ValueError(
+        f"simigrad_jax.{caller} on a mesh with Explicit axes {explicit}: "
+        f"{str(error).splitlines()[0]}. jax.make_mesh makes Explicit axes by default, where "
+        "an operation without a sharding rule, such as a convolution (nn.Conv, nnx.Conv), "
+        "fails (a plain jax.grad step too). Either make the mesh with Auto axes, "
+        "jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(names)), or run the "
+        f"model's forward pass under Auto axes, jax.sharding.auto_axes(apply, "
+        f"out_sharding=P({explicit[0]!r})) (docs/own_step.md, Explicit mesh axes); "
+        "simigrad_jax.device_halves_step needs neither"
+      ) from error
+
+  return call
+
+
 def _describe(value: Any) -> str:
   if isinstance(value, (tuple, list)):
     return f"a {type(value).__name__} of {len(value)} values"
@@ -317,4 +356,4 @@ def value_and_half_grads(
       value = jnp.mean(jnp.stack([value_a, value_b]))
     return value, mean_grads, HalfGrads(first, second)
 
-  return wrapped
+  return explaining_explicit_axes(wrapped, "value_and_half_grads")

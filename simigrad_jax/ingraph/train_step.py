@@ -99,7 +99,11 @@ def checked_loss_fn(loss_fn: PerExampleLossFn, model_state: Any) -> PerExampleLo
     out = loss_fn(params, state, batch, weights, rng)
     if not isinstance(out, (tuple, list)) or len(out) != 2:
       raise LossContractError(
-        f"loss_fn must return (per_example_losses, new_model_state), got {type(out).__name__}"
+        "loss_fn(params, model_state, batch, weights, rng) must return the pair "
+        f"(per_example_losses, new_model_state), got {_describe_returned(out)}; "
+        f"return one loss per row, shape {weights.shape} (no mean: the Trainer weights the "
+        "rows itself), with the model state, e.g. `return losses, model_state` for a model "
+        "without state"
       )
     losses, new_state = out
     if jnp.shape(losses) != weights.shape:
@@ -116,6 +120,16 @@ def checked_loss_fn(loss_fn: PerExampleLossFn, model_state: Any) -> PerExampleLo
     return losses, new_state
 
   return checked
+
+
+def _describe_returned(value: Any) -> str:
+  """What a loss function returned, for a message: an array by its shape, else by its type."""
+  if isinstance(value, (tuple, list)):
+    return f"a {type(value).__name__} of {len(value)}"
+  shape = getattr(value, "shape", None)
+  if shape is not None:
+    return "a single scalar" if shape == () else f"a single array of shape {tuple(shape)}"
+  return f"a {type(value).__name__}"
 
 
 class Accumulator(NamedTuple):

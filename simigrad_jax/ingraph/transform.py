@@ -184,11 +184,40 @@ def _axis_is_bound(axis_name: str) -> bool:
   return True
 
 
+def _one_untracked_device(axis_name: str) -> bool:
+  """Whether the axis has one device and no type tracks what varies over it (pmap, or
+  ``check_vma=False``): its halves are then the step's own, and the buckets of a reduction
+  would only copy both gradients. (With ``check_vma=True`` only a collective marks the
+  result replicated, so the reduction stays.)"""
+  return lax.axis_size(axis_name) == 1 and not halves_reduction.tracks_varying(axis_name)
+
+
+def _bound_axis_names() -> tuple[str, ...]:
+  """The axis names the enclosing ``jax.pmap``, ``jax.shard_map`` or ``jax.vmap`` bind here."""
+  try:
+    from jax._src import core as jax_core  # pylint: disable=import-outside-toplevel
+
+    return tuple(str(name) for name in jax_core.unsafe_get_axis_names())
+  except (ImportError, AttributeError):  # a JAX without it: the message names no axis
+    return ()
+
+
 def _check_axis_is_bound(axis_name: str) -> None:
   """Raises, naming the fix, when no ``jax.pmap``, ``jax.shard_map`` or ``jax.vmap`` binds it."""
   try:
     lax.axis_size(axis_name)
   except NameError as error:
+    bound = _bound_axis_names()
+    if bound:
+      raise AxisNameError(
+        f"simigrad_jax.transform(axis_name={axis_name!r}) runs in a step mapped over the "
+        f"{'axis' if len(bound) == 1 else 'axes'} {', '.join(map(repr, bound))} (jax.pmap, "
+        f"jax.shard_map or jax.vmap), none named {axis_name!r}: name the data-parallel axis "
+        f"the step is mapped over, e.g. simigrad_jax.transform(axis_name={bound[-1]!r}), or "
+        f"map the step with axis_name={axis_name!r}",
+        axis_name,
+        bound[-1],
+      ) from error
     raise ValueError(
       f"simigrad_jax.transform({axis_name!r}) runs outside a step mapped over an axis "
       f"{axis_name!r} (JAX: {error}). The axis name is for a step under jax.pmap(..., "
@@ -255,6 +284,43 @@ def _check_stacked(
         "for a gradient that is not stacked"
       )
   return mesh
+
+
+def _check_matches_params(updates: Any, params: Any) -> None:
+  """Refuses a gradient whose leaves are not the parameters' (one more, one fewer, another name).
+
+  A gradient with an extra leaf would be averaged and measured with it (the
+  similarity then counts an entry no parameter has), and the update fails
+  later, or never, where it is applied.
+  """
+  if params is None:
+    return
+  grad_paths = [
+    jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(updates)[0]
+  ]
+  param_paths = [
+    jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]
+  ]
+  if grad_paths == param_paths:
+    return
+  extra = sorted(set(grad_paths) - set(param_paths))
+  missing = sorted(set(param_paths) - set(grad_paths))
+  found = (
+    "; ".join(
+      part
+      for part in (
+        f"leaves the parameters lack: {extra[:5]}" if extra else "",
+        f"parameters it lacks: {missing[:5]}" if missing else "",
+      )
+      if part
+    )
+    or f"the same names in another order or count ({len(grad_paths)} vs {len(param_paths)})"
+  )
+  raise ValueError(
+    f"simigrad_jax.transform was given a gradient of {len(grad_paths)} leaves for "
+    f"{len(param_paths)} parameters ({found}): the gradient must have the parameters' tree, "
+    "leaf for leaf; take it with respect to exactly the parameters passed to the update"
+  )
 
 
 def _check_half_grads(updates: Any, half_grads: Any) -> None:
@@ -472,7 +538,7 @@ def transform(
       )
     _check_half_grads(updates, half_grads)
     share = 0.5 if half_grads.share is None else half_grads.share
-    if axis_name is None:
+    if axis_name is None or _one_untracked_device(axis_name):
       return half_statistics.global_halves(
         updates, half_grads.first, half_grads.second, zero_nonfinite=zero_nonfinite, share=share
       )
@@ -516,7 +582,8 @@ def transform(
     param_specs: Any = None,
     **extra: Any,
   ) -> tuple[optax.Updates, SimilarityState]:
-    del params, extra
+    del extra
+    _check_matches_params(updates, params)
     if half_grads is None and _EXPECTING_HALF_GRADS.get():
       raise HalvesContractError(
         "the optimizer's update was given half_grads=..., but simigrad_jax.transform did not "

@@ -172,71 +172,7 @@ class TrainerConfig:
   agreement_timeout_seconds: float = process_agreement.AGREEMENT_TIMEOUT_SECONDS
 
   def __post_init__(self):
-    if self.mode not in MODES:
-      raise ValueError(f"mode={self.mode!r} is not valid; choose one of {MODES}")
-    if self.lr_rule not in learning_rate.LR_RULES:
-      raise ValueError(
-        f"lr_rule={self.lr_rule!r} is not valid; choose one of {learning_rate.LR_RULES}"
-      )
-    if self.lr_coupling not in learning_rate.LR_COUPLINGS:
-      raise ValueError(
-        f"lr_coupling={self.lr_coupling!r} is not valid; choose one of {learning_rate.LR_COUPLINGS}"
-      )
-    checked: dict[str, Any] = {}
-    checked["max_micro_batch_size"] = max_micro = validation.check_int(
-      "max_micro_batch_size", self.max_micro_batch_size, 1
-    )
-    if self.min_micro_batch_size is not None:
-      if (
-        not validation.is_int(self.min_micro_batch_size)
-        or not 1 <= self.min_micro_batch_size <= max_micro
-      ):
-        raise ValueError(
-          f"min_micro_batch_size must be None or an integer in [1, max_micro_batch_size="
-          f"{max_micro}], got {self.min_micro_batch_size!r}"
-        )
-      checked["min_micro_batch_size"] = int(self.min_micro_batch_size)
-    if self.shapes_per_octave is not None:
-      checked["shapes_per_octave"] = batch_plan.check_shapes_per_octave(self.shapes_per_octave)
-    if self.lr_adjust_factor is not None:
-      checked["lr_adjust_factor"] = validation.check_real(  # (as lr_factor checks it)
-        "lr_adjust_factor", self.lr_adjust_factor, "[0, inf)", lambda f: 0 <= f < math.inf
-      )
-    checked["seed"] = validation.check_int("seed", self.seed, 0)
-    if self.checkpoint_every_steps is not None:
-      checked["checkpoint_every_steps"] = validation.check_int(
-        "checkpoint_every_steps", self.checkpoint_every_steps, 1
-      )
-    if self.checkpoint_every_seconds is not None:
-      checked["checkpoint_every_seconds"] = validation.check_real(
-        "checkpoint_every_seconds",
-        self.checkpoint_every_seconds,
-        "(0, inf) (finite)",
-        lambda x: 0 < x < math.inf,
-      )
-    checked["steps_per_compile"] = validation.check_real(
-      "steps_per_compile", self.steps_per_compile, "(0, inf) (finite)", lambda x: 0 < x < math.inf
-    )
-    checked["max_checkpoints"] = validation.check_int("max_checkpoints", self.max_checkpoints, 1)
-    for name in _FLAGS:
-      checked[name] = validation.check_bool(name, getattr(self, name))
-    if self.tensorboard is not None:
-      checked["tensorboard"] = validation.check_bool("tensorboard", self.tensorboard)
-    if self.compilation_cache_dir is not None and not isinstance(
-      self.compilation_cache_dir, (str, os.PathLike)
-    ):
-      raise ValueError(
-        f"compilation_cache_dir must be None or a path (str or os.PathLike), "
-        f"got {self.compilation_cache_dir!r}"
-      )
-    if not isinstance(self.axis_name, str) or not self.axis_name:
-      raise ValueError(f"axis_name must be a non-empty string, got {self.axis_name!r}")
-    layout.check_halves(self.halves)
-    timeout = self.agreement_timeout_seconds
-    checked["agreement_timeout_seconds"] = process_agreement.check_timeout(
-      process_agreement.AGREEMENT_TIMEOUT_SECONDS if timeout is None else timeout
-    )
-    for name, value in checked.items():  # as plain Python numbers (NumPy integers too)
+    for name, value in _checked_fields(self).items():  # as plain Python numbers (NumPy ints too)
       object.__setattr__(self, name, value)
 
   @classmethod
@@ -296,6 +232,79 @@ class TrainerConfig:
     """Whether a step whose shape is still compiling runs on a compiled one (see
     :attr:`compile_fallback`: ``"recompile"`` mode, compiling in the background)."""
     return self.compile_fallback and self.background_compile and self.mode == "recompile"
+
+
+def _checked_fields(config: TrainerConfig) -> dict[str, Any]:
+  """The fields of ``config``, checked, that checking turns into plain Python numbers.
+
+  Raises:
+    ValueError: for a bad value, naming it and what is valid.
+  """
+  if config.mode not in MODES:
+    raise ValueError(f"mode={config.mode!r} is not valid; choose one of {MODES}")
+  if config.lr_rule not in learning_rate.LR_RULES:
+    raise ValueError(
+      f"lr_rule={config.lr_rule!r} is not valid; choose one of {learning_rate.LR_RULES}"
+    )
+  if config.lr_coupling not in learning_rate.LR_COUPLINGS:
+    raise ValueError(
+      f"lr_coupling={config.lr_coupling!r} is not valid; choose one of {learning_rate.LR_COUPLINGS}"
+    )
+  checked: dict[str, Any] = {}
+  checked["max_micro_batch_size"] = max_micro = validation.check_int(
+    "max_micro_batch_size", config.max_micro_batch_size, 1
+  )
+  if config.min_micro_batch_size is not None:
+    if (
+      not validation.is_int(config.min_micro_batch_size)
+      or not 1 <= config.min_micro_batch_size <= max_micro
+    ):
+      raise ValueError(
+        f"min_micro_batch_size must be None or an integer in [1, max_micro_batch_size="
+        f"{max_micro}], got {config.min_micro_batch_size!r}"
+      )
+    checked["min_micro_batch_size"] = int(config.min_micro_batch_size)
+  if config.shapes_per_octave is not None:
+    checked["shapes_per_octave"] = batch_plan.check_shapes_per_octave(config.shapes_per_octave)
+  if config.lr_adjust_factor is not None:
+    checked["lr_adjust_factor"] = validation.check_real(  # (as lr_factor checks it)
+      "lr_adjust_factor", config.lr_adjust_factor, "[0, inf)", lambda f: 0 <= f < math.inf
+    )
+  checked["seed"] = validation.check_int("seed", config.seed, 0)
+  if config.checkpoint_every_steps is not None:
+    checked["checkpoint_every_steps"] = validation.check_int(
+      "checkpoint_every_steps", config.checkpoint_every_steps, 1
+    )
+  if config.checkpoint_every_seconds is not None:
+    checked["checkpoint_every_seconds"] = validation.check_real(
+      "checkpoint_every_seconds",
+      config.checkpoint_every_seconds,
+      "(0, inf) (finite)",
+      lambda x: 0 < x < math.inf,
+    )
+  checked["steps_per_compile"] = validation.check_real(
+    "steps_per_compile", config.steps_per_compile, "(0, inf) (finite)", lambda x: 0 < x < math.inf
+  )
+  checked["max_checkpoints"] = validation.check_int("max_checkpoints", config.max_checkpoints, 1)
+  for name in _FLAGS:
+    checked[name] = validation.check_bool(name, getattr(config, name))
+  if config.tensorboard is not None:
+    checked["tensorboard"] = validation.check_bool("tensorboard", config.tensorboard)
+  if config.compilation_cache_dir is not None and not isinstance(
+    config.compilation_cache_dir, (str, os.PathLike)
+  ):
+    raise ValueError(
+      f"compilation_cache_dir must be None or a path (str or os.PathLike), "
+      f"got {config.compilation_cache_dir!r}"
+    )
+  if not isinstance(config.axis_name, str) or not config.axis_name:
+    raise ValueError(f"axis_name must be a non-empty string, got {config.axis_name!r}")
+  layout.check_halves(config.halves)
+  timeout = config.agreement_timeout_seconds
+  checked["agreement_timeout_seconds"] = process_agreement.check_timeout(
+    process_agreement.AGREEMENT_TIMEOUT_SECONDS if timeout is None else timeout
+  )
+  return checked
 
 
 def check_setting_names(settings: Mapping[str, Any]) -> None:

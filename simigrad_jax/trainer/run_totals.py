@@ -68,10 +68,14 @@ class RunTotals:
       self.host_seconds.append(record.host_seconds)
     self.last = record
 
-  def summary(self) -> dict[str, Any]:
+  def summary(self, steps: int | None = None, examples_seen: int | None = None) -> dict[str, Any]:
     """The run's totals, and the last step's loss and similarity (None without a step).
 
-    ``run_nonfinite_steps`` counts the skipped steps and
+    ``steps``, ``examples_seen`` and ``average_batch_size`` cover the whole
+    run, resumed parts included (the Trainer's counts, given; without them,
+    this call's); ``run_steps``, ``run_examples`` and
+    ``run_average_batch_size`` cover this call's steps, as every other
+    number here does. ``run_nonfinite_steps`` counts the skipped steps and
     ``first_nonfinite_step`` names the first (None without one);
     ``padding_fraction`` is the share of the rows computed that were
     zero-weight padding (NaN without a step); ``first_run_steps`` counts
@@ -79,10 +83,15 @@ class RunTotals:
     ``first_run_seconds`` adds up their step seconds.
     """
     rows = self.examples + self.padded_rows
+    steps = self.steps if steps is None else steps
+    examples_seen = self.examples if examples_seen is None else examples_seen
     return {
+      "steps": steps,
+      "examples_seen": examples_seen,
+      "average_batch_size": examples_seen / steps if steps else math.nan,
       "run_steps": self.steps,
       "run_examples": self.examples,
-      "average_batch_size": self.examples / self.steps if self.steps else math.nan,
+      "run_average_batch_size": self.examples / self.steps if self.steps else math.nan,
       "padding_fraction": self.padded_rows / rows if rows else math.nan,
       "loss": None if self.last is None else self.last.loss,
       "similarity": None if self.last is None else self.last.similarity,

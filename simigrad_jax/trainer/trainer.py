@@ -511,7 +511,8 @@ class Trainer:
         the run, resumes included).
 
     Returns:
-      A summary dict: steps, examples seen, average and final batch size,
+      A summary dict: steps, examples seen and the average batch size (the
+      whole run's; ``run_...``: this call's), the final batch size,
       last loss and similarity, compile and data timings, non-finite steps
       and the last evaluation (each key in ``docs/trainer.md``).
 
@@ -536,12 +537,10 @@ class Trainer:
     finally:
       progress.close()
     summary = {
-      "steps": self.step,
-      "examples_seen": self.sampler.examples_seen,
       "final_batch_size": self.controller.batch_size,
       "nonfinite_steps": self._loop.nonfinite_steps,
       **self.compile_stats(),
-      **totals.summary(),
+      **totals.summary(self.step, self.sampler.examples_seen),  # whole-run and this call's
       **evaluation.results,
     }
     if self._loop.more_steps(total_examples, max_steps):

@@ -55,23 +55,24 @@ def test_the_pareto_runs_the_docs_show_write_the_committed_files(task, dataset, 
 
 
 @pytest.mark.parametrize(
-  "name, argv",
+  "name, argv, result",
   [
-    ("halves", ["--quick"]),
-    ("overhead", ["--quick"]),
-    ("overhead_adaptive", ["--quick"]),
-    ("reduction", []),
-    ("sharded", ["--quick"]),
-    ("sharded_memory", ["--quick"]),
-    ("switching", ["--quick"]),
-    ("pareto_lm", ["--quick"]),
+    ("halves", ["--quick"], "halves_resnet_quick"),
+    ("halves_steps", ["--quick"], "halves_quick"),
+    ("halves_steps", [], "halves"),
+    ("overhead", ["--quick"], "overhead_quick"),
+    ("overhead_adaptive", ["--quick"], "overhead_adaptive_quick"),
+    ("reduction", [], "reduction"),
+    ("sharded", ["--quick"], "sharded_quick"),
+    ("sharded_memory", ["--quick"], "sharded_memory_quick"),
+    ("switching", ["--quick"], "switching_quick"),
+    ("pareto_lm", ["--quick"], "pareto_lm_quick"),
   ],
 )
-def test_each_benchmark_writes_its_json_to_benchmarks_results_by_default(name, argv):
+def test_each_benchmark_writes_its_json_to_benchmarks_results_by_default(name, argv, result):
   module = importlib.import_module(f"benchmarks.{name}")
   args = module._parse_args(argv)  # pylint: disable=protected-access
-  expected = f"{name}_quick.json" if argv else f"{name}.json"
-  assert args.out == str(RESULTS / expected)
+  assert args.out == str(RESULTS / f"{result}.json")
   assert module._parse_args([*argv, "--out", "/tmp/x.json"]).out == "/tmp/x.json"  # pylint: disable=protected-access
 
 

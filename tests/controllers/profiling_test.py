@@ -57,7 +57,8 @@ def test_visits_the_sizes_then_returns_and_the_wrapped_controller_sees_every_ste
   rng = np.random.default_rng(0)
   sizes = []
   for step, s in enumerate([0.1, math.nan, 0.2, 0.3, 0.4, 0.0]):
-    sizes.append((c.update(s, stats=stats_for(step, c.batch_size, rng)), c.last_decision))
+    stats = {**stats_for(step, c.batch_size, rng), "grads_finite": not math.isnan(s)}
+    sizes.append((c.update(s, stats=stats), c.last_decision))
   assert sizes == [
     (32, "profile"),
     (32, "nonfinite"),

@@ -198,7 +198,39 @@ def test_nonfinite_holds_and_counts(name, bad):
   stats = fake_stats(7, c.batch_size, np.random.default_rng(1))
   stats["grads_finite"] = bad.get("grads_finite", True)
   assert c.update(bad.get("similarity", 0.1), stats=stats) == before
-  assert c.last_decision == "nonfinite" and c.nonfinite_count == count + 1
+  if stats["grads_finite"] and math.isnan(bad["similarity"]):
+    # No similarity (a half whose gradient is zero) from finite gradients: held, not counted.
+    assert c.last_decision == "unmeasured" and c.nonfinite_count == count
+  else:
+    assert c.last_decision == "nonfinite" and c.nonfinite_count == count + 1
+
+
+NOT_SIMILARITIES = [
+  ("0.5", r"got '0\.5' \(str\)"),
+  (2.0, r"in \[-1, 1\].*got 2\.0"),
+  (-1.5, r"in \[-1, 1\].*got -1\.5"),
+  (None, r"got None \(NoneType\)"),
+  (np.full(3, 0.1), r"got an array of shape \(3,\)"),
+  (True, r"got True \(bool\)"),
+]
+
+
+@pytest.mark.parametrize("name", sorted(OPTIONS))
+@pytest.mark.parametrize("bad, says", NOT_SIMILARITIES)
+def test_update_refuses_what_is_not_a_similarity_and_changes_nothing(name, bad, says):
+  c = simigrad_jax.make_controller(name, **OPTIONS[name])
+  drive(c, 3)
+  before = c.state_dict()
+  stats = fake_stats(3, c.batch_size, np.random.default_rng(1))
+  with pytest.raises(ValueError, match=r"update\(similarity\) takes .*" + says):
+    c.update(bad, stats=stats)
+  with pytest.raises(ValueError, match="a mapping of names to values .* got list"):
+    c.update(0.1, stats=[stats])
+  assert c.state_dict() == before
+  # A JAX or NumPy scalar, and a cosine a rounding error above 1, are similarities.
+  c.update(np.float32(0.1), stats=stats)
+  c.update(jax.numpy.float32(1.0000005), stats=stats)
+  assert c.last_similarity == 1.0 and c.step == before["step"] + 2
 
 
 @pytest.mark.parametrize("name", sorted(OPTIONS))

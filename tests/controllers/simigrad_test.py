@@ -48,7 +48,7 @@ def run(controller, sims):
 
 def random_sims(seed, n, target):
   rng = np.random.default_rng(seed)
-  sims = rng.uniform(target - 0.3, target + 0.3, size=n)
+  sims = np.clip(rng.uniform(target - 0.3, target + 0.3, size=n), -1.0, 1.0)  # cosines
   sims[rng.integers(0, n, size=n // 20)] = target  # exact ties: hold
   return [float(s) for s in sims]
 

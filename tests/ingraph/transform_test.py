@@ -164,6 +164,18 @@ def test_local_halves_match_numpy(num_devices, mapper, reduction, mixed_dtypes, 
   np.testing.assert_allclose(state.norm_b, ref_nb, **tol)
 
 
+@pytest.mark.parametrize("mapper", ["pmap"])
+def test_local_halves_on_one_device_are_not_reduced(mapper):
+  """An axis of one device under pmap: the halves are the step's own, so no collective runs (the buckets of
+  the reduction would copy both gradients: benchmarks/halves_steps.py's pmap step on one device
+  held 2.25x the plain pmap step's temporary memory, 2.05x without them)."""
+  rng = np.random.default_rng(3)
+  first, second = random_grads(rng, 1, False), random_grads(rng, 1, False)
+  compiled = compiled_local_split(1, mapper).lower(first, second).compile().as_text()
+  for collective in ("all-reduce", "reduce-scatter", "all-to-all", "all-gather"):
+    assert f" {collective}(" not in compiled, collective
+
+
 @pytest.mark.parametrize("split", ["device", "local"])
 @pytest.mark.parametrize("reduction", ["hierarchical", "scatter"])
 def test_buckets_are_filled_with_zeros_in_their_concatenation_not_padded_after_it(split, reduction):
@@ -382,6 +394,21 @@ def test_zero_norm_half_gives_no_measurement_and_no_nan():
     assert not np.any(state.measured)
     assert np.all(np.isfinite(state.similarity)) and np.all(state.similarity == 0)
     np.testing.assert_allclose(mean[0], g.mean(axis=0), rtol=1e-6, atol=1e-7)
+    # The gradients were finite: unmeasured, not counted as non-finite.
+    assert np.all(state.grads_finite) and not np.any(state.nonfinite_count)
+
+
+def test_a_zero_norm_half_is_unmeasured_for_the_controller_not_nonfinite():
+  tx = simigrad_jax.transform()
+  grads = {"w": jnp.ones(3)}
+  zero = {"w": jnp.zeros(3)}
+  halves = simigrad_jax.HalfGrads(zero, {"w": 2 * jnp.ones(3)})
+  _, state = tx.update(grads, tx.init(grads), grads, half_grads=halves)
+  stats = simigrad_jax.similarity_stats(state)
+  assert not stats["measured"] and stats["grads_finite"] and stats["nonfinite_count"] == 0
+  controller = simigrad_jax.Controller(64, 0.1)
+  assert controller.update(simigrad_jax.similarity(state), stats=stats) == 64
+  assert controller.last_decision == "unmeasured" and controller.nonfinite_count == 0
 
 
 def test_bad_arguments_are_refused():
@@ -418,6 +445,33 @@ def test_half_grads_that_do_not_match_the_gradient_are_refused():
     tx.update(grads, state, half_grads=simigrad_jax.HalfGrads(grads, grads, 1.5))
   with pytest.raises(ValueError, match=r"half_grads.share must be a scalar.*shape \(2,\)"):
     tx.update(grads, state, half_grads=simigrad_jax.HalfGrads(grads, grads, jnp.ones(2)))
+
+
+def test_a_gradient_with_a_leaf_the_parameters_lack_is_refused_naming_it():
+  tx = optax.chain(simigrad_jax.transform(), optax.sgd(0.1))
+  params = {"w": jnp.ones((3, 2)), "b": jnp.ones(2)}
+  grads = {**params, "extra": jnp.ones(4)}
+  halves = simigrad_jax.HalfGrads(grads, grads)
+  with pytest.raises(
+    ValueError, match=r"gradient of 3 leaves for 2 parameters \(leaves the parameters lack: "
+  ) as refused:
+    tx.update(grads, tx.init(params), params, half_grads=halves)
+  assert "['extra']" in str(refused.value)
+  fewer = {"w": params["w"]}
+  with pytest.raises(ValueError, match=r"parameters it lacks: \[\"\['b'\]\"\]"):
+    tx.update(fewer, tx.init(params), params, half_grads=simigrad_jax.HalfGrads(fewer, fewer))
+  tx.update(params, tx.init(params), params, half_grads=simigrad_jax.HalfGrads(params, params))
+
+
+def test_a_wrong_axis_name_inside_pmap_names_the_bound_axis():
+  tx = simigrad_jax.transform("data")
+  step = jax.pmap(lambda g: tx.update(g, tx.init(g)), axis_name=AXIS)
+  with pytest.raises(simigrad_jax.ingraph.AxisNameError) as refused:
+    step(jnp.ones((8, 3)))
+  message = str(refused.value)
+  assert f"mapped over the axis {AXIS!r}" in message and "none named 'data'" in message
+  assert f"simigrad_jax.transform(axis_name={AXIS!r})" in message
+  assert refused.value.step_axis == AXIS and refused.value.axis_name == "data"
 
 
 @pytest.mark.parametrize("mesh_kind", ["auto", "explicit"])

@@ -8,6 +8,7 @@ from jax.sharding import PartitionSpec as P
 
 import simigrad_jax
 from train import mesh as mesh_setup
+from train import report
 from train import train
 from train.configs import digits_demo
 
@@ -121,3 +122,22 @@ def test_bad_mesh_options_name_the_option(options, message):
   with pytest.raises(ValueError, match=message):
     mesh_setup.training_mesh(config, jax.devices())
     mesh_setup.param_sharding(config, {"kernel": np.zeros((4, 8))})
+
+
+def test_the_padding_line_says_how_much_the_steps_on_their_own_shape_padded():
+  # A loaded 4x2 mesh run: most padding on the steps that ran a larger compiled shape.
+  records = [
+    {"step": 1, "batch_size": 95, "padded_examples": 1, "compile_fallback": False},
+    {"step": 2, "batch_size": 156, "padded_examples": 124, "compile_fallback": True},
+    {"step": 3, "batch_size": 99, "padded_examples": 5, "compile_fallback": False},
+  ]
+  own = report._own_shape_padding(records)
+  assert own == {"own_shape_steps": 2, "own_shape_padding_fraction": 6 / 200}
+  summary = {"padding_fraction": 130 / 480, "compile_fallback_steps": 1, **own}
+  assert report._padding_row(summary) == (
+    "27.1% of the rows computed (this run's steps): 3.0% on the 2 steps that ran their own "
+    "shape, the rest on the 1 that ran a larger compiled shape while theirs compiled (more of "
+    "them on a busy machine)"
+  )
+  no_fallback = {**summary, "compile_fallback_steps": 0}
+  assert report._padding_row(no_fallback) == "27.1% of the rows computed (this run's steps)"

@@ -3,6 +3,7 @@
 import dataclasses
 import math
 
+import tiny_run
 from simigrad_jax.trainer.run_totals import RunTotals
 from simigrad_jax.trainer.step_record import StepRecord
 
@@ -51,7 +52,7 @@ def test_totals_add_up_the_records_and_skip_an_unmeasured_host_time():
   totals.on_step(record(256, 0.004, loss=0.25))
   summary = totals.summary()
   assert summary["run_steps"] == 3 and summary["run_examples"] == 448
-  assert summary["average_batch_size"] == 448 / 3
+  assert summary["average_batch_size"] == summary["run_average_batch_size"] == 448 / 3
   assert math.isclose(summary["wall_seconds"], 1.5) and math.isclose(summary["data_seconds"], 0.3)
   assert summary["host_seconds_median"] == 0.003
   assert summary["compile_fallback_steps"] == 1
@@ -76,8 +77,30 @@ def test_first_runs_are_counted_with_their_seconds():
   assert RunTotals().summary()["first_run_steps"] == 0
 
 
+def test_the_whole_runs_average_covers_the_whole_runs_steps_and_this_calls_its_own():
+  totals = RunTotals()
+  for size in (40, 60):  # this call: 2 steps after a resume at step 151
+    totals.on_step(dataclasses.replace(BASE, batch_size=size))
+  summary = totals.summary(steps=153, examples_seen=7_500)
+  assert summary["steps"] == 153 and summary["examples_seen"] == 7_500
+  assert summary["average_batch_size"] == 7_500 / 153  # 49.0, the same steps as the totals
+  assert summary["run_steps"] == 2 and summary["run_examples"] == 100
+  assert summary["run_average_batch_size"] == 50.0
+
+
 def test_a_run_without_steps_has_no_average():
   summary = RunTotals().summary()
   assert summary["run_steps"] == 0 and math.isnan(summary["average_batch_size"])
   assert math.isnan(summary["host_seconds_median"]) and summary["loss"] is None
   assert math.isnan(summary["padding_fraction"])
+
+
+def test_a_resumed_trainers_average_covers_the_same_steps_as_its_totals(tmp_path):
+  workdir, cache = tmp_path / "run", tmp_path / "cache"
+  tiny_run.train_records(workdir, cache, 3)
+  summary, _, records = tiny_run.train_records(workdir, cache, 6)  # resumed at step 3
+  assert (summary["steps"], summary["run_steps"]) == (6, 3)
+  assert summary["examples_seen"] == records[-1]["examples_seen"]
+  assert summary["average_batch_size"] == summary["examples_seen"] / 6
+  this_call = [r["batch_size"] for r in records if r["step"] > 3]
+  assert summary["run_average_batch_size"] == sum(this_call) / 3 == summary["run_examples"] / 3

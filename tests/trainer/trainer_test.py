@@ -358,6 +358,20 @@ def test_refuses_a_data_set_smaller_than_the_largest_batch(tmp_path):
     make_trainer(tmp_path, dataset(), controller)
 
 
+def test_a_loss_fn_returning_a_bare_scalar_is_told_the_contract(tmp_path):
+  def mean_only(params, model_state, batch, weights, rng):
+    return mlp_loss(params, model_state, batch, weights, rng)[0].mean()
+
+  controller = simigrad_jax.Controller(16, 0.3, batch_size_lower_bound=8, batch_size_upper_bound=64)
+  with pytest.raises(simigrad_jax.ingraph.LossContractError) as refused:
+    make_trainer(tmp_path, dataset(), controller, loss_fn=mean_only).train(num_steps=1)
+  message = str(refused.value)
+  assert "must return the pair (per_example_losses, new_model_state), got a single scalar" in (
+    message
+  )
+  assert "`return losses, model_state`" in message and "Tracer" not in message
+
+
 def test_refuses_an_optimizer_without_the_transform(tmp_path):
   params = TinyMLP().init(jax.random.key(0), np.zeros((1, 5), np.float32))["params"]
   with pytest.raises(ValueError, match="no SimilarityState: chain simigrad_jax.transform"):
