@@ -86,11 +86,10 @@ def test_recompile_compiles_each_visited_shape_once(quick_run, mode):
     result["step_compiles"] + result["accumulation_compiles"] + result["update_compiled"]
   )
   assert result["step_compiles"] <= len(compiled)
-  assert result["steps_that_waited"] <= len(visited)  # only a first visit can wait
-  if mode != "recompile_wait":  # a shape still compiling is replaced by a compiled one
-    assert result["steps_that_waited"] <= 1
-    assert result["compile_wait_share_after_first_step"] == 0
-  else:
+  # Only a first visit can wait: with the fallback, for a shape the compile schedule has
+  # admitted (decided by the step count, so a busy machine waits more, never falls back more).
+  assert result["steps_that_waited"] <= len(visited)
+  if mode == "recompile_wait":
     assert result["compile_fallback_steps"] == 0
 
 
