@@ -22,6 +22,7 @@ import warnings
 import jax
 import jax.numpy as jnp
 import pytest
+from jax._src import compilation_cache as jax_compilation_cache
 
 import simigrad_jax
 from reliability_helpers import DRIVER
@@ -311,6 +312,7 @@ def test_an_unreadable_compilation_cache_entry_is_replaced(tmp_path, caplog):
     return [str(w.message) for w in caught if "compilation cache" in str(w.message)]
 
   with simigrad_jax.compile.persistent_cache_settings():
+    jax_compilation_cache.reset_cache()  # whatever cache an earlier test of this process opened
     persistent_cache.enable_persistent_cache(cache)
     assert compile_and_collect_warnings() == []
     entries = sorted(cache.glob("*-cache"))
