@@ -404,7 +404,10 @@ def _load_text(load: tuple[float, float] | None) -> str:
 
 
 COMPARISONS = {
-  "lm": ("pareto_lm.json", "the causal LM's validation loss target (the Pareto comparison's)"),
+  "lm": (
+    "pareto_lm_issue23.json",
+    "the causal LM's validation loss target (the Pareto comparison's)",
+  ),
   "mnist": (
     "pareto_mnist.json",
     "MNIST test accuracy within the comparison's tolerance of the best constant batch's",

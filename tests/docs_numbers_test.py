@@ -173,7 +173,7 @@ def _mlm_phrases() -> list[str]:
 
 
 def _lm_phrases() -> list[str]:
-  results = _result("pareto_lm")
+  results = _result("pareto_lm_issue23")
   best = results["best_fixed"]
   target = results["target_val_loss"]
   steps = best["steps"]
@@ -348,6 +348,7 @@ def test_the_one_step_late_table_is_the_json():
   [
     ("results.md", "pareto_mnist", pareto_report.markdown_tables, "pareto.py", "tables"),
     ("results.md", "pareto_mlm", pareto_report.markdown_tables, "pareto.py", "tables"),
+    ("results.md", "pareto_lm_issue23", pareto_lm_report.markdown, "pareto_lm.py", "table"),
     ("results.md", "pareto_lm", pareto_lm_report.markdown, "pareto_lm.py", "table"),
     ("own_step.md", "halves", halves_steps.markdown_table, "halves_steps.py", "table"),
   ],

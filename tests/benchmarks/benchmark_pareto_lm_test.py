@@ -199,6 +199,7 @@ def test_the_grid_widens_the_learning_rate_and_the_sizes_until_each_best_is_insi
   names = [(s.controller, s.lr_coupling) for s in adaptive if s.seed == 0]
   assert names == [
     ("allowance", "peak"),
+    ("allowance", "full"),
     ("simigrad", "full"),
     ("simigrad", "full"),
     ("simigrad", "peak"),
