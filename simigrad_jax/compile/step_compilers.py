@@ -19,6 +19,7 @@ import jax
 
 from simigrad_jax.compile.compiler import ProgramCompiler
 from simigrad_jax.compile.compiler import StepCompiler
+from simigrad_jax.compile.compiler import abandon_at_exit
 from simigrad_jax.compile.step_functions import StepFunctions
 from simigrad_jax.shapes import batch_plan
 from simigrad_jax.shapes.layout import StepLayout
@@ -152,8 +153,16 @@ class StepCompilers:
 
   def set_interrupt(self, interrupt: Callable[[], bool] | None) -> None:
     """Makes a wait for a compile ask ``interrupt()`` every 50 ms whether to give up
-    (:class:`~simigrad_jax.compile.compiler.CompileAbandoned`); None: never give up."""
+    (:class:`~simigrad_jax.compile.compiler.CompileAbandoned`); None: never give up.
+
+    When the interrupt it replaces says to give up (the run stopped on a
+    signal), the interpreter's exit will wait for no compile in progress
+    (:func:`~simigrad_jax.compile.compiler.abandon_at_exit`).
+    """
     for compiler in (self.fused, self.micro, self.update):
+      previous = compiler.interrupt
+      if previous is not None and previous():
+        abandon_at_exit()
       compiler.interrupt = interrupt
 
   def close(self) -> None:
