@@ -164,13 +164,14 @@ class StepPrograms:
       if compile_fallback and not self._shared_compiles and not scheduled
       else None
     )
+    # The timed fallback's (the schedule decides by itself, and a step waits for what it runs).
     self._fallback = (
       CompileFallback(
         self._compilers,
         cached=self._cached,
         agreement=self._agreement if self._shared_compiles else None,
       )
-      if compile_fallback
+      if compile_fallback and not scheduled
       else None
     )
     self._prefetcher = Prefetcher(
@@ -192,14 +193,17 @@ class StepPrograms:
     """Queues for the background compilers what a run at ``batch_size`` from ``step`` needs.
 
     With the schedule, the programs it admits (a new run's first plan and its
-    fallback at ``step``, a resumed run's as its checkpoint saved them) and
-    those it requests near the batch; else
+    fallback at ``step``, a resumed run's as its checkpoint saved them), those
+    near the batch first; else
     :meth:`~simigrad_jax.compile.prefetch.Prefetcher.prefetch_for`'s.
     """
     if self._schedule is None:
       self._prefetcher.prefetch_for(batch_size)
     else:
-      self._compilers.queue(self._schedule.start(self._layout.plan(batch_size), step))
+      plan = self._layout.plan(batch_size)
+      admitted = self._schedule.start(plan, step)
+      # Those near the batch first (a resumed run's own, not the run's oldest).
+      self._compilers.queue([p for p in self._schedule.near(plan) if p in admitted] + admitted)
 
   def choose(self, exact: batch_plan.BatchPlan, step: int, last: bool) -> batch_plan.BatchPlan:
     """The plan step ``step`` runs: ``exact``, or the fallback's (:meth:`ready_plan`); and the
@@ -210,9 +214,9 @@ class StepPrograms:
     """
     if self._schedule is not None:
       plan = self._schedule.choose(exact, step)
-      requested = self._schedule.advance(exact, step)
-      if not last:
-        self._compilers.queue(requested)
+      self._schedule.advance(exact, step)
+      if not last:  # the programs near the batch first, as it moves (the order is not the schedule)
+        self._compilers.queue(self._schedule.near(exact), first=True)
       return plan
     plan = self.ready_plan(exact, step, prefetch=not last)
     if not last:
@@ -249,8 +253,9 @@ class StepPrograms:
 
   def await_fallback(self, micro: int) -> None:
     """Waits, once, until the fallback can hold a batch of any size on shape ``micro``
-    (:meth:`~simigrad_jax.compile.fallback.CompileFallback.await_fallback`); a no-op without
-    the fallback, and given up (no error) when the interrupt says so."""
+    (:meth:`~simigrad_jax.compile.fallback.CompileFallback.await_fallback`): the timed
+    fallback's; a no-op without it (with the schedule a step waits only for the programs it
+    runs), and given up (no error) when the interrupt says so."""
     if self._fallback is not None:
       try:
         self._fallback.await_fallback(micro)

@@ -126,15 +126,16 @@ class StepCompilers:
       "temp_bytes": int(analysis.temp_size_in_bytes),
     }
 
-  def queue(self, programs: list[tuple[str, int]]) -> None:
+  def queue(self, programs: list[tuple[str, int]], *, first: bool = False) -> None:
     """Queues ``programs`` (``("fused", shape)``, ``("micro", shape)`` or ``("apply", 0)``) for
-    the background compilers, in order (each compiler's queue apart)."""
+    the background compilers, in order (each compiler's queue apart); with ``first``, ahead of
+    those queued before (those of them still waiting move ahead too)."""
     fused = [size for kind, size in programs if kind == "fused"]
     micro = [size for kind, size in programs if kind == "micro"]
     if fused:
-      self.fused.prefetch(fused)
+      self.fused.prefetch(fused, first=first)
     if micro:
-      self.micro.prefetch(micro)
+      self.micro.prefetch(micro, first=first)
     if ("apply", 0) in programs:
       self.update.prefetch()
 
