@@ -48,6 +48,7 @@ from simigrad_jax.compile.persistent_cache import cache_record
 from simigrad_jax.compile.persistent_cache import cached_view
 from simigrad_jax.compile.prefetch import Prefetcher
 from simigrad_jax.compile.schedule import CompileSchedule
+from simigrad_jax.compile.schedule import programs_of
 from simigrad_jax.compile.step_compilers import StepCompilers
 from simigrad_jax.compile.step_functions import StepFunctions
 from simigrad_jax.compile.step_runner import StepRunner
@@ -233,13 +234,18 @@ class StepPrograms:
     timed fallback, compiled now
     (:meth:`~simigrad_jax.compile.fallback.CompileFallback.ready_plan`,
     which queues the compile unless ``prefetch`` is False); ``plan`` without
-    the fallback.
+    the fallback. Unless ``prefetch`` is False, the programs of the plan
+    returned, a plan a step is about to run (the next step's likely plans,
+    asked for while the devices run this one), move ahead of the queued
+    compiles: the order in which the run needs them (which plan a step runs
+    stays the schedule's).
     """
-    if self._schedule is not None:
-      return self._schedule.choose(plan, step)
-    if self._fallback is None:
-      return plan
-    return self._fallback.ready_plan(plan, prefetch)
+    if self._schedule is None and self._fallback is not None:
+      return self._fallback.ready_plan(plan, prefetch)
+    chosen = plan if self._schedule is None else self._schedule.choose(plan, step)
+    if prefetch:
+      self._compilers.queue(programs_of(chosen), first=True)
+    return chosen
 
   def wait_for(self, plan: batch_plan.BatchPlan) -> None:
     """Waits until ``plan``'s programs are compiled

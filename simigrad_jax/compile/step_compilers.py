@@ -48,6 +48,7 @@ class StepCompilers:
 
   def __init__(self, functions: StepFunctions, layout: StepLayout, *, background: bool):
     self._layout = layout
+    self._background = background
     self.fused = StepCompiler(functions.lower_fused, background=background, name="fused_step")
     self.micro = StepCompiler(functions.lower_micro, background=background, name="micro_step")
     self.update = ProgramCompiler(functions.lower_apply, background=background, name="apply")
@@ -129,7 +130,10 @@ class StepCompilers:
   def queue(self, programs: list[tuple[str, int]], *, first: bool = False) -> None:
     """Queues ``programs`` (``("fused", shape)``, ``("micro", shape)`` or ``("apply", 0)``) for
     the background compilers, in order (each compiler's queue apart); with ``first``, ahead of
-    those queued before (those of them still waiting move ahead too)."""
+    those queued before (those of them still waiting move ahead too). A no-op without background
+    compiles."""
+    if not self._background:
+      return
     fused = [size for kind, size in programs if kind == "fused"]
     micro = [size for kind, size in programs if kind == "micro"]
     if fused:

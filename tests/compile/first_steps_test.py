@@ -1,11 +1,16 @@
-"""A run on the compile schedule waits only for the programs its steps run: the first step does not
-wait for the micro-step and the update the schedule admits beside its own program."""
+"""A run waits only for the programs its steps run: on the compile schedule the first step does not
+wait for the micro-step and the update admitted beside its own program, and the programs of the
+plans the next step is likely to run compile ahead of the others."""
 
 from __future__ import annotations
 
 import threading
 import time
 
+import schedule_test
+
+from simigrad_jax.compile.programs import StepPrograms
+from simigrad_jax.compile.schedule import CompileSchedule
 from simigrad_jax.compile.step_functions import StepFunctions
 from tiny_run import make_trainer
 
@@ -48,3 +53,35 @@ def test_the_first_step_does_not_wait_for_the_fallbacks_micro_step_and_update(
       time.sleep(0.05)  # (it compiles in the background, after the first step)
   assert summary["run_steps"] == 3
   assert opened_by_the_step and all(opened_by_the_step)  # (the update's among them)
+
+
+class RecordingQueue:
+  """Stands in for StepCompilers: records what is queued, and whether ahead of the rest."""
+
+  def __init__(self):
+    self.queued = []
+
+  def queue(self, programs, *, first=False):
+    self.queued.append((programs, first))
+
+
+def programs_on(schedule):
+  """StepPrograms' choices alone (no compiles): on ``schedule``, or without the fallback."""
+  programs = object.__new__(StepPrograms)
+  programs._schedule, programs._fallback, programs._compilers = schedule, None, RecordingQueue()
+  return programs
+
+
+def test_a_plan_a_step_is_about_to_run_moves_its_programs_ahead_of_the_queue():
+  grid = schedule_test.layout()
+  plans = CompileSchedule(grid, 0.5, [])
+  plans.start(grid.plan(8), 0)
+  programs = programs_on(plans)
+  chosen = programs.ready_plan(grid.plan(24), 1)  # 3 rows: not admitted, on 1 row instead
+  assert (chosen.micro_batch_size, chosen.accumulation_steps) == (1, 3)
+  assert programs._compilers.queued == [([("micro", 1), ("apply", 0)], True)]
+  assert programs.ready_plan(grid.plan(24), 1, prefetch=False) == chosen  # (the run's last step)
+  assert len(programs._compilers.queued) == 1
+  unscheduled = programs_on(None)  # without the fallback: the plan itself, its programs ahead
+  assert unscheduled.ready_plan(grid.plan(24), 1) == grid.plan(24)
+  assert unscheduled._compilers.queued == [([("fused", 3)], True)]
