@@ -321,8 +321,10 @@ def measure(args: argparse.Namespace) -> tuple[dict[str, Any], list[dict[str, An
 def run(args: argparse.Namespace) -> dict[str, Any]:
   """Measures, then fits and checks the model; returns the results."""
   start = time.perf_counter()
+  load_before = os.getloadavg()[0]
   info, measured = measure(args)
-  results = summarize(info, measured, os.cpu_count() or 1)
+  load = (load_before, os.getloadavg()[0])  # the 1-minute load average before and after
+  results = summarize(info, measured, os.cpu_count() or 1, load)
   return {
     **results,
     "device": common.device_record(),
@@ -332,13 +334,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
   }
 
 
-def summarize(info: dict[str, Any], measured: list[dict[str, Any]], cores: int) -> dict[str, Any]:
+def summarize(
+  info: dict[str, Any],
+  measured: list[dict[str, Any]],
+  cores: int,
+  load: tuple[float, float] | None = None,
+) -> dict[str, Any]:
   """The CPU model fitted per model, each point predicted out of sample, and the calibration.
 
   Args:
     info: each model's description, parameters, gradient bytes and FLOPs per example.
     measured: the points (``model``, ``devices``, ``batch_size``, ``measured_s``, ``host_s``).
     cores: the cores the simulated devices shared.
+    load: the machine's 1-minute load average before and after the sweep, if known.
 
   Returns:
     ``models`` (each with its fit, ``device_curve`` and ``host_s``: the calibration
@@ -379,13 +387,20 @@ def summarize(info: dict[str, Any], measured: list[dict[str, Any]], cores: int) 
   worst = max(abs(v["error"]) for v in validation)
   return {
     "what": "the Trainer's step time on simulated CPU devices, measured against the model",
-    "machine": f"{cores} CPU cores shared with other users (loaded); medians of alternating rounds",
+    "machine": f"{cores} CPU cores{_load_text(load)}; medians of alternating rounds",
     "devices": sorted({p["devices"] for p in measured}),
     "models": models,
     "validation": validation,
     "max_abs_error": worst,
     "goal": {"max_abs_error": GOAL, "pass": worst <= GOAL},
   }
+
+
+def _load_text(load: tuple[float, float] | None) -> str:
+  """The machine's load during the sweep, in words (the sweep itself adds about 2)."""
+  if load is None:
+    return ""
+  return f", load average {min(load):.1f} to {max(load):.1f} (the sweep's own included)"
 
 
 COMPARISONS = {

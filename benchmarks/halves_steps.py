@@ -3,7 +3,7 @@
 For an MLP (784-1024-1024-10) and a small CNN (three 3x3 ``nn.Conv`` layers
 of 16, 32 and 32 channels on 28x28x1 images, a dense layer), at a global
 batch of 256, softmax cross-entropy and ``optax.sgd``, on a mesh of one data
-axis with ``Auto`` axes (``nn.Conv`` under ``Explicit`` axes fails in JAX):
+axis with ``Auto`` axes (and again on ``Explicit`` ones, below):
 
 * ``two_pass`` (plain ``jax.jit``): ``value_and_half_grads`` and
   ``transform()``, against ``plain`` (``jax.value_and_grad``);
@@ -15,6 +15,11 @@ axis with ``Auto`` axes (``nn.Conv`` under ``Explicit`` axes fails in JAX):
 * ``pmap``: ``transform("batch")`` (8 devices: the device split; 1 device:
   ``value_and_half_grads`` passed as ``half_grads``), against ``pmap_plain``
   (``lax.pmean`` of the gradient).
+
+The 8 devices run a second time on ``Explicit`` mesh axes (``"8 Explicit"``),
+the plain ``jax.jit`` steps only (``two_pass`` and ``device_halves`` against
+``plain``), the CNN's forward pass under ``jax.sharding.auto_axes`` in all
+three, as docs/own_step.md writes it.
 
 Every step starts from the same parameters (the NNX model takes the linen
 model's) and the same examples, dealt to the devices
@@ -93,6 +98,8 @@ COLUMNS = {
   "pmap": 'pmap, `transform("batch")`',
 }
 MODEL_NAMES = {"mlp": "MLP", "cnn": "CNN"}
+# The key of the run on Explicit mesh axes: "8 Explicit" beside "1" and "8".
+EXPLICIT = "Explicit"
 
 
 class _Step(NamedTuple):
@@ -103,14 +110,20 @@ class _Step(NamedTuple):
   similarity: Callable[[Any], float] | None  # None: a plain step, which measures none.
 
 
-def _steps(model_name: str, batch_size: int, num_devices: int, sizes: dict) -> dict[str, _Step]:
+def _steps(
+  model_name: str, batch_size: int, num_devices: int, sizes: dict, explicit: bool = False
+) -> dict[str, _Step]:
   """name -> :class:`_Step`, every step of one model on this process's devices.
 
   Every step starts from the same parameters (the NNX model takes the linen
   model's) and the same examples; the device splits (``device_halves`` and
   ``pmap`` on several devices) take them dealt to the devices
   (``deal_to_devices``), so that every step compares the batch's even- and
-  odd-numbered examples and measures the same similarity.
+  odd-numbered examples and measures the same similarity. With ``explicit``
+  the mesh's axis is ``Explicit`` (``jax.make_mesh``'s default) and only the
+  plain ``jax.jit`` steps run (``plain``, ``two_pass``, ``device_halves``);
+  the CNN's forward pass then runs under ``jax.sharding.auto_axes``, as
+  docs/own_step.md writes it (JAX refuses a convolution on Explicit axes).
   """
   import flax.linen as nn  # pylint: disable=import-outside-toplevel
   import jax  # pylint: disable=import-outside-toplevel
@@ -165,14 +178,25 @@ def _steps(model_name: str, batch_size: int, num_devices: int, sizes: dict) -> d
     "y": rng.integers(0, 10, size=batch_size).astype(np.int32),
   }
   dealt = simigrad_jax.data.deal_to_devices(host, num_devices)
-  mesh = jax.make_mesh((num_devices,), ("data",), axis_types=(AxisType.Auto,))
+  axis_type = AxisType.Explicit if explicit else AxisType.Auto
+  mesh = jax.make_mesh((num_devices,), ("data",), axis_types=(axis_type,))
   rows = NamedSharding(mesh, P("data"))
   batch = jax.device_put(host, rows)
   net = LinenNet()
   host_params = net.init(jax.random.key(0), host["x"][:1])["params"]
   params = jax.device_put(host_params, NamedSharding(mesh, P()))
 
+  def apply(p, x):
+    return net.apply({"params": p}, x)
+
+  if explicit and model_name == "cnn":
+    apply = jax.sharding.auto_axes(apply, out_sharding=P("data"))
+
   def loss(p, b):
+    logits = apply(p, b["x"])
+    return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]))
+
+  def local_loss(p, b):  # one device's rows, the data axis manual: no auto_axes there
     logits = net.apply({"params": p}, b["x"])
     return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]))
 
@@ -201,8 +225,10 @@ def _steps(model_name: str, batch_size: int, num_devices: int, sizes: dict) -> d
     if num_devices % 2 == 0:
       devices_opt = optax.chain(simigrad_jax.transform("data"), optax.sgd(0.1))
       args = (params, devices_opt.init(params), jax.device_put(dealt, rows))
-      step = jax.jit(simigrad_jax.device_halves_step(loss, devices_opt))
+      step = jax.jit(simigrad_jax.device_halves_step(local_loss, devices_opt))
       out["device_halves"] = _Step(step.lower(*args).compile(), args, of_state)
+    if explicit:
+      return out
 
     # NNX: pure functions of the split states, so that they compile ahead like the others.
     model = NnxNet(nnx.Rngs(0))
@@ -310,7 +336,7 @@ def _child(args: argparse.Namespace) -> None:
   sizes = {key: getattr(args, key) for key in ("widths", "channels", "image")}
   results = {}
   for model in args.models:
-    steps = _steps(model, args.batch, args.child, sizes)
+    steps = _steps(model, args.batch, args.child, sizes, args.explicit)
     results[model] = _measure(steps, args.rounds)
     print(f"{args.child} device(s), {model}: done", flush=True)
   with open(args.out, "w") as f:
@@ -363,7 +389,8 @@ def markdown_table(results: dict[str, Any]) -> str:
         else "-"
         for name in COLUMNS
       ]
-      lines.append(f"| {devices} | {MODEL_NAMES[model]} | " + " | ".join(cells) + " |")
+      label = devices.replace(f" {EXPLICIT}", f", `{EXPLICIT}` axes")
+      lines.append(f"| {label} | {MODEL_NAMES[model]} | " + " | ".join(cells) + " |")
   return "\n".join(lines)
 
 
@@ -398,6 +425,7 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     "--markdown", default=None, help="print the docs table of this JSON, and stop"
   )
   parser.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
+  parser.add_argument("--explicit", action="store_true", help=argparse.SUPPRESS)
   common.add_out_flag(parser, "halves")
   args = parser.parse_args(argv)
   preset = QUICK if args.quick else FULL
@@ -453,17 +481,21 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     "sizes": sizes,
   }
   script = os.path.abspath(__file__)
+  # Each device count on Auto axes, then the largest on Explicit ones (jax.make_mesh's default).
+  runs = [(count, False) for count in args.devices] + [(max(args.devices), True)]
   with tempfile.TemporaryDirectory() as folder:
-    for count in args.devices:
-      part = os.path.join(folder, f"{count}.json")
+    for count, explicit in runs:
+      key = f"{count} {EXPLICIT}" if explicit else str(count)
+      part = os.path.join(folder, f"{count}{'_explicit' if explicit else ''}.json")
       command = [sys.executable, script, "--child", str(count), f"--out={part}"]
+      command += ["--explicit"] if explicit else []
       command += ["--rounds", str(args.rounds), "--batch", str(args.batch)]
       command += ["--image", str(args.image), "--models", ",".join(args.models)]
       command += ["--widths", ",".join(map(str, args.widths))]
       command += ["--channels", ",".join(map(str, args.channels))]
       subprocess.run(command, check=True, env=_child_env())
       with open(part) as f:
-        results["devices"][str(count)] = json.load(f)
+        results["devices"][key] = json.load(f)
   return common.report(results, _format_table(results), args.out)
 
 

@@ -130,7 +130,10 @@ def _without_data(entry: Any) -> Any:
 def _dense(
   x: jax.Array, kernel: jax.Array, bias: jax.Array, explicit: bool, rows: str | None
 ) -> jax.Array:
-  if not explicit:
+  mesh = jax.sharding.get_abstract_mesh()
+  if not explicit or AxisType.Explicit not in mesh.axis_types:
+    # Auto axes; or Explicit ones turned Auto for the passes (value_and_half_grads on a mesh
+    # of the data axis alone), where a spec may not name them.
     return x @ kernel + bias
   kernel_rows, columns = (tuple(jax.typeof(kernel).sharding.spec) + (None, None))[:2]
   gathered = P(_without_data(kernel_rows), _without_data(columns))
@@ -174,8 +177,11 @@ def make_steps(
     ``optax.sgd``, given the two halves: the SimiGrad step;
   * ``groups``: :func:`simigrad_jax.device_halves_step` of ``device_loss``
     (the loss of one device's rows) with ``simigrad_jax.transform("data")``:
-    the even data positions against the odd ones (``param_specs``, the
-    parameters' specs, for ``Auto`` axes).
+    the even data positions against the odd ones.
+
+  ``param_specs``, the parameters' specs, for ``Auto`` axes (given to
+  ``value_and_half_grads`` and ``device_halves_step``; None under ``Explicit``
+  ones, whose types carry them).
 
   Each ``step(params, opt_state, batch) -> (params, opt_state, loss)``.
   """
@@ -193,7 +199,9 @@ def make_steps(
 
   def with_halves(name, pass_halves):
     def step(params, opt_state, batch):
-      value, grads, halves = simigrad_jax.value_and_half_grads(loss)(params, batch)
+      value, grads, halves = simigrad_jax.value_and_half_grads(loss, param_specs=param_specs)(
+        params, batch
+      )
       extra = {"half_grads": halves} if pass_halves else {}
       updates, opt_state = optimizers[name].update(grads, opt_state, params, **extra)
       return optax.apply_updates(params, updates), opt_state, value

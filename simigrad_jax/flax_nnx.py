@@ -204,14 +204,13 @@ def nnx_value_and_half_grads(
       )
     graphdef, params, keys, rest = nnx.split(model, nnx.Param, nnx.RngKey, ...)
     second_keys = jax.tree.map(lambda k: jax.random.fold_in(k, SECOND_HALF_STREAM), keys)
-    first_half, second_half = half_batch.split_even_odd(batch)
     ((loss_a, (aux_a, state_a)), first), ((loss_b, (aux_b, state_b)), second), grads = (
       half_batch.halves_and_mean(
         value_and_grad,
         params,
         batch,
-        (first_half, keys, rest, graphdef, *args),
-        (second_half, second_keys, rest, graphdef, *args),
+        (keys, rest, graphdef, *args),
+        (second_keys, rest, graphdef, *args),
       )
     )
     # The streams' keys stay the model's own: only their counts move.

@@ -138,54 +138,63 @@ def value_and_grads_in_turn(
   return (value_a, first), (value_b, second)
 
 
-def _in_blocks(
-  value_and_grad: Callable[..., tuple[Any, Any]], layout: half_layout.DataLayout
-) -> Callable[..., tuple[Any, Any]]:
-  def one_pass(params: Any, *args: Any) -> tuple[Any, Any]:
-    value, grads = value_and_grad(params, *args)
-    return value, half_layout.in_blocks(grads, params, layout)
-
-  return one_pass
-
-
 def halves_and_mean(
   value_and_grad: Callable[..., tuple[Any, Any]],
   params: Any,
   batch: Any,
-  first_args: tuple[Any, ...],
-  second_args: tuple[Any, ...],
+  first_rest: tuple[Any, ...] = (),
+  second_rest: tuple[Any, ...] = (),
+  param_specs: Any = None,
 ) -> tuple[tuple[Any, Any], tuple[Any, Any], Any]:
-  """Both halves' values and gradients in turn, and the mean gradient, laid out for the mesh.
+  """The even- and odd-numbered examples' values and gradients in turn, and the mean gradient.
 
-  On a data-parallel mesh (:func:`simigrad_jax.ingraph.half_layout.data_layout`)
-  each half's gradient is kept in blocks over the data axis as soon as it is
-  taken, and the mean, averaged on the blocks, is gathered once into the
-  parameters' layout; elsewhere the gradients lie where XLA puts them.
+  The batch is split by :func:`split_even_odd` and ``value_and_grad`` runs
+  on each half in turn (:func:`value_and_grads_in_turn`). On a data-parallel
+  mesh (:class:`simigrad_jax.ingraph.half_layout.HalvesLayout`) each half's
+  gradient is kept in blocks over the data axis as soon as it is taken, and
+  the mean, averaged on the blocks, lies where the parameters need it; where
+  the mesh's ``Explicit`` axes are the data axis alone, the split and both
+  passes run with that axis ``Auto``, so that a replicated parameter's
+  gradient is not all-reduced whole first. Elsewhere the gradients lie where
+  XLA puts them.
 
   Args:
-    value_and_grad: ``value_and_grad(params, *args) -> (value, grads)``.
+    value_and_grad: ``value_and_grad(params, half, *rest) -> (value, grads)``.
     params: the parameters.
     batch: the whole batch (its layout names the data axis).
-    first_args: the first pass's other arguments (the first half first).
-    second_args: the second pass's.
+    first_rest: the first pass's arguments after its half of the batch.
+    second_rest: the second pass's.
+    param_specs: under ``Auto`` axes, the parameters' ``PartitionSpec``s, or
+      None (replicated).
 
   Returns:
     ``((value_a, grads_a), (value_b, grads_b), mean)``, the mean computed in
     at least float32.
+
+  Raises:
+    ValueError: when the batch's leaves differ in leading size, or it is odd.
   """
-  layout = half_layout.data_layout(batch)
-  if layout is not None and any(jnp.ndim(leaf) > 2 for leaf in jax.tree.leaves(params)):
-    # A convolutional model: a dense kernel in blocks over its inputs shards the pooled
-    # activations' channels and reshards the batch; its gradients stay where XLA puts them.
-    layout = None
-  one_pass = value_and_grad if layout is None else _in_blocks(value_and_grad, layout)
-  (value_a, first), (value_b, second) = value_and_grads_in_turn(
-    one_pass, params, first_args, second_args
+  _even_example_count(batch)
+  # A convolutional model: a dense kernel in blocks over its inputs shards the pooled
+  # activations' channels and reshards the batch; its gradients stay where XLA puts them.
+  dense = all(jnp.ndim(leaf) <= 2 for leaf in jax.tree.leaves(params))
+  layout = half_layout.HalvesLayout(
+    half_layout.data_layout(batch), params, blocks=dense, param_specs=param_specs
   )
-  mean = jax.tree.map(average_in_float32, first, second)
-  if layout is not None:
-    mean = half_layout.like_params(mean, params, layout)
-  return (value_a, first), (value_b, second), mean
+
+  def one_pass(params: Any, *args: Any) -> tuple[Any, Any]:
+    value, grads = value_and_grad(params, *args)
+    return value, layout.halves(grads)
+
+  def passes(params: Any, batch: Any, first_rest: tuple, second_rest: tuple) -> Any:
+    first_half, second_half = split_even_odd(batch)
+    (value_a, first), (value_b, second) = value_and_grads_in_turn(
+      one_pass, params, (first_half, *first_rest), (second_half, *second_rest)
+    )
+    mean = layout.mean(jax.tree.map(average_in_float32, first, second))
+    return (value_a, first), (value_b, second), mean
+
+  return layout.run(passes, params, batch, first_rest, second_rest)
 
 
 def average_in_float32(a: jax.Array, b: jax.Array) -> jax.Array:
@@ -278,7 +287,7 @@ def _describe(value: Any) -> str:
 
 
 def value_and_half_grads(
-  loss_fn: Callable[..., Any], has_aux: bool = False
+  loss_fn: Callable[..., Any], has_aux: bool = False, *, param_specs: Any = None
 ) -> Callable[..., tuple[Any, Any, HalfGrads]]:
   """Wraps ``loss_fn`` to return its value, its gradient and the two half-batch gradients.
 
@@ -302,6 +311,15 @@ def value_and_half_grads(
   which are the batch's even- and odd-numbered examples when each device
   holds an even number of consecutive ones.
 
+  On a data-parallel mesh each half's gradient is kept in blocks over the
+  data axis (``simigrad_jax/ingraph/half_layout.py``). Where the mesh's
+  ``Explicit`` axes are the data axis alone (``jax.make_mesh((n,),
+  ("data",))``), the split and both passes run with that axis ``Auto``
+  (``jax.sharding.auto_axes``), as cheap as on ``Auto`` axes: the values
+  come back replicated, the mean as the parameters lie. A loss that names
+  the data axis in a sharding (``out_sharding=P("data")``) cannot run there
+  and runs as written, with a warning.
+
   Args:
     loss_fn: ``loss_fn(params, batch, *args)`` returning a scalar loss that is a
       MEAN over the examples of ``batch`` (or ``(loss, aux)`` with
@@ -309,6 +327,12 @@ def value_and_half_grads(
       losses and gradients is exactly the full-batch loss and gradient.
       ``*args`` are passed whole to both halves.
     has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
+    param_specs: under ``Auto`` mesh axes, the parameters' ``PartitionSpec``s
+      (a pytree like the parameters), whose types do not say it there: a
+      parameter sharded over the data axis (FSDP) keeps its blocks, and the
+      mean gradient comes back in each parameter's layout. None (the
+      default): the parameters are taken as replicated. Under ``Explicit``
+      axes their types say it, and this is not needed.
 
   Returns:
     A function ``(params, batch, *args) -> (value, grads, half_grads)``:
@@ -343,9 +367,8 @@ def value_and_half_grads(
   value_and_grad = jax.value_and_grad(checked_scalar_loss(loss_fn, has_aux), has_aux=has_aux)
 
   def wrapped(params, batch, *args):
-    first_half, second_half = split_even_odd(batch)
     (value_a, first), (value_b, second), mean_grads = halves_and_mean(
-      value_and_grad, params, batch, (first_half, *args), (second_half, *args)
+      value_and_grad, params, batch, args, args, param_specs
     )
     value: jax.Array | tuple[jax.Array, Any]  # the loss, and the aux of both halves if has_aux
     if has_aux:

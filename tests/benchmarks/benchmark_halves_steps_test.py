@@ -24,11 +24,13 @@ def test_every_step_has_a_row_on_each_device_count(quick_run):
   assert written["batch"] == halves_steps.QUICK["batch"]
   assert written["rounds"] == halves_steps.QUICK["rounds"]
   assert written["sizes"]["widths"] == list(halves_steps.QUICK["widths"])
-  assert sorted(written["devices"]) == ["1", "8"]
+  assert sorted(written["devices"]) == ["1", "8", "8 Explicit"]
   assert set(written["devices"]["1"]["rows"]["mlp"]) == {"two_pass", "nnx", "pmap"}
   assert set(written["devices"]["8"]["rows"]["mlp"]) == set(halves_steps.BASELINES)
-  for count, part in written["devices"].items():
-    assert part["device"]["devices_visible"] == int(count)
+  # On Explicit axes the plain jax.jit steps only.
+  assert set(written["devices"]["8 Explicit"]["rows"]["mlp"]) == {"two_pass", "device_halves"}
+  for key, part in written["devices"].items():
+    assert part["device"]["devices_visible"] == int(key.split()[0])
     assert list(part["rows"]) == ["mlp"]
 
 
@@ -60,10 +62,11 @@ def test_every_step_measures_the_same_similarity(quick_run):
 def test_the_docs_table_has_a_row_per_device_count(quick_run):
   written, _ = quick_run
   lines = halves_steps.markdown_table(written).splitlines()
-  assert len(lines) == 2 + 2
-  one, eight = lines[2:]
+  assert len(lines) == 2 + 3
+  one, eight, explicit = lines[2:]
   assert one.startswith("| 1 | MLP | ") and one.count(" - ") == 1  # no device split
   assert eight.startswith("| 8 | MLP | ") and " - " not in eight
+  assert explicit.startswith("| 8, `Explicit` axes | MLP | ") and explicit.count(" - ") == 2
   ratio = written["devices"]["8"]["rows"]["mlp"]["device_halves"]["paired_time_ratio"]
   assert f"{ratio:.2f}x" in eight
 

@@ -76,12 +76,6 @@ def test_every_layout_and_kind_of_axes_runs_and_is_recorded(quick_run):
   assert written["device"]["devices_visible"] == 8
 
 
-@pytest.mark.xfail(
-  strict=True,
-  reason="value_and_half_grads' block layout (ingraph/half_layout.py) gathers a replicated mean "
-  "under Auto axes on a one-axis mesh: with FSDP-sharded kernels (kernel/data/auto) the "
-  "transform's temp is 1.25x the halves' (goal 1.05x)",
-)
 def test_the_simigrad_step_moves_no_rows_and_measures_the_even_and_odd_examples(quick_run):
   """No collective-permute; the similarity of the float64 reference; the layout kept."""
   written, _ = quick_run
@@ -98,23 +92,18 @@ def test_the_simigrad_step_moves_no_rows_and_measures_the_even_and_odd_examples(
     "no collective-permute in the SimiGrad step",
     "|similarity - float64 reference|",
     "parameters' sharding lost",
-    "transform temp / halves temp",
   ):
     assert goals[goal]["met"], (goal, goals[goal])
 
 
-@pytest.mark.xfail(
-  strict=True,
-  reason="value_and_half_grads' block layout (ingraph/half_layout.py) gathers a replicated mean "
-  "under Auto axes on a one-axis mesh: with FSDP-sharded kernels (kernel/data/auto) the "
-  "transform's temp is 1.25x the halves' (goal 1.05x)",
-)
 def test_the_transform_adds_no_gradient_sized_memory_or_collectives(quick_run):
-  """Against the same step without it: <= 1.05x the temporary memory, a few scalars of bytes."""
+  """Against the same step without it: <= 1.05x the temporary memory (but with replicated
+  parameters, below), a few scalars of bytes."""
   written, _ = quick_run
   leaf_bytes = 4 * 512 * 512
   for key, run in written["runs"].items():
-    assert run["transform_temp_ratio"] <= 1.05, key
+    if run["layout"] != "data":
+      assert run["transform_temp_ratio"] <= 1.05, key
     # Scalars, or each row's partial sums where a kernel's last axis is sharded (at most
     # 3 x 512 float32 per kernel, ring model): never a gradient.
     assert 0 <= run["transform_collective_bytes"] <= 0.03 * leaf_bytes, key
@@ -122,6 +111,21 @@ def test_the_transform_adds_no_gradient_sized_memory_or_collectives(quick_run):
       run["variants"]["halves"]["collectives"]
     )
     assert beyond_halves <= {"all-reduce", "all-gather"}, key
+
+
+@pytest.mark.xfail(
+  strict=True,
+  reason="with replicated parameters the halves step holds 0.20x the plain step's memory (the "
+  "halves in blocks, the mean gathered once); transform(nonfinite='zero') zeroes that mean "
+  "after the statistics, and XLA then averages the halves before it sums their statistics, "
+  "holding a third block: 1.25x the halves step's (0.25x the plain step's; 0.98x with "
+  "nonfinite='propagate')",
+)
+def test_with_replicated_parameters_the_transform_adds_at_most_5_percent(quick_run):
+  written, _ = quick_run
+  for key, run in written["runs"].items():
+    if run["layout"] == "data":
+      assert run["transform_temp_ratio"] <= 1.05, key
 
 
 def test_batch_sizes_that_leave_a_device_an_odd_number_of_rows_are_refused(sharded):

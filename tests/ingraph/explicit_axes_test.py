@@ -4,8 +4,10 @@
 JAX (``ShardingTypeError ... conv_general_dilated``) in any gradient step. Each
 recipe runs here as the docs write it for both: on Auto axes as it is, on
 Explicit axes with the model's forward pass under ``jax.sharding.auto_axes``
-(``device_halves_step`` needs no change: its data axis is manual). Without
-that, the SimiGrad step's error names both fixes.
+(``device_halves_step`` needs no change: its data axis is manual). Where the
+Explicit axes are the data axis alone, ``value_and_half_grads`` runs its
+passes with that axis Auto, so a convolution needs no change either; beside
+a model axis the SimiGrad step's error names both fixes.
 """
 
 from __future__ import annotations
@@ -131,8 +133,28 @@ def test_the_nnx_recipe_trains_a_conv_net_on_both_kinds_of_axes(axes):
   assert -1 <= simigrad_jax.similarity(optimizer.opt_state) <= 1
 
 
-def test_a_conv_on_explicit_axes_without_auto_axes_names_both_fixes():
+def test_a_conv_on_explicit_data_axes_alone_trains_without_auto_axes():
+  """On a mesh whose Explicit axes are the data axis alone the passes run with it Auto."""
   mesh = make_mesh("explicit")
+  batch = examples(mesh)
+  params = ConvNet().init(jax.random.key(0), np.zeros((1, 8, 8, 1), np.float32))["params"]
+
+  def loss_fn(params, batch):
+    return jnp.mean((ConvNet().apply({"params": params}, batch["x"]) - batch["y"]) ** 2)
+
+  step = jax.jit(simigrad_jax.value_and_half_grads(loss_fn))
+  with jax.set_mesh(mesh):
+    explicit_loss, explicit_grads, _ = step(params, batch)
+  auto = make_mesh("auto")
+  with jax.set_mesh(auto):
+    auto_loss, auto_grads, _ = step(params, examples(auto))
+  np.testing.assert_allclose(float(explicit_loss), float(auto_loss), rtol=1e-6)
+  for got, want in zip(jax.tree.leaves(explicit_grads), jax.tree.leaves(auto_grads), strict=True):
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-7)
+
+
+def test_a_conv_on_explicit_axes_beside_a_model_axis_names_both_fixes(devices):
+  mesh = jax.make_mesh((len(devices) // 2, 2), ("data", "model"))  # Explicit
   batch = examples(mesh)
   params = ConvNet().init(jax.random.key(0), np.zeros((1, 8, 8, 1), np.float32))["params"]
 
@@ -142,7 +164,7 @@ def test_a_conv_on_explicit_axes_without_auto_axes_names_both_fixes():
   with jax.set_mesh(mesh), pytest.raises(ValueError) as refused:
     jax.jit(simigrad_jax.value_and_half_grads(loss_fn))(params, batch)
   message = str(refused.value)
-  assert "Explicit axes ['data']" in message and "conv_general_dilated" in message
+  assert "Explicit axes ['data', 'model']" in message and "conv_general_dilated" in message
   assert "axis_types=(AxisType.Auto,)" in message
   assert "jax.sharding.auto_axes(apply, out_sharding=P('data'))" in message
 
@@ -159,9 +181,12 @@ class NnxBatchNormNet(nnx.Module):
     return self.linear(x.reshape(x.shape[0], -1))[:, 0]
 
 
-@pytest.mark.parametrize("axes", ["auto", "explicit"])
-def test_nnx_value_and_half_grads_on_a_mesh_runs_on_auto_axes_and_names_them_on_explicit(axes):
-  mesh = make_mesh(axes)
+@pytest.mark.parametrize("axes", ["auto", "explicit", "explicit_with_model"])
+def test_nnx_value_and_half_grads_on_a_mesh_runs_and_names_auto_axes_beside_a_model_axis(axes):
+  if axes == "explicit_with_model":
+    mesh = jax.make_mesh((4, 2), ("data", "model"))
+  else:
+    mesh = make_mesh(axes)
   batch = examples(mesh)
   model = NnxBatchNormNet(rngs=nnx.Rngs(0))
   optimizer = nnx.Optimizer(
@@ -179,7 +204,7 @@ def test_nnx_value_and_half_grads_on_a_mesh_runs_on_auto_axes_and_names_them_on_
 
   model.train()
   with jax.set_mesh(mesh):
-    if axes == "explicit":
+    if axes == "explicit_with_model":
       with pytest.raises(ValueError, match=r"axis_types=\(AxisType.Auto,\)"):
         train_step(model, optimizer, batch)
       return
