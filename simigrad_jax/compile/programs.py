@@ -165,8 +165,7 @@ class StepPrograms:
       if compile_fallback and not self._shared_compiles and not scheduled
       else None
     )
-    # The timed fallback's (the schedule decides by itself, and a step waits for what it runs).
-    self._fallback = (
+    self._fallback = (  # the timed fallback's (with the schedule a step waits for what it runs)
       CompileFallback(
         self._compilers,
         cached=self._cached,
@@ -191,20 +190,15 @@ class StepPrograms:
     self._functions.trace(micro)
 
   def start(self, batch_size: int, step: int) -> None:
-    """Queues for the background compilers what a run at ``batch_size`` from ``step`` needs.
-
-    With the schedule, the programs it admits (a new run's first plan and its
-    fallback at ``step``, a resumed run's as its checkpoint saved them), those
-    near the batch first; else
-    :meth:`~simigrad_jax.compile.prefetch.Prefetcher.prefetch_for`'s.
-    """
+    """Queues for the background compilers what a run at ``batch_size`` from ``step`` needs:
+    with the schedule, the programs it admits (a new run's first plan and its fallback, a resumed
+    run's as saved), those near the batch first; else the prefetcher's
+    (:meth:`~simigrad_jax.compile.prefetch.Prefetcher.prefetch_for`)."""
     if self._schedule is None:
-      self._prefetcher.prefetch_for(batch_size)
-    else:
-      plan = self._layout.plan(batch_size)
-      admitted = self._schedule.start(plan, step)
-      # Those near the batch first (a resumed run's own, not the run's oldest).
-      self._compilers.queue([p for p in self._schedule.near(plan) if p in admitted] + admitted)
+      return self._prefetcher.prefetch_for(batch_size)
+    plan = self._layout.plan(batch_size)
+    admitted = self._schedule.start(plan, step)
+    self._compilers.queue([p for p in self._schedule.near(plan) if p in admitted] + admitted)
 
   def choose(self, exact: batch_plan.BatchPlan, step: int, last: bool) -> batch_plan.BatchPlan:
     """The plan step ``step`` runs: ``exact``, or the fallback's (:meth:`ready_plan`); and the
@@ -234,11 +228,8 @@ class StepPrograms:
     timed fallback, compiled now
     (:meth:`~simigrad_jax.compile.fallback.CompileFallback.ready_plan`,
     which queues the compile unless ``prefetch`` is False); ``plan`` without
-    the fallback. Unless ``prefetch`` is False, the programs of the plan
-    returned, a plan a step is about to run (the next step's likely plans,
-    asked for while the devices run this one), move ahead of the queued
-    compiles: the order in which the run needs them (which plan a step runs
-    stays the schedule's).
+    the fallback. Else, unless ``prefetch`` is False, the programs of the plan
+    returned (a step's, or the next one's likely) move ahead of those queued.
     """
     if self._schedule is None and self._fallback is not None:
       return self._fallback.ready_plan(plan, prefetch)
