@@ -209,9 +209,9 @@ class StepPrograms:
     """
     if self._schedule is not None:
       plan = self._schedule.choose(exact, step)
-      self._schedule.advance(exact, step)
-      if not last:  # the programs near the batch first, as it moves (the order is not the schedule)
-        self._compilers.queue(self._schedule.near(exact), first=True)
+      requested = self._schedule.advance(exact, step)
+      if not last:  # in the order they become usable (the next step's likely plans go ahead)
+        self._compilers.queue(requested)
       return plan
     plan = self.ready_plan(exact, step, prefetch=not last)
     if not last:
