@@ -20,15 +20,28 @@ With JAX's persistent compilation cache on
 (:func:`simigrad_jax.compile.persistent_cache.enable_persistent_cache`), a
 compile that finds its executable there loads it; :meth:`StepCompiler.stats`
 counts those loads apart.
+
+Compiles run in daemon threads, and a compile inside XLA cannot be stopped.
+At a normal interpreter exit (a script that returns with a neighbouring
+shape still compiling), an ``atexit`` hook registered at the first compile
+(after JAX's own, so it runs before JAX's clean-up) cancels the queued
+compiles, starts no new one, and waits for those in progress, saying so on
+stderr after a second: otherwise the interpreter's shutdown would meet them
+inside JAX and abort the process (exit status 134). After a run stopped on a
+signal it waits for none (:func:`abandon_at_exit`): the stop is prompt
+(``python -m train`` ends with ``os._exit``, which runs no hook at all).
 """
 
 from __future__ import annotations
 
+import atexit
 import collections
+import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, TextIO
 
 import jax
 
@@ -67,6 +80,11 @@ class _Job:
   def compile(self, lower: Callable[[int], jax.stages.Lowered]) -> None:
     """Lowers and compiles this size in this thread, keeping the program or the error (an
     ``Exception``; anything else, e.g. ``KeyboardInterrupt``, is raised)."""
+    if not IN_FLIGHT.begin():
+      self.error = CompileAbandoned(
+        f"the compile of size {self.size} was not started: the process is exiting"
+      )
+      return
     try:
       lowered = lower(self.size)
       if not isinstance(lowered, jax.stages.Lowered):
@@ -78,6 +96,8 @@ class _Job:
       self.compiled, self.cache_hit = _compile(lowered)
     except Exception as err:  # surfaces in result() for this size
       self.error = err
+    finally:
+      IN_FLIGHT.end()
 
   def result(self, compiler: str) -> jax.stages.Compiled:
     """The compiled program of this done job, or :class:`StepCompileError` naming ``compiler``,
@@ -99,7 +119,9 @@ class CompileAbandoned(SimiGradError, RuntimeError):
 
   Raised by :meth:`StepCompiler.get` and :meth:`ProgramCompiler.get` while
   they wait; the compile itself goes on in its daemon thread, unawaited (a
-  compile in XLA cannot be stopped), and the process may exit without it.
+  compile in XLA cannot be stopped), and the interpreter's exit after the
+  run's stop does not wait for it either. Also the error of a compile asked
+  for after the interpreter's exit began: it is not started.
   """
 
 
@@ -122,8 +144,107 @@ def _wait(done: threading.Event, interrupt: Callable[[], bool] | None, what: str
 
 
 def _start_daemon(target: Callable[[], None], name: str) -> None:
-  """Runs ``target`` in a new daemon thread: a process exits without waiting for it."""
+  """Runs ``target`` in a new daemon thread (the interpreter's exit waits only for a compile in
+  progress: :data:`IN_FLIGHT`)."""
   threading.Thread(target=target, name=name, daemon=True).start()
+
+
+# How long the exit waits for compiles in progress before it says so on stderr (seconds).
+_EXIT_QUIET_SECONDS = 1.0
+
+
+class _InFlight:
+  """This process's compiles in progress, and the interpreter's exit that waits for them.
+
+  Every compile starts through :meth:`begin` and ends with :meth:`end`; the
+  first start registers :meth:`at_exit` with ``atexit`` (after JAX's own
+  hooks, registered when JAX was imported: ``atexit`` runs the last
+  registered first). Compilers register themselves (:meth:`track`, weakly)
+  so that the exit can cancel what they have queued.
+  """
+
+  def __init__(self) -> None:
+    self._lock = threading.Lock()
+    self._idle = threading.Condition(self._lock)
+    self._count = 0  # compiles in progress, in any thread
+    self._exiting = False  # no compile starts once set
+    self._abandon = False  # a run stopped on a signal: the exit waits for none
+    self._hooked = False
+    self._compilers: weakref.WeakSet[Any] = weakref.WeakSet()
+
+  @property
+  def in_progress(self) -> int:
+    """The compiles in progress now."""
+    with self._lock:
+      return self._count
+
+  def track(self, compiler: Any) -> None:
+    """Cancels ``compiler``'s queued compiles (its ``close()``) at the exit, while it lives."""
+    with self._lock:
+      self._compilers.add(compiler)
+
+  def begin(self) -> bool:
+    """Counts a compile as started; False (not started, not counted) once the exit began."""
+    with self._lock:
+      if self._exiting:
+        return False
+      self._count += 1
+      if not self._hooked:
+        self._hooked = True
+        atexit.register(self.at_exit)
+    return True
+
+  def end(self) -> None:
+    """Counts a compile :meth:`begin` started as ended."""
+    with self._lock:
+      self._count -= 1
+      self._idle.notify_all()
+
+  def abandon(self) -> None:
+    """Makes the exit wait for no compile: the run stopped on a signal."""
+    with self._lock:
+      self._abandon = True
+
+  def at_exit(
+    self, stream: TextIO | None = None, quiet_seconds: float = _EXIT_QUIET_SECONDS
+  ) -> int:
+    """Starts no more compiles, cancels the queued ones and waits for those in progress (unless
+    :meth:`abandon` was called), saying so on ``stream`` (stderr) after ``quiet_seconds``.
+
+    Returns:
+      The compiles that were in progress.
+    """
+    with self._lock:
+      self._exiting = True
+      compilers, in_progress = list(self._compilers), self._count
+    for compiler in compilers:
+      compiler.close()
+    with self._lock:
+      if self._abandon or self._idle.wait_for(lambda: self._count == 0, quiet_seconds):
+        return in_progress
+      count = self._count
+    noun = "compile" if count == 1 else "compiles"
+    print(
+      f"simigrad: waiting for {count} {noun} in progress before exit",
+      file=sys.stderr if stream is None else stream,
+      flush=True,
+    )
+    with self._lock:
+      self._idle.wait_for(lambda: self._count == 0)
+    return in_progress
+
+
+# The process's compiles in progress (see _InFlight).
+IN_FLIGHT = _InFlight()
+
+
+def abandon_at_exit() -> None:
+  """Makes the interpreter's exit wait for no compile in progress: the run stopped on a signal.
+
+  A compile inside XLA cannot be stopped; a normal exit waits for those in
+  progress, but after a SIGTERM's stop the process should end at once.
+  """
+  IN_FLIGHT.abandon()
 
 
 def _compile(lowered: jax.stages.Lowered) -> tuple[jax.stages.Compiled, bool]:
@@ -277,8 +398,9 @@ class StepCompiler:
     cores and little on a 2-core machine. Call the returned ``Compiled``
     objects, not the jitted function: a jitted function keeps its own cache
     and would compile again. :meth:`close` (or leaving the ``with`` block)
-    cancels queued compiles and abandons the one in progress: compiles run
-    in daemon threads, which a process exits without waiting for. While
+    cancels queued compiles and returns at once, leaving the one in progress
+    to its daemon thread; the interpreter's normal exit waits for it (see the
+    module's docstring). While
     :attr:`interrupt` is set, a :meth:`get` that waits asks it every 50 ms
     whether to give up (:class:`CompileAbandoned`): a compile of a step the
     run no longer needs is never awaited.
@@ -302,6 +424,7 @@ class StepCompiler:
     self._closed = False
     self._tally = _Tally()
     self.interrupt: Callable[[], bool] | None = None  # True: a waiting get() gives up
+    IN_FLIGHT.track(self)
 
   @property
   def name(self) -> str:
@@ -419,8 +542,8 @@ class StepCompiler:
     """Stops the worker: cancels the queued compiles and abandons the one in progress.
 
     Returns at once: the compile in progress finishes in its daemon thread
-    unawaited (XLA's compile cannot be stopped), and a process may exit
-    before it ends. Idempotent. Compiled variants stay available through
+    unawaited (XLA's compile cannot be stopped; the interpreter's normal
+    exit waits for it). Idempotent. Compiled variants stay available through
     :meth:`get` (a size still compiling is waited for); cancelled sizes are
     compiled on demand if asked for later.
     """
@@ -506,6 +629,7 @@ class ProgramCompiler:
     self._lock = threading.Lock()
     self._tally = _Tally()
     self.interrupt: Callable[[], bool] | None = None  # True: a waiting get() gives up
+    IN_FLIGHT.track(self)
 
   def prefetch(self) -> None:
     """Starts the compile unless started before (or closed); with ``background=False``
@@ -575,8 +699,8 @@ class ProgramCompiler:
       return {**self._tally.stats(), "compiled": compiled}
 
   def close(self) -> None:
-    """Cancels a compile not started; one in progress is abandoned (its daemon thread is not
-    awaited). Returns at once."""
+    """Cancels a compile not started; one in progress goes on in its daemon thread, unawaited
+    (the interpreter's normal exit waits for it). Returns at once."""
     with self._lock:
       self._closed = True
 

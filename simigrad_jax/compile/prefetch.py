@@ -4,8 +4,9 @@ With the compile fallback (:mod:`simigrad_jax.compile.fallback`), the
 one-micro-batch programs within
 :data:`~simigrad_jax.shapes.layout.COMPILE_WINDOW_OCTAVES` of the batch's
 shape compile, nearest first, and the window follows the batch; without it,
-the whole grid. The micro-steps a step of several micro-batches can use, and
-the update, compile from the start. Programs the persistent cache holds from
+the whole grid, the shapes near the batch moved ahead at each step. The
+micro-steps a step of several micro-batches can use, and the update, compile
+from the start. Programs the persistent cache holds from
 an earlier process of the run go first: they only load.
 """
 
@@ -86,11 +87,11 @@ class Prefetcher:
       self._compilers.micro.prefetch(list(dict.fromkeys(accumulating)))
 
   def prefetch_near(self, micro: int) -> None:
-    """With the fallback, queues the one-micro-batch programs within
+    """Queues the one-micro-batch programs within
     :data:`~simigrad_jax.shapes.layout.COMPILE_WINDOW_OCTAVES` of shape ``micro``,
     nearest first, ahead of those queued before (called at each step, so the
-    compiles follow the batch)."""
-    if self._compile_fallback:
-      self._compilers.fused.prefetch(
-        self._layout.shapes_near(micro, COMPILE_WINDOW_OCTAVES), first=True
-      )
+    compiles follow the batch; without the fallback, whose queue holds the
+    whole grid from the start, it only moves them ahead)."""
+    self._compilers.fused.prefetch(
+      self._layout.shapes_near(micro, COMPILE_WINDOW_OCTAVES), first=True
+    )

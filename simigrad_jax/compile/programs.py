@@ -48,6 +48,7 @@ from simigrad_jax.compile.persistent_cache import cache_record
 from simigrad_jax.compile.persistent_cache import cached_view
 from simigrad_jax.compile.prefetch import Prefetcher
 from simigrad_jax.compile.schedule import CompileSchedule
+from simigrad_jax.compile.schedule import programs_of
 from simigrad_jax.compile.step_compilers import StepCompilers
 from simigrad_jax.compile.step_functions import StepFunctions
 from simigrad_jax.compile.step_runner import StepRunner
@@ -164,13 +165,13 @@ class StepPrograms:
       if compile_fallback and not self._shared_compiles and not scheduled
       else None
     )
-    self._fallback = (
+    self._fallback = (  # the timed fallback's (with the schedule a step waits for what it runs)
       CompileFallback(
         self._compilers,
         cached=self._cached,
         agreement=self._agreement if self._shared_compiles else None,
       )
-      if compile_fallback
+      if compile_fallback and not scheduled
       else None
     )
     self._prefetcher = Prefetcher(
@@ -189,17 +190,15 @@ class StepPrograms:
     self._functions.trace(micro)
 
   def start(self, batch_size: int, step: int) -> None:
-    """Queues for the background compilers what a run at ``batch_size`` from ``step`` needs.
-
-    With the schedule, the programs it admits (a new run's first plan and its
-    fallback at ``step``, a resumed run's as its checkpoint saved them) and
-    those it requests near the batch; else
-    :meth:`~simigrad_jax.compile.prefetch.Prefetcher.prefetch_for`'s.
-    """
+    """Queues for the background compilers what a run at ``batch_size`` from ``step`` needs:
+    with the schedule, the programs it admits (a new run's first plan and its fallback, a resumed
+    run's as saved), those near the batch first; else the prefetcher's
+    (:meth:`~simigrad_jax.compile.prefetch.Prefetcher.prefetch_for`)."""
     if self._schedule is None:
-      self._prefetcher.prefetch_for(batch_size)
-    else:
-      self._compilers.queue(self._schedule.start(self._layout.plan(batch_size), step))
+      return self._prefetcher.prefetch_for(batch_size)
+    plan = self._layout.plan(batch_size)
+    admitted = self._schedule.start(plan, step)
+    self._compilers.queue([p for p in self._schedule.near(plan) if p in admitted] + admitted)
 
   def choose(self, exact: batch_plan.BatchPlan, step: int, last: bool) -> batch_plan.BatchPlan:
     """The plan step ``step`` runs: ``exact``, or the fallback's (:meth:`ready_plan`); and the
@@ -211,7 +210,7 @@ class StepPrograms:
     if self._schedule is not None:
       plan = self._schedule.choose(exact, step)
       requested = self._schedule.advance(exact, step)
-      if not last:
+      if not last:  # in the order they become usable (the next step's likely plans go ahead)
         self._compilers.queue(requested)
       return plan
     plan = self.ready_plan(exact, step, prefetch=not last)
@@ -229,13 +228,15 @@ class StepPrograms:
     timed fallback, compiled now
     (:meth:`~simigrad_jax.compile.fallback.CompileFallback.ready_plan`,
     which queues the compile unless ``prefetch`` is False); ``plan`` without
-    the fallback.
+    the fallback. Else, unless ``prefetch`` is False, the programs of the plan
+    returned (a step's, or the next one's likely) move ahead of those queued.
     """
-    if self._schedule is not None:
-      return self._schedule.choose(plan, step)
-    if self._fallback is None:
-      return plan
-    return self._fallback.ready_plan(plan, prefetch)
+    if self._schedule is None and self._fallback is not None:
+      return self._fallback.ready_plan(plan, prefetch)
+    chosen = plan if self._schedule is None else self._schedule.choose(plan, step)
+    if prefetch:
+      self._compilers.queue(programs_of(chosen), first=True)
+    return chosen
 
   def wait_for(self, plan: batch_plan.BatchPlan) -> None:
     """Waits until ``plan``'s programs are compiled
@@ -249,8 +250,9 @@ class StepPrograms:
 
   def await_fallback(self, micro: int) -> None:
     """Waits, once, until the fallback can hold a batch of any size on shape ``micro``
-    (:meth:`~simigrad_jax.compile.fallback.CompileFallback.await_fallback`); a no-op without
-    the fallback, and given up (no error) when the interrupt says so."""
+    (:meth:`~simigrad_jax.compile.fallback.CompileFallback.await_fallback`): the timed
+    fallback's; a no-op without it (with the schedule a step waits only for the programs it
+    runs), and given up (no error) when the interrupt says so."""
     if self._fallback is not None:
       try:
         self._fallback.await_fallback(micro)

@@ -118,16 +118,23 @@ class CompileSchedule:
     Returns:
       The programs newly requested, in the order the schedule admits them.
     """
+    new = [program for program in self.near(plan) if program not in self._admitted]
+    for program in new:
+      self._free_at = max(self._free_at, float(step)) + self._pace
+      self._admitted[program] = math.ceil(self._free_at)
+    return new
+
+  def near(self, plan: batch_plan.BatchPlan) -> list[Program]:
+    """``plan``'s programs and the one-micro-batch programs near its shape (within
+    :data:`~simigrad_jax.shapes.layout.COMPILE_WINDOW_OCTAVES`, nearest first; with the
+    micro-step of a shape a planned step may accumulate on): what :meth:`advance` requests, and
+    the order in which the run is likely to need them, whether requested before or not."""
     wanted = list(programs_of(plan))
     for size in self._layout.shapes_near(plan.micro_batch_size, COMPILE_WINDOW_OCTAVES):
       wanted.append(("fused", size))
       if size in self._accumulation:
         wanted.extend([("micro", size), APPLY])
-    new = [program for program in dict.fromkeys(wanted) if program not in self._admitted]
-    for program in new:
-      self._free_at = max(self._free_at, float(step)) + self._pace
-      self._admitted[program] = math.ceil(self._free_at)
-    return new
+    return list(dict.fromkeys(wanted))
 
   def state_dict(self) -> dict[str, Any]:
     """The schedule as JSON data, for a checkpoint (:meth:`load_state_dict` reads it back)."""

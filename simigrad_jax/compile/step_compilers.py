@@ -19,6 +19,7 @@ import jax
 
 from simigrad_jax.compile.compiler import ProgramCompiler
 from simigrad_jax.compile.compiler import StepCompiler
+from simigrad_jax.compile.compiler import abandon_at_exit
 from simigrad_jax.compile.step_functions import StepFunctions
 from simigrad_jax.shapes import batch_plan
 from simigrad_jax.shapes.layout import StepLayout
@@ -47,6 +48,7 @@ class StepCompilers:
 
   def __init__(self, functions: StepFunctions, layout: StepLayout, *, background: bool):
     self._layout = layout
+    self._background = background
     self.fused = StepCompiler(functions.lower_fused, background=background, name="fused_step")
     self.micro = StepCompiler(functions.lower_micro, background=background, name="micro_step")
     self.update = ProgramCompiler(functions.lower_apply, background=background, name="apply")
@@ -125,15 +127,19 @@ class StepCompilers:
       "temp_bytes": int(analysis.temp_size_in_bytes),
     }
 
-  def queue(self, programs: list[tuple[str, int]]) -> None:
+  def queue(self, programs: list[tuple[str, int]], *, first: bool = False) -> None:
     """Queues ``programs`` (``("fused", shape)``, ``("micro", shape)`` or ``("apply", 0)``) for
-    the background compilers, in order (each compiler's queue apart)."""
+    the background compilers, in order (each compiler's queue apart); with ``first``, ahead of
+    those queued before (those of them still waiting move ahead too). A no-op without background
+    compiles."""
+    if not self._background:
+      return
     fused = [size for kind, size in programs if kind == "fused"]
     micro = [size for kind, size in programs if kind == "micro"]
     if fused:
-      self.fused.prefetch(fused)
+      self.fused.prefetch(fused, first=first)
     if micro:
-      self.micro.prefetch(micro)
+      self.micro.prefetch(micro, first=first)
     if ("apply", 0) in programs:
       self.update.prefetch()
 
@@ -152,8 +158,16 @@ class StepCompilers:
 
   def set_interrupt(self, interrupt: Callable[[], bool] | None) -> None:
     """Makes a wait for a compile ask ``interrupt()`` every 50 ms whether to give up
-    (:class:`~simigrad_jax.compile.compiler.CompileAbandoned`); None: never give up."""
+    (:class:`~simigrad_jax.compile.compiler.CompileAbandoned`); None: never give up.
+
+    When the interrupt it replaces says to give up (the run stopped on a
+    signal), the interpreter's exit will wait for no compile in progress
+    (:func:`~simigrad_jax.compile.compiler.abandon_at_exit`).
+    """
     for compiler in (self.fused, self.micro, self.update):
+      previous = compiler.interrupt
+      if previous is not None and previous():
+        abandon_at_exit()
       compiler.interrupt = interrupt
 
   def close(self) -> None:

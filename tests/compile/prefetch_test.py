@@ -21,14 +21,14 @@ def prefetcher(accumulation_shapes=(), compile_fallback=True, cached=None):
   return prefetch, compilers
 
 
-def test_without_the_fallback_the_whole_grid_queues_nearest_first():
+def test_without_the_fallback_the_whole_grid_queues_nearest_first_then_follows_the_batch():
   prefetch, compilers = prefetcher(compile_fallback=False)
   assert compilers.update.prefetches == 0  # no step accumulates
   prefetch.prefetch_for(64)
   assert compilers.fused.queued == [[8, 6, 12, 4, 16, 3, 23, 2, 32, 1]]
   assert compilers.micro.queued == [] and compilers.update.prefetches == 0
-  prefetch.prefetch_near(16)  # a no-op: no window to follow
-  assert compilers.fused.first == []
+  prefetch.prefetch_near(16)  # the shapes near the batch move ahead: it follows the batch
+  assert compilers.fused.first == [[16, 12]]
 
 
 def test_with_the_fallback_the_window_queues_then_follows_the_batch():

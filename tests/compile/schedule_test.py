@@ -52,6 +52,21 @@ def test_more_steps_per_compile_fall_back_longer():
   assert sum(p.micro_batch_size != 3 for p in slow) > sum(p.micro_batch_size != 3 for p in fast)
 
 
+def test_near_lists_the_plans_programs_then_the_window_nearest_first():
+  grid = layout()
+  plans = CompileSchedule(grid, 0.5, accumulation_shapes=[8])
+  plans.start(grid.plan(8), 0)
+  exact = grid.plan(48)  # 6 rows a device
+  near = plans.near(exact)
+  assert near[0] == ("fused", 6)
+  assert [size for kind, size in near if kind == "fused"] == grid.shapes_near(6, 0.5)
+  assert ("micro", 8) in near and ("apply", 0) in near  # 8 rows: a shape a step accumulates on
+  requested = plans.advance(exact, 1)
+  assert requested == [program for program in near if program != ("apply", 0)]  # (admitted)
+  assert plans.near(exact) == near  # the same whether requested before or not
+  assert plans.advance(exact, 2) == []
+
+
 def test_a_restored_schedule_chooses_as_the_one_never_interrupted():
   sizes = [8, 12, 20, 32, 48, 64, 40, 24, 16, 24]
   straight, _ = replay(sizes)

@@ -1,0 +1,179 @@
+"""The interpreter's exit with compiles in flight (simigrad_jax.compile.compiler's exit hook).
+
+A user's own script that trains a Trainer and returns normally, with a
+neighbouring shape still compiling inside XLA, exits 0 (before the hook, the
+interpreter's shutdown met the compile inside JAX and the process aborted
+with status 134); and in one process, on a fresh record of the compiles in
+flight: the exit cancels queued compiles, starts no new one and waits for
+those in progress, unless the run stopped on a signal.
+"""
+
+import atexit
+import io
+import pathlib
+import subprocess
+import sys
+import textwrap
+import threading
+import types
+
+import pytest
+from compiler_test import TIMEOUT
+from compiler_test import Lowerer
+from compiler_test import mesh  # noqa: F401  (a fixture)
+from compiler_test import wait_until
+
+from reliability_helpers import driver_env
+from simigrad_jax.compile import compiler
+from simigrad_jax.compile.compiler import CompileAbandoned
+from simigrad_jax.compile.compiler import StepCompileError
+from simigrad_jax.compile.compiler import StepCompiler
+from simigrad_jax.compile.step_compilers import StepCompilers
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+TRIES = 5
+
+# A tiny adaptive Trainer whose batch grows every step, so that each step asks for the shapes
+# near its own; after the first three, every compile first spends seconds inside XLA on a large
+# program, so that one is still in XLA when the script returns.
+EXIT_SCRIPT = textwrap.dedent(
+  """
+  import os, sys, time
+  sys.path.insert(0, {tests!r})
+  import simigrad_jax  # this checkout's (PYTHONPATH)
+  os.environ.update(simigrad_jax.simulated_cpu_devices_env(8))
+  import jax, jax.numpy as jnp
+  from simigrad_jax.compile import compiler
+  from tiny_run import trainer_objects, trainer_with
+
+  real = compiler._compile
+  count = [0]
+
+  def heavy(x):
+    for i in range(80):
+      x = jnp.sin(x) * (i + 1.0) + jnp.cos(x @ x)
+    return x
+
+  def slow(lowered):
+    count[0] += 1
+    if count[0] > 3:  # a new shape each time: never from JAX's caches
+      shape = jax.ShapeDtypeStruct((8 + count[0], 8 + count[0]), jnp.float32)
+      jax.jit(heavy).lower(shape).compile()
+    return real(lowered)
+
+  compiler._compile = slow
+  controller = simigrad_jax.Controller(
+    16, 0.95, batch_size_lower_bound=8, batch_size_upper_bound=112
+  )
+  trainer = trainer_with(**(trainer_objects({workdir!r}) | dict(
+    controller=controller, max_micro_batch_size=16, progress=False, tensorboard=False,
+  )))
+  trainer.train(num_steps=8)
+  deadline = time.monotonic() + 60
+  while compiler.IN_FLIGHT.in_progress == 0 and time.monotonic() < deadline:
+    time.sleep(0.01)  # (a neighbour's compile starts as the last step ends)
+  print("in flight at exit:", compiler.IN_FLIGHT.in_progress, flush=True)
+  """
+)
+
+
+@pytest.mark.slow
+def test_a_script_that_returns_with_compiles_in_xla_exits_0(tmp_path):
+  codes = []
+  for index in range(TRIES):
+    script = tmp_path / f"run{index}.py"
+    script.write_text(
+      EXIT_SCRIPT.format(tests=str(ROOT / "tests"), workdir=str(tmp_path / f"w{index}"))
+    )
+    done = subprocess.run(
+      [sys.executable, str(script)], env=driver_env(), capture_output=True, text=True, timeout=600
+    )
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-3000:]  # was 134: "terminate called ..."
+    in_flight = int(output.split("in flight at exit: ")[1].split()[0])
+    assert in_flight >= 1, output[-3000:]  # the exit met a compile inside XLA
+    assert "in progress before exit" in done.stderr, output[-3000:]
+    codes.append(done.returncode)
+  assert codes == [0] * TRIES
+
+
+@pytest.fixture
+def in_flight(monkeypatch):
+  """A fresh record of the compiles in flight, in place of the process's (whose exit hook must
+  not run before the process ends)."""
+  fresh = compiler._InFlight()
+  monkeypatch.setattr(compiler, "IN_FLIGHT", fresh)
+  yield fresh
+  atexit.unregister(fresh.at_exit)  # (registered by its first compile)
+
+
+def test_a_compile_asked_for_after_the_exit_began_is_not_started(mesh, in_flight):  # noqa: F811
+  lower = Lowerer(mesh)
+  with StepCompiler(lower) as step:
+    step.get(1)
+    in_flight.at_exit(io.StringIO())
+    with pytest.raises(StepCompileError) as raised:
+      step.get(2)
+    assert isinstance(raised.value.__cause__, CompileAbandoned)
+    assert "the process is exiting" in str(raised.value.__cause__)
+    assert step.get(1) is not None  # a compiled one still runs
+  assert lower.calls == [1]  # 2 was never lowered
+
+
+def test_the_exit_cancels_queued_compiles_and_waits_for_the_one_in_progress(
+  mesh,  # noqa: F811
+  in_flight,
+):
+  lower = Lowerer(mesh, gated=[1])
+  step = StepCompiler(lower)
+  step.prefetch([1, 2, 4])
+  assert lower.started[1].wait(TIMEOUT)  # 1 in progress, 2 and 4 queued
+  stream = io.StringIO()
+  returned = threading.Event()
+  exiting = threading.Thread(
+    target=lambda: (in_flight.at_exit(stream, quiet_seconds=0.1), returned.set())
+  )
+  exiting.start()
+  wait_until(lambda: stream.getvalue())
+  assert stream.getvalue() == "simigrad: waiting for 1 compile in progress before exit\n"
+  assert not returned.is_set()  # waits while the compile is in progress
+  lower.gates[1].set()
+  exiting.join(TIMEOUT)
+  assert returned.is_set() and in_flight.in_progress == 0
+  assert step.stats()["compiled_sizes"] == [1]
+  assert lower.calls == [1]  # the queued ones never started
+
+
+def test_the_exit_says_nothing_when_the_compiles_end_within_the_quiet_time(
+  mesh,  # noqa: F811
+  in_flight,
+):
+  lower = Lowerer(mesh, gated=[1])
+  step = StepCompiler(lower)
+  step.prefetch([1])
+  assert lower.started[1].wait(TIMEOUT)
+  threading.Timer(0.05, lower.gates[1].set).start()
+  stream = io.StringIO()
+  assert in_flight.at_exit(stream, quiet_seconds=TIMEOUT) == 1
+  assert stream.getvalue() == ""
+  assert step.stats()["compiled_sizes"] == [1]
+
+
+def test_after_a_stop_on_a_signal_the_exit_waits_for_no_compile(mesh, in_flight):  # noqa: F811
+  lower = Lowerer(mesh, gated=[1])
+  compilers = StepCompilers(
+    types.SimpleNamespace(lower_fused=lower, lower_micro=lower, lower_apply=lambda: None),
+    layout=None,
+    background=True,
+  )
+  compilers.set_interrupt(lambda: False)
+  compilers.set_interrupt(None)  # a run that ended without a signal
+  compilers.fused.prefetch([1])
+  assert lower.started[1].wait(TIMEOUT)
+  compilers.set_interrupt(lambda: True)
+  compilers.set_interrupt(None)  # a run that stopped on a signal
+  stream = io.StringIO()
+  assert in_flight.at_exit(stream, quiet_seconds=0.1) == 1  # returns with it in progress
+  assert stream.getvalue() == "" and in_flight.in_progress == 1
+  lower.gates[1].set()
+  wait_until(lambda: in_flight.in_progress == 0)

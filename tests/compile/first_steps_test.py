@@ -1,0 +1,87 @@
+"""A run waits only for the programs its steps run: on the compile schedule the first step does not
+wait for the micro-step and the update admitted beside its own program, and the programs of the
+plans the next step is likely to run compile ahead of the others."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import schedule_test
+
+from simigrad_jax.compile.programs import StepPrograms
+from simigrad_jax.compile.schedule import CompileSchedule
+from simigrad_jax.compile.step_functions import StepFunctions
+from tiny_run import make_trainer
+
+# A deadlock breaker, not a timing: the gated compiles wait at most this long for the first step.
+GATE_SECONDS = 300
+
+
+class FirstStepSeen:
+  """A hook that opens ``gate`` when the first step's record comes (as soon as it is decided)."""
+
+  runs_at_once = True
+
+  def __init__(self, gate: threading.Event):
+    self.gate = gate
+
+  def on_step(self, record):
+    if record.step == 1:
+      self.gate.set()
+
+
+def test_the_first_step_does_not_wait_for_the_fallbacks_micro_step_and_update(
+  tmp_path, monkeypatch
+):
+  gate = threading.Event()
+  opened_by_the_step = []  # per gated compile: whether the first step opened its gate
+  for name in ("lower_micro", "lower_apply"):
+    real = getattr(StepFunctions, name)
+
+    def gated(self, *args, _real=real):
+      opened_by_the_step.append(gate.wait(GATE_SECONDS))
+      return _real(self, *args)
+
+    monkeypatch.setattr(StepFunctions, name, gated)
+  with make_trainer(tmp_path / "run", hooks=[FirstStepSeen(gate)]) as trainer:
+    # 20 examples: 3 rows a device in one micro-batch (the micro-step of 3 and the update are
+    # admitted with it, for the fallback to accumulate on).
+    summary = trainer.train(num_steps=3)
+    deadline = time.monotonic() + GATE_SECONDS
+    while not trainer.compile_stats()["update_compiled"] and time.monotonic() < deadline:
+      time.sleep(0.05)  # (it compiles in the background, after the first step)
+  assert summary["run_steps"] == 3
+  assert opened_by_the_step and all(opened_by_the_step)  # (the update's among them)
+
+
+class RecordingQueue:
+  """Stands in for StepCompilers: records what is queued, and whether ahead of the rest."""
+
+  def __init__(self):
+    self.queued = []
+
+  def queue(self, programs, *, first=False):
+    self.queued.append((programs, first))
+
+
+def programs_on(schedule):
+  """StepPrograms' choices alone (no compiles): on ``schedule``, or without the fallback."""
+  programs = object.__new__(StepPrograms)
+  programs._schedule, programs._fallback, programs._compilers = schedule, None, RecordingQueue()
+  return programs
+
+
+def test_a_plan_a_step_is_about_to_run_moves_its_programs_ahead_of_the_queue():
+  grid = schedule_test.layout()
+  plans = CompileSchedule(grid, 0.5, [])
+  plans.start(grid.plan(8), 0)
+  programs = programs_on(plans)
+  chosen = programs.ready_plan(grid.plan(24), 1)  # 3 rows: not admitted, on 1 row instead
+  assert (chosen.micro_batch_size, chosen.accumulation_steps) == (1, 3)
+  assert programs._compilers.queued == [([("micro", 1), ("apply", 0)], True)]
+  assert programs.ready_plan(grid.plan(24), 1, prefetch=False) == chosen  # (the run's last step)
+  assert len(programs._compilers.queued) == 1
+  unscheduled = programs_on(None)  # without the fallback: the plan itself, its programs ahead
+  assert unscheduled.ready_plan(grid.plan(24), 1) == grid.plan(24)
+  assert unscheduled._compilers.queued == [([("fused", 3)], True)]
