@@ -298,7 +298,9 @@ def _warm_start(
   Each round builds a new adaptive Trainer and a new one fixed at
   ``fixed_batch`` (in turns, the first alternating) and trains each
   ``--warm-start-steps`` steps, the first step and its compile wait
-  included: the adaptive one's steps on a fallback shape (the summary's
+  included, with the Trainer's default compile schedule (the other sections'
+  loops wait for every shape instead): the adaptive one's steps on a
+  fallback shape (the summary's
   ``compile_fallback_steps``), its seconds waiting for compiles, and its
   examples/s against the fixed one's (the median of the rounds' ratios).
   """
@@ -310,6 +312,7 @@ def _warm_start(
     for name, adaptive in order if index % 2 == 0 else order[::-1]:
       workdir = pathlib.Path(tempfile.mkdtemp(prefix=f"warm-{name}-", dir=root))
       more = grid if adaptive else {"max_micro_batch_size": fixed_batch // n}
+      more = {**more, "compile_fallback": True}  # the Trainer's default: its compile schedule
       batch = args.batch_size if adaptive else fixed_batch
       loop = TrainerLoop(
         spec, data, batch, adaptive, args.similarity_target, workdir, **{**settings, **more}

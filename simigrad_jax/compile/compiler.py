@@ -388,6 +388,7 @@ class StepCompiler:
     ...   compiler.prefetch([8, 16])  # returns at once
     ...   compiled = compiler.get(8)  # waits only if 8 is still compiling
     ...   compiled(jnp.ones((4, 2)), jnp.ones((8, 4))).shape
+    ...   _ = compiler.get(16)  # 16 compiled in the background; leaving the block cancels none
     (8, 2)
     >>> compiler.stats()["compiled_sizes"]
     [8, 16]

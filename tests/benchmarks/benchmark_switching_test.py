@@ -86,9 +86,10 @@ def test_recompile_compiles_each_visited_shape_once(quick_run, mode):
     result["step_compiles"] + result["accumulation_compiles"] + result["update_compiled"]
   )
   assert result["step_compiles"] <= len(compiled)
-  # Only a first visit can wait: with the fallback, for a shape the compile schedule has
-  # admitted (decided by the step count, so a busy machine waits more, never falls back more).
-  assert result["steps_that_waited"] <= len(visited)
+  # A step waits only for a program's first use (with the fallback, one the compile schedule
+  # has admitted, decided by the step count: a busy machine waits more, never falls back more);
+  # a shape's micro-step or the update may be first used after the shape's first visit.
+  assert result["steps_that_waited"] <= result["compiles"]
   if mode == "recompile_wait":
     assert result["compile_fallback_steps"] == 0
 
