@@ -19,7 +19,7 @@ import jax
 
 from simigrad_jax.compile.compiler import ProgramCompiler
 from simigrad_jax.compile.compiler import StepCompiler
-from simigrad_jax.compile.compiler import abandon_at_exit
+from simigrad_jax.compile.exit_wait import abandon_at_exit
 from simigrad_jax.compile.step_functions import StepFunctions
 from simigrad_jax.shapes import batch_plan
 from simigrad_jax.shapes.layout import StepLayout
@@ -162,7 +162,7 @@ class StepCompilers:
 
     When the interrupt it replaces says to give up (the run stopped on a
     signal), the interpreter's exit will wait for no compile in progress
-    (:func:`~simigrad_jax.compile.compiler.abandon_at_exit`).
+    (:func:`~simigrad_jax.compile.exit_wait.abandon_at_exit`).
     """
     for compiler in (self.fused, self.micro, self.update):
       previous = compiler.interrupt

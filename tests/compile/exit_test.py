@@ -24,7 +24,7 @@ from compiler_test import mesh  # noqa: F401  (a fixture)
 from compiler_test import wait_until
 
 from reliability_helpers import driver_env
-from simigrad_jax.compile import compiler
+from simigrad_jax.compile import exit_wait
 from simigrad_jax.compile.compiler import CompileAbandoned
 from simigrad_jax.compile.compiler import StepCompileError
 from simigrad_jax.compile.compiler import StepCompiler
@@ -43,7 +43,7 @@ EXIT_SCRIPT = textwrap.dedent(
   import simigrad_jax  # this checkout's (PYTHONPATH)
   os.environ.update(simigrad_jax.simulated_cpu_devices_env(8))
   import jax, jax.numpy as jnp
-  from simigrad_jax.compile import compiler
+  from simigrad_jax.compile import compiler, exit_wait
   from tiny_run import trainer_objects, trainer_with
 
   real = compiler._compile
@@ -70,9 +70,9 @@ EXIT_SCRIPT = textwrap.dedent(
   )))
   trainer.train(num_steps=8)
   deadline = time.monotonic() + 60
-  while compiler.IN_FLIGHT.in_progress == 0 and time.monotonic() < deadline:
+  while exit_wait.IN_FLIGHT.in_progress == 0 and time.monotonic() < deadline:
     time.sleep(0.01)  # (a neighbour's compile starts as the last step ends)
-  print("in flight at exit:", compiler.IN_FLIGHT.in_progress, flush=True)
+  print("in flight at exit:", exit_wait.IN_FLIGHT.in_progress, flush=True)
   """
 )
 
@@ -101,8 +101,8 @@ def test_a_script_that_returns_with_compiles_in_xla_exits_0(tmp_path):
 def in_flight(monkeypatch):
   """A fresh record of the compiles in flight, in place of the process's (whose exit hook must
   not run before the process ends)."""
-  fresh = compiler._InFlight()
-  monkeypatch.setattr(compiler, "IN_FLIGHT", fresh)
+  fresh = exit_wait._InFlight()
+  monkeypatch.setattr(exit_wait, "IN_FLIGHT", fresh)
   yield fresh
   atexit.unregister(fresh.at_exit)  # (registered by its first compile)
 
