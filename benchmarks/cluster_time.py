@@ -15,12 +15,13 @@ which waits for ``train()`` to start, left out), its host path the same of
 ``host_seconds``.
 
 The CPU model (:class:`simigrad_jax.cluster_time.CpuStepModel`) is fitted
-per model to these points by least squares on relative errors, and each
-point's ``predicted_s`` comes from the model fitted to the other points
-(leave one out), so that the error in the table is out of sample. The fitted
-per-device curve (the 1-device term), the host path and the gradient's bytes
-and FLOPs per example are what the cluster prediction takes from this sweep
-(``models`` in the JSON).
+per model to the calibration points (batch sizes that bracket the
+validation ones) by non-negative least squares on relative errors, and
+each validation point's ``predicted_s`` comes from that fit, so that the
+error in the table is out of sample. The fitted per-device curve (the
+1-device term), the host path and the gradient's bytes and FLOPs per
+example are what the cluster prediction takes from this sweep (``models``
+in the JSON).
 
 NOTE: this machine's 2 cores are shared with other users: the rounds
 alternate so that a slow minute hits every point alike, and the medians
@@ -59,13 +60,15 @@ from benchmarks import common  # noqa: E402  (imports no JAX)
 
 DEVICE_COUNTS = (1, 2, 4, 8)
 FULL = {
-  "batch_sizes": {"mnist": [32, 128, 512], "lm": [16, 64, 128]},
-  "steps": 16,
+  "batch_sizes": {"mnist": [32, 128, 512], "lm": [16, 64, 128]},  # validated
+  "calibration_batch_sizes": {"mnist": [16, 64, 256, 1024], "lm": [8, 32, 256]},  # fitted
+  "steps": 24,
   "rounds": 5,
   "warmup_steps": 3,
 }
 QUICK = {
-  "batch_sizes": {"mnist": [8, 32], "lm": [8, 16]},
+  "batch_sizes": {"mnist": [16], "lm": [16]},
+  "calibration_batch_sizes": {"mnist": [8, 32], "lm": [8, 32]},
   "steps": 3,
   "rounds": 2,
   "warmup_steps": 1,
@@ -249,7 +252,7 @@ class _Worker:
 
   def __init__(self, devices: int, args: argparse.Namespace) -> None:
     command = [sys.executable, os.path.abspath(__file__), "--worker", str(devices)]
-    command += ["--batch-sizes-json", json.dumps(args.batch_sizes)]
+    command += ["--batch-sizes-json", json.dumps(_sweep_sizes(args))]
     command += ["--warmup-steps", str(args.warmup_steps)] + (["--quick"] if args.quick else [])
     self.process = subprocess.Popen(
       command,
@@ -291,7 +294,7 @@ def measure(args: argparse.Namespace) -> tuple[dict[str, Any], list[dict[str, An
     points = [
       (devices, model, size)
       for devices in args.devices
-      for model, sizes in args.batch_sizes.items()
+      for model, sizes in _sweep_sizes(args).items()
       for size in sizes
     ]
     rounds: dict[tuple[int, str, int], list[dict[str, float]]] = {p: [] for p in points}
@@ -312,10 +315,20 @@ def measure(args: argparse.Namespace) -> tuple[dict[str, Any], list[dict[str, An
       "measured_s": statistics.median(t["step_s"] for t in rounds[devices, model, size]),
       "host_s": statistics.median(t["host_s"] for t in rounds[devices, model, size]),
       "rounds_s": [t["step_s"] for t in rounds[devices, model, size]],
+      "role": "validation" if size in args.batch_sizes[model] else "calibration",
     }
     for devices, model, size in points
   ]
   return info, measured
+
+
+def _sweep_sizes(args: argparse.Namespace) -> dict[str, list[int]]:
+  """Each model's batch sizes the sweep times: its calibration's and its validation's."""
+  calibration = getattr(args, "calibration_batch_sizes", {})
+  return {
+    model: sorted(set(sizes) | set(calibration.get(model, ())))
+    for model, sizes in args.batch_sizes.items()
+  }
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -340,39 +353,39 @@ def summarize(
   cores: int,
   load: tuple[float, float] | None = None,
 ) -> dict[str, Any]:
-  """The CPU model fitted per model, each point predicted out of sample, and the calibration.
+  """The CPU model fitted per model to its calibration points, and the validation points
+  predicted by it.
 
   Args:
     info: each model's description, parameters, gradient bytes and FLOPs per example.
-    measured: the points (``model``, ``devices``, ``batch_size``, ``measured_s``, ``host_s``).
+    measured: the points (``model``, ``devices``, ``batch_size``, ``measured_s``, ``host_s``,
+      ``role``: ``"calibration"`` or ``"validation"``).
     cores: the cores the simulated devices shared.
     load: the machine's 1-minute load average before and after the sweep, if known.
 
   Returns:
     ``models`` (each with its fit, ``device_curve`` and ``host_s``: the calibration
-    ``python -m simigrad_jax.cluster_time`` reads), ``validation`` (each point with its
-    ``predicted_s`` from the model fitted to the other points, and ``error``) and the goal.
+    ``python -m simigrad_jax.cluster_time`` reads), ``calibration`` (the fitted points, each
+    with its ``predicted_s`` and ``error`` in sample), ``validation`` (the other points, each
+    with its ``predicted_s`` and ``error`` out of sample) and the goal.
   """
   from simigrad_jax import cluster_time  # pylint: disable=import-outside-toplevel
 
   models = {}
-  validation = []
+  checked: dict[str, list[dict[str, Any]]] = {"calibration": [], "validation": []}
   for name in info:
     points = [p for p in measured if p["model"] == name]
-    if not points:
+    fitted = [p for p in points if p["role"] == "calibration"]
+    if not fitted:
       continue
-    rows = [(p["devices"], p["batch_size"], p["measured_s"], p["host_s"]) for p in points]
-    # The cores the devices' work is spread over: those whose model predicts the points best
-    # (on a loaded machine, fewer than it has).
-    held_out = {c: cluster_time.leave_one_out(rows, c) for c in range(1, max(cores, 1) + 1)}
-    worst = {
-      c: max(abs(q / p["measured_s"] - 1) for p, q in zip(points, held_out[c], strict=True))
-      for c in held_out
-    }
-    supported = min(worst, key=lambda c: worst[c])
-    fit = cluster_time.fit_cpu_model(rows, supported)
-    for p, predicted in zip(points, held_out[supported], strict=True):
-      validation.append({**p, "predicted_s": predicted, "error": predicted / p["measured_s"] - 1})
+    fit = cluster_time.fit_cpu_model(
+      [(p["devices"], p["batch_size"], p["measured_s"], p["host_s"]) for p in fitted], cores
+    )
+    for p in points:
+      predicted = fit.seconds(p["batch_size"], p["devices"], p["host_s"])
+      checked[p["role"]].append(
+        {**p, "predicted_s": predicted, "error": predicted / p["measured_s"] - 1}
+      )
     curve = fit.device_curve()
     models[name] = {
       **info[name],
@@ -384,13 +397,13 @@ def summarize(
       },
       "host_s": statistics.median(p["host_s"] for p in points),
     }
-  worst = max(abs(v["error"]) for v in validation)
+  worst = max(abs(v["error"]) for v in checked["validation"])
   return {
     "what": "the Trainer's step time on simulated CPU devices, measured against the model",
     "machine": f"{cores} CPU cores{_load_text(load)}; medians of alternating rounds",
     "devices": sorted({p["devices"] for p in measured}),
     "models": models,
-    "validation": validation,
+    **checked,
     "max_abs_error": worst,
     "goal": {"max_abs_error": GOAL, "pass": worst <= GOAL},
   }
@@ -484,7 +497,8 @@ def _format_table(results: dict[str, Any]) -> str:
   lines = [
     f"Step time, measured (median of {results.get('rounds')} rounds of {results.get('steps')} "
     "steps) "
-    f"against predicted (the model fitted to the other points); {results['machine']}",
+    f"against predicted (the model fitted to the calibration points, "
+    f"{_calibration_text(results)}); {results['machine']}",
     f"  {'model':6s} {'devices':>7s} {'batch':>6s} {'measured ms':>11s} {'predicted ms':>12s} "
     f"{'error':>7s}",
   ]
@@ -496,11 +510,12 @@ def _format_table(results: dict[str, Any]) -> str:
   for name, m in results["models"].items():
     fit = m["cpu_fit"]
     lines.append(
-      f"  {name}: a device's rows r: {fit['overhead_s'] * 1e3:.3f} ms + "
-      f"{fit['seconds_per_example'] * 1e6:.1f} us x r + "
-      f"{fit['seconds_per_example_squared'] * 1e6:.3f} us x r^2; collective "
-      f"{fit['collective_s'] * 1e3:.3f} ms x (N-1); over {fit['cores']} core(s); host "
-      f"{m['host_s'] * 1e3:.3f} ms; {m['parameters']:,} parameters"
+      f"  {name}: a device alone, rows r: {fit['launch_s'] * 1e3:.3f} + "
+      f"{fit['overhead_s'] * 1e3:.3f} ms + {fit['seconds_per_example'] * 1e6:.1f} us x r + "
+      f"{fit['seconds_per_example_squared'] * 1e6:.3f} us x r^2 over "
+      f"{fit['device_parallelism']:g} of the {fit['cores']} cores; collective "
+      f"{fit['collective_s'] * 1e3:.3f} ms x (N-1); host {m['host_s'] * 1e3:.3f} ms; "
+      f"{m['parameters']:,} parameters"
     )
   for name, a in results.get("answers", {}).items():
     for device in ANSWER_DEVICES:
@@ -512,6 +527,20 @@ def _format_table(results: dict[str, Any]) -> str:
     f"{'PASS' if goal['pass'] else 'FAIL'}"
   )
   return "\n".join(lines)
+
+
+def _calibration_text(results: dict[str, Any]) -> str:
+  """The calibration's batch sizes and its worst in-sample error, in words."""
+  fitted = results.get("calibration", [])
+  if not fitted:
+    return "none recorded"
+  sizes = {
+    model: sorted({p["batch_size"] for p in fitted if p["model"] == model})
+    for model in results["models"]
+  }
+  worst = max(abs(p["error"]) for p in fitted)
+  listed = "; ".join(f"{model} {', '.join(map(str, s))}" for model, s in sizes.items())
+  return f"batches {listed}, within {worst:.1%} of each"
 
 
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -542,12 +571,13 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   args.batch_sizes = (
     json.loads(args.batch_sizes_json) if args.batch_sizes_json else preset["batch_sizes"]
   )
+  args.calibration_batch_sizes = {} if args.batch_sizes_json else preset["calibration_batch_sizes"]
   common.apply_preset(args, preset, ("steps", "rounds", "warmup_steps"))
   for key in ("steps", "rounds", "warmup_steps"):
     if getattr(args, key) < 1:
       raise ValueError(f"--{key.replace('_', '-')} must be >= 1, got {getattr(args, key)}")
   for devices in args.devices:
-    bad = [b for sizes in args.batch_sizes.values() for b in sizes if b % devices]
+    bad = [b for sizes in _sweep_sizes(args).values() for b in sizes if b % devices]
     if devices < 1 or bad:
       raise ValueError(f"--devices {devices}: every batch size must be a multiple; got {bad}")
   default_out = args.out is None and not args.quick
@@ -581,7 +611,16 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
   return results
 
 
-DOCS_KEYS = ("what", "machine", "models", "validation", "max_abs_error", "goal", "answers")
+DOCS_KEYS = (
+  "what",
+  "machine",
+  "models",
+  "calibration",
+  "validation",
+  "max_abs_error",
+  "goal",
+  "answers",
+)
 
 
 def docs_subset(results: dict[str, Any]) -> dict[str, Any]:

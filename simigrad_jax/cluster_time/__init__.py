@@ -5,7 +5,7 @@
   ring all-reduce of the gradient over a ``Link``,
   ``ring_allreduce_seconds``; the host path), the presets ``LINKS`` and
   ``DEVICES``, and the CPU stand-in ``CpuStepModel`` fitted to a measured
-  sweep (``fit_cpu_model``, ``leave_one_out``); ``step_model``, a model
+  sweep (``fit_cpu_model``); ``step_model``, a model
   from the sweep's calibration;
 * :mod:`~simigrad_jax.cluster_time.runs`: each ``Setting``'s batch-size
   trajectories up to the target, from a Pareto comparison or runs' metrics
@@ -33,7 +33,6 @@ from simigrad_jax.cluster_time.model import DeviceCurve
 from simigrad_jax.cluster_time.model import Link
 from simigrad_jax.cluster_time.model import StepTimeModel
 from simigrad_jax.cluster_time.model import fit_cpu_model
-from simigrad_jax.cluster_time.model import leave_one_out
 from simigrad_jax.cluster_time.model import ring_allreduce_seconds
 from simigrad_jax.cluster_time.model import step_model
 from simigrad_jax.cluster_time.runs import Setting
@@ -56,7 +55,6 @@ __all__ = [
   "answer",
   "fit_cpu_model",
   "format_answer",
-  "leave_one_out",
   "load_settings",
   "plot_answers",
   "ring_allreduce_seconds",

@@ -23,24 +23,25 @@ micro-step; the link is the slowest one on the ring.
 
 The CPU stand-in (:class:`CpuStepModel`) is what the sweep on simulated
 devices can check. Simulated devices share the machine's ``cores``, so the
-devices' compute does not run side by side as on a cluster: the ``N``
-devices' work (each its fixed overhead and its rows) is serialised over
-``min(N, cores)`` cores, and their collective is a copy in memory whose cost
-grows with the devices taking part:
+devices' compute does not run side by side as on a cluster. One device alone
+already spreads its examples over ``device_parallelism`` cores (XLA:CPU's
+intra-op threads), so ``N`` devices compute their examples only
+``speedup = min(N x device_parallelism, cores) / device_parallelism`` times
+as fast as one; their fixed times are serialised over ``min(N, cores)``
+cores; their collective is a copy in memory whose cost grows with the
+devices taking part; and a step has a fixed launch that does not:
 
-  ``host_s + N x c(B / N) / min(N, cores) + (N - 1) x collective_s``
+  ``host_s + launch_s + N x overhead_s / min(N, cores)
+  + (B x seconds_per_example + B x (B / N) x seconds_per_example_squared) / speedup
+  + (N - 1) x collective_s``
 
-with one device's curve ``c(rows) = overhead_s + rows x seconds_per_example
-+ rows^2 x seconds_per_example_squared``: the sweep on this machine found
-an example's cost growing with the rows a device holds (a 2-layer LM's
-activations outgrowing the CPU's caches), which a line through the points
-misses by up to 50%. ``cores`` is the parallelism the sweep's points
-support (on a machine loaded by other users, fewer than its cores).
+The square term holds an example's cost growing with the rows a device
+holds (a 2-layer LM's activations outgrowing the CPU's caches).
 
-Its ``overhead_s``, ``seconds_per_example`` and ``seconds_per_example_squared``
-are one device's curve
-(:meth:`CpuStepModel.device_curve`), the part the cluster prediction takes;
-``collective_s`` is the CPU's own and is not carried over.
+One device alone takes ``launch_s + overhead_s + rows x seconds_per_example
++ rows^2 x seconds_per_example_squared`` (:meth:`CpuStepModel.device_curve`),
+the part the cluster prediction takes; ``collective_s`` is the CPU's own and
+is not carried over.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+import scipy.optimize
 
 __all__ = [
   "CpuStepModel",
@@ -60,7 +62,6 @@ __all__ = [
   "Link",
   "StepTimeModel",
   "fit_cpu_model",
-  "leave_one_out",
   "ring_allreduce_seconds",
   "step_model",
 ]
@@ -230,11 +231,14 @@ class CpuStepModel:
   """A step's seconds on ``N`` simulated CPU devices sharing ``cores`` (see the module).
 
   Attributes:
-    overhead_s: one device's fixed time a step.
-    seconds_per_example: one device's time an example.
+    overhead_s: each device's fixed time a step.
+    seconds_per_example: one device's time an example, as it runs alone.
     collective_s: the collective's time per device beyond the first.
     cores: the cores the devices' work is spread over.
     seconds_per_example_squared: the growth of an example's cost with the rows.
+    launch_s: the step's fixed time that does not grow with the devices.
+    device_parallelism: the cores one device's compute keeps busy alone (XLA:CPU's
+      intra-op threads), from 1 to ``cores``.
   """
 
   overhead_s: float
@@ -242,6 +246,8 @@ class CpuStepModel:
   collective_s: float
   cores: int
   seconds_per_example_squared: float = 0.0
+  launch_s: float = 0.0
+  device_parallelism: float = 1.0
 
   def seconds(self, batch_size: float, devices: int, host_s: float) -> float:
     """A step of ``batch_size`` examples on ``devices`` simulated devices.
@@ -250,21 +256,24 @@ class CpuStepModel:
       >>> CpuStepModel(1e-3, 1e-4, 5e-4, cores=2).seconds(64, 4, host_s=0.0)  # (4 + 6.4)/2 + 1.5 ms
       0.0067
     """
-    row = _cpu_row(batch_size, devices, self.cores)
-    terms = row @ np.array(
+    row = _cpu_row(batch_size, devices, self.cores, self.device_parallelism)
+    return round(host_s + float(row @ self._coefficients()), 15)
+
+  def _coefficients(self) -> np.ndarray:
+    return np.array(
       [
         self.overhead_s,
         self.seconds_per_example,
         self.collective_s,
         self.seconds_per_example_squared,
+        self.launch_s,
       ]
     )
-    return round(host_s + float(terms), 15)
 
   def device_curve(self) -> DeviceCurve:
-    """One device's curve, the part a cluster prediction takes."""
+    """One device's curve as it runs alone, the part a cluster prediction takes."""
     return DeviceCurve(
-      self.overhead_s,
+      self.overhead_s + self.launch_s,
       self.seconds_per_example,
       "measured: one simulated CPU device of the sweep",
       self.seconds_per_example_squared,
@@ -274,12 +283,24 @@ class CpuStepModel:
     return dataclasses.asdict(self)
 
 
-def _cpu_row(batch_size: float, devices: int, cores: int) -> np.ndarray:
-  """The CPU model's terms for one point, the coefficients of its four parameters."""
-  parallel = min(devices, cores)
+def _cpu_row(batch_size: float, devices: int, cores: int, device_parallelism: float) -> np.ndarray:
+  """The CPU model's terms for one point, the coefficients of its five parameters.
+
+  The devices' fixed times are serialised over ``min(N, cores)`` cores; their
+  examples' compute, which one device alone spreads over ``device_parallelism``
+  cores, runs ``min(N x device_parallelism, cores) / device_parallelism`` times
+  as fast as one device's.
+  """
   rows = batch_size / devices
+  speedup = min(devices * device_parallelism, cores) / device_parallelism
   return np.array(
-    [devices / parallel, batch_size / parallel, devices - 1.0, devices * rows * rows / parallel]
+    [
+      devices / min(devices, cores),
+      batch_size / speedup,
+      devices - 1.0,
+      batch_size * rows / speedup,
+      1.0,
+    ]
   )
 
 
@@ -325,54 +346,52 @@ def step_model(calibration: dict[str, Any], name: str, device: str) -> StepTimeM
 Point = tuple[int, int, float, float]  # (devices, batch size, measured seconds, host seconds)
 
 
-def fit_cpu_model(points: Sequence[Point], cores: int) -> CpuStepModel:
-  """The CPU model nearest ``points`` in relative error (least squares, parameters >= 0).
+def fit_cpu_model(
+  points: Sequence[Point], cores: int, device_parallelism: float | None = None
+) -> CpuStepModel:
+  """The CPU model nearest ``points`` in relative error (non-negative least squares).
 
   Args:
     points: ``(devices, batch_size, measured_s, host_s)`` of each measured step time.
     cores: the cores the simulated devices share.
+    device_parallelism: the cores one device keeps busy; ``None`` tries 1 to ``cores`` in
+      quarters and keeps the one whose fit is off least at its worst point.
 
   Returns:
     The fitted :class:`CpuStepModel`.
 
+  Raises:
+    ValueError: for fewer points than the model's 5 parameters, or a ``device_parallelism``
+      outside 1 to ``cores``.
+
   Example:
-    >>> truth = CpuStepModel(1e-3, 1e-4, 5e-4, cores=2)
+    >>> truth = CpuStepModel(1e-3, 1e-4, 5e-4, cores=2, launch_s=2e-4, device_parallelism=1.5)
     >>> points = [(n, b, truth.seconds(b, n, 0.0), 0.0) for n in (1, 2, 4) for b in (8, 64)]
     >>> fit = fit_cpu_model(points, cores=2)
     >>> [round(v, 6) for v in (fit.overhead_s, fit.seconds_per_example, fit.collective_s)]
     [0.001, 0.0001, 0.0005]
-    >>> round(fit.seconds_per_example_squared, 9)
-    0.0
+    >>> round(fit.launch_s, 6), fit.device_parallelism
+    (0.0002, 1.5)
   """
-  if len(points) < 4:
-    raise ValueError(f"fitting the CPU model needs at least 4 points, got {len(points)}")
-  rows = np.array([_cpu_row(b, n, cores) for n, b, _, _ in points])
+  if len(points) < 5:
+    raise ValueError(f"fitting the CPU model needs at least 5 points, got {len(points)}")
+  if device_parallelism is None:
+    fits = [fit_cpu_model(points, cores, p) for p in np.linspace(1, cores, 4 * cores - 3)]
+    return min(fits, key=lambda fit: _worst_error(fit, points))
+  if not 1 <= device_parallelism <= cores:
+    raise ValueError(
+      f"device_parallelism must be from 1 to cores={cores}, got {device_parallelism}"
+    )
+  rows = np.array([_cpu_row(b, n, cores, device_parallelism) for n, b, _, _ in points])
   target = np.array([t - h for _, _, t, h in points])
   weights = 1.0 / np.array([t for _, _, t, _ in points])
-  free = [0, 1, 2, 3]
-  while True:  # least squares, a parameter that comes out negative held at 0
-    solution = np.zeros(4)
-    coef, *_ = np.linalg.lstsq(rows[:, free] * weights[:, None], target * weights, rcond=None)
-    solution[free] = coef
-    negative = [i for i in free if solution[i] < 0]
-    if not negative:
-      break
-    free.remove(min(negative, key=lambda i: solution[i]))
-  overhead, per_example, collective, squared = map(float, solution)
-  return CpuStepModel(overhead, per_example, collective, cores, squared)
+  solution, _ = scipy.optimize.nnls(rows * weights[:, None], target * weights)
+  overhead, per_example, collective, squared, launch = map(float, solution)
+  return CpuStepModel(
+    overhead, per_example, collective, cores, squared, launch, float(device_parallelism)
+  )
 
 
-def leave_one_out(points: Sequence[Point], cores: int) -> list[float]:
-  """Each point's step time predicted by the CPU model fitted to the other points.
-
-  Example:
-    >>> truth = CpuStepModel(1e-3, 1e-4, 5e-4, cores=2)
-    >>> points = [(n, b, truth.seconds(b, n, 0.0), 0.0) for n in (1, 2, 4) for b in (8, 64)]
-    >>> [round(p / q[2], 6) for p, q in zip(leave_one_out(points, 2), points, strict=True)]
-    [1.0, 1.0, 1.0, 1.0, 1.0, 1.0]
-  """
-  predictions = []
-  for i, (devices, batch, _, host) in enumerate(points):
-    others = [p for j, p in enumerate(points) if j != i]
-    predictions.append(fit_cpu_model(others, cores).seconds(batch, devices, host))
-  return predictions
+def _worst_error(model: CpuStepModel, points: Sequence[Point]) -> float:
+  """The model's largest relative error over ``points``."""
+  return max(abs(model.seconds(b, n, h) / t - 1) for n, b, t, h in points)

@@ -28,6 +28,7 @@ def _points(model: CpuStepModel, scale: dict[tuple[int, int], float]) -> list[di
       "batch_size": b,
       "measured_s": model.seconds(b, n, 1e-3) * scale.get((n, b), 1.0),
       "host_s": 1e-3,
+      "role": "validation" if b == 64 else "calibration",
     }
     for n in (1, 2, 4, 8)
     for b in (16, 64, 128)
@@ -38,19 +39,21 @@ def test_points_the_model_makes_are_predicted_out_of_sample_and_pass():
   truth = CpuStepModel(2e-3, 1e-4, 5e-4, cores=2)
   results = benchmark.summarize(INFO, _points(truth, {}), cores=2)
   assert results["goal"]["pass"] and results["max_abs_error"] < 1e-9
-  assert len(results["validation"]) == 12
+  assert [v["batch_size"] for v in results["validation"]] == [64] * 4
+  assert len(results["calibration"]) == 8
   assert {"devices", "batch_size", "measured_s", "predicted_s"} <= set(results["validation"][0])
   model = results["models"]["lm"]
   assert model["device_curve"] == pytest.approx(
     {"overhead_s": 2e-3, "seconds_per_example": 1e-4, "seconds_per_example_squared": 0.0}
   )
-  assert model["cpu_fit"]["cores"] == 2  # the cores that predict the points best
+  assert model["cpu_fit"]["cores"] == 2 and model["cpu_fit"]["device_parallelism"] == 1.0
   assert model["host_s"] == 1e-3 and model["gradient_bytes"] == 4000
 
 
 def test_a_point_the_model_cannot_explain_fails_the_goal():
   truth = CpuStepModel(2e-3, 1e-4, 5e-4, cores=2)
   results = benchmark.summarize(INFO, _points(truth, {(4, 64): 1.5}), cores=2)
+  assert results["max_abs_error"] == pytest.approx(1 - 1 / 1.5)  # the fit never saw it
   worst = max(results["validation"], key=lambda v: abs(v["error"]))
   assert (worst["devices"], worst["batch_size"]) == (4, 64) and worst["error"] < -0.15
   assert not results["goal"]["pass"]
@@ -70,6 +73,10 @@ def test_the_defaults_write_the_results_and_the_docs_copy():
   assert quick.out.endswith("cluster_time_quick.json") and quick.docs_json == ""
   with pytest.raises(ValueError, match="--devices 3: every batch size must be a multiple"):
     benchmark._parse_args(["--devices", "3"])  # pylint: disable=protected-access
+  # The sweep times the calibration's batches and the validation's, each once.
+  sizes = benchmark._sweep_sizes(args)  # pylint: disable=protected-access
+  assert sizes["lm"] == sorted({*args.batch_sizes["lm"], *args.calibration_batch_sizes["lm"]})
+  assert set(args.batch_sizes["mnist"]).isdisjoint(args.calibration_batch_sizes["mnist"])
 
 
 def test_the_docs_copy_is_the_committed_results():

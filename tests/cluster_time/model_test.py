@@ -9,7 +9,6 @@ from simigrad_jax.cluster_time import DeviceCurve
 from simigrad_jax.cluster_time import Link
 from simigrad_jax.cluster_time import StepTimeModel
 from simigrad_jax.cluster_time import fit_cpu_model
-from simigrad_jax.cluster_time import leave_one_out
 from simigrad_jax.cluster_time import ring_allreduce_seconds
 
 
@@ -55,28 +54,50 @@ def test_the_cpu_model_serialises_the_devices_over_the_cores():
   assert model.device_curve().seconds(32) == pytest.approx(4.2e-3)
 
 
-def test_the_fit_recovers_the_model_that_made_the_points_and_predicts_left_out_ones():
-  truth = CpuStepModel(2e-3, 3e-5, 1e-3, cores=2)
-  points = [(n, b, truth.seconds(b, n, 4e-4), 4e-4) for n in (1, 2, 4, 8) for b in (32, 128, 512)]
+def test_the_fit_recovers_the_model_that_made_the_points_and_predicts_others():
+  truth = CpuStepModel(2e-3, 3e-5, 1e-3, cores=2, launch_s=5e-4, device_parallelism=1.75)
+  points = [(n, b, truth.seconds(b, n, 4e-4), 4e-4) for n in (1, 2, 4, 8) for b in (32, 512)]
   fit = fit_cpu_model(points, cores=2)
-  assert (fit.overhead_s, fit.seconds_per_example, fit.collective_s) == pytest.approx(
-    (2e-3, 3e-5, 1e-3)
+  assert fit.device_parallelism == 1.75
+  assert (fit.overhead_s, fit.seconds_per_example, fit.collective_s, fit.launch_s) == (
+    pytest.approx((2e-3, 3e-5, 1e-3, 5e-4))
   )
-  for (_, _, measured, _), predicted in zip(points, leave_one_out(points, 2), strict=True):
-    assert predicted == pytest.approx(measured)
+  # A batch between the fitted ones.
+  assert fit.seconds(128, 4, 4e-4) == pytest.approx(truth.seconds(128, 4, 4e-4))
+
+
+def test_one_device_spreads_its_examples_over_its_parallelism():
+  model = CpuStepModel(0.0, 1e-4, 0.0, cores=2, device_parallelism=1.5)
+  # One device alone: 64 examples at 0.1 ms; two devices go 2 / 1.5 times as fast, not 2.
+  assert model.seconds(64, 1, host_s=0.0) == pytest.approx(6.4e-3)
+  assert model.seconds(64, 2, host_s=0.0) == pytest.approx(6.4e-3 * 1.5 / 2)
+  assert model.seconds(64, 8, host_s=0.0) == pytest.approx(6.4e-3 * 1.5 / 2)
+  # The launch is paid once a step whatever the devices; a device's overhead once a device.
+  model = CpuStepModel(1e-3, 0.0, 0.0, cores=2, launch_s=2e-3)
+  assert model.seconds(64, 1, 0.0) == pytest.approx(3e-3)
+  assert model.seconds(64, 8, 0.0) == pytest.approx(2e-3 + 8 * 1e-3 / 2)
+  assert model.device_curve().seconds(10) == pytest.approx(3e-3)
+
+
+def test_a_parallelism_outside_the_cores_is_refused():
+  points = [(n, 8, 1e-3 * n, 0.0) for n in (1, 2, 4, 8, 16)]
+  with pytest.raises(ValueError, match="device_parallelism must be from 1 to cores=2, got 3"):
+    fit_cpu_model(points, cores=2, device_parallelism=3)
 
 
 def test_a_term_the_points_do_not_support_is_held_at_zero():
   # Step times that fall with the devices: no collective cost to fit, and none negative.
-  points = [(n, 64, 1e-2 / min(n, 2), 0.0) for n in (1, 2, 4, 8)]
+  points = [(n, b, b * 1e-4 / min(n, 2), 0.0) for n in (1, 2, 4, 8) for b in (64, 128)]
   fit = fit_cpu_model(points, cores=2)
   assert fit.collective_s >= 0 and fit.overhead_s >= 0 and fit.seconds_per_example >= 0
   assert not math.isnan(fit.seconds(64, 8, 0.0))
+  assert fit.collective_s == pytest.approx(0.0, abs=1e-12)
+  assert fit.seconds_per_example == pytest.approx(1e-4)
 
 
-def test_the_fit_needs_four_points():
-  with pytest.raises(ValueError, match="at least 4 points, got 3"):
-    fit_cpu_model([(1, 8, 1.0, 0.0), (2, 8, 1.0, 0.0), (4, 8, 1.0, 0.0)], cores=2)
+def test_the_fit_needs_as_many_points_as_parameters():
+  with pytest.raises(ValueError, match="at least 5 points, got 4"):
+    fit_cpu_model([(n, 8, 1.0, 0.0) for n in (1, 2, 4, 8)], cores=2)
 
 
 def test_an_examples_cost_that_grows_with_the_rows_is_the_square_term():
