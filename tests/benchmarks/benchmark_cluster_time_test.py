@@ -59,6 +59,15 @@ def test_a_point_the_model_cannot_explain_fails_the_goal():
   assert not results["goal"]["pass"]
 
 
+def test_the_printed_table_names_the_calibration_and_the_fit():
+  truth = CpuStepModel(2e-3, 1e-4, 5e-4, cores=2, launch_s=1e-3, device_parallelism=1.5)
+  points = _points(truth, {(1, 16): 1.1})  # a calibration point 10% slower than the model
+  table = benchmark._format_table(benchmark.summarize(INFO, points, cores=2))  # pylint: disable=protected-access
+  assert "the model fitted to the calibration points, batches lm 16, 128, within" in table
+  assert "over 1.5 of the 2 cores" in table
+  assert "goal: every point within 15%" in table
+
+
 def test_a_worker_gets_its_own_device_count():
   env = benchmark._worker_env(2)  # pylint: disable=protected-access
   assert "--xla_force_host_platform_device_count=2" in env["XLA_FLAGS"]
