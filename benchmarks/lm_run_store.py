@@ -6,7 +6,8 @@ next start reads them back: a run already there is not trained again. The
 file's first line holds the experiment (task, budget, model, protocol
 settings); a store opened for another experiment is refused, naming what
 differs, so that runs of two comparisons never mix. A last line cut short
-by a kill is dropped.
+by a kill is dropped. :meth:`RunStore.read_back` takes the runs of a
+finished comparison's JSON, so that one given a new setting trains only it.
 """
 
 from __future__ import annotations
@@ -60,17 +61,7 @@ class RunStore:
     if self.path.exists():
       lines = self.path.read_text(encoding="utf-8").splitlines()
       header = json.loads(lines[0]) if lines else {}
-      saved = header.get("experiment")
-      if saved != self.experiment:
-        keys = sorted(
-          k
-          for k in set(saved or {}) | set(self.experiment)
-          if (saved or {}).get(k) != self.experiment.get(k)
-        )
-        raise ValueError(
-          f"{self.path} holds the runs of another experiment (differs in {keys}); "
-          "delete it or write to another --out"
-        )
+      self._check_experiment(header.get("experiment"), str(self.path))
       for line in lines[1:]:
         try:
           entry = json.loads(line)
@@ -81,6 +72,57 @@ class RunStore:
     else:
       self.path.parent.mkdir(parents=True, exist_ok=True)
       self._append({"experiment": self.experiment})
+
+  def read_back(self, result: dict[str, Any], source: str) -> int:
+    """Takes the runs of a finished comparison's JSON as if they had been trained here.
+
+    So a comparison given one more setting trains only that setting. The
+    result must have been written for this store's experiment (its
+    ``experiment``); another is refused with a ValueError naming the keys
+    that differ. The runs are appended to the file, so a kill after this
+    keeps them.
+
+    Args:
+      result: the JSON ``benchmarks/pareto_lm.py`` wrote.
+      source: where it came from, for the error.
+
+    Returns:
+      How many runs were taken (runs already in the store are kept as they are).
+    """
+    self._check_experiment(result.get("experiment"), source)
+    taken = 0
+    for run in result["runs"]:
+      spec = RunSpec(
+        run["controller"],
+        tuple(run["options"].items()),
+        run["learning_rate"],
+        run["lr_multiplier"],
+        run["seed"],
+        run.get("lr_rule", "sqrt"),
+        run["lr_coupling"],
+      )
+      key = run_key(spec, run["budget_share"])
+      if key in self.runs:
+        continue
+      self.runs[key] = run
+      taken += 1
+      if self.path is not None:
+        self._append({"key": key, "run": run})
+    self.resumed += taken
+    return taken
+
+  def _check_experiment(self, saved: dict[str, Any] | None, source: str) -> None:
+    if saved == self.experiment:
+      return
+    keys = sorted(
+      k
+      for k in set(saved or {}) | set(self.experiment)
+      if (saved or {}).get(k) != self.experiment.get(k)
+    )
+    raise ValueError(
+      f"{source} holds the runs of another experiment (differs in {keys}); "
+      "delete it or write to another --out"
+    )
 
   def _append(self, entry: dict[str, Any]) -> None:
     assert self.path is not None

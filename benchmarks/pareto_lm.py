@@ -59,19 +59,24 @@ background.
 Resume: every finished run is appended to ``OUT.runs.jsonl`` as it ends;
 killed and started again with the same flags, the comparison reads them back
 and trains only the rest (a file of another experiment is refused). The file
-is removed once the JSON is written. ``benchmarks/run_lm_budgets.sh`` runs
-both budgets in the background at low priority.
+is removed once the JSON is written. ``--extend`` reads back the runs of a
+finished ``OUT`` (its ``experiment`` must match) and trains only the runs it
+lacks: a setting added to the protocol after a budget finished.
+``benchmarks/run_lm_budgets.sh`` runs both budgets in the background at low
+priority.
 
 Usage::
 
   python benchmarks/pareto_lm.py --quick            # pareto_lm_quick.json, 4-5 min (loaded)
   python benchmarks/pareto_lm.py                    # today's budget: pareto_lm.json
   python benchmarks/pareto_lm.py --budget long      # 4x the tokens: pareto_lm_long.json
+  python benchmarks/pareto_lm.py --extend           # pareto_lm.json plus the settings it lacks
   python benchmarks/pareto_lm.py --markdown benchmarks/results/pareto_lm.json   # the docs table
 
 JSON (machine-read)::
 
   {"target_val_loss": float, "token_allowance": float,
+   "experiment": {...} (what a resumed or extended run must share),
    "fixed_grid": [{"batch_size", "learning_rates", "final_val_losses", "best_learning_rate",
                    "bracketed"}, ...],
    "best_fixed": {"batch_size": int, "learning_rate": float, ...},
@@ -300,6 +305,11 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     "with .png)",
   )
   p.add_argument("--markdown", default=None, help="print the docs table of this JSON, and stop")
+  p.add_argument(
+    "--extend",
+    action="store_true",
+    help="read back the runs of the finished --out JSON (same experiment); train only the rest",
+  )
   p.add_argument("--workdir", default=None, help="keep every run's workdir under this folder")
   p.add_argument("--text-file", default=None, help="train on this text, not tinyshakespeare")
   p.add_argument("--seeds", type=_ints, default=None, help="paired seeds (the first tunes)")
@@ -327,6 +337,8 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   name = "pareto_lm" if args.budget == "today" else f"pareto_lm_{args.budget}"
   args.out = common.out_path(args.out, name, args.quick)
   common.apply_preset(args, QUICK if args.quick else BUDGETS[args.budget])
+  if args.extend and not (args.out and os.path.exists(args.out)):
+    p.error(f"--extend reads back the finished --out JSON, and {args.out!r} does not exist")
   if len(args.lr_multipliers) < 3:
     p.error(f"--lr-multipliers needs at least 3 values, got {args.lr_multipliers}")
   if not args.token_allowance >= 1.0:
@@ -525,6 +537,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   store = RunStore(args.out + ".runs.jsonl" if args.out else None, _experiment_key(args))
   if store.resumed:
     print(f"resuming: {store.resumed} runs read back from {store.path}", flush=True)
+  if args.extend:
+    with open(args.out, encoding="utf-8") as f:
+      taken = store.read_back(json.load(f), args.out)
+    print(f"extending: {taken} runs read back from {args.out}", flush=True)
   with contextlib.ExitStack() as cleanup:
     if not keep:
       cleanup.callback(shutil.rmtree, root, ignore_errors=True)
@@ -561,6 +577,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   results.update(
     {
       **exp.info(),
+      "experiment": _experiment_key(args),
       "budget": args.budget,
       "token_allowance": args.token_allowance,
       "fixed_grid": grid,

@@ -1,6 +1,7 @@
 """benchmarks/pareto_lm.py: steps and tokens to the target loss, the verdict, and a toy run end to end."""
 
 import argparse
+import dataclasses
 import json
 import pathlib
 from unittest import mock
@@ -127,6 +128,34 @@ def test_the_run_store_resumes_and_refuses_another_experiment(tmp_path):
     RunStore(path, {"budget_windows": 384})
   again.close(keep=False)
   assert not path.exists()
+
+
+def test_the_run_store_reads_back_a_finished_result_of_its_experiment(tmp_path):
+  spec = RunSpec(
+    "allowance", (("initial_batch_size", 8), ("token_allowance", 1.1)), 6e-3, 2.0, 3, "sqrt", "peak"
+  )
+  record = {
+    "controller": "allowance", "seed": 3, "learning_rate": 6e-3, "lr_multiplier": 2.0,
+    "lr_coupling": "peak", "budget_share": 1.1, "final_val_loss": 1.65,
+    "options": {"initial_batch_size": 8, "token_allowance": 1.1},
+  }  # fmt: skip
+  result = {"experiment": {"budget_windows": 96}, "runs": [record]}
+  path = tmp_path / "lm.json.runs.jsonl"
+  store = RunStore(path, {"budget_windows": 96})
+  assert store.read_back(result, "lm.json") == 1
+  assert store.read_back(result, "lm.json") == 0  # already there
+  assert store.get_or_run(spec, 1.1, pytest.fail) == (record, False)
+  trained = store.get_or_run(dataclasses.replace(spec, lr_coupling="full"), 1.1, lambda: {"x": 1})
+  assert trained == ({"x": 1}, True)  # the other coupling is another run
+  assert RunStore(path, {"budget_windows": 96}).resumed == 2  # kept on disk
+  with pytest.raises(ValueError, match=r"old.json holds the runs of another experiment"):
+    RunStore(None, {"budget_windows": 384}).read_back(result, "old.json")
+  with pytest.raises(ValueError, match=r"differs in \['budget_windows'\]"):
+    RunStore(None, {"budget_windows": 96}).read_back({"runs": []}, "legacy.json")
+  missing = tmp_path / "none.json"
+  with pytest.raises(SystemExit):
+    pareto_lm._parse_args(["--extend", "--out", str(missing)])
+  assert not missing.exists() and not (tmp_path / "none.json.runs.jsonl").exists()
 
 
 def test_ramps_scale_to_the_budget():
