@@ -72,6 +72,8 @@ Usage::
   python benchmarks/pareto_lm.py --budget long      # 4x the tokens: pareto_lm_long.json
   python benchmarks/pareto_lm.py --extend           # pareto_lm.json plus the settings it lacks
   python benchmarks/pareto_lm.py --markdown benchmarks/results/pareto_lm.json   # the docs table
+  python benchmarks/pareto_lm.py --compare-budgets benchmarks/results/pareto_lm.json \\
+    benchmarks/results/pareto_lm_long.json          # each setting's saving on both budgets
 
 JSON (machine-read)::
 
@@ -306,6 +308,13 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   )
   p.add_argument("--markdown", default=None, help="print the docs table of this JSON, and stop")
   p.add_argument(
+    "--compare-budgets",
+    nargs=2,
+    metavar=("TODAY", "LONG"),
+    default=None,
+    help="print the docs table of each adaptive setting's saving on both budgets' JSON, and stop",
+  )
+  p.add_argument(
     "--extend",
     action="store_true",
     help="read back the runs of the finished --out JSON (same experiment); train only the rest",
@@ -519,9 +528,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     argv: command-line arguments (``sys.argv[1:]`` when None).
 
   Returns:
-    The results (see the module docstring), or ``{}`` with ``--markdown``.
+    The results (see the module docstring), or ``{}`` with ``--markdown`` or
+    ``--compare-budgets``.
   """
   args = _parse_args(argv)
+  if args.compare_budgets:
+    today, long = (json.loads(pathlib.Path(p).read_text("utf-8")) for p in args.compare_budgets)
+    print(pareto_lm_report.markdown_budgets(today, long))
+    return {}
   if args.markdown:
     with open(args.markdown, encoding="utf-8") as f:
       print(pareto_lm_report.markdown(json.load(f)))

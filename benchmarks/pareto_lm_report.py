@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import os
 import pathlib
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -223,27 +224,71 @@ def verdict(
   }
 
 
-def budget_comparison(today: dict[str, Any], long: dict[str, Any]) -> list[dict[str, Any]]:
-  """Each adaptive setting's steps ratio on both budgets: whether its saving grows with the budget.
+def _without_bounds(setting: str) -> str:
+  """A setting's label with its bounds (``[B_0,upper]``) taken out: they scale with each budget's B_0."""
+  return re.sub(r" \[\d+,\d+\]", "", setting)
 
-  Settings are matched by controller and setting label; a setting that never
-  reaches the target has no ratio (None).
+
+def budget_comparison(today: dict[str, Any], long: dict[str, Any]) -> list[dict[str, Any]]:
+  """Each adaptive setting of ``long`` against the same setting on ``today``'s budget.
+
+  Settings are matched by controller and label, less the bounds (each budget
+  starts at its own best constant batch). The saving is the steps ratio on
+  the seeds' mean curve; a setting that never reaches the target has none, so
+  its saving grows when the longer budget reaches it at all. ``loss_gap_*``
+  (the paired loss at the goal's steps, less the best constant batch's final
+  loss) measures settings that reach the target on neither.
+
+  Returns:
+    One dict a setting: ``controller``, ``setting`` (``long``'s label),
+    ``steps_ratio_today`` / ``_long``, ``loss_gap_today`` / ``_long`` (None
+    where the setting did not run on today's budget) and ``saving_grows``
+    (None where it did not run today).
   """
-  ratios = {(v["controller"], v["setting"]): v["steps_ratio"] for v in today["verdict"]["adaptive"]}
+  earlier = {
+    (v["controller"], _without_bounds(v["setting"])): v for v in today["verdict"]["adaptive"]
+  }
   out = []
   for v in long["verdict"]["adaptive"]:
-    before = ratios.get((v["controller"], v["setting"]))
+    before = earlier.get((v["controller"], _without_bounds(v["setting"])))
     after = v["steps_ratio"]
+    if before is None:
+      grows = None
+    else:
+      grows = after is not None and (before["steps_ratio"] is None or after < before["steps_ratio"])
     out.append(
       {
         "controller": v["controller"],
         "setting": v["setting"],
-        "steps_ratio_today": before,
+        "steps_ratio_today": None if before is None else before["steps_ratio"],
         "steps_ratio_long": after,
-        "saving_grows": None if before is None or after is None else after < before,
+        "loss_gap_today": None if before is None else before["loss_gap_at_goal_steps"],
+        "loss_gap_long": v["loss_gap_at_goal_steps"],
+        "saving_grows": grows,
       }
     )
   return out
+
+
+def markdown_budgets(today: dict[str, Any], long: dict[str, Any]) -> str:
+  """docs/results.md's table of :func:`budget_comparison`."""
+  lines = [
+    "| controller | setting | steps to target (mean curve), today | long | loss at 0.7x steps "
+    "vs best, today | long | saving grows |",
+    "|---|---|---|---|---|---|---|",
+  ]
+  for c in budget_comparison(today, long):
+    run_today = c["saving_grows"] is not None
+    lines.append(
+      f"| {c['controller']} | {_without_bounds(c['setting'])} | "
+      + (_fmt(c["steps_ratio_today"], "{:.2f}x") if run_today else "not run")
+      + f" | {_fmt(c['steps_ratio_long'], '{:.2f}x')} | "
+      + (f"{c['loss_gap_today']:+.4f}" if run_today else "not run")
+      + f" | {c['loss_gap_long']:+.4f} | "
+      + ("-" if not run_today else "yes" if c["saving_grows"] else "no")
+      + " |"
+    )
+  return "\n".join(lines)
 
 
 def _fmt(value: float | None, pattern: str = "{:,.0f}") -> str:

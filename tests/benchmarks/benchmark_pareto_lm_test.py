@@ -98,6 +98,33 @@ def test_the_target_is_the_best_constant_batchs_mean_and_the_verdict_follows_the
   assert same[0]["saving_grows"] is False
 
 
+def _verdicts(*settings):
+  keys = ("controller", "setting", "steps_ratio", "loss_gap_at_goal_steps")
+  return {"verdict": {"adaptive": [dict(zip(keys, s, strict=True)) for s in settings]}}
+
+
+def test_budgets_are_compared_setting_by_setting_whatever_their_bounds():
+  today = _verdicts(
+    ("allowance", "a=1.1 [2,32] lr@peak", None, 0.011),  # never reached today
+    ("simigrad", "s=0.1 [2,32]", 0.40, -0.002),
+    ("simigrad", "s=0.2 [2,32]", 0.30, 0.001),
+  )
+  long = _verdicts(
+    ("allowance", "a=1.1 [8,128] lr@peak", 0.44, -0.006),
+    ("allowance", "a=1.1 [8,128]", 0.43, -0.007),  # not run today
+    ("simigrad", "s=0.1 [8,128]", 0.50, -0.007),  # reached, but later than today
+    ("simigrad", "s=0.2 [8,128]", None, 0.002),
+  )
+  rows = pareto_lm_report.budget_comparison(today, long)
+  assert [r["saving_grows"] for r in rows] == [True, None, False, False]
+  assert (rows[0]["steps_ratio_today"], rows[0]["loss_gap_today"]) == (None, 0.011)
+  assert rows[1]["steps_ratio_today"] is None and rows[1]["loss_gap_long"] == -0.007
+  table = pareto_lm_report.markdown_budgets(today, long).splitlines()
+  assert table[2] == "| allowance | a=1.1 lr@peak | never | 0.44x | +0.0110 | -0.0060 | yes |"
+  assert table[3] == "| allowance | a=1.1 | not run | 0.43x | not run | -0.0070 | - |"
+  assert table[5] == "| simigrad | s=0.2 | 0.30x | never | +0.0010 | +0.0020 | no |"
+
+
 def test_paired_interval_uses_students_t():
   mean, half = pareto_lm_report.paired_interval([0.01, 0.03, 0.02, 0.02, 0.02])
   assert mean == pytest.approx(0.02) and half == pytest.approx(2.776 * 0.00707107 / 5**0.5, 1e-4)
