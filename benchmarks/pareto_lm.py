@@ -53,8 +53,9 @@ named them; the plots go to ``docs/``. Runtime: ``--quick`` measured at 248 s
 and 314 s on 2 CPU cores shared with other jobs (load average 20-30);
 today's budget: 72 runs (a grid of 18, B=2 the best size) in 4,250 s of
 training on 2 shared cores (load average 15-25), its B=2 runs 160-190 s
-each; the long one about 4x that, 5 hours or more, several sessions in the
-background.
+each, and 5 more added by ``--extend`` in 247 s; the long one: 74 runs (a grid of 15, B=8 the best size) in 4.0 hours
+of training on 2 shared cores (a median of 82 s a run), over several
+sessions in the background.
 
 Resume: every finished run is appended to ``OUT.runs.jsonl`` as it ends;
 killed and started again with the same flags, the comparison reads them back
@@ -72,6 +73,7 @@ Usage::
   python benchmarks/pareto_lm.py --budget long      # 4x the tokens: pareto_lm_long.json
   python benchmarks/pareto_lm.py --extend           # pareto_lm.json plus the settings it lacks
   python benchmarks/pareto_lm.py --markdown benchmarks/results/pareto_lm.json   # the docs table
+  python benchmarks/pareto_lm.py --replot benchmarks/results/pareto_lm.json     # docs/pareto_lm.png
   python benchmarks/pareto_lm.py --compare-budgets benchmarks/results/pareto_lm.json \\
     benchmarks/results/pareto_lm_long.json          # each setting's saving on both budgets
 
@@ -307,6 +309,7 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     "with .png)",
   )
   p.add_argument("--markdown", default=None, help="print the docs table of this JSON, and stop")
+  p.add_argument("--replot", default=None, help="redraw the plot of this JSON (to --png), and stop")
   p.add_argument(
     "--compare-budgets",
     nargs=2,
@@ -528,10 +531,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     argv: command-line arguments (``sys.argv[1:]`` when None).
 
   Returns:
-    The results (see the module docstring), or ``{}`` with ``--markdown`` or
-    ``--compare-budgets``.
+    The results (see the module docstring), or ``{}`` with ``--markdown``,
+    ``--replot`` or ``--compare-budgets``.
   """
   args = _parse_args(argv)
+  if args.replot:
+    png = common.plot_path(args.png, args.replot)
+    results = json.loads(pathlib.Path(args.replot).read_text("utf-8"))
+    print(f"wrote {pareto_lm_report.plot(results, png)}")
+    return {}
   if args.compare_budgets:
     today, long = (json.loads(pathlib.Path(p).read_text("utf-8")) for p in args.compare_budgets)
     print(pareto_lm_report.markdown_budgets(today, long))

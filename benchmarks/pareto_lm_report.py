@@ -422,54 +422,80 @@ def markdown(results: dict[str, Any]) -> str:
 
 
 def plot(results: dict[str, Any], png_path: str | os.PathLike) -> pathlib.Path:
-  """Validation loss against optimizer steps and against tokens (first seed of each setting)."""
+  """Validation loss against optimizer steps and tokens (the seeds' mean curves), and batch sizes.
+
+  One line a setting that ran with every seed, and one a size of the
+  constant-batch grid (its tuned learning rate, the tuning seed); the batch
+  sizes are the first seed's. The loss axes are cut to the range where the
+  runs approach the target.
+
+  Args:
+    results: :func:`analyse`'s results with the comparison's fields.
+    png_path: where the PNG goes.
+
+  Returns:
+    ``png_path``.
+  """
   import matplotlib  # pylint: disable=import-outside-toplevel
 
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  import matplotlib.ticker  # pylint: disable=import-outside-toplevel
 
   seed = min(r["seed"] for r in results["runs"])
-  fig, (by_steps, by_tokens, sizes) = plt.subplots(1, 3, figsize=(17, 5))
-  fixed_keys = sorted(
-    {_setting_key(r) for r in results["runs"] if r["controller"] == "fixed"},
-    key=lambda k: int(k[1].removeprefix("B=")),
-  )
-  other_keys = [_setting_key(s) for s in [*results["runs"]] if s["controller"] != "fixed"]
-  other_keys = list(dict.fromkeys(other_keys))
-  colors = {
-    k: plt.cm.Greys(0.4 + 0.5 * i / max(len(fixed_keys), 1)) for i, k in enumerate(fixed_keys)
-  }
-  colors.update({k: plt.cm.tab10(i % 10) for i, k in enumerate(other_keys)})
-  complete = {
+  groups: dict[tuple[str, str, float], list[dict[str, Any]]] = {}
+  for run in results["runs"]:
+    groups.setdefault(_setting_key(run), []).append(run)
+  fixed = {}  # each size's best learning rate
+  for key, group in groups.items():
+    if key[0] == "fixed":
+      size = int(key[1].removeprefix("B="))
+      loss = np.mean([r["final_val_loss"] for r in group])
+      if size not in fixed or loss < fixed[size][0]:
+        fixed[size] = (loss, key)
+  complete = [
     (s["controller"], s["setting"], s["learning_rate"])
     for s in results["settings"]
-    if s["seeds"] == len(results["seeds"])
-  }
-  for run in results["runs"]:
-    if run["seed"] != seed or _setting_key(run) not in complete:
-      continue
-    color = colors[_setting_key(run)]
-    style = "--" if run["controller"] == "fixed" else "-"
-    label = f"{run['controller']} {run['setting']}"
-    curve = np.array(run["curve"], np.float64)[1:]
-    by_steps.plot(curve[:, 0], curve[:, 2], style, color=color, label=label, lw=1.2)
-    by_tokens.plot(curve[:, 1], curve[:, 2], style, color=color, lw=1.2)
-    trace = np.array(run["batch_sizes"], np.float64)[:-1]  # not the last step, cut to the budget
+    if s["controller"] != "fixed" and s["seeds"] == len(results["seeds"])
+  ]
+  shown = [fixed[size][1] for size in sorted(fixed)] + complete
+  fig, (by_steps, by_tokens, sizes) = plt.subplots(1, 3, figsize=(17, 6.5))
+  target = results["target_val_loss"]
+  best = (results["best_fixed"]["controller"], results["best_fixed"]["setting"])
+  for i, key in enumerate(shown):
+    group = groups[key]
+    is_fixed = key[0] == "fixed"
+    j = i - len(fixed)  # tab20's dark shades first, then its light ones
+    color = (
+      ("black" if key[:2] == best else plt.cm.Greys(0.3 + 0.4 * i / max(len(fixed), 1)))
+      if is_fixed
+      else plt.cm.tab20((2 * j) % 20 + (2 * j // 20) % 2)
+    )
+    style = "--" if is_fixed else "-"
+    seeds = f" ({len(group)} seeds)" if len(group) > 1 else ""
+    label = f"{key[0]} {key[1]}{seeds}"
+    curve = np.array(mean_curve(group), np.float64)[1:]
+    by_steps.plot(curve[:, 0], curve[:, 2], style, color=color, label=label, lw=1.3)
+    by_tokens.plot(curve[:, 1], curve[:, 2], style, color=color, lw=1.3)
+    first = min(group, key=lambda r: r["seed"])
+    trace = np.array(first["batch_sizes"], np.float64)[:-1]  # not the last step, cut to the budget
     sizes.plot(trace[:, 0], trace[:, 1], style, color=color, lw=1.2)
   for ax, xlabel in ((by_steps, "optimizer steps"), (by_tokens, "tokens")):
-    ax.axhline(results["target_val_loss"], color="black", lw=0.8, ls=":")
+    ax.axhline(target, color="black", lw=0.8, ls=":")
     ax.set_xscale("log")
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    ax.set_ylim(target - 0.04, target + 0.4)
     ax.set_xlabel(xlabel)
     ax.set_ylabel("validation loss (nats/token)")
-  by_steps.set_title(f"target {results['target_val_loss']:.3f} (dotted); seed {seed}")
-  by_tokens.set_title("the same runs against tokens")
+  by_steps.set_title(f"seeds' mean curves; target {target:.4f} (dotted)")
+  by_tokens.set_title("the same against tokens")
   sizes.set_xscale("log")
   sizes.set_yscale("log", base=2)
   sizes.set_xlabel("optimizer steps")
   sizes.set_ylabel("batch size (sequences)")
-  sizes.set_title("batch size over training")
-  by_steps.legend(fontsize=7)
-  fig.tight_layout()
+  sizes.set_title(f"batch size over training (seed {seed})")
+  fig.legend(loc="lower center", ncol=3, fontsize=8, frameon=False)
+  fig.tight_layout(rect=(0, 0.2, 1, 1))
   path = pathlib.Path(png_path)
   fig.savefig(path, dpi=110)
   plt.close(fig)

@@ -301,6 +301,45 @@ def _fault_kinds_phrases() -> list[str]:
   ]
 
 
+def _lm_budget_phrases() -> list[str]:
+  """The verdicts on the causal LM's two budgets, which the tables do not carry."""
+  today, long = _result("pareto_lm"), _result("pareto_lm_long")
+  best = long["best_fixed"]
+  rule = _setting(long, "a=1.1 [8,128]")
+  ramp = _setting(long, "x2 from 8 at 58825 and 657455 tokens lr@peak")
+  rule_today = _setting(today, "a=1.1 [2,32]")
+  gaps = {
+    v["setting"]: v
+    for budget in (today, long)
+    for v in budget["verdict"]["adaptive"]
+    if v["controller"] == "allowance"
+  }
+  reached = [
+    r for r in long["runs"] if r["controller"] == "allowance" and r["setting"] == "a=1.1 [8,128]"
+  ]
+  steps = sorted(r["steps_to_target"] / best["steps"] for r in reached if r["steps_to_target"])
+  return [
+    f"The target is B=8's mean final loss over 5 seeds, {long['target_val_loss']:.4f} nats/char "
+    f"(std {best['final_val_loss_std']:.4f} across the seeds), after {best['steps']:,.0f} steps",
+    f"gave {long['reproducibility']['first']:.6f} twice",
+    f"{rule['final_val_loss']:.4f} ± {rule['final_val_loss_std']:.4f}. Its seeds' mean curve "
+    f"reaches the target at {rule['mean_curve_steps_to_target']:,.0f} steps "
+    f"({rule['mean_curve_steps_to_target'] / best['steps']:.3f}x) with "
+    f"{rule['mean_curve_tokens_to_target'] / best['tokens']:.2f}x the tokens",
+    f"at {steps[0]:.2f}x-{steps[-1]:.2f}x the steps",
+    f"its paired loss is {gaps['a=1.1 [8,128]']['loss_gap_at_goal_steps']:+.4f} ± "
+    f"{gaps['a=1.1 [8,128]']['loss_gap_95']:.4f}",
+    f"reaches the target on its mean curve at {ramp['mean_curve_steps_to_target']:,.0f} steps",
+    f"the allowance rule takes "
+    f"{gaps['a=1.1 [8,128]']['steps_vs_ramps']['doubling_warmup']:.2f}x its steps",
+    f"{rule['avg_batch_size']:.1f} for the rule against {ramp['avg_batch_size']:.1f} for the ramp",
+    f"moves from {gaps['a=1.1 [2,32]']['loss_gap_at_goal_steps']:+.4f} to "
+    f"{gaps['a=1.1 [8,128]']['loss_gap_at_goal_steps']:+.4f} for the rule",
+    f"coupling: {rule_today['final_val_loss']:.4f} ± {rule_today['final_val_loss_std']:.4f} in "
+    f"{rule_today['steps']:,.0f} steps",
+  ]
+
+
 @pytest.mark.parametrize(
   "page, phrases",
   [
@@ -311,6 +350,7 @@ def _fault_kinds_phrases() -> list[str]:
     ("results.md", _digits_phrases),
     ("results.md", _mlm_phrases),
     ("results.md", _lm_phrases),
+    ("results.md", _lm_budget_phrases),
     ("controllers.md", _controllers_phrases),
     ("own_step.md", _own_step_phrases),
     ("design.md", _design_halves_phrases),
@@ -324,6 +364,7 @@ def _fault_kinds_phrases() -> list[str]:
     "digits",
     "mlm",
     "causal_lm",
+    "causal_lm_budgets",
     "controllers",
     "own_step_halves",
     "design_halves",
@@ -350,6 +391,7 @@ def test_the_one_step_late_table_is_the_json():
     ("results.md", "pareto_mlm", pareto_report.markdown_tables, "pareto.py", "tables"),
     ("results.md", "pareto_lm_issue23", pareto_lm_report.markdown, "pareto_lm.py", "table"),
     ("results.md", "pareto_lm", pareto_lm_report.markdown, "pareto_lm.py", "table"),
+    ("results.md", "pareto_lm_long", pareto_lm_report.markdown, "pareto_lm.py", "table"),
     ("own_step.md", "halves", halves_steps.markdown_table, "halves_steps.py", "table"),
   ],
 )
@@ -363,3 +405,15 @@ def test_the_generated_tables_are_the_json(page, name, render, script, what):
     f"docs/{page}'s {name} {what} differ from benchmarks/results/{name}.json; "
     f"regenerate them with {command}"
   )
+
+
+def test_the_budgets_table_is_the_json():
+  text = _page("results.md")
+  paths = "benchmarks/results/pareto_lm.json benchmarks/results/pareto_lm_long.json"
+  start = (
+    f"<!-- pareto_lm budgets table: python benchmarks/pareto_lm.py --compare-budgets {paths} -->\n"
+  )
+  end = "\n<!-- end pareto_lm budgets table -->"
+  assert start in text and end in text, "docs/results.md lost the markers of the budgets table"
+  block = text[text.index(start) + len(start) : text.index(end)]
+  assert block == pareto_lm_report.markdown_budgets(_result("pareto_lm"), _result("pareto_lm_long"))

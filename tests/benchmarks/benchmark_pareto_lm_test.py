@@ -318,6 +318,14 @@ def test_toy_comparison_end_to_end_and_resumed(tmp_path):
   repeat = written["reproducibility"]
   assert repeat["abs_diff"] == pytest.approx(abs(repeat["first"] - repeat["second"]), abs=1e-6)
   assert written["unigram_entropy"] > 0 and (tmp_path / "lm.png").stat().st_size > 0
+  # A setting the protocol gained after the budget finished: --extend trains only its runs.
+  extended = pareto_lm.main([*argv, "--extend", "--targets", "0.3,0.5"])
+  assert extended["runs_read_back"] == len(written["runs"])
+  assert extended["experiment"] == written["experiment"]
+  added = [r for r in extended["runs"] if r["options"].get("similarity_target") == 0.5]
+  assert len(extended["runs"]) == len(written["runs"]) + len(added) and len(added) == 2
+  assert pareto_lm.main(["--replot", str(out), "--png", str(tmp_path / "again.png")]) == {}
+  assert (tmp_path / "again.png").stat().st_size > 0
 
 
 def test_the_launcher_runs_each_budget_at_low_priority_and_resumes_after_a_failure(tmp_path):
