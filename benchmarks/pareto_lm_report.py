@@ -281,8 +281,8 @@ def markdown_budgets(today: dict[str, Any], long: dict[str, Any]) -> str:
     run_today = c["saving_grows"] is not None
     lines.append(
       f"| {c['controller']} | {_without_bounds(c['setting'])} | "
-      + (_fmt(c["steps_ratio_today"], "{:.2f}x") if run_today else "not run")
-      + f" | {_fmt(c['steps_ratio_long'], '{:.2f}x')} | "
+      + (_fmt(c["steps_ratio_today"], "{:.3f}x") if run_today else "not run")
+      + f" | {_fmt(c['steps_ratio_long'], '{:.3f}x')} | "
       + (f"{c['loss_gap_today']:+.4f}" if run_today else "not run")
       + f" | {c['loss_gap_long']:+.4f} | "
       + ("-" if not run_today else "yes" if c["saving_grows"] else "no")

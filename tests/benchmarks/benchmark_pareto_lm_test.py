@@ -120,9 +120,9 @@ def test_budgets_are_compared_setting_by_setting_whatever_their_bounds():
   assert (rows[0]["steps_ratio_today"], rows[0]["loss_gap_today"]) == (None, 0.011)
   assert rows[1]["steps_ratio_today"] is None and rows[1]["loss_gap_long"] == -0.007
   table = pareto_lm_report.markdown_budgets(today, long).splitlines()
-  assert table[2] == "| allowance | a=1.1 lr@peak | never | 0.44x | +0.0110 | -0.0060 | yes |"
-  assert table[3] == "| allowance | a=1.1 | not run | 0.43x | not run | -0.0070 | - |"
-  assert table[5] == "| simigrad | s=0.2 | 0.30x | never | +0.0010 | +0.0020 | no |"
+  assert table[2] == "| allowance | a=1.1 lr@peak | never | 0.440x | +0.0110 | -0.0060 | yes |"
+  assert table[3] == "| allowance | a=1.1 | not run | 0.430x | not run | -0.0070 | - |"
+  assert table[5] == "| simigrad | s=0.2 | 0.300x | never | +0.0010 | +0.0020 | no |"
 
 
 def test_paired_interval_uses_students_t():
