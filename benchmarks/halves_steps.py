@@ -37,6 +37,7 @@ Usage::
 
   python benchmarks/halves_steps.py           # benchmarks/results/halves.json
   python benchmarks/halves_steps.py --quick   # tiny models: halves_quick.json
+  JAX_PLATFORMS=cuda python benchmarks/halves_steps.py --devices 1 --out halves_gpu.json  # a GPU
   python benchmarks/halves_steps.py --markdown benchmarks/results/halves.json  # docs/own_step.md's table
 """
 
@@ -422,6 +423,13 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   )
   parser.add_argument("--image", type=int, default=None, help="image side (pixels)")
   parser.add_argument(
+    "--devices",
+    type=_sizes,
+    default=None,
+    help="device counts, each in its own process (default 1,8; on a GPU host with "
+    "JAX_PLATFORMS=cuda, at most its GPUs)",
+  )
+  parser.add_argument(
     "--markdown", default=None, help="print the docs table of this JSON, and stop"
   )
   parser.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
@@ -429,8 +437,7 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   common.add_out_flag(parser, "halves")
   args = parser.parse_args(argv)
   preset = QUICK if args.quick else FULL
-  common.apply_preset(args, preset, ("rounds", "batch", "widths", "channels", "image"))
-  args.devices = preset["devices"]
+  common.apply_preset(args, preset, ("rounds", "batch", "widths", "channels", "image", "devices"))
   unknown = sorted(set(args.models) - set(MODELS))
   if unknown or not args.models:
     parser.error(f"--models {','.join(args.models)}: expected some of {', '.join(MODELS)}")

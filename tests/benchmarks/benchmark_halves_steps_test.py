@@ -72,9 +72,23 @@ def test_the_docs_table_has_a_row_per_device_count(quick_run):
 
 
 @pytest.mark.parametrize(
-  "argv", [["--batch", "40"], ["--batch", "0"], ["--models", "rnn"], ["--widths", "32,x"]]
+  "argv",
+  [
+    ["--batch", "40"],
+    ["--batch", "0"],
+    ["--models", "rnn"],
+    ["--widths", "32,x"],
+    ["--devices", "0,x"],
+  ],
 )
 def test_bad_settings_are_refused(argv, capsys):
   with pytest.raises(SystemExit):
     halves_steps.main(["--quick", *argv])
   assert argv[1] in capsys.readouterr().err
+
+
+def test_the_device_counts_are_a_flag_and_set_the_batchs_divisor():
+  args = halves_steps._parse_args(["--quick", "--devices", "1", "--batch", "6", "--out", ""])
+  assert args.devices == (1,) and args.batch == 6  # 1 device: any even batch
+  with pytest.raises(SystemExit):
+    halves_steps._parse_args(["--quick", "--devices", "1,4", "--batch", "12", "--out", ""])
