@@ -257,6 +257,36 @@ def _own_step_phrases() -> list[str]:
   ]
 
 
+def _gpu_phrases() -> list[str]:
+  """The first GPU numbers (one H200), in own_step.md and results.md."""
+  halves = _result("halves_h200")["devices"]["1"]["rows"]
+  mlp, cnn, pmap = halves["mlp"]["two_pass"], halves["cnn"]["two_pass"], halves["mlp"]["pmap"]
+  resnet = _result("halves_resnet_h200")["variants"]
+  return [
+    f"the plain MLP step takes {mlp['plain_step_seconds'] * 1e3:.2f} ms and the CNN's "
+    f"{cnn['plain_step_seconds'] * 1e3:.1f} ms",
+    f"{resnet['halves']['128']['paired_time_ratio']:.2f}x at a batch of 128 "
+    f"({resnet['plain']['128']['step_seconds'] * 1e3:.1f} ms a plain step) and "
+    f"{resnet['halves']['512']['paired_time_ratio']:.2f}x at 512 "
+    f"({resnet['plain']['512']['step_seconds'] * 1e3:.1f} ms)",
+    f"**Memory, MLP: {mlp['temp_ratio']:.0f}x ({mlp['temp_bytes'] / 1e6:.1f} MB against "
+    f"{mlp['plain_temp_bytes'] / 1e6:.1f} MB; the pmap step {pmap['temp_ratio']:.1f}x).**",
+    f"the MLP {mlp['similarity']:.6f}, its pmap step {pmap['similarity']:.6f}; the CNN "
+    f"{cnn['similarity']:.6f}",
+  ]
+
+
+def _gpu_overhead_phrases() -> list[str]:
+  overhead = _result("overhead_adaptive_h200")
+  variants, warm = overhead["variants"], overhead["warm_start"]
+  return [
+    f"| `adaptive` (33 shapes) | {variants['adaptive']['ratio_to_fixed_run']:.3f} |",
+    f"| `adaptive_late` | {variants['adaptive_late']['ratio_to_fixed_run']:.3f} |",
+    f"waiting {warm['compile_wait_seconds']:.2f} s for its programs, at "
+    f"{warm['ratio_to_fixed_paired']:.2f}x the fixed Trainer's examples/s",
+  ]
+
+
 def _design_halves_phrases() -> list[str]:
   mlp, cnn = _halves("8", "mlp", "two_pass"), _halves("8", "cnn", "two_pass")
   return [
@@ -353,6 +383,8 @@ def _lm_budget_phrases() -> list[str]:
     ("results.md", _lm_budget_phrases),
     ("controllers.md", _controllers_phrases),
     ("own_step.md", _own_step_phrases),
+    ("own_step.md", _gpu_phrases),
+    ("results.md", _gpu_overhead_phrases),
     ("design.md", _design_halves_phrases),
     ("nnx.md", _nnx_phrases),
   ],
@@ -367,6 +399,8 @@ def _lm_budget_phrases() -> list[str]:
     "causal_lm_budgets",
     "controllers",
     "own_step_halves",
+    "gpu_h200",
+    "gpu_h200_overhead",
     "design_halves",
     "nnx_halves",
   ],
@@ -393,6 +427,7 @@ def test_the_one_step_late_table_is_the_json():
     ("results.md", "pareto_lm", pareto_lm_report.markdown, "pareto_lm.py", "table"),
     ("results.md", "pareto_lm_long", pareto_lm_report.markdown, "pareto_lm.py", "table"),
     ("own_step.md", "halves", halves_steps.markdown_table, "halves_steps.py", "table"),
+    ("own_step.md", "halves_h200", halves_steps.markdown_table, "halves_steps.py", "table"),
   ],
 )
 def test_the_generated_tables_are_the_json(page, name, render, script, what):
