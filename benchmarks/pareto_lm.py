@@ -53,9 +53,9 @@ named them; the plots go to ``docs/``. Runtime: ``--quick`` measured at 248 s
 and 314 s on 2 CPU cores shared with other jobs (load average 20-30);
 today's budget: 72 runs (a grid of 18, B=2 the best size) in 4,250 s of
 training on 2 shared cores (load average 15-25), its B=2 runs 160-190 s
-each, and 5 more added by ``--extend`` in 247 s; the long one: 74 runs (a grid of 15, B=8 the best size) in 4.0 hours
-of training on 2 shared cores (a median of 82 s a run), over several
-sessions in the background.
+each, and 5 more added by ``--extend`` in 247 s; the long one: 74 runs (a
+grid of 15, B=8 the best size) in 4.0 hours of training on 2 shared cores
+(a median of 82 s a run), over several sessions in the background.
 
 Resume: every finished run is appended to ``OUT.runs.jsonl`` as it ends;
 killed and started again with the same flags, the comparison reads them back

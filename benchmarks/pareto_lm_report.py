@@ -37,6 +37,14 @@ def _setting_key(run: dict[str, Any]) -> tuple[str, str, float]:
   return run["controller"], run["setting"], run["learning_rate"]
 
 
+def _groups(runs: list[dict[str, Any]]) -> dict[tuple[str, str, float], list[dict[str, Any]]]:
+  """The runs by setting (:func:`_setting_key`), in the order each setting first ran."""
+  groups: dict[tuple[str, str, float], list[dict[str, Any]]] = {}
+  for run in runs:
+    groups.setdefault(_setting_key(run), []).append(run)
+  return groups
+
+
 def analyse(
   runs: list[dict[str, Any]],
   *,
@@ -58,9 +66,7 @@ def analyse(
   Returns:
     ``{"target_val_loss", "best_fixed", "runs", "settings", "verdict"}``.
   """
-  groups: dict[tuple[str, str, float], list[dict[str, Any]]] = {}
-  for run in runs:
-    groups.setdefault(_setting_key(run), []).append(run)
+  groups = _groups(runs)
   best_key = next(
     (
       key
@@ -443,22 +449,16 @@ def plot(results: dict[str, Any], png_path: str | os.PathLike) -> pathlib.Path:
   import matplotlib.ticker  # pylint: disable=import-outside-toplevel
 
   seed = min(r["seed"] for r in results["runs"])
-  groups: dict[tuple[str, str, float], list[dict[str, Any]]] = {}
-  for run in results["runs"]:
-    groups.setdefault(_setting_key(run), []).append(run)
-  fixed = {}  # each size's best learning rate
-  for key, group in groups.items():
-    if key[0] == "fixed":
-      size = int(key[1].removeprefix("B="))
-      loss = np.mean([r["final_val_loss"] for r in group])
-      if size not in fixed or loss < fixed[size][0]:
-        fixed[size] = (loss, key)
+  groups = _groups(results["runs"])
+  fixed = [  # each size at its tuned learning rate
+    ("fixed", f"B={g['batch_size']}", g["best_learning_rate"]) for g in results["fixed_grid"]
+  ]
   complete = [
     (s["controller"], s["setting"], s["learning_rate"])
     for s in results["settings"]
     if s["controller"] != "fixed" and s["seeds"] == len(results["seeds"])
   ]
-  shown = [fixed[size][1] for size in sorted(fixed)] + complete
+  shown = fixed + complete
   fig, (by_steps, by_tokens, sizes) = plt.subplots(1, 3, figsize=(17, 6.5))
   target = results["target_val_loss"]
   best = (results["best_fixed"]["controller"], results["best_fixed"]["setting"])
