@@ -37,7 +37,6 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-import jax
 import optax
 from jax.sharding import Mesh
 
@@ -285,11 +284,11 @@ class StepPrograms:
     self._agreement.agree(reports)
 
   def run(
-    self, state: Mapping[str, Any], data: StepBatch, step_inputs: jax.Array
-  ) -> tuple[dict[str, Any], jax.Array]:
-    """Dispatches one optimizer step; returns the new state (``state`` is donated) and the stats
-    vector, not waited for (:meth:`~simigrad_jax.compile.step_runner.StepRunner.run`)."""
-    return self._runner.run(state, data, step_inputs)
+    self, state: Mapping[str, Any], data: StepBatch, scalars: train_step.StepScalars
+  ) -> tuple[dict[str, Any], train_step.StepMeasurements]:
+    """Dispatches one optimizer step; returns the new state (``state`` is donated) and its
+    measurements, not waited for (:meth:`~simigrad_jax.compile.step_runner.StepRunner.run`)."""
+    return self._runner.run(state, data, scalars)
 
   def memory(self, micro: int) -> dict[str, int]:
     """Compiled memory of the one-micro-batch program of shape ``micro``, compiling it if needed

@@ -163,7 +163,7 @@ class StepFunctions:
       self._acc,
       state["model_state"],
       state["model_state"],
-      self._step_args(1)[2],
+      self._scalars(),
     )
 
   def _step_args(self, micro: int) -> tuple:
@@ -173,11 +173,14 @@ class StepFunctions:
       for name, (shape, dtype) in self._element_spec.items()
     }
     weights = jax.ShapeDtypeStruct((rows,), jnp.float32, sharding=self._sharded)
-    step_inputs = jax.ShapeDtypeStruct(
-      (len(train_step.STEP_INPUTS),), jnp.float32, sharding=self._replicated
-    )
     counters = jax.ShapeDtypeStruct((2,), jnp.int32, sharding=self._replicated)
-    return batch, weights, step_inputs, counters
+    return batch, weights, self._scalars(), counters
+
+  def _scalars(self) -> train_step.StepScalars:
+    """The placeholders of a step's :class:`~simigrad_jax.ingraph.train_step.StepScalars` (each
+    a replicated float32 scalar)."""
+    scalar = jax.ShapeDtypeStruct((), jnp.float32, sharding=self._replicated)
+    return train_step.StepScalars._make([scalar] * len(train_step.StepScalars._fields))
 
   def _fused_args(self, micro: int) -> tuple:
     state = self._state

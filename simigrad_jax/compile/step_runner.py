@@ -3,7 +3,10 @@
 A step of one micro-batch per device runs the one-micro-batch program of its
 shape; a step of several accumulates with the micro-step of its shape, then
 applies the update (:class:`~simigrad_jax.compile.step_compilers.StepCompilers`
-compiles them). The steps are dispatched, not waited for.
+compiles them). A step takes its scalars as one
+:class:`~simigrad_jax.ingraph.train_step.StepScalars` and returns what it
+measured as one :class:`~simigrad_jax.ingraph.train_step.StepMeasurements`.
+The steps are dispatched, not waited for.
 """
 
 from __future__ import annotations
@@ -11,7 +14,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-import jax
 from jax.sharding import Mesh
 
 from simigrad_jax.compile.step_compilers import StepCompilers
@@ -34,8 +36,9 @@ class StepRunner:
       or ``"local"``).
 
   Example:
-    ``state, stats = StepRunner(compilers, mesh, "batch", "device").run(state,
-    data, step_inputs)`` dispatches one step (see :meth:`run`).
+    ``state, measurements = StepRunner(compilers, mesh, "batch",
+    "device").run(state, data, scalars)`` dispatches one step (see
+    :meth:`run`).
   """
 
   def __init__(self, compilers: StepCompilers, mesh: Mesh, axis_name: str, halves: str):
@@ -44,20 +47,19 @@ class StepRunner:
     self._acc: Any = None  # allocated when a step first accumulates
 
   def run(
-    self, state: Mapping[str, Any], data: StepBatch, step_inputs: jax.Array
-  ) -> tuple[dict[str, Any], jax.Array]:
-    """Dispatches one optimizer step; returns the new state and the stats vector (not waited for).
+    self, state: Mapping[str, Any], data: StepBatch, scalars: train_step.StepScalars
+  ) -> tuple[dict[str, Any], train_step.StepMeasurements]:
+    """Dispatches one optimizer step; returns the new state and its measurements (not waited for).
 
     Args:
       state: the ``{"params", "opt_state", "model_state"}`` on the mesh; its
         arrays are donated.
       data: the step's micro-batches, as :attr:`StepBatch.plan` lays them out.
-      step_inputs: float32 :data:`~simigrad_jax.ingraph.train_step.STEP_INPUTS`,
-        replicated.
+      scalars: the step's scalars, replicated.
 
     Returns:
-      ``(new_state, stats)``: ``stats`` is the float32 vector of
-      :data:`~simigrad_jax.ingraph.train_step.STEP_STATS`.
+      ``(new_state, measurements)``: the step's
+      :class:`~simigrad_jax.ingraph.train_step.StepMeasurements`, replicated.
 
     Raises:
       StepCompileError: when the compile of the plan's program failed.
@@ -67,8 +69,8 @@ class StepRunner:
     if plan.accumulation_steps == 1:
       ((batch, weights),) = data.micro_batches
       program = self._compilers.fused.get(plan.micro_batch_size)
-      params, opt_state, model_state, stats = program(
-        params, opt_state, model_state, batch, weights, step_inputs, data.counters[0]
+      params, opt_state, model_state, measurements = program(
+        params, opt_state, model_state, batch, weights, scalars, data.counters[0]
       )
     else:
       program = self._compilers.micro.get(plan.micro_batch_size)
@@ -79,9 +81,9 @@ class StepRunner:
       accumulated_state = model_state
       for (batch, weights), counters in zip(data.micro_batches, data.counters, strict=True):
         acc, accumulated_state = program(
-          params, accumulated_state, acc, batch, weights, step_inputs, counters
+          params, accumulated_state, acc, batch, weights, scalars, counters
         )
-      params, opt_state, self._acc, model_state, stats = apply(
-        params, opt_state, acc, model_state, accumulated_state, step_inputs
+      params, opt_state, self._acc, model_state, measurements = apply(
+        params, opt_state, acc, model_state, accumulated_state, scalars
       )
-    return {"params": params, "opt_state": opt_state, "model_state": model_state}, stats
+    return {"params": params, "opt_state": opt_state, "model_state": model_state}, measurements

@@ -74,11 +74,16 @@ class BatchSizeController(Protocol):
 
     Args:
       similarity: the cosine similarity of the two half-batch gradients (NaN
-        for a step whose gradients were not finite).
-      stats: the step's other measurements, passed by keyword: ``loss``,
-        ``norm_a``, ``norm_b``, ``norm_mean`` (the half and full gradient
-        norms), ``batch_size`` (the size that ran), ``examples_seen``,
-        ``epochs`` (fractional), ``epoch_end`` and ``grads_finite``.
+        for a step without a measurement: gradients not finite, or a half
+        whose mean gradient is zero). It comes here alone, not in ``stats``.
+      stats: the step's other measurements and where the run stands, passed
+        by keyword. :class:`simigrad_jax.Trainer` passes ``loss`` (the mean
+        over the step's real examples), ``norm_a``, ``norm_b``,
+        ``norm_mean`` (the half and full gradient norms), ``measured``
+        (whether ``similarity`` is a measurement), ``grads_finite`` (False:
+        the step changed nothing), ``nonfinite_count`` (the transform's count
+        of such steps), ``batch_size`` (the size that ran),
+        ``examples_seen``, ``epochs`` (fractional) and ``epoch_end``.
 
     Returns:
       The batch size of the next step (also :attr:`batch_size` afterwards).

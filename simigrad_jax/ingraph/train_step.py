@@ -1,4 +1,4 @@
-"""In-graph: the data-parallel steps that the training engine compiles, one set per shape.
+"""In-graph: the data-parallel steps that the Trainer compiles, one set per shape.
 
 All run inside ``jax.shard_map`` over the mesh's data axis with
 ``check_vma=False`` (the semantics of ``jax.pmap``: each device computes its
@@ -36,11 +36,14 @@ The two halves are formed in one of two ways (``halves``):
   share, while the mean gradient is their sum over ``total_weight``, exactly
   the one the device split returns.
 
-The step returns every number the host needs in one small float32 vector
-(:data:`STEP_STATS`). The learning-rate factor arrives as an input and is
-written into the optimizer state in-graph, so the host never rewrites the
-state between steps. A step whose gradient is not finite keeps the
-parameters, the optimizer state and the model state as they were.
+The step takes its scalars from the host as one :class:`StepScalars` (the
+step's real examples, the learning-rate factor, half A's real examples) and
+returns what it measured as one :class:`StepMeasurements` (the loss and the
+transform's :class:`~simigrad_jax.ingraph.transform.SimilarityState`). The
+learning-rate factor is written into the optimizer state in-graph, so the
+host never rewrites the state between steps. A step whose gradient is not
+finite keeps the parameters, the optimizer state and the model state as they
+were.
 """
 
 from __future__ import annotations
@@ -56,6 +59,7 @@ import optax
 from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
+from jax.typing import ArrayLike
 
 from simigrad_jax.errors import SimiGradError
 from simigrad_jax.ingraph import batch_coupling
@@ -71,20 +75,27 @@ from simigrad_jax.reductions import data_blocks
 # loss_fn(params, model_state, batch, weights, rng) -> (per_example_losses, new_model_state)
 PerExampleLossFn = Callable[[Any, Any, Any, jax.Array, jax.Array], tuple[jax.Array, Any]]
 
-STEP_STATS: tuple[str, ...] = (
-  "loss",
-  "similarity",
-  "norm_a",
-  "norm_b",
-  "norm_mean",
-  "measured",
-  "grads_finite",
-  "nonfinite_count",
-)
-# step_inputs: float32 [real examples of the step, learning-rate factor, real examples of the
-# first half (read with halves="local")].
-STEP_INPUTS: tuple[str, ...] = ("total_weight", "lr_factor", "first_half_weight")
 HALVES: tuple[str, ...] = ("device", "local")
+
+
+class StepScalars(NamedTuple):
+  """The scalars a step takes from the host beside its rows (float32, replicated).
+
+  The host builds them as NumPy scalars and places them on the devices only
+  when they change, so a new learning-rate factor or batch size costs no
+  recompilation.
+  """
+
+  total_weight: ArrayLike  # float32: the step's real examples (its rows' total weight).
+  lr_factor: ArrayLike  # float32: the learning-rate factor, written into the optimizer state.
+  first_half_weight: ArrayLike  # float32: half A's real examples (read with halves="local").
+
+
+class StepMeasurements(NamedTuple):
+  """What a step measured, as its program returns it (replicated: identical on every device)."""
+
+  loss: jax.Array  # float32: the mean loss over the step's real examples.
+  similarity_state: SimilarityState  # the transform's statistics of the step's two halves.
 
 
 class LossContractError(SimiGradError, ValueError):
@@ -255,7 +266,7 @@ def _device_gradient(
   return loss_a + loss_b, (grads_a, grads_b), lax.pmean(new_state, axis_name)
 
 
-def _optimizer_inputs(optimizer, local, grads, step_inputs, param_specs):
+def _optimizer_inputs(optimizer, local, grads, scalars, param_specs):
   """The gradient and keyword arguments the optimizer's update takes.
 
   Device split: the parameters' specs, for the transform's reduction to
@@ -271,7 +282,7 @@ def _optimizer_inputs(optimizer, local, grads, step_inputs, param_specs):
     takes_extra = isinstance(optimizer, optax.GradientTransformationExtraArgs)
     return grads, ({"param_specs": param_specs} if takes_extra and param_specs is not None else {})
   first, second = grads
-  share = step_inputs[2] / step_inputs[0]
+  share = scalars.first_half_weight / scalars.total_weight
 
   def rescale(tree, fraction):
     factor = jnp.where(fraction > 0, 1 / jnp.where(fraction > 0, fraction, 1), 0)
@@ -303,9 +314,9 @@ def _keep_if_nonfinite(finite: jax.Array, new: Any, old: Any) -> Any:
   return jax.tree.map(keep_state, new, old, is_leaf=lambda x: isinstance(x, SimilarityState))
 
 
-def _update_in_step(optimizer, local, params, opt_state, grads, step_inputs, param_specs):
+def _update_in_step(optimizer, local, params, opt_state, grads, scalars, param_specs):
   """``optimizer.update`` inside the step mapped over the data axis: ``(updates, new_state)``."""
-  grads, extra = _optimizer_inputs(optimizer, local, grads, step_inputs, param_specs)
+  grads, extra = _optimizer_inputs(optimizer, local, grads, scalars, param_specs)
   expecting = "half_grads" in extra
   try:
     with transform.expecting_half_grads() if expecting else contextlib.nullcontext():
@@ -320,20 +331,20 @@ def _update_in_step(optimizer, local, params, opt_state, grads, step_inputs, par
 
 
 def _update(
-  optimizer, local, params, opt_state, grads, mean_loss, step_inputs, param_specs, stacked=None
+  optimizer, local, params, opt_state, grads, mean_loss, scalars, param_specs, stacked=None
 ):
-  """The optimizer step from per-device gradients: new params and state, and the stats vector.
+  """The optimizer step from per-device gradients: new params and state, and the measurements.
 
   ``mean_loss`` is the step's loss, averaged over the devices. ``stacked``:
   None inside the step mapped over the data axis; else the
   :class:`StackedGrads` that says ``grads`` are every device's gradient,
   stacked, for the update on global arrays.
   """
-  with_lr = optax.tree_utils.tree_set(opt_state, lr_factor=step_inputs[1])
-  with_lr = batch_coupling.with_batch_size(with_lr, step_inputs[0])  # Adam's b2, weight decay
+  with_lr = optax.tree_utils.tree_set(opt_state, lr_factor=scalars.lr_factor)
+  with_lr = batch_coupling.with_batch_size(with_lr, scalars.total_weight)  # Adam's b2, weight decay
   if stacked is None:
     updates, new_opt_state = _update_in_step(
-      optimizer, local, params, with_lr, grads, step_inputs, param_specs
+      optimizer, local, params, with_lr, grads, scalars, param_specs
     )
   else:
     updates, new_opt_state = update_stacked(
@@ -341,24 +352,12 @@ def _update(
     )
   new_params = optax.apply_updates(params, updates)
   similarity_state = optax.tree_utils.tree_get(new_opt_state, SimilarityState.__name__)
-  stats = jnp.stack(
-    [
-      mean_loss,
-      similarity_state.similarity,
-      similarity_state.norm_a,
-      similarity_state.norm_b,
-      similarity_state.norm_mean,
-      similarity_state.measured.astype(jnp.float32),
-      similarity_state.grads_finite.astype(jnp.float32),
-      similarity_state.nonfinite_count.astype(jnp.float32),
-    ]
-  )
   finite = similarity_state.grads_finite
   return (
     _keep_if_nonfinite(finite, new_params, params),
     _keep_if_nonfinite(finite, new_opt_state, opt_state),
     finite,
-    stats,
+    StepMeasurements(loss=mean_loss, similarity_state=similarity_state),
   )
 
 
@@ -370,8 +369,8 @@ def make_fused_step(
   seed: int = 0,
   halves: str = "device",
   param_specs: Any = None,
-) -> Callable[..., tuple[Any, Any, Any, jax.Array]]:
-  """Returns ``step(params, opt_state, model_state, batch, weights, step_inputs, counters)``.
+) -> Callable[..., tuple[Any, Any, Any, StepMeasurements]]:
+  """Returns ``step(params, opt_state, model_state, batch, weights, scalars, counters)``.
 
   One optimizer step over one micro-batch per device, in one program.
 
@@ -399,34 +398,34 @@ def make_fused_step(
 
   Returns:
     A function (to be jitted) from replicated ``params``, ``opt_state`` and
-    ``model_state``, a batch and weights sharded on their leading axis,
-    ``step_inputs`` (float32 :data:`STEP_INPUTS`) and ``counters`` (int32
+    ``model_state``, a batch and weights sharded on their leading axis, the
+    replicated :class:`StepScalars` and ``counters`` (int32
     ``[optimizer_step, micro_step]``), to the new params, optimizer state and
-    model state and a float32 vector of the :data:`STEP_STATS` (identical on
-    every device).
+    model state and the step's :class:`StepMeasurements` (identical on every
+    device).
   """
   num_devices = mesh.shape[axis_name]
   local = _check_halves(halves)
   gradient = functools.partial(_device_gradient, loss_fn, num_devices, axis_name, seed, local)
 
-  def per_device(params, opt_state, model_state, batch, weights, step_inputs, counters):
+  def per_device(params, opt_state, model_state, batch, weights, scalars, counters):
     loss, grads, new_model_state = gradient(
-      params, model_state, batch, weights, step_inputs[0], counters
+      params, model_state, batch, weights, scalars.total_weight, counters
     )
-    params, opt_state, finite, stats = _update(
+    params, opt_state, finite, measurements = _update(
       optimizer,
       local,
       params,
       opt_state,
       grads,
       lax.pmean(loss, axis_name),
-      step_inputs,
+      scalars,
       param_specs,
     )
     model_state = _keep_if_nonfinite(finite, new_model_state, model_state)
-    return params, opt_state, model_state, stats
+    return params, opt_state, model_state, measurements
 
-  def step(params, opt_state, model_state, batch, weights, step_inputs, counters):
+  def step(params, opt_state, model_state, batch, weights, scalars, counters):
     blocks = data_blocks.DataBlocks(params, param_specs, axis_name)
     if local or not blocks.any:
       return manual_over(
@@ -435,7 +434,7 @@ def make_fused_step(
         per_device,
         in_specs=(P(), P(), P(), P(axis_name), P(axis_name), P(), P()),
         out_specs=(P(), P(), P(), P()),
-      )(params, opt_state, model_state, batch, weights, step_inputs, counters)
+      )(params, opt_state, model_state, batch, weights, scalars, counters)
     # FSDP: the gradient per device, then the optimizer on the parameters' blocks.
     stacked, losses, new_model_state = manual_over(
       mesh,
@@ -443,12 +442,12 @@ def make_fused_step(
       lambda p, *rest: _stacked(gradient(blocks.gather(p), *rest)),
       in_specs=(blocks.entry, P(), P(axis_name), P(axis_name), P(), P()),
       out_specs=(P(axis_name), P(axis_name), P()),
-    )(params, model_state, batch, weights, step_inputs[0], counters)
-    params, opt_state, finite, stats = _update_blocks(
-      optimizer, blocks, mesh, params, opt_state, stacked, losses, step_inputs
+    )(params, model_state, batch, weights, scalars.total_weight, counters)
+    params, opt_state, finite, measurements = _update_blocks(
+      optimizer, blocks, mesh, params, opt_state, stacked, losses, scalars
     )
     model_state = _keep_if_nonfinite(finite, new_model_state, model_state)
-    return params, opt_state, model_state, stats
+    return params, opt_state, model_state, measurements
 
   return step
 
@@ -459,7 +458,7 @@ def _stacked(device_gradient: tuple[jax.Array, Any, Any]) -> tuple[Any, jax.Arra
   return jax.tree.map(lambda g: g[None], grads), loss[None], new_model_state
 
 
-def _update_blocks(optimizer, blocks, mesh, params, opt_state, stacked, losses, step_inputs):
+def _update_blocks(optimizer, blocks, mesh, params, opt_state, stacked, losses, scalars):
   """:func:`_update` on global arrays, the transform reducing the devices' stacked gradients
   into the parameters' layout (FSDP blocks stay blocks)."""
   return _update(
@@ -469,7 +468,7 @@ def _update_blocks(optimizer, blocks, mesh, params, opt_state, stacked, losses, 
     opt_state,
     stacked,
     jnp.mean(losses),
-    step_inputs,
+    scalars,
     blocks.specs,
     StackedGrads(blocks.axis_name, mesh),
   )
@@ -483,7 +482,7 @@ def make_micro_step(
   halves: str = "device",
   param_specs: Any = None,
 ) -> Callable[..., tuple[Accumulator, Any]]:
-  """Returns ``micro_step(params, model_state, acc, batch, weights, step_inputs, counters)``.
+  """Returns ``micro_step(params, model_state, acc, batch, weights, scalars, counters)``.
 
   Args:
     loss_fn: as for :func:`make_fused_step`.
@@ -498,14 +497,14 @@ def make_micro_step(
   Returns:
     A function (to be jitted) from replicated ``params`` and ``model_state``,
     the device-sharded :class:`Accumulator`, a batch and weights sharded on
-    their leading axis, ``step_inputs`` (float32 :data:`STEP_INPUTS`) and
-    ``counters`` (int32 ``[optimizer_step, micro_step]``), to the new
-    accumulator and the new model state (averaged over devices).
+    their leading axis, the replicated :class:`StepScalars` and ``counters``
+    (int32 ``[optimizer_step, micro_step]``), to the new accumulator and the
+    new model state (averaged over devices).
   """
   num_devices = mesh.shape[axis_name]
   local = _check_halves(halves)
 
-  def per_device(params, model_state, acc, batch, weights, step_inputs, counters, blocks):
+  def per_device(params, model_state, acc, batch, weights, scalars, counters, blocks):
     loss, grads, new_state = _device_gradient(
       loss_fn,
       num_devices,
@@ -516,13 +515,13 @@ def make_micro_step(
       model_state,
       batch,
       weights,
-      step_inputs[0],
+      scalars.total_weight,
       counters,
     )
     grads = jax.tree.map(lambda a, g: a + g[None].astype(a.dtype), acc.grads, grads)
     return Accumulator(grads=grads, loss=acc.loss + loss[None]), new_state
 
-  def micro_step(params, model_state, acc, batch, weights, step_inputs, counters):
+  def micro_step(params, model_state, acc, batch, weights, scalars, counters):
     blocks = data_blocks.DataBlocks(params, None if local else param_specs, axis_name)
     return manual_over(
       mesh,
@@ -530,7 +529,7 @@ def make_micro_step(
       functools.partial(per_device, blocks=blocks),
       in_specs=(blocks.entry, P(), P(axis_name), P(axis_name), P(axis_name), P(), P()),
       out_specs=(P(axis_name), P()),
-    )(params, model_state, acc, batch, weights, step_inputs, counters)
+    )(params, model_state, acc, batch, weights, scalars, counters)
 
   return micro_step
 
@@ -541,8 +540,8 @@ def make_apply_step(
   axis_name: str,
   halves: str = "device",
   param_specs: Any = None,
-) -> Callable[..., tuple[Any, Any, Accumulator, Any, jax.Array]]:
-  """Returns ``apply_step(params, opt_state, acc, model_state_before, model_state, step_inputs)``.
+) -> Callable[..., tuple[Any, Any, Accumulator, Any, StepMeasurements]]:
+  """Returns ``apply_step(params, opt_state, acc, model_state_before, model_state, scalars)``.
 
   Args:
     optimizer: an optax optimizer whose chain contains
@@ -557,28 +556,28 @@ def make_apply_step(
     A function (to be jitted) returning the new replicated params and
     optimizer state, the cleared accumulator, the model state (the one from
     the micro-steps, or ``model_state_before`` when the gradients were not
-    finite) and a float32 vector of the :data:`STEP_STATS` (identical on every
+    finite) and the step's :class:`StepMeasurements` (identical on every
     device).
   """
   local = _check_halves(halves)
 
-  def per_device(params, opt_state, acc, model_state_before, model_state, step_inputs):
+  def per_device(params, opt_state, acc, model_state_before, model_state, scalars):
     grads = jax.tree.map(lambda g: g[0], acc.grads)
-    params, opt_state, finite, stats = _update(
+    params, opt_state, finite, measurements = _update(
       optimizer,
       local,
       params,
       opt_state,
       grads,
       lax.pmean(acc.loss[0], axis_name),
-      step_inputs,
+      scalars,
       param_specs,
     )
     cleared = jax.tree.map(jnp.zeros_like, acc)
     model_state = _keep_if_nonfinite(finite, model_state, model_state_before)
-    return params, opt_state, cleared, model_state, stats
+    return params, opt_state, cleared, model_state, measurements
 
-  def apply_step(params, opt_state, acc, model_state_before, model_state, step_inputs):
+  def apply_step(params, opt_state, acc, model_state_before, model_state, scalars):
     blocks = data_blocks.DataBlocks(params, param_specs, axis_name)
     if local or not blocks.any:
       return manual_over(
@@ -587,13 +586,13 @@ def make_apply_step(
         per_device,
         in_specs=(P(), P(), P(axis_name), P(), P(), P()),
         out_specs=(P(), P(), P(axis_name), P(), P()),
-      )(params, opt_state, acc, model_state_before, model_state, step_inputs)
+      )(params, opt_state, acc, model_state_before, model_state, scalars)
     # FSDP: the accumulator holds each device's gradient, stacked; the update is on blocks.
-    params, opt_state, finite, stats = _update_blocks(
-      optimizer, blocks, mesh, params, opt_state, acc.grads, acc.loss, step_inputs
+    params, opt_state, finite, measurements = _update_blocks(
+      optimizer, blocks, mesh, params, opt_state, acc.grads, acc.loss, scalars
     )
     cleared = jax.tree.map(jnp.zeros_like, acc)
     model_state = _keep_if_nonfinite(finite, model_state, model_state_before)
-    return params, opt_state, cleared, model_state, stats
+    return params, opt_state, cleared, model_state, measurements
 
   return apply_step

@@ -1,14 +1,16 @@
 """Host: a step's scalars on the devices, and the learning-rate factor that follows the batch size.
 
-A step's program takes three float32 scalars (:data:`simigrad_jax.engine.
-train_step.STEP_INPUTS`): the step's real examples, the learning-rate factor
-and half A's real examples. The learning-rate factor follows the batch size
-the controller decides (:func:`simigrad_jax.lr_factor`), times the schedule's
-factor at the epochs trained so far; the program writes it into the optimizer
-state, so a new factor costs no recompilation. The scalars go to the devices
-only when they change (at a fixed batch size, no transfer), and while the
-batch moves, ahead of the decision, for each size the controller is likely
-to decide (:meth:`StepInputs.place_ahead`, from the data thread).
+A step's program takes three float32 scalars, one
+:class:`~simigrad_jax.ingraph.train_step.StepScalars`: the step's real
+examples, the learning-rate factor and half A's real examples. The
+learning-rate factor follows the batch size the controller decides
+(:func:`simigrad_jax.lr_factor`), times the schedule's factor at the epochs
+trained so far; the program writes it into the optimizer state, so a new
+factor costs no recompilation. The scalars go to the devices in one
+``jax.device_put`` only when they change (at a fixed batch size, no
+transfer), and while the batch moves, ahead of the decision, for each size
+the controller is likely to decide (:meth:`StepInputs.place_ahead`, from the
+data thread).
 """
 
 from __future__ import annotations
@@ -18,20 +20,15 @@ from typing import Any
 
 import jax
 import numpy as np
-import numpy.typing as npt
 from jax.sharding import Mesh
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from simigrad_jax import optimizer_state
 from simigrad_jax.controllers import learning_rate
+from simigrad_jax.ingraph.train_step import StepScalars
 from simigrad_jax.shapes.layout import StepLayout
 from simigrad_jax.trainer.config import TrainerConfig
-
-
-def host_scalars(values: list[float], dtype: npt.DTypeLike, sharding: NamedSharding) -> jax.Array:
-  """A small replicated vector for a step's inputs (one host-to-device transfer)."""
-  return jax.device_put(np.asarray(values, dtype), sharding)
 
 
 class StepInputs:
@@ -51,7 +48,7 @@ class StepInputs:
   Example::
 
     inputs.set_lr_factor(inputs.lr_factors(next_batch_size, epochs))
-    state, stats = program(state, data, inputs.on_devices(plan.global_batch_size))
+    state, measurements = programs.run(state, data, inputs.on_devices(plan.global_batch_size))
   """
 
   def __init__(
@@ -71,8 +68,9 @@ class StepInputs:
     self.lr_factor = lr_factor  # as float32 holds it
     self.schedule_factor = 1.0
     self._replicated = replicated
-    self._placed: tuple[tuple[float, ...] | None, jax.Array | None] = (None, None)
-    self._ahead: dict[tuple[float, ...], jax.Array] = {}  # placed by place_ahead
+    # The scalars last placed (as NumPy scalars) and their placement; those placed ahead.
+    self._placed: tuple[StepScalars | None, StepScalars | None] = (None, None)
+    self._ahead: dict[StepScalars, StepScalars] = {}  # placed by place_ahead
 
   @classmethod
   def for_run(
@@ -115,15 +113,15 @@ class StepInputs:
     factor, self.schedule_factor = factors
     self.lr_factor = float(np.float32(factor))
 
-  def on_devices(self, batch_size: int) -> jax.Array:
+  def on_devices(self, batch_size: int) -> StepScalars:
     """The scalars of a step of ``batch_size`` real examples at the current factor, on the devices."""
-    inputs = _step_inputs(batch_size, self.lr_factor)
-    placed_inputs, placed = self._placed
-    if placed is None or placed_inputs != inputs:
-      placed = self._ahead.get(inputs)
+    scalars = _scalars(batch_size, self.lr_factor)
+    placed_scalars, placed = self._placed
+    if placed is None or placed_scalars != scalars:
+      placed = self._ahead.get(scalars)
       if placed is None:
-        placed = host_scalars(list(inputs), np.float32, self._replicated)
-      self._placed = (inputs, placed)
+        placed = jax.device_put(scalars, self._replicated)
+      self._placed = (scalars, placed)
     return placed
 
   def place_ahead(self, batch_sizes: Sequence[int], epochs: float, remaining: float) -> None:
@@ -134,17 +132,21 @@ class StepInputs:
     scalars on the devices already. A size whose factor fails is skipped
     (the decision raises it).
     """
-    placed: dict[tuple[float, ...], jax.Array] = {}
+    placed: dict[StepScalars, StepScalars] = {}
     for size in batch_sizes:
       try:
         factor, _ = self.lr_factors(size, epochs)
       except Exception:  # pylint: disable=broad-except  # raised again, at the decision
         continue
-      inputs = _step_inputs(int(min(size, remaining)), float(np.float32(factor)))
-      placed[inputs] = host_scalars(list(inputs), np.float32, self._replicated)
+      scalars = _scalars(int(min(size, remaining)), float(np.float32(factor)))
+      placed[scalars] = jax.device_put(scalars, self._replicated)
     self._ahead = placed  # (one assignment: on_devices may read it from another thread)
 
 
-def _step_inputs(batch_size: int, lr_factor: float) -> tuple[float, float, float]:
-  """The scalars of a step of ``batch_size`` real examples at ``lr_factor``."""
-  return (float(batch_size), lr_factor, float(StepLayout.first_half_weight(batch_size)))
+def _scalars(batch_size: int, lr_factor: float) -> StepScalars:
+  """The scalars of a step of ``batch_size`` real examples at ``lr_factor``, float32 on the host."""
+  return StepScalars(
+    total_weight=np.float32(batch_size),
+    lr_factor=np.float32(lr_factor),
+    first_half_weight=np.float32(StepLayout.first_half_weight(batch_size)),
+  )

@@ -1,10 +1,12 @@
 """Host: what one optimizer step ran, measured and decided, as typed records.
 
 A step passes through three of them: :class:`DispatchedStep` (what the host
-handed the devices), :class:`StepStats` (the statistics the step's program
-returned, read once the step is done) and :class:`StepRecord` (the step as a
-whole, once the controller decided the next batch size). The Trainer hands
-every :class:`StepRecord` to its hooks (:mod:`simigrad_jax.trainer.hooks`);
+handed the devices, with the step's
+:class:`~simigrad_jax.ingraph.train_step.StepMeasurements` still on them),
+:class:`MeasuredStep` (those measurements, read once the step is done, what
+the controller decides from) and :class:`StepRecord` (the step as a whole,
+once the controller decided the next batch size). The Trainer hands every
+:class:`StepRecord` to its hooks (:mod:`simigrad_jax.trainer.hooks`);
 :meth:`StepRecord.as_dict` is the step's line in ``metrics.jsonl``.
 """
 
@@ -16,7 +18,6 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
-import numpy as np
 
 from simigrad_jax.ingraph import train_step
 from simigrad_jax.shapes import batch_plan
@@ -29,8 +30,7 @@ class DispatchedStep:
   Attributes:
     plan: the plan that runs (a compile fallback's, if any).
     exact_plan: the plan of the batch size asked for.
-    stats: the step's statistics on the devices (:data:`train_step.STEP_STATS`),
-      not yet read.
+    measurements: what the step measured, on the devices, not yet read.
     start: when the host began the step (``time.perf_counter()``).
     epoch: the epoch the step's first example belongs to.
     data_seconds: the host's time waiting for and placing the data.
@@ -45,7 +45,7 @@ class DispatchedStep:
 
   plan: batch_plan.BatchPlan
   exact_plan: batch_plan.BatchPlan
-  stats: jax.Array
+  measurements: train_step.StepMeasurements
   start: float
   epoch: int
   data_seconds: float
@@ -57,8 +57,9 @@ class DispatchedStep:
 
 
 @dataclasses.dataclass(frozen=True)
-class StepStats:
-  """A step's statistics (:data:`simigrad_jax.ingraph.train_step.STEP_STATS`), read on the host.
+class MeasuredStep:
+  """What a step measured (its :class:`~simigrad_jax.ingraph.train_step.StepMeasurements`), read
+  on the host.
 
   Attributes:
     loss: the mean loss over the step's real examples.
@@ -83,40 +84,37 @@ class StepStats:
   nonfinite_count: int
 
   @classmethod
-  def read(cls, stats: jax.Array) -> StepStats:
-    """Waits for the step and reads its statistics from this process's first device."""
-    values = dict(
-      zip(
-        train_step.STEP_STATS,
-        np.asarray(jax.device_get(stats.addressable_data(0))).tolist(),
-        strict=True,
-      )
-    )
-    measured = bool(values["measured"])
+  def read(cls, on_devices: train_step.StepMeasurements) -> MeasuredStep:
+    """Waits for the step and reads its measurements from this process's first device (one
+    ``jax.device_get``)."""
+    host = jax.device_get(jax.tree.map(lambda a: a.addressable_data(0), on_devices))
+    halves = host.similarity_state
+    measured = bool(halves.measured)
     return cls(
-      loss=values["loss"],
-      similarity=values["similarity"] if measured else math.nan,
-      norm_a=values["norm_a"],
-      norm_b=values["norm_b"],
-      norm_mean=values["norm_mean"],
+      loss=float(host.loss),
+      similarity=float(halves.similarity) if measured else math.nan,
+      norm_a=float(halves.norm_a),
+      norm_b=float(halves.norm_b),
+      norm_mean=float(halves.norm_mean),
       measured=measured,
-      grads_finite=bool(values["grads_finite"]),
-      nonfinite_count=int(values["nonfinite_count"]),
+      grads_finite=bool(halves.grads_finite),
+      nonfinite_count=int(halves.nonfinite_count),
     )
 
-  def for_controller(
+  def controller_stats(
     self, *, batch_size: int, examples_seen: int, epochs: float, epoch_end: bool
   ) -> dict[str, Any]:
-    """The ``stats`` a controller's ``update`` receives: these and where the run stands."""
+    """The ``stats`` a controller's ``update`` receives beside :attr:`similarity`: the other
+    measurements and where the run stands (the keys
+    :meth:`~simigrad_jax.controllers.BatchSizeController.update` lists)."""
     return {
       "loss": self.loss,
-      "similarity": self.similarity,
       "norm_a": self.norm_a,
       "norm_b": self.norm_b,
       "norm_mean": self.norm_mean,
-      "measured": float(self.measured),
+      "measured": self.measured,
       "grads_finite": self.grads_finite,
-      "nonfinite_count": float(self.nonfinite_count),
+      "nonfinite_count": self.nonfinite_count,
       "batch_size": batch_size,
       "examples_seen": examples_seen,
       "epochs": epochs,
@@ -152,7 +150,7 @@ class StepRecord:
     decision: the controller's ``last_decision`` (e.g. ``"grow"``).
     similarity_target: the controller's target (None if it has none).
     loss, similarity, norm_a, norm_b, norm_mean, grads_finite: as in
-      :class:`StepStats`.
+      :class:`MeasuredStep`.
     nonfinite_steps: steps of the run whose gradient was not finite, so far.
     step_seconds: wall time from the last step's statistics to this one's.
     examples_per_second: ``batch_size / step_seconds``.
@@ -212,7 +210,7 @@ class StepRecord:
   def create(
     cls,
     dispatched: DispatchedStep,
-    stats: StepStats,
+    measured: MeasuredStep,
     *,
     step: int,
     examples_seen: int,
@@ -243,12 +241,12 @@ class StepRecord:
       schedule_factor=dispatched.schedule_factor,
       decision=decision,
       similarity_target=similarity_target,
-      loss=stats.loss,
-      similarity=stats.similarity,
-      norm_a=stats.norm_a,
-      norm_b=stats.norm_b,
-      norm_mean=stats.norm_mean,
-      grads_finite=stats.grads_finite,
+      loss=measured.loss,
+      similarity=measured.similarity,
+      norm_a=measured.norm_a,
+      norm_b=measured.norm_b,
+      norm_mean=measured.norm_mean,
+      grads_finite=measured.grads_finite,
       nonfinite_steps=nonfinite_steps,
       step_seconds=step_seconds,
       examples_per_second=plan.global_batch_size / step_seconds,

@@ -14,9 +14,12 @@ another, each in the same order, written out in that one method:
 3. run: the step's compiled program; the transform averages the gradients and
    measures the similarity; the host goes on at once, loading the next step's
    rows and running the last step's hooks while the devices work;
-4. read: the step's statistics, one small vector;
-5. decide: the controller's next batch size, and the learning-rate factor that
-   follows it (:class:`~simigrad_jax.trainer.step_inputs.StepInputs`);
+4. read: what the step measured, one named pytree
+   (:class:`~simigrad_jax.ingraph.train_step.StepMeasurements`), read once into
+   a :class:`~simigrad_jax.trainer.step_record.MeasuredStep`;
+5. decide: the controller's next batch size from the similarity and the
+   step's other measurements, and the learning-rate factor that follows it
+   (:class:`~simigrad_jax.trainer.step_inputs.StepInputs`);
 6. agree: every process holds the same decision before any of them uses it
    (:class:`~simigrad_jax.trainer.step_agreement.StepAgreement`);
 7. hooks: the step's record (:class:`~simigrad_jax.trainer.step_record.
@@ -73,8 +76,8 @@ from simigrad_jax.trainer.run_totals import RunTotals
 from simigrad_jax.trainer.step_agreement import StepAgreement
 from simigrad_jax.trainer.step_inputs import StepInputs
 from simigrad_jax.trainer.step_record import DispatchedStep
+from simigrad_jax.trainer.step_record import MeasuredStep
 from simigrad_jax.trainer.step_record import StepRecord
-from simigrad_jax.trainer.step_record import StepStats
 
 
 class StepLoop:
@@ -183,7 +186,7 @@ class StepLoop:
     at_once = [hook for hook in hooks if getattr(hook, "runs_at_once", False)]
     later = [hook for hook in hooks if hook not in at_once]
     pending: StepRecord | None = None  # the last step's record, for the later hooks
-    last_read: float | None = None  # when the last step's statistics were read
+    last_read: float | None = None  # when the last step's measurements were read
     try:
       while self.more_steps(total_examples, max_steps) and self.stop.agreed is None:
         start = time.perf_counter()
@@ -206,16 +209,16 @@ class StepLoop:
         self._taken_at = self.step
         self.sampler.take(plan.global_batch_size)
         # 3. Run. The host's critical path ends at the program's call.
-        inputs = self._inputs.on_devices(plan.global_batch_size)
+        scalars = self._inputs.on_devices(plan.global_batch_size)
         host_seconds = math.nan if last_read is None else time.perf_counter() - last_read
         first_run = not _programs_of(plan) <= self._programs_run
         self._programs_run |= _programs_of(plan)
-        self.state, stats_on_devices = self._programs.run(self.state, rows, inputs)
+        self.state, measurements = self._programs.run(self.state, rows, scalars)
         self._programs.await_fallback(plan.micro_batch_size)  # (the first step: the fallbacks)
         dispatched = DispatchedStep(
           plan=plan,
           exact_plan=exact,
-          stats=stats_on_devices,
+          measurements=measurements,
           start=start,
           epoch=epoch,
           data_seconds=data_seconds,
@@ -231,17 +234,17 @@ class StepLoop:
           self._run_hooks(later, pending)
           pending = None
         # 4. Read the step's measurements.
-        stats = StepStats.read(stats_on_devices)
+        measured = MeasuredStep.read(dispatched.measurements)
         read = time.perf_counter()
         step_seconds, last_read = read - (start if last_read is None else last_read), read
         # 5. Decide the next batch size, and the learning-rate factor that follows it.
-        self.nonfinite_steps += not stats.grads_finite
+        self.nonfinite_steps += not measured.grads_finite
         examples_seen = self.sampler.examples_seen
         epochs = examples_seen / self.sampler.num_examples
         epoch_end = self.sampler.epoch > epoch
         next_batch_size = self.controller.update(
-          stats.similarity,
-          stats=stats.for_controller(
+          measured.similarity,
+          stats=measured.controller_stats(
             batch_size=plan.global_batch_size,
             examples_seen=examples_seen,
             epochs=epochs,
@@ -258,7 +261,7 @@ class StepLoop:
             "step": self.step,
             "batch_size": plan.global_batch_size,
             "examples_seen": examples_seen,
-            "similarity": stats.similarity,
+            "similarity": measured.similarity,
             "decision": decision,
             "next_batch_size": next_batch_size,
             "next_lr_factor": self._inputs.lr_factor,
@@ -266,7 +269,7 @@ class StepLoop:
         )
         record = StepRecord.create(
           dispatched,
-          stats,
+          measured,
           step=self.step,
           examples_seen=examples_seen,
           micro_batch_size=self.layout.device_rows(plan.micro_batch_size),

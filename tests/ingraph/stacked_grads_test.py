@@ -9,7 +9,6 @@ import pathlib
 import re
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -131,9 +130,11 @@ def test_a_users_step_gives_the_trainers_result_and_the_float64_one(devices):
   acc = train_step.Accumulator(
     grads=stacked, loss=jax.device_put(np.zeros(DATA, np.float32), NamedSharding(mesh, P(AXIS)))
   )
-  step_inputs = jnp.array([DATA, 1.0, 0.0], jnp.float32)  # total weight, lr factor, unused
-  trainer_params, trainer_state, _, _, stats = apply_step(
-    params, optimizer.init(params), acc, {}, {}, step_inputs
+  scalars = train_step.StepScalars(
+    total_weight=np.float32(DATA), lr_factor=np.float32(1.0), first_half_weight=np.float32(0.0)
+  )  # (the first half's weight is read with halves="local" only)
+  trainer_params, trainer_state, _, _, measurements = apply_step(
+    params, optimizer.init(params), acc, {}, {}, scalars
   )
   for name, value in trainer_params.items():
     np.testing.assert_allclose(np.asarray(value), np.asarray(new_params[name]), atol=1e-7)
@@ -142,7 +143,7 @@ def test_a_users_step_gives_the_trainers_result_and_the_float64_one(devices):
     assert float(getattr(trainer_similarity, field)) == pytest.approx(
       float(getattr(state, field)), abs=1e-7
     ), field
-  assert float(stats[train_step.STEP_STATS.index("similarity")]) == pytest.approx(
+  assert float(measurements.similarity_state.similarity) == pytest.approx(
     float(state.similarity), abs=1e-7
   )
 
@@ -316,7 +317,7 @@ def test_an_optimizer_that_drops_the_argument_is_refused_naming_it(devices):
       plain.init(params),
       stacked,
       0.0,
-      jnp.ones(3),
+      train_step.StepScalars(total_weight=1.0, lr_factor=1.0, first_half_weight=1.0),
       SPECS,
       StackedGrads(AXIS, mesh),
     )
