@@ -60,7 +60,7 @@ FLOORS = {
 
 
 def room(module: str) -> str:
-  """``simigrad_jax.trainer.trainer`` -> ``engine``; the package itself -> ``__init__``."""
+  """``simigrad_jax.trainer.trainer`` -> ``trainer``; the package itself -> ``__init__``."""
   parts = module.split(".")
   return parts[1] if len(parts) > 1 else "__init__"
 
@@ -87,7 +87,7 @@ def imports(path: pathlib.Path, top_level_only: bool) -> set[str]:
     if id(node) in skip:
       continue
     if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("simigrad_jax"):
-      for alias in node.names:  # `from simigrad_jax.engine import layout` imports a module
+      for alias in node.names:  # `from simigrad_jax.shapes import layout` imports a module
         full = f"{node.module}.{alias.name}"
         names.add(full if full in modules() else node.module)
     elif isinstance(node, ast.Import):

@@ -1,4 +1,4 @@
-"""A tiny Trainer run for the engine's tests: a small MLP on 120 random examples, 8 devices."""
+"""A tiny Trainer run for the tests: a small MLP on 120 random examples, 8 devices."""
 
 from __future__ import annotations
 

@@ -53,7 +53,7 @@ def test_layout_and_every_number_finite_and_positive(quick_run, overhead, device
     assert variant["examples_per_second"] == pytest.approx(
       returned["variants"][name]["examples_per_second"]
     )
-    # Optional engine reports: absent (None) or a positive number.
+    # Optional Trainer reports: absent (None) or a positive number.
     critical = variant["host_seconds"]
     assert critical is None or _positive(critical), name
     for value in (variant["step_memory"] or {}).values():

@@ -1,4 +1,4 @@
-"""The training engine: exact gradients through padding and accumulation, data coverage, compile fallback.
+"""The Trainer: exact gradients through padding and accumulation, data coverage, compile fallback.
 
 Resume after SIGKILL and two processes: ``trainer_processes_test.py``.
 """
