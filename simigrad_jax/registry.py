@@ -51,7 +51,6 @@ Example:
 
 from __future__ import annotations
 
-import difflib
 import inspect
 import types
 from collections.abc import Callable, Mapping
@@ -178,15 +177,9 @@ def make_controller(name: str, **options: Any) -> BatchSizeController:
     raise ValueError(f"unknown controller {name!r}; choose one of {controller_names()}")
   accepted = controller_options(name)
   if accepted is not None and (unknown := sorted(set(options) - set(accepted))):
-    hints = [
-      f"{u!r} (did you mean {close[0]!r}?)"
-      if (close := difflib.get_close_matches(u, accepted, n=1))
-      else repr(u)
-      for u in unknown
-    ]
+    hints = validation.unknown_names(unknown, accepted)
     raise TypeError(
-      f"make_controller({name!r}) got unknown option(s) {', '.join(hints)}; "
-      f"{name!r} takes {sorted(accepted)}"
+      f"make_controller({name!r}) got unknown option(s) {hints}; {name!r} takes {sorted(accepted)}"
     )
   return _FACTORIES[name](**options)
 

@@ -11,7 +11,6 @@ built (:mod:`simigrad_jax.trainer.run_setup`).
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import math
 import os
 from collections.abc import Mapping
@@ -285,13 +284,8 @@ def _check_setting_names(settings: Mapping[str, Any]) -> None:
   fields = [f.name for f in dataclasses.fields(TrainerConfig)]
   unknown = sorted(set(settings) - set(fields))
   if unknown:
-    hints = [
-      f"{name!r} (did you mean {close[0]!r}?)"
-      if (close := difflib.get_close_matches(name, fields, n=1))
-      else repr(name)
-      for name in unknown
-    ]
     raise TypeError(
-      f"TrainerConfig() got unexpected keyword argument(s) {unknown}: {', '.join(hints)}; the settings are the "
-      f"fields of TrainerConfig: {fields}"
+      f"TrainerConfig() got unexpected keyword argument(s) {unknown}: "
+      f"{validation.unknown_names(unknown, fields)}; the settings are the fields of "
+      f"TrainerConfig: {fields}"
     )
