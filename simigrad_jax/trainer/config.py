@@ -39,6 +39,9 @@ _FLAGS = (
 class TrainerConfig:
   """The settings of a training run, checked when made.
 
+  A keyword that is no setting is refused with a ``TypeError`` that names the
+  setting it resembles (``max_micro_batch``: ``max_micro_batch_size``).
+
   Attributes:
     max_micro_batch_size: the most rows per device per micro-step (rounded up
       to even with the local split, whose two passes hold half each).
