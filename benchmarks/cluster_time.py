@@ -14,7 +14,7 @@ the median ``step_seconds`` of its window (the first step of each window,
 which waits for ``train()`` to start, left out), its host path the same of
 ``host_seconds``.
 
-The CPU model (:class:`simigrad_jax.cluster_time.CpuStepModel`) is fitted
+The CPU model (:class:`simigrad_jax.cluster_time.model.CpuStepModel`) is fitted
 per model to the calibration points (batch sizes that bracket the
 validation ones) by non-negative least squares on relative errors, and
 each validation point's ``predicted_s`` comes from that fit, so that the
@@ -369,7 +369,7 @@ def summarize(
     with its ``predicted_s`` and ``error`` in sample), ``validation`` (the other points, each
     with its ``predicted_s`` and ``error`` out of sample) and the goal.
   """
-  from simigrad_jax import cluster_time  # pylint: disable=import-outside-toplevel
+  from simigrad_jax.cluster_time import model as cluster_time_model  # pylint: disable=import-outside-toplevel
 
   models = {}
   checked: dict[str, list[dict[str, Any]]] = {"calibration": [], "validation": []}
@@ -378,7 +378,7 @@ def summarize(
     fitted = [p for p in points if p["role"] == "calibration"]
     if not fitted:
       continue
-    fit = cluster_time.fit_cpu_model(
+    fit = cluster_time_model.fit_cpu_model(
       [(p["devices"], p["batch_size"], p["measured_s"], p["host_s"]) for p in fitted], cores
     )
     for p in points:
@@ -433,7 +433,10 @@ PLOT_LINKS = ("nvlink", "ethernet")
 def add_answers(results: dict[str, Any], png: str | None) -> dict[str, Any]:
   """``results`` with ``answers``: each comparison's time to target on 8 to 1,024 devices over
   NVLink- and Ethernet-class links, for an H100-class device and for the measured one."""
-  from simigrad_jax import cluster_time  # pylint: disable=import-outside-toplevel
+  # pylint: disable=import-outside-toplevel
+  from simigrad_jax import cluster_time
+  from simigrad_jax.cluster_time import model as cluster_time_model
+  from simigrad_jax.cluster_time import to_target
 
   links = {name: cluster_time.LINKS[name] for name in PLOT_LINKS}
   answers: dict[str, Any] = {}
@@ -445,12 +448,14 @@ def add_answers(results: dict[str, Any], png: str | None) -> dict[str, Any]:
       "comparison": f"benchmarks/results/{file}",
       "target": target,
       **{
-        device: cluster_time.answer(settings, cluster_time.step_model(results, name, device), links)
+        device: cluster_time.answer(
+          settings, cluster_time_model.step_model(results, name, device), links
+        )
         for device in ANSWER_DEVICES
       },
     }
   if png and answers:
-    cluster_time.plot_answers(
+    to_target.plot_answers(
       {
         f"{name}, {ANSWER_DEVICES[0]}-class devices": a[ANSWER_DEVICES[0]]
         for name, a in answers.items()
@@ -492,7 +497,7 @@ def markdown(results: dict[str, Any]) -> str:
 
 
 def _format_table(results: dict[str, Any]) -> str:
-  from simigrad_jax.cluster_time import format_answer  # pylint: disable=import-outside-toplevel
+  from simigrad_jax.cluster_time.to_target import format_answer  # pylint: disable=import-outside-toplevel
 
   lines = [
     f"Step time, measured (median of {results.get('rounds')} rounds of {results.get('steps')} "

@@ -38,7 +38,7 @@ from benchmarks.pareto_protocol import RunSpec
 from benchmarks.pareto_protocol import benchmark_trainer
 from benchmarks.pareto_protocol import lr_schedule_fn
 from simigrad_jax import StepRecord
-from simigrad_jax.trainer import host_copy
+from simigrad_jax.trainer.hooks import host_copy
 from train import input_pipeline
 from train import models
 from train import optimizers

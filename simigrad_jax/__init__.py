@@ -1,7 +1,7 @@
 """simigrad-jax: adaptive batch-size training for JAX (SimiGrad).
 
-The top level holds the names a user types (``__all__``, 32); everything else
-is imported from its room (below).
+The top level holds the names a user types (``__all__``); everything else is
+imported from its room (below).
 
 Your own step:
   transform: the optax transformation for your own pmap / shard_map / jit
@@ -18,8 +18,9 @@ Your own step:
   similarity, similarity_stats: read the step's similarity on the host.
 Controllers:
   Controller: SimiGrad's rule from similarity to the next global batch size;
-    make_controller(name, ...) builds the others (controller_names;
-    register_controller for your own). Every controller has the
+    make_controller(name, ...) builds it and the others by name
+    (controller_names; register_controller for your own; simigrad_jax.registry
+    lists the built-in ones and each one's options). Every controller has the
     BatchSizeController interface; a new one derives from BaseController
     (docs/controllers.md).
 The Trainer:
@@ -37,32 +38,26 @@ Errors: every one derives from SimiGradError and keeps its built-in parent
 
 The rooms, each documenting its API in its ``__init__``:
   simigrad_jax.ingraph (runs under jit: the transform, the half gradients, the
-    learning-rate and Adam coupling states, StackedGrads), simigrad_jax.reductions
-    (the collectives behind the transform), simigrad_jax.controllers
-    (OneStepLateController, ProfilingController, controller_options, ...),
-    simigrad_jax.ramps (batch-size ramps without feedback, replay_schedule,
-    replay_controller), simigrad_jax.shapes (plan_batch, BucketPolicy,
-    bucket_shapes, ...), simigrad_jax.data (EpochSampler, deal_to_devices,
-    ...), simigrad_jax.checkpoint (Checkpointer), simigrad_jax.compile
-    (StepCompiler, enable_persistent_cache, persistent_cache_settings),
-    simigrad_jax.multihost (the processes' agreement, the workdir's lock),
-    simigrad_jax.trainer (MetricsWriter, ProgressBar, ...), simigrad_jax.cluster_time
-    (training time against cluster size and bandwidth).
-Names and module paths of 0.1.0 that moved (``simigrad_jax.plan_batch``,
-``simigrad_jax.engine.trainer``) still resolve until 0.3, with a
-DeprecationWarning that names the new place (simigrad_jax.moved).
+    learning-rate and Adam coupling states, StackedGrads),
+  simigrad_jax.reductions (the collectives behind the transform),
+  simigrad_jax.controllers (OneStepLateController, ProfilingController, ...),
+  simigrad_jax.ramps (batch-size ramps without feedback, replay_schedule,
+    replay_controller),
+  simigrad_jax.registry (the controllers by name: controller_options, the
+    built-in table),
+  simigrad_jax.shapes (plan_batch, BucketPolicy, bucket_shapes, ...),
+  simigrad_jax.data (EpochSampler, deal_to_devices, ...),
+  simigrad_jax.checkpoint (Checkpointer),
+  simigrad_jax.compile (StepCompiler, enable_persistent_cache,
+    persistent_cache_settings),
+  simigrad_jax.multihost (the processes' agreement, the workdir's lock),
+  simigrad_jax.trainer (MetricsWriter, ProgressBar, ...),
+  simigrad_jax.cluster_time (training time against cluster size and bandwidth).
 """
 
-from typing import TYPE_CHECKING
-
-from simigrad_jax import moved
-from simigrad_jax import ramps  # noqa: F401 (the ramps register their names with make_controller)
 from simigrad_jax.controllers.base import BaseController
 from simigrad_jax.controllers.interface import BatchSizeController
 from simigrad_jax.controllers.learning_rate import lr_factor
-from simigrad_jax.controllers.registry import controller_names
-from simigrad_jax.controllers.registry import make_controller
-from simigrad_jax.controllers.registry import register_controller
 from simigrad_jax.controllers.simigrad import Controller
 from simigrad_jax.data.grain_source import GrainSource
 from simigrad_jax.data.sources import ArraySource
@@ -84,13 +79,16 @@ from simigrad_jax.optimizer_state import set_coupled_batch_size
 from simigrad_jax.optimizer_state import set_lr_factor
 from simigrad_jax.optimizer_state import similarity
 from simigrad_jax.optimizer_state import similarity_stats
+from simigrad_jax.registry import controller_names
+from simigrad_jax.registry import make_controller
+from simigrad_jax.registry import register_controller
 from simigrad_jax.trainer.config import TrainerConfig
 from simigrad_jax.trainer.hooks import StepHook
 from simigrad_jax.trainer.metrics import read_metrics
 from simigrad_jax.trainer.step_record import StepRecord
 from simigrad_jax.trainer.trainer import Trainer
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 __all__ = [
   "ArraySource",
@@ -126,16 +124,3 @@ __all__ = [
   "transform",
   "value_and_half_grads",
 ]
-
-
-if not TYPE_CHECKING:  # a type checker reports the old names (and typos) as missing
-
-  def __getattr__(name: str) -> object:
-    """A name 0.1.0 exported here and 0.2.0 moved to a room, with a DeprecationWarning naming it.
-
-    Also 0.1.0's subpackages ``engine`` and ``runtime`` (simigrad_jax.moved).
-    """
-    return moved.moved_attribute(__name__, name)
-
-
-moved.install()

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import difflib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeGuard
 
 import numpy as np
@@ -65,3 +66,18 @@ def as_float(value: Any) -> float | None:
     if array.ndim == 0 and array.dtype.kind in "biuf":
       return float(array)
   return None
+
+
+def unknown_names(unknown: Iterable[str], valid: Sequence[str]) -> str:
+  """Each of ``unknown`` quoted, with the name of ``valid`` it resembles, for an error message.
+
+  Example:
+    >>> unknown_names(["sed", "colour"], ["seed", "mode"])
+    "'sed' (did you mean 'seed'?), 'colour'"
+  """
+  return ", ".join(
+    f"{name!r} (did you mean {close[0]!r}?)"
+    if (close := difflib.get_close_matches(name, valid, n=1))
+    else repr(name)
+    for name in unknown
+  )

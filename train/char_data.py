@@ -25,8 +25,9 @@ from typing import Any
 import ml_collections
 import numpy as np
 
-from simigrad_jax.data import check_indices
-from train import input_pipeline
+from simigrad_jax.data.sources import check_indices
+from train.datasets import Datasets
+from train.datasets import resolve_local_dir
 from train.text_data import read_text_files
 
 TINY_SHAKESPEARE_FILE = "tinyshakespeare.txt"
@@ -179,7 +180,7 @@ def read_text(config: ml_collections.ConfigDict) -> tuple[str, str]:
     ) from e
 
 
-def load_chars(config: ml_collections.ConfigDict) -> input_pipeline.Datasets:
+def load_chars(config: ml_collections.ConfigDict) -> Datasets:
   """The ``"chars"`` data set: training and validation windows of character ids.
 
   Args:
@@ -187,7 +188,7 @@ def load_chars(config: ml_collections.ConfigDict) -> input_pipeline.Datasets:
       ``local_data_dir``, ``eval_fraction``, ``seq_length``).
 
   Returns:
-    A :class:`train.input_pipeline.Datasets` with ``vocab_size``,
+    A :class:`train.datasets.Datasets` with ``vocab_size``,
     ``tokens_per_example`` (``seq_length``, the tokens each example
     predicts) and ``unigram_entropy`` (of the training text, nats/token).
 
@@ -213,7 +214,7 @@ def load_chars(config: ml_collections.ConfigDict) -> input_pipeline.Datasets:
         "config.seq_length, change config.eval_fraction or give a longer text"
       )
   entropy = unigram_entropy(train_tokens, vocabulary.size)
-  return input_pipeline.Datasets(
+  return Datasets(
     NextTokenWindows(train_tokens, config.seq_length),
     NextTokenWindows(val_tokens, config.seq_length),
     vocab_size=vocabulary.size,
@@ -230,4 +231,4 @@ def load_chars(config: ml_collections.ConfigDict) -> input_pipeline.Datasets:
 
 def local_text_path(local_data_dir: str | pathlib.Path) -> pathlib.Path:
   """Where ``"chars"`` looks for tinyshakespeare with ``text_source`` ``"local"`` or ``"auto"``."""
-  return input_pipeline.resolve_local_dir(str(local_data_dir)) / TINY_SHAKESPEARE_FILE
+  return resolve_local_dir(str(local_data_dir)) / TINY_SHAKESPEARE_FILE

@@ -49,17 +49,17 @@ def verbose_requested(flag: bool = False) -> bool:
 
 def _chain(error: BaseException) -> list[BaseException]:
   """``error`` and the errors it was raised from or during, outermost first."""
-  from simigrad_jax import checkpoint  # pylint: disable=import-outside-toplevel
+  from simigrad_jax.checkpoint import emergency  # pylint: disable=import-outside-toplevel
 
-  return checkpoint.error_chain(error)
+  return emergency.chain(error)
 
 
 def disk_errno(error: BaseException) -> int | None:
   """The errno of a file system's failure somewhere in ``error``'s chain, or None
-  (:func:`simigrad_jax.checkpoint.disk_errno`: imported when called, as JAX is)."""
-  from simigrad_jax import checkpoint  # pylint: disable=import-outside-toplevel
+  (:func:`simigrad_jax.checkpoint.emergency.disk_errno`: imported when called, as JAX is)."""
+  from simigrad_jax.checkpoint import emergency  # pylint: disable=import-outside-toplevel
 
-  return checkpoint.disk_errno(error)
+  return emergency.disk_errno(error)
 
 
 def _file_of(error: BaseException, workdir: pathlib.Path | None) -> str | None:

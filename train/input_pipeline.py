@@ -42,9 +42,6 @@ tokens) in ``text_data.py``, the characters in ``char_data.py``.
 
 from __future__ import annotations
 
-import dataclasses
-import os
-import pathlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -52,6 +49,8 @@ import ml_collections
 import numpy as np
 
 import simigrad_jax
+from train.datasets import Datasets
+from train.datasets import resolve_local_dir
 from train.image_data import ResizedImageSource
 from train.image_data import load_digits
 from train.image_data import load_local_mnist
@@ -66,48 +65,6 @@ from train.text_data import TfdsTextSource
 from train.text_data import default_text
 from train.text_data import encode_bytes
 from train.text_data import read_text_files
-
-REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
-
-
-@dataclasses.dataclass
-class Datasets:
-  """The sources of one experiment and what the model needs to know about them.
-
-  Attributes:
-    train: the training source.
-    eval: the evaluation source (None: no evaluation).
-    num_classes: classes, for classification sets.
-    vocab_size: token ids are in ``[0, vocab_size)``, for text sets.
-    image_mean: per-channel mean (0-255 scale) to normalise with; None: uint8
-      images are divided by 255 and float images are used as they are.
-    image_std: per-channel standard deviation, with ``image_mean``.
-    description: one line for the console.
-    eval_name: what the evaluation set is called on the console.
-    tokens_per_example: for a language model's data: the tokens each
-      example predicts (tokens seen = examples seen x this).
-    unigram_entropy: the entropy of the training tokens' frequencies, nats
-      per token: the loss of a model that ignores the context.
-    vocabulary: what turns tokens back into text, for ``"chars"``.
-  """
-
-  train: Any
-  eval: Any | None
-  num_classes: int | None = None
-  vocab_size: int | None = None
-  image_mean: tuple[float, ...] | None = None
-  image_std: tuple[float, ...] | None = None
-  description: str = ""
-  eval_name: str = "test"
-  tokens_per_example: int | None = None
-  unigram_entropy: float | None = None
-  vocabulary: Any = None
-
-
-def resolve_local_dir(path: str) -> pathlib.Path:
-  """``path``, relative paths taken from the repository root (so ``../shared/data`` works from any cwd)."""
-  candidate = pathlib.Path(os.path.expanduser(path))
-  return candidate if candidate.is_absolute() else (REPO_ROOT / candidate).resolve()
 
 
 def limit_examples(source: Any, count: int | None) -> Any:

@@ -13,8 +13,8 @@ import pathlib
 
 import numpy as np
 
-from simigrad_jax.data import check_indices
 from simigrad_jax.data import open_tfds
+from simigrad_jax.data.sources import check_indices
 
 PAD_ID = 0
 MASK_ID = 1

@@ -31,11 +31,11 @@ from simigrad_jax import files
 from simigrad_jax import plot
 from simigrad_jax.compile import enable_persistent_cache
 from simigrad_jax.controllers import OneStepLateController
-from simigrad_jax.controllers import controller_options
 from simigrad_jax.multihost import ProcessAgreement
 from simigrad_jax.multihost import WorkdirLock
 from simigrad_jax.multihost import open_workdir
-from simigrad_jax.shapes import blocks_per_device
+from simigrad_jax.registry import controller_options
+from simigrad_jax.shapes.layout import blocks_per_device
 from train import config_history
 from train import failures
 from train import input_pipeline

@@ -5,9 +5,6 @@ Documented API:
     damaged checkpoint is detected, moved aside and the one before it restored.
   missing_steps: the steps of a run whose records its metrics file lost
     (metrics_recovery restores what the TensorBoard events hold on resume).
-  disk_errno, error_chain: the errno of a file system's failure in an error's
-    chain (a full disk, a read-only folder; ``emergency`` saves the run's last
-    whole step elsewhere on one), and that chain.
   Errors: CheckpointMismatchError (a checkpoint made by a run with other
     settings, or of another model), CheckpointSaveError (another process's
     background save failed, so every process stops).
@@ -26,8 +23,6 @@ Example:
 
 from simigrad_jax.checkpoint.checkpointer import Checkpointer
 from simigrad_jax.checkpoint.checkpointer import CheckpointMismatchError
-from simigrad_jax.checkpoint.emergency import chain as error_chain
-from simigrad_jax.checkpoint.emergency import disk_errno
 from simigrad_jax.checkpoint.metrics_recovery import missing_steps
 from simigrad_jax.checkpoint.run_checkpoints import CheckpointSaveError
 
@@ -35,7 +30,5 @@ __all__ = [
   "CheckpointMismatchError",
   "CheckpointSaveError",
   "Checkpointer",
-  "disk_errno",
-  "error_chain",
   "missing_steps",
 ]

@@ -13,23 +13,21 @@ Modules: ``interface`` (what the Trainer reads), ``base`` (the base class), ``st
 (:class:`Controller`, SimiGrad's rule), ``noise_scale`` (the gradient noise scale),
 ``token_allowance`` (:class:`AllowanceController`, the fewest steps for a token allowance),
 ``similarity_model`` (the noise scale read from the similarities),
-``profiling``, ``one_step_late``, ``wrapper`` (what both wrappers share),
-``registry`` (controllers by name) and ``learning_rate`` (the learning-rate
-factor that follows the batch size).
+``profiling``, ``one_step_late``, ``wrapper`` (what both wrappers share)
+and ``learning_rate`` (the learning-rate factor that follows the batch size).
+Controllers by name (``make_controller``) are :mod:`simigrad_jax.registry`,
+which names these and the ramps.
 
 Documented API: the interface and its optional parts
 (:class:`BatchSizeController`, :class:`AnticipatesBatchSizes`,
 :class:`ProfilesBatchSizes`), the controllers above, :class:`GnsController`
-(the gradient noise scale) and :class:`AllowanceController` (a token allowance), the registry (:func:`make_controller`,
-:func:`controller_names`, :func:`controller_options`,
-:func:`register_controller`), the accessors through which the rest of the
-package reads any controller (:func:`batch_size_bounds`, :func:`adapts`,
-:func:`similarity_target`, :func:`likely_batch_sizes`), :func:`lr_factor` (the learning-rate factor at a
-batch size, under one of ``LR_RULES``) and :func:`noise_scale_estimates` (one
-step's estimates of ``|G|^2`` and ``tr(Sigma)`` from the halves' norms). The
-ramps' names that 0.1.0 exported here moved to :mod:`simigrad_jax.ramps`;
-until 0.3 they still resolve here, with a ``DeprecationWarning``
-(:mod:`simigrad_jax.moved`).
+(the gradient noise scale) and :class:`AllowanceController` (a token
+allowance), the accessors through which the rest of the package reads any
+controller (:func:`batch_size_bounds`, :func:`adapts`,
+:func:`similarity_target`, :func:`likely_batch_sizes`), :func:`lr_factor`
+(the learning-rate factor at a batch size, under one of ``LR_RULES``) and
+:func:`noise_scale_estimates` (one step's estimates of ``|G|^2`` and
+``tr(Sigma)`` from the halves' norms).
 """
 
 from simigrad_jax.controllers.base import BaseController
@@ -46,10 +44,6 @@ from simigrad_jax.controllers.noise_scale import GnsController
 from simigrad_jax.controllers.noise_scale import noise_scale_estimates
 from simigrad_jax.controllers.one_step_late import OneStepLateController
 from simigrad_jax.controllers.profiling import ProfilingController
-from simigrad_jax.controllers.registry import controller_names
-from simigrad_jax.controllers.registry import controller_options
-from simigrad_jax.controllers.registry import make_controller
-from simigrad_jax.controllers.registry import register_controller
 from simigrad_jax.controllers.simigrad import Controller
 from simigrad_jax.controllers.token_allowance import AllowanceController
 
@@ -66,12 +60,8 @@ __all__ = [
   "ProfilingController",
   "adapts",
   "batch_size_bounds",
-  "controller_names",
-  "controller_options",
   "likely_batch_sizes",
   "lr_factor",
-  "make_controller",
   "noise_scale_estimates",
-  "register_controller",
   "similarity_target",
 ]

@@ -20,9 +20,6 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from simigrad_jax import validation
-
-# (Also importable from here, where it was first.)
-from simigrad_jax.controllers.interface import BatchSizeController as BatchSizeController
 from simigrad_jax.controllers.state import SavedState
 
 logger = logging.getLogger("simigrad_jax")
@@ -190,7 +187,7 @@ class Rule:
     Args:
       similarity: the step's similarity, a float.
       stats: the step's other measurements (see
-        :meth:`BatchSizeController.update`), or None.
+        :meth:`~simigrad_jax.controllers.interface.BatchSizeController.update`), or None.
       finite: False for a non-finite similarity or a step whose
         ``stats["grads_finite"]`` is False; learn nothing from such a step
         (unless you must, e.g. to close an epoch).

@@ -299,7 +299,7 @@ class ProfilingController(ControllerWrapper, ProfileMethods):
 
   Args:
     controller: the controller to wrap (any
-      :class:`~simigrad_jax.controllers.base.BatchSizeController`).
+      :class:`~simigrad_jax.controllers.interface.BatchSizeController`).
     batch_sizes: optional sizes to visit from the next step on (within the
       wrapped controller's bounds); :meth:`start_profile` starts one later.
     steps_per_size: the samples taken at each size.

@@ -5,9 +5,9 @@ Documented API:
   ``source.get_batch(indices)``: ArraySource (NumPy arrays in memory),
   TfdsSource (a TFDS data set, random access) and GrainSource (grain-style
   data, decoded ahead in worker processes); the three are on the top level
-  too. A source of your own checks its indices with check_indices; open_tfds
-  opens a TFDS split for random access; default_num_workers is GrainSource's
-  default count of worker processes.
+  too (a source of your own checks its indices with
+  ``sources.check_indices``). open_tfds opens a TFDS split for random access;
+  default_num_workers is GrainSource's default count of worker processes.
   EpochSampler: the order of the examples, a pure function of the examples
     served so far, whatever the batch sizes.
   deal_to_devices: a global batch ordered so that the even and odd devices of
@@ -35,7 +35,6 @@ from simigrad_jax.data.record_reader import BadRecordError
 from simigrad_jax.data.sampler import EpochSampler
 from simigrad_jax.data.sources import ArraySource
 from simigrad_jax.data.sources import TfdsSource
-from simigrad_jax.data.sources import check_indices
 from simigrad_jax.data.sources import open_tfds
 
 __all__ = [
@@ -44,7 +43,6 @@ __all__ = [
   "EpochSampler",
   "GrainSource",
   "TfdsSource",
-  "check_indices",
   "deal_to_devices",
   "default_num_workers",
   "open_tfds",

@@ -33,17 +33,14 @@ import os
 import threading
 import time
 import weakref
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
 from simigrad_jax.data import record_reader
 from simigrad_jax.data.sampler import EpochSampler
 
-if TYPE_CHECKING:
-  from simigrad_jax.data.grain_source import GrainSource
-
-__all__ = ["StreamChunk", "StreamElement", "StreamReader"]
+__all__ = ["StreamChunk", "StreamElement", "StreamReader", "StreamSource"]
 
 POSITION_KEY = "__simigrad_stream_position__"
 BAD_KEY = "__simigrad_bad_records__"
@@ -54,6 +51,23 @@ _STREAM_SPAN = 1 << 50  # positions a pipeline covers (never reached)
 _PARENT_POLL_SECONDS = 0.5
 _CHUNK = 8  # positions a worker decodes and hands over at once
 _open_readers: weakref.WeakSet = weakref.WeakSet()
+
+
+class StreamSource(Protocol):
+  """What a :class:`StreamReader` reads of its source: a
+  :class:`~simigrad_jax.data.grain_source.GrainSource` is one."""
+
+  num_workers: int  # grain worker processes (0: decode in this process)
+  buffer_size: int  # examples each worker decodes ahead
+  read_threads: int  # threads each worker reads records with
+  augment: record_reader.Augment | None  # optional augment(example, rng)
+
+  @property
+  def element_spec(self) -> record_reader.ElementSpec: ...
+
+  def record_reader(self) -> record_reader.RecordReader: ...
+
+  def note_bad_records(self, bad: list[int], where: str) -> None: ...
 
 
 class _Pipeline(Protocol):
@@ -147,8 +161,10 @@ class StreamReader:
   The worker processes start at once, reading from the sampler's position.
 
   Args:
-    source: the :class:`~simigrad_jax.data.grain_source.GrainSource` (its data,
-      ``augment``, spec, worker and buffer settings, bad-record policy).
+    source: a :class:`StreamSource`, such as the
+      :class:`~simigrad_jax.data.grain_source.GrainSource` that makes this
+      reader (its data, ``augment``, spec, worker and buffer settings,
+      bad-record policy).
     sampler: the run's sampler (its order, and where to start reading).
 
   Example:
@@ -160,7 +176,7 @@ class StreamReader:
     [4, 0, 1]
   """
 
-  def __init__(self, source: GrainSource, sampler: EpochSampler):
+  def __init__(self, source: StreamSource, sampler: EpochSampler):
     self._source = source
     self._spec = source.element_spec
     self._element = StreamElement(

@@ -5,8 +5,9 @@ loss-plateau rule (``schedules``), the ramps language-model trainers use,
 counted in tokens or examples (``token_schedules``: Megatron-LM's thresholds,
 MaxText's linear ramp, the doubling warmup; ``seesaw``), and a run's realised
 sizes replayed as a step schedule (``replay``). Each is a controller
-(:class:`simigrad_jax.controllers.BaseController`) and registers its name with
-:func:`simigrad_jax.make_controller` when this room is imported.
+(:class:`simigrad_jax.controllers.BaseController`), built by name with
+:func:`simigrad_jax.make_controller` (the table of :mod:`simigrad_jax.registry`,
+a floor above this room).
 
 Documented API: :class:`ScheduleController` (``"linear"``, ``"geometric"``,
 ``"decreasing"``) and :class:`LossPlateauController`;

@@ -1,6 +1,6 @@
 """Host: batch-size controllers without gradient feedback: epoch schedules and the loss plateau rule.
 
-Registered in :mod:`simigrad_jax.controllers.registry` as ``"linear"``,
+Built by name (:mod:`simigrad_jax.registry`) as ``"linear"``,
 ``"geometric"``, ``"decreasing"`` and ``"loss_plateau"``.
 """
 
@@ -11,7 +11,6 @@ from collections.abc import Mapping
 from typing import Any
 
 from simigrad_jax import validation
-from simigrad_jax.controllers import registry
 from simigrad_jax.controllers.base import BaseController
 from simigrad_jax.controllers.state import check_finite_float
 
@@ -437,8 +436,3 @@ for _factory, _sets in (
   # Function attributes that the registry's option listing reads, set through __dict__: a
   # function's type declares no such attributes.
   vars(_factory).update(forwards_options_to=ScheduleController, sets_options=_sets)
-
-registry.register_controller("linear", linear_schedule)
-registry.register_controller("geometric", geometric_schedule)
-registry.register_controller("decreasing", decreasing_schedule)
-registry.register_controller("loss_plateau", LossPlateauController)

@@ -1,6 +1,6 @@
 """Host: Seesaw, a batch that doubles where the learning-rate schedule would halve the rate.
 
-Registered in :mod:`simigrad_jax.controllers.registry` as ``"seesaw"``.
+Built by name (:mod:`simigrad_jax.registry`) as ``"seesaw"``.
 Meterez et al. 2025 ("Seesaw: Accelerating Training by Balancing Learning
 Rate and Batch Size Scheduling", arXiv 2510.14717): wherever a standard
 schedule (e.g. cosine decay) would halve the learning rate, multiply it by
@@ -23,7 +23,6 @@ from typing import Any
 
 from simigrad_jax import validation
 from simigrad_jax.controllers import learning_rate
-from simigrad_jax.controllers import registry
 from simigrad_jax.ramps.token_schedules import StepScheduleController
 from simigrad_jax.ramps.token_schedules import doubling_thresholds
 from simigrad_jax.ramps.token_schedules import parse_count
@@ -216,6 +215,3 @@ class SeesawController(StepScheduleController):
 
   def settings(self) -> dict[str, Any]:
     return {"halving_points": list(self._halvings), **super().settings()}
-
-
-registry.register_controller("seesaw", SeesawController)

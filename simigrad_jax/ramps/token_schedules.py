@@ -1,6 +1,6 @@
 """Host: batch-size ramps counted in tokens or examples, the forms language-model trainers use.
 
-Registered in :mod:`simigrad_jax.controllers.registry` as ``"step_schedule"``
+Built by name (:mod:`simigrad_jax.registry`) as ``"step_schedule"``
 (Megatron-LM's thresholds, ``"0:16,200k:32,600k:64"``), ``"linear_ramp"``
 (MaxText's and Megatron's ``--rampup-batch-size``: a start size, an increment
 and a ramp length) and ``"doubling_warmup"`` (Merrill et al. 2025: double the
@@ -25,7 +25,6 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from simigrad_jax import validation
-from simigrad_jax.controllers import registry
 from simigrad_jax.ramps.schedules import PositionSchedule
 
 # The multipliers of a count's suffix.
@@ -391,8 +390,3 @@ class DoublingWarmupController(StepScheduleController):
       batch_size_upper_bound=batch_size_upper_bound,
       verbose=verbose,
     )
-
-
-registry.register_controller("step_schedule", StepScheduleController)
-registry.register_controller("linear_ramp", LinearRampController)
-registry.register_controller("doubling_warmup", DoublingWarmupController)

@@ -6,8 +6,6 @@ Documented API:
     accumulation steps (a BatchPlan), on the grid of micro-batch shapes a
     BucketPolicy fixes; bucket_shapes lists the shapes a range of batch sizes
     needs, representable_batch_sizes the sizes a grid can realise exactly.
-  blocks_per_device: the blocks of rows a device holds per micro-step under a
-    split of the halves ("local": 2, "device": 1).
 
 Modules: ``batch_plan`` (the plans and the grid), ``layout`` (the split of
 the halves and the Trainer's grid of shapes) and ``mesh_sharding`` (the
@@ -25,12 +23,10 @@ from simigrad_jax.shapes.batch_plan import BucketPolicy
 from simigrad_jax.shapes.batch_plan import bucket_shapes
 from simigrad_jax.shapes.batch_plan import plan_batch
 from simigrad_jax.shapes.batch_plan import representable_batch_sizes
-from simigrad_jax.shapes.layout import blocks_per_device
 
 __all__ = [
   "BatchPlan",
   "BucketPolicy",
-  "blocks_per_device",
   "bucket_shapes",
   "plan_batch",
   "representable_batch_sizes",

@@ -9,13 +9,11 @@ Documented API:
     scalars); read_metrics reads such a file back (also on the top level).
   ProgressBar: a progress bar over examples, with the loss, batch size and
     similarity beside it.
-  host_copy: a NumPy copy of a tree on the devices (a hook's view of the
-    parameters).
 
 Modules: ``trainer``, ``config``, ``step_record``, ``hooks``, ``metrics``,
 ``progress``, and the step's parts: ``run_setup`` (a run built from the
-Trainer's arguments), ``checks``, ``step_inputs``, ``step_decision`` and
-``run_totals``.
+Trainer's arguments), ``checks``, ``step_inputs``, ``step_agreement`` (every
+process's agreement on a step's decision) and ``run_totals``.
 
 Example:
   >>> import tempfile
@@ -29,7 +27,6 @@ Example:
 
 from simigrad_jax.trainer.config import TrainerConfig
 from simigrad_jax.trainer.hooks import StepHook
-from simigrad_jax.trainer.hooks import host_copy
 from simigrad_jax.trainer.metrics import MetricsWriter
 from simigrad_jax.trainer.metrics import read_metrics
 from simigrad_jax.trainer.progress import ProgressBar
@@ -43,6 +40,5 @@ __all__ = [
   "StepRecord",
   "Trainer",
   "TrainerConfig",
-  "host_copy",
   "read_metrics",
 ]

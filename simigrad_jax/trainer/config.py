@@ -11,7 +11,6 @@ built (:mod:`simigrad_jax.trainer.run_setup`).
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import math
 import os
 from collections.abc import Mapping
@@ -39,6 +38,9 @@ _FLAGS = (
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TrainerConfig:
   """The settings of a training run, checked when made.
+
+  A keyword that is no setting is refused with a ``TypeError`` that names the
+  setting it resembles (``max_micro_batch``: ``max_micro_batch_size``).
 
   Attributes:
     max_micro_batch_size: the most rows per device per micro-step (rounded up
@@ -171,49 +173,14 @@ class TrainerConfig:
   halves: str = "auto"
   agreement_timeout_seconds: float = process_agreement.AGREEMENT_TIMEOUT_SECONDS
 
+  def __new__(cls, *args: Any, **settings: Any) -> TrainerConfig:
+    # Before the dataclass's __init__, whose TypeError for an unknown keyword suggests nothing.
+    _check_setting_names(settings)
+    return super().__new__(cls)
+
   def __post_init__(self):
     for name, value in _checked_fields(self).items():  # as plain Python numbers (NumPy ints too)
       object.__setattr__(self, name, value)
-
-  @classmethod
-  def from_settings(
-    cls, config: TrainerConfig | None, settings: Mapping[str, Any]
-  ) -> TrainerConfig:
-    """``config``, or a config made of ``settings`` (keyword arguments named as the fields).
-
-    Args:
-      config: a :class:`TrainerConfig`, or None.
-      settings: fields given one by one (e.g. the Trainer's keywords).
-
-    Returns:
-      The config.
-
-    Raises:
-      ValueError: both are given (the message names both), or ``config`` is
-        not a TrainerConfig.
-      TypeError: a setting that is not a field, or ``max_micro_batch_size``
-        missing.
-
-    Example:
-      >>> TrainerConfig.from_settings(None, {"max_micro_batch_size": 8}).max_micro_batch_size
-      8
-    """
-    check_setting_names(settings)
-    if config is None:
-      return cls(**settings)
-    if not isinstance(config, TrainerConfig):
-      raise ValueError(
-        f"config must be a simigrad_jax.TrainerConfig, got {config!r:.200} "
-        f"({type(config).__name__})"
-      )
-    if settings:
-      given = ", ".join(f"{name}={value!r:.80}" for name, value in settings.items())
-      raise ValueError(
-        f"give the settings either as config=TrainerConfig(...) or as keywords, "
-        f"not both: got config= and {given}; put them into the config instead: "
-        f"config.replace({given})"
-      )
-    return config
 
   def replace(self, **changes: Any) -> TrainerConfig:
     """A copy with ``changes`` (checked as a new config)."""
@@ -307,7 +274,7 @@ def _checked_fields(config: TrainerConfig) -> dict[str, Any]:
   return checked
 
 
-def check_setting_names(settings: Mapping[str, Any]) -> None:
+def _check_setting_names(settings: Mapping[str, Any]) -> None:
   """Refuses a name in ``settings`` that is no field of :class:`TrainerConfig`, suggesting the
   field it resembles.
 
@@ -315,18 +282,13 @@ def check_setting_names(settings: Mapping[str, Any]) -> None:
     TypeError: naming every unknown setting and the fields.
 
   Example:
-    >>> check_setting_names({"seed": 3})  # a field: nothing happens
+    >>> _check_setting_names({"seed": 3})  # a field: nothing happens
   """
   fields = [f.name for f in dataclasses.fields(TrainerConfig)]
   unknown = sorted(set(settings) - set(fields))
   if unknown:
-    hints = [
-      f"{name!r} (did you mean {close[0]!r}?)"
-      if (close := difflib.get_close_matches(name, fields, n=1))
-      else repr(name)
-      for name in unknown
-    ]
     raise TypeError(
-      f"unexpected keyword argument(s) {unknown}: {', '.join(hints)}; the settings are the "
-      f"fields of TrainerConfig: {fields}"
+      f"TrainerConfig() got unexpected keyword argument(s) {unknown}: "
+      f"{validation.unknown_names(unknown, fields)}; the settings are the fields of "
+      f"TrainerConfig: {fields}"
     )

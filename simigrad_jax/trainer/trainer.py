@@ -38,7 +38,6 @@ import functools
 import math
 import os
 import time
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -65,7 +64,6 @@ from simigrad_jax.shapes import mesh_sharding
 from simigrad_jax.shapes.layout import StepLayout
 from simigrad_jax.trainer import run_setup
 from simigrad_jax.trainer.config import TrainerConfig
-from simigrad_jax.trainer.config import check_setting_names
 from simigrad_jax.trainer.hooks import EvaluationHook
 from simigrad_jax.trainer.hooks import MetricsHook
 from simigrad_jax.trainer.hooks import ProgressHook
@@ -351,8 +349,7 @@ class Trainer:
       :class:`simigrad_jax.Controller`.
     workdir: where metrics and checkpoints go, locked for this run; a run
       resumes from its newest checkpoint.
-    config: the run's settings, a :class:`simigrad_jax.TrainerConfig` (as
-      keywords instead: deprecated, until 0.3).
+    config: the run's settings, a :class:`simigrad_jax.TrainerConfig`.
     model_state: non-trainable state (e.g. BatchNorm statistics), or None.
     eval_fn: optional ``eval_fn(params, model_state) -> dict``, run at every
       epoch's end.
@@ -402,10 +399,9 @@ class Trainer:
     param_sharding: Any = None,
     hooks: Sequence[StepHook] = (),
     run_settings: Mapping[str, Any] | None = None,
-    **settings: Any,
   ):
     # Everything is checked before anything is created, compiled or trained.
-    self.config = config = _config_of(config, settings)
+    self.config = config = _config_of(config)
     self._hooks = [check_hook(hook) for hook in hooks]
     self.controller, self.eval_fn, self.source = controller, eval_fn, grain_source.as_source(source)
     self._agreement = agreement = ProcessAgreement(config.agreement_timeout_seconds)
@@ -590,23 +586,18 @@ def _programs_of(plan: batch_plan.BatchPlan) -> set[tuple[str, int]]:
   return {("micro_step", plan.micro_batch_size), ("update", 0)}
 
 
-def _config_of(config: TrainerConfig | None, settings: Mapping[str, Any]) -> TrainerConfig:
-  """The run's :class:`TrainerConfig`: ``config``, or (deprecated) one made of keyword settings."""
-  check_setting_names(settings)  # a misspelt one is refused before any warning
-  if settings:
-    given = ", ".join(f"{name}={value!r:.80}" for name, value in settings.items())
-    warnings.warn(
-      f"Trainer(..., {given}): settings given as keywords are deprecated and go in 0.3; "
-      f"pass config=simigrad_jax.TrainerConfig({given})",
-      DeprecationWarning,
-      stacklevel=3,
-    )
-  elif config is None:
+def _config_of(config: TrainerConfig | None) -> TrainerConfig:
+  """The run's :class:`TrainerConfig`, refused when it is missing or is something else."""
+  if config is None:
     raise TypeError(
       "Trainer() needs its settings: config=simigrad_jax.TrainerConfig(max_micro_batch_size=...) "
       "(the rows per device per micro-step; the other settings have defaults)"
     )
-  return TrainerConfig.from_settings(config, settings)
+  if not isinstance(config, TrainerConfig):
+    raise ValueError(
+      f"config must be a simigrad_jax.TrainerConfig, got {config!r:.200} ({type(config).__name__})"
+    )
+  return config
 
 
 def _run_length(

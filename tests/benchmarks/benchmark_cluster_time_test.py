@@ -6,7 +6,7 @@ import pathlib
 import pytest
 
 from benchmarks import cluster_time as benchmark
-from simigrad_jax.cluster_time import CpuStepModel
+from simigrad_jax.cluster_time.model import CpuStepModel
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 INFO = {

@@ -4,12 +4,12 @@ import math
 
 import pytest
 
-from simigrad_jax.cluster_time import CpuStepModel
 from simigrad_jax.cluster_time import DeviceCurve
 from simigrad_jax.cluster_time import Link
 from simigrad_jax.cluster_time import StepTimeModel
-from simigrad_jax.cluster_time import fit_cpu_model
-from simigrad_jax.cluster_time import ring_allreduce_seconds
+from simigrad_jax.cluster_time.model import CpuStepModel
+from simigrad_jax.cluster_time.model import fit_cpu_model
+from simigrad_jax.cluster_time.model import ring_allreduce_seconds
 
 
 def test_a_ring_all_reduce_moves_2_n_minus_1_over_n_of_the_bytes_in_2_n_minus_1_steps():

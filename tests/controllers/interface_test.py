@@ -7,11 +7,11 @@ import math
 import pytest
 
 import simigrad_jax
+from simigrad_jax import registry
 from simigrad_jax.controllers import BaseController
 from simigrad_jax.controllers import BatchSizeController
 from simigrad_jax.controllers import base
 from simigrad_jax.controllers import interface
-from simigrad_jax.controllers import registry
 from simigrad_jax.controllers import simigrad
 from simigrad_jax.controllers import state as controller_state
 from simigrad_jax.trainer import checks
@@ -290,7 +290,7 @@ def test_a_refused_state_changes_nothing():
 def test_a_new_controller_registers_by_name(monkeypatch):
   monkeypatch.setattr(registry, "_FACTORIES", dict(registry._FACTORIES))
   simigrad_jax.register_controller("halving", Halving)
-  assert simigrad_jax.controllers.controller_options("halving") == (
+  assert simigrad_jax.registry.controller_options("halving") == (
     "batch_size_lower_bound",
     "batch_size_upper_bound",
     "initial_batch_size",

@@ -170,4 +170,4 @@ def test_registered_by_name_with_its_options():
   assert "allowance" in simigrad_jax.controller_names()
   c = simigrad_jax.make_controller("allowance", initial_batch_size=16, token_allowance=1.2)
   assert isinstance(c, AllowanceController) and c.config["token_allowance"] == 1.2
-  assert "similarity_target" not in simigrad_jax.controller_options("allowance")
+  assert "similarity_target" not in simigrad_jax.registry.controller_options("allowance")

@@ -1,4 +1,4 @@
-"""TrainerConfig: the Trainer's settings, checked in one place; a config or keywords, not both."""
+"""TrainerConfig: the Trainer's settings, checked in one place, a misspelt one named."""
 
 import dataclasses
 import doctest
@@ -106,25 +106,22 @@ def test_the_split_and_the_fallback_follow_the_settings():
   assert not config.replace(background_compile=False).uses_compile_fallback
 
 
-def test_settings_come_from_a_config_or_from_keywords_not_both():
-  config = TrainerConfig(max_micro_batch_size=8, seed=3)
-  assert TrainerConfig.from_settings(config, {}) is config
-  assert TrainerConfig.from_settings(None, {"max_micro_batch_size": 8, "seed": 3}) == config
+def test_a_misspelt_setting_is_refused_with_the_field_it_resembles():
   with pytest.raises(
-    ValueError,
-    match=r"either as config=TrainerConfig\(\.\.\.\) or as keywords, "
-    r"not both: got config= and seed=4, mode='pad'",
+    TypeError,
+    match=r"TrainerConfig\(\) got unexpected keyword argument\(s\) \['max_micro_batch'\]: "
+    r"'max_micro_batch' \(did you mean 'max_micro_batch_size'\?\)",
   ):
-    TrainerConfig.from_settings(config, {"seed": 4, "mode": "pad"})
-  with pytest.raises(ValueError, match=r"config must be a simigrad_jax.TrainerConfig, got \{"):
-    TrainerConfig.from_settings({"max_micro_batch_size": 8}, {})
+    TrainerConfig(max_micro_batch=32)  # type: ignore[call-arg]
   with pytest.raises(TypeError, match=r"unexpected keyword argument\(s\) \['sed'\]"):
-    TrainerConfig.from_settings(None, {"max_micro_batch_size": 8, "sed": 3})
+    TrainerConfig(max_micro_batch_size=8, sed=3)  # type: ignore[call-arg]
   with pytest.raises(TypeError, match="max_micro_batch_size"):
-    TrainerConfig.from_settings(None, {"seed": 3})
+    TrainerConfig(seed=3)  # type: ignore[call-arg]
+  with pytest.raises(TypeError, match=r"'colour'; the settings are the fields of TrainerConfig"):
+    TrainerConfig(max_micro_batch_size=8).replace(colour=1)
 
 
-def test_the_trainer_takes_a_config_and_its_keywords_only_with_a_deprecation(tmp_path):
+def test_the_trainer_takes_its_settings_as_a_config(tmp_path):
   settings = dict(
     max_micro_batch_size=4,
     mode="pad",
@@ -135,34 +132,19 @@ def test_the_trainer_takes_a_config_and_its_keywords_only_with_a_deprecation(tmp
     halves="local",
     agreement_timeout_seconds=60.0,
   )
-  with pytest.warns(DeprecationWarning, match=r"pass config=simigrad_jax\.TrainerConfig\(max_m"):
-    by_keywords = simigrad_jax.Trainer(**trainer_objects(tmp_path / "keywords"), **settings)
-  with by_keywords:
-    assert by_keywords.config == TrainerConfig(**settings)
   config = TrainerConfig(**settings)
   with simigrad_jax.Trainer(**trainer_objects(tmp_path / "config"), config=config) as by_config:
     assert by_config.config is config and by_config.halves == "local"
 
 
-def test_a_config_with_setting_keywords_is_refused_before_anything_is_built(tmp_path):
-  with (
-    pytest.raises(ValueError, match=r"not both: got config= and seed=4"),
-    pytest.warns(DeprecationWarning),
-  ):
-    simigrad_jax.Trainer(
-      **trainer_objects(tmp_path / "run"), config=TrainerConfig(max_micro_batch_size=4), seed=4
-    )
-  assert not (tmp_path / "run").exists()
-
-
-def test_a_trainer_without_settings_or_with_a_misspelt_one_is_refused(tmp_path):
+def test_a_trainer_without_a_config_or_with_settings_as_keywords_is_refused(tmp_path):
   with pytest.raises(TypeError, match=r"config=simigrad_jax\.TrainerConfig\(max_micro_batch_size="):
     simigrad_jax.Trainer(**trainer_objects(tmp_path / "none"))
-  with pytest.raises(
-    TypeError, match=r"'max_micro_batch' \(did you mean 'max_micro_batch_size'\?\)"
-  ):
-    simigrad_jax.Trainer(**trainer_objects(tmp_path / "typo"), max_micro_batch=4)
-  assert not (tmp_path / "none").exists() and not (tmp_path / "typo").exists()
+  with pytest.raises(ValueError, match=r"config must be a simigrad_jax.TrainerConfig, got \{"):
+    simigrad_jax.Trainer(**trainer_objects(tmp_path / "dict"), config={"max_micro_batch_size": 4})
+  with pytest.raises(TypeError, match="max_micro_batch"):
+    simigrad_jax.Trainer(**trainer_objects(tmp_path / "keywords"), max_micro_batch_size=4)
+  assert not any((tmp_path / name).exists() for name in ("none", "dict", "keywords"))
 
 
 def test_doctests():

@@ -1,11 +1,16 @@
 """Host: batch-size controllers by name, for :class:`simigrad_jax.Trainer` and the train configs.
 
 Every controller here has the interface the Trainer reads,
-:class:`~simigrad_jax.controllers.base.BatchSizeController`, and derives from
+:class:`~simigrad_jax.controllers.interface.BatchSizeController`, and derives from
 :class:`~simigrad_jax.controllers.base.BaseController`; a new one is made
 available by name with :func:`register_controller`.
 
-Registered names (:func:`make_controller`):
+The built-in names are listed once, in this module's table
+(``BUILT_IN_CONTROLLERS``): the controllers of :mod:`simigrad_jax.controllers`
+and the ramps of :mod:`simigrad_jax.ramps`, the two rooms below this module.
+Importing a controller's module registers nothing.
+
+Built-in names (:func:`make_controller`):
 
 * ``"simigrad"``: :class:`simigrad_jax.Controller`, the reference rule on the
   half-batch gradient similarity (with ``ema_decay``: the model rule, on a
@@ -38,28 +43,87 @@ non-finite norm) and counts it in ``nonfinite_count``; refuses bad settings
 with a ValueError that names the value and the valid range; and saves its
 whole state as plain JSON (``state_dict``) that resumes exactly.
 
-The ramps (:mod:`simigrad_jax.ramps`) live a floor above this room and
-register their names when they are imported, which ``import simigrad_jax``
-does.
+Example:
+  >>> from simigrad_jax import registry
+  >>> "seesaw" in registry.controller_names() and "simigrad" in registry.controller_names()
+  True
 """
 
 from __future__ import annotations
 
-import difflib
 import inspect
-from collections.abc import Callable
+import types
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from simigrad_jax import validation
-from simigrad_jax.controllers.base import BatchSizeController
+from simigrad_jax.controllers.interface import BatchSizeController
 from simigrad_jax.controllers.noise_scale import GnsController
 from simigrad_jax.controllers.simigrad import Controller
 from simigrad_jax.controllers.token_allowance import AllowanceController
+from simigrad_jax.ramps.schedules import LossPlateauController
+from simigrad_jax.ramps.schedules import decreasing_schedule
+from simigrad_jax.ramps.schedules import geometric_schedule
+from simigrad_jax.ramps.schedules import linear_schedule
+from simigrad_jax.ramps.seesaw import SeesawController
+from simigrad_jax.ramps.token_schedules import DoublingWarmupController
+from simigrad_jax.ramps.token_schedules import LinearRampController
+from simigrad_jax.ramps.token_schedules import StepScheduleController
 
-_FACTORIES: dict[str, Callable[..., BatchSizeController]] = {}
+__all__ = [
+  "BUILT_IN_CONTROLLERS",
+  "controller_names",
+  "controller_options",
+  "make_controller",
+  "register_controller",
+]
+
+ControllerFactory = Callable[..., BatchSizeController]
 
 
-def register_controller(name: str, factory: Callable[..., BatchSizeController]) -> None:
+def _fixed(initial_batch_size: int, similarity_target: float = 0.0, **options: Any) -> Controller:
+  """A constant batch size: SimiGrad's controller with adjustment off (similarity still logged).
+
+  Without a profile, a bound left out (or None) defaults to
+  ``initial_batch_size``, so that :class:`simigrad_jax.Trainer` compiles only
+  the shapes it needs.
+  """
+  if (
+    options.get("batch_sizes_to_profile") is None
+    and validation.is_int(initial_batch_size)
+    and initial_batch_size >= 1
+  ):
+    for key in ("batch_size_lower_bound", "batch_size_upper_bound"):
+      if options.get(key) is None:
+        options[key] = int(initial_batch_size)
+  return Controller(initial_batch_size, similarity_target, enable_adjust=False, **options)
+
+
+vars(_fixed).update(forwards_options_to=Controller, sets_options=("enable_adjust",))
+
+# The built-in controllers by name: the one place where they are named.
+BUILT_IN_CONTROLLERS: Mapping[str, ControllerFactory] = types.MappingProxyType(
+  {
+    "simigrad": Controller,
+    "fixed": _fixed,
+    "gns": GnsController,
+    "allowance": AllowanceController,
+    "linear": linear_schedule,
+    "geometric": geometric_schedule,
+    "decreasing": decreasing_schedule,
+    "loss_plateau": LossPlateauController,
+    "step_schedule": StepScheduleController,
+    "linear_ramp": LinearRampController,
+    "doubling_warmup": DoublingWarmupController,
+    "seesaw": SeesawController,
+  }
+)
+
+# What make_controller builds: the built-in controllers and those added with register_controller.
+_FACTORIES: dict[str, ControllerFactory] = dict(BUILT_IN_CONTROLLERS)
+
+
+def register_controller(name: str, factory: ControllerFactory) -> None:
   """Makes ``make_controller(name, ...)`` build a controller with ``factory(**options)``.
 
   Args:
@@ -113,15 +177,9 @@ def make_controller(name: str, **options: Any) -> BatchSizeController:
     raise ValueError(f"unknown controller {name!r}; choose one of {controller_names()}")
   accepted = controller_options(name)
   if accepted is not None and (unknown := sorted(set(options) - set(accepted))):
-    hints = [
-      f"{u!r} (did you mean {close[0]!r}?)"
-      if (close := difflib.get_close_matches(u, accepted, n=1))
-      else repr(u)
-      for u in unknown
-    ]
+    hints = validation.unknown_names(unknown, accepted)
     raise TypeError(
-      f"make_controller({name!r}) got unknown option(s) {', '.join(hints)}; "
-      f"{name!r} takes {sorted(accepted)}"
+      f"make_controller({name!r}) got unknown option(s) {hints}; {name!r} takes {sorted(accepted)}"
     )
   return _FACTORIES[name](**options)
 
@@ -152,29 +210,3 @@ def _option_names(factory: Callable[..., Any]) -> tuple[str, ...] | None:
       return None
     names |= set(forwarded) - set(getattr(factory, "sets_options", ()))
   return tuple(sorted(names))
-
-
-def _fixed(initial_batch_size: int, similarity_target: float = 0.0, **options: Any) -> Controller:
-  """A constant batch size: SimiGrad's controller with adjustment off (similarity still logged).
-
-  Without a profile, a bound left out (or None) defaults to
-  ``initial_batch_size``, so that :class:`simigrad_jax.Trainer` compiles only
-  the shapes it needs.
-  """
-  if (
-    options.get("batch_sizes_to_profile") is None
-    and validation.is_int(initial_batch_size)
-    and initial_batch_size >= 1
-  ):
-    for key in ("batch_size_lower_bound", "batch_size_upper_bound"):
-      if options.get(key) is None:
-        options[key] = int(initial_batch_size)
-  return Controller(initial_batch_size, similarity_target, enable_adjust=False, **options)
-
-
-vars(_fixed).update(forwards_options_to=Controller, sets_options=("enable_adjust",))
-
-register_controller("simigrad", Controller)
-register_controller("fixed", _fixed)
-register_controller("gns", GnsController)
-register_controller("allowance", AllowanceController)

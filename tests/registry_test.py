@@ -1,5 +1,6 @@
 """Controllers by name: the registry the trainer and the train configs use."""
 
+import ast
 import pathlib
 
 import pytest
@@ -30,6 +31,37 @@ def test_unknown_name_and_duplicate_registration_are_refused():
     simigrad_jax.register_controller("fixed", simigrad_jax.Controller)
 
 
+def test_the_built_in_names_are_one_table_and_importing_a_module_registers_nothing():
+  """The table in simigrad_jax/registry.py names every built-in controller; no module of the
+  package calls register_controller when it is imported."""
+  from simigrad_jax import registry
+
+  assert set(registry.BUILT_IN_CONTROLLERS) == set(simigrad_jax.controller_names())
+  with pytest.raises(TypeError):
+    registry.BUILT_IN_CONTROLLERS["mine"] = simigrad_jax.Controller  # type: ignore[index]
+  package = pathlib.Path(simigrad_jax.__file__).parent
+  calls = [
+    f"{path.relative_to(package)}:{node.lineno}"
+    for path in sorted(package.rglob("*.py"))
+    for statement in ast.parse(path.read_text()).body
+    if not isinstance(statement, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+    for node in ast.walk(statement)
+    if isinstance(node, ast.Call) and "register_controller" in ast.unparse(node.func)
+  ]
+  assert not calls, f"registrations at import: {calls}"
+
+
+def test_a_users_controller_registers_beside_the_built_in_ones(monkeypatch):
+  from simigrad_jax import registry
+
+  monkeypatch.setattr(registry, "_FACTORIES", dict(registry._FACTORIES))
+  simigrad_jax.register_controller("constant", registry.BUILT_IN_CONTROLLERS["fixed"])
+  assert "constant" in simigrad_jax.controller_names()
+  assert "constant" not in registry.BUILT_IN_CONTROLLERS
+  assert registry.controller_options("constant") == registry.controller_options("fixed")
+  assert simigrad_jax.make_controller("constant", initial_batch_size=24).update(0.5) == 24
+
+
 def test_misspelt_and_foreign_options_are_refused_with_the_valid_names():
   with pytest.raises(
     TypeError,
@@ -45,13 +77,13 @@ def test_misspelt_and_foreign_options_are_refused_with_the_valid_names():
     simigrad_jax.make_controller(
       "geometric", initial_batch_size=8, final_batch_size=64, ramp_epochs=1.0, multiple=2.0
     )
-  assert "shape" not in simigrad_jax.controllers.controller_options("linear")
-  assert "shape" in simigrad_jax.controllers.controller_options("decreasing")
-  assert "final_batch_size" in simigrad_jax.controllers.controller_options("linear")
-  assert "enable_adjust" not in simigrad_jax.controllers.controller_options("fixed")
-  assert "similarity_target" in simigrad_jax.controllers.controller_options("fixed")
+  assert "shape" not in simigrad_jax.registry.controller_options("linear")
+  assert "shape" in simigrad_jax.registry.controller_options("decreasing")
+  assert "final_batch_size" in simigrad_jax.registry.controller_options("linear")
+  assert "enable_adjust" not in simigrad_jax.registry.controller_options("fixed")
+  assert "similarity_target" in simigrad_jax.registry.controller_options("fixed")
   with pytest.raises(ValueError, match="unknown controller 'adaptive'"):
-    simigrad_jax.controllers.controller_options("adaptive")
+    simigrad_jax.registry.controller_options("adaptive")
 
 
 # ----------------------------------------------------- every registered controller

@@ -1,0 +1,116 @@
+"""Checkpointer: orbax saves and restores, the newest kept, a damaged checkpoint skipped for the
+one before it, a checkpoint of another model refused.
+
+The fault suite (tests/reliability/reliability_checkpoint_test.py) damages checkpoints in
+every way it knows and fails their reads; here is the Checkpointer's everyday behaviour,
+on arrays sharded over the 8 simulated devices.
+"""
+
+import os
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from simigrad_jax.checkpoint import CheckpointMismatchError
+from simigrad_jax.checkpoint.checkpointer import Checkpointer
+
+
+def _state(devices, scale: float) -> dict:
+  """Parameters sharded over the devices, and a scalar and a step count replicated on them (the
+  Trainer's state lies on its mesh whole)."""
+  mesh = Mesh(np.array(devices), ("batch",))
+  weights = jnp.arange(64 * 3, dtype=jnp.float32).reshape(64, 3) * scale
+  replicated = NamedSharding(mesh, P())
+  return {
+    "w": jax.device_put(weights, NamedSharding(mesh, P("batch"))),
+    "b": jax.device_put(jnp.float32(scale), replicated),
+    "count": jax.device_put(jnp.int32(int(scale)), replicated),
+  }
+
+
+def _assert_same(got, want):
+  assert jax.tree.structure(got) == jax.tree.structure(want)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+    assert a.dtype == b.dtype and a.shape == b.shape
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_a_save_restores_exactly_with_its_shardings(devices, tmp_path):
+  ckpt = Checkpointer(tmp_path / "checkpoints")
+  assert ckpt.latest_step() is None and ckpt.all_steps() == []
+  state = _state(devices, 2.0)
+  ckpt.save(5, state, {"step": 5, "examples_seen": 320})
+  assert ckpt.wait() and ckpt.failed_save() is None
+  restored, host, step = ckpt.restore(_state(devices, 0.0))
+  assert step == 5 and host == {"step": 5, "examples_seen": 320}
+  _assert_same(restored, state)
+  assert restored["w"].sharding.is_equivalent_to(state["w"].sharding, 2)
+  assert ckpt.read_host(5) == {"step": 5, "examples_seen": 320}
+  assert ckpt.skipped == [] and ckpt.quarantined == []
+  ckpt.close()
+
+
+def test_the_newest_are_kept_and_any_step_restores(devices, tmp_path):
+  ckpt = Checkpointer(tmp_path / "checkpoints", max_to_keep=2, async_save=False)
+  for step in (1, 2, 3):
+    ckpt.save(step, _state(devices, float(step)), {"step": step})
+  assert ckpt.all_steps() == [2, 3] and ckpt.latest_step() == 3
+  restored, host, step = ckpt.restore(_state(devices, 0.0), step=2)
+  assert step == 2 and host == {"step": 2}
+  _assert_same(restored, _state(devices, 2.0))
+  ckpt.close()
+  # Another Checkpointer on the same directory (a resumed run) finds them.
+  again = Checkpointer(tmp_path / "checkpoints")
+  assert again.all_steps() == [2, 3]
+  again.close()
+
+
+def test_a_damaged_newest_checkpoint_is_skipped_for_the_one_before_it(devices, tmp_path):
+  root = tmp_path / "checkpoints"
+  ckpt = Checkpointer(root, max_to_keep=3)
+  for step in (1, 2):
+    ckpt.save(step, _state(devices, float(step)), {"step": step})
+  ckpt.close()
+  for data in sorted(p for p in (root / "2").glob("state/**/d/*") if p.is_file()):
+    os.truncate(data, data.stat().st_size // 2)
+  ckpt = Checkpointer(root)
+  restored, host, step = ckpt.restore(_state(devices, 0.0))
+  assert step == 1 and host == {"step": 1}
+  _assert_same(restored, _state(devices, 1.0))
+  assert [s for s, _ in ckpt.skipped] == [2]
+  # Moved aside to <directory>.unreadable/, so that the run can save step 2 again.
+  assert ckpt.all_steps() == [1] and len(ckpt.quarantined) == 1
+  assert pathlib.Path(ckpt.quarantined[0]).parent.name == "checkpoints.unreadable"
+  ckpt.close()
+
+
+def test_a_checkpoint_of_another_model_is_refused_naming_the_difference(devices, tmp_path):
+  ckpt = Checkpointer(tmp_path / "checkpoints", async_save=False)
+  ckpt.save(1, _state(devices, 1.0), {"step": 1})
+  state = _state(devices, 0.0)
+  other = dict(state, w=jax.device_put(jnp.zeros((64, 4), jnp.float32), state["b"].sharding))
+  with pytest.raises(CheckpointMismatchError, match=r"different model or optimizer: .*\['w'\]"):
+    ckpt.restore(other)
+  assert ckpt.all_steps() == [1] and ckpt.skipped == []  # nothing skipped or moved
+  ckpt.close()
+
+
+def test_no_checkpoint_and_bad_arguments_are_refused(tmp_path):
+  ckpt = Checkpointer(tmp_path / "checkpoints")
+  with pytest.raises(FileNotFoundError, match="no checkpoint in"):
+    ckpt.restore({"w": jnp.zeros(3)})
+  ckpt.close()
+  with pytest.raises(ValueError, match="parent .* does not exist"):
+    Checkpointer(tmp_path / "missing" / "checkpoints")
+  (tmp_path / "file").write_text("")
+  with pytest.raises(ValueError, match="exists and is not a directory"):
+    Checkpointer(tmp_path / "file")
+  with pytest.raises(ValueError, match="max_to_keep must be an integer >= 1, got 0"):
+    Checkpointer(tmp_path / "checkpoints", max_to_keep=0)
+  assert not os.path.exists(tmp_path / "missing")
