@@ -1,11 +1,11 @@
-"""benchmarks/cluster_time.py: the fit and the out-of-sample table, and the committed results."""
+"""benchmarks/cluster/cluster_time.py: the fit and the out-of-sample table, and the committed results."""
 
 import json
 import pathlib
 
 import pytest
 
-from benchmarks import cluster_time as benchmark
+from benchmarks.cluster import cluster_time as benchmark
 from simigrad_jax.cluster_time import CpuStepModel
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -104,7 +104,7 @@ def test_results_md_holds_the_tables_of_the_committed_results():
   page = (ROOT / "docs" / "results.md").read_text()
   assert benchmark.markdown(results) in page, (
     "docs/results.md's cluster_time tables differ from benchmarks/results/cluster_time.json; "
-    "print them with python benchmarks/cluster_time.py --markdown "
+    "print them with python benchmarks/cluster/cluster_time.py --markdown "
     "benchmarks/results/cluster_time.json"
   )
   within = sum(abs(v["error"]) <= benchmark.GOAL for v in results["validation"])

@@ -1,11 +1,11 @@
-"""benchmarks/halves_steps.py: a tiny run, its JSON layout, its ratios and its similarities."""
+"""benchmarks/step_cost/halves_steps.py: a tiny run, its JSON layout, its ratios and its similarities."""
 
 import json
 import math
 
 import pytest
 
-from benchmarks import halves_steps
+from benchmarks.step_cost import halves_steps
 
 ROW_NUMBERS = ("paired_time_ratio", "step_seconds", "plain_step_seconds", "temp_ratio")
 

@@ -1,4 +1,4 @@
-"""benchmarks/halves.py: a quick run, its JSON layout and its ratios."""
+"""benchmarks/step_cost/halves.py: a quick run, its JSON layout and its ratios."""
 
 import json
 import math
@@ -20,7 +20,7 @@ PER_SIZE_KEYS = (
 @pytest.fixture(scope="module")
 def halves():
   """The benchmark script's module."""
-  from benchmarks import halves as module  # pylint: disable=import-outside-toplevel
+  from benchmarks.step_cost import halves as module  # pylint: disable=import-outside-toplevel
 
   return module
 

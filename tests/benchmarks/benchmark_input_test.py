@@ -1,4 +1,4 @@
-"""benchmarks/input.py: a quick run, its JSON layout, and its measurements."""
+"""benchmarks/trainer_overhead/input.py: a quick run, its JSON layout, and its measurements."""
 
 import json
 import math
@@ -10,7 +10,7 @@ import pytest
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory):
   """One ``--quick`` run: (the JSON written to --out, the dict main returned)."""
-  from benchmarks import input as module  # pylint: disable=import-outside-toplevel
+  from benchmarks.trainer_overhead import input as module  # pylint: disable=import-outside-toplevel
 
   out = tmp_path_factory.mktemp("input") / "input.json"
   returned = module.main(["--quick", "--trainer-workers", "1", "--out", str(out)])

@@ -1,4 +1,4 @@
-"""benchmarks/overhead_adaptive.py: a quick run, its layout, ratios and goals."""
+"""benchmarks/trainer_overhead/overhead_adaptive.py: a quick run, its layout, ratios and goals."""
 
 import json
 import math
@@ -9,7 +9,7 @@ import pytest
 @pytest.fixture(scope="module")
 def adaptive_benchmark():
   """The benchmark script's module."""
-  from benchmarks import overhead_adaptive as module  # pylint: disable=import-outside-toplevel
+  from benchmarks.trainer_overhead import overhead_adaptive as module  # pylint: disable=import-outside-toplevel
 
   return module
 

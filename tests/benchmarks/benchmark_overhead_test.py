@@ -1,4 +1,4 @@
-"""benchmarks/overhead.py: a quick run, its JSON layout and its ratios."""
+"""benchmarks/trainer_overhead/overhead.py: a quick run, its JSON layout and its ratios."""
 
 import json
 import math
@@ -10,7 +10,7 @@ import pytest
 @pytest.fixture(scope="module")
 def overhead():
   """The benchmark script's module."""
-  from benchmarks import overhead as module  # pylint: disable=import-outside-toplevel
+  from benchmarks.trainer_overhead import overhead as module  # pylint: disable=import-outside-toplevel
 
   return module
 

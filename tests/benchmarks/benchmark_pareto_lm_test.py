@@ -1,4 +1,4 @@
-"""benchmarks/pareto_lm.py: steps and tokens to the target loss, the verdict, and a toy run end to end."""
+"""benchmarks/lm/pareto_lm.py: steps and tokens to the target loss, the verdict, and a toy run end to end."""
 
 import argparse
 import dataclasses
@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 
 import simigrad_jax
-from benchmarks import pareto_lm
-from benchmarks import pareto_lm_report
-from benchmarks.lm_experiment import crossing
-from benchmarks.lm_run_store import RunStore
-from benchmarks.pareto_protocol import RunSpec
+from benchmarks.lm import pareto_lm
+from benchmarks.lm import report as pareto_lm_report
+from benchmarks.lm.experiment import crossing
+from benchmarks.lm.run_store import RunStore
+from benchmarks.pareto.protocol import RunSpec
 
 
 def test_crossing_interpolates_between_the_measurements_around_the_target():
@@ -343,9 +343,9 @@ def test_the_launcher_runs_each_budget_at_low_priority_and_resumes_after_a_failu
   assert done.returncode == 0
   calls = (tmp_path / "calls").read_text().splitlines()
   assert calls == [
-    "benchmarks/pareto_lm.py --budget long nice=19",
-    "benchmarks/pareto_lm.py --budget long nice=19",
-    "benchmarks/pareto_lm.py --budget today nice=19",
+    "benchmarks/lm/pareto_lm.py --budget long nice=19",
+    "benchmarks/lm/pareto_lm.py --budget long nice=19",
+    "benchmarks/lm/pareto_lm.py --budget today nice=19",
   ]
   assert (
     "budget long stopped (exit 9); resuming" in (tmp_path / "logs/pareto_lm_long.log").read_text()

@@ -1,4 +1,4 @@
-"""benchmarks/pareto.py --task mlm: the text split, the held-out scoring and a tiny run end to end."""
+"""benchmarks/pareto/pareto.py --task mlm: the text split, the held-out scoring and a tiny run end to end."""
 
 import json
 import math
@@ -6,9 +6,9 @@ import math
 import numpy as np
 import pytest
 
-from benchmarks import pareto
-from benchmarks import pareto_flags
-from benchmarks import pareto_mlm
+from benchmarks.pareto import flags as pareto_flags
+from benchmarks.pareto import mlm as pareto_mlm
+from benchmarks.pareto import pareto
 from train import text_data
 
 

@@ -1,4 +1,4 @@
-"""benchmarks/pareto.py: a tiny in-process run (JSON schema, PNG) and the Pareto analysis by hand."""
+"""benchmarks/pareto/pareto.py: a tiny in-process run (JSON schema, PNG) and the Pareto analysis by hand."""
 
 import dataclasses
 import json
@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 
 import simigrad_jax
-from benchmarks import pareto
-from benchmarks import pareto_analysis
-from benchmarks import pareto_flags
-from benchmarks import pareto_images
-from benchmarks import pareto_protocol
-from benchmarks import pareto_report
+from benchmarks.pareto import analysis as pareto_analysis
+from benchmarks.pareto import flags as pareto_flags
+from benchmarks.pareto import images as pareto_images
+from benchmarks.pareto import pareto
+from benchmarks.pareto import protocol as pareto_protocol
+from benchmarks.pareto import report as pareto_report
 
 TINY = [
   "--quick",

@@ -1,16 +1,16 @@
-"""benchmarks/reduction.py: a tiny run, its JSON schema and the ring-model byte ratios."""
+"""benchmarks/step_cost/reduction.py: a tiny run, its JSON schema and the ring-model byte ratios."""
 
 import json
 
 import pytest
 
-from benchmarks import hlo_collectives
+from benchmarks.step_cost import hlo_collectives
 
 
 @pytest.fixture(scope="module")
 def reduction():
   """The benchmark script's module."""
-  from benchmarks import reduction as module  # pylint: disable=import-outside-toplevel
+  from benchmarks.step_cost import reduction as module  # pylint: disable=import-outside-toplevel
 
   return module
 

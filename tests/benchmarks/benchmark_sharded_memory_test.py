@@ -1,4 +1,4 @@
-"""benchmarks/sharded_memory.py: the SimiGrad steps' memory over batch sizes, and its goal."""
+"""benchmarks/step_cost/sharded_memory.py: the SimiGrad steps' memory over batch sizes, and its goal."""
 
 import json
 
@@ -13,7 +13,7 @@ BATCH_SIZES = (32, 256)
 def sweep(tmp_path_factory, devices):
   """One ``--quick`` sweep of the kernel model (512 x 512) over two layouts: its JSON."""
   del devices  # 8 devices, set up by conftest
-  from benchmarks import sharded_memory  # pylint: disable=import-outside-toplevel
+  from benchmarks.step_cost import sharded_memory  # pylint: disable=import-outside-toplevel
 
   out = tmp_path_factory.mktemp("sharded_memory") / "memory.json"
   sharded_memory.main(
@@ -65,7 +65,7 @@ def test_with_few_rows_under_auto_axes_fsdp_and_tp_take_the_halves_step(sweep):
 
 
 def test_batch_sizes_that_leave_a_device_an_odd_number_of_rows_are_refused():
-  from benchmarks import sharded_memory  # pylint: disable=import-outside-toplevel
+  from benchmarks.step_cost import sharded_memory  # pylint: disable=import-outside-toplevel
 
   with pytest.raises(SystemExit):
     sharded_memory.main(["--quick", "--batch-sizes", "32,24"])

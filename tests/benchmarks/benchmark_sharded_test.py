@@ -1,11 +1,11 @@
-"""benchmarks/sharded.py: a quick run over every layout and kind of mesh axes, its JSON, goals."""
+"""benchmarks/step_cost/sharded.py: a quick run over every layout and kind of mesh axes, its JSON, goals."""
 
 import json
 import math
 
 import pytest
 
-from benchmarks import sharded_models
+from benchmarks.step_cost import sharded_models
 
 RUN_KEYS = (
   "model",
@@ -36,7 +36,7 @@ VARIANT_KEYS = (
 @pytest.fixture(scope="module")
 def sharded():
   """The benchmark script's module."""
-  from benchmarks import sharded as module  # pylint: disable=import-outside-toplevel
+  from benchmarks.step_cost import sharded as module  # pylint: disable=import-outside-toplevel
 
   return module
 

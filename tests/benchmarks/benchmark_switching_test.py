@@ -1,4 +1,4 @@
-"""benchmarks/switching.py: a quick run of both modes, its JSON schema and its compile counts."""
+"""benchmarks/trainer_overhead/switching.py: a quick run of both modes, its JSON schema and its compile counts."""
 
 import json
 import math
@@ -12,7 +12,7 @@ import simigrad_jax
 @pytest.fixture(scope="module")
 def switching():
   """The benchmark script's module."""
-  from benchmarks import switching as module  # pylint: disable=import-outside-toplevel
+  from benchmarks.trainer_overhead import switching as module  # pylint: disable=import-outside-toplevel
 
   return module
 

@@ -1,4 +1,4 @@
-"""benchmarks/trainer_mesh.py: a quick run, its layout and goals, and what FSDP blocks save."""
+"""benchmarks/step_cost/trainer_mesh.py: a quick run, its layout and goals, and what FSDP blocks save."""
 
 import json
 
@@ -8,7 +8,7 @@ import pytest
 @pytest.fixture(scope="module")
 def trainer_mesh():
   """The benchmark script's module."""
-  from benchmarks import trainer_mesh as module  # pylint: disable=import-outside-toplevel
+  from benchmarks.step_cost import trainer_mesh as module  # pylint: disable=import-outside-toplevel
 
   return module
 
