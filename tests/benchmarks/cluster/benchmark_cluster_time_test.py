@@ -8,7 +8,7 @@ import pytest
 from benchmarks.cluster import cluster_time as benchmark
 from simigrad_jax.cluster_time import CpuStepModel
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+ROOT = pathlib.Path(__file__).resolve().parents[3]
 INFO = {
   "lm": {
     "description": "a model",
