@@ -48,14 +48,8 @@ Two budgets: ``--budget today`` (12,288 windows of 64 tokens, 786k tokens,
 the earlier comparison's) and ``--budget long`` (4x: 3.1M tokens, about 3.1
 passes over tinyshakespeare's 15,685 training windows). Results JSON live in
 ``benchmarks/results/`` (``pareto_lm.json``, ``pareto_lm_long.json``,
-``pareto_lm_quick.json``), not in ``docs/`` as the issue that asked for them
-named them; the plots go to ``docs/``. Runtime: ``--quick`` measured at 248 s
-and 314 s on 2 CPU cores shared with other jobs (load average 20-30);
-today's budget: 72 runs (a grid of 18, B=2 the best size) in 4,250 s of
-training on 2 shared cores (load average 15-25), its B=2 runs 160-190 s
-each, and 5 more added by ``--extend`` in 247 s; the long one: 74 runs (a
-grid of 15, B=8 the best size) in 4.0 hours of training on 2 shared cores
-(a median of 82 s a run), over several sessions in the background.
+``pareto_lm_quick.json``); the plots go to ``docs/``. docs/results.md shows
+the results and how long each budget took to train.
 
 Resume: every finished run is appended to ``OUT.runs.jsonl`` as it ends;
 killed and started again with the same flags, the comparison reads them back
@@ -68,7 +62,7 @@ priority.
 
 Usage::
 
-  python benchmarks/lm/pareto_lm.py --quick            # pareto_lm_quick.json, 4-5 min (loaded)
+  python benchmarks/lm/pareto_lm.py --quick            # a small grid: pareto_lm_quick.json
   python benchmarks/lm/pareto_lm.py                    # today's budget: pareto_lm.json
   python benchmarks/lm/pareto_lm.py --budget long      # 4x the tokens: pareto_lm_long.json
   python benchmarks/lm/pareto_lm.py --extend           # pareto_lm.json plus the settings it lacks

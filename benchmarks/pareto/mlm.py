@@ -2,7 +2,7 @@
 
 SimiGrad's headline result is BERT pre-training, a masked language model. This
 task trains the ``bert_tiny`` recipe (LAMB, byte-level tokens, 15% masking) at
-a size two CPU cores train a grid of in an hour: sequences of ``seq_length``
+a size that a CPU trains a whole grid of: sequences of ``seq_length``
 bytes of ``../shared/data/tinyshakespeare.txt`` (Python's own documentation
 when absent), a model of ``hidden`` width. The text is cut into consecutive
 parts: the first ``train_windows`` windows are trained on, and the last 10% of

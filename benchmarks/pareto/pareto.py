@@ -65,10 +65,10 @@ printed table, the plot and the markdown tables of docs/results.md;
 
 Usage::
 
-  python benchmarks/pareto/pareto.py --quick --profile     # < 10 min on 2 cores: pareto_quick.json
+  python benchmarks/pareto/pareto.py --quick --profile     # the small grid: pareto_quick.json
   python benchmarks/pareto/pareto.py --out /tmp/pareto.json --profile      # the full grid
-  python benchmarks/pareto/pareto.py --task mlm --quick --out /tmp/mlm.json  # ~10 min on 2 cores
-  python benchmarks/pareto/pareto.py --task mlm            # ~1 h on 2 cores: pareto_mlm.json
+  python benchmarks/pareto/pareto.py --task mlm --quick --out /tmp/mlm.json
+  python benchmarks/pareto/pareto.py --task mlm            # pareto_mlm.json
   # Add learning-rate variants of the adaptive runs, reusing every run already done:
   python benchmarks/pareto/pareto.py --profile --reuse /tmp/pareto.json --out /tmp/pareto_lr.json \
       --adaptive-lr-multipliers 1,2 --adaptive-lr-rules sqrt,linear

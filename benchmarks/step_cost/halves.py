@@ -25,21 +25,7 @@ repeats of the ratio of back-to-back runs (robust to slow drifts), and
 ``min_time_ratio_to_plain``, the ratio of the fastest runs (other processes
 only ever add time).
 
-Measured on one CPU device (jax 0.10.2, a 2-core host shared with other
-jobs; four runs of 15-25 interleaved repeats, the quietest shown; the other
-three gave medians of 0.86-1.06x at batch 32 and 0.77-0.89x at 128, the most
-loaded one (load average near 20) a paired ratio of 1.33x at 32; the temp
-ratios are compile-time numbers and were the same in every run)::
-
-   batch  variant   step s  time/plain  paired   min  temp MB  temp/plain  compile s
-      32  plain     0.9120       1.00x   1.00x 1.00x    220.6       1.00x       3.61
-      32  halves    0.8522       0.93x   0.94x 0.96x    131.2       0.59x       8.44
-     128  plain     4.0200       1.00x   1.00x 1.00x    907.5       1.00x       2.26
-     128  halves    3.7364       0.93x   0.93x 0.94x    474.7       0.52x       4.81
-
-The halves hold one half's activations at a time (about half the plain
-step's temporary memory) and their smaller convolutions run no slower; the
-program holds the model twice, so it compiles in about twice the time.
+Its results, on one CPU device and on one GPU: docs/own_step.md.
 
 Usage::
 

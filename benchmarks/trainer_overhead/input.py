@@ -34,10 +34,8 @@ Measured:
   would be provisioned): the wait then measures the pipeline's own stalls
   (start-up, windows, batch-size changes). A model lighter than the decoding
   makes the pipeline wait here, because XLA's threads take both cores and
-  leave the worker a fraction of one: on an idle machine, with two layers of
-  width 16 (about 44M multiply-adds an image) the share was 8-16% at batch
-  sizes 32-128, and with three layers of width 16 (105-146 images/s
-  consumed) 8-15%; with ``CONV_WIDTH`` 32 (44-87 images/s) it is under 1%.
+  leave the worker a fraction of one (``CONV_WIDTH`` sets the model's width;
+  docs/trainer.md shows the waits of lighter and heavier ones).
 
 Goals, printed as PASS/FAIL: 2 workers give at least 1.6x the images/s of 1,
 and the data wait is under 5% of the step time at every bucket.
