@@ -105,12 +105,9 @@ if __name__ == "__main__":
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
 import argparse  # noqa: E402
-import contextlib  # noqa: E402
 import dataclasses  # noqa: E402
 import json  # noqa: E402
 import pathlib  # noqa: E402
-import shutil  # noqa: E402
-import tempfile  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Callable, Sequence  # noqa: E402
 from typing import Any  # noqa: E402
@@ -124,7 +121,7 @@ from benchmarks.lm.experiment import LmExperiment  # noqa: E402
 from benchmarks.lm.run_store import RunStore  # noqa: E402
 from benchmarks.pareto.protocol import RunSpec  # noqa: E402
 from benchmarks.pareto.protocol import base_lr_for  # noqa: E402
-from simigrad_jax.compile import persistent_cache_settings  # noqa: E402
+from benchmarks.pareto.protocol import comparison_folder  # noqa: E402
 
 RAMPS = ("step_schedule", "linear_ramp", "doubling_warmup", "seesaw")
 COUPLINGS = ("full", "peak")
@@ -273,14 +270,6 @@ def setting_label(spec: RunSpec) -> str:
   return spec.label() + coupling
 
 
-def _floats(text: str) -> tuple[float, ...]:
-  return tuple(float(x) for x in text.split(",") if x.strip())
-
-
-def _ints(text: str) -> tuple[int, ...]:
-  return tuple(int(x) for x in text.split(",") if x.strip())
-
-
 def _names(text: str) -> tuple[str, ...]:
   names = tuple(x.strip() for x in text.split(",") if x.strip())
   unknown = [n for n in names if n not in RAMPS]
@@ -318,18 +307,24 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   )
   p.add_argument("--workdir", default=None, help="keep every run's workdir under this folder")
   p.add_argument("--text-file", default=None, help="train on this text, not tinyshakespeare")
-  p.add_argument("--seeds", type=_ints, default=None, help="paired seeds (the first tunes)")
+  p.add_argument(
+    "--seeds", type=common.integers, default=None, help="paired seeds (the first tunes)"
+  )
   p.add_argument("--seq-length", type=int, default=None, help="tokens each example predicts")
   p.add_argument("--hidden", type=int, default=None, help="the transformer's width")
   p.add_argument("--budget-windows", type=int, default=None, help="the token budget, in windows")
   p.add_argument("--eval-windows", type=int, default=None, help="validation windows")
   p.add_argument("--evals", type=int, default=None, help="validation evaluations per run")
-  p.add_argument("--fixed", type=_ints, default=None, help="constant batch sizes to start from")
-  p.add_argument("--lr-multipliers", type=_floats, default=None, help="of the sqrt-rule lr")
+  p.add_argument(
+    "--fixed", type=common.integers, default=None, help="constant batch sizes to start from"
+  )
+  p.add_argument("--lr-multipliers", type=common.floats, default=None, help="of the sqrt-rule lr")
   p.add_argument("--max-widen", type=int, default=None, help="lr grid widenings per side")
   p.add_argument("--max-size-widen", type=int, default=None, help="sizes added past an edge")
-  p.add_argument("--targets", type=_floats, default=None, help="SimiGrad's similarity targets")
-  p.add_argument("--gns", type=_floats, default=None, help="multiples of the noise scale")
+  p.add_argument(
+    "--targets", type=common.floats, default=None, help="SimiGrad's similarity targets"
+  )
+  p.add_argument("--gns", type=common.floats, default=None, help="multiples of the noise scale")
   p.add_argument("--ramps", type=_names, default=None, help=f"some of {','.join(RAMPS)}")
   p.add_argument("--token-allowance", type=float, default=1.1, help="adaptive runs' tokens")
   p.add_argument(
@@ -543,12 +538,6 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
       print(report.markdown(json.load(f)))
     return {}
   keep = args.workdir is not None
-  root = (
-    pathlib.Path(args.workdir).absolute()
-    if keep
-    else pathlib.Path(tempfile.mkdtemp(prefix="simigrad-pareto-lm-"))
-  )
-  root.mkdir(parents=True, exist_ok=True)
   started = time.perf_counter()
   store = RunStore(args.out + ".runs.jsonl" if args.out else None, _experiment_key(args))
   if store.resumed:
@@ -557,10 +546,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     with open(args.out, encoding="utf-8") as f:
       taken = store.read_back(json.load(f), args.out)
     print(f"extending: {taken} runs read back from {args.out}", flush=True)
-  with contextlib.ExitStack() as cleanup:
-    if not keep:
-      cleanup.callback(shutil.rmtree, root, ignore_errors=True)
-    cleanup.enter_context(persistent_cache_settings())
+  with comparison_folder(args.workdir, prefix="simigrad-pareto-lm-") as root:
     exp = LmExperiment(
       hidden=args.hidden,
       seq_length=args.seq_length,

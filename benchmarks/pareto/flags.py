@@ -6,19 +6,12 @@ import argparse
 import json
 from collections.abc import Sequence
 
+from benchmarks import common
 from benchmarks.pareto import images
 from benchmarks.pareto import mlm
 from benchmarks.pareto.protocol import LR_SCHEDULES
 from benchmarks.pareto.protocol import SIMIGRAD_GRID_KEYS
 from simigrad_jax.controllers import LR_RULES
-
-
-def _floats(text: str) -> tuple[float, ...]:
-  return tuple(float(x) for x in text.split(",") if x.strip())
-
-
-def _ints(text: str) -> tuple[int, ...]:
-  return tuple(int(x) for x in text.split(",") if x.strip())
 
 
 def _option_sets(text: str) -> tuple[dict[str, float], ...]:
@@ -78,7 +71,7 @@ def parse_args(argv: Sequence[str] | None, description: str = "") -> argparse.Na
     "--dataset", choices=images.DATASETS, default=None, help="the image task's data set"
   )
   parser.add_argument("--epochs", type=float, default=None)
-  parser.add_argument("--seeds", type=_ints, default=None, help="e.g. 0,1,2")
+  parser.add_argument("--seeds", type=common.integers, default=None, help="e.g. 0,1,2")
   parser.add_argument("--hidden", type=int, default=None, help="the model's hidden width")
   parser.add_argument(
     "--train-windows", type=int, default=None, help="mlm: how many text windows to train on"
@@ -86,14 +79,18 @@ def parse_args(argv: Sequence[str] | None, description: str = "") -> argparse.Na
   parser.add_argument(
     "--eval-examples", type=int, default=None, help="mlm: windows in each of validation and test"
   )
-  parser.add_argument("--fixed", type=_ints, default=None, help="fixed batch sizes, e.g. 16,64,256")
+  parser.add_argument(
+    "--fixed", type=common.integers, default=None, help="fixed batch sizes, e.g. 16,64,256"
+  )
   parser.add_argument(
     "--lr-multipliers",
-    type=_floats,
+    type=common.floats,
     default=None,
     help="the per-batch-size learning-rate grid around the sqrt-scaled base",
   )
-  parser.add_argument("--targets", type=_floats, default=None, help="SimiGrad similarity targets")
+  parser.add_argument(
+    "--targets", type=common.floats, default=None, help="SimiGrad similarity targets"
+  )
   parser.add_argument(
     "--bounds",
     type=_bounds,
@@ -108,7 +105,7 @@ def parse_args(argv: Sequence[str] | None, description: str = "") -> argparse.Na
     'variant each, e.g. \'[{}, {"smooth_factor": 0.5}, {"dead_band": 0.1}]\' '
     '(default: [{}]); {"one_step_late": 1} wraps the controller in OneStepLateController',
   )
-  parser.add_argument("--gns", type=_floats, default=None, help="noise-scale multiples")
+  parser.add_argument("--gns", type=common.floats, default=None, help="noise-scale multiples")
   parser.add_argument(
     "--schedules",
     default=None,
@@ -134,7 +131,7 @@ def parse_args(argv: Sequence[str] | None, description: str = "") -> argparse.Na
   )
   parser.add_argument(
     "--adaptive-lr-multipliers",
-    type=_floats,
+    type=common.floats,
     default=None,
     help="learning-rate multipliers (of the sqrt-scaled base at B_0) for the "
     "adaptive runs; quick default: the one selected for the fixed batch B_0; "

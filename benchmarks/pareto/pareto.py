@@ -112,12 +112,8 @@ if __name__ == "__main__":
   common.prepare_script()
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
-import contextlib  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
-import pathlib  # noqa: E402
-import shutil  # noqa: E402
-import tempfile  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Sequence  # noqa: E402
 from typing import Any  # noqa: E402
@@ -135,12 +131,12 @@ from benchmarks.pareto.protocol import RunCache  # noqa: E402
 from benchmarks.pareto.protocol import adaptive_specs
 from benchmarks.pareto.protocol import base_lr_for
 from benchmarks.pareto.protocol import compact
+from benchmarks.pareto.protocol import comparison_folder
 from benchmarks.pareto.protocol import fixed_specs
 from benchmarks.pareto.report import format_table  # noqa: E402
 from benchmarks.pareto.report import lr_text  # noqa: E402
 from benchmarks.pareto.report import markdown_tables  # noqa: E402
 from benchmarks.pareto.report import plot  # noqa: E402
-from simigrad_jax.compile import persistent_cache_settings  # noqa: E402
 
 
 def result_name(task: str, dataset: str, quick: bool) -> str:
@@ -179,20 +175,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   grid = args.grid
   task = flags.TASKS[args.task]
   keep = args.workdir is not None
-  root = (
-    pathlib.Path(args.workdir).absolute()
-    if keep
-    else pathlib.Path(tempfile.mkdtemp(prefix="simigrad-pareto-"))
-  )
-  root.mkdir(parents=True, exist_ok=True)
   started = time.perf_counter()
   runs: list[dict[str, Any]] = []
   profile = None
-  with contextlib.ExitStack() as cleanup:
-    if not keep:
-      cleanup.callback(shutil.rmtree, root, ignore_errors=True)
-    # The trainers point JAX's process-wide cache into root; put the settings back before it goes.
-    cleanup.enter_context(persistent_cache_settings())
+  with comparison_folder(args.workdir, prefix="simigrad-pareto-") as root:
     exp = task.setup(grid, lr_schedule=args.lr_schedule, root=root, keep_workdirs=keep)
     info = exp.info()
     if args.base_lr is None:

@@ -9,6 +9,7 @@ returns the run's JSON record.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
@@ -16,7 +17,7 @@ import pathlib
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -25,6 +26,7 @@ import numpy as np
 import simigrad_jax
 from benchmarks import common
 from benchmarks.pareto.analysis import SIMIGRAD_GRID_KEYS
+from simigrad_jax.compile import persistent_cache_settings
 from simigrad_jax.controllers import OneStepLateController
 
 # A run option that is no controller option: 1 wraps the controller in OneStepLateController.
@@ -139,6 +141,31 @@ def run_controller(spec: RunSpec) -> simigrad_jax.controllers.BatchSizeControlle
   one_step_late = options.pop(ONE_STEP_LATE, 0)
   controller = simigrad_jax.make_controller(spec.controller, **options)
   return OneStepLateController(controller) if one_step_late else controller
+
+
+@contextlib.contextmanager
+def comparison_folder(workdir: str | None, prefix: str) -> Iterator[pathlib.Path]:
+  """The folder a comparison's runs work in, and JAX's compilation-cache settings put back after.
+
+  The runs' trainers point JAX's process-wide persistent cache into the
+  folder; on leaving, its settings are restored before the folder goes.
+
+  Args:
+    workdir: ``--workdir``: a folder that keeps every run's workdir (made if
+      absent, kept afterwards); None for a temporary folder, removed on leaving.
+    prefix: the temporary folder's name prefix.
+
+  Yields:
+    The folder, as an absolute path.
+  """
+  keep = workdir is not None
+  root = pathlib.Path(workdir).absolute() if keep else pathlib.Path(tempfile.mkdtemp(prefix=prefix))
+  root.mkdir(parents=True, exist_ok=True)
+  with contextlib.ExitStack() as cleanup:
+    if not keep:
+      cleanup.callback(shutil.rmtree, root, ignore_errors=True)
+    cleanup.enter_context(persistent_cache_settings())
+    yield root
 
 
 def train_run(exp: Any, spec: RunSpec) -> dict[str, Any]:

@@ -261,10 +261,6 @@ def _format_table(results: dict[str, Any]) -> str:
   return "\n".join(rows)
 
 
-def _ints(text: str) -> tuple[int, ...]:
-  return tuple(int(part) for part in text.split(",") if part.strip())
-
-
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument(
@@ -272,7 +268,7 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   )
   parser.add_argument(
     "--batch-sizes",
-    type=_ints,
+    type=common.integers,
     default=None,
     help=f"comma-separated even batch sizes (default {FULL['batch_sizes']})",
   )
@@ -281,7 +277,7 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   )
   parser.add_argument(
     "--stages",
-    type=_ints,
+    type=common.integers,
     default=None,
     help=f"blocks per stage (default {FULL['stages']}: ResNet-18)",
   )

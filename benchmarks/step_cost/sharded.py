@@ -305,11 +305,6 @@ def _format_table(results: dict[str, Any]) -> str:
   return "\n".join(rows)
 
 
-def integers(text: str) -> tuple[int, ...]:
-  """A comma-separated list of integers (an ``argparse`` type)."""
-  return tuple(int(part) for part in text.split(",") if part.strip())
-
-
 def names_among(choices: Sequence[str]):
   """An ``argparse`` type: a comma-separated list of names among ``choices``."""
 
@@ -354,7 +349,7 @@ def add_model_arguments(parser: argparse.ArgumentParser, quick: dict, full: dict
   )
   parser.add_argument(
     "--mlp-widths",
-    type=integers,
+    type=common.integers,
     default=None,
     help=f"the MLP's widths (default {full['mlp_widths']})",
   )

@@ -118,7 +118,7 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   sharded_benchmark.add_model_arguments(parser, QUICK, FULL)
   parser.add_argument(
     "--batch-sizes",
-    type=sharded_benchmark.integers,
+    type=common.integers,
     default=None,
     help=f"comma-separated examples per step (default {FULL['batch_sizes']}); each of the "
     "data axis's devices needs an even number",
