@@ -52,6 +52,16 @@ def apply_preset(args, preset: dict, keys=None) -> None:
       setattr(args, name, preset[key])
 
 
+def integers(text: str) -> tuple[int, ...]:
+  """A comma-separated list of integers, as an ``argparse`` type: ``"16,64"`` is ``(16, 64)``."""
+  return tuple(int(part) for part in text.split(",") if part.strip())
+
+
+def floats(text: str) -> tuple[float, ...]:
+  """A comma-separated list of numbers, as an ``argparse`` type: ``"0.1,0.3"`` is ``(0.1, 0.3)``."""
+  return tuple(float(part) for part in text.split(",") if part.strip())
+
+
 def device_record() -> dict:
   """The first JAX device's platform and kind, the devices visible and the host's CPUs."""
   import jax  # pylint: disable=import-outside-toplevel

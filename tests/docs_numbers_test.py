@@ -14,9 +14,9 @@ import pathlib
 
 import pytest
 
-from benchmarks import halves_steps
-from benchmarks import pareto_lm_report
-from benchmarks import pareto_report
+from benchmarks.lm import report as pareto_lm_report
+from benchmarks.pareto import report as pareto_report
+from benchmarks.step_cost import halves_steps
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -421,13 +421,19 @@ def test_the_one_step_late_table_is_the_json():
 @pytest.mark.parametrize(
   "page, name, render, script, what",
   [
-    ("results.md", "pareto_mnist", pareto_report.markdown_tables, "pareto.py", "tables"),
-    ("results.md", "pareto_mlm", pareto_report.markdown_tables, "pareto.py", "tables"),
-    ("results.md", "pareto_lm_issue23", pareto_lm_report.markdown, "pareto_lm.py", "table"),
-    ("results.md", "pareto_lm", pareto_lm_report.markdown, "pareto_lm.py", "table"),
-    ("results.md", "pareto_lm_long", pareto_lm_report.markdown, "pareto_lm.py", "table"),
-    ("own_step.md", "halves", halves_steps.markdown_table, "halves_steps.py", "table"),
-    ("own_step.md", "halves_h200", halves_steps.markdown_table, "halves_steps.py", "table"),
+    ("results.md", "pareto_mnist", pareto_report.markdown_tables, "pareto/pareto.py", "tables"),
+    ("results.md", "pareto_mlm", pareto_report.markdown_tables, "pareto/pareto.py", "tables"),
+    ("results.md", "pareto_lm_issue23", pareto_lm_report.markdown, "lm/pareto_lm.py", "table"),
+    ("results.md", "pareto_lm", pareto_lm_report.markdown, "lm/pareto_lm.py", "table"),
+    ("results.md", "pareto_lm_long", pareto_lm_report.markdown, "lm/pareto_lm.py", "table"),
+    ("own_step.md", "halves", halves_steps.markdown_table, "step_cost/halves_steps.py", "table"),
+    (
+      "own_step.md",
+      "halves_h200",
+      halves_steps.markdown_table,
+      "step_cost/halves_steps.py",
+      "table",
+    ),
   ],
 )
 def test_the_generated_tables_are_the_json(page, name, render, script, what):
@@ -445,9 +451,7 @@ def test_the_generated_tables_are_the_json(page, name, render, script, what):
 def test_the_budgets_table_is_the_json():
   text = _page("results.md")
   paths = "benchmarks/results/pareto_lm.json benchmarks/results/pareto_lm_long.json"
-  start = (
-    f"<!-- pareto_lm budgets table: python benchmarks/pareto_lm.py --compare-budgets {paths} -->\n"
-  )
+  start = f"<!-- pareto_lm budgets table: python benchmarks/lm/pareto_lm.py --compare-budgets {paths} -->\n"
   end = "\n<!-- end pareto_lm budgets table -->"
   assert start in text and end in text, "docs/results.md lost the markers of the budgets table"
   block = text[text.index(start) + len(start) : text.index(end)]

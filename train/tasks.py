@@ -95,7 +95,7 @@ def mlm_fns(
 ) -> tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any]]:
   """BERT's masked-LM ``(loss_fn, predict, eval_step)``; ``eval_step`` sums correct, loss, masked.
 
-  Used by :func:`train.train.create_experiment` and by ``benchmarks/pareto_mlm.py``.
+  Used by :func:`train.train.create_experiment` and by ``benchmarks/pareto/mlm.py``.
   """
   mask_args = dict(
     mask_rate=config.mask_rate,

@@ -11,7 +11,7 @@ From the command line::
 It reads a comparison's settings (a Pareto JSON) or runs' ``metrics.jsonl``
 (:mod:`simigrad_jax.cluster_time.runs`), builds the step-time model of the
 model they trained from the calibration (``docs/cluster_time.json``, which
-``benchmarks/cluster_time.py`` writes: the gradient's bytes and FLOPs, the
+``benchmarks/cluster/cluster_time.py`` writes: the gradient's bytes and FLOPs, the
 host path and one measured device's curve) and prints the fastest time to
 the target of each family (constant batches, ramps, SimiGrad, other
 adaptive controllers) at each device count and link, with the crossover
@@ -86,7 +86,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     "--calibration",
     type=pathlib.Path,
     default=pathlib.Path("docs/cluster_time.json"),
-    help="the step-time calibration benchmarks/cluster_time.py wrote (default: %(default)s)",
+    help="the step-time calibration benchmarks/cluster/cluster_time.py wrote (default: %(default)s)",
   )
   parser.add_argument("--model", default=None, help="the calibrated model (default: the task's)")
   parser.add_argument(
@@ -112,7 +112,7 @@ def main(argv: Sequence[str] | None = None) -> int:
       calibration = json.loads(args.calibration.read_text())
     except (OSError, json.JSONDecodeError) as e:
       raise ValueError(
-        f"cannot read the calibration {args.calibration} ({e}): run benchmarks/cluster_time.py "
+        f"cannot read the calibration {args.calibration} ({e}): run benchmarks/cluster/cluster_time.py "
         "or give --calibration"
       ) from None
     model = step_model(calibration, _model_name(args), args.device)

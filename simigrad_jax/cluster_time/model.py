@@ -308,7 +308,7 @@ def step_model(calibration: dict[str, Any], name: str, device: str) -> StepTimeM
   """The step-time model of calibration model ``name`` on ``device`` (``measured`` or a preset).
 
   Args:
-    calibration: ``benchmarks/cluster_time.py``'s JSON (its ``models``).
+    calibration: ``benchmarks/cluster/cluster_time.py``'s JSON (its ``models``).
     name: the model in it (``"lm"``, ``"mnist"``).
     device: ``"measured"`` (the sweep's device curve) or a key of :data:`DEVICES`.
 

@@ -4,7 +4,7 @@ A trajectory is a list of ``(steps, batch_size)`` segments: the steps a run
 took at each batch size until it reached the target. A setting
 (:class:`Setting`) holds the trajectories of its seeds that reached it.
 
-* A Pareto JSON of the image task (``benchmarks/pareto.py``,
+* A Pareto JSON of the image task (``benchmarks/pareto/pareto.py``,
   ``pareto_mnist.json``): every run trains the same epochs; of the settings
   the comparison reports (``groups`` marked ``selected``: each one's
   learning rate chosen by validation accuracy), one reaches the target when

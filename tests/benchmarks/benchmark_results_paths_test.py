@@ -8,13 +8,13 @@ import re
 import pytest
 
 from benchmarks import common
-from benchmarks import pareto
+from benchmarks.pareto import pareto
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results"
-SCRIPTS = sorted(
-  path.stem
-  for path in (ROOT / "benchmarks").glob("*.py")
+SCRIPTS = sorted(  # ROOM/NAME, each script's path in benchmarks/ without ".py"
+  path.relative_to(ROOT / "benchmarks").with_suffix("").as_posix()
+  for path in (ROOT / "benchmarks").rglob("*.py")
   if re.search(r"^def main\(", path.read_text(), re.M)
 )
 
@@ -57,20 +57,20 @@ def test_the_pareto_runs_the_docs_show_write_the_committed_files(task, dataset, 
 @pytest.mark.parametrize(
   "name, argv, result",
   [
-    ("halves", ["--quick"], "halves_resnet_quick"),
-    ("halves_steps", ["--quick"], "halves_quick"),
-    ("halves_steps", [], "halves"),
-    ("overhead", ["--quick"], "overhead_quick"),
-    ("overhead_adaptive", ["--quick"], "overhead_adaptive_quick"),
-    ("reduction", [], "reduction"),
-    ("sharded", ["--quick"], "sharded_quick"),
-    ("sharded_memory", ["--quick"], "sharded_memory_quick"),
-    ("switching", ["--quick"], "switching_quick"),
-    ("pareto_lm", ["--quick"], "pareto_lm_quick"),
+    ("step_cost/halves", ["--quick"], "halves_resnet_quick"),
+    ("step_cost/halves_steps", ["--quick"], "halves_quick"),
+    ("step_cost/halves_steps", [], "halves"),
+    ("trainer_overhead/overhead", ["--quick"], "overhead_quick"),
+    ("trainer_overhead/overhead_adaptive", ["--quick"], "overhead_adaptive_quick"),
+    ("step_cost/reduction", [], "reduction"),
+    ("step_cost/sharded", ["--quick"], "sharded_quick"),
+    ("step_cost/sharded_memory", ["--quick"], "sharded_memory_quick"),
+    ("trainer_overhead/switching", ["--quick"], "switching_quick"),
+    ("lm/pareto_lm", ["--quick"], "pareto_lm_quick"),
   ],
 )
 def test_each_benchmark_writes_its_json_to_benchmarks_results_by_default(name, argv, result):
-  module = importlib.import_module(f"benchmarks.{name}")
+  module = importlib.import_module(f"benchmarks.{name.replace('/', '.')}")
   args = module._parse_args(argv)  # pylint: disable=protected-access
   assert args.out == str(RESULTS / f"{result}.json")
   assert module._parse_args([*argv, "--out", "/tmp/x.json"]).out == "/tmp/x.json"  # pylint: disable=protected-access
@@ -79,7 +79,9 @@ def test_each_benchmark_writes_its_json_to_benchmarks_results_by_default(name, a
 @pytest.mark.parametrize("name", SCRIPTS)
 def test_every_script_takes_its_out_flag_and_path_from_common(name):
   source = (ROOT / "benchmarks" / f"{name}.py").read_text()
-  flags = (ROOT / "benchmarks" / "pareto_flags.py").read_text() if name == "pareto" else source
+  flags = (
+    (ROOT / "benchmarks" / "pareto" / "flags.py").read_text() if name == "pareto/pareto" else source
+  )
   assert '"--out"' not in source, f"{name}.py adds --out itself; use common.add_out_flag"
   assert "common.add_out_flag(" in flags or '"--out"' in flags, name
   assert "common.out_path(" in source, f"{name}.py does not resolve --out with common.out_path"

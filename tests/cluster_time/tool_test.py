@@ -165,4 +165,4 @@ def test_a_file_without_trajectories_is_one_line_that_names_the_fix(files, tmp_p
   assert "holds no runs with batch-size trajectories: give a Pareto comparison's JSON" in error
   with pytest.raises(SystemExit):
     main([str(files[0]), "--calibration", str(tmp_path / "missing.json")])
-  assert "run benchmarks/cluster_time.py or give --calibration" in capsys.readouterr().err
+  assert "run benchmarks/cluster/cluster_time.py or give --calibration" in capsys.readouterr().err

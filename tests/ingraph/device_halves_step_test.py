@@ -13,8 +13,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import simigrad_jax
-from benchmarks import hlo_collectives
-from benchmarks import sharded_models
+from benchmarks.step_cost import hlo_collectives
+from benchmarks.step_cost import sharded_models
 from simigrad_jax.ingraph import device_halves_step as device_halves_step_module
 from simigrad_jax.reductions import data_blocks
 

@@ -17,7 +17,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import simigrad_jax
-from benchmarks import hlo_collectives
+from benchmarks.step_cost import hlo_collectives
 from simigrad_jax.ingraph import train_step
 from simigrad_jax.ingraph import transform as transform_module
 from simigrad_jax.ingraph.transform import StackedGrads

@@ -12,7 +12,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import simigrad_jax
-from benchmarks import hlo_collectives
+from benchmarks.step_cost import hlo_collectives
 
 # Leaf shapes of every rank, and for the sharded test the spec of each on a 4 x 2 mesh.
 SHARDED_LEAVES = {

@@ -167,7 +167,7 @@ def test_local_halves_match_numpy(num_devices, mapper, reduction, mixed_dtypes, 
 @pytest.mark.parametrize("mapper", ["pmap"])
 def test_local_halves_on_one_device_are_not_reduced(mapper):
   """An axis of one device under pmap: the halves are the step's own, so no collective runs (the buckets of
-  the reduction would copy both gradients: benchmarks/halves_steps.py's pmap step on one device
+  the reduction would copy both gradients: benchmarks/step_cost/halves_steps.py's pmap step on one device
   held 2.25x the plain pmap step's temporary memory, 2.05x without them)."""
   rng = np.random.default_rng(3)
   first, second = random_grads(rng, 1, False), random_grads(rng, 1, False)

@@ -21,7 +21,7 @@ grain worker processes (default: the cores minus one).
 Hardware: 8 GPUs with >= 40 GB each per host, or several hosts with
 ``--distributed`` (the workdir on a shared file system). Runtime: expected
 about 1-2 days for 90 epochs on one 8-GPU host; one core decodes about 600
-images/s (``benchmarks/input.py``), so a host needs about 35-45 cores to feed
+images/s (``benchmarks/trainer_overhead/input.py``), so a host needs about 35-45 cores to feed
 the 8 GPUs' estimated 20,000 images/s. Not measured here.
 """
 
