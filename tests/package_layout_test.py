@@ -448,8 +448,9 @@ def test_every_error_derives_from_simigrad_error_and_is_exported_by_its_room():
   assert doctest.testmod(simigrad_jax.errors).failed == 0
 
 
-def _resolves(spelled: str) -> bool:
-  """Whether ``a.b.c`` names something that exists, none of its parts private."""
+def resolves(spelled: str) -> bool:
+  """Whether ``a.b.c`` names something that exists (a module, or an attribute of the longest
+  module that imports), none of its parts private."""
   parts = spelled.split(".")
   if any(part.startswith("_") and not part.startswith("__") for part in parts):
     return False
@@ -471,7 +472,7 @@ def _spelling_errors(source: str, label: str) -> list[str]:
   wrong: list[tuple[int, str]] = []
 
   def check(line: int, spelled: str) -> None:
-    if not _resolves(spelled):
+    if not resolves(spelled):
       wrong.append((line, f"{label}:{line}: {spelled}"))
 
   for node in ast.walk(ast.parse(source)):
