@@ -44,6 +44,7 @@ from simigrad_jax.errors import SimiGradError
 
 __all__ = [
   "CompileAbandoned",
+  "MicroBatchSizes",
   "StepCompileError",
   "StepCompiler",
 ]
@@ -146,6 +147,33 @@ def _compile(lowered: jax.stages.Lowered) -> tuple[jax.stages.Compiled, bool]:
   return compiled, hits[0] > 0
 
 
+class MicroBatchSizes:
+  """How a :class:`StepCompiler` names its variants: by micro-batch size, all compiled in one
+  background thread.
+
+  A compiler of other variants is given another object with these three
+  methods (:class:`~simigrad_jax.compile.program_compiler.ProgramShapes`
+  names a training step's programs).
+  """
+
+  def check(self, key: Any) -> Hashable:
+    """The variant ``key`` names, checked: a micro-batch size, an int ``>= 1``.
+
+    Raises:
+      ValueError: when it names none.
+    """
+    return validation.check_int("micro_batch_size", key)
+
+  def describe(self, key: Any) -> str:
+    """The variant ``key`` in words, for errors."""
+    return f"the step for micro_batch_size={key}"
+
+  def lane(self, key: Any) -> str:
+    """The background thread that compiles ``key`` (its name's middle part; "": the one)."""
+    del key
+    return ""
+
+
 class _Queue:
   """The variants a :class:`StepCompiler` was asked for: each one's job, and the order of those
   not started yet, in each lane (a lane's variants compile one after the other, in its own
@@ -153,10 +181,10 @@ class _Queue:
 
   __slots__ = ("jobs", "waiting", "_lane", "_describe")
 
-  def __init__(self, lane: Callable[[Any], str], describe: Callable[[Any], str]):
+  def __init__(self, keys: MicroBatchSizes):
     self.jobs: dict[Hashable, _Job] = {}  # every variant asked for, in any state
     self.waiting: dict[str, collections.deque[Hashable]] = {}  # not started, in order, by lane
-    self._lane, self._describe = lane, describe
+    self._lane, self._describe = keys.lane, keys.describe
 
   def add(self, keys: list[Hashable], first: bool) -> None:
     """Queues the variants not asked for before, after those waiting in their lane; with
@@ -283,6 +311,10 @@ class StepCompiler:
       ``False`` makes :meth:`prefetch` a no-op, so every compile happens on
       demand in :meth:`get` (handy for debugging and for one-shape runs).
     name: a label for thread names and error messages.
+    keys: what names a variant (:class:`MicroBatchSizes`, the default): the
+      compiler of a training step's programs names them by program and
+      shape, each program's compiled in a background thread of its own
+      (:class:`~simigrad_jax.compile.program_compiler.StepProgramCompiler`).
 
   Example:
     >>> import jax, jax.numpy as jnp
@@ -312,17 +344,15 @@ class StepCompiler:
     whether to give up (:class:`CompileAbandoned`): a compile of a step the
     run no longer needs is never awaited.
 
-  .. note::
-    A subclass may key the variants otherwise (by overriding
-    :meth:`_check_key`, :meth:`_describe` and :meth:`_lane`): the compiler
-    of a training step's programs
-    (:class:`~simigrad_jax.compile.program_compiler.StepProgramCompiler`)
-    keys them by program and shape, and compiles each program's in a
-    background thread of its own (a *lane*).
   """
 
   def __init__(
-    self, lower: Callable[[Any], jax.stages.Lowered], *, background: bool = True, name: str = "step"
+    self,
+    lower: Callable[[Any], jax.stages.Lowered],
+    *,
+    background: bool = True,
+    name: str = "step",
+    keys: MicroBatchSizes | None = None,
   ):
     if not callable(lower):
       raise ValueError(
@@ -334,7 +364,8 @@ class StepCompiler:
     self._background = validation.check_bool("background", background)
     self._name = name
     self._lock = threading.Lock()
-    self._queue = _Queue(self._lane, self._describe)
+    self._keys = MicroBatchSizes() if keys is None else keys
+    self._queue = _Queue(self._keys)
     self._workers: dict[str, threading.Thread] = {}  # by lane, while it has work
     self._closed = False
     self._tally = _Tally()
@@ -373,11 +404,7 @@ class StepCompiler:
         ``>= 1`` (nothing is scheduled then).
       RuntimeError: if the compiler is closed.
     """
-    if isinstance(micro_batch_sizes, (str, bytes)) or not isinstance(micro_batch_sizes, Iterable):
-      raise ValueError(
-        f"micro_batch_sizes must be an iterable of ints >= 1, got {micro_batch_sizes!r}"
-      )
-    keys = [self._check_key(key) for key in micro_batch_sizes]
+    keys = _check_sizes(micro_batch_sizes, self._keys)
     with self._lock:
       if self._closed:
         raise RuntimeError(f"StepCompiler {self._name!r} is closed: prefetch is not allowed")
@@ -387,7 +414,7 @@ class StepCompiler:
       for lane in self._queue.lanes_waiting():
         if lane not in self._workers:
           worker = self._workers[lane] = threading.Thread(
-            target=self._work, args=(lane,), name=f"{lane}-compiler", daemon=True
+            target=self._work, args=(lane,), name=_thread_name(self._name, lane), daemon=True
           )
           worker.start()
 
@@ -413,7 +440,7 @@ class StepCompiler:
       CompileAbandoned: :attr:`interrupt` said to give up while this waited
         (the compile goes on unawaited; a later call waits for it again).
     """
-    key = self._check_key(micro_batch_size)
+    key = self._keys.check(micro_batch_size)
     with self._lock:
       job, compile_here = self._queue.claim(key)
       blocked = not job.done.is_set()
@@ -424,7 +451,8 @@ class StepCompiler:
           self._run(job)
         else:
           if compile_here:  # in a thread of its own, so that this wait can be given up
-            _start_daemon(lambda: self._run(job), f"{self._lane(key)}-compile")
+            lane = self._keys.lane(key)
+            _start_daemon(lambda: self._run(job), _thread_name(self._name, lane, "compile"))
           _wait(job.done, self.interrupt, f"{job.what} ({self._name})")
       finally:
         with self._lock:
@@ -477,23 +505,6 @@ class StepCompiler:
   def __exit__(self, *exc_info: object) -> None:
     self.close()
 
-  def _check_key(self, micro_batch_size: Any) -> Hashable:
-    """The variant ``micro_batch_size`` names, checked: a micro-batch size, an int ``>= 1``.
-
-    Raises:
-      ValueError: when it names none.
-    """
-    return validation.check_int("micro_batch_size", micro_batch_size)
-
-  def _describe(self, key: Any) -> str:
-    """The variant ``key`` in words, for errors."""
-    return f"the step for micro_batch_size={key}"
-
-  def _lane(self, key: Any) -> str:
-    """The background thread that compiles ``key`` (one lane: this compiler's name)."""
-    del key
-    return self._name
-
   def _work(self, lane: str) -> None:
     """A lane's worker loop: compiles its queued variants in order; exits when none are left."""
     while True:
@@ -519,3 +530,18 @@ class StepCompiler:
       with self._lock:
         self._tally.count(elapsed, compiled=job.error is None, cache_hit=job.cache_hit)
       job.done.set()
+
+
+def _check_sizes(micro_batch_sizes: Any, keys: MicroBatchSizes) -> list[Hashable]:
+  """Returns the variants ``micro_batch_sizes`` names, checked by ``keys``, or raises
+  ValueError."""
+  if isinstance(micro_batch_sizes, (str, bytes)) or not isinstance(micro_batch_sizes, Iterable):
+    raise ValueError(
+      f"micro_batch_sizes must be an iterable of ints >= 1, got {micro_batch_sizes!r}"
+    )
+  return [keys.check(key) for key in micro_batch_sizes]
+
+
+def _thread_name(compiler: str, lane: str, role: str = "compiler") -> str:
+  """The name of a compiler's thread: ``<compiler>-<lane>-<role>``, without an empty lane."""
+  return "-".join(part for part in (compiler, lane, role) if part)

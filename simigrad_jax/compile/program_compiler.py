@@ -20,6 +20,7 @@ from typing import Any
 import jax
 
 from simigrad_jax import validation
+from simigrad_jax.compile.compiler import MicroBatchSizes
 from simigrad_jax.compile.compiler import StepCompiler
 from simigrad_jax.compile.exit_wait import abandon_at_exit
 from simigrad_jax.compile.step_functions import APPLY
@@ -29,6 +30,42 @@ from simigrad_jax.compile.step_functions import StepFunctions
 from simigrad_jax.compile.step_functions import programs_of
 from simigrad_jax.shapes import batch_plan
 from simigrad_jax.shapes.layout import StepLayout
+
+
+class ProgramShapes(MicroBatchSizes):
+  """How the compiler of a step's programs names them: by program and shape
+  (:class:`~simigrad_jax.compile.step_functions.ProgramShape`), each program in a background
+  thread of its own."""
+
+  def check(self, key: Any) -> ProgramShape:
+    """``key`` as a :class:`~simigrad_jax.compile.step_functions.ProgramShape`: a program and
+    its shape (an int ``>= 1``; 0 for the update).
+
+    Raises:
+      ValueError: when it names none.
+    """
+    try:
+      program, micro = key
+      program = Program(program)
+    except (TypeError, ValueError):
+      raise ValueError(
+        f"a step's program must be a (program, micro_batch_size) pair, got {key!r}"
+      ) from None
+    if program is Program.APPLY:
+      if micro != APPLY.micro:
+        raise ValueError(f"the update has one shape, {APPLY.micro}: got {micro!r}")
+      return APPLY
+    return ProgramShape(program, validation.check_int("micro_batch_size", micro))
+
+  def describe(self, key: ProgramShape) -> str:
+    """The program ``key`` in words, for errors."""
+    if key.program is Program.APPLY:
+      return "the apply program (the update of accumulated micro-steps)"
+    return f"the {key.program.value} program for micro_batch_size={key.micro}"
+
+  def lane(self, key: ProgramShape) -> str:
+    """The program's own background thread."""
+    return key.program.value
 
 
 class StepProgramCompiler(StepCompiler):
@@ -52,7 +89,7 @@ class StepProgramCompiler(StepCompiler):
   """
 
   def __init__(self, functions: StepFunctions, layout: StepLayout, *, background: bool):
-    super().__init__(functions.lower, background=background, name="step")
+    super().__init__(functions.lower, background=background, name="step", keys=ProgramShapes())
     self._layout = layout
 
   def view(self) -> dict[str, Any]:
@@ -147,30 +184,6 @@ class StepProgramCompiler(StepCompiler):
     if previous is not None and previous():
       abandon_at_exit()
     self.interrupt = interrupt
-
-  def _check_key(self, key: Any) -> ProgramShape:
-    """``key`` as a :class:`~simigrad_jax.compile.step_functions.ProgramShape`: a program and
-    its shape (an int ``>= 1``; 0 for the update)."""
-    try:
-      program, micro = key
-      program = Program(program)
-    except (TypeError, ValueError):
-      raise ValueError(
-        f"a step's program must be a (program, micro_batch_size) pair, got {key!r}"
-      ) from None
-    if program is Program.APPLY:
-      if micro != APPLY.micro:
-        raise ValueError(f"the update has one shape, {APPLY.micro}: got {micro!r}")
-      return APPLY
-    return ProgramShape(program, validation.check_int("micro_batch_size", micro))
-
-  def _describe(self, key: ProgramShape) -> str:
-    if key.program is Program.APPLY:
-      return "the apply program (the update of accumulated micro-steps)"
-    return f"the {key.program.value} program for micro_batch_size={key.micro}"
-
-  def _lane(self, key: ProgramShape) -> str:
-    return f"{self.name}-{key.program.value}"
 
   def _device_rows(self, shapes: set[int]) -> list[int]:
     return [self._layout.device_rows(shape) for shape in sorted(shapes)]

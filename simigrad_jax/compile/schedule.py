@@ -168,7 +168,8 @@ class ScheduledFallback:
   (:class:`CompileSchedule`) has admitted its programs, else the same batch
   on admitted ones; it waits for an admitted program whose real compile has
   not finished. The compiles are queued in the order the schedule admits
-  the programs, those the run is likely to need next first. The schedule's
+  the programs, those the run is likely to need next first (the update's
+  from the start: every run admits it with its first plan). The schedule's
   state is in the checkpoint's record (:meth:`compiled_programs`), so that a
   resumed run admits the same programs at the same steps as one never
   interrupted: the trajectory does not depend on the compiles' timing, nor
@@ -199,6 +200,7 @@ class ScheduledFallback:
     self._schedule = schedule
     self._layout = layout
     self._cache_dir = cache_dir
+    compiler.prefetch([APPLY])  # at once: the fallback may accumulate from the first step
 
   def start(self, batch_size: int, step: int) -> None:
     """Queues the programs the schedule admits (a new run's first plan and its fallback, a

@@ -130,7 +130,7 @@ def test_prefetch_first_moves_queued_sizes_ahead_in_the_order_given(mesh):
   gated = lambda size: (gate.wait(timeout=30), lower(size))[1]
   with StepCompiler(gated, name="toy") as compiler:
     compiler.prefetch([1, 2, 3])  # 1 starts (and waits at the gate); 2 and 3 queued
-    wait_until(lambda: list(compiler._queue.waiting["toy"]) == [2, 3])  # (its one lane)
+    wait_until(lambda: list(compiler._queue.waiting[""]) == [2, 3])  # (its one lane)
     compiler.prefetch([4, 3], first=True)  # 4 new, 3 moved ahead of 2
     compiler.prefetch([2, 5])  # 2 stays where it is; 5 last
     gate.set()
