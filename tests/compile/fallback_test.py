@@ -5,7 +5,7 @@ import doctest
 import math
 
 import pytest
-from recording_compilers import RecordingCompilers
+from recording_compilers import RecordingCompiler
 
 import simigrad_jax
 import tiny_run
@@ -52,7 +52,7 @@ def test_only_ready_programs_and_none_keeps_the_plan():
 
 
 def timed_fallback(compilers, *, cached, agreement):
-  """The timed fallback on ``compilers``, a :class:`RecordingCompilers` (its prefetcher's own
+  """The timed fallback on ``compilers``, a :class:`RecordingCompiler` (its prefetcher's own
   queueing is tested in prefetch_test)."""
   return TimedFallback(compilers, None, None, cached=cached, agreement=agreement)
 
@@ -103,7 +103,7 @@ def test_nearest_cached_picks_the_nearest_shape_the_cache_holds():
 
 
 def test_a_plan_still_compiling_runs_on_a_compiled_shape_and_its_own_is_queued():
-  compilers = RecordingCompilers(view(fused={16}))
+  compilers = RecordingCompiler(view(fused={16}))
   chooser = timed_fallback(compilers, cached=None, agreement=None)
   plan = plan_batch(100, 8, POLICY)  # 13 rows a device, one step
   assert chooser.ready_plan(plan, 0).micro_batch_size == 16
@@ -118,7 +118,7 @@ def test_a_plan_still_compiling_runs_on_a_compiled_shape_and_its_own_is_queued()
 
 
 def test_with_several_processes_only_the_agreed_view_counts():
-  compilers = RecordingCompilers(view(fused={13, 16}))
+  compilers = RecordingCompiler(view(fused={13, 16}))
   agreement = CompileAgreement(POLICY.micro_batch_sizes())
   chooser = timed_fallback(compilers, cached=None, agreement=agreement)
   plan = plan_batch(100, 8, POLICY)
@@ -131,13 +131,13 @@ def test_with_several_processes_only_the_agreed_view_counts():
 
 
 def test_the_first_step_waits_once_for_the_programs_the_fallback_holds_a_batch_on():
-  compilers = RecordingCompilers(view())
+  compilers = RecordingCompiler(view())
   chooser = timed_fallback(compilers, cached=None, agreement=None)
   chooser.await_fallback(13)
   chooser.await_fallback(16)  # once only
   assert (compilers.fused.got, compilers.micro.got, compilers.update.gets) == ([13], [13], 1)
   # With the cache's programs of an earlier process, the nearest of those: loads, not compiles.
-  compilers = RecordingCompilers(view())
+  compilers = RecordingCompiler(view())
   cached = {"fused": {16, 4}, "micro": {8}, "apply": True}
   timed_fallback(compilers, cached=cached, agreement=None).await_fallback(13)
   assert (compilers.fused.got, compilers.micro.got, compilers.update.gets) == ([16], [8], 1)

@@ -8,7 +8,7 @@ import threading
 import time
 
 import schedule_test
-from recording_compilers import RecordingCompilers
+from recording_compilers import RecordingCompiler
 
 from simigrad_jax.compile.policy import ExactPrograms
 from simigrad_jax.compile.schedule import CompileSchedule
@@ -59,7 +59,7 @@ def test_the_first_step_does_not_wait_for_the_fallbacks_micro_step_and_update(
 
 def policy_on(schedule):
   """A compile policy's choices alone (no compiles): on ``schedule``, or without the fallback."""
-  compiler = RecordingCompilers()
+  compiler = RecordingCompiler()
   if schedule is None:
     return ExactPrograms(compiler, None, None), compiler
   scheduled = ScheduledFallback(compiler, schedule, schedule_test.layout(), None)

@@ -65,26 +65,26 @@ def layout(halves):
 
 
 @pytest.fixture
-def compilers():
-  compilers = StepProgramCompiler(TinyFunctions(fail={8}), layout("local"), background=True)
-  yield compilers
-  compilers.close()
+def compiler():
+  compiler = StepProgramCompiler(TinyFunctions(fail={8}), layout("local"), background=True)
+  yield compiler
+  compiler.close()
 
 
-def test_the_view_holds_what_is_compiled_and_what_failed(compilers):
-  assert compilers.view() == {
+def test_the_view_holds_what_is_compiled_and_what_failed(compiler):
+  assert compiler.view() == {
     "fused": set(),
     "micro": set(),
     "apply": False,
     "failed_fused": set(),
     "failed_micro": set(),
   }
-  compilers.get(fused(2))
-  compilers.get(micro_step(4))
-  compilers.get(APPLY)
+  compiler.get(fused(2))
+  compiler.get(micro_step(4))
+  compiler.get(APPLY)
   with pytest.raises(Exception, match="injected"):
-    compilers.get(fused(8))
-  assert compilers.view() == {
+    compiler.get(fused(8))
+  assert compiler.view() == {
     "fused": {2},
     "micro": {4},
     "apply": True,
@@ -93,16 +93,16 @@ def test_the_view_holds_what_is_compiled_and_what_failed(compilers):
   }
 
 
-def test_the_totals_add_up_the_three_programs_in_rows_per_device(compilers):
-  compilers.get(fused(2))
-  compilers.get(fused(4))
-  compilers.get(micro_step(4))
-  stats = compilers.totals()
+def test_the_totals_add_up_the_three_programs_in_rows_per_device(compiler):
+  compiler.get(fused(2))
+  compiler.get(fused(4))
+  compiler.get(micro_step(4))
+  stats = compiler.totals()
   assert stats["compiles"] == 3 and not stats["update_compiled"]
-  compilers.get(APPLY)
-  stats = compilers.totals()
+  compiler.get(APPLY)
+  stats = compiler.totals()
   assert stats["compiles"] == 4 and stats["update_compiled"]
-  assert stats["compile_seconds"] == compilers.stats()["compile_seconds"] > 0
+  assert stats["compile_seconds"] == compiler.stats()["compile_seconds"] > 0
   assert stats["compile_cache_hits"] == 0 and stats["compile_cache_hit_seconds"] == 0
   # The local split: two slots a device, so rows per device are twice the shapes.
   assert stats["compiled_step_sizes"] == [4, 8]
@@ -110,19 +110,19 @@ def test_the_totals_add_up_the_three_programs_in_rows_per_device(compilers):
   assert stats["compiled_micro_batch_sizes"] == [4, 8]
 
 
-def test_the_wait_counts_every_program_a_caller_blocked_on(compilers):
-  assert compilers.wait_seconds == 0
-  compilers.get(fused(2))  # compiled in this thread, so waited for
-  after_fused = compilers.wait_seconds
-  compilers.get(APPLY)
-  waited = compilers.wait_seconds
-  assert 0 < after_fused < waited and waited == compilers.totals()["compile_wait_seconds"]
+def test_the_wait_counts_every_program_a_caller_blocked_on(compiler):
+  assert compiler.wait_seconds == 0
+  compiler.get(fused(2))  # compiled in this thread, so waited for
+  after_fused = compiler.wait_seconds
+  compiler.get(APPLY)
+  waited = compiler.wait_seconds
+  assert 0 < after_fused < waited and waited == compiler.totals()["compile_wait_seconds"]
 
 
 def test_memory_is_reported_in_rows_per_device():
-  compilers = StepProgramCompiler(TinyFunctions(), layout("device"), background=False)
-  memory = compilers.memory(4)
-  compilers.close()
+  compiler = StepProgramCompiler(TinyFunctions(), layout("device"), background=False)
+  memory = compiler.memory(4)
+  compiler.close()
   assert memory["micro_batch_size"] == 4
   assert memory["argument_bytes"] == 4 * 3 * 4 and memory["output_bytes"] == 4 * 3 * 4
   assert set(memory) == {
@@ -135,14 +135,14 @@ def test_memory_is_reported_in_rows_per_device():
 
 
 def test_close_closes_every_program_and_keeps_what_is_compiled():
-  compilers = StepProgramCompiler(TinyFunctions(), layout("device"), background=True)
-  compilers.get(fused(2))
-  compilers.prefetch([micro_step(2), micro_step(4), micro_step(8)])
-  compilers.close()
+  compiler = StepProgramCompiler(TinyFunctions(), layout("device"), background=True)
+  compiler.get(fused(2))
+  compiler.prefetch([micro_step(2), micro_step(4), micro_step(8)])
+  compiler.close()
   for program in (fused(4), micro_step(4)):
     with pytest.raises(RuntimeError, match="closed"):
-      compilers.prefetch([program])
-  assert 2 in compilers.view()["fused"]
+      compiler.prefetch([program])
+  assert 2 in compiler.view()["fused"]
 
 
 def test_each_program_compiles_in_a_background_thread_of_its_own():
@@ -223,11 +223,11 @@ def test_a_wait_for_the_update_gives_up_on_the_interrupt():
 @pytest.mark.parametrize(
   "bad", [4, ("fused",), ("step", 4), ("fused", 0), ("micro", 2.5), ("apply", 1), None]
 )
-def test_a_key_that_names_no_program_is_refused(compilers, bad):
+def test_a_key_that_names_no_program_is_refused(compiler, bad):
   with pytest.raises(ValueError, match="program|micro_batch_size|one shape"):
-    compilers.get(bad)
+    compiler.get(bad)
   with pytest.raises(ValueError, match="program|micro_batch_size|one shape"):
-    compilers.prefetch([bad])
+    compiler.prefetch([bad])
 
 
 def test_keys_given_as_names_are_the_programs():

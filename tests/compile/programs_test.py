@@ -7,7 +7,7 @@ import json
 
 import pytest
 import schedule_test
-from recording_compilers import RecordingCompilers
+from recording_compilers import RecordingCompiler
 
 from simigrad_jax.compile.fallback import TimedFallback
 from simigrad_jax.compile.policy import CompilePolicy
@@ -42,7 +42,7 @@ def nothing_compiled():
 def policy(kind, compiled=None, cached_programs=None, shared=False, cache_dir=None):
   """A policy of ``kind`` ("exact", "scheduled" or "timed") on a recording compiler whose view is
   ``compiled`` (default: nothing compiled), as :func:`compile_policy` chooses it."""
-  compiler = RecordingCompilers(nothing_compiled() if compiled is None else compiled)
+  compiler = RecordingCompiler(nothing_compiled() if compiled is None else compiled)
   chosen = compile_policy(
     compiler,
     LAYOUT,

@@ -15,7 +15,7 @@ class ProgramRecord:
     self.prefetches = self.gets = 0
 
 
-class RecordingCompilers:
+class RecordingCompiler:
   """Stands in for StepProgramCompiler: ``calls`` are the ``(programs, first)`` prefetched, in
   order; ``fused``, ``micro`` and ``update`` what each program was asked for; ``compiled`` is its
   view."""
