@@ -126,6 +126,7 @@ import optax  # noqa: E402
 
 import simigrad_jax  # noqa: E402
 from simigrad_jax.compile import compiler as compiler_module  # noqa: E402
+from simigrad_jax.compile.step_functions import APPLY  # noqa: E402
 from simigrad_jax.compile.step_functions import Program  # noqa: E402
 
 if args.compile_cache:  # before the model's first eager ops, so that they come from the cache too
@@ -197,12 +198,13 @@ sys.excepthook = exit_if_lost
 
 
 # --- kill inside a background compile: slow the J-th background job down and kill 20 ms into it.
+# (The jobs of a shape: the update's compile, queued when the trainer is built, is not counted.)
 if args.kill_in_compile is not None:
   original_run = compiler_module.StepCompiler._run
   background_jobs = []
 
   def run_then_die(self, job):
-    if threading.current_thread().name.endswith("-compiler"):
+    if threading.current_thread().name.endswith("-compiler") and job.key != APPLY:
       background_jobs.append(job.key)
       if len(background_jobs) == args.kill_in_compile:
         lower = self._lower
