@@ -126,6 +126,8 @@ import optax  # noqa: E402
 
 import simigrad_jax  # noqa: E402
 from simigrad_jax.compile import compiler as compiler_module  # noqa: E402
+from simigrad_jax.compile.step_functions import APPLY  # noqa: E402
+from simigrad_jax.compile.step_functions import Program  # noqa: E402
 
 if args.compile_cache:  # before the model's first eager ops, so that they come from the cache too
   simigrad_jax.compile.enable_persistent_cache(args.compile_cache)
@@ -196,25 +198,26 @@ sys.excepthook = exit_if_lost
 
 
 # --- kill inside a background compile: slow the J-th background job down and kill 20 ms into it.
+# (The jobs of a shape: the update's compile, queued when the trainer is built, is not counted.)
 if args.kill_in_compile is not None:
   original_run = compiler_module.StepCompiler._run
   background_jobs = []
 
   def run_then_die(self, job):
-    if threading.current_thread().name.endswith("-compiler"):
-      background_jobs.append(job.size)
+    if threading.current_thread().name.endswith("-compiler") and job.key != APPLY:
+      background_jobs.append(job.key)
       if len(background_jobs) == args.kill_in_compile:
         lower = self._lower
 
-        def slow_lower(micro):
-          lowered = lower(micro)
+        def slow_lower(key):
+          lowered = lower(key)
           time.sleep(5.0)  # the kill lands while this job is in progress
           return lowered
 
         self._lower = slow_lower
-        trace({"event": "compile_started", "size": job.size, "job": len(background_jobs)})
+        trace({"event": "compile_started", "program": job.what, "job": len(background_jobs)})
         threading.Timer(
-          0.02, die, args=("compile",), kwargs={"size": job.size, "job": len(background_jobs)}
+          0.02, die, args=("compile",), kwargs={"program": job.what, "job": len(background_jobs)}
         ).start()
     return original_run(self, job)
 
@@ -302,12 +305,12 @@ trace(
 compiles_released = threading.Event()
 if args.hold_compiles is not None:
   first_shape = trainer.layout.plan(controller.batch_size).micro_batch_size
-  held_compiler = trainer._programs.fused_compiler  # (micro-steps compile: the fallback's)
+  held_compiler = trainer._programs.compiler  # (micro-steps compile: the fallback's)
 
-  def held_lower(size, lower=held_compiler._lower):
-    if size != first_shape:
+  def held_lower(key, lower=held_compiler._lower):
+    if key.program is Program.FUSED and key.micro != first_shape:
       compiles_released.wait(timeout=30)  # (a step that needs the shape waits this long)
-    return lower(size)
+    return lower(key)
 
   held_compiler._lower = held_lower
 

@@ -11,10 +11,13 @@ Documented API:
     persistent_cache_settings puts the process-wide settings it changes back.
 
 Modules: ``programs`` (a training step's compiled programs, composing the
-others), ``step_functions``, ``compiler``, ``step_compilers``, ``prefetch``,
-``fallback`` (the compiled program a step runs while its own compiles),
-``schedule`` (which programs a step may run on, by the step count),
-``agreement``, ``persistent_cache`` and ``step_runner``.
+others), ``step_functions`` (the step's jitted functions and its programs,
+``Program``), ``compiler``, ``program_compiler`` (the one compiler of the
+step's programs, keyed by program and shape), ``policy`` (the compile
+policy, what a step runs while its programs compile: its protocol, and the
+policy without a fallback), ``prefetch``, ``fallback`` (the timed
+fallback), ``schedule`` (the fallback by the step count), ``agreement``,
+``persistent_cache`` and ``step_runner``.
 
 Example:
   >>> import simigrad_jax.compile

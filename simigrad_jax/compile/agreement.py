@@ -7,7 +7,7 @@ report of its compiled shapes (:func:`report_bitmasks`: a few small integers
 however long the run) and receives every process's; :func:`agreed_view`
 makes of them the same view on every process, which the compile fallback
 (:mod:`simigrad_jax.compile.fallback`) then reads. The views are those of
-:meth:`simigrad_jax.compile.step_compilers.StepCompilers.view`. Nothing here
+:meth:`simigrad_jax.compile.program_compiler.StepProgramCompiler.view`. Nothing here
 runs under ``jit``.
 """
 

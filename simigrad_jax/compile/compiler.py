@@ -13,8 +13,10 @@ never stalls on a compile. Compiles need no data: ``lower(micro)`` lowers the
 jitted step on ``jax.ShapeDtypeStruct`` placeholders that carry the input
 shardings.
 
-A program that has one shape only (the update of accumulated steps) is a
-:class:`ProgramCompiler`: compiled once, in a background thread or at once.
+The variants may be keyed otherwise than by a size: a training step's
+programs are compiled by one subclass keyed by program and shape
+(:class:`~simigrad_jax.compile.program_compiler.StepProgramCompiler`), each
+program's variants in a background thread of their own.
 
 With JAX's persistent compilation cache on
 (:func:`simigrad_jax.compile.persistent_cache.enable_persistent_cache`), a
@@ -30,7 +32,7 @@ from __future__ import annotations
 import collections
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 from typing import Any
 
 import jax
@@ -42,7 +44,7 @@ from simigrad_jax.errors import SimiGradError
 
 __all__ = [
   "CompileAbandoned",
-  "ProgramCompiler",
+  "MicroBatchSizes",
   "StepCompileError",
   "StepCompiler",
 ]
@@ -57,49 +59,48 @@ class StepCompileError(SimiGradError, RuntimeError):
 
 
 class _Job:
-  """One micro-batch size: queued, compiling, or done (compiled or failed)."""
+  """One variant (a micro-batch size, or another key): queued, compiling, or done (compiled or
+  failed); ``what`` names it in errors."""
 
-  __slots__ = ("size", "done", "compiled", "error", "cache_hit")
+  __slots__ = ("key", "what", "done", "compiled", "error", "cache_hit")
 
-  def __init__(self, size: int):
-    self.size = size
+  def __init__(self, key: Hashable, what: str):
+    self.key, self.what = key, what
     self.done = threading.Event()
     self.compiled: jax.stages.Compiled | None = None
     self.error: BaseException | None = None
     self.cache_hit = False  # loaded from the persistent cache
 
-  def compile(self, lower: Callable[[int], jax.stages.Lowered]) -> None:
-    """Lowers and compiles this size in this thread, keeping the program or the error (an
+  def compile(self, lower: Callable[[Any], jax.stages.Lowered]) -> None:
+    """Lowers and compiles this variant in this thread, keeping the program or the error (an
     ``Exception``; anything else, e.g. ``KeyboardInterrupt``, is raised)."""
     if not exit_wait.IN_FLIGHT.begin():
       self.error = CompileAbandoned(
-        f"the compile of size {self.size} was not started: the process is exiting"
+        f"the compile of {self.what} was not started: the process is exiting"
       )
       return
     try:
-      lowered = lower(self.size)
+      lowered = lower(self.key)
       if not isinstance(lowered, jax.stages.Lowered):
         raise TypeError(
-          f"lower({self.size}) must return a jax.stages.Lowered (e.g. "
+          f"lower({self.key!r}) must return a jax.stages.Lowered (e.g. "
           f"jitted.lower(*placeholders)), got {type(lowered).__name__}: "
           f"{lowered!r:.200}"
         )
       self.compiled, self.cache_hit = _compile(lowered)
-    except Exception as err:  # surfaces in result() for this size
+    except Exception as err:  # surfaces in result() for this variant
       self.error = err
     finally:
       exit_wait.IN_FLIGHT.end()
 
   def result(self, compiler: str) -> jax.stages.Compiled:
     """The compiled program of this done job, or :class:`StepCompileError` naming ``compiler``,
-    the size and the error."""
+    the variant and the error."""
     if self.error is not None:
       first_line = (str(self.error).strip().splitlines() or [""])[0][:300]
       raise StepCompileError(
-        f"StepCompiler {compiler!r}: lowering or compiling the step for "
-        f"micro_batch_size={self.size} failed with "
-        f"{type(self.error).__name__}: {first_line} (the cause is chained "
-        "below)"
+        f"StepCompiler {compiler!r}: lowering or compiling {self.what} failed with "
+        f"{type(self.error).__name__}: {first_line} (the cause is chained below)"
       ) from self.error
     assert self.compiled is not None  # done, without an error
     return self.compiled
@@ -108,8 +109,7 @@ class _Job:
 class CompileAbandoned(SimiGradError, RuntimeError):
   """A wait for a compile was given up: the ``interrupt`` of its compiler said the run is stopping.
 
-  Raised by :meth:`StepCompiler.get` and :meth:`ProgramCompiler.get` while
-  they wait; the compile itself goes on in its daemon thread, unawaited (a
+  Raised by :meth:`StepCompiler.get` while it waits; the compile itself goes on in its daemon thread, unawaited (a
   compile in XLA cannot be stopped), and the interpreter's exit after the
   run's stop does not wait for it either. Also the error of a compile asked
   for after the interpreter's exit began: it is not started.
@@ -147,63 +147,104 @@ def _compile(lowered: jax.stages.Lowered) -> tuple[jax.stages.Compiled, bool]:
   return compiled, hits[0] > 0
 
 
+class MicroBatchSizes:
+  """How a :class:`StepCompiler` names its variants: by micro-batch size, all compiled in one
+  background thread.
+
+  A compiler of other variants is given another object with these three
+  methods (:class:`~simigrad_jax.compile.program_compiler.ProgramShapes`
+  names a training step's programs).
+  """
+
+  def check(self, key: Any) -> Hashable:
+    """The variant ``key`` names, checked: a micro-batch size, an int ``>= 1``.
+
+    Raises:
+      ValueError: when it names none.
+    """
+    return validation.check_int("micro_batch_size", key)
+
+  def describe(self, key: Any) -> str:
+    """The variant ``key`` in words, for errors."""
+    return f"the step for micro_batch_size={key}"
+
+  def lane(self, key: Any) -> str:
+    """The background thread that compiles ``key`` (its name's middle part; "": the one)."""
+    del key
+    return ""
+
+
 class _Queue:
-  """The sizes a :class:`StepCompiler` was asked for: each one's job, and the order of those not
-  started yet. Its compiler holds its lock around every call."""
+  """The variants a :class:`StepCompiler` was asked for: each one's job, and the order of those
+  not started yet, in each lane (a lane's variants compile one after the other, in its own
+  thread). Its compiler holds its lock around every call."""
 
-  __slots__ = ("jobs", "waiting")
+  __slots__ = ("jobs", "waiting", "_lane", "_describe")
 
-  def __init__(self):
-    self.jobs: dict[int, _Job] = {}  # every size asked for, in any state
-    self.waiting: collections.deque[int] = collections.deque()  # not started, in order
+  def __init__(self, keys: MicroBatchSizes):
+    self.jobs: dict[Hashable, _Job] = {}  # every variant asked for, in any state
+    self.waiting: dict[str, collections.deque[Hashable]] = {}  # not started, in order, by lane
+    self._lane, self._describe = keys.lane, keys.describe
 
-  def add(self, sizes: list[int], first: bool) -> None:
-    """Queues the sizes not asked for before, after those waiting; with ``first``, ahead of
-    them, the waiting sizes among ``sizes`` moved ahead too (in the order given)."""
-    waiting = [s for s in dict.fromkeys(sizes) if s not in self.jobs or s in self.waiting]
-    for size in waiting:
-      if size not in self.jobs:
-        self.jobs[size] = _Job(size)
+  def add(self, keys: list[Hashable], first: bool) -> None:
+    """Queues the variants not asked for before, after those waiting in their lane; with
+    ``first``, ahead of them, the waiting variants among ``keys`` moved ahead too (in the order
+    given)."""
+    waiting = [k for k in dict.fromkeys(keys) if k not in self.jobs or self._is_waiting(k)]
+    for key in waiting:
+      if key not in self.jobs:
+        self.jobs[key] = _Job(key, self._describe(key))
         if not first:
-          self.waiting.append(size)
+          self.waiting.setdefault(self._lane(key), collections.deque()).append(key)
     if first:
-      ahead = set(waiting)
-      self.waiting = collections.deque(waiting + [s for s in self.waiting if s not in ahead])
+      for lane in dict.fromkeys(self._lane(key) for key in waiting):
+        ahead = [key for key in waiting if self._lane(key) == lane]
+        rest = [key for key in self.waiting.get(lane, ()) if key not in set(ahead)]
+        self.waiting[lane] = collections.deque(ahead + rest)
 
-  def claim(self, size: int) -> tuple[_Job, bool]:
-    """``size``'s job, and whether the caller is to compile it: a size never asked for, or one
-    still waiting (taken off the queue: it does not wait for those queued before it)."""
-    job = self.jobs.get(size)
+  def claim(self, key: Hashable) -> tuple[_Job, bool]:
+    """``key``'s job, and whether the caller is to compile it: a variant never asked for, or
+    one still waiting (taken off the queue: it does not wait for those queued before it)."""
+    job = self.jobs.get(key)
     if job is None:
-      job = self.jobs[size] = _Job(size)
+      job = self.jobs[key] = _Job(key, self._describe(key))
       return job, True
-    if size in self.waiting:  # not started, so not done
-      self.waiting.remove(size)
+    if self._is_waiting(key):  # not started, so not done
+      self.waiting[self._lane(key)].remove(key)
       return job, True
     return job, False
 
-  def next(self) -> _Job | None:
-    """The next waiting job, taken off the queue; None when none waits."""
-    return self.jobs[self.waiting.popleft()] if self.waiting else None
+  def next(self, lane: str) -> _Job | None:
+    """The next job waiting in ``lane``, taken off the queue; None when none waits."""
+    waiting = self.waiting.get(lane)
+    return self.jobs[waiting.popleft()] if waiting else None
+
+  def lanes_waiting(self) -> list[str]:
+    """The lanes with a variant waiting."""
+    return [lane for lane, waiting in self.waiting.items() if waiting]
 
   def cancel(self) -> None:
-    """Forgets the sizes not started (nobody waits on them)."""
-    for size in self.waiting:
-      del self.jobs[size]
-    self.waiting.clear()
+    """Forgets the variants not started (nobody waits on them)."""
+    for waiting in self.waiting.values():
+      for key in waiting:
+        del self.jobs[key]
+      waiting.clear()
 
   def forget(self, job: _Job) -> None:
-    """Forgets ``job`` (interrupted: a later request compiles its size again)."""
-    if self.jobs.get(job.size) is job:
-      del self.jobs[job.size]
+    """Forgets ``job`` (interrupted: a later request compiles its variant again)."""
+    if self.jobs.get(job.key) is job:
+      del self.jobs[job.key]
 
-  def done_sizes(self, failed: bool) -> list[int]:
-    """The sizes compiled, or with ``failed`` those whose compile failed, sorted."""
+  def done_keys(self, failed: bool) -> list[Any]:
+    """The variants compiled, or with ``failed`` those whose compile failed, sorted."""
     return sorted(
-      size
-      for size, job in self.jobs.items()
+      key  # (the keys of one compiler are of one sortable type)
+      for key, job in self.jobs.items()
       if job.done.is_set() and (job.error is not None) == failed
     )
+
+  def _is_waiting(self, key: Hashable) -> bool:
+    return key in self.waiting.get(self._lane(key), ())
 
 
 class _Tally:
@@ -270,6 +311,10 @@ class StepCompiler:
       ``False`` makes :meth:`prefetch` a no-op, so every compile happens on
       demand in :meth:`get` (handy for debugging and for one-shape runs).
     name: a label for thread names and error messages.
+    keys: what names a variant (:class:`MicroBatchSizes`, the default): the
+      compiler of a training step's programs names them by program and
+      shape, each program's compiled in a background thread of its own
+      (:class:`~simigrad_jax.compile.program_compiler.StepProgramCompiler`).
 
   Example:
     >>> import jax, jax.numpy as jnp
@@ -298,10 +343,16 @@ class StepCompiler:
     :attr:`interrupt` is set, a :meth:`get` that waits asks it every 50 ms
     whether to give up (:class:`CompileAbandoned`): a compile of a step the
     run no longer needs is never awaited.
+
   """
 
   def __init__(
-    self, lower: Callable[[int], jax.stages.Lowered], *, background: bool = True, name: str = "step"
+    self,
+    lower: Callable[[Any], jax.stages.Lowered],
+    *,
+    background: bool = True,
+    name: str = "step",
+    keys: MicroBatchSizes | None = None,
   ):
     if not callable(lower):
       raise ValueError(
@@ -313,8 +364,9 @@ class StepCompiler:
     self._background = validation.check_bool("background", background)
     self._name = name
     self._lock = threading.Lock()
-    self._queue = _Queue()
-    self._worker: threading.Thread | None = None
+    self._keys = MicroBatchSizes() if keys is None else keys
+    self._queue = _Queue(self._keys)
+    self._workers: dict[str, threading.Thread] = {}  # by lane, while it has work
     self._closed = False
     self._tally = _Tally()
     self.interrupt: Callable[[], bool] | None = None  # True: a waiting get() gives up
@@ -328,11 +380,11 @@ class StepCompiler:
   def __repr__(self) -> str:
     stats = self.stats()
     return (
-      f"StepCompiler(name={self._name!r}, background={self._background},"
+      f"{type(self).__name__}(name={self._name!r}, background={self._background},"
       f" compiled_sizes={stats['compiled_sizes']}, closed={self._closed})"
     )
 
-  def prefetch(self, micro_batch_sizes: Iterable[int], *, first: bool = False) -> None:
+  def prefetch(self, micro_batch_sizes: Iterable[Any], *, first: bool = False) -> None:
     """Schedules background compiles of the sizes not compiled or in flight.
 
     Returns at once. Sizes are compiled one at a time in the order given,
@@ -352,20 +404,21 @@ class StepCompiler:
         ``>= 1`` (nothing is scheduled then).
       RuntimeError: if the compiler is closed.
     """
-    sizes = _check_sizes(micro_batch_sizes)
+    keys = _check_sizes(micro_batch_sizes, self._keys)
     with self._lock:
       if self._closed:
         raise RuntimeError(f"StepCompiler {self._name!r} is closed: prefetch is not allowed")
       if not self._background:
         return
-      self._queue.add(sizes, first)
-      if self._queue.waiting and self._worker is None:
-        self._worker = threading.Thread(
-          target=self._work, name=f"{self._name}-compiler", daemon=True
-        )
-        self._worker.start()
+      self._queue.add(keys, first)
+      for lane in self._queue.lanes_waiting():
+        if lane not in self._workers:
+          worker = self._workers[lane] = threading.Thread(
+            target=self._work, args=(lane,), name=_thread_name(self._name, lane), daemon=True
+          )
+          worker.start()
 
-  def get(self, micro_batch_size: int) -> jax.stages.Compiled:
+  def get(self, micro_batch_size: Any) -> jax.stages.Compiled:
     """Returns the compiled step for one micro-batch size.
 
     Ready variants return at once. A size compiling in the background is
@@ -387,9 +440,9 @@ class StepCompiler:
       CompileAbandoned: :attr:`interrupt` said to give up while this waited
         (the compile goes on unawaited; a later call waits for it again).
     """
-    size = validation.check_int("micro_batch_size", micro_batch_size)
+    key = self._keys.check(micro_batch_size)
     with self._lock:
-      job, compile_here = self._queue.claim(size)
+      job, compile_here = self._queue.claim(key)
       blocked = not job.done.is_set()
     if blocked:
       start = time.perf_counter()
@@ -398,8 +451,9 @@ class StepCompiler:
           self._run(job)
         else:
           if compile_here:  # in a thread of its own, so that this wait can be given up
-            _start_daemon(lambda: self._run(job), f"{self._name}-compile-{size}")
-          _wait(job.done, self.interrupt, f"{self._name} micro_batch_size={size}")
+            lane = self._keys.lane(key)
+            _start_daemon(lambda: self._run(job), _thread_name(self._name, lane, "compile"))
+          _wait(job.done, self.interrupt, f"{job.what} ({self._name})")
       finally:
         with self._lock:
           self._tally.wait_seconds += time.perf_counter() - start
@@ -428,8 +482,8 @@ class StepCompiler:
     with self._lock:
       return {
         **self._tally.stats(),
-        "compiled_sizes": self._queue.done_sizes(failed=False),
-        "failed_sizes": self._queue.done_sizes(failed=True),
+        "compiled_sizes": self._queue.done_keys(failed=False),
+        "failed_sizes": self._queue.done_keys(failed=True),
       }
 
   def close(self) -> None:
@@ -451,18 +505,18 @@ class StepCompiler:
   def __exit__(self, *exc_info: object) -> None:
     self.close()
 
-  def _work(self) -> None:
-    """Worker loop: compiles queued sizes in order; exits when none are left."""
+  def _work(self, lane: str) -> None:
+    """A lane's worker loop: compiles its queued variants in order; exits when none are left."""
     while True:
       with self._lock:
-        job = None if self._closed else self._queue.next()
+        job = None if self._closed else self._queue.next(lane)
         if job is None:
-          self._worker = None
+          del self._workers[lane]
           return
       self._run(job)
 
   def _run(self, job: _Job) -> None:
-    """Lowers and compiles ``job.size`` in this thread; always marks it done."""
+    """Lowers and compiles ``job``'s variant in this thread; always marks it done."""
     start = time.perf_counter()
     try:
       job.compile(self._lower)
@@ -478,141 +532,16 @@ class StepCompiler:
       job.done.set()
 
 
-class ProgramCompiler:
-  """One program compiled ahead of time, once: in a background thread, or at once.
-
-  The program of one shape only, such as the update of a step that
-  accumulated micro-batches. :meth:`prefetch` starts its compile (in a
-  background thread, or with ``background=False`` at once in the calling
-  thread); :meth:`get` returns it, waiting for the compile if it is still
-  running. Time spent blocked in :meth:`get` is compile wait, reported by
-  :meth:`stats`.
-
-  Args:
-    lower: returns the ``jax.stages.Lowered`` program (e.g.
-      ``jitted.lower(*placeholders)``); runs in the background thread, so the
-      placeholders carry their shardings.
-    background: compile in a background thread.
-    name: a label for the thread's name.
-
-  Example:
-    >>> import jax, jax.numpy as jnp
-    >>> def lower():
-    ...   return jax.jit(lambda x: 2 * x).lower(jax.ShapeDtypeStruct((3,), jnp.float32))
-    >>> compiler = ProgramCompiler(lower, background=True, name="double")
-    >>> compiler.prefetch()  # returns at once
-    >>> compiler.get()(jnp.ones(3)).tolist()
-    [2.0, 2.0, 2.0]
-    >>> compiler.stats()["compiled"]
-    True
-    >>> compiler.close()
-  """
-
-  def __init__(
-    self, lower: Callable[[], jax.stages.Lowered], *, background: bool, name: str
-  ) -> None:
-    if not callable(lower):
-      raise ValueError(f"lower must be a callable () -> jax.stages.Lowered, got {lower!r}")
-    if not isinstance(name, str):
-      raise ValueError(f"name must be a str, got {name!r}")
-    self._lower = lower
-    self._background = validation.check_bool("background", background)
-    self._name = name
-    self._job: _Job | None = None
-    self._closed = False
-    self._lock = threading.Lock()
-    self._tally = _Tally()
-    self.interrupt: Callable[[], bool] | None = None  # True: a waiting get() gives up
-    exit_wait.IN_FLIGHT.track(self)
-
-  def prefetch(self) -> None:
-    """Starts the compile unless started before (or closed); with ``background=False``
-    compiles now.
-
-    Raises:
-      Exception: without background, what lowering or compiling raised (the
-        next call tries again).
-    """
-    with self._lock:
-      if self._job is not None or (self._closed and self._background):
-        return
-      job = self._job = _Job(0)
-    if self._background:
-      _start_daemon(lambda: self._run(job), f"simigrad-{self._name}-compiler")
-      return
-    self._run(job)
-    if job.error is not None:
-      with self._lock:
-        self._job = None
-      raise job.error
-
-  def get(self) -> jax.stages.Compiled:
-    """The compiled program, starting its compile or waiting for it as needed.
-
-    Raises:
-      Exception: what lowering or compiling raised.
-      CompileAbandoned: :attr:`interrupt` said to give up while this waited.
-    """
-    with self._lock:
-      if self._closed and self._job is None:
-        self._closed = False  # (on demand after close, as StepCompiler.get)
-    self.prefetch()
-    job = self._job
-    assert job is not None
-    if not job.done.is_set():
-      start = time.perf_counter()
-      try:
-        _wait(job.done, self.interrupt, self._name)
-      finally:
-        with self._lock:
-          self._tally.wait_seconds += time.perf_counter() - start
-    if job.error is not None:
-      raise job.error
-    assert job.compiled is not None
-    return job.compiled
-
-  @property
-  def done(self) -> bool:
-    """Whether the compile has finished, compiled or failed."""
-    job = self._job
-    return job is not None and job.done.is_set()
-
-  @property
-  def wait_seconds(self) -> float:
-    """Total time :meth:`get` has blocked so far (``stats()["compile_wait_seconds"]``)."""
-    with self._lock:
-      return self._tally.wait_seconds
-
-  def stats(self) -> dict[str, Any]:
-    """``compiled`` (finished without an error), ``compiles`` (0 or 1), ``compile_seconds``,
-    ``compile_wait_seconds``, ``cache_hits`` and ``cache_hit_seconds``, as
-    :meth:`StepCompiler.stats` counts them (a failed compile's seconds are not counted)."""
-    job = self._job
-    compiled = job is not None and job.done.is_set() and job.error is None
-    with self._lock:
-      return {**self._tally.stats(), "compiled": compiled}
-
-  def close(self) -> None:
-    """Cancels a compile not started; one in progress goes on in its daemon thread, unawaited
-    (the interpreter's normal exit waits for it). Returns at once."""
-    with self._lock:
-      self._closed = True
-
-  def _run(self, job: _Job) -> None:
-    start = time.perf_counter()
-    try:
-      job.compile(lambda _size: self._lower())
-    finally:
-      if job.error is None:
-        with self._lock:
-          self._tally.count(time.perf_counter() - start, compiled=True, cache_hit=job.cache_hit)
-      job.done.set()
-
-
-def _check_sizes(micro_batch_sizes: Any) -> list[int]:
-  """Returns the sizes as a list of ints, or raises ValueError."""
+def _check_sizes(micro_batch_sizes: Any, keys: MicroBatchSizes) -> list[Hashable]:
+  """Returns the variants ``micro_batch_sizes`` names, checked by ``keys``, or raises
+  ValueError."""
   if isinstance(micro_batch_sizes, (str, bytes)) or not isinstance(micro_batch_sizes, Iterable):
     raise ValueError(
       f"micro_batch_sizes must be an iterable of ints >= 1, got {micro_batch_sizes!r}"
     )
-  return [validation.check_int("micro_batch_size", size) for size in micro_batch_sizes]
+  return [keys.check(key) for key in micro_batch_sizes]
+
+
+def _thread_name(compiler: str, lane: str, role: str = "compiler") -> str:
+  """The name of a compiler's thread: ``<compiler>-<lane>-<role>``, without an empty lane."""
+  return "-".join(part for part in (compiler, lane, role) if part)

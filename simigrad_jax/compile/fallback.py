@@ -1,27 +1,39 @@
 """Host: the compile fallback: which compiled program runs a step whose own is still compiling.
 
-A *view* of the compiled programs is a dict: ``fused`` and ``micro``, the
-shapes (rows per slot) with a one-micro-batch program and with a micro-step;
-``apply``, whether the update of accumulated steps is compiled; and in the
-views of this run's processes, ``failed_fused`` and ``failed_micro``, the
-shapes whose compile failed. The views are this process's
-(:meth:`simigrad_jax.compile.step_compilers.StepCompilers.view`), what every
-process compiled (:mod:`simigrad_jax.compile.agreement`) and what the
-persistent compilation cache holds from an earlier process of the run
-(:func:`simigrad_jax.compile.persistent_cache.cached_view`); the functions
-here say which plan runs on them, and :class:`CompileFallback` asks them at
-each step. Nothing here runs under ``jit``.
+A *view* of the compiled programs is a dict keyed by the
+:class:`~simigrad_jax.compile.step_functions.Program` names: ``fused`` and
+``micro``, the shapes (rows per slot) with a fused step and with a
+micro-step; ``apply``, whether the update of accumulated steps is compiled;
+and in the views of this run's processes, ``failed_fused`` and
+``failed_micro``, the shapes whose compile failed. The views are this
+process's
+(:meth:`simigrad_jax.compile.program_compiler.StepProgramCompiler.view`),
+what every process compiled (:mod:`simigrad_jax.compile.agreement`), what
+the persistent compilation cache holds from an earlier process of the run
+(:func:`simigrad_jax.compile.persistent_cache.cached_view`) and what the
+schedule admitted (:mod:`simigrad_jax.compile.schedule`); the functions here
+say which plan runs on them. :class:`TimedFallback`, the compile policy
+(:mod:`simigrad_jax.compile.policy`) that asks them of the compiled
+programs at each step, is here too. Nothing here runs under ``jit``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from simigrad_jax.compile.agreement import CompileAgreement
-from simigrad_jax.compile.step_compilers import StepCompilers
+from simigrad_jax.compile.compiler import CompileAbandoned
+from simigrad_jax.compile.persistent_cache import nearest_cached
+from simigrad_jax.compile.policy import ExactPrograms
+from simigrad_jax.compile.prefetch import Prefetcher
+from simigrad_jax.compile.program_compiler import StepProgramCompiler
+from simigrad_jax.compile.step_functions import APPLY
+from simigrad_jax.compile.step_functions import Program
+from simigrad_jax.compile.step_functions import ProgramShape
+from simigrad_jax.compile.step_functions import programs_of
 from simigrad_jax.shapes import batch_plan
 
 
@@ -84,15 +96,6 @@ def choose_plan(
   return chosen
 
 
-def nearest_cached(kind: str, micro: int, cached: Mapping[str, Any] | None) -> int:
-  """``micro``, or the nearest shape (log scale; ties: the larger) whose ``kind`` program
-  (``"fused"`` or ``"micro"``) ``cached`` holds, when it holds some but not ``micro``'s."""
-  sizes = set() if cached is None else cached[kind]
-  if not sizes or micro in sizes:
-    return micro
-  return min(sizes, key=lambda size: (abs(math.log(size / micro)), -size))
-
-
 def fallback_plan(
   plan: batch_plan.BatchPlan,
   compiled_sizes: set[int],
@@ -135,12 +138,21 @@ def fallback_plan(
   )
 
 
-class CompileFallback:
-  """Runs a step whose program is still compiling on a compiled one instead, with the same examples.
+class TimedFallback(ExactPrograms):
+  """The timed compile policy: a step whose program is still compiling runs on a compiled one, with the same examples.
+
+  Its programs compile in the window of shapes near the batch
+  (:class:`~simigrad_jax.compile.prefetch.Prefetcher`); a step's own runs as
+  soon as it is compiled. No step waits after the first, but which shape a
+  step runs on depends on the compiles' timing, hence so does the run's
+  trajectory (:class:`~simigrad_jax.compile.schedule.ScheduledFallback`
+  decides it from the step count instead).
 
   Args:
-    compilers: the step's compilers: what this process has compiled, and the
+    compiler: the step's compiler: what this process has compiled, and the
       programs the first step waits for.
+    prefetcher: the order of the compiles (the window near the batch).
+    cache_dir: JAX's persistent compilation cache (absolute), or None.
     cached: what the persistent cache holds from an earlier process of the
       run (:func:`~simigrad_jax.compile.persistent_cache.cached_view`), or
       None.
@@ -150,24 +162,28 @@ class CompileFallback:
       alone.
 
   Example:
-    ``CompileFallback(compilers, cached=None, agreement=None).ready_plan(plan)``
-    is ``plan`` once its program is compiled, and until then the same batch
-    on the nearest compiled shape.
+    ``TimedFallback(compiler, prefetcher, None, cached=None,
+    agreement=None).ready_plan(plan, step)`` is ``plan`` once its program is
+    compiled, and until then the same batch on the nearest compiled shape.
   """
 
   def __init__(
     self,
-    compilers: StepCompilers,
+    compiler: StepProgramCompiler,
+    prefetcher: Prefetcher,
+    cache_dir: str | None,
     *,
     cached: Mapping[str, Any] | None,
     agreement: CompileAgreement | None,
   ):
-    self._compilers = compilers
-    self._cached = cached
+    super().__init__(compiler, prefetcher, cache_dir)
+    self._cached = None if cached is None else dict(cached)
     self._agreement = agreement
     self._ready = False  # see await_fallback
 
-  def ready_plan(self, plan: batch_plan.BatchPlan, prefetch: bool = True) -> batch_plan.BatchPlan:
+  def ready_plan(
+    self, plan: batch_plan.BatchPlan, step: int, prefetch: bool = True
+  ) -> batch_plan.BatchPlan:
     """``plan``, or while its program is still compiling, the same batch on the nearest compiled one.
 
     The compiled shape that holds the batch in the fewest micro-steps, the
@@ -179,34 +195,52 @@ class CompileFallback:
     process, as its last view says. A program not compiled yet is queued for
     compiling unless ``prefetch`` is False (the run's last step).
     """
+    del step
     if self._agreement is not None:
       if self._agreement.view is None:
         return plan
       compiled = self._agreement.view
     else:
-      compiled = self._compilers.view()
+      compiled = self._compiler.view()
     if prefetch and waits_for_compile(plan, compiled):
       # (a no-op when queued or compiling)
-      one_step = plan.accumulation_steps == 1
-      compiler = self._compilers.fused if one_step else self._compilers.micro
-      compiler.prefetch([plan.micro_batch_size])
+      self._compiler.prefetch(programs_of(plan)[:1])
     return choose_plan(plan, compiled, self._cached)
 
   def await_fallback(self, micro: int) -> None:
     """Waits until the fallback can hold a batch of any size on shape ``micro``.
 
-    That is the one-micro-batch program of ``micro``, its micro-step and the
-    update: a batch larger than one micro-batch of ``micro`` then accumulates
-    on it. Called once, at the first step (which waits for its own program
-    anyway, and whose devices run while this waits), so that no later step
-    waits for a compile. When the persistent cache holds programs of an
-    earlier process of the run (``cached``) but not ``micro``'s, the
-    programs are those of its nearest shape instead: loads, not compiles.
-    The time blocked counts as compile wait. A no-op once done.
+    That is the fused step of ``micro``, its micro-step and the update: a
+    batch larger than one micro-batch of ``micro`` then accumulates on it.
+    Called once, at the first step (which waits for its own program anyway,
+    and whose devices run while this waits), so that no later step waits for
+    a compile. When the persistent cache holds programs of an earlier
+    process of the run (``cached``) but not ``micro``'s, the programs are
+    those of its nearest shape instead: loads, not compiles. The time
+    blocked counts as compile wait. A no-op once done, and given up (no
+    error) when the compiler's interrupt says so: the run is stopping, and
+    the later steps that would use them will not run.
     """
     if self._ready:
       return
-    self._compilers.fused.get(nearest_cached("fused", micro, self._cached))
-    self._compilers.micro.get(nearest_cached("micro", micro, self._cached))
-    self._compilers.update.get()
+    try:
+      self._compiler.get(ProgramShape(Program.FUSED, nearest_cached("fused", micro, self._cached)))
+      self._compiler.get(ProgramShape(Program.MICRO, nearest_cached("micro", micro, self._cached)))
+      self._compiler.get(APPLY)
+    except CompileAbandoned:
+      return
     self._ready = True
+
+  def compiled_report(self) -> dict[str, int] | None:
+    """This process's compiled shapes for the other processes, as bitmasks over the layout's
+    grid (:func:`~simigrad_jax.compile.agreement.report_bitmasks`); None with one process."""
+    if self._agreement is None:
+      return None
+    return self._agreement.report(self._compiler.view())
+
+  def agree_on_compiles(self, reports: Sequence[dict[str, int]]) -> None:
+    """Sets the view :meth:`ready_plan` uses to what EVERY process reported compiled; every
+    process passes the same ``reports``, one per process
+    (:meth:`~simigrad_jax.compile.agreement.CompileAgreement.agree`)."""
+    if self._agreement is not None:
+      self._agreement.agree(reports)

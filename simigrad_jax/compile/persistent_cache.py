@@ -8,13 +8,15 @@ one) loads its executables instead of compiling them again;
 back afterwards; :func:`counting_cache_hits` counts the compiles of a thread
 that loaded their executable from it. :func:`cache_record` writes down which
 of a run's programs the cache holds, for its checkpoints, and
-:func:`cached_view` reads that record back when the run resumes.
+:func:`cached_view` reads that record back when the run resumes, and
+:func:`nearest_cached` finds in it the shape nearest to one it lacks.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import pathlib
 import threading
@@ -34,6 +36,7 @@ __all__ = [
   "cached_view",
   "counting_cache_hits",
   "enable_persistent_cache",
+  "nearest_cached",
   "persistent_cache_settings",
 ]
 
@@ -244,7 +247,7 @@ def cache_record(
   Args:
     cache_dir: the cache's folder (absolute).
     compiled: the view of what this process compiled
-      (:meth:`simigrad_jax.compile.step_compilers.StepCompilers.view`).
+      (:meth:`simigrad_jax.compile.program_compiler.StepProgramCompiler.view`).
     cached: the view of what the earlier processes of the run left in the
       cache (:func:`cached_view`), or None.
 
@@ -302,3 +305,12 @@ def cached_view(
       return None
     shapes[kind] = set(sizes) & grid
   return {**shapes, "apply": record.get("apply") is True}
+
+
+def nearest_cached(kind: str, micro: int, cached: Mapping[str, Any] | None) -> int:
+  """``micro``, or the nearest shape (log scale; ties: the larger) whose ``kind`` program
+  (``"fused"`` or ``"micro"``) ``cached`` holds, when it holds some but not ``micro``'s."""
+  sizes = set() if cached is None else cached[kind]
+  if not sizes or micro in sizes:
+    return micro
+  return min(sizes, key=lambda size: (abs(math.log(size / micro)), -size))

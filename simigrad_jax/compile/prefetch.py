@@ -1,5 +1,8 @@
 """Host: which of a step's programs compile next, in the background: those near the batch first.
 
+What the policies without a schedule queue (:mod:`simigrad_jax.compile.policy`,
+:mod:`simigrad_jax.compile.fallback`).
+
 With the compile fallback (:mod:`simigrad_jax.compile.fallback`), the
 one-micro-batch programs within
 :data:`~simigrad_jax.shapes.layout.COMPILE_WINDOW_OCTAVES` of the batch's
@@ -15,20 +18,23 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from simigrad_jax.compile.fallback import nearest_cached
-from simigrad_jax.compile.step_compilers import StepCompilers
+from simigrad_jax.compile.persistent_cache import nearest_cached
+from simigrad_jax.compile.program_compiler import StepProgramCompiler
+from simigrad_jax.compile.step_functions import APPLY
+from simigrad_jax.compile.step_functions import Program
+from simigrad_jax.compile.step_functions import ProgramShape
 from simigrad_jax.shapes.layout import COMPILE_WINDOW_OCTAVES
 from simigrad_jax.shapes.layout import StepLayout
 
 
 class Prefetcher:
-  """Queues a step's programs for the background compilers, the shapes a run needs soonest first.
+  """Queues a step's programs for the background compiles, the shapes a run needs soonest first.
 
   The update's compile starts at once when a step may accumulate (some
   ``accumulation_shapes``, or the fallback).
 
   Args:
-    compilers: the step's compilers.
+    compiler: the step's compiler.
     layout: the step layout (its grid of shapes, in rows per slot).
     accumulation_shapes: the shapes a planned step of several micro-batches
       can use.
@@ -39,26 +45,26 @@ class Prefetcher:
       None.
 
   Example:
-    ``Prefetcher(compilers, layout, [], compile_fallback=True,
+    ``Prefetcher(compiler, layout, [], compile_fallback=True,
     cached=None).prefetch_for(64)`` queues the shapes near 64 rows a step.
   """
 
   def __init__(
     self,
-    compilers: StepCompilers,
+    compiler: StepProgramCompiler,
     layout: StepLayout,
     accumulation_shapes: Sequence[int],
     *,
     compile_fallback: bool,
     cached: Mapping[str, Any] | None,
   ):
-    self._compilers = compilers
+    self._compiler = compiler
     self._layout = layout
     self._accumulation_shapes = list(accumulation_shapes)
     self._compile_fallback = compile_fallback
     self._cached = cached
     if self._accumulation_shapes or compile_fallback:
-      compilers.update.prefetch()
+      compiler.prefetch([APPLY])
 
   def prefetch_for(self, batch_size: int) -> None:
     """Queues what a run starting at ``batch_size`` needs.
@@ -76,15 +82,15 @@ class Prefetcher:
     cached = self._cached
     if cached is not None:  # the programs the cache holds first: they only load
       shapes.sort(key=lambda size: size not in cached["fused"])
-    self._compilers.fused.prefetch(shapes)
+    self._compiler.prefetch([ProgramShape(Program.FUSED, shape) for shape in shapes])
     accumulating = []
     if self._compile_fallback:
       first = self._layout.plan(batch_size).micro_batch_size
       accumulating.append(nearest_cached("micro", first, cached))
     accumulating.extend(self._accumulation_shapes)
     if accumulating:
-      self._compilers.update.prefetch()
-      self._compilers.micro.prefetch(list(dict.fromkeys(accumulating)))
+      micro_steps = [ProgramShape(Program.MICRO, shape) for shape in dict.fromkeys(accumulating)]
+      self._compiler.prefetch([APPLY, *micro_steps])
 
   def prefetch_near(self, micro: int) -> None:
     """Queues the one-micro-batch programs within
@@ -92,6 +98,5 @@ class Prefetcher:
     nearest first, ahead of those queued before (called at each step, so the
     compiles follow the batch; without the fallback, whose queue holds the
     whole grid from the start, it only moves them ahead)."""
-    self._compilers.fused.prefetch(
-      self._layout.shapes_near(micro, COMPILE_WINDOW_OCTAVES), first=True
-    )
+    shapes = self._layout.shapes_near(micro, COMPILE_WINDOW_OCTAVES)
+    self._compiler.prefetch([ProgramShape(Program.FUSED, shape) for shape in shapes], first=True)

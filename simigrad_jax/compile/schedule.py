@@ -12,32 +12,27 @@ in order, ``steps_per_compile`` steps each. A step runs its own plan when its
 programs are admitted, else the fallback among the admitted ones; a step that
 needs an admitted program whose real compile has not finished waits for it.
 The schedule's state is saved in every checkpoint, so a resumed run admits
-the same programs at the same steps. Nothing here runs under ``jit``.
+the same programs at the same steps. :class:`ScheduledFallback` is the
+compile policy (:mod:`simigrad_jax.compile.policy`) that runs a run's steps by
+it. Nothing here runs under ``jit``.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from simigrad_jax.compile.fallback import choose_plan
+from simigrad_jax.compile.persistent_cache import cache_record
+from simigrad_jax.compile.program_compiler import StepProgramCompiler
+from simigrad_jax.compile.step_functions import APPLY
+from simigrad_jax.compile.step_functions import Program
+from simigrad_jax.compile.step_functions import ProgramShape
+from simigrad_jax.compile.step_functions import programs_of
 from simigrad_jax.shapes import batch_plan
 from simigrad_jax.shapes.layout import COMPILE_WINDOW_OCTAVES
 from simigrad_jax.shapes.layout import StepLayout
-
-# A program: its kind ("fused", the one-micro-batch step; "micro", the micro-step; "apply", the
-# update of accumulated steps) and its shape in rows per slot (0 for "apply").
-Program = tuple[str, int]
-APPLY: Program = ("apply", 0)
-
-
-def programs_of(plan: batch_plan.BatchPlan) -> list[Program]:
-  """The programs a step of ``plan`` runs: its shape's one-micro-batch step, or its micro-step
-  and the update."""
-  if plan.accumulation_steps == 1:
-    return [("fused", plan.micro_batch_size)]
-  return [("micro", plan.micro_batch_size), APPLY]
 
 
 class CompileSchedule:
@@ -49,8 +44,7 @@ class CompileSchedule:
       schedule, before a step may run on it (> 0; a fraction admits several a
       step).
     accumulation_shapes: the shapes a planned step of several micro-batches
-      can use (their micro-steps are requested with their one-micro-batch
-      programs).
+      can use (their micro-steps are requested with their fused steps).
 
   Example:
     >>> from simigrad_jax.shapes.layout import StepLayout
@@ -70,11 +64,11 @@ class CompileSchedule:
     self._layout = layout
     self._pace = float(steps_per_compile)
     self._accumulation = set(accumulation_shapes)
-    self._admitted: dict[Program, int] = {}  # program -> the step from which it may run
+    self._admitted: dict[ProgramShape, int] = {}  # program -> the step from which it may run
     self._free_at = 0.0  # when the schedule's one compiler is free (in steps)
 
-  def start(self, plan: batch_plan.BatchPlan, step: int) -> list[Program]:
-    """Admits ``plan``'s programs, and the fallback's (its shape's one-micro-batch step,
+  def start(self, plan: batch_plan.BatchPlan, step: int) -> list[ProgramShape]:
+    """Admits ``plan``'s programs, and the fallback's (its shape's fused step,
     micro-step and the update), at ``step`` when nothing is admitted yet (a new run).
 
     Changes nothing otherwise (a resumed run, a later ``train()`` call), so
@@ -86,7 +80,8 @@ class CompileSchedule:
     """
     if not self._admitted:
       size = plan.micro_batch_size
-      for program in [*programs_of(plan), ("fused", size), ("micro", size), APPLY]:
+      fallback = [ProgramShape(Program.FUSED, size), ProgramShape(Program.MICRO, size), APPLY]
+      for program in [*programs_of(plan), *fallback]:
         self._admitted.setdefault(program, step)
       self._free_at = float(step)
     return sorted(self._admitted, key=lambda program: (self._admitted[program], program))
@@ -95,8 +90,8 @@ class CompileSchedule:
     """The view (:mod:`~simigrad_jax.compile.fallback`) of the programs admitted at ``step``."""
     ready = [program for program, at in self._admitted.items() if at <= step]
     return {
-      "fused": {size for kind, size in ready if kind == "fused"},
-      "micro": {size for kind, size in ready if kind == "micro"},
+      "fused": {size for program, size in ready if program is Program.FUSED},
+      "micro": {size for program, size in ready if program is Program.MICRO},
       "apply": APPLY in ready,
       "failed_fused": set(),
       "failed_micro": set(),
@@ -107,8 +102,8 @@ class CompileSchedule:
     programs (:func:`~simigrad_jax.compile.fallback.choose_plan`)."""
     return choose_plan(plan, self.admitted(step))
 
-  def advance(self, plan: batch_plan.BatchPlan, step: int) -> list[Program]:
-    """Requests, at ``step``, ``plan``'s programs and the one-micro-batch programs near its
+  def advance(self, plan: batch_plan.BatchPlan, step: int) -> list[ProgramShape]:
+    """Requests, at ``step``, ``plan``'s programs and the fused steps near its
     shape (within :data:`~simigrad_jax.shapes.layout.COMPILE_WINDOW_OCTAVES`, nearest first;
     with the micro-step of a shape a planned step may accumulate on).
 
@@ -124,21 +119,21 @@ class CompileSchedule:
       self._admitted[program] = math.ceil(self._free_at)
     return new
 
-  def near(self, plan: batch_plan.BatchPlan) -> list[Program]:
-    """``plan``'s programs and the one-micro-batch programs near its shape (within
+  def near(self, plan: batch_plan.BatchPlan) -> list[ProgramShape]:
+    """``plan``'s programs and the fused steps near its shape (within
     :data:`~simigrad_jax.shapes.layout.COMPILE_WINDOW_OCTAVES`, nearest first; with the
     micro-step of a shape a planned step may accumulate on): what :meth:`advance` requests, and
     the order in which the run is likely to need them, whether requested before or not."""
     wanted = list(programs_of(plan))
     for size in self._layout.shapes_near(plan.micro_batch_size, COMPILE_WINDOW_OCTAVES):
-      wanted.append(("fused", size))
+      wanted.append(ProgramShape(Program.FUSED, size))
       if size in self._accumulation:
-        wanted.extend([("micro", size), APPLY])
+        wanted.extend([ProgramShape(Program.MICRO, size), APPLY])
     return list(dict.fromkeys(wanted))
 
   def state_dict(self) -> dict[str, Any]:
     """The schedule as JSON data, for a checkpoint (:meth:`load_state_dict` reads it back)."""
-    admitted = sorted([kind, size, at] for (kind, size), at in self._admitted.items())
+    admitted = sorted([program.value, size, at] for (program, size), at in self._admitted.items())
     return {"steps_per_compile": self._pace, "free_at": self._free_at, "admitted": admitted}
 
   def load_state_dict(self, state: Mapping[str, Any] | None) -> bool:
@@ -151,15 +146,107 @@ class CompileSchedule:
     self._admitted, self._free_at = admitted, free_at
     return True
 
-  def _read_state(self, state: Any) -> tuple[dict[Program, int], float]:
+  def _read_state(self, state: Any) -> tuple[dict[ProgramShape, int], float]:
     """The admitted programs and the compiler's free step of a saved ``state``; ValueError
     when it is not one of this schedule's."""
     if not isinstance(state, Mapping) or state["steps_per_compile"] != self._pace:
       raise ValueError("another schedule")
     admitted = {}
     for kind, size, at in state["admitted"]:
-      on_grid = size in self._layout.grid or (kind, size) == APPLY
-      if kind not in ("fused", "micro", "apply") or not isinstance(at, int) or not on_grid:
+      program = ProgramShape(Program(kind), size)  # (ValueError: no such program)
+      on_grid = size in self._layout.grid or program == APPLY
+      if not isinstance(at, int) or not on_grid:
         raise ValueError(f"not a program of this grid: {[kind, size, at]}")
-      admitted[(str(kind), int(size))] = at
+      admitted[ProgramShape(program.program, int(size))] = at
     return admitted, float(state["free_at"])
+
+
+class ScheduledFallback:
+  """The deterministic compile policy: which programs a step runs on, by the schedule of the step count.
+
+  A step runs its own plan when the schedule
+  (:class:`CompileSchedule`) has admitted its programs, else the same batch
+  on admitted ones; it waits for an admitted program whose real compile has
+  not finished. The compiles are queued in the order the schedule admits
+  the programs, those the run is likely to need next first (the update's
+  from the start: every run admits it with its first plan). The schedule's
+  state is in the checkpoint's record (:meth:`compiled_programs`), so that a
+  resumed run admits the same programs at the same steps as one never
+  interrupted: the trajectory does not depend on the compiles' timing, nor
+  on the processes (the schedule is the same on every one).
+
+  Args:
+    compiler: the step's compiler.
+    schedule: the schedule of the run's steps (restored, on a resume, from
+      the checkpoint's record).
+    layout: the step layout (its plans).
+    cache_dir: JAX's persistent compilation cache (absolute), or None.
+
+  Example:
+    ``ScheduledFallback(compiler, CompileSchedule(layout, 2.0, []), layout,
+    None)``: after ``start(batch_size, 0)``, ``choose(plan, step, last)`` is
+    ``plan`` once its programs are admitted, and until then the same batch
+    on admitted ones.
+  """
+
+  def __init__(
+    self,
+    compiler: StepProgramCompiler,
+    schedule: CompileSchedule,
+    layout: StepLayout,
+    cache_dir: str | None,
+  ) -> None:
+    self._compiler = compiler
+    self._schedule = schedule
+    self._layout = layout
+    self._cache_dir = cache_dir
+    compiler.prefetch([APPLY])  # at once: the fallback may accumulate from the first step
+
+  def start(self, batch_size: int, step: int) -> None:
+    """Queues the programs the schedule admits (a new run's first plan and its fallback, a
+    resumed run's as saved), those near ``batch_size``'s plan first."""
+    plan = self._layout.plan(batch_size)
+    admitted = self._schedule.start(plan, step)
+    self._compiler.prefetch([p for p in self._schedule.near(plan) if p in admitted] + admitted)
+
+  def choose(self, exact: batch_plan.BatchPlan, step: int, last: bool) -> batch_plan.BatchPlan:
+    """``exact``, or the same batch on admitted programs
+    (:meth:`CompileSchedule.choose`); then the programs near ``exact`` requested
+    (:meth:`CompileSchedule.advance`: call it once a step, in step order) and, unless the step
+    is the run's ``last``, queued in the order they become usable."""
+    plan = self._schedule.choose(exact, step)
+    requested = self._schedule.advance(exact, step)
+    if not last:  # (the next step's likely plans go ahead)
+      self._compiler.prefetch(requested)
+    return plan
+
+  def ready_plan(
+    self, plan: batch_plan.BatchPlan, step: int, prefetch: bool = True
+  ) -> batch_plan.BatchPlan:
+    """``plan``, or the same batch on the programs admitted at ``step``; unless ``prefetch`` is
+    False, the programs of the plan returned move ahead of those queued."""
+    chosen = self._schedule.choose(plan, step)
+    if prefetch:
+      self._compiler.prefetch(programs_of(chosen), first=True)
+    return chosen
+
+  def await_fallback(self, micro: int) -> None:
+    """Nothing: a step waits only for the programs it runs."""
+    del micro
+
+  def compiled_programs(self) -> dict[str, Any]:
+    """The schedule's state (``"schedule"``) and, with the persistent compilation cache, what it
+    holds from this run (:func:`~simigrad_jax.compile.persistent_cache.cache_record`)."""
+    record: dict[str, Any] = {}
+    if self._cache_dir is not None:
+      record = cache_record(self._cache_dir, self._compiler.view(), None)
+    record["schedule"] = self._schedule.state_dict()
+    return record
+
+  def compiled_report(self) -> dict[str, int] | None:
+    """None: the schedule is the same on every process."""
+    return None
+
+  def agree_on_compiles(self, reports: Sequence[dict[str, int]]) -> None:
+    """Nothing to agree on."""
+    del reports

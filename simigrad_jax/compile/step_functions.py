@@ -10,6 +10,10 @@ with the shardings the state keeps, and lowered per micro-batch shape on
 ``jax.ShapeDtypeStruct`` placeholders (no data needed), for the compilers of
 :mod:`simigrad_jax.compile.compiler`. Nothing here runs a step.
 
+The three programs are named by :class:`Program`, and a program of one shape
+by :class:`ProgramShape` (the key the compiler of
+:mod:`simigrad_jax.compile.program_compiler` compiles them by).
+
 Shapes are counted in rows per slot: a slot is a device, or with the local
 split one of the two blocks of a device's rows
 (:mod:`simigrad_jax.shapes.layout`).
@@ -17,8 +21,9 @@ split one of the two blocks of a device's rows
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -28,7 +33,63 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from simigrad_jax.ingraph import train_step
+from simigrad_jax.shapes import batch_plan
 from simigrad_jax.shapes.layout import StepLayout
+
+
+class Program(enum.StrEnum):
+  """The programs of a training step.
+
+  Their values are the names a checkpoint records them by (the compile
+  schedule's state, the persistent cache's record) and the keys of a *view*
+  of the compiled programs (:mod:`simigrad_jax.compile.fallback`).
+
+  Attributes:
+    FUSED: a step of one micro-batch per device: gradient, reduction and
+      update in one program (one per shape).
+    MICRO: a micro-step of a step of several micro-batches: the gradient,
+      added to the accumulator (one per shape).
+    APPLY: the update of the accumulated micro-steps (one for every shape).
+  """
+
+  FUSED = "fused"
+  MICRO = "micro"
+  APPLY = "apply"
+
+
+class ProgramShape(NamedTuple):
+  """A program of a training step at one micro-batch shape: what is compiled, once.
+
+  Attributes:
+    program: which program.
+    micro: its shape in rows per slot; 0 for :attr:`Program.APPLY`, the same
+      program for every shape.
+
+  Example:
+    >>> ProgramShape(Program.MICRO, 4) == ("micro", 4)
+    True
+  """
+
+  program: Program
+  micro: int
+
+
+# The update of accumulated micro-steps: one program for every shape.
+APPLY = ProgramShape(Program.APPLY, 0)
+
+
+def programs_of(plan: batch_plan.BatchPlan) -> list[ProgramShape]:
+  """The programs a step of ``plan`` runs: its shape's fused step, or its micro-step and the
+  update.
+
+  Example:
+    >>> plan = batch_plan.plan_batch(64, 8, batch_plan.BucketPolicy(4, 1))  # 8 rows: 2 steps of 4
+    >>> programs_of(plan) == [(Program.MICRO, 4), APPLY]
+    True
+  """
+  if plan.accumulation_steps == 1:
+    return [ProgramShape(Program.FUSED, plan.micro_batch_size)]
+  return [ProgramShape(Program.MICRO, plan.micro_batch_size), APPLY]
 
 
 def abstract(tree: Any) -> Any:
@@ -63,9 +124,10 @@ class StepFunctions:
     element_spec: the source's ``{name: (shape, dtype)}`` per example.
 
   Example:
-    A step's programs come from its lowerings, e.g.
-    ``StepCompiler(functions.lower_fused)`` for the one-micro-batch programs
-    (:class:`simigrad_jax.compile.programs.StepPrograms` does so).
+    A step's programs come from :meth:`lower`, e.g.
+    ``StepCompiler(functions.lower_fused)`` for the fused steps alone, or
+    :class:`~simigrad_jax.compile.program_compiler.StepProgramCompiler`, which
+    compiles every program by its :class:`ProgramShape`.
   """
 
   def __init__(
@@ -141,6 +203,15 @@ class StepFunctions:
         f"loss_fn fails on one device's rows of this source (features {spec}, "
         f"{self._layout.device_rows(micro)} rows): {type(error).__name__}: {error}"
       ) from error
+
+  def lower(self, key: ProgramShape) -> jax.stages.Lowered:
+    """The program ``key`` names, lowered (:meth:`lower_fused`, :meth:`lower_micro` or
+    :meth:`lower_apply`)."""
+    if key.program is Program.FUSED:
+      return self.lower_fused(key.micro)
+    if key.program is Program.MICRO:
+      return self.lower_micro(key.micro)
+    return self.lower_apply()
 
   def lower_fused(self, micro: int) -> jax.stages.Lowered:
     """The fused step of shape ``micro``, lowered (from its :meth:`trace`, if any)."""

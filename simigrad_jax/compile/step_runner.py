@@ -2,7 +2,7 @@
 
 A step of one micro-batch per device runs the one-micro-batch program of its
 shape; a step of several accumulates with the micro-step of its shape, then
-applies the update (:class:`~simigrad_jax.compile.step_compilers.StepCompilers`
+applies the update (:class:`~simigrad_jax.compile.program_compiler.StepProgramCompiler`
 compiles them). A step takes its scalars as one
 :class:`~simigrad_jax.ingraph.train_step.StepScalars` and returns what it
 measured as one :class:`~simigrad_jax.ingraph.train_step.StepMeasurements`.
@@ -16,7 +16,10 @@ from typing import Any
 
 from jax.sharding import Mesh
 
-from simigrad_jax.compile.step_compilers import StepCompilers
+from simigrad_jax.compile.program_compiler import StepProgramCompiler
+from simigrad_jax.compile.step_functions import APPLY
+from simigrad_jax.compile.step_functions import Program
+from simigrad_jax.compile.step_functions import ProgramShape
 from simigrad_jax.data.data_loader import StepBatch
 from simigrad_jax.ingraph import train_step
 
@@ -28,7 +31,7 @@ class StepRunner:
   when a step first accumulates, and reused (donated) by the next.
 
   Args:
-    compilers: the step's compilers (a program not compiled yet is waited
+    compiler: the step's compiler (a program not compiled yet is waited
       for, or compiled at once).
     mesh: the mesh.
     axis_name: the data axis.
@@ -36,13 +39,13 @@ class StepRunner:
       or ``"local"``).
 
   Example:
-    ``state, measurements = StepRunner(compilers, mesh, "batch",
+    ``state, measurements = StepRunner(compiler, mesh, "batch",
     "device").run(state, data, scalars)`` dispatches one step (see
     :meth:`run`).
   """
 
-  def __init__(self, compilers: StepCompilers, mesh: Mesh, axis_name: str, halves: str):
-    self._compilers = compilers
+  def __init__(self, compiler: StepProgramCompiler, mesh: Mesh, axis_name: str, halves: str):
+    self._compiler = compiler
     self._mesh, self._axis_name, self._halves = mesh, axis_name, halves
     self._acc: Any = None  # allocated when a step first accumulates
 
@@ -68,13 +71,13 @@ class StepRunner:
     params, opt_state, model_state = state["params"], state["opt_state"], state["model_state"]
     if plan.accumulation_steps == 1:
       ((batch, weights),) = data.micro_batches
-      program = self._compilers.fused.get(plan.micro_batch_size)
+      program = self._compiler.get(ProgramShape(Program.FUSED, plan.micro_batch_size))
       params, opt_state, model_state, measurements = program(
         params, opt_state, model_state, batch, weights, scalars, data.counters[0]
       )
     else:
-      program = self._compilers.micro.get(plan.micro_batch_size)
-      apply = self._compilers.update.get()
+      program = self._compiler.get(ProgramShape(Program.MICRO, plan.micro_batch_size))
+      apply = self._compiler.get(APPLY)
       acc = self._acc
       if acc is None:
         acc = train_step.zero_accumulator(params, self._mesh, self._axis_name, self._halves)

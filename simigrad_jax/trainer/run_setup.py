@@ -243,9 +243,9 @@ def open_run(
       upper=upper,
       cached_programs=resumed.compiled_programs,
     )
-    undo.callback(programs.close)
+    undo.callback(programs.compiler.close)
     with checks.transform_named_for(config.axis_name):  # misfits fail here, at the first trace
-      programs.trace(layout.plan(controller.batch_size).micro_batch_size)
+      programs.functions.trace(layout.plan(controller.batch_size).micro_batch_size)
     undo.pop_all()
   return workdir_lock, checkpoints, programs, resumed
 

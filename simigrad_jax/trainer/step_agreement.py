@@ -28,7 +28,7 @@ class StepAgreement:
 
   Args:
     agreement: the agreement between the run's processes.
-    programs: the step's compiled programs (their compiled shapes are agreed on).
+    programs: the step's compiled programs (their compile policy's report is agreed on).
     checkpoints: the run's checkpoints (a failed background save stops the run).
     checkpoint: the checkpoint hook (a save on time is decided here).
     stop: the ``train()`` call's stop on a signal (set here when agreed).
@@ -46,7 +46,7 @@ class StepAgreement:
     checkpoint: CheckpointHook,
     stop: preemption.RunStop,
   ):
-    self._agreement, self._programs, self._checkpoints = agreement, programs, checkpoints
+    self._agreement, self._compiles, self._checkpoints = agreement, programs.policy, checkpoints
     self._checkpoint, self._stop = checkpoint, stop
     self._failed_saves: list[str | None] = []  # agreed, raised once the step's records are out
 
@@ -64,7 +64,7 @@ class StepAgreement:
       ProcessDisagreementError: the processes decided differently.
     """
     start = time.perf_counter()
-    compiled = self._programs.compiled_report()
+    compiled = self._compiles.compiled_report()
     report = {
       "compiled": compiled,
       **self._stop.report(self._checkpoint.seconds_since_save(), self._checkpoints.failed_save()),
@@ -72,7 +72,7 @@ class StepAgreement:
     reports = self._agreement.agree(f"decision of step {step}", decision, report=report)
     assert reports is not None  # one per process, as a report was given
     if compiled is not None:
-      self._programs.agree_on_compiles([r["compiled"] for r in reports])
+      self._compiles.agree_on_compiles([r["compiled"] for r in reports])
     agreed = preemption.Agreed.read(reports)
     self._failed_saves = agreed.failed_saves
     self._checkpoint.save_on_time(step, agreed.seconds_since_checkpoint)

@@ -6,7 +6,8 @@ another, each in the same order, written out in that one method:
 1. plan: the controller's global batch size on the devices
    (:class:`~simigrad_jax.shapes.layout.StepLayout`): micro-batch shape,
    accumulation steps, padding; a shape still compiling falls back to a
-   compiled one (:class:`~simigrad_jax.compile.programs.StepPrograms`);
+   compiled one (the compile policy of
+   :class:`~simigrad_jax.compile.programs.StepPrograms`);
 2. take the rows: the next examples of the epoch's permutation, counted in
    examples, so nothing is dropped or repeated within an epoch
    (:class:`simigrad_jax.data.EpochSampler`), loaded and placed on the devices while
@@ -52,6 +53,8 @@ from simigrad_jax.checkpoint.run_checkpoints import Resumed
 from simigrad_jax.checkpoint.run_checkpoints import RunCheckpoints
 from simigrad_jax.compile.compiler import CompileAbandoned
 from simigrad_jax.compile.programs import StepPrograms
+from simigrad_jax.compile.step_functions import ProgramShape
+from simigrad_jax.compile.step_functions import programs_of
 from simigrad_jax.controllers import interface as controller_interface
 from simigrad_jax.data import grain_source
 from simigrad_jax.data.data_loader import StepDataLoader
@@ -59,7 +62,6 @@ from simigrad_jax.data.sampler import EpochSampler
 from simigrad_jax.ingraph import train_step
 from simigrad_jax.multihost import preemption
 from simigrad_jax.multihost.process_agreement import ProcessAgreement
-from simigrad_jax.shapes import batch_plan
 from simigrad_jax.shapes import mesh_sharding
 from simigrad_jax.shapes.layout import StepLayout
 from simigrad_jax.trainer import run_setup
@@ -126,7 +128,7 @@ class StepLoop:
     )
     self.stop = preemption.RunStop()
     self._agreement = StepAgreement(agreement, programs, checkpoints, self.checkpoint, self.stop)
-    self._programs_run: set[tuple[str, int]] = set()  # the programs a step of this loop ran
+    self._programs_run: set[ProgramShape] = set()  # the programs a step of this loop ran
     self._taken_at = -1  # the step whose rows the sampler last gave (the state is whole after it)
     # A setting, read once: a schedule's config lists all its thresholds (a replay's, one a step).
     self._similarity_target = controller_interface.similarity_target(controller)
@@ -144,7 +146,7 @@ class StepLoop:
     self.checkpoint.restart_clock()
     with self.stop:  # a signal stops the run after the step under way
       if jax.process_count() == 1:  # (with several, every process runs the step under way)
-        self._programs.set_interrupt(lambda: self.stop.signalled)
+        self._programs.compiler.set_interrupt(lambda: self.stop.signalled)
       try:
         self.run_steps(hooks, total_examples, max_steps)
         if self.step > first_step:
@@ -158,7 +160,7 @@ class StepLoop:
         self._checkpoints.save_elsewhere(error, self.step, state, **self._saved_with())  # a disk's
         raise
       finally:
-        self._programs.set_interrupt(None)
+        self._programs.compiler.set_interrupt(None)
 
   def save_checkpoint(self) -> None:
     """Saves the current state as the checkpoint of the current step (once per step)."""
@@ -170,7 +172,7 @@ class StepLoop:
       "sampler": self.sampler,
       "controller": self.controller,
       "nonfinite_steps": self.nonfinite_steps,
-      "compiled_programs": self._programs.compiled_programs(),
+      "compiled_programs": self._programs.policy.compiled_programs(),
     }
 
   def run_steps(self, hooks: Sequence[StepHook], total_examples: float, max_steps: float) -> None:
@@ -193,10 +195,10 @@ class StepLoop:
         remaining = total_examples - self.sampler.examples_seen
         exact = self.layout.plan(int(min(batch_size, remaining)))
         last = remaining <= batch_size  # no step follows: a compile asked for now is never used
-        plan = self._programs.choose(exact, self.step, last)  # decided by the step count
-        wait_before = self._programs.wait_seconds()
+        plan = self._programs.policy.choose(exact, self.step, last)  # decided by the step count
+        wait_before = self._programs.compiler.wait_seconds
         try:
-          self._programs.wait_for(plan)
+          self._programs.compiler.wait_for(plan)
         except CompileAbandoned:  # a signal while this step's compile was awaited: not run
           if self.stop.stop_alone():
             break
@@ -209,10 +211,10 @@ class StepLoop:
         # 3. Run. The host's critical path ends at the program's call.
         scalars = self._inputs.on_devices(plan.global_batch_size)
         host_seconds = math.nan if last_read is None else time.perf_counter() - last_read
-        first_run = not _programs_of(plan) <= self._programs_run
-        self._programs_run |= _programs_of(plan)
-        self.state, measurements = self._programs.run(self.state, rows, scalars)
-        self._programs.await_fallback(plan.micro_batch_size)  # (the first step: the fallbacks)
+        first_run = not set(programs_of(plan)) <= self._programs_run
+        self._programs_run |= set(programs_of(plan))
+        self.state, measurements = self._programs.runner.run(self.state, rows, scalars)
+        self._programs.policy.await_fallback(plan.micro_batch_size)  # (the first step's wait)
         dispatched = DispatchedStep(
           plan=plan,
           exact_plan=exact,
@@ -221,7 +223,7 @@ class StepLoop:
           epoch=epoch,
           data_seconds=data_seconds,
           host_seconds=host_seconds,
-          compile_wait_seconds=self._programs.wait_seconds() - wait_before,
+          compile_wait_seconds=self._programs.compiler.wait_seconds - wait_before,
           first_run=first_run,
           lr_factor=self._inputs.lr_factor,
           schedule_factor=self._inputs.schedule_factor,
@@ -300,7 +302,7 @@ class StepLoop:
     epochs = start / self.sampler.num_examples
     sizes = controller_interface.likely_batch_sizes(self.controller, start, epochs, self._bounds)
     plans = [
-      self._programs.ready_plan(self.layout.plan(int(min(s, remaining))), self.step + 1)
+      self._programs.policy.ready_plan(self.layout.plan(int(min(s, remaining))), self.step + 1)
       for s in sizes
     ]
     count = int(min(max(self.controller.batch_size, *sizes), remaining))
@@ -309,7 +311,7 @@ class StepLoop:
 
   def _run_hooks(self, hooks: Sequence[StepHook], record: StepRecord) -> None:
     """Hands ``record``, with the compile counters as they are now, to each of ``hooks``."""
-    record = record.with_compile_stats(self._programs.stats())
+    record = record.with_compile_stats(self._programs.compiler.totals())
     for hook in hooks:
       hook.on_step(record)
 
@@ -320,7 +322,7 @@ class StepLoop:
     self._inputs.set_lr_factor(
       self._inputs.lr_factors(batch_size, start / self.sampler.num_examples)
     )
-    self._programs.start(batch_size, self.step)
+    self._programs.policy.start(batch_size, self.step)
     if total_examples > start:  # (a resumed run may have no step left)
       first = self.layout.plan(int(min(batch_size, total_examples - start)))
       self._data.submit(start, first.global_batch_size, self.step, [first])
@@ -550,7 +552,7 @@ class Trainer:
   def compile_stats(self) -> dict[str, Any]:
     """Compiles so far (programs per shape plus the update of accumulated steps), their seconds,
     the seconds steps waited for them, and the compiled micro-batch shapes."""
-    return self._programs.stats()
+    return self._programs.compiler.totals()
 
   def step_memory(self, micro_batch_size: int | None = None) -> dict[str, int]:
     """XLA's memory per device (``compiled.memory_analysis()``) of the one-micro-batch step
@@ -558,14 +560,15 @@ class Trainer:
     ``argument_bytes``, ``output_bytes``, ``alias_bytes`` (outputs reusing the donated state)
     and ``temp_bytes``."""
     if micro_batch_size is None:
-      return self._programs.memory(self.layout.plan(self.controller.batch_size).micro_batch_size)
-    return self._programs.memory(self.layout.slot_rows(micro_batch_size))
+      micro = self.layout.plan(self.controller.batch_size).micro_batch_size
+      return self._programs.compiler.memory(micro)
+    return self._programs.compiler.memory(self.layout.slot_rows(micro_batch_size))
 
   def close(self) -> None:
     """Waits for saves and compiles, closes the metrics files and releases the workdir (after a
     lost process, it waits for no checkpoint save: the save would wait for that process)."""
     self._checkpoints.close()
-    self._programs.close()
+    self._programs.compiler.close()
     self._data.close()
     self._metrics.writer.close()
     self._agreement.close()
@@ -577,13 +580,6 @@ class Trainer:
 
   def __exit__(self, *exc: object) -> None:
     self.close()
-
-
-def _programs_of(plan: batch_plan.BatchPlan) -> set[tuple[str, int]]:
-  """The compiled programs a step of ``plan`` runs (see StepPrograms)."""
-  if plan.accumulation_steps == 1:
-    return {("step", plan.micro_batch_size)}
-  return {("micro_step", plan.micro_batch_size), ("update", 0)}
 
 
 def _config_of(config: TrainerConfig | None) -> TrainerConfig:

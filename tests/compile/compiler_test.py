@@ -15,7 +15,6 @@ from jax.sharding import PartitionSpec as P
 
 from simigrad_jax.compile import compiler
 from simigrad_jax.compile.compiler import CompileAbandoned
-from simigrad_jax.compile.compiler import ProgramCompiler
 from simigrad_jax.compile.compiler import StepCompileError
 from simigrad_jax.compile.compiler import StepCompiler
 
@@ -131,7 +130,7 @@ def test_prefetch_first_moves_queued_sizes_ahead_in_the_order_given(mesh):
   gated = lambda size: (gate.wait(timeout=30), lower(size))[1]
   with StepCompiler(gated, name="toy") as compiler:
     compiler.prefetch([1, 2, 3])  # 1 starts (and waits at the gate); 2 and 3 queued
-    wait_until(lambda: list(compiler._queue.waiting) == [2, 3])
+    wait_until(lambda: list(compiler._queue.waiting[""]) == [2, 3])  # (its one lane)
     compiler.prefetch([4, 3], first=True)  # 4 new, 3 moved ahead of 2
     compiler.prefetch([2, 5])  # 2 stays where it is; 5 last
     gate.set()
@@ -301,18 +300,6 @@ def test_a_wait_gives_up_when_its_interrupt_says_so_and_a_later_get_waits_again(
   compiler.close()
 
 
-def test_a_program_compilers_wait_gives_up_on_its_interrupt():
-  gate = threading.Event()
-  program = ProgramCompiler(OneProgram(gate=gate), background=True, name="update")
-  program.interrupt = lambda: True
-  with pytest.raises(CompileAbandoned, match="update"):
-    program.get()
-  program.close()  # at once, the compile still running
-  gate.set()
-  program.interrupt = None
-  np.testing.assert_allclose(program.get()(jnp.ones(3)), [2.0, 2.0, 2.0])
-
-
 def test_close_abandons_the_running_compile_and_cancels_the_rest(mesh):
   lower = Lowerer(mesh, gated=[1])
   compiler = StepCompiler(lower)
@@ -384,82 +371,6 @@ def test_numpy_sizes_are_accepted(mesh):
     compiler.prefetch(np.array([1, 2]))
     check_runs(compiler.get(np.int64(2)), 2)
   assert lower.calls == [2]
-
-
-# ----------------------------------------------------------- ProgramCompiler
-
-
-class OneProgram:
-  """``lower()`` for one program; counts its calls and the threads they run in, may fail or
-  wait for ``gate``."""
-
-  def __init__(self, fail=False, gate=None):
-    self.fail, self.gate = fail, gate
-    self.threads = []
-
-  def __call__(self):
-    self.threads.append(threading.current_thread().name)
-    if self.gate is not None:
-      assert self.gate.wait(TIMEOUT)
-    if self.fail:
-      raise ValueError("no update (injected)")
-    return jax.jit(lambda x: 2 * x).lower(jax.ShapeDtypeStruct((3,), jnp.float32))
-
-
-def test_a_program_compiles_once_in_its_background_thread():
-  lower = OneProgram()
-  program = ProgramCompiler(lower, background=True, name="update")
-  assert not program.done and not program.stats()["compiled"]
-  program.prefetch()
-  program.prefetch()  # once only
-  np.testing.assert_allclose(program.get()(jnp.ones(3)), [2.0, 2.0, 2.0])
-  assert program.get() is program.get()
-  stats = program.stats()
-  program.close()
-  assert lower.threads == ["simigrad-update-compiler"]
-  assert program.done and stats["compiled"] and stats["compiles"] == 1
-  assert stats["compile_seconds"] > 0 and stats["cache_hits"] == 0
-
-
-def test_a_get_before_the_compile_is_done_counts_as_wait():
-  gate = threading.Event()
-  program = ProgramCompiler(OneProgram(gate=gate), background=True, name="update")
-  program.prefetch()
-  threading.Timer(0.1, gate.set).start()
-  program.get()
-  program.close()
-  assert program.wait_seconds >= 0.05
-  assert program.stats()["compile_wait_seconds"] == program.wait_seconds
-
-
-def test_without_background_the_program_compiles_at_prefetch_and_get_does_not_wait():
-  lower = OneProgram()
-  program = ProgramCompiler(lower, background=False, name="update")
-  program.prefetch()
-  assert program.done and lower.threads == [threading.current_thread().name]
-  program.get()
-  program.close()
-  assert program.wait_seconds == 0 and program.stats()["compiles"] == 1
-
-
-def test_a_failed_program_raises_its_error_at_every_get():
-  program = ProgramCompiler(OneProgram(fail=True), background=True, name="update")
-  for _ in range(2):
-    with pytest.raises(ValueError, match=r"no update \(injected\)"):
-      program.get()
-  program.close()
-  stats = program.stats()
-  assert program.done and not stats["compiled"]
-  assert stats["compiles"] == 0 and stats["compile_seconds"] == 0
-
-
-def test_a_program_compilers_arguments_are_checked():
-  with pytest.raises(ValueError, match=r"lower must be a callable \(\) -> jax.stages.Lowered"):
-    ProgramCompiler(3, background=True, name="update")
-  with pytest.raises(ValueError, match="background"):
-    ProgramCompiler(OneProgram(), background="yes", name="update")
-  with pytest.raises(ValueError, match="name must be a str, got 7"):
-    ProgramCompiler(OneProgram(), background=True, name=7)
 
 
 def test_doctests():

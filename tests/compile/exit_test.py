@@ -28,7 +28,8 @@ from simigrad_jax.compile import exit_wait
 from simigrad_jax.compile.compiler import CompileAbandoned
 from simigrad_jax.compile.compiler import StepCompileError
 from simigrad_jax.compile.compiler import StepCompiler
-from simigrad_jax.compile.step_compilers import StepCompilers
+from simigrad_jax.compile.program_compiler import StepProgramCompiler
+from simigrad_jax.compile.step_functions import Program
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 TRIES = 5
@@ -161,14 +162,12 @@ def test_the_exit_says_nothing_when_the_compiles_end_within_the_quiet_time(
 
 def test_after_a_stop_on_a_signal_the_exit_waits_for_no_compile(mesh, in_flight):  # noqa: F811
   lower = Lowerer(mesh, gated=[1])
-  compilers = StepCompilers(
-    types.SimpleNamespace(lower_fused=lower, lower_micro=lower, lower_apply=lambda: None),
-    layout=None,
-    background=True,
+  compilers = StepProgramCompiler(
+    types.SimpleNamespace(lower=lambda key: lower(key.micro)), layout=None, background=True
   )
   compilers.set_interrupt(lambda: False)
   compilers.set_interrupt(None)  # a run that ended without a signal
-  compilers.fused.prefetch([1])
+  compilers.prefetch([(Program.FUSED, 1)])
   assert lower.started[1].wait(TIMEOUT)
   compilers.set_interrupt(lambda: True)
   compilers.set_interrupt(None)  # a run that stopped on a signal

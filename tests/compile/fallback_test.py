@@ -5,14 +5,15 @@ import doctest
 import math
 
 import pytest
-from recording_compilers import RecordingCompilers
+from recording_compilers import RecordingCompiler
 
 import simigrad_jax
 import tiny_run
 from simigrad_jax.compile import compiler
 from simigrad_jax.compile import fallback
+from simigrad_jax.compile import persistent_cache
 from simigrad_jax.compile.agreement import CompileAgreement
-from simigrad_jax.compile.fallback import CompileFallback
+from simigrad_jax.compile.fallback import TimedFallback
 from simigrad_jax.compile.fallback import choose_plan
 from simigrad_jax.compile.fallback import fallback_plan
 from simigrad_jax.shapes.batch_plan import BucketPolicy
@@ -48,6 +49,12 @@ def test_only_ready_programs_and_none_keeps_the_plan():
   one_step_only_for_32 = lambda size, steps: steps == 1 and size == 32 or size == 8
   assert fallback_plan(plan, {8, 32}, one_step_only_for_32).micro_batch_size == 32
   assert fallback_plan(plan, {8}, lambda size, steps: False) == plan
+
+
+def timed_fallback(compilers, *, cached, agreement):
+  """The timed fallback on ``compilers``, a :class:`RecordingCompiler` (its prefetcher's own
+  queueing is tested in prefetch_test)."""
+  return TimedFallback(compilers, None, None, cached=cached, agreement=agreement)
 
 
 def view(fused=(), micro=(), apply=False, failed_fused=()):
@@ -88,51 +95,51 @@ def test_with_nothing_compiled_the_plan_waits_for_a_program_the_cache_holds():
 
 def test_nearest_cached_picks_the_nearest_shape_the_cache_holds():
   cached = {"fused": {4, 16}, "micro": set(), "apply": False}
-  assert fallback.nearest_cached("fused", 7, cached) == 4  # log scale: 7/4 < 16/7
-  assert fallback.nearest_cached("fused", 8, cached) == 16  # a tie: the larger
-  assert fallback.nearest_cached("fused", 16, cached) == 16
-  assert fallback.nearest_cached("micro", 7, cached) == 7  # none of that kind
-  assert fallback.nearest_cached("fused", 7, None) == 7
+  assert persistent_cache.nearest_cached("fused", 7, cached) == 4  # log scale: 7/4 < 16/7
+  assert persistent_cache.nearest_cached("fused", 8, cached) == 16  # a tie: the larger
+  assert persistent_cache.nearest_cached("fused", 16, cached) == 16
+  assert persistent_cache.nearest_cached("micro", 7, cached) == 7  # none of that kind
+  assert persistent_cache.nearest_cached("fused", 7, None) == 7
 
 
 def test_a_plan_still_compiling_runs_on_a_compiled_shape_and_its_own_is_queued():
-  compilers = RecordingCompilers(view(fused={16}))
-  chooser = CompileFallback(compilers, cached=None, agreement=None)
+  compilers = RecordingCompiler(view(fused={16}))
+  chooser = timed_fallback(compilers, cached=None, agreement=None)
   plan = plan_batch(100, 8, POLICY)  # 13 rows a device, one step
-  assert chooser.ready_plan(plan).micro_batch_size == 16
+  assert chooser.ready_plan(plan, 0).micro_batch_size == 16
   assert compilers.fused.queued == [[13]] and compilers.micro.queued == []
-  assert chooser.ready_plan(plan, prefetch=False).micro_batch_size == 16  # the last step
+  assert chooser.ready_plan(plan, 0, prefetch=False).micro_batch_size == 16  # the last step
   assert compilers.fused.queued == [[13]]
   big = plan_batch(1000, 8, POLICY)  # four micro-steps of 32 rows: the micro-step is queued
-  assert big.accumulation_steps == 4 and chooser.ready_plan(big) is big  # none to accumulate on
+  assert big.accumulation_steps == 4 and chooser.ready_plan(big, 0) is big  # none to accumulate on
   assert compilers.micro.queued == [[32]]
   compilers.compiled = view(fused={13, 16})
-  assert chooser.ready_plan(plan) is plan and compilers.fused.queued == [[13]]
+  assert chooser.ready_plan(plan, 0) is plan and compilers.fused.queued == [[13]]
 
 
 def test_with_several_processes_only_the_agreed_view_counts():
-  compilers = RecordingCompilers(view(fused={13, 16}))
+  compilers = RecordingCompiler(view(fused={13, 16}))
   agreement = CompileAgreement(POLICY.micro_batch_sizes())
-  chooser = CompileFallback(compilers, cached=None, agreement=agreement)
+  chooser = timed_fallback(compilers, cached=None, agreement=agreement)
   plan = plan_batch(100, 8, POLICY)
-  assert chooser.ready_plan(plan) is plan  # nothing agreed yet: it waits for its own
+  assert chooser.ready_plan(plan, 0) is plan  # nothing agreed yet: it waits for its own
   assert compilers.fused.queued == []
   reports = [agreement.report(view(fused={13, 16})), agreement.report(view(fused={16}))]
   agreement.agree(reports)
-  assert chooser.ready_plan(plan).micro_batch_size == 16  # 13 is not compiled everywhere
+  assert chooser.ready_plan(plan, 0).micro_batch_size == 16  # 13 is not compiled everywhere
   assert compilers.fused.queued == [[13]]
 
 
 def test_the_first_step_waits_once_for_the_programs_the_fallback_holds_a_batch_on():
-  compilers = RecordingCompilers(view())
-  chooser = CompileFallback(compilers, cached=None, agreement=None)
+  compilers = RecordingCompiler(view())
+  chooser = timed_fallback(compilers, cached=None, agreement=None)
   chooser.await_fallback(13)
   chooser.await_fallback(16)  # once only
   assert (compilers.fused.got, compilers.micro.got, compilers.update.gets) == ([13], [13], 1)
   # With the cache's programs of an earlier process, the nearest of those: loads, not compiles.
-  compilers = RecordingCompilers(view())
+  compilers = RecordingCompiler(view())
   cached = {"fused": {16, 4}, "micro": {8}, "apply": True}
-  CompileFallback(compilers, cached=cached, agreement=None).await_fallback(13)
+  timed_fallback(compilers, cached=cached, agreement=None).await_fallback(13)
   assert (compilers.fused.got, compilers.micro.got, compilers.update.gets) == ([16], [8], 1)
 
 

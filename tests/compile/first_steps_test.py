@@ -8,9 +8,11 @@ import threading
 import time
 
 import schedule_test
+from recording_compilers import RecordingCompiler
 
-from simigrad_jax.compile.programs import StepPrograms
+from simigrad_jax.compile.policy import ExactPrograms
 from simigrad_jax.compile.schedule import CompileSchedule
+from simigrad_jax.compile.schedule import ScheduledFallback
 from simigrad_jax.compile.step_functions import StepFunctions
 from tiny_run import make_trainer
 
@@ -55,33 +57,26 @@ def test_the_first_step_does_not_wait_for_the_fallbacks_micro_step_and_update(
   assert opened_by_the_step and all(opened_by_the_step)  # (the update's among them)
 
 
-class RecordingQueue:
-  """Stands in for StepCompilers: records what is queued, and whether ahead of the rest."""
-
-  def __init__(self):
-    self.queued = []
-
-  def queue(self, programs, *, first=False):
-    self.queued.append((programs, first))
-
-
-def programs_on(schedule):
-  """StepPrograms' choices alone (no compiles): on ``schedule``, or without the fallback."""
-  programs = object.__new__(StepPrograms)
-  programs._schedule, programs._fallback, programs._compilers = schedule, None, RecordingQueue()
-  return programs
+def policy_on(schedule):
+  """A compile policy's choices alone (no compiles): on ``schedule``, or without the fallback."""
+  compiler = RecordingCompiler()
+  if schedule is None:
+    return ExactPrograms(compiler, None, None), compiler
+  scheduled = ScheduledFallback(compiler, schedule, schedule_test.layout(), None)
+  compiler.calls.clear()  # (the update's compile, queued at once)
+  return scheduled, compiler
 
 
 def test_a_plan_a_step_is_about_to_run_moves_its_programs_ahead_of_the_queue():
   grid = schedule_test.layout()
   plans = CompileSchedule(grid, 0.5, [])
   plans.start(grid.plan(8), 0)
-  programs = programs_on(plans)
-  chosen = programs.ready_plan(grid.plan(24), 1)  # 3 rows: not admitted, on 1 row instead
+  policy, compiler = policy_on(plans)
+  chosen = policy.ready_plan(grid.plan(24), 1)  # 3 rows: not admitted, on 1 row instead
   assert (chosen.micro_batch_size, chosen.accumulation_steps) == (1, 3)
-  assert programs._compilers.queued == [([("micro", 1), ("apply", 0)], True)]
-  assert programs.ready_plan(grid.plan(24), 1, prefetch=False) == chosen  # (the run's last step)
-  assert len(programs._compilers.queued) == 1
-  unscheduled = programs_on(None)  # without the fallback: the plan itself, its programs ahead
+  assert compiler.calls == [([("micro", 1), ("apply", 0)], True)]
+  assert policy.ready_plan(grid.plan(24), 1, prefetch=False) == chosen  # (the run's last step)
+  assert len(compiler.calls) == 1
+  unscheduled, compiler = policy_on(None)  # without the fallback: the plan itself, ahead
   assert unscheduled.ready_plan(grid.plan(24), 1) == grid.plan(24)
-  assert unscheduled._compilers.queued == [([("fused", 3)], True)]
+  assert compiler.calls == [([("fused", 3)], True)]

@@ -2,7 +2,7 @@
 cache's programs before the others, the micro-steps and update a step may accumulate on."""
 
 import pytest
-from recording_compilers import RecordingCompilers
+from recording_compilers import RecordingCompiler
 
 from simigrad_jax.compile.prefetch import Prefetcher
 from simigrad_jax.shapes.layout import StepLayout
@@ -14,7 +14,7 @@ LAYOUT = StepLayout.create(
 
 
 def prefetcher(accumulation_shapes=(), compile_fallback=True, cached=None):
-  compilers = RecordingCompilers()
+  compilers = RecordingCompiler()
   prefetch = Prefetcher(
     compilers, LAYOUT, accumulation_shapes, compile_fallback=compile_fallback, cached=cached
   )

@@ -1,44 +1,44 @@
-"""Stand-ins for a step's compilers that record what is queued and asked for, so that the
-choices of the prefetcher and the fallback are tested without compiling anything."""
+"""A stand-in for a step's compiler that records what is queued and asked for, so that the choices
+of the prefetcher, the fallback and the compile policies are tested without compiling anything."""
+
+from simigrad_jax.compile.step_functions import APPLY
+from simigrad_jax.compile.step_functions import Program
 
 
-class RecordingCompiler:
-  """Stands in for a StepCompiler: ``queued`` are the sizes prefetched, ``first`` the sizes
-  queued ahead of the others, ``got`` the sizes asked for."""
+class ProgramRecord:
+  """What one program was asked for: ``queued``, the shapes of each prefetch; ``first``, those
+  queued ahead of the others; ``got``, the shapes asked for; ``prefetches`` and ``gets``, the
+  calls that named it."""
 
   def __init__(self):
     self.queued, self.first, self.got = [], [], []
-
-  def prefetch(self, sizes, *, first=False):
-    (self.first if first else self.queued).append(list(sizes))
-
-  def get(self, size):
-    self.got.append(size)
-
-
-class RecordingUpdate:
-  """Stands in for the update's ProgramCompiler: counts its prefetches and gets."""
-
-  def __init__(self):
     self.prefetches = self.gets = 0
 
-  def prefetch(self):
-    self.prefetches += 1
 
-  def get(self):
-    self.gets += 1
-
-
-class RecordingCompilers:
-  """Stands in for StepCompilers; ``compiled`` is its view."""
+class RecordingCompiler:
+  """Stands in for StepProgramCompiler: ``calls`` are the ``(programs, first)`` prefetched, in
+  order; ``fused``, ``micro`` and ``update`` what each program was asked for; ``compiled`` is its
+  view."""
 
   def __init__(self, compiled=None):
     self.compiled = compiled
-    self.fused, self.micro, self.update = (
-      RecordingCompiler(),
-      RecordingCompiler(),
-      RecordingUpdate(),
-    )
+    self.calls = []
+    self.fused, self.micro, self.update = ProgramRecord(), ProgramRecord(), ProgramRecord()
+
+  def prefetch(self, programs, *, first=False):
+    programs = list(programs)
+    self.calls.append((programs, first))
+    for program, record in ((Program.FUSED, self.fused), (Program.MICRO, self.micro)):
+      shapes = [micro for kind, micro in programs if kind == program]
+      if shapes:
+        (record.first if first else record.queued).append(shapes)
+    self.update.prefetches += APPLY in programs
+
+  def get(self, key):
+    program, micro = key
+    record = {Program.FUSED: self.fused, Program.MICRO: self.micro, Program.APPLY: self.update}
+    record[Program(program)].got.append(micro)
+    record[Program(program)].gets += 1
 
   def view(self):
     return self.compiled

@@ -94,7 +94,7 @@ def test_nonfinite_steps_are_skipped_and_counted(name, num_devices, tmp_path, ca
     ),
   )
   runs = []  # per step: the state before and after, and the controller's size before
-  original_run = trainer._programs.run
+  original_run = trainer._programs.runner.run
 
   def recording_run(state, data, step_inputs):
     before = host({"params": state["params"], "opt_state": state["opt_state"]})  # not donated yet
@@ -109,7 +109,7 @@ def test_nonfinite_steps_are_skipped_and_counted(name, num_devices, tmp_path, ca
     )
     return new_state, stats
 
-  trainer._programs.run = recording_run
+  trainer._programs.runner.run = recording_run
   decided = []  # the step records as the trainer built them (NaN and Inf losses intact)
 
   class Decided:

@@ -14,6 +14,7 @@ import optax
 import pytest
 
 import simigrad_jax
+from simigrad_jax.compile.step_functions import Program
 from tiny_run import TinyMLP
 from tiny_run import dataset
 from tiny_run import mlp_loss
@@ -414,14 +415,14 @@ def test_a_step_whose_shape_is_compiling_runs_on_a_compiled_shape(tmp_path, num_
     )
     first = trainer.layout.plan(controller.batch_size).micro_batch_size
     if gate is not None:  # every shape but the first step's compiles once the gate opens
-      for compiler in (trainer._programs.fused_compiler, trainer._programs.micro_compiler):
+      compiler = trainer._programs.compiler
 
-        def gated_lower(size, lower=compiler._lower):
-          if size != first:
-            gate.wait(timeout=30)  # (without a fallback the steps would wait this long, then fail)
-          return lower(size)
+      def gated_lower(key, lower=compiler._lower):
+        if key.program is not Program.APPLY and key.micro != first:
+          gate.wait(timeout=30)  # (without a fallback the steps would wait this long, then fail)
+        return lower(key)
 
-        compiler._lower = gated_lower
+      compiler._lower = gated_lower
     try:
       summary = trainer.train(num_steps=5)
     finally:
@@ -473,18 +474,16 @@ def test_the_first_step_waits_for_the_programs_the_fallback_needs(tmp_path):
   first = trainer.layout.plan(16).micro_batch_size
   gate = threading.Event()
   delay_seconds = 1.0
-  for compiler in (trainer._programs.fused_compiler, trainer._programs.micro_compiler):
+  compiler = trainer._programs.compiler
 
-    def slow_lower(
-      size, lower=compiler._lower, micro_step=compiler is trainer._programs.micro_compiler
-    ):
-      if size != first:
-        gate.wait(timeout=30)
-      elif micro_step:
-        time.sleep(delay_seconds)
-      return lower(size)
+  def slow_lower(key, lower=compiler._lower):
+    if key.program is not Program.APPLY and key.micro != first:
+      gate.wait(timeout=30)
+    elif key.program is Program.MICRO:
+      time.sleep(delay_seconds)
+    return lower(key)
 
-    compiler._lower = slow_lower
+  compiler._lower = slow_lower
   try:
     trainer.train(num_steps=2)
   finally:
@@ -511,17 +510,17 @@ def test_a_shape_that_fails_to_compile_is_raised_not_replaced(tmp_path):
   trainer = make_trainer(tmp_path, dataset(), controller)
   first = trainer.layout.plan(16).micro_batch_size
   broken = trainer.layout.plan(44).micro_batch_size
-  compiler = trainer._programs.fused_compiler
+  compiler = trainer._programs.compiler
   lower = compiler._lower
 
-  def failing_lower(size):
-    if size == broken:
+  def failing_lower(key):
+    if key == (Program.FUSED, broken):
       raise RuntimeError("out of memory (injected)")
-    return lower(size)
+    return lower(key)
 
   compiler._lower = failing_lower
-  compiler.prefetch([first, broken])
-  while broken not in compiler.stats()["failed_sizes"]:
+  compiler.prefetch([(Program.FUSED, first), (Program.FUSED, broken)])
+  while broken not in compiler.view()["failed_fused"]:
     time.sleep(0.01)
   with pytest.raises(
     simigrad_jax.compile.StepCompileError,
@@ -542,20 +541,20 @@ def test_compiles_follow_the_batch_rather_than_the_whole_grid(tmp_path):
     tmp_path, dataset(1200), controller, max_micro_batch_size=64, compile_fallback=True
   )
   try:
-    layout, compiler = trainer.layout, trainer._programs.fused_compiler
+    layout, compiler = trainer.layout, trainer._programs.compiler
     assert len(layout.grid) > 30
     trainer.train(num_steps=2)
     window = layout.shapes_near(3, 0.5)
     for shape in window:
-      compiler.get(shape)  # (waits for the window's compiles)
-    compiled = set(compiler.stats()["compiled_sizes"])
+      compiler.get((Program.FUSED, shape))  # (waits for the window's compiles)
+    compiled = compiler.view()["fused"]
     assert compiled == set(window)  # and nothing beyond it: 64 rows are 4 octaves away
     # The batch moves to 96 (12 rows per device): the shapes near it follow.
     controller.set_batch_size(96)
     trainer.train(num_steps=4)
     for shape in layout.shapes_near(12, 0.5):
-      compiler.get(shape)
-    compiled = set(compiler.stats()["compiled_sizes"])
+      compiler.get((Program.FUSED, shape))
+    compiled = compiler.view()["fused"]
     assert compiled == set(window) | set(layout.shapes_near(12, 0.5))
     assert max(layout.grid) not in compiled
   finally:
