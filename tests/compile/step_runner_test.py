@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 import simigrad_jax
 import tiny_run
-from simigrad_jax.compile.step_compilers import StepCompilers
+from simigrad_jax.compile.program_compiler import StepProgramCompiler
 from simigrad_jax.compile.step_functions import StepFunctions
 from simigrad_jax.compile.step_runner import StepRunner
 from simigrad_jax.data.data_loader import StepBatch
@@ -59,8 +59,8 @@ class Runner:
       state=self.state(),
       element_spec=ELEMENT_SPEC,
     )
-    self.compilers = StepCompilers(functions, self.layout, background=False)
-    self.runner = StepRunner(self.compilers, self.mesh, AXIS, halves)
+    self.compiler = StepProgramCompiler(functions, self.layout, background=False)
+    self.runner = StepRunner(self.compiler, self.mesh, AXIS, halves)
 
   def state(self, params=None):
     """A fresh state on the devices (a step donates the one it runs on)."""
@@ -121,7 +121,7 @@ def runner(devices, request):
   """A runner of each split, shared by the module's tests (its programs compiled once)."""
   made = Runner(devices, request.param)
   yield made
-  made.compilers.close()
+  made.compiler.close()
 
 
 def slot_rows(layout, per_slot, seed=0, padding=0):
@@ -201,7 +201,7 @@ def test_a_plan_of_several_micro_batches_updates_as_one_fused_step(runner):
   per_slot = rows[2].shape[1]
   fused_state, fused = runner.run(rows, micro=per_slot)
   accumulated_state, accumulated = runner.run(rows, micro=per_slot // 2)
-  assert per_slot // 2 in runner.compilers.micro.stats()["compiled_sizes"]  # (it accumulated)
+  assert per_slot // 2 in runner.compiler.view()["micro"]  # (it accumulated)
   assert_trees_close(accumulated_state, fused_state)
   assert_trees_close(accumulated, fused)
   new_params, expected = reference(runner.params, rows)
