@@ -26,7 +26,8 @@ The Trainer:
   Trainer: the training engine (compiled shapes, data placement, metrics,
     checkpoints, multi-host agreement) over a source: ArraySource, TfdsSource,
     GrainSource (grain-style data decoded ahead in worker processes). Its
-    settings are one TrainerConfig; every step gives a typed StepRecord to
+    settings are one TrainerConfig, with its groups CompileConfig,
+    CheckpointConfig and LearningRateConfig; every step gives a typed StepRecord to
     its hooks (StepHook: metrics, progress, evaluation, checkpoints, yours);
     read_metrics reads a run's metrics.jsonl. A SIGTERM or SIGINT saves a
     checkpoint and raises Preempted. simulated_cpu_devices_env: the
@@ -84,6 +85,9 @@ from simigrad_jax.optimizer_state import set_coupled_batch_size
 from simigrad_jax.optimizer_state import set_lr_factor
 from simigrad_jax.optimizer_state import similarity
 from simigrad_jax.optimizer_state import similarity_stats
+from simigrad_jax.trainer.config import CheckpointConfig
+from simigrad_jax.trainer.config import CompileConfig
+from simigrad_jax.trainer.config import LearningRateConfig
 from simigrad_jax.trainer.config import TrainerConfig
 from simigrad_jax.trainer.hooks import StepHook
 from simigrad_jax.trainer.metrics import read_metrics
@@ -96,9 +100,12 @@ __all__ = [
   "ArraySource",
   "BaseController",
   "BatchSizeController",
+  "CheckpointConfig",
+  "CompileConfig",
   "Controller",
   "GrainSource",
   "HalfGrads",
+  "LearningRateConfig",
   "Preempted",
   "SimiGradError",
   "SimilarityState",
