@@ -8,11 +8,13 @@ import numpy as np
 import pytest
 
 import simigrad_jax
+from simigrad_jax.checkpoint.checkpointer import Checkpointer
 from simigrad_jax.trainer import config as config_module
 from simigrad_jax.trainer.config import CheckpointConfig
 from simigrad_jax.trainer.config import CompileConfig
 from simigrad_jax.trainer.config import LearningRateConfig
 from simigrad_jax.trainer.config import TrainerConfig
+from tiny_run import make_trainer
 from tiny_run import trainer_objects
 
 # (setting's path, bad value, the message's start): each bad value is named in its error by its
@@ -277,6 +279,28 @@ def test_a_trainer_without_settings_or_with_a_misspelt_one_is_refused(tmp_path):
   ):
     simigrad_jax.Trainer(**trainer_objects(tmp_path / "typo"), max_micro_batch=4)
   assert not (tmp_path / "none").exists() and not (tmp_path / "typo").exists()
+
+
+def test_the_run_record_names_the_settings_as_0_2_did(tmp_path):
+  """A checkpoint records the settings by 0.2's flat names, so that a run checkpointed by 0.2
+  compares the same on resume."""
+  with make_trainer(
+    tmp_path,
+    compile=CompileConfig(mode="pad"),
+    lr=LearningRateConfig(rule="linear", adjust_factor=0.5, coupling="peak"),
+  ) as trainer:
+    trainer.train(num_steps=1)  # ends with a checkpoint
+    checkpointer = Checkpointer(tmp_path / "checkpoints")
+    try:
+      record = checkpointer.restore(trainer.state)[1]["run"]
+    finally:
+      checkpointer.close()
+  assert record["trainer"] == {"lr_rule": "linear", "lr_adjust_factor": 0.5, "lr_coupling": "peak"}
+  assert {k: record["layout"][k] for k in ("mode", "min_micro_batch_size", "compile_fallback")} == {
+    "mode": "pad",
+    "min_micro_batch_size": None,
+    "compile_fallback": False,
+  }
 
 
 def test_doctests():
