@@ -27,7 +27,8 @@ The Trainer:
   Trainer: the training engine (compiled shapes, data placement, metrics,
     checkpoints, multi-host agreement) over a source: ArraySource, TfdsSource,
     GrainSource (grain-style data decoded ahead in worker processes). Its
-    settings are one TrainerConfig; every step gives a typed StepRecord to
+    settings are one TrainerConfig, with its groups CompileConfig,
+    CheckpointConfig and LearningRateConfig; every step gives a typed StepRecord to
     its hooks (StepHook: metrics, progress, evaluation, checkpoints, yours);
     read_metrics reads a run's metrics.jsonl. A SIGTERM or SIGINT saves a
     checkpoint and raises Preempted. simulated_cpu_devices_env: the
@@ -82,6 +83,9 @@ from simigrad_jax.optimizer_state import similarity_stats
 from simigrad_jax.registry import controller_names
 from simigrad_jax.registry import make_controller
 from simigrad_jax.registry import register_controller
+from simigrad_jax.trainer.config import CheckpointConfig
+from simigrad_jax.trainer.config import CompileConfig
+from simigrad_jax.trainer.config import LearningRateConfig
 from simigrad_jax.trainer.config import TrainerConfig
 from simigrad_jax.trainer.hooks import StepHook
 from simigrad_jax.trainer.metrics import read_metrics
@@ -94,9 +98,12 @@ __all__ = [
   "ArraySource",
   "BaseController",
   "BatchSizeController",
+  "CheckpointConfig",
+  "CompileConfig",
   "Controller",
   "GrainSource",
   "HalfGrads",
+  "LearningRateConfig",
   "Preempted",
   "SimiGradError",
   "SimilarityState",

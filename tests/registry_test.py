@@ -313,7 +313,7 @@ def _train(workdir, name, num_steps, cache_dir):
         seed=2,
         progress=False,
         tensorboard=False,
-        compilation_cache_dir=cache_dir,
+        compile=simigrad_jax.CompileConfig(cache_dir=cache_dir),
       ),
     )
     with trainer:

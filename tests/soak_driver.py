@@ -77,10 +77,9 @@ trainer = simigrad_jax.Trainer(
   config=simigrad_jax.TrainerConfig(
     max_micro_batch_size=4,
     seed=0,
-    checkpoint_every_steps=500,
-    max_checkpoints=2,
     progress=False,
     tensorboard=True,
+    checkpoints=simigrad_jax.CheckpointConfig(every_steps=500, max_to_keep=2),
   ),
 )
 

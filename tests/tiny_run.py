@@ -87,8 +87,9 @@ def train_records(
 
   ``overrides`` replace :func:`trainer_objects`' entries (``optimizer``,
   ``controller``, ...), add Trainer arguments (``lr_schedule``) or settings
-  (``compile_fallback``); the
-  compilation cache in ``cache_dir`` is shared between the runs of a test.
+  (``compile=CompileConfig(fallback=False)``); the compilation cache in
+  ``cache_dir`` (set into the ``compile`` settings) is shared between the
+  runs of a test.
 
   Returns:
     The summary, the optimizer state on the host, and the metrics records of
@@ -100,8 +101,9 @@ def train_records(
       seed=2,
       progress=False,
       tensorboard=False,
-      compilation_cache_dir=cache_dir,
     )
+    compiling = overrides.pop("compile", simigrad_jax.CompileConfig())
+    overrides["compile"] = compiling.replace(cache_dir=cache_dir)
     trainer = trainer_with(**(trainer_objects(workdir) | settings | overrides))
     with trainer:
       summary = trainer.train(num_steps=num_steps)

@@ -277,18 +277,21 @@ trainer = simigrad_jax.Trainer(
   workdir=args.workdir,
   config=simigrad_jax.TrainerConfig(
     max_micro_batch_size=args.max_micro_batch_size,
-    shapes_per_octave=args.shapes_per_octave,
-    mode=args.mode,
     seed=1,
-    checkpoint_every_steps=args.checkpoint_every or None,
-    checkpoint_every_seconds=args.checkpoint_every_seconds,
     progress=False,
     tensorboard=False,
-    compilation_cache_dir=args.compile_cache,
     halves=args.halves,
-    compile_fallback=not args.no_compile_fallback,
-    timed_fallback=args.timed_fallback,
     agreement_timeout_seconds=args.agreement_timeout,
+    compile=simigrad_jax.CompileConfig(
+      mode=args.mode,
+      shapes_per_octave=args.shapes_per_octave,
+      fallback=not args.no_compile_fallback,
+      timed_fallback=args.timed_fallback,
+      cache_dir=args.compile_cache,
+    ),
+    checkpoints=simigrad_jax.CheckpointConfig(
+      every_steps=args.checkpoint_every or None, every_seconds=args.checkpoint_every_seconds
+    ),
   ),
 )
 trace(

@@ -14,6 +14,7 @@ import dataclasses
 import json
 import os
 import pathlib
+import re
 import shutil
 import time
 from collections.abc import Callable, Mapping
@@ -26,6 +27,9 @@ import numpy as np
 import optax
 
 import simigrad_jax
+from simigrad_jax import CheckpointConfig
+from simigrad_jax import CompileConfig
+from simigrad_jax import LearningRateConfig
 from simigrad_jax import TrainerConfig
 from simigrad_jax import files
 from simigrad_jax import plot
@@ -36,6 +40,7 @@ from simigrad_jax.multihost import WorkdirLock
 from simigrad_jax.multihost import open_workdir
 from simigrad_jax.registry import controller_options
 from simigrad_jax.shapes.layout import blocks_per_device
+from simigrad_jax.trainer.config import MOVED_SETTINGS
 from train import config_history
 from train import failures
 from train import input_pipeline
@@ -127,13 +132,22 @@ def check_device_count(devices: list[jax.Device]) -> list[jax.Device]:
   return list(devices)
 
 
+# A TrainerConfig setting's path -> the config's option that sets it (the config keeps 0.2's
+# flat names).
+_CONFIG_OPTIONS = {path: name for name, path in MOVED_SETTINGS.items()}
+
+
 @contextlib.contextmanager
 def _named_as_config_options():
-  """Names the setting of a library error about a Trainer setting as the config's option."""
+  """Names the setting of a library error about a Trainer setting as the config's option: the
+  config's flat names are 0.2's (``compile.mode='fast'`` is ``config.mode='fast'``)."""
   try:
     yield
   except ValueError as error:
-    raise ValueError(f"config.{error}") from error
+    message = str(error)
+    path = re.match(r"[\w.]*", message).group()  # the setting's path in TrainerConfig
+    option = _CONFIG_OPTIONS.get(path, path)
+    raise ValueError(f"config.{option}{message[len(path) :]}") from error
 
 
 def create_trainer_config(config: ml_collections.ConfigDict) -> TrainerConfig:
@@ -149,21 +163,24 @@ def create_trainer_config(config: ml_collections.ConfigDict) -> TrainerConfig:
   with _named_as_config_options():
     return TrainerConfig(
       max_micro_batch_size=config.max_micro_batch_size,
-      mode=config.mode,
-      min_micro_batch_size=config.min_micro_batch_size,
-      compile_fallback=config.compile_fallback,
-      lr_rule=config.lr_rule,
-      lr_adjust_factor=config.lr_adjust_factor,
       seed=config.seed,
-      checkpoint_every_steps=config.checkpoint_every_steps,
-      checkpoint_every_seconds=config.checkpoint_every_seconds,
-      max_checkpoints=config.max_checkpoints,
-      allow_changed_settings=config.allow_changed_settings,
-      tensorboard=config.tensorboard,
-      progress=config.progress,
       halves=config.halves,
+      progress=config.progress,
+      tensorboard=config.tensorboard,
       allow_shared_workdir=config.allow_shared_workdir,
       agreement_timeout_seconds=config.agreement_timeout_seconds,
+      compile=CompileConfig(
+        mode=config.mode,
+        min_micro_batch_size=config.min_micro_batch_size,
+        fallback=config.compile_fallback,
+      ),
+      checkpoints=CheckpointConfig(
+        every_steps=config.checkpoint_every_steps,
+        every_seconds=config.checkpoint_every_seconds,
+        max_to_keep=config.max_checkpoints,
+        allow_changed_settings=config.allow_changed_settings,
+      ),
+      lr=LearningRateConfig(rule=config.lr_rule, adjust_factor=config.lr_adjust_factor),
     )
 
 
@@ -408,7 +425,7 @@ def create_trainer(
       max_micro_batch_size=max_micro_batch_size(
         settings.max_micro_batch_size, upper, experiment.mesh.shape[mesh_setup.DATA_AXIS]
       ),
-      compilation_cache_dir=compilation_cache_dir(experiment.config, workdir),
+      compile=settings.compile.replace(cache_dir=compilation_cache_dir(experiment.config, workdir)),
     ),
   )
 

@@ -61,7 +61,11 @@ def prime_process(
     controller=controller,
     workdir=workdir,
     config=simigrad_jax.TrainerConfig(
-      max_micro_batch_size=1, mode="pad", tensorboard=False, progress=False, axis_name=AXIS
+      max_micro_batch_size=1,
+      tensorboard=False,
+      progress=False,
+      axis_name=AXIS,
+      compile=simigrad_jax.CompileConfig(mode="pad"),
     ),
   ) as trainer:
     trainer.train(num_steps=2)
@@ -105,15 +109,17 @@ def run_mode(
     workdir=workdir,
     config=simigrad_jax.TrainerConfig(
       max_micro_batch_size=max_micro,
-      min_micro_batch_size=1,
-      shapes_per_octave=1,  # the grid of halvings, its shapes listed in switching.py
-      mode="pad" if mode == "pad" else "recompile",
-      compile_fallback=mode != "recompile_wait",
       seed=seed,
-      compilation_cache_dir=persistent_cache,
       tensorboard=False,
       progress=False,
       axis_name=AXIS,
+      compile=simigrad_jax.CompileConfig(
+        mode="pad" if mode == "pad" else "recompile",
+        min_micro_batch_size=1,
+        shapes_per_octave=1,  # the grid of halvings, its shapes listed in switching.py
+        fallback=mode != "recompile_wait",
+        cache_dir=persistent_cache,
+      ),
     ),
   )
   setup = time.perf_counter() - total_start

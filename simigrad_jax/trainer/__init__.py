@@ -5,6 +5,9 @@ Documented API:
   Trainer, TrainerConfig, StepHook, StepRecord: the training loop, its
     settings, what a hook implements (``on_step(record)``) and the record each
     step hands the hooks; the four are on the top level too.
+  CompileConfig, CheckpointConfig, LearningRateConfig: the groups of
+    TrainerConfig (``config.compile``, ``config.checkpoints``, ``config.lr``;
+    on the top level too).
   MetricsWriter: one JSON line per step in ``metrics.jsonl`` (and TensorBoard
     scalars); read_metrics reads such a file back (also on the top level).
   ProgressBar: a progress bar over examples, with the loss, batch size and
@@ -25,6 +28,9 @@ Example:
   [64]
 """
 
+from simigrad_jax.trainer.config import CheckpointConfig
+from simigrad_jax.trainer.config import CompileConfig
+from simigrad_jax.trainer.config import LearningRateConfig
 from simigrad_jax.trainer.config import TrainerConfig
 from simigrad_jax.trainer.hooks import StepHook
 from simigrad_jax.trainer.metrics import MetricsWriter
@@ -34,6 +40,9 @@ from simigrad_jax.trainer.step_record import StepRecord
 from simigrad_jax.trainer.trainer import Trainer
 
 __all__ = [
+  "CheckpointConfig",
+  "CompileConfig",
+  "LearningRateConfig",
   "MetricsWriter",
   "ProgressBar",
   "StepHook",

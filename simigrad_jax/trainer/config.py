@@ -1,20 +1,36 @@
-"""Host: the Trainer's settings, one frozen object checked in one place.
+"""Host: the Trainer's settings, in groups, each a frozen object checked when made.
 
-Every setting is checked when the :class:`TrainerConfig` is made, before
-anything is created, compiled or trained, so that a bad value fails in
-seconds, not after the first GPU-hour; each error names the value and what
-would be valid. What the settings cannot tell alone (a split the devices
-cannot serve, bounds the data set cannot fill) is checked when the run is
-built (:mod:`simigrad_jax.trainer.run_setup`).
+:class:`TrainerConfig` holds the settings of the run itself (the micro-batch,
+the seed, the split, the workdir, the multi-host timeout) and three groups
+of the settings users think of together, as levanter nests its config:
+
+- :class:`CompileConfig` (``config.compile``): the compiled shapes and how
+  they compile;
+- :class:`CheckpointConfig` (``config.checkpoints``): when checkpoints are
+  saved, how many are kept and what a resume accepts;
+- :class:`LearningRateConfig` (``config.lr``): how the learning rate follows
+  the batch size.
+
+Every setting is checked when its object is made, before anything is
+created, compiled or trained, so that a bad value fails in seconds, not
+after the first GPU-hour; each error names the value by its path
+(``checkpoints.every_steps``) and what would be valid. A keyword that is no
+setting is refused with the name it resembles, and 0.2's flat names
+(``lr_rule``) with their place in the groups (:data:`MOVED_SETTINGS`). What
+the settings cannot tell alone (a split the devices cannot serve, bounds the
+data set cannot fill) is checked when the run is built
+(:mod:`simigrad_jax.trainer.run_setup`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import math
 import os
-from collections.abc import Mapping
-from typing import Any, Literal
+from collections.abc import Iterator, Mapping
+from typing import Any, ClassVar, Literal, Self, TypeVar
 
 from simigrad_jax import validation
 from simigrad_jax.controllers import learning_rate
@@ -25,65 +41,104 @@ from simigrad_jax.shapes import layout
 Mode = Literal["recompile", "pad"]
 MODES: tuple[str, ...] = ("recompile", "pad")
 
-_FLAGS = (
-  "background_compile",
-  "compile_fallback",
-  "timed_fallback",
-  "progress",
-  "allow_shared_workdir",
-  "allow_changed_settings",
-)
+MOVED_SETTINGS: Mapping[str, str] = {
+  "mode": "compile.mode",
+  "min_micro_batch_size": "compile.min_micro_batch_size",
+  "shapes_per_octave": "compile.shapes_per_octave",
+  "background_compile": "compile.background",
+  "compile_fallback": "compile.fallback",
+  "steps_per_compile": "compile.steps_per_compile",
+  "timed_fallback": "compile.timed_fallback",
+  "compilation_cache_dir": "compile.cache_dir",
+  "checkpoint_every_steps": "checkpoints.every_steps",
+  "checkpoint_every_seconds": "checkpoints.every_seconds",
+  "max_checkpoints": "checkpoints.max_to_keep",
+  "allow_changed_settings": "checkpoints.allow_changed_settings",
+  "lr_rule": "lr.rule",
+  "lr_adjust_factor": "lr.adjust_factor",
+  "lr_coupling": "lr.coupling",
+}
+"""The settings 0.3 moved into groups: 0.2's flat name -> its path in :class:`TrainerConfig`
+(``"lr_rule"`` -> ``"lr.rule"``: ``TrainerConfig(lr=LearningRateConfig(rule=...))``)."""
+
+_SettingsT = TypeVar("_SettingsT", bound=type)
 
 
+def _refuses_unknown_names(cls: _SettingsT) -> _SettingsT:
+  """Makes the dataclass ``cls`` refuse an unknown keyword with the name it resembles
+  (:func:`check_setting_names`) instead of the dataclass's bare TypeError."""
+  made = cls.__init__  # type: ignore[misc]
+
+  @functools.wraps(made)
+  def __init__(self: Any, *args: Any, **settings: Any) -> None:
+    check_setting_names(settings, cls)
+    made(self, *args, **settings)
+
+  cls.__init__ = __init__  # type: ignore[misc]
+  return cls
+
+
+@contextlib.contextmanager
+def _named_in(group: str) -> Iterator[None]:
+  """Names a bad value by its path in :class:`TrainerConfig`: ``mode='fast' is not valid``
+  becomes ``compile.mode='fast' is not valid``."""
+  try:
+    yield
+  except ValueError as error:
+    raise ValueError(f"{group}.{error}") from error
+
+
+class _Settings:
+  """What every group of settings shares: its path in :class:`TrainerConfig` and ``replace``."""
+
+  PATH: ClassVar[str]
+  """The group's field in :class:`TrainerConfig` (``"compile"``)."""
+
+  def replace(self, **changes: Any) -> Self:
+    """A copy with ``changes`` (checked as a new object).
+
+    Raises:
+      ValueError: for a bad value, naming it and what is valid.
+      TypeError: for a name that is no setting of the group, suggesting the one it resembles.
+    """
+    return dataclasses.replace(self, **changes)  # type: ignore[type-var]
+
+  def __post_init__(self) -> None:
+    with _named_in(self.PATH):
+      for name, value in self._checked().items():  # as plain Python numbers (NumPy ints too)
+        object.__setattr__(self, name, value)
+
+  def _checked(self) -> dict[str, Any]:
+    """The fields, checked, that checking turns into plain Python values.
+
+    Raises:
+      ValueError: for a bad value, naming it (by its name in the group) and what is valid.
+    """
+    raise NotImplementedError
+
+
+@_refuses_unknown_names
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class TrainerConfig:
-  """The settings of a training run, checked when made.
-
-  A keyword that is no setting is refused with a ``TypeError`` that names the
-  setting it resembles (``max_micro_batch``: ``max_micro_batch_size``).
+class CompileConfig(_Settings):
+  """The compiled shapes of a run and how they compile (``TrainerConfig.compile``).
 
   Attributes:
-    max_micro_batch_size: the most rows per device per micro-step (rounded up
-      to even with the local split, whose two passes hold half each).
     mode: ``"recompile"`` (one compiled micro-step per shape of a grid,
       compiled ahead in the background) or ``"pad"`` (one shape; smaller
       batches are padded with zero-weight rows).
     min_micro_batch_size: the smallest compiled shape in ``recompile`` mode
-      (None: 1; only the shapes the batch-size bounds need are compiled).
+      (None: 1; only the shapes the batch-size bounds need are compiled; at
+      most ``TrainerConfig.max_micro_batch_size``).
     shapes_per_octave: the grid's shapes per factor of two in ``recompile``
       mode, 1 to 16 (:class:`simigrad_jax.shapes.BucketPolicy`), or None (the
       default): 8. A batch that moves pads about ``35% / shapes_per_octave``
       of the rows it computes (8: 4%; 1, the halvings: 15-30%). With the
       compile fallback only the shapes near the batch compile, as it comes
       near them; without it, every shape of the grid is one compile.
-    lr_rule: ``"sqrt"``, ``"linear"`` or ``"none"`` (see
-      :func:`simigrad_jax.lr_factor`).
-    lr_adjust_factor: optional damping of the learning-rate factor (>= 0).
-    lr_coupling: how the batch-size factor meets ``lr_schedule``: ``"full"``
-      (multiplied at every step) or ``"peak"`` (in full at the schedule's
-      peak, fading as it decays; see
-      :func:`simigrad_jax.controllers.learning_rate.scheduled_lr_factor`).
-    seed: seeds the data order and the per-step random keys.
-    checkpoint_every_steps: save every this many steps (None: only at epoch
-      ends and at the end).
-    checkpoint_every_seconds: also save at the first step that ends this
-      many seconds after the last checkpoint (None: never on time), so that
-      a process killed without warning (SIGKILL, a lost host) loses at most
-      about this much work. Decided on process 0's clock at each step's
-      agreement, so every process saves at the same step. (A SIGTERM or
-      SIGINT loses nothing: the run saves and stops.)
-    max_checkpoints: how many checkpoints to keep.
-    allow_changed_settings: resume from a checkpoint made with other
-      optimizer settings, controller settings, data, learning-rate rule or
-      ``run_settings`` (the Trainer's) instead of refusing it with
-      :class:`simigrad_jax.checkpoint.CheckpointMismatchError`; the changes are logged
-      and kept in the history every later checkpoint carries. A changed
-      model or optimizer structure is refused all the same (its arrays
-      cannot be restored); a changed device count is always allowed.
-    background_compile: compile the other shapes in a background thread.
-    compile_fallback: in ``"recompile"`` mode, run a step whose micro-batch
-      shape is still compiling on the nearest shape already compiled instead
-      of waiting (the same examples and global batch, with more accumulation
+    background: compile the other shapes in a background thread.
+    fallback: in ``"recompile"`` mode, run a step whose micro-batch shape is
+      still compiling on the nearest shape already compiled instead of
+      waiting (the same examples and global batch, with more accumulation
       steps or zero-weight padding; the record's ``compile_fallback`` says
       so), so that only the first step waits for a compile (for its shape's
       programs, and the micro-step and update that let a larger batch
@@ -106,8 +161,191 @@ class TrainerConfig:
       machine's load, and a resumed run may differ from one not interrupted.
       With several processes, the fallback shape is then one that every
       process had compiled at the previous step's agreement.
-    compilation_cache_dir: optional persistent compilation cache directory
-      (:func:`simigrad_jax.compile.enable_persistent_cache`, a process-wide setting).
+    cache_dir: optional persistent compilation cache directory
+      (:func:`simigrad_jax.compile.enable_persistent_cache`, a process-wide
+      setting; ``TrainerConfig.allow_shared_workdir`` applies to it too).
+
+  Raises:
+    ValueError: for a bad value, naming it (``compile.mode=...``) and what is valid.
+    TypeError: for a keyword that is no setting, suggesting the one it resembles.
+
+  Example:
+    >>> padded = CompileConfig(mode="pad")
+    >>> padded.uses_fallback, padded.replace(mode="recompile").uses_fallback
+    (False, True)
+  """
+
+  PATH: ClassVar[str] = "compile"
+
+  mode: Mode = "recompile"
+  min_micro_batch_size: int | None = None
+  shapes_per_octave: int | None = None
+  background: bool = True
+  fallback: bool = True
+  steps_per_compile: float = 0.5
+  timed_fallback: bool = False
+  cache_dir: str | os.PathLike | None = None
+
+  @property
+  def uses_fallback(self) -> bool:
+    """Whether a step whose shape is still compiling runs on a compiled one (see
+    :attr:`fallback`: ``"recompile"`` mode, compiling in the background)."""
+    return self.fallback and self.background and self.mode == "recompile"
+
+  def _checked(self) -> dict[str, Any]:
+    if self.mode not in MODES:
+      raise ValueError(f"mode={self.mode!r} is not valid; choose one of {MODES}")
+    checked: dict[str, Any] = {}
+    if self.min_micro_batch_size is not None:
+      if not validation.is_int(self.min_micro_batch_size) or self.min_micro_batch_size < 1:
+        raise ValueError(
+          f"min_micro_batch_size must be None or an integer >= 1 (and at most "
+          f"max_micro_batch_size), got {self.min_micro_batch_size!r}"
+        )
+      checked["min_micro_batch_size"] = int(self.min_micro_batch_size)
+    if self.shapes_per_octave is not None:
+      checked["shapes_per_octave"] = batch_plan.check_shapes_per_octave(self.shapes_per_octave)
+    for name in ("background", "fallback", "timed_fallback"):
+      checked[name] = validation.check_bool(name, getattr(self, name))
+    checked["steps_per_compile"] = validation.check_real(
+      "steps_per_compile", self.steps_per_compile, "(0, inf) (finite)", lambda x: 0 < x < math.inf
+    )
+    if self.cache_dir is not None and not isinstance(self.cache_dir, (str, os.PathLike)):
+      raise ValueError(
+        f"cache_dir must be None or a path (str or os.PathLike), got {self.cache_dir!r}"
+      )
+    return checked
+
+
+@_refuses_unknown_names
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CheckpointConfig(_Settings):
+  """When a run saves checkpoints, how many it keeps and what a resume accepts
+  (``TrainerConfig.checkpoints``).
+
+  Attributes:
+    every_steps: save every this many steps (None: only at epoch ends and at
+      the end).
+    every_seconds: also save at the first step that ends this many seconds
+      after the last checkpoint (None: never on time), so that a process
+      killed without warning (SIGKILL, a lost host) loses at most about this
+      much work. Decided on process 0's clock at each step's agreement, so
+      every process saves at the same step. (A SIGTERM or SIGINT loses
+      nothing: the run saves and stops.)
+    max_to_keep: how many checkpoints to keep.
+    allow_changed_settings: resume from a checkpoint made with other
+      optimizer settings, controller settings, data, learning-rate rule or
+      ``run_settings`` (the Trainer's) instead of refusing it with
+      :class:`simigrad_jax.checkpoint.CheckpointMismatchError`; the changes
+      are logged and kept in the history every later checkpoint carries. A
+      changed model or optimizer structure is refused all the same (its
+      arrays cannot be restored); a changed device count is always allowed.
+
+  Raises:
+    ValueError: for a bad value, naming it (``checkpoints.every_steps=...``) and what is valid.
+    TypeError: for a keyword that is no setting, suggesting the one it resembles.
+
+  Example:
+    >>> CheckpointConfig(every_steps=100, max_to_keep=2).every_seconds is None
+    True
+  """
+
+  PATH: ClassVar[str] = "checkpoints"
+
+  every_steps: int | None = None
+  every_seconds: float | None = None
+  max_to_keep: int = 3
+  allow_changed_settings: bool = False
+
+  def _checked(self) -> dict[str, Any]:
+    checked: dict[str, Any] = {}
+    if self.every_steps is not None:
+      checked["every_steps"] = validation.check_int("every_steps", self.every_steps, 1)
+    if self.every_seconds is not None:
+      checked["every_seconds"] = validation.check_real(
+        "every_seconds", self.every_seconds, "(0, inf) (finite)", lambda x: 0 < x < math.inf
+      )
+    checked["max_to_keep"] = validation.check_int("max_to_keep", self.max_to_keep, 1)
+    checked["allow_changed_settings"] = validation.check_bool(
+      "allow_changed_settings", self.allow_changed_settings
+    )
+    return checked
+
+
+@_refuses_unknown_names
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LearningRateConfig(_Settings):
+  """How the learning rate follows the batch size (``TrainerConfig.lr``).
+
+  The Trainer sets the factor :func:`simigrad_jax.lr_factor` gives for each
+  step's batch size against the controller's initial one in the optimizer
+  state (:func:`simigrad_jax.scale_by_lr_factor` applies it).
+
+  Attributes:
+    rule: ``"sqrt"``, ``"linear"`` or ``"none"`` (see :func:`simigrad_jax.lr_factor`).
+    adjust_factor: optional damping of the learning-rate factor (>= 0).
+    coupling: how the batch-size factor meets ``lr_schedule``: ``"full"``
+      (multiplied at every step) or ``"peak"`` (in full at the schedule's
+      peak, fading as it decays; see
+      :func:`simigrad_jax.controllers.learning_rate.scheduled_lr_factor`).
+
+  Raises:
+    ValueError: for a bad value, naming it (``lr.rule=...``) and what is valid.
+    TypeError: for a keyword that is no setting, suggesting the one it resembles.
+
+  Example:
+    >>> LearningRateConfig(rule="linear").coupling
+    'full'
+  """
+
+  PATH: ClassVar[str] = "lr"
+
+  rule: learning_rate.LrRule = "sqrt"
+  adjust_factor: float | None = None
+  coupling: learning_rate.LrCoupling = "full"
+
+  def _checked(self) -> dict[str, Any]:
+    if self.rule not in learning_rate.LR_RULES:
+      raise ValueError(f"rule={self.rule!r} is not valid; choose one of {learning_rate.LR_RULES}")
+    if self.coupling not in learning_rate.LR_COUPLINGS:
+      raise ValueError(
+        f"coupling={self.coupling!r} is not valid; choose one of {learning_rate.LR_COUPLINGS}"
+      )
+    if self.adjust_factor is None:
+      return {}
+    return {  # (as lr_factor checks it)
+      "adjust_factor": validation.check_real(
+        "adjust_factor", self.adjust_factor, "[0, inf)", lambda f: 0 <= f < math.inf
+      )
+    }
+
+
+_GROUPS: Mapping[str, type[_Settings]] = {
+  group.PATH: group for group in (CompileConfig, CheckpointConfig, LearningRateConfig)
+}
+
+_FLAGS = ("progress", "allow_shared_workdir")
+
+
+@_refuses_unknown_names
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainerConfig:
+  """The settings of a training run, in groups, checked when made.
+
+  Attributes:
+    max_micro_batch_size: the most rows per device per micro-step (rounded up
+      to even with the local split, whose two passes hold half each).
+    seed: seeds the data order and the per-step random keys.
+    halves: the split into the two halves the similarity compares
+      (:mod:`simigrad_jax.shapes.layout`): ``"device"`` (even devices
+      against odd ones), ``"local"`` (two blocks of rows per device), or
+      ``"auto"`` (``"device"`` on an even number of devices, else
+      ``"local"``; see :meth:`halves_for`).
+    axis_name: the data-parallel axis name used by the transform.
+    progress: show a progress bar (process 0 only).
+    tensorboard: also write TensorBoard event files: None (the default) when
+      tensorboardX is installed (the ``tensorboard`` and ``train`` extras),
+      True to require it, False never.
     allow_shared_workdir: use a workdir (and compilation cache) that other
       users can change. By default the run refuses one that belongs to
       another user, or that a group or other users can write to (or whose
@@ -117,16 +355,6 @@ class TrainerConfig:
       group-writable by design. The risk: whoever else can write there can
       change the run's checkpoints and metrics, or make it run code of their
       choosing through the compilation cache, whose programs JAX loads and runs.
-    tensorboard: also write TensorBoard event files: None (the default) when
-      tensorboardX is installed (the ``tensorboard`` and ``train`` extras),
-      True to require it, False never.
-    progress: show a progress bar (process 0 only).
-    axis_name: the data-parallel axis name used by the transform.
-    halves: the split into the two halves the similarity compares
-      (:mod:`simigrad_jax.shapes.layout`): ``"device"`` (even devices
-      against odd ones), ``"local"`` (two blocks of rows per device), or
-      ``"auto"`` (``"device"`` on an even number of devices, else
-      ``"local"``; see :meth:`halves_for`).
     agreement_timeout_seconds: several hosts: how long a process waits for
       the others at a check (the settings, every step's decision, every
       checkpoint; and after a step failed) before it raises
@@ -137,53 +365,102 @@ class TrainerConfig:
       :data:`simigrad_jax.multihost.process_agreement.AGREEMENT_TIMEOUT_SECONDS`
       (300; None means it too); keep it above the longest time a process may
       wait for another at a step's end.
+    compile: the compiled shapes and how they compile (:class:`CompileConfig`).
+    checkpoints: when checkpoints are saved and what a resume accepts
+      (:class:`CheckpointConfig`).
+    lr: how the learning rate follows the batch size (:class:`LearningRateConfig`).
+
+  A nested setting is replaced through its group's own ``replace``:
+  ``config.replace(compile=config.compile.replace(mode="pad"))``.
 
   Raises:
-    ValueError: for a bad value, naming it and what is valid.
+    ValueError: for a bad value, naming it by its path (``checkpoints.every_steps=...``)
+      and what is valid.
+    TypeError: for a keyword that is no setting, suggesting the one it resembles, and for
+      a setting of 0.2 that moved into a group, naming its new place.
 
   Example:
     >>> config = TrainerConfig(max_micro_batch_size=32, seed=3)
-    >>> config.replace(mode="pad").mode
+    >>> config.compile.mode, config.checkpoints.max_to_keep, config.lr.rule
+    ('recompile', 3, 'sqrt')
+    >>> config.replace(compile=config.compile.replace(mode="pad")).compile.mode
     'pad'
     >>> config.halves_for(3)
     'local'
+    >>> try:
+    ...   TrainerConfig(max_micro_batch_size=32, lr_rule="linear")  # 0.2's flat name
+    ... except TypeError as error:
+    ...   print(str(error).split("; ")[-1])
+    give lr=LearningRateConfig(rule='linear')
   """
 
   max_micro_batch_size: int
-  mode: Mode = "recompile"
-  min_micro_batch_size: int | None = None
-  shapes_per_octave: int | None = None
-  lr_rule: learning_rate.LrRule = "sqrt"
-  lr_adjust_factor: float | None = None
-  lr_coupling: learning_rate.LrCoupling = "full"
   seed: int = 0
-  checkpoint_every_steps: int | None = None
-  checkpoint_every_seconds: float | None = None
-  max_checkpoints: int = 3
-  allow_changed_settings: bool = False
-  background_compile: bool = True
-  compile_fallback: bool = True
-  steps_per_compile: float = 0.5
-  timed_fallback: bool = False
-  compilation_cache_dir: str | os.PathLike | None = None
-  allow_shared_workdir: bool = False
-  tensorboard: bool | None = None
-  progress: bool = True
-  axis_name: str = "batch"
   halves: str = "auto"
+  axis_name: str = "batch"
+  progress: bool = True
+  tensorboard: bool | None = None
+  allow_shared_workdir: bool = False
   agreement_timeout_seconds: float = process_agreement.AGREEMENT_TIMEOUT_SECONDS
+  compile: CompileConfig = dataclasses.field(default_factory=CompileConfig)
+  checkpoints: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+  lr: LearningRateConfig = dataclasses.field(default_factory=LearningRateConfig)
 
-  def __new__(cls, *args: Any, **settings: Any) -> TrainerConfig:
-    # Before the dataclass's __init__, whose TypeError for an unknown keyword suggests nothing.
-    _check_setting_names(settings)
-    return super().__new__(cls)
-
-  def __post_init__(self):
+  def __post_init__(self) -> None:
     for name, value in _checked_fields(self).items():  # as plain Python numbers (NumPy ints too)
       object.__setattr__(self, name, value)
 
+  @classmethod
+  def from_settings(
+    cls, config: TrainerConfig | None, settings: Mapping[str, Any]
+  ) -> TrainerConfig:
+    """``config``, or a config made of ``settings`` (keyword arguments named as the fields).
+
+    Args:
+      config: a :class:`TrainerConfig`, or None.
+      settings: fields given one by one (e.g. the Trainer's keywords).
+
+    Returns:
+      The config.
+
+    Raises:
+      ValueError: both are given (the message names both), or ``config`` is
+        not a TrainerConfig.
+      TypeError: a setting that is not a field, or ``max_micro_batch_size``
+        missing.
+
+    Example:
+      >>> TrainerConfig.from_settings(None, {"max_micro_batch_size": 8}).max_micro_batch_size
+      8
+    """
+    check_setting_names(settings)
+    if config is None:
+      return cls(**settings)
+    if not isinstance(config, TrainerConfig):
+      raise ValueError(
+        f"config must be a simigrad_jax.TrainerConfig, got {config!r:.200} "
+        f"({type(config).__name__})"
+      )
+    if settings:
+      given = ", ".join(f"{name}={value!r:.80}" for name, value in settings.items())
+      raise ValueError(
+        f"give the settings either as config=TrainerConfig(...) or as keywords, "
+        f"not both: got config= and {given}; put them into the config instead: "
+        f"config.replace({given})"
+      )
+    return config
+
   def replace(self, **changes: Any) -> TrainerConfig:
-    """A copy with ``changes`` (checked as a new config)."""
+    """A copy with ``changes`` (checked as a new config).
+
+    A setting in a group is replaced through the group's own ``replace``:
+    ``config.replace(lr=config.lr.replace(rule="linear"))``.
+
+    Raises:
+      ValueError: for a bad value, naming it and what is valid.
+      TypeError: for a name that is no setting (a moved one of 0.2 names its new place).
+    """
+    check_setting_names(changes, TrainerConfig, replacing=True)
     return dataclasses.replace(self, **changes)
 
   def halves_for(self, num_devices: int) -> str:
@@ -194,76 +471,35 @@ class TrainerConfig:
     """
     return layout.resolve_halves(self.halves, num_devices)
 
-  @property
-  def uses_compile_fallback(self) -> bool:
-    """Whether a step whose shape is still compiling runs on a compiled one (see
-    :attr:`compile_fallback`: ``"recompile"`` mode, compiling in the background)."""
-    return self.compile_fallback and self.background_compile and self.mode == "recompile"
-
 
 def _checked_fields(config: TrainerConfig) -> dict[str, Any]:
-  """The fields of ``config``, checked, that checking turns into plain Python numbers.
+  """The run's own fields of ``config``, checked, that checking turns into plain Python numbers;
+  the groups are checked when made, and here only against the run's settings.
 
   Raises:
     ValueError: for a bad value, naming it and what is valid.
   """
-  if config.mode not in MODES:
-    raise ValueError(f"mode={config.mode!r} is not valid; choose one of {MODES}")
-  if config.lr_rule not in learning_rate.LR_RULES:
-    raise ValueError(
-      f"lr_rule={config.lr_rule!r} is not valid; choose one of {learning_rate.LR_RULES}"
-    )
-  if config.lr_coupling not in learning_rate.LR_COUPLINGS:
-    raise ValueError(
-      f"lr_coupling={config.lr_coupling!r} is not valid; choose one of {learning_rate.LR_COUPLINGS}"
-    )
+  for path, group in _GROUPS.items():
+    if not isinstance(getattr(config, path), group):
+      raise ValueError(
+        f"{path} must be a simigrad_jax.{group.__name__}, got {getattr(config, path)!r:.200} "
+        f"({type(getattr(config, path)).__name__})"
+      )
   checked: dict[str, Any] = {}
   checked["max_micro_batch_size"] = max_micro = validation.check_int(
     "max_micro_batch_size", config.max_micro_batch_size, 1
   )
-  if config.min_micro_batch_size is not None:
-    if (
-      not validation.is_int(config.min_micro_batch_size)
-      or not 1 <= config.min_micro_batch_size <= max_micro
-    ):
-      raise ValueError(
-        f"min_micro_batch_size must be None or an integer in [1, max_micro_batch_size="
-        f"{max_micro}], got {config.min_micro_batch_size!r}"
-      )
-    checked["min_micro_batch_size"] = int(config.min_micro_batch_size)
-  if config.shapes_per_octave is not None:
-    checked["shapes_per_octave"] = batch_plan.check_shapes_per_octave(config.shapes_per_octave)
-  if config.lr_adjust_factor is not None:
-    checked["lr_adjust_factor"] = validation.check_real(  # (as lr_factor checks it)
-      "lr_adjust_factor", config.lr_adjust_factor, "[0, inf)", lambda f: 0 <= f < math.inf
+  min_micro = config.compile.min_micro_batch_size
+  if min_micro is not None and min_micro > max_micro:
+    raise ValueError(
+      f"compile.min_micro_batch_size must be None or an integer in [1, max_micro_batch_size="
+      f"{max_micro}], got {min_micro!r}"
     )
   checked["seed"] = validation.check_int("seed", config.seed, 0)
-  if config.checkpoint_every_steps is not None:
-    checked["checkpoint_every_steps"] = validation.check_int(
-      "checkpoint_every_steps", config.checkpoint_every_steps, 1
-    )
-  if config.checkpoint_every_seconds is not None:
-    checked["checkpoint_every_seconds"] = validation.check_real(
-      "checkpoint_every_seconds",
-      config.checkpoint_every_seconds,
-      "(0, inf) (finite)",
-      lambda x: 0 < x < math.inf,
-    )
-  checked["steps_per_compile"] = validation.check_real(
-    "steps_per_compile", config.steps_per_compile, "(0, inf) (finite)", lambda x: 0 < x < math.inf
-  )
-  checked["max_checkpoints"] = validation.check_int("max_checkpoints", config.max_checkpoints, 1)
   for name in _FLAGS:
     checked[name] = validation.check_bool(name, getattr(config, name))
   if config.tensorboard is not None:
     checked["tensorboard"] = validation.check_bool("tensorboard", config.tensorboard)
-  if config.compilation_cache_dir is not None and not isinstance(
-    config.compilation_cache_dir, (str, os.PathLike)
-  ):
-    raise ValueError(
-      f"compilation_cache_dir must be None or a path (str or os.PathLike), "
-      f"got {config.compilation_cache_dir!r}"
-    )
   if not isinstance(config.axis_name, str) or not config.axis_name:
     raise ValueError(f"axis_name must be a non-empty string, got {config.axis_name!r}")
   layout.check_halves(config.halves)
@@ -274,21 +510,59 @@ def _checked_fields(config: TrainerConfig) -> dict[str, Any]:
   return checked
 
 
-def _check_setting_names(settings: Mapping[str, Any]) -> None:
-  """Refuses a name in ``settings`` that is no field of :class:`TrainerConfig`, suggesting the
-  field it resembles.
+def check_setting_names(
+  settings: Mapping[str, Any], group: type = TrainerConfig, *, replacing: bool = False
+) -> None:
+  """Refuses a name in ``settings`` that is no field of ``group``: a setting 0.2 had at the top
+  that moved into a group (:data:`MOVED_SETTINGS`) with its new place, any other with the field
+  it resembles.
+
+  Args:
+    settings: the keywords given to ``group`` (or to ``replace`` when ``replacing``).
+    group: :class:`TrainerConfig` or one of its groups.
+    replacing: name the new place as a ``config.replace(...)`` would give it.
 
   Raises:
-    TypeError: naming every unknown setting and the fields.
+    TypeError: naming every moved setting's new place, or every unknown setting and the fields.
 
   Example:
-    >>> _check_setting_names({"seed": 3})  # a field: nothing happens
+    >>> check_setting_names({"seed": 3})  # a field: nothing happens
+    >>> try:
+    ...   check_setting_names({"every_step": 3}, CheckpointConfig)
+    ... except TypeError as error:
+    ...   print(str(error).split("; ")[0])
+    CheckpointConfig() got unexpected keyword argument(s) ['every_step']: 'every_step' (did you mean 'every_steps'?)
   """
-  fields = [f.name for f in dataclasses.fields(TrainerConfig)]
+  fields = [f.name for f in dataclasses.fields(group)]
   unknown = sorted(set(settings) - set(fields))
+  moved = [name for name in settings if name in MOVED_SETTINGS and name not in fields]
+  if group is TrainerConfig and moved:
+    raise TypeError(_moved_message({name: settings[name] for name in moved}, replacing))
   if unknown:
     raise TypeError(
-      f"TrainerConfig() got unexpected keyword argument(s) {unknown}: "
-      f"{validation.unknown_names(unknown, fields)}; the settings are the fields of "
-      f"TrainerConfig: {fields}"
+      f"{group.__name__}() got unexpected keyword argument(s) {unknown}: "
+      f"{validation.unknown_names(unknown, fields)}; "
+      f"the settings are the "
+      f"fields of {group.__name__}: {fields}"
     )
+
+
+def _moved_message(moved: Mapping[str, Any], replacing: bool) -> str:
+  """Where 0.2's flat settings ``moved`` (name -> value) are given in 0.3, grouped by group:
+  ``give lr=LearningRateConfig(rule='linear')`` (or ``lr=config.lr.replace(...)``)."""
+  by_group: dict[str, list[str]] = {}
+  for name, value in moved.items():
+    path, field = MOVED_SETTINGS[name].split(".")
+    by_group.setdefault(path, []).append(f"{field}={value!r:.80}")
+  places = ", ".join(
+    f"{path}=config.{path}.replace({', '.join(given)})"
+    if replacing
+    else f"{path}={_GROUPS[path].__name__}({', '.join(given)})"
+    for path, given in by_group.items()
+  )
+  call = "config.replace" if replacing else "TrainerConfig"
+  these = "this setting" if len(moved) == 1 else "these settings"
+  return (
+    f"{call}({', '.join(f'{name}=...' for name in moved)}): {these} moved into a group "
+    f"in 0.3; give {places}"
+  )

@@ -100,10 +100,10 @@ def make_layout(config: TrainerConfig, num_data: int, lower: int, upper: int) ->
   return StepLayout.create(
     config.halves_for(num_data),
     num_data,
-    mode=config.mode,
+    mode=config.compile.mode,
     max_micro=config.max_micro_batch_size,
-    min_micro=config.min_micro_batch_size,
-    shapes_per_octave=config.shapes_per_octave,
+    min_micro=config.compile.min_micro_batch_size,
+    shapes_per_octave=config.compile.shapes_per_octave,
     lower=lower,
     upper=upper,
   )
@@ -121,10 +121,10 @@ def open_checkpoints(
       allow_shared=config.allow_shared_workdir,
     ),
     seed=config.seed,
-    max_to_keep=config.max_checkpoints,
+    max_to_keep=config.checkpoints.max_to_keep,
     agreement=agreement,
     record=record,
-    allow_changed_settings=config.allow_changed_settings,
+    allow_changed_settings=config.checkpoints.allow_changed_settings,
   )
 
 
@@ -150,8 +150,8 @@ def make_programs(
   checkpoint says the persistent compilation cache holds and the schedule's
   state (None: a new run).
   """
-  if config.compilation_cache_dir is not None:
-    enable_persistent_cache(config.compilation_cache_dir, allow_shared=config.allow_shared_workdir)
+  if config.compile.cache_dir is not None:
+    enable_persistent_cache(config.compile.cache_dir, allow_shared=config.allow_shared_workdir)
   return StepPrograms(
     loss_fn=train_step.checked_loss_fn(loss_fn, model_state),
     optimizer=optimizer,
@@ -162,11 +162,11 @@ def make_programs(
     state=state,
     element_spec=element_spec,
     accumulation_shapes=layout.accumulation_shapes(upper),
-    background=config.background_compile,
-    compile_fallback=config.uses_compile_fallback,
-    steps_per_compile=None if config.timed_fallback else config.steps_per_compile,
+    background=config.compile.background,
+    compile_fallback=config.compile.uses_fallback,
+    steps_per_compile=None if config.compile.timed_fallback else config.compile.steps_per_compile,
     shared_compiles=jax.process_count() > 1,
-    compilation_cache_dir=config.compilation_cache_dir,
+    compilation_cache_dir=config.compile.cache_dir,
     cached_programs=cached_programs,
   )
 
@@ -320,7 +320,7 @@ def check_objects(
   lower, upper = checks.check_bounds(controller, num_examples, halves)
   for size in (lower, controller.initial_batch_size, upper):
     learning_rate.lr_factor(
-      size, controller.initial_batch_size, config.lr_rule, config.lr_adjust_factor
+      size, controller.initial_batch_size, config.lr.rule, config.lr.adjust_factor
     )
   return num_examples, workdir, devices, opt_state, lower, upper
 
@@ -422,15 +422,15 @@ def settings_to_agree(
     "controller": controller.config,
     "batch_size": controller.batch_size,
     "seed": config.seed,
-    "mode": config.mode,
+    "mode": config.compile.mode,
     "shapes": list(layout.device_grid),
-    "lr_rule": config.lr_rule,
-    "lr_adjust_factor": config.lr_adjust_factor,
+    "lr_rule": config.lr.rule,
+    "lr_adjust_factor": config.lr.adjust_factor,
     "num_examples": num_examples,
     "num_devices": layout.num_devices,
     "halves": layout.halves,
-    "checkpoint_every_steps": config.checkpoint_every_steps,
-    "checkpoint_every_seconds": config.checkpoint_every_seconds,
+    "checkpoint_every_steps": config.checkpoints.every_steps,
+    "checkpoint_every_seconds": config.checkpoints.every_seconds,
     "element_spec": run_record.describe_element_spec(source.element_spec),
     "params": run_record.describe_tree(params),
   }
@@ -452,10 +452,11 @@ def run_record_of(
   """The run's record, saved with every checkpoint and compared on resume.
 
   Args:
-    config: the run's settings: ``lr_rule``, ``lr_adjust_factor`` and
-      ``lr_coupling`` (recorded when not ``"full"``) decide the trajectory
-      (the seed is checked on its own); the split, the shapes and the
-      fallback only lay the steps out.
+    config: the run's settings: ``config.lr`` (its coupling recorded when
+      not ``"full"``) decides the trajectory (the seed is checked on its
+      own); the split, the shapes and the fallback only lay the steps out.
+      The record names them as 0.2's flat settings did (``lr_rule``,
+      ``mode``, ...), so that a checkpoint of 0.2 compares the same.
     layout: the run's split and shapes.
     initial: the initial ``{"params", "opt_state", "model_state"}``.
     optimizer, controller, source, num_examples, devices, run_settings: the
@@ -472,14 +473,14 @@ def run_record_of(
     num_examples=num_examples,
     element_spec=source.element_spec,
     controller=controller.config,
-    trainer={"lr_rule": config.lr_rule, "lr_adjust_factor": config.lr_adjust_factor}
-    | ({} if config.lr_coupling == "full" else {"lr_coupling": config.lr_coupling}),
+    trainer={"lr_rule": config.lr.rule, "lr_adjust_factor": config.lr.adjust_factor}
+    | ({} if config.lr.coupling == "full" else {"lr_coupling": config.lr.coupling}),
     layout={
       "halves": layout.halves,
-      "mode": config.mode,
+      "mode": config.compile.mode,
       "max_micro_batch_size": config.max_micro_batch_size,
-      "min_micro_batch_size": config.min_micro_batch_size,
-      "compile_fallback": config.uses_compile_fallback,
+      "min_micro_batch_size": config.compile.min_micro_batch_size,
+      "compile_fallback": config.compile.uses_fallback,
     },
     devices={
       "num_devices": len(devices),

@@ -84,12 +84,12 @@ class StepInputs:
     """The inputs of a run with these settings, from the factor its optimizer state holds."""
     return cls(
       base_batch_size=controller.initial_batch_size,
-      lr_rule=config.lr_rule,
-      lr_adjust_factor=config.lr_adjust_factor,
+      lr_rule=config.lr.rule,
+      lr_adjust_factor=config.lr.adjust_factor,
       lr_schedule=lr_schedule,
       lr_factor=optimizer_state.lr_factor_of(state["opt_state"]),
       replicated=NamedSharding(mesh, P()),
-      lr_coupling=config.lr_coupling,
+      lr_coupling=config.lr.coupling,
     )
 
   def lr_factors(self, batch_size: int, epochs: float) -> tuple[float, float]:

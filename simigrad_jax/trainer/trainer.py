@@ -124,7 +124,7 @@ class StepLoop:
     self._checkpoints, self._processes = checkpoints, agreement
     self.state, self.step, self.nonfinite_steps = resumed[:3]
     self.checkpoint = CheckpointHook(
-      self.save_checkpoint, config.checkpoint_every_steps, config.checkpoint_every_seconds
+      self.save_checkpoint, config.checkpoints.every_steps, config.checkpoints.every_seconds
     )
     self.stop = preemption.RunStop()
     self._agreement = StepAgreement(agreement, programs, checkpoints, self.checkpoint, self.stop)

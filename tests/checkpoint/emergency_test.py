@@ -10,9 +10,12 @@ import tempfile
 import numpy as np
 import pytest
 
+import simigrad_jax
 from simigrad_jax.checkpoint import checkpointer as checkpointer_module
 from simigrad_jax.checkpoint import emergency
 from tiny_run import make_trainer
+
+EVERY_3_STEPS = simigrad_jax.CheckpointConfig(every_steps=3)
 
 STATE = {"w": np.arange(6, dtype=np.float32)}
 
@@ -95,7 +98,7 @@ def test_a_full_disk_before_the_first_save_loses_no_step_and_the_resume_is_exact
   """A Trainer whose saves in checkpoints/ fail (a full disk there) before its first checkpoint,
   at once or in the background (then known at the next step): the steps done, their records
   too, are kept in emergency/, and the resume ends as a run never stopped."""
-  straight = make_trainer(tmp_path / "straight", checkpoint_every_steps=3)
+  straight = make_trainer(tmp_path / "straight", checkpoints=EVERY_3_STEPS)
   with straight:
     want = straight.train(num_steps=6)
   cls = checkpointer_module.Checkpointer
@@ -113,7 +116,7 @@ def test_a_full_disk_before_the_first_save_loses_no_step_and_the_resume_is_exact
   monkeypatch.setattr(cls, "save", full_disk)
   monkeypatch.setattr(cls, "failed_save", lambda self: failed[-1] if failed else None)
   workdir = tmp_path / "full"
-  trainer = make_trainer(workdir, checkpoint_every_steps=3)
+  trainer = make_trainer(workdir, checkpoints=EVERY_3_STEPS)
   with pytest.raises(OSError) as error, trainer:
     trainer.train(num_steps=6)
   kept = 3 if where == "in the save" else 4  # the step whose agreement learnt of it
@@ -122,7 +125,7 @@ def test_a_full_disk_before_the_first_save_loses_no_step_and_the_resume_is_exact
   assert [r["step"] for r in _metrics(workdir)] == list(range(1, kept + 1))
   monkeypatch.setattr(cls, "save", real_save)
   monkeypatch.setattr(cls, "failed_save", real_failed)
-  resumed = make_trainer(workdir, checkpoint_every_steps=3)
+  resumed = make_trainer(workdir, checkpoints=EVERY_3_STEPS)
   assert resumed.step == kept
   with resumed:
     got = resumed.train(num_steps=6)

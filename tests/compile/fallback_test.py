@@ -159,7 +159,9 @@ def test_the_runs_last_step_asks_for_no_compile(tmp_path, devices, monkeypatch):
     return prefetch(self, sizes, first=first)
 
   monkeypatch.setattr(compiler.StepCompiler, "prefetch", recording_prefetch)
-  with tiny_run.make_trainer(tmp_path, timed_fallback=True) as trainer:
+  with tiny_run.make_trainer(
+    tmp_path, compile=simigrad_jax.CompileConfig(timed_fallback=True)
+  ) as trainer:
     training.append(trainer)
     trainer.train(num_epochs=1.0)
     records = [

@@ -21,7 +21,13 @@ def _train(workdir, cache_dir, num_steps):
   """The tiny run on the schedule, resumed from ``workdir``: its summary, optimizer state and
   records."""
   schedule = simigrad_jax.make_controller("step_schedule", thresholds=THRESHOLDS)
-  return train_records(workdir, cache_dir, num_steps, controller=schedule, timed_fallback=True)
+  return train_records(
+    workdir,
+    cache_dir,
+    num_steps,
+    controller=schedule,
+    compile=simigrad_jax.CompileConfig(timed_fallback=True),
+  )
 
 
 @pytest.fixture(scope="module")

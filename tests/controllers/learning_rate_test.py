@@ -166,5 +166,5 @@ def test_peak_coupling_is_full_at_the_peak_and_fades_with_the_decay():
 def test_a_bad_coupling_names_the_valid_ones():
   with pytest.raises(ValueError, match=r"lr_coupling='cap' is not valid; choose one of \('full'"):
     learning_rate.scheduled_lr_factor(64, 16, "sqrt", None, None, 0.3, "cap")  # type: ignore[arg-type]
-  with pytest.raises(ValueError, match=r"lr_coupling='cap' is not valid"):
-    simigrad_jax.TrainerConfig(max_micro_batch_size=4, lr_coupling="cap")  # type: ignore[arg-type]
+  with pytest.raises(ValueError, match=r"lr\.coupling='cap' is not valid"):
+    simigrad_jax.LearningRateConfig(coupling="cap")  # type: ignore[arg-type]

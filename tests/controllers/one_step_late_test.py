@@ -140,7 +140,7 @@ def _late_run(workdir, cache_dir, num_steps):
     cache_dir,
     num_steps,
     controller=OneStepLateController(_tiny_simigrad()),
-    compile_fallback=False,
+    compile=simigrad_jax.CompileConfig(fallback=False),
   )
   return records
 

@@ -413,7 +413,7 @@ def _ramp_run(workdir, cache_dir):
       cache_dir,
       12,
       controller=StepScheduleController("0:8,40:16,120:24"),
-      compile_fallback=False,
+      compile=simigrad_jax.CompileConfig(fallback=False),
     )
   return [(r["batch_size"], r["loss"]) for r in records], placed
 

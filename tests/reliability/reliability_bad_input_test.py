@@ -69,6 +69,9 @@ def controller(**overrides):
   )
 
 
+CHECKPOINTS = simigrad_jax.CheckpointConfig(every_steps=2)  # the tiny run's
+
+
 def trainer(workdir, *, hidden=8, data=None, **overrides):
   kwargs = dict(
     loss_fn=mlp_loss,
@@ -81,7 +84,7 @@ def trainer(workdir, *, hidden=8, data=None, **overrides):
     seed=3,
     progress=False,
     tensorboard=False,
-    checkpoint_every_steps=2,
+    checkpoints=CHECKPOINTS,
   )
   kwargs.update(overrides)
   return trainer_with(**kwargs)
@@ -211,45 +214,45 @@ CASES = [
   ),
   Case(
     "min micro-batch above max",
-    lambda w: trainer(w, min_micro_batch_size=8),
+    lambda w: trainer(w, compile=simigrad_jax.CompileConfig(min_micro_batch_size=8)),
     ValueError,
-    r"min_micro_batch_size must be None or an integer in \[1, max_micro_batch_size=4\], got 8",
+    r"compile.min_micro_batch_size must be None or an integer in \[1, max_micro_batch_size=4\], got 8",
   ),
   Case(
     "unknown mode",
-    lambda w: trainer(w, mode="fast"),
+    lambda w: trainer(w, compile=simigrad_jax.CompileConfig(mode="fast")),
     ValueError,
-    r"mode='fast' is not valid; choose one of \('recompile', 'pad'\)",
+    r"compile.mode='fast' is not valid; choose one of \('recompile', 'pad'\)",
   ),
   Case(
     "unknown lr rule",
-    lambda w: trainer(w, lr_rule="cube"),
+    lambda w: trainer(w, lr=simigrad_jax.LearningRateConfig(rule="cube")),
     ValueError,
-    r"lr_rule='cube' is not valid; choose one of \('sqrt', 'linear', 'none'\)",
+    r"lr.rule='cube' is not valid; choose one of \('sqrt', 'linear', 'none'\)",
   ),
   Case(
     "negative lr adjust factor",
-    lambda w: trainer(w, lr_adjust_factor=-1.0),
+    lambda w: trainer(w, lr=simigrad_jax.LearningRateConfig(adjust_factor=-1.0)),
     ValueError,
-    r"lr_adjust_factor must be a number in \[0, inf\), got -1.0",
+    r"lr.adjust_factor must be a number in \[0, inf\), got -1.0",
   ),
   Case(
     "lr adjust factor that turns the lr negative",
-    lambda w: trainer(w, lr_adjust_factor=3.0),
+    lambda w: trainer(w, lr=simigrad_jax.LearningRateConfig(adjust_factor=3.0)),
     ValueError,
     r"lr_factor would be -0.26.* at batch_size=8, base_batch_size=24",
   ),
   Case(
     "checkpoint every 0 steps",
-    lambda w: trainer(w, checkpoint_every_steps=0),
+    lambda w: trainer(w, checkpoints=CHECKPOINTS.replace(every_steps=0)),
     ValueError,
-    r"checkpoint_every_steps must be an integer >= 1, got 0",
+    r"checkpoints.every_steps must be an integer >= 1, got 0",
   ),
   Case(
     "keep 0 checkpoints",
-    lambda w: trainer(w, max_checkpoints=0),
+    lambda w: trainer(w, checkpoints=CHECKPOINTS.replace(max_to_keep=0)),
     ValueError,
-    r"max_checkpoints must be an integer >= 1, got 0",
+    r"checkpoints.max_to_keep must be an integer >= 1, got 0",
   ),
   Case(
     "negative seed",

@@ -386,7 +386,11 @@ class _Data:
       workdir=workdir,
       **kwargs,
       config=simigrad_jax.TrainerConfig(
-        max_micro_batch_size=4, seed=3, checkpoint_every_steps=2, progress=False, tensorboard=False
+        max_micro_batch_size=4,
+        seed=3,
+        progress=False,
+        tensorboard=False,
+        checkpoints=simigrad_jax.CheckpointConfig(every_steps=2),
       ),
     )
 

@@ -289,9 +289,10 @@ def test_checkpoints_and_the_compilation_cache_are_private(tmp_path, caplog):
   (tmp_path / "run").chmod(0o700)
   cache = tmp_path / "cache"
   with simigrad_jax.compile.persistent_cache_settings():
-    with make_trainer(tmp_path / "run", compilation_cache_dir=cache) as trainer:
+    cached = simigrad_jax.CompileConfig(cache_dir=cache)
+    with make_trainer(tmp_path / "run", compile=cached) as trainer:
       trainer.train(num_steps=1)
-    with make_trainer(tmp_path / "new", compilation_cache_dir=cache) as trainer:
+    with make_trainer(tmp_path / "new", compile=cached) as trainer:
       trainer.train(num_steps=1)
   # Not the run's to chmod: left as it is, with a warning that says how.
   assert mode_of(tmp_path / "run" / "checkpoints") == 0o755

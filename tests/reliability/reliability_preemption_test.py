@@ -298,8 +298,7 @@ def test_checkpoint_every_seconds_saves_once_that_many_seconds_passed(tmp_path):
       seed=3,
       progress=False,
       tensorboard=False,
-      checkpoint_every_seconds=1.0,
-      max_checkpoints=30,
+      checkpoints=simigrad_jax.CheckpointConfig(every_seconds=1.0, max_to_keep=30),
     ),
   ) as trainer:
     save = trainer._checkpoints.checkpointer.save

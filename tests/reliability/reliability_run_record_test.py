@@ -3,9 +3,9 @@
 A finished 4-step run (checkpoints at steps 2 and 4) is resumed with a
 changed learning rate, data set, model or device count, and from a
 checkpoint written before runs were recorded. A changed setting is refused
-with the differences listed unless ``allow_changed_settings=True``, which
-resumes and keeps the change in the history every later checkpoint carries;
-fewer devices resume exactly and are recorded. Also: the caller's parameters
+with the differences listed unless ``checkpoints.allow_changed_settings=True``,
+which resumes and keeps the change in the history every later checkpoint
+carries; fewer devices resume exactly and are recorded. Also: the caller's parameters
 are not donated, so they can start a second Trainer.
 """
 
@@ -20,6 +20,7 @@ import jax
 import numpy as np
 import optax
 import pytest
+from reliability_bad_input_test import CHECKPOINTS
 from reliability_bad_input_test import TinyMLP
 from reliability_bad_input_test import controller
 from reliability_bad_input_test import dataset
@@ -32,6 +33,7 @@ pytestmark = pytest.mark.reliability
 
 # The run's record lists the learning rate of optax.sgd as the step size of its last part.
 STEP_SIZE = r"optimizer.hyperparameters.update.update_fns\[1\].update_fns\[1\].tx.update.step_size"
+ALLOWING_CHANGES = CHECKPOINTS.replace(allow_changed_settings=True)
 
 
 def sgd(learning_rate):
@@ -98,7 +100,7 @@ def test_a_changed_learning_rate_and_data_set_are_refused_then_allowed_and_recor
   assert (workdir / "metrics.jsonl").read_bytes() == before  # nothing ran
 
   with caplog.at_level(logging.WARNING, logger="simigrad_jax"):
-    resumed = trainer(workdir, allow_changed_settings=True, **changed)
+    resumed = trainer(workdir, checkpoints=ALLOWING_CHANGES, **changed)
   assert resumed.step == 4 and resumed.sampler.num_examples == 180
   assert "made by a run with other settings" in caplog.text and "-2.0 here" in caplog.text
   with resumed:
@@ -123,7 +125,7 @@ def test_a_changed_model_is_refused_even_when_changes_are_allowed(workdir):
     match=r"(?s)the runs differ in:\n.*  - model.params\['Dense_0'\]\['kernel'\]: "
     r"'float32\[8, 3\]' there, 'float32\[16, 3\]' here.*allowed or not",
   ):
-    trainer(workdir, hidden=16, allow_changed_settings=True)
+    trainer(workdir, hidden=16, checkpoints=ALLOWING_CHANGES)
 
 
 def test_a_changed_injected_learning_rate_takes_effect_when_allowed(tmp_path):
@@ -145,7 +147,7 @@ def test_a_changed_injected_learning_rate_takes_effect_when_allowed(tmp_path):
     r"\['learning_rate'\]: 0.1 there, 0.05 here",
   ):
     trainer(tmp_path, optimizer=injected(0.05))
-  with trainer(tmp_path, optimizer=injected(0.05), allow_changed_settings=True) as resumed:
+  with trainer(tmp_path, optimizer=injected(0.05), checkpoints=ALLOWING_CHANGES) as resumed:
     assert resumed.step == 2
     learning_rate = resumed.state["opt_state"][1].hyperparams["learning_rate"]
     assert float(np.asarray(learning_rate.addressable_data(0))) == pytest.approx(0.05)

@@ -1,4 +1,5 @@
-"""TrainerConfig: the Trainer's settings, checked in one place, a misspelt one named."""
+"""TrainerConfig: the Trainer's settings in groups, each checked when made; unknown and moved
+names refused with where to look."""
 
 import dataclasses
 import doctest
@@ -7,50 +8,79 @@ import numpy as np
 import pytest
 
 import simigrad_jax
+from simigrad_jax.checkpoint.checkpointer import Checkpointer
 from simigrad_jax.trainer import config as config_module
+from simigrad_jax.trainer.config import CheckpointConfig
+from simigrad_jax.trainer.config import CompileConfig
+from simigrad_jax.trainer.config import LearningRateConfig
 from simigrad_jax.trainer.config import TrainerConfig
+from tiny_run import make_trainer
 from tiny_run import trainer_objects
 
-# (setting, bad value, the message's start): each bad value is named in its error.
+# (setting's path, bad value, the message's start): each bad value is named in its error by its
+# path in TrainerConfig.
 BAD_SETTINGS = [
   ("max_micro_batch_size", 0, r"max_micro_batch_size must be an integer >= 1, got 0"),
   ("max_micro_batch_size", 2.5, r"max_micro_batch_size must be an integer >= 1, got 2.5 \(float\)"),
-  ("mode", "fast", r"mode='fast' is not valid; choose one of \('recompile', 'pad'\)"),
   (
-    "min_micro_batch_size",
-    16,
-    r"min_micro_batch_size must be None or an integer in \[1, max_micro_batch_size=8\], got 16",
+    "compile.mode",
+    "fast",
+    r"compile.mode='fast' is not valid; choose one of \('recompile', 'pad'\)",
   ),
   (
-    "shapes_per_octave",
+    "compile.min_micro_batch_size",
+    16,
+    r"compile.min_micro_batch_size must be None or an integer in \[1, max_micro_batch_size=8\], "
+    r"got 16",
+  ),
+  (
+    "compile.min_micro_batch_size",
     0,
-    r"shapes_per_octave must be an int in \[1, 16\] \(shapes per factor of two in the "
+    r"compile.min_micro_batch_size must be None or an integer >= 1 \(and at most "
+    r"max_micro_batch_size\), got 0",
+  ),
+  (
+    "compile.shapes_per_octave",
+    0,
+    r"compile.shapes_per_octave must be an int in \[1, 16\] \(shapes per factor of two in the "
     r"micro-batch grid; 1 halves\), got 0",
   ),
-  ("shapes_per_octave", 2.5, r"shapes_per_octave must be an int in \[1, 16\].*got 2.5"),
-  ("lr_rule", "cube", r"lr_rule='cube' is not valid; choose one of \('sqrt', 'linear', 'none'\)"),
   (
-    "lr_coupling",
-    "cap",
-    r"lr_coupling='cap' is not valid; choose one of \('full', 'peak'\)",
+    "compile.shapes_per_octave",
+    2.5,
+    r"compile.shapes_per_octave must be an int in \[1, 16\].*got 2.5",
   ),
-  ("lr_adjust_factor", -1.0, r"lr_adjust_factor must be a number in \[0, inf\), got -1.0"),
+  (
+    "lr.rule",
+    "cube",
+    r"lr.rule='cube' is not valid; choose one of \('sqrt', 'linear', 'none'\)",
+  ),
+  ("lr.coupling", "cap", r"lr.coupling='cap' is not valid; choose one of \('full', 'peak'\)"),
+  ("lr.adjust_factor", -1.0, r"lr.adjust_factor must be a number in \[0, inf\), got -1.0"),
   ("seed", -1, r"seed must be an integer >= 0, got -1"),
-  ("checkpoint_every_steps", 0, r"checkpoint_every_steps must be an integer >= 1, got 0"),
+  ("checkpoints.every_steps", 0, r"checkpoints.every_steps must be an integer >= 1, got 0"),
   (
-    "checkpoint_every_seconds",
+    "checkpoints.every_seconds",
     0,
-    r"checkpoint_every_seconds must be a number in \(0, inf\) \(finite\), got 0",
+    r"checkpoints.every_seconds must be a number in \(0, inf\) \(finite\), got 0",
   ),
-  ("max_checkpoints", 0, r"max_checkpoints must be an integer >= 1, got 0"),
-  ("allow_changed_settings", "yes", r"allow_changed_settings must be True or False, got 'yes'"),
-  ("background_compile", 1, r"background_compile must be True or False, got 1 \(int\)"),
-  ("compile_fallback", "yes", r"compile_fallback must be True or False, got 'yes'"),
-  ("timed_fallback", 1, r"timed_fallback must be True or False, got 1"),
-  ("steps_per_compile", 0, r"steps_per_compile must be .*\(0, inf\) \(finite\), got 0"),
+  ("checkpoints.max_to_keep", 0, r"checkpoints.max_to_keep must be an integer >= 1, got 0"),
+  (
+    "checkpoints.allow_changed_settings",
+    "yes",
+    r"checkpoints.allow_changed_settings must be True or False, got 'yes'",
+  ),
+  ("compile.background", 1, r"compile.background must be True or False, got 1 \(int\)"),
+  ("compile.fallback", "yes", r"compile.fallback must be True or False, got 'yes'"),
+  ("compile.timed_fallback", 1, r"compile.timed_fallback must be True or False, got 1"),
+  (
+    "compile.steps_per_compile",
+    0,
+    r"compile.steps_per_compile must be .*\(0, inf\) \(finite\), got 0",
+  ),
   ("tensorboard", "yes", r"tensorboard must be True or False, got 'yes'"),
   ("progress", 0, r"progress must be True or False, got 0"),
-  ("compilation_cache_dir", 3, r"compilation_cache_dir must be None or a path"),
+  ("compile.cache_dir", 3, r"compile.cache_dir must be None or a path"),
   ("allow_shared_workdir", "no", r"allow_shared_workdir must be True or False, got 'no'"),
   ("axis_name", "", r"axis_name must be a non-empty string, got ''"),
   (
@@ -64,20 +94,48 @@ BAD_SETTINGS = [
     r"agreement_timeout_seconds must be a number in \(0, inf\) \(finite\), got 0",
   ),
   ("agreement_timeout_seconds", float("inf"), r"agreement_timeout_seconds must be a number"),
+  ("compile", {"mode": "pad"}, r"compile must be a simigrad_jax.CompileConfig, got \{'mode'"),
+  ("checkpoints", None, r"checkpoints must be a simigrad_jax.CheckpointConfig, got None"),
+  ("lr", "sqrt", r"lr must be a simigrad_jax.LearningRateConfig, got 'sqrt' \(str\)"),
 ]
+GROUPS = {
+  "compile": CompileConfig,
+  "checkpoints": CheckpointConfig,
+  "lr": LearningRateConfig,
+}
+
+
+def config_with(path, value, **settings):
+  """A TrainerConfig with the setting at ``path`` (``"compile.mode"`` or ``"seed"``) set."""
+  group, _, name = path.rpartition(".")
+  if group:
+    return TrainerConfig(**settings | {group: GROUPS[group](**{name: value})})
+  return TrainerConfig(**settings | {name: value})
 
 
 @pytest.mark.parametrize(
-  "name, value, message", BAD_SETTINGS, ids=[f"{n}={v!r}" for n, v, _ in BAD_SETTINGS]
+  "path, value, message", BAD_SETTINGS, ids=[f"{n}={v!r}" for n, v, _ in BAD_SETTINGS]
 )
-def test_a_bad_value_names_itself(name, value, message):
+def test_a_bad_value_names_itself(path, value, message):
   with pytest.raises(ValueError, match=f"^{message}"):
-    TrainerConfig(**{"max_micro_batch_size": 8, name: value})
+    config_with(path, value, max_micro_batch_size=8)
 
 
 def test_every_setting_is_checked():
-  fields = {f.name for f in dataclasses.fields(TrainerConfig)}
-  assert fields == {name for name, _, _ in BAD_SETTINGS}
+  paths = {f.name for f in dataclasses.fields(TrainerConfig)}
+  paths |= {
+    f"{group}.{f.name}" for group, settings in GROUPS.items() for f in dataclasses.fields(settings)
+  }
+  assert paths == {path for path, _, _ in BAD_SETTINGS}
+
+
+def test_the_groups_are_the_fields_of_trainer_config_and_on_the_top_level():
+  assert {
+    f.name: type(f.default_factory()) for f in dataclasses.fields(TrainerConfig) if f.name in GROUPS
+  } == GROUPS
+  for settings in (TrainerConfig, *GROUPS.values()):
+    assert getattr(simigrad_jax, settings.__name__) is settings
+    assert getattr(simigrad_jax.trainer, settings.__name__) is settings
 
 
 def test_values_are_kept_as_plain_python_and_the_config_is_frozen():
@@ -85,15 +143,74 @@ def test_values_are_kept_as_plain_python_and_the_config_is_frozen():
     max_micro_batch_size=np.int64(8),
     seed=np.int32(3),
     agreement_timeout_seconds=None,
-    lr_adjust_factor=1,
+    lr=LearningRateConfig(adjust_factor=1),
+    checkpoints=CheckpointConfig(every_steps=np.int64(5)),
   )
   assert type(config.max_micro_batch_size) is int and type(config.seed) is int
-  assert config.agreement_timeout_seconds == 300.0 and config.lr_adjust_factor == 1.0
+  assert type(config.checkpoints.every_steps) is int
+  assert config.agreement_timeout_seconds == 300.0 and config.lr.adjust_factor == 1.0
   with pytest.raises(dataclasses.FrozenInstanceError):
     config.seed = 4  # type: ignore[misc]
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    config.compile.mode = "pad"  # type: ignore[misc]
   assert config.replace(seed=5).seed == 5 and config.seed == 3
   with pytest.raises(ValueError, match="seed must be"):
     config.replace(seed=-5)  # a changed copy is checked as well
+  with pytest.raises(ValueError, match="compile.mode='fast'"):
+    config.replace(compile=config.compile.replace(mode="fast"))
+
+
+def test_a_nested_setting_is_replaced_through_its_group():
+  config = TrainerConfig(max_micro_batch_size=8, compile=CompileConfig(fallback=False))
+  padded = config.replace(compile=config.compile.replace(mode="pad"))
+  assert padded.compile == CompileConfig(mode="pad", fallback=False)
+  assert padded.replace(compile=config.compile) == config and config.compile.mode == "recompile"
+  with pytest.raises(ValueError, match=r"compile.min_micro_batch_size .*max_micro_batch_size=8"):
+    config.replace(compile=config.compile.replace(min_micro_batch_size=9))
+
+
+def test_an_unknown_keyword_in_any_group_suggests_the_name_it_resembles():
+  with pytest.raises(TypeError, match=r"\['sed'\]: 'sed' \(did you mean 'seed'\?\)"):
+    TrainerConfig(max_micro_batch_size=8, sed=3)
+  for group, typo, meant in (
+    (CompileConfig, "fallbak", "fallback"),
+    (CheckpointConfig, "every_step", "every_steps"),
+    (LearningRateConfig, "rules", "rule"),
+  ):
+    with pytest.raises(
+      TypeError,
+      match=rf"\['{typo}'\]: '{typo}' \(did you mean '{meant}'\?\); the settings are the "
+      rf"fields of {group.__name__}: \[",
+    ):
+      group(**{typo: 1})
+    with pytest.raises(TypeError, match=rf"did you mean '{meant}'"):
+      group().replace(**{typo: 1})
+
+
+def test_a_flat_setting_of_0_2_names_its_new_place():
+  with pytest.raises(
+    TypeError,
+    match=r"^TrainerConfig\(lr_rule=\.\.\.\): this setting moved into a group in 0.3; "
+    r"give lr=LearningRateConfig\(rule='linear'\)$",
+  ):
+    TrainerConfig(max_micro_batch_size=8, lr_rule="linear")
+  with pytest.raises(
+    TypeError,
+    match=r"^TrainerConfig\(mode=\.\.\., max_checkpoints=\.\.\., background_compile=\.\.\.\): "
+    r"these settings moved into a group in 0.3; give compile=CompileConfig\(mode='pad', "
+    r"background=False\), checkpoints=CheckpointConfig\(max_to_keep=1\)$",
+  ):
+    TrainerConfig(max_micro_batch_size=8, mode="pad", max_checkpoints=1, background_compile=False)
+  config = TrainerConfig(max_micro_batch_size=8)
+  with pytest.raises(
+    TypeError,
+    match=r"^config.replace\(compilation_cache_dir=\.\.\.\): this setting moved into a group in "
+    r"0.3; give compile=config.compile.replace\(cache_dir='/tmp/cache'\)$",
+  ):
+    config.replace(compilation_cache_dir="/tmp/cache")
+  for name, path in config_module.MOVED_SETTINGS.items():
+    group, field = path.split(".")
+    assert field in {f.name for f in dataclasses.fields(GROUPS[group])}, name
 
 
 def test_the_split_and_the_fallback_follow_the_settings():
@@ -101,9 +218,9 @@ def test_the_split_and_the_fallback_follow_the_settings():
   assert [config.halves_for(n) for n in (1, 2, 3, 8)] == ["local", "device", "local", "device"]
   with pytest.raises(ValueError, match="halves='device' compares the even devices"):
     config.replace(halves="device").halves_for(3)
-  assert config.uses_compile_fallback
-  assert not config.replace(mode="pad").uses_compile_fallback
-  assert not config.replace(background_compile=False).uses_compile_fallback
+  assert config.compile.uses_fallback
+  assert not config.compile.replace(mode="pad").uses_fallback
+  assert not config.compile.replace(background=False).uses_fallback
 
 
 def test_a_misspelt_setting_is_refused_with_the_field_it_resembles():
@@ -124,13 +241,12 @@ def test_a_misspelt_setting_is_refused_with_the_field_it_resembles():
 def test_the_trainer_takes_its_settings_as_a_config(tmp_path):
   settings = dict(
     max_micro_batch_size=4,
-    mode="pad",
     seed=3,
     progress=False,
     tensorboard=False,
-    background_compile=False,
     halves="local",
     agreement_timeout_seconds=60.0,
+    compile=CompileConfig(mode="pad", background=False),
   )
   config = TrainerConfig(**settings)
   with simigrad_jax.Trainer(**trainer_objects(tmp_path / "config"), config=config) as by_config:
@@ -145,6 +261,28 @@ def test_a_trainer_without_a_config_or_with_settings_as_keywords_is_refused(tmp_
   with pytest.raises(TypeError, match="max_micro_batch"):
     simigrad_jax.Trainer(**trainer_objects(tmp_path / "keywords"), max_micro_batch_size=4)
   assert not any((tmp_path / name).exists() for name in ("none", "dict", "keywords"))
+
+
+def test_the_run_record_names_the_settings_as_0_2_did(tmp_path):
+  """A checkpoint records the settings by 0.2's flat names, so that a run checkpointed by 0.2
+  compares the same on resume."""
+  with make_trainer(
+    tmp_path,
+    compile=CompileConfig(mode="pad"),
+    lr=LearningRateConfig(rule="linear", adjust_factor=0.5, coupling="peak"),
+  ) as trainer:
+    trainer.train(num_steps=1)  # ends with a checkpoint
+    checkpointer = Checkpointer(tmp_path / "checkpoints")
+    try:
+      record = checkpointer.restore(trainer.state)[1]["run"]
+    finally:
+      checkpointer.close()
+  assert record["trainer"] == {"lr_rule": "linear", "lr_adjust_factor": 0.5, "lr_coupling": "peak"}
+  assert {k: record["layout"][k] for k in ("mode", "min_micro_batch_size", "compile_fallback")} == {
+    "mode": "pad",
+    "min_micro_batch_size": None,
+    "compile_fallback": False,
+  }
 
 
 def test_doctests():

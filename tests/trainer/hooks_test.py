@@ -6,6 +6,7 @@ import math
 
 import pytest
 
+import simigrad_jax
 from simigrad_jax.checkpoint.hook import CheckpointHook
 from simigrad_jax.trainer import hooks as hooks_module
 from simigrad_jax.trainer.hooks import StepHook
@@ -33,7 +34,7 @@ def test_a_user_hook_gets_every_typed_record_in_order_after_the_metrics(tmp_path
   with make_trainer(
     tmp_path,
     hooks=[recorder],
-    checkpoint_every_steps=4,
+    checkpoints=simigrad_jax.CheckpointConfig(every_steps=4),
     eval_fn=lambda params, model_state: {"accuracy": 0.5},
   ) as trainer:
     box.append(trainer)
@@ -76,7 +77,8 @@ def test_a_hook_that_runs_at_once_sees_each_step_once_before_the_next_is_dispatc
   box = []
   at_once = AtOnce(box, tmp_path / "metrics.jsonl")
   later = Recorder(box, tmp_path / "metrics.jsonl")
-  with make_trainer(tmp_path, hooks=[later, at_once], checkpoint_every_steps=3) as trainer:
+  every_3 = simigrad_jax.CheckpointConfig(every_steps=3)
+  with make_trainer(tmp_path, hooks=[later, at_once], checkpoints=every_3) as trainer:
     box.append(trainer)
     summary = trainer.train(num_epochs=2.5)
   steps = list(range(1, summary["steps"] + 1))

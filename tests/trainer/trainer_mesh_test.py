@@ -31,6 +31,7 @@ from tiny_run import trainer_with
 from train import mesh as train_mesh
 
 NUM_STEPS = 6
+HALVINGS = simigrad_jax.CompileConfig(shapes_per_octave=1)  # the halving grid: few shapes
 RESUME_AT = 3
 TP_SPECS = {
   "Dense_0": {"kernel": P(None, "model"), "bias": P("model")},
@@ -77,8 +78,7 @@ def make_trainer(workdir, *, optimizer=None, nan_at=None, **kwargs):
       optax.sgd(0.1, momentum=0.9),
       simigrad_jax.scale_by_lr_factor(),
     )
-  # The halving grid: few shapes to compile.
-  settings = dict(max_micro_batch_size=8, shapes_per_octave=1, seed=3, progress=False)
+  settings = dict(max_micro_batch_size=8, seed=3, progress=False, compile=HALVINGS)
   settings = settings | dict(tensorboard=False) | kwargs
   return trainer_with(
     loss_fn=mlp_loss,
@@ -112,7 +112,7 @@ def trajectory(records):
 def runs(tmp_path_factory):
   root = tmp_path_factory.mktemp("mesh")
   # The mesh runs share their compiled programs through the persistent cache.
-  on_mesh = dict(mesh=mesh_of(4), compilation_cache_dir=root / "cache")
+  on_mesh = dict(mesh=mesh_of(4), compile=HALVINGS.replace(cache_dir=root / "cache"))
   with simigrad_jax.compile.persistent_cache_settings():
     return {
       "dp": train(root / "dp", NUM_STEPS, devices=jax.devices()[:4]),
@@ -222,8 +222,9 @@ def test_a_nonfinite_step_in_blocks_keeps_the_state(tmp_path, max_micro_batch_si
 
 
 def test_local_halves_on_an_odd_data_axis(tmp_path):
-  data_parallel = train(tmp_path / "dp", 3, devices=jax.devices()[:3], mode="pad")
-  on_mesh = train(tmp_path / "tp", 3, mesh=mesh_of(3), param_sharding=TP_SPECS, mode="pad")
+  padded = HALVINGS.replace(mode="pad")
+  data_parallel = train(tmp_path / "dp", 3, devices=jax.devices()[:3], compile=padded)
+  on_mesh = train(tmp_path / "tp", 3, mesh=mesh_of(3), param_sharding=TP_SPECS, compile=padded)
   assert on_mesh[3] == data_parallel[3] == "local"
   assert_same_run(data_parallel, on_mesh)
 

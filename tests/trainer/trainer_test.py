@@ -83,12 +83,12 @@ def test_one_step_is_the_exact_mean_gradient_step(tmp_path, case):
     tmp_path,
     data,
     controller,
-    mode=mode,
     max_micro_batch_size=max_micro,
     devices=jax.devices()[:num_devices],
     halves=halves,
-    background_compile=False,
-    **({"shapes_per_octave": per_octave[0]} if per_octave else {}),
+    compile=simigrad_jax.CompileConfig(
+      mode=mode, background=False, shapes_per_octave=per_octave[0] if per_octave else None
+    ),
   )
   params0 = jax.tree.map(np.asarray, TinyMLP().init(jax.random.key(0), data["x"][:1])["params"])
   summary = trainer.train(num_steps=1)
@@ -255,7 +255,7 @@ def test_batchnorm_statistics_of_the_local_split_are_per_half(tmp_path):
     controller,
     devices=jax.devices()[:3],
     max_micro_batch_size=64,
-    background_compile=False,
+    compile=simigrad_jax.CompileConfig(background=False),
   )
   trainer.train(num_steps=1)
   trainer.close()
@@ -338,7 +338,11 @@ def test_a_last_step_of_one_example_is_trained_with_the_local_split(tmp_path):
   data = dataset()
   controller = simigrad_jax.Controller(16, 0.0, enable_adjust=False)
   trainer = make_trainer(
-    tmp_path, data, controller, devices=jax.devices()[:3], background_compile=False
+    tmp_path,
+    data,
+    controller,
+    devices=jax.devices()[:3],
+    compile=simigrad_jax.CompileConfig(background=False),
   )
   trainer.train(num_epochs=32 / 200)
   before = jax.tree.map(lambda a: np.asarray(a.addressable_data(0)), trainer.state["params"])
@@ -408,8 +412,7 @@ def test_a_step_whose_shape_is_compiling_runs_on_a_compiled_shape(tmp_path, num_
       workdir,
       data,
       controller,
-      compile_fallback=fallback,
-      timed_fallback=True,
+      compile=simigrad_jax.CompileConfig(fallback=fallback, timed_fallback=True),
       devices=jax.devices()[:num_devices],
       max_micro_batch_size=max_micro,
     )
@@ -470,7 +473,9 @@ def test_the_first_step_waits_for_the_programs_the_fallback_needs(tmp_path):
     batch_sizes_to_profile=(16, 44),
     profile_steps_per_size=1,
   )
-  trainer = make_trainer(tmp_path, dataset(), controller, timed_fallback=True)
+  trainer = make_trainer(
+    tmp_path, dataset(), controller, compile=simigrad_jax.CompileConfig(timed_fallback=True)
+  )
   first = trainer.layout.plan(16).micro_batch_size
   gate = threading.Event()
   delay_seconds = 1.0
@@ -538,7 +543,11 @@ def test_compiles_follow_the_batch_rather_than_the_whole_grid(tmp_path):
     24, 0.0, enable_adjust=False, batch_size_lower_bound=16, batch_size_upper_bound=512
   )
   trainer = make_trainer(
-    tmp_path, dataset(1200), controller, max_micro_batch_size=64, compile_fallback=True
+    tmp_path,
+    dataset(1200),
+    controller,
+    max_micro_batch_size=64,
+    compile=simigrad_jax.CompileConfig(fallback=True),
   )
   try:
     layout, compiler = trainer.layout, trainer._programs.compiler
@@ -564,13 +573,12 @@ def test_compiles_follow_the_batch_rather_than_the_whole_grid(tmp_path):
 def test_the_grid_changes_the_shapes_not_the_run(tmp_path):
   """The halving grid and the default one: the same batch sizes, losses and parameters."""
 
-  def run(workdir, **grid):
+  def run(workdir, shapes_per_octave=None):
     controller = simigrad_jax.Controller(
       20, 0.5, batch_size_lower_bound=8, batch_size_upper_bound=64
     )
-    trainer = make_trainer(
-      workdir, dataset(120), controller, max_micro_batch_size=8, background_compile=False, **grid
-    )
+    grid = simigrad_jax.CompileConfig(background=False, shapes_per_octave=shapes_per_octave)
+    trainer = make_trainer(workdir, dataset(120), controller, max_micro_batch_size=8, compile=grid)
     trainer.train(num_steps=12)
     trainer.close()
     records = [r for r in simigrad_jax.read_metrics(workdir / "metrics.jsonl") if "loss" in r]
