@@ -410,46 +410,6 @@ class TrainerConfig:
     for name, value in _checked_fields(self).items():  # as plain Python numbers (NumPy ints too)
       object.__setattr__(self, name, value)
 
-  @classmethod
-  def from_settings(
-    cls, config: TrainerConfig | None, settings: Mapping[str, Any]
-  ) -> TrainerConfig:
-    """``config``, or a config made of ``settings`` (keyword arguments named as the fields).
-
-    Args:
-      config: a :class:`TrainerConfig`, or None.
-      settings: fields given one by one (e.g. the Trainer's keywords).
-
-    Returns:
-      The config.
-
-    Raises:
-      ValueError: both are given (the message names both), or ``config`` is
-        not a TrainerConfig.
-      TypeError: a setting that is not a field, or ``max_micro_batch_size``
-        missing.
-
-    Example:
-      >>> TrainerConfig.from_settings(None, {"max_micro_batch_size": 8}).max_micro_batch_size
-      8
-    """
-    check_setting_names(settings)
-    if config is None:
-      return cls(**settings)
-    if not isinstance(config, TrainerConfig):
-      raise ValueError(
-        f"config must be a simigrad_jax.TrainerConfig, got {config!r:.200} "
-        f"({type(config).__name__})"
-      )
-    if settings:
-      given = ", ".join(f"{name}={value!r:.80}" for name, value in settings.items())
-      raise ValueError(
-        f"give the settings either as config=TrainerConfig(...) or as keywords, "
-        f"not both: got config= and {given}; put them into the config instead: "
-        f"config.replace({given})"
-      )
-    return config
-
   def replace(self, **changes: Any) -> TrainerConfig:
     """A copy with ``changes`` (checked as a new config).
 
