@@ -9,7 +9,7 @@ equal FLOPs with about 36% fewer serial steps.
 
 The batch follows the halving points like
 :class:`~simigrad_jax.ramps.token_schedules.DoublingWarmupController`;
-the learning rate is the Trainer's: its ``lr_rule="sqrt"`` already gives
+the learning rate is the Trainer's: its ``LearningRateConfig(rule="sqrt")`` already gives
 ``sqrt(B / B_0)``, so the schedule that makes it Seesaw's is the step schedule
 that halves at the same points (:meth:`SeesawController.lr_schedule`).
 """
@@ -93,7 +93,7 @@ class SeesawController(StepScheduleController):
 
   The batch-size half is this controller; the learning-rate half is the
   Trainer's ``lr_schedule``, built by :meth:`lr_schedule`: with the
-  Trainer's ``lr_rule="sqrt"`` it is ``2^-k`` (times your warmup, if any).
+  Trainer's ``LearningRateConfig(rule="sqrt")`` it is ``2^-k`` (times your warmup, if any).
 
   Args:
     initial_batch_size: B_0, the size at 0 (integer >= 1).
@@ -178,7 +178,7 @@ class SeesawController(StepScheduleController):
 
     Seesaw's learning rate ``2^-k sqrt(B_k / B_0)`` divided by what the
     Trainer's batch-size rule already gives at ``B_k``
-    (:func:`simigrad_jax.lr_factor`); ``2^-k`` under ``lr_rule="sqrt"``.
+    (:func:`simigrad_jax.lr_factor`); ``2^-k`` under ``LearningRateConfig(rule="sqrt")``.
     """
     size = self.size_at(examples_seen)
     seesaw = 0.5 ** self.halvings_at(examples_seen) * math.sqrt(size / self._initial)

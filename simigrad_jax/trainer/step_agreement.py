@@ -18,7 +18,7 @@ from typing import Any
 
 from simigrad_jax.checkpoint.hook import CheckpointHook
 from simigrad_jax.checkpoint.run_checkpoints import RunCheckpoints
-from simigrad_jax.compile.programs import StepPrograms
+from simigrad_jax.compile.policy import CompilePolicy
 from simigrad_jax.multihost import preemption
 from simigrad_jax.multihost.process_agreement import ProcessAgreement
 
@@ -28,7 +28,7 @@ class StepAgreement:
 
   Args:
     agreement: the agreement between the run's processes.
-    programs: the step's compiled programs (their compile policy's report is agreed on).
+    compile_policy: the run's compile policy (its report of the compiled shapes is agreed on).
     checkpoints: the run's checkpoints (a failed background save stops the run).
     checkpoint: the checkpoint hook (a save on time is decided here).
     stop: the ``train()`` call's stop on a signal (set here when agreed).
@@ -41,12 +41,12 @@ class StepAgreement:
   def __init__(
     self,
     agreement: ProcessAgreement,
-    programs: StepPrograms,
+    compile_policy: CompilePolicy,
     checkpoints: RunCheckpoints,
     checkpoint: CheckpointHook,
     stop: preemption.RunStop,
   ):
-    self._agreement, self._compiles, self._checkpoints = agreement, programs.policy, checkpoints
+    self._agreement, self._compiles, self._checkpoints = agreement, compile_policy, checkpoints
     self._checkpoint, self._stop = checkpoint, stop
     self._failed_saves: list[str | None] = []  # agreed, raised once the step's records are out
 

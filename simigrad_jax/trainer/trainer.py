@@ -127,7 +127,9 @@ class StepLoop:
       self.save_checkpoint, config.checkpoints.every_steps, config.checkpoints.every_seconds
     )
     self.stop = preemption.RunStop()
-    self._agreement = StepAgreement(agreement, programs, checkpoints, self.checkpoint, self.stop)
+    self._agreement = StepAgreement(
+      agreement, programs.policy, checkpoints, self.checkpoint, self.stop
+    )
     self._programs_run: set[ProgramShape] = set()  # the programs a step of this loop ran
     self._taken_at = -1  # the step whose rows the sampler last gave (the state is whole after it)
     # A setting, read once: a schedule's config lists all its thresholds (a replay's, one a step).

@@ -22,6 +22,7 @@ from simigrad_jax.compile.step_functions import ProgramShape
 from simigrad_jax.compile.step_functions import StepFunctions
 from simigrad_jax.compile.step_runner import StepRunner
 from simigrad_jax.shapes.layout import COMPILE_WINDOW_OCTAVES
+from simigrad_jax.trainer.config import CompileConfig
 from tiny_run import make_trainer
 
 # 8 devices, 1 to 16 rows a device, 8 shapes an octave (rows 1, 2, ..., 16).
@@ -81,8 +82,8 @@ def test_the_trainers_programs_hold_the_policy_its_settings_choose(tmp_path):
   none; the other pieces a step uses are held beside it."""
   for name, settings, cls in [
     ("scheduled", {}, ScheduledFallback),
-    ("timed", {"timed_fallback": True}, TimedFallback),
-    ("exact", {"compile_fallback": False}, ExactPrograms),
+    ("timed", {"compile": CompileConfig(timed_fallback=True)}, TimedFallback),
+    ("exact", {"compile": CompileConfig(fallback=False)}, ExactPrograms),
   ]:
     with make_trainer(tmp_path / name, **settings) as trainer:
       programs = trainer._programs

@@ -18,8 +18,8 @@ from simigrad_jax.multihost.process_agreement import ProcessDisagreementError
 from simigrad_jax.trainer.step_agreement import StepAgreement
 
 
-class FakePrograms:
-  """The step's programs as the agreement sees them: a compiled report, the agreed compiles."""
+class FakePolicy:
+  """The compile policy as the agreement sees it: a compiled report, the agreed compiles."""
 
   def __init__(self, compiled: dict[str, int] | None):
     self.compiled = compiled
@@ -59,11 +59,11 @@ class Clock:
 DECISION = {"step": 3, "batch_size": 64, "next_batch_size": 96, "lr_factor": 1.5}
 
 
-def _agreement(programs, checkpoints, every_seconds=None, clock=None):
+def _agreement(policy, checkpoints, every_seconds=None, clock=None):
   saves = []
   hook = CheckpointHook(lambda: saves.append(1), None, every_seconds, clock or Clock())
   stop = preemption.RunStop()
-  agreement = StepAgreement(ProcessAgreement(timeout=5.0), programs, checkpoints, hook, stop)
+  agreement = StepAgreement(ProcessAgreement(timeout=5.0), policy, checkpoints, hook, stop)
   return agreement, hook, stop
 
 
@@ -73,12 +73,12 @@ class _Step:
 
 
 def test_one_process_acts_on_its_own_report():
-  programs, checkpoints = FakePrograms({"step": 0b101}), FakeCheckpoints()
+  policy, checkpoints = FakePolicy({"step": 0b101}), FakeCheckpoints()
   clock = Clock()
-  agreement, hook, stop = _agreement(programs, checkpoints, every_seconds=10.0, clock=clock)
+  agreement, hook, stop = _agreement(policy, checkpoints, every_seconds=10.0, clock=clock)
   clock.now = 4.0
   assert agreement.agree(3, DECISION) >= 0.0
-  assert programs.agreed == [{"step": 0b101}]  # every process's compiles: this one's
+  assert policy.agreed == [{"step": 0b101}]  # every process's compiles: this one's
   assert stop.agreed is None and not hook.due(_Step(3))
   clock.now = 12.0  # past checkpoint_every_seconds: the step agreed on saves on time
   agreement.agree(4, dict(DECISION, step=4))
@@ -88,14 +88,14 @@ def test_one_process_acts_on_its_own_report():
 
 
 def test_without_shared_compiles_nothing_is_agreed_on_them():
-  programs = FakePrograms(None)
-  agreement, _, _ = _agreement(programs, FakeCheckpoints())
+  policy = FakePolicy(None)
+  agreement, _, _ = _agreement(policy, FakeCheckpoints())
   agreement.agree(1, DECISION)
-  assert programs.agreed is None
+  assert policy.agreed is None
 
 
 def test_a_signal_on_this_process_stops_the_run_after_the_step():
-  agreement, _, stop = _agreement(FakePrograms(None), FakeCheckpoints())
+  agreement, _, stop = _agreement(FakePolicy(None), FakeCheckpoints())
   with stop:
     stop.signals.received = signal.SIGTERM
     agreement.agree(2, DECISION)
@@ -104,7 +104,7 @@ def test_a_signal_on_this_process_stops_the_run_after_the_step():
 
 def test_a_failed_save_is_raised_once_the_records_are_out_and_only_once():
   checkpoints = FakeCheckpoints(failed="OSError: [Errno 28] No space left on device")
-  agreement, _, _ = _agreement(FakePrograms(None), checkpoints)
+  agreement, _, _ = _agreement(FakePolicy(None), checkpoints)
   agreement.agree(5, DECISION)
   assert checkpoints.stopped_on == []  # not during the agreement
   with pytest.raises(RuntimeError, match="No space left on device"):
@@ -136,13 +136,13 @@ def test_several_processes_act_alike_on_every_report(monkeypatch):
     {"compiled": {"step": 0b110}, "signal": "SIGINT", "since_checkpoint": 1.0, "failed_save": None},
   ]
   sent = _simulate_processes(monkeypatch, [(DECISION, r) for r in reports])
-  programs, checkpoints = FakePrograms({"step": 0b111}), FakeCheckpoints()
-  agreement, hook, stop = _agreement(programs, checkpoints, every_seconds=20.0)
+  policy, checkpoints = FakePolicy({"step": 0b111}), FakeCheckpoints()
+  agreement, hook, stop = _agreement(policy, checkpoints, every_seconds=20.0)
   agreement.agree(3, DECISION)
   assert sent[0][0] == "decision of step 3"
   # Every process's compiled shapes, in process order; process 0's clock decides a save on
   # time (this process's 0 s: none); a signal on any process stops every one.
-  assert programs.agreed == [{"step": 0b111}, {"step": 0b011}, {"step": 0b110}]
+  assert policy.agreed == [{"step": 0b111}, {"step": 0b011}, {"step": 0b110}]
   assert not hook.due(_Step(3))
   assert stop.agreed == "SIGINT"
   agreement.raise_failed_saves(3)
@@ -153,7 +153,7 @@ def test_another_processs_failed_save_stops_this_one_too(monkeypatch):
   failed = {"compiled": None, "signal": None, "since_checkpoint": 0.0, "failed_save": "OSError"}
   _simulate_processes(monkeypatch, [(DECISION, failed)])
   checkpoints = FakeCheckpoints()
-  agreement, _, _ = _agreement(FakePrograms(None), checkpoints)
+  agreement, _, _ = _agreement(FakePolicy(None), checkpoints)
   agreement.agree(7, DECISION)
   with pytest.raises(RuntimeError, match=r"\[None, 'OSError'\]"):
     agreement.raise_failed_saves(7)
@@ -162,7 +162,7 @@ def test_another_processs_failed_save_stops_this_one_too(monkeypatch):
 def test_processes_that_decided_differently_are_refused_naming_each_value(monkeypatch):
   report = {"compiled": None, "signal": None, "since_checkpoint": 0.0, "failed_save": None}
   _simulate_processes(monkeypatch, [(dict(DECISION, next_batch_size=80), report)])
-  agreement, _, stop = _agreement(FakePrograms(None), FakeCheckpoints())
+  agreement, _, stop = _agreement(FakePolicy(None), FakeCheckpoints())
   with pytest.raises(
     ProcessDisagreementError,
     match=r"decision of step 3.*next_batch_size: process 0 has 96, process 1 has 80",

@@ -50,7 +50,7 @@ def test_the_trainer_couples_the_factor_to_the_schedules_peak_when_asked(tmp_pat
   with tiny_run.trainer_with(
     **objects,
     lr_schedule=schedule,
-    lr_coupling="peak",
+    lr=simigrad_jax.LearningRateConfig(coupling="peak"),
     max_micro_batch_size=8,
     progress=False,
     tensorboard=False,
