@@ -12,10 +12,11 @@ held-out text.
 The runs are reproducible on one machine: a step waits for its own shape's
 compilation (no compile fallback, whose choice of shape depends on timing),
 so the same seed and code run the same programs on the same rows; the
-shapes are the halvings (``shapes_per_octave=1``), few enough that waiting
-for them costs little. The learning rate lives in the optimizer state (AdamW
-at rate 1, its update scaled by the run's rate, the same arithmetic), so that
-every rate and seed of a shape runs one compiled program, from the cache.
+shapes are the halvings (``compile.shapes_per_octave=1``), few enough that
+waiting for them costs little. The learning rate lives in the optimizer state
+(AdamW at rate 1, its update scaled by the run's rate, the same arithmetic),
+so that every rate and seed of a shape runs one compiled program, from the
+cache.
 """
 
 from __future__ import annotations
@@ -213,12 +214,12 @@ class LmExperiment:
       optimizer=optimizer,
       source=self.train,
       lr_schedule=self._lr_schedule(controller, epochs),
-      lr_rule=spec.lr_rule,
-      lr_coupling=spec.lr_coupling,
-      compile_fallback=False,  # a step's shape must not depend on compile timing
-      shapes_per_octave=1,  # few shapes to compile: each step waits for its own
       seed=spec.seed,
-      checkpoint_every_seconds=None,
+      lr=simigrad_jax.LearningRateConfig(rule=spec.lr_rule, coupling=spec.lr_coupling),
+      compile=simigrad_jax.CompileConfig(
+        fallback=False,  # a step's shape must not depend on compile timing
+        shapes_per_octave=1,  # few shapes to compile: each step waits for its own
+      ),
       hooks=[curve],
     )
 

@@ -508,7 +508,7 @@ class Protocol:
       "second": again["final_val_loss"],
       "abs_diff": round(diff, 6),
       "deterministic": diff <= 1e-4,
-      "how": "steps wait for their own shape's compilation (compile_fallback=False); "
+      "how": "steps wait for their own shape's compilation (compile.fallback=False); "
       f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}",
     }
 

@@ -261,7 +261,7 @@ class Experiment:
       source=simigrad_jax.ArraySource(self.dataset.train),
       eval_fn=self.eval_fn,
       lr_schedule=lr_schedule or self.lr_schedule,
-      lr_rule=lr_rule,
+      lr=simigrad_jax.LearningRateConfig(rule=lr_rule),
       seed=seed,
     )
 

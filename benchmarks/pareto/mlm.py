@@ -208,7 +208,7 @@ class MlmExperiment:
       source=self.train,
       eval_fn=self.eval_fn,
       lr_schedule=lr_schedule or self.lr_schedule,
-      lr_rule=lr_rule,
+      lr=simigrad_jax.LearningRateConfig(rule=lr_rule),
       seed=seed,
     )
 

@@ -24,7 +24,6 @@ import jax
 import numpy as np
 
 import simigrad_jax
-from benchmarks import common
 from benchmarks.pareto.analysis import SIMIGRAD_GRID_KEYS
 from simigrad_jax.compile import persistent_cache_settings
 from simigrad_jax.controllers import OneStepLateController
@@ -74,7 +73,7 @@ class RunSpec:
   lr_multiplier: float
   seed: int
   lr_rule: str = "sqrt"  # how the trainer scales the lr as the batch moves from B_0
-  lr_coupling: str = "full"  # how that factor meets the schedule (TrainerConfig.lr_coupling)
+  lr_coupling: str = "full"  # how that factor meets the schedule (TrainerConfig.lr.coupling)
 
   def settings_dict(self) -> dict[str, Any]:
     """The run's settings in a result's JSON (``lr_coupling`` only where not ``"full"``)."""
@@ -111,27 +110,47 @@ class RunSpec:
 
 
 def benchmark_trainer(
-  controller: Any, workdir: pathlib.Path, cache_dir: pathlib.Path, **trainer_args: Any
+  controller: Any,
+  workdir: pathlib.Path,
+  cache_dir: pathlib.Path,
+  *,
+  seed: int,
+  lr: simigrad_jax.LearningRateConfig,
+  compile: simigrad_jax.CompileConfig | None = None,
+  **trainer_args: Any,
 ) -> simigrad_jax.Trainer:
-  """A Trainer with the comparisons' run settings, the task's own in ``trainer_args``.
+  """A Trainer with the comparisons' run settings and the task's own.
 
   Every task's runs hold a step in one micro-batch up to the controller's upper
-  bound, keep one checkpoint, share the task's compilation cache and show no
-  progress bar or TensorBoard events.
+  bound, keep one checkpoint (none saved on time), share the task's
+  compilation cache and show no progress bar or TensorBoard events.
+
+  Args:
+    controller: the run's batch-size controller.
+    workdir: the run's workdir.
+    cache_dir: the task's compilation cache, shared by its runs.
+    seed: the run's seed (``TrainerConfig.seed``).
+    lr: how the learning rate follows the batch size (``TrainerConfig.lr``).
+    compile: the task's compile settings (``TrainerConfig.compile``; None: the
+      Trainer's defaults), their ``cache_dir`` set to ``cache_dir``.
+    **trainer_args: the Trainer's other arguments (``loss_fn``, ``params``,
+      ``optimizer``, ``source``, ...).
+
+  Returns:
+    The Trainer.
   """
   upper = simigrad_jax.controllers.batch_size_bounds(controller)[1] or controller.batch_size
-  return simigrad_jax.Trainer(
-    controller=controller,
-    workdir=workdir,
-    **common.trainer_arguments(
-      trainer_args,
-      max_micro_batch_size=max(1, -(-upper // jax.device_count())),
-      max_checkpoints=1,
-      compilation_cache_dir=cache_dir,
-      progress=False,
-      tensorboard=False,
-    ),
+  compile = compile or simigrad_jax.CompileConfig()
+  config = simigrad_jax.TrainerConfig(
+    max_micro_batch_size=max(1, -(-upper // jax.device_count())),
+    seed=seed,
+    progress=False,
+    tensorboard=False,
+    compile=compile.replace(cache_dir=cache_dir),
+    checkpoints=simigrad_jax.CheckpointConfig(max_to_keep=1),
+    lr=lr,
   )
+  return simigrad_jax.Trainer(controller=controller, workdir=workdir, config=config, **trainer_args)
 
 
 def run_controller(spec: RunSpec) -> simigrad_jax.controllers.BatchSizeController:
