@@ -121,6 +121,7 @@ from benchmarks import common  # noqa: E402
 from benchmarks.trainer_overhead.overhead import time_rounds  # noqa: E402
 from benchmarks.trainer_overhead.overhead_loops import FULL_MODELS  # noqa: E402
 from benchmarks.trainer_overhead.overhead_loops import QUICK_MODELS  # noqa: E402
+from benchmarks.trainer_overhead.overhead_loops import WAIT_FOR_SHAPES  # noqa: E402
 from benchmarks.trainer_overhead.overhead_loops import TrainerLoop  # noqa: E402
 from benchmarks.trainer_overhead.overhead_loops import make_data  # noqa: E402
 from benchmarks.trainer_overhead.overhead_loops import trainer_controller  # noqa: E402
@@ -175,14 +176,21 @@ def run(args: argparse.Namespace, root: pathlib.Path, cache: str) -> dict[str, A
   max_micro = args.max_micro_batch_size or upper // n
   # Enough examples that an epoch holds many steps of the largest batch.
   data = make_data(spec, 50 * upper)
-  settings = {"compilation_cache_dir": cache, "max_micro_batch_size": max_micro}
-  grid = {} if args.shapes_per_octave is None else {"shapes_per_octave": args.shapes_per_octave}
+  # Every variant's steps wait for their shapes (the loops' compile settings), compiled into
+  # the one cache; the adaptive variants' grid has --shapes-per-octave shapes an octave.
+  shared = WAIT_FOR_SHAPES.replace(cache_dir=cache)
+  grid = (
+    shared
+    if args.shapes_per_octave is None
+    else shared.replace(shapes_per_octave=args.shapes_per_octave)
+  )
   loops: dict[str, TrainerLoop] = {}
 
   def build(name: str, batch_size: int, adaptive: bool, **more: Any) -> TrainerLoop:
     workdir = pathlib.Path(tempfile.mkdtemp(prefix=f"{name}-", dir=root))
+    settings = {"max_micro_batch_size": max_micro, "compile": shared, **more}
     loop = TrainerLoop(
-      spec, data, batch_size, adaptive, args.similarity_target, workdir, **{**settings, **more}
+      spec, data, batch_size, adaptive, args.similarity_target, workdir, **settings
     )
     loops[name] = loop
     loop.warm_up(args.warmup_steps)
@@ -196,7 +204,7 @@ def run(args: argparse.Namespace, root: pathlib.Path, cache: str) -> dict[str, A
   def probe(late: bool) -> list[dict[str, Any]]:
     """The step records of an untimed run of as many steps as the timed windows (an online
     variant's sizes are the same in every run of its settings)."""
-    loop = build("probe", args.batch_size, True, controller=online(late), **grid)
+    loop = build("probe", args.batch_size, True, controller=online(late), compile=grid)
     loop.run(args.rounds * args.steps)
     loop.close()
     del loops["probe"]
@@ -215,15 +223,16 @@ def run(args: argparse.Namespace, root: pathlib.Path, cache: str) -> dict[str, A
     bounds = {
       key: online(False).config[key] for key in ("batch_size_lower_bound", "batch_size_upper_bound")
     }
-    warm_start = _warm_start(args, spec, data, root, settings, grid, fixed_batch)
-    build("adaptive", args.batch_size, True, controller=online(False), **grid)
+    warm_start = _warm_start(args, spec, data, root, max_micro, shared, grid, fixed_batch)
+    build("adaptive", args.batch_size, True, controller=online(False), compile=grid)
     build("fixed", fixed_batch, False, max_micro_batch_size=fixed_batch // n)
-    build("adaptive_late", args.batch_size, True, controller=online(True), **grid)
+    build("adaptive_late", args.batch_size, True, controller=online(True), compile=grid)
     for name, late in (("replay", False), ("replay_late", True)):
       replay = replay_controller(probed[late], **bounds)
-      build(name, args.batch_size, True, controller=replay, **grid)
+      build(name, args.batch_size, True, controller=replay, compile=grid)
     for per_octave in args.also_shapes_per_octave:
-      build(f"adaptive_s{per_octave}", args.batch_size, True, shapes_per_octave=per_octave)
+      per_octave_grid = shared.replace(shapes_per_octave=per_octave)
+      build(f"adaptive_s{per_octave}", args.batch_size, True, compile=per_octave_grid)
     for size in args.step_curve:
       build(f"curve_{size}", size, False, max_micro_batch_size=size // n)
     windows = {name: _Windows(loop) for name, loop in loops.items()}
@@ -289,8 +298,9 @@ def _warm_start(
   spec: Any,
   data: dict[str, np.ndarray],
   root: pathlib.Path,
-  settings: dict[str, Any],
-  grid: dict[str, Any],
+  max_micro: int,
+  shared: simigrad_jax.CompileConfig,
+  grid: simigrad_jax.CompileConfig,
   fixed_batch: int,
 ) -> dict[str, Any]:
   """New Trainers on the cache the probes left warm, timed from their first step.
@@ -303,6 +313,10 @@ def _warm_start(
   fallback shape (the summary's
   ``compile_fallback_steps``), its seconds waiting for compiles, and its
   examples/s against the fixed one's (the median of the rounds' ratios).
+
+  The adaptive Trainer has ``max_micro`` rows per device and the ``grid``'s
+  shapes, the fixed one ``fixed_batch`` and ``shared``'s; both compile into
+  the ``shared`` cache.
   """
   n = jax.device_count()
   rounds: list[dict[str, Any]] = []
@@ -311,11 +325,19 @@ def _warm_start(
     measured: dict[str, Any] = {}
     for name, adaptive in order if index % 2 == 0 else order[::-1]:
       workdir = pathlib.Path(tempfile.mkdtemp(prefix=f"warm-{name}-", dir=root))
-      more = grid if adaptive else {"max_micro_batch_size": fixed_batch // n}
-      more = {**more, "compile_fallback": True}  # the Trainer's default: its compile schedule
-      batch = args.batch_size if adaptive else fixed_batch
+      batch, max_micro_batch_size, compile_settings = (
+        (args.batch_size, max_micro, grid) if adaptive else (fixed_batch, fixed_batch // n, shared)
+      )
       loop = TrainerLoop(
-        spec, data, batch, adaptive, args.similarity_target, workdir, **{**settings, **more}
+        spec,
+        data,
+        batch,
+        adaptive,
+        args.similarity_target,
+        workdir,
+        max_micro_batch_size=max_micro_batch_size,
+        # The Trainer's default: its compile schedule.
+        compile=compile_settings.replace(fallback=True),
       )
       try:
         examples, seconds = loop.run(args.warm_start_steps)

@@ -26,7 +26,6 @@ import optax
 from jax import lax
 
 import simigrad_jax
-from benchmarks import common
 from simigrad_jax.data import EpochSampler
 from train import models
 
@@ -36,6 +35,10 @@ LEARNING_RATE = 0.05
 SEED = 0
 # The compiled step's memory: XLA's argument and temporary bytes, and its memory traffic.
 MEMORY_KEYS = ("argument_bytes", "temp_bytes", "bytes_accessed")
+WAIT_FOR_SHAPES = simigrad_jax.CompileConfig(fallback=False)
+""":class:`TrainerLoop`'s compile settings unless given: only warm-up steps can find their
+shape still compiling (the timed ones start after every shape compiled), and they wait for it
+rather than accumulate on a smaller one."""
 
 
 def thread_cpu_seconds() -> dict[Any, float] | None:
@@ -336,8 +339,9 @@ class TrainerLoop:
       ``batch_size // devices``).
     controller: optional: the batch-size controller, in place of the one
       ``batch_size`` and ``adaptive`` make (e.g. a replay of a run's sizes).
-    **settings: more :class:`simigrad_jax.TrainerConfig` settings
-      (``shapes_per_octave``, ``compilation_cache_dir``, ...).
+    compile: the Trainer's compile settings (``TrainerConfig.compile``: the grid's
+      ``shapes_per_octave``, the ``cache_dir``, ...); by default
+      :data:`WAIT_FOR_SHAPES`.
   """
 
   def __init__(
@@ -350,7 +354,7 @@ class TrainerLoop:
     workdir: pathlib.Path,
     max_micro_batch_size: int | None = None,
     controller: simigrad_jax.controllers.BatchSizeController | None = None,
-    **settings: Any,
+    compile: simigrad_jax.CompileConfig = WAIT_FOR_SHAPES,
   ):
     n = jax.device_count()
     max_micro = max_micro_batch_size or batch_size // n
@@ -368,16 +372,13 @@ class TrainerLoop:
       source=simigrad_jax.ArraySource(data),
       controller=controller,
       workdir=workdir,
-      **common.trainer_arguments(
-        settings,
+      config=simigrad_jax.TrainerConfig(
         max_micro_batch_size=max_micro,
         seed=SEED,
         tensorboard=True,
         progress=False,
         axis_name=AXIS,
-        # Only warm-up steps can find their shape still compiling (the timed ones start
-        # after every shape compiled): let them wait rather than accumulate on a smaller one.
-        compile_fallback=False,
+        compile=compile,
       ),
     )
     # train() ends with a checkpoint save: mark when the step loop is over (and the CPU used).
