@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Any
 
 REPOSITORY_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS_DIR = os.path.join(REPOSITORY_ROOT, "benchmarks", "results")  # the benchmarks' JSON
@@ -170,32 +169,3 @@ def report(results: dict, table: str, out: str | None) -> dict:
       json.dump(results, f, indent=2)
     print(f"\nwrote {out}")
   return results
-
-
-def trainer_arguments(arguments: dict[str, Any], **settings: Any) -> dict[str, Any]:
-  """``simigrad_jax.Trainer``'s keyword arguments: the Trainer's settings among ``arguments``,
-  over ``settings``, as one ``config``; the rest as given.
-
-  The benchmarks name the settings flat, as the training scripts' options do: a
-  ``TrainerConfig`` field (``seed``), or a setting of one of its groups by its flat name
-  (``compile_fallback``, ``max_checkpoints``: ``simigrad_jax.trainer.config.MOVED_SETTINGS``),
-  which goes into that group.
-  """
-  import dataclasses  # pylint: disable=import-outside-toplevel
-
-  import simigrad_jax  # pylint: disable=import-outside-toplevel
-  from simigrad_jax.trainer.config import MOVED_SETTINGS  # pylint: disable=import-outside-toplevel
-
-  fields = {field.name for field in dataclasses.fields(simigrad_jax.TrainerConfig)}
-  names = fields | set(MOVED_SETTINGS)
-  given = settings | {name: value for name, value in arguments.items() if name in names}
-  others = {name: value for name, value in arguments.items() if name not in names}
-  config = simigrad_jax.TrainerConfig(**{k: v for k, v in given.items() if k in fields})
-  grouped: dict[str, dict[str, Any]] = {}
-  for name, value in given.items():
-    if name in MOVED_SETTINGS:
-      group, field = MOVED_SETTINGS[name].split(".")
-      grouped.setdefault(group, {})[field] = value
-  for group, values in grouped.items():
-    config = config.replace(**{group: getattr(config, group).replace(**values)})
-  return others | {"config": config}

@@ -195,14 +195,13 @@ def worker(devices: int, batch_sizes: dict[str, list[int]], warmup: int, quick: 
           controller=controller,
           workdir=os.path.join(root, f"{name}-{size}"),
           hooks=[times],
-          **common.trainer_arguments(
-            {},
+          config=simigrad_jax.TrainerConfig(
             max_micro_batch_size=size // devices,
             axis_name="batch",
             seed=0,
             progress=False,
             tensorboard=False,
-            max_checkpoints=1,
+            checkpoints=simigrad_jax.CheckpointConfig(max_to_keep=1),
           ),
         )
         trainer.train(num_steps=warmup)

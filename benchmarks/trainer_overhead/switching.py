@@ -11,8 +11,8 @@ steps by default: two round trips), in each of three set-ups of the Trainer:
   10 shapes 1, 2, 3, 5, 10, 19, 38, 75, 150, 300 rows per device), compiled
   ahead of time in a background thread (the Trainer's default);
   while a step's shape is still compiling it runs on the nearest compiled
-  shape (``compile_fallback``, the Trainer's default);
-* ``recompile_wait``: the same with ``compile_fallback=False``: such a step
+  shape (``compile.fallback``, the Trainer's default);
+* ``recompile_wait``: the same with ``compile.fallback=False``: such a step
   waits for its compile;
 * ``pad``: one compiled shape (300 rows per device); smaller batches are
   filled with zero-weight padding rows;
