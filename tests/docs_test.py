@@ -34,10 +34,6 @@ def test_quick_start_has_two_commands_and_ci_runs_the_test_line():
   assert lines[1] in (ROOT / ".ci" / "run").read_text()
 
 
-def test_readme_stays_short():
-  assert len(README.splitlines()) <= 250
-
-
 @pytest.mark.parametrize("block_id", sorted(PYTHON_BLOCKS))
 def test_python_block_runs(block_id, tmp_path):
   script = tmp_path / "block.py"
