@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import difflib
 import math
+import os
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeGuard
 
@@ -50,6 +51,73 @@ def check_real(name: str, value: Any, valid: str, ok: Callable[[float], bool]) -
   if not is_real(value) or math.isnan(float(value)) or not ok(float(value)):
     raise ValueError(f"{name} must be a number in {valid}, got {value!r}")
   return float(value)
+
+
+def check_interval(
+  name: str,
+  value: Any,
+  low: float = -math.inf,
+  high: float = math.inf,
+  *,
+  low_open: bool = False,
+  high_open: bool = False,
+) -> float:
+  """Returns ``float(value)`` if it is a finite real number in the interval from ``low`` to ``high``.
+
+  NaN and the infinities are always refused; an infinite bound only says that
+  the interval has no bound on that side.
+
+  Args:
+    name: the setting as the user types it (``"learning_rate"``, ``"--config.momentum"``).
+    value: the value given.
+    low, high: the bounds (``-inf``, ``inf``: none).
+    low_open, high_open: exclude the bound itself.
+
+  Raises:
+    ValueError: naming ``name``, the valid interval and ``value``.
+
+  Example:
+    >>> check_interval("momentum", 0.9, 0, 1, high_open=True)
+    0.9
+    >>> try:
+    ...   check_interval("learning_rate", float("nan"), 0)
+    ... except ValueError as error:
+    ...   print(error)
+    learning_rate must be a number in [0, inf) (finite), got nan
+  """
+  opening = "(" if low_open or low == -math.inf else "["
+  closing = ")" if high_open or high == math.inf else "]"
+  valid = f"{opening}{low:g}, {high:g}{closing}"
+  if math.inf in (-low, high):
+    valid += " (finite)"
+
+  def inside(x: float) -> bool:
+    above = low < x if low_open else low <= x
+    below = x < high if high_open else x <= high
+    return math.isfinite(x) and above and below
+
+  return check_real(name, value, valid, inside)
+
+
+def check_path(name: str, value: Any) -> str | os.PathLike:
+  """Returns ``value`` if it is a non-empty path (str or os.PathLike).
+
+  An empty path would mean the current folder (``pathlib.Path("")`` is
+  ``"."``), which a user who typed ``--workdir ""`` did not ask for.
+
+  Raises:
+    ValueError: naming ``name`` and the value.
+
+  Example:
+    >>> try:
+    ...   check_path("workdir", "")
+    ... except ValueError as error:
+    ...   print(error)
+    workdir must be a non-empty path, got ''
+  """
+  if not isinstance(value, (str, os.PathLike)) or not os.fspath(value).strip():
+    raise ValueError(f"{name} must be a non-empty path, got {value!r}")
+  return value
 
 
 def as_float(value: Any) -> float | None:

@@ -15,8 +15,9 @@ Documented API:
   Errors: AxisNameError (a transform not named for the axis the step is
     mapped over), HalvesContractError (an optimizer that does not pass
     ``half_grads`` on to the transform), LossContractError (a Trainer's loss
-    function that returned something other than per-example losses and a
-    model state), all ValueErrors.
+    function that returned something other than floating-point per-example
+    losses and a model state), ChainOrderError (an optimizer chain without
+    the transform first and ``scale_by_lr_factor`` last), all ValueErrors.
   ``transform`` and ``device_halves_step`` (a plain ``jax.jit`` step whose
   halves are the even and odd devices of a mesh's data axis) are imported
   from the top level, ``simigrad_jax.transform``: here those names are
@@ -40,6 +41,7 @@ Example:
 from simigrad_jax.ingraph.batch_coupling import BatchCouplingState
 from simigrad_jax.ingraph.batch_coupling import couple_to_batch_size
 from simigrad_jax.ingraph.half_batch import value_and_half_grads
+from simigrad_jax.ingraph.lr_scaling import ChainOrderError
 from simigrad_jax.ingraph.lr_scaling import LrFactorState
 from simigrad_jax.ingraph.lr_scaling import scale_by_lr_factor
 from simigrad_jax.ingraph.train_step import LossContractError
@@ -52,6 +54,7 @@ from simigrad_jax.ingraph.transform import StackedGrads
 __all__ = [
   "AxisNameError",
   "BatchCouplingState",
+  "ChainOrderError",
   "HalfGrads",
   "HalvesContractError",
   "LossContractError",

@@ -103,7 +103,8 @@ class LossContractError(SimiGradError, ValueError):
 
 
 def checked_loss_fn(loss_fn: PerExampleLossFn, model_state: Any) -> PerExampleLossFn:
-  """``loss_fn``, checked at trace time: one loss per row, and the model state's structure kept."""
+  """``loss_fn``, checked at trace time: one floating-point loss per row, and the model state's
+  structure kept."""
   state_structure = jax.tree.structure(model_state)
 
   def checked(params, state, batch, weights, rng):
@@ -122,6 +123,12 @@ def checked_loss_fn(loss_fn: PerExampleLossFn, model_state: Any) -> PerExampleLo
         f"loss_fn must return one loss per row, shape {weights.shape}, got shape "
         f"{jnp.shape(losses)}: the Trainer weights the rows itself (padding rows have weight "
         "0), so a mean over the rows would count padding"
+      )
+    if not jnp.issubdtype(jnp.result_type(losses), jnp.floating):
+      raise LossContractError(
+        f"loss_fn must return floating-point losses, got dtype {jnp.result_type(losses)}: an "
+        "integer loss has no gradient, so no step would train; compute the loss in float32 "
+        "(e.g. `losses.astype(jnp.float32)` before any rounding)"
       )
     if jax.tree.structure(new_state) != state_structure:  # type: ignore[operator]  # PyTreeDef
       raise LossContractError(

@@ -207,8 +207,8 @@ class CompileConfig(_Settings):
       checked["shapes_per_octave"] = batch_plan.check_shapes_per_octave(self.shapes_per_octave)
     for name in ("background", "fallback", "timed_fallback"):
       checked[name] = validation.check_bool(name, getattr(self, name))
-    checked["steps_per_compile"] = validation.check_real(
-      "steps_per_compile", self.steps_per_compile, "(0, inf) (finite)", lambda x: 0 < x < math.inf
+    checked["steps_per_compile"] = validation.check_interval(
+      "steps_per_compile", self.steps_per_compile, 0, low_open=True
     )
     if self.cache_dir is not None and not isinstance(self.cache_dir, (str, os.PathLike)):
       raise ValueError(
@@ -262,8 +262,8 @@ class CheckpointConfig(_Settings):
     if self.every_steps is not None:
       checked["every_steps"] = validation.check_int("every_steps", self.every_steps, 1)
     if self.every_seconds is not None:
-      checked["every_seconds"] = validation.check_real(
-        "every_seconds", self.every_seconds, "(0, inf) (finite)", lambda x: 0 < x < math.inf
+      checked["every_seconds"] = validation.check_interval(
+        "every_seconds", self.every_seconds, 0, low_open=True
       )
     checked["max_to_keep"] = validation.check_int("max_to_keep", self.max_to_keep, 1)
     checked["allow_changed_settings"] = validation.check_bool(

@@ -24,6 +24,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import pathlib
 from collections.abc import Mapping
@@ -36,6 +37,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from simigrad_jax import files
+from simigrad_jax import validation
 from simigrad_jax.checkpoint import run_record
 from simigrad_jax.checkpoint.run_checkpoints import Resumed
 from simigrad_jax.checkpoint.run_checkpoints import RunCheckpoints
@@ -45,6 +47,7 @@ from simigrad_jax.controllers import learning_rate
 from simigrad_jax.data.data_loader import StepDataLoader
 from simigrad_jax.data.data_loader import local_device_positions
 from simigrad_jax.data.sampler import EpochSampler
+from simigrad_jax.ingraph import lr_scaling
 from simigrad_jax.ingraph import train_step
 from simigrad_jax.multihost.process_agreement import ProcessAgreement
 from simigrad_jax.multihost.workdir import WorkdirLock
@@ -300,14 +303,24 @@ def check_objects(
 
   Returns ``(examples in the source, the absolute workdir, the devices, the
   optimizer's initial state, the smallest and the largest global batch size)``.
+
+  Raises:
+    ValueError: for a bad object or setting, naming it and what would be
+      valid: among them an empty workdir, an ``lr_schedule`` whose first
+      multiplier is NaN, infinite or negative, an optimizer chain out of order
+      (:func:`simigrad_jax.ingraph.lr_scaling.check_chain_order`) and an
+      optimizer hyperparameter that is NaN or infinite, or a negative learning
+      rate (:func:`check_hyperparameters`).
   """
   checks.check_callable("loss_fn", loss_fn)
   for name, fn in (("eval_fn", eval_fn), ("lr_schedule", lr_schedule)):
     if fn is not None:
       checks.check_callable(name, fn)
+  if lr_schedule is not None:
+    check_lr_multiplier("lr_schedule(0.0)", lr_schedule(0.0))
   checks.check_controller(controller)
   num_examples = checks.check_source(source)
-  workdir = checks.check_workdir(workdir)
+  workdir = checks.check_workdir(validation.check_path("workdir", workdir))
   if mesh is None:
     devices = checks.check_devices(devices)
     num_data = len(devices)
@@ -317,12 +330,74 @@ def check_objects(
   halves = config.halves_for(num_data)
   checks.check_finite_params(params)
   opt_state = checks.checked_optimizer_state(optimizer, params)
+  lr_scaling.check_chain_order(opt_state)
+  check_hyperparameters(optimizer, opt_state)
   lower, upper = checks.check_bounds(controller, num_examples, halves)
   for size in (lower, controller.initial_batch_size, upper):
     learning_rate.lr_factor(
       size, controller.initial_batch_size, config.lr.rule, config.lr.adjust_factor
     )
   return num_examples, workdir, devices, opt_state, lower, upper
+
+
+def check_lr_multiplier(name: str, value: Any) -> float:
+  """Returns the learning-rate multiplier ``value`` as a float if it is finite and >= 0.
+
+  Raises:
+    ValueError: naming ``name`` (``"lr_schedule(0.0)"``) and the value.
+  """
+  return validation.check_interval(name, validation.as_float(value), 0)
+
+
+def check_hyperparameters(optimizer: optax.GradientTransformation, opt_state: Any) -> None:
+  """Refuses an optimizer with a hyperparameter that is NaN or infinite, or a negative learning rate
+  it names.
+
+  The hyperparameters are the numbers the optimizer's functions close over
+  and those ``optax.inject_hyperparams`` keeps in its state, as the run's
+  record describes them (:mod:`simigrad_jax.checkpoint.run_record`). A NaN
+  learning rate would write NaN into every parameter at the first step while
+  its gradients are finite. A negative learning rate is seen only where
+  ``inject_hyperparams`` names it: optax's ``sgd(-0.1)`` keeps ``step_size =
+  0.1``, which a deliberate ``optax.scale(0.1)`` keeps too.
+
+  Raises:
+    ValueError: naming the hyperparameter's place in the optimizer and its value.
+
+  Example:
+    >>> import jax.numpy as jnp, optax, simigrad_jax
+    >>> bad = optax.chain(simigrad_jax.transform(), optax.sgd(float("nan")),
+    ...                   simigrad_jax.scale_by_lr_factor())
+    >>> try:
+    ...   check_hyperparameters(bad, bad.init(jnp.zeros(2)))
+    ... except ValueError as error:
+    ...   print(str(error).split(":")[0])
+    the optimizer's hyperparameter update.update_fns[1].update_fns[1].tx.update.step_size is nan
+  """
+  described = run_record.describe_optimizer(optimizer)
+  injected = run_record.injected_hyperparameters(opt_state)
+  for place, value in (described | injected).items():
+    number = _hyperparameter(value)
+    if number is None:
+      continue
+    if not math.isfinite(number):
+      raise ValueError(
+        f"the optimizer's hyperparameter {place} is {number}: every step would write NaN or "
+        f"infinite values into the parameters; give the optimizer finite hyperparameters"
+      )
+    if place.endswith("['learning_rate']") and number < 0:
+      raise ValueError(
+        f"the optimizer's learning rate is negative ({place} = {number}): every step would "
+        f"climb the loss; give a learning rate >= 0"
+      )
+
+
+def _hyperparameter(value: Any) -> float | None:
+  """A described hyperparameter as a float (``"nan"``, ``"inf"``: the record's non-finite
+  floats), or None for one that is no number."""
+  if isinstance(value, str):
+    return float(value) if value in ("nan", "inf", "-inf") else None
+  return validation.as_float(value)
 
 
 def mesh_settings(mesh: Mesh, specs: Any) -> dict[str, Any]:
