@@ -47,6 +47,7 @@ import signal
 import sys
 import threading
 import traceback
+from collections.abc import Iterable
 
 
 def _exit_before_start(signum: int, frame: object) -> None:
@@ -154,6 +155,32 @@ def flag_error_line(error: Exception, argv: list[str]) -> str:
   return f"bad command line: {text.rstrip('.')}; python -m train --help lists the flags"
 
 
+def command_line_spelling(line: str, options: Iterable[str]) -> str:
+  """``line`` with the config's options and the settings it suggests as the command line types them.
+
+  Errors of the training scripts name an option as Python reads it
+  (``config.learning_rate``), the library's a Trainer setting by its own name
+  (``allow_changed_settings=True``); on the command line both are flags.
+
+  Args:
+    line: the failure's line.
+    options: the config's option names (a ``config.json`` stays as it is).
+
+  Example:
+    >>> command_line_spelling("config.seed=-1 is bad; see config.json or allow_changed_settings=True",
+    ...                       ["seed"])
+    '--config.seed=-1 is bad; see config.json or --config.allow_changed_settings=True'
+  """
+  names = "|".join(sorted(map(re.escape, options), key=len, reverse=True))
+  if names:
+    line = re.sub(rf"(?<![\w.-])config\.({names})\b", r"--config.\1", line)
+  return re.sub(
+    r"(?<![\w.-])(?:checkpoints\.)?allow_changed_settings=True",
+    "--config.allow_changed_settings=True",
+    line,
+  )
+
+
 def simulate_cpu_devices(count: int) -> None:
   """Asks XLA for ``count`` CPU devices (or the count already in XLA_FLAGS), unless JAX is running.
 
@@ -191,7 +218,21 @@ def main(argv: list[str]) -> None:
   signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a file-size limit: an error naming the file
   _quiet_threads()
   config = FLAGS.config
+  if FLAGS.workdir is not None and not FLAGS.workdir.strip():
+    print(
+      f"simigrad: --workdir={FLAGS.workdir!r} is empty; give a folder, or leave --workdir out "
+      "for the default ($XDG_CACHE_HOME/simigrad/<config name>)",
+      file=sys.stderr,
+    )
+    sys.exit(2)
   simulate_cpu_devices(config.num_cpu_devices)
+  from train import config_checks  # pylint: disable=import-outside-toplevel
+
+  try:  # before JAX starts its devices: a bad value fails in seconds
+    config_checks.check_config(config)
+    config_checks.check_given(config, config_flags.get_override_values(FLAGS["config"]))
+  except ValueError as error:
+    _exit_with_one_line(error, None)
   import jax  # pylint: disable=import-outside-toplevel
 
   if FLAGS.distributed:
@@ -236,8 +277,12 @@ def exit_now(code: int) -> None:
   os._exit(code)  # pylint: disable=protected-access
 
 
-def _exit_with_one_line(error: Exception, workdir: pathlib.Path) -> None:
-  """Ends the run with the failure's one line (and its traceback when asked for); exit status 1."""
+def _exit_with_one_line(error: Exception, workdir: pathlib.Path | None) -> None:
+  """Ends the run with the failure's one line (and its traceback when asked for); exit status 1.
+
+  The line names the config's options and the settings it suggests as they
+  are typed on the command line (:func:`command_line_spelling`).
+  """
   from train import failures  # pylint: disable=import-outside-toplevel
 
   if not failures.is_expected(error):
@@ -246,7 +291,8 @@ def _exit_with_one_line(error: Exception, workdir: pathlib.Path) -> None:
   if verbose:
     traceback.print_exception(error)
   logged = getattr(error, "failure_log", None)
-  line = failures.one_line(error, workdir if workdir.is_dir() else None)
+  line = failures.one_line(error, workdir if workdir is not None and workdir.is_dir() else None)
+  line = command_line_spelling(line, FLAGS.config.keys())
   if logged and not verbose:
     line += f" (traceback: {logged}, or --verbose)"
   sys.stdout.flush()

@@ -260,13 +260,16 @@ def _missing_row(ranges: list[list[int]]) -> str:
   return f"steps {steps} (lost from metrics.jsonl, not in the TensorBoard events either)"
 
 
-def print_summary(summary: dict[str, Any]) -> None:
-  """The summary table and where the files are."""
+def print_summary(
+  summary: dict[str, Any], how_to_continue: str = "give more --config.num_epochs"
+) -> None:
+  """The summary table and where the files are; ``how_to_continue``: what a complete run's
+  note says continues it (:func:`train.run_settings.how_to_continue`)."""
   accuracy = summary["eval_accuracy"]
   if not summary["steps_this_run"]:
     print(
       f"nothing to train: the run in this workdir is complete ({summary['steps']:,} steps); "
-      "give more --config.num_epochs to continue it, or a new --workdir",
+      f"{how_to_continue} to continue it, or a new --workdir",
       flush=True,
     )
   rows = [

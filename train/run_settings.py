@@ -82,3 +82,29 @@ def run_settings(config: ml_collections.ConfigDict) -> dict[str, Any]:
   if options.get("lr_schedule") == "cosine":
     kept["num_epochs"] = options["num_epochs"]
   return kept
+
+
+def how_to_continue(config: ml_collections.ConfigDict) -> str:
+  """The flags that continue a run of ``config`` that is complete, for its note.
+
+  More epochs continue it; with the ``"cosine"`` schedule, which spans
+  ``num_epochs`` (:func:`run_settings` records it), a resume with more is a
+  changed setting that must be allowed, and the schedule then stretches to
+  the new length.
+
+  Example:
+    >>> from train.configs import default
+    >>> config = default.get_config()
+    >>> how_to_continue(config)
+    'give more --config.num_epochs'
+    >>> config.lr_schedule = "cosine"
+    >>> how_to_continue(config)  # doctest: +ELLIPSIS
+    'give more --config.num_epochs with --config.allow_changed_settings=True (the cosine ...'
+  """
+  if config.lr_schedule != "cosine":
+    return "give more --config.num_epochs"
+  return (
+    "give more --config.num_epochs with --config.allow_changed_settings=True (the cosine "
+    "schedule spans num_epochs: it stretches to the new length, so the learning rate rises "
+    "again)"
+  )

@@ -33,6 +33,7 @@ from simigrad_jax import LearningRateConfig
 from simigrad_jax import TrainerConfig
 from simigrad_jax import files
 from simigrad_jax import plot
+from simigrad_jax import validation
 from simigrad_jax.compile import enable_persistent_cache
 from simigrad_jax.controllers import OneStepLateController
 from simigrad_jax.multihost import ProcessAgreement
@@ -41,6 +42,7 @@ from simigrad_jax.multihost import open_workdir
 from simigrad_jax.registry import controller_options
 from simigrad_jax.shapes.layout import blocks_per_device
 from simigrad_jax.trainer.config import MOVED_SETTINGS
+from train import config_checks
 from train import config_history
 from train import failures
 from train import input_pipeline
@@ -280,6 +282,7 @@ def create_experiment(
   Raises:
     ValueError: for a bad config value, with the option's name.
   """
+  config_checks.check_config(config)
   if config.dtype not in DTYPES:
     raise ValueError(f"config.dtype={config.dtype!r} is not valid; choose one of {tuple(DTYPES)}")
   trainer_config = create_trainer_config(config)  # cheap checks first
@@ -289,6 +292,7 @@ def create_experiment(
   with _named_as_config_options():
     halves = trainer_config.halves_for(num_data)
   datasets = input_pipeline.create_datasets(config)
+  config_checks.check_data_labels(datasets)
   controller = create_controller(config, num_data, halves, datasets.tokens_per_example)
   optimizer = optimizers.create_optimizer(config)
   lr_schedule = optimizers.create_lr_schedule(config, controller, len(datasets.train))
@@ -472,6 +476,7 @@ def train_and_evaluate(
       the checkpoint of its last step (nothing is reported).
   """
   start = time.perf_counter()
+  validation.check_path("workdir", workdir)  # "" would be the current folder
   made = _missing_folders(workdir)
   try:
     with open_workdir(
@@ -561,6 +566,6 @@ def _train_and_evaluate_in(
           title=title or f"SimiGrad: {experiment.datasets.description}, {config.model}",
         )
       )
-    report.print_summary(summary)
+    report.print_summary(summary, run_settings.how_to_continue(config))
     files.write_atomic(workdir / "summary.json", json.dumps(summary, indent=2, default=str) + "\n")
   return summary
