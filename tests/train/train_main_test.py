@@ -9,8 +9,8 @@ import subprocess
 import sys
 
 import pytest
-from absl import flags
-from ml_collections import config_flags
+
+import command_line
 
 # ml_collections loads config files with importlib's deprecated load_module().
 pytestmark = pytest.mark.filterwarnings("ignore:the load_module:DeprecationWarning")
@@ -39,13 +39,7 @@ SMALL = [
 
 def parse(config_path, *overrides):
   """Parses a config file and overrides the way ``python -m train`` does, in a fresh flag set."""
-  argv = ["train", "--config", str(config_path), *overrides]
-  values = flags.FlagValues()
-  config_flags.DEFINE_config_file(
-    "config", None, "", flag_values=values, lock_config=True, sys_argv=argv
-  )
-  values(argv)
-  return values.config
+  return command_line.parse(config_path, *overrides)[0]
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
