@@ -13,8 +13,9 @@ import, before any data is read or anything compiled:
   :func:`check_given`, which ``python -m train`` runs before it imports JAX)
   is refused when it would change what is trained had it been read
   (``text_files`` with the digits: the run would train on the digits), and
-  only warned about when it says where the data is read from or how fast
-  (:data:`HARMLESS`: ``local_data_dir`` with the digits);
+  only warned about when it says where the data is read from or how fast,
+  or how the steps compile (:data:`HARMLESS`: ``local_data_dir`` with the
+  digits);
 * ``num_classes`` must be the data set's where the data set fixes it (the
   digits and MNIST have 10), and the labels of data held in memory must lie
   in ``[0, num_classes)`` (:func:`check_labels`).
@@ -208,9 +209,9 @@ USED_ONLY: Mapping[str, tuple[str, Callable[[Any], bool]]] = {
   "compilation_cache_dir": ("compilation_cache=True", lambda config: config.compilation_cache),
 }
 
-# The options of USED_ONLY that say where the data is read from and how fast, or where the cache
-# lies, not what is trained: given where they are not read, they are warned about, not refused
-# (a shell alias or a script may give them to every run).
+# The options of USED_ONLY that say where the data is read from and how fast, how the steps
+# compile or where the cache lies, not what is trained: given where they are not read, they are
+# warned about, not refused (a shell alias or a script may give them to every run).
 HARMLESS: frozenset[str] = frozenset(
   {
     "data_dir",
@@ -220,6 +221,8 @@ HARMLESS: frozenset[str] = frozenset(
     "decode_threads",
     "on_bad_record",
     "eval_split",
+    "min_micro_batch_size",
+    "compile_fallback",
     "compilation_cache_dir",
   }
 )
