@@ -36,10 +36,13 @@ TRIES = 5
 
 # A tiny adaptive Trainer whose batch grows every step, so that each step asks for the shapes
 # near its own; after the first three, every compile first spends seconds inside XLA on a large
-# program, so that one is still in XLA when the script returns.
+# program. When the training returns, one more compile is asked for; it waits until the
+# interpreter's exit begins (the script's own exit hook, which runs before the compiles' wait),
+# then stays inside XLA for at least 1.5 s, compiling large programs: so the exit always meets a
+# compile inside XLA, for longer than the wait's quiet second, however fast or loaded the machine.
 EXIT_SCRIPT = textwrap.dedent(
   """
-  import os, sys, time
+  import atexit, os, sys, threading, time
   sys.path.insert(0, {tests!r})
   import simigrad_jax  # this checkout's (PYTHONPATH)
   os.environ.update(simigrad_jax.simulated_cpu_devices_env(8))
@@ -49,17 +52,30 @@ EXIT_SCRIPT = textwrap.dedent(
 
   real = compiler._compile
   count = [0]
+  trained, entered, exiting = threading.Event(), threading.Event(), threading.Event()
 
   def heavy(x):
     for i in range(80):
       x = jnp.sin(x) * (i + 1.0) + jnp.cos(x @ x)
     return x
 
+  def compile_heavy():
+    count[0] += 1  # a new shape each time: never from JAX's caches
+    shape = jax.ShapeDtypeStruct((8 + count[0], 8 + count[0]), jnp.float32)
+    jax.jit(heavy).lower(shape).compile()
+
   def slow(lowered):
-    count[0] += 1
-    if count[0] > 3:  # a new shape each time: never from JAX's caches
-      shape = jax.ShapeDtypeStruct((8 + count[0], 8 + count[0]), jnp.float32)
-      jax.jit(heavy).lower(shape).compile()
+    if trained.is_set():  # the compile the exit meets
+      print("compile in progress", flush=True)
+      entered.set()
+      exiting.wait()
+      start = time.monotonic()
+      while time.monotonic() - start < 1.5:
+        compile_heavy()
+    elif count[0] >= 3:
+      compile_heavy()
+    else:
+      count[0] += 1
     return real(lowered)
 
   compiler._compile = slow
@@ -70,9 +86,13 @@ EXIT_SCRIPT = textwrap.dedent(
     controller=controller, max_micro_batch_size=16, progress=False, tensorboard=False,
   )))
   trainer.train(num_steps=8)
-  deadline = time.monotonic() + 60
-  while exit_wait.IN_FLIGHT.in_progress == 0 and time.monotonic() < deadline:
-    time.sleep(0.01)  # (a neighbour's compile starts as the last step ends)
+  trained.set()
+  last = compiler.StepCompiler(
+    lambda size: jax.jit(heavy).lower(jax.ShapeDtypeStruct((size, size), jnp.float32))
+  )
+  last.prefetch([5])
+  entered.wait()
+  atexit.register(exiting.set)  # runs first: registered after the compiles' wait
   print("in flight at exit:", exit_wait.IN_FLIGHT.in_progress, flush=True)
   """
 )
@@ -92,8 +112,8 @@ def test_a_script_that_returns_with_compiles_in_xla_exits_0(tmp_path):
     output = done.stdout + done.stderr
     assert done.returncode == 0, output[-3000:]  # was 134: "terminate called ..."
     in_flight = int(output.split("in flight at exit: ")[1].split()[0])
-    assert in_flight >= 1, output[-3000:]  # the exit met a compile inside XLA
-    assert "in progress before exit" in done.stderr, output[-3000:]
+    assert in_flight >= 1 and "compile in progress" in done.stdout, output[-3000:]
+    assert "in progress before exit" in done.stderr, output[-3000:]  # the exit waited for it
     codes.append(done.returncode)
   assert codes == [0] * TRIES
 
