@@ -529,6 +529,11 @@ def _train_and_evaluate_in(
     config.num_epochs,
     eval_name=experiment.datasets.eval_name,
     enabled=is_main,
+    eval_examples=(
+      len(experiment.datasets.eval)
+      if config.progress and experiment.datasets.eval is not None
+      else None
+    ),
   )
   trainer = create_trainer(experiment, held, printer if experiment.evaluate else None)
   printer.trainer = trainer
@@ -541,12 +546,18 @@ def _train_and_evaluate_in(
       processes=jax.process_count(),
     )
     report.print_start(experiment, trainer)
+  setup_seconds = time.perf_counter() - start
   with trainer:
     run = trainer.train(num_epochs=config.num_epochs, num_steps=config.num_steps)
     if config.batch_sizes_to_profile and is_main and hasattr(trainer.controller, "save_profile"):
       trainer.controller.save_profile(workdir / "similarity_profile.json")
   summary = report.summarize(
-    workdir, run, experiment.devices, time.perf_counter() - start, experiment.halves
+    workdir,
+    run,
+    experiment.devices,
+    time.perf_counter() - start,
+    experiment.halves,
+    setup_seconds=setup_seconds,
   )
   summary["eval_name"] = experiment.datasets.eval_name
   summary.update(report.token_counts(summary, run, experiment.datasets))
