@@ -456,6 +456,11 @@ def cached_view(
 ) -> dict[str, Any] | None:
   """The view of what a checkpoint's record says the cache in ``cache_dir`` holds.
 
+  A hint, not a promise: the cache is shared, and another run may have
+  evicted an entry since; the resumed run then compiles that program again,
+  slower but with the same steps (the record, not the cache's content,
+  decides which program a step runs).
+
   Args:
     record: ``{"compilation_cache_dir", "fused", "micro", "apply"}``, as
       :func:`cache_record` wrote it, or None.
