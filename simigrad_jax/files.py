@@ -48,6 +48,7 @@ __all__ = [
   "open_for_append",
   "open_nofollow",
   "refuse_symlink",
+  "user_cache_home",
   "write_atomic",
 ]
 
@@ -70,6 +71,19 @@ class WorkdirAccessError(SimiGradError, PermissionError, RuntimeError):
 
   The message names the folder and the fix.
   """
+
+
+def user_cache_home() -> str:
+  """This user's cache folder: ``$XDG_CACHE_HOME``, or ``~/.cache`` without it.
+
+  A folder of this user's, not a shared one such as ``/tmp`` (where another
+  user could make a folder first); ``$XDG_CACHE_HOME`` counts only when
+  absolute, as the XDG specification says.
+  """
+  cache = os.environ.get("XDG_CACHE_HOME", "")
+  if not os.path.isabs(cache):
+    cache = os.path.join(os.path.expanduser("~"), ".cache")
+  return cache
 
 
 def current_uid() -> int:

@@ -3,6 +3,10 @@
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # read when JAX is imported
+# No test writes to the user's compilation cache, the default of every Trainer and of python -m
+# train (subprocesses inherit this): the suite runs without a persistent cache unless a test
+# names its own (a temporary folder), so that no test finds another's programs there.
+os.environ["SIMIGRAD_JAX_CACHE_DIR"] = ""
 
 from simigrad_jax.multihost.cpu_devices import simulated_cpu_devices_env  # noqa: E402
 

@@ -4,8 +4,10 @@ Trains the experiment of the config file in ``--workdir`` (default
 ``$XDG_CACHE_HOME/simigrad/<config name>``, i.e. ``~/.cache/simigrad/<config
 name>``: a folder of this user's, created ``0700``; see :func:`default_workdir`),
 resuming from the newest checkpoint there,
-with JAX's persistent compilation cache in ``<workdir>/compilation_cache``
-(``--config.compilation_cache_dir`` to put it elsewhere,
+with JAX's persistent compilation cache that every run of this user shares
+(``$SIMIGRAD_JAX_CACHE_DIR``, else
+``$XDG_CACHE_HOME/simigrad_jax/compilation_cache``;
+``--config.compilation_cache_dir`` to put it elsewhere,
 ``--config.compilation_cache=False`` to turn it off).
 Any config value can be overridden, e.g. ``--config.num_epochs=2
 --config.similarity_target=0.2 --config.seed=3``.
@@ -198,14 +200,11 @@ def simulate_cpu_devices(count: int) -> None:
 def default_workdir(config_name: str) -> str:
   """``$XDG_CACHE_HOME/simigrad/<config_name>``, or ``~/.cache/simigrad/<config_name>``.
 
-  A folder of this user's, not a shared one such as ``/tmp`` (where another
-  user could make it first); ``$XDG_CACHE_HOME`` counts only when absolute,
-  as the XDG specification says.
+  A folder of this user's (:func:`simigrad_jax.files.user_cache_home`).
   """
-  cache = os.environ.get("XDG_CACHE_HOME", "")
-  if not os.path.isabs(cache):
-    cache = os.path.join(os.path.expanduser("~"), ".cache")
-  return os.path.join(cache, "simigrad", config_name)
+  from simigrad_jax import files  # pylint: disable=import-outside-toplevel
+
+  return os.path.join(files.user_cache_home(), "simigrad", config_name)
 
 
 def main(argv: list[str]) -> None:

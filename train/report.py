@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import pathlib
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -21,6 +22,7 @@ import tqdm
 import simigrad_jax
 from simigrad_jax import read_metrics
 from simigrad_jax.checkpoint import missing_steps
+from simigrad_jax.trainer.progress import ProgressBar
 
 
 def _mean(values: list[float]) -> float:
@@ -37,6 +39,11 @@ class EpochPrinter:
     num_epochs: the run's length, for the ``epoch e/N`` column.
     eval_name: what the evaluation set is called ("test", "validation", ...).
     enabled: print (process 0); otherwise only evaluate.
+    eval_examples: the evaluation set's size: with it (and ``enabled``), a
+      progress bar over its examples while it is evaluated (``evaluate``
+      takes ``progress=``, :func:`train.tasks.make_evaluate`), cleared when
+      done, and after the last epoch's a line on stderr that says the final
+      checkpoint is being saved.
 
   Set ``trainer`` once the Trainer exists: the line shows its step and
   examples seen.
@@ -50,8 +57,10 @@ class EpochPrinter:
     *,
     eval_name: str = "eval",
     enabled: bool = True,
+    eval_examples: int | None = None,
   ):
     self.evaluate, self.enabled, self.eval_name = evaluate, enabled, eval_name
+    self.eval_examples = eval_examples
     self.num_epochs = num_epochs
     self.trainer: Any = None
     self._path = pathlib.Path(workdir) / "metrics.jsonl"
@@ -75,7 +84,11 @@ class EpochPrinter:
         self._steps.setdefault(record["epoch"], []).append(record)
 
   def __call__(self, params: Any, model_state: Any) -> dict[str, float]:
-    results = self.evaluate(params, model_state)
+    if not self.enabled or self.eval_examples is None:
+      results = self.evaluate(params, model_state)
+    else:
+      with ProgressBar(self.eval_examples, desc=f"evaluate ({self.eval_name})", leave=False) as bar:
+        results = self.evaluate(params, model_state, progress=bar.update)
     if not self.enabled or self.trainer is None:
       return results
     self._read_new_records()
@@ -94,6 +107,8 @@ class EpochPrinter:
       f"similarity {similarity:+.3f} avg  |  step {self.trainer.step}  "
       f"examples {self.trainer.sampler.examples_seen:,}"
     )
+    if epoch + 1 >= self.num_epochs and self.eval_examples is not None:  # then the last save
+      tqdm.tqdm.write(f"saving the checkpoint of step {self.trainer.step} ...", file=sys.stderr)
     return results
 
 
@@ -139,9 +154,26 @@ def describe_devices(devices: list[Any], halves: str, mesh_shape: str = "") -> s
 
 
 def summarize(
-  workdir: pathlib.Path, run: dict[str, Any], devices: list[Any], seconds: float, halves: str
+  workdir: pathlib.Path,
+  run: dict[str, Any],
+  devices: list[Any],
+  seconds: float,
+  halves: str,
+  *,
+  setup_seconds: float | None = None,
 ) -> dict[str, Any]:
-  """The whole run's numbers (resumed parts included) from ``metrics.jsonl`` and this invocation's ``run`` summary."""
+  """The whole run's numbers (resumed parts included) from ``metrics.jsonl`` and this invocation's ``run`` summary.
+
+  Args:
+    workdir: the run's workdir.
+    run: this invocation's ``Trainer.train`` summary.
+    devices: the devices it trained on.
+    seconds: this invocation's runtime.
+    halves: the split of each step into halves.
+    setup_seconds: of ``seconds``, those before its first step (the data, the
+      model, the Trainer); with it the summary splits the runtime into its
+      parts, each second in one of them (:func:`runtime_parts`).
+  """
   path = pathlib.Path(workdir) / "metrics.jsonl"
   records = read_metrics(path) if path.exists() else []
   steps = [r for r in records if "batch_size" in r]
@@ -180,10 +212,62 @@ def summarize(
     "compiled_micro_batch_sizes": run["compiled_micro_batch_sizes"],
     "devices": describe_devices(devices, halves),
     "seconds": seconds,
+    **runtime_parts(run, seconds, setup_seconds),
     "metrics": str(path),
     "tensorboard": str(pathlib.Path(workdir) / "tensorboard"),
     "checkpoints": str(pathlib.Path(workdir) / "checkpoints"),
   }
+
+
+def runtime_parts(
+  run: dict[str, Any], seconds: float, setup_seconds: float | None
+) -> dict[str, float | None]:
+  """This invocation's runtime in parts that add up to it, each second counted in one.
+
+  Args:
+    run: this invocation's ``Trainer.train`` summary: its steps' seconds
+      (``wall_seconds``), of them the waits for compiles
+      (``step_compile_wait_seconds``), and the first runs' seconds and waits.
+    seconds: the runtime.
+    setup_seconds: the seconds before the first step (None: unknown, no parts).
+
+  Returns:
+    ``setup_seconds`` (before the first step), ``step_seconds`` (the steps,
+    from the first one's start to the last one's end: the evaluations and
+    checkpoints between them included), of those ``step_wait_seconds``
+    waiting for compiles and ``step_compute_seconds`` the rest, of which
+    ``first_run_extra_seconds`` the first runs of programs took beyond their
+    wait; and ``after_steps_seconds`` (the final evaluation and save, and the
+    report), all None without ``setup_seconds``.
+
+  Example:
+    >>> run = {"wall_seconds": 8.0, "step_compile_wait_seconds": 5.0,
+    ...        "first_run_seconds": 6.0, "first_run_wait_seconds": 5.0}
+    >>> parts = runtime_parts(run, 12.0, setup_seconds=3.0)
+    >>> parts["setup_seconds"] + parts["step_seconds"] + parts["after_steps_seconds"]
+    12.0
+    >>> parts["step_wait_seconds"], parts["step_compute_seconds"], parts["first_run_extra_seconds"]
+    (5.0, 3.0, 1.0)
+  """
+  names = (
+    "setup_seconds",
+    "step_seconds",
+    "step_wait_seconds",
+    "step_compute_seconds",
+    "first_run_extra_seconds",
+    "after_steps_seconds",
+  )
+  if setup_seconds is None:
+    return dict.fromkeys(names)
+  steps = run.get("wall_seconds") or 0.0
+  waited = run.get("step_compile_wait_seconds") or 0.0
+  first_runs = (run.get("first_run_seconds") or 0.0) - (run.get("first_run_wait_seconds") or 0.0)
+  return dict(
+    zip(
+      names,
+      (setup_seconds, steps, waited, steps - waited, first_runs, seconds - setup_seconds - steps),
+    )
+  )
 
 
 def _own_shape_padding(records: list[dict[str, Any]]) -> dict[str, Any]:
@@ -242,6 +326,27 @@ def token_counts(summary: dict[str, Any], run: dict[str, Any], datasets: Any) ->
     "unigram_entropy": datasets.unigram_entropy,
     "eval_loss_unit": "nats/token",
   }
+
+
+def _first_runs_seconds(summary: dict[str, Any]) -> str:
+  """What the first runs took beyond their wait for the compile (the wait is the runtime row's)."""
+  extra = summary.get("first_run_extra_seconds")
+  if extra is None:
+    return f" ({summary['first_run_seconds']:.1f} s; this run's steps)"
+  return f" ({extra:.1f} s beyond their wait for its compile; this run's steps)"
+
+
+def _runtime_row(summary: dict[str, Any]) -> str:
+  """The runtime, and the parts that add up to it (:func:`runtime_parts`), when known."""
+  if summary.get("setup_seconds") is None:
+    return f"{summary['seconds']:.1f} s"
+  return (
+    f"{summary['seconds']:.1f} s: {summary['setup_seconds']:.1f} s before the first step "
+    f"(data, model, first trace), {summary['step_seconds']:.1f} s of steps "
+    f"({summary['step_wait_seconds']:.1f} s waiting for compiles, "
+    f"{summary['step_compute_seconds']:.1f} s training, evaluating and saving), "
+    f"{summary['after_steps_seconds']:.1f} s after the last step (the final evaluation and save)"
+  )
 
 
 def _nonfinite_row(summary: dict[str, Any]) -> str:
@@ -306,8 +411,7 @@ def print_summary(
       "compiles",
       f"{summary['compiles']} (micro-batch sizes "
       f"{sorted(summary['compiled_micro_batch_sizes'])}; "
-      f"{summary['compile_seconds']:.1f} s, "
-      f"{summary['compile_wait_seconds']:.1f} s waited, "
+      f"{summary['compile_seconds']:.1f} s compiling, in the background; "
       f"{summary['compile_fallback_steps']} steps on a fallback shape; "
       f"{summary['compile_cache_hits']} loaded from the compilation cache in "
       f"{summary['compile_cache_hit_seconds']:.1f} s)",
@@ -316,8 +420,8 @@ def print_summary(
       [
         (
           "first runs",
-          f"{summary['first_run_steps']} steps ran a shape's program for the first time "
-          f"({summary['first_run_seconds']:.1f} s; this run's steps)",
+          f"{summary['first_run_steps']} steps ran a shape's program for the first time"
+          + _first_runs_seconds(summary),
         )
       ]
       if summary.get("first_run_steps") is not None
@@ -330,7 +434,7 @@ def print_summary(
       else []
     ),
     ("devices", summary["devices"]),
-    ("runtime", f"{summary['seconds']:.1f} s"),
+    ("runtime", _runtime_row(summary)),
     ("metrics", summary["metrics"]),
     ("tensorboard", f"tensorboard --logdir {summary['tensorboard']}"),
   ]

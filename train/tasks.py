@@ -186,15 +186,17 @@ def make_evaluate(
   eval_step: Callable[..., Any],
   text: bool,
 ) -> Callable[[Any, Any], dict[str, float]] | None:
-  """``evaluate(params, model_state) -> {"accuracy", "loss"}`` over ``datasets.eval``.
+  """``evaluate(params, model_state, progress=None) -> {"accuracy", "loss"}`` over ``datasets.eval``.
 
   For text, each evaluation batch gets a fixed mask (from ``config.seed``), the
   same at every evaluation and for every run with that seed setting.
+  ``progress``, if given, is called after each batch with its number of
+  examples (a progress bar's ``update``).
   """
   if datasets.eval is None:
     return None
 
-  def evaluate(params, model_state):
+  def evaluate(params, model_state, progress=None):
     variables = jax.device_put({"params": params, **(model_state or {})}, jax.local_devices()[0])
     totals = np.zeros(3)
     for i, (batch, weights) in enumerate(
@@ -204,6 +206,8 @@ def make_evaluate(
       if text:  # a fixed mask per batch, the same at every evaluation
         args += (jax.random.fold_in(jax.random.key(config.seed + 1), i),)
       totals += np.array(jax.device_get(eval_step(*args)), np.float64)
+      if progress is not None:
+        progress(int(np.sum(weights)))
     count = max(totals[2], 1.0)
     return {"accuracy": totals[0] / count, "loss": totals[1] / count}
 

@@ -35,6 +35,7 @@ from simigrad_jax import files
 from simigrad_jax import plot
 from simigrad_jax import validation
 from simigrad_jax.compile import enable_persistent_cache
+from simigrad_jax.compile import persistent_cache
 from simigrad_jax.controllers import OneStepLateController
 from simigrad_jax.multihost import ProcessAgreement
 from simigrad_jax.multihost import WorkdirLock
@@ -83,7 +84,7 @@ class Experiment:
       the devices by :meth:`TrainerConfig.halves_for`).
     trainer_config: the Trainer's settings from the config, checked
       (:func:`create_trainer` fits ``max_micro_batch_size`` to the bounds and
-      sets the compilation cache of the workdir).
+      sets the compilation cache, :func:`compilation_cache_dir`).
     mesh, param_sharding: the mesh of ``config.mesh_shape`` (its data axis
       alone by default) and the parameters' specs (None: replicated).
   """
@@ -156,8 +157,8 @@ def create_trainer_config(config: ml_collections.ConfigDict) -> TrainerConfig:
   """The :class:`simigrad_jax.TrainerConfig` of ``config``'s Trainer settings.
 
   ``max_micro_batch_size`` is the configured one (:func:`create_trainer`
-  fits it to the bounds) and there is no compilation cache yet (it depends
-  on the workdir: :func:`compilation_cache_dir`).
+  fits it to the bounds) and there is no compilation cache yet
+  (:func:`create_trainer` sets :func:`compilation_cache_dir`).
 
   Raises:
     ValueError: for a bad setting, named as the config's option (``config.mode=...``).
@@ -367,32 +368,28 @@ def max_micro_batch_size(configured: int, upper: int, num_devices: int) -> int:
   return size
 
 
-def compilation_cache_dir(
-  config: ml_collections.ConfigDict, workdir: str | os.PathLike
-) -> pathlib.Path | None:
-  """Where a run of ``config`` in ``workdir`` keeps JAX's persistent compilation cache.
+def compilation_cache_dir(config: ml_collections.ConfigDict) -> pathlib.Path | None:
+  """Where a run of ``config`` keeps JAX's persistent compilation cache, shared by every workdir.
 
   Args:
     config: the experiment config.
-    workdir: the run's workdir.
 
   Returns:
     ``config.compilation_cache_dir`` when it is set (``~`` expanded), else
-    ``<workdir>/compilation_cache``, as an absolute path; None when
-    ``config.compilation_cache`` is False.
-
-  Raises:
-    ValueError: for an empty ``config.compilation_cache_dir``.
+    the cache every run of this user shares
+    (:func:`simigrad_jax.compile.persistent_cache.default_cache_dir`:
+    ``$SIMIGRAD_JAX_CACHE_DIR``, else
+    ``$XDG_CACHE_HOME/simigrad_jax/compilation_cache``), as an absolute path;
+    None when ``config.compilation_cache`` is False, or the directory is
+    empty (``--config.compilation_cache_dir=''`` or ``SIMIGRAD_JAX_CACHE_DIR=''``).
   """
   if not config.compilation_cache:
     return None
   if config.compilation_cache_dir is None:
-    return pathlib.Path(workdir).absolute() / "compilation_cache"
+    default = persistent_cache.default_cache_dir()
+    return None if default is None else pathlib.Path(default)
   if not config.compilation_cache_dir:
-    raise ValueError(
-      "config.compilation_cache_dir is empty; leave it unset for "
-      "<workdir>/compilation_cache, or set config.compilation_cache=False"
-    )
+    return None
   return pathlib.Path(config.compilation_cache_dir).expanduser().absolute()
 
 
@@ -429,7 +426,7 @@ def create_trainer(
       max_micro_batch_size=max_micro_batch_size(
         settings.max_micro_batch_size, upper, experiment.mesh.shape[mesh_setup.DATA_AXIS]
       ),
-      compile=settings.compile.replace(cache_dir=compilation_cache_dir(experiment.config, workdir)),
+      compile=settings.compile.replace(cache_dir=compilation_cache_dir(experiment.config)),
     ),
   )
 
@@ -449,9 +446,10 @@ def train_and_evaluate(
   folder, ...) in a workdir it created leaves nothing behind; any other
   failure appends its traceback to ``<workdir>/failure.log``
   (:mod:`train.failures`).
-  JAX's persistent compilation cache is on before the first compile (in
-  ``<workdir>/compilation_cache`` unless the config says otherwise), so a
-  second run or a resume loads its executables from disk. That changes
+  JAX's persistent compilation cache is on before the first compile (in the
+  directory every run of this user shares, :func:`compilation_cache_dir`,
+  unless the config says otherwise), so a second run, in this workdir or
+  another, or a resume loads its executables from disk. That changes
   process-wide ``jax.config`` settings: a caller that compiles other things
   afterwards can run this inside
   ``simigrad_jax.compile.persistent_cache_settings()``.
@@ -526,7 +524,7 @@ def _train_and_evaluate_in(
   is_main = jax.process_index() == 0
   if is_main:  # refused now, not after training, if it is not a history this run can extend
     config_history.read_starts(workdir)
-  cache_dir = compilation_cache_dir(config, workdir)
+  cache_dir = compilation_cache_dir(config)
   if cache_dir is not None:  # before the model's first compile, so that it is cached too
     enable_persistent_cache(cache_dir, allow_shared=config.allow_shared_workdir)
   experiment = create_experiment(config)
@@ -536,6 +534,11 @@ def _train_and_evaluate_in(
     config.num_epochs,
     eval_name=experiment.datasets.eval_name,
     enabled=is_main,
+    eval_examples=(
+      len(experiment.datasets.eval)
+      if config.progress and experiment.datasets.eval is not None
+      else None
+    ),
   )
   trainer = create_trainer(experiment, held, printer if experiment.evaluate else None)
   printer.trainer = trainer
@@ -548,12 +551,18 @@ def _train_and_evaluate_in(
       processes=jax.process_count(),
     )
     report.print_start(experiment, trainer)
+  setup_seconds = time.perf_counter() - start
   with trainer:
     run = trainer.train(num_epochs=config.num_epochs, num_steps=config.num_steps)
     if config.batch_sizes_to_profile and is_main and hasattr(trainer.controller, "save_profile"):
       trainer.controller.save_profile(workdir / "similarity_profile.json")
   summary = report.summarize(
-    workdir, run, experiment.devices, time.perf_counter() - start, experiment.halves
+    workdir,
+    run,
+    experiment.devices,
+    time.perf_counter() - start,
+    experiment.halves,
+    setup_seconds=setup_seconds,
   )
   summary["eval_name"] = experiment.datasets.eval_name
   summary.update(report.token_counts(summary, run, experiment.datasets))

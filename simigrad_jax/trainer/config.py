@@ -33,6 +33,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any, ClassVar, Literal, Self, TypeVar
 
 from simigrad_jax import validation
+from simigrad_jax.compile import persistent_cache
 from simigrad_jax.controllers import learning_rate
 from simigrad_jax.multihost import process_agreement
 from simigrad_jax.shapes import batch_plan
@@ -161,9 +162,16 @@ class CompileConfig(_Settings):
       machine's load, and a resumed run may differ from one not interrupted.
       With several processes, the fallback shape is then one that every
       process had compiled at the previous step's agreement.
-    cache_dir: optional persistent compilation cache directory
+    cache_dir: the persistent compilation cache's directory
       (:func:`simigrad_jax.compile.enable_persistent_cache`, a process-wide
-      setting; ``TrainerConfig.allow_shared_workdir`` applies to it too).
+      setting; ``TrainerConfig.allow_shared_workdir`` applies to it too). By
+      default one directory shared by every run of this user
+      (:func:`simigrad_jax.compile.persistent_cache.default_cache_dir`:
+      ``$SIMIGRAD_JAX_CACHE_DIR``, else ``$XDG_CACHE_HOME/simigrad_jax/
+      compilation_cache``), so that a run in a new workdir loads the programs
+      an earlier run compiled; capped in size, the least recently used
+      programs evicted first. None or ``""``: no cache (JAX's own settings
+      are left as they are).
 
   Raises:
     ValueError: for a bad value, naming it (``compile.mode=...``) and what is valid.
@@ -184,7 +192,9 @@ class CompileConfig(_Settings):
   fallback: bool = True
   steps_per_compile: float = 0.5
   timed_fallback: bool = False
-  cache_dir: str | os.PathLike | None = None
+  cache_dir: str | os.PathLike | None = dataclasses.field(
+    default_factory=persistent_cache.default_cache_dir
+  )
 
   @property
   def uses_fallback(self) -> bool:
@@ -214,6 +224,8 @@ class CompileConfig(_Settings):
       raise ValueError(
         f"cache_dir must be None or a path (str or os.PathLike), got {self.cache_dir!r}"
       )
+    if isinstance(self.cache_dir, str) and not self.cache_dir:
+      checked["cache_dir"] = None  # "": no cache, as None
     return checked
 
 

@@ -43,6 +43,8 @@ class ProgressBar:
     enabled: False makes a bar that only counts (for processes other than 0,
       or quiet runs).
     file: where the bar is drawn (default: ``sys.stderr``, as tqdm does).
+    leave: keep the finished bar on screen (False: it is cleared when
+      closed, for a bar of a passing phase such as an evaluation).
 
   Example:
     >>> with ProgressBar(1000, enabled=False) as bar:
@@ -59,6 +61,7 @@ class ProgressBar:
     desc: str = "train",
     enabled: bool = True,
     file: TextIO | None = None,
+    leave: bool = True,
   ):
     self._total = (
       None if total_examples is None else validation.check_int("total_examples", total_examples, 0)
@@ -78,6 +81,7 @@ class ProgressBar:
         unit_scale=True,
         dynamic_ncols=True,
         file=file,
+        leave=validation.check_bool("leave", leave),
       )
 
   @property

@@ -35,6 +35,8 @@ class RunTotals:
     self.fallback_steps = 0
     self.first_run_steps = 0
     self.first_run_seconds = 0.0
+    self.first_run_wait_seconds = 0.0
+    self.compile_wait_seconds = 0.0
     self.nonfinite_steps = 0
     self.first_nonfinite: StepRecord | None = None
     self.host_seconds: list[float] = []
@@ -48,9 +50,11 @@ class RunTotals:
     self.wall_seconds += record.step_seconds
     self.data_seconds += record.data_seconds
     self.fallback_steps += record.compile_fallback
+    self.compile_wait_seconds += record.compile_wait_step_seconds
     if record.first_run:
       self.first_run_steps += 1
       self.first_run_seconds += record.step_seconds
+      self.first_run_wait_seconds += record.compile_wait_step_seconds
     if not record.grads_finite:
       self.nonfinite_steps += 1
       if self.first_nonfinite is None:
@@ -81,6 +85,12 @@ class RunTotals:
     zero-weight padding (NaN without a step); ``first_run_steps`` counts
     the steps that ran a program for the first time in the Trainer, and
     ``first_run_seconds`` adds up their step seconds.
+
+    ``wall_seconds`` adds up the steps' seconds, each counted once:
+    ``step_compile_wait_seconds`` of them the steps waited for compiles (the
+    first runs' waits, ``first_run_wait_seconds``, among them), so that
+    ``first_run_seconds - first_run_wait_seconds`` is what the first runs
+    took besides the wait.
     """
     rows = self.examples + self.padded_rows
     steps = self.steps if steps is None else steps
@@ -103,6 +113,8 @@ class RunTotals:
       "compile_fallback_steps": self.fallback_steps,
       "first_run_steps": self.first_run_steps,
       "first_run_seconds": self.first_run_seconds,
+      "first_run_wait_seconds": self.first_run_wait_seconds,
+      "step_compile_wait_seconds": self.compile_wait_seconds,
       "run_nonfinite_steps": self.nonfinite_steps,
       "first_nonfinite_step": None if self.first_nonfinite is None else self.first_nonfinite.step,
     }

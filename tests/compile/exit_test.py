@@ -5,16 +5,20 @@ neighbouring shape still compiling inside XLA, exits 0 (before the hook, the
 interpreter's shutdown met the compile inside JAX and the process aborted
 with status 134); and in one process, on a fresh record of the compiles in
 flight: the exit cancels queued compiles, starts no new one and waits for
-those in progress, unless the run stopped on a signal.
+those in progress, unless the run stopped on a signal; and ``python -m train`` stopped by Ctrl-C
+while its shapes compile exits with its checkpoint whole.
 """
 
 import atexit
 import io
+import json
 import pathlib
+import signal
 import subprocess
 import sys
 import textwrap
 import threading
+import time
 import types
 
 import pytest
@@ -24,6 +28,7 @@ from compiler_test import mesh  # noqa: F401  (a fixture)
 from compiler_test import wait_until
 
 from reliability_helpers import driver_env
+from reliability_helpers import finished_checkpoints
 from simigrad_jax.compile import exit_wait
 from simigrad_jax.compile.compiler import CompileAbandoned
 from simigrad_jax.compile.compiler import StepCompileError
@@ -36,10 +41,13 @@ TRIES = 5
 
 # A tiny adaptive Trainer whose batch grows every step, so that each step asks for the shapes
 # near its own; after the first three, every compile first spends seconds inside XLA on a large
-# program, so that one is still in XLA when the script returns.
+# program. When the training returns, one more compile is asked for; it waits until the
+# interpreter's exit begins (the script's own exit hook, which runs before the compiles' wait),
+# then stays inside XLA for at least 1.5 s, compiling large programs: so the exit always meets a
+# compile inside XLA, for longer than the wait's quiet second, however fast or loaded the machine.
 EXIT_SCRIPT = textwrap.dedent(
   """
-  import os, sys, time
+  import atexit, os, sys, threading, time
   sys.path.insert(0, {tests!r})
   import simigrad_jax  # this checkout's (PYTHONPATH)
   os.environ.update(simigrad_jax.simulated_cpu_devices_env(8))
@@ -49,17 +57,30 @@ EXIT_SCRIPT = textwrap.dedent(
 
   real = compiler._compile
   count = [0]
+  trained, entered, exiting = threading.Event(), threading.Event(), threading.Event()
 
   def heavy(x):
     for i in range(80):
       x = jnp.sin(x) * (i + 1.0) + jnp.cos(x @ x)
     return x
 
+  def compile_heavy():
+    count[0] += 1  # a new shape each time: never from JAX's caches
+    shape = jax.ShapeDtypeStruct((8 + count[0], 8 + count[0]), jnp.float32)
+    jax.jit(heavy).lower(shape).compile()
+
   def slow(lowered):
-    count[0] += 1
-    if count[0] > 3:  # a new shape each time: never from JAX's caches
-      shape = jax.ShapeDtypeStruct((8 + count[0], 8 + count[0]), jnp.float32)
-      jax.jit(heavy).lower(shape).compile()
+    if trained.is_set():  # the compile the exit meets
+      print("compile in progress", flush=True)
+      entered.set()
+      exiting.wait()
+      start = time.monotonic()
+      while time.monotonic() - start < 1.5:
+        compile_heavy()
+    elif count[0] >= 3:
+      compile_heavy()
+    else:
+      count[0] += 1
     return real(lowered)
 
   compiler._compile = slow
@@ -70,9 +91,13 @@ EXIT_SCRIPT = textwrap.dedent(
     controller=controller, max_micro_batch_size=16, progress=False, tensorboard=False,
   )))
   trainer.train(num_steps=8)
-  deadline = time.monotonic() + 60
-  while exit_wait.IN_FLIGHT.in_progress == 0 and time.monotonic() < deadline:
-    time.sleep(0.01)  # (a neighbour's compile starts as the last step ends)
+  trained.set()
+  last = compiler.StepCompiler(
+    lambda size: jax.jit(heavy).lower(jax.ShapeDtypeStruct((size, size), jnp.float32))
+  )
+  last.prefetch([5])
+  entered.wait()
+  atexit.register(exiting.set)  # runs first: registered after the compiles' wait
   print("in flight at exit:", exit_wait.IN_FLIGHT.in_progress, flush=True)
   """
 )
@@ -92,10 +117,71 @@ def test_a_script_that_returns_with_compiles_in_xla_exits_0(tmp_path):
     output = done.stdout + done.stderr
     assert done.returncode == 0, output[-3000:]  # was 134: "terminate called ..."
     in_flight = int(output.split("in flight at exit: ")[1].split()[0])
-    assert in_flight >= 1, output[-3000:]  # the exit met a compile inside XLA
-    assert "in progress before exit" in done.stderr, output[-3000:]
+    assert in_flight >= 1 and "compile in progress" in done.stdout, output[-3000:]
+    assert "in progress before exit" in done.stderr, output[-3000:]  # the exit waited for it
     codes.append(done.returncode)
   assert codes == [0] * TRIES
+
+
+# The digits demo, small, its batch adapting over the shape grid (recompile mode): when the
+# signal comes, the step programs of the shapes near the batch are compiling in the background.
+DEMO = [
+  "-m",
+  "train",
+  "--config",
+  "train/configs/digits_demo.py",
+  "--config.cnn_features=(4, 8)",
+  "--config.cnn_dense=16",
+  "--config.tensorboard=False",
+  "--config.plot=False",
+  "--config.progress=False",
+]
+# A bound only against a hang: the exit's time is measured, not asserted (docs/training_scripts.md).
+EXIT_BOUND_SECONDS = 300
+
+
+def _steps(workdir):
+  metrics = workdir / "metrics.jsonl"
+  lines = metrics.read_text().splitlines() if metrics.exists() else []
+  return [json.loads(line)["step"] for line in lines if '"batch_size"' in line]
+
+
+@pytest.mark.slow
+def test_ctrl_c_while_shapes_compile_exits_with_its_checkpoint_whole(tmp_path):
+  workdir = tmp_path / "run"
+  command = [sys.executable, *DEMO, "--workdir", str(workdir)]
+  env = driver_env() | {"SIMIGRAD_JAX_CACHE_DIR": str(tmp_path / "cache")}
+  with open(tmp_path / "err", "w") as err:
+    proc = subprocess.Popen(
+      command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=err, text=True
+    )
+  try:
+    while len(_steps(workdir)) < 3:
+      assert proc.poll() is None, (tmp_path / "err").read_text()[-3000:]
+      time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    stopped = time.monotonic()
+    out, _ = proc.communicate(timeout=EXIT_BOUND_SECONDS)
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+  print(f"Ctrl-C to exit: {time.monotonic() - stopped:.1f} s")
+  assert proc.returncode == 130, (tmp_path / "err").read_text()[-3000:]
+  step = _steps(workdir)[-1]
+  assert f"training stopped by SIGINT after step {step}" in out
+  assert finished_checkpoints(workdir)[-1] == step
+  # Whole: the next start restores it (its arrays checked against their checksums) and goes on.
+  resumed = subprocess.run(
+    command + [f"--config.num_steps={step + 1}"],
+    cwd=ROOT,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=EXIT_BOUND_SECONDS,
+  )
+  assert resumed.returncode == 0, resumed.stderr[-3000:]
+  assert f"resuming from the checkpoint at step {step}" in resumed.stdout
+  assert _steps(workdir) == list(range(1, step + 2))
 
 
 @pytest.fixture

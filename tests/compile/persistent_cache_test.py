@@ -7,6 +7,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -87,12 +88,17 @@ def _run_cache_script(cache_dir, other_dir=""):
   return _finish_cache_script(_start_cache_script(cache_dir, other_dir))
 
 
+def _entries(cache_dir):
+  """The executables in ``cache_dir`` (beside them: when each was last used, and the lock)."""
+  return sorted(e for e in os.listdir(cache_dir) if e.endswith("-cache"))
+
+
 def test_persistent_cache_makes_a_second_process_start_warm(tmp_path):
   cache_dir, other_dir = tmp_path / "cache", tmp_path / "other"
   cold = _run_cache_script(cache_dir, other_dir)
   entries = sorted(os.listdir(cache_dir))
   assert cold["hits"] == 0
-  assert entries and all(e.startswith("jit_f-") for e in entries), entries
+  assert _entries(cache_dir) and all(e.startswith("jit_f-") for e in _entries(cache_dir))
   assert not any(e.startswith("jit_f-") for e in os.listdir(other_dir))
 
   warm = _run_cache_script(cache_dir)
@@ -107,9 +113,52 @@ def test_two_processes_filling_one_cache_at_once_leave_an_entry_a_third_loads(tm
   writers = [_start_cache_script(cache_dir) for _ in range(2)]  # both miss, both write
   assert [_finish_cache_script(proc)["hits"] for proc in writers] == [0, 0]
   entries = sorted(os.listdir(cache_dir))
-  assert len([e for e in entries if e.startswith("jit_f-")]) == 1, entries
+  assert len([e for e in _entries(cache_dir) if e.startswith("jit_f-")]) == 1, entries
+  assert not [e for e in entries if e.endswith(".tmp")]  # each wrote whole, renamed into place
   warm = _run_cache_script(cache_dir)
   assert warm["hits"] == 1 and sorted(os.listdir(cache_dir)) == entries
+
+
+_CAPPED_SCRIPT = textwrap.dedent("""
+    import sys
+    import jax, jax.numpy as jnp
+    from simigrad_jax.compile.persistent_cache import enable_persistent_cache
+
+    cache_dir, max_bytes, offset = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    enable_persistent_cache(cache_dir, max_bytes=max_bytes)
+    for size in range(offset, offset + 6):  # programs of their own, and one both compile
+      for n in (size, 99):
+        jax.jit(lambda x: jnp.tanh(x @ x.T) + 1.0).lower(
+            jax.ShapeDtypeStruct((n, n), jnp.float32)).compile()
+""")
+
+
+def test_two_processes_filling_one_capped_cache_at_once_keep_it_under_its_cap(tmp_path):
+  cache_dir = tmp_path / "cache"
+  _run_cache_script(cache_dir)
+  size = os.path.getsize(cache_dir / _entries(cache_dir)[0])
+  cap = 5 * size  # room for about five entries of the twelve written
+  env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
+  writers = [
+    subprocess.Popen(
+      [sys.executable, "-c", _CAPPED_SCRIPT, str(cache_dir), str(cap), str(offset)],
+      env=env,
+      stderr=subprocess.PIPE,
+      text=True,
+    )
+    for offset in (10, 20)
+  ]
+  for writer in writers:
+    _, stderr = writer.communicate(timeout=300)
+    assert writer.returncode == 0, stderr[-3000:]
+    assert "Error" not in stderr and "unreadable" not in stderr, stderr[-3000:]
+  entries = _entries(cache_dir)
+  assert 0 < sum(os.path.getsize(cache_dir / e) for e in entries) <= cap
+  assert not any(e.endswith(".tmp") for e in os.listdir(cache_dir))
+  assert {e.removesuffix("-cache") for e in entries} == {
+    e.removesuffix("-atime") for e in os.listdir(cache_dir) if e.endswith("-atime")
+  }  # every entry has its time of use, and no time outlives its entry
+  assert not any(e.startswith("jit_f-") for e in entries)  # the least recently used went first
 
 
 def test_persistent_cache_settings_puts_the_settings_back(tmp_path):
@@ -145,6 +194,58 @@ def test_enable_persistent_cache_refuses_a_file(tmp_path):
   with pytest.raises(ValueError, match="a_file"):
     enable_persistent_cache(path)
   assert jax.config.jax_compilation_cache_dir == before
+
+
+def test_the_cap_evicts_the_least_recently_used_entries(tmp_path):
+  cache = persistent_cache.SharedCache(tmp_path, max_bytes=10)
+  cache.put("old", b"1234")
+  cache.put("used", b"5678")
+  cache.put("new", b"ab")
+  assert cache.get("old") == b"1234"  # used again: now the most recent
+  cache.put("newest", b"cdef")  # 14 bytes: the least recently used goes, until 10 fit
+  assert cache.get("used") is None
+  assert [cache.get(key) for key in ("old", "new", "newest")] == [b"1234", b"ab", b"cdef"]
+  cache.put("last", b"ghijklmn")  # 18 bytes: "old", "new" and "newest" (in that order) go too
+  assert sorted(os.listdir(tmp_path)) == [".lockfile", "last-atime", "last-cache"]
+
+
+def test_an_entry_larger_than_the_cap_is_not_written(tmp_path, caplog):
+  cache = persistent_cache.SharedCache(tmp_path, max_bytes=3)
+  cache.put("big", b"1234")
+  assert cache.get("big") is None and not list(tmp_path.iterdir())
+  assert "more than the compilation cache's cap of 3 bytes" in caplog.text
+
+
+@pytest.mark.parametrize(
+  "damage",
+  [lambda entry: entry[:20], lambda entry: np.random.default_rng(0).bytes(len(entry))],
+  ids=["truncated", "garbage"],
+)
+def test_a_damaged_entry_is_compiled_again_and_replaced_with_a_warning(tmp_path, caplog, damage):
+  spec = jax.ShapeDtypeStruct((7,), jnp.float32)
+
+  def damaged_cache_probe(x):
+    return jnp.cos(x) * 5.0
+
+  def compile_and_warn():
+    jax.clear_caches()  # so that the program is read from the persistent cache
+    with warnings.catch_warnings(record=True) as caught:
+      warnings.simplefilter("always")
+      result = jax.jit(damaged_cache_probe).lower(spec).compile()(jnp.zeros(7))
+    np.testing.assert_allclose(result, np.full(7, 5.0))
+    return [str(w.message) for w in caught if "compilation cache" in str(w.message)]
+
+  with persistent_cache.persistent_cache_settings():
+    enable_persistent_cache(tmp_path / "cache")
+    assert compile_and_warn() == []
+    (entry,) = (tmp_path / "cache").glob("jit_damaged_cache_probe-*-cache")
+    damaged = damage(entry.read_bytes())
+    entry.write_bytes(damaged)
+    warned = compile_and_warn()  # a warning, not a crash
+    assert any("Error reading persistent compilation cache entry" in w for w in warned)
+    assert "replacing the unreadable compilation cache entry" in caplog.text
+    assert entry.read_bytes() != damaged  # replaced
+    assert compile_and_warn() == []  # by a whole entry, read from then on
 
 
 def _fresh_lower(size):

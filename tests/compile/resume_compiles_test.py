@@ -30,6 +30,20 @@ def _train(workdir, cache_dir, num_steps):
   )
 
 
+def _assert_same_updates(records, opt_state, straight_run):
+  """The batch sizes, losses and optimizer state of the run in one process (on whichever shapes
+  its compiles allowed)."""
+  _, straight_opt_state, straight_records = straight_run
+  assert [r["batch_size"] for r in records] == [r["batch_size"] for r in straight_records]
+  np.testing.assert_allclose(
+    [r["loss"] for r in records], [r["loss"] for r in straight_records], rtol=0, atol=1e-5
+  )
+  for leaf, straight_leaf in zip(
+    jax.tree.leaves(opt_state), jax.tree.leaves(straight_opt_state), strict=True
+  ):
+    np.testing.assert_allclose(leaf, straight_leaf, rtol=0, atol=1e-5)
+
+
 @pytest.fixture(scope="module")
 def straight_run(tmp_path_factory):
   """Four steps in one process (the cache is this run's alone)."""
@@ -52,20 +66,50 @@ def test_a_resumed_first_step_runs_on_a_program_the_cache_holds(straight_run, tm
   assert first["compile_fallback"] and first["micro_batch_size"] in saved["fused"]
   assert first["micro_batch_size"] != 2 and first["padded_examples"] > 0
   assert summary["compile_cache_hits"] > 0
-  # The same updates as the run in one process (on whichever shapes its compiles allowed).
-  _, straight_opt_state, straight_records = straight_run
-  assert [r["batch_size"] for r in records] == [r["batch_size"] for r in straight_records]
-  np.testing.assert_allclose(
-    [r["loss"] for r in records], [r["loss"] for r in straight_records], rtol=0, atol=1e-5
-  )
-  for leaf, straight_leaf in zip(
-    jax.tree.leaves(opt_state), jax.tree.leaves(straight_opt_state), strict=True
-  ):
-    np.testing.assert_allclose(leaf, straight_leaf, rtol=0, atol=1e-5)
+  _assert_same_updates(records, opt_state, straight_run)
   # The next checkpoint still lists what the first process compiled, with this one's.
   later = Checkpointer(tmp_path / "run" / "checkpoints").read_host(4)["compiled_programs"]
   assert set(saved["fused"]) | set(summary["compiled_step_sizes"]) >= set(later["fused"])
   assert set(later["fused"]) >= set(saved["fused"]) and later["apply"] >= saved["apply"]
+
+
+def _evict_everything(cache):
+  """What another run sharing the cache may do meanwhile: its entries go."""
+  for entry in cache.iterdir():
+    entry.unlink()
+
+
+def test_a_resume_whose_cached_programs_another_run_evicted_only_compiles_them_again(
+  straight_run, tmp_path
+):
+  cache = tmp_path / "cache"
+  _train(tmp_path / "run", cache, 2)
+  saved = Checkpointer(tmp_path / "run" / "checkpoints").read_host(2)["compiled_programs"]
+  _evict_everything(cache)
+  summary, opt_state, records = _train(tmp_path / "run", cache, 4)
+  # The checkpoint's record still decides the first step's program (the cached shape it names,
+  # now compiled again): the same steps as with the entries there, and as the run in one process.
+  first = records[2]
+  assert first["compile_fallback"] and first["micro_batch_size"] in saved["fused"]
+  assert summary["compile_cache_hits"] == 0  # nothing was there to load
+  _assert_same_updates(records, opt_state, straight_run)
+
+
+def test_an_exact_resume_stays_exact_when_another_run_evicted_its_programs(tmp_path):
+  def scheduled(workdir, num_steps):  # the default policy: programs chosen by the step count
+    schedule = simigrad_jax.make_controller("step_schedule", thresholds=THRESHOLDS)
+    return train_records(workdir, tmp_path / "cache", num_steps, controller=schedule)
+
+  _, straight_opt_state, straight = scheduled(tmp_path / "straight", 4)
+  scheduled(tmp_path / "run", 2)
+  _evict_everything(tmp_path / "cache")
+  _, opt_state, resumed = scheduled(tmp_path / "run", 4)
+  plan = ("batch_size", "micro_batch_size", "accumulation_steps", "compile_fallback", "loss")
+  assert [[r[k] for k in plan] for r in resumed] == [[r[k] for k in plan] for r in straight]
+  for leaf, straight_leaf in zip(
+    jax.tree.leaves(opt_state), jax.tree.leaves(straight_opt_state), strict=True
+  ):
+    np.testing.assert_array_equal(leaf, straight_leaf)
 
 
 def test_a_checkpoint_naming_another_cache_is_not_used(tmp_path):

@@ -377,14 +377,13 @@ def test_every_expected_failure_ends_with_one_clear_line(baseline, tmp_path):
     for name, (prepare, flags, _, _) in CLI_FAULTS.items():
       workdir = prepare(base) if prepare else base / name.replace(" ", "-") / "new"
       if name == "compilation_cache/ is a link":
-        flags = []  # the default cache, <workdir>/compilation_cache
+        flags = []  # the default cache, the user's shared one ($SIMIGRAD_JAX_CACHE_DIR)
         command = train_command(workdir, base / "unused", *flags)
         command.remove(f"--config.compilation_cache_dir={base / 'unused'}")
+        env = driver_env() | {"SIMIGRAD_JAX_CACHE_DIR": str(workdir / "compilation_cache")}
         jobs[name] = (
           workdir,
-          pool.submit(
-            subprocess.run, command, cwd=ROOT, env=driver_env(), capture_output=True, text=True
-          ),
+          pool.submit(subprocess.run, command, cwd=ROOT, env=env, capture_output=True, text=True),
         )
         continue
       jobs[name] = (workdir, pool.submit(run_train, workdir, baseline.cache, *flags))

@@ -243,18 +243,27 @@ def test_fixed_controller_keeps_the_batch_size(tmp_path, devices):
   assert all(r["similarity"] is not None for r in records)  # still measured and logged
 
 
-def test_the_compilation_cache_is_in_the_workdir_unless_the_config_says_otherwise(tmp_path):
+def test_the_compilation_cache_is_the_users_shared_one_unless_the_config_says_otherwise(
+  tmp_path, monkeypatch
+):
   config = load_config("digits_demo")
-  assert train.compilation_cache_dir(config, tmp_path) == tmp_path / "compilation_cache"
+  monkeypatch.delenv("SIMIGRAD_JAX_CACHE_DIR")  # (the suite's: none)
+  monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
+  monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+  shared = tmp_path / "xdg" / "simigrad_jax" / "compilation_cache"
+  assert train.compilation_cache_dir(config) == shared  # whatever the workdir
+  monkeypatch.setenv("SIMIGRAD_JAX_CACHE_DIR", str(tmp_path / "moved"))
+  assert train.compilation_cache_dir(config) == tmp_path / "moved"
+  monkeypatch.setenv("SIMIGRAD_JAX_CACHE_DIR", "")
+  assert train.compilation_cache_dir(config) is None
   config.compilation_cache_dir = str(tmp_path / "shared")
-  assert train.compilation_cache_dir(config, tmp_path / "run") == tmp_path / "shared"
+  assert train.compilation_cache_dir(config) == tmp_path / "shared"
   config.compilation_cache_dir = "~/jax_cache"
-  assert train.compilation_cache_dir(config, tmp_path) == pathlib.Path.home() / "jax_cache"
+  assert train.compilation_cache_dir(config) == pathlib.Path.home() / "jax_cache"
   config.compilation_cache = False
-  assert train.compilation_cache_dir(config, tmp_path) is None
+  assert train.compilation_cache_dir(config) is None
   config.compilation_cache, config.compilation_cache_dir = True, ""
-  with pytest.raises(ValueError, match="config.compilation_cache_dir is empty"):
-    train.compilation_cache_dir(config, tmp_path)
+  assert train.compilation_cache_dir(config) is None
 
 
 def test_every_option_of_the_default_config_is_in_the_docs_table():

@@ -26,9 +26,11 @@ def readme_output() -> str:
   return re.search(r"^```text\n(simigrad-jax: .*?)^```", README.read_text(), re.S | re.M).group(1)
 
 
-def test_digits_demo_reaches_its_accuracy_and_writes_its_files(tmp_path, capsys):
+def test_digits_demo_reaches_its_accuracy_and_writes_its_files(tmp_path, capsys, monkeypatch):
   config = digits_demo.get_config()
   config.progress = False
+  cache = tmp_path / "cache"
+  monkeypatch.setenv("SIMIGRAD_JAX_CACHE_DIR", str(cache))  # the user's shared cache, by default
   with (
     simigrad_jax.compile.persistent_cache_settings()
   ):  # the run's cache settings are process-wide
@@ -62,13 +64,14 @@ def test_digits_demo_reaches_its_accuracy_and_writes_its_files(tmp_path, capsys)
   assert list((tmp_path / "tensorboard").iterdir())
   starts = json.loads((tmp_path / "config.json").read_text())["starts"]
   assert len(starts) == 1 and starts[0]["config"]["similarity_target"] == 0.5
-  assert list((tmp_path / "compilation_cache").iterdir())  # on by default, in the workdir
+  assert list(cache.iterdir())  # on by default, outside the workdir
+  assert not (tmp_path / "compilation_cache").exists()
 
   out = capsys.readouterr().out
   epoch_lines = [line for line in out.splitlines() if line.startswith("epoch ")]
   assert len(epoch_lines) == 15 and epoch_lines[-1].startswith("epoch 15/15  test accuracy ")
   assert all("batch size" in line and "similarity" in line for line in epoch_lines)
-  assert f"compilation cache: {tmp_path / 'compilation_cache'}" in out
+  assert f"compilation cache: {cache}" in out
   for row in (
     "final test accuracy",
     "average batch size",

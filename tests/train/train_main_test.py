@@ -107,22 +107,30 @@ def test_runs_resumes_and_appends_without_duplicating_steps(tmp_path):
   ] == steps
 
 
-def test_a_resume_loads_every_executable_from_the_compilation_cache(tmp_path):
-  """On by default in <workdir>/compilation_cache: the second start of a run compiles nothing."""
-  cache = tmp_path / "compilation_cache"
+def test_a_resume_and_a_run_in_a_new_workdir_load_every_executable_from_the_shared_cache(
+  tmp_path,
+):
+  """On by default in the user's shared cache: a resume, and a second run of the same recipe in a
+  new workdir, compile nothing."""
+  cache = tmp_path / "shared_cache"  # (the user's: $SIMIGRAD_JAX_CACHE_DIR, else ~/.cache/...)
   # JAX logs every persistent-cache miss and hit as a warning (stderr).
-  logged = {"JAX_EXPLAIN_CACHE_MISSES": "1", "JAX_LOG_COMPILES": "1"}
+  logged = {
+    "JAX_EXPLAIN_CACHE_MISSES": "1",
+    "JAX_LOG_COMPILES": "1",
+    "SIMIGRAD_JAX_CACHE_DIR": str(cache),
+  }
   runs = []
-  for num_steps in (3, 6):  # both inside the first epoch: the same programs
-    result = run_train(tmp_path, *SMALL, f"--config.num_steps={num_steps}", env=logged)
+  for workdir, num_steps in [("run", 3), ("run", 6), ("new", 3)]:  # all in the first epoch
+    result = run_train(tmp_path / workdir, *SMALL, f"--config.num_steps={num_steps}", env=logged)
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"compilation cache: {cache}" in result.stdout
-    summary = json.loads((tmp_path / "summary.json").read_text())
+    summary = json.loads((tmp_path / workdir / "summary.json").read_text())
     runs.append(
       {
         "misses": result.stderr.count("PERSISTENT COMPILATION CACHE MISS"),
         "hits": result.stderr.count("Persistent compilation cache hit"),
-        "entries": sorted(os.listdir(cache)),
+        "entries": sorted(e for e in os.listdir(cache) if e.endswith("-cache")),
+        "resumed": "resuming from the checkpoint at step 3" in result.stdout,
         "compile_seconds": summary["compile_seconds"],
         "compiles": summary["compiles"],
         "loaded": summary["compile_cache_hits"],
@@ -130,18 +138,20 @@ def test_a_resume_loads_every_executable_from_the_compilation_cache(tmp_path):
         "row": next(x for x in result.stdout.splitlines() if x.startswith("compiles ")),
       }
     )
-  cold, warm = runs
-  assert "resuming from the checkpoint at step 3" in result.stdout
+  cold, warm, new = runs
+  assert warm["resumed"] and not new["resumed"]
+  assert not (tmp_path / "run" / "compilation_cache").exists()
   # Measured: 59 misses and 59 entries, then 0 misses and 59 hits; step compile 1.4 s -> 0.09 s.
   assert cold["hits"] == 0 and cold["misses"] >= len(cold["entries"]) > 0
-  assert warm["misses"] == 0 and warm["hits"] > 0
-  assert warm["entries"] == cold["entries"]  # nothing new written
-  assert warm["compile_seconds"] < 0.5 * cold["compile_seconds"]
-  # The Trainer counts the step programs it loaded, and says so.
+  for again in (warm, new):
+    assert again["misses"] == 0 and again["hits"] > 0
+    assert again["entries"] == cold["entries"]  # nothing new written
+    assert again["compile_seconds"] < 0.5 * cold["compile_seconds"]
+    # The Trainer counts the step programs it loaded, and says so.
+    assert again["loaded"] == again["compiles"] > 0
+    assert 0 < again["loaded_seconds"] <= again["compile_seconds"]
+    assert f"{again['loaded']} loaded from the compilation cache" in again["row"]
   assert (cold["loaded"], cold["loaded_seconds"]) == (0, 0.0)
-  assert warm["loaded"] == warm["compiles"] > 0
-  assert 0 < warm["loaded_seconds"] <= warm["compile_seconds"]
-  assert f"{warm['loaded']} loaded from the compilation cache" in warm["row"]
   print(
     f"compilation cache: cold {cold['misses']} misses, {cold['compile_seconds']:.2f} s "
     f"compiling steps; warm {warm['misses']} misses, {warm['hits']} hits, "

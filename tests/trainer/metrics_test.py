@@ -370,6 +370,14 @@ def test_progress_bar_initial_and_postfix_kept():
   assert "loss=1.5" in out.getvalue().split("\r")[-1]
 
 
+def test_a_progress_bar_that_does_not_stay_is_cleared_when_closed():
+  out = io.StringIO()
+  with ProgressBar(100, desc="evaluate", file=out, leave=False) as bar:
+    bar.update(100)
+  assert "evaluate" in out.getvalue()  # drawn while open
+  assert "evaluate" not in out.getvalue().split("\r")[-1]  # and its line cleared at the end
+
+
 def test_progress_bar_disabled_draws_nothing(capsys):
   out = io.StringIO()
   with ProgressBar(100, enabled=False, file=out) as bar:

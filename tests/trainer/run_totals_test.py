@@ -77,6 +77,20 @@ def test_first_runs_are_counted_with_their_seconds():
   assert RunTotals().summary()["first_run_steps"] == 0
 
 
+def test_the_compile_waits_are_counted_once_among_the_steps_seconds():
+  totals = RunTotals()
+  first = dict(first_run=True, step_seconds=2.0, compile_wait_step_seconds=1.5)
+  totals.on_step(dataclasses.replace(BASE, **first))
+  totals.on_step(dataclasses.replace(BASE, step_seconds=1.0, compile_wait_step_seconds=0.75))
+  totals.on_step(dataclasses.replace(BASE, step_seconds=0.25, compile_wait_step_seconds=0.0))
+  summary = totals.summary()
+  assert summary["wall_seconds"] == 3.25
+  assert summary["step_compile_wait_seconds"] == 2.25  # the first run's wait and a later one
+  assert summary["first_run_seconds"] == 2.0 and summary["first_run_wait_seconds"] == 1.5
+  besides_waiting = summary["wall_seconds"] - summary["step_compile_wait_seconds"]
+  assert besides_waiting == 1.0  # the first run's 0.5 s and the other steps' 0.5 s
+
+
 def test_the_whole_runs_average_covers_the_whole_runs_steps_and_this_calls_its_own():
   totals = RunTotals()
   for size in (40, 60):  # this call: 2 steps after a resume at step 151

@@ -154,10 +154,12 @@ def get_config() -> ml_collections.ConfigDict:
   # controller, ...; train/run_settings.py) instead of refusing it; the change is logged and
   # recorded in the checkpoints. A changed device count is always allowed.
   config.allow_changed_settings = False
-  # JAX's persistent compilation cache: a second run or a resume loads its executables from
-  # here instead of compiling them. False leaves JAX's own cache settings as they are.
+  # JAX's persistent compilation cache: a second run (in any workdir) or a resume loads its
+  # executables from here instead of compiling them. False leaves JAX's own cache settings as
+  # they are. None: the one every run shares ($SIMIGRAD_JAX_CACHE_DIR, else
+  # $XDG_CACHE_HOME/simigrad_jax/compilation_cache, capped at 2 GiB); "": none.
   config.compilation_cache = True
-  config.compilation_cache_dir = config_dict.placeholder(str)  # None: <workdir>/compilation_cache.
+  config.compilation_cache_dir = config_dict.placeholder(str)
   # Use a workdir (and compilation cache) that other users can change: one that is not this
   # user's, or that a group or others can write to. Only for a shared file system whose users
   # you trust: they could change the checkpoints or, through the cache, run code in this run.
