@@ -395,8 +395,11 @@ def _compare_at(
     ]
   rows = [r for r in found if r is not None]
   adaptive = [r for r in rows if r["against"] == "best_constant" and r["method"] in _adaptive()]
-  best = min(adaptive, key=lambda r: math.inf if r["steps_ratio"] is None else r["steps_ratio"])
-  best = best if adaptive else None
+  best = min(
+    adaptive,
+    key=lambda r: math.inf if r["steps_ratio"] is None else r["steps_ratio"],
+    default=None,
+  )
   versus_ramp = next(
     (r for r in rows if best and r["method"] == best["method"] and r["against"] == "best_ramp"),
     None,
