@@ -56,7 +56,9 @@ killed and started again with the same flags, the comparison reads them back
 and trains only the rest (a file of another experiment is refused). The file
 is removed once the JSON is written. ``--extend`` reads back the runs of a
 finished ``OUT`` (its ``experiment`` must match) and trains only the runs it
-lacks: a setting added to the protocol after a budget finished.
+lacks: a setting added to the protocol after a budget finished. A JSON
+written before results recorded their ``experiment`` (``pareto_lm_long.json``)
+is read as the experiment it was (:func:`legacy_experiment`).
 ``benchmarks/lm/run_lm_budgets.sh`` runs both budgets in the background at low
 priority.
 
@@ -108,6 +110,7 @@ import argparse  # noqa: E402
 import dataclasses  # noqa: E402
 import json  # noqa: E402
 import pathlib  # noqa: E402
+import re  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Callable, Sequence  # noqa: E402
 from typing import Any  # noqa: E402
@@ -356,6 +359,44 @@ def _experiment_key(args: argparse.Namespace) -> dict[str, Any]:
   return {k: getattr(args, k) for k in keys}
 
 
+def legacy_experiment(result: dict[str, Any]) -> dict[str, Any]:
+  """The experiment of a result written before results recorded theirs (``experiment``).
+
+  Read from what the result does record: its size, budget, evaluation and
+  learning-rate settings, and the bounds' factor (``upper_bound /
+  initial_batch_size``); the noise-scale averages' decay, which it does not
+  record, had only ever run at its default (0.9), and such results trained
+  on tinyshakespeare (``text_file`` None).
+
+  Raises:
+    ValueError: the result lacks a field the experiment needs (naming it).
+  """
+  needed = (
+    "seq_length", "model", "budget_windows", "num_val", "evals_per_run", "base_lr",
+    "lr_batch_size", "token_allowance", "upper_bound", "initial_batch_size", "lr_coupling",
+  )  # fmt: skip
+  missing = [k for k in needed if k not in result]
+  hidden = re.search(r"hidden (\d+)", str(result.get("model", "")))
+  if missing or hidden is None:
+    raise ValueError(
+      f"the result has no 'experiment' and lacks {missing or ['model (hidden N)']} to rebuild it"
+    )
+  return {
+    "seq_length": result["seq_length"],
+    "hidden": int(hidden.group(1)),
+    "budget_windows": result["budget_windows"],
+    "eval_windows": result["num_val"],
+    "evals": result["evals_per_run"],
+    "text_file": None,
+    "base_lr": result["base_lr"],
+    "lr_batch_size": result["lr_batch_size"],
+    "token_allowance": result["token_allowance"],
+    "ema_decay": 0.9,
+    "upper_factor": result["upper_bound"] // result["initial_batch_size"],
+    "lr_coupling": result["lr_coupling"],
+  }
+
+
 def sizes_bracketed(grid: list[dict[str, Any]]) -> bool:
   """Whether the best size of ``grid`` (sorted by size) has a size below it and one above."""
   best = min(range(len(grid)), key=lambda i: grid[i]["best_final_val_loss"])
@@ -544,7 +585,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     print(f"resuming: {store.resumed} runs read back from {store.path}", flush=True)
   if args.extend:
     with open(args.out, encoding="utf-8") as f:
-      taken = store.read_back(json.load(f), args.out)
+      finished = json.load(f)
+    if "experiment" not in finished:  # written before results recorded their experiment
+      finished["experiment"] = legacy_experiment(finished)
+    taken = store.read_back(finished, args.out)
     print(f"extending: {taken} runs read back from {args.out}", flush=True)
   with comparison_folder(args.workdir, prefix="simigrad-pareto-lm-") as root:
     exp = LmExperiment(

@@ -89,6 +89,8 @@ class Task:
     eval_windows: validation windows, spread over the held-out text.
     stable_points: validation measurements over the stable run.
     decay_points: validation measurements during each decay (and one at its end).
+    whole_text: train on every window of the training text (less than one pass
+      at every budget); else on the first ``1.1 x budget_windows`` windows.
   """
 
   name: str
@@ -100,6 +102,7 @@ class Task:
   eval_windows: int = 256
   stable_points: int = 24
   decay_points: int = 4
+  whole_text: bool = False
 
   @property
   def budget_tokens(self) -> int:
@@ -116,6 +119,7 @@ class Task:
       "eval_windows": self.eval_windows,
       "stable_points": self.stable_points,
       "decay_points": self.decay_points,
+      "whole_text": self.whole_text,
       "budget_shares": list(BUDGET_SHARES),
       "warmup_share": WARMUP_SHARE,
       "decay_share": DECAY_SHARE,
@@ -134,7 +138,13 @@ TASKS = {
   ),
   # A task Llama 3's ramp was not made for: wider, deeper, twice the context, Python source.
   "python_stdlib": Task(
-    "python_stdlib", stdlib_text_files, seq_length=128, hidden=80, layers=3, budget_windows=4096
+    "python_stdlib",
+    stdlib_text_files,
+    seq_length=128,
+    hidden=80,
+    layers=3,
+    budget_windows=4096,
+    whole_text=True,
   ),
 }
 TASK_ORDER = ("shakespeare", "python_stdlib")

@@ -142,7 +142,8 @@ class TaskRunner:
         hidden=t.hidden,
         seq_length=t.seq_length,
         budget_windows=t.budget_windows,
-        max_share=max(P.BUDGET_SHARES),
+        # the training windows: the first 1.1 budgets', or (a large share) all there are
+        max_share=1e6 if t.whole_text else max(P.BUDGET_SHARES),
         eval_windows=t.eval_windows,
         evals=t.stable_points,
         root=self.root,

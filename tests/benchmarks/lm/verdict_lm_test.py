@@ -232,3 +232,22 @@ def test_a_frontier_runs_resumes_after_a_kill_and_repeats_exactly(tiny):
   assert result["tuning"]["constants"]["per_size"]["8"]["losses"] == {
     "4": runs[1]["final_val_loss"]
   }
+
+
+def test_the_launcher_runs_at_low_priority_and_goes_on_after_a_stop(tmp_path):
+  import pathlib  # pylint: disable=import-outside-toplevel
+  import subprocess  # pylint: disable=import-outside-toplevel
+
+  fake = tmp_path / "python"  # fails its first call, as a killed run would
+  fake.write_text(
+    f'#!/bin/sh\necho "$@ nice=$(nice)" >> {tmp_path}/calls\n'
+    f"[ -e {tmp_path}/once ] || {{ touch {tmp_path}/once; exit 9; }}\n"
+  )
+  fake.chmod(0o755)
+  script = pathlib.Path(verdict_lm.__file__).with_name("run_lm_verdict.sh")
+  env = {"PATH": "/usr/bin:/bin", "PYTHON": str(fake), "LM_LOGS": str(tmp_path / "logs")}
+  assert subprocess.run([str(script), "--foreground"], env=env, check=False).returncode == 0
+  calls = (tmp_path / "calls").read_text().splitlines()
+  assert calls == ["benchmarks/lm/verdict_lm.py --task all nice=19"] * 2
+  assert "stopped (exit 9); resuming" in (tmp_path / "logs/lm_verdict.log").read_text()
+  assert int((tmp_path / "logs/run_lm_verdict.pgid").read_text()) > 0
