@@ -36,15 +36,20 @@ from benchmarks.lm import protocol as P
 Point = tuple[float, float, float]  # (tokens, steps, validation loss)
 
 
-def lr_grid(losses: Mapping[float, float]) -> tuple[list[float], float | None, bool]:
+def lr_grid(
+  losses: Mapping[float, float],
+  start: Sequence[float] = P.LR_MULTIPLIERS,
+  max_widen: int = P.MAX_LR_WIDEN,
+) -> tuple[list[float], float | None, bool]:
   """The learning-rate multipliers still to run, or the tuned one.
 
-  Starts from :data:`~benchmarks.lm.protocol.LR_MULTIPLIERS`; while the best
-  is at an edge, the next multiplier out (half or double) joins, at most
-  :data:`~benchmarks.lm.protocol.MAX_LR_WIDEN` times a side.
+  Starts from ``start``; while the best is at an edge, the next multiplier
+  out (half or double) joins, at most ``max_widen`` times a side.
 
   Args:
     losses: the tuning seed's loss at the reference budget by multiplier.
+    start: the first multipliers.
+    max_widen: the most multipliers added a side.
 
   Returns:
     ``(to_run, best, bracketed)``: the multipliers to run next (empty once
@@ -57,17 +62,17 @@ def lr_grid(losses: Mapping[float, float]) -> tuple[list[float], float | None, b
     >>> lr_grid({2.0: 1.7, 4.0: 1.6, 8.0: 1.5})
     ([16.0], None, False)
   """
-  grid = sorted(P.LR_MULTIPLIERS)
+  grid = sorted(start)
   widened = {"low": 0, "high": 0}
   while True:
     missing = [m for m in grid if m not in losses]
     if missing:
       return missing, None, False
     best = min(grid, key=lambda m: losses[m])
-    if best == grid[0] and widened["low"] < P.MAX_LR_WIDEN:
+    if best == grid[0] and widened["low"] < max_widen:
       widened["low"] += 1
       grid.insert(0, grid[0] / 2)
-    elif best == grid[-1] and widened["high"] < P.MAX_LR_WIDEN:
+    elif best == grid[-1] and widened["high"] < max_widen:
       widened["high"] += 1
       grid.append(grid[-1] * 2)
     else:
@@ -452,10 +457,21 @@ def runs_needed(
 ) -> dict[str, Any]:
   """The training runs (stable runs with their decays) each method took: its learning-rate
   tuning, its evaluation seeds, and for a ramp the tuning of every ramp (choosing the ramp's
-  shape is tuning it for the task)."""
+  shape is tuning it for the task); and the constant sizes' together (``"constant sizes"``)."""
   methods = tuning["methods"]
   ramp_tuning = sum(t["frontiers"] for n, t in methods.items() if n.split("@")[0] in P.RAMPS)
-  out = {}
+  sizes = tuning["constants"]["per_size"]
+  constant_tuning = sum(t["frontiers"] for t in sizes.values())
+  constant_evaluation = sum(len(frontiers.get(f"B={b}", {})) for b in sizes)
+  out: dict[str, Any] = {
+    "constant sizes": {
+      "tuning_runs": constant_tuning,
+      "evaluation_runs": constant_evaluation,
+      "total_runs": constant_tuning + constant_evaluation,
+      "with_the_choice_of_ramp": None,
+      "settled_targets": None,
+    }
+  }
   for name, t in methods.items():
     own = t["frontiers"]
     evaluation = len(frontiers.get(name, {}))

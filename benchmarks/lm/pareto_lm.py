@@ -121,6 +121,8 @@ import simigrad_jax  # noqa: E402
 from benchmarks import common  # noqa: E402
 from benchmarks.lm import report  # noqa: E402
 from benchmarks.lm.experiment import LmExperiment  # noqa: E402
+from benchmarks.lm.frontier import lr_grid  # noqa: E402
+from benchmarks.lm.protocol import ramp_options  # noqa: E402
 from benchmarks.lm.run_store import RunStore  # noqa: E402
 from benchmarks.pareto.protocol import RunSpec  # noqa: E402
 from benchmarks.pareto.protocol import base_lr_for  # noqa: E402
@@ -218,37 +220,6 @@ def ramp_specs(
     )
     specs += [RunSpec(name, options, lr, 1.0, seed) for seed in seeds]
   return specs, missing
-
-
-def ramp_options(
-  name: str, *, initial: int, upper: int, num_tokens: int, seq_length: int
-) -> tuple[tuple[str, Any], ...]:
-  """The controller options of one ramp (see :func:`ramp_specs`), sorted by name."""
-  n = num_tokens
-  options: dict[str, Any] = {"tokens_per_example": seq_length}
-  if name == "step_schedule":
-    points = (0, n // 8, n // 4, n // 2)
-    options["thresholds"] = ",".join(f"{p}:{initial * 2**i}" for i, p in enumerate(points))
-  elif name == "linear_ramp":
-    options.update(
-      initial_batch_size=initial, final_batch_size=8 * initial, increment=initial, ramp=n // 2
-    )
-  elif name == "doubling_warmup":
-    options.update(
-      initial_batch_size=initial, doubling_points=f"{round(0.017 * n)},{round(0.19 * n)}"
-    )
-  elif name == "seesaw":
-    options.update(
-      initial_batch_size=initial,
-      batch_size_upper_bound=upper,
-      decay_start=n // 10,
-      decay_end=n,
-      num_halvings=max(1, (upper // initial).bit_length() - 1),
-      final_lr_fraction=0.02,
-    )
-  else:
-    raise ValueError(f"unknown ramp {name!r}; choose one of {RAMPS}")
-  return tuple(sorted(options.items()))
 
 
 def setting_label(spec: RunSpec) -> str:
@@ -445,22 +416,15 @@ class Protocol:
   def tune_size(self, size: int) -> dict[str, Any]:
     """One size's learning rate, widened past an edge until the best is strictly inside."""
     a, seed = self.args, self.args.seeds[0]
-    multipliers = sorted(a.lr_multipliers)
     losses: dict[float, float] = {}
-    widened = {"low": 0, "high": 0}
     while True:
-      for m in multipliers:
-        if m not in losses:
-          losses[m] = self.run(self._fixed(size, m, seed))["final_val_loss"]
-      best = min(multipliers, key=lambda m: losses[m])
-      if best == multipliers[0] and widened["low"] < a.max_widen:
-        widened["low"] += 1
-        multipliers.insert(0, multipliers[0] / 2)
-      elif best == multipliers[-1] and widened["high"] < a.max_widen:
-        widened["high"] += 1
-        multipliers.append(multipliers[-1] * 2)
-      else:
+      to_run, best, bracketed = lr_grid(losses, a.lr_multipliers, a.max_widen)
+      if not to_run:
         break
+      for m in to_run:
+        losses[m] = self.run(self._fixed(size, m, seed))["final_val_loss"]
+    assert best is not None
+    multipliers = sorted(losses)
     return {
       "batch_size": size,
       "learning_rates": [self._fixed(size, m, seed).lr for m in multipliers],
@@ -468,7 +432,7 @@ class Protocol:
       "best_learning_rate": self._fixed(size, best, seed).lr,
       "best_multiplier": best,
       "best_final_val_loss": losses[best],
-      "bracketed": multipliers[0] < best < multipliers[-1],
+      "bracketed": bracketed,
     }
 
   def tune_grid(self, num_train: int) -> list[dict[str, Any]]:

@@ -22,8 +22,6 @@ import sysconfig
 from collections.abc import Callable
 from typing import Any
 
-from benchmarks.lm.pareto_lm import ramp_options
-
 # The learning-rate schedule, shares of the task's longest budget in tokens.
 BUDGET_SHARES = (0.125, 0.25, 0.5, 1.0, 1.1)  # 1.1: the adaptive rule's token allowance
 TARGET_BUDGETS = (0, 1, 2, 3)  # the targets: the best constant batch's mean loss at these budgets
@@ -203,8 +201,7 @@ def base_lr(batch_size: int) -> float:
 def controller_options(method: Method, b0: int, task: Task) -> dict[str, Any]:
   """The controller options of ``method`` starting from ``b0`` on ``task`` (sizes in examples).
 
-  Ramps have the published shapes of ``benchmarks/lm/pareto_lm.py``'s
-  ``ramp_options``, scaled to the longest budget (their thresholds are token
+  Ramps have their published shapes (:func:`ramp_options`), scaled to the longest budget (their thresholds are token
   counts, so a shorter budget's decay sees the ramp as far as it got).
   """
   if method.kind == "constant":
@@ -229,6 +226,38 @@ def controller_options(method: Method, b0: int, task: Task) -> dict[str, Any]:
   if method.controller == "simigrad":
     return {"initial_batch_size": b0, "similarity_target": SIMILARITY_TARGET, **bounds}
   return {"initial_batch_size": b0, "multiple": GNS_MULTIPLE, **bounds, "ema_decay": EMA_DECAY}
+
+
+def ramp_options(
+  name: str, *, initial: int, upper: int, num_tokens: int, seq_length: int
+) -> tuple[tuple[str, Any], ...]:
+  """The controller options of one ramp, sorted by name (``benchmarks/lm/pareto_lm.py``'s
+  ``ramp_specs`` describes the shapes; :data:`RAMPS`, and Seesaw, which a WSD schedule leaves out)."""
+  n = num_tokens
+  options: dict[str, Any] = {"tokens_per_example": seq_length}
+  if name == "step_schedule":
+    points = (0, n // 8, n // 4, n // 2)
+    options["thresholds"] = ",".join(f"{p}:{initial * 2**i}" for i, p in enumerate(points))
+  elif name == "linear_ramp":
+    options.update(
+      initial_batch_size=initial, final_batch_size=8 * initial, increment=initial, ramp=n // 2
+    )
+  elif name == "doubling_warmup":
+    options.update(
+      initial_batch_size=initial, doubling_points=f"{round(0.017 * n)},{round(0.19 * n)}"
+    )
+  elif name == "seesaw":
+    options.update(
+      initial_batch_size=initial,
+      batch_size_upper_bound=upper,
+      decay_start=n // 10,
+      decay_end=n,
+      num_halvings=max(1, (upper // initial).bit_length() - 1),
+      final_lr_fraction=0.02,
+    )
+  else:
+    raise ValueError(f"unknown ramp {name!r}; choose one of {(*RAMPS, 'seesaw')}")
+  return tuple(sorted(options.items()))
 
 
 def wsd_multiplier(tokens: float, longest: float, budget: float | None) -> float:

@@ -19,7 +19,7 @@ Usage::
   python benchmarks/lm/verdict_lm.py --task shakespeare --only method=allowance@full,seed=3
   python benchmarks/lm/verdict_lm.py --task shakespeare --only method=B=16,seed=0,lr=4
   python benchmarks/lm/verdict_lm.py --task shakespeare --analyse  # the JSON from the store
-  python benchmarks/lm/verdict_lm.py --task shakespeare --markdown # the docs' section
+  python benchmarks/lm/verdict_lm.py --task all --markdown         # docs/results.md's blocks
 
 ``--only`` runs one frontier: ``lr`` is the learning-rate multiplier, by
 default the method's tuned one. ``benchmarks/lm/run_lm_verdict.sh`` runs
@@ -290,7 +290,9 @@ def _parse_args(argv: Sequence[str] | None, tasks: Mapping[str, P.Task]) -> argp
   )
   p.add_argument("--only", type=parse_only, default=None, help="method=NAME,seed=K[,lr=M]")
   p.add_argument("--analyse", action="store_true", help="write the JSON from the store; no runs")
-  p.add_argument("--markdown", action="store_true", help="print the docs' section; no runs")
+  p.add_argument(
+    "--markdown", action="store_true", help="print the docs' section of lm_<task>.json; no runs"
+  )
   p.add_argument("--max-frontiers", type=int, default=None, help="stop after this many frontiers")
   p.add_argument("--results", default=str(RESULTS), help="where lm_<task>.json and stores go")
   p.add_argument(
@@ -343,6 +345,11 @@ def main(argv: Sequence[str] | None = None, tasks: Mapping[str, P.Task] = P.TASK
   args = _parse_args(argv, tasks)
   names = [args.task] if args.task != "all" else [n for n in P.TASK_ORDER if n in tasks] or [*tasks]
   results_dir = pathlib.Path(args.results)
+  if args.markdown:
+    for name in names:
+      path = results_dir / f"lm_{name}.json"
+      print(verdict_report.markdown(json.loads(path.read_text("utf-8"))))
+    return 0
   # One folder for the process's tasks: their compilation cache and workdirs.
   with tempfile.TemporaryDirectory(prefix="simigrad-lm-verdict-") as root:
     trained = 0
@@ -353,9 +360,6 @@ def main(argv: Sequence[str] | None = None, tasks: Mapping[str, P.Task] = P.TASK
         pathlib.Path(args.state_dir) / name,
         pathlib.Path(root) / name,
       )
-      if args.markdown:
-        print(verdict_report.markdown(runner.results()))
-        continue
       trained += _run_task(runner, args, results_dir / f"lm_{name}.json", trained)
       if args.max_frontiers is not None and trained >= args.max_frontiers:
         break

@@ -28,7 +28,11 @@ def _bound(x: float | None) -> str:
 def status(results: Mapping[str, Any]) -> str:
   """How far the task's runs got: frontiers finished and pending, evaluation seeds so far."""
   seeds = [len(v) for v in results["evaluation_seeds"].values()]
-  seen = f"{min(seeds)} to {max(seeds)}" if seeds else "0"
+  seen = (
+    str(max(seeds, default=0))
+    if min(seeds, default=0) == max(seeds, default=0)
+    else (f"{min(seeds)} to {max(seeds)}")
+  )
   return (
     f"{results['task']}: {results['frontiers_finished']} frontiers finished, "
     f"{results['frontiers_pending']} pending at least (tuning still widens the list); "
@@ -60,8 +64,8 @@ def decision_table(results: Mapping[str, Any]) -> str:
   """At each target: the best constant, ramp and adaptive rule, and the adaptive rule's ratios."""
   lines = [
     "| target (budget, loss) | best constant | best ramp | best adaptive | its steps vs "
-    "constant [95%] | tokens vs constant | steps vs ramp [95%] | seeds |",
-    "|---|---|---|---|---|---|---|---|",
+    "constant [95%] | tokens vs constant | goal met | steps vs ramp [95%] | seeds |",
+    "|---|---|---|---|---|---|---|---|---|",
   ]
   for d in results["decisions"]:
     vc, vr = d["adaptive_vs_constant"], d["adaptive_vs_ramp"]
@@ -71,6 +75,8 @@ def decision_table(results: Mapping[str, Any]) -> str:
       + ("-" if vc is None else f"{_ratio(vc['steps_ratio'], vc['steps_ratio_ci'])} "
          f"({vc['outcome']})")
       + f" | {'-' if vc is None else _ratio(vc['tokens_ratio'])} | "
+      + ("-" if d["goal_vs_constant"] is None else "yes" if d["goal_vs_constant"] else "no")
+      + " | "
       + ("-" if vr is None else f"{_ratio(vr['steps_ratio'], vr['steps_ratio_ci'])} "
          f"({vr['outcome']})")
       + f" | {d['seeds']} |"

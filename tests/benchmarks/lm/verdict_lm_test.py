@@ -11,6 +11,7 @@ from benchmarks.lm import frontier
 from benchmarks.lm import protocol as P
 from benchmarks.lm import verdict_lm
 from benchmarks.lm import verdict_report
+from benchmarks.lm.run_store import RunStore
 
 SHARES = P.BUDGET_SHARES
 
@@ -132,6 +133,8 @@ def test_the_verdicts_from_synthetic_runs():
     "with_the_choice_of_ramp": None, "settled_targets": 4,
   }  # fmt: skip
   assert results["runs_needed"]["doubling_warmup@peak"]["with_the_choice_of_ramp"] == 6 * 3 + 10
+  constants = results["runs_needed"]["constant sizes"]
+  assert (constants["tuning_runs"], constants["evaluation_runs"]) == (4 * 3, 4 * 10)
   text = verdict_report.markdown({**results, **_status()})
   assert "| 0.5: " in text and "allowance@full" in text and "[" in text
 
@@ -251,3 +254,27 @@ def test_the_launcher_runs_at_low_priority_and_goes_on_after_a_stop(tmp_path):
   assert calls == ["benchmarks/lm/verdict_lm.py --task all nice=19"] * 2
   assert "stopped (exit 9); resuming" in (tmp_path / "logs/lm_verdict.log").read_text()
   assert int((tmp_path / "logs/run_lm_verdict.pgid").read_text()) > 0
+
+
+def test_the_docs_blocks_are_the_committed_json():
+  import pathlib  # pylint: disable=import-outside-toplevel
+
+  root = pathlib.Path(verdict_lm.__file__).resolve().parents[2]
+  text = (root / "docs" / "results.md").read_text("utf-8")
+  command = "python benchmarks/lm/verdict_lm.py --task all --markdown"
+  start, end = f"<!-- lm_verdict blocks: {command} -->\n", "\n<!-- end lm_verdict blocks -->"
+  assert start in text and end in text, "docs/results.md lost the markers of the LM verdict"
+  block = text[text.index(start) + len(start) : text.index(end)]
+  results = [
+    json.loads((root / "benchmarks" / "results" / f"lm_{name}.json").read_text("utf-8"))
+    for name in P.TASK_ORDER
+  ]
+  assert block == "\n".join(verdict_report.markdown(r) for r in results), (
+    f"docs/results.md's LM verdict differs from benchmarks/results/lm_*.json; regenerate it "
+    f"with {command}"
+  )
+  for r in results:  # the JSON's runs are the store's (which may have gone on since), curves too
+    store = root / "benchmarks" / "results" / f"lm_{r['task']}_runs.jsonl"
+    stored = list(RunStore(store, r["experiment"]).runs.values())
+    assert len(r["runs"]) == r["decays_stored"] <= len(stored)
+    assert all(run in stored and run["curve"] for run in r["runs"])
