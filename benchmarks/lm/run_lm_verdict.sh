@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Runs the language-model verdict's protocol (benchmarks/lm/verdict_lm.py, docs/lm_protocol.md) on
 # both tasks in the background, at low priority (nice 19), resumably: each decay's record is
-# appended to benchmarks/results/lm_<task>_runs.jsonl as it ends, and lm_<task>.json is written
-# again after each frontier; started again (here or on another machine with the committed store),
-# it goes on from there. A stop is retried up to RETRIES times.
+# appended to benchmarks/results/lm_<task>_runs.jsonl as it ends (lm_<task>.json is written when a
+# task's runs end); started again (here or on another machine with the committed store), it goes
+# on from there. A stop is retried up to RETRIES times. To commit a partial store, first write the
+# JSON and docs/results.md's blocks from it:
+#   python benchmarks/lm/verdict_lm.py --task all --analyse --update-docs
 #
 # Usage (from anywhere; with the project's virtualenv active):
 #   benchmarks/lm/run_lm_verdict.sh                 # detached: both tasks, in the protocol's order

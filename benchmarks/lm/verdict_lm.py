@@ -6,11 +6,13 @@ warmup-stable-decay frontier (``benchmarks/lm/wsd.py``), in the order that
 makes a partial store most informative (the tuning seed's grids, then the
 evaluation seeds interleaved across methods). Each decay's record is
 appended to the task's run store, ``benchmarks/results/lm_<task>_runs.jsonl``,
-as it ends, and the result JSON ``benchmarks/results/lm_<task>.json`` (every
-run with its curve, the tuning, the targets, ``verdicts``, ``decisions`` and
-``runs_needed``: ``benchmarks/lm/frontier.py``) is written again after each
-frontier. Killed and started again, it goes on from the store; the stable
-runs' checkpoints live under ``--state-dir``.
+as it ends; the result JSON ``benchmarks/results/lm_<task>.json`` (every run
+with its curve, the tuning, the targets, ``verdicts``, ``decisions`` and
+``runs_needed``: ``benchmarks/lm/frontier.py``) is written from the store
+when the task's runs end, or by ``--analyse`` (with ``--update-docs``, and
+docs/results.md's blocks from it: what a commit of a partial store takes).
+Killed and started again, it goes on from the store; the stable runs'
+checkpoints live under ``--state-dir``.
 
 Usage::
 
@@ -19,6 +21,7 @@ Usage::
   python benchmarks/lm/verdict_lm.py --task shakespeare --only method=allowance@full,seed=3
   python benchmarks/lm/verdict_lm.py --task shakespeare --only method=B=16,seed=0,lr=4
   python benchmarks/lm/verdict_lm.py --task shakespeare --analyse  # the JSON from the store
+  python benchmarks/lm/verdict_lm.py --task all --analyse --update-docs  # JSON and docs, to commit
   python benchmarks/lm/verdict_lm.py --task all --markdown         # docs/results.md's blocks
 
 ``--only`` runs one frontier: ``lr`` is the learning-rate multiplier, by
@@ -54,6 +57,12 @@ from benchmarks.lm.run_store import RunStore  # noqa: E402
 from benchmarks.pareto.protocol import RunSpec  # noqa: E402
 
 RESULTS = pathlib.Path(__file__).resolve().parents[1] / "results"
+DOCS = pathlib.Path(__file__).resolve().parents[2] / "docs" / "results.md"
+MARKDOWN_COMMAND = "python benchmarks/lm/verdict_lm.py --task all --markdown"
+DOCS_MARKERS = (
+  f"<!-- lm_verdict blocks: {MARKDOWN_COMMAND} -->\n",
+  "\n<!-- end lm_verdict blocks -->",
+)
 Frontier = tuple[str, float, int]  # (method, learning-rate multiplier, seed)
 
 
@@ -293,6 +302,11 @@ def _parse_args(argv: Sequence[str] | None, tasks: Mapping[str, P.Task]) -> argp
   p.add_argument(
     "--markdown", action="store_true", help="print the docs' section of lm_<task>.json; no runs"
   )
+  p.add_argument(
+    "--update-docs",
+    action="store_true",
+    help="after the runs (or --analyse), rewrite docs/results.md's blocks from the JSON",
+  )
   p.add_argument("--max-frontiers", type=int, default=None, help="stop after this many frontiers")
   p.add_argument("--results", default=str(RESULTS), help="where lm_<task>.json and stores go")
   p.add_argument(
@@ -309,8 +323,8 @@ def _parse_args(argv: Sequence[str] | None, tasks: Mapping[str, P.Task]) -> argp
 def _run_task(
   runner: TaskRunner, args: argparse.Namespace, out: pathlib.Path, trained_before: int
 ) -> int:
-  """One task's frontiers (``--only``'s, or those pending, up to ``--max-frontiers`` in all), the
-  JSON written after each; returns how many were trained."""
+  """One task's frontiers (``--only``'s, or those pending, up to ``--max-frontiers`` in all), then
+  its JSON; returns how many were trained."""
   trained = 0
   if args.only:
     method, seed, lr = args.only
@@ -329,7 +343,6 @@ def _run_task(
         break
       runner.run(*todo[0])
       trained += 1
-      write_json(runner.results(), out)
   write_json(runner.results(), out)
   print(f"wrote {out}", flush=True)
   return trained
@@ -346,9 +359,7 @@ def main(argv: Sequence[str] | None = None, tasks: Mapping[str, P.Task] = P.TASK
   names = [args.task] if args.task != "all" else [n for n in P.TASK_ORDER if n in tasks] or [*tasks]
   results_dir = pathlib.Path(args.results)
   if args.markdown:
-    for name in names:
-      path = results_dir / f"lm_{name}.json"
-      print(verdict_report.markdown(json.loads(path.read_text("utf-8"))))
+    print(_markdown(results_dir, names))
     return 0
   # One folder for the process's tasks: their compilation cache and workdirs.
   with tempfile.TemporaryDirectory(prefix="simigrad-lm-verdict-") as root:
@@ -363,7 +374,28 @@ def main(argv: Sequence[str] | None = None, tasks: Mapping[str, P.Task] = P.TASK
       trained += _run_task(runner, args, results_dir / f"lm_{name}.json", trained)
       if args.max_frontiers is not None and trained >= args.max_frontiers:
         break
+  if args.update_docs:
+    update_docs(_markdown(results_dir, names), DOCS)
+    print(f"wrote {DOCS}'s LM verdict", flush=True)
   return trained
+
+
+def _markdown(results_dir: pathlib.Path, names: Sequence[str]) -> str:
+  """docs/results.md's blocks of ``names``, from their ``lm_<task>.json``."""
+  return "\n".join(
+    verdict_report.markdown(json.loads((results_dir / f"lm_{n}.json").read_text("utf-8")))
+    for n in names
+  )
+
+
+def update_docs(block: str, page: pathlib.Path) -> None:
+  """Replaces the LM verdict's generated block of ``page`` (between its markers) with ``block``."""
+  text = page.read_text("utf-8")
+  start, end = DOCS_MARKERS
+  if start not in text or end not in text:
+    raise ValueError(f"{page} lost the markers of the LM verdict: {start.strip()!r}")
+  head, tail = text[: text.index(start) + len(start)], text[text.index(end) :]
+  page.write_text(head + block + tail, "utf-8")
 
 
 if __name__ == "__main__":

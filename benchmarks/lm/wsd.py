@@ -116,7 +116,7 @@ class _StableRun:
     already past them (state of another order) trains again from the start."""
     exp = self.exp
     controller = simigrad_jax.make_controller(self.spec.controller, **dict(self.spec.options))
-    curve = _Points(exp, self._thresholds)
+    curve = _Points(exp, self._thresholds, self._keep)
     lr = schedule(self.longest, exp.num_train, None)
     with exp.trainer(controller, self.spec, self.workdir, curve, lr) as trainer:
       curve.trainer = trainer
@@ -126,21 +126,37 @@ class _StableRun:
           f"the stable run in {self.workdir} is at {seen} examples, past the decay's start at "
           f"{examples}; delete {self.workdir.parent} to train it again"
         )
+      # Points measured after the checkpoint it resumed from (a kill) are measured again.
+      self.points = [p for p in self.points if p[1] <= seen]
       if seen == 0 and not self.points:
         curve.measure(host_copy(trainer.state["params"]), 0, 0)
       curve.skip_to(seen)
       if seen < examples:
         trainer.train(num_epochs=examples / exp.num_train)
-    self.points += curve.points
+
+  def _keep(self, point: tuple[int, int, float]) -> None:
+    """Keeps a measured point, on disk at once (a kill loses none before its checkpoint)."""
+    self.points.append(point)
     self._points_file.write_text(json.dumps(self.points), "utf-8")
 
 
 class _Points(ValidationCurve):
-  """A :class:`ValidationCurve` at given example counts (those already passed are skipped)."""
+  """A :class:`ValidationCurve` at given example counts (those already passed are skipped), each
+  point handed to ``keep`` as it is measured."""
 
-  def __init__(self, exp: LmExperiment, thresholds: Sequence[float]):
+  def __init__(
+    self,
+    exp: LmExperiment,
+    thresholds: Sequence[float],
+    keep: Callable[[tuple[int, int, float]], None],
+  ):
     super().__init__(exp.evaluate, 1, 1)
     self._thresholds = list(thresholds)
+    self._keep = keep
+
+  def measure(self, params: Any, steps: int, examples: int) -> None:
+    super().measure(params, steps, examples)
+    self._keep(self.points[-1])
 
   def skip_to(self, examples: int) -> None:
     self._thresholds = [t for t in self._thresholds if t > examples]

@@ -228,8 +228,8 @@ def test_a_frontier_runs_resumes_after_a_kill_and_repeats_exactly(tiny):
   verdict_lm.main([*argv[:2], "--results", str(again), "--state-dir", str(again / "s"),
                    *argv[-2:]], tasks)  # fmt: skip
   rerun = json.loads((again / "lm_toy.json").read_text())["runs"]
-  assert sorted((r["budget_index"], r["final_val_loss"], r["steps"]) for r in rerun) == [
-    (r["budget_index"], r["final_val_loss"], r["steps"]) for r in runs
+  assert sorted((r["budget_index"], r["curve"], r["steps"]) for r in rerun) == [
+    (r["budget_index"], r["curve"], r["steps"]) for r in runs
   ]
   assert result["experiment"]["text"]["sha256_16"] and result["verdicts"] == []
   assert result["tuning"]["constants"]["per_size"]["8"]["losses"] == {
@@ -261,8 +261,8 @@ def test_the_docs_blocks_are_the_committed_json():
 
   root = pathlib.Path(verdict_lm.__file__).resolve().parents[2]
   text = (root / "docs" / "results.md").read_text("utf-8")
-  command = "python benchmarks/lm/verdict_lm.py --task all --markdown"
-  start, end = f"<!-- lm_verdict blocks: {command} -->\n", "\n<!-- end lm_verdict blocks -->"
+  command = "python benchmarks/lm/verdict_lm.py --task all --analyse --update-docs"
+  start, end = verdict_lm.DOCS_MARKERS
   assert start in text and end in text, "docs/results.md lost the markers of the LM verdict"
   block = text[text.index(start) + len(start) : text.index(end)]
   results = [
