@@ -60,13 +60,21 @@ class ValidationCurve:
     evaluate: ``evaluate(params, None) -> {"loss", ...}``.
     total_examples: the run's budget in examples.
     points: measurements during the run (the end is measured by the caller).
+    start_examples: where the measured stretch starts (a resumed run's
+      examples): the points divide the stretch from it to ``total_examples``.
   """
 
   def __init__(
-    self, evaluate: Callable[[Any, Any], dict[str, float]], total_examples: int, points: int
+    self,
+    evaluate: Callable[[Any, Any], dict[str, float]],
+    total_examples: int,
+    points: int,
+    *,
+    start_examples: int = 0,
   ):
     self._evaluate = evaluate
-    self._thresholds = [total_examples * k / points for k in range(1, points)]
+    span = total_examples - start_examples
+    self._thresholds = [start_examples + span * k / points for k in range(1, points)]
     self.trainer: Any = None
     self.points: list[tuple[int, int, float]] = []  # (steps, examples, validation loss)
 
@@ -119,7 +127,8 @@ class LmExperiment:
     evals: validation measurements per run, evenly in tokens (and one at the end).
     root: where workdirs and the compilation cache go.
     keep_workdirs: keep each run's workdir.
-    text_file: train on this text instead of tinyshakespeare.
+    text_file: train on this text (a path or glob pattern) instead of tinyshakespeare.
+    layers: transformer layers.
   """
 
   def __init__(
@@ -134,9 +143,10 @@ class LmExperiment:
     root: pathlib.Path,
     keep_workdirs: bool = False,
     text_file: str | None = None,
+    layers: int = 2,
   ):
     config = shakespeare_lm.get_config()
-    config.seq_length, config.bert_hidden = seq_length, hidden
+    config.seq_length, config.bert_hidden, config.bert_layers = seq_length, hidden, layers
     config.bert_heads, config.bert_mlp = max(1, hidden // 16), 4 * hidden
     config.eval_examples, config.eval_batch_size = None, min(eval_windows, 256)
     if text_file:
@@ -197,9 +207,23 @@ class LmExperiment:
     """The epochs (passes over the training windows) of ``share`` of the budget."""
     return share * self.budget_windows / self.num_train
 
-  def _trainer(
-    self, controller: Any, spec: RunSpec, epochs: float, workdir: pathlib.Path, curve: Any
+  def trainer(
+    self,
+    controller: Any,
+    spec: RunSpec,
+    workdir: pathlib.Path,
+    curve: Any,
+    lr_schedule: Callable[[float], float],
   ) -> simigrad_jax.Trainer:
+    """A Trainer of ``spec`` in ``workdir`` (resumed from its newest checkpoint, if any).
+
+    Args:
+      controller: the run's batch-size controller.
+      spec: the run (its learning rate, coupling and seed).
+      workdir: the run's workdir.
+      curve: the run's :class:`ValidationCurve`.
+      lr_schedule: the learning-rate multiplier by epochs trained.
+    """
     config = self.config.copy_and_resolve_references()
     config.learning_rate = 1.0  # the rate is in the optimizer state: one program for every rate
     optimizer = optax.chain(
@@ -213,7 +237,7 @@ class LmExperiment:
       params=jax.tree.map(np.asarray, self._init(jax.random.key(spec.seed, impl="rbg"))),
       optimizer=optimizer,
       source=self.train,
-      lr_schedule=self._lr_schedule(controller, epochs),
+      lr_schedule=lr_schedule,
       seed=spec.seed,
       lr=simigrad_jax.LearningRateConfig(rule=spec.lr_rule, coupling=spec.lr_coupling),
       compile=simigrad_jax.CompileConfig(
@@ -247,17 +271,17 @@ class LmExperiment:
     controller = simigrad_jax.make_controller(spec.controller, **dict(spec.options))
     epochs = self.epochs_of(share)
     curve = ValidationCurve(self.evaluate, round(epochs * self.num_train), self.evals)
-    with self._trainer(controller, spec, epochs, workdir, curve) as trainer:
+    schedule = self._lr_schedule(controller, epochs)
+    with self.trainer(controller, spec, workdir, curve, schedule) as trainer:
       curve.trainer = trainer
       curve.measure(host_copy(trainer.state["params"]), 0, 0)
       summary = trainer.train(num_epochs=epochs)
       curve.measure(host_copy(trainer.state["params"]), summary["steps"], summary["examples_seen"])
     wall = time.perf_counter() - start
-    records = [r for r in simigrad_jax.read_metrics(workdir / "metrics.jsonl") if "batch_size" in r]
+    records = step_records(workdir)
     if not self.keep_workdirs:
       shutil.rmtree(workdir, ignore_errors=True)
     tokens = self.config.seq_length
-    sims = [r["similarity"] for r in records if r["similarity"] is not None]
     options = dict(spec.options)
     return {
       "controller": spec.controller,
@@ -274,18 +298,31 @@ class LmExperiment:
       "budget_share": share,
       **({"batch_size": int(options["initial_batch_size"])} if spec.controller == "fixed" else {}),
       "options": options,
-      "avg_batch_size": round(summary["examples_seen"] / max(summary["steps"], 1), 3),
-      "final_batch_size": int(records[-1]["next_batch_size"]),
-      "max_batch_size": int(max(r["batch_size"] for r in records)),
-      "mean_similarity": round(float(np.mean(sims)), 4) if sims else None,
-      "nonfinite_steps": int(records[-1]["nonfinite_steps"]),
-      "train_loss": None if not math.isfinite(summary["loss"]) else round(summary["loss"], 6),
+      **batch_fields(summary, records),
       "wall_seconds": round(wall, 2),
-      "compile_seconds": round(float(summary["compile_seconds"]), 2),
       "curve": [[s, e * tokens, round(v, 6)] for s, e, v in curve.points],
-      "batch_sizes": _batch_trace(records),
       **({"workdir": str(workdir)} if self.keep_workdirs else {}),
     }
+
+
+def step_records(workdir: pathlib.Path) -> list[dict[str, Any]]:
+  """The step records of a run's ``metrics.jsonl`` (those with a batch size)."""
+  return [r for r in simigrad_jax.read_metrics(workdir / "metrics.jsonl") if "batch_size" in r]
+
+
+def batch_fields(summary: dict[str, Any], records: list[dict[str, Any]]) -> dict[str, Any]:
+  """What a run's JSON record holds about its batches, from the Trainer's summary and records."""
+  sims = [r["similarity"] for r in records if r["similarity"] is not None]
+  return {
+    "avg_batch_size": round(summary["examples_seen"] / max(summary["steps"], 1), 3),
+    "final_batch_size": int(records[-1]["next_batch_size"]),
+    "max_batch_size": int(max(r["batch_size"] for r in records)),
+    "mean_similarity": round(float(np.mean(sims)), 4) if sims else None,
+    "nonfinite_steps": int(records[-1]["nonfinite_steps"]),
+    "train_loss": None if not math.isfinite(summary["loss"]) else round(summary["loss"], 6),
+    "compile_seconds": round(float(summary["compile_seconds"]), 2),
+    "batch_sizes": _batch_trace(records),
+  }
 
 
 def _batch_trace(records: list[dict[str, Any]], points: int = 32) -> list[list[float]]:

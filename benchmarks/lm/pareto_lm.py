@@ -56,7 +56,9 @@ killed and started again with the same flags, the comparison reads them back
 and trains only the rest (a file of another experiment is refused). The file
 is removed once the JSON is written. ``--extend`` reads back the runs of a
 finished ``OUT`` (its ``experiment`` must match) and trains only the runs it
-lacks: a setting added to the protocol after a budget finished.
+lacks: a setting added to the protocol after a budget finished. A JSON
+written before results recorded their ``experiment`` (``pareto_lm_long.json``)
+is read as the experiment it was (:func:`legacy_experiment`).
 ``benchmarks/lm/run_lm_budgets.sh`` runs both budgets in the background at low
 priority.
 
@@ -108,6 +110,7 @@ import argparse  # noqa: E402
 import dataclasses  # noqa: E402
 import json  # noqa: E402
 import pathlib  # noqa: E402
+import re  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Callable, Sequence  # noqa: E402
 from typing import Any  # noqa: E402
@@ -118,6 +121,8 @@ import simigrad_jax  # noqa: E402
 from benchmarks import common  # noqa: E402
 from benchmarks.lm import report  # noqa: E402
 from benchmarks.lm.experiment import LmExperiment  # noqa: E402
+from benchmarks.lm.frontier import lr_grid  # noqa: E402
+from benchmarks.lm.protocol import ramp_options  # noqa: E402
 from benchmarks.lm.run_store import RunStore  # noqa: E402
 from benchmarks.pareto.protocol import RunSpec  # noqa: E402
 from benchmarks.pareto.protocol import base_lr_for  # noqa: E402
@@ -215,37 +220,6 @@ def ramp_specs(
     )
     specs += [RunSpec(name, options, lr, 1.0, seed) for seed in seeds]
   return specs, missing
-
-
-def ramp_options(
-  name: str, *, initial: int, upper: int, num_tokens: int, seq_length: int
-) -> tuple[tuple[str, Any], ...]:
-  """The controller options of one ramp (see :func:`ramp_specs`), sorted by name."""
-  n = num_tokens
-  options: dict[str, Any] = {"tokens_per_example": seq_length}
-  if name == "step_schedule":
-    points = (0, n // 8, n // 4, n // 2)
-    options["thresholds"] = ",".join(f"{p}:{initial * 2**i}" for i, p in enumerate(points))
-  elif name == "linear_ramp":
-    options.update(
-      initial_batch_size=initial, final_batch_size=8 * initial, increment=initial, ramp=n // 2
-    )
-  elif name == "doubling_warmup":
-    options.update(
-      initial_batch_size=initial, doubling_points=f"{round(0.017 * n)},{round(0.19 * n)}"
-    )
-  elif name == "seesaw":
-    options.update(
-      initial_batch_size=initial,
-      batch_size_upper_bound=upper,
-      decay_start=n // 10,
-      decay_end=n,
-      num_halvings=max(1, (upper // initial).bit_length() - 1),
-      final_lr_fraction=0.02,
-    )
-  else:
-    raise ValueError(f"unknown ramp {name!r}; choose one of {RAMPS}")
-  return tuple(sorted(options.items()))
 
 
 def setting_label(spec: RunSpec) -> str:
@@ -356,6 +330,44 @@ def _experiment_key(args: argparse.Namespace) -> dict[str, Any]:
   return {k: getattr(args, k) for k in keys}
 
 
+def legacy_experiment(result: dict[str, Any]) -> dict[str, Any]:
+  """The experiment of a result written before results recorded theirs (``experiment``).
+
+  Read from what the result does record: its size, budget, evaluation and
+  learning-rate settings, and the bounds' factor (``upper_bound /
+  initial_batch_size``); the noise-scale averages' decay, which it does not
+  record, had only ever run at its default (0.9), and such results trained
+  on tinyshakespeare (``text_file`` None).
+
+  Raises:
+    ValueError: the result lacks a field the experiment needs (naming it).
+  """
+  needed = (
+    "seq_length", "model", "budget_windows", "num_val", "evals_per_run", "base_lr",
+    "lr_batch_size", "token_allowance", "upper_bound", "initial_batch_size", "lr_coupling",
+  )  # fmt: skip
+  missing = [k for k in needed if k not in result]
+  hidden = re.search(r"hidden (\d+)", str(result.get("model", "")))
+  if missing or hidden is None:
+    raise ValueError(
+      f"the result has no 'experiment' and lacks {missing or ['model (hidden N)']} to rebuild it"
+    )
+  return {
+    "seq_length": result["seq_length"],
+    "hidden": int(hidden.group(1)),
+    "budget_windows": result["budget_windows"],
+    "eval_windows": result["num_val"],
+    "evals": result["evals_per_run"],
+    "text_file": None,
+    "base_lr": result["base_lr"],
+    "lr_batch_size": result["lr_batch_size"],
+    "token_allowance": result["token_allowance"],
+    "ema_decay": 0.9,
+    "upper_factor": result["upper_bound"] // result["initial_batch_size"],
+    "lr_coupling": result["lr_coupling"],
+  }
+
+
 def sizes_bracketed(grid: list[dict[str, Any]]) -> bool:
   """Whether the best size of ``grid`` (sorted by size) has a size below it and one above."""
   best = min(range(len(grid)), key=lambda i: grid[i]["best_final_val_loss"])
@@ -404,22 +416,15 @@ class Protocol:
   def tune_size(self, size: int) -> dict[str, Any]:
     """One size's learning rate, widened past an edge until the best is strictly inside."""
     a, seed = self.args, self.args.seeds[0]
-    multipliers = sorted(a.lr_multipliers)
     losses: dict[float, float] = {}
-    widened = {"low": 0, "high": 0}
     while True:
-      for m in multipliers:
-        if m not in losses:
-          losses[m] = self.run(self._fixed(size, m, seed))["final_val_loss"]
-      best = min(multipliers, key=lambda m: losses[m])
-      if best == multipliers[0] and widened["low"] < a.max_widen:
-        widened["low"] += 1
-        multipliers.insert(0, multipliers[0] / 2)
-      elif best == multipliers[-1] and widened["high"] < a.max_widen:
-        widened["high"] += 1
-        multipliers.append(multipliers[-1] * 2)
-      else:
+      to_run, best, bracketed = lr_grid(losses, a.lr_multipliers, a.max_widen)
+      if not to_run:
         break
+      for m in to_run:
+        losses[m] = self.run(self._fixed(size, m, seed))["final_val_loss"]
+    assert best is not None
+    multipliers = sorted(losses)
     return {
       "batch_size": size,
       "learning_rates": [self._fixed(size, m, seed).lr for m in multipliers],
@@ -427,7 +432,7 @@ class Protocol:
       "best_learning_rate": self._fixed(size, best, seed).lr,
       "best_multiplier": best,
       "best_final_val_loss": losses[best],
-      "bracketed": multipliers[0] < best < multipliers[-1],
+      "bracketed": bracketed,
     }
 
   def tune_grid(self, num_train: int) -> list[dict[str, Any]]:
@@ -544,7 +549,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     print(f"resuming: {store.resumed} runs read back from {store.path}", flush=True)
   if args.extend:
     with open(args.out, encoding="utf-8") as f:
-      taken = store.read_back(json.load(f), args.out)
+      finished = json.load(f)
+    if "experiment" not in finished:  # written before results recorded their experiment
+      finished["experiment"] = legacy_experiment(finished)
+    taken = store.read_back(finished, args.out)
     print(f"extending: {taken} runs read back from {args.out}", flush=True)
   with comparison_folder(args.workdir, prefix="simigrad-pareto-lm-") as root:
     exp = LmExperiment(

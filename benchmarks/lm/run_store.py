@@ -143,10 +143,14 @@ class RunStore:
     if key in self.runs:
       return self.runs[key], False
     run = train()
+    self.put(key, run)
+    return run, True
+
+  def put(self, key: str, run: dict[str, Any]) -> None:
+    """Keeps ``run`` under ``key``, appended to the file at once."""
     self.runs[key] = run
     if self.path is not None:
       self._append({"key": key, "run": run})
-    return run, True
 
   def close(self, keep: bool) -> None:
     """Removes the file unless ``keep`` (the comparison finished and wrote its JSON)."""

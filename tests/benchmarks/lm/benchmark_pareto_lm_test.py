@@ -354,3 +354,17 @@ def test_the_launcher_runs_each_budget_at_low_priority_and_resumes_after_a_failu
     [str(script), "weekly"], env=env, capture_output=True, text=True, check=False
   )
   assert bad.returncode == 2 and "unknown argument 'weekly'" in bad.stderr
+
+
+def test_extend_reads_a_result_written_before_results_recorded_their_experiment(tmp_path):
+  root = pathlib.Path(pareto_lm.__file__).resolve().parents[1] / "results"
+  long = json.loads((root / "pareto_lm_long.json").read_text())
+  assert "experiment" not in long  # the long budget's JSON, as it was committed
+  key = pareto_lm._experiment_key(pareto_lm._parse_args(["--budget", "long"]))
+  assert pareto_lm.legacy_experiment(long) == key
+  today = json.loads((root / "pareto_lm.json").read_text())  # one that records it agrees
+  assert pareto_lm.legacy_experiment(today) == today["experiment"]
+  store = RunStore(tmp_path / "long.runs.jsonl", key)
+  assert store.read_back({**long, "experiment": key}, "pareto_lm_long.json") == len(long["runs"])
+  with pytest.raises(ValueError, match=r"lacks \['budget_windows'\]"):
+    pareto_lm.legacy_experiment({k: v for k, v in long.items() if k != "budget_windows"})

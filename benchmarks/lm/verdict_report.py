@@ -1,0 +1,126 @@
+"""The language-model verdict's tables: docs/results.md's section, written from a task's JSON.
+
+Used by ``benchmarks/lm/verdict_lm.py --markdown``. Every number comes from
+``benchmarks/results/lm_<task>.json`` (``benchmarks/lm/frontier.py``'s
+analysis of the task's runs); a partial store says how far it got.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+
+def _ratio(value: float | None, ci: Sequence[float | None] | None = None) -> str:
+  if value is None:
+    return "never"
+  text = f"{value:.2f}x"
+  if ci is not None:
+    lo, hi = ci
+    text += f" [{_bound(lo)}, {_bound(hi)}]"
+  return text
+
+
+def _bound(x: float | None) -> str:
+  return "inf" if x is None else f"{x:.2f}"
+
+
+def status(results: Mapping[str, Any]) -> str:
+  """How far the task's runs got: frontiers finished and pending, evaluation seeds so far."""
+  seeds = [len(v) for v in results["evaluation_seeds"].values()]
+  seen = (
+    str(max(seeds, default=0))
+    if min(seeds, default=0) == max(seeds, default=0)
+    else (f"{min(seeds)} to {max(seeds)}")
+  )
+  return (
+    f"{results['task']}: {results['frontiers_finished']} frontiers finished, "
+    f"{results['frontiers_pending']} pending at least (tuning still widens the list); "
+    f"evaluation seeds per method so far: {seen} of {len(results['evaluation_seeds_planned'])}; "
+    f"{results['train_seconds'] / 3600:.1f} h of training."
+  )
+
+
+def tuning_table(results: Mapping[str, Any]) -> str:
+  """Each method's learning-rate multipliers on the tuning seed, their loss at budget 1.0."""
+  lines = [
+    "| method | multiplier: loss at budget 1.0 (tuning seed) | tuned | inside the grid |",
+    "|---|---|---|---|",
+  ]
+  tuning = results["tuning"]
+  rows = {f"B={b}": t for b, t in tuning["constants"]["per_size"].items()}
+  rows |= tuning["methods"]
+  for name, t in rows.items():
+    if not t["losses"]:
+      continue
+    tried = ", ".join(f"{m}: {v:.4f}" for m, v in t["losses"].items())
+    best = "pending" if t["best"] is None else f"{t['best']:g}"
+    inside = "-" if t["best"] is None else "yes" if t["bracketed"] else "AT AN EDGE"
+    lines.append(f"| {name} | {tried} | {best} | {inside} |")
+  return "\n".join(lines)
+
+
+def decision_table(results: Mapping[str, Any]) -> str:
+  """At each target: the best constant, ramp and adaptive rule, and the adaptive rule's ratios."""
+  lines = [
+    "| target (budget, loss) | best constant | best ramp | best adaptive | its steps vs "
+    "constant [95%] | tokens vs constant | goal met | steps vs ramp [95%] | seeds |",
+    "|---|---|---|---|---|---|---|---|---|",
+  ]
+  for d in results["decisions"]:
+    vc, vr = d["adaptive_vs_constant"], d["adaptive_vs_ramp"]
+    lines.append(
+      f"| {d['target_budget_share']:g}: {d['target_loss']:.4f} | {d['best_constant']} | "
+      f"{d['best_ramp'] or '-'} | {d['best_adaptive'] or '-'} | "
+      + ("-" if vc is None else f"{_ratio(vc['steps_ratio'], vc['steps_ratio_ci'])} "
+         f"({vc['outcome']})")
+      + f" | {'-' if vc is None else _ratio(vc['tokens_ratio'])} | "
+      + ("-" if d["goal_vs_constant"] is None else "yes" if d["goal_vs_constant"] else "no")
+      + " | "
+      + ("-" if vr is None else f"{_ratio(vr['steps_ratio'], vr['steps_ratio_ci'])} "
+         f"({vr['outcome']})")
+      + f" | {d['seeds']} |"
+    )  # fmt: skip
+  return "\n".join(lines)
+
+
+def verdict_table(results: Mapping[str, Any]) -> str:
+  """Every verdict: each method against the best constant batch (and the best ramp)."""
+  lines = [
+    "| target budget | method | against | steps ratio [95%] | tokens ratio [95%] | seeds "
+    "(reached) | outcome |",
+    "|---|---|---|---|---|---|---|",
+  ]
+  for v in results["verdicts"]:
+    lines.append(
+      f"| {v['target_budget_share']:g} | {v['method']} | {v['against']} ({v['comparator']}) | "
+      f"{_ratio(v['steps_ratio'], v['steps_ratio_ci'])} | "
+      f"{_ratio(v['tokens_ratio'], v['tokens_ratio_ci'])} | {v['seeds']} ({v['reached']}) | "
+      f"{v['outcome']} |"
+    )
+  return "\n".join(lines)
+
+
+def runs_table(results: Mapping[str, Any]) -> str:
+  """The runs each method took: tuning, evaluation, and for a ramp the choice among ramps."""
+  lines = [
+    "| method | tuning runs | evaluation runs | total | with the choice of ramp |",
+    "|---|---|---|---|---|",
+  ]
+  for name, r in results["runs_needed"].items():
+    choice = "-" if r["with_the_choice_of_ramp"] is None else str(r["with_the_choice_of_ramp"])
+    lines.append(
+      f"| {name} | {r['tuning_runs']} | {r['evaluation_runs']} | {r['total_runs']} | {choice} |"
+    )
+  return "\n".join(lines)
+
+
+def markdown(results: Mapping[str, Any]) -> str:
+  """The task's part of docs/results.md: status, decisions, tuning and runs needed."""
+  parts = [f"#### Task `{results['task']}`", "", status(results), ""]
+  if results["decisions"]:
+    parts += [decision_table(results), ""]
+  else:
+    parts += ["No targets yet: the constant sizes have no paired evaluation seeds.", ""]
+  parts += [tuning_table(results), "", runs_table(results)]
+  return "\n".join(parts)
