@@ -77,12 +77,19 @@ def _file_of(error: BaseException, workdir: pathlib.Path | None) -> str | None:
 
 
 def last_checkpoint(workdir: pathlib.Path | None) -> int | None:
-  """The step of the newest checkpoint saved completely in ``<workdir>/checkpoints``, or None."""
+  """The step of the newest checkpoint saved completely in ``<workdir>/checkpoints``, or None
+  (a link, a file or a folder the run did not write there is not one)."""
   if workdir is None:
     return None
+  from simigrad_jax.checkpoint import checkpointer  # pylint: disable=import-outside-toplevel
+
   folder = workdir / "checkpoints"
   try:
-    steps = [int(p.name) for p in folder.iterdir() if p.name.isdigit() and p.is_dir()]
+    steps = [
+      int(p.name)
+      for p in folder.iterdir()
+      if p.name.isdigit() and checkpointer.is_checkpoint_folder(p)
+    ]
   except OSError:
     return None
   return max(steps, default=None)
