@@ -7,7 +7,8 @@ Documented API:
     (metrics_recovery restores what the TensorBoard events hold on resume).
   Errors: CheckpointMismatchError (a checkpoint made by a run with other
     settings, or of another model), CheckpointSaveError (another process's
-    background save failed, so every process stops).
+    background save failed, so every process stops), CheckpointsMissingError
+    (a workdir whose metrics record steps but whose checkpoints folder is gone).
 
 Modules: ``checkpointer``, ``integrity`` (what a checkpoint carries to be
 verified), ``run_record`` (what a run is, recorded in every checkpoint) and
@@ -25,10 +26,12 @@ from simigrad_jax.checkpoint.checkpointer import Checkpointer
 from simigrad_jax.checkpoint.checkpointer import CheckpointMismatchError
 from simigrad_jax.checkpoint.metrics_recovery import missing_steps
 from simigrad_jax.checkpoint.run_checkpoints import CheckpointSaveError
+from simigrad_jax.checkpoint.run_checkpoints import CheckpointsMissingError
 
 __all__ = [
   "CheckpointMismatchError",
   "CheckpointSaveError",
   "Checkpointer",
+  "CheckpointsMissingError",
   "missing_steps",
 ]
