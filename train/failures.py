@@ -39,6 +39,14 @@ DISK_ERRORS = {
   errno.EROFS: ("the file system is read-only", "remount it read-write or give another --workdir"),
   errno.EACCES: ("permission denied", "give yourself write access (chmod u+rwX)"),
   errno.EPERM: ("operation not permitted", "give yourself write access (chmod u+rwX)"),
+  errno.ENOENT: (
+    "the checkpoints folder was removed while the run trained",
+    "restore the workdir (or give another --workdir)",
+  ),
+  errno.ENOTDIR: (
+    "the checkpoints folder was replaced by a file or a link while the run trained",
+    "put the folder back in its place",
+  ),
 }
 
 

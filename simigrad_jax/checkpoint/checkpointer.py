@@ -41,6 +41,7 @@ carries in its host item (``written_steps``) lists them.
 
 from __future__ import annotations
 
+import errno
 import functools
 import logging
 import os
@@ -98,6 +99,15 @@ def _kind(path: str) -> str:
   if stat.S_ISDIR(mode):
     return "a folder without orbax's files"
   return "a plain file" if stat.S_ISREG(mode) else "a special file (a FIFO, a device)"
+
+
+class CheckpointFolderGoneError(SimiGradError, OSError):
+  """The checkpoints folder is gone, or no longer a folder, while the run trains.
+
+  Its ``errno`` is ``ENOENT`` (removed) or ``ENOTDIR`` (replaced by a file or
+  a link); an emergency save takes the run's last step elsewhere
+  (:mod:`simigrad_jax.checkpoint.emergency`).
+  """
 
 
 class CheckpointMismatchError(SimiGradError, ValueError):
@@ -213,6 +223,7 @@ class Checkpointer:
     self.wait()
     if step in self._written:  # saved already (a step is saved once)
       return
+    self.check_folder(step)
     path = os.path.join(self.directory, str(step))
     if os.path.lexists(path):  # (a run saves each step once: someone else put this there)
       raise files.UnsafePathError(
@@ -230,6 +241,26 @@ class Checkpointer:
     self._background.started()  # so that failed_save() knows at once
     if not self._async:  # finished: the old ones go now (else once it has, at the next wait)
       self._saved()
+
+  def check_folder(self, step: int) -> None:
+    """Raises :class:`CheckpointFolderGoneError` when the directory is no longer a real folder.
+
+    A workdir removed while the run trains, or ``checkpoints/`` replaced by
+    a file or a link, would otherwise fail inside orbax with a raw error.
+    """
+    try:
+      mode = os.lstat(self.directory).st_mode
+    except FileNotFoundError:
+      gone, what = errno.ENOENT, "is gone (the workdir or the folder was removed)"
+    else:
+      if stat.S_ISDIR(mode):
+        return
+      gone, what = errno.ENOTDIR, f"is no longer a folder: it is now {_kind(self.directory)}"
+    raise CheckpointFolderGoneError(
+      gone,
+      f"the checkpoint of step {step} cannot be saved: {self.directory} {what}",
+      self.directory,
+    )
 
   def _kept_after(self, step: int) -> list[int]:
     """The steps this run keeps once the checkpoint of ``step`` is saved, oldest first."""

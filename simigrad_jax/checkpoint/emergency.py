@@ -37,6 +37,7 @@ from typing import Any
 
 from simigrad_jax import files
 from simigrad_jax.checkpoint.checkpointer import Checkpointer
+from simigrad_jax.checkpoint.checkpointer import CheckpointFolderGoneError
 from simigrad_jax.checkpoint.checkpointer import is_checkpoint_folder
 
 logger = logging.getLogger("simigrad_jax")
@@ -67,12 +68,17 @@ def chain(error: BaseException) -> list[BaseException]:
 def disk_errno(error: BaseException) -> int | None:
   """The errno of a file system's failure somewhere in ``error``'s chain, or None.
 
+  A :class:`~simigrad_jax.checkpoint.checkpointer.CheckpointFolderGoneError`
+  counts (its ``ENOENT`` or ``ENOTDIR``): the checkpoints folder is gone.
+
   Example:
     >>> disk_errno(RuntimeError("the save failed: No space left on device"))
     28
   """
   for link in chain(error):
     if isinstance(link, OSError) and link.errno in DISK_ERRNOS:
+      return link.errno
+    if isinstance(link, CheckpointFolderGoneError):  # (ENOENT, ENOTDIR: the folder's, surely)
       return link.errno
     for text, number in DISK_TEXTS.items():
       if text in str(link):

@@ -301,6 +301,35 @@ class RunCheckpoints:
       host = _host_state(self, step, **saved_with)
       emergency.save_after(error, self.checkpointer.directory, step, state, host)
 
+  def save_before_failing(
+    self, error: BaseException, step: int, state: Any, **saved_with: Any
+  ) -> None:
+    """After ``error``, not a disk's, the checkpoint of ``step`` saved as usual, if it can be.
+
+    A failure after a whole step (a hook's, the evaluation at an epoch's end,
+    a streak of non-finite steps) would otherwise lose the steps since the
+    last checkpoint. One process only (several would have to save together),
+    a whole step's ``state`` (None: the next step was under way), a step not
+    saved yet; a save that fails too is logged and ``error`` is raised as it
+    was. A disk's error goes to :meth:`save_elsewhere` instead.
+    """
+    if (
+      self._agreement.num_processes != 1
+      or state is None
+      or emergency.disk_errno(error) is not None
+      or step <= (self.checkpointer.latest_step() or 0)
+    ):
+      return
+    try:
+      self.save(step, state, **saved_with)
+      self.wait(f"checkpoint of step {step}")
+    except Exception as save_error:  # pylint: disable=broad-except  (the first error is raised)
+      logger.warning(
+        "could not save the checkpoint of step %d after %r: %r", step, error, save_error
+      )
+      return
+    error.add_note(f"the checkpoint of step {step} was saved before stopping")
+
   def failed_save(self) -> str | None:
     """``"ErrorType: message"`` (short) when this process's last save failed in the background,
     else None (also while it is under way); never waits. See :meth:`stop_on_failed_saves`."""

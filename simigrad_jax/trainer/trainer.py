@@ -162,6 +162,7 @@ class StepLoop:
           self._processes.roll_call(f"step {self.step + 1}", error)
         state = self.state if self._taken_at < self.step else None  # (None: a step under way)
         self._checkpoints.save_elsewhere(error, self.step, state, **self._saved_with())  # a disk's
+        self._checkpoints.save_before_failing(error, self.step, state, **self._saved_with())
         raise
       finally:
         self._programs.compiler.set_interrupt(None)

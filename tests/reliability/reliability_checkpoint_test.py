@@ -16,6 +16,7 @@ import random
 import re
 import shutil
 import stat
+import tempfile
 import threading
 import time
 
@@ -609,3 +610,79 @@ def test_a_missing_checkpoints_folder_beside_the_metrics_is_refused(tmp_path):
   assert "put the checkpoints back" in message and "metrics.jsonl.old" in message
   assert (tmp_path / "metrics.jsonl").read_bytes() == before
   assert not (tmp_path / "checkpoints").exists()
+
+
+# ------------------------------------------------------ a folder gone, a failure after a step
+
+
+class _AtStep:
+  """A hook that does ``then(workdir)`` once the record of ``step`` is out."""
+
+  runs_at_once = True
+
+  def __init__(self, step, then, workdir):
+    self.step, self.then, self.workdir = step, then, workdir
+
+  def on_step(self, record):
+    if record.step == self.step:
+      self.then(self.workdir)
+
+
+def _replace_checkpoints_by_a_file(workdir):
+  shutil.rmtree(workdir / "checkpoints")
+  (workdir / "checkpoints").write_text("not a folder")
+
+
+def _remove_the_workdir(workdir):
+  shutil.rmtree(workdir)
+
+
+@pytest.mark.parametrize(
+  "fault, cause",
+  [
+    (_replace_checkpoints_by_a_file, "replaced by a file or a link"),
+    (_remove_the_workdir, "removed while the run trained"),
+  ],
+  ids=["checkpoints-replaced-by-a-file", "workdir-removed"],
+)
+def test_a_checkpoints_folder_gone_mid_run_ends_in_one_line_with_an_emergency_save(
+  tmp_path, monkeypatch, fault, cause
+):
+  """The save finds its folder gone (orbax gave a raw FAILED_PRECONDITION or a message about
+  ArrayMetadata): one error naming the folder, and the step saved elsewhere."""
+  from simigrad_jax.checkpoint import CheckpointFolderGoneError
+  from tiny_run import make_trainer
+  from train import failures
+
+  monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+  (tmp_path / "tmp").mkdir()
+  workdir = tmp_path / "run"
+  trainer = make_trainer(workdir, checkpoints=simigrad_jax.CheckpointConfig(every_steps=3))
+  trainer.add_hook(_AtStep(2, fault, workdir))
+  with pytest.raises(CheckpointFolderGoneError) as failed, trainer:
+    trainer.train(num_steps=6)
+  error = failed.value
+  assert error.emergency_step == 3 and error.emergency_checkpoint is not None
+  assert (error.emergency_checkpoint / "state").is_dir()  # the whole step, saved elsewhere
+  line = failures.one_line(error, workdir, step=3)
+  assert line.startswith(f"simigrad: the checkpoints folder was {cause}")
+  assert "step 3 was saved in an emergency checkpoint" in line and "\n" not in line
+
+
+def test_a_failing_evaluation_at_an_epochs_end_still_leaves_that_steps_checkpoint(tmp_path):
+  """The epoch's end is evaluated, then checkpointed: an evaluation that fails (a bad eval
+  batch size, a bug) would lose the whole epoch; the step is saved before the error is raised."""
+  from tiny_run import make_trainer
+
+  def broken_eval(params, model_state):
+    raise ValueError("the evaluation failed")
+
+  trainer = make_trainer(tmp_path, eval_fn=broken_eval)
+  with pytest.raises(ValueError, match="the evaluation failed") as failed, trainer:
+    trainer.train(num_epochs=2)
+  step = trainer.step
+  assert Checkpointer(tmp_path / "checkpoints").latest_step() == step
+  assert f"the checkpoint of step {step} was saved before stopping" in failed.value.__notes__
+  resumed = make_trainer(tmp_path)
+  assert resumed.step == step
+  resumed.close()
