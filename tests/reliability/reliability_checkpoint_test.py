@@ -686,3 +686,25 @@ def test_a_failing_evaluation_at_an_epochs_end_still_leaves_that_steps_checkpoin
   resumed = make_trainer(tmp_path)
   assert resumed.step == step
   resumed.close()
+
+
+def test_a_failed_emergency_save_leaves_no_partial_copy_of_the_model(tmp_path, monkeypatch):
+  """Both places fail mid-save (the workdir's emergency/ and $TMPDIR): nothing of the model is
+  left in either, and the error says why for each."""
+  from simigrad_jax.checkpoint import emergency
+
+  (tmp_path / "checkpoints").mkdir()
+  monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+  (tmp_path / "tmp").mkdir()
+  real_save = Checkpointer.save
+
+  def save_then_fail(self, step, state, host):
+    real_save(self, step, state, host)  # the arrays are on disk: a partial copy
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), self.directory)
+
+  monkeypatch.setattr(Checkpointer, "save", save_then_fail)
+  error = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp_path / "checkpoints"))
+  emergency.save_after(error, tmp_path / "checkpoints", 3, small_state(3.0), {"step": 3})
+  assert error.emergency_checkpoint is None and "No space left" in error.emergency_why
+  assert not list((tmp_path / "tmp").iterdir())  # no simigrad-emergency-* copy left
+  assert not [p for p in (tmp_path / "emergency").iterdir() if p.name.startswith("3")]
