@@ -348,13 +348,14 @@ def _nonfinite_cause(
   once; the update is looked at only in a step whose new parameters are not
   finite.
   """
-  params_finite = _all_finite(new_params)
+  code = {name: jnp.int32(i + 1) for i, name in enumerate(NONFINITE_CAUSES)}
   written = lax.cond(
-    params_finite,
+    _all_finite(new_params),
     lambda: jnp.zeros([], jnp.int32),
-    lambda: jnp.where(_all_finite(updates), 4, 3).astype(jnp.int32),
+    lambda: jnp.where(_all_finite(updates), code["parameters"], code["update"]),
   )
-  return jnp.where(grads_finite, jnp.where(jnp.isfinite(loss), written, 2), 1).astype(jnp.int32)
+  with_loss = jnp.where(jnp.isfinite(loss), written, code["loss"])
+  return jnp.where(grads_finite, with_loss, code["gradient"]).astype(jnp.int32)
 
 
 def _update_in_step(optimizer, local, params, opt_state, grads, scalars, param_specs):
