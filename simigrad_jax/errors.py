@@ -25,7 +25,13 @@ Each error is imported from the room that raises it (the room's
   a run's folder this user may not create or write to.
 * ``simigrad_jax.checkpoint.CheckpointMismatchError`` (``ValueError``): a
   checkpoint of a run with other settings; ``simigrad_jax.checkpoint.CheckpointSaveError``
-  (``RuntimeError``): another process's background save failed.
+  (``RuntimeError``): another process's background save failed;
+  ``simigrad_jax.checkpoint.CheckpointsMissingError`` (``ValueError``): a
+  workdir whose metrics record steps but whose checkpoints folder is gone;
+  ``simigrad_jax.checkpoint.CheckpointFolderGoneError`` (``OSError``): the
+  checkpoints folder removed, or replaced by a file, while the run trains.
+* ``simigrad_jax.trainer.NonFiniteRunError`` (``RuntimeError``): a streak of
+  steps skipped as not finite (the run trained nothing).
 * ``simigrad_jax.compile.StepCompileError`` (``RuntimeError``): a step's
   compile failed; ``simigrad_jax.compile.CompileAbandoned`` (``RuntimeError``):
   a wait for a compile given up, the run stopping.

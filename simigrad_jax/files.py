@@ -10,7 +10,9 @@ can write to:
   never half of one, and a symlink in its place is replaced, never written
   through.
 * :func:`open_for_append` opens a file to append to without following a
-  symlink.
+  symlink, and :func:`read_plain_file` reads one; neither opens a FIFO, a
+  device or a socket planted where a run's file should be (such a file could
+  block the run, or be another program's).
 * :func:`make_private_dir` creates a folder (``0700``) and checks that it and
   its parents belong to this user (or root) and that no other user can write
   to them (:func:`check_private_dir`); otherwise another user could replace
@@ -47,6 +49,8 @@ __all__ = [
   "make_private_dir",
   "open_for_append",
   "open_nofollow",
+  "read_plain_file",
+  "refuse_special",
   "refuse_symlink",
   "user_cache_home",
   "write_atomic",
@@ -189,18 +193,67 @@ def open_for_append(path: str | os.PathLike) -> TextIO:
 
 
 def open_nofollow(path: str | os.PathLike, flags: int, mode: int = 0o666) -> int:
-  """``os.open(path, flags | O_NOFOLLOW | O_CLOEXEC, mode)``: a file descriptor, never through a symlink.
+  """``os.open(path, flags | O_NOFOLLOW | O_CLOEXEC, mode)``: a file descriptor, never through a
+  symlink, and only of a plain file.
+
+  The file is opened without blocking, so that a FIFO or a device where a
+  run's file should be is refused at once instead of waiting for a writer.
 
   Raises:
-    UnsafePathError: ``path`` is a symlink (the message names its target).
+    UnsafePathError: ``path`` is a symlink (the message names its target),
+      or not a plain file (a FIFO, a device, a socket, a folder).
   """
   path = pathlib.Path(path)
   try:
-    return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+    fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, mode)
   except OSError as error:
     if error.errno == errno.ELOOP or path.is_symlink():
       raise refuse_symlink(path) from error
+    if error.errno in (errno.ENXIO, errno.EISDIR):  # a FIFO without a reader, a folder
+      raise refuse_special(path) from error
     raise
+  try:
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+      raise refuse_special(path)
+    os.set_blocking(fd, True)
+  except BaseException:
+    os.close(fd)
+    raise
+  return fd
+
+
+def read_plain_file(path: str | os.PathLike) -> bytes:
+  """The bytes of the plain file ``path``, never read through a symlink nor from a FIFO or device.
+
+  Raises:
+    FileNotFoundError: ``path`` does not exist.
+    UnsafePathError: ``path`` is a symlink or not a plain file.
+  """
+  with open(open_nofollow(path, os.O_RDONLY), "rb") as f:
+    return f.read()
+
+
+def refuse_special(path: pathlib.Path) -> UnsafePathError:
+  """The error for something other than a plain file where a run's file is kept (to raise)."""
+  try:
+    kind = _KINDS.get(stat.S_IFMT(os.lstat(path).st_mode), "not a plain file")
+  except OSError:
+    kind = "not a plain file"
+  return UnsafePathError(
+    f"{path} is {kind}, where the run keeps a plain file; a run never reads or writes its "
+    f"files through one (it could block the run, or be another program's): remove it "
+    f"(rm {path}), or use another workdir"
+  )
+
+
+# What a file that is not a plain one is, for the messages.
+_KINDS = {
+  stat.S_IFIFO: "a FIFO (named pipe)",
+  stat.S_IFCHR: "a character device",
+  stat.S_IFBLK: "a block device",
+  stat.S_IFSOCK: "a socket",
+  stat.S_IFDIR: "a folder",
+}
 
 
 def refuse_symlink(path: pathlib.Path, *, what: str | None = None) -> UnsafePathError:

@@ -21,11 +21,12 @@ others end with a ``ProcessLostError`` that names it (exit status 1, within
 ``config.agreement_timeout_seconds``); start the same command again on every
 host to resume from the newest checkpoint.
 
-SIGTERM (a scheduler's preemption) or SIGINT (Ctrl-C) finishes the step under
-way on every process, saves its checkpoint, prints where it stopped and
-exits 0 for SIGTERM (a clean stop, as schedulers expect) or 130 for SIGINT;
+SIGTERM (a scheduler's preemption), SIGINT (Ctrl-C) or SIGHUP (a closed
+terminal, a dropped SSH session) finishes the step under way on every
+process, saves its checkpoint, prints where it stopped and exits 0 for
+SIGTERM (a clean stop, as schedulers expect), 130 for SIGINT or 129 for SIGHUP;
 the same command resumes from there. A second signal exits at once, without
-the checkpoint. A SIGTERM before the first step (while JAX starts, the data
+the checkpoint. A SIGTERM or SIGHUP before the first step (while JAX starts, the data
 loads, the checkpoint is read) ends the start at once with exit status 0:
 no step was done, so there is nothing to save; one after the last step lets
 the run finish its report. The process ends without waiting for compiles
@@ -42,6 +43,7 @@ run makes is private (``0600``/``0700``) whatever the umask.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
 import re
@@ -53,13 +55,14 @@ from collections.abc import Iterable
 
 
 def _exit_before_start(signum: int, frame: object) -> None:
-  """SIGTERM while the entry point imports its libraries: nothing was done, exit status 0."""
+  """SIGTERM or SIGHUP while the entry point imports its libraries: nothing was done, exit 0."""
   del signum, frame
   os._exit(0)  # pylint: disable=protected-access
 
 
 if __name__ == "__main__":  # (until stop_before_training replaces it, below)
-  signal.signal(signal.SIGTERM, _exit_before_start)
+  for _signum in (signal.SIGTERM, signal.SIGHUP):
+    signal.signal(_signum, _exit_before_start)
 
 from absl import app  # noqa: E402
 from absl import flags  # noqa: E402
@@ -94,7 +97,7 @@ flags.mark_flags_as_required(["config"])
 
 
 def stop_before_training(signum: int, frame: object) -> None:
-  """SIGTERM's handler from the start of ``python -m train`` until the training loop's own.
+  """SIGTERM's and SIGHUP's handler from the start of ``python -m train`` until the loop's own.
 
   Before the loop (:func:`simigrad_jax.multihost.preemption.training_started`)
   the start ends at once, exit status 0: no step was done, so there is nothing
@@ -109,11 +112,12 @@ def stop_before_training(signum: int, frame: object) -> None:
   if preemption is not None and preemption.training_started():
     print(f"simigrad: {name} after training: finishing the report", flush=True)
     return
-  print(
-    f"simigrad: {name} before the first step of this start: no step was done, nothing to "
-    "save; run the same command to start (or resume from the newest checkpoint)",
-    flush=True,
-  )
+  with contextlib.suppress(OSError):  # (after a SIGHUP the terminal may be gone)
+    print(
+      f"simigrad: {name} before the first step of this start: no step was done, nothing to "
+      "save; run the same command to start (or resume from the newest checkpoint)",
+      flush=True,
+    )
   os._exit(0)  # pylint: disable=protected-access  (no exception: a library could swallow it)
 
 
@@ -319,5 +323,6 @@ def _quiet_threads() -> None:
 
 
 if __name__ == "__main__":
-  signal.signal(signal.SIGTERM, stop_before_training)
+  for _signum in (signal.SIGTERM, signal.SIGHUP):
+    signal.signal(_signum, stop_before_training)
   app.run(main, flags_parser=parse_flags)

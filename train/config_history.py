@@ -49,17 +49,15 @@ def read_starts(workdir: str | os.PathLike) -> list[dict[str, Any]]:
   """The entries of ``<workdir>/config.json``, oldest first (``[]`` when there is none).
 
   Raises:
-    UnsafePathError: ``config.json`` is a symlink (it is never read or
-      written through one).
+    UnsafePathError: ``config.json`` is a symlink or not a plain file (it
+      is never read or written through one, nor read from a FIFO).
     ValueError: ``config.json`` is not JSON, or not a history or a config.
   """
   path = pathlib.Path(workdir) / CONFIG_FILENAME
-  if path.is_symlink():
-    raise files.refuse_symlink(path)
-  if not path.exists():
+  if not os.path.lexists(path):
     return []
   try:
-    data = json.loads(path.read_text())
+    data = json.loads(files.read_plain_file(path))
   except ValueError as error:
     raise ValueError(
       f"{path} is not JSON ({error}); it holds the configs of the run's starts: "

@@ -39,6 +39,14 @@ DISK_ERRORS = {
   errno.EROFS: ("the file system is read-only", "remount it read-write or give another --workdir"),
   errno.EACCES: ("permission denied", "give yourself write access (chmod u+rwX)"),
   errno.EPERM: ("operation not permitted", "give yourself write access (chmod u+rwX)"),
+  errno.ENOENT: (
+    "the checkpoints folder was removed while the run trained",
+    "restore the workdir (or give another --workdir)",
+  ),
+  errno.ENOTDIR: (
+    "the checkpoints folder was replaced by a file or a link while the run trained",
+    "put the folder back in its place",
+  ),
 }
 
 
@@ -77,12 +85,19 @@ def _file_of(error: BaseException, workdir: pathlib.Path | None) -> str | None:
 
 
 def last_checkpoint(workdir: pathlib.Path | None) -> int | None:
-  """The step of the newest checkpoint saved completely in ``<workdir>/checkpoints``, or None."""
+  """The step of the newest checkpoint saved completely in ``<workdir>/checkpoints``, or None
+  (a link, a file or a folder the run did not write there is not one)."""
   if workdir is None:
     return None
+  from simigrad_jax.checkpoint import checkpointer  # pylint: disable=import-outside-toplevel
+
   folder = workdir / "checkpoints"
   try:
-    steps = [int(p.name) for p in folder.iterdir() if p.name.isdigit() and p.is_dir()]
+    steps = [
+      int(p.name)
+      for p in folder.iterdir()
+      if p.name.isdigit() and checkpointer.is_checkpoint_folder(p)
+    ]
   except OSError:
     return None
   return max(steps, default=None)

@@ -179,7 +179,7 @@ def summarize(
   steps = [r for r in records if "batch_size" in r]
   evals = [r for r in records if "eval_accuracy" in r]
   last = steps[-1] if steps else {}
-  nonfinite = [r for r in steps if r.get("grads_finite") is False]
+  nonfinite = [r for r in steps if r.get("grads_finite") is False or r.get("nonfinite_cause")]
   examples = last.get("examples_seen", run["examples_seen"])
   count = last.get("step", run["steps"])
   return {

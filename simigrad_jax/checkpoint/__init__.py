@@ -7,7 +7,10 @@ Documented API:
     (metrics_recovery restores what the TensorBoard events hold on resume).
   Errors: CheckpointMismatchError (a checkpoint made by a run with other
     settings, or of another model), CheckpointSaveError (another process's
-    background save failed, so every process stops).
+    background save failed, so every process stops), CheckpointsMissingError
+    (a workdir whose metrics record steps but whose checkpoints folder is gone),
+    CheckpointFolderGoneError (the checkpoints folder removed or replaced by a
+    file while the run trains).
 
 Modules: ``checkpointer``, ``integrity`` (what a checkpoint carries to be
 verified), ``run_record`` (what a run is, recorded in every checkpoint) and
@@ -22,13 +25,17 @@ Example:
 """
 
 from simigrad_jax.checkpoint.checkpointer import Checkpointer
+from simigrad_jax.checkpoint.checkpointer import CheckpointFolderGoneError
 from simigrad_jax.checkpoint.checkpointer import CheckpointMismatchError
 from simigrad_jax.checkpoint.metrics_recovery import missing_steps
 from simigrad_jax.checkpoint.run_checkpoints import CheckpointSaveError
+from simigrad_jax.checkpoint.run_checkpoints import CheckpointsMissingError
 
 __all__ = [
+  "CheckpointFolderGoneError",
   "CheckpointMismatchError",
   "CheckpointSaveError",
   "Checkpointer",
+  "CheckpointsMissingError",
   "missing_steps",
 ]

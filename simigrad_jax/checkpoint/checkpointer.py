@@ -28,19 +28,32 @@ but that is missing is damage (:mod:`simigrad_jax.checkpoint.read_retry`).
 A background save that fails is reported by :meth:`Checkpointer.failed_save`
 without waiting (:mod:`simigrad_jax.checkpoint.background_save`), so that a
 run can stop at its next step instead of at its next save.
+
+The directory trusts nothing it did not make. A step folder is a checkpoint
+only when it is a real folder (not a link) holding what orbax writes
+(:func:`is_checkpoint_folder`); anything else named like a step (a link, a
+file, a FIFO, a folder someone else made) is never read, moved or deleted,
+and a warning names it. The newest checkpoints are kept by this class, not
+by orbax (which deletes every folder named like a step): only the steps
+this run saved are ever deleted, as the ledger that every checkpoint
+carries in its host item (``written_steps``) lists them.
 """
 
 from __future__ import annotations
 
+import errno
 import functools
 import logging
 import os
 import re
+import shutil
+import stat
 from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
 
+from simigrad_jax import files
 from simigrad_jax.checkpoint import integrity
 from simigrad_jax.checkpoint import read_retry
 from simigrad_jax.checkpoint.background_save import BackgroundSave
@@ -50,9 +63,51 @@ from simigrad_jax.errors import SimiGradError
 logger = logging.getLogger("simigrad_jax")
 
 
+# The host item's key of the ledger: the steps of the checkpoints the run saved and keeps.
+WRITTEN_STEPS = "written_steps"
+# The names orbax writes into a checkpoint's folder; a folder with none of them is not one.
+_ORBAX_NAMES = ("_CHECKPOINT_METADATA", "commit_success.txt", "host", "state")
+
+
+def is_checkpoint_folder(path: str | os.PathLike) -> bool:
+  """Whether ``path`` is a folder orbax wrote: a real folder, not a link, holding its files.
+
+  A damaged checkpoint still is one (it keeps some of orbax's names); a link,
+  a file, a FIFO or a folder someone else made is not.
+  """
+  try:
+    if not stat.S_ISDIR(os.lstat(path).st_mode):
+      return False
+    return any(name in _ORBAX_NAMES for name in os.listdir(path))
+  except OSError:
+    return False
+
+
 def _plain(text: str) -> str:
   """``text`` without the ``<bound method ...>`` reprs that compiled libraries put in messages."""
   return re.sub(r"\s*<bound method [^>]*>", "", text)
+
+
+def _kind(path: str) -> str:
+  """What the entry ``path`` is, for a message."""
+  try:
+    mode = os.lstat(path).st_mode
+  except OSError:
+    return "gone"
+  if stat.S_ISLNK(mode):
+    return f"a link to {os.readlink(path)!r}"
+  if stat.S_ISDIR(mode):
+    return "a folder without orbax's files"
+  return "a plain file" if stat.S_ISREG(mode) else "a special file (a FIFO, a device)"
+
+
+class CheckpointFolderGoneError(SimiGradError, OSError):
+  """The checkpoints folder is gone, or no longer a folder, while the run trains.
+
+  Its ``errno`` is ``ENOENT`` (removed) or ``ENOTDIR`` (replaced by a file or
+  a link); an emergency save takes the run's last step elsewhere
+  (:mod:`simigrad_jax.checkpoint.emergency`).
+  """
 
 
 class CheckpointMismatchError(SimiGradError, ValueError):
@@ -92,19 +147,54 @@ class Checkpointer:
     if isinstance(max_to_keep, bool) or not isinstance(max_to_keep, int) or max_to_keep < 1:
       raise ValueError(f"max_to_keep must be an integer >= 1, got {max_to_keep!r}")
     self.directory = directory
+    self.max_to_keep = max_to_keep
     self.skipped: list[tuple[int, str]] = []
     self.quarantined: list[str] = []
+    # orbax keeps every checkpoint: it would delete any folder named like a step.
     self._manager = ocp.CheckpointManager(
       directory,
       options=ocp.CheckpointManagerOptions(
-        max_to_keep=max_to_keep, enable_async_checkpointing=async_save, create=True
+        max_to_keep=None, enable_async_checkpointing=async_save, create=True
       ),
     )
     self._background = BackgroundSave(self._manager.wait_until_finished)
+    self._async = async_save
+    self._written: list[int] = []  # the steps this run saved and keeps, oldest first
+    self._saving: int | None = None  # the step of the save under way
+    self._warned: set[str] = set()  # the foreign entries already named in a warning
 
   def all_steps(self) -> list[int]:
-    """The steps of the checkpoints on disk, oldest first."""
-    return sorted(self._manager.all_steps())
+    """The steps of the checkpoints on disk, oldest first (only folders orbax wrote)."""
+    steps = []
+    for step in sorted(self._manager.all_steps()):
+      path = os.path.join(self.directory, str(step))
+      if step == self._saving or is_checkpoint_folder(path):  # (its own save may be under way)
+        steps.append(step)
+      elif os.path.lexists(path) and path not in self._warned:
+        self._warned.add(path)
+        logger.warning(
+          "%s is named like a checkpoint but is not a folder this run wrote (%s): it is "
+          "never read, moved or deleted",
+          path,
+          _kind(path),
+        )
+    return steps
+
+  def foreign_entries(self) -> list[str]:
+    """The entries of the directory named like a step that are not checkpoints (links, files,
+    folders someone else made), oldest step first."""
+    try:
+      names = os.listdir(self.directory)
+    except OSError:
+      return []
+    steps = sorted(int(n) for n in names if n.isdigit())
+    paths = [os.path.join(self.directory, str(step)) for step in steps]
+    return [path for path in paths if not is_checkpoint_folder(path)]
+
+  @staticmethod
+  def describe(path: str) -> str:
+    """What the entry ``path`` is (a link, a file, a folder without orbax's files), for a message."""
+    return _kind(path)
 
   def latest_step(self) -> int | None:
     """The newest checkpoint's step, or None when there is none."""
@@ -119,7 +209,9 @@ class Checkpointer:
     """
     record = self._host_record(step)
     payload = integrity.verified_payload(record, step)
-    return dict(record) if payload is None else payload["host"]
+    host = dict(record) if payload is None else dict(payload["host"])
+    host.pop(WRITTEN_STEPS, None)  # (the directory's own: the caller gets back what it saved)
+    return host
 
   def save(self, step: int, state: Any, host: dict[str, Any]) -> None:
     """Saves ``state`` (arrays) and ``host`` (JSON) as the checkpoint of ``step``.
@@ -128,14 +220,69 @@ class Checkpointer:
     module docstring). Every process must call it (multi-host runs). The
     last save is waited for first (see :meth:`wait`).
     """
-    record = integrity.host_record(state, host)
     self.wait()
+    if step in self._written:  # saved already (a step is saved once)
+      return
+    self.check_folder(step)
+    path = os.path.join(self.directory, str(step))
+    if os.path.lexists(path):  # (a run saves each step once: someone else put this there)
+      raise files.UnsafePathError(
+        f"cannot save the checkpoint of step {step}: {path} exists and is {_kind(path)}, not "
+        f"made by this run (it is left alone); move it out of {self.directory} and resume"
+      )
+    host = {**host, WRITTEN_STEPS: self._kept_after(step)}
+    record = integrity.host_record(state, host)
+    self._saving = step
     self._manager.save(
       step,
       args=ocp.args.Composite(state=ocp.args.StandardSave(state), host=ocp.args.JsonSave(record)),
       force=True,
     )
     self._background.started()  # so that failed_save() knows at once
+    if not self._async:  # finished: the old ones go now (else once it has, at the next wait)
+      self._saved()
+
+  def check_folder(self, step: int) -> None:
+    """Raises :class:`CheckpointFolderGoneError` when the directory is no longer a real folder.
+
+    A workdir removed while the run trains, or ``checkpoints/`` replaced by
+    a file or a link, would otherwise fail inside orbax with a raw error.
+    """
+    try:
+      mode = os.lstat(self.directory).st_mode
+    except FileNotFoundError:
+      gone, what = errno.ENOENT, "is gone (the workdir or the folder was removed)"
+    else:
+      if stat.S_ISDIR(mode):
+        return
+      gone, what = errno.ENOTDIR, f"is no longer a folder: it is now {_kind(self.directory)}"
+    raise CheckpointFolderGoneError(
+      gone,
+      f"the checkpoint of step {step} cannot be saved: {self.directory} {what}",
+      self.directory,
+    )
+
+  def _kept_after(self, step: int) -> list[int]:
+    """The steps this run keeps once the checkpoint of ``step`` is saved, oldest first."""
+    return [*self._written, step][-self.max_to_keep :]
+
+  def _saved(self) -> None:
+    """Takes the finished save into the ledger, then deletes the run's checkpoints beyond the
+    newest :attr:`max_to_keep` (process 0: the others see the same storage)."""
+    step, self._saving = self._saving, None
+    if step is None or not is_checkpoint_folder(os.path.join(self.directory, str(step))):
+      return  # (a failed save: nothing new to keep, nothing old to give up)
+    kept = self._kept_after(step)
+    dropped = [s for s in self._written if s not in kept]
+    self._written = kept
+    if jax.process_index() != 0:
+      return
+    for old in dropped:
+      path = os.path.join(self.directory, str(old))
+      if is_checkpoint_folder(path):  # (never through a link put in its place since)
+        shutil.rmtree(path)
+    if dropped:
+      self._manager.reload()
 
   def failed_save(self) -> BaseException | None:
     """The error of the last save if its background part has failed; never waits.
@@ -218,12 +365,27 @@ class Checkpointer:
           [s for s, _ in self.skipped],
           self.quarantined,
         )
+      host = dict(host)
+      self._adopt_ledger(host.pop(WRITTEN_STEPS, None), candidate)
       return state, host, candidate
     raise ValueError(
       f"no readable checkpoint in {self.directory}: " + "; ".join(errors) + ". Every checkpoint "
       f"there is damaged: restore one from a backup into {self.directory}, or move the folder "
       f"aside (mv {self.directory} {self.directory}.damaged) to start the run again from step 0"
     )
+
+  def _adopt_ledger(self, ledger: Any, step: int) -> None:
+    """Takes the restored checkpoint's ledger as the run's: the steps it saved up to ``step``.
+
+    A checkpoint written before the ledger existed (``ledger`` None) counts
+    as the run's, with the older checkpoints orbax wrote beside it.
+    """
+    steps = self.all_steps()
+    if not isinstance(ledger, list):
+      ledger = steps
+    self._written = [s for s in ledger if isinstance(s, int) and s <= step and s in steps]
+    if step not in self._written:
+      self._written.append(step)
 
   def _host_record(self, step: int) -> Any:
     """The host item of the checkpoint of ``step`` as saved (see :mod:`.integrity`)."""
@@ -280,7 +442,10 @@ class Checkpointer:
       Exception: the save's error, when its background part failed (once:
         not an error that :meth:`failed_save` returned).
     """
-    return self._background.wait(timeout)
+    finished = self._background.wait(timeout)
+    if finished:
+      self._saved()
+    return finished
 
   def close(self) -> None:
     """Waits for the last save and releases orbax's resources (raising as :meth:`wait`)."""

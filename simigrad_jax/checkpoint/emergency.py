@@ -25,6 +25,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -36,6 +37,8 @@ from typing import Any
 
 from simigrad_jax import files
 from simigrad_jax.checkpoint.checkpointer import Checkpointer
+from simigrad_jax.checkpoint.checkpointer import CheckpointFolderGoneError
+from simigrad_jax.checkpoint.checkpointer import is_checkpoint_folder
 
 logger = logging.getLogger("simigrad_jax")
 
@@ -65,12 +68,17 @@ def chain(error: BaseException) -> list[BaseException]:
 def disk_errno(error: BaseException) -> int | None:
   """The errno of a file system's failure somewhere in ``error``'s chain, or None.
 
+  A :class:`~simigrad_jax.checkpoint.checkpointer.CheckpointFolderGoneError`
+  counts (its ``ENOENT`` or ``ENOTDIR``): the checkpoints folder is gone.
+
   Example:
     >>> disk_errno(RuntimeError("the save failed: No space left on device"))
     28
   """
   for link in chain(error):
     if isinstance(link, OSError) and link.errno in DISK_ERRNOS:
+      return link.errno
+    if isinstance(link, CheckpointFolderGoneError):  # (ENOENT, ENOTDIR: the folder's, surely)
       return link.errno
     for text, number in DISK_TEXTS.items():
       if text in str(link):
@@ -102,9 +110,11 @@ def save_elsewhere(
   """
   whys = []
   for place in (emergency_folder(checkpoints_dir), None):
+    made = None  # the folder this attempt made in $TMPDIR, removed whole if the save fails
     try:
       if place is None:
-        place = pathlib.Path(tempfile.mkdtemp(prefix="simigrad-emergency-")) / "checkpoints"
+        made = pathlib.Path(tempfile.mkdtemp(prefix="simigrad-emergency-"))
+        place = made / "checkpoints"
       else:
         files.make_private_dir(place, what="emergency checkpoint folder")
       checkpointer = Checkpointer(place, max_to_keep=1, async_save=False)
@@ -114,11 +124,30 @@ def save_elsewhere(
         checkpointer.close()
     except Exception as error:  # pylint: disable=broad-except  (the next place may take it)
       whys.append(f"{place}: {type(error).__name__}: {str(error).splitlines()[0][:200]}")
+      _remove_partial(made, place, step)
       continue
     folder = place / str(step)
     logger.warning("saved an emergency checkpoint of step %d in %s", step, folder)
     return folder, ""
   return None, "; ".join(whys)
+
+
+def _remove_partial(made: pathlib.Path | None, place: pathlib.Path | None, step: int) -> None:
+  """Removes what a failed emergency save of ``step`` left: no partial copy of the model stays.
+
+  ``made``: the folder the attempt made in ``$TMPDIR`` (removed whole);
+  else only the step's own folder and orbax's temporary ones for it in
+  ``place`` (``<workdir>/emergency/``), never a link.
+  """
+  if made is not None:
+    shutil.rmtree(made, ignore_errors=True)
+    return
+  if place is None or place.is_symlink() or not place.is_dir():
+    return
+  for entry in place.iterdir():
+    if entry.name == str(step) or entry.name.startswith(f"{step}.orbax-checkpoint-tmp"):
+      if entry.is_dir() and not entry.is_symlink():
+        shutil.rmtree(entry, ignore_errors=True)
 
 
 def adopt(checkpoints_dir: str | os.PathLike, latest: int | None) -> int | None:
@@ -138,7 +167,9 @@ def adopt(checkpoints_dir: str | os.PathLike, latest: int | None) -> int | None:
   folder = emergency_folder(checkpoints_dir)
   if folder.is_symlink() or not folder.is_dir():
     return None
-  steps = sorted(int(p.name) for p in folder.iterdir() if p.name.isdigit() and p.is_dir())
+  steps = sorted(
+    int(p.name) for p in folder.iterdir() if p.name.isdigit() and is_checkpoint_folder(p)
+  )
   if not steps:
     return None
   newest = steps[-1]
@@ -152,7 +183,10 @@ def adopt(checkpoints_dir: str | os.PathLike, latest: int | None) -> int | None:
       checkpoints_dir,
     )
     adopted = newest
-  shutil.rmtree(folder, ignore_errors=True)  # the rest is older than a checkpoint kept
+  for old in steps[:-1] if adopted is not None else steps:  # older than a checkpoint kept
+    shutil.rmtree(folder / str(old), ignore_errors=True)
+  with contextlib.suppress(OSError):  # (what else is there, the run did not make: it stays)
+    folder.rmdir()
   return adopted
 
 

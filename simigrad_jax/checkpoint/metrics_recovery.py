@@ -215,13 +215,13 @@ def prepare_for_append(
     ``[first, last]`` ranges.
 
   Raises:
-    UnsafePathError: ``path`` is a symlink.
+    UnsafePathError: ``path`` is a symlink, or not a plain file (a FIFO, a device).
   """
   if path.is_symlink():  # never read or write a run's metrics through a link
     raise files.refuse_symlink(path)
   if not path.exists() and resume_step is None:
     return []
-  data = path.read_bytes() if path.exists() else b""
+  data = files.read_plain_file(path) if path.exists() else b""
   if resume_step is None:
     if not data or data.endswith(b"\n"):
       return []

@@ -15,6 +15,8 @@ from collections.abc import Iterable, Sequence
 import jax
 from jax.experimental import multihost_utils
 
+from simigrad_jax import files
+
 
 def quarantine(directory: str, steps: Sequence[int]) -> list[str]:
   """Moves the checkpoints of ``steps`` in ``directory`` to ``<directory>.unreadable/``.
@@ -22,6 +24,10 @@ def quarantine(directory: str, steps: Sequence[int]) -> list[str]:
   Every process must call it (multi-host runs), with the same ``steps``. The
   folder is created private (mode 0o700), as the checkpoints are; a step
   whose folder is gone is not moved.
+
+  Raises:
+    UnsafePathError: ``<directory>.unreadable`` is a link or a file (it is
+      never followed: nothing is moved).
 
   Args:
     directory: the checkpoints' directory.
@@ -38,6 +44,14 @@ def quarantine(directory: str, steps: Sequence[int]) -> list[str]:
   if multi:  # every process has finished reading before anything moves
     multihost_utils.sync_global_devices("simigrad_jax:quarantine:read")
   root = unreadable_root(directory)
+  if os.path.islink(root) or (os.path.lexists(root) and not os.path.isdir(root)):
+    # Followed, a link would take the run's checkpoints out of its workdir.
+    raise files.UnsafePathError(
+      f"{root}, where unreadable checkpoints are moved, is "
+      f"{'a link to ' + repr(os.readlink(root)) if os.path.islink(root) else 'not a folder'}: "
+      f"nothing was moved, the run never moves its checkpoints through a link or onto a file; "
+      f"remove it (rm {root}), then run again"
+    )
   taken = os.listdir(root) if os.path.isdir(root) else []
   names = free_names(steps, taken)
   moves = [

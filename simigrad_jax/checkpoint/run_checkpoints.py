@@ -22,10 +22,13 @@ from __future__ import annotations
 
 import logging
 import os
+import pathlib
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
+from simigrad_jax import files
 from simigrad_jax.checkpoint import emergency
+from simigrad_jax.checkpoint import metrics_recovery
 from simigrad_jax.checkpoint import resume_checks
 from simigrad_jax.checkpoint import run_record
 from simigrad_jax.checkpoint.checkpointer import Checkpointer
@@ -44,6 +47,39 @@ class CheckpointSaveError(SimiGradError, RuntimeError):
 
   The process whose save failed raises the save's own error instead.
   """
+
+
+class CheckpointsMissingError(SimiGradError, ValueError):
+  """A workdir whose metrics record trained steps but whose checkpoints folder is gone."""
+
+
+def check_checkpoints_kept(workdir: str | os.PathLike) -> None:
+  """Refuses a workdir whose ``metrics.jsonl`` records steps while ``checkpoints/`` is missing.
+
+  Call it before the checkpoints folder is made. A run killed before its
+  first save keeps an empty ``checkpoints/`` and starts again from step 0, as
+  it should; a workdir whose ``checkpoints/`` was deleted (or never copied
+  along) would start again too, and rewrite the records of the steps it
+  trained, so it is refused with the choices spelled out.
+
+  Raises:
+    CheckpointsMissingError: the metrics record steps and no checkpoints
+      folder is there.
+  """
+  workdir = pathlib.Path(workdir)
+  folder, metrics = workdir / "checkpoints", workdir / "metrics.jsonl"
+  if os.path.lexists(folder) or not os.path.lexists(metrics):
+    return
+  entries, _, _ = metrics_recovery.parse_records(files.read_plain_file(metrics))
+  steps = [r["step"] for _, r in entries if metrics_recovery.STEP_KEY in r]
+  if not steps:
+    return
+  raise CheckpointsMissingError(
+    f"{metrics} records steps {min(steps)}-{max(steps)} of a run, but its checkpoints folder "
+    f"{folder} is gone: starting here would train again from step 0 and rewrite those records. "
+    f"To resume, put the checkpoints back in {folder}; to start anew keeping the old records, "
+    f"move them aside (mv {metrics} {metrics}.old) or use another workdir"
+  )
 
 
 class Resumed(NamedTuple):
@@ -130,6 +166,7 @@ class RunCheckpoints:
     if self._agreement.num_processes == 1:  # (only one process saves one)
       if emergency.adopt(checkpointer.directory, checkpointer.latest_step()) is not None:
         checkpointer.reload()
+    self._refuse_foreign_ahead()
     if checkpointer.latest_step() is None:
       return None
     directory = checkpointer.directory
@@ -185,6 +222,31 @@ class RunCheckpoints:
       host.get("compiled_programs"),
     )
 
+  def _refuse_foreign_ahead(self) -> None:
+    """Refuses an entry named like a step the run will save, that the run did not make.
+
+    Older ones are left alone (named in a warning): the run never reads,
+    moves or deletes them. One newer than the newest checkpoint would block
+    that step's save in the middle of training.
+
+    Raises:
+      UnsafePathError: such an entry (a link, a file, a FIFO, a folder
+        someone else made), named, with the fix.
+    """
+    checkpointer = self.checkpointer
+    latest = checkpointer.latest_step() or 0
+    ahead = [
+      path for path in checkpointer.foreign_entries() if int(os.path.basename(path)) > latest
+    ]
+    if ahead:
+      raise files.UnsafePathError(
+        f"{ahead[0]} is named like a checkpoint of step {os.path.basename(ahead[0])} but this "
+        f"run did not make it ({checkpointer.describe(ahead[0])}): the run would stop when it "
+        f"reaches that step, and never writes through, reads or deletes what it did not "
+        f"make; move it out of {checkpointer.directory}, then run again"
+        + (f" (and {len(ahead) - 1} more such entries)" if len(ahead) > 1 else "")
+      )
+
   def _newest_saved_run(self) -> dict[str, Any] | None:
     """The record saved with the newest checkpoint; None without one, or when the run keeps
     none (nothing is read then)."""
@@ -238,6 +300,35 @@ class RunCheckpoints:
     if self._agreement.num_processes == 1 and step > (self.checkpointer.latest_step() or 0):
       host = _host_state(self, step, **saved_with)
       emergency.save_after(error, self.checkpointer.directory, step, state, host)
+
+  def save_before_failing(
+    self, error: BaseException, step: int, state: Any, **saved_with: Any
+  ) -> None:
+    """After ``error``, not a disk's, the checkpoint of ``step`` saved as usual, if it can be.
+
+    A failure after a whole step (a hook's, the evaluation at an epoch's end,
+    a streak of non-finite steps) would otherwise lose the steps since the
+    last checkpoint. One process only (several would have to save together),
+    a whole step's ``state`` (None: the next step was under way), a step not
+    saved yet; a save that fails too is logged and ``error`` is raised as it
+    was. A disk's error goes to :meth:`save_elsewhere` instead.
+    """
+    if (
+      self._agreement.num_processes != 1
+      or state is None
+      or emergency.disk_errno(error) is not None
+      or step <= (self.checkpointer.latest_step() or 0)
+    ):
+      return
+    try:
+      self.save(step, state, **saved_with)
+      self.wait(f"checkpoint of step {step}")
+    except Exception as save_error:  # pylint: disable=broad-except  (the first error is raised)
+      logger.warning(
+        "could not save the checkpoint of step %d after %r: %r", step, error, save_error
+      )
+      return
+    error.add_note(f"the checkpoint of step {step} was saved before stopping")
 
   def failed_save(self) -> str | None:
     """``"ErrorType: message"`` (short) when this process's last save failed in the background,

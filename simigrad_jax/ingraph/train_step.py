@@ -41,9 +41,12 @@ step's real examples, the learning-rate factor, half A's real examples) and
 returns what it measured as one :class:`StepMeasurements` (the loss and the
 transform's :class:`~simigrad_jax.ingraph.transform.SimilarityState`). The
 learning-rate factor is written into the optimizer state in-graph, so the
-host never rewrites the state between steps. A step whose gradient is not
-finite keeps the parameters, the optimizer state and the model state as they
-were.
+host never rewrites the state between steps. A step that would write
+something not finite (its gradient, its loss, its update or its new
+parameters holds NaN or an infinity) keeps the parameters, the optimizer
+state and the model state as they were, and says why in its
+:class:`StepMeasurements` (``nonfinite_cause``, an index into
+:data:`NONFINITE_CAUSES`).
 """
 
 from __future__ import annotations
@@ -77,6 +80,10 @@ PerExampleLossFn = Callable[[Any, Any, Any, jax.Array, jax.Array], tuple[jax.Arr
 
 HALVES: tuple[str, ...] = ("device", "local")
 
+# Why a step was skipped, in the order they are checked: StepMeasurements.nonfinite_cause is
+# 0 for a step that wrote its results, else 1 + the index here of the first that was not finite.
+NONFINITE_CAUSES: tuple[str, ...] = ("gradient", "loss", "update", "parameters")
+
 
 class StepScalars(NamedTuple):
   """The scalars a step takes from the host beside its rows (float32, replicated).
@@ -96,6 +103,9 @@ class StepMeasurements(NamedTuple):
 
   loss: jax.Array  # float32: the mean loss over the step's real examples.
   similarity_state: SimilarityState  # the transform's statistics of the step's two halves.
+  # int32: 0 when the step wrote its results, else 1 + the index in NONFINITE_CAUSES of why the
+  # step was skipped (the first of gradient, loss, update, new parameters that was not finite).
+  nonfinite_cause: Any = 0
 
 
 class LossContractError(SimiGradError, ValueError):
@@ -300,7 +310,7 @@ def _optimizer_inputs(optimizer, local, grads, scalars, param_specs):
 
 
 def _keep_if_nonfinite(finite: jax.Array, new: Any, old: Any) -> Any:
-  """``new`` where the step's gradients were finite, else ``old`` (like ``optax.apply_if_finite``).
+  """``new`` where the step wrote only finite numbers, else ``old`` (like ``optax.apply_if_finite``).
 
   The :class:`SimilarityState` always takes the new value: it records the
   event. The transform alone would only zero the update, and momentum, weight
@@ -319,6 +329,40 @@ def _keep_if_nonfinite(finite: jax.Array, new: Any, old: Any) -> Any:
     return jax.tree.map(keep, new_node, old_node)
 
   return jax.tree.map(keep_state, new, old, is_leaf=lambda x: isinstance(x, SimilarityState))
+
+
+def _all_finite(tree: Any) -> jax.Array:
+  """Whether every entry of ``tree``'s floating leaves is finite (a bool scalar).
+
+  One fused reduction per leaf (``isfinite`` feeds the ``all`` without an
+  intermediate array), then one over the leaves' answers.
+  """
+  leaves = [leaf for leaf in jax.tree.leaves(tree) if jnp.issubdtype(leaf.dtype, jnp.inexact)]
+  if not leaves:
+    return jnp.ones([], jnp.bool_)
+  return jnp.all(jnp.stack([jnp.all(jnp.isfinite(leaf)) for leaf in leaves]))
+
+
+def _nonfinite_cause(
+  grads_finite: jax.Array, loss: jax.Array, updates: Any, new_params: Any
+) -> jax.Array:
+  """The step's :attr:`StepMeasurements.nonfinite_cause`: 0 when all it writes is finite.
+
+  The parameters going in are finite (the Trainer checks the initial ones,
+  and a step writes only finite ones), so new parameters that are not finite
+  come from an update that is not (cause ``"update"``) or from an overflow of
+  their dtype (``"parameters"``). The common step reduces the new parameters
+  once; the update is looked at only in a step whose new parameters are not
+  finite.
+  """
+  code = {name: jnp.int32(i + 1) for i, name in enumerate(NONFINITE_CAUSES)}
+  written = lax.cond(
+    _all_finite(new_params),
+    lambda: jnp.zeros([], jnp.int32),
+    lambda: jnp.where(_all_finite(updates), code["parameters"], code["update"]),
+  )
+  with_loss = jnp.where(jnp.isfinite(loss), written, code["loss"])
+  return jnp.where(grads_finite, with_loss, code["gradient"]).astype(jnp.int32)
 
 
 def _update_in_step(optimizer, local, params, opt_state, grads, scalars, param_specs):
@@ -359,12 +403,13 @@ def _update(
     )
   new_params = optax.apply_updates(params, updates)
   similarity_state = optax.tree_utils.tree_get(new_opt_state, SimilarityState.__name__)
-  finite = similarity_state.grads_finite
+  cause = _nonfinite_cause(similarity_state.grads_finite, mean_loss, updates, new_params)
+  finite = cause == 0
   return (
     _keep_if_nonfinite(finite, new_params, params),
     _keep_if_nonfinite(finite, new_opt_state, opt_state),
     finite,
-    StepMeasurements(loss=mean_loss, similarity_state=similarity_state),
+    StepMeasurements(loss=mean_loss, similarity_state=similarity_state, nonfinite_cause=cause),
   )
 
 
@@ -562,8 +607,8 @@ def make_apply_step(
   Returns:
     A function (to be jitted) returning the new replicated params and
     optimizer state, the cleared accumulator, the model state (the one from
-    the micro-steps, or ``model_state_before`` when the gradients were not
-    finite) and the step's :class:`StepMeasurements` (identical on every
+    the micro-steps, or ``model_state_before`` when the step was skipped as
+    not finite) and the step's :class:`StepMeasurements` (identical on every
     device).
   """
   local = _check_halves(halves)

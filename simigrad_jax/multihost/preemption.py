@@ -1,8 +1,9 @@
-"""Host: a clean stop on SIGTERM or SIGINT: the step under way finishes, its checkpoint is saved.
+"""Host: a clean stop on SIGTERM, SIGINT or SIGHUP: the step under way finishes and is saved.
 
 While :meth:`~simigrad_jax.Trainer.train` runs in the main thread, the first
-SIGTERM (a scheduler's preemption) or SIGINT (Ctrl-C) is only recorded
-(:class:`StopSignals`). The step under way finishes; at its agreement every
+SIGTERM (a scheduler's preemption), SIGINT (Ctrl-C) or SIGHUP (a closed
+terminal, a dropped SSH session) is only recorded (:class:`StopSignals`).
+The step under way finishes; at its agreement every
 process learns whether any of them received a signal, so all of them stop
 after the same step; that step's records and checkpoint are written and
 waited for, and ``train()`` raises :class:`Preempted`. A one-process run that
@@ -10,6 +11,10 @@ is waiting for a step's compile when the signal comes gives the wait up and
 stops before that step (:meth:`RunStop.stop_alone`): the compile is
 abandoned, never awaited. A second signal ends
 the process at once, by the signal's default action, without a checkpoint.
+After a SIGHUP the terminal is gone, and a write to it would fail: the
+process's standard output and error, where they are a terminal, are sent to
+``/dev/null`` from then on (as ``nohup`` would have done), so that the stop
+can finish and save; output redirected to a file or a pipe is kept.
 
 The same per-step exchange (:func:`step_report`, read by :class:`Agreed`)
 carries process 0's seconds since the last checkpoint, so that
@@ -23,6 +28,7 @@ part of it: the signals received, the stop every process agreed on, and the
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 from collections.abc import Sequence
@@ -32,14 +38,14 @@ from simigrad_jax.errors import SimiGradError
 
 logger = logging.getLogger("simigrad_jax")
 
-SIGNALS: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGINT)
+SIGNALS: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 # Whether a StopSignals was entered in this process: a training loop has taken over the signals.
 _entered = threading.Event()
 
 
 def training_started() -> bool:
-  """Whether a training loop of this process has taken over SIGTERM and SIGINT (:class:`StopSignals`).
+  """Whether a training loop of this process has taken over its stop signals (:class:`StopSignals`).
 
   A script's own early handler reads it: before, a signal can end the start
   at once (no step was done, nothing to save); after, the loop has saved its
@@ -55,20 +61,21 @@ def training_started() -> bool:
 
 
 class Preempted(SimiGradError, RuntimeError):
-  """``Trainer.train`` stopped on SIGTERM or SIGINT, after saving the checkpoint of its last step.
+  """``Trainer.train`` stopped on a signal (:data:`SIGNALS`), after saving its last step's checkpoint.
 
   Run the same code again to resume from that checkpoint: no step is done
   twice. A script exits with :attr:`exit_code` (``sys.exit(error.exit_code)``).
 
   Attributes:
-    signal: the signal that stopped the run (``signal.SIGTERM`` or
-      ``signal.SIGINT``; with several processes, the first process's that
-      received one).
+    signal: the signal that stopped the run (``signal.SIGTERM``,
+      ``signal.SIGINT`` or ``signal.SIGHUP``; with several processes, the
+      first process's that received one).
     step: the last optimizer step done, whose checkpoint was saved.
     checkpoint: the folder of that checkpoint.
     summary: what ``train()`` would have returned for the steps it did.
-    exit_code: 0 for SIGTERM (a scheduler expects a clean stop), 130
-      (128 + SIGINT, the shell's convention) for SIGINT.
+    exit_code: 0 for SIGTERM (a scheduler expects a clean stop), 128 + the
+      signal's number (the shell's convention) for the others: 130 for
+      SIGINT, 129 for SIGHUP.
 
   Example:
     >>> try:  # doctest: +SKIP
@@ -99,9 +106,9 @@ class Preempted(SimiGradError, RuntimeError):
 
 
 class StopSignals:
-  """While entered in the main thread, the first SIGTERM or SIGINT is recorded instead of acted on.
+  """While entered in the main thread, the first of :data:`SIGNALS` is recorded instead of acted on.
 
-  The first signal is logged and kept in :attr:`received`; both signals then
+  The first signal is logged and kept in :attr:`received`; every one of them then
   get their default action back, so a second one ends the process at once,
   whatever the main thread is waiting for. Leaving restores the handlers
   found on entering. Outside the main thread nothing is installed (Python
@@ -118,11 +125,13 @@ class StopSignals:
   def __init__(self):
     self.received: signal.Signals | None = None
     self._previous: dict[signal.Signals, Any] = {}
+    self._terminals: list[int] = []  # standard output and error where they are a terminal
 
   def __enter__(self) -> StopSignals:
     self.received = None
     if threading.current_thread() is threading.main_thread():
       _entered.set()
+      self._terminals = terminal_outputs()
       for signum in SIGNALS:
         if signal.getsignal(signum) is not signal.SIG_IGN:
           self._previous[signum] = signal.signal(signum, self._on_signal)
@@ -138,11 +147,36 @@ class StopSignals:
     self.received = signal.Signals(signum)
     for other in self._previous:  # a second signal: its default action, at once
       signal.signal(other, signal.SIG_DFL)
+    if self.received == signal.SIGHUP:
+      leave_the_terminal(self._terminals)
     logger.warning(
       "%s received: finishing the step under way and saving its checkpoint; "
       "send it again to stop at once, without a checkpoint",
       self.received.name,
     )
+
+
+def terminal_outputs() -> list[int]:
+  """This process's standard output and error (file descriptors 1 and 2) that are a terminal."""
+  return [fd for fd in (1, 2) if os.isatty(fd)]
+
+
+def leave_the_terminal(terminals: Sequence[int]) -> None:
+  """Points the file descriptors ``terminals`` at ``/dev/null``.
+
+  After a hang-up the terminal is gone: a write to it fails (``EIO``), and
+  a run that is saving its last step must not fail on a progress bar. The
+  descriptors are found while the terminal is there (:func:`terminal_outputs`:
+  after the hang-up it no longer answers as one).
+  """
+  if not terminals:
+    return
+  null = os.open(os.devnull, os.O_WRONLY)
+  try:
+    for fd in terminals:
+      os.dup2(null, fd)
+  finally:
+    os.close(null)
 
 
 def step_report(
@@ -188,8 +222,8 @@ class Agreed(NamedTuple):
 class RunStop:
   """A ``train()`` call's stop on a signal: the signals received, and the stop the processes agreed.
 
-  While entered, :attr:`signals` records the first SIGTERM or SIGINT
-  (:class:`StopSignals`); :meth:`report` is this process's part of each
+  While entered, :attr:`signals` records the first SIGTERM, SIGINT or
+  SIGHUP (:class:`StopSignals`); :meth:`report` is this process's part of each
   step's agreement, and the step's agreement sets :attr:`agreed` (the
   signal's name, from :class:`Agreed`), after which the run stops.
 

@@ -12,9 +12,11 @@ Documented API:
     scalars); read_metrics reads such a file back (also on the top level).
   ProgressBar: a progress bar over examples, with the loss, batch size and
     similarity beside it.
+  NonFiniteRunError: a streak of steps skipped as not finite (a loss NaN for
+    every row, a NaN learning rate): the run trained nothing, so it stops.
 
 Modules: ``trainer``, ``config``, ``step_record``, ``hooks``, ``metrics``,
-``progress``, and the step's parts: ``run_setup`` (a run built from the
+``progress``, ``skipped_steps``, and the step's parts: ``run_setup`` (a run built from the
 Trainer's arguments), ``checks``, ``step_inputs``, ``step_agreement`` (every
 process's agreement on a step's decision) and ``run_totals``.
 
@@ -36,6 +38,7 @@ from simigrad_jax.trainer.hooks import StepHook
 from simigrad_jax.trainer.metrics import MetricsWriter
 from simigrad_jax.trainer.metrics import read_metrics
 from simigrad_jax.trainer.progress import ProgressBar
+from simigrad_jax.trainer.skipped_steps import NonFiniteRunError
 from simigrad_jax.trainer.step_record import StepRecord
 from simigrad_jax.trainer.trainer import Trainer
 
@@ -44,6 +47,7 @@ __all__ = [
   "CompileConfig",
   "LearningRateConfig",
   "MetricsWriter",
+  "NonFiniteRunError",
   "ProgressBar",
   "StepHook",
   "StepRecord",

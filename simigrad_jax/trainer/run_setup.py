@@ -41,6 +41,7 @@ from simigrad_jax import validation
 from simigrad_jax.checkpoint import run_record
 from simigrad_jax.checkpoint.run_checkpoints import Resumed
 from simigrad_jax.checkpoint.run_checkpoints import RunCheckpoints
+from simigrad_jax.checkpoint.run_checkpoints import check_checkpoints_kept
 from simigrad_jax.compile.persistent_cache import enable_persistent_cache
 from simigrad_jax.compile.programs import StepPrograms
 from simigrad_jax.controllers import learning_rate
@@ -116,6 +117,7 @@ def open_checkpoints(
   config: TrainerConfig, workdir: pathlib.Path, agreement: ProcessAgreement, record: dict[str, Any]
 ) -> RunCheckpoints:
   """The run's checkpoints in ``workdir/checkpoints`` (made private), recorded as ``record``."""
+  check_checkpoints_kept(workdir)  # (before the folder is made)
   return RunCheckpoints(
     files.make_private_dir(
       workdir / "checkpoints",

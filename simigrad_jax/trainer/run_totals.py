@@ -7,6 +7,7 @@ import math
 import statistics
 from typing import Any
 
+from simigrad_jax.trainer.skipped_steps import SAID
 from simigrad_jax.trainer.step_record import StepRecord
 
 logger = logging.getLogger("simigrad_jax")
@@ -16,8 +17,9 @@ class RunTotals:
   """Adds up a run's step records: steps, examples, seconds, fallbacks, the host's critical path.
 
   A hook (:class:`simigrad_jax.trainer.hooks.StepHook`) that the Trainer
-  makes for every ``train`` call. It counts the steps skipped because their
-  gradient was not finite, and logs a warning naming the first of them.
+  makes for every ``train`` call. It counts the steps skipped as not finite
+  (their gradient, loss, update or new parameters), by cause, and logs a
+  warning naming the first of them and its cause.
 
   Example::
 
@@ -38,6 +40,7 @@ class RunTotals:
     self.first_run_wait_seconds = 0.0
     self.compile_wait_seconds = 0.0
     self.nonfinite_steps = 0
+    self.nonfinite_causes: dict[str, int] = {}
     self.first_nonfinite: StepRecord | None = None
     self.host_seconds: list[float] = []
     self.last: StepRecord | None = None
@@ -55,18 +58,21 @@ class RunTotals:
       self.first_run_steps += 1
       self.first_run_seconds += record.step_seconds
       self.first_run_wait_seconds += record.compile_wait_step_seconds
-    if not record.grads_finite:
+    if record.skipped:
+      cause = record.nonfinite_cause or "gradient"
       self.nonfinite_steps += 1
+      self.nonfinite_causes[cause] = self.nonfinite_causes.get(cause, 0) + 1
       if self.first_nonfinite is None:
         self.first_nonfinite = record
         logger.warning(
-          "step %d (batch size %d, epoch %d): the gradient was NaN or infinite on some device; "
-          "the step was skipped (parameters, optimizer and model state kept, batch size held). "
-          "Such steps are counted in the summary's nonfinite_steps and in each step's record "
-          "(grads_finite, nonfinite_steps)",
+          "step %d (batch size %d, epoch %d): %s NaN or infinite; the step was skipped "
+          "(parameters, optimizer and model state kept, batch size held). Such steps are "
+          "counted in the summary's nonfinite_steps and nonfinite_causes and in each step's "
+          "record (nonfinite_cause, nonfinite_steps)",
           record.step,
           record.batch_size,
           record.epoch,
+          SAID[cause],
         )
     if math.isfinite(record.host_seconds):
       self.host_seconds.append(record.host_seconds)
@@ -79,7 +85,8 @@ class RunTotals:
     run, resumed parts included (the Trainer's counts, given; without them,
     this call's); ``run_steps``, ``run_examples`` and
     ``run_average_batch_size`` cover this call's steps, as every other
-    number here does. ``run_nonfinite_steps`` counts the skipped steps and
+    number here does. ``run_nonfinite_steps`` counts the skipped steps,
+    ``nonfinite_causes`` counts them by cause (``{"update": 2}``) and
     ``first_nonfinite_step`` names the first (None without one);
     ``padding_fraction`` is the share of the rows computed that were
     zero-weight padding (NaN without a step); ``first_run_steps`` counts
@@ -116,5 +123,6 @@ class RunTotals:
       "first_run_wait_seconds": self.first_run_wait_seconds,
       "step_compile_wait_seconds": self.compile_wait_seconds,
       "run_nonfinite_steps": self.nonfinite_steps,
+      "nonfinite_causes": dict(self.nonfinite_causes),
       "first_nonfinite_step": None if self.first_nonfinite is None else self.first_nonfinite.step,
     }

@@ -64,14 +64,20 @@ class MeasuredStep:
   Attributes:
     loss: the mean loss over the step's real examples.
     similarity: the cosine similarity of the two halves' gradients (NaN when
-      it was not measured).
+      it was not measured, and for a skipped step: the controller learns
+      nothing from a step that changed nothing).
     norm_a: the norm of half A's mean gradient.
     norm_b: the norm of half B's.
     norm_mean: the norm of the step's mean gradient.
-    measured: whether the similarity was measured (both halves held examples).
-    grads_finite: whether the gradient was finite on every device (else the
-      step changed nothing).
-    nonfinite_count: the transform's count of non-finite steps so far.
+    measured: whether the similarity was measured (both halves held examples
+      and the step was not skipped).
+    grads_finite: whether the gradient was finite on every device.
+    nonfinite_count: the transform's count of steps whose gradient was not
+      finite, so far.
+    nonfinite_cause: None for a step that wrote its results; else why it was
+      skipped, changing nothing: the first of ``"gradient"``, ``"loss"``,
+      ``"update"`` and ``"parameters"`` (the new ones) that held NaN or an
+      infinity (:data:`~simigrad_jax.ingraph.train_step.NONFINITE_CAUSES`).
   """
 
   loss: float
@@ -82,6 +88,12 @@ class MeasuredStep:
   measured: bool
   grads_finite: bool
   nonfinite_count: int
+  nonfinite_cause: str | None = None
+
+  @property
+  def skipped(self) -> bool:
+    """Whether the step was skipped as not finite (it changed no parameter or state)."""
+    return self.nonfinite_cause is not None
 
   @classmethod
   def read(cls, on_devices: train_step.StepMeasurements) -> MeasuredStep:
@@ -89,7 +101,8 @@ class MeasuredStep:
     ``jax.device_get``)."""
     host = jax.device_get(jax.tree.map(lambda a: a.addressable_data(0), on_devices))
     halves = host.similarity_state
-    measured = bool(halves.measured)
+    cause = int(host.nonfinite_cause)
+    measured = bool(halves.measured) and not cause  # a skipped step trained nothing to measure
     return cls(
       loss=float(host.loss),
       similarity=float(halves.similarity) if measured else math.nan,
@@ -99,6 +112,7 @@ class MeasuredStep:
       measured=measured,
       grads_finite=bool(halves.grads_finite),
       nonfinite_count=int(halves.nonfinite_count),
+      nonfinite_cause=train_step.NONFINITE_CAUSES[cause - 1] if cause else None,
     )
 
   def controller_stats(
@@ -106,14 +120,18 @@ class MeasuredStep:
   ) -> dict[str, Any]:
     """The ``stats`` a controller's ``update`` receives beside :attr:`similarity`: the other
     measurements and where the run stands (the keys
-    :meth:`~simigrad_jax.controllers.BatchSizeController.update` lists)."""
+    :meth:`~simigrad_jax.controllers.BatchSizeController.update` lists).
+
+    ``grads_finite`` is False for every skipped step, whatever its cause: the
+    step changed nothing, so the controller holds the size.
+    """
     return {
       "loss": self.loss,
       "norm_a": self.norm_a,
       "norm_b": self.norm_b,
       "norm_mean": self.norm_mean,
       "measured": self.measured,
-      "grads_finite": self.grads_finite,
+      "grads_finite": not self.skipped,
       "nonfinite_count": self.nonfinite_count,
       "batch_size": batch_size,
       "examples_seen": examples_seen,
@@ -151,7 +169,7 @@ class StepRecord:
     similarity_target: the controller's target (None if it has none).
     loss, similarity, norm_a, norm_b, norm_mean, grads_finite: as in
       :class:`MeasuredStep`.
-    nonfinite_steps: steps of the run whose gradient was not finite, so far.
+    nonfinite_steps: steps of the run skipped as not finite, so far.
     step_seconds: wall time from the last step's statistics to this one's.
     examples_per_second: ``batch_size / step_seconds``.
     data_seconds: the host's time waiting for and placing the step's data.
@@ -165,6 +183,8 @@ class StepRecord:
       persistent compilation cache does not keep that work.
     epoch_end: the step finished an epoch (not logged: the next record's
       ``epoch`` says it).
+    nonfinite_cause: as in :class:`MeasuredStep`: None, or why the step was
+      skipped (``"gradient"``, ``"loss"``, ``"update"`` or ``"parameters"``).
     compile_stats: the Trainer's compile counters when the record was handed
       to the hooks (:meth:`simigrad_jax.Trainer.compile_stats`; empty before).
 
@@ -204,6 +224,7 @@ class StepRecord:
   compile_wait_step_seconds: float
   epoch_end: bool
   first_run: bool = False
+  nonfinite_cause: str | None = None
   compile_stats: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
   @classmethod
@@ -256,7 +277,13 @@ class StepRecord:
       compile_wait_step_seconds=dispatched.compile_wait_seconds,
       epoch_end=epoch_end,
       first_run=dispatched.first_run,
+      nonfinite_cause=measured.nonfinite_cause,
     )
+
+  @property
+  def skipped(self) -> bool:
+    """Whether the step was skipped as not finite (it changed no parameter or state)."""
+    return self.nonfinite_cause is not None or not self.grads_finite
 
   def as_dict(self) -> dict[str, Any]:
     """The step's line of ``metrics.jsonl``: every field but ``epoch_end``, then the compile

@@ -73,6 +73,7 @@ from simigrad_jax.trainer.hooks import StepHook
 from simigrad_jax.trainer.hooks import check_hook
 from simigrad_jax.trainer.metrics import MetricsWriter
 from simigrad_jax.trainer.run_totals import RunTotals
+from simigrad_jax.trainer.skipped_steps import SkippedStreak
 from simigrad_jax.trainer.step_agreement import StepAgreement
 from simigrad_jax.trainer.step_inputs import StepInputs
 from simigrad_jax.trainer.step_record import DispatchedStep
@@ -127,6 +128,7 @@ class StepLoop:
       self.save_checkpoint, config.checkpoints.every_steps, config.checkpoints.every_seconds
     )
     self.stop = preemption.RunStop()
+    self._skipped = SkippedStreak()
     self._agreement = StepAgreement(
       agreement, programs.policy, checkpoints, self.checkpoint, self.stop
     )
@@ -160,6 +162,7 @@ class StepLoop:
           self._processes.roll_call(f"step {self.step + 1}", error)
         state = self.state if self._taken_at < self.step else None  # (None: a step under way)
         self._checkpoints.save_elsewhere(error, self.step, state, **self._saved_with())  # a disk's
+        self._checkpoints.save_before_failing(error, self.step, state, **self._saved_with())
         raise
       finally:
         self._programs.compiler.set_interrupt(None)
@@ -240,7 +243,7 @@ class StepLoop:
         read = time.perf_counter()
         step_seconds, last_read = read - (start if last_read is None else last_read), read
         # 5. Decide the next batch size, and the learning-rate factor that follows it.
-        self.nonfinite_steps += not measured.grads_finite
+        self.nonfinite_steps += measured.skipped
         examples_seen = self.sampler.examples_seen
         epochs = examples_seen / self.sampler.num_examples
         epoch_end = self.sampler.epoch > epoch
@@ -290,6 +293,7 @@ class StepLoop:
           self._run_hooks(later, record)
         else:
           pending = record
+        self._skipped.count(self.step, measured.nonfinite_cause)  # raises at a long streak
         self._agreement.raise_failed_saves(self.step)  # (the records are out: pending's, finally)
     finally:
       if pending is not None:

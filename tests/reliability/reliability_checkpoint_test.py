@@ -15,6 +15,8 @@ import pathlib
 import random
 import re
 import shutil
+import stat
+import tempfile
 import threading
 import time
 
@@ -27,6 +29,7 @@ import pytest
 
 import simigrad_jax
 from reliability_helpers import SEED
+from simigrad_jax.checkpoint import checkpointer as checkpointer_module
 from simigrad_jax.checkpoint import read_retry
 from simigrad_jax.checkpoint.checkpointer import Checkpointer
 
@@ -338,7 +341,10 @@ def test_random_bit_flips_never_restore_wrong_values(tmp_path):
         ),
       )
       payload = raw.host.get("payload", {}) if isinstance(raw.host, dict) else {}
-      same = payload.get("host") == {"step": 2, "examples_seen": 200} and all(
+      host = payload.get("host")
+      if isinstance(host, dict):  # (the directory's ledger of the steps it wrote, not the run's)
+        host = {k: v for k, v in host.items() if k != checkpointer_module.WRITTEN_STEPS}
+      same = host == {"step": 2, "examples_seen": 200} and all(
         np.array_equal(_numbers(a), _numbers(b))
         for a, b in zip(jax.tree.leaves(raw.state), jax.tree.leaves(small_state(2.0)))
       )
@@ -501,3 +507,204 @@ def test_a_failed_background_save_stops_training_at_the_next_step(tmp_path, monk
   resumed = Checkpointer(tmp_path / "checkpoints")
   assert resumed.all_steps() == [2]
   resumed.close()
+
+
+# ------------------------------------------------------ what the run did not make
+
+
+def _plant_foreign_entries(directory: pathlib.Path, outside: pathlib.Path) -> dict[str, str]:
+  """A folder someone made, a link to a folder outside, a file and a FIFO, named like steps."""
+  (directory / "1").mkdir(parents=True)
+  (directory / "1" / "precious.txt").write_text("someone's")
+  outside.mkdir()
+  (outside / "theirs.txt").write_text("outside the workdir")
+  (directory / "2").symlink_to(outside)
+  (directory / "3").write_text("a file")
+  os.mkfifo(directory / "4")
+  return {"1": "someone's folder", "2": "a link", "3": "a file", "4": "a FIFO"}
+
+
+def test_cleanup_deletes_only_the_checkpoints_the_run_wrote(tmp_path, caplog):
+  """orbax would delete every folder named like a step (and crash on a link); the run keeps its
+  own newest checkpoints, by its ledger, and never reads, moves or deletes the rest."""
+  directory, outside = tmp_path / "checkpoints", tmp_path / "outside"
+  planted = _plant_foreign_entries(directory, outside)
+  ckpt = Checkpointer(directory, max_to_keep=2)
+  for step in (10, 11, 12, 13):
+    ckpt.save(step, small_state(float(step)), {"step": step})
+  ckpt.close()
+  assert sorted(os.listdir(directory), key=int) == [*planted, "12", "13"]
+  assert (directory / "1" / "precious.txt").read_text() == "someone's"
+  assert (outside / "theirs.txt").read_text() == "outside the workdir"
+  # A resumed run takes the ledger from the checkpoint it restores, and goes on keeping two.
+  again = Checkpointer(directory, max_to_keep=2)
+  with caplog.at_level(logging.WARNING, logger="simigrad_jax"):
+    assert again.all_steps() == [12, 13]
+  assert "checkpoints/1 is named like a checkpoint but is not a folder this run wrote" in (
+    caplog.text
+  )
+  assert "checkpoints/2 is named like a checkpoint" in caplog.text and "a link to" in caplog.text
+  _, host, step = again.restore(small_state(0.0))
+  assert step == 13 and host == {"step": 13}  # (the ledger is the directory's, not given back)
+  again.save(14, small_state(14.0), {"step": 14})
+  again.close()
+  assert sorted(os.listdir(directory), key=int) == [*planted, "13", "14"]
+  assert (outside / "theirs.txt").exists() and (directory / "1" / "precious.txt").exists()
+
+
+def test_an_entry_the_run_did_not_make_is_never_written_through(tmp_path):
+  """A link planted where the next checkpoint goes: the save refuses it, naming it."""
+  directory, outside = tmp_path / "checkpoints", tmp_path / "outside"
+  ckpt = Checkpointer(directory, max_to_keep=2, async_save=False)
+  ckpt.save(1, small_state(1.0), {"step": 1})
+  outside.mkdir()
+  (directory / "2").symlink_to(outside)
+  with pytest.raises(
+    simigrad_jax.files.UnsafePathError, match=r"checkpoints/2 exists and is a link"
+  ):
+    ckpt.save(2, small_state(2.0), {"step": 2})
+  ckpt.close()
+  assert not list(outside.iterdir()) and ckpt.all_steps() == [1]
+
+
+def test_a_link_as_the_folder_of_unreadable_checkpoints_is_never_followed(tmp_path):
+  """A damaged newest checkpoint is moved aside only into a real folder of the workdir."""
+  directory, outside = tmp_path / "checkpoints", tmp_path / "outside"
+  saved_steps(directory, steps=(1, 2))
+  flip_bit_in_array_data(directory / "2")
+  outside.mkdir()
+  (tmp_path / "checkpoints.unreadable").symlink_to(outside)
+  ckpt = Checkpointer(directory)
+  with pytest.raises(simigrad_jax.files.UnsafePathError, match=r"checkpoints.unreadable.*link"):
+    ckpt.restore(small_state(0.0))
+  ckpt.close()
+  assert not list(outside.iterdir())  # nothing moved out of the workdir
+  assert (directory / "2" / "state").is_dir()  # the damaged checkpoint is where it was
+
+
+def test_a_trainer_refuses_an_entry_it_did_not_make_where_it_will_save(tmp_path):
+  """checkpoints/<step> that the run would reach, planted: refused at the start, not mid-run."""
+  from tiny_run import make_trainer
+
+  (tmp_path / "checkpoints").mkdir(mode=0o700)
+  os.mkfifo(tmp_path / "checkpoints" / "7")
+  with pytest.raises(simigrad_jax.files.UnsafePathError, match=r"checkpoints/7 is named like"):
+    make_trainer(tmp_path)
+  assert stat.S_ISFIFO(os.lstat(tmp_path / "checkpoints" / "7").st_mode)
+
+
+def test_a_missing_checkpoints_folder_beside_the_metrics_is_refused(tmp_path):
+  """Deleting checkpoints/ and keeping metrics.jsonl would restart from step 0 and rewrite the
+  records: refused, naming both choices; nothing is written."""
+  from simigrad_jax.checkpoint.run_checkpoints import CheckpointsMissingError
+  from tiny_run import make_trainer
+
+  with make_trainer(tmp_path) as trainer:
+    trainer.train(num_steps=2)
+  shutil.rmtree(tmp_path / "checkpoints")
+  before = (tmp_path / "metrics.jsonl").read_bytes()
+  with pytest.raises(CheckpointsMissingError) as refused:
+    make_trainer(tmp_path)
+  message = str(refused.value)
+  assert "records steps 1-2 of a run, but its checkpoints folder" in message
+  assert "put the checkpoints back" in message and "metrics.jsonl.old" in message
+  assert (tmp_path / "metrics.jsonl").read_bytes() == before
+  assert not (tmp_path / "checkpoints").exists()
+
+
+# ------------------------------------------------------ a folder gone, a failure after a step
+
+
+class _AtStep:
+  """A hook that does ``then(workdir)`` once the record of ``step`` is out."""
+
+  runs_at_once = True
+
+  def __init__(self, step, then, workdir):
+    self.step, self.then, self.workdir = step, then, workdir
+
+  def on_step(self, record):
+    if record.step == self.step:
+      self.then(self.workdir)
+
+
+def _replace_checkpoints_by_a_file(workdir):
+  shutil.rmtree(workdir / "checkpoints")
+  (workdir / "checkpoints").write_text("not a folder")
+
+
+def _remove_the_workdir(workdir):
+  shutil.rmtree(workdir)
+
+
+@pytest.mark.parametrize(
+  "fault, cause",
+  [
+    (_replace_checkpoints_by_a_file, "replaced by a file or a link"),
+    (_remove_the_workdir, "removed while the run trained"),
+  ],
+  ids=["checkpoints-replaced-by-a-file", "workdir-removed"],
+)
+def test_a_checkpoints_folder_gone_mid_run_ends_in_one_line_with_an_emergency_save(
+  tmp_path, monkeypatch, fault, cause
+):
+  """The save finds its folder gone (orbax gave a raw FAILED_PRECONDITION or a message about
+  ArrayMetadata): one error naming the folder, and the step saved elsewhere."""
+  from simigrad_jax.checkpoint import CheckpointFolderGoneError
+  from tiny_run import make_trainer
+  from train import failures
+
+  monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+  (tmp_path / "tmp").mkdir()
+  workdir = tmp_path / "run"
+  trainer = make_trainer(workdir, checkpoints=simigrad_jax.CheckpointConfig(every_steps=3))
+  trainer.add_hook(_AtStep(2, fault, workdir))
+  with pytest.raises(CheckpointFolderGoneError) as failed, trainer:
+    trainer.train(num_steps=6)
+  error = failed.value
+  assert error.emergency_step == 3 and error.emergency_checkpoint is not None
+  assert (error.emergency_checkpoint / "state").is_dir()  # the whole step, saved elsewhere
+  line = failures.one_line(error, workdir, step=3)
+  assert line.startswith(f"simigrad: the checkpoints folder was {cause}")
+  assert "step 3 was saved in an emergency checkpoint" in line and "\n" not in line
+
+
+def test_a_failing_evaluation_at_an_epochs_end_still_leaves_that_steps_checkpoint(tmp_path):
+  """The epoch's end is evaluated, then checkpointed: an evaluation that fails (a bad eval
+  batch size, a bug) would lose the whole epoch; the step is saved before the error is raised."""
+  from tiny_run import make_trainer
+
+  def broken_eval(params, model_state):
+    raise ValueError("the evaluation failed")
+
+  trainer = make_trainer(tmp_path, eval_fn=broken_eval)
+  with pytest.raises(ValueError, match="the evaluation failed") as failed, trainer:
+    trainer.train(num_epochs=2)
+  step = trainer.step
+  assert Checkpointer(tmp_path / "checkpoints").latest_step() == step
+  assert f"the checkpoint of step {step} was saved before stopping" in failed.value.__notes__
+  resumed = make_trainer(tmp_path)
+  assert resumed.step == step
+  resumed.close()
+
+
+def test_a_failed_emergency_save_leaves_no_partial_copy_of_the_model(tmp_path, monkeypatch):
+  """Both places fail mid-save (the workdir's emergency/ and $TMPDIR): nothing of the model is
+  left in either, and the error says why for each."""
+  from simigrad_jax.checkpoint import emergency
+
+  (tmp_path / "checkpoints").mkdir()
+  monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+  (tmp_path / "tmp").mkdir()
+  real_save = Checkpointer.save
+
+  def save_then_fail(self, step, state, host):
+    real_save(self, step, state, host)  # the arrays are on disk: a partial copy
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), self.directory)
+
+  monkeypatch.setattr(Checkpointer, "save", save_then_fail)
+  error = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp_path / "checkpoints"))
+  emergency.save_after(error, tmp_path / "checkpoints", 3, small_state(3.0), {"step": 3})
+  assert error.emergency_checkpoint is None and "No space left" in error.emergency_why
+  assert not list((tmp_path / "tmp").iterdir())  # no simigrad-emergency-* copy left
+  assert not [p for p in (tmp_path / "emergency").iterdir() if p.name.startswith("3")]

@@ -396,3 +396,25 @@ def test_doctests():
   for module in (files, workdir_module, config_history):
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
     assert result.attempted and not result.failed, module.__name__
+
+
+@pytest.mark.parametrize("kind", ["fifo", "device"])
+def test_a_special_file_where_a_run_file_should_be_is_refused_at_once(tmp_path, kind):
+  """A FIFO would block the start forever waiting for a writer; a device is another program's."""
+  path = tmp_path / "metrics.jsonl"
+  if kind == "fifo":
+    os.mkfifo(path)
+  else:
+    path.symlink_to("/dev/null")
+    path = pathlib.Path("/dev/null")  # (a device itself: never read as a run's file)
+  with pytest.raises(files.UnsafePathError, match="where the run keeps a plain file"):
+    files.read_plain_file(path)
+  with pytest.raises(files.UnsafePathError, match="where the run keeps a plain file"):
+    files.open_for_append(path)
+
+
+def test_a_trainer_refuses_a_fifo_as_its_metrics_file_instead_of_hanging(tmp_path):
+  os.mkfifo(tmp_path / "metrics.jsonl")
+  with pytest.raises(files.UnsafePathError, match=r"metrics.jsonl is a FIFO \(named pipe\)"):
+    make_trainer(tmp_path)
+  assert stat.S_ISFIFO(os.lstat(tmp_path / "metrics.jsonl").st_mode)  # left as it was

@@ -12,17 +12,25 @@ must go on with finite numbers.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
+import math
 import re
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 
 import simigrad_jax
+import tiny_run
 from simigrad_jax.ingraph.transform import SimilarityState
+from simigrad_jax.trainer.run_totals import RunTotals
+from simigrad_jax.trainer.skipped_steps import MAX_SKIPPED_IN_A_ROW
+from simigrad_jax.trainer.skipped_steps import NonFiniteRunError
+from simigrad_jax.trainer.step_record import StepRecord
 from tiny_run import TinyMLP
 from train import report
 
@@ -203,3 +211,94 @@ def test_the_final_report_counts_the_nonfinite_steps_and_names_the_first(tmp_pat
   (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in steps[:2]))
   report.print_summary(report.summarize(tmp_path, run, jax.devices(), 2.0, "device"))
   assert re.search(r"\nnon-finite steps +none\n", capsys.readouterr().out)
+
+
+def initial_params(objects):
+  return jax.tree.map(np.asarray, objects["params"])
+
+
+def run_to_the_streak(tmp_path, **objects):
+  """Trains the tiny run with ``objects`` replaced until the streak of skipped steps stops it."""
+  arguments = {**tiny_run.trainer_objects(tmp_path), **objects}
+  trainer = tiny_run.trainer_with(
+    **arguments, max_micro_batch_size=4, seed=3, progress=False, tensorboard=False
+  )
+  with trainer, pytest.raises(NonFiniteRunError) as raised:
+    trainer.train(num_steps=MAX_SKIPPED_IN_A_ROW + 5)
+  records = [r for r in simigrad_jax.read_metrics(tmp_path / "metrics.jsonl") if "loss" in r]
+  return trainer, raised.value, records, MAX_SKIPPED_IN_A_ROW
+
+
+def test_a_nan_learning_rate_skips_step_one_for_its_update_and_stops_the_run(tmp_path):
+  """The gradient is finite and the update NaN: step 1 writes nothing and says why."""
+  objects = tiny_run.trainer_objects(tmp_path)
+  before = initial_params(objects)
+  optimizer = optax.chain(
+    simigrad_jax.transform("batch"), optax.sgd(float("nan")), simigrad_jax.scale_by_lr_factor()
+  )
+  trainer, error, records, limit = run_to_the_streak(tmp_path, optimizer=optimizer)
+  assert [r["nonfinite_cause"] for r in records] == ["update"] * limit
+  assert {r["decision"] for r in records} == {"nonfinite"}  # the controller held the size
+  assert {r["batch_size"] for r in records} == {20}
+  assert all(r["grads_finite"] for r in records)  # the gradient was not what failed
+  assert records[0]["nonfinite_steps"] == 1 and records[-1]["nonfinite_steps"] == limit
+  assert error.cause == "update" and error.step == limit
+  assert str(error).startswith(f"steps 1 to {limit}, {limit} in a row, were all skipped")
+  assert "a learning rate, schedule or other setting of the optimizer" in str(error)
+  for old, new in zip(
+    jax.tree.leaves(before), jax.tree.leaves(host(trainer.state["params"])), strict=True
+  ):
+    np.testing.assert_array_equal(new, old)  # nothing was written into the weights
+
+
+def test_labels_out_of_range_are_a_loss_nan_on_every_row_and_an_error_naming_them(tmp_path):
+  """optax's integer-label cross-entropy gives NaN for a label past the classes, with a finite
+  gradient: every step is skipped for its loss, and the error names the labels."""
+  rng = np.random.default_rng(0)
+  data = {
+    "x": rng.normal(size=(120, 5)).astype(np.float32),
+    "y": rng.integers(3, 6, size=120).astype(np.int32),  # the model has 3 classes
+  }
+  _, error, records, limit = run_to_the_streak(tmp_path, source=simigrad_jax.ArraySource(data))
+  assert [r["nonfinite_cause"] for r in records] == ["loss"] * limit
+  assert all(r["grads_finite"] and r["loss"] is None for r in records)  # NaN is null in JSON
+  assert error.cause == "loss"
+  assert "labels outside the classes the model outputs" in str(error)
+  assert "check num_classes against the data" in str(error)
+
+
+def test_new_parameters_that_overflow_their_dtype_skip_the_step(tmp_path):
+  """A float16 weight near its dtype's largest value, pushed past it by a finite update."""
+
+  def overflow_loss(params, model_state, batch, weights, rng):
+    del weights, rng
+    # The gradient, -6e3, is finite in float16; the update, 0.1 times it, takes w past 65504.
+    return -params["w"].astype(jnp.float32) * jnp.full(batch["x"].shape[0], 6e3), model_state
+
+  _, error, records, limit = run_to_the_streak(
+    tmp_path, loss_fn=overflow_loss, params={"w": jnp.full([], 65000, jnp.float16)}
+  )
+  assert [r["nonfinite_cause"] for r in records] == ["parameters"] * limit
+  assert error.cause == "parameters" and "overflow their dtype" in str(error)
+
+
+def test_skipped_steps_are_counted_by_cause_and_the_first_named_with_it(caplog):
+  fields = dataclasses.fields(StepRecord)
+  required = [f.name for f in fields if f.default is f.default_factory is dataclasses.MISSING]
+  base = StepRecord(
+    **{
+      **{name: 0 for name in required},
+      **{"batch_size": 64, "grads_finite": True, "host_seconds": math.nan, "step_seconds": 1.0},
+    }
+  )
+  totals = RunTotals()
+  with caplog.at_level(logging.WARNING, logger="simigrad_jax"):
+    for step, cause in enumerate([None, "update", None, "loss", "update"], start=1):
+      totals.on_step(dataclasses.replace(base, step=step, nonfinite_cause=cause))
+  summary = totals.summary()
+  assert summary["run_nonfinite_steps"] == 3
+  assert summary["nonfinite_causes"] == {"update": 2, "loss": 1}
+  assert summary["first_nonfinite_step"] == 2
+  assert "step 2 (batch size 64, epoch 0): the optimizer's update was NaN or infinite" in (
+    caplog.text
+  )

@@ -306,11 +306,39 @@ def _planted(base: pathlib.Path, name: str) -> pathlib.Path:
 
 
 def _no_readable_checkpoint(base: pathlib.Path) -> pathlib.Path:
+  """A checkpoint orbax wrote (its files' names), every file garbage."""
   workdir = base / "damaged-checkpoints"
-  (workdir / "checkpoints" / "5").mkdir(parents=True, mode=0o700)
-  (workdir / "checkpoints" / "5" / "garbage").write_bytes(b"\0" * 64)
+  (workdir / "checkpoints" / "5" / "state").mkdir(parents=True, mode=0o700)
+  for name in ("_CHECKPOINT_METADATA", "state/_METADATA"):
+    (workdir / "checkpoints" / "5" / name).write_bytes(b"\0" * 64)
   workdir.chmod(0o700)
   (workdir / "checkpoints").chmod(0o700)
+  return workdir
+
+
+def _link_ahead(base: pathlib.Path) -> pathlib.Path:
+  """A link named like a step the run would save, to a folder outside the workdir."""
+  workdir = base / "link-ahead"
+  (workdir / "checkpoints").mkdir(parents=True, mode=0o700)
+  workdir.chmod(0o700)
+  (base / "target-ahead").mkdir(mode=0o755)
+  (workdir / "checkpoints" / "99").symlink_to(base / "target-ahead")
+  return workdir
+
+
+def _fifo_metrics(base: pathlib.Path) -> pathlib.Path:
+  """A FIFO where the run's metrics file goes: opened blocking, the start would wait forever."""
+  workdir = base / "fifo-metrics"
+  workdir.mkdir(mode=0o700)
+  os.mkfifo(workdir / "metrics.jsonl")
+  return workdir
+
+
+def _metrics_without_checkpoints(base: pathlib.Path) -> pathlib.Path:
+  """A run's records, its checkpoints folder deleted."""
+  workdir = base / "no-checkpoints"
+  workdir.mkdir(mode=0o700)
+  (workdir / "metrics.jsonl").write_text('{"step": 1, "batch_size": 32}\n')
   return workdir
 
 
@@ -365,6 +393,19 @@ CLI_FAULTS = {
     False,
   ),
   "no readable checkpoint": (_no_readable_checkpoint, [], "no readable checkpoint", False),
+  "metrics.jsonl is a FIFO": (_fifo_metrics, [], "metrics.jsonl is a FIFO (named pipe)", False),
+  "checkpoints/ gone beside metrics.jsonl": (
+    _metrics_without_checkpoints,
+    [],
+    "its checkpoints folder",
+    False,
+  ),
+  "a link named like a checkpoint ahead": (
+    _link_ahead,
+    [],
+    "checkpoints/99 is named like a checkpoint of step 99 but this run did not make it",
+    False,
+  ),
 }
 
 
@@ -408,7 +449,12 @@ def test_every_expected_failure_ends_with_one_clear_line(baseline, tmp_path):
       assert expected in line, (name, line)
       if left_empty:
         assert not workdir.exists(), (name, sorted(os.listdir(workdir)))
-  for name in ("checkpoints", "tensorboard", "compilation_cache"):  # never chmodded nor written
+  for name in (
+    "checkpoints",
+    "tensorboard",
+    "compilation_cache",
+    "ahead",
+  ):  # never chmodded nor written
     target = base / f"target-{name}"
     assert stat.S_IMODE(target.stat().st_mode) == 0o755 and not list(target.iterdir())
 
@@ -419,7 +465,9 @@ def test_every_expected_failure_ends_with_one_clear_line(baseline, tmp_path):
 @pytest.mark.parametrize("number", [errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES])
 def test_a_disk_error_names_the_file_and_the_last_good_checkpoint(tmp_path, number):
   (tmp_path / "checkpoints" / "20").mkdir(parents=True)
+  (tmp_path / "checkpoints" / "20" / "_CHECKPOINT_METADATA").write_text("{}")  # orbax's folder
   (tmp_path / "checkpoints" / "25.orbax-checkpoint-tmp").mkdir()
+  (tmp_path / "checkpoints" / "30").symlink_to(tmp_path)  # a link is no checkpoint
   error = OSError(number, os.strerror(number), str(tmp_path / "metrics.jsonl"))
   try:
     raise RuntimeError("the save failed") from error

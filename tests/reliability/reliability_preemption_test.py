@@ -230,7 +230,9 @@ SMALL = [
 
 
 @pytest.mark.parametrize(
-  "signum, exit_code", [(signal.SIGTERM, 0), (signal.SIGINT, 130)], ids=["SIGTERM", "SIGINT"]
+  "signum, exit_code",
+  [(signal.SIGTERM, 0), (signal.SIGINT, 130), (signal.SIGHUP, 129)],
+  ids=["SIGTERM", "SIGINT", "SIGHUP"],
 )
 def test_python_m_train_stops_with_a_message_and_the_schedulers_exit_code(
   signum, exit_code, compile_cache, tmp_path
@@ -335,3 +337,37 @@ def test_every_process_reads_the_same_outcome_from_the_step_reports():
   stop = pickle.loads(pickle.dumps(simigrad_jax.Preempted("SIGINT", 7, "/run/checkpoints/7", {})))
   assert (stop.signal, stop.step, stop.exit_code) == (signal.SIGINT, 7, 130)
   assert simigrad_jax.Preempted("SIGTERM", 7, "/run/checkpoints/7", {}).exit_code == 0
+
+
+HANG_UP = """
+import os, pty, signal, sys
+from simigrad_jax.multihost import preemption
+master, slave = pty.openpty()
+for fd in (1, 2):
+  os.dup2(slave, fd)
+with preemption.StopSignals() as signals:
+  os.close(master)  # the terminal hangs up: writes to it fail from now on
+  os.kill(os.getpid(), signal.SIGHUP)
+  print("a progress bar after the hang-up " * 100, flush=True)
+  print("and a warning", file=sys.stderr, flush=True)
+with open(sys.argv[1], "w") as done:
+  done.write(signals.received.name)
+"""
+
+
+def test_a_hang_up_is_a_stop_and_the_terminal_it_closed_takes_no_more_output(tmp_path):
+  """SIGHUP (a closed terminal, a dropped SSH session) stops as SIGTERM does; the writes after
+  it, to the terminal that is gone, fail without it, so the stop could not finish and save."""
+  done = tmp_path / "done"
+  result = subprocess.run(
+    [sys.executable, "-c", HANG_UP, str(done)],
+    env=driver_env(),
+    capture_output=True,
+    text=True,
+    timeout=DRIVER_TIMEOUT_SECONDS,
+    check=False,
+  )
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert done.read_text() == "SIGHUP"
+  assert signal.SIGHUP in preemption.SIGNALS
+  assert simigrad_jax.Preempted("SIGHUP", 7, "/run/checkpoints/7", {}).exit_code == 129
