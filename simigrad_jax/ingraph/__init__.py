@@ -16,7 +16,8 @@ Documented API:
     mapped over), HalvesContractError (an optimizer that does not pass
     ``half_grads`` on to the transform), LossContractError (a Trainer's loss
     function that returned something other than per-example losses and a
-    model state), all ValueErrors.
+    model state), HalfBatchArgumentError (arguments or settings
+    ``value_and_half_grads`` cannot split into halves), all ValueErrors.
   ``transform`` and ``device_halves_step`` (a plain ``jax.jit`` step whose
   halves are the even and odd devices of a mesh's data axis) are imported
   from the top level, ``simigrad_jax.transform``: here those names are
@@ -39,6 +40,7 @@ Example:
 
 from simigrad_jax.ingraph.batch_coupling import BatchCouplingState
 from simigrad_jax.ingraph.batch_coupling import couple_to_batch_size
+from simigrad_jax.ingraph.half_batch import HalfBatchArgumentError
 from simigrad_jax.ingraph.half_batch import value_and_half_grads
 from simigrad_jax.ingraph.lr_scaling import LrFactorState
 from simigrad_jax.ingraph.lr_scaling import scale_by_lr_factor
@@ -52,6 +54,7 @@ from simigrad_jax.ingraph.transform import StackedGrads
 __all__ = [
   "AxisNameError",
   "BatchCouplingState",
+  "HalfBatchArgumentError",
   "HalfGrads",
   "HalvesContractError",
   "LossContractError",
