@@ -78,6 +78,7 @@ import optax  # noqa: E402
 
 import simigrad_jax  # noqa: E402
 from benchmarks import common  # noqa: E402
+from benchmarks.step_cost import halves_steps  # noqa: E402
 from simigrad_jax.ingraph import half_batch  # noqa: E402
 from simigrad_jax.ingraph import train_step  # noqa: E402
 from train import models  # noqa: E402
@@ -324,15 +325,9 @@ def measure_pair(step: _Step, plain: _Step, rounds: int, gradient_bytes: int) ->
   outputs = jax.block_until_ready(step.compiled(*step.args))
   similarity = None if step.similarity is None else float(step.similarity(outputs))
   _run_seconds(plain)
-  ratios, own, base = [], [], []
-  for r in range(rounds):
-    if r % 2 == 0:
-      b, s = _run_seconds(plain), _run_seconds(step)
-    else:
-      s, b = _run_seconds(step), _run_seconds(plain)
-    ratios.append(s / b)
-    own.append(s)
-    base.append(b)
+  ratios, own, base = halves_steps.paired_rounds(
+    lambda: _run_seconds(step), lambda: _run_seconds(plain), rounds
+  )
   temp, plain_temp = _temp_bytes(step.compiled), _temp_bytes(plain.compiled)
   return {
     "paired_time_ratio": statistics.median(ratios),
