@@ -208,8 +208,15 @@ class SequentialPasses:
   name = "sequential"
 
   def __call__(
-    self, loss_fn, has_aux, params, first_args, second_args, shared_args=(), finish=_identity
-  ):
+    self,
+    loss_fn: Callable[..., Any],
+    has_aux: bool,
+    params: Any,
+    first_args: tuple[Any, ...],
+    second_args: tuple[Any, ...],
+    shared_args: tuple[Any, ...] = (),
+    finish: Callable[[Any], Any] = _identity,
+  ) -> tuple[tuple[Any, Any], tuple[Any, Any]]:
     value_and_grad = jax.value_and_grad(loss_fn, has_aux=has_aux)
 
     def one_pass(params: Any, *args: Any) -> tuple[Any, Any]:
@@ -232,8 +239,15 @@ class StackedPasses:
   name = "stacked"
 
   def __call__(
-    self, loss_fn, has_aux, params, first_args, second_args, shared_args=(), finish=_identity
-  ):
+    self,
+    loss_fn: Callable[..., Any],
+    has_aux: bool,
+    params: Any,
+    first_args: tuple[Any, ...],
+    second_args: tuple[Any, ...],
+    shared_args: tuple[Any, ...] = (),
+    finish: Callable[[Any], Any] = _identity,
+  ) -> tuple[tuple[Any, Any], tuple[Any, Any]]:
     value_and_grad = jax.value_and_grad(
       lambda p, half: loss_fn(p, *half, *shared_args), has_aux=has_aux
     )
@@ -259,8 +273,15 @@ class SignedPasses:
   name = "signed"
 
   def __call__(
-    self, loss_fn, has_aux, params, first_args, second_args, shared_args=(), finish=_identity
-  ):
+    self,
+    loss_fn: Callable[..., Any],
+    has_aux: bool,
+    params: Any,
+    first_args: tuple[Any, ...],
+    second_args: tuple[Any, ...],
+    shared_args: tuple[Any, ...] = (),
+    finish: Callable[[Any], Any] = _identity,
+  ) -> tuple[tuple[Any, Any], tuple[Any, Any]]:
     halves = _stack(first_args, second_args)
     both = jax.vmap(lambda p, half: loss_fn(p, *half, *shared_args), in_axes=(None, 0))
     if has_aux:
