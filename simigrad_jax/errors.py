@@ -11,10 +11,12 @@ Each error is imported from the room that raises it (the room's
 * ``simigrad_jax.errors.SimiGradError`` (``Exception``): the base class, also
   ``simigrad_jax.SimiGradError``.
 * ``simigrad_jax.ingraph.AxisNameError``, ``simigrad_jax.ingraph.HalvesContractError``,
-  ``simigrad_jax.ingraph.LossContractError`` and ``simigrad_jax.ingraph.ChainOrderError``
-  (``ValueError``): a transform not named for its step's axis, half gradients
-  not passed on to it, a loss function that breaks the Trainer's contract, an
-  optimizer chain without the transform first and ``scale_by_lr_factor`` last.
+  ``simigrad_jax.ingraph.LossContractError``, ``simigrad_jax.ingraph.ChainOrderError``
+  and ``simigrad_jax.ingraph.HalfBatchArgumentError`` (``ValueError``): a
+  transform not named for its step's axis, half gradients not passed on to it,
+  a loss function that breaks the Trainer's contract, an optimizer chain
+  without the transform first and ``scale_by_lr_factor`` last, arguments that
+  ``value_and_half_grads`` cannot split into halves.
 * ``simigrad_jax.flax_nnx.NNXStateError`` (``ValueError``): an NNX loss that
   changes a stream it reaches from outside the gradient.
 * ``simigrad_jax.data.BadRecordError`` (``ValueError``): a record that cannot

@@ -194,8 +194,6 @@ def nnx_value_and_half_grads(
     loss, aux = value if has_aux else (value, None)
     return loss, (aux, nnx.state(model, nnx.Not(nnx.Param)))
 
-  value_and_grad = jax.value_and_grad(pure_loss, has_aux=True)
-
   def wrapped(model, batch, *args):
     if not isinstance(model, nnx.Module):
       raise ValueError(
@@ -206,7 +204,8 @@ def nnx_value_and_half_grads(
     second_keys = jax.tree.map(lambda k: jax.random.fold_in(k, SECOND_HALF_STREAM), keys)
     ((loss_a, (aux_a, state_a)), first), ((loss_b, (aux_b, state_b)), second), grads = (
       half_batch.halves_and_mean(
-        value_and_grad,
+        pure_loss,
+        True,
         params,
         batch,
         (keys, rest, graphdef, *args),

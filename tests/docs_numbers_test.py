@@ -17,6 +17,7 @@ import pytest
 from benchmarks.lm import report as pareto_lm_report
 from benchmarks.pareto import report as pareto_report
 from benchmarks.step_cost import halves_steps
+from benchmarks.step_cost import one_device_steps
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -427,6 +428,13 @@ def test_the_one_step_late_table_is_the_json():
     ("results.md", "pareto_lm", pareto_lm_report.markdown, "lm/pareto_lm.py", "table"),
     ("results.md", "pareto_lm_long", pareto_lm_report.markdown, "lm/pareto_lm.py", "table"),
     ("own_step.md", "halves", halves_steps.markdown_table, "step_cost/halves_steps.py", "table"),
+    (
+      "results.md",
+      "one_device_steps_cpu",
+      one_device_steps.markdown_table,
+      "step_cost/one_device_steps.py",
+      "table",
+    ),
     (
       "own_step.md",
       "halves_h200",

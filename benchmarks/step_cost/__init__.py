@@ -10,6 +10,11 @@ Scripts (``python benchmarks/step_cost/NAME.py``):
 * ``halves_steps.py``: every SimiGrad step a user can write (two passes,
   device halves, Flax NNX, ``pmap``) against its plain step, on 1 and 8
   devices.
+* ``one_device_steps.py``: on one device, the plain step against
+  ``value_and_half_grads`` and the Trainer's step with each way of taking
+  the halves' gradients (``passes``), for an LM, CNNs, a ResNet-18 and an
+  MLP; ``run_gpu.sh`` runs it and ``halves_steps.py`` on one GPU within 8
+  minutes.
 * ``reduction.py``: the transform's reduction against ``lax.pmean``: time,
   bytes on the wire and memory traffic.
 * ``sharded.py``: the SimiGrad steps against the plain step on a mesh whose

@@ -51,6 +51,7 @@ if __name__ == "__main__":
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
 import argparse  # noqa: E402
+import functools  # noqa: E402
 import json  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
@@ -288,6 +289,32 @@ def _steps(
   return out
 
 
+def paired_rounds(
+  run_step: Callable[[], float], run_plain: Callable[[], float], rounds: int
+) -> tuple[list[float], list[float], list[float]]:
+  """Times a step and its plain step back to back, ``rounds`` times, the order alternating.
+
+  Args:
+    run_step: runs the step once and returns its seconds.
+    run_plain: the same for the plain step.
+    rounds: the number of pairs; in even rounds the plain step runs first.
+
+  Returns:
+    ``(ratios, step_seconds, plain_seconds)``, one entry per round: the
+    step's time over the plain step's of the same round, and both times.
+  """
+  ratios, own, plain = [], [], []
+  for r in range(rounds):
+    if r % 2 == 0:
+      b, s = run_plain(), run_step()
+    else:
+      s, b = run_step(), run_plain()
+    ratios.append(s / b)
+    own.append(s)
+    plain.append(b)
+  return ratios, own, plain
+
+
 def _measure(steps: dict[str, _Step], rounds: int) -> dict[str, dict[str, Any]]:
   """Times every SimiGrad step paired with its plain step, in alternating order."""
   import jax  # pylint: disable=import-outside-toplevel
@@ -308,15 +335,9 @@ def _measure(steps: dict[str, _Step], rounds: int) -> dict[str, dict[str, Any]]:
   for name, base in BASELINES.items():
     if name not in steps:
       continue
-    ratios, own, plain = [], [], []
-    for r in range(rounds):
-      if r % 2 == 0:
-        b, s = run(base), run(name)
-      else:
-        s, b = run(name), run(base)
-      ratios.append(s / b)
-      own.append(s)
-      plain.append(b)
+    ratios, own, plain = paired_rounds(
+      functools.partial(run, name), functools.partial(run, base), rounds
+    )
     temp = steps[name].compiled.memory_analysis().temp_size_in_bytes
     base_temp = steps[base].compiled.memory_analysis().temp_size_in_bytes
     rows[name] = {

@@ -17,7 +17,9 @@ Documented API:
     ``half_grads`` on to the transform), LossContractError (a Trainer's loss
     function that returned something other than floating-point per-example
     losses and a model state), ChainOrderError (an optimizer chain without
-    the transform first and ``scale_by_lr_factor`` last), all ValueErrors.
+    the transform first and ``scale_by_lr_factor`` last),
+    HalfBatchArgumentError (arguments or settings ``value_and_half_grads``
+    cannot split into halves), all ValueErrors.
   ``transform`` and ``device_halves_step`` (a plain ``jax.jit`` step whose
   halves are the even and odd devices of a mesh's data axis) are imported
   from the top level, ``simigrad_jax.transform``: here those names are
@@ -40,6 +42,7 @@ Example:
 
 from simigrad_jax.ingraph.batch_coupling import BatchCouplingState
 from simigrad_jax.ingraph.batch_coupling import couple_to_batch_size
+from simigrad_jax.ingraph.half_batch import HalfBatchArgumentError
 from simigrad_jax.ingraph.half_batch import value_and_half_grads
 from simigrad_jax.ingraph.lr_scaling import ChainOrderError
 from simigrad_jax.ingraph.lr_scaling import LrFactorState
@@ -55,6 +58,7 @@ __all__ = [
   "AxisNameError",
   "BatchCouplingState",
   "ChainOrderError",
+  "HalfBatchArgumentError",
   "HalfGrads",
   "HalvesContractError",
   "LossContractError",

@@ -1,21 +1,40 @@
-"""In-graph: the gradients of a batch's even- and odd-numbered examples, one pass after the other.
+"""In-graph: the gradients of a batch's even- and odd-numbered examples, by one of three passes.
 
-The two halves run as two sequential ``value_and_grad`` passes of the same
-shape as the model's own, so the step costs about one full-batch gradient in
-time and at most one half's activations plus one extra gradient in temporary
-memory. (Mapping ``value_and_grad`` over the halves with ``jax.vmap`` batches
-the weight-gradient contractions into grouped ones, which are slow, and keeps
-both halves' activations alive at once.)
+How the two halves' gradients are taken is a policy (``passes``), each
+exact (the same halves, the same losses; the numbers agree to float
+rounding):
+
+* ``"sequential"`` (the default): two ``value_and_grad`` passes of half the
+  batch, the second ordered after the first, so only one half's activations
+  are alive at a time: about one full-batch gradient in time, at most one
+  half's activations plus one extra gradient in temporary memory.
+* ``"stacked"``: ONE pass, ``jax.vmap`` of ``value_and_grad`` over the two
+  halves stacked on a leading axis of 2, the parameters shared: the forward
+  pass and the backward pass through the activations run as one full-batch
+  pass, and each weight's gradient becomes one batched contraction (a
+  batched matmul for a dense layer, a grouped convolution for a
+  convolution). Both halves' activations are alive at once, as in the plain
+  step.
+* ``"signed"``: one forward pass of both halves, then one backward pass of
+  two cotangents at once, the halves' sum ``(1, 1)`` and their difference
+  ``(1, -1)``: each weight's gradient is one contraction with twice the
+  outputs (a plain matmul or convolution, never a grouped one), at the cost
+  of a second backward pass through the activations; the halves are
+  ``(sum + difference) / 2`` and ``(sum - difference) / 2``.
+
+Which one is fastest depends on the device and the layers
+(docs/own_step.md, "Choosing the passes").
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
 
+from simigrad_jax.errors import SimiGradError
 from simigrad_jax.ingraph import half_layout
 from simigrad_jax.ingraph.transform import HalfGrads
 
@@ -138,34 +157,197 @@ def value_and_grads_in_turn(
   return (value_a, first), (value_b, second)
 
 
+class HalfBatchArgumentError(SimiGradError, ValueError):
+  """``value_and_half_grads`` was given arguments or settings it cannot split into halves."""
+
+
+def _identity(tree: Any) -> Any:
+  return tree
+
+
+def _stack(first: Any, second: Any) -> Any:
+  """The two halves' pytrees as one, each leaf with a leading axis of 2."""
+  return jax.tree.map(lambda a, b: jnp.stack([a, b]), first, second)
+
+
+def _unstack(tree: Any) -> tuple[Any, Any]:
+  """The inverse of :func:`_stack`: entry 0 and entry 1 of every leaf's leading axis."""
+  return jax.tree.map(lambda x: x[0], tree), jax.tree.map(lambda x: x[1], tree)
+
+
+class HalvesPasses(Protocol):
+  """How the two halves' values and gradients are taken (one policy per name in :data:`PASSES`).
+
+  Called as ``passes(loss_fn, has_aux, params, first_args, second_args,
+  shared_args, finish)``: ``loss_fn(params, *half_args, *shared_args)``
+  returns the half's loss (or ``(loss, aux)`` with ``has_aux``);
+  ``first_args`` and ``second_args`` are the two halves' own arguments (the
+  same structure and shapes), ``shared_args`` go whole to both, and
+  ``finish`` is applied to each half's gradient as soon as it is taken.
+  Returns ``((value_a, grads_a), (value_b, grads_b))``, as
+  ``jax.value_and_grad(loss_fn, has_aux=has_aux)`` on each half would.
+  """
+
+  name: str
+
+  def __call__(
+    self,
+    loss_fn: Callable[..., Any],
+    has_aux: bool,
+    params: Any,
+    first_args: tuple[Any, ...],
+    second_args: tuple[Any, ...],
+    shared_args: tuple[Any, ...] = (),
+    finish: Callable[[Any], Any] = _identity,
+  ) -> tuple[tuple[Any, Any], tuple[Any, Any]]: ...
+
+
+class SequentialPasses:
+  """Two passes of half the batch, the second after the first (:func:`value_and_grads_in_turn`)."""
+
+  name = "sequential"
+
+  def __call__(
+    self,
+    loss_fn: Callable[..., Any],
+    has_aux: bool,
+    params: Any,
+    first_args: tuple[Any, ...],
+    second_args: tuple[Any, ...],
+    shared_args: tuple[Any, ...] = (),
+    finish: Callable[[Any], Any] = _identity,
+  ) -> tuple[tuple[Any, Any], tuple[Any, Any]]:
+    value_and_grad = jax.value_and_grad(loss_fn, has_aux=has_aux)
+
+    def one_pass(params: Any, *args: Any) -> tuple[Any, Any]:
+      value, grads = value_and_grad(params, *args)
+      return value, finish(grads)
+
+    return value_and_grads_in_turn(
+      one_pass, params, (*first_args, *shared_args), (*second_args, *shared_args)
+    )
+
+
+class StackedPasses:
+  """One pass: ``jax.vmap`` of ``value_and_grad`` over the halves stacked on a leading axis of 2.
+
+  The parameters are not mapped, so the forward pass and the backward pass
+  through the activations are the full batch's; only the contractions that
+  make each weight's gradient keep the halves apart (batched).
+  """
+
+  name = "stacked"
+
+  def __call__(
+    self,
+    loss_fn: Callable[..., Any],
+    has_aux: bool,
+    params: Any,
+    first_args: tuple[Any, ...],
+    second_args: tuple[Any, ...],
+    shared_args: tuple[Any, ...] = (),
+    finish: Callable[[Any], Any] = _identity,
+  ) -> tuple[tuple[Any, Any], tuple[Any, Any]]:
+    value_and_grad = jax.value_and_grad(
+      lambda p, half: loss_fn(p, *half, *shared_args), has_aux=has_aux
+    )
+    values, grads = jax.vmap(value_and_grad, in_axes=(None, 0))(
+      params, _stack(first_args, second_args)
+    )
+    (value_a, value_b), (grads_a, grads_b) = _unstack(values), _unstack(grads)
+    return (value_a, finish(grads_a)), (value_b, finish(grads_b))
+
+
+class SignedPasses:
+  """One forward pass of both halves, and one backward pass of their sum and their difference.
+
+  ``jax.vjp`` of the two halves' losses (``jax.vmap`` over the stacked
+  halves, the parameters shared), its pullback mapped over the cotangents
+  ``(1, 1)`` and ``(1, -1)``: the sum ``g_A + g_B`` and the difference
+  ``g_A - g_B`` of the halves' gradients, each weight's as one contraction
+  over the whole batch with twice the outputs. The halves are then ``(sum +
+  difference) / 2`` and ``(sum - difference) / 2``, computed in at least
+  float32.
+  """
+
+  name = "signed"
+
+  def __call__(
+    self,
+    loss_fn: Callable[..., Any],
+    has_aux: bool,
+    params: Any,
+    first_args: tuple[Any, ...],
+    second_args: tuple[Any, ...],
+    shared_args: tuple[Any, ...] = (),
+    finish: Callable[[Any], Any] = _identity,
+  ) -> tuple[tuple[Any, Any], tuple[Any, Any]]:
+    halves = _stack(first_args, second_args)
+    both = jax.vmap(lambda p, half: loss_fn(p, *half, *shared_args), in_axes=(None, 0))
+    if has_aux:
+      losses, pullback, aux = jax.vjp(lambda p: both(p, halves), params, has_aux=True)
+    else:
+      losses, pullback = jax.vjp(lambda p: both(p, halves), params)
+    signs = jnp.array([[1.0, 1.0], [1.0, -1.0]], losses.dtype)
+    (sum_and_difference,) = jax.vmap(pullback)(signs)
+    total, difference = _unstack(sum_and_difference)
+    grads_a = jax.tree.map(average_in_float32, total, difference)
+    grads_b = jax.tree.map(lambda t, d: average_in_float32(t, -d), total, difference)
+    value_a, value_b = _unstack((losses, aux) if has_aux else losses)
+    return (value_a, finish(grads_a)), (value_b, finish(grads_b))
+
+
+PASSES: dict[str, HalvesPasses] = {
+  passes.name: passes for passes in (SequentialPasses(), StackedPasses(), SignedPasses())
+}
+
+
+def halves_passes(name: str) -> HalvesPasses:
+  """The :class:`HalvesPasses` named ``name``; raises :class:`HalfBatchArgumentError` for others."""
+  if name not in PASSES:
+    raise HalfBatchArgumentError(
+      f"passes={name!r} is not valid; choose one of {tuple(PASSES)} (docs/own_step.md, "
+      "Choosing the passes)"
+    )
+  return PASSES[name]
+
+
 def halves_and_mean(
-  value_and_grad: Callable[..., tuple[Any, Any]],
+  loss_fn: Callable[..., Any],
+  has_aux: bool,
   params: Any,
   batch: Any,
   first_rest: tuple[Any, ...] = (),
   second_rest: tuple[Any, ...] = (),
   param_specs: Any = None,
+  *,
+  shared_rest: tuple[Any, ...] = (),
+  passes: str = "sequential",
 ) -> tuple[tuple[Any, Any], tuple[Any, Any], Any]:
-  """The even- and odd-numbered examples' values and gradients in turn, and the mean gradient.
+  """The even- and odd-numbered examples' values and gradients, and the mean gradient.
 
-  The batch is split by :func:`split_even_odd` and ``value_and_grad`` runs
-  on each half in turn (:func:`value_and_grads_in_turn`). On a data-parallel
-  mesh (:class:`simigrad_jax.ingraph.half_layout.HalvesLayout`) each half's
+  The batch is split by :func:`split_even_odd` and the halves' gradients
+  are taken by ``passes`` (:data:`PASSES`). On a data-parallel mesh
+  (:class:`simigrad_jax.ingraph.half_layout.HalvesLayout`) each half's
   gradient is kept in blocks over the data axis as soon as it is taken, and
   the mean, averaged on the blocks, lies where the parameters need it; where
-  the mesh's ``Explicit`` axes are the data axis alone, the split and both
+  the mesh's ``Explicit`` axes are the data axis alone, the split and the
   passes run with that axis ``Auto``, so that a replicated parameter's
   gradient is not all-reduced whole first. Elsewhere the gradients lie where
   XLA puts them.
 
   Args:
-    value_and_grad: ``value_and_grad(params, half, *rest) -> (value, grads)``.
+    loss_fn: ``loss_fn(params, half, *rest, *shared_rest)``, a scalar loss (or
+      ``(loss, aux)`` with ``has_aux``).
+    has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
     params: the parameters.
     batch: the whole batch (its layout names the data axis).
-    first_rest: the first pass's arguments after its half of the batch.
-    second_rest: the second pass's.
+    first_rest: the first half's own arguments after its half of the batch.
+    second_rest: the second half's.
     param_specs: under ``Auto`` axes, the parameters' ``PartitionSpec``s, or
       None (replicated).
+    shared_rest: the arguments both halves take whole, after their own.
+    passes: a name in :data:`PASSES`.
 
   Returns:
     ``((value_a, grads_a), (value_b, grads_b), mean)``, the mean computed in
@@ -175,6 +357,7 @@ def halves_and_mean(
     ValueError: when the batch's leaves differ in leading size, or it is odd.
   """
   _even_example_count(batch)
+  take_halves = halves_passes(passes)
   # A convolutional model: a dense kernel in blocks over its inputs shards the pooled
   # activations' channels and reshards the batch; its gradients stay where XLA puts them.
   dense = all(jnp.ndim(leaf) <= 2 for leaf in jax.tree.leaves(params))
@@ -182,19 +365,21 @@ def halves_and_mean(
     half_layout.data_layout(batch), params, blocks=dense, param_specs=param_specs
   )
 
-  def one_pass(params: Any, *args: Any) -> tuple[Any, Any]:
-    value, grads = value_and_grad(params, *args)
-    return value, layout.halves(grads)
-
-  def passes(params: Any, batch: Any, first_rest: tuple, second_rest: tuple) -> Any:
+  def run(params: Any, batch: Any, first_rest: tuple, second_rest: tuple, shared: tuple) -> Any:
     first_half, second_half = split_even_odd(batch)
-    (value_a, first), (value_b, second) = value_and_grads_in_turn(
-      one_pass, params, (first_half, *first_rest), (second_half, *second_rest)
+    (value_a, first), (value_b, second) = take_halves(
+      loss_fn,
+      has_aux,
+      params,
+      (first_half, *first_rest),
+      (second_half, *second_rest),
+      shared,
+      layout.halves,
     )
     mean = layout.mean(jax.tree.map(average_in_float32, first, second))
     return (value_a, first), (value_b, second), mean
 
-  return layout.run(passes, params, batch, first_rest, second_rest)
+  return layout.run(run, params, batch, first_rest, second_rest, shared_rest)
 
 
 def average_in_float32(a: jax.Array, b: jax.Array) -> jax.Array:
@@ -287,22 +472,32 @@ def _describe(value: Any) -> str:
 
 
 def value_and_half_grads(
-  loss_fn: Callable[..., Any], has_aux: bool = False, *, param_specs: Any = None
+  loss_fn: Callable[..., Any],
+  has_aux: bool = False,
+  *,
+  batch_argnums: int | Sequence[int] | None = None,
+  passes: str = "sequential",
+  param_specs: Any = None,
 ) -> Callable[..., tuple[Any, Any, HalfGrads]]:
   """Wraps ``loss_fn`` to return its value, its gradient and the two half-batch gradients.
 
-  The batch (any pytree of arrays with a shared leading example axis) is
-  split into its even-numbered examples (rows 0, 2, 4, ...: the first half,
+  The batch (the argument after the parameters, or every argument
+  ``batch_argnums`` names: any pytrees of arrays with a shared leading
+  example axis) is split into its even-numbered examples (rows 0, 2, 4, ...: the first half,
   ``g_A``) and its odd-numbered ones (rows 1, 3, 5, ...: the second half,
   ``g_B``), the halves the :class:`simigrad_jax.Trainer` compares too, and
-  ``jax.value_and_grad(loss_fn)`` runs on each half in turn: the second pass
-  is ordered after the first (by a zero-valued data dependency of the second
-  half's floating-point inputs, or of the parameters when the batch has
-  none), so only one half's activations are alive at a time. The full
+  the two halves' gradients are taken as ``passes`` says. By default
+  (``"sequential"``) ``jax.value_and_grad(loss_fn)`` runs on each half in
+  turn: the second pass is ordered after the first (by a zero-valued data
+  dependency of the second half's floating-point inputs, or of the
+  parameters when the batch has none), so only one half's activations are
+  alive at a time; the cost is about that of one full-batch gradient, and
+  the program holds the model twice, so it compiles in about twice the
+  time. ``"stacked"`` and ``"signed"`` take both halves in one pass
+  (:data:`PASSES`; docs/own_step.md says which is fastest where). The full
   gradient is the average of the two half gradients, computed in at least
-  float32. The cost is about that of one full-batch gradient; the program
-  holds the model twice, so it compiles in about twice the time. Pass the
-  result to :func:`simigrad_jax.transform` as ``half_grads``.
+  float32. Pass the result to :func:`simigrad_jax.transform` as
+  ``half_grads``.
 
   In a plain ``jax.jit`` step over a batch sharded on a mesh's data axis,
   every device takes the even and the odd rows of its own block: when each
@@ -322,11 +517,25 @@ def value_and_half_grads(
 
   Args:
     loss_fn: ``loss_fn(params, batch, *args)`` returning a scalar loss that is a
-      MEAN over the examples of ``batch`` (or ``(loss, aux)`` with
+      MEAN over the examples it is given (or ``(loss, aux)`` with
       ``has_aux``). The halves have equal size, so the average of the two half
       losses and gradients is exactly the full-batch loss and gradient.
-      ``*args`` are passed whole to both halves.
     has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
+    batch_argnums: the positions of ``loss_fn``'s arguments that hold one
+      entry per example and are split into halves with the batch (as
+      ``jax.grad``'s ``argnums`` count them: the parameters are 0), e.g.
+      ``batch_argnums=(1, 2)`` for ``loss_fn(params, x, y)``; every other
+      argument goes whole to both halves. None (the default): the argument
+      after the parameters alone, and an argument after it with the batch's
+      number of rows is refused (it would go whole to both halves), naming
+      the setting that splits it.
+    passes: how the halves' gradients are taken: ``"sequential"`` (two
+      passes of half the batch, one after the other: the least memory),
+      ``"stacked"`` (one pass, ``jax.vmap`` over the halves: batched
+      weight-gradient contractions) or ``"signed"`` (one forward pass and one
+      backward pass of the halves' sum and difference: plain contractions
+      with twice the outputs). Every choice gives the same numbers to float
+      rounding.
     param_specs: under ``Auto`` mesh axes, the parameters' ``PartitionSpec``s
       (a pytree like the parameters), whose types do not say it there: a
       parameter sharded over the data axis (FSDP) keeps its blocks, and the
@@ -341,8 +550,10 @@ def value_and_half_grads(
     ``grads`` the full-batch gradient, and ``half_grads`` a
     :class:`HalfGrads` of the two half gradients. Calling it raises
     ``ValueError`` when the batch has an odd number of examples or leaves of
-    different leading sizes, or when ``loss_fn`` returns a pair without
-    ``has_aux`` (or no pair with it).
+    different leading sizes, when ``loss_fn`` returns a pair without
+    ``has_aux`` (or no pair with it), and :class:`HalfBatchArgumentError`
+    for a ``batch_argnums`` that names no argument or leaves a per-row one
+    whole (see above).
 
   Example:
     >>> import jax, jax.numpy as jnp, optax, simigrad_jax
@@ -364,11 +575,26 @@ def value_and_half_grads(
     the half gradients is then the gradient of the average of the two
     half-batch losses (not of one loss normalised over the whole batch).
   """
-  value_and_grad = jax.value_and_grad(checked_scalar_loss(loss_fn, has_aux), has_aux=has_aux)
+  checked_loss = checked_scalar_loss(loss_fn, has_aux)
+  halves_passes(passes)  # refuses a bad name where the step is written
+  chosen = _argnums(batch_argnums)
 
-  def wrapped(params, batch, *args):
+  def wrapped(params, *args):
+    rows_at = _split_positions(chosen, args)
+    shared_at = [i for i in range(len(args)) if i not in rows_at]
+
+    def ordered_loss(params: Any, rows: tuple, *shared: Any) -> Any:
+      placed = dict(zip(rows_at, rows, strict=True)) | dict(zip(shared_at, shared, strict=True))
+      return checked_loss(params, *(placed[i] for i in range(len(args))))
+
     (value_a, first), (value_b, second), mean_grads = halves_and_mean(
-      value_and_grad, params, batch, args, args, param_specs
+      ordered_loss,
+      has_aux,
+      params,
+      tuple(args[i] for i in rows_at),
+      param_specs=param_specs,
+      shared_rest=tuple(args[i] for i in shared_at),
+      passes=passes,
     )
     value: jax.Array | tuple[jax.Array, Any]  # the loss, and the aux of both halves if has_aux
     if has_aux:
@@ -380,3 +606,60 @@ def value_and_half_grads(
     return value, mean_grads, HalfGrads(first, second)
 
   return explaining_explicit_axes(wrapped, "value_and_half_grads")
+
+
+def _argnums(batch_argnums: int | Sequence[int] | None) -> tuple[int, ...] | None:
+  """``batch_argnums`` as a tuple of positions (None kept: the default), checked to be >= 1."""
+  if batch_argnums is None:
+    return None
+  chosen = (batch_argnums,) if isinstance(batch_argnums, int) else tuple(batch_argnums)
+  if (
+    not chosen
+    or len(set(chosen)) != len(chosen)
+    or not all(isinstance(i, int) and i >= 1 for i in chosen)
+  ):
+    raise HalfBatchArgumentError(
+      f"batch_argnums={batch_argnums!r} is not valid: give the distinct positions (1 or more; "
+      "0 is the parameters) of loss_fn's arguments that hold one entry per example, "
+      "e.g. batch_argnums=(1, 2) for loss_fn(params, x, y)"
+    )
+  return tuple(sorted(chosen))
+
+
+def _leading_sizes(tree: Any) -> set[int | None]:
+  """The leading sizes of ``tree``'s leaves (None for a scalar or a non-array leaf)."""
+  shapes = [jnp.shape(leaf) if hasattr(leaf, "shape") else () for leaf in jax.tree.leaves(tree)]
+  return {shape[0] if shape else None for shape in shapes}
+
+
+def _split_positions(chosen: tuple[int, ...] | None, args: tuple[Any, ...]) -> tuple[int, ...]:
+  """The indices into ``args`` (the arguments after the parameters) to split into halves.
+
+  Raises:
+    HalfBatchArgumentError: for a position past the last argument, or (the
+      default, ``chosen`` None) an argument after the batch whose every leaf
+      has the batch's leading size: one entry per example, which would go
+      whole to both halves.
+  """
+  if not args:
+    raise HalfBatchArgumentError(
+      "value_and_half_grads' function takes (params, batch, *args): it was called with the "
+      "parameters alone, and there is no batch to split"
+    )
+  if chosen is not None:
+    if chosen[-1] > len(args):
+      raise HalfBatchArgumentError(
+        f"batch_argnums={chosen} names argument {chosen[-1]}, but loss_fn was called with "
+        f"{len(args) + 1} arguments (0 to {len(args)}, the parameters 0)"
+      )
+    return tuple(i - 1 for i in chosen)
+  rows = _leading_sizes(args[0])
+  for position, arg in enumerate(args[1:], start=2):
+    sizes = _leading_sizes(arg)
+    if len(rows) == 1 and None not in rows and sizes == rows:
+      raise HalfBatchArgumentError(
+        f"argument {position} of loss_fn has the batch's {next(iter(rows))} rows but would go "
+        f"whole to both halves: pass batch_argnums=(1, {position}) to split it with the batch "
+        f"(or batch_argnums=1 to keep it whole)"
+      )
+  return (0,)

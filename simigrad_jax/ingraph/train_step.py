@@ -27,8 +27,9 @@ The two halves are formed in one of two ways (``halves``):
   transform compares the even devices with the odd ones.
 * ``"local"``: each device's rows arrive as two equal blocks, the first
   half's rows then the second half's (padded with zero-weight rows), and the
-  device takes one gradient per block in two passes, one after the other (as
-  :func:`simigrad_jax.value_and_half_grads` does). The per-half weighted sums
+  device takes one gradient per block, by default in two passes, one after
+  the other (as :func:`simigrad_jax.value_and_half_grads` does; ``passes``
+  chooses another way). The per-half weighted sums
   are kept apart through the micro-steps; at the update they are normalised
   by each half's real-example count over the whole step and all devices
   (``first_half_weight`` and ``total_weight - first_half_weight``) and given
@@ -251,12 +252,14 @@ def _device_gradient(
   weights,
   total_weight,
   counters,
+  passes="sequential",
 ):
   """One device's share of the step's mean loss, its gradient and the new model state.
 
   With the local split the gradient is the pair of the two halves' (the
-  first and the second block of rows) shares, from two passes in turn, each
-  with its own random key; the new model state is the mean of the two passes'.
+  first and the second block of rows) shares, taken as ``passes`` says
+  (:data:`simigrad_jax.ingraph.half_batch.PASSES`), each half with its own
+  random key; the new model state is the mean of the two halves'.
   """
   rng = jax.random.key(seed)
   for value in (counters[0], counters[1], lax.axis_index(axis_name)):
@@ -267,13 +270,15 @@ def _device_gradient(
     losses, new_state = loss_fn(p, model_state, rows, row_weights, key)
     return jnp.sum(losses.astype(jnp.float32) * row_weights) * scale, new_state
 
-  value_and_grad = jax.value_and_grad(weighted_loss, has_aux=True)
   if not local:
-    (loss, new_state), grads = value_and_grad(params, batch, weights, rng)
+    (loss, new_state), grads = jax.value_and_grad(weighted_loss, has_aux=True)(
+      params, batch, weights, rng
+    )
     return loss, grads, lax.pmean(new_state, axis_name)
   first, second = half_batch.split_in_two((batch, weights))
-  pass_a, pass_b = half_batch.value_and_grads_in_turn(
-    value_and_grad,
+  pass_a, pass_b = half_batch.halves_passes(passes)(
+    weighted_loss,
+    True,
     params,
     (*first, jax.random.fold_in(rng, 0)),
     (*second, jax.random.fold_in(rng, 1)),
@@ -421,6 +426,7 @@ def make_fused_step(
   seed: int = 0,
   halves: str = "device",
   param_specs: Any = None,
+  passes: str = "sequential",
 ) -> Callable[..., tuple[Any, Any, Any, StepMeasurements]]:
   """Returns ``step(params, opt_state, model_state, batch, weights, scalars, counters)``.
 
@@ -447,6 +453,10 @@ def make_fused_step(
       data axis (FSDP, :mod:`simigrad_jax.reductions.data_blocks`) enters as
       its block, is gathered for the gradient, and the optimizer then runs
       on global arrays, its mean gradient and state in the same blocks.
+    passes: with ``halves="local"``, how each device takes its two halves'
+      gradients: a name in :data:`simigrad_jax.ingraph.half_batch.PASSES`
+      (the same numbers to float rounding; docs/own_step.md says which is
+      fastest where).
 
   Returns:
     A function (to be jitted) from replicated ``params``, ``opt_state`` and
@@ -458,7 +468,9 @@ def make_fused_step(
   """
   num_devices = mesh.shape[axis_name]
   local = _check_halves(halves)
-  gradient = functools.partial(_device_gradient, loss_fn, num_devices, axis_name, seed, local)
+  gradient = functools.partial(
+    _device_gradient, loss_fn, num_devices, axis_name, seed, local, passes=passes
+  )
 
   def per_device(params, opt_state, model_state, batch, weights, scalars, counters):
     loss, grads, new_model_state = gradient(
@@ -533,6 +545,7 @@ def make_micro_step(
   seed: int = 0,
   halves: str = "device",
   param_specs: Any = None,
+  passes: str = "sequential",
 ) -> Callable[..., tuple[Accumulator, Any]]:
   """Returns ``micro_step(params, model_state, acc, batch, weights, scalars, counters)``.
 
@@ -545,6 +558,7 @@ def make_micro_step(
       the same value.
     param_specs: as for :func:`make_fused_step` (a parameter in blocks
       enters as its block and is gathered for the gradient).
+    passes: as for :func:`make_fused_step`.
 
   Returns:
     A function (to be jitted) from replicated ``params`` and ``model_state``,
@@ -569,6 +583,7 @@ def make_micro_step(
       weights,
       scalars.total_weight,
       counters,
+      passes,
     )
     grads = jax.tree.map(lambda a, g: a + g[None].astype(a.dtype), acc.grads, grads)
     return Accumulator(grads=grads, loss=acc.loss + loss[None]), new_state

@@ -11,6 +11,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import simigrad_jax
+from simigrad_jax.ingraph import half_batch
 
 TIGHT = {"rtol": 1e-10, "atol": 1e-12}
 
@@ -297,3 +298,29 @@ def test_a_per_example_loss_is_refused_naming_the_mean(has_aux):
   loss = (lambda w, x: (losses(w, x), None)) if has_aux else losses
   with pytest.raises(ValueError, match=r"shape \(2,\).*scalar.*MEAN.*jnp\.mean\(losses\)"):
     simigrad_jax.value_and_half_grads(loss, has_aux=has_aux)(jnp.ones(3), jnp.ones((4, 3)))
+
+
+def test_every_passes_gives_the_sequential_numbers_with_batchnorm_aux_and_split_labels(x64):
+  del x64
+  net = BatchNormNet()
+  rng = np.random.default_rng(0)
+  x, y = rng.normal(size=(8, 6, 6, 2)), np.arange(8) % 3
+  variables = net.init(jax.random.key(0), x)
+
+  def loss(params, images, labels, stats):
+    logits, new_stats = net.apply(
+      {"params": params, "batch_stats": stats}, images, mutable=["batch_stats"]
+    )
+    return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, labels)), new_stats
+
+  results = {
+    passes: jax.jit(
+      simigrad_jax.value_and_half_grads(loss, has_aux=True, batch_argnums=(1, 2), passes=passes)
+    )(variables["params"], x, y, variables["batch_stats"])
+    for passes in half_batch.PASSES
+  }
+  for passes in ("stacked", "signed"):
+    _assert_trees_close(results[passes], results["sequential"], rtol=1e-9, atol=1e-12)
+  # Each half is normalised with its own statistics: the halves' aux differ.
+  stats = jax.tree.leaves(results["stacked"][0][1])[0]
+  assert stats.shape[0] == 2 and not np.allclose(stats[0], stats[1])
