@@ -12,9 +12,12 @@ Documented API:
     scalars); read_metrics reads such a file back (also on the top level).
   ProgressBar: a progress bar over examples, with the loss, batch size and
     similarity beside it.
+  AdaptiveStep: the step of an own adaptive loop, at any batch size on a few
+    compiled shapes (also on the top level); AdaptiveBatchError: a batch it
+    cannot run.
 
 Modules: ``trainer``, ``config``, ``step_record``, ``hooks``, ``metrics``,
-``progress``, and the step's parts: ``run_setup`` (a run built from the
+``progress``, ``adaptive_step`` (an own loop's step), and the step's parts: ``run_setup`` (a run built from the
 Trainer's arguments), ``checks``, ``step_inputs``, ``step_agreement`` (every
 process's agreement on a step's decision) and ``run_totals``.
 
@@ -28,6 +31,8 @@ Example:
   [64]
 """
 
+from simigrad_jax.trainer.adaptive_step import AdaptiveBatchError
+from simigrad_jax.trainer.adaptive_step import AdaptiveStep
 from simigrad_jax.trainer.config import CheckpointConfig
 from simigrad_jax.trainer.config import CompileConfig
 from simigrad_jax.trainer.config import LearningRateConfig
@@ -40,6 +45,8 @@ from simigrad_jax.trainer.step_record import StepRecord
 from simigrad_jax.trainer.trainer import Trainer
 
 __all__ = [
+  "AdaptiveBatchError",
+  "AdaptiveStep",
   "CheckpointConfig",
   "CompileConfig",
   "LearningRateConfig",
