@@ -62,7 +62,10 @@ class AdaptiveStep:
   gradient is over the batch's examples, and the similarity that of its even-
   and odd-numbered examples' gradients, as
   :func:`simigrad_jax.value_and_half_grads` splits a batch: the same numbers
-  as a plain ``jax.jit`` step of it on the same batch.
+  as a plain ``jax.jit`` step of it on the same batch. With
+  ``measure_every=k`` only every ``k``-th step measures; the steps between
+  are plain steps, each one gradient pass over its batch, in a program of
+  its own per shape.
 
   On an even number of devices the halves are the even and the odd devices
   (example ``e`` on device ``e % n``), on one or an odd number each device's
@@ -84,6 +87,12 @@ class AdaptiveStep:
       smallest batch whose second half holds an example).
     shapes_per_octave: compiled shapes per factor of two (1 to 16): more pad
       less and compile more.
+    measure_every: ``k``: the steps numbered ``0, k, 2k, ...`` (counted by
+      :attr:`steps`) measure the similarity; the others are plain steps, one
+      gradient pass over the batch and the update, at the plain step's cost
+      (the optimizer state keeps the last measurement, with ``measured``
+      False). :meth:`measuring` says which; a step of several micro-steps
+      (above ``max_batch_size``) always measures.
     mesh: a mesh with the data axis ``axis_name``; None: every device on it.
     axis_name: the data axis, the name the optimizer's transform is given.
     seed: the seed of the per-step random keys (the loss does not see them).
@@ -109,6 +118,7 @@ class AdaptiveStep:
     max_batch_size: int,
     min_batch_size: int | None = None,
     shapes_per_octave: int = DEFAULT_SHAPES_PER_OCTAVE,
+    measure_every: int = 1,
     mesh: Mesh | None = None,
     axis_name: str = "batch",
     seed: int = 0,
@@ -145,11 +155,9 @@ class AdaptiveStep:
       upper=upper,
       shapes_per_octave=batch_plan.check_shapes_per_octave(shapes_per_octave),
     )
-    self._loss_fn, self._optimizer, self._seed = (
-      loss_fn,
-      optimizer,
-      validation.check_int("seed", seed, 0),
-    )
+    self._loss_fn, self._optimizer = loss_fn, optimizer
+    self._seed = validation.check_int("seed", seed, 0)
+    self._measure_every = validation.check_int("measure_every", measure_every, 1)
     self._mesh, self._axis_name = mesh, axis_name
     self._replicated = NamedSharding(mesh, P())
     self._sharded = NamedSharding(mesh, P(axis_name))
@@ -170,6 +178,25 @@ class AdaptiveStep:
   def batch_shapes(self) -> tuple[int, ...]:
     """The batch sizes of the compiled shapes (devices x rows per device), ascending."""
     return tuple(self._layout.num_slots * g for g in self._layout.grid)
+
+  @property
+  def steps(self) -> int:
+    """The steps run so far: the number of the next step."""
+    return self._steps
+
+  def measuring(self, step: int) -> bool:
+    """Whether the step numbered ``step`` measures the similarity: every ``measure_every``-th,
+    from step 0, whatever the batch sizes (the step number alone decides).
+
+    Example:
+      >>> import optax, simigrad_jax
+      >>> opt = optax.chain(simigrad_jax.transform("batch"), simigrad_jax.scale_by_lr_factor())
+      >>> step = simigrad_jax.AdaptiveStep(lambda p, b: b["x"], opt, max_batch_size=8,
+      ...                                  measure_every=4)
+      >>> [n for n in range(10) if step.measuring(n)]
+      [0, 4, 8]
+    """
+    return step % self._measure_every == 0
 
   @property
   def compiled(self) -> tuple[ProgramShape, ...]:
@@ -237,9 +264,10 @@ class AdaptiveStep:
       jax.device_put(np.array([self._steps, j], np.int32), self._replicated)
       for j in range(len(layout))
     ]
+    measure = self.measuring(self._steps)
     self._steps += 1
     if plan.accumulation_steps == 1:
-      (fused,) = self._programs_for(plan)
+      (fused,) = self._programs_for(plan, measure)
       params, opt_state, _, measured = fused(
         params, opt_state, (), micro_batches[0], weights[0], scalars, counters[0]
       )
@@ -296,11 +324,11 @@ class AdaptiveStep:
       element_spec=self._element_spec,
     )
 
-  def _programs_for(self, plan: batch_plan.BatchPlan) -> list[Any]:
+  def _programs_for(self, plan: batch_plan.BatchPlan, measure: bool = True) -> list[Any]:
     """The compiled programs of ``plan`` (:func:`programs_of`), each compiled once."""
     assert self._functions is not None
     programs = []
-    for key in programs_of(plan):
+    for key in programs_of(plan, measure):
       if key not in self._programs:
         with checks.transform_named_for(self._axis_name):
           if key.program is Program.FUSED:
