@@ -386,6 +386,7 @@ def make_fused_step(
   seed: int = 0,
   halves: str = "device",
   param_specs: Any = None,
+  measure: bool = True,
 ) -> Callable[..., tuple[Any, Any, Any, StepMeasurements]]:
   """Returns ``step(params, opt_state, model_state, batch, weights, scalars, counters)``.
 
@@ -412,6 +413,8 @@ def make_fused_step(
       data axis (FSDP, :mod:`simigrad_jax.reductions.data_blocks`) enters as
       its block, is gathered for the gradient, and the optimizer then runs
       on global arrays, its mean gradient and state in the same blocks.
+    measure: False: a step that does not measure (:func:`make_plain_step`,
+      with the device split's one gradient pass per device).
 
   Returns:
     A function (to be jitted) from replicated ``params``, ``opt_state`` and
@@ -438,12 +441,19 @@ def make_fused_step(
       lax.pmean(loss, axis_name),
       scalars,
       param_specs,
+      measure=measure,
     )
     model_state = _keep_if_nonfinite(finite, new_model_state, model_state)
     return params, opt_state, model_state, measurements
 
   def step(params, opt_state, model_state, batch, weights, scalars, counters):
     blocks = data_blocks.DataBlocks(params, param_specs, axis_name)
+    if blocks.any and not measure:
+      raise ValueError(
+        "a step that does not measure (measure_every > 1) runs with every parameter whole "
+        f"over the data axis {axis_name!r}; parameters in blocks over it (FSDP) measure every "
+        "step: measure_every=1"
+      )
     if local or not blocks.any:
       return manual_over(
         mesh,
@@ -506,43 +516,9 @@ def make_plain_step(
   Raises:
     ValueError: when traced with parameters in blocks over the data axis.
   """
-  num_devices = mesh.shape[axis_name]
-  gradient = functools.partial(_device_gradient, loss_fn, num_devices, axis_name, seed, False)
-
-  def per_device(params, opt_state, model_state, batch, weights, scalars, counters):
-    loss, grads, new_model_state = gradient(
-      params, model_state, batch, weights, scalars.total_weight, counters
-    )
-    params, opt_state, finite, measurements = _update(
-      optimizer,
-      False,
-      params,
-      opt_state,
-      grads,
-      lax.pmean(loss, axis_name),
-      scalars,
-      param_specs,
-      measure=False,
-    )
-    model_state = _keep_if_nonfinite(finite, new_model_state, model_state)
-    return params, opt_state, model_state, measurements
-
-  def step(params, opt_state, model_state, batch, weights, scalars, counters):
-    if data_blocks.DataBlocks(params, param_specs, axis_name).any:
-      raise ValueError(
-        "a step that does not measure (measure_every > 1) runs with every parameter whole "
-        f"over the data axis {axis_name!r}; parameters in blocks over it (FSDP) measure every "
-        "step: measure_every=1"
-      )
-    return manual_over(
-      mesh,
-      axis_name,
-      per_device,
-      in_specs=(P(), P(), P(), P(axis_name), P(axis_name), P(), P()),
-      out_specs=(P(), P(), P(), P()),
-    )(params, opt_state, model_state, batch, weights, scalars, counters)
-
-  return step
+  return make_fused_step(
+    loss_fn, optimizer, mesh, axis_name, seed, "device", param_specs, measure=False
+  )
 
 
 def _stacked(device_gradient: tuple[jax.Array, Any, Any]) -> tuple[Any, jax.Array, Any]:
