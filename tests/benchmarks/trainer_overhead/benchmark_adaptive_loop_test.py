@@ -2,10 +2,13 @@
 
 import json
 import math
+import pathlib
 
 import pytest
 
 from benchmarks.trainer_overhead import adaptive_loop
+
+ROOT = pathlib.Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture(scope="module")
@@ -28,9 +31,15 @@ def test_every_way_has_a_row_at_its_sizes(quick_run):
   assert sizes["adaptive_step_padded"][0] < batch  # between two shapes
   assert len(set(sizes["adaptive_step_moving"])) > 3
   for name, row in written["rows"].items():
-    for key in ("paired_time_ratio", "step_seconds", "plain_step_seconds"):
+    for key in ("paired_time_ratio", "paired_cpu_ratio", "step_seconds", "plain_step_seconds"):
       value = row[key]
       assert isinstance(value, float) and math.isfinite(value) and value > 0, (name, key)
+    for key, median in (
+      ("ratio_quartiles", "paired_time_ratio"),
+      ("cpu_ratio_quartiles", "paired_cpu_ratio"),
+    ):
+      low, high = row[key]
+      assert low <= row[median] <= high, (name, key)
 
 
 def test_the_adaptive_step_compiled_one_program_per_shape_it_visited(quick_run):
@@ -56,3 +65,19 @@ def test_bad_settings_are_refused(argv, capsys):
   with pytest.raises(SystemExit):
     adaptive_loop.main(["--quick", *argv])
   assert argv[0] in capsys.readouterr().err
+
+
+def test_the_docs_tables_are_the_committed_results():
+  """docs/adaptive_loop.md and docs/results.md show the committed JSON's table as
+  ``--markdown`` prints it."""
+  committed = json.loads((ROOT / "benchmarks" / "results" / "adaptive_loop.json").read_text())
+  table = adaptive_loop.markdown_table(committed)
+  for page in ("adaptive_loop.md", "results.md"):
+    assert table in (ROOT / "docs" / page).read_text(), page
+  assert committed["settings"] == {
+    "batch": 256,
+    "rounds": 15,
+    "steps": 4,
+    "widths": [512, 512],
+    "features": 784,
+  }
