@@ -16,6 +16,9 @@ Your own step:
     couple_to_batch_size, set_coupled_batch_size: Adam's beta2 and weight
     decay follow it too.
   similarity, similarity_stats: read the step's similarity on the host.
+  AdaptiveStep: an own loop's step at whatever batch size the controller asks
+    for, on a few compiled shapes (padding rows of weight 0), exactly the
+    numbers of a plain value_and_half_grads step of the same batch.
 Controllers:
   Controller: SimiGrad's rule from similarity to the next global batch size;
     make_controller(name, ...) builds it and the others by name
@@ -83,6 +86,7 @@ from simigrad_jax.optimizer_state import similarity_stats
 from simigrad_jax.registry import controller_names
 from simigrad_jax.registry import make_controller
 from simigrad_jax.registry import register_controller
+from simigrad_jax.trainer.adaptive_step import AdaptiveStep
 from simigrad_jax.trainer.config import CheckpointConfig
 from simigrad_jax.trainer.config import CompileConfig
 from simigrad_jax.trainer.config import LearningRateConfig
@@ -95,6 +99,7 @@ from simigrad_jax.trainer.trainer import Trainer
 __version__ = "0.3.0"
 
 __all__ = [
+  "AdaptiveStep",
   "ArraySource",
   "BaseController",
   "BatchSizeController",

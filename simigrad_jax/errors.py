@@ -42,6 +42,8 @@ Each error is imported from the room that raises it (the room's
   and ``simigrad_jax.multihost.Preempted`` (``RuntimeError``; ``Preempted``
   also ``simigrad_jax.Preempted``): processes that disagree or are gone, a
   workdir another run holds, a run stopped by a signal.
+* ``simigrad_jax.trainer.AdaptiveBatchError`` (``ValueError``): a batch an
+  own loop's ``AdaptiveStep`` cannot run.
 
 Example:
   >>> import simigrad_jax

@@ -1,71 +1,295 @@
-"""docs/adaptive_loop.md: a plain jax.jit loop that adapts its batch, run as documented.
+"""simigrad_jax.AdaptiveStep and docs/adaptive_loop.md, whose loop is built on it.
 
 The page's block runs here in the test process (the 8 devices of
-``conftest.py``); the tests read what it left: the realised sizes, the
-learning-rate factor, the controller and the compile counts. The same block
-with the default grid of shapes shows the powers of two the page warns of.
+``conftest.py``); the tests read what it left: the sizes, the learning-rate
+factor, the controller and the programs compiled. The step itself is checked
+against a plain ``jax.jit`` step of ``value_and_half_grads`` on the same
+batch (and, for a batch whose halves differ in size, against the two halves'
+gradients taken one by one), on 8 devices (the device split) and on one (the
+local split), and on the bad inputs it refuses.
 """
 
 from __future__ import annotations
 
-import math
 import pathlib
 import re
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import simigrad_jax
+from simigrad_jax.compile.step_functions import Program
+from simigrad_jax.ingraph import AxisNameError
+from simigrad_jax.ingraph import LossContractError
+from simigrad_jax.trainer import AdaptiveBatchError
 
 PAGE = pathlib.Path(__file__).resolve().parents[1] / "docs" / "adaptive_loop.md"
-ONE_SHAPE = "BucketPolicy(max_micro_batch_size=2, padding=False)"
-DEFAULT_GRID = "BucketPolicy(max_micro_batch_size=32, min_micro_batch_size=2, padding=False)"
+FEATURES, HIDDEN, MAX_BATCH = 6, 8, 64
 
 
-def run_block(policy: str = ONE_SHAPE) -> dict:
+def run_block() -> dict:
   (block,) = re.findall(r"^```python\n(.*?)^```", PAGE.read_text(), re.S | re.M)
-  assert ONE_SHAPE in block
   scope: dict = {"__name__": "adaptive_loop_block"}
-  exec(compile(block.replace(ONE_SHAPE, policy), str(PAGE), "exec"), scope)  # noqa: S102
+  exec(compile(block, str(PAGE), "exec"), scope)  # noqa: S102
   return scope
 
 
 @pytest.fixture(scope="module")
-def one_shape():
+def page():
   return run_block()
 
 
-def test_the_batch_moves_by_about_ten_percent(one_shape):
-  sizes, n = one_shape["sizes"], one_shape["n"]
-  assert len(sizes) == 25 and len(set(sizes)) >= 5  # it adapts
-  assert all(s % (2 * n) == 0 for s in sizes)  # multiples of 8 devices x 2 rows
+def test_the_pages_step_and_loop_are_at_most_15_lines():
+  (block,) = re.findall(r"^```python\n(.*?)^```", PAGE.read_text(), re.S | re.M)
+  start = block.index("step = simigrad_jax.AdaptiveStep(")  # the step and the loop
+  end = block.index("print(")
+  lines = [line for line in block[start:end].splitlines() if line.strip()]
+  assert len(lines) <= 15, lines
+
+
+def test_the_batch_moves_by_the_rules_ten_percent(page):
+  sizes, lower, upper = page["sizes"], page["lower"], page["upper"]
+  assert len(sizes) == 25 and len(set(sizes)) >= 10  # it adapts
   assert any(s & (s - 1) for s in sizes)  # sizes between the powers of two
   for before, after in zip(sizes, sizes[1:]):
-    # The rule's 10%, rounded on to the next multiple of 16: never a doubling or a halving.
-    assert abs(after - before) <= math.ceil(0.1 * before / 16) * 16, (before, after)
+    # Every size asked for is realised exactly: the rule's 10%, within the bounds.
+    rule = {min(max(int(before * f), lower), upper) for f in (1.1, 0.9)} | {before}
+    assert after in rule, (before, after)
 
 
-def test_the_controller_and_the_learning_rate_follow_the_realised_size(one_shape):
-  controller, opt_state = one_shape["controller"], one_shape["opt_state"]
-  last = one_shape["sizes"][-1]
-  expected = simigrad_jax.lr_factor(last, one_shape["initial"])
-  assert simigrad_jax.lr_factor_of(opt_state) == pytest.approx(expected, rel=1e-6)
+def test_the_controller_and_the_learning_rate_follow_the_size(page):
+  controller, step = page["controller"], page["step"]
   assert controller.step == 25
-  # The controller's next request starts from the last realised size, by the rule's 10%.
-  assert controller.batch_size in (last, max(last + 1, int(last * 1.1)), int(last * 0.9))
-  assert np.isfinite(simigrad_jax.similarity(opt_state))
+  assert page["factor"] == pytest.approx(simigrad_jax.lr_factor(page["sizes"][-1], 256))
+  assert np.isfinite(simigrad_jax.similarity(page["opt_state"]))
+  # One fused program per shape the batch visited, each compiled once.
+  compiled = step.compiled
+  assert compiled and all(key.program is Program.FUSED for key in compiled)
+  shapes = {step.plan(size).micro_batch_size for size in page["sizes"]}
+  assert sorted(key.micro for key in compiled) == sorted(shapes)
+  assert len(compiled) <= 8
 
 
-def test_one_micro_step_and_one_update_are_compiled(one_shape):
-  assert one_shape["compiles"] == {"micro_step": 1, "apply_step": 1}
+# The step against a plain jax.jit step of value_and_half_grads.
 
 
-def test_the_default_grid_without_padding_flips_between_powers_of_two():
-  scope = run_block(DEFAULT_GRID)
-  sizes, n = scope["sizes"], scope["n"]
-  small = [s for s in sizes if s <= 32 * n]
-  assert small and all(s & (s - 1) == 0 for s in small)  # 8 x g for the shapes g: powers of two
-  moves = [max(a, b) / min(a, b) for a, b in zip(sizes, sizes[1:]) if a != b]
-  assert moves and all(m >= 1.25 for m in moves)  # none of the rule's 10% steps survives
-  assert 2.0 in moves
-  assert scope["compiles"]["micro_step"] >= 2  # a micro-step per shape it visits
+def row_losses(params, batch):
+  hidden = jnp.tanh(batch["x"] @ params["w1"])
+  return (hidden @ params["w2"] - batch["y"]) ** 2
+
+
+def mean_loss(params, batch):
+  return jnp.mean(row_losses(params, batch))
+
+
+def optimizer(axis_name=None):
+  return optax.chain(
+    simigrad_jax.transform(axis_name), optax.sgd(0.1), simigrad_jax.scale_by_lr_factor()
+  )
+
+
+@pytest.fixture(scope="module")
+def params():
+  rng = np.random.default_rng(1)
+  return {
+    "w1": jnp.asarray(rng.normal(size=(FEATURES, HIDDEN)), jnp.float32) * 0.5,
+    "w2": jnp.asarray(rng.normal(size=HIDDEN), jnp.float32) * 0.5,
+  }
+
+
+def batch_of(size: int, seed: int = 0) -> dict[str, np.ndarray]:
+  rng = np.random.default_rng(seed)
+  x = rng.normal(size=(size, FEATURES)).astype(np.float32)
+  return {"x": x, "y": (x.sum(1) + rng.normal(size=size)).astype(np.float32)}
+
+
+def reference(params, batch, lr_factor=1.0):
+  """The plain step's new parameters and similarity: even rows against odd rows, each half's
+  mean gradient weighed by its share of the examples."""
+  count = len(batch["y"])
+  if count % 2 == 0:
+    plain = optimizer()
+
+    @jax.jit
+    def step(p, s, b):
+      _, grads, halves = simigrad_jax.value_and_half_grads(mean_loss)(p, b)
+      updates, s = plain.update(grads, s, p, half_grads=halves)
+      return optax.apply_updates(p, updates), s
+
+    state = simigrad_jax.set_lr_factor(plain.init(params), lr_factor)
+    new, state = step(params, state, batch)
+    return new, simigrad_jax.similarity(state)
+  first = jax.grad(mean_loss)(params, jax.tree.map(lambda a: a[0::2], batch))
+  second = jax.grad(mean_loss)(params, jax.tree.map(lambda a: a[1::2], batch))
+  share = ((count + 1) // 2) / count
+  mean = jax.tree.map(lambda a, b: share * a + (1 - share) * b, first, second)
+  flat = lambda tree: jnp.concatenate([leaf.ravel() for leaf in jax.tree.leaves(tree)])
+  cos = jnp.dot(flat(first), flat(second)) / jnp.linalg.norm(flat(first))
+  cos = cos / jnp.linalg.norm(flat(second))
+  new = jax.tree.map(lambda p, g: p - 0.1 * lr_factor * g, params, mean)
+  return new, float(cos)
+
+
+@pytest.fixture(scope="module", params=[8, 1], ids=["8 devices", "1 device"])
+def adaptive(request, devices):
+  """An AdaptiveStep on 8 devices (the device split) or on one (the local split)."""
+  mesh = jax.make_mesh(
+    (request.param,),
+    ("batch",),
+    (jax.sharding.AxisType.Auto,),
+    devices=devices[: request.param],
+  )
+  return simigrad_jax.AdaptiveStep(
+    row_losses, optimizer("batch"), max_batch_size=MAX_BATCH, min_batch_size=8, mesh=mesh
+  )
+
+
+@pytest.mark.parametrize(
+  "size, lr_factor",
+  [(40, 1.5), (13, 1.0), (150, 1.0)],
+  ids=["a shape's batch, a factor", "odd, padded", "accumulated"],
+)
+def test_the_step_is_the_plain_steps(adaptive, params, size, lr_factor):
+  batch = batch_of(size, seed=size)
+  expected, similarity = reference(params, batch, lr_factor)
+  new, opt_state, measured = adaptive(*adaptive.init(params), batch, lr_factor=lr_factor)
+  for got, want in zip(jax.tree.leaves(new), jax.tree.leaves(expected), strict=True):
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
+  assert simigrad_jax.similarity(opt_state) == pytest.approx(similarity, abs=1e-5)
+  assert float(measured.loss) == pytest.approx(float(mean_loss(params, batch)), rel=1e-5)
+  plan = adaptive.plan(size)
+  assert plan.global_batch_size == size and (plan.accumulation_steps > 1) == (size > MAX_BATCH)
+
+
+def test_the_halves_follow_the_device_count(adaptive):
+  num_devices = adaptive.batch_shapes[-1] // adaptive.plan(MAX_BATCH).micro_batch_size
+  assert adaptive.halves == ("device" if num_devices == 8 else "local")
+
+
+def test_a_moving_batch_compiles_only_the_few_shapes(params, devices):
+  mesh = jax.make_mesh((8,), ("batch",), (jax.sharding.AxisType.Auto,), devices=devices)
+  step = simigrad_jax.AdaptiveStep(
+    row_losses, optimizer("batch"), max_batch_size=MAX_BATCH, min_batch_size=32, mesh=mesh
+  )
+  assert step.batch_shapes == (32, 40, 48, 56, 64)  # 4 per octave on 8 devices
+  state = step.init(params)
+  sizes = [32, 35, 38, 42, 46, 51, 56, 62, 56, 51, 46, 42, 38, 35, 32]
+  for size in sizes:
+    *state, _ = step(*state, batch_of(size))
+  compiled = step.compiled
+  assert [key.micro for key in compiled] == [4, 5, 6, 7, 8]  # rows per device, in visiting order
+  for size in sizes:  # the same sizes again compile nothing
+    *state, _ = step(*state, batch_of(size))
+  assert step.compiled == compiled
+
+
+@pytest.mark.parametrize(
+  "batch, message",
+  [
+    (batch_of(1), "at least 2"),
+    ({"x": np.ones((4, FEATURES), np.float32), "y": np.ones(5, np.float32)}, "same leading"),
+    ([np.ones(4)], "dict of arrays"),
+    ({"x": np.ones((4, FEATURES + 1), np.float32), "y": np.ones(4, np.float32)}, "first batch"),
+  ],
+  ids=["one example", "rows of different counts", "not a dict", "other features"],
+)
+def test_a_batch_it_cannot_run_is_refused(adaptive, params, batch, message):
+  state = adaptive.init(params)
+  *state, _ = adaptive(*state, batch_of(16))  # the first batch sets the examples' shapes
+  with pytest.raises(AdaptiveBatchError, match=message):
+    adaptive(*state, batch)
+
+
+def test_bad_settings_are_refused(params):
+  with pytest.raises(ValueError, match="min_batch_size"):
+    simigrad_jax.AdaptiveStep(row_losses, optimizer("batch"), max_batch_size=8, min_batch_size=16)
+  with pytest.raises(ValueError, match="max_batch_size"):
+    simigrad_jax.AdaptiveStep(row_losses, optimizer("batch"), max_batch_size=0)
+  with pytest.raises(ValueError, match="shapes_per_octave"):
+    simigrad_jax.AdaptiveStep(row_losses, optimizer("batch"), max_batch_size=8, shapes_per_octave=0)
+  with pytest.raises(ValueError, match="data axis 'batch'"):
+    mesh = jax.make_mesh((8,), ("data",), (jax.sharding.AxisType.Auto,))
+    simigrad_jax.AdaptiveStep(row_losses, optimizer("batch"), max_batch_size=8, mesh=mesh)
+  no_factor = optax.chain(simigrad_jax.transform("batch"), optax.sgd(0.1))
+  step = simigrad_jax.AdaptiveStep(row_losses, no_factor, max_batch_size=8)
+  with pytest.raises(ValueError, match="scale_by_lr_factor"):
+    step.init(params)
+
+
+def test_a_loss_or_transform_that_does_not_fit_is_named(params):
+  mean = simigrad_jax.AdaptiveStep(mean_loss, optimizer("batch"), max_batch_size=16)
+  with pytest.raises(LossContractError, match="one loss per row"):
+    mean(*mean.init(params), batch_of(16))
+  other_axis = simigrad_jax.AdaptiveStep(row_losses, optimizer("data"), max_batch_size=16)
+  with pytest.raises(AxisNameError, match="axis_name='batch'"):
+    other_axis(*other_axis.init(params), batch_of(16))
+  step = simigrad_jax.AdaptiveStep(row_losses, optimizer("batch"), max_batch_size=16)
+  with pytest.raises(ValueError, match="lr_factor"):
+    step(*step.init(params), batch_of(16), lr_factor=0.0)
+
+
+# measure_every: the similarity measured on every k-th step, plain steps between.
+
+
+def plain_reference_step(params, opt_state, batch):
+  """A plain jax.jit step of the whole batch's mean gradient: what a step that does not measure
+  computes."""
+  sgd = optax.sgd(0.1)
+  grads = jax.grad(mean_loss)(params, batch)
+  updates, opt_state = sgd.update(grads, opt_state, params)
+  return optax.apply_updates(params, updates), opt_state
+
+
+def test_every_kth_step_measures_and_the_others_are_plain_steps(adaptive, params):
+  """k = 2: the measuring steps are the two-half step's, the others a plain step's, and
+  the parameters follow a plain jax.jit loop's step for step."""
+  mesh = adaptive._mesh  # pylint: disable=protected-access
+  step = simigrad_jax.AdaptiveStep(
+    row_losses, optimizer("batch"), max_batch_size=MAX_BATCH, measure_every=2, mesh=mesh
+  )
+  assert [n for n in range(7) if step.measuring(n)] == [0, 2, 4, 6]
+  state = step.init(params)
+  expected, sgd_state = params, optax.sgd(0.1).init(params)
+  plain = jax.jit(plain_reference_step)
+  for n, size in enumerate([40, 40, 38, 40]):
+    batch = batch_of(size, seed=n)
+    assert step.steps == n
+    *state, measured = step(*state, batch)
+    expected, sgd_state = plain(expected, sgd_state, batch)
+    for got, want in zip(jax.tree.leaves(state[0]), jax.tree.leaves(expected), strict=True):
+      np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
+    assert bool(measured.similarity_state.measured) == step.measuring(n)
+    assert np.isfinite(simigrad_jax.similarity(state[1])) == step.measuring(n)
+  assert {key.program for key in step.compiled} == {Program.FUSED, Program.PLAIN}
+  assert {key.micro for key in step.compiled} == {step.plan(40).micro_batch_size}
+
+
+def test_the_controller_reads_every_kth_step_and_holds_the_batch_between(devices, params):
+  """The controller updates on the measuring steps only: its rule's 10% then moves the batch
+  every k steps, and it counts the measurements, not the steps."""
+  mesh = jax.make_mesh((8,), ("batch",), (jax.sharding.AxisType.Auto,), devices=devices)
+  step = simigrad_jax.AdaptiveStep(
+    row_losses, optimizer("batch"), max_batch_size=MAX_BATCH, measure_every=3, mesh=mesh
+  )
+  controller = simigrad_jax.Controller(
+    32, 0.99, batch_size_lower_bound=16, batch_size_upper_bound=MAX_BATCH
+  )
+  state, sizes = step.init(params), []
+  for n in range(7):
+    size = controller.batch_size
+    *state, _ = step(*state, batch_of(size, seed=n))
+    if step.measuring(n):
+      controller.update(simigrad_jax.similarity(state[1]))
+    sizes.append(size)
+  assert controller.step == 3  # steps 0, 3 and 6 measured
+  # A decision after steps 0 and 3 sets the size of the next 3 steps.
+  assert sizes[1] == sizes[2] == sizes[3] and sizes[4] == sizes[5] == sizes[6]
+  assert sizes[0] != sizes[1] != sizes[4]  # each measurement moved it
+
+
+def test_measure_every_must_be_a_positive_int():
+  with pytest.raises(ValueError, match="measure_every"):
+    simigrad_jax.AdaptiveStep(row_losses, optimizer("batch"), max_batch_size=8, measure_every=0)

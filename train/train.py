@@ -168,6 +168,7 @@ def create_trainer_config(config: ml_collections.ConfigDict) -> TrainerConfig:
       max_micro_batch_size=config.max_micro_batch_size,
       seed=config.seed,
       halves=config.halves,
+      measure_every=config.get("measure_every", 1),
       progress=config.progress,
       tensorboard=config.tensorboard,
       allow_shared_workdir=config.allow_shared_workdir,

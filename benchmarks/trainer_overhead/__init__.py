@@ -9,6 +9,11 @@ Scripts (``python benchmarks/trainer_overhead/NAME.py``):
   with the transform, against the plain data-parallel loop.
 * ``overhead_adaptive.py``: the adaptive Trainer against the same Trainer
   fixed at the adaptive run's average batch, and where the difference goes.
+* ``adaptive_loop.py``: an own adaptive loop's step (``AdaptiveStep``, a
+  hand-written two-half step, the former recipe of host-accumulated
+  micro-steps) against the plain step.
+* ``measure_every.py``: a step that measures every k-th step (k = 1, 2, 4)
+  against the plain step, on 1 and 8 devices.
 * ``input.py``: how fast the host decodes ImageNet-style images, and whether
   the Trainer waits for them.
 * ``switching.py``: the batch size switched every step, a compiled shape per

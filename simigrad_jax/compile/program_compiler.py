@@ -162,14 +162,15 @@ class StepProgramCompiler(StepCompiler):
       "temp_bytes": int(analysis.temp_size_in_bytes),
     }
 
-  def wait_for(self, plan: batch_plan.BatchPlan) -> None:
-    """Waits until ``plan``'s programs are compiled (a no-op when they are).
+  def wait_for(self, plan: batch_plan.BatchPlan, measure: bool = True) -> None:
+    """Waits until ``plan``'s programs are compiled (a no-op when they are); ``measure=False``:
+    those of a step that does not measure.
 
     Raises:
       CompileAbandoned: the interrupt (:meth:`set_interrupt`) said to give up.
       StepCompileError: the compile of one of them failed.
     """
-    for key in programs_of(plan):
+    for key in programs_of(plan, measure):
       self.get(key)
 
   def set_interrupt(self, interrupt: Callable[[], bool] | None) -> None:

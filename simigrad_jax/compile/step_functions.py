@@ -2,7 +2,9 @@
 lowered on.
 
 A step of one micro-batch per device runs the fused step (gradient,
-reduction and update: :func:`simigrad_jax.ingraph.train_step.make_fused_step`);
+reduction and update: :func:`simigrad_jax.ingraph.train_step.make_fused_step`),
+or, when it does not measure the similarity, the plain step
+(:func:`~simigrad_jax.ingraph.train_step.make_plain_step`);
 a step of several micro-batches accumulates with the micro-step, then applies
 the update (:func:`~simigrad_jax.ingraph.train_step.make_micro_step` and
 :func:`~simigrad_jax.ingraph.train_step.make_apply_step`). Each is jitted once
@@ -10,7 +12,7 @@ with the shardings the state keeps, and lowered per micro-batch shape on
 ``jax.ShapeDtypeStruct`` placeholders (no data needed), for the compilers of
 :mod:`simigrad_jax.compile.compiler`. Nothing here runs a step.
 
-The three programs are named by :class:`Program`, and a program of one shape
+The programs are named by :class:`Program`, and a program of one shape
 by :class:`ProgramShape` (the key the compiler of
 :mod:`simigrad_jax.compile.program_compiler` compiles them by).
 
@@ -50,11 +52,15 @@ class Program(enum.StrEnum):
     MICRO: a micro-step of a step of several micro-batches: the gradient,
       added to the accumulator (one per shape).
     APPLY: the update of the accumulated micro-steps (one for every shape).
+    PLAIN: a step of one micro-batch per device that does not measure the
+      similarity (``measure_every``): one gradient pass per device, the
+      reduction and the update, in one program (one per shape).
   """
 
   FUSED = "fused"
   MICRO = "micro"
   APPLY = "apply"
+  PLAIN = "plain"
 
 
 class ProgramShape(NamedTuple):
@@ -78,9 +84,13 @@ class ProgramShape(NamedTuple):
 APPLY = ProgramShape(Program.APPLY, 0)
 
 
-def programs_of(plan: batch_plan.BatchPlan) -> list[ProgramShape]:
+def programs_of(plan: batch_plan.BatchPlan, measure: bool = True) -> list[ProgramShape]:
   """The programs a step of ``plan`` runs: its shape's fused step, or its micro-step and the
   update.
+
+  A step that does not measure (``measure=False``) runs its shape's plain
+  step; one of several micro-batches measures (its programs are the
+  measuring step's).
 
   Example:
     >>> plan = batch_plan.plan_batch(64, 8, batch_plan.BucketPolicy(4, 1))  # 8 rows: 2 steps of 4
@@ -88,7 +98,8 @@ def programs_of(plan: batch_plan.BatchPlan) -> list[ProgramShape]:
     True
   """
   if plan.accumulation_steps == 1:
-    return [ProgramShape(Program.FUSED, plan.micro_batch_size)]
+    program = Program.FUSED if measure else Program.PLAIN
+    return [ProgramShape(program, plan.micro_batch_size)]
   return [ProgramShape(Program.MICRO, plan.micro_batch_size), APPLY]
 
 
@@ -159,6 +170,11 @@ class StepFunctions:
       donate_argnums=(0, 1, 2),
       out_shardings=(keep["params"], keep["opt_state"], keep["model_state"], self._replicated),
     )
+    self._plain = jax.jit(
+      train_step.make_plain_step(loss_fn, optimizer, mesh, axis_name, seed, specs),
+      donate_argnums=(0, 1, 2),
+      out_shardings=(keep["params"], keep["opt_state"], keep["model_state"], self._replicated),
+    )
     self._micro = jax.jit(
       train_step.make_micro_step(loss_fn, mesh, axis_name, seed, halves, specs),
       donate_argnums=(2,),
@@ -205,10 +221,12 @@ class StepFunctions:
       ) from error
 
   def lower(self, key: ProgramShape) -> jax.stages.Lowered:
-    """The program ``key`` names, lowered (:meth:`lower_fused`, :meth:`lower_micro` or
-    :meth:`lower_apply`)."""
+    """The program ``key`` names, lowered (:meth:`lower_fused`, :meth:`lower_plain`,
+    :meth:`lower_micro` or :meth:`lower_apply`)."""
     if key.program is Program.FUSED:
       return self.lower_fused(key.micro)
+    if key.program is Program.PLAIN:
+      return self.lower_plain(key.micro)
     if key.program is Program.MICRO:
       return self.lower_micro(key.micro)
     return self.lower_apply()
@@ -217,6 +235,10 @@ class StepFunctions:
     """The fused step of shape ``micro``, lowered (from its :meth:`trace`, if any)."""
     traced = self._traced.pop(micro, None)
     return traced.lower() if traced is not None else self._fused.lower(*self._fused_args(micro))
+
+  def lower_plain(self, micro: int) -> jax.stages.Lowered:
+    """The plain step (a step that does not measure) of shape ``micro``, lowered."""
+    return self._plain.lower(*self._fused_args(micro))
 
   def lower_micro(self, micro: int) -> jax.stages.Lowered:
     """The micro-step of shape ``micro``, lowered."""

@@ -50,7 +50,11 @@ class StepRunner:
     self._acc: Any = None  # allocated when a step first accumulates
 
   def run(
-    self, state: Mapping[str, Any], data: StepBatch, scalars: train_step.StepScalars
+    self,
+    state: Mapping[str, Any],
+    data: StepBatch,
+    scalars: train_step.StepScalars,
+    measure: bool = True,
   ) -> tuple[dict[str, Any], train_step.StepMeasurements]:
     """Dispatches one optimizer step; returns the new state and its measurements (not waited for).
 
@@ -59,6 +63,9 @@ class StepRunner:
         arrays are donated.
       data: the step's micro-batches, as :attr:`StepBatch.plan` lays them out.
       scalars: the step's scalars, replicated.
+      measure: False: a step of one micro-batch runs its shape's plain
+        step, which does not measure the similarity (a step of several
+        measures either way).
 
     Returns:
       ``(new_state, measurements)``: the step's
@@ -71,7 +78,8 @@ class StepRunner:
     params, opt_state, model_state = state["params"], state["opt_state"], state["model_state"]
     if plan.accumulation_steps == 1:
       ((batch, weights),) = data.micro_batches
-      program = self._compiler.get(ProgramShape(Program.FUSED, plan.micro_batch_size))
+      fused = Program.FUSED if measure else Program.PLAIN
+      program = self._compiler.get(ProgramShape(fused, plan.micro_batch_size))
       params, opt_state, model_state, measurements = program(
         params, opt_state, model_state, batch, weights, scalars, data.counters[0]
       )

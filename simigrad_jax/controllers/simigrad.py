@@ -39,6 +39,13 @@ in our words:
   request (:meth:`Controller.save_profile`).
 * The adaptive state is saved in the reference's checkpoints; here
   :meth:`Controller.state_dict` / :meth:`Controller.load_state_dict`.
+
+Measurements every ``k``-th step (``measure_every``): the controller is
+updated on the measuring steps only, one move of the rule per measurement,
+and the batch size holds over the plain steps between; its counters count
+measurements. (Applying the rule ``k`` times per measurement would rest
+``1.1^k`` on one similarity.) docs/controllers.md, "Measuring every k-th
+step".
 """
 
 from __future__ import annotations

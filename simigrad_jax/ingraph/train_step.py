@@ -11,6 +11,9 @@ XLA's partitioner lays out the model's computation over them
   and update in ONE program, so there is no accumulator to allocate or round
   trip through memory, and XLA can overlap the reduction with the backward
   pass.
+* :func:`make_plain_step`, the fused step of a step that does not measure
+  (``measure_every``): one gradient pass per device, the transform given
+  ``measure=False``.
 * :func:`make_micro_step` adds one micro-batch's gradient to each device's
   accumulator, and :func:`make_apply_step` then updates from the accumulated
   gradient, for a step of several micro-batches.
@@ -370,9 +373,14 @@ def _nonfinite_cause(
   return jnp.where(grads_finite, with_loss, code["gradient"]).astype(jnp.int32)
 
 
-def _update_in_step(optimizer, local, params, opt_state, grads, scalars, param_specs):
-  """``optimizer.update`` inside the step mapped over the data axis: ``(updates, new_state)``."""
+def _update_in_step(optimizer, local, params, opt_state, grads, scalars, param_specs, measure=True):
+  """``optimizer.update`` inside the step mapped over the data axis: ``(updates, new_state)``.
+
+  ``measure=False``: a plain step's gradient, handed to the transform with ``measure=False``.
+  """
   grads, extra = _optimizer_inputs(optimizer, local, grads, scalars, param_specs)
+  if not measure:
+    extra = {**extra, "measure": False}
   expecting = "half_grads" in extra
   try:
     with transform.expecting_half_grads() if expecting else contextlib.nullcontext():
@@ -387,7 +395,16 @@ def _update_in_step(optimizer, local, params, opt_state, grads, scalars, param_s
 
 
 def _update(
-  optimizer, local, params, opt_state, grads, mean_loss, scalars, param_specs, stacked=None
+  optimizer,
+  local,
+  params,
+  opt_state,
+  grads,
+  mean_loss,
+  scalars,
+  param_specs,
+  stacked=None,
+  measure=True,
 ):
   """The optimizer step from per-device gradients: new params and state, and the measurements.
 
@@ -400,7 +417,7 @@ def _update(
   with_lr = batch_coupling.with_batch_size(with_lr, scalars.total_weight)  # Adam's b2, weight decay
   if stacked is None:
     updates, new_opt_state = _update_in_step(
-      optimizer, local, params, with_lr, grads, scalars, param_specs
+      optimizer, local, params, with_lr, grads, scalars, param_specs, measure
     )
   else:
     updates, new_opt_state = update_stacked(
@@ -427,6 +444,7 @@ def make_fused_step(
   halves: str = "device",
   param_specs: Any = None,
   passes: str = "sequential",
+  measure: bool = True,
 ) -> Callable[..., tuple[Any, Any, Any, StepMeasurements]]:
   """Returns ``step(params, opt_state, model_state, batch, weights, scalars, counters)``.
 
@@ -457,6 +475,8 @@ def make_fused_step(
       gradients: a name in :data:`simigrad_jax.ingraph.half_batch.PASSES`
       (the same numbers to float rounding; docs/own_step.md says which is
       fastest where).
+    measure: False: a step that does not measure (:func:`make_plain_step`,
+      with the device split's one gradient pass per device).
 
   Returns:
     A function (to be jitted) from replicated ``params``, ``opt_state`` and
@@ -485,12 +505,19 @@ def make_fused_step(
       lax.pmean(loss, axis_name),
       scalars,
       param_specs,
+      measure=measure,
     )
     model_state = _keep_if_nonfinite(finite, new_model_state, model_state)
     return params, opt_state, model_state, measurements
 
   def step(params, opt_state, model_state, batch, weights, scalars, counters):
     blocks = data_blocks.DataBlocks(params, param_specs, axis_name)
+    if blocks.any and not measure:
+      raise ValueError(
+        "a step that does not measure (measure_every > 1) runs with every parameter whole "
+        f"over the data axis {axis_name!r}; parameters in blocks over it (FSDP) measure every "
+        "step: measure_every=1"
+      )
     if local or not blocks.any:
       return manual_over(
         mesh,
@@ -514,6 +541,48 @@ def make_fused_step(
     return params, opt_state, model_state, measurements
 
   return step
+
+
+def make_plain_step(
+  loss_fn: PerExampleLossFn,
+  optimizer: optax.GradientTransformation,
+  mesh: Mesh,
+  axis_name: str,
+  seed: int = 0,
+  param_specs: Any = None,
+) -> Callable[..., tuple[Any, Any, Any, StepMeasurements]]:
+  """Returns the fused step of a step that does not measure: :func:`make_fused_step`'s
+  ``step(params, opt_state, model_state, batch, weights, scalars, counters)``.
+
+  The plain step between two measuring ones (``measure_every``): each device
+  takes one gradient over all its rows, in one pass, whichever split the
+  measuring steps use (the rows lie as theirs do: the same batch and weights),
+  and the optimizer's transform, given ``measure=False``, averages it over
+  the devices and keeps the last measuring step's similarity in its state
+  (``measured`` False). The loss, the update, the learning-rate factor and a
+  non-finite gradient's skip are the measuring step's.
+
+  Args:
+    loss_fn: as for :func:`make_fused_step`.
+    optimizer: as for :func:`make_fused_step`.
+    mesh: the mesh; its axis ``axis_name`` holds the data-parallel devices.
+    axis_name: the mesh axis name.
+    seed: as for :func:`make_fused_step` (a plain step's keys are those of
+      the device split's pass).
+    param_specs: the parameters' ``PartitionSpec``s over the model axes;
+      none in blocks over the data axis (a run with FSDP blocks measures
+      every step).
+
+  Returns:
+    A function (to be jitted) with :func:`make_fused_step`'s arguments and
+    results; the measurements' ``SimilarityState`` has ``measured`` False.
+
+  Raises:
+    ValueError: when traced with parameters in blocks over the data axis.
+  """
+  return make_fused_step(
+    loss_fn, optimizer, mesh, axis_name, seed, "device", param_specs, measure=False
+  )
 
 
 def _stacked(device_gradient: tuple[jax.Array, Any, Any]) -> tuple[Any, jax.Array, Any]:

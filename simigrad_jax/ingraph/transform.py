@@ -27,7 +27,9 @@ class SimilarityState(NamedTuple):
   """State of :func:`transform`: what the last step measured (identical on all devices).
 
   No field is ever NaN or infinite; ``measured`` and ``grads_finite`` say whether
-  the numbers are a measurement.
+  the numbers are a measurement. After a step that does not measure
+  (``update(..., measure=False)``) the similarity and the half norms are the
+  last measuring step's, and ``measured`` is False.
   """
 
   similarity: jax.Array  # float32 cos(g_A, g_B) of the last step; 0 where not measured.
@@ -448,6 +450,15 @@ def transform(
       out as the parameters are. None: ``updates`` are this device's own
       gradient (inside the mapped step) or, with ``half_grads``, the global
       one. Not with ``half_grads``, and not inside a step mapped over the axis.
+    measure: (update) True (default): the step measures the similarity.
+      False: a step between two measuring ones (``measure_every``): ``updates``
+      is the plain gradient of the whole batch (one ``jax.grad`` pass, no
+      halves, neither ``half_grads`` nor ``stacked_grads``), the update returns
+      its mean over ``axis_name`` (in a plain ``jax.jit`` step, the gradient
+      as it is), and the state keeps the last measuring step's similarity and
+      half norms, with ``measured`` False, ``norm_mean`` this gradient's
+      norm, ``grads_finite`` and ``nonfinite_count`` this step's. A Python
+      bool: each value is its own compiled program.
     param_specs: (update) None, or the parameters' ``PartitionSpec``s on the
       mesh (a pytree like ``updates``, one spec per leaf) for the device
       split, where the leaves' types do not carry them (``Auto`` mesh axes):
@@ -463,7 +474,8 @@ def transform(
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``. Its ``update(updates, state,
-    params=None, *, half_grads=None, stacked_grads=None, param_specs=None)``
+    params=None, *, half_grads=None, stacked_grads=None, param_specs=None,
+    measure=True)``
     returns ``(mean_updates, new_state)``, ``mean_updates`` the mean of the
     devices' gradients; ``optax.chain`` passes the keyword arguments of its
     own update on to it. What the update computes depends on these arguments
@@ -572,6 +584,35 @@ def transform(
       explicit_axes=explicit_axes,
     )
 
+  def plain_update(
+    updates: optax.Updates, state: SimilarityState, half_grads: Any, stacked_grads: Any
+  ) -> tuple[optax.Updates, SimilarityState]:
+    """A step that does not measure: the mean gradient, the last measurement kept in the state."""
+    if half_grads is not None or stacked_grads is not None:
+      given = "half_grads" if half_grads is not None else "stacked_grads"
+      raise ValueError(
+        f"simigrad_jax.transform's update(..., measure=False) was given {given}=...: a step "
+        "that does not measure takes the plain gradient of its whole batch (one pass, "
+        f"jax.grad), with neither half_grads nor stacked_grads; leave {given} out"
+      )
+    if axis_name is not None:
+      _check_axis_is_bound(axis_name)
+      _check_not_already_reduced(jax.tree.leaves(updates), axis_name)
+      updates = lax.pmean(updates, axis_name)
+    sq_norm = sum(
+      (jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(updates)),
+      jnp.zeros([], jnp.float32),
+    )
+    finite = jnp.isfinite(sq_norm)
+    if nonfinite == "zero":
+      updates = jax.tree.map(lambda g: jnp.where(finite, g, jnp.zeros_like(g)), updates)
+    return updates, state._replace(
+      norm_mean=jnp.where(finite, jnp.sqrt(jnp.where(finite, sq_norm, 0.0)), 0.0),
+      measured=jnp.zeros([], jnp.bool_),
+      grads_finite=finite,
+      nonfinite_count=state.nonfinite_count + (~finite).astype(jnp.int32),
+    )
+
   def update_fn(
     updates: optax.Updates,
     state: SimilarityState,
@@ -580,10 +621,19 @@ def transform(
     half_grads: HalfGrads | None = None,
     stacked_grads: StackedGrads | None = None,
     param_specs: Any = None,
+    measure: bool = True,
     **extra: Any,
   ) -> tuple[optax.Updates, SimilarityState]:
     del extra
     _check_matches_params(updates, params)
+    if not isinstance(measure, bool):
+      raise ValueError(
+        f"measure must be True (the step measures the similarity) or False (a plain step: "
+        f"the mean gradient alone), got {measure!r}"
+      )
+    if not measure:
+      _check_step_axis(axis_name)
+      return plain_update(updates, state, half_grads, stacked_grads)
     if half_grads is None and _EXPECTING_HALF_GRADS.get():
       raise HalvesContractError(
         "the optimizer's update was given half_grads=..., but simigrad_jax.transform did not "

@@ -14,11 +14,15 @@ Documented API:
     similarity beside it.
   NonFiniteRunError: a streak of steps skipped as not finite (a loss NaN for
     every row, a NaN learning rate): the run trained nothing, so it stops.
+  AdaptiveStep: the step of an own adaptive loop, at any batch size on a few
+    compiled shapes (also on the top level); AdaptiveBatchError: a batch it
+    cannot run.
 
 Modules: ``trainer``, ``config``, ``step_record``, ``hooks``, ``metrics``,
-``progress``, ``skipped_steps``, and the step's parts: ``run_setup`` (a run built from the
-Trainer's arguments), ``checks``, ``step_inputs``, ``step_agreement`` (every
-process's agreement on a step's decision) and ``run_totals``.
+``progress``, ``skipped_steps``, ``adaptive_step`` (an own loop's step), and
+the step's parts: ``run_setup`` (a run built from the Trainer's arguments),
+``checks``, ``step_inputs``, ``step_agreement`` (every process's agreement on
+a step's decision) and ``run_totals``.
 
 Example:
   >>> import tempfile
@@ -30,6 +34,8 @@ Example:
   [64]
 """
 
+from simigrad_jax.trainer.adaptive_step import AdaptiveBatchError
+from simigrad_jax.trainer.adaptive_step import AdaptiveStep
 from simigrad_jax.trainer.config import CheckpointConfig
 from simigrad_jax.trainer.config import CompileConfig
 from simigrad_jax.trainer.config import LearningRateConfig
@@ -43,6 +49,8 @@ from simigrad_jax.trainer.step_record import StepRecord
 from simigrad_jax.trainer.trainer import Trainer
 
 __all__ = [
+  "AdaptiveBatchError",
+  "AdaptiveStep",
   "CheckpointConfig",
   "CompileConfig",
   "LearningRateConfig",

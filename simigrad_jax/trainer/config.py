@@ -353,6 +353,12 @@ class TrainerConfig:
       against odd ones), ``"local"`` (two blocks of rows per device), or
       ``"auto"`` (``"device"`` on an even number of devices, else
       ``"local"``; see :meth:`halves_for`).
+    measure_every: ``k``: the steps numbered ``0, k, 2k, ...`` (over the
+      whole run, resumes included) measure the similarity, and a controller
+      that reads it is updated on them only, holding its batch size over the
+      plain steps between (one gradient pass each, at the plain step's cost;
+      a step of several micro-batches measures). 1 (the default): every step.
+      Recorded in the checkpoints: a resume with another ``k`` is refused.
     axis_name: the data-parallel axis name used by the transform.
     progress: show a progress bar (process 0 only).
     tensorboard: also write TensorBoard event files: None (the default) when
@@ -409,6 +415,7 @@ class TrainerConfig:
   max_micro_batch_size: int
   seed: int = 0
   halves: str = "auto"
+  measure_every: int = 1
   axis_name: str = "batch"
   progress: bool = True
   tensorboard: bool | None = None
@@ -468,6 +475,7 @@ def _checked_fields(config: TrainerConfig) -> dict[str, Any]:
       f"{max_micro}], got {min_micro!r}"
     )
   checked["seed"] = validation.check_int("seed", config.seed, 0)
+  checked["measure_every"] = validation.check_int("measure_every", config.measure_every, 1)
   for name in _FLAGS:
     checked[name] = validation.check_bool(name, getattr(config, name))
   if config.tensorboard is not None:

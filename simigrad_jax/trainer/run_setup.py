@@ -506,6 +506,7 @@ def settings_to_agree(
     "num_examples": num_examples,
     "num_devices": layout.num_devices,
     "halves": layout.halves,
+    "measure_every": config.measure_every,
     "checkpoint_every_steps": config.checkpoints.every_steps,
     "checkpoint_every_seconds": config.checkpoints.every_seconds,
     "element_spec": run_record.describe_element_spec(source.element_spec),
@@ -551,7 +552,8 @@ def run_record_of(
     element_spec=source.element_spec,
     controller=controller.config,
     trainer={"lr_rule": config.lr.rule, "lr_adjust_factor": config.lr.adjust_factor}
-    | ({} if config.lr.coupling == "full" else {"lr_coupling": config.lr.coupling}),
+    | ({} if config.lr.coupling == "full" else {"lr_coupling": config.lr.coupling})
+    | ({} if config.measure_every == 1 else {"measure_every": config.measure_every}),
     layout={
       "halves": layout.halves,
       "mode": config.compile.mode,

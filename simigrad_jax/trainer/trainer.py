@@ -136,6 +136,7 @@ class StepLoop:
     self._taken_at = -1  # the step whose rows the sampler last gave (the state is whole after it)
     # A setting, read once: a schedule's config lists all its thresholds (a replay's, one a step).
     self._similarity_target = controller_interface.similarity_target(controller)
+    self._measure_every = config.measure_every
     self._bounds = controller_interface.batch_size_bounds(controller)
 
   def run(self, hooks: Sequence[StepHook], total_examples: float, max_steps: float) -> None:
@@ -201,9 +202,11 @@ class StepLoop:
         exact = self.layout.plan(int(min(batch_size, remaining)))
         last = remaining <= batch_size  # no step follows: a compile asked for now is never used
         plan = self._programs.policy.choose(exact, self.step, last)  # decided by the step count
+        # Whether the step measures the similarity: decided by the step number alone.
+        measure = self.step % self._measure_every == 0 or plan.accumulation_steps > 1
         wait_before = self._programs.compiler.wait_seconds
         try:
-          self._programs.compiler.wait_for(plan)
+          self._programs.compiler.wait_for(plan, measure)
         except CompileAbandoned:  # a signal while this step's compile was awaited: not run
           if self.stop.stop_alone():
             break
@@ -216,9 +219,9 @@ class StepLoop:
         # 3. Run. The host's critical path ends at the program's call.
         scalars = self._inputs.on_devices(plan.global_batch_size)
         host_seconds = math.nan if last_read is None else time.perf_counter() - last_read
-        first_run = not set(programs_of(plan)) <= self._programs_run
-        self._programs_run |= set(programs_of(plan))
-        self.state, measurements = self._programs.runner.run(self.state, rows, scalars)
+        first_run = not set(programs_of(plan, measure)) <= self._programs_run
+        self._programs_run |= set(programs_of(plan, measure))
+        self.state, measurements = self._programs.runner.run(self.state, rows, scalars, measure)
         self._programs.policy.await_fallback(plan.micro_batch_size)  # (the first step's wait)
         dispatched = DispatchedStep(
           plan=plan,
@@ -247,18 +250,21 @@ class StepLoop:
         examples_seen = self.sampler.examples_seen
         epochs = examples_seen / self.sampler.num_examples
         epoch_end = self.sampler.epoch > epoch
-        next_batch_size = self.controller.update(
-          measured.similarity,
-          stats=measured.controller_stats(
-            batch_size=plan.global_batch_size,
-            examples_seen=examples_seen,
-            epochs=epochs,
-            epoch_end=epoch_end,
-          ),
-        )
+        if measure or self._similarity_target is None:  # a plain step holds a similarity rule
+          next_batch_size = self.controller.update(
+            measured.similarity,
+            stats=measured.controller_stats(
+              batch_size=plan.global_batch_size,
+              examples_seen=examples_seen,
+              epochs=epochs,
+              epoch_end=epoch_end,
+            ),
+          )
+          decision = self.controller.last_decision
+        else:
+          next_batch_size, decision = self.controller.batch_size, None
         self.step += 1
         self._inputs.set_lr_factor(self._inputs.lr_factors(next_batch_size, epochs))
-        decision = self.controller.last_decision
         # 6. Agree: every process holds the same decision before any of them uses it.
         agreement_seconds = self._agreement.agree(
           self.step,

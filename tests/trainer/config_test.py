@@ -88,6 +88,7 @@ BAD_SETTINGS = [
     "random",
     r"halves='random' is not valid; choose one of \('auto', 'device', 'local'\)",
   ),
+  ("measure_every", 0, r"measure_every must be an integer >= 1, got 0"),
   (
     "agreement_timeout_seconds",
     0,

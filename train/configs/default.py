@@ -27,6 +27,9 @@ def get_config() -> ml_collections.ConfigDict:
   # number of devices); "local" = two blocks of rows on every device, one gradient pass each
   # (any number of devices); "auto" = "device" on an even number of devices, else "local".
   config.halves = "auto"
+  # Measure the similarity on every k-th step only, plain steps (one gradient pass) between; the
+  # controller decides on the measuring steps and holds its batch size between them.
+  config.measure_every = 1
   # A mesh "DATAxMODEL" (e.g. "4x2": the batch sharded over 4 data positions, parameters over
   # 2 model shards; the product is the device count); "" = data-parallel on every device.
   config.mesh_shape = ""

@@ -1,0 +1,64 @@
+"""TrainerConfig(measure_every=k): the similarity measured on every k-th step, plain steps between.
+
+Which steps measure depends on the step number alone, so a run resumed on a
+plain step takes the same steps as one that was never stopped; the
+controller is updated on the measuring steps only and holds its batch size
+between them; the checkpoints record ``k``, and a resume with another is
+refused.
+"""
+
+import jax
+import numpy as np
+import pytest
+
+import simigrad_jax
+from simigrad_jax.checkpoint import CheckpointMismatchError
+from tests import tiny_run
+
+EVERY_3 = simigrad_jax.CheckpointConfig(every_steps=3)
+
+
+def records(workdir):
+  return simigrad_jax.read_metrics(str(workdir / "metrics.jsonl"))
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+  """Six steps of measure_every=2, never stopped: (the records, the parameters)."""
+  workdir = tmp_path_factory.mktemp("straight")
+  trainer = tiny_run.make_trainer(workdir, measure_every=2, checkpoints=EVERY_3)
+  trainer.train(num_steps=6)
+  return records(workdir), jax.device_get(trainer.state["params"])
+
+
+def test_every_other_step_measures_and_the_batch_holds_between(straight):
+  steps, _ = straight
+  assert len(steps) == 6
+  measured = [record["similarity"] is not None for record in steps]  # None: not measured
+  assert measured == [True, False] * 3
+  sizes = [record["batch_size"] for record in steps]
+  assert sizes[1] == sizes[2] and sizes[3] == sizes[4]  # decided after steps 0 and 2 only
+  assert len(set(sizes)) > 1  # the measurements moved it
+
+
+def test_a_resume_on_a_plain_step_is_exact(straight, tmp_path):
+  expected, params = straight
+  tiny_run.make_trainer(tmp_path, measure_every=2, checkpoints=EVERY_3).train(num_steps=3)
+  resumed = tiny_run.make_trainer(tmp_path, measure_every=2, checkpoints=EVERY_3)
+  resumed.train(num_steps=6)  # from step 3, a plain step
+  got = records(tmp_path)
+  for key in ("batch_size", "loss", "similarity"):
+    np.testing.assert_array_equal([r[key] for r in got], [r[key] for r in expected], key)
+  for a, b in zip(jax.tree.leaves(resumed.state["params"]), jax.tree.leaves(params), strict=True):
+    np.testing.assert_array_equal(np.asarray(jax.device_get(a)), b)
+
+
+def test_a_resume_with_another_k_is_refused(tmp_path):
+  tiny_run.make_trainer(tmp_path, measure_every=2, checkpoints=EVERY_3).train(num_steps=3)
+  with pytest.raises(CheckpointMismatchError, match="measure_every"):
+    tiny_run.make_trainer(tmp_path, measure_every=3, checkpoints=EVERY_3).train(num_steps=6)
+
+
+def test_measure_every_must_be_a_positive_int():
+  with pytest.raises(ValueError, match="measure_every must be an integer >= 1"):
+    simigrad_jax.TrainerConfig(max_micro_batch_size=4, measure_every=0)
