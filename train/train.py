@@ -150,6 +150,11 @@ def _named_as_config_options():
     raise ValueError(f"config.{option}{message[len(path) :]}") from error
 
 
+def _given(**options: Any) -> dict[str, Any]:
+  """The options that are not None (those None keep the library's default)."""
+  return {name: value for name, value in options.items() if value is not None}
+
+
 def create_trainer_config(config: ml_collections.ConfigDict) -> TrainerConfig:
   """The :class:`simigrad_jax.TrainerConfig` of ``config``'s Trainer settings.
 
@@ -173,6 +178,9 @@ def create_trainer_config(config: ml_collections.ConfigDict) -> TrainerConfig:
         mode=config.mode,
         min_micro_batch_size=config.min_micro_batch_size,
         fallback=config.compile_fallback,
+        shapes_per_octave=config.shapes_per_octave,
+        threads=config.compile_threads,
+        **_given(steps_per_compile=config.steps_per_compile),
       ),
       checkpoints=CheckpointConfig(
         every_steps=config.checkpoint_every_steps,
