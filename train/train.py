@@ -134,7 +134,9 @@ def check_device_count(devices: list[jax.Device]) -> list[jax.Device]:
 
 # A TrainerConfig setting's path -> the config's option that sets it (the config keeps 0.2's
 # flat names).
-_CONFIG_OPTIONS = {path: name for name, path in MOVED_SETTINGS.items()}
+_CONFIG_OPTIONS = {path: name for name, path in MOVED_SETTINGS.items()} | {
+  "compile.threads": "compile_threads"
+}
 
 
 @contextlib.contextmanager
