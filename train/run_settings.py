@@ -35,6 +35,9 @@ NOT_DECIDING: frozenset[str] = frozenset(
     "min_micro_batch_size",
     "mode",
     "compile_fallback",
+    "shapes_per_octave",
+    "steps_per_compile",
+    "compile_threads",
     # Where the data is read from and how fast; what the evaluation reads.
     "data_dir",
     "download",

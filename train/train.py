@@ -137,7 +137,9 @@ def check_device_count(devices: list[jax.Device]) -> list[jax.Device]:
 
 # A TrainerConfig setting's path -> the config's option that sets it (the config keeps 0.2's
 # flat names).
-_CONFIG_OPTIONS = {path: name for name, path in MOVED_SETTINGS.items()}
+_CONFIG_OPTIONS = {path: name for name, path in MOVED_SETTINGS.items()} | {
+  "compile.threads": "compile_threads"
+}
 
 
 @contextlib.contextmanager
@@ -151,6 +153,11 @@ def _named_as_config_options():
     path = re.match(r"[\w.]*", message).group()  # the setting's path in TrainerConfig
     option = _CONFIG_OPTIONS.get(path, path)
     raise ValueError(f"config.{option}{message[len(path) :]}") from error
+
+
+def _given(**options: Any) -> dict[str, Any]:
+  """The options that are not None (those None keep the library's default)."""
+  return {name: value for name, value in options.items() if value is not None}
 
 
 def create_trainer_config(config: ml_collections.ConfigDict) -> TrainerConfig:
@@ -177,6 +184,9 @@ def create_trainer_config(config: ml_collections.ConfigDict) -> TrainerConfig:
         mode=config.mode,
         min_micro_batch_size=config.min_micro_batch_size,
         fallback=config.compile_fallback,
+        shapes_per_octave=config.shapes_per_octave,
+        threads=config.compile_threads,
+        **_given(steps_per_compile=config.steps_per_compile),
       ),
       checkpoints=CheckpointConfig(
         every_steps=config.checkpoint_every_steps,

@@ -7,7 +7,8 @@ The global batch size changes at every optimizer step, but the step function
 only sees the micro-batch *shape*, drawn from a small grid known up front
 (:func:`simigrad_jax.shapes.bucket_shapes`). :class:`StepCompiler` holds one
 ``jax.stages.Compiled`` per micro-batch size. It compiles the sizes the loop
-may need next in one background thread while the current step runs, so that
+may need next in background threads (one by default, or as many as the host
+affords: :func:`host_compile_threads`) while the current step runs, so that
 after warm-up :meth:`StepCompiler.get` finds every variant ready and the loop
 never stalls on a compile. Compiles need no data: ``lower(micro)`` lowers the
 jitted step on ``jax.ShapeDtypeStruct`` placeholders that carry the input
@@ -30,6 +31,7 @@ progress (:mod:`simigrad_jax.compile.exit_wait`).
 from __future__ import annotations
 
 import collections
+import os
 import threading
 import time
 from collections.abc import Callable, Hashable, Iterable
@@ -47,7 +49,35 @@ __all__ = [
   "MicroBatchSizes",
   "StepCompileError",
   "StepCompiler",
+  "host_compile_threads",
 ]
+
+# Cores left to the training loop (its Python thread, dispatch and the input pipeline) when the
+# compile threads are sized from the host.
+MAIN_LOOP_CORES = 1
+# The most compile threads a lane gets from the host's cores: XLA's compile of one program uses
+# several threads of its own, and a run's grid has a handful of programs.
+MAX_HOST_COMPILE_THREADS = 8
+
+
+def host_compile_threads(cores: int | None = None) -> int:
+  """The compile threads this host affords: its cores less :data:`MAIN_LOOP_CORES`, at least 1.
+
+  Args:
+    cores: the cores to size from (None: those this process may run on,
+      ``os.sched_getaffinity`` where the platform has it, else ``os.cpu_count()``).
+
+  Returns:
+    An int in ``[1, MAX_HOST_COMPILE_THREADS]``.
+
+  Example:
+    >>> host_compile_threads(2), host_compile_threads(16), host_compile_threads(64)
+    (1, 8, 8)
+  """
+  if cores is None:
+    affinity = getattr(os, "sched_getaffinity", None)
+    cores = len(affinity(0)) if affinity is not None else (os.cpu_count() or 1)
+  return max(1, min(MAX_HOST_COMPILE_THREADS, cores - MAIN_LOOP_CORES))
 
 
 class StepCompileError(SimiGradError, RuntimeError):
@@ -286,8 +316,9 @@ class StepCompiler:
   ``lower(micro_batch_size)`` returns the ``jax.stages.Lowered`` step for that
   shape, typically ``jitted_step.lower(*placeholders)`` with
   ``jax.ShapeDtypeStruct(shape, dtype, sharding=...)`` placeholders, so that
-  nothing needs real data. :meth:`prefetch` queues sizes for one background
-  worker thread, which lowers and compiles them in the order given;
+  nothing needs real data. :meth:`prefetch` queues sizes for the background
+  worker threads (``threads`` of them), which lower and compile them in the
+  order given;
   :meth:`get` returns the compiled step, waiting for (or doing) the compile
   only if it is not ready yet. Time spent blocked in :meth:`get` is the
   *compile wait*, a stall of the training loop, reported by :meth:`stats`.
@@ -315,6 +346,10 @@ class StepCompiler:
       compiler of a training step's programs names them by program and
       shape, each program's compiled in a background thread of its own
       (:class:`~simigrad_jax.compile.program_compiler.StepProgramCompiler`).
+    threads: the compiles a lane runs at once, each in a background thread
+      of its own (an int ``>= 1``; :func:`host_compile_threads` sizes it
+      from the host's cores). They start in the order queued; XLA's compile
+      releases the GIL, so they overlap where the host has cores to spare.
 
   Example:
     >>> import jax, jax.numpy as jnp
@@ -353,6 +388,7 @@ class StepCompiler:
     background: bool = True,
     name: str = "step",
     keys: MicroBatchSizes | None = None,
+    threads: int = 1,
   ):
     if not callable(lower):
       raise ValueError(
@@ -366,7 +402,8 @@ class StepCompiler:
     self._lock = threading.Lock()
     self._keys = MicroBatchSizes() if keys is None else keys
     self._queue = _Queue(self._keys)
-    self._workers: dict[str, threading.Thread] = {}  # by lane, while it has work
+    self._threads = validation.check_int("threads", threads)
+    self._workers: dict[str, int] = {}  # worker threads by lane, while they have work
     self._closed = False
     self._tally = _Tally()
     self.interrupt: Callable[[], bool] | None = None  # True: a waiting get() gives up
@@ -387,7 +424,8 @@ class StepCompiler:
   def prefetch(self, micro_batch_sizes: Iterable[Any], *, first: bool = False) -> None:
     """Schedules background compiles of the sizes not compiled or in flight.
 
-    Returns at once. Sizes are compiled one at a time in the order given,
+    Returns at once. Sizes start compiling in the order given, up to
+    ``threads`` at once,
     after any already queued (``first``: before them); sizes compiled,
     compiling or failed before are skipped, and so are those queued unless
     ``first`` moves them ahead. With ``background=False`` nothing is
@@ -412,11 +450,13 @@ class StepCompiler:
         return
       self._queue.add(keys, first)
       for lane in self._queue.lanes_waiting():
-        if lane not in self._workers:
-          worker = self._workers[lane] = threading.Thread(
+        # A worker per variant waiting, up to ``threads``: idle workers have left.
+        wanted = min(self._threads, self._workers.get(lane, 0) + len(self._queue.waiting[lane]))
+        while self._workers.get(lane, 0) < wanted:
+          self._workers[lane] = self._workers.get(lane, 0) + 1
+          threading.Thread(
             target=self._work, args=(lane,), name=_thread_name(self._name, lane), daemon=True
-          )
-          worker.start()
+          ).start()
 
   def get(self, micro_batch_size: Any) -> jax.stages.Compiled:
     """Returns the compiled step for one micro-batch size.
@@ -511,7 +551,7 @@ class StepCompiler:
       with self._lock:
         job = None if self._closed else self._queue.next(lane)
         if job is None:
-          del self._workers[lane]
+          self._workers[lane] -= 1
           return
       self._run(job)
 

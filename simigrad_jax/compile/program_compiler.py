@@ -81,6 +81,8 @@ class StepProgramCompiler(StepCompiler):
     functions: the step's jitted functions (their lowerings are compiled).
     layout: the step layout (shapes are reported in rows per device).
     background: compile in background threads.
+    threads: each program's compiles that run at once (``threads`` threads
+      for the fused steps' shapes, as many for the micro-steps').
 
   Example:
     ``StepProgramCompiler(functions, layout, background=True).view()`` is
@@ -88,8 +90,12 @@ class StepProgramCompiler(StepCompiler):
     4)])`` starts one, ``compiler.get(APPLY)`` waits for the update's.
   """
 
-  def __init__(self, functions: StepFunctions, layout: StepLayout, *, background: bool):
-    super().__init__(functions.lower, background=background, name="step", keys=ProgramShapes())
+  def __init__(
+    self, functions: StepFunctions, layout: StepLayout, *, background: bool, threads: int = 1
+  ):
+    super().__init__(
+      functions.lower, background=background, name="step", keys=ProgramShapes(), threads=threads
+    )
     self._layout = layout
 
   def view(self) -> dict[str, Any]:

@@ -87,6 +87,8 @@ class StepPrograms:
       compiled in the background from the start; the others only when the
       fallback or a plan first needs them).
     background: compile in background threads.
+    compile_threads: the compiles of one program (the fused steps, or the
+      micro-steps) that run at once.
     compile_fallback: let the policy replace a plan whose program is not
       ready.
     steps_per_compile: the steps the schedule gives each program it admits
@@ -141,6 +143,7 @@ class StepPrograms:
     accumulation_shapes: list[int],
     background: bool,
     compile_fallback: bool,
+    compile_threads: int = 1,
     steps_per_compile: float | None = None,
     shared_compiles: bool = False,
     compilation_cache_dir: str | os.PathLike | None = None,
@@ -156,7 +159,9 @@ class StepPrograms:
       state=state,
       element_spec=element_spec,
     )
-    self.compiler = StepProgramCompiler(self.functions, layout, background=background)
+    self.compiler = StepProgramCompiler(
+      self.functions, layout, background=background, threads=compile_threads
+    )
     cache_dir = None if compilation_cache_dir is None else os.path.abspath(compilation_cache_dir)
     self.policy = compile_policy(
       self.compiler,

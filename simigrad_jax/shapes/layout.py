@@ -37,10 +37,9 @@ import math
 import numpy as np
 
 from simigrad_jax.shapes import batch_plan
+from simigrad_jax.shapes import grid_costs
 
 HALVES: tuple[str, ...] = ("auto", "device", "local")
-# shapes_per_octave=None: neighbouring shapes about 9% apart (a batch that moves pads ~4%).
-AUTO_SHAPES_PER_OCTAVE = 8
 # With the compile fallback, the shapes within this many octaves of the current batch's compile
 # ahead (the rest as the batch comes near them): SimiGrad moves the batch by about one shape of
 # the default grid per step, so a run compiles the shapes it visits, not the whole grid.
@@ -93,7 +92,9 @@ class StepLayout:
       lower: the smallest global batch size of the run.
       upper: the largest.
       shapes_per_octave: the grid's shapes per factor of two (``"recompile"``);
-        None: :data:`AUTO_SHAPES_PER_OCTAVE`.
+        None: the coarsest grid whose padding over ``[lower, upper]`` stays
+        within 6% of the rows computed
+        (:func:`~simigrad_jax.shapes.grid_costs.choose_shapes_per_octave`).
 
     Returns:
       A :class:`StepLayout`.
@@ -102,12 +103,12 @@ class StepLayout:
     top = _ceil_div(max_micro, per)
     if mode == "pad":
       return cls(halves, num_devices, batch_plan.BucketPolicy(top, top, padding=True))
-    grid = batch_plan.BucketPolicy(
-      top,
-      _ceil_div(min_micro or 1, per),
-      padding=True,
-      shapes_per_octave=AUTO_SHAPES_PER_OCTAVE if shapes_per_octave is None else shapes_per_octave,
-    )
+    low = _ceil_div(min_micro or 1, per)
+    if shapes_per_octave is None:
+      shapes_per_octave = grid_costs.choose_shapes_per_octave(
+        num_devices * per, top, lower, upper, low
+      )
+    grid = batch_plan.BucketPolicy(top, low, padding=True, shapes_per_octave=shapes_per_octave)
     needed = batch_plan.bucket_shapes(grid, num_devices * per, lower, upper)
     return cls(halves, num_devices, dataclasses.replace(grid, min_micro_batch_size=min(needed)))
 

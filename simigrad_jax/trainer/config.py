@@ -33,6 +33,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any, ClassVar, Literal, Self, TypeVar
 
 from simigrad_jax import validation
+from simigrad_jax.compile import compiler
 from simigrad_jax.compile import persistent_cache
 from simigrad_jax.controllers import learning_rate
 from simigrad_jax.multihost import process_agreement
@@ -132,11 +133,22 @@ class CompileConfig(_Settings):
       most ``TrainerConfig.max_micro_batch_size``).
     shapes_per_octave: the grid's shapes per factor of two in ``recompile``
       mode, 1 to 16 (:class:`simigrad_jax.shapes.BucketPolicy`), or None (the
-      default): 8. A batch that moves pads about ``35% / shapes_per_octave``
-      of the rows it computes (8: 4%; 1, the halvings: 15-30%). With the
-      compile fallback only the shapes near the batch compile, as it comes
-      near them; without it, every shape of the grid is one compile.
-    background: compile the other shapes in a background thread.
+      default): the coarsest grid whose padding over the batch-size bounds
+      stays within 6% of the rows computed
+      (:func:`simigrad_jax.shapes.grid_costs.choose_shapes_per_octave`). A
+      batch that moves pads about ``35% / shapes_per_octave`` of the rows it
+      computes, above the padding to whole rows per device (docs/compiling.md
+      tabulates it). With the compile fallback only the shapes near the batch
+      compile, as it comes near them; without it, every shape of the grid is
+      one compile.
+    background: compile the other shapes in background threads.
+    threads: the compiles of one program (the fused steps' shapes, or the
+      micro-steps') that run at once, each in a thread of its own, an int
+      ``>= 1``; None (the default): sized from the host, its cores less one
+      for the training loop, at most 8
+      (:func:`simigrad_jax.compile.compiler.host_compile_threads`). XLA's
+      compile releases the GIL, so they overlap where the cores allow. Which
+      program a step runs does not depend on it (see ``fallback``).
     fallback: in ``"recompile"`` mode, run a step whose micro-batch shape is
       still compiling on the nearest shape already compiled instead of
       waiting (the same examples and global batch, with more accumulation
@@ -153,8 +165,10 @@ class CompileConfig(_Settings):
       machine or an idle one; a step whose program the schedule admits
       before its compile has finished waits for it.
     steps_per_compile: the steps the schedule gives each compile (> 0; a
-      fraction admits several programs a step). Larger: fewer waits on a
-      slow compiler, more steps on a fallback shape.
+      fraction admits several programs a step; default 4). Larger: fewer
+      waits on a slow compiler, more steps on a fallback shape. A step that
+      outruns its compile waits; a compile takes seconds, so steps much
+      shorter than a compile divided by 4 ask for more (docs/compiling.md).
     timed_fallback: let the fallback follow the compiles' timing instead: a
       step runs on its own shape as soon as that is compiled, and never
       waits for a compile after the first step; but the shapes, hence the
@@ -189,12 +203,18 @@ class CompileConfig(_Settings):
   min_micro_batch_size: int | None = None
   shapes_per_octave: int | None = None
   background: bool = True
+  threads: int | None = None
   fallback: bool = True
-  steps_per_compile: float = 0.5
+  steps_per_compile: float = 4.0
   timed_fallback: bool = False
   cache_dir: str | os.PathLike | None = dataclasses.field(
     default_factory=persistent_cache.default_cache_dir
   )
+
+  def threads_for_host(self) -> int:
+    """The compile threads of one program: :attr:`threads`, or when None those the host affords
+    (:func:`~simigrad_jax.compile.compiler.host_compile_threads`)."""
+    return compiler.host_compile_threads() if self.threads is None else self.threads
 
   @property
   def uses_fallback(self) -> bool:
@@ -215,6 +235,8 @@ class CompileConfig(_Settings):
       checked["min_micro_batch_size"] = int(self.min_micro_batch_size)
     if self.shapes_per_octave is not None:
       checked["shapes_per_octave"] = batch_plan.check_shapes_per_octave(self.shapes_per_octave)
+    if self.threads is not None:
+      checked["threads"] = validation.check_int("threads", self.threads)
     for name in ("background", "fallback", "timed_fallback"):
       checked[name] = validation.check_bool(name, getattr(self, name))
     checked["steps_per_compile"] = validation.check_interval(

@@ -168,6 +168,7 @@ def make_programs(
     element_spec=element_spec,
     accumulation_shapes=layout.accumulation_shapes(upper),
     background=config.compile.background,
+    compile_threads=config.compile.threads_for_host(),
     compile_fallback=config.compile.uses_fallback,
     steps_per_compile=None if config.compile.timed_fallback else config.compile.steps_per_compile,
     shared_compiles=jax.process_count() > 1,

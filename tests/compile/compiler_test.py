@@ -86,6 +86,39 @@ def wait_until(predicate, timeout=TIMEOUT):
     time.sleep(0.005)
 
 
+# ------------------------------------------------------------------- threads
+
+
+def test_threads_compile_that_many_at_once_in_the_order_queued(mesh):
+  lower = Lowerer(mesh, gated=(1, 2, 3))
+  with StepCompiler(lower, name="toy", threads=2) as compiler:
+    compiler.prefetch([1, 2, 3, 4])
+    # The first two start together; the third waits for a free thread, whatever the timing.
+    assert lower.started[1].wait(TIMEOUT) and lower.started[2].wait(TIMEOUT)
+    assert not lower.started[3].is_set() and sorted(lower.calls) == [1, 2]
+    lower.gates[2].set()
+    assert lower.started[3].wait(TIMEOUT)
+    lower.gates[1].set()
+    lower.gates[3].set()
+    for micro in [1, 2, 3, 4]:
+      check_runs(compiler.get(micro), micro)
+    stats = compiler.stats()
+  assert sorted(lower.calls[:2]) == [1, 2] and lower.calls[2] == 3
+  assert sorted(lower.calls) == [1, 2, 3, 4]
+  assert len(set(lower.threads)) >= 2 and all(t.name == "toy-compiler" for t in lower.threads)
+  assert stats["compiles"] == 4 and stats["compiled_sizes"] == [1, 2, 3, 4]
+
+
+def test_threads_must_be_a_positive_int(mesh):
+  with pytest.raises(ValueError, match="threads must be an integer >= 1, got 0"):
+    StepCompiler(Lowerer(mesh), threads=0)
+
+
+def test_host_compile_threads_leave_the_training_loop_a_core():
+  assert [compiler.host_compile_threads(cores) for cores in (1, 2, 3, 9, 64)] == [1, 1, 2, 8, 8]
+  assert 1 <= compiler.host_compile_threads() <= compiler.MAX_HOST_COMPILE_THREADS
+
+
 # ------------------------------------------------------------------- compile
 
 

@@ -4,6 +4,8 @@ import math
 
 import pytest
 
+from simigrad_jax.shapes import grid_costs
+from simigrad_jax.shapes.batch_plan import BucketPolicy
 from simigrad_jax.shapes.layout import StepLayout
 
 
@@ -43,15 +45,17 @@ def test_the_finer_grid_pads_less():
   assert padding(8) < 0.05 < 0.15 < padding(1)
 
 
-def test_the_default_grid_has_8_shapes_per_octave():
+def test_the_default_grid_is_the_coarsest_within_the_padding_budget():
   layout = StepLayout.create(
     "device", 8, mode="recompile", max_micro=128, min_micro=None, lower=64, upper=1024,
     shapes_per_octave=None,
   )  # fmt: skip
-  assert layout.policy.shapes_per_octave == 8
-  grid = layout.grid
-  assert grid[0] == 8 and grid[-1] == 128 and len(grid) == 33
-  assert max(b / a for a, b in zip(grid, grid[1:])) <= 1.125  # 2^(1/8) = 1.09, rounded up
+  chosen = grid_costs.choose_shapes_per_octave(8, 128, 64, 1024)
+  assert layout.policy.shapes_per_octave == chosen == 6
+  assert grid_costs.grid_cost(8, 128, 64, 1024, chosen).padding_fraction <= 0.06
+  assert grid_costs.grid_cost(8, 128, 64, 1024, chosen - 1).padding_fraction > 0.06
+  assert layout.grid == BucketPolicy(128, 8, shapes_per_octave=6).micro_batch_sizes()
+  assert layout.grid[0] == 8 and layout.grid[-1] == 128 and len(layout.grid) == 25
 
 
 def test_shapes_near_a_shape_are_those_within_the_window_nearest_first():

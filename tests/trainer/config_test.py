@@ -71,6 +71,7 @@ BAD_SETTINGS = [
     r"checkpoints.allow_changed_settings must be True or False, got 'yes'",
   ),
   ("compile.background", 1, r"compile.background must be True or False, got 1 \(int\)"),
+  ("compile.threads", 0, r"compile.threads must be an integer >= 1, got 0"),
   ("compile.fallback", "yes", r"compile.fallback must be True or False, got 'yes'"),
   ("compile.timed_fallback", 1, r"compile.timed_fallback must be True or False, got 1"),
   (
