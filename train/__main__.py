@@ -173,15 +173,17 @@ def command_line_spelling(line: str, options: Iterable[str]) -> str:
     options: the config's option names (a ``config.json`` stays as it is).
 
   Example:
-    >>> command_line_spelling("config.seed=-1 is bad; see config.json or allow_changed_settings=True",
-    ...                       ["seed"])
+    >>> command_line_spelling(
+    ...   "config.seed=-1 is bad; see config.json or CheckpointConfig(allow_changed_settings=True)",
+    ...   ["seed"])
     '--config.seed=-1 is bad; see config.json or --config.allow_changed_settings=True'
   """
   names = "|".join(sorted(map(re.escape, options), key=len, reverse=True))
   if names:
     line = re.sub(rf"(?<![\w.-])config\.({names})\b", r"--config.\1", line)
   return re.sub(
-    r"(?<![\w.-])(?:checkpoints\.)?allow_changed_settings=True",
+    r"(?<![\w.-])(?:CheckpointConfig\(allow_changed_settings=True\)"
+    r"|(?:checkpoints\.)?allow_changed_settings=True)",
     "--config.allow_changed_settings=True",
     line,
   )

@@ -23,7 +23,7 @@ logger = logging.getLogger("simigrad_jax")
 
 HOW_TO_ALLOW = (
   "Resume with the settings it was made with, use a new workdir, or allow the "
-  "change with allow_changed_settings=True (it is then recorded in the run's "
+  "change with CheckpointConfig(allow_changed_settings=True) (it is then recorded in the run's "
   "history)"
 )
 
