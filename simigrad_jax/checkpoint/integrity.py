@@ -182,14 +182,19 @@ def _layout_key(leaves: list[Any]) -> tuple[Any, ...] | None:
     sharding = getattr(leaf, "sharding", None)
     if not isinstance(leaf, jax.Array | jax.ShapeDtypeStruct) or sharding is None:
       return None
-    key.append((tuple(leaf.shape), str(leaf.dtype), bool(leaf.weak_type), sharding))
+    key.append((tuple(leaf.shape), str(leaf.dtype), _weak_type(leaf), sharding))
   return tuple(key)
+
+
+def _weak_type(leaf: Any) -> bool:
+  """Whether ``leaf`` is weakly typed (a key array, which has no such attribute, is not)."""
+  return bool(getattr(leaf, "weak_type", False))
 
 
 def _compile_into(program: Future, leaves: list[Any]) -> None:
   """Compiles :func:`_leaf_checksums` for ``leaves``' layout into ``program``."""
   abstract = [
-    jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding, weak_type=x.weak_type)
+    jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding, weak_type=_weak_type(x))
     for x in leaves
   ]
   try:

@@ -41,6 +41,8 @@ def _assert_same(got, want):
   assert jax.tree.structure(got) == jax.tree.structure(want)
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
     assert a.dtype == b.dtype and a.shape == b.shape
+    if jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key):
+      a, b = jax.random.key_data(a), jax.random.key_data(b)
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
@@ -126,6 +128,7 @@ def _replicated_state(devices) -> dict:
   return {
     "w": jax.device_put(jnp.arange(40 * 7, dtype=jnp.float32).reshape(40, 7), replicated),
     "m": jax.device_put(jnp.ones((40, 7), jnp.bfloat16), replicated),
+    "key": jax.device_put(jax.random.key(7), replicated),
   }
 
 
