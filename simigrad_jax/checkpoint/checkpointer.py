@@ -129,8 +129,8 @@ class _StateHandler(ocp.StandardCheckpointHandler):
       *[(ty, ocp.type_handlers.get_type_handler(ty)) for ty in ocp.type_handlers.supported_types()],
       (jax.Array, whole_array),
     )
-    self._impl.close()  # (the one made with orbax's global registry, unused)
-    self._impl = ocp.PyTreeCheckpointHandler(
+    self._impl.close()  # type: ignore[has-type]  # (made with the global registry, unused)
+    self._impl = ocp.PyTreeCheckpointHandler(  # (with StandardCheckpointHandler's settings)
       save_concurrent_gb=96,
       restore_concurrent_gb=96,
       use_ocdbt=True,
