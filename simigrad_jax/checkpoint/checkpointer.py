@@ -4,7 +4,12 @@ A checkpoint holds two items: ``state`` (a pytree of arrays: parameters,
 optimizer state, model state) saved with ``StandardSave``, and ``host`` (plain
 JSON: step, controller, sampler position, counters) saved with ``JsonSave``.
 orbax writes each checkpoint into a temporary directory and renames it when
-complete, so a crash mid-save leaves the previous checkpoint usable.
+complete, so a crash mid-save leaves the previous checkpoint usable. The
+``state`` item saves every array whole, one piece per shard, without orbax's
+per-replica slicing (which compiles a small program per slice at a run's
+first save); :meth:`Checkpointer.prepare` compiles the checksum program of a
+state ahead, in the background, so that a run's first save (often a stop on
+a signal) compiles nothing in the calling thread.
 
 orbax does not notice every damaged file, so the ``host`` item also carries
 the layout of the state, checksums of its arrays and a CRC-32 of the JSON
@@ -52,6 +57,7 @@ from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
+from orbax.checkpoint._src.metadata import array_metadata_store  # (its default, not exported)
 
 from simigrad_jax import files
 from simigrad_jax.checkpoint import integrity
@@ -99,6 +105,48 @@ def _kind(path: str) -> str:
   if stat.S_ISDIR(mode):
     return "a folder without orbax's files"
   return "a plain file" if stat.S_ISREG(mode) else "a special file (a FIFO, a device)"
+
+
+class _StateHandler(ocp.StandardCheckpointHandler):
+  """orbax's handler of the ``state`` item, saving every array in one piece per shard.
+
+  orbax's default splits the save of an array that several devices hold
+  (replica-parallel saving, on CPU devices and TPUs), compiling one small
+  program per slice of each such array: a run's first save, often a stop on a
+  signal, would wait for those compiles in the main thread. The files are the
+  same either way (replica-parallel saving only shares out the writing), so
+  checkpoints written with either setting restore with this handler.
+  """
+
+  def __init__(self) -> None:
+    super().__init__()
+    # StandardCheckpointHandler takes no registry of its own: its PyTree handler gets one,
+    # orbax's default handlers with jax.Array's as orbax makes it but for the slicing.
+    whole_array = ocp.type_handlers.ArrayHandler(
+      use_replica_parallel=False, array_metadata_store=array_metadata_store.Store()
+    )
+    whole_arrays = ocp.type_handlers.create_type_handler_registry(
+      *[(ty, ocp.type_handlers.get_type_handler(ty)) for ty in ocp.type_handlers.supported_types()],
+      (jax.Array, whole_array),
+    )
+    self._impl.close()  # type: ignore[has-type]  # (made with the global registry, unused)
+    self._impl = ocp.PyTreeCheckpointHandler(  # (with StandardCheckpointHandler's settings)
+      save_concurrent_gb=96,
+      restore_concurrent_gb=96,
+      use_ocdbt=True,
+      type_handler_registry=whole_arrays,
+    )
+
+
+def _handler_registry() -> ocp.handlers.DefaultCheckpointHandlerRegistry:
+  """The handlers of a checkpoint's two items: ``state`` (:class:`_StateHandler`), ``host``."""
+  registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
+  state = _StateHandler()
+  registry.add("state", ocp.args.StandardSave, state)
+  registry.add("state", ocp.args.StandardRestore, state)
+  registry.add("host", ocp.args.JsonSave)
+  registry.add("host", ocp.args.JsonRestore)
+  return registry
 
 
 class CheckpointFolderGoneError(SimiGradError, OSError):
@@ -156,6 +204,7 @@ class Checkpointer:
       options=ocp.CheckpointManagerOptions(
         max_to_keep=None, enable_async_checkpointing=async_save, create=True
       ),
+      handler_registry=_handler_registry(),
     )
     self._background = BackgroundSave(self._manager.wait_until_finished)
     self._async = async_save
@@ -212,6 +261,19 @@ class Checkpointer:
     host = dict(record) if payload is None else dict(payload["host"])
     host.pop(WRITTEN_STEPS, None)  # (the directory's own: the caller gets back what it saved)
     return host
+
+  def prepare(self, like: Any) -> None:
+    """Starts compiling, in the background, what a save or restore of a state like ``like`` needs.
+
+    A run's first save otherwise compiles the checksum program of its state's
+    arrays (:mod:`.integrity`) in the calling thread: a stop on a signal
+    before any checkpoint would wait for it. Calling it is optional.
+
+    Args:
+      like: the state to be saved or restored (arrays, or
+        ``jax.ShapeDtypeStruct`` with shardings).
+    """
+    integrity.prepare_checksums(like)
 
   def save(self, step: int, state: Any, host: dict[str, Any]) -> None:
     """Saves ``state`` (arrays) and ``host`` (JSON) as the checkpoint of ``step``.

@@ -13,8 +13,12 @@ array that fails is damage.
 
 from __future__ import annotations
 
+import atexit
 import json
+import threading
 import zlib
+from concurrent.futures import Future
+from concurrent.futures import wait
 from typing import Any
 
 import jax
@@ -139,12 +143,104 @@ def _leaf_checksums(leaves: list[jax.Array]) -> jax.Array:
   return jnp.stack(sums) if sums else jnp.zeros((0, 2), jnp.uint32)
 
 
+def prepare_checksums(tree: Any) -> None:
+  """Starts compiling, in a background thread, the checksum program of arrays like ``tree``'s.
+
+  A save or a restore of such arrays then waits at most for the rest of that
+  compile instead of compiling in the calling thread: a run's first save,
+  often a stop on a signal, is prompt. The program is compiled once per
+  layout (shapes, dtypes, shardings) in a process. An interpreter's normal
+  exit waits for a compile still in progress (XLA would abort the process).
+
+  Args:
+    tree: a pytree of ``jax.Array`` (or ``jax.ShapeDtypeStruct`` with
+      shardings); anything else is compiled when first used, as before.
+  """
+  leaves = jax.tree.leaves(tree)
+  key = _layout_key(leaves)
+  if key is None:
+    return
+  with _PROGRAMS_LOCK:
+    if key in _PROGRAMS:
+      return
+    program = _PROGRAMS[key] = Future()
+  thread = threading.Thread(
+    target=_compile_into, args=(program, leaves), name="simigrad-checksums", daemon=True
+  )
+  thread.start()
+
+
+# The checksum programs compiled, by layout (see _layout_key); each a Future of a jax.stages.Compiled.
+_PROGRAMS: dict[tuple[Any, ...], Future] = {}
+_PROGRAMS_LOCK = threading.Lock()
+
+
+def _layout_key(leaves: list[Any]) -> tuple[Any, ...] | None:
+  """What a compiled checksum program is specific to; None when a leaf has no sharding."""
+  key = []
+  for leaf in leaves:
+    sharding = getattr(leaf, "sharding", None)
+    if not isinstance(leaf, jax.Array | jax.ShapeDtypeStruct) or sharding is None:
+      return None
+    key.append((tuple(leaf.shape), str(leaf.dtype), _weak_type(leaf), sharding))
+  return tuple(key)
+
+
+def _weak_type(leaf: Any) -> bool:
+  """Whether ``leaf`` is weakly typed (a key array, which has no such attribute, is not)."""
+  return bool(getattr(leaf, "weak_type", False))
+
+
+def _compile_into(program: Future, leaves: list[Any]) -> None:
+  """Compiles :func:`_leaf_checksums` for ``leaves``' layout into ``program``."""
+  abstract = [
+    jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding, weak_type=_weak_type(x))
+    for x in leaves
+  ]
+  try:
+    program.set_result(_leaf_checksums.lower(abstract).compile())
+  except BaseException as error:  # (the caller falls back to compiling it as it is called)
+    program.set_exception(error)
+
+
+def _program(leaves: list[Any]) -> Any:
+  """The checksum program for ``leaves``: the one compiled ahead (waiting for it while it
+  compiles), else one compiled here (kept for the next call), else the jitted function."""
+  key = _layout_key(leaves)
+  if key is None:
+    return _leaf_checksums
+  with _PROGRAMS_LOCK:
+    program = _PROGRAMS.get(key)
+    compile_here = program is None
+    if program is None:
+      program = _PROGRAMS[key] = Future()
+  if compile_here:
+    _compile_into(program, leaves)
+  try:
+    return program.result()
+  except Exception:
+    return _leaf_checksums
+
+
+def _await_programs() -> None:
+  """Waits for the checksum compiles in progress (at the interpreter's exit)."""
+  with _PROGRAMS_LOCK:
+    programs = list(_PROGRAMS.values())
+  wait(programs)
+
+
+atexit.register(_await_programs)  # (registered after JAX's own hooks: it runs before them)
+
+
 def _checksums(tree: Any) -> list[list[int]]:
   """Checksums of every leaf of ``tree`` (computed on its devices), as JSON data."""
   leaves = jax.tree.leaves(tree)
   if not leaves:
     return []
-  sums = _leaf_checksums(leaves)
+  try:
+    sums = _program(leaves)(leaves)
+  except (TypeError, ValueError):  # (arrays the compiled program does not take: laid out anew)
+    sums = _leaf_checksums(leaves)
   if not sums.is_fully_addressable:
     sums = multihost_utils.process_allgather(sums, tiled=True)
   return np.asarray(sums).astype(np.int64).tolist()

@@ -163,6 +163,7 @@ class RunCheckpoints:
         differences, and nothing is changed.
     """
     checkpointer = self.checkpointer
+    checkpointer.prepare(like)  # (the first save, or the restore's check, then waits for less)
     if self._agreement.num_processes == 1:  # (only one process saves one)
       if emergency.adopt(checkpointer.directory, checkpointer.latest_step()) is not None:
         checkpointer.reload()

@@ -8,16 +8,19 @@ on arrays sharded over the 8 simulated devices.
 
 import os
 import pathlib
+import threading
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 from jax.sharding import Mesh
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from simigrad_jax.checkpoint import CheckpointMismatchError
+from simigrad_jax.checkpoint import checkpointer
 from simigrad_jax.checkpoint.checkpointer import Checkpointer
 
 
@@ -38,6 +41,8 @@ def _assert_same(got, want):
   assert jax.tree.structure(got) == jax.tree.structure(want)
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
     assert a.dtype == b.dtype and a.shape == b.shape
+    if jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key):
+      a, b = jax.random.key_data(a), jax.random.key_data(b)
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
@@ -114,3 +119,69 @@ def test_no_checkpoint_and_bad_arguments_are_refused(tmp_path):
   with pytest.raises(ValueError, match="max_to_keep must be an integer >= 1, got 0"):
     Checkpointer(tmp_path / "checkpoints", max_to_keep=0)
   assert not os.path.exists(tmp_path / "missing")
+
+
+def _replicated_state(devices) -> dict:
+  """Arrays every device holds whole, of shapes no other test saves (so no program of theirs is
+  compiled yet in this process)."""
+  replicated = NamedSharding(Mesh(np.array(devices), ("batch",)), P())
+  return {
+    "w": jax.device_put(jnp.arange(40 * 7, dtype=jnp.float32).reshape(40, 7), replicated),
+    "m": jax.device_put(jnp.ones((40, 7), jnp.bfloat16), replicated),
+    "key": jax.device_put(jax.random.key(7), replicated),
+  }
+
+
+def test_a_prepared_save_compiles_nothing_in_the_calling_thread(devices, tmp_path):
+  # A run's first save, often a stop on a signal: neither the checksums nor orbax's
+  # per-replica slices of the replicated arrays may compile in the main thread.
+  state = _replicated_state(devices)
+  ckpt = Checkpointer(tmp_path / "checkpoints", async_save=False)
+  ckpt.prepare(state)
+  caller, compiled_here = threading.current_thread(), []
+
+  def count(name, seconds, **kwargs):
+    if (
+      name == "/jax/core/compile/backend_compile_duration" and threading.current_thread() is caller
+    ):
+      compiled_here.append(seconds)
+
+  jax.monitoring.register_event_duration_secs_listener(count)
+  try:
+    ckpt.save(1, state, {"step": 1})
+  finally:
+    jax.monitoring.unregister_event_duration_listener(count)
+  assert compiled_here == []
+  restored, _, step = ckpt.restore(_replicated_state(devices))
+  assert step == 1
+  _assert_same(restored, state)
+  ckpt.close()
+
+
+def test_a_checkpoint_saved_replica_parallel_restores_identically(devices, tmp_path, monkeypatch):
+  # Checkpoints written with orbax's default (each replicated array's save shared out over
+  # the devices), as before the state item saved arrays whole, read back the same.
+  def orbax_default():
+    registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
+    for item, args in (
+      ("state", ocp.args.StandardSave),
+      ("state", ocp.args.StandardRestore),
+      ("host", ocp.args.JsonSave),
+      ("host", ocp.args.JsonRestore),
+    ):
+      registry.add(item, args)
+    return registry
+
+  state = {**_state(devices, 3.0), **_replicated_state(devices)}
+  with monkeypatch.context() as patched:
+    patched.setattr(checkpointer, "_handler_registry", orbax_default)
+    old = Checkpointer(tmp_path / "checkpoints", async_save=False)
+    old.save(4, state, {"step": 4})
+    old.close()
+  ckpt = Checkpointer(tmp_path / "checkpoints")
+  restored, host, step = ckpt.restore({**_state(devices, 0.0), **_replicated_state(devices)})
+  assert step == 4 and host == {"step": 4}
+  _assert_same(restored, state)
+  for name in state:
+    assert restored[name].sharding.is_equivalent_to(state[name].sharding, state[name].ndim)
+  ckpt.close()
