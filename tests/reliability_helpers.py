@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import signal
 import socket
 import subprocess
 import sys
@@ -25,6 +26,17 @@ def driver_env() -> dict[str, str]:
   env = dict(os.environ, PYTHONPATH=str(ROOT))
   env.pop("XLA_FLAGS", None)  # the driver sets its own device count
   return env
+
+
+def default_signals() -> None:
+  """A child's ``preexec_fn``: SIGINT and SIGHUP at their default actions in the child.
+
+  A shell starts a background job (``pytest ... &``) with SIGINT ignored, and a
+  child inherits an ignored signal, so a run under test would never see the
+  Ctrl-C the test sends it.
+  """
+  for number in (signal.SIGINT, signal.SIGHUP):
+    signal.signal(number, signal.SIG_DFL)
 
 
 def run_driver(

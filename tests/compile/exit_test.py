@@ -27,6 +27,7 @@ from compiler_test import Lowerer
 from compiler_test import mesh  # noqa: F401  (a fixture)
 from compiler_test import wait_until
 
+from reliability_helpers import default_signals
 from reliability_helpers import driver_env
 from reliability_helpers import finished_checkpoints
 from simigrad_jax.compile import exit_wait
@@ -153,7 +154,13 @@ def test_ctrl_c_while_shapes_compile_exits_with_its_checkpoint_whole(tmp_path):
   env = driver_env() | {"SIMIGRAD_JAX_CACHE_DIR": str(tmp_path / "cache")}
   with open(tmp_path / "err", "w") as err:
     proc = subprocess.Popen(
-      command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=err, text=True
+      command,
+      cwd=ROOT,
+      env=env,
+      stdout=subprocess.PIPE,
+      stderr=err,
+      text=True,
+      preexec_fn=default_signals,
     )
   try:
     while len(_steps(workdir)) < 3:

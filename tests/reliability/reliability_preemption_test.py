@@ -33,6 +33,7 @@ from reliability_helpers import DRIVER_TIMEOUT_SECONDS
 from reliability_helpers import ROOT
 from reliability_helpers import SEED
 from reliability_helpers import attempts
+from reliability_helpers import default_signals
 from reliability_helpers import driver_env
 from reliability_helpers import finished_checkpoints
 from reliability_helpers import free_port
@@ -87,6 +88,7 @@ class Driver:
         env=driver_env(),
         stdout=out,
         stderr=err,
+        preexec_fn=default_signals,
       )
 
   def wait_for(self, event_matches) -> dict:
@@ -256,6 +258,7 @@ def test_python_m_train_stops_with_a_message_and_the_schedulers_exit_code(
       env=env,
       stdout=out,
       stderr=err,
+      preexec_fn=default_signals,
     )
   try:
     deadline = time.monotonic() + DRIVER_TIMEOUT_SECONDS
