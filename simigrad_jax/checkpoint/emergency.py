@@ -22,8 +22,8 @@ restored it, the emergency one adopted or not, or a later save finished),
 :func:`remove_superseded` removes the folder and its entry in the record:
 only the folder it recorded, and only while it is still what the run made
 (a real folder of this user's, not a link, named ``simigrad-emergency-*``,
-holding ``checkpoints/`` with at most that step's checkpoint); anything
-else is left in place, with a warning naming it.
+holding ``checkpoints/`` with at most that step's checkpoint, or
+nothing); anything else is left in place, with a warning naming it.
 
 Example::
 
@@ -237,6 +237,8 @@ def _why_not_the_runs_own(folder: pathlib.Path, step: int) -> str | None:
   if mode.st_uid != files.current_uid():
     return f"it belongs to uid {mode.st_uid}"
   inside = folder / "checkpoints"
+  if not os.listdir(folder):  # (its checkpoints/ moved away whole)
+    return None
   if os.listdir(folder) != ["checkpoints"] or not stat.S_ISDIR(os.lstat(inside).st_mode):
     return "it holds more than checkpoints/"
   entries = os.listdir(inside)
