@@ -16,7 +16,7 @@ function is called, not with the package.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -131,12 +131,17 @@ def _average_halves(first: jax.Array, second: jax.Array) -> jax.Array:
 
 
 def nnx_value_and_half_grads(
-  loss_fn: Callable[..., Any], has_aux: bool = False
+  loss_fn: Callable[..., Any],
+  has_aux: bool = False,
+  *,
+  batch_argnums: int | Sequence[int] | None = None,
 ) -> Callable[..., tuple[Any, Any, HalfGrads]]:
   """Wraps an NNX ``loss_fn(model, batch, *args)`` to return its value, its gradient and the half gradients.
 
-  The batch is split into its even- and its odd-numbered examples (the halves
-  every SimiGrad path compares) and the loss runs on each in turn, on a copy
+  The batch (the argument after the model, or every argument
+  ``batch_argnums`` names) is split into its even- and its odd-numbered
+  examples (the halves every SimiGrad path compares) and the loss runs on
+  each in turn, on a copy
   of the model, as :func:`simigrad_jax.value_and_half_grads` does; the
   gradients are taken with respect to the model's ``nnx.Param`` variables.
   The model's other variables are then updated in place: each floating-point
@@ -159,6 +164,15 @@ def nnx_value_and_half_grads(
       ``has_aux``), with the model in training mode; ``args`` may hold
       ``nnx.Rngs`` (or ``nnx.RngStream``) objects.
     has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
+    batch_argnums: the positions of ``loss_fn``'s arguments that hold one
+      entry per example and are split into halves with the batch (the model
+      is 0), e.g. ``batch_argnums=(1, 2)`` for ``loss_fn(model, x, y)``; every
+      other argument goes whole to both halves. None (the default): the
+      argument after the model alone, and an argument after it with the
+      batch's number of rows is refused with
+      :class:`~simigrad_jax.ingraph.half_batch.HalfBatchArgumentError` (it
+      would go whole to both halves), naming the setting that splits it, as
+      :func:`simigrad_jax.value_and_half_grads` does.
 
   Returns:
     A function ``(model, batch, *args) -> (value, grads, half_grads)``, to
@@ -186,20 +200,24 @@ def nnx_value_and_half_grads(
   """
   nnx = _flax_nnx()
   loss_fn = _taking_lent_streams(loss_fn)
-  checked_loss = half_batch.checked_scalar_loss(loss_fn, has_aux, "nnx_value_and_half_grads")
+  caller = "nnx_value_and_half_grads"
+  checked_loss = half_batch.checked_scalar_loss(loss_fn, has_aux, caller)
+  chosen = half_batch.checked_batch_argnums(batch_argnums, caller, first="model")
 
-  def pure_loss(params, batch, keys, rest, graphdef, *args):
-    model = nnx.merge(graphdef, params, keys, rest, copy=True)
-    value = checked_loss(model, batch, *args)
-    loss, aux = value if has_aux else (value, None)
-    return loss, (aux, nnx.state(model, nnx.Not(nnx.Param)))
-
-  def wrapped(model, batch, *args):
+  def wrapped(model, *args):
     if not isinstance(model, nnx.Module):
       raise ValueError(
         f"nnx_value_and_half_grads takes an nnx.Module first, got {type(model).__name__}; "
         "for a pytree of parameters use simigrad_jax.value_and_half_grads"
       )
+    split = half_batch.split_arguments(chosen, args, caller, first="model")
+
+    def pure_loss(params, rows, keys, rest, graphdef, *shared):
+      model = nnx.merge(graphdef, params, keys, rest, copy=True)
+      value = checked_loss(model, *split.in_call_order(rows, shared))
+      loss, aux = value if has_aux else (value, None)
+      return loss, (aux, nnx.state(model, nnx.Not(nnx.Param)))
+
     graphdef, params, keys, rest = nnx.split(model, nnx.Param, nnx.RngKey, ...)
     second_keys = jax.tree.map(lambda k: jax.random.fold_in(k, SECOND_HALF_STREAM), keys)
     ((loss_a, (aux_a, state_a)), first), ((loss_b, (aux_b, state_b)), second), grads = (
@@ -207,9 +225,10 @@ def nnx_value_and_half_grads(
         pure_loss,
         True,
         params,
-        batch,
-        (keys, rest, graphdef, *args),
-        (second_keys, rest, graphdef, *args),
+        split.rows(args),
+        (keys, rest, graphdef),
+        (second_keys, rest, graphdef),
+        shared_rest=split.shared(args),
       )
     )
     # The streams' keys stay the model's own: only their counts move.

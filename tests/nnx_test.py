@@ -293,6 +293,36 @@ def test_a_pytree_of_parameters_is_refused_naming_the_other_function():
     grad_fn({"w": jnp.ones(2)}, jnp.ones((4, 2)))
 
 
+def _squared_error(model, x, y, *unused):
+  return jnp.mean((model(x) - y) ** 2)
+
+
+def test_batch_argnums_splits_the_labels_with_the_inputs_or_one_line_refuses():
+  """``loss(model, x, y)``: by default ``y`` would go whole to both halves, so it is refused with
+  the setting that splits it; with it, each half's gradient is that of its own rows of both."""
+  from simigrad_jax.ingraph import HalfBatchArgumentError
+
+  model = nnx.Linear(3, 1, rngs=nnx.Rngs(0))
+  x = jnp.arange(24.0).reshape(8, 3) / 10
+  y = jnp.arange(8.0).reshape(8, 1)
+  with pytest.raises(
+    HalfBatchArgumentError,
+    match=r"argument 2 .* nnx_value_and_half_grads\(loss_fn, batch_argnums=\(1, 2\)\)",
+  ):
+    simigrad_jax.nnx_value_and_half_grads(_squared_error)(model, x, y)
+  with pytest.raises(HalfBatchArgumentError, match=r"batch_argnums=0 is not valid.*0 is the model"):
+    simigrad_jax.nnx_value_and_half_grads(_squared_error, batch_argnums=0)
+  grad_fn = simigrad_jax.nnx_value_and_half_grads(_squared_error, batch_argnums=(1, 2))
+  # An nnx.Rngs after the split arguments goes whole to both halves, lent to the model.
+  loss, grads, halves = nnx.jit(grad_fn)(model, x, y, nnx.Rngs(1))
+  for got, rows in ((halves.first, slice(0, None, 2)), (halves.second, slice(1, None, 2))):
+    want = nnx.grad(_squared_error)(model, x[rows], y[rows])
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+      np.testing.assert_allclose(a, b, rtol=1e-5)
+  np.testing.assert_allclose(loss, _squared_error(model, x, y), rtol=1e-5)
+  assert np.abs(np.asarray(grads["kernel"][...])).max() > 0
+
+
 def test_docstring_examples():
   result = doctest.testmod(flax_nnx, optionflags=doctest.ELLIPSIS)
   assert result.attempted >= 10 and result.failed == 0

@@ -14,6 +14,17 @@ when it is newer than the newest of ``checkpoints/`` (:func:`adopt`): it is
 moved there, so the same command resumes from it. One in ``$TMPDIR`` is
 adopted once the user moves it into ``<workdir>/emergency/``.
 
+A folder in ``$TMPDIR`` is outside the workdir, so the run records it
+(:data:`RECORD`, ``<workdir>/emergency/elsewhere.json``, written atomically
+where the disk takes it; the message that ends the run names the folder).
+Once the run holds a checkpoint of that step or a later one (a resume
+restored it, the emergency one adopted or not, or a later save finished),
+:func:`remove_superseded` removes the folder and its entry in the record:
+only the folder it recorded, and only while it is still what the run made
+(a real folder of this user's, not a link, named ``simigrad-emergency-*``,
+holding ``checkpoints/`` with at most that step's checkpoint, or
+nothing); anything else is left in place, with a warning naming it.
+
 Example::
 
   try:
@@ -27,10 +38,12 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import logging
 import os
 import pathlib
 import shutil
+import stat
 import tempfile
 from collections.abc import Callable
 from typing import Any
@@ -43,6 +56,10 @@ from simigrad_jax.checkpoint.checkpointer import is_checkpoint_folder
 logger = logging.getLogger("simigrad_jax")
 
 FOLDER = "emergency"
+# In FOLDER: the folders of $TMPDIR that hold this run's emergency checkpoints, with their steps.
+RECORD = "elsewhere.json"
+# The name of such a folder begins so (tempfile.mkdtemp's prefix).
+ELSEWHERE_PREFIX = "simigrad-emergency-"
 # The errors of a file system that stop a save: a new folder elsewhere may still take it.
 DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EPERM)
 # Texts by which C++ libraries (TensorStore, XLA) report the same errors without an errno.
@@ -113,7 +130,7 @@ def save_elsewhere(
     made = None  # the folder this attempt made in $TMPDIR, removed whole if the save fails
     try:
       if place is None:
-        made = pathlib.Path(tempfile.mkdtemp(prefix="simigrad-emergency-"))
+        made = pathlib.Path(tempfile.mkdtemp(prefix=ELSEWHERE_PREFIX))
         place = made / "checkpoints"
       else:
         files.make_private_dir(place, what="emergency checkpoint folder")
@@ -128,6 +145,8 @@ def save_elsewhere(
       continue
     folder = place / str(step)
     logger.warning("saved an emergency checkpoint of step %d in %s", step, folder)
+    if made is not None:
+      _record_elsewhere(checkpoints_dir, made, step)
     return folder, ""
   return None, "; ".join(whys)
 
@@ -148,6 +167,154 @@ def _remove_partial(made: pathlib.Path | None, place: pathlib.Path | None, step:
     if entry.name == str(step) or entry.name.startswith(f"{step}.orbax-checkpoint-tmp"):
       if entry.is_dir() and not entry.is_symlink():
         shutil.rmtree(entry, ignore_errors=True)
+
+
+def record_path(checkpoints_dir: str | os.PathLike) -> pathlib.Path:
+  """``<workdir>/emergency/elsewhere.json``: where the run records its folders in ``$TMPDIR``."""
+  return emergency_folder(checkpoints_dir) / RECORD
+
+
+def _read_record(path: pathlib.Path) -> list[dict[str, Any]]:
+  """The entries ``{"folder", "step"}`` of the record at ``path`` ([] when there is none).
+
+  Raises:
+    OSError: it cannot be read.
+    ValueError: it is not a record this module wrote (or a link, a special file).
+  """
+  try:
+    data = json.loads(files.read_plain_file(path))
+  except FileNotFoundError:
+    return []
+  saves = data.get("saves") if isinstance(data, dict) else None
+  if not isinstance(saves, list) or not all(
+    isinstance(e, dict) and isinstance(e.get("folder"), str) and type(e.get("step")) is int
+    for e in saves
+  ):
+    raise ValueError(f"{path} is not a record of emergency checkpoints")
+  return saves
+
+
+def _write_record(path: pathlib.Path, saves: list[dict[str, Any]]) -> None:
+  """Writes ``saves`` to the record at ``path`` atomically, or removes it when there are none."""
+  if saves:
+    files.write_atomic(path, json.dumps({"saves": saves}, indent=1) + "\n")
+    return
+  with contextlib.suppress(FileNotFoundError):
+    os.unlink(path)
+  with contextlib.suppress(OSError):  # (what else is there, the run did not make: it stays)
+    path.parent.rmdir()
+
+
+def _record_elsewhere(checkpoints_dir: str | os.PathLike, made: pathlib.Path, step: int) -> None:
+  """Adds the folder ``made`` in ``$TMPDIR`` (the checkpoint of ``step``) to the run's record."""
+  path = record_path(checkpoints_dir)
+  try:
+    files.make_private_dir(path.parent, what="emergency checkpoint folder")
+    saves = [e for e in _read_record(path) if e["folder"] != str(made)]
+    _write_record(path, [*saves, {"folder": str(made), "step": step}])
+  except (OSError, ValueError) as error:  # (a full disk may not take even this)
+    logger.warning(
+      "could not record the emergency checkpoint's folder %s in %s (%s): remove the folder "
+      "yourself once a checkpoint of step %d or later is saved",
+      made,
+      path,
+      error,
+      step,
+    )
+
+
+def _why_not_the_runs_own(folder: pathlib.Path, step: int) -> str | None:
+  """None when ``folder`` is still the private folder a run made for the checkpoint of ``step``
+  (:func:`save_elsewhere`), else what it is instead."""
+  if not folder.is_absolute() or not folder.name.startswith(ELSEWHERE_PREFIX):
+    return f"it is not named {ELSEWHERE_PREFIX}* in an absolute path"
+  try:
+    mode = os.lstat(folder)
+  except FileNotFoundError:
+    return "it is gone"
+  if not stat.S_ISDIR(mode.st_mode):
+    return "it is no longer a folder (a link or a file)"
+  if mode.st_uid != files.current_uid():
+    return f"it belongs to uid {mode.st_uid}"
+  inside = folder / "checkpoints"
+  if not os.listdir(folder):  # (its checkpoints/ moved away whole)
+    return None
+  if os.listdir(folder) != ["checkpoints"] or not stat.S_ISDIR(os.lstat(inside).st_mode):
+    return "it holds more than checkpoints/"
+  entries = os.listdir(inside)
+  if entries and (entries != [str(step)] or not is_checkpoint_folder(inside / str(step))):
+    return f"its checkpoints/ holds more than the checkpoint of step {step}"
+  return None
+
+
+_warned: set[str] = set()  # the damaged records named in a warning once
+
+
+def remove_superseded(checkpoints_dir: str | os.PathLike, step: int | None) -> list[pathlib.Path]:
+  """Removes the run's emergency checkpoints in ``$TMPDIR`` of ``step`` or earlier.
+
+  Call it once the run holds a whole checkpoint of ``step`` (one restored,
+  or a save that has finished): the emergency ones up to it are no longer
+  needed. Each folder in the run's record (:func:`record_path`) is removed
+  whole only while it is what the run made there: a real folder of this
+  user's, named ``simigrad-emergency-*``, holding ``checkpoints/`` with
+  nothing but that step's checkpoint (or nothing, once it was moved away to
+  be adopted). Anything else is left in place, named in a warning, and its
+  entry dropped; the record goes once it is empty.
+
+  Args:
+    checkpoints_dir: the run's checkpoint folder.
+    step: the step of the newest checkpoint the run holds, or None.
+
+  Returns:
+    The folders removed.
+
+  Example:
+    >>> remove_superseded("/tmp/nowhere/checkpoints", 3)  # no record: nothing to do
+    []
+  """
+  path = record_path(checkpoints_dir)
+  if step is None or not os.path.lexists(path):
+    return []
+  try:
+    saves = _read_record(path)
+  except (OSError, ValueError) as error:
+    if str(path) not in _warned:
+      _warned.add(str(path))
+      logger.warning("left the emergency checkpoints recorded in %s alone: %s", path, error)
+    return []
+  kept, removed = [], []
+  for entry in saves:
+    folder = pathlib.Path(entry["folder"])
+    if entry["step"] > step:
+      kept.append(entry)
+      continue
+    try:
+      why = _why_not_the_runs_own(folder, entry["step"])
+      if why is None:
+        shutil.rmtree(folder)
+        removed.append(folder)
+        logger.info(
+          "removed the emergency checkpoint of step %d in %s: the run holds step %d",
+          entry["step"],
+          folder,
+          step,
+        )
+        continue
+    except OSError as error:
+      why = f"{type(error).__name__}: {error}"
+    if why != "it is gone":
+      logger.warning(
+        "left %s in place, no longer needed for the emergency checkpoint of step %d: %s",
+        folder,
+        entry["step"],
+        why,
+      )
+  try:
+    _write_record(path, kept)
+  except OSError as error:
+    logger.warning("could not update %s: %s", path, error)
+  return removed
 
 
 def adopt(checkpoints_dir: str | os.PathLike, latest: int | None) -> int | None:

@@ -143,7 +143,9 @@ class RunCheckpoints:
     """Restores the newest readable checkpoint into ``sampler`` and ``controller``.
 
     An emergency checkpoint newer than the newest in the directory is moved
-    there first (:func:`simigrad_jax.checkpoint.emergency.adopt`).
+    there first (:func:`simigrad_jax.checkpoint.emergency.adopt`); the run's
+    emergency checkpoints in ``$TMPDIR`` up to the step restored are removed
+    (:func:`simigrad_jax.checkpoint.emergency.remove_superseded`).
 
     Args:
       like: the train state whose structure, shapes and shardings the arrays
@@ -216,6 +218,8 @@ class RunCheckpoints:
       )
     else:
       logger.info("resumed from the checkpoint at step %d in %s", step, directory)
+    if self._agreement.num_processes == 1:  # (only one process saves one)
+      emergency.remove_superseded(directory, step)
     return Resumed(
       state,
       int(host["step"]),
@@ -377,13 +381,17 @@ class RunCheckpoints:
     minutes, so the processes wait in rounds of at most
     :data:`SAVE_WAIT_ROUND_SECONDS` and tell each other after each round
     whether theirs has finished (all of them go on together): a process lost
-    meanwhile is reported within the agreement timeout.
+    meanwhile is reported within the agreement timeout. One process: the
+    run's emergency checkpoints in ``$TMPDIR`` that the finished save
+    supersedes are removed then (:func:`simigrad_jax.checkpoint.emergency.
+    remove_superseded`).
 
     Args:
       what: names the wait in a report of a lost process.
     """
     if self._agreement.num_processes == 1:
       self.checkpointer.wait()
+      emergency.remove_superseded(self.checkpointer.directory, self.checkpointer.latest_step())
       return
     while True:
       finished = self.checkpointer.wait(timeout=SAVE_WAIT_ROUND_SECONDS)

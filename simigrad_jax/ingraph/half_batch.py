@@ -28,6 +28,7 @@ Which one is fastest depends on the device and the layers
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -577,23 +578,21 @@ def value_and_half_grads(
   """
   checked_loss = checked_scalar_loss(loss_fn, has_aux)
   halves_passes(passes)  # refuses a bad name where the step is written
-  chosen = _argnums(batch_argnums)
+  chosen = checked_batch_argnums(batch_argnums)
 
   def wrapped(params, *args):
-    rows_at = _split_positions(chosen, args)
-    shared_at = [i for i in range(len(args)) if i not in rows_at]
+    split = split_arguments(chosen, args)
 
     def ordered_loss(params: Any, rows: tuple, *shared: Any) -> Any:
-      placed = dict(zip(rows_at, rows, strict=True)) | dict(zip(shared_at, shared, strict=True))
-      return checked_loss(params, *(placed[i] for i in range(len(args))))
+      return checked_loss(params, *split.in_call_order(rows, shared))
 
     (value_a, first), (value_b, second), mean_grads = halves_and_mean(
       ordered_loss,
       has_aux,
       params,
-      tuple(args[i] for i in rows_at),
+      split.rows(args),
       param_specs=param_specs,
-      shared_rest=tuple(args[i] for i in shared_at),
+      shared_rest=split.shared(args),
       passes=passes,
     )
     value: jax.Array | tuple[jax.Array, Any]  # the loss, and the aux of both halves if has_aux
@@ -608,8 +607,21 @@ def value_and_half_grads(
   return explaining_explicit_axes(wrapped, "value_and_half_grads")
 
 
-def _argnums(batch_argnums: int | Sequence[int] | None) -> tuple[int, ...] | None:
-  """``batch_argnums`` as a tuple of positions (None kept: the default), checked to be >= 1."""
+def checked_batch_argnums(
+  batch_argnums: int | Sequence[int] | None,
+  caller: str = "value_and_half_grads",
+  first: str = "params",
+) -> tuple[int, ...] | None:
+  """``batch_argnums`` as a sorted tuple of positions (None kept: the default), each >= 1.
+
+  Args:
+    batch_argnums: the setting as the user gave it.
+    caller: the function that takes it, for the message.
+    first: what ``loss_fn``'s argument 0 is (``"params"``, ``"model"``), for the message.
+
+  Raises:
+    HalfBatchArgumentError: an empty or repeated position, or one below 1.
+  """
   if batch_argnums is None:
     return None
   chosen = (batch_argnums,) if isinstance(batch_argnums, int) else tuple(batch_argnums)
@@ -619,9 +631,9 @@ def _argnums(batch_argnums: int | Sequence[int] | None) -> tuple[int, ...] | Non
     or not all(isinstance(i, int) and i >= 1 for i in chosen)
   ):
     raise HalfBatchArgumentError(
-      f"batch_argnums={batch_argnums!r} is not valid: give the distinct positions (1 or more; "
-      "0 is the parameters) of loss_fn's arguments that hold one entry per example, "
-      "e.g. batch_argnums=(1, 2) for loss_fn(params, x, y)"
+      f"{caller}: batch_argnums={batch_argnums!r} is not valid: give the distinct positions "
+      f"(1 or more; 0 is the {first}) of loss_fn's arguments that hold one entry per example, "
+      f"e.g. batch_argnums=(1, 2) for loss_fn({first}, x, y)"
     )
   return tuple(sorted(chosen))
 
@@ -632,8 +644,46 @@ def _leading_sizes(tree: Any) -> set[int | None]:
   return {shape[0] if shape else None for shape in shapes}
 
 
-def _split_positions(chosen: tuple[int, ...] | None, args: tuple[Any, ...]) -> tuple[int, ...]:
-  """The indices into ``args`` (the arguments after the parameters) to split into halves.
+@dataclasses.dataclass(frozen=True)
+class SplitArguments:
+  """Which of ``loss_fn``'s arguments after argument 0 are split into halves, which go whole.
+
+  Attributes:
+    rows_at: the indices (into the arguments after argument 0) split with the batch.
+    shared_at: the others, which both halves take whole.
+  """
+
+  rows_at: tuple[int, ...]
+  shared_at: tuple[int, ...]
+
+  def rows(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """The arguments split into halves, in order."""
+    return tuple(args[i] for i in self.rows_at)
+
+  def shared(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """The arguments both halves take whole, in order."""
+    return tuple(args[i] for i in self.shared_at)
+
+  def in_call_order(self, rows: tuple[Any, ...], shared: tuple[Any, ...]) -> tuple[Any, ...]:
+    """A half's rows and the shared arguments put back in ``loss_fn``'s order."""
+    placed = dict(zip(self.rows_at, rows, strict=True))
+    placed |= dict(zip(self.shared_at, shared, strict=True))
+    return tuple(placed[i] for i in range(len(placed)))
+
+
+def split_arguments(
+  chosen: tuple[int, ...] | None,
+  args: tuple[Any, ...],
+  caller: str = "value_and_half_grads",
+  first: str = "params",
+) -> SplitArguments:
+  """Which of ``args`` (``loss_fn``'s arguments after argument 0) are split into halves.
+
+  Args:
+    chosen: :func:`checked_batch_argnums`'s result.
+    args: the arguments after argument 0, as the call gives them.
+    caller: the function that splits them, for the message.
+    first: what argument 0 is (``"params"``, ``"model"``), for the message.
 
   Raises:
     HalfBatchArgumentError: for a position past the last argument, or (the
@@ -643,23 +693,25 @@ def _split_positions(chosen: tuple[int, ...] | None, args: tuple[Any, ...]) -> t
   """
   if not args:
     raise HalfBatchArgumentError(
-      "value_and_half_grads' function takes (params, batch, *args): it was called with the "
-      "parameters alone, and there is no batch to split"
+      f"{caller}'s function takes ({first}, batch, *args): it was called with the "
+      f"{first} alone, and there is no batch to split"
     )
   if chosen is not None:
     if chosen[-1] > len(args):
       raise HalfBatchArgumentError(
         f"batch_argnums={chosen} names argument {chosen[-1]}, but loss_fn was called with "
-        f"{len(args) + 1} arguments (0 to {len(args)}, the parameters 0)"
+        f"{len(args) + 1} arguments (0 to {len(args)}, the {first} 0)"
       )
-    return tuple(i - 1 for i in chosen)
-  rows = _leading_sizes(args[0])
-  for position, arg in enumerate(args[1:], start=2):
-    sizes = _leading_sizes(arg)
-    if len(rows) == 1 and None not in rows and sizes == rows:
-      raise HalfBatchArgumentError(
-        f"argument {position} of loss_fn has the batch's {next(iter(rows))} rows but would go "
-        f"whole to both halves: pass batch_argnums=(1, {position}) to split it with the batch "
-        f"(or batch_argnums=1 to keep it whole)"
-      )
-  return (0,)
+    rows_at = tuple(i - 1 for i in chosen)
+  else:
+    rows = _leading_sizes(args[0])
+    for position, arg in enumerate(args[1:], start=2):
+      sizes = _leading_sizes(arg)
+      if len(rows) == 1 and None not in rows and sizes == rows:
+        raise HalfBatchArgumentError(
+          f"argument {position} of loss_fn has the batch's {next(iter(rows))} rows but would go "
+          f"whole to both halves: pass {caller}(loss_fn, batch_argnums=(1, {position})) to split "
+          f"it with the batch (or batch_argnums=1 to keep it whole)"
+        )
+    rows_at = (0,)
+  return SplitArguments(rows_at, tuple(i for i in range(len(args)) if i not in rows_at))
