@@ -56,7 +56,7 @@ from benchmarks.lm import verdict_report  # noqa: E402
 from benchmarks.lm.run_store import RunStore  # noqa: E402
 from benchmarks.pareto.protocol import RunSpec  # noqa: E402
 
-RESULTS = pathlib.Path(__file__).resolve().parents[1] / "results"
+RESULTS = pathlib.Path(common.RESULTS_DIR)  # lm_<task>.json and the run stores, one a task
 DOCS = pathlib.Path(__file__).resolve().parents[2] / "docs" / "results.md"
 MARKDOWN_COMMAND = "python benchmarks/lm/verdict_lm.py --task all --markdown"
 DOCS_MARKERS = (

@@ -78,7 +78,20 @@ def test_each_benchmark_writes_its_json_to_benchmarks_results_by_default(name, a
   assert module._parse_args([*argv, "--out", "/tmp/x.json"]).out == "/tmp/x.json"  # pylint: disable=protected-access
 
 
-@pytest.mark.parametrize("name", SCRIPTS)
+# Scripts that write one JSON per task take a folder, --results, not --out: benchmarks/results/ too.
+PER_TASK_RESULTS = {"lm/verdict_lm": "lm_<task>.json"}
+
+
+@pytest.mark.parametrize("name", sorted(PER_TASK_RESULTS))
+def test_a_script_of_one_json_per_task_writes_them_to_benchmarks_results(name):
+  source = (ROOT / "benchmarks" / f"{name}.py").read_text()
+  assert "pathlib.Path(common.RESULTS_DIR)" in source and '"--results"' in source, name
+  assert f"benchmarks/results/{PER_TASK_RESULTS[name]}" in source, name
+  module = importlib.import_module(f"benchmarks.{name.replace('/', '.')}")
+  assert module.RESULTS == RESULTS
+
+
+@pytest.mark.parametrize("name", [name for name in SCRIPTS if name not in PER_TASK_RESULTS])
 def test_every_script_takes_its_out_flag_and_path_from_common(name):
   source = (ROOT / "benchmarks" / f"{name}.py").read_text()
   flags = (
