@@ -93,6 +93,9 @@ INTEGERS: Mapping[str, int] = {
   "min_micro_batch_size": 1,
   "checkpoint_every_steps": 1,
   "max_checkpoints": 1,
+  "measure_every": 1,
+  "shapes_per_octave": 1,
+  "compile_threads": 1,
 }
 
 _POSITIVE = Interval(0, low_open=True)
@@ -126,6 +129,7 @@ NUMBERS: Mapping[str, Interval] = {
   "lr_adjust_factor": _NON_NEGATIVE,
   "checkpoint_every_seconds": _POSITIVE,
   "agreement_timeout_seconds": _POSITIVE,
+  "steps_per_compile": _POSITIVE,
 }
 
 _IMAGE_MODELS = ("mlp", "cnn", "resnet18", "resnet34", "resnet50", "resnet101")

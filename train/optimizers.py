@@ -32,7 +32,9 @@ def _decay_mask(params: Any) -> Any:
   return jax.tree.map(lambda p: p.ndim >= 2, params)
 
 
-def create_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransformation:
+def create_optimizer(
+  config: ml_collections.ConfigDict, then: optax.GradientTransformation | None = None
+) -> optax.GradientTransformation:
   """Builds the optimizer chain of ``config``.
 
   * ``"sgd"``: SGD with ``momentum`` (and ``nesterov``); ``weight_decay`` is
@@ -50,9 +52,12 @@ def create_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransfo
 
   Args:
     config: the experiment config.
+    then: a link to run on the optimizer's step before the learning-rate
+      factor (e.g. ``optax.inject_hyperparams(optax.scale)(step_size=lr)``, a
+      learning rate kept in the state), or None.
 
   Returns:
-    ``transform -> optimizer -> scale_by_lr_factor``.
+    ``transform -> optimizer [-> then] -> scale_by_lr_factor``.
 
   Raises:
     ValueError: for an unknown optimizer.
@@ -95,6 +100,8 @@ def create_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransfo
     raise ValueError(f"unknown optimizer {config.optimizer!r}; choose one of {OPTIMIZERS}")
   if config.grad_clip_norm:
     base = optax.chain(optax.clip_by_global_norm(config.grad_clip_norm), base)
+  if then is not None:
+    base = optax.chain(base, then)
   return optax.chain(
     simigrad_jax.transform("batch", reduction=config.reduction),
     base,

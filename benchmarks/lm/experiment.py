@@ -226,8 +226,9 @@ class LmExperiment:
     """
     config = self.config.copy_and_resolve_references()
     config.learning_rate = 1.0  # the rate is in the optimizer state: one program for every rate
-    optimizer = optax.chain(
-      optimizers.create_optimizer(config), optax.inject_hyperparams(optax.scale)(step_size=spec.lr)
+    # The learning-rate factor comes last in the chain (the Trainer checks it), after the rate.
+    optimizer = optimizers.create_optimizer(
+      config, then=optax.inject_hyperparams(optax.scale)(step_size=spec.lr)
     )
     return benchmark_trainer(
       controller,

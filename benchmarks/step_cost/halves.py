@@ -150,9 +150,11 @@ def make_steps(
     return optax.apply_updates(params, updates), new_state, opt_state, value[None]
 
   def halves(params, model_state, opt_state, batch):
-    (value, new_states), grads, half_grads = simigrad_jax.value_and_half_grads(loss, has_aux=True)(
-      params, batch, model_state
-    )
+    (value, new_states), grads, half_grads = simigrad_jax.value_and_half_grads(
+      loss,
+      has_aux=True,
+      batch_argnums=1,  # the model state goes whole to both halves
+    )(params, batch, model_state)
     updates, opt_state = optimizer.update(grads, opt_state, params)
     new_state = jax.tree.map(lambda s: jnp.mean(s, axis=0), new_states)
     stats = jnp.stack([value, _cosine(half_grads.first, half_grads.second)])

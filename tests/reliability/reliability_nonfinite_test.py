@@ -104,10 +104,10 @@ def test_nonfinite_steps_are_skipped_and_counted(name, num_devices, tmp_path, ca
   runs = []  # per step: the state before and after, and the controller's size before
   original_run = trainer._programs.runner.run
 
-  def recording_run(state, data, step_inputs):
+  def recording_run(state, data, step_inputs, *how):
     before = host({"params": state["params"], "opt_state": state["opt_state"]})  # not donated yet
     size_before = controller.batch_size
-    new_state, stats = original_run(state, data, step_inputs)
+    new_state, stats = original_run(state, data, step_inputs, *how)
     runs.append(
       (
         before,
@@ -229,12 +229,19 @@ def run_to_the_streak(tmp_path, **objects):
   return trainer, raised.value, records, MAX_SKIPPED_IN_A_ROW
 
 
+def _nan_learning_rate(count):
+  """A learning-rate schedule that turns NaN (a constant NaN is refused before the first step)."""
+  return jnp.full((), jnp.nan) * (count + 1)
+
+
 def test_a_nan_learning_rate_skips_step_one_for_its_update_and_stops_the_run(tmp_path):
   """The gradient is finite and the update NaN: step 1 writes nothing and says why."""
   objects = tiny_run.trainer_objects(tmp_path)
   before = initial_params(objects)
   optimizer = optax.chain(
-    simigrad_jax.transform("batch"), optax.sgd(float("nan")), simigrad_jax.scale_by_lr_factor()
+    simigrad_jax.transform("batch"),
+    optax.sgd(_nan_learning_rate),
+    simigrad_jax.scale_by_lr_factor(),
   )
   trainer, error, records, limit = run_to_the_streak(tmp_path, optimizer=optimizer)
   assert [r["nonfinite_cause"] for r in records] == ["update"] * limit
