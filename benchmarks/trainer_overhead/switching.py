@@ -86,10 +86,19 @@ cache (process-wide): a second run of this script then loads executables
 instead of compiling them, and the pad mode's single shape (300) can be a
 cache hit of the recompile mode's largest one.
 
+The recompile modes run on the Trainer's compile schedule (``steps_per_compile``
+steps per program, 4 by default, whatever the compiles' timing: see
+docs/compiling.md); ``--steps-per-compile N`` gives it another pace, so that a
+run can show how the waits after the first step fall as the schedule admits
+programs no sooner than they compile (or load). The JSON records the pace and
+the host's load average (1 minute) before and after the modes ran.
+
 Usage::
 
   python benchmarks/trainer_overhead/switching.py                          # benchmarks/results/switching.json
   python benchmarks/trainer_overhead/switching.py --out /tmp/switching.json
+  python benchmarks/trainer_overhead/switching.py --persistent-cache DIR   # twice: cold, then warm
+  python benchmarks/trainer_overhead/switching.py --steps-per-compile 40
   python benchmarks/trainer_overhead/switching.py --quick                  # small, for tests:
                                                           # MLP, [8, 64], 4 shapes
 
@@ -127,6 +136,7 @@ from typing import Any  # noqa: E402
 
 import jax  # noqa: E402
 
+import simigrad_jax  # noqa: E402
 from benchmarks import common  # noqa: E402
 from benchmarks.trainer_overhead import switching_report  # noqa: E402
 from benchmarks.trainer_overhead.switching_models import MODELS  # noqa: E402
@@ -210,6 +220,7 @@ def _run_as_process(args: argparse.Namespace) -> None:
     model_name=args.model,
     workdir=root / "run",
     persistent_cache=args.persistent_cache,
+    steps_per_compile=args.steps_per_compile,
   )
   if result is not None:
     pathlib.Path(args.result_file).write_text(json.dumps(result))
@@ -257,6 +268,13 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     default=None,
     metavar="DIR",
     help="JAX persistent compilation cache directory (process-wide)",
+  )
+  parser.add_argument(
+    "--steps-per-compile",
+    type=float,
+    default=None,
+    help="the compile schedule's steps per program in the recompile modes "
+    "(CompileConfig.steps_per_compile; default: the Trainer's)",
   )
   # One process of a multi-process mode (the benchmark starts them itself).
   for flag in ("--coordinator", "--num-processes", "--process-id", "--result-file"):
@@ -325,6 +343,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     root = pathlib.Path(tempfile.mkdtemp(prefix="simigrad-switching-"))
     cleanup = root
   results_by_mode: dict[str, Any] = {}
+  load_before = os.getloadavg()[0]
   try:
     primer_seconds = prime_process(args.model, data, root)
     for mode in modes:
@@ -343,6 +362,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
           model_name=args.model,
           workdir=workdir,
           persistent_cache=args.persistent_cache,
+          steps_per_compile=args.steps_per_compile,
         )
       result["workdir"] = None if cleanup else str(workdir)
       results_by_mode[mode] = result
@@ -369,6 +389,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     "schedule": schedule,
     "quick": bool(args.quick),
     "persistent_cache": args.persistent_cache,
+    "steps_per_compile": args.steps_per_compile or simigrad_jax.CompileConfig().steps_per_compile,
+    "load_average": [load_before, os.getloadavg()[0]],
     "primer_seconds": primer_seconds,
     "same_batch_sizes": len({tuple(r["batch_sizes"]) for r in results_by_mode.values()}) == 1,
     "warmup_definitions": {

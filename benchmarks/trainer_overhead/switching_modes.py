@@ -84,9 +84,13 @@ def run_mode(
   model_name: str,
   workdir: pathlib.Path,
   persistent_cache: str | None,
+  steps_per_compile: float | None = None,
   seed: int = 0,
 ) -> dict[str, Any] | None:
-  """Trains ``len(schedule)`` steps in one mode; returns its numbers (None on process > 0)."""
+  """Trains ``len(schedule)`` steps in one mode; returns its numbers (None on process > 0).
+
+  ``steps_per_compile``: the compile schedule's steps per program (None: the Trainer's default).
+  """
   model = MODELS[model_name]()
   # Flax's first init of a model runs many small eager ops that compile once
   # per process (about 1.5 s for the CNN): not part of the measured set-up.
@@ -119,6 +123,7 @@ def run_mode(
         shapes_per_octave=1,  # the grid of halvings, its shapes listed in switching.py
         fallback=mode != "recompile_wait",
         cache_dir=persistent_cache,
+        **({} if steps_per_compile is None else {"steps_per_compile": steps_per_compile}),
       ),
     ),
   )
@@ -184,6 +189,8 @@ def run_processes_mode(
   ]
   if args.persistent_cache:
     command += ["--persistent-cache", args.persistent_cache]
+  if args.steps_per_compile is not None:
+    command += ["--steps-per-compile", args.steps_per_compile]
   result = local_processes.run_local_processes(
     command,
     num_processes=num_processes,

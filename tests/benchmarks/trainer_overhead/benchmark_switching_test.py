@@ -70,6 +70,14 @@ def test_quick_run_schema(quick_run, devices):
     assert result["data_seconds"] == pytest.approx(result["trainer_data_seconds"])
   assert written["same_batch_sizes"]
   assert written["modes"]["recompile"]["examples"] == written["modes"]["pad"]["examples"]
+  # How it ran: the schedule's pace (the Trainer's default here) and the host's load around it.
+  assert written["steps_per_compile"] == simigrad_jax.CompileConfig().steps_per_compile
+  assert len(written["load_average"]) == 2 and min(written["load_average"]) >= 0
+
+
+def test_steps_per_compile_is_read_from_the_command_line(switching):
+  assert switching._parse_args(["--quick"]).steps_per_compile is None  # the Trainer's default
+  assert switching._parse_args(["--quick", "--steps-per-compile", "12.5"]).steps_per_compile == 12.5
 
 
 @pytest.mark.parametrize("mode", ["recompile", "recompile_wait", "recompile_2proc"])
