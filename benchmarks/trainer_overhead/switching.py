@@ -9,9 +9,9 @@ steps by default: two round trips), in each of three set-ups of the Trainer:
 * ``recompile``: one compiled micro-step per micro-batch shape of the bucket
   grid (``max_micro_batch_size`` 300 and ``min_micro_batch_size`` 1 give the
   10 shapes 1, 2, 3, 5, 10, 19, 38, 75, 150, 300 rows per device), compiled
-  ahead of time in a background thread (the Trainer's default);
-  while a step's shape is still compiling it runs on the nearest compiled
-  shape (``compile.fallback``, the Trainer's default);
+  ahead of time in background threads (the Trainer's default); until the
+  compile schedule admits a step's shape it runs on an admitted one
+  (``compile.fallback``, the Trainer's default);
 * ``recompile_wait``: the same with ``compile.fallback=False``: such a step
   waits for its compile;
 * ``pad``: one compiled shape (300 rows per device); smaller batches are
@@ -19,10 +19,13 @@ steps by default: two round trips), in each of three set-ups of the Trainer:
 * ``recompile_2proc``: ``recompile`` on the same devices split over 2
   processes (``jax.distributed`` on 127.0.0.1, half the devices each, every
   process loading its own devices' rows), as on a pod of 2 hosts: every step
-  the processes check that they took the same decision and exchange which
-  shapes each has compiled, and a step falls back only to a shape compiled
-  on both. It adds ``agreement_seconds_per_step`` (the median seconds a step
-  spends in that exchange) and, against ``recompile`` in one process, the
+  the processes check that they took the same decision; the compile
+  schedule, a function of the step count, admits the same programs on both,
+  and each process waits for its own compile (or load) of an admitted
+  program, so a step is as late as the slower of the two (process 0
+  records its own waits; the other's show in its step seconds). It adds
+  ``agreement_seconds_per_step`` (the median seconds a step spends in that
+  check) and, against ``recompile`` in one process, the
   ``recompile_2proc_over_recompile`` ratios.
 
 The schedule: the batch size moves exactly as SimiGrad's rule moves it, one
@@ -42,6 +45,9 @@ Measured per mode (from the Trainer's per-step ``metrics.jsonl`` and summary):
   shape that accumulated, and the update of accumulated steps), read after
   ``Trainer.close()``, which finishes the compile in progress and cancels
   queued ones (so a short run may compile fewer shapes than its grid has);
+* ``compile_cache_hits``: the compiles, of ``compiles``, that loaded their
+  program from the persistent compilation cache (``--persistent-cache``)
+  instead of compiling it;
 * ``compile_wait_seconds``: time steps were blocked waiting for a compile.
   Each shape is compiled once, so a step can only wait at the first visit of
   a shape whose background compile has not finished yet;
@@ -59,13 +65,15 @@ Measured per mode (from the Trainer's per-step ``metrics.jsonl`` and summary):
   (the steps after the first one whose record shows every shape of the grid
   compiled; no step can wait then, so this share is 0 by construction and
   ``warmup_end_step`` / ``warmup_end_seconds`` say how long that warm-up
-  lasted). The target for ``recompile`` is under 1% after warm-up: with the
-  fallback only the first step can wait. The sweep crosses a bucket every
-  few steps, so when a step is much faster than a compile (small models on
-  CPU) the first pass up the range outruns the background compiler: in
-  ``recompile_wait`` those steps wait (the after-first-step share measures
-  that, amortised over ``--steps``), in ``recompile`` they run on a fallback
-  shape (``compile_fallback_steps``);
+  lasted). The target for ``recompile`` is under 1% after the first step.
+  The sweep crosses a bucket every few steps, so when a step is much faster
+  than a compile (small models on CPU) the first pass up the range outruns
+  the background compiler: in ``recompile_wait`` those steps wait (the
+  after-first-step share measures that, amortised over ``--steps``); in
+  ``recompile`` a step runs on a fallback shape (``compile_fallback_steps``)
+  until the compile schedule admits its own program, ``steps_per_compile``
+  steps per program whatever the compiles' timing, and waits when the
+  schedule admitted a program whose compile (or load) has not finished;
 * ``data_seconds``: time steps spent gathering and placing rows (including
   waiting for the background loader), and its share of ``wall_seconds``;
 * ``padding_fraction``: padded rows / all rows computed (real + padding),
@@ -99,6 +107,7 @@ Usage::
   python benchmarks/trainer_overhead/switching.py --out /tmp/switching.json
   python benchmarks/trainer_overhead/switching.py --persistent-cache DIR   # twice: cold, then warm
   python benchmarks/trainer_overhead/switching.py --steps-per-compile 40
+  python benchmarks/trainer_overhead/switching.py --markdown A.json B.json  # docs/results.md's table
   python benchmarks/trainer_overhead/switching.py --quick                  # small, for tests:
                                                           # MLP, [8, 64], 4 shapes
 
@@ -276,6 +285,13 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     help="the compile schedule's steps per program in the recompile modes "
     "(CompileConfig.steps_per_compile; default: the Trainer's)",
   )
+  parser.add_argument(
+    "--markdown",
+    nargs="+",
+    default=None,
+    metavar="JSON",
+    help="print the Markdown table of these runs' JSON (one row per mode) and exit",
+  )
   # One process of a multi-process mode (the benchmark starts them itself).
   for flag in ("--coordinator", "--num-processes", "--process-id", "--result-file"):
     parser.add_argument(
@@ -308,6 +324,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     (see the module docstring for the keys).
   """
   args = _parse_args(argv)
+  if args.markdown:
+    runs = [json.loads(pathlib.Path(path).read_text()) for path in args.markdown]
+    print(switching_report.markdown_table(runs))
+    return {}
   if args.process_id is not None:
     _run_as_process(args)
     return {}

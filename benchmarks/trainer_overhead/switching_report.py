@@ -66,6 +66,7 @@ def summarize_mode(
     "grid_micro_batch_sizes": list(shapes),
     "shape_switches": switches,
     "compiles": int(final_stats["compiles"]),
+    "compile_cache_hits": int(final_stats["compile_cache_hits"]),
     "step_compiles": len(final_stats["compiled_step_sizes"]),
     "accumulation_compiles": len(final_stats["compiled_accumulation_sizes"]),
     "update_compiled": bool(final_stats["update_compiled"]),
@@ -130,6 +131,7 @@ def format_table(results: dict[str, Any]) -> str:
     ("shape switches", "shape_switches", "d"),
     ("compiles (incl. apply)", "compiles", "d"),
     ("compile s", "compile_seconds", ".2f"),
+    ("  loaded from the persistent cache", "compile_cache_hits", "d"),
     ("compile wait s", "compile_wait_seconds", ".2f"),
     ("steps that waited", "steps_that_waited", "d"),
     ("wall s (sum of steps)", "wall_seconds", ".2f"),
@@ -175,4 +177,36 @@ def format_table(results: dict[str, Any]) -> str:
       ratio = results["ratios"][name].get(key)
       line += f"{'-':>12}" if ratio is None else f"{ratio:>11.2f}x"
     lines.append(line)
+  return "\n".join(lines)
+
+
+MARKDOWN_HEADER = (
+  "| pace | mode | compiled | loaded | compile s | waited s | wait share after step 1 "
+  "| steps that waited | fallback steps | padding | median step s | examples/s | load average |\n"
+  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+)
+
+
+def markdown_table(runs: Sequence[dict[str, Any]]) -> str:
+  """A Markdown table of one row per mode of each run's JSON, in the order given.
+
+  The compile schedule's pace (steps per program), the programs compiled and
+  those loaded from the persistent cache, the compile seconds, the seconds
+  steps waited, the wait share after the first step, the steps that waited
+  and those on a fallback shape, the padding, the median step, examples per
+  second, and the host's load average (1 minute) before and after the run.
+  """
+  lines = [MARKDOWN_HEADER]
+  for run in runs:
+    load = "-".join(f"{value:.0f}" for value in run["load_average"])
+    for mode, result in run["modes"].items():
+      loaded = result["compile_cache_hits"]
+      lines.append(
+        f"| {run['steps_per_compile']:g} | `{mode}` | {result['compiles'] - loaded} | {loaded} "
+        f"| {result['compile_seconds']:.1f} | {result['compile_wait_seconds']:.1f} "
+        f"| {result['compile_wait_share_after_first_step']:.1%} "
+        f"| {result['steps_that_waited']} | {result['compile_fallback_steps']} "
+        f"| {result['padding_fraction']:.1%} | {result['median_step_seconds']:.3f} "
+        f"| {result['examples_per_second']:,.0f} | {load} |"
+      )
   return "\n".join(lines)

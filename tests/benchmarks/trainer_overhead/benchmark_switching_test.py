@@ -3,10 +3,15 @@
 import json
 import math
 import numbers
+import pathlib
 
 import pytest
 
 import simigrad_jax
+
+ROOT = pathlib.Path(__file__).resolve().parents[3]
+# The runs docs/results.md's switching table shows: cold, warm, warm at 24 steps a program.
+DOCS_RUNS = ("switching", "switching_warm", "switching_warm_pace24")
 
 
 @pytest.fixture(scope="module")
@@ -60,6 +65,7 @@ def test_quick_run_schema(quick_run, devices):
       assert math.isfinite(result[key]) and result[key] >= 0, (mode, key)
       assert result[key] == pytest.approx(returned["modes"][mode][key]), (mode, key)
     assert result["steps"] == len(written["schedule"]) > 0
+    assert result["compile_cache_hits"] == 0  # (no --persistent-cache: every program compiled)
     assert result["wall_seconds"] > 0
     assert result["compile_wait_seconds"] <= result["wall_seconds"]
     assert result["data_seconds"] <= result["wall_seconds"]
@@ -158,3 +164,19 @@ def test_two_processes_run_the_same_sweep_and_report_their_agreement(quick_run):
   )
   # The same model: the fallback shapes differ with compile timing, the trajectory does not.
   assert two["final_loss"] == pytest.approx(one["final_loss"], rel=1e-4)
+
+
+def test_the_docs_table_is_the_committed_json(switching, capsys):
+  paths = [f"benchmarks/results/{name}.json" for name in DOCS_RUNS]
+  command = "python benchmarks/trainer_overhead/switching.py --markdown " + " ".join(paths)
+  text = (ROOT / "docs" / "results.md").read_text()
+  start, end = f"<!-- switching table: {command} -->\n", "\n<!-- end switching table -->"
+  assert start in text and end in text, "docs/results.md lost the markers of the switching table"
+  block = text[text.index(start) + len(start) : text.index(end)]
+  assert switching.main(["--markdown", *(str(ROOT / path) for path in paths)]) == {}
+  printed = capsys.readouterr().out
+  assert block + "\n" == printed, (
+    f"docs/results.md's switching table differs: regenerate it with {command}"
+  )
+  runs = [json.loads((ROOT / path).read_text()) for path in paths]
+  assert len(block.splitlines()) == 2 + sum(len(run["modes"]) for run in runs)
