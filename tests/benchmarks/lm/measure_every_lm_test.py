@@ -101,6 +101,17 @@ def test_the_analysis_pairs_the_seeds_finished_for_every_k():
   [goal] = results["goal"]
   assert goal["read_on"] == "steps_to_target" and goal["k1_spread"] == [75.0, pytest.approx(91.7)]
   assert not goal["within_k1_spread"]  # k = 4 missed the target in seed 2
+  # k = 1 short of the target in a seed: the goal reads the target plus the margin.
+  runs[2] = _run(1, 2, [4.0, 3.0, 2.55], 100, 100, 0.2)  # 2.6 at 50 + 50 * 0.4 / 0.45
+  goal = me.analyse(runs, (1, 4), 2.5, margin=0.1)["goal"][0]
+  assert goal["read_on"] == "steps_to_margin"
+  assert goal["k1_spread"] == [pytest.approx(70.0), pytest.approx(94.4, abs=0.1)]
+  assert goal["mean"] == pytest.approx(102.0) and not goal["within_k1_spread"]
+  # ... and short of both: no spread to be within, and no ratio to k = 1.
+  runs[2] = _run(1, 2, [4.0, 3.0, 2.7], 100, 100, 0.2)
+  results = me.analyse(runs, (1, 4), 2.5, margin=0.1)
+  assert results["goal"][0]["read_on"] is None and results["goal"][0]["within_k1_spread"] is None
+  assert results["paired"][0]["steps_ratio_to_margin"] == [None, None, None]
   with pytest.raises(ValueError, match="no seed finished every"):
     me.analyse(runs[:1], (1, 4), 2.5)
 
