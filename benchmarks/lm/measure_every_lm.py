@@ -223,14 +223,18 @@ def measuring_step_cost(ratio: float, every: int) -> float | None:
 
   A run of ``k`` spends ``m + (k - 1) p`` on ``k`` steps and ``k = 1``
   spends ``k m``: ``ratio = (m + (k - 1) p) / (k m)``, so ``m / p = (k - 1) /
-  (k ratio - 1)``. None where the ratio is too small to be one (``k ratio <=
-  1``: a measuring step for free, or noise).
+  (k ratio - 1)``. That reading holds for ``1 / k < ratio < 1`` only (a
+  measuring step dearer than a plain one, a plain one not free); outside it
+  the ratio says the timing's noise, not the steps' cost, and the answer is
+  None.
 
   Example:
     >>> measuring_step_cost(0.75, 2)  # m + p = 1.5 m: p = m / 2
     2.0
+    >>> measuring_step_cost(1.1, 4) is None  # k = 4 slower a step than k = 1: noise
+    True
   """
-  if every < 2 or every * ratio <= 1.0:
+  if every < 2 or not 1.0 / every < ratio < 1.0:
     return None
   return round((every - 1) / (every * ratio - 1.0), 4)
 
@@ -384,6 +388,47 @@ def within_spread(value: float | None, spread: Sequence[float | None]) -> bool:
   return min(bounds) <= value <= max(bounds)
 
 
+def goal_row(
+  row: Mapping[str, Any], reference: Mapping[str, Any], seeds: Sequence[int]
+) -> dict[str, Any]:
+  """Whether one ``k``'s steps to the target lie within ``k = 1``'s spread over seeds.
+
+  Read on the target where ``k = 1`` reaches it in every seed, else on the
+  target plus the margin, on the seeds where ``k = 1`` reaches that (a seed
+  where it never does gives its spread no upper end, so it is left out and
+  the row names the seeds read). ``k``'s mean over those seeds (None where it
+  misses in one) must lie within ``k = 1``'s least to most; the ratio of the
+  means has the bootstrap's interval over the same seeds.
+
+  Args:
+    row: the ``k``'s summary (:func:`summarize`).
+    reference: ``k = 1``'s summary.
+    seeds: the seeds of both, in the order of their ``*_by_seed`` lists.
+  """
+  column = (
+    "steps_to_target" if None not in reference["steps_to_target_by_seed"] else ("steps_to_margin")
+  )
+  base = reference[f"{column}_by_seed"]
+  read = [i for i, b in enumerate(base) if b is not None]
+  mine = [row[f"{column}_by_seed"][i] for i in read]
+  mean = _mean_all(mine) if read else None
+  ratio = (
+    ratio_interval([math.inf if m is None else m for m in mine], [base[i] for i in read])
+    if read
+    else (math.inf, 0.0, math.inf)
+  )
+  return {
+    "measure_every": row["measure_every"],
+    "read_on": column,
+    "seeds_read": [seeds[i] for i in read],
+    "k1_spread": _spread([base[i] for i in read]) if read else None,
+    "mean": mean,
+    "within_k1_spread": within_spread(mean, [base[i] for i in read]) if read else None,
+    "steps_ratio": _interval(ratio),
+    "step_cost_vs_plain": row["step_cost_vs_plain"],
+  }
+
+
 def analyse(
   runs: Sequence[dict[str, Any]],
   every: Sequence[int],
@@ -413,25 +458,7 @@ def analyse(
   per_k = [summarize(groups[k], groups[every[0]], k) for k in every]
   reference = per_k[0]
   paired = [{"measure_every": k, **compare(groups[k], groups[every[0]])} for k in every[1:]]
-  # The goal reads the steps to the target where k = 1 reaches it in every seed, else to the
-  # target plus the margin; where k = 1 misses both in a seed, its spread has no upper end.
-  column = next(
-    (c for c in ("steps_to_target", "steps_to_margin") if None not in reference[f"{c}_by_seed"]),
-    None,
-  )
-  goal = [
-    {
-      "measure_every": row["measure_every"],
-      "read_on": column,
-      "k1_spread": None if column is None else _spread(reference[f"{column}_by_seed"]),
-      "mean": None if column is None else _mean_all(row[f"{column}_by_seed"]),
-      "within_k1_spread": None
-      if column is None
-      else within_spread(_mean_all(row[f"{column}_by_seed"]), reference[f"{column}_by_seed"]),
-      "step_cost_vs_plain": row["step_cost_vs_plain"],
-    }
-    for row in per_k[1:]
-  ]
+  goal = [goal_row(row, reference, seeds) for row in per_k[1:]]
   return {
     "target_val_loss": target,
     "loss_margin": margin,

@@ -49,6 +49,7 @@ def test_a_block_of_steps_is_timed_whole_from_one_measurement_to_the_next():
   # k = 4 at 0.5x the all-measuring run: m + 3p = 2m, so a measuring step costs 3 plain ones.
   assert me.measuring_step_cost(0.5, 4) == pytest.approx(3.0)
   assert me.measuring_step_cost(0.25, 4) is None  # the plain steps for free: noise
+  assert me.measuring_step_cost(1.2, 4) is None  # a measuring step for less than a plain one
   assert me.measuring_step_cost(1.0, 1) is None
 
 
@@ -104,14 +105,17 @@ def test_the_analysis_pairs_the_seeds_finished_for_every_k():
   # k = 1 short of the target in a seed: the goal reads the target plus the margin.
   runs[2] = _run(1, 2, [4.0, 3.0, 2.55], 100, 100, 0.2)  # 2.6 at 50 + 50 * 0.4 / 0.45
   goal = me.analyse(runs, (1, 4), 2.5, margin=0.1)["goal"][0]
-  assert goal["read_on"] == "steps_to_margin"
+  assert goal["read_on"] == "steps_to_margin" and goal["seeds_read"] == [1, 2]
   assert goal["k1_spread"] == [pytest.approx(70.0), pytest.approx(94.4, abs=0.1)]
   assert goal["mean"] == pytest.approx(102.0) and not goal["within_k1_spread"]
-  # ... and short of both: no spread to be within, and no ratio to k = 1.
+  # ... and short of both in a seed: the seeds where k = 1 reaches the margin are read.
   runs[2] = _run(1, 2, [4.0, 3.0, 2.7], 100, 100, 0.2)
   results = me.analyse(runs, (1, 4), 2.5, margin=0.1)
-  assert results["goal"][0]["read_on"] is None and results["goal"][0]["within_k1_spread"] is None
-  assert results["paired"][0]["steps_ratio_to_margin"] == [None, None, None]
+  goal = results["goal"][0]
+  assert goal["seeds_read"] == [1] and goal["k1_spread"] == [pytest.approx(70.0)] * 2
+  assert goal["mean"] == pytest.approx(84.0) and not goal["within_k1_spread"]
+  assert goal["steps_ratio"][0] == pytest.approx(84.0 / 70.0, abs=1e-4)
+  assert results["paired"][0]["steps_ratio_to_margin"] == [None, None, None]  # over every seed
   with pytest.raises(ValueError, match="no seed finished every"):
     me.analyse(runs[:1], (1, 4), 2.5)
 
