@@ -25,19 +25,19 @@ The protocol:
    to the target plus the verdict's margin, :data:`benchmarks.lm.report.LOSS_MARGIN`,
    which a seed that misses the target by a little still reaches), the final
    validation loss, the average batch size, the measurements taken and the
-   wall seconds. From its step records, its seconds per step on each
-   compiled shape: the median over its blocks of ``k`` steps (a measuring
-   step and the ``k - 1`` plain steps that hold its batch size), a block's
-   seconds being those from one measuring step's statistics to the next
-   one's (:func:`seconds_per_step`). Its step cost against ``k = 1``: the
-   ratio of seconds per step to the same seed's ``k = 1`` run on the shapes
-   both timed (:func:`step_cost_ratio`), the median over seeds; from it, a
-   measuring step's cost in plain steps and the run's step cost against an
-   all-plain run (:func:`measuring_step_cost`). The runs time their steps
-   one after another on a shared machine: the ratios are paired by seed and
-   shape, not side by side.
+   wall seconds, its compiles' seconds apart. Its seconds per step: the wall
+   seconds without the compiles' over its steps (the validation evaluations,
+   the same number in every run, included). The runs train one after
+   another on a shared machine: their step costs are compared paired by
+   seed, not side by side, and a step's cost against the plain step is
+   ``benchmarks/trainer_overhead/measure_every.py``'s to measure. Each run
+   also records, per compiled shape, the median over its blocks of ``k``
+   steps of a block's seconds per step (:func:`seconds_per_step`); those are
+   not compared across ``k``, a median of ``k``-step means being no median
+   of single steps where step times are skewed.
 4. Paired by seed, against ``k = 1``: the ratio of mean steps (tokens) to the
-   target and the difference of final validation losses, each with the
+   target, of seconds per step, and the difference of final validation
+   losses, each with the
    bootstrap's 95% interval over seeds
    (:func:`benchmarks.lm.frontier.ratio_interval`, :func:`difference_interval`);
    and whether the mean steps to the target lie within ``k = 1``'s spread
@@ -62,8 +62,8 @@ JSON (machine-read)::
    "seeds": [int] (those finished for every k), "every": [int],
    "per_k": [{"measure_every", "seeds", "reached", "steps_to_target", "tokens_to_target",
               "steps_to_margin", "tokens_to_margin", "final_val_loss", "avg_batch_size",
-              "measurements", "steps", "wall_seconds", "step_cost_vs_k1",
-              "measuring_step_in_plain_steps", "step_cost_vs_plain", ...}],
+              "measurements", "steps", "wall_seconds", "seconds_per_step",
+              "step_cost_vs_k1": [ratio, lo, hi], ...}],
    "paired": [{"measure_every", "steps_ratio": [ratio, lo, hi], "tokens_ratio": [...],
                "final_val_loss_difference": [mean, lo, hi], ...}],
    "goal": {...}, "runs": [{...per run, as benchmarks/lm/experiment.py records it...}]}
@@ -194,51 +194,6 @@ def seconds_per_step(records: Sequence[Mapping[str, Any]], every: int) -> dict[s
   }
 
 
-def step_cost_ratio(run: Mapping[str, Any], reference: Mapping[str, Any]) -> float | None:
-  """A run's seconds per step over the same seed's ``k = 1`` run's, on the shapes both ran.
-
-  The ratio on each shape both runs timed, averaged geometrically with the
-  run's blocks on the shape as weights: a shape the run trained on more
-  counts more.
-
-  Returns:
-    The ratio, or None where the runs share no timed shape.
-
-  Example:
-    >>> step_cost_ratio({"seconds_per_step": {"1": [0.2, 3], "2": [0.4, 1]}},
-    ...                 {"seconds_per_step": {"1": [0.4, 5], "2": [0.4, 9]}})
-    0.5946
-  """
-  mine, theirs = run["seconds_per_step"], reference["seconds_per_step"]
-  shared = [shape for shape in mine if shape in theirs]
-  if not shared:
-    return None
-  weights = np.array([mine[s][1] for s in shared], np.float64)
-  logs = np.log([mine[s][0] / theirs[s][0] for s in shared])
-  return round(float(np.exp(np.average(logs, weights=weights))), 4)
-
-
-def measuring_step_cost(ratio: float, every: int) -> float | None:
-  """A measuring step's cost in plain steps, from a run's step cost relative to ``k = 1``.
-
-  A run of ``k`` spends ``m + (k - 1) p`` on ``k`` steps and ``k = 1``
-  spends ``k m``: ``ratio = (m + (k - 1) p) / (k m)``, so ``m / p = (k - 1) /
-  (k ratio - 1)``. That reading holds for ``1 / k < ratio < 1`` only (a
-  measuring step dearer than a plain one, a plain one not free); outside it
-  the ratio says the timing's noise, not the steps' cost, and the answer is
-  None.
-
-  Example:
-    >>> measuring_step_cost(0.75, 2)  # m + p = 1.5 m: p = m / 2
-    2.0
-    >>> measuring_step_cost(1.1, 4) is None  # k = 4 slower a step than k = 1: noise
-    True
-  """
-  if every < 2 or not 1.0 / every < ratio < 1.0:
-    return None
-  return round((every - 1) / (every * ratio - 1.0), 4)
-
-
 def difference_interval(values: Sequence[float], reference: Sequence[float]) -> list[float]:
   """The mean of paired differences ``values - reference`` and its bootstrap interval.
 
@@ -323,25 +278,25 @@ def summarize(
     "wall_seconds_without_compiles": round(
       float(np.mean([r["wall_seconds"] - r["compile_seconds"] for r in runs])), 1
     ),
-    **_step_costs(runs, reference, every),
+    **_step_costs(runs, reference),
   }
 
 
+def _seconds_per_step(run: Mapping[str, Any]) -> float:
+  """A run's wall seconds per step, its compiles' seconds left out."""
+  return (run["wall_seconds"] - run["compile_seconds"]) / run["steps"]
+
+
 def _step_costs(
-  runs: Sequence[Mapping[str, Any]], reference: Sequence[Mapping[str, Any]], every: int
+  runs: Sequence[Mapping[str, Any]], reference: Sequence[Mapping[str, Any]]
 ) -> dict[str, Any]:
-  """The step cost against ``k = 1`` (median over seeds) and what it says of a measuring step."""
-  ratios = [step_cost_ratio(r, c) for r, c in zip(runs, reference, strict=True)]
-  timed = [x for x in ratios if x is not None]
-  ratio = float(np.median(timed)) if timed else None
-  measuring = None if ratio is None else measuring_step_cost(ratio, every)
+  """Seconds per step (compiles left out), and their ratio to ``k = 1``'s paired by seed."""
+  mine = [_seconds_per_step(r) for r in runs]
+  theirs = [_seconds_per_step(r) for r in reference]
   return {
-    "step_cost_vs_k1_by_seed": ratios,
-    "step_cost_vs_k1": None if ratio is None else round(ratio, 4),
-    "measuring_step_in_plain_steps": measuring,
-    "step_cost_vs_plain": (
-      None if ratio is None or measuring is None else round(ratio * measuring, 4)
-    ),
+    "seconds_per_step": round(float(np.mean(mine)), 5),
+    "step_cost_vs_k1": _interval(ratio_interval(mine, theirs)),
+    "step_cost_vs_k1_by_seed": [round(m / t, 4) for m, t in zip(mine, theirs, strict=True)],
   }
 
 
@@ -425,7 +380,7 @@ def goal_row(
     "mean": mean,
     "within_k1_spread": within_spread(mean, [base[i] for i in read]) if read else None,
     "steps_ratio": _interval(ratio),
-    "step_cost_vs_plain": row["step_cost_vs_plain"],
+    "step_cost_vs_k1": row["step_cost_vs_k1"],
   }
 
 
@@ -489,8 +444,7 @@ def markdown(results: Mapping[str, Any]) -> str:
   lines = [
     f"| `measure_every` | reached the target | steps to target | tokens to target | "
     f"steps to target + {results['loss_margin']:g} | final val loss | avg batch | "
-    "measurements | steps | wall s (compiles excluded) | step cost vs k = 1 | "
-    "step cost vs plain |",
+    "measurements | steps | wall s (compiles excluded) | ms a step | step cost vs k = 1 |",
     "|---|---|---|---|---|---|---|---|---|---|---|---|",
   ]
   for row in results["per_k"]:
@@ -501,21 +455,29 @@ def markdown(results: Mapping[str, Any]) -> str:
       f"± {row['final_val_loss_std']:.4f} | {row['avg_batch_size']:.1f} | "
       f"{row['measurements']:,.0f} | {row['steps']:,.0f} | "
       f"{row['wall_seconds']:.0f} ({row['wall_seconds_without_compiles']:.0f}) | "
-      f"{_fmt(row['step_cost_vs_k1'], '{:.2f}x')} | "
-      f"{_fmt(row['step_cost_vs_plain'], '{:.2f}x')} |"
+      f"{1e3 * row['seconds_per_step']:.1f} | {_ci(row['step_cost_vs_k1'])} |"
     )
   lines += [
     "",
     "| `measure_every` vs 1, paired | steps to target | tokens to target | "
-    f"steps to target + {results['loss_margin']:g} | final val loss difference |",
-    "|---|---|---|---|---|",
+    f"steps to target + {results['loss_margin']:g} | final val loss difference | "
+    "the goal's reading | steps (vs 1) | k = 1's spread | within |",
+    "|---|---|---|---|---|---|---|---|---|",
   ]
-  for row in results["paired"]:
+  for row, goal in zip(results["paired"], results["goal"], strict=True):
     diff, lo, hi = row["final_val_loss_difference"]
+    read = (
+      "target" if goal["read_on"] == "steps_to_target" else (f"target + {results['loss_margin']:g}")
+    )
+    spread = goal["k1_spread"]
     lines.append(
       f"| {row['measure_every']} | {_ci(row['steps_ratio_to_target'])} | "
       f"{_ci(row['tokens_ratio_to_target'])} | {_ci(row['steps_ratio_to_margin'])} | "
-      f"{diff:+.4f} ({lo:+.4f} to {hi:+.4f}) |"
+      f"{diff:+.4f} ({lo:+.4f} to {hi:+.4f}) | "
+      f"{read}, seeds {', '.join(map(str, goal['seeds_read']))} | "
+      f"{_fmt(goal['mean'])} ({_ci(goal['steps_ratio'])}) | "
+      f"{'-' if spread is None else f'{spread[0]:,.0f}-{spread[1]:,.0f}'} | "
+      f"{'-' if goal['within_k1_spread'] is None else 'yes' if goal['within_k1_spread'] else 'no'} |"
     )
   return "\n".join(lines)
 
@@ -633,6 +595,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     "task": exp.info(),
     "runs": runs,
     "runs_read_back": store.resumed,
+    "runs_wall_seconds": round(sum(r["wall_seconds"] for r in runs), 1),
     "devices": jax.device_count(),
     "platform": jax.devices()[0].platform,
     "jax_version": jax.__version__,
