@@ -14,6 +14,7 @@ import pathlib
 
 import pytest
 
+from benchmarks.lm import measure_every_lm
 from benchmarks.lm import report as pareto_lm_report
 from benchmarks.pareto import report as pareto_report
 from benchmarks.step_cost import halves_steps
@@ -427,6 +428,13 @@ def test_the_one_step_late_table_is_the_json():
     ("results.md", "pareto_lm_issue23", pareto_lm_report.markdown, "lm/pareto_lm.py", "table"),
     ("results.md", "pareto_lm", pareto_lm_report.markdown, "lm/pareto_lm.py", "table"),
     ("results.md", "pareto_lm_long", pareto_lm_report.markdown, "lm/pareto_lm.py", "table"),
+    (
+      "results.md",
+      "lm_measure_every",
+      measure_every_lm.markdown,
+      "lm/measure_every_lm.py",
+      "table",
+    ),
     ("own_step.md", "halves", halves_steps.markdown_table, "step_cost/halves_steps.py", "table"),
     (
       "results.md",

@@ -214,6 +214,7 @@ class LmExperiment:
     workdir: pathlib.Path,
     curve: Any,
     lr_schedule: Callable[[float], float],
+    measure_every: int = 1,
   ) -> simigrad_jax.Trainer:
     """A Trainer of ``spec`` in ``workdir`` (resumed from its newest checkpoint, if any).
 
@@ -223,6 +224,8 @@ class LmExperiment:
       workdir: the run's workdir.
       curve: the run's :class:`ValidationCurve`.
       lr_schedule: the learning-rate multiplier by epochs trained.
+      measure_every: the similarity measured on every ``measure_every``-th
+        step, plain steps between (``TrainerConfig.measure_every``).
     """
     config = self.config.copy_and_resolve_references()
     config.learning_rate = 1.0  # the rate is in the optimizer state: one program for every rate
@@ -246,6 +249,7 @@ class LmExperiment:
         shapes_per_octave=1,  # few shapes to compile: each step waits for its own
       ),
       hooks=[curve],
+      measure_every=measure_every,
     )
 
   def _lr_schedule(self, controller: Any, epochs: float) -> Callable[[float], float]:
@@ -258,7 +262,9 @@ class LmExperiment:
       self.num_train, base_schedule=lambda e: schedule(e) if e < warmup else 1.0
     )
 
-  def run(self, spec: RunSpec, setting: str, share: float = 1.0) -> dict[str, Any]:
+  def run(
+    self, spec: RunSpec, setting: str, share: float = 1.0, measure_every: int = 1
+  ) -> dict[str, Any]:
     """Trains one run for ``share`` of the budget; returns its JSON record (the target is set later).
 
     Args:
@@ -266,6 +272,8 @@ class LmExperiment:
       setting: its label in the record.
       share: the share of the token budget it trains (the allowance for an
         adaptive run).
+      measure_every: the similarity measured on every ``measure_every``-th
+        step, plain steps between (recorded when not 1).
     """
     workdir = pathlib.Path(tempfile.mkdtemp(prefix=f"{spec.controller}-", dir=self.root))
     start = time.perf_counter()
@@ -273,7 +281,7 @@ class LmExperiment:
     epochs = self.epochs_of(share)
     curve = ValidationCurve(self.evaluate, round(epochs * self.num_train), self.evals)
     schedule = self._lr_schedule(controller, epochs)
-    with self.trainer(controller, spec, workdir, curve, schedule) as trainer:
+    with self.trainer(controller, spec, workdir, curve, schedule, measure_every) as trainer:
       curve.trainer = trainer
       curve.measure(host_copy(trainer.state["params"]), 0, 0)
       summary = trainer.train(num_epochs=epochs)
@@ -297,6 +305,7 @@ class LmExperiment:
       "lr_multiplier": spec.lr_multiplier,
       "lr_coupling": spec.lr_coupling,
       "budget_share": share,
+      **({"measure_every": measure_every} if measure_every != 1 else {}),
       **({"batch_size": int(options["initial_batch_size"])} if spec.controller == "fixed" else {}),
       "options": options,
       **batch_fields(summary, records),

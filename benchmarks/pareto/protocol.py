@@ -117,6 +117,7 @@ def benchmark_trainer(
   seed: int,
   lr: simigrad_jax.LearningRateConfig,
   compile: simigrad_jax.CompileConfig | None = None,
+  measure_every: int = 1,
   **trainer_args: Any,
 ) -> simigrad_jax.Trainer:
   """A Trainer with the comparisons' run settings and the task's own.
@@ -133,6 +134,8 @@ def benchmark_trainer(
     lr: how the learning rate follows the batch size (``TrainerConfig.lr``).
     compile: the task's compile settings (``TrainerConfig.compile``; None: the
       Trainer's defaults), their ``cache_dir`` set to ``cache_dir``.
+    measure_every: ``TrainerConfig.measure_every``: the similarity measured on
+      every ``measure_every``-th step, plain steps between.
     **trainer_args: the Trainer's other arguments (``loss_fn``, ``params``,
       ``optimizer``, ``source``, ...).
 
@@ -149,6 +152,7 @@ def benchmark_trainer(
     compile=compile.replace(cache_dir=cache_dir),
     checkpoints=simigrad_jax.CheckpointConfig(max_to_keep=1),
     lr=lr,
+    measure_every=measure_every,
   )
   return simigrad_jax.Trainer(controller=controller, workdir=workdir, config=config, **trainer_args)
 

@@ -1,0 +1,616 @@
+"""Benchmark: SimiGrad measuring the similarity every k-th step, on the causal-LM comparison.
+
+``TrainerConfig.measure_every=k`` runs the two-half step (the similarity's
+measurement) on the steps ``0, k, 2k, ...`` only and plain steps between; the
+controller moves once per measurement and holds its size over the ``k - 1``
+plain steps that follow (docs/controllers.md). This script asks what that
+costs the LM comparison of ``benchmarks/lm/pareto_lm.py`` in steps and tokens
+to its target, and what it saves per step.
+
+The protocol:
+
+1. The experiment, the target and the setting are those of a finished
+   comparison (``--source``, ``benchmarks/results/pareto_lm.json``: today's
+   budget): its ``experiment`` block (model, budget, validation), its
+   ``target_val_loss`` (the best constant batch's mean final validation loss)
+   and its tuned SimiGrad setting (the SimiGrad setting with the least mean
+   final validation loss: its options, learning rate, coupling and token
+   allowance).
+2. That setting with ``measure_every`` of ``--every`` (1, 2, 4) and every seed
+   of ``--seeds`` (1-5), paired: seed s sees the same data order and initial
+   parameters for every k. The runs go seed by seed (every k of seed 1,
+   then of seed 2, ...), so that the seeds finished when the run stops are
+   paired.
+3. Per run, from its validation curve: steps and tokens to the target (and
+   to the target plus the verdict's margin, :data:`benchmarks.lm.report.LOSS_MARGIN`,
+   which a seed that misses the target by a little still reaches), the final
+   validation loss, the average batch size, the measurements taken and the
+   wall seconds, its compiles' seconds apart. Its seconds per step: the wall
+   seconds without the compiles' over its steps (the validation evaluations,
+   the same number in every run, included). The runs train one after
+   another on a shared machine: their step costs are compared paired by
+   seed, not side by side, and a step's cost against the plain step is
+   ``benchmarks/trainer_overhead/measure_every.py``'s to measure. Each run
+   also records, per compiled shape, the median over its blocks of ``k``
+   steps of a block's seconds per step (:func:`seconds_per_step`); those are
+   not compared across ``k``, a median of ``k``-step means being no median
+   of single steps where step times are skewed.
+4. Paired by seed, against ``k = 1``: the ratio of mean steps (tokens) to the
+   target and of seconds per step, and the difference of final validation
+   losses, each with the bootstrap's 95% interval over seeds
+   (:func:`benchmarks.lm.frontier.ratio_interval`, :func:`difference_interval`);
+   a ratio to a loss ``k = 1`` misses in a seed has none.
+5. The goal (:func:`goal_row`): ``k``'s mean steps to the target within
+   ``k = 1``'s spread over seeds (its least to its most), read on the target
+   plus the margin, and on the seeds where ``k = 1`` reaches it, where
+   ``k = 1`` misses the target itself in a seed.
+
+Resume: each finished run is appended to ``--store``
+(``benchmarks/results/lm_measure_every_runs.jsonl`` by default) the moment it
+ends; started again with the same flags, the script reads the stored runs
+back and trains only the rest. The store is kept (it is the record of the
+runs); one written for another experiment or setting is refused.
+
+Usage::
+
+  python benchmarks/lm/measure_every_lm.py                        # 15 runs: lm_measure_every.json
+  python benchmarks/lm/measure_every_lm.py --seeds 1,2 --every 1,4
+  python benchmarks/lm/measure_every_lm.py --markdown benchmarks/results/lm_measure_every.json
+
+JSON (machine-read)::
+
+  {"experiment": {...}, "source": str, "target_val_loss": float, "loss_margin": float,
+   "setting": {"label", "controller", "options", "learning_rate", "lr_coupling", ...},
+   "seeds": [int] (those finished for every k), "every": [int],
+   "per_k": [{"measure_every", "seeds", "reached", "steps_to_target", "tokens_to_target",
+              "steps_to_margin", "tokens_to_margin", "final_val_loss", "avg_batch_size",
+              "measurements", "steps", "wall_seconds", "seconds_per_step",
+              "step_cost_vs_k1": [ratio, lo, hi], ...}],
+   "paired": [{"measure_every", "steps_ratio_to_target": [ratio, lo, hi],
+               "tokens_ratio_to_target", "steps_ratio_to_margin", "tokens_ratio_to_margin",
+               "final_val_loss_difference": [mean, lo, hi]}],
+   "goal": [{"measure_every", "read_on", "seeds_read", "k1_spread", "mean",
+             "within_k1_spread", "steps_ratio", "step_cost_vs_k1"}],
+   "runs": [{...as benchmarks/lm/experiment.py records a run, and "measure_every",
+             "measurements", "seconds_per_step": {rows per device: [seconds, blocks]}}],
+   "runs_wall_seconds": float, ...}
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+if __name__ == "__main__":
+  sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
+  from benchmarks import common  # noqa: E402  (imports no JAX)
+
+  common.prepare_script()
+
+# pylint: disable=g-import-not-at-top,wrong-import-position
+import argparse  # noqa: E402
+import dataclasses  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+import pathlib  # noqa: E402
+import shutil  # noqa: E402
+import time  # noqa: E402
+from collections.abc import Mapping, Sequence  # noqa: E402
+from typing import Any  # noqa: E402
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+import simigrad_jax  # noqa: E402
+from benchmarks import common  # noqa: E402
+from benchmarks.lm import protocol as P  # noqa: E402
+from benchmarks.lm.experiment import LmExperiment  # noqa: E402
+from benchmarks.lm.experiment import crossing  # noqa: E402
+from benchmarks.lm.frontier import ratio_interval  # noqa: E402
+from benchmarks.lm.report import LOSS_MARGIN  # noqa: E402
+from benchmarks.lm.run_store import RunStore  # noqa: E402
+from benchmarks.lm.run_store import run_key  # noqa: E402
+from benchmarks.pareto.analysis import mean_std  # noqa: E402
+from benchmarks.pareto.protocol import RunSpec  # noqa: E402
+from benchmarks.pareto.protocol import comparison_folder  # noqa: E402
+
+NAME = "lm_measure_every"
+SOURCE = os.path.join(common.RESULTS_DIR, "pareto_lm.json")
+SEEDS = (1, 2, 3, 4, 5)
+EVERY = (1, 2, 4)
+
+
+def tuned_setting(source: Mapping[str, Any]) -> tuple[RunSpec, float, str]:
+  """The comparison's tuned SimiGrad setting: the one with the least mean final validation loss.
+
+  Args:
+    source: a finished ``benchmarks/lm/pareto_lm.py`` result.
+
+  Returns:
+    ``(spec, share, label)``: the setting as a run of seed 0, the share of the
+    budget it trains (the token allowance) and its label in the source.
+
+  Raises:
+    ValueError: the source ran no SimiGrad setting.
+  """
+  settings = [s for s in source.get("settings", ()) if s["controller"] == "simigrad"]
+  if not settings:
+    raise ValueError("the source comparison ran no SimiGrad setting; give one that did")
+  best = min(settings, key=lambda s: s["final_val_loss"])
+  run = next(
+    r
+    for r in source["runs"]
+    if r["controller"] == "simigrad"
+    and r["setting"] == best["setting"]
+    and math.isclose(r["learning_rate"], best["learning_rate"], rel_tol=1e-9)
+  )
+  spec = RunSpec(
+    "simigrad",
+    tuple(run["options"].items()),
+    run["learning_rate"],
+    run["lr_multiplier"],
+    0,
+    run.get("lr_rule", "sqrt"),
+    run["lr_coupling"],
+  )
+  return spec, float(run["budget_share"]), best["setting"]
+
+
+def seconds_per_step(records: Sequence[Mapping[str, Any]], every: int) -> dict[str, list[float]]:
+  """A run's seconds per step on each compiled shape: the median over its whole blocks of steps.
+
+  A block is a measuring step and the ``every - 1`` plain steps after it,
+  which hold its batch size (the controller moves on measuring steps only).
+  A step's own seconds are not its cost: the host reads a step's statistics
+  once the next step is dispatched, and only a measuring step's reading
+  waits for the similarity, so time moves between the steps of a block. A
+  whole block's seconds are its cost: from one measuring step's statistics
+  to the next one's. Blocks with a step that ran a program for the first
+  time or waited for a compile are left out, and so are blocks whose steps
+  ran on two shapes (rows per device).
+
+  Args:
+    records: a run's step records (``metrics.jsonl``), in step order.
+    every: the run's ``measure_every``.
+
+  Returns:
+    ``{rows per device: [median seconds per step, blocks]}`` (the keys as
+    strings, as JSON holds them).
+
+  Example:
+    >>> steps = [(1, 0.3), (2, 0.1), (3, 0.2), (4, 0.2)]  # (step, seconds), one shape
+    >>> seconds_per_step([{"step": s, "step_seconds": t, "micro_batch_size": 1,
+    ...   "first_run": False, "compile_wait_step_seconds": 0.0} for s, t in steps], 2)
+    {'1': [0.2, 2]}
+  """
+  blocks: dict[int, list[Mapping[str, Any]]] = {}
+  for record in records:
+    blocks.setdefault((record["step"] - 1) // every, []).append(record)
+  by_shape: dict[str, list[float]] = {}
+  for block in blocks.values():
+    shapes = {r["micro_batch_size"] for r in block}
+    if len(block) < every or len(shapes) > 1:
+      continue
+    if any(r["first_run"] or r["compile_wait_step_seconds"] > 0 for r in block):
+      continue
+    seconds = sum(r["step_seconds"] for r in block) / every
+    by_shape.setdefault(str(shapes.pop()), []).append(seconds)
+  return {
+    shape: [round(float(np.median(times)), 6), len(times)]
+    for shape, times in sorted(by_shape.items(), key=lambda item: int(item[0]))
+  }
+
+
+def difference_interval(values: Sequence[float], reference: Sequence[float]) -> list[float]:
+  """The mean of paired differences ``values - reference`` and its bootstrap interval.
+
+  The seeds are resampled with replacement as
+  :func:`benchmarks.lm.frontier.ratio_interval` resamples them (the same
+  number of resamples, seed and confidence); with one seed the interval is
+  unbounded.
+
+  Returns:
+    ``[mean, lo, hi]``.
+
+  Example:
+    >>> difference_interval([2.0, 2.0], [1.0, 1.0])
+    [1.0, 1.0, 1.0]
+  """
+  d = np.asarray(values, np.float64) - np.asarray(reference, np.float64)
+  if d.size < 2:
+    return [float(d.mean()), -math.inf, math.inf]
+  rng = np.random.default_rng(P.BOOTSTRAP_SEED)
+  means = d[rng.integers(0, d.size, (P.BOOTSTRAP_RESAMPLES, d.size))].mean(1)
+  tail = (1.0 - P.CONFIDENCE) / 2
+  lo = float(np.quantile(means, tail, method="lower"))
+  hi = float(np.quantile(means, 1.0 - tail, method="higher"))
+  return [round(float(d.mean()), 6), round(lo, 6), round(hi, 6)]
+
+
+def _json_number(x: float) -> float | None:
+  """JSON's number: None for an unbounded or never-reached value."""
+  return round(x, 4) if math.isfinite(x) else None
+
+
+def _reached(runs: Sequence[Mapping[str, Any]], key: str) -> list[float]:
+  """Each run's ``key`` (steps or tokens to a loss), inf where it never reached the loss."""
+  return [math.inf if r[key] is None else float(r[key]) for r in runs]
+
+
+def fill_targets(run: dict[str, Any], target: float, margin: float) -> None:
+  """Sets a run's steps and tokens to ``target`` and to ``target + margin``, read on its curve."""
+  points = [(s, t, v) for s, t, v in run["curve"]]
+  for suffix, loss in (("target", target), ("margin", target + margin)):
+    steps, tokens = crossing(points, loss)
+    run[f"steps_to_{suffix}"] = None if steps is None else round(steps, 1)
+    run[f"tokens_to_{suffix}"] = None if tokens is None else round(tokens)
+
+
+def _mean_reached(values: Sequence[float]) -> float | None:
+  finite = [v for v in values if math.isfinite(v)]
+  return round(float(np.mean(finite)), 1) if finite else None
+
+
+def summarize(
+  runs: Sequence[Mapping[str, Any]], reference: Sequence[Mapping[str, Any]], every: int
+) -> dict[str, Any]:
+  """One ``measure_every``'s runs: reached, steps and tokens to the target, losses, batches, cost.
+
+  Args:
+    runs: its runs, one per seed.
+    reference: the ``k = 1`` runs of the same seeds, in the same order.
+    every: its ``measure_every``.
+  """
+  loss, loss_std = mean_std([r["final_val_loss"] for r in runs])
+  steps = _reached(runs, "steps_to_target")
+  return {
+    "measure_every": every,
+    "seeds": [r["seed"] for r in runs],
+    "reached": sum(math.isfinite(s) for s in steps),
+    "steps_to_target": _mean_reached(steps),
+    "tokens_to_target": _mean_reached(_reached(runs, "tokens_to_target")),
+    "steps_to_target_by_seed": [_json_number(s) for s in steps],
+    "reached_margin": sum(r["steps_to_margin"] is not None for r in runs),
+    "steps_to_margin": _mean_reached(_reached(runs, "steps_to_margin")),
+    "tokens_to_margin": _mean_reached(_reached(runs, "tokens_to_margin")),
+    "steps_to_margin_by_seed": [_json_number(s) for s in _reached(runs, "steps_to_margin")],
+    "final_val_loss": round(loss, 5),
+    "final_val_loss_std": round(loss_std, 5),
+    "avg_batch_size": round(float(np.mean([r["avg_batch_size"] for r in runs])), 2),
+    "measurements": round(float(np.mean([r["measurements"] for r in runs])), 1),
+    "steps": round(float(np.mean([r["steps"] for r in runs])), 1),
+    "tokens": round(float(np.mean([r["tokens"] for r in runs]))),
+    "wall_seconds": round(float(np.mean([r["wall_seconds"] for r in runs])), 1),
+    "compile_seconds": round(float(np.mean([r["compile_seconds"] for r in runs])), 1),
+    "wall_seconds_without_compiles": round(
+      float(np.mean([r["wall_seconds"] - r["compile_seconds"] for r in runs])), 1
+    ),
+    **_step_costs(runs, reference),
+  }
+
+
+def _seconds_per_step(run: Mapping[str, Any]) -> float:
+  """A run's wall seconds per step, its compiles' seconds left out."""
+  return (run["wall_seconds"] - run["compile_seconds"]) / run["steps"]
+
+
+def _step_costs(
+  runs: Sequence[Mapping[str, Any]], reference: Sequence[Mapping[str, Any]]
+) -> dict[str, Any]:
+  """Seconds per step (compiles left out), and their ratio to ``k = 1``'s paired by seed."""
+  mine = [_seconds_per_step(r) for r in runs]
+  theirs = [_seconds_per_step(r) for r in reference]
+  return {
+    "seconds_per_step": round(float(np.mean(mine)), 5),
+    "step_cost_vs_k1": _interval(ratio_interval(mine, theirs)),
+    "step_cost_vs_k1_by_seed": [round(m / t, 4) for m, t in zip(mine, theirs, strict=True)],
+  }
+
+
+def _interval(values: tuple[float, float, float]) -> list[float | None]:
+  return [_json_number(v) for v in values]
+
+
+def compare(runs: Sequence[Mapping[str, Any]], reference: Sequence[Mapping[str, Any]]) -> dict:
+  """One ``k``'s runs against ``k = 1``'s, paired by seed (both in seed order)."""
+  pair: dict[str, Any] = {}
+  for key in ("steps_to_target", "tokens_to_target", "steps_to_margin", "tokens_to_margin"):
+    baseline = _reached(reference, key)
+    # A ratio to k = 1 needs k = 1 to reach the loss in every seed (else its mean is unbounded).
+    pair[key.replace("_to_", "_ratio_to_")] = (
+      _interval(ratio_interval(_reached(runs, key), baseline))
+      if all(math.isfinite(b) for b in baseline)
+      else [None, None, None]
+    )
+  pair["final_val_loss_difference"] = difference_interval(
+    [r["final_val_loss"] for r in runs], [r["final_val_loss"] for r in reference]
+  )
+  return pair
+
+
+def _mean_all(values: Sequence[float | None]) -> float | None:
+  """The mean over every seed; None where a seed never reached the loss."""
+  reached = [v for v in values if v is not None]
+  if len(reached) < len(values):
+    return None
+  return round(float(np.mean(reached)), 1)
+
+
+def _spread(values: Sequence[float | None]) -> list[float]:
+  """The least and the most of the seeds' values (every one reached)."""
+  reached = [v for v in values if v is not None]
+  return [min(reached), max(reached)]
+
+
+def within_spread(value: float | None, spread: Sequence[float | None]) -> bool:
+  """Whether ``value`` (a mean over seeds) lies within the seeds' least to most (None: never)."""
+  bounds = [s for s in spread if s is not None]
+  if value is None or not spread or len(bounds) < len(spread):
+    return False
+  return min(bounds) <= value <= max(bounds)
+
+
+def goal_row(
+  row: Mapping[str, Any], reference: Mapping[str, Any], seeds: Sequence[int]
+) -> dict[str, Any]:
+  """Whether one ``k``'s steps to the target lie within ``k = 1``'s spread over seeds.
+
+  Read on the target where ``k = 1`` reaches it in every seed, else on the
+  target plus the margin, on the seeds where ``k = 1`` reaches that (a seed
+  where it never does gives its spread no upper end, so it is left out and
+  the row names the seeds read). ``k``'s mean over those seeds (None where it
+  misses in one) must lie within ``k = 1``'s least to most; the ratio of the
+  means has the bootstrap's interval over the same seeds.
+
+  Args:
+    row: the ``k``'s summary (:func:`summarize`).
+    reference: ``k = 1``'s summary.
+    seeds: the seeds of both, in the order of their ``*_by_seed`` lists.
+  """
+  column = (
+    "steps_to_target" if None not in reference["steps_to_target_by_seed"] else ("steps_to_margin")
+  )
+  base = reference[f"{column}_by_seed"]
+  read = [i for i, b in enumerate(base) if b is not None]
+  mine = [row[f"{column}_by_seed"][i] for i in read]
+  mean = _mean_all(mine) if read else None
+  ratio = (
+    ratio_interval([math.inf if m is None else m for m in mine], [base[i] for i in read])
+    if read
+    else (math.inf, 0.0, math.inf)
+  )
+  return {
+    "measure_every": row["measure_every"],
+    "read_on": column,
+    "seeds_read": [seeds[i] for i in read],
+    "k1_spread": _spread([base[i] for i in read]) if read else None,
+    "mean": mean,
+    "within_k1_spread": within_spread(mean, [base[i] for i in read]) if read else None,
+    "steps_ratio": _interval(ratio),
+    "step_cost_vs_k1": row["step_cost_vs_k1"],
+  }
+
+
+def analyse(
+  runs: Sequence[dict[str, Any]],
+  every: Sequence[int],
+  target: float,
+  margin: float = LOSS_MARGIN,
+) -> dict[str, Any]:
+  """The runs' targets, the summary per ``k``, the paired comparisons with ``k = 1`` and the goal.
+
+  Only seeds that finished every ``k`` count, so every comparison is paired.
+
+  Args:
+    runs: the run records (with ``measure_every``, ``seed``, ``curve``,
+      ``measurements`` and ``seconds_per_step``); their steps and tokens
+      to the target and to ``target + margin`` are filled in.
+    every: the ``measure_every`` values, the first the reference (1).
+    target: the target validation loss.
+    margin: how far above the target a run still counts for the margin's columns.
+  """
+  by_k: dict[int, dict[int, dict[str, Any]]] = {k: {} for k in every}
+  for run in runs:
+    fill_targets(run, target, margin)
+    by_k.setdefault(run["measure_every"], {})[run["seed"]] = run
+  seeds = sorted(set.intersection(*(set(by_k[k]) for k in every)))
+  if not seeds:
+    raise ValueError(f"no seed finished every measure_every of {list(every)}")
+  groups = {k: [by_k[k][s] for s in seeds] for k in every}
+  per_k = [summarize(groups[k], groups[every[0]], k) for k in every]
+  reference = per_k[0]
+  paired = [{"measure_every": k, **compare(groups[k], groups[every[0]])} for k in every[1:]]
+  goal = [goal_row(row, reference, seeds) for row in per_k[1:]]
+  return {
+    "target_val_loss": target,
+    "loss_margin": margin,
+    "seeds": seeds,
+    "every": list(every),
+    "per_k": per_k,
+    "paired": paired,
+    "goal": goal,
+  }
+
+
+def _fmt(value: Any, pattern: str = "{:,.0f}") -> str:
+  return "-" if value is None else pattern.format(value)
+
+
+def _ci(values: Sequence[float | None], pattern: str = "{:.2f}") -> str:
+  """``ratio x (lo-hi)``; an unbounded end is "inf", a ratio without k = 1's reach "-"."""
+  value, lo, hi = values
+  if value is None and lo is None:
+    return "-"
+  bounds = f"{_fmt(lo, pattern)}-{'inf' if hi is None else _fmt(hi, pattern)}"
+  return f"{'inf' if value is None else _fmt(value, pattern)}x ({bounds})"
+
+
+def markdown(results: Mapping[str, Any]) -> str:
+  """The docs' tables: per ``k``, and each ``k``'s paired comparison with ``k = 1``."""
+  n = len(results["seeds"])
+  lines = [
+    f"| `measure_every` | reached the target | steps to target | tokens to target | "
+    f"steps to target + {results['loss_margin']:g} | final val loss | avg batch | "
+    "measurements | steps | wall s (compiles excluded) | ms a step | step cost vs k = 1 |",
+    "|---|---|---|---|---|---|---|---|---|---|---|---|",
+  ]
+  for row in results["per_k"]:
+    lines.append(
+      f"| {row['measure_every']} | {row['reached']}/{n} | {_fmt(row['steps_to_target'])} | "
+      f"{_fmt(row['tokens_to_target'])} | {_fmt(row['steps_to_margin'])} "
+      f"({row['reached_margin']}/{n}) | {row['final_val_loss']:.4f} "
+      f"± {row['final_val_loss_std']:.4f} | {row['avg_batch_size']:.1f} | "
+      f"{row['measurements']:,.0f} | {row['steps']:,.0f} | "
+      f"{row['wall_seconds']:.0f} ({row['wall_seconds_without_compiles']:.0f}) | "
+      f"{1e3 * row['seconds_per_step']:.1f} | {_ci(row['step_cost_vs_k1'])} |"
+    )
+  lines += [
+    "",
+    "| `measure_every` vs 1, paired | steps to target | tokens to target | "
+    f"steps to target + {results['loss_margin']:g} | final val loss difference | "
+    "the goal's reading | steps (vs 1) | k = 1's spread | within |",
+    "|---|---|---|---|---|---|---|---|---|",
+  ]
+  for row, goal in zip(results["paired"], results["goal"], strict=True):
+    diff, lo, hi = row["final_val_loss_difference"]
+    margin = f"target + {results['loss_margin']:g}"
+    read = "target" if goal["read_on"] == "steps_to_target" else margin
+    within = {None: "-", True: "yes", False: "no"}[goal["within_k1_spread"]]
+    spread = goal["k1_spread"]
+    lines.append(
+      f"| {row['measure_every']} | {_ci(row['steps_ratio_to_target'])} | "
+      f"{_ci(row['tokens_ratio_to_target'])} | {_ci(row['steps_ratio_to_margin'])} | "
+      f"{diff:+.4f} ({lo:+.4f} to {hi:+.4f}) | "
+      f"{read}, seeds {', '.join(map(str, goal['seeds_read']))} | "
+      f"{_fmt(goal['mean'])} ({_ci(goal['steps_ratio'])}) | "
+      f"{'-' if spread is None else f'{spread[0]:,.0f}-{spread[1]:,.0f}'} | "
+      f"{within} |"
+    )
+  return "\n".join(lines)
+
+
+def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+  p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+  p.add_argument("--source", default=SOURCE, help="the finished LM comparison's JSON")
+  p.add_argument(
+    "--seeds", type=common.integers, default=SEEDS, help="paired seeds, run in this order"
+  )
+  p.add_argument(
+    "--every", type=common.integers, default=EVERY, help="measure_every values, 1 first"
+  )
+  common.add_out_flag(p, NAME, quick=False)
+  p.add_argument(
+    "--store",
+    default=None,
+    help="the finished runs (default: --out's folder, NAME_runs.jsonl; '' keeps none)",
+  )
+  p.add_argument("--markdown", default=None, help="print the docs tables of this JSON, and stop")
+  p.add_argument("--workdir", default=None, help="keep every run's workdir under this folder")
+  args = p.parse_args(argv)
+  if not args.every or args.every[0] != 1 or any(k < 1 for k in args.every):
+    p.error(f"--every must start with 1 (the reference) and hold integers >= 1, got {args.every}")
+  if len(set(args.every)) != len(args.every) or len(set(args.seeds)) != len(args.seeds):
+    p.error(f"--every and --seeds must not repeat a value, got {args.every} and {args.seeds}")
+  args.out = common.out_path(args.out, NAME)
+  if args.store is None:
+    args.store = (
+      os.path.join(os.path.dirname(os.path.abspath(args.out)), f"{NAME}_runs.jsonl")
+      if args.out
+      else ""
+    )
+  return args
+
+
+def train(
+  exp: LmExperiment, spec: RunSpec, label: str, share: float, every: int, keep: bool
+) -> dict[str, Any]:
+  """One run of ``spec`` measuring every ``every``-th step, with its measurements and step cost."""
+  run = exp.run(spec, label, share, measure_every=every)
+  workdir = pathlib.Path(run["workdir"])
+  records = simigrad_jax.read_metrics(workdir / "metrics.jsonl")
+  steps = [r for r in records if "batch_size" in r]
+  run["measure_every"] = every
+  run["measurements"] = sum(r["similarity"] is not None for r in steps)
+  run["seconds_per_step"] = seconds_per_step(steps, every)
+  if not keep:
+    shutil.rmtree(workdir, ignore_errors=True)
+    del run["workdir"]
+  return run
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+  """Trains (or reads back) every run, prints the tables, writes the JSON.
+
+  Args:
+    argv: command-line arguments (``sys.argv[1:]`` when None).
+
+  Returns:
+    The results (see the module docstring), or ``{}`` with ``--markdown``.
+  """
+  args = _parse_args(argv)
+  if args.markdown:
+    print(markdown(json.loads(pathlib.Path(args.markdown).read_text("utf-8"))))
+    return {}
+  source = json.loads(pathlib.Path(args.source).read_text("utf-8"))
+  spec, share, label = tuned_setting(source)
+  experiment = source["experiment"]
+  target = float(source["target_val_loss"]) + float(source.get("reach_tolerance", 0.0))
+  setting = {"label": label, "budget_share": share, **dataclasses.asdict(spec)}
+  del setting["seed"]
+  store = RunStore(
+    args.store or None, {"experiment": experiment, "target": target, "setting": setting}
+  )
+  if store.resumed:
+    print(f"resuming: {store.resumed} runs read back from {store.path}", flush=True)
+  started = time.perf_counter()
+  runs = []
+  with comparison_folder(args.workdir, prefix="simigrad-measure-every-lm-") as root:
+    exp = LmExperiment(
+      hidden=experiment["hidden"],
+      seq_length=experiment["seq_length"],
+      budget_windows=experiment["budget_windows"],
+      max_share=share,
+      eval_windows=experiment["eval_windows"],
+      evals=experiment["evals"],
+      root=root,
+      keep_workdirs=True,
+      text_file=experiment["text_file"],
+    )
+    print(f"{jax.device_count()} devices; {exp.description}; {label}", flush=True)
+    for seed in args.seeds:
+      for every in args.every:
+        seeded = dataclasses.replace(spec, seed=seed)
+        key = json.dumps([every, run_key(seeded, share)])
+        run = store.runs.get(key)
+        trained = run is None
+        if run is None:
+          run = train(exp, seeded, label, share, every, args.workdir is not None)
+          store.put(key, run)
+        runs.append(run)
+        print(
+          f"  {'' if trained else '(stored) '}k={every} seed {seed}: val loss "
+          f"{run['final_val_loss']:.4f}  steps {run['steps']}  avg batch "
+          f"{run['avg_batch_size']:.1f}  measurements {run['measurements']}  "
+          f"{run['wall_seconds']:.1f} s",
+          flush=True,
+        )
+  results = {
+    **analyse(runs, args.every, target),
+    "source": common.repository_path(args.source),
+    "experiment": experiment,
+    "setting": setting,
+    "task": exp.info(),
+    "runs": runs,
+    "runs_read_back": store.resumed,
+    "runs_wall_seconds": round(sum(r["wall_seconds"] for r in runs), 1),
+    "devices": jax.device_count(),
+    "platform": jax.devices()[0].platform,
+    "jax_version": jax.__version__,
+    "total_wall_seconds": round(time.perf_counter() - started, 1),
+  }
+  common.report(results, markdown(results), args.out)
+  return results
+
+
+if __name__ == "__main__":
+  main(sys.argv[1:])

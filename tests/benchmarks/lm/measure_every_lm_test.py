@@ -1,0 +1,237 @@
+"""benchmarks/lm/measure_every_lm.py: the step-cost reading, the paired analysis, a toy run resumed."""
+
+import dataclasses
+import json
+import math
+from unittest import mock
+
+import numpy as np
+import pytest
+
+from benchmarks.lm import measure_every_lm as me
+from benchmarks.lm.experiment import LmExperiment
+from benchmarks.pareto.protocol import comparison_folder
+
+
+def _record(step, seconds, rows=1, first_run=False, wait=0.0):
+  return {
+    "step": step,
+    "step_seconds": seconds,
+    "micro_batch_size": rows,
+    "first_run": first_run,
+    "compile_wait_step_seconds": wait,
+  }
+
+
+def test_a_block_of_steps_is_timed_whole_from_one_measurement_to_the_next():
+  # k = 3: blocks (1, 2, 3), (4, 5, 6), (7, 8, 9), (10, 11, 12), (13).
+  records = [
+    _record(1, 0.9, first_run=True),  # a program's first run: its block left out
+    _record(2, 0.1),
+    _record(3, 0.1),
+    _record(4, 0.1),  # the time moves between a block's steps; the block costs 0.6
+    _record(5, 0.4),
+    _record(6, 0.1),
+    _record(7, 0.3, rows=2),
+    _record(8, 0.3, rows=2),
+    _record(9, 0.3, rows=2, wait=0.5),  # waited for a compile: left out
+    _record(10, 0.2),
+    _record(11, 0.2),
+    _record(12, 0.2, rows=2),  # two shapes in one block: left out
+    _record(13, 0.2),  # not a whole block (the run's end)
+  ]
+  assert me.seconds_per_step(records, 3) == {"1": [pytest.approx(0.2), 1]}
+  assert me.seconds_per_step(records, 1)["2"] == [pytest.approx(0.3), 3]  # steps 7, 8 and 12
+
+
+def test_the_loss_difference_interval_resamples_the_seeds():
+  mean, lo, hi = me.difference_interval([2.0, 2.1, 2.3], [2.0, 2.0, 2.0])
+  assert mean == pytest.approx(0.4 / 3, abs=1e-6) and 0.0 <= lo < mean < hi <= 0.3
+  assert me.difference_interval([1.0], [2.0]) == [-1.0, -math.inf, math.inf]
+
+
+def _run(k, seed, losses, steps, measurements, wall):
+  curve = [[s, 100 * s, v] for s, v in zip(np.linspace(0, steps, len(losses)), losses)]
+  return {
+    "measure_every": k,
+    "seed": seed,
+    "curve": curve,
+    "final_val_loss": losses[-1],
+    "avg_batch_size": 8.0,
+    "measurements": measurements,
+    "steps": steps,
+    "tokens": 100 * steps,
+    "wall_seconds": wall,
+    "compile_seconds": 2.0,
+    "seconds_per_step": {"1": [0.1, 10]},
+  }
+
+
+def test_the_analysis_pairs_the_seeds_finished_for_every_k():
+  runs = [
+    _run(1, 1, [4.0, 3.0, 2.0], 100, 100, 12.0),  # the target 2.5 at step 75; 0.1 s a step
+    _run(4, 1, [4.0, 3.0, 2.0], 120, 30, 14.0),  # at 90; 0.1 s a step
+    _run(1, 2, [4.0, 3.0, 2.4], 100, 100, 22.0),  # 2.5 at 50 + 50 * 0.5 / 0.6 = 91.7; 0.2 s
+    _run(4, 2, [4.0, 3.0, 2.6], 120, 30, 14.0),  # never; 2.6 (target + margin 0.1) at 120; 0.1 s
+    _run(1, 3, [4.0, 2.0, 2.0], 100, 100, 12.0),  # seed 3 never ran k = 4: left out
+  ]
+  results = me.analyse(runs, (1, 4), 2.5, margin=0.1)
+  assert results["seeds"] == [1, 2]
+  k1, k4 = results["per_k"]
+  assert (k1["reached"], k1["steps_to_target"]) == (2, pytest.approx(83.3, abs=0.1))
+  assert (k4["reached"], k4["steps_to_target_by_seed"]) == (1, [90.0, None])
+  assert k4["steps_to_margin_by_seed"] == [pytest.approx(84.0), pytest.approx(120.0)]
+  assert k4["step_cost_vs_k1_by_seed"] == [pytest.approx(1.0), pytest.approx(0.5)]
+  assert k4["seconds_per_step"] == pytest.approx(0.1) and k1["seconds_per_step"] == 0.15
+  assert k4["step_cost_vs_k1"][0] == pytest.approx(0.2 / 0.3, abs=1e-4)  # the means' ratio
+  assert k4["step_cost_vs_k1"][1:] == [pytest.approx(0.5), pytest.approx(1.0)]
+  assert k1["step_cost_vs_k1"] == [1.0, 1.0, 1.0]
+  [paired] = results["paired"]
+  assert paired["steps_ratio_to_target"][0] is None  # a seed that never reached: unbounded
+  assert paired["final_val_loss_difference"][0] == pytest.approx(0.1)
+  [goal] = results["goal"]
+  assert goal["read_on"] == "steps_to_target" and goal["k1_spread"] == [75.0, pytest.approx(91.7)]
+  assert not goal["within_k1_spread"]  # k = 4 missed the target in seed 2
+  # k = 1 short of the target in a seed: the goal reads the target plus the margin.
+  runs[2] = _run(1, 2, [4.0, 3.0, 2.55], 100, 100, 22.0)  # 2.6 at 50 + 50 * 0.4 / 0.45
+  goal = me.analyse(runs, (1, 4), 2.5, margin=0.1)["goal"][0]
+  assert goal["read_on"] == "steps_to_margin" and goal["seeds_read"] == [1, 2]
+  assert goal["k1_spread"] == [pytest.approx(70.0), pytest.approx(94.4, abs=0.1)]
+  assert goal["mean"] == pytest.approx(102.0) and not goal["within_k1_spread"]
+  # ... and short of both in a seed: the seeds where k = 1 reaches the margin are read.
+  runs[2] = _run(1, 2, [4.0, 3.0, 2.7], 100, 100, 22.0)
+  results = me.analyse(runs, (1, 4), 2.5, margin=0.1)
+  goal = results["goal"][0]
+  assert goal["seeds_read"] == [1] and goal["k1_spread"] == [pytest.approx(70.0)] * 2
+  assert goal["mean"] == pytest.approx(84.0) and not goal["within_k1_spread"]
+  assert goal["steps_ratio"][0] == pytest.approx(84.0 / 70.0, abs=1e-4)
+  assert results["paired"][0]["steps_ratio_to_margin"] == [None, None, None]  # over every seed
+  with pytest.raises(ValueError, match="no seed finished every"):
+    me.analyse(runs[:1], (1, 4), 2.5)
+
+
+def _toy_source(tmp_path, target=2.5):
+  """A finished comparison's JSON on a generated text: a tiny model, one SimiGrad setting."""
+  rng = np.random.default_rng(0)
+  words = ("the", "king", "and", "queen", "of", "rome", "shall", "speak")
+  text = tmp_path / "generated.txt"
+  text.write_text(" ".join(words[i] for i in rng.integers(0, len(words), 1500)))
+  # One size (8 rows, one per device): the two programs of a shape, measuring and plain.
+  options = {
+    "initial_batch_size": 8,
+    "similarity_target": 0.3,
+    "batch_size_lower_bound": 8,
+    "batch_size_upper_bound": 8,
+  }
+  simigrad = {"controller": "simigrad", "learning_rate": 1e-2, "lr_multiplier": 1.0,
+              "lr_coupling": "full", "budget_share": 1.1, "options": options}  # fmt: skip
+  experiment = {"seq_length": 8, "hidden": 16, "budget_windows": 96, "eval_windows": 8,
+                "evals": 3, "text_file": str(text)}  # fmt: skip
+  source = tmp_path / f"source_{target}.json"
+  source.write_text(
+    json.dumps(
+      {
+        "experiment": experiment,
+        "target_val_loss": target,
+        "settings": [
+          {"controller": c, "setting": label, "learning_rate": 1e-2, "final_val_loss": loss}
+          for c, label, loss in (
+            ("fixed", "B=8", 2.0),
+            ("simigrad", "s=0.3 [8,8]", 2.4),
+            ("simigrad", "s=0.5 [8,8]", 2.6),
+          )
+        ],
+        "runs": [
+          {**simigrad, "setting": "s=0.5 [8,8]", "options": {**options, "similarity_target": 0.5}},
+          {**simigrad, "setting": "s=0.3 [8,8]"},
+        ],
+      }
+    )
+  )
+  return source
+
+
+def test_the_tuned_setting_is_the_simigrad_setting_of_least_loss(tmp_path):
+  source = json.loads(_toy_source(tmp_path).read_text())
+  spec, share, label = me.tuned_setting(source)
+  assert (label, share, spec.lr, spec.lr_coupling) == ("s=0.3 [8,8]", 1.1, 1e-2, "full")
+  assert dict(spec.options)["similarity_target"] == 0.3
+  with pytest.raises(ValueError, match="no SimiGrad setting"):
+    me.tuned_setting({"settings": source["settings"][:1], "runs": []})
+
+
+def test_a_toy_run_measures_every_kth_step(tmp_path):
+  source = json.loads(_toy_source(tmp_path).read_text())
+  spec, share, label = me.tuned_setting(source)
+  e = source["experiment"]
+  with comparison_folder(None, prefix="measure-every-test-") as root:
+    exp = LmExperiment(
+      hidden=e["hidden"], seq_length=e["seq_length"], budget_windows=e["budget_windows"],
+      max_share=share, eval_windows=e["eval_windows"], evals=e["evals"], root=root,
+      keep_workdirs=True, text_file=e["text_file"],
+    )  # fmt: skip
+    run = me.train(exp, dataclasses.replace(spec, seed=1), label, share, 2, keep=False)
+    assert not [p for p in root.iterdir() if p.name.startswith("simigrad-")]  # workdir removed
+  assert run["measure_every"] == 2 and "workdir" not in run
+  assert run["measurements"] == -(-run["steps"] // 2)  # the steps numbered 0, 2, 4, ...
+  assert run["tokens"] == round(96 * 1.1) * 8  # the allowance: 1.1x the budget
+  for seconds, blocks in run["seconds_per_step"].values():
+    assert seconds > 0 and 1 <= blocks <= run["steps"] // 2
+
+
+def test_the_runs_go_seed_by_seed_into_the_store_and_resume(tmp_path, capsys):
+  source = _toy_source(tmp_path)
+  trained = []
+
+  def fake_train(exp, spec, label, share, every, keep):
+    trained.append((spec.seed, every))
+    losses = [3.0, 2.6, 2.4 + 0.01 * every + 0.001 * spec.seed]
+    return {
+      "seed": spec.seed,
+      "measure_every": every,
+      "curve": [[0, 0, 3.0], [50, 3200, losses[1]], [100, 6400, losses[2]]],
+      "final_val_loss": losses[2],
+      "avg_batch_size": 8.0,
+      "measurements": -(-100 // every),
+      "steps": 100,
+      "tokens": 6400,
+      "wall_seconds": 10.0 * (1 + 1 / every),
+      "compile_seconds": 0.0,
+      "seconds_per_step": {"1": [0.1, 40]},
+    }
+
+  out, store = tmp_path / "out.json", tmp_path / "runs.jsonl"
+  argv = ["--source", str(source), "--seeds", "2,1", "--every", "1,4", "--out", str(out)]
+  argv += ["--store", str(store)]
+  put = me.RunStore.put
+
+  def put_then_kill(self, key, run):  # killed once the third run is stored
+    put(self, key, run)
+    if len(trained) == 3:
+      raise KeyboardInterrupt
+
+  with mock.patch.object(me, "train", fake_train):
+    with mock.patch.object(me.RunStore, "put", put_then_kill):
+      with pytest.raises(KeyboardInterrupt):
+        me.main(argv)
+    assert trained == [(2, 1), (2, 4), (1, 1)]  # seed by seed, in the order given
+    trained.clear()
+    first = me.main(argv)
+    assert trained == [(1, 4)] and first["runs_read_back"] == 3  # only the run not stored
+    assert len(store.read_text().splitlines()) == 1 + 4  # the experiment, then each run
+    trained.clear()
+    again = me.main(argv)  # every run read back, none trained
+  assert trained == [] and again["runs_read_back"] == 4 and again["runs"] == first["runs"]
+  written = json.loads(out.read_text())
+  assert written["seeds"] == [1, 2] and written["setting"]["label"] == "s=0.3 [8,8]"
+  k1, k4 = written["per_k"]
+  assert (k1["reached"], k4["reached"]) == (2, 2)  # 2.5 on every curve
+  assert k4["step_cost_vs_k1"][0] == pytest.approx(1.25 / 2)
+  assert written["paired"][0]["final_val_loss_difference"][0] == pytest.approx(0.03)
+  capsys.readouterr()
+  assert me.main(["--markdown", str(out)]) == {}
+  rows = capsys.readouterr().out.splitlines()
+  assert rows[2].startswith("| 1 | 2/2 |") and rows[3].startswith("| 4 | 2/2 |")
+  other = _toy_source(tmp_path, target=2.4)  # another target: the stored runs are refused
+  with pytest.raises(ValueError, match="another experiment"):
+    me.main([*argv[:-2], "--store", str(store), "--source", str(other)])
