@@ -230,8 +230,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
   Returns:
     ``{"devices": {"1" | "8": {"rows": {"1" | "2" | "4": {"paired_time_ratio",
-    "step_seconds", "plain_step_seconds", ...}}, "device": {...}}}, "settings"}``,
-    or ``{}`` with ``--markdown`` or in a child process.
+    "step_seconds", "plain_step_seconds", ...}}, "programs": {name: {"bytes_accessed",
+    "flops", "temp_bytes"}}, "device": {...}}}, "settings"}``, or ``{}`` with
+    ``--markdown`` or in a child process.
   """
   args = _parse_args(argv)
   if args.markdown:
