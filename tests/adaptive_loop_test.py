@@ -22,6 +22,7 @@ import pytest
 
 import simigrad_jax
 from simigrad_jax.compile.step_functions import Program
+from simigrad_jax.compile.step_functions import ProgramShape
 from simigrad_jax.ingraph import AxisNameError
 from simigrad_jax.ingraph import LossContractError
 from simigrad_jax.trainer import AdaptiveBatchError
@@ -265,6 +266,11 @@ def test_every_kth_step_measures_and_the_others_are_plain_steps(adaptive, params
     assert np.isfinite(simigrad_jax.similarity(state[1])) == step.measuring(n)
   assert {key.program for key in step.compiled} == {Program.FUSED, Program.PLAIN}
   assert {key.micro for key in step.compiled} == {step.plan(40).micro_batch_size}
+  fused, plain_program = (step.program(key) for key in step.compiled)
+  assert fused.as_text() != plain_program.as_text()  # one gradient pass, not two
+  assert plain_program.memory_analysis().temp_size_in_bytes > 0
+  with pytest.raises(KeyError, match=r"compiled so far: \[ProgramShape"):
+    step.program(ProgramShape(Program.MICRO, 4))
 
 
 def test_the_controller_reads_every_kth_step_and_holds_the_batch_between(devices, params):

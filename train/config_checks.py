@@ -7,7 +7,7 @@ import, before any data is read or anything compiled:
 * every numeric option has a range (:data:`INTEGERS`, :data:`NUMBERS`): a
   NaN or infinite learning rate, a negative one, a size of zero or below, a
   negative ``lr_decay_epochs`` entry are refused with the option, the value
-  and what is valid;
+  and what is valid; an option of a few names (:data:`CHOICES`) one of them;
 * an option given on the command line that the chosen data set, model,
   optimizer, schedule or controller never reads (:data:`USED_ONLY`;
   :func:`check_given`, which ``python -m train`` runs before it imports JAX)
@@ -46,6 +46,7 @@ from absl import logging
 
 from simigrad_jax import validation
 from simigrad_jax.data import ArraySource
+from simigrad_jax.ingraph import half_batch
 
 
 class Interval(NamedTuple):
@@ -130,6 +131,11 @@ NUMBERS: Mapping[str, Interval] = {
   "checkpoint_every_seconds": _POSITIVE,
   "agreement_timeout_seconds": _POSITIVE,
   "steps_per_compile": _POSITIVE,
+}
+
+# Each option one of these names.
+CHOICES: Mapping[str, tuple[str, ...]] = {
+  "halves_passes": tuple(half_batch.PASSES),  # how the local split takes its halves' gradients
 }
 
 _IMAGE_MODELS = ("mlp", "cnn", "resnet18", "resnet34", "resnet50", "resnet101")
@@ -258,6 +264,9 @@ def check_config(config: ml_collections.ConfigDict) -> None:
         low_open=interval.low_open,
         high_open=interval.high_open,
       )
+  for name, choices in CHOICES.items():
+    if name in config and config[name] not in choices:
+      raise ValueError(f"config.{name}={config[name]!r} is not valid; choose one of {choices}")
   fixed = FIXED_CLASSES.get(config.dataset)
   if fixed is not None and config.num_classes != fixed:
     raise ValueError(

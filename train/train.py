@@ -176,6 +176,7 @@ def create_trainer_config(config: ml_collections.ConfigDict) -> TrainerConfig:
       seed=config.seed,
       halves=config.halves,
       measure_every=config.get("measure_every", 1),
+      halves_passes=config.get("halves_passes", "sequential"),
       progress=config.progress,
       tensorboard=config.tensorboard,
       allow_shared_workdir=config.allow_shared_workdir,

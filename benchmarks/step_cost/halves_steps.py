@@ -32,6 +32,8 @@ when JAX starts). Per row: ``paired_time_ratio``, the median over rounds of
 the SimiGrad step's time over its plain step's timed just before or after
 (the order alternates every round), ``temp_ratio``, the ratio of
 ``compiled.memory_analysis().temp_size_in_bytes``, and ``similarity``.
+The JSON is rewritten as each model of each device count finishes, so a run
+stopped by a time-out keeps every part that finished.
 
 Usage::
 
@@ -354,15 +356,37 @@ def _measure(steps: dict[str, _Step], rounds: int) -> dict[str, dict[str, Any]]:
 
 
 def _child(args: argparse.Namespace) -> None:
+  """Measures every model on this process's devices, saving its part of ``args.out`` (under
+  ``args.part``) as each model finishes."""
   common.configure_host_devices(args.child)
   sizes = {key: getattr(args, key) for key in ("widths", "channels", "image")}
-  results = {}
+  part: dict[str, Any] = {"rows": {}, "device": common.device_record()}
   for model in args.models:
     steps = _steps(model, args.batch, args.child, sizes, args.explicit)
-    results[model] = _measure(steps, args.rounds)
+    part["rows"][model] = _measure(steps, args.rounds)
+    save_part(args.out, args.part, part)
     print(f"{args.child} device(s), {model}: done", flush=True)
-  with open(args.out, "w") as f:
-    json.dump({"rows": results, "device": common.device_record()}, f)
+
+
+def save_part(out: str, key: str, part: dict[str, Any]) -> None:
+  """Writes ``part`` as ``results["devices"][key]`` of the JSON in ``out``, whole or not at all.
+
+  The JSON is rewritten as each model of each device count finishes, so a
+  run stopped by a time-out keeps every part that finished before it.
+  """
+  with open(out, encoding="utf-8") as f:
+    results = json.load(f)
+  results["devices"][key] = part
+  write_json(out, results)
+
+
+def write_json(out: str, results: dict[str, Any]) -> None:
+  """Writes ``results`` to ``out`` through a file beside it, so a reader never sees half."""
+  os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+  partial = f"{out}.partial"
+  with open(partial, "w", encoding="utf-8") as f:
+    json.dump(results, f, indent=2)
+  os.replace(partial, out)
 
 
 def met_goal(row: dict[str, Any]) -> bool:
@@ -454,6 +478,7 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     "--markdown", default=None, help="print the docs table of this JSON, and stop"
   )
   parser.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
+  parser.add_argument("--part", default=None, help=argparse.SUPPRESS)
   parser.add_argument("--explicit", action="store_true", help=argparse.SUPPRESS)
   common.add_out_flag(parser, "halves")
   args = parser.parse_args(argv)
@@ -512,18 +537,21 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   # Each device count on Auto axes, then the largest on Explicit ones (jax.make_mesh's default).
   runs = [(count, False) for count in args.devices] + [(max(args.devices), True)]
   with tempfile.TemporaryDirectory() as folder:
+    # The children save into the JSON as each model finishes (into a file of the folder's
+    # with no --out).
+    out = args.out or os.path.join(folder, "halves.json")
+    write_json(out, results)
     for count, explicit in runs:
       key = f"{count} {EXPLICIT}" if explicit else str(count)
-      part = os.path.join(folder, f"{count}{'_explicit' if explicit else ''}.json")
-      command = [sys.executable, script, "--child", str(count), f"--out={part}"]
+      command = [sys.executable, script, "--child", str(count), f"--out={out}", f"--part={key}"]
       command += ["--explicit"] if explicit else []
       command += ["--rounds", str(args.rounds), "--batch", str(args.batch)]
       command += ["--image", str(args.image), "--models", ",".join(args.models)]
       command += ["--widths", ",".join(map(str, args.widths))]
       command += ["--channels", ",".join(map(str, args.channels))]
       subprocess.run(command, check=True, env=_child_env())
-      with open(part) as f:
-        results["devices"][key] = json.load(f)
+    with open(out, encoding="utf-8") as f:
+      results = json.load(f)
   return common.report(results, _format_table(results), args.out)
 
 

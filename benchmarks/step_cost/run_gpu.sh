@@ -15,7 +15,7 @@
 #      keeps what finished (RESULTS/one_device_steps_gpu.json).
 #   2. halves_steps.py --devices 1: every step a user can write on one device, for the
 #      table of docs/own_step.md's "On one GPU" (RESULTS/halves_gpu.json), if time is left;
-#      it writes its JSON at the end only.
+#      its JSON is rewritten after every model, so a part cut short keeps what finished.
 set -u
 cd "$(dirname "$0")/../.."
 export JAX_PLATFORMS="${JAX_PLATFORMS:-cuda}"

@@ -146,6 +146,23 @@ def plain_step(
     params = jax.device_put(params, NamedSharding(mesh, P()))
     rows_of = batch_of
     batch_of = lambda size: jax.device_put(rows_of(size), NamedSharding(mesh, P(*mesh.axis_names)))
+  step = plain_program(row_losses)
+  state = [jax.tree.map(jnp.copy, params), sgd.init(params)]
+
+  def run(size: int) -> None:
+    state[:] = jax.block_until_ready(step(*state, batch_of(size)))
+
+  return run
+
+
+def plain_program(row_losses: Callable) -> Callable:
+  """The plain step's jitted function, ``step(params, opt_state, batch) -> (params,
+  opt_state)``: ``jax.grad`` of the mean loss and ``optax.sgd``'s update."""
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  import optax  # pylint: disable=import-outside-toplevel
+
+  sgd = optax.sgd(LEARNING_RATE)
 
   @jax.jit
   def step(params, opt_state, batch):
@@ -153,12 +170,7 @@ def plain_step(
     updates, opt_state = sgd.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state
 
-  state = [jax.tree.map(jnp.copy, params), sgd.init(params)]
-
-  def run(size: int) -> None:
-    state[:] = jax.block_until_ready(step(*state, batch_of(size)))
-
-  return run
+  return step
 
 
 def paired(

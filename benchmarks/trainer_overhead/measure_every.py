@@ -15,6 +15,13 @@ Per row: ``paired_time_ratio`` (the median over rounds of the k-step
 rounds' time over the plain rounds'), the seconds per step of each, and
 whether it meets the goal: at most 1.05x the plain step for ``k = 4``.
 
+Per device count, ``programs`` holds what the compiler says each program
+costs, the same on any machine and under any load: the plain ``jax.jit``
+step, and ``AdaptiveStep``'s plain and measuring programs (the ``Trainer``'s
+own), each with its ``bytes_accessed`` (``cost_analysis()``, the memory
+traffic a memory-bound accelerator's time follows), ``flops`` and
+``temp_bytes`` (``memory_analysis()``).
+
 Usage::
 
   python benchmarks/trainer_overhead/measure_every.py          # benchmarks/results/measure_every.json
@@ -47,6 +54,11 @@ EVERY = (1, 2, 4)
 STEPS_PER_ROUND = 4  # a multiple of every k: each round holds whole cycles
 # The goal: measure_every=4 at most 1.05x the plain step.
 GOAL = {4: 1.05}
+PROGRAMS = {
+  "plain_jit": "the plain `jax.jit` step",
+  "adaptive_step_plain": "`AdaptiveStep`'s plain step",
+  "adaptive_step_fused": "`AdaptiveStep`'s measuring step",
+}
 
 
 def _measure(args: argparse.Namespace) -> dict[str, Any]:
@@ -82,7 +94,31 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
     row = adaptive_loop.paired(run, plain, [args.batch], args.rounds, STEPS_PER_ROUND)
     rows[str(every)] = {**row, "halves": step.halves}
     print(f"{jax.device_count()} device(s), k={every}: {row['paired_time_ratio']:.2f}x", flush=True)
-  return {"rows": rows, "device": common.device_record()}
+  # Placed as the plain step places them: the parameters replicated, the rows in blocks.
+  replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  blocks = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("batch"))
+  placed = jax.device_put(params, replicated)
+  plain_jit = adaptive_loop.plain_program(row_losses).lower(
+    placed,
+    optax.sgd(adaptive_loop.LEARNING_RATE).init(placed),
+    jax.device_put(batch_of(args.batch), blocks),
+  )
+  programs = {"plain_jit": program_cost(plain_jit.compile())}
+  for key in step.compiled:  # the last k's: its measuring and its plain program
+    programs[f"adaptive_step_{key.program}"] = program_cost(step.program(key))
+  return {"rows": rows, "programs": programs, "device": common.device_record()}
+
+
+def program_cost(compiled: Any) -> dict[str, float]:
+  """A compiled program's ``bytes_accessed`` and ``flops`` (``cost_analysis()``) and
+  ``temp_bytes`` (``memory_analysis()``)."""
+  cost = compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, list) else cost  # a list of one per program in older JAX
+  return {
+    "bytes_accessed": float(cost["bytes accessed"]),
+    "flops": float(cost["flops"]),
+    "temp_bytes": float(compiled.memory_analysis().temp_size_in_bytes),
+  }
 
 
 def _child(args: argparse.Namespace) -> None:
@@ -111,6 +147,29 @@ def _format_table(results: dict[str, Any]) -> str:
         + ("" if goal is None else ("met" if goal else "missed"))
       )
   return "\n".join(lines)
+
+
+def programs_table(results: dict[str, Any]) -> str:
+  """The docs' table of the programs' costs: per device count, each program's bytes accessed
+  and temporary bytes, and their ratios to the plain ``jax.jit`` step's."""
+  lines = [
+    "| devices | program | bytes accessed | / plain | temporary bytes | / plain |",
+    "|---|---|---|---|---|---|",
+  ]
+  for devices, part in results["devices"].items():
+    plain = part["programs"]["plain_jit"]
+    for name, cost in part["programs"].items():
+      lines.append(
+        f"| {devices} | {PROGRAMS.get(name, name)} | {cost['bytes_accessed'] / 1e6:.1f} MB | "
+        f"{cost['bytes_accessed'] / plain['bytes_accessed']:.2f}x | "
+        f"{cost['temp_bytes'] / 1e6:.2f} MB | {_ratio(cost['temp_bytes'], plain['temp_bytes'])} |"
+      )
+  return "\n".join(lines)
+
+
+def _ratio(value: float, plain: float) -> str:
+  """``value / plain`` as a table cell; "-" where the plain step has none."""
+  return f"{value / plain:.2f}x" if plain else "-"
 
 
 def markdown_table(results: dict[str, Any]) -> str:
@@ -171,13 +230,17 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
   Returns:
     ``{"devices": {"1" | "8": {"rows": {"1" | "2" | "4": {"paired_time_ratio",
-    "step_seconds", "plain_step_seconds", ...}}, "device": {...}}}, "settings"}``,
-    or ``{}`` with ``--markdown`` or in a child process.
+    "step_seconds", "plain_step_seconds", ...}}, "programs": {name: {"bytes_accessed",
+    "flops", "temp_bytes"}}, "device": {...}}}, "settings"}``, or ``{}`` with
+    ``--markdown`` or in a child process.
   """
   args = _parse_args(argv)
   if args.markdown:
     with open(args.markdown, encoding="utf-8") as f:
-      print(markdown_table(json.load(f)))
+      results = json.load(f)
+    print(markdown_table(results))
+    print()
+    print(programs_table(results))
     return {}
   if args.child is not None:
     _child(args)

@@ -108,6 +108,8 @@ class StepPrograms:
       yet (the first) runs on one of them rather than wait for a compile.
       Ignored when it names another cache. Its ``"schedule"`` restores the
       schedule of the run's steps.
+    passes: with the local split, how the steps take the two halves'
+      gradients (:class:`~simigrad_jax.compile.step_functions.StepFunctions`).
 
   Attributes:
     functions: the step's jitted functions
@@ -148,6 +150,7 @@ class StepPrograms:
     shared_compiles: bool = False,
     compilation_cache_dir: str | os.PathLike | None = None,
     cached_programs: Mapping[str, Any] | None = None,
+    passes: str = "sequential",
   ):
     self.functions = StepFunctions(
       loss_fn=loss_fn,
@@ -158,6 +161,7 @@ class StepPrograms:
       seed=seed,
       state=state,
       element_spec=element_spec,
+      passes=passes,
     )
     self.compiler = StepProgramCompiler(
       self.functions, layout, background=background, threads=compile_threads

@@ -133,6 +133,10 @@ class StepFunctions:
       shapes, dtypes and shardings make the placeholders and the shardings
       the steps keep; nothing else is kept).
     element_spec: the source's ``{name: (shape, dtype)}`` per example.
+    passes: with the local split, how the fused step and the micro-step
+      take the two halves' gradients (a name in
+      :data:`simigrad_jax.ingraph.half_batch.PASSES`); the device split and
+      the plain step read none.
 
   Example:
     A step's programs come from :meth:`lower`, e.g.
@@ -152,6 +156,7 @@ class StepFunctions:
     seed: int,
     state: Mapping[str, Any],
     element_spec: Mapping[str, tuple[Any, Any]],
+    passes: str = "sequential",
   ):
     self._axis_name, self._layout = axis_name, layout
     self._replicated = NamedSharding(mesh, P())
@@ -166,7 +171,9 @@ class StepFunctions:
     specs = jax.tree.map(lambda x: x.spec, keep["params"])
     acc_sharding = jax.tree.map(lambda x: x.sharding, self._acc)
     self._fused = jax.jit(
-      train_step.make_fused_step(loss_fn, optimizer, mesh, axis_name, seed, halves, specs),
+      train_step.make_fused_step(
+        loss_fn, optimizer, mesh, axis_name, seed, halves, specs, passes=passes
+      ),
       donate_argnums=(0, 1, 2),
       out_shardings=(keep["params"], keep["opt_state"], keep["model_state"], self._replicated),
     )
@@ -176,7 +183,7 @@ class StepFunctions:
       out_shardings=(keep["params"], keep["opt_state"], keep["model_state"], self._replicated),
     )
     self._micro = jax.jit(
-      train_step.make_micro_step(loss_fn, mesh, axis_name, seed, halves, specs),
+      train_step.make_micro_step(loss_fn, mesh, axis_name, seed, halves, specs, passes),
       donate_argnums=(2,),
       out_shardings=(acc_sharding, keep["model_state"]),
     )

@@ -78,6 +78,7 @@ from simigrad_jax.ingraph.transform import HalvesContractError
 from simigrad_jax.ingraph.transform import SimilarityState
 from simigrad_jax.ingraph.transform import StackedGrads
 from simigrad_jax.reductions import data_blocks
+from simigrad_jax.reductions import half_statistics
 
 # loss_fn(params, model_state, batch, weights, rng) -> (per_example_losses, new_model_state)
 PerExampleLossFn = Callable[[Any, Any, Any, jax.Array, jax.Array], tuple[jax.Array, Any]]
@@ -323,20 +324,27 @@ def _keep_if_nonfinite(finite: jax.Array, new: Any, old: Any) -> Any:
   The :class:`SimilarityState` always takes the new value: it records the
   event. The transform alone would only zero the update, and momentum, weight
   decay or Adam's count would still move.
+
+  One ``lax.cond`` chooses the whole tree, not a ``where`` per leaf: a select
+  reads the new and the old value of every entry and writes a third array,
+  where the branch that keeps the new values hands their buffers on as they
+  are (the common step pays for no copy of the parameters).
   """
-
-  def keep(new_leaf, old_leaf):
-    if jax.dtypes.issubdtype(new_leaf.dtype, jax.dtypes.prng_key):
-      data = jnp.where(finite, jax.random.key_data(new_leaf), jax.random.key_data(old_leaf))
-      return jax.random.wrap_key_data(data, impl=jax.random.key_impl(new_leaf))
-    return jnp.where(finite, new_leaf, old_leaf)
-
-  def keep_state(new_node, old_node):
-    if isinstance(new_node, SimilarityState):
-      return new_node
-    return jax.tree.map(keep, new_node, old_node)
-
-  return jax.tree.map(keep_state, new, old, is_leaf=lambda x: isinstance(x, SimilarityState))
+  is_similarity = lambda node: isinstance(node, SimilarityState)
+  new_nodes, treedef = jax.tree.flatten(new, is_leaf=is_similarity)
+  old_nodes = half_statistics.flatten_up_to(treedef, old)
+  chosen = [i for i, node in enumerate(new_nodes) if not is_similarity(node)]
+  if not chosen:
+    return new
+  kept = lax.cond(
+    finite,
+    lambda: [new_nodes[i] for i in chosen],
+    lambda: [old_nodes[i] for i in chosen],
+  )
+  nodes = list(new_nodes)
+  for i, node in zip(chosen, kept, strict=True):
+    nodes[i] = node
+  return jax.tree.unflatten(treedef, nodes)
 
 
 def _all_finite(tree: Any) -> jax.Array:
@@ -359,16 +367,15 @@ def _nonfinite_cause(
   The parameters going in are finite (the Trainer checks the initial ones,
   and a step writes only finite ones), so new parameters that are not finite
   come from an update that is not (cause ``"update"``) or from an overflow of
-  their dtype (``"parameters"``). The common step reduces the new parameters
-  once; the update is looked at only in a step whose new parameters are not
-  finite.
+  their dtype (``"parameters"``). Both reductions run in every step, each
+  fused with the sum that makes its operand: the update's finiteness read
+  where the update is computed, so the update is never written out (a
+  ``lax.cond`` that looked at it only when the parameters were not finite
+  had to keep it in memory for that branch, in every step).
   """
   code = {name: jnp.int32(i + 1) for i, name in enumerate(NONFINITE_CAUSES)}
-  written = lax.cond(
-    _all_finite(new_params),
-    lambda: jnp.zeros([], jnp.int32),
-    lambda: jnp.where(_all_finite(updates), code["parameters"], code["update"]),
-  )
+  not_written = jnp.where(_all_finite(updates), code["parameters"], code["update"])
+  written = jnp.where(_all_finite(new_params), jnp.zeros([], jnp.int32), not_written)
   with_loss = jnp.where(jnp.isfinite(loss), written, code["loss"])
   return jnp.where(grads_finite, with_loss, code["gradient"]).astype(jnp.int32)
 

@@ -598,7 +598,8 @@ def transform(
     if axis_name is not None:
       _check_axis_is_bound(axis_name)
       _check_not_already_reduced(jax.tree.leaves(updates), axis_name)
-      updates = lax.pmean(updates, axis_name)
+      if not _one_untracked_device(axis_name):  # a mean over one device would only copy it
+        updates = lax.pmean(updates, axis_name)
     sq_norm = sum(
       (jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(updates)),
       jnp.zeros([], jnp.float32),

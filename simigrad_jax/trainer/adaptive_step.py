@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -95,7 +95,8 @@ class AdaptiveStep:
       (above ``max_batch_size``) always measures.
     mesh: a mesh with the data axis ``axis_name``; None: every device on it.
     axis_name: the data axis, the name the optimizer's transform is given.
-    seed: the seed of the per-step random keys (the loss does not see them).
+    seed: the seed of the programs' random keys, which the loss does not see
+      (nothing it computes depends on it).
 
   Example:
     >>> import jax.numpy as jnp, numpy as np, optax, simigrad_jax
@@ -166,7 +167,8 @@ class AdaptiveStep:
     self._programs: dict[ProgramShape, Any] = {}
     self._accumulator: Any = None
     self._scalars: tuple[tuple[int, float], train_step.StepScalars] | None = None
-    self._weights: dict[batch_plan.BatchPlan, list[jax.Array]] = {}
+    self._placed_plans: dict[int, _PlacedPlan] = {}
+    self._counters: list[jax.Array] = []
     self._steps = 0
 
   @property
@@ -202,6 +204,17 @@ class AdaptiveStep:
   def compiled(self) -> tuple[ProgramShape, ...]:
     """The programs compiled so far, in the order they were compiled."""
     return tuple(self._programs)
+
+  def program(self, key: ProgramShape) -> jax.stages.Compiled:
+    """The compiled program ``key`` (one of :attr:`compiled`), e.g. to read its
+    ``memory_analysis()`` or ``cost_analysis()``.
+
+    Raises:
+      KeyError: naming the programs compiled so far, for one that is not.
+    """
+    if key not in self._programs:
+      raise KeyError(f"{key} is not compiled; compiled so far: {list(self._programs)}")
+    return self._programs[key]
 
   def plan(self, batch_size: int) -> batch_plan.BatchPlan:
     """How a batch of ``batch_size`` examples runs: its shape, micro-steps and padding.
@@ -252,18 +265,13 @@ class AdaptiveStep:
         from the first batch's.
     """
     rows = self._checked_batch(batch)
-    plan = self.plan(len(next(iter(rows.values()))))
+    plan, weights, layout = self._placed_plan(len(next(iter(rows.values()))))
     if self._functions is None:
       params, opt_state = self._place(params), self._place(opt_state)
       self._functions = self._build(params, opt_state, rows)
     scalars = self._step_scalars(plan.global_batch_size, lr_factor)
-    weights = self._plan_weights(plan)
-    layout = plan.example_layout()
     micro_batches = [self._place_rows(rows, layout[j]) for j in range(len(layout))]
-    counters = [
-      jax.device_put(np.array([self._steps, j], np.int32), self._replicated)
-      for j in range(len(layout))
-    ]
+    counters = self._micro_counters(len(layout))
     measure = self.measuring(self._steps)
     self._steps += 1
     if plan.accumulation_steps == 1:
@@ -351,15 +359,31 @@ class AdaptiveStep:
       self._scalars = (key, jax.device_put(values, self._replicated))
     return self._scalars[1]
 
-  def _plan_weights(self, plan: batch_plan.BatchPlan) -> list[jax.Array]:
-    """The plan's row weights (1 a real row, 0 padding) on the devices, one array a micro-step."""
-    placed = self._weights.get(plan)
+  def _placed_plan(self, batch_size: int) -> _PlacedPlan:
+    """The plan of a batch of ``batch_size`` (:meth:`plan`), its row weights (1 a real row, 0
+    padding) on the devices, one array a micro-step, and its example layout (the example in
+    each row), all kept for the next batch of that size."""
+    placed = self._placed_plans.get(batch_size)
     if placed is None:
-      placed = [jax.device_put(w.reshape(-1), self._sharded) for w in plan.example_weights()]
-      if len(self._weights) >= 64:  # a run's recent sizes; a moving batch visits a few
-        self._weights.clear()
-      self._weights[plan] = placed
+      plan = self.plan(batch_size)
+      weights = [jax.device_put(w.reshape(-1), self._sharded) for w in plan.example_weights()]
+      placed = _PlacedPlan(plan, weights, plan.example_layout())
+      if len(self._placed_plans) >= 64:  # a run's recent sizes; a moving batch visits a few
+        self._placed_plans.clear()
+      self._placed_plans[batch_size] = placed
     return placed
+
+  def _micro_counters(self, micro_steps: int) -> list[jax.Array]:
+    """The programs' ``counters`` of ``micro_steps`` micro-steps, placed once for every step.
+
+    The counters only derive the random keys handed to the loss, and the
+    step's loss takes none (:func:`_weighed_rows`), so they need not change
+    between steps: the same placed arrays save a transfer per step.
+    """
+    while len(self._counters) < micro_steps:
+      counters = np.array([0, len(self._counters)], np.int32)
+      self._counters.append(jax.device_put(counters, self._replicated))
+    return self._counters[:micro_steps]
 
   def _place_rows(self, rows: dict[str, np.ndarray], layout: np.ndarray) -> dict[str, jax.Array]:
     """One micro-step's rows, slot by slot (``layout``: the example in each row, -1 padding)."""
@@ -371,6 +395,14 @@ class AdaptiveStep:
       gathered[padding] = 0
       placed[name] = gathered
     return jax.device_put(placed, self._sharded)
+
+
+class _PlacedPlan(NamedTuple):
+  """A batch plan, its row weights on the devices and its example layout (host)."""
+
+  plan: batch_plan.BatchPlan
+  weights: list[jax.Array]  # one float32 array a micro-step, sharded over the data axis.
+  layout: np.ndarray  # int [micro_steps, rows]: the example in each row, -1 a padding row.
 
 
 def _weighed_rows(loss_fn: RowLossFn) -> train_step.PerExampleLossFn:

@@ -36,6 +36,7 @@ from simigrad_jax import validation
 from simigrad_jax.compile import compiler
 from simigrad_jax.compile import persistent_cache
 from simigrad_jax.controllers import learning_rate
+from simigrad_jax.ingraph import half_batch
 from simigrad_jax.multihost import process_agreement
 from simigrad_jax.shapes import batch_plan
 from simigrad_jax.shapes import layout
@@ -381,6 +382,16 @@ class TrainerConfig:
       plain steps between (one gradient pass each, at the plain step's cost;
       a step of several micro-batches measures). 1 (the default): every step.
       Recorded in the checkpoints: a resume with another ``k`` is refused.
+    halves_passes: with the local split, how each device takes its two
+      halves' gradients (:data:`simigrad_jax.ingraph.half_batch.PASSES`):
+      ``"sequential"`` (the default: one pass of each half's rows after the
+      other, one half's activations held at a time), ``"stacked"``
+      (one pass of both halves, each kernel's gradient a batched product) or
+      ``"signed"`` (one pass of the whole rows with two cotangents). The
+      same numbers to float rounding (docs/own_step.md, Choosing the passes);
+      the device split takes one pass per device and reads none. Recorded in
+      the checkpoints of a run with the local split: a resume with another
+      value is refused.
     axis_name: the data-parallel axis name used by the transform.
     progress: show a progress bar (process 0 only).
     tensorboard: also write TensorBoard event files: None (the default) when
@@ -438,6 +449,7 @@ class TrainerConfig:
   seed: int = 0
   halves: str = "auto"
   measure_every: int = 1
+  halves_passes: str = "sequential"
   axis_name: str = "batch"
   progress: bool = True
   tensorboard: bool | None = None
@@ -505,6 +517,11 @@ def _checked_fields(config: TrainerConfig) -> dict[str, Any]:
   if not isinstance(config.axis_name, str) or not config.axis_name:
     raise ValueError(f"axis_name must be a non-empty string, got {config.axis_name!r}")
   layout.check_halves(config.halves)
+  if config.halves_passes not in half_batch.PASSES:
+    raise ValueError(
+      f"halves_passes={config.halves_passes!r} is not valid; choose one of "
+      f"{tuple(half_batch.PASSES)} (how the local split takes its two halves' gradients)"
+    )
   timeout = config.agreement_timeout_seconds
   checked["agreement_timeout_seconds"] = process_agreement.check_timeout(
     process_agreement.AGREEMENT_TIMEOUT_SECONDS if timeout is None else timeout

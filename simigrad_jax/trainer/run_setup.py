@@ -174,6 +174,7 @@ def make_programs(
     shared_compiles=jax.process_count() > 1,
     compilation_cache_dir=config.compile.cache_dir,
     cached_programs=cached_programs,
+    passes=config.halves_passes,
   )
 
 
@@ -508,11 +509,20 @@ def settings_to_agree(
     "num_devices": layout.num_devices,
     "halves": layout.halves,
     "measure_every": config.measure_every,
+    "halves_passes": config.halves_passes,
     "checkpoint_every_steps": config.checkpoints.every_steps,
     "checkpoint_every_seconds": config.checkpoints.every_seconds,
     "element_spec": run_record.describe_element_spec(source.element_spec),
     "params": run_record.describe_tree(params),
   }
+
+
+def _passes_record(config: TrainerConfig, layout: StepLayout) -> dict[str, str]:
+  """The run record's ``halves_passes``: recorded where the local split reads it and it is not
+  the default (so that a checkpoint written before the setting compares the same)."""
+  if layout.halves != "local" or config.halves_passes == "sequential":
+    return {}
+  return {"halves_passes": config.halves_passes}
 
 
 def run_record_of(
@@ -554,7 +564,8 @@ def run_record_of(
     controller=controller.config,
     trainer={"lr_rule": config.lr.rule, "lr_adjust_factor": config.lr.adjust_factor}
     | ({} if config.lr.coupling == "full" else {"lr_coupling": config.lr.coupling})
-    | ({} if config.measure_every == 1 else {"measure_every": config.measure_every}),
+    | ({} if config.measure_every == 1 else {"measure_every": config.measure_every})
+    | _passes_record(config, layout),
     layout={
       "halves": layout.halves,
       "mode": config.compile.mode,

@@ -21,7 +21,9 @@ from simigrad_jax.shapes.layout import StepLayout
 ELEMENT_SPEC = {"x": ((5,), np.dtype("float32")), "y": ((), np.dtype("int32"))}
 
 
-def functions(devices, halves="device", loss_fn=tiny_run.mlp_loss, axis_name="batch"):
+def functions(
+  devices, halves="device", loss_fn=tiny_run.mlp_loss, axis_name="batch", passes="sequential"
+):
   mesh = Mesh(np.array(devices), ("batch",))
   optimizer = optax.chain(
     simigrad_jax.transform(axis_name), optax.sgd(0.1), simigrad_jax.scale_by_lr_factor()
@@ -42,6 +44,7 @@ def functions(devices, halves="device", loss_fn=tiny_run.mlp_loss, axis_name="ba
     seed=0,
     state=state,
     element_spec=ELEMENT_SPEC,
+    passes=passes,
   )
 
 
@@ -62,6 +65,22 @@ def test_each_shape_lowers_on_placeholders_of_its_rows(devices, halves, slots):
   assert batch_rows(steps.lower_fused(2)) == 2 * slots
   assert batch_rows(steps.lower_micro(4)) == 4 * slots
   assert isinstance(steps.lower_apply(), jax.stages.Lowered)
+
+
+def test_the_passes_reach_the_local_split_s_programs_only(devices):
+  """``passes`` changes the fused step and the micro-step of the local split (each the program
+  of its own passes), and neither the plain step nor the device split's programs."""
+  lowered = {
+    (halves, passes): functions(devices, halves, passes=passes)
+    for halves in ("device", "local")
+    for passes in ("sequential", "stacked")
+  }
+  text = lambda halves, passes, lower: lower(lowered[halves, passes]).as_text()
+  for lower in (lambda f: f.lower_fused(2), lambda f: f.lower_micro(2)):
+    assert text("local", "sequential", lower) != text("local", "stacked", lower)
+    assert text("device", "sequential", lower) == text("device", "stacked", lower)
+  plain = lambda f: f.lower_plain(2)
+  assert text("local", "sequential", plain) == text("local", "stacked", plain)
 
 
 def test_a_trace_is_lowered_once(devices):

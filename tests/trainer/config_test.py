@@ -91,6 +91,11 @@ BAD_SETTINGS = [
   ),
   ("measure_every", 0, r"measure_every must be an integer >= 1, got 0"),
   (
+    "halves_passes",
+    "fast",
+    r"halves_passes='fast' is not valid; choose one of \('sequential', 'stacked', 'signed'\)",
+  ),
+  (
     "agreement_timeout_seconds",
     0,
     r"agreement_timeout_seconds must be a number in \(0, inf\) \(finite\), got 0",

@@ -30,6 +30,10 @@ def get_config() -> ml_collections.ConfigDict:
   # Measure the similarity on every k-th step only, plain steps (one gradient pass) between; the
   # controller decides on the measuring steps and holds its batch size between them.
   config.measure_every = 1
+  # With the local split, how each device takes its two halves' gradients: "sequential" (one
+  # pass of each half's rows after the other), "stacked" (one pass of both halves) or "signed"
+  # (one pass of the whole rows, two cotangents); the same numbers to float rounding.
+  config.halves_passes = "sequential"
   # A mesh "DATAxMODEL" (e.g. "4x2": the batch sharded over 4 data positions, parameters over
   # 2 model shards; the product is the device count); "" = data-parallel on every device.
   config.mesh_shape = ""

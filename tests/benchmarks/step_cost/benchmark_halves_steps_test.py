@@ -92,3 +92,31 @@ def test_the_device_counts_are_a_flag_and_set_the_batchs_divisor():
   assert args.devices == (1,) and args.batch == 6  # 1 device: any even batch
   with pytest.raises(SystemExit):
     halves_steps._parse_args(["--quick", "--devices", "1,4", "--batch", "12", "--out", ""])
+
+
+def test_a_child_saves_each_model_as_it_finishes(tmp_path, monkeypatch):
+  """A run stopped in its second model (a time-out) keeps the first one's rows in the JSON."""
+  out = tmp_path / "halves.json"
+  halves_steps.write_json(str(out), {"devices": {"1": {"rows": {"x": 1}}}, "batch": 32})
+  measured = []
+
+  def measure(steps, rounds):
+    if measured:
+      raise TimeoutError("stopped in the second model")
+    measured.append(steps)
+    return {"two_pass": {"paired_time_ratio": 1.5}}
+
+  monkeypatch.setattr(halves_steps.common, "configure_host_devices", lambda count: None)
+  monkeypatch.setattr(halves_steps, "_steps", lambda model, *rest: model)
+  monkeypatch.setattr(halves_steps, "_measure", measure)
+  args = halves_steps._parse_args(
+    ["--quick", "--child", "8", "--part", "8 Explicit", "--models", "mlp,cnn", "--out", str(out)]
+  )
+  with pytest.raises(TimeoutError):
+    halves_steps._child(args)
+  written = json.loads(out.read_text())
+  assert written["batch"] == 32 and written["devices"]["1"] == {"rows": {"x": 1}}  # kept
+  assert written["devices"]["8 Explicit"]["rows"] == {
+    "mlp": {"two_pass": {"paired_time_ratio": 1.5}}
+  }
+  assert measured == ["mlp"] and not (tmp_path / "halves.json.partial").exists()

@@ -36,6 +36,27 @@ def test_every_k_has_a_row_on_each_device_count(quick_run):
       assert (measure_every.met_goal(every, row) is None) == (int(every) not in measure_every.GOAL)
 
 
+def test_each_program_s_cost_is_the_compiler_s(quick_run):
+  """The plain jax.jit step's and AdaptiveStep's two programs, each with its memory traffic,
+  arithmetic and temporaries, and one docs row each per device count."""
+  written, _ = quick_run
+  names = ["plain_jit", "adaptive_step_fused", "adaptive_step_plain"]
+  for part in written["devices"].values():
+    assert sorted(part["programs"]) == sorted(names)
+    for cost in part["programs"].values():
+      assert cost["bytes_accessed"] > 0 and cost["flops"] > 0 and cost["temp_bytes"] >= 0
+  lines = measure_every.programs_table(written).splitlines()
+  assert len(lines) == 2 + 2 * len(names)
+  plain = written["devices"]["1"]["programs"]["adaptive_step_plain"]
+  ratio = (
+    plain["bytes_accessed"] / written["devices"]["1"]["programs"]["plain_jit"]["bytes_accessed"]
+  )
+  assert any(
+    line.startswith("| 1 | `AdaptiveStep`'s plain step | ") and f"| {ratio:.2f}x |" in line
+    for line in lines
+  )
+
+
 def test_the_docs_table_has_a_row_per_device_count(quick_run):
   written, _ = quick_run
   lines = measure_every.markdown_table(written).splitlines()
@@ -58,6 +79,8 @@ def test_bad_settings_are_refused(argv, capsys):
 
 def test_the_docs_table_is_the_committed_results():
   committed = json.loads((ROOT / "benchmarks" / "results" / "measure_every.json").read_text())
-  assert measure_every.markdown_table(committed) in (ROOT / "docs" / "results.md").read_text()
+  page = (ROOT / "docs" / "results.md").read_text()
+  assert measure_every.markdown_table(committed) in page
+  assert measure_every.programs_table(committed) in page
   assert committed["settings"]["batch"] == 256 and committed["settings"]["rounds"] == 15
   assert sorted(committed["devices"]) == ["1", "8"]
