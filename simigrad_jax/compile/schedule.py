@@ -68,8 +68,10 @@ class CompileSchedule:
     self._free_at = 0.0  # when the schedule's one compiler is free (in steps)
 
   def start(self, plan: batch_plan.BatchPlan, step: int) -> list[ProgramShape]:
-    """Admits ``plan``'s programs, and the fallback's (its shape's fused step,
-    micro-step and the update), at ``step`` when nothing is admitted yet (a new run).
+    """Admits ``plan``'s programs, and the fallback's (its shape's fused step, the micro-step of
+    the grid's smallest shape and the update), at ``step`` when nothing is admitted yet (a new
+    run): as many programs as a run whose batch stays put compiles, and on them any batch
+    accumulates with less than the smallest shape of padding per device.
 
     Changes nothing otherwise (a resumed run, a later ``train()`` call), so
     that the schedule is the same whether a run was interrupted or not.
@@ -79,8 +81,12 @@ class CompileSchedule:
       admits them: the order to compile them in.
     """
     if not self._admitted:
-      size = plan.micro_batch_size
-      fallback = [ProgramShape(Program.FUSED, size), ProgramShape(Program.MICRO, size), APPLY]
+      smallest = min(self._layout.grid)
+      fallback = [
+        ProgramShape(Program.FUSED, plan.micro_batch_size),
+        ProgramShape(Program.MICRO, smallest),
+        APPLY,
+      ]
       for program in [*programs_of(plan), *fallback]:
         self._admitted.setdefault(program, step)
       self._free_at = float(step)

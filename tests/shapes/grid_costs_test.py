@@ -21,25 +21,32 @@ def test_doctests():
   assert doctest.testmod(grid_costs).failed == 0
 
 
-def _plan_by_plan(num_devices, top, lower, upper, per_octave):
-  """The padding and the floor over every size in the bounds, weighted 1 / B, by plan_batch."""
-  grid = batch_plan.BucketPolicy(top, 1, shapes_per_octave=per_octave)
+def _plan_by_plan(num_devices, top, lower, upper, per_octave, per_step=1):
+  """The padding and the floor over every size in the bounds, weighted 1 / B, by plan_batch;
+  and the shapes its plans use."""
+  grid = batch_plan.BucketPolicy(top, 1, shapes_per_octave=per_octave, shapes_per_step=per_step)
   shapes = batch_plan.bucket_shapes(grid, num_devices, lower, upper)
-  policy = batch_plan.BucketPolicy(top, min(shapes), shapes_per_octave=per_octave)
+  policy = batch_plan.BucketPolicy(
+    top, min(shapes), shapes_per_octave=per_octave, shapes_per_step=per_step
+  )
   padded = rows = floor = 0.0
+  used = set()
   for size in range(lower, upper + 1):
     plan = batch_plan.plan_batch(size, num_devices, policy)
+    used.update(plan.shapes)
     padded += plan.padded_examples / size
     rows += plan.rows_per_step / size
     floor += (-(-size // num_devices) * num_devices - size) / size
+  assert used == set(shapes), (sorted(used), shapes)  # bucket_shapes: exactly those used
   return shapes, padded / rows, floor / rows
 
 
+@pytest.mark.parametrize("per_step", [1, 2, 3])
 @pytest.mark.parametrize("per_octave", [1, 3, 8])
 @pytest.mark.parametrize("bounds", [(8, 64, 16, 400), (4, 7, 3, 100), (1, 16, 1, 40)])
-def test_grid_cost_is_plan_batch_over_the_bounds(bounds, per_octave):
-  cost = grid_costs.grid_cost(*bounds, shapes_per_octave=per_octave)
-  shapes, padding, floor = _plan_by_plan(*bounds, per_octave)
+def test_grid_cost_is_plan_batch_over_the_bounds(bounds, per_octave, per_step):
+  cost = grid_costs.grid_cost(*bounds, shapes_per_octave=per_octave, shapes_per_step=per_step)
+  shapes, padding, floor = _plan_by_plan(*bounds, per_octave, per_step)
   assert cost.shapes == shapes and cost.programs == len(shapes)
   assert cost.padding_fraction == pytest.approx(padding, rel=1e-9)
   assert cost.floor_fraction == pytest.approx(floor, rel=1e-9)
