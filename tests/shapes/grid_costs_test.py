@@ -7,6 +7,7 @@ import pytest
 
 from simigrad_jax.shapes import batch_plan
 from simigrad_jax.shapes import grid_costs
+from simigrad_jax.trainer.config import CompileConfig
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 # docs/compiling.md's table: the two recipes' devices, largest shape and bounds.
@@ -61,13 +62,26 @@ def test_wide_bounds_are_sampled_in_log_scale_close_to_every_size(monkeypatch):
   assert cost.floor_fraction == pytest.approx(floor, abs=0.005)
 
 
+@pytest.mark.parametrize("per_step", [1, 3])
 @pytest.mark.parametrize("bounds", [*RECIPES.values(), (8, 300, 8, 1600), (2, 64, 2, 128)])
-def test_the_chosen_grid_is_the_coarsest_within_the_budget(bounds):
-  chosen = grid_costs.choose_shapes_per_octave(*bounds)
+def test_the_chosen_grid_is_the_coarsest_within_the_budget(bounds, per_step):
+  chosen = grid_costs.choose_shapes_per_octave(*bounds, shapes_per_step=per_step)
   allowed = lambda cost: cost.padding_fraction <= max(0.06, cost.floor_fraction + 0.03)
-  assert allowed(grid_costs.grid_cost(*bounds, shapes_per_octave=chosen))
+  cost_of = lambda s: grid_costs.grid_cost(*bounds, shapes_per_octave=s, shapes_per_step=per_step)
+  assert allowed(cost_of(chosen))
   for coarser in range(1, chosen):
-    assert not allowed(grid_costs.grid_cost(*bounds, shapes_per_octave=coarser))
+    assert not allowed(cost_of(coarser))
+
+
+def test_steps_of_several_shapes_reach_the_budget_on_a_coarser_grid():
+  for bounds in RECIPES.values():
+    one = grid_costs.choose_shapes_per_octave(*bounds, shapes_per_step=1)
+    three = grid_costs.choose_shapes_per_octave(*bounds, shapes_per_step=3)
+    assert three < one
+    cost_one = grid_costs.grid_cost(*bounds, shapes_per_octave=one)
+    cost_three = grid_costs.grid_cost(*bounds, shapes_per_octave=three, shapes_per_step=3)
+    assert cost_three.programs < cost_one.programs
+    assert cost_three.padding_fraction <= cost_one.padding_fraction
 
 
 def test_bounds_no_grid_meets_get_the_coarsest_grid_that_pads_least():
@@ -87,23 +101,31 @@ def test_bad_bounds_are_named():
 
 
 def markdown_table():
-  """docs/compiling.md's table, from grid_cost."""
+  """docs/compiling.md's table, from grid_cost: steps on one shape on each grid, and steps of
+  two and three shapes on the coarse grids and the one chosen for them."""
   lines = [
-    "| recipe (devices, largest shape, bounds) | shapes per octave | programs | padding"
-    " | of it, whole rows per device |",
-    "|---|---|---|---|---|",
+    "| recipe (devices, largest shape, bounds) | shapes a step | shapes per octave | shapes"
+    " | padding | of it, whole rows per device |",
+    "|---|---|---|---|---|---|",
   ]
+  default_per_step = CompileConfig().shapes_per_step
   for name, bounds in RECIPES.items():
-    chosen = grid_costs.choose_shapes_per_octave(*bounds)
     devices, top, lower, upper = bounds
     label = f"{name} ({devices}, {top}, [{lower}, {upper}])"
-    for per_octave in sorted({*TABLE_SHAPES_PER_OCTAVE, chosen}):
-      cost = grid_costs.grid_cost(*bounds, shapes_per_octave=per_octave)
-      mark = " (default: chosen)" if per_octave == chosen else ""
-      lines.append(
-        f"| {label} | {per_octave}{mark} | {cost.programs} | {100 * cost.padding_fraction:.1f}%"
-        f" | {100 * cost.floor_fraction:.1f}% |"
-      )
+    for per_step in (1, 2, 3):
+      chosen = grid_costs.choose_shapes_per_octave(*bounds, shapes_per_step=per_step)
+      octaves = TABLE_SHAPES_PER_OCTAVE if per_step == 1 else TABLE_SHAPES_PER_OCTAVE[:3]
+      for per_octave in sorted({*octaves, chosen}):
+        cost = grid_costs.grid_cost(
+          *bounds, shapes_per_octave=per_octave, shapes_per_step=per_step
+        )
+        mark = ""
+        if per_octave == chosen:
+          mark = " (default: chosen)" if per_step == default_per_step else " (chosen)"
+        lines.append(
+          f"| {label} | {per_step} | {per_octave}{mark} | {cost.programs}"
+          f" | {100 * cost.padding_fraction:.1f}% | {100 * cost.floor_fraction:.1f}% |"
+        )
   return "\n".join(lines)
 
 
