@@ -147,8 +147,9 @@ class CompileConfig(_Settings):
       rows per device on the grid of halvings runs 8 + 4 rows rather than
       16, so that a grid of about one shape per octave (few programs) pads
       little, at the price of up to this many micro-steps (and the update)
-      in place of one fused step. Default 3; 1 plans every micro-step of a
-      step on one shape (docs/compiling.md tabulates both).
+      in place of one fused step. Default 1: every micro-step of a step on
+      one shape; the training scripts' default is 3 (docs/compiling.md
+      tabulates both).
     background: compile the other shapes in background threads.
     threads: the compiles of one program (the fused steps' shapes, or the
       micro-steps') that run at once, each in a thread of its own, an int
@@ -173,12 +174,12 @@ class CompileConfig(_Settings):
       machine or an idle one; a step whose program the schedule admits
       before its compile has finished waits for it.
     steps_per_compile: the steps the schedule gives each compile (> 0; a
-      fraction admits several programs a step; default 64). Larger: fewer
-      waits on a slow compiler, more steps on the fallback (the same batch
-      on admitted programs: more micro-steps, padding bounded by their
-      smallest shape). A step that outruns its compile waits: a compile
-      takes seconds, so the default suits steps of a tenth of a second or
-      less; steps of a second or more afford fewer (docs/compiling.md).
+      fraction admits several programs a step; default 4; the training
+      scripts' default is 64). Larger: fewer waits on a slow compiler, more
+      steps on the fallback (the same batch on admitted programs: more
+      micro-steps, padding bounded by their smallest shape). A step that
+      outruns its compile waits: a compile takes seconds, so steps of a
+      tenth of a second or less ask for 64 or more (docs/compiling.md).
     timed_fallback: let the fallback follow the compiles' timing instead: a
       step runs on its own shape as soon as that is compiled, and never
       waits for a compile after the first step; but the shapes, hence the
@@ -212,11 +213,11 @@ class CompileConfig(_Settings):
   mode: Mode = "recompile"
   min_micro_batch_size: int | None = None
   shapes_per_octave: int | None = None
-  shapes_per_step: int = 3
+  shapes_per_step: int = 1
   background: bool = True
   threads: int | None = None
   fallback: bool = True
-  steps_per_compile: float = 64.0
+  steps_per_compile: float = 4.0
   timed_fallback: bool = False
   cache_dir: str | os.PathLike | None = dataclasses.field(
     default_factory=persistent_cache.default_cache_dir

@@ -7,7 +7,6 @@ import pytest
 
 from simigrad_jax.shapes import batch_plan
 from simigrad_jax.shapes import grid_costs
-from simigrad_jax.trainer.config import CompileConfig
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 # docs/compiling.md's table: the two recipes' devices, largest shape and bounds.
@@ -108,7 +107,6 @@ def markdown_table():
     " | padding | of it, whole rows per device |",
     "|---|---|---|---|---|---|",
   ]
-  default_per_step = CompileConfig().shapes_per_step
   for name, bounds in RECIPES.items():
     devices, top, lower, upper = bounds
     label = f"{name} ({devices}, {top}, [{lower}, {upper}])"
@@ -116,12 +114,8 @@ def markdown_table():
       chosen = grid_costs.choose_shapes_per_octave(*bounds, shapes_per_step=per_step)
       octaves = TABLE_SHAPES_PER_OCTAVE if per_step == 1 else TABLE_SHAPES_PER_OCTAVE[:3]
       for per_octave in sorted({*octaves, chosen}):
-        cost = grid_costs.grid_cost(
-          *bounds, shapes_per_octave=per_octave, shapes_per_step=per_step
-        )
-        mark = ""
-        if per_octave == chosen:
-          mark = " (default: chosen)" if per_step == default_per_step else " (chosen)"
+        cost = grid_costs.grid_cost(*bounds, shapes_per_octave=per_octave, shapes_per_step=per_step)
+        mark = " (chosen)" if per_octave == chosen else ""
         lines.append(
           f"| {label} | {per_step} | {per_octave}{mark} | {cost.programs}"
           f" | {100 * cost.padding_fraction:.1f}% | {100 * cost.floor_fraction:.1f}% |"
