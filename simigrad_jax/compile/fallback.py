@@ -146,15 +146,8 @@ def fallback_plan(plan: batch_plan.BatchPlan, view: Mapping[str, Any]) -> batch_
       return (0, sum(shapes), len(shapes), distance, -shapes[0])
     return (1, len(shapes), sum(shapes), distance, -shapes[0])
 
-  shapes = min(candidates, key=preference)
-  return batch_plan.BatchPlan(
-    requested_batch_size=plan.requested_batch_size,
-    global_batch_size=batch,
-    num_devices=n,
-    micro_batch_size=shapes[0],
-    accumulation_steps=len(shapes),
-    padded_examples=n * sum(shapes) - batch,
-    micro_batch_sizes=shapes,
+  return batch_plan.plan_on_shapes(
+    plan.requested_batch_size, batch, n, min(candidates, key=preference)
   )
 
 

@@ -95,24 +95,24 @@ def _unrealisable(n: int, grid: tuple[int, ...], lo: int, hi: int | None) -> Val
   )
 
 
+def _check_count(name: str, value: object, most: int, meaning: str) -> int:
+  """Returns ``value`` as an int if it is one in ``[1, most]``, else raises ValueError naming
+  ``name`` and what it means."""
+  if not validation.is_int(value) or not 1 <= value <= most:
+    raise ValueError(f"{name} must be an int in [1, {most}] ({meaning}), got {value!r}")
+  return int(value)
+
+
 def check_shapes_per_octave(value: object) -> int:
   """Returns ``value`` as an int if it is one in ``[1, MAX_SHAPES_PER_OCTAVE]``, else raises ValueError."""
-  if not validation.is_int(value) or not 1 <= value <= MAX_SHAPES_PER_OCTAVE:
-    raise ValueError(
-      f"shapes_per_octave must be an int in [1, {MAX_SHAPES_PER_OCTAVE}] (shapes per factor "
-      f"of two in the micro-batch grid; 1 halves), got {value!r}"
-    )
-  return int(value)
+  meaning = "shapes per factor of two in the micro-batch grid; 1 halves"
+  return _check_count("shapes_per_octave", value, MAX_SHAPES_PER_OCTAVE, meaning)
 
 
 def check_shapes_per_step(value: object) -> int:
   """Returns ``value`` as an int if it is one in ``[1, MAX_SHAPES_PER_STEP]``, else raises ValueError."""
-  if not validation.is_int(value) or not 1 <= value <= MAX_SHAPES_PER_STEP:
-    raise ValueError(
-      f"shapes_per_step must be an int in [1, {MAX_SHAPES_PER_STEP}] (the micro-steps that may "
-      f"hold the rest of a batch; 1 plans a step on one shape), got {value!r}"
-    )
-  return int(value)
+  meaning = "the micro-steps that may hold the rest of a batch; 1 plans a step on one shape"
+  return _check_count("shapes_per_step", value, MAX_SHAPES_PER_STEP, meaning)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -493,14 +493,26 @@ def plan_batch(
   target = max(size, lo) if hi is None else min(max(size, lo), hi)
   if not policy.padding:
     target = _round(target, previous, n, grid, lo, hi)
-  shapes = step_shapes(-(-target // n), grid, policy.shapes_per_step)
+  return plan_on_shapes(size, target, n, step_shapes(-(-target // n), grid, policy.shapes_per_step))
+
+
+def plan_on_shapes(
+  requested: int, batch_size: int, num_devices: int, shapes: tuple[int, ...]
+) -> BatchPlan:
+  """The plan of ``batch_size`` examples on micro-steps of ``shapes`` rows per device (largest
+  first), the spare rows padded.
+
+  Example:
+    >>> plan_on_shapes(100, 100, 8, (8, 4, 1)).padded_examples
+    4
+  """
   return BatchPlan(
-    requested_batch_size=size,
-    global_batch_size=target,
-    num_devices=n,
+    requested_batch_size=requested,
+    global_batch_size=batch_size,
+    num_devices=num_devices,
     micro_batch_size=shapes[0],
     accumulation_steps=len(shapes),
-    padded_examples=n * sum(shapes) - target,
+    padded_examples=num_devices * sum(shapes) - batch_size,
     micro_batch_sizes=shapes,
   )
 
