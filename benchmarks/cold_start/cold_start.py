@@ -4,9 +4,9 @@ Runs the README's demo (``train/configs/digits_demo.py``) and the LM recipe
 (``train/configs/shakespeare_lm.py``) as a user runs them, ``python -m train``,
 each run a new process in a new workdir, in three variants:
 
-* ``adaptive``: the recipe as written, on the Trainer's compile defaults
-  (steps of up to three shapes on the grid chosen for them, 64 steps per
-  compile in the schedule);
+* ``adaptive``: the recipe as written, on the training scripts' compile
+  defaults (steps of up to three shapes on the grid chosen for them, 64 steps
+  per compile in the schedule);
 * ``before``: the same with the compile settings before them spelled out
   (every micro-step of a step on one shape, ``shapes_per_step=1``, on the
   grid chosen for that; 4 steps per compile);
