@@ -96,6 +96,7 @@ INTEGERS: Mapping[str, int] = {
   "max_checkpoints": 1,
   "measure_every": 1,
   "shapes_per_octave": 1,
+  "shapes_per_step": 1,
   "compile_threads": 1,
 }
 

@@ -273,10 +273,11 @@ def runtime_parts(
 def _own_shape_padding(records: list[dict[str, Any]]) -> dict[str, Any]:
   """The padding of the steps that ran their own shape, apart from the fallback steps'.
 
-  A step whose shape is still compiling runs on a larger compiled one, padded
-  with zero-weight rows; how many do depends on how fast the compiles run, so
-  on how busy the machine is. The steps on their own shape pad only to the
-  grid's next size.
+  A step whose programs the compile schedule has not admitted yet runs the
+  same batch on admitted ones (more micro-steps, or a larger shape padded
+  with zero-weight rows); which steps do follows from the step count, the same
+  in every run of a config, busy machine or not. The steps on their own plan
+  pad only to the grid's next size.
   """
   own = [r for r in records if not r.get("compile_fallback")]
   rows = sum(r["batch_size"] + r.get("padded_examples", 0) for r in own)
@@ -297,8 +298,8 @@ def _padding_row(summary: dict[str, Any]) -> str:
     return text
   return (
     f"{text}: {own:.1%} on the {summary['own_shape_steps']} steps that ran their own shape, "
-    f"the rest on the {fallback} that ran a larger compiled shape while theirs compiled "
-    "(more of them on a busy machine)"
+    f"the rest on the {fallback} that ran other programs while theirs compiled "
+    "(the compile schedule's fallback steps, the same in every run of this config)"
   )
 
 

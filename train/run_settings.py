@@ -36,6 +36,7 @@ NOT_DECIDING: frozenset[str] = frozenset(
     "mode",
     "compile_fallback",
     "shapes_per_octave",
+    "shapes_per_step",
     "steps_per_compile",
     "compile_threads",
     # Where the data is read from and how fast; what the evaluation reads.

@@ -187,7 +187,9 @@ def create_trainer_config(config: ml_collections.ConfigDict) -> TrainerConfig:
         fallback=config.compile_fallback,
         shapes_per_octave=config.shapes_per_octave,
         threads=config.compile_threads,
-        **_given(steps_per_compile=config.steps_per_compile),
+        **_given(
+          steps_per_compile=config.steps_per_compile, shapes_per_step=config.shapes_per_step
+        ),
       ),
       checkpoints=CheckpointConfig(
         every_steps=config.checkpoint_every_steps,

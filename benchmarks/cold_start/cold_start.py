@@ -4,10 +4,12 @@ Runs the README's demo (``train/configs/digits_demo.py``) and the LM recipe
 (``train/configs/shakespeare_lm.py``) as a user runs them, ``python -m train``,
 each run a new process in a new workdir, in three variants:
 
-* ``adaptive``: the recipe as written, on the Trainer's compile defaults;
-* ``before``: the same with the compile settings of 0.3.0 spelled out
-  (``shapes_per_octave=8``, ``steps_per_compile=0.5``, one compile thread
-  per program);
+* ``adaptive``: the recipe as written, on the training scripts' compile
+  defaults (steps of up to three shapes on the grid chosen for them, 64 steps
+  per compile in the schedule);
+* ``before``: the same with the compile settings before them spelled out
+  (every micro-step of a step on one shape, ``shapes_per_step=1``, on the
+  grid chosen for that; 4 steps per compile);
 * ``fixed``: the same Trainer with the batch held at the recipe's initial
   size (``controller="fixed"``: one or two programs);
 
@@ -55,7 +57,7 @@ RECIPES = {
 # Each variant's options on top of the recipe's (``--config.NAME=VALUE``).
 VARIANTS: dict[str, dict[str, Any]] = {
   "adaptive": {},
-  "before": {"shapes_per_octave": 8, "steps_per_compile": 0.5, "compile_threads": 1},
+  "before": {"shapes_per_step": 1, "steps_per_compile": 4.0},
   "fixed": {"controller": "fixed"},
 }
 CACHES = ("cold", "warm")

@@ -19,9 +19,8 @@ programs at each step, is here too. Nothing here runs under ``jit``.
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from simigrad_jax.compile.agreement import CompileAgreement
@@ -36,21 +35,31 @@ from simigrad_jax.compile.step_functions import ProgramShape
 from simigrad_jax.compile.step_functions import programs_of
 from simigrad_jax.shapes import batch_plan
 
+# A fallback step runs at most this many micro-steps (or its own plan's count, if more) where a
+# plan within it holds the batch; past it, the fewest micro-steps the admitted programs allow.
+FALLBACK_MICRO_STEPS = 4
 
-def is_ready(micro: int, accumulation_steps: int, view: Mapping[str, Any]) -> bool:
-  """Whether ``view`` holds the programs that run ``accumulation_steps`` micro-batches of shape
-  ``micro``: one micro-batch runs the one-micro-batch program, several the micro-step and the
-  update."""
-  if accumulation_steps == 1:
-    return micro in view["fused"]
-  return bool(view["apply"]) and micro in view["micro"]
+
+def _holds(program: ProgramShape, view: Mapping[str, Any], key: str = "") -> bool:
+  """Whether ``view``'s ``key`` programs (the compiled ones, or with ``"failed_"`` the failed)
+  hold ``program``."""
+  kind, size = program
+  if program == APPLY:
+    return not key and bool(view["apply"])
+  return size in view[key + ("fused" if kind is Program.FUSED else "micro")]
+
+
+def plan_ready(plan: batch_plan.BatchPlan, view: Mapping[str, Any]) -> bool:
+  """Whether ``view`` holds every program a step of ``plan`` runs: its shape's one-micro-batch
+  program, or the micro-step of each of its shapes and the update."""
+  return all(_holds(program, view) for program in programs_of(plan))
 
 
 def waits_for_compile(plan: batch_plan.BatchPlan, view: Mapping[str, Any]) -> bool:
-  """Whether ``plan``'s program is still to be compiled (neither compiled nor failed)."""
-  failed = view["failed_fused"] if plan.accumulation_steps == 1 else view["failed_micro"]
-  needed = plan.micro_batch_size
-  return not is_ready(needed, plan.accumulation_steps, view) and needed not in failed
+  """Whether ``plan``'s programs are still to be compiled (not all compiled, none failed)."""
+  programs = programs_of(plan)
+  failed = any(_holds(program, view, "failed_") for program in programs)
+  return not failed and not all(_holds(program, view) for program in programs)
 
 
 def choose_plan(
@@ -58,7 +67,7 @@ def choose_plan(
   compiled: Mapping[str, Any],
   cached: Mapping[str, Any] | None = None,
 ) -> batch_plan.BatchPlan:
-  """``plan``, or while its program is still compiling, the same batch on a compiled program.
+  """``plan``, or while its programs are still compiling, the same batch on compiled programs.
 
   The replacement is :func:`fallback_plan`'s among ``compiled``. When none
   is compiled that can hold the batch and ``cached`` (the programs the
@@ -84,57 +93,61 @@ def choose_plan(
   """
   if not waits_for_compile(plan, compiled):
     return plan
-  sizes = set(compiled["fused"]) | set(compiled["micro"])
-  chosen = fallback_plan(plan, sizes, lambda size, steps: is_ready(size, steps, compiled))
-  if (
-    chosen is plan
-    and cached is not None
-    and not is_ready(plan.micro_batch_size, plan.accumulation_steps, cached)
-  ):
-    sizes = set(cached["fused"]) | set(cached["micro"])
-    chosen = fallback_plan(plan, sizes, lambda size, steps: is_ready(size, steps, cached))
+  chosen = fallback_plan(plan, compiled)
+  if chosen is plan and cached is not None and not plan_ready(plan, cached):
+    chosen = fallback_plan(plan, cached)
   return chosen
 
 
-def fallback_plan(
-  plan: batch_plan.BatchPlan,
-  compiled_sizes: set[int],
-  ready: Callable[[int, int], bool],
-) -> batch_plan.BatchPlan:
-  """``plan``'s batch on a compiled shape instead: the fewest micro-steps, then the nearest shape.
+def fallback_plan(plan: batch_plan.BatchPlan, view: Mapping[str, Any]) -> batch_plan.BatchPlan:
+  """``plan``'s batch on the programs ``view`` holds instead: padding least in a bounded number
+  of micro-steps.
 
-  Each shape holds the batch in ``ceil(B / (slots * size))`` micro-steps; of
-  the shapes ``ready(size, steps)`` says can run them, those with the
-  fewest micro-steps (a micro-step costs more than the padding of a larger
-  shape), then the nearest in log scale to ``plan``'s (ties: the larger).
+  The candidates are one micro-batch of a shape with a one-micro-batch
+  program, and, with the update, micro-steps of one shape with a micro-step
+  or of several (the largest first, the rest on smaller ones:
+  :func:`~simigrad_jax.shapes.batch_plan.step_shapes`). Of those within
+  :data:`FALLBACK_MICRO_STEPS` micro-steps (or ``plan``'s own count, if
+  more), the one that pads least, then the fewest micro-steps, then the
+  nearest in log scale to ``plan``'s shape (ties: the larger); when none is
+  within, the fewest micro-steps. So a batch accumulates on a smaller shape
+  where that pads less, rather than padding a larger one.
 
   Args:
-    plan: the exact plan, whose shape is not compiled.
-    compiled_sizes: the shapes with some program compiled.
-    ready: whether a shape's program for that many micro-steps is compiled.
+    plan: the exact plan, whose programs are not all in ``view``.
+    view: the programs that may run (a view: see the module docstring).
 
   Returns:
-    The replacement plan, or ``plan`` when no shape is ready.
+    The replacement plan, or ``plan`` when nothing in ``view`` can hold the batch.
 
   Example:
     >>> plan = batch_plan.plan_batch(40, 8, batch_plan.BucketPolicy(8, 1))  # 5 rows, 1 step
-    >>> fallback_plan(plan, {3, 8}, lambda size, steps: True).micro_batch_size
-    8
+    >>> view = {"fused": {3, 8}, "micro": {3, 8}, "apply": True}
+    >>> fallback_plan(plan, view).shapes  # 2 x 3 rows pad less than 8
+    (3, 3)
   """
-  n, needed = plan.num_devices, plan.micro_batch_size
-  candidates = []
-  for size in sorted(compiled_sizes):
-    steps = -(-plan.global_batch_size // (n * size))
-    if ready(size, steps):
-      candidates.append((steps, abs(math.log(size / needed)), -size, size))
+  n, batch = plan.num_devices, plan.global_batch_size
+  rows = -(-batch // n)
+  candidates: set[tuple[int, ...]] = {(size,) for size in view["fused"] if size >= rows}
+  micro = tuple(sorted(view["micro"])) if view["apply"] else ()
+  for size in micro:
+    candidates.add((size,) * -(-rows // size))
+  for parts in range(1, batch_plan.MAX_SHAPES_PER_STEP + 1) if micro else ():
+    candidates.add(batch_plan.step_shapes(rows, micro, parts))
+  # One micro-batch runs the one-micro-batch program: only a shape that has one.
+  candidates = {shapes for shapes in candidates if len(shapes) > 1 or shapes[0] in view["fused"]}
   if not candidates:
     return plan
-  steps, _, _, size = min(candidates)
-  return dataclasses.replace(
-    plan,
-    micro_batch_size=size,
-    accumulation_steps=steps,
-    padded_examples=n * size * steps - plan.global_batch_size,
+  bound = max(FALLBACK_MICRO_STEPS, plan.accumulation_steps)
+
+  def preference(shapes: tuple[int, ...]) -> tuple[Any, ...]:
+    distance = abs(math.log(shapes[0] / plan.micro_batch_size))
+    if len(shapes) <= bound:
+      return (0, sum(shapes), len(shapes), distance, -shapes[0])
+    return (1, len(shapes), sum(shapes), distance, -shapes[0])
+
+  return batch_plan.plan_on_shapes(
+    plan.requested_batch_size, batch, n, min(candidates, key=preference)
   )
 
 

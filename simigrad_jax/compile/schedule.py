@@ -68,8 +68,11 @@ class CompileSchedule:
     self._free_at = 0.0  # when the schedule's one compiler is free (in steps)
 
   def start(self, plan: batch_plan.BatchPlan, step: int) -> list[ProgramShape]:
-    """Admits ``plan``'s programs, and the fallback's (its shape's fused step,
-    micro-step and the update), at ``step`` when nothing is admitted yet (a new run).
+    """Admits ``plan``'s programs, and the fallback's (its shape's fused step, a micro-step and
+    the update), at ``step`` when nothing is admitted yet (a new run): as many programs as a
+    run whose batch stays put compiles. With steps of several shapes the micro-step is the
+    grid's smallest shape's, so that any batch accumulates on it with less than that shape of
+    padding per device; else the first step's shape's.
 
     Changes nothing otherwise (a resumed run, a later ``train()`` call), so
     that the schedule is the same whether a run was interrupted or not.
@@ -79,8 +82,15 @@ class CompileSchedule:
       admits them: the order to compile them in.
     """
     if not self._admitted:
-      size = plan.micro_batch_size
-      fallback = [ProgramShape(Program.FUSED, size), ProgramShape(Program.MICRO, size), APPLY]
+      # Steps of several shapes accumulate on the smallest shape; steps on one shape, on the
+      # first step's.
+      mixed = self._layout.policy.shapes_per_step > 1
+      accumulate_on = min(self._layout.grid) if mixed else plan.micro_batch_size
+      fallback = [
+        ProgramShape(Program.FUSED, plan.micro_batch_size),
+        ProgramShape(Program.MICRO, accumulate_on),
+        APPLY,
+      ]
       for program in [*programs_of(plan), *fallback]:
         self._admitted.setdefault(program, step)
       self._free_at = float(step)

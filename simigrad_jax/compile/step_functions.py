@@ -85,8 +85,8 @@ APPLY = ProgramShape(Program.APPLY, 0)
 
 
 def programs_of(plan: batch_plan.BatchPlan, measure: bool = True) -> list[ProgramShape]:
-  """The programs a step of ``plan`` runs: its shape's fused step, or its micro-step and the
-  update.
+  """The programs a step of ``plan`` runs: its shape's fused step, or the micro-step of each of
+  its shapes (largest first) and the update.
 
   A step that does not measure (``measure=False``) runs its shape's plain
   step; one of several micro-batches measures (its programs are the
@@ -100,7 +100,8 @@ def programs_of(plan: batch_plan.BatchPlan, measure: bool = True) -> list[Progra
   if plan.accumulation_steps == 1:
     program = Program.FUSED if measure else Program.PLAIN
     return [ProgramShape(program, plan.micro_batch_size)]
-  return [ProgramShape(Program.MICRO, plan.micro_batch_size), APPLY]
+  micro = [ProgramShape(Program.MICRO, size) for size in dict.fromkeys(plan.shapes)]
+  return [*micro, APPLY]
 
 
 def abstract(tree: Any) -> Any:

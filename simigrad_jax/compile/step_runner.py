@@ -1,8 +1,9 @@
 """Host: running one optimizer step's plan on its compiled programs.
 
 A step of one micro-batch per device runs the one-micro-batch program of its
-shape; a step of several accumulates with the micro-step of its shape, then
-applies the update (:class:`~simigrad_jax.compile.program_compiler.StepProgramCompiler`
+shape; a step of several accumulates with the micro-step of each micro-batch's
+shape (a step's micro-batches may be of several shapes), then applies the
+update (:class:`~simigrad_jax.compile.program_compiler.StepProgramCompiler`
 compiles them). A step takes its scalars as one
 :class:`~simigrad_jax.ingraph.train_step.StepScalars` and returns what it
 measured as one :class:`~simigrad_jax.ingraph.train_step.StepMeasurements`.
@@ -84,14 +85,18 @@ class StepRunner:
         params, opt_state, model_state, batch, weights, scalars, data.counters[0]
       )
     else:
-      program = self._compiler.get(ProgramShape(Program.MICRO, plan.micro_batch_size))
+      micro_steps = {
+        size: self._compiler.get(ProgramShape(Program.MICRO, size)) for size in plan.shapes
+      }
       apply = self._compiler.get(APPLY)
       acc = self._acc
       if acc is None:
         acc = train_step.zero_accumulator(params, self._mesh, self._axis_name, self._halves)
       accumulated_state = model_state
-      for (batch, weights), counters in zip(data.micro_batches, data.counters, strict=True):
-        acc, accumulated_state = program(
+      for size, (batch, weights), counters in zip(
+        plan.shapes, data.micro_batches, data.counters, strict=True
+      ):
+        acc, accumulated_state = micro_steps[size](
           params, accumulated_state, acc, batch, weights, scalars, counters
         )
       params, opt_state, self._acc, model_state, measurements = apply(

@@ -50,7 +50,7 @@ class StepBatch:
   """One optimizer step's inputs, already on the devices."""
 
   plan: batch_plan.BatchPlan
-  micro_batches: list[tuple[Any, Any]]  # (batch, weights) per accumulation step
+  micro_batches: list[tuple[Any, Any]]  # (batch, weights) per accumulation step (plan.shapes)
   counters: list[jax.Array]  # int32 [optimizer_step, micro_step] per accumulation step
 
 
@@ -175,22 +175,25 @@ class StepDataLoader:
   def place(self, plan: batch_plan.BatchPlan, loaded: LoadedRows, step: int) -> StepBatch:
     """Arranges loaded rows into the plan's micro-batches on the devices."""
     local_examples, rows = loaded
-    layout = plan.example_layout()[:, self._local_slots, :]  # (k, local slots, micro)
+    layout = plan.example_layout()[:, self._local_slots, :]  # (k, local slots, largest micro)
     where = np.searchsorted(local_examples, np.maximum(layout, 0))
     weights = self._weights(plan)
     micro_batches, counters = [], []
-    for j in range(plan.accumulation_steps):
-      take = where[j].reshape(-1)
-      real = layout[j].reshape(-1) >= 0
+    for j, size in enumerate(plan.shapes):  # micro-step j: its first ``size`` rows per slot
+      take = where[j, :, :size].reshape(-1)
+      real = layout[j, :, :size].reshape(-1) >= 0
       local = {name: _gather_rows(array, take, real) for name, array in rows.items()}
-      micro_batches.append((self._to_devices(local, plan.micro_batch_size), weights[j]))
+      micro_batches.append((self._to_devices(local, size), weights[j]))
       counters.append(self._counters(step, j))
     return StepBatch(plan, micro_batches, counters)
 
   def _place_weights(self, plan: batch_plan.BatchPlan) -> list[jax.Array]:
     """The plan's row weights on the devices, one array a micro-step (1 a real row, 0 padding)."""
     weights = plan.example_weights()[:, self._local_slots, :]
-    return [self._to_devices(w.reshape(-1), plan.micro_batch_size) for w in weights]
+    return [
+      self._to_devices(w[:, :size].reshape(-1), size)
+      for w, size in zip(weights, plan.shapes, strict=True)
+    ]
 
   def _counters(self, step: int, micro_step: int) -> jax.Array:
     """``[step, micro_step]`` on the devices, placed once for every plan of the step."""

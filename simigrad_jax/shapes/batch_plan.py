@@ -35,6 +35,14 @@ How the realised size relates to the requested one:
 ``[lower, upper]``; with ``padding=False`` it then rounds only to sizes inside
 them (and raises if there are none).
 
+With ``shapes_per_step=p > 1`` (padding only) a step's micro-steps may be of
+different shapes: ``k - 1`` micro-steps of ``max`` and the rest of the batch
+(``R = ceil(B / n) - (k - 1) * max`` rows per device) on at most ``p``
+micro-steps, the largest shapes that fit first and then the smallest that
+holds what remains (or one shape, when that pads no more). A coarse grid then
+pads little: a step pads less than the smallest shape it uses, per device,
+instead of a factor of the grid's spacing.
+
 Examples are laid out so that every device holds the same number of real rows,
 give or take one (the two device halves measured for similarity stay balanced);
 padding sits at the end of each device's rows.
@@ -57,6 +65,8 @@ __all__ = [
 
 # The most shapes per factor of two a grid may have (the compiles grow with it).
 MAX_SHAPES_PER_OCTAVE = 16
+# The most micro-steps a plan may split the rest of a batch into (each a dispatch of its own).
+MAX_SHAPES_PER_STEP = 4
 
 
 def _check_bounds(lower: int | None, upper: int | None) -> tuple[int, int | None]:
@@ -85,14 +95,24 @@ def _unrealisable(n: int, grid: tuple[int, ...], lo: int, hi: int | None) -> Val
   )
 
 
+def _check_count(name: str, value: object, most: int, meaning: str) -> int:
+  """Returns ``value`` as an int if it is one in ``[1, most]``, else raises ValueError naming
+  ``name`` and what it means."""
+  if not validation.is_int(value) or not 1 <= value <= most:
+    raise ValueError(f"{name} must be an int in [1, {most}] ({meaning}), got {value!r}")
+  return int(value)
+
+
 def check_shapes_per_octave(value: object) -> int:
   """Returns ``value`` as an int if it is one in ``[1, MAX_SHAPES_PER_OCTAVE]``, else raises ValueError."""
-  if not validation.is_int(value) or not 1 <= value <= MAX_SHAPES_PER_OCTAVE:
-    raise ValueError(
-      f"shapes_per_octave must be an int in [1, {MAX_SHAPES_PER_OCTAVE}] (shapes per factor "
-      f"of two in the micro-batch grid; 1 halves), got {value!r}"
-    )
-  return int(value)
+  meaning = "shapes per factor of two in the micro-batch grid; 1 halves"
+  return _check_count("shapes_per_octave", value, MAX_SHAPES_PER_OCTAVE, meaning)
+
+
+def check_shapes_per_step(value: object) -> int:
+  """Returns ``value`` as an int if it is one in ``[1, MAX_SHAPES_PER_STEP]``, else raises ValueError."""
+  meaning = "the micro-steps that may hold the rest of a batch; 1 plans a step on one shape"
+  return _check_count("shapes_per_step", value, MAX_SHAPES_PER_STEP, meaning)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,12 +130,19 @@ class BucketPolicy:
     shapes_per_octave: shapes per factor of two, 1 to
       :data:`MAX_SHAPES_PER_OCTAVE`: 1 is the grid of halvings; more shapes
       pad less and compile more.
+    shapes_per_step: the most micro-steps, 1 to :data:`MAX_SHAPES_PER_STEP`,
+      that hold a step's rows beyond its micro-steps of the largest shape
+      (padding only): 1 plans every micro-step of a step on one shape; 2 the
+      largest shape that fits and the remainder on a smaller one; more, a
+      finer sum of shapes. More pad less on a coarse grid, at the price of
+      more micro-steps per step.
   """
 
   max_micro_batch_size: int
   min_micro_batch_size: int | None = None
   padding: bool = True
   shapes_per_octave: int = 1
+  shapes_per_step: int = 1
 
   def __post_init__(self):
     top = validation.check_int("max_micro_batch_size", self.max_micro_batch_size)
@@ -128,6 +155,12 @@ class BucketPolicy:
         )
     validation.check_bool("padding", self.padding)
     check_shapes_per_octave(self.shapes_per_octave)
+    check_shapes_per_step(self.shapes_per_step)
+    if self.shapes_per_step > 1 and not self.padding:
+      raise ValueError(
+        f"shapes_per_step={self.shapes_per_step} needs padding=True (a step of several shapes "
+        "realises any size exactly); use shapes_per_step=1 with padding=False"
+      )
 
   def micro_batch_sizes(self) -> tuple[int, ...]:
     """Returns the grid of compiled micro-batch shapes, ascending.
@@ -173,10 +206,14 @@ class BatchPlan:
     global_batch_size: the realised size: the number of real examples this
       optimizer step trains on.
     num_devices: data-parallel devices.
-    micro_batch_size: rows per device per micro-step (the compiled shape).
+    micro_batch_size: rows per device of the step's largest micro-step (the
+      compiled shape of every micro-step when they share one).
     accumulation_steps: micro-steps per optimizer step.
     padded_examples: rows of padding (weight 0), all devices and micro-steps
       together; always 0 with ``padding=False``.
+    micro_batch_sizes: each micro-step's rows per device, largest first;
+      None (when made): ``accumulation_steps`` micro-steps of
+      ``micro_batch_size``, which is what it then holds.
   """
 
   requested_batch_size: int
@@ -185,6 +222,7 @@ class BatchPlan:
   micro_batch_size: int
   accumulation_steps: int
   padded_examples: int
+  micro_batch_sizes: tuple[int, ...] | None = None
 
   def __post_init__(self):
     for name in (
@@ -196,17 +234,43 @@ class BatchPlan:
     ):
       validation.check_int(name, getattr(self, name))
     validation.check_int("padded_examples", self.padded_examples, minimum=0)
+    sizes = self.micro_batch_sizes
+    if sizes is None:
+      sizes = (self.micro_batch_size,) * self.accumulation_steps
+    sizes = tuple(sizes)
+    if (
+      len(sizes) != self.accumulation_steps
+      or not all(validation.is_int(g) and g >= 1 for g in sizes)
+      or sizes[0] != self.micro_batch_size
+      or list(sizes) != sorted(sizes, reverse=True)
+    ):
+      raise ValueError(
+        f"micro_batch_sizes must be {self.accumulation_steps} ints >= 1, largest first, the "
+        f"first micro_batch_size={self.micro_batch_size}, got {self.micro_batch_sizes!r}"
+      )
+    object.__setattr__(self, "micro_batch_sizes", tuple(int(g) for g in sizes))
     if self.global_batch_size + self.padded_examples != self.rows_per_step:
       raise ValueError(
         "global_batch_size + padded_examples must equal num_devices * "
-        f"micro_batch_size * accumulation_steps = {self.rows_per_step}, got "
+        f"sum(micro_batch_sizes) = {self.rows_per_step}, got "
         f"{self.global_batch_size} + {self.padded_examples}"
       )
 
   @property
+  def shapes(self) -> tuple[int, ...]:
+    """Each micro-step's rows per device, largest first (:attr:`micro_batch_sizes`, never None)."""
+    assert self.micro_batch_sizes is not None  # (filled in when made)
+    return self.micro_batch_sizes
+
+  @property
+  def is_mixed(self) -> bool:
+    """Whether the micro-steps are of more than one shape."""
+    return self.shapes[-1] != self.micro_batch_size
+
+  @property
   def rows_per_step(self) -> int:
     """Rows computed per optimizer step, real and padding."""
-    return self.num_devices * self.micro_batch_size * self.accumulation_steps
+    return self.num_devices * sum(self.shapes)
 
   @property
   def padding_fraction(self) -> float:
@@ -218,28 +282,34 @@ class BatchPlan:
 
     Example ``e`` goes to device ``d = e % n`` at position ``p = e // n`` of
     that device's rows, and a device deals its positions round-robin over the
-    micro-steps: micro-step ``p % accumulation_steps``, row
-    ``p // accumulation_steps``. Real counts per device differ by at most one,
-    in every micro-step too, and padding ends each device's rows in every
-    micro-step. So when the batch holds at least one example per device and
-    a micro-step more than one row per device, every device has real rows in
-    every micro-step (a masked BatchNorm never sees a device of padding alone).
+    micro-steps that still have rows: row 0 of every micro-step, then row 1,
+    and so on (with one shape: micro-step ``p % accumulation_steps``, row
+    ``p // accumulation_steps``). Every device uses the same positions, so
+    real counts per device differ by at most one, in every micro-step too,
+    and padding ends each device's rows in every micro-step. So when the
+    batch holds at least one example per device and each device at least one
+    position per micro-step, every device has real rows in every micro-step
+    (a masked BatchNorm never sees a device of padding alone).
 
     Returns:
       An int64 array of shape ``(accumulation_steps, num_devices,
       micro_batch_size)`` holding the example index in
-      ``[0, global_batch_size)``, or ``-1`` for a padding row.
+      ``[0, global_batch_size)``, or ``-1`` for a padding row; micro-step
+      ``j`` is its first ``micro_batch_sizes[j]`` rows (the rows beyond, in
+      a smaller micro-step, are ``-1`` and not part of it).
 
     Example:
       >>> plan = plan_batch(5, 2, BucketPolicy(2))
       >>> plan.example_layout().tolist()
       [[[0, 4], [1, -1]], [[2, -1], [3, -1]]]
     """
-    n, k = self.num_devices, self.accumulation_steps
-    layout = np.full((k, n, self.micro_batch_size), -1, np.int64)
+    n, k, top = self.num_devices, self.accumulation_steps, self.micro_batch_size
+    layout = np.full((k, n, top), -1, np.int64)
+    # The (row, micro-step) of each position: row-major over the rows each micro-step has.
+    row_of, step_of = np.nonzero(np.arange(top)[:, None] < np.asarray(self.shapes)[None, :])
     e = np.arange(self.global_batch_size, dtype=np.int64)
     p = e // n
-    layout[p % k, e % n, p // k] = e
+    layout[step_of[p], e % n, row_of[p]] = e
     return layout
 
   def example_weights(self) -> np.ndarray:
@@ -256,6 +326,63 @@ def _fit(size: int, n: int, grid: tuple[int, ...]) -> tuple[int, int]:
   """Fewest steps ``k``, then the smallest shape ``g``: ``n*k*g >= size``."""
   k = -(-size // (n * grid[-1]))
   return k, next(g for g in grid if n * k * g >= size)
+
+
+def split_rows(rows: int, grid: tuple[int, ...], parts: int) -> tuple[int, ...]:
+  """``rows`` per device on at most ``parts`` shapes of ``grid``, padding least.
+
+  The candidates take the largest shapes that fit (none, one, ...) and then the
+  smallest shape that holds what remains; of them the one of the fewest rows,
+  then of the fewest micro-steps.
+
+  Args:
+    rows: rows per device to hold, at least 1 and at most ``max(grid)``.
+    grid: the shapes, ascending.
+    parts: the most micro-steps, at least 1.
+
+  Returns:
+    The shapes, largest first.
+
+  Example:
+    >>> split_rows(11, (2, 4, 8, 16), 1), split_rows(11, (2, 4, 8, 16), 2)
+    ((16,), (8, 4))
+    >>> split_rows(13, (1, 2, 4, 8, 16), 3)
+    (8, 4, 1)
+  """
+  best: tuple[int, ...] = ()
+  taken: list[int] = []
+  rest = rows
+  while len(taken) < parts:
+    candidate = (*taken, next(g for g in grid if g >= rest))
+    if not best or (sum(candidate), len(candidate)) < (sum(best), len(best)):
+      best = candidate
+    fitting = [g for g in grid if g <= rest]
+    if not fitting:
+      break
+    taken.append(fitting[-1])
+    rest -= fitting[-1]
+    if rest == 0:
+      best = tuple(taken)  # exact: no candidate pads less, none after has fewer steps
+      break
+  return tuple(sorted(best, reverse=True))
+
+
+def step_shapes(rows: int, grid: tuple[int, ...], parts: int) -> tuple[int, ...]:
+  """The micro-steps (rows per device each, largest first) of a step of ``rows`` per device.
+
+  With ``parts == 1`` the fewest micro-steps ``k = ceil(rows / max)`` of the
+  smallest shape that holds them; else ``k - 1`` micro-steps of ``max`` and
+  the rest on at most ``parts`` shapes (:func:`split_rows`).
+
+  Example:
+    >>> step_shapes(40, (4, 8, 16), 1), step_shapes(40, (4, 8, 16), 2)
+    ((16, 16, 16), (16, 16, 8))
+  """
+  top = grid[-1]
+  k = -(-rows // top)
+  if parts == 1:
+    return (next(g for g in grid if k * g >= rows),) * k
+  return (top,) * (k - 1) + split_rows(rows - (k - 1) * top, grid, parts)
 
 
 def _round_up(size: int, n: int, grid: tuple[int, ...]) -> int:
@@ -308,7 +435,9 @@ def plan_batch(
 
   The request is first clamped to ``[lower, upper]``. With
   ``policy.padding`` it is then realised exactly: ``k = ceil(B / (n * max))``
-  micro-steps of the smallest grid shape that fits, spare rows padded. Without
+  micro-steps of the smallest grid shape that fits, spare rows padded (with
+  ``policy.shapes_per_step > 1``, ``k - 1`` of ``max`` and the rest on at most
+  that many shapes: :func:`step_shapes`). Without
   padding it is rounded to a representable size ``S = n * k * g`` in bounds:
 
   * request above ``previous_batch_size`` (grow): the smallest representable
@@ -364,14 +493,27 @@ def plan_batch(
   target = max(size, lo) if hi is None else min(max(size, lo), hi)
   if not policy.padding:
     target = _round(target, previous, n, grid, lo, hi)
-  k, micro = _fit(target, n, grid)
+  return plan_on_shapes(size, target, n, step_shapes(-(-target // n), grid, policy.shapes_per_step))
+
+
+def plan_on_shapes(
+  requested: int, batch_size: int, num_devices: int, shapes: tuple[int, ...]
+) -> BatchPlan:
+  """The plan of ``batch_size`` examples on micro-steps of ``shapes`` rows per device (largest
+  first), the spare rows padded.
+
+  Example:
+    >>> plan_on_shapes(100, 100, 8, (8, 4, 1)).padded_examples
+    4
+  """
   return BatchPlan(
-    requested_batch_size=size,
-    global_batch_size=target,
-    num_devices=n,
-    micro_batch_size=micro,
-    accumulation_steps=k,
-    padded_examples=n * k * micro - target,
+    requested_batch_size=requested,
+    global_batch_size=batch_size,
+    num_devices=num_devices,
+    micro_batch_size=shapes[0],
+    accumulation_steps=len(shapes),
+    padded_examples=num_devices * sum(shapes) - batch_size,
+    micro_batch_sizes=shapes,
   )
 
 
@@ -384,7 +526,8 @@ def bucket_shapes(
   micro-batch sizes over all requests and previous sizes in ``[lower, upper]``:
   the shapes to compile ahead of time. Computed per accumulation count ``k``,
   stopping once the remaining ``k`` can only use ``max``, so it is fast for any
-  ``upper``.
+  ``upper``; with ``shapes_per_step > 1``, per remainder (at most ``max`` of
+  them).
 
   Args:
     policy: the shape grid and padding mode.
@@ -410,6 +553,8 @@ def bucket_shapes(
   _check_bounds(lo, hi)
   grid = _check_policy(policy)
   top = grid[-1]
+  if policy.shapes_per_step > 1:
+    return _mixed_shapes(grid, policy.shapes_per_step, -(-lo // n), -(-hi // n))
   shapes = set()
   for k in range(-(-lo // (n * top)), -(-hi // (n * top)) + 1):
     start = n * (k - 1) * top + 1  # band k: sizes that need exactly k steps
@@ -424,6 +569,21 @@ def bucket_shapes(
       break  # later bands need fewer shapes still: only ``top``
   if not shapes:
     raise _unrealisable(n, grid, lo, hi)
+  return tuple(sorted(shapes))
+
+
+def _mixed_shapes(grid: tuple[int, ...], parts: int, low: int, high: int) -> tuple[int, ...]:
+  """The shapes the steps of ``low`` to ``high`` rows per device use, ``parts`` shapes a step."""
+  top = grid[-1]
+  # A step's shapes depend on its rows beyond its micro-steps of ``top`` alone.
+  rests = (
+    range(1, top + 1)
+    if high - low + 1 >= top
+    else {(r - 1) % top + 1 for r in range(low, high + 1)}
+  )
+  shapes = {g for rest in rests for g in split_rows(rest, grid, parts)}
+  if high > top:
+    shapes.add(top)
   return tuple(sorted(shapes))
 
 

@@ -50,12 +50,15 @@ class GridCost:
       evenly in log scale over ``[lower, upper]``.
     floor_fraction: the part of it no grid removes: the padding to whole rows
       per device.
+    shapes_per_step: the most micro-steps that hold a step's rows beyond its
+      micro-steps of the largest shape (:class:`~simigrad_jax.shapes.BucketPolicy`).
   """
 
   shapes_per_octave: int
   shapes: tuple[int, ...]
   padding_fraction: float
   floor_fraction: float
+  shapes_per_step: int = 1
 
   @property
   def programs(self) -> int:
@@ -81,6 +84,7 @@ def grid_cost(
   upper: int,
   shapes_per_octave: int,
   min_micro_batch_size: int = 1,
+  shapes_per_step: int = 1,
 ) -> GridCost:
   """The programs and the padding of one grid over a run in ``[lower, upper]``.
 
@@ -95,6 +99,8 @@ def grid_cost(
     upper: the largest, at least ``lower``.
     shapes_per_octave: the grid's shapes per factor of two.
     min_micro_batch_size: the smallest shape the grid may have.
+    shapes_per_step: the most micro-steps that hold a step's rows beyond its
+      micro-steps of the largest shape (1: a step on one shape).
 
   Returns:
     A :class:`GridCost`.
@@ -108,24 +114,36 @@ def grid_cost(
   lo, hi = validation.check_int("lower", lower), validation.check_int("upper", upper)
   if hi < lo:
     raise ValueError(f"upper must be an int >= lower={lo}, got {hi!r}")
-  grid = batch_plan.BucketPolicy(
-    max_micro_batch_size, min_micro_batch_size, shapes_per_octave=shapes_per_octave
+  policy = batch_plan.BucketPolicy(
+    max_micro_batch_size,
+    min_micro_batch_size,
+    shapes_per_octave=shapes_per_octave,
+    shapes_per_step=shapes_per_step,
   )
-  shapes = batch_plan.bucket_shapes(grid, n, lo, hi)
-  compiled = np.asarray(
-    batch_plan.BucketPolicy(
-      max_micro_batch_size, min(shapes), shapes_per_octave=shapes_per_octave
-    ).micro_batch_sizes()
+  first = batch_plan.bucket_shapes(policy, n, lo, hi)
+  grid = batch_plan.BucketPolicy(
+    max_micro_batch_size, min(first), shapes_per_octave=shapes_per_octave
+  ).micro_batch_sizes()
+  shapes = batch_plan.bucket_shapes(
+    dataclasses.replace(policy, min_micro_batch_size=min(first)), n, lo, hi
   )
   sizes, weights = _batch_sizes(lo, hi)
-  # plan_batch's plans, for every size at once: the fewest micro-steps, the smallest shape.
-  steps = -(-sizes // (n * compiled[-1]))
-  micro = compiled[np.searchsorted(compiled, -(-sizes // (n * steps)))]
-  rows = n * steps * micro
+  # plan_batch's plans, for every size at once.
+  top = grid[-1]
+  per_device = -(-sizes // n)
+  steps = -(-per_device // top)
+  if shapes_per_step == 1:  # the fewest micro-steps, the smallest shape
+    compiled = np.asarray(grid)
+    rows = n * steps * compiled[np.searchsorted(compiled, -(-per_device // steps))]
+  else:  # ``top`` and the rest, whose rows per device depend on the rest alone
+    rest_rows = np.array(
+      [0] + [sum(batch_plan.step_shapes(r, grid, shapes_per_step)) for r in range(1, top + 1)]
+    )
+    rows = n * ((steps - 1) * top + rest_rows[per_device - (steps - 1) * top])
   padded = float(np.sum((rows - sizes) * weights))
   floor = float(np.sum((-(-sizes // n) * n - sizes) * weights))
   computed = float(np.sum(rows * weights))
-  return GridCost(shapes_per_octave, shapes, padded / computed, floor / computed)
+  return GridCost(shapes_per_octave, shapes, padded / computed, floor / computed, shapes_per_step)
 
 
 def choose_shapes_per_octave(
@@ -135,6 +153,7 @@ def choose_shapes_per_octave(
   upper: int,
   min_micro_batch_size: int = 1,
   budget: float = PADDING_BUDGET,
+  shapes_per_step: int = 1,
 ) -> int:
   """The coarsest grid whose padding over ``[lower, upper]`` stays within ``budget``.
 
@@ -150,6 +169,8 @@ def choose_shapes_per_octave(
     upper: the largest.
     min_micro_batch_size: the smallest shape the grid may have.
     budget: the padding allowed, a fraction of the rows computed.
+    shapes_per_step: the most micro-steps that hold a step's rows beyond its
+      micro-steps of the largest shape.
 
   Returns:
     An int in ``[1, MAX_SHAPES_PER_OCTAVE]``.
@@ -161,7 +182,13 @@ def choose_shapes_per_octave(
   best = None
   for per_octave in range(1, batch_plan.MAX_SHAPES_PER_OCTAVE + 1):
     cost = grid_cost(
-      num_devices, max_micro_batch_size, lower, upper, per_octave, min_micro_batch_size
+      num_devices,
+      max_micro_batch_size,
+      lower,
+      upper,
+      per_octave,
+      min_micro_batch_size,
+      shapes_per_step,
     )
     if cost.padding_fraction <= max(budget, cost.floor_fraction + budget / 2):
       return per_octave

@@ -72,6 +72,7 @@ class StepLayout:
     lower: int,
     upper: int,
     shapes_per_octave: int | None = 1,
+    shapes_per_step: int = 1,
   ) -> StepLayout:
     """The layout of a run whose global batch sizes lie in ``[lower, upper]``.
 
@@ -94,7 +95,11 @@ class StepLayout:
       shapes_per_octave: the grid's shapes per factor of two (``"recompile"``);
         None: the coarsest grid whose padding over ``[lower, upper]`` stays
         within 6% of the rows computed
-        (:func:`~simigrad_jax.shapes.grid_costs.choose_shapes_per_octave`).
+        (:func:`~simigrad_jax.shapes.grid_costs.choose_shapes_per_octave`, for
+        ``shapes_per_step``).
+      shapes_per_step: the most micro-steps that hold a step's rows beyond its
+        micro-steps of the largest shape (``"recompile"``;
+        :class:`~simigrad_jax.shapes.BucketPolicy`): 1 plans a step on one shape.
 
     Returns:
       A :class:`StepLayout`.
@@ -106,9 +111,15 @@ class StepLayout:
     low = _ceil_div(min_micro or 1, per)
     if shapes_per_octave is None:
       shapes_per_octave = grid_costs.choose_shapes_per_octave(
-        num_devices * per, top, lower, upper, low
+        num_devices * per, top, lower, upper, low, shapes_per_step=shapes_per_step
       )
-    grid = batch_plan.BucketPolicy(top, low, padding=True, shapes_per_octave=shapes_per_octave)
+    grid = batch_plan.BucketPolicy(
+      top,
+      low,
+      padding=True,
+      shapes_per_octave=shapes_per_octave,
+      shapes_per_step=shapes_per_step,
+    )
     needed = batch_plan.bucket_shapes(grid, num_devices * per, lower, upper)
     return cls(halves, num_devices, dataclasses.replace(grid, min_micro_batch_size=min(needed)))
 

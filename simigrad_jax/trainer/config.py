@@ -142,6 +142,15 @@ class CompileConfig(_Settings):
       tabulates it). With the compile fallback only the shapes near the batch
       compile, as it comes near them; without it, every shape of the grid is
       one compile.
+    shapes_per_step: the most micro-steps, 1 to 4, that hold a step's rows
+      beyond its micro-steps of the largest shape, the largest shapes that
+      fit first (:class:`simigrad_jax.shapes.BucketPolicy`): a step of 11
+      rows per device on the grid of halvings runs 8 + 4 rows rather than
+      16, so that a grid of about one shape per octave (few programs) pads
+      little, at the price of up to this many micro-steps (and the update)
+      in place of one fused step. Default 1: every micro-step of a step on
+      one shape; the training scripts' default is 3 (docs/compiling.md
+      tabulates both).
     background: compile the other shapes in background threads.
     threads: the compiles of one program (the fused steps' shapes, or the
       micro-steps') that run at once, each in a thread of its own, an int
@@ -166,10 +175,12 @@ class CompileConfig(_Settings):
       machine or an idle one; a step whose program the schedule admits
       before its compile has finished waits for it.
     steps_per_compile: the steps the schedule gives each compile (> 0; a
-      fraction admits several programs a step; default 4). Larger: fewer
-      waits on a slow compiler, more steps on a fallback shape. A step that
-      outruns its compile waits; a compile takes seconds, so steps much
-      shorter than a compile divided by 4 ask for more (docs/compiling.md).
+      fraction admits several programs a step; default 4; the training
+      scripts' default is 64). Larger: fewer waits on a slow compiler, more
+      steps on the fallback (the same batch on admitted programs: more
+      micro-steps, padding bounded by their smallest shape). A step that
+      outruns its compile waits: a compile takes seconds, so steps of a
+      tenth of a second or less ask for 64 or more (docs/compiling.md).
     timed_fallback: let the fallback follow the compiles' timing instead: a
       step runs on its own shape as soon as that is compiled, and never
       waits for a compile after the first step; but the shapes, hence the
@@ -203,6 +214,7 @@ class CompileConfig(_Settings):
   mode: Mode = "recompile"
   min_micro_batch_size: int | None = None
   shapes_per_octave: int | None = None
+  shapes_per_step: int = 1
   background: bool = True
   threads: int | None = None
   fallback: bool = True
@@ -236,6 +248,7 @@ class CompileConfig(_Settings):
       checked["min_micro_batch_size"] = int(self.min_micro_batch_size)
     if self.shapes_per_octave is not None:
       checked["shapes_per_octave"] = batch_plan.check_shapes_per_octave(self.shapes_per_octave)
+    checked["shapes_per_step"] = batch_plan.check_shapes_per_step(self.shapes_per_step)
     if self.threads is not None:
       checked["threads"] = validation.check_int("threads", self.threads)
     for name in ("background", "fallback", "timed_fallback"):

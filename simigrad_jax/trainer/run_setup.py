@@ -108,6 +108,7 @@ def make_layout(config: TrainerConfig, num_data: int, lower: int, upper: int) ->
     max_micro=config.max_micro_batch_size,
     min_micro=config.compile.min_micro_batch_size,
     shapes_per_octave=config.compile.shapes_per_octave,
+    shapes_per_step=config.compile.shapes_per_step,
     lower=lower,
     upper=upper,
   )

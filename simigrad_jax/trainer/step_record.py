@@ -157,8 +157,10 @@ class StepRecord:
     epoch: the epoch the step's first example belongs to (0-based).
     examples_seen: examples trained on after this step, over the whole run.
     batch_size: the global batch size the step trained on.
-    micro_batch_size: rows per device per micro-step.
+    micro_batch_size: rows per device per micro-step (of the largest, when a
+      step's micro-steps are of several shapes).
     accumulation_steps: micro-steps of the step.
+    micro_batch_sizes: each micro-step's rows per device, largest first.
     padded_examples: zero-weight rows that filled the shape.
     compile_fallback: the step ran on a compiled shape other than its own.
     lr_factor: the learning-rate factor the step ran with.
@@ -226,6 +228,7 @@ class StepRecord:
   first_run: bool = False
   nonfinite_cause: str | None = None
   compile_stats: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+  micro_batch_sizes: tuple[int, ...] = ()
 
   @classmethod
   def create(
@@ -237,6 +240,7 @@ class StepRecord:
     examples_seen: int,
     micro_batch_size: int,
     decision: Any,
+    micro_batch_sizes: tuple[int, ...] = (),
     similarity_target: float | None,
     next_batch_size: int,
     next_lr_factor: float,
@@ -253,6 +257,7 @@ class StepRecord:
       examples_seen=examples_seen,
       batch_size=plan.global_batch_size,
       micro_batch_size=micro_batch_size,
+      micro_batch_sizes=micro_batch_sizes or (micro_batch_size,) * plan.accumulation_steps,
       accumulation_steps=plan.accumulation_steps,
       padded_examples=plan.padded_examples,
       compile_fallback=plan != dispatched.exact_plan,

@@ -284,6 +284,7 @@ class StepLoop:
           step=self.step,
           examples_seen=examples_seen,
           micro_batch_size=self.layout.device_rows(plan.micro_batch_size),
+          micro_batch_sizes=tuple(self.layout.device_rows(size) for size in plan.shapes),
           decision=decision,
           similarity_target=self._similarity_target,
           next_batch_size=next_batch_size,

@@ -1,8 +1,8 @@
-"""The compile fallback: a step whose shape is compiling runs in the fewest micro-steps compiled,
-or waits for a load rather than a compile; the run's last step asks for no compile."""
+"""The compile fallback: a step whose programs are compiling runs the same batch on compiled ones,
+padding least in a bounded number of micro-steps, or waits for a load rather than a compile; the
+run's last step asks for no compile."""
 
 import doctest
-import math
 
 import pytest
 from recording_compilers import RecordingCompiler
@@ -22,33 +22,38 @@ from simigrad_jax.shapes.batch_plan import plan_batch
 POLICY = BucketPolicy(32, 1, shapes_per_octave=8)
 
 
-def everything_ready(size, steps):
-  return True
+def ready(fused=(), micro=(), apply=True):
+  """A view of the programs a fallback may run (no failed ones)."""
+  return {"fused": set(fused), "micro": set(micro), "apply": apply}
 
 
 @pytest.mark.parametrize(
-  "batch_size, compiled, want",
+  "batch_size, fused, micro, want",
   [
-    (100, {8, 32}, (32, 1)),  # pad in one step rather than accumulate two of 8
-    (100, {12, 16, 32}, (16, 1)),  # the nearest of those in one step
-    (300, {16, 20, 32}, (20, 2)),  # two steps at the least: the nearest that holds it in two
-    (100, {4}, (4, 4)),  # only a smaller one: accumulate
+    (100, {8, 32}, {8, 32}, (8, 8)),  # accumulate two of 8 rather than pad one of 32
+    (100, {12, 16, 32}, {12, 16, 32}, (16,)),  # the least padding: one step of 16
+    (300, {16, 20, 32}, {16, 20, 32}, (20, 20)),  # 40 rows a device, the fewest of them all
+    (100, (), {4}, (4, 4, 4, 4)),  # only a smaller one: accumulate
+    (100, (), {1, 4, 8}, (8, 4, 1)),  # shapes mixed: 13 rows a device, none padded
+    (100, {32}, {1}, (32,)),  # 13 micro-steps of 1 are past the bound: one step, padded
+    (100, (), {1}, (1,) * 13),  # nothing within the bound: the fewest micro-steps there are
   ],
 )
-def test_fewest_micro_steps_then_the_nearest_shape(batch_size, compiled, want):
+def test_least_padding_within_the_bound_then_the_fewest_micro_steps(batch_size, fused, micro, want):
   plan = plan_batch(batch_size, 8, POLICY)
-  got = fallback_plan(plan, compiled, everything_ready)
-  assert (got.micro_batch_size, got.accumulation_steps) == want
+  got = fallback_plan(plan, ready(fused, micro))
+  assert got.shapes == want
+  assert (got.micro_batch_size, got.accumulation_steps) == (want[0], len(want))
   assert got.global_batch_size == batch_size
-  assert got.padded_examples == got.rows_per_step - batch_size
-  assert got.accumulation_steps == math.ceil(batch_size / (8 * got.micro_batch_size))
+  assert got.padded_examples == got.rows_per_step - batch_size == 8 * sum(want) - batch_size
 
 
 def test_only_ready_programs_and_none_keeps_the_plan():
   plan = plan_batch(100, 8, POLICY)
-  one_step_only_for_32 = lambda size, steps: steps == 1 and size == 32 or size == 8
-  assert fallback_plan(plan, {8, 32}, one_step_only_for_32).micro_batch_size == 32
-  assert fallback_plan(plan, {8}, lambda size, steps: False) == plan
+  # Micro-steps without the update cannot run: one step of 32, padded.
+  assert fallback_plan(plan, ready({32}, {8}, apply=False)).shapes == (32,)
+  assert fallback_plan(plan, ready((), {8}, apply=False)) == plan
+  assert fallback_plan(plan, ready({8})) == plan  # one micro-batch of 8 cannot hold 13 rows
 
 
 def timed_fallback(compilers, *, cached, agreement):
@@ -83,8 +88,8 @@ def test_choose_plan_keeps_a_ready_or_failed_plan_and_falls_back_otherwise():
 
 def test_with_nothing_compiled_the_plan_waits_for_a_program_the_cache_holds():
   plan = plan_batch(100, 8, POLICY)
-  cached = {"fused": {32}, "micro": {4}, "apply": True}
-  assert choose_plan(plan, view(), cached).micro_batch_size == 32  # one step, padded
+  cached = {"fused": {16}, "micro": {4}, "apply": True}
+  assert choose_plan(plan, view(), cached).shapes == (16,)  # as padded as 4 x 4, in one step
   no_fused = {"fused": set(), "micro": {4}, "apply": True}
   got = choose_plan(plan, view(), no_fused)
   assert (got.micro_batch_size, got.accumulation_steps) == (4, 4)  # accumulated

@@ -10,6 +10,7 @@ import time
 import schedule_test
 from recording_compilers import RecordingCompiler
 
+import simigrad_jax
 from simigrad_jax.compile.policy import ExactPrograms
 from simigrad_jax.compile.schedule import CompileSchedule
 from simigrad_jax.compile.schedule import ScheduledFallback
@@ -46,9 +47,11 @@ def test_the_first_step_does_not_wait_for_the_fallbacks_micro_step_and_update(
       return _real(self, *args)
 
     monkeypatch.setattr(StepFunctions, name, gated)
-  with make_trainer(tmp_path / "run", hooks=[FirstStepSeen(gate)]) as trainer:
-    # 20 examples: 3 rows a device in one micro-batch (the micro-step of 3 and the update are
-    # admitted with it, for the fallback to accumulate on).
+  # Steps on one shape: 20 examples are 3 rows a device in one micro-batch, one fused program
+  # (the grid's smallest micro-step and the update are admitted with it, for the fallback to
+  # accumulate on). With steps of several shapes they would be 2 + 1 rows, on micro-steps.
+  one_shape = simigrad_jax.CompileConfig(shapes_per_step=1)
+  with make_trainer(tmp_path / "run", hooks=[FirstStepSeen(gate)], compile=one_shape) as trainer:
     summary = trainer.train(num_steps=3)
     deadline = time.monotonic() + GATE_SECONDS
     while not trainer.compile_stats()["update_compiled"] and time.monotonic() < deadline:

@@ -71,21 +71,25 @@ class Runner:
     )
 
   def batch(self, rows, micro, step=0):
-    """The step's rows, ``micro`` rows a slot per micro-step: micro-step ``j`` takes the ``j``-th
-    ``micro`` rows of every slot (``rows``: features, labels and weights, slot by slot)."""
+    """The step's rows, ``micro`` rows a slot per micro-step (or a tuple: each micro-step's):
+    micro-step ``j`` takes the next rows of every slot (``rows``: features, labels and weights,
+    slot by slot)."""
     x, y, w = rows
     slots, per_slot = w.shape
-    accumulation = per_slot // micro
+    shapes = micro if isinstance(micro, tuple) else (micro,) * (per_slot // micro)
+    accumulation = len(shapes)
     real = int(w.sum())
     plan = batch_plan.BatchPlan(
       requested_batch_size=real,
       global_batch_size=real,
       num_devices=slots,
-      micro_batch_size=micro,
+      micro_batch_size=shapes[0],
       accumulation_steps=accumulation,
       padded_examples=w.size - real,
+      micro_batch_sizes=shapes,
     )
-    cut = lambda a, j: a[:, j * micro : (j + 1) * micro].reshape(-1, *a.shape[2:])  # noqa: E731
+    starts = np.cumsum((0,) + shapes)
+    cut = lambda a, j: a[:, starts[j] : starts[j + 1]].reshape(-1, *a.shape[2:])  # noqa: E731
     micro_batches = [
       jax.device_put(({"x": cut(x, j), "y": cut(y, j)}, cut(w, j)), self.sharded)
       for j in range(accumulation)
@@ -207,6 +211,15 @@ def test_a_plan_of_several_micro_batches_updates_as_one_fused_step(runner):
   new_params, expected = reference(runner.params, rows)
   assert_trees_close(accumulated_state["params"], new_params)
   assert_measured(accumulated, expected)
+
+
+def test_a_plan_of_micro_batches_of_several_shapes_updates_as_the_reference(runner):
+  rows = slot_rows(runner.layout, 7, padding=1)  # 6 real rows a slot on 4 + 2 + 1
+  state, measurements = runner.run(rows, micro=(4, 2, 1))
+  assert {4, 2, 1} <= runner.compiler.view()["micro"]  # each micro-batch on its own shape
+  new_params, expected = reference(runner.params, rows)
+  assert_trees_close(state["params"], new_params)
+  assert_measured(measurements, expected)
 
 
 def test_the_accumulator_starts_every_step_from_zero(runner):

@@ -420,3 +420,94 @@ def test_numpy_ints_accepted_and_dataclasses_frozen():
 def test_docstring_examples():
   result = doctest.testmod(batch_plan)
   assert result.attempted > 0 and result.failed == 0
+
+
+# ---------------------------------------------------------------- steps of several shapes
+
+MIXED_POLICIES = [
+  BucketPolicy(16, 1, shapes_per_step=2),
+  BucketPolicy(16, 2, shapes_per_step=3),
+  BucketPolicy(12, 1, shapes_per_octave=2, shapes_per_step=4),
+  BucketPolicy(7, 3, shapes_per_step=3),
+]
+
+
+def check_mixed_layout(plan):
+  """Each micro-step's rows hold each example once, devices balanced in every micro-step, padding
+  at the end of each device's rows in every micro-step."""
+  layout = plan.example_layout()
+  n, k = plan.num_devices, plan.accumulation_steps
+  assert layout.shape == (k, n, plan.micro_batch_size)
+  own = [layout[j, :, :size] for j, size in enumerate(plan.shapes)]
+  beyond = [layout[j, :, size:] for j, size in enumerate(plan.shapes)]
+  assert all((rows == -1).all() for rows in beyond)  # no example beyond a micro-step's shape
+  real = np.sort(np.concatenate([rows[rows >= 0] for rows in own]))
+  np.testing.assert_array_equal(real, np.arange(plan.global_batch_size))
+  assert sum(int((rows == -1).sum()) for rows in own) == plan.padded_examples
+  for rows in own:
+    counts = (rows >= 0).sum(axis=1)  # per device
+    assert counts.max() - counts.min() <= 1
+    for device_rows in rows:
+      num_real = int((device_rows >= 0).sum())
+      assert (device_rows[num_real:] == -1).all()
+  # The two device halves (even, odd) differ by at most one example in all.
+  if n % 2 == 0:
+    per_device = sum((rows >= 0).sum(axis=1) for rows in own)
+    assert abs(int(per_device[0::2].sum()) - int(per_device[1::2].sum())) <= n // 2
+  np.testing.assert_array_equal(plan.example_weights(), (layout >= 0).astype(np.float32))
+
+
+@pytest.mark.parametrize("policy", MIXED_POLICIES)
+@pytest.mark.parametrize("n", [1, 2, 8])
+def test_a_step_of_several_shapes_pads_less_than_its_smallest_shape(policy, n):
+  grid = policy.micro_batch_sizes()
+  top = grid[-1]
+  for size in range(1, 3 * n * top + 2):
+    plan = plan_batch(size, n, policy)
+    shapes = plan.shapes
+    assert plan.global_batch_size == size and set(shapes) <= set(grid)
+    assert list(shapes) == sorted(shapes, reverse=True)
+    per_device = -(-size // n)
+    full = -(-per_device // top) - 1  # micro-steps of the largest shape before the rest
+    assert shapes[:full] == (top,) * full
+    assert len(shapes) - full <= policy.shapes_per_step
+    # Beyond the whole rows per device, less than the smallest shape it uses.
+    assert 0 <= sum(shapes) - per_device < shapes[-1]
+    uniform = plan_batch(size, n, dataclasses.replace(policy, shapes_per_step=1))
+    if full == 0:  # one band: never more rows than a step on one shape
+      assert plan.rows_per_step <= uniform.rows_per_step
+    check_mixed_layout(plan)
+
+
+def test_split_rows_takes_the_largest_shapes_then_the_one_that_holds_the_rest():
+  grid = (1, 2, 4, 8, 16)
+  assert batch_plan.split_rows(13, grid, 1) == (16,)
+  assert batch_plan.split_rows(13, grid, 2) == (16,)  # 8 + 8 pads as much, in two steps
+  assert batch_plan.split_rows(11, grid, 2) == (8, 4)
+  assert batch_plan.split_rows(13, grid, 3) == (8, 4, 1)
+  assert batch_plan.split_rows(12, grid, 4) == (8, 4)  # exact: no more micro-steps
+  assert batch_plan.split_rows(16, grid, 3) == (16,)
+  assert batch_plan.step_shapes(40, (4, 8, 16), 3) == (16, 16, 8)
+
+
+@pytest.mark.parametrize(
+  "make, message",
+  [
+    (lambda: BucketPolicy(8, shapes_per_step=0), "shapes_per_step must be an int in \\[1, 4\\]"),
+    (lambda: BucketPolicy(8, shapes_per_step=5), "got 5"),
+    (lambda: BucketPolicy(8, padding=False, shapes_per_step=2), "needs padding=True"),
+    (lambda: BatchPlan(10, 10, 2, 4, 2, 2, (2, 4)), "largest first"),
+    (lambda: BatchPlan(10, 10, 2, 4, 2, 2, (4,)), "must be 2 ints"),
+  ],
+)
+def test_bad_mixed_settings_are_refused_with_one_line(make, message):
+  with pytest.raises(ValueError, match=message):
+    make()
+
+
+def test_bucket_shapes_of_steps_of_several_shapes_are_those_the_plans_use():
+  for policy in MIXED_POLICIES:
+    for n, lower, upper in [(8, 16, 512), (2, 3, 40), (1, 1, 5)]:
+      grid = dataclasses.replace(policy, min_micro_batch_size=1)
+      used = {g for size in range(lower, upper + 1) for g in plan_batch(size, n, grid).shapes}
+      assert set(bucket_shapes(grid, n, lower, upper)) == used

@@ -136,8 +136,8 @@ def test_the_padding_line_says_how_much_the_steps_on_their_own_shape_padded():
   summary = {"padding_fraction": 130 / 480, "compile_fallback_steps": 1, **own}
   assert report._padding_row(summary) == (
     "27.1% of the rows computed (this run's steps): 3.0% on the 2 steps that ran their own "
-    "shape, the rest on the 1 that ran a larger compiled shape while theirs compiled (more of "
-    "them on a busy machine)"
+    "shape, the rest on the 1 that ran other programs while theirs compiled (the compile "
+    "schedule's fallback steps, the same in every run of this config)"
   )
   no_fallback = {**summary, "compile_fallback_steps": 0}
   assert report._padding_row(no_fallback) == "27.1% of the rows computed (this run's steps)"

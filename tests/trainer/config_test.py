@@ -51,6 +51,12 @@ BAD_SETTINGS = [
     r"compile.shapes_per_octave must be an int in \[1, 16\].*got 2.5",
   ),
   (
+    "compile.shapes_per_step",
+    0,
+    r"compile.shapes_per_step must be an int in \[1, 4\] \(the micro-steps that may hold the "
+    r"rest of a batch; 1 plans a step on one shape\), got 0",
+  ),
+  (
     "lr.rule",
     "cube",
     r"lr.rule='cube' is not valid; choose one of \('sqrt', 'linear', 'none'\)",

@@ -152,10 +152,12 @@ def get_config() -> ml_collections.ConfigDict:
   config.mode = "recompile"  # "recompile" (power-of-two shapes) | "pad" (one shape).
   # Run a step whose shape is still compiling on a compiled one (one process only).
   config.compile_fallback = True
-  # The grid's shapes per factor of two, the schedule's steps per compile and the compiles of a
-  # program at once (None: the library's defaults; docs/compiling.md).
+  # The grid's shapes per factor of two, the micro-steps that may hold a step's rest, the
+  # schedule's steps per compile and the compiles of a program at once (None: the library's
+  # defaults; docs/compiling.md).
   config.shapes_per_octave = config_dict.placeholder(int)
-  config.steps_per_compile = config_dict.placeholder(float)
+  config.shapes_per_step = 3  # steps of up to 3 shapes: few programs on a coarse grid
+  config.steps_per_compile = 64.0  # steps of milliseconds: a compile takes seconds
   config.compile_threads = config_dict.placeholder(int)
   config.checkpoint_every_steps = config_dict.placeholder(int)  # None: at epoch ends only.
   # Also save 15 minutes after the last checkpoint: the most work a SIGKILL can cost (None: off).
