@@ -9,7 +9,7 @@ accuracy, batch sizes and runtime as measured: README.md's Quick start.
 Hardware: any; on the machine's accelerators, however many, or on 8 simulated
 CPU devices when it has none (``--config.platform=cpu
 --config.num_cpu_devices=N`` for N CPU devices, 1 included; an odd count
-uses the local split). Runtime: one to two minutes on a 2-core machine, with
+uses the local split). Runtime: under a minute on a 2-core machine, with
 compiling the micro-batch shapes in the background a good part of it.
 """
 
