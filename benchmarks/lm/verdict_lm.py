@@ -55,6 +55,7 @@ from benchmarks.lm import protocol as P  # noqa: E402
 from benchmarks.lm import verdict_report  # noqa: E402
 from benchmarks.lm.run_store import RunStore  # noqa: E402
 from benchmarks.pareto.protocol import RunSpec  # noqa: E402
+from simigrad_jax.compile import persistent_cache  # noqa: E402
 
 RESULTS = pathlib.Path(common.RESULTS_DIR)  # lm_<task>.json and the run stores, one a task
 DOCS = pathlib.Path(__file__).resolve().parents[2] / "docs" / "results.md"
@@ -361,8 +362,13 @@ def main(argv: Sequence[str] | None = None, tasks: Mapping[str, P.Task] = P.TASK
   if args.markdown:
     print(_markdown(results_dir, names))
     return 0
-  # One folder for the process's tasks: their compilation cache and workdirs.
-  with tempfile.TemporaryDirectory(prefix="simigrad-lm-verdict-") as root:
+  # One folder for the process's tasks: their compilation cache and workdirs; JAX's cache
+  # settings put back when it goes, so that later compiles in this process (tests) do not
+  # write into a folder that is gone.
+  with (
+    persistent_cache.persistent_cache_settings(),
+    tempfile.TemporaryDirectory(prefix="simigrad-lm-verdict-") as root,
+  ):
     trained = 0
     for name in names:
       runner = TaskRunner(

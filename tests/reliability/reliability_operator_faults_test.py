@@ -721,8 +721,9 @@ def test_damaged_metrics_never_block_a_resume_and_lose_nothing(baseline, tmp_pat
 
 class Kill(NamedTuple):
   """A signal at a seeded moment: ``when`` is "start" (``value`` seconds after the process
-  started: importing, loading, compiling), "step" (``value`` seconds after the record of step
-  ``at``) or "save" (as the checkpoint of step ``at`` is being written)."""
+  started: importing, loading, compiling; or as the first step is recorded, if sooner), "step"
+  (``value`` seconds after the record of step ``at``) or "save" (as the checkpoint of step
+  ``at`` is being written)."""
 
   signal: signal.Signals
   when: str
@@ -776,7 +777,9 @@ def _signal_at(kill: Kill, workdir: pathlib.Path, proc: subprocess.Popen) -> str
   started = time.monotonic()
   deadline = started + TIMEOUT
   while proc.poll() is None and time.monotonic() < deadline:
-    if kill.when == "start" and time.monotonic() - started >= kill.value:
+    if kill.when == "start" and (
+      time.monotonic() - started >= kill.value or step_records(workdir)
+    ):  # while starting: at its moment, or as the first step is recorded if that comes first
       break
     if kill.when == "step" and kill.at in step_records(workdir):
       time.sleep(kill.value)
