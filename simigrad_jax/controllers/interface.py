@@ -275,6 +275,42 @@ def similarity_target(controller: BatchSizeController) -> float | None:
   return float(value)
 
 
+def steps_per_update(controller: BatchSizeController, measure_every: int) -> int:
+  """The optimizer steps each update of ``controller`` stands for, checked against ``measure_every``.
+
+  Its ``config``'s ``steps_per_update`` (:class:`simigrad_jax.Controller`),
+  1 where the config has none: one update, one move of the rule. Other than
+  1, it must be the run's ``measure_every``: the controller is then updated
+  on the steps numbered ``0, k, 2k, ...`` only, each update standing for the
+  ``k`` steps it decides the size of.
+
+  Args:
+    controller: the run's controller.
+    measure_every: the run's ``measure_every`` (an int >= 1).
+
+  Returns:
+    1 or ``measure_every``.
+
+  Raises:
+    ValueError: another value, or one that is no integer >= 1.
+
+  Example:
+    >>> import simigrad_jax
+    >>> from simigrad_jax.controllers import interface
+    >>> c = simigrad_jax.Controller(64, 0.1, steps_per_update=4)
+    >>> interface.steps_per_update(c, measure_every=4)
+    4
+  """
+  value = _config(controller).get("steps_per_update", 1)
+  if not validation.is_int(value) or int(value) not in (1, measure_every):
+    raise ValueError(
+      f"{type(controller).__name__}.config['steps_per_update'] must be 1 (one move of the rule "
+      f"per measurement) or the run's measure_every ({measure_every}: the rule's rate per "
+      f"optimizer step), got {value!r:.200}"
+    )
+  return int(value)
+
+
 def _config(controller: BatchSizeController) -> Mapping[str, Any]:
   config = controller.config
   if not isinstance(config, Mapping):

@@ -41,17 +41,21 @@ in our words:
   :meth:`Controller.state_dict` / :meth:`Controller.load_state_dict`.
 
 Measurements every ``k``-th step (``measure_every``): the controller is
-updated on the measuring steps only, one move of the rule per measurement,
-and the batch size holds over the plain steps between; its counters count
-measurements. (Applying the rule ``k`` times per measurement would rest
-``1.1^k`` on one similarity.) docs/controllers.md, "Measuring every k-th
-step".
+updated on the measuring steps only, and the batch size holds over the plain
+steps between; its counters count updates (measurements). Two readings of a
+measurement, chosen by ``steps_per_update``: 1 (the default) moves the rule
+once per measurement, so the batch moves at ``1/k`` of the rule's rate per
+optimizer step; ``k`` makes each update the decisions of ``k`` updates at
+that similarity (:func:`compounded`: a grow to ``move^k(B)``, the model
+rule's step towards ``B*`` capped at ``k`` of the reference's), so the rule
+keeps its rate per optimizer step and rests each ``k``-fold move on one
+similarity. docs/controllers.md, "Measuring every k-th step".
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from simigrad_jax import validation
@@ -115,6 +119,22 @@ def model_step(model: SimilarityModel, batch_size: int, target: float, dead_band
   return None
 
 
+def grow_move(batch_size: int) -> Move:
+  """The reference's grow from ``batch_size``, whatever the similarity."""
+  return True, reference_move(batch_size, True)
+
+
+def shrink_move(batch_size: int) -> Move:
+  """The reference's shrink from ``batch_size`` (a hold at 1), whatever the similarity."""
+  return (False, reference_move(batch_size, False)) if batch_size > 1 else None
+
+
+def hold_move(batch_size: int) -> Move:
+  """No move (a similarity within the dead band)."""
+  del batch_size
+  return None
+
+
 def smoothed(batch_size: int, move: Move, smooth_factor: float | None) -> int:
   """The size a move decides: blended with ``batch_size`` by ``smooth_factor`` f, if any,
   ``int(f * B + (1 - f) * new)``, keeping the move's direction (a grow is at least B + 1, a
@@ -127,6 +147,45 @@ def smoothed(batch_size: int, move: Move, smooth_factor: float | None) -> int:
     blended = b * smooth_factor + new * (1 - smooth_factor)
     new = max(b + 1, int(blended)) if grow else max(1, min(b - 1, int(blended)))
   return new
+
+
+def compounded(
+  batch_size: int,
+  move_from: Callable[[int], Move],
+  steps: int,
+  smooth_factor: float | None,
+  clamp: Callable[[int], int],
+) -> int:
+  """The size ``steps`` consecutive decisions of a one-step rule reach from ``batch_size``.
+
+  Each decision is :func:`smoothed` from the size the one before it decided,
+  brought within the bounds by ``clamp`` (as an update's size is); the last
+  is returned as decided, for the caller to clamp and name. With ``steps=1``
+  this is ``smoothed(batch_size, move_from(batch_size), smooth_factor)``,
+  one move of the rule.
+
+  Args:
+    batch_size: the size the decisions start from.
+    move_from: the rule's move from a size (:func:`reference_step` or
+      :func:`model_step` with the similarity or model fixed): the same
+      reading at every size, as ``steps`` updates with one similarity see it.
+    steps: how many decisions (an int >= 1).
+    smooth_factor: the controller's ``smooth_factor`` (None: unsmoothed).
+    clamp: the controller's bounds.
+
+  Returns:
+    The last decision's size, before the bounds.
+
+  Example:
+    >>> grow = lambda b: (True, reference_move(b, True))
+    >>> [compounded(100, grow, k, None, lambda b: min(b, 115)) for k in (1, 2, 3)]
+    [110, 121, 126]
+  """
+  size = smoothed(batch_size, move_from(batch_size), smooth_factor)
+  for _ in range(steps - 1):
+    previous = clamp(size)
+    size = smoothed(previous, move_from(previous), smooth_factor)
+  return size
 
 
 class Controller(ProfileMethods, BaseController):
@@ -173,6 +232,14 @@ class Controller(ProfileMethods, BaseController):
     batch_sizes_to_profile: optional sizes to visit first (see
       :meth:`start_profile`); starts at once, or after the warm-up.
     profile_steps_per_size: steps spent at each profiled size.
+    steps_per_update: the optimizer steps each update stands for (an int
+      >= 1). 1 (the default): one move of the rule per update. ``k``: the
+      controller is updated on every ``k``-th step only (``measure_every=k``)
+      and each update decides what ``k`` updates with its similarity would
+      (:func:`compounded`), so the batch moves at the rule's rate per
+      optimizer step. ``warmup_steps`` and the profile still count updates.
+      Saved in the config; :class:`simigrad_jax.Trainer` refuses a value
+      other than 1 or its ``measure_every``.
     verbose: log each decision (logger ``"simigrad_jax"``, level INFO).
 
   Example:
@@ -219,6 +286,7 @@ class Controller(ProfileMethods, BaseController):
     ema_decay: float | None = None,
     batch_sizes_to_profile: Sequence[int] | None = None,
     profile_steps_per_size: int = 1,
+    steps_per_update: int = 1,
     verbose: bool = False,
   ):
     self._target = validation.check_real(
@@ -240,6 +308,7 @@ class Controller(ProfileMethods, BaseController):
     self._dead_band = validation.check_real(
       "dead_band", dead_band, "[0, inf) (finite)", lambda x: 0.0 <= x < math.inf
     )
+    self._steps_per_update = validation.check_int("steps_per_update", steps_per_update, 1)
     self._model = None if ema_decay is None else SimilarityModel(ema_decay)
     if self._model is not None and not 0.0 < self._target < 1.0:
       raise ValueError(
@@ -286,10 +355,10 @@ class Controller(ProfileMethods, BaseController):
       return self._profile.record(self._batch_size, similarity, self._step), "profile"
     if not self._enable_adjust:
       return self._batch_size, "disabled"
-    b, target, band = self._batch_size, self._target, self._dead_band
-    if self._model is not None:
-      return smoothed(b, model_step(self._model, b, target, band), self._smooth)
-    return smoothed(b, reference_step(b, similarity, target, band), self._smooth)
+    target, band, model = self._target, self._dead_band, self._model
+    if model is not None:
+      return self._compounded(lambda b: model_step(model, b, target, band))
+    return self._compounded(lambda b: reference_step(b, similarity, target, band))
 
   def likely_batch_sizes(self, examples_seen: int, epochs: float) -> list[int]:
     """The sizes the next update may decide, likeliest first (the class's Note says which)."""
@@ -299,13 +368,13 @@ class Controller(ProfileMethods, BaseController):
       return [b]
     if self._profile.active:  # the profile's next size; a non-finite step stays
       return list(dict.fromkeys([self._profile.upcoming(), b]))
-    moves: list[Move] = [(True, reference_move(b, True))]
-    moves.append((False, reference_move(b, False)) if b > 1 else None)
-    if self._model is not None and self._model.count:  # first: the averages as they stand
-      moves.insert(0, model_step(self._model, b, self._target, self._dead_band))
-    elif self._model is None and self._dead_band > 0:
-      moves.append(None)  # within the dead band: hold
-    return list(dict.fromkeys(self._clamp(smoothed(b, move, self._smooth)) for move in moves))
+    moves: list[Callable[[int], Move]] = [grow_move, shrink_move]
+    model = self._model
+    if model is not None and model.count:  # first: the averages as they stand
+      moves.insert(0, lambda size: model_step(model, size, self._target, self._dead_band))
+    elif model is None and self._dead_band > 0:
+      moves.append(hold_move)  # within the dead band: hold
+    return list(dict.fromkeys(self._clamp(self._compounded(move)) for move in moves))
 
   def settings(self) -> dict[str, Any]:
     """SimiGrad's settings, for :attr:`config`."""
@@ -316,6 +385,8 @@ class Controller(ProfileMethods, BaseController):
       "dead_band": self._dead_band,
       "warmup_steps": self._warmup,
       "ema_decay": None if self._model is None else self._model.decay,
+      # Named only where it is not 1, so that configs and states saved before it compare the same.
+      **({} if self._steps_per_update == 1 else {"steps_per_update": self._steps_per_update}),
     }
 
   # -------------------------------------------------------------- checkpoints
@@ -341,6 +412,16 @@ class Controller(ProfileMethods, BaseController):
       model.load_parsed_state(parsed)
     return {"_profile": profile, "_model": model}
 
+  def _check_saved_config(self, saved: Mapping[str, Any]) -> None:
+    """Also refuses a state saved with ``steps_per_update`` into a controller without it."""
+    theirs = saved.get("steps_per_update", 1)
+    if theirs != self._steps_per_update:
+      raise ValueError(
+        f"state config differs from this controller's in: steps_per_update (saved {theirs!r}, "
+        f"here {self._steps_per_update!r})"
+      )
+    super()._check_saved_config(saved)
+
   def _complete_old_state(self, state: Mapping[str, Any]) -> Mapping[str, Any]:
     """Older version-1 states lack the kind (before the shared base) and ema_decay (before the model)."""
     state = {"controller": self.KIND, **state}
@@ -349,6 +430,12 @@ class Controller(ProfileMethods, BaseController):
     return state
 
   # ---------------------------------------------------------------- internals
+
+  def _compounded(self, move_from: Callable[[int], Move]) -> int:
+    """The size ``steps_per_update`` decisions of ``move_from`` reach from the present size."""
+    return compounded(
+      self._batch_size, move_from, self._steps_per_update, self._smooth, self._clamp
+    )
 
   def _profile_planned(self) -> None:
     if self._step >= self._warmup:

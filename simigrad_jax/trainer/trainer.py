@@ -137,6 +137,7 @@ class StepLoop:
     # A setting, read once: a schedule's config lists all its thresholds (a replay's, one a step).
     self._similarity_target = controller_interface.similarity_target(controller)
     self._measure_every = config.measure_every
+    self._steps_per_update = controller_interface.steps_per_update(controller, config.measure_every)
     self._bounds = controller_interface.batch_size_bounds(controller)
 
   def run(self, hooks: Sequence[StepHook], total_examples: float, max_steps: float) -> None:
@@ -203,7 +204,8 @@ class StepLoop:
         last = remaining <= batch_size  # no step follows: a compile asked for now is never used
         plan = self._programs.policy.choose(exact, self.step, last)  # decided by the step count
         # Whether the step measures the similarity: decided by the step number alone.
-        measure = self.step % self._measure_every == 0 or plan.accumulation_steps > 1
+        scheduled = self.step % self._measure_every == 0
+        measure = scheduled or plan.accumulation_steps > 1
         wait_before = self._programs.compiler.wait_seconds
         try:
           self._programs.compiler.wait_for(plan, measure)
@@ -250,7 +252,11 @@ class StepLoop:
         examples_seen = self.sampler.examples_seen
         epochs = examples_seen / self.sampler.num_examples
         epoch_end = self.sampler.epoch > epoch
-        if measure or self._similarity_target is None:  # a plain step holds a similarity rule
+        # A plain step holds a similarity rule; one whose updates stand for measure_every steps
+        # each reads the scheduled measurements only (a step of several micro-batches between
+        # them measures too, and is recorded), so that it moves at its rate per step.
+        updates = scheduled if self._steps_per_update > 1 else measure
+        if updates or self._similarity_target is None:
           next_batch_size = self.controller.update(
             measured.similarity,
             stats=measured.controller_stats(
@@ -433,6 +439,7 @@ class Trainer:
       devices=devices,
       mesh=mesh,
     )
+    controller_interface.steps_per_update(controller, config.measure_every)  # checked before use
     self.mesh = mesh = Mesh(np.array(devices), (config.axis_name,)) if mesh is None else mesh
     specs = mesh_sharding.param_specs(param_sharding, params, mesh)
     self.layout = run_setup.make_layout(config, mesh.shape[config.axis_name], lower, upper)

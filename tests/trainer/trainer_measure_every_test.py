@@ -62,3 +62,35 @@ def test_a_resume_with_another_k_is_refused(tmp_path):
 def test_measure_every_must_be_a_positive_int():
   with pytest.raises(ValueError, match="measure_every must be an integer >= 1"):
     simigrad_jax.TrainerConfig(max_micro_batch_size=4, measure_every=0)
+
+
+def test_a_controller_of_k_steps_per_update_moves_at_its_rate_per_step(tmp_path):
+  """steps_per_update=4 with measure_every=4: each block of 4 steps runs the size that 4 updates
+  with its measuring step's similarity decide; a step of several micro-batches between measures
+  (recorded) but is not read."""
+  spaced = simigrad_jax.Controller(
+    20, 0.5, batch_size_lower_bound=8, batch_size_upper_bound=64, steps_per_update=4
+  )
+  objects = {**tiny_run.trainer_objects(tmp_path), "controller": spaced}
+  settings = dict(max_micro_batch_size=4, seed=3, progress=False, tensorboard=False)
+  tiny_run.trainer_with(**objects, **settings, measure_every=4).train(num_steps=12)
+  steps = records(tmp_path)
+  assert len(steps) == 12 and spaced.step == 3  # updated on steps 0, 4 and 8 only
+  single = simigrad_jax.Controller(20, 0.5, batch_size_lower_bound=8, batch_size_upper_bound=64)
+  for start in (0, 4, 8):  # a measuring step runs the size the last one decided
+    assert steps[start]["batch_size"] == single.batch_size
+    for _ in range(4):  # the four updates the measurement stands for
+      single.update(steps[start]["similarity"])
+    assert [r["decision"] for r in steps[start + 1 : start + 4]] == [None] * 3
+    assert {r["batch_size"] for r in steps[start + 1 : start + 5]} == {single.batch_size}
+  assert spaced.batch_size == single.batch_size
+  assert len({r["batch_size"] for r in steps}) > 2  # it moved after the measurements
+  assert any(r["similarity"] is not None for i, r in enumerate(steps) if i % 4)  # 2 micro-steps
+
+
+def test_steps_per_update_other_than_1_or_measure_every_is_refused(tmp_path):
+  spaced = simigrad_jax.Controller(20, 0.5, batch_size_upper_bound=64, steps_per_update=4)
+  objects = {**tiny_run.trainer_objects(tmp_path), "controller": spaced}
+  with pytest.raises(ValueError, match=r"steps_per_update'\] must be 1 .* \(2: .*got 4"):
+    tiny_run.trainer_with(**objects, max_micro_batch_size=4, progress=False, measure_every=2)
+  assert not list(tmp_path.iterdir())  # refused before anything was written
