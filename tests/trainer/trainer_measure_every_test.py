@@ -89,7 +89,9 @@ def test_a_controller_of_k_steps_per_update_moves_at_its_rate_per_step(tmp_path)
 
 
 def test_steps_per_update_other_than_1_or_measure_every_is_refused(tmp_path):
-  spaced = simigrad_jax.Controller(20, 0.5, batch_size_upper_bound=64, steps_per_update=4)
+  spaced = simigrad_jax.Controller(
+    20, 0.5, batch_size_lower_bound=8, batch_size_upper_bound=64, steps_per_update=4
+  )
   objects = {**tiny_run.trainer_objects(tmp_path), "controller": spaced}
   with pytest.raises(ValueError, match=r"steps_per_update'\] must be 1 .* \(2: .*got 4"):
     tiny_run.trainer_with(**objects, max_micro_batch_size=4, progress=False, measure_every=2)
