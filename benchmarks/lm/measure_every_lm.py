@@ -2,10 +2,14 @@
 
 ``TrainerConfig.measure_every=k`` runs the two-half step (the similarity's
 measurement) on the steps ``0, k, 2k, ...`` only and plain steps between; the
-controller moves once per measurement and holds its size over the ``k - 1``
-plain steps that follow (docs/controllers.md). This script asks what that
-costs the LM comparison of ``benchmarks/lm/pareto_lm.py`` in steps and tokens
-to its target, and what it saves per step.
+controller decides on the measuring steps and holds its size over the
+``k - 1`` plain steps that follow. It reads a measurement in one of two
+ways (``--readings``, docs/controllers.md): ``per_measurement``, one move of
+its rule per measurement (``steps_per_update=1``, the default), or
+``per_step``, the ``k`` moves the measurement stands for
+(``steps_per_update=k``: the rule's rate per optimizer step). This script
+asks what each costs the LM comparison of ``benchmarks/lm/pareto_lm.py`` in
+steps and tokens to its target, and what it saves per step.
 
 The protocol:
 
@@ -16,11 +20,12 @@ The protocol:
    and its tuned SimiGrad setting (the SimiGrad setting with the least mean
    final validation loss: its options, learning rate, coupling and token
    allowance).
-2. That setting with ``measure_every`` of ``--every`` (1, 2, 4) and every seed
-   of ``--seeds`` (1-5), paired: seed s sees the same data order and initial
-   parameters for every k. The runs go seed by seed (every k of seed 1,
-   then of seed 2, ...), so that the seeds finished when the run stops are
-   paired.
+2. That setting with ``measure_every`` of ``--every`` (1, 2, 4), each
+   ``k > 1`` read each way of ``--readings`` (a variant: ``k`` and its
+   reading; ``k = 1`` has one), and every seed of ``--seeds`` (1-5),
+   paired: seed s sees the same data order and initial parameters in every
+   variant. The runs go seed by seed (every variant of seed 1, then of
+   seed 2, ...), so that the seeds finished when the run stops are paired.
 3. Per run, from its validation curve: steps and tokens to the target (and
    to the target plus the verdict's margin, :data:`benchmarks.lm.report.LOSS_MARGIN`,
    which a seed that misses the target by a little still reaches), the final
@@ -55,24 +60,26 @@ Usage::
 
   python benchmarks/lm/measure_every_lm.py                        # 15 runs: lm_measure_every.json
   python benchmarks/lm/measure_every_lm.py --seeds 1,2 --every 1,4
+  python benchmarks/lm/measure_every_lm.py --readings per_measurement,per_step  # 25 runs
   python benchmarks/lm/measure_every_lm.py --markdown benchmarks/results/lm_measure_every.json
 
 JSON (machine-read)::
 
   {"experiment": {...}, "source": str, "target_val_loss": float, "loss_margin": float,
    "setting": {"label", "controller", "options", "learning_rate", "lr_coupling", ...},
-   "seeds": [int] (those finished for every k), "every": [int],
-   "per_k": [{"measure_every", "seeds", "reached", "steps_to_target", "tokens_to_target",
+   "seeds": [int] (those finished for every variant), "every": [int],
+   "variants": [[k, reading]] (reading "per_measurement" or "per_step"),
+   "per_k": [{"measure_every", "reading", "seeds", "reached", "steps_to_target", "tokens_to_target",
               "steps_to_margin", "tokens_to_margin", "final_val_loss", "avg_batch_size",
               "measurements", "steps", "wall_seconds", "seconds_per_step",
               "step_cost_vs_k1": [ratio, lo, hi], ...}],
-   "paired": [{"measure_every", "steps_ratio_to_target": [ratio, lo, hi],
+   "paired": [{"measure_every", "reading", "steps_ratio_to_target": [ratio, lo, hi],
                "tokens_ratio_to_target", "steps_ratio_to_margin", "tokens_ratio_to_margin",
                "final_val_loss_difference": [mean, lo, hi]}],
-   "goal": [{"measure_every", "read_on", "seeds_read", "k1_spread", "mean",
+   "goal": [{"reading", "measure_every", "read_on", "seeds_read", "k1_spread", "mean",
              "within_k1_spread", "steps_ratio", "step_cost_vs_k1"}],
    "runs": [{...as benchmarks/lm/experiment.py records a run, and "measure_every",
-             "measurements", "seconds_per_step": {rows per device: [seconds, blocks]}}],
+             "reading", "measurements", "seconds_per_step": {rows per device: [seconds, blocks]}}],
    "runs_wall_seconds": float, ...}
 """
 
@@ -118,6 +125,31 @@ NAME = "lm_measure_every"
 SOURCE = os.path.join(common.RESULTS_DIR, "pareto_lm.json")
 SEEDS = (1, 2, 3, 4, 5)
 EVERY = (1, 2, 4)
+# How the controller reads a measurement that stands for k steps (docs/controllers.md):
+# "per_measurement", one move of the rule per measurement (steps_per_update=1, the default), or
+# "per_step", the rule's rate per optimizer step (steps_per_update=k). k = 1 has one reading.
+READINGS = ("per_measurement", "per_step")
+
+
+def read_as(spec: RunSpec, every: int, reading: str) -> RunSpec:
+  """``spec`` measuring every ``every``-th step, its controller reading ``reading``.
+
+  Example:
+    >>> spec = RunSpec("simigrad", (("similarity_target", 0.1),), 3e-3, 1.0, 1)
+    >>> read_as(spec, 4, "per_step").options
+    (('similarity_target', 0.1), ('steps_per_update', 4))
+    >>> read_as(spec, 1, "per_step") == spec == read_as(spec, 4, "per_measurement")
+    True
+  """
+  if reading == "per_step" and every > 1:
+    return dataclasses.replace(spec, options=(*spec.options, ("steps_per_update", every)))
+  return spec
+
+
+def reading_of(run: Mapping[str, Any]) -> str:
+  """A run's reading, from its controller's options (runs stored before the readings: per
+  measurement)."""
+  return "per_step" if run.get("options", {}).get("steps_per_update", 1) > 1 else "per_measurement"
 
 
 def tuned_setting(source: Mapping[str, Any]) -> tuple[RunSpec, float, str]:
@@ -391,45 +423,74 @@ def goal_row(
   }
 
 
+Variant = tuple[int, str]  # (measure_every, reading)
+
+
+def variant(value: int | Sequence[Any]) -> Variant:
+  """``(measure_every, reading)``; a bare ``k`` reads one move per measurement."""
+  if isinstance(value, int):
+    return value, READINGS[0]
+  every, reading = value
+  return int(every), str(reading)
+
+
+def variant_of(run: Mapping[str, Any]) -> Variant:
+  """A run's ``(measure_every, reading)``."""
+  return run["measure_every"], run.get("reading") or reading_of(run)
+
+
 def analyse(
   runs: Sequence[dict[str, Any]],
-  every: Sequence[int],
+  variants: Sequence[int | Variant],
   target: float,
   margin: float = LOSS_MARGIN,
 ) -> dict[str, Any]:
-  """The runs' targets, the summary per ``k``, the paired comparisons with ``k = 1`` and the goal.
+  """The runs' targets, the summary per variant, the paired comparisons with ``k = 1`` and the goal.
 
-  Only seeds that finished every ``k`` count, so every comparison is paired.
+  Only seeds that finished every variant count, so every comparison is paired.
 
   Args:
-    runs: the run records (with ``measure_every``, ``seed``, ``curve``,
-      ``measurements`` and ``seconds_per_step``); their steps and tokens
-      to the target and to ``target + margin`` are filled in.
-    every: the ``measure_every`` values, the first the reference (1).
+    runs: the run records (with ``measure_every``, ``seed``, ``options``,
+      ``curve``, ``measurements`` and ``seconds_per_step``); their steps and
+      tokens to the target and to ``target + margin`` are filled in.
+    variants: ``(measure_every, reading)`` pairs (a bare ``k``: one move per
+      measurement), the first the reference (``k = 1``).
     target: the target validation loss.
     margin: how far above the target a run still counts for the margin's columns.
   """
-  by_k: dict[int, dict[int, dict[str, Any]]] = {k: {} for k in every}
+  order = [variant(v) for v in variants]
+  by_variant: dict[Variant, dict[int, dict[str, Any]]] = {v: {} for v in order}
   for run in runs:
     fill_targets(run, target, margin)
-    by_k.setdefault(run["measure_every"], {})[run["seed"]] = run
-  seeds = sorted(set.intersection(*(set(by_k[k]) for k in every)))
+    by_variant.setdefault(variant_of(run), {})[run["seed"]] = run
+  seeds = sorted(set.intersection(*(set(by_variant[v]) for v in order)))
   if not seeds:
-    raise ValueError(f"no seed finished every measure_every of {list(every)}")
-  groups = {k: [by_k[k][s] for s in seeds] for k in every}
-  per_k = [summarize(groups[k], groups[every[0]], k) for k in every]
+    raise ValueError(f"no seed finished every variant (measure_every, reading) of {order}")
+  groups = {v: [by_variant[v][s] for s in seeds] for v in order}
+  base = groups[order[0]]
+  per_k = [
+    {"measure_every": k, "reading": r, **summarize(groups[(k, r)], base, k)} for k, r in order
+  ]
   reference = per_k[0]
-  paired = [{"measure_every": k, **compare(groups[k], groups[every[0]])} for k in every[1:]]
-  goal = [goal_row(row, reference, seeds) for row in per_k[1:]]
+  paired = [
+    {"measure_every": k, "reading": r, **compare(groups[(k, r)], base)} for k, r in order[1:]
+  ]
+  goal = [{"reading": row["reading"], **goal_row(row, reference, seeds)} for row in per_k[1:]]
   return {
     "target_val_loss": target,
     "loss_margin": margin,
     "seeds": seeds,
-    "every": list(every),
+    "every": list(dict.fromkeys(k for k, _ in order)),
+    "variants": [list(v) for v in order],
     "per_k": per_k,
     "paired": paired,
     "goal": goal,
   }
+
+
+def _steps_per_update(row: Mapping[str, Any]) -> int:
+  """The controller's ``steps_per_update`` of a table's row (results before the readings: 1)."""
+  return row["measure_every"] if row.get("reading") == "per_step" else 1
 
 
 def _fmt(value: Any, pattern: str = "{:,.0f}") -> str:
@@ -449,14 +510,15 @@ def markdown(results: Mapping[str, Any]) -> str:
   """The docs' tables: per ``k``, and each ``k``'s paired comparison with ``k = 1``."""
   n = len(results["seeds"])
   lines = [
-    f"| `measure_every` | reached the target | steps to target | tokens to target | "
-    f"steps to target + {results['loss_margin']:g} | final val loss | avg batch | "
-    "measurements | steps | wall s (compiles excluded) | ms a step | step cost vs k = 1 |",
-    "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    f"| `measure_every` | `steps_per_update` | reached the target | steps to target | "
+    f"tokens to target | steps to target + {results['loss_margin']:g} | final val loss | "
+    "avg batch | measurements | steps | wall s (compiles excluded) | ms a step | "
+    "step cost vs k = 1 |",
+    "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
   ]
   for row in results["per_k"]:
     lines.append(
-      f"| {row['measure_every']} | {row['reached']}/{n} | {_fmt(row['steps_to_target'])} | "
+      f"| {row['measure_every']} | {_steps_per_update(row)} | {row['reached']}/{n} | {_fmt(row['steps_to_target'])} | "
       f"{_fmt(row['tokens_to_target'])} | {_fmt(row['steps_to_margin'])} "
       f"({row['reached_margin']}/{n}) | {row['final_val_loss']:.4f} "
       f"± {row['final_val_loss_std']:.4f} | {row['avg_batch_size']:.1f} | "
@@ -466,10 +528,10 @@ def markdown(results: Mapping[str, Any]) -> str:
     )
   lines += [
     "",
-    "| `measure_every` vs 1, paired | steps to target | tokens to target | "
+    "| `measure_every` vs 1, paired | `steps_per_update` | steps to target | tokens to target | "
     f"steps to target + {results['loss_margin']:g} | final val loss difference | "
     "the goal's reading | steps (vs 1) | k = 1's spread | within |",
-    "|---|---|---|---|---|---|---|---|---|",
+    "|---|---|---|---|---|---|---|---|---|---|",
   ]
   for row, goal in zip(results["paired"], results["goal"], strict=True):
     diff, lo, hi = row["final_val_loss_difference"]
@@ -478,7 +540,8 @@ def markdown(results: Mapping[str, Any]) -> str:
     within = {None: "-", True: "yes", False: "no"}[goal["within_k1_spread"]]
     spread = goal["k1_spread"]
     lines.append(
-      f"| {row['measure_every']} | {_ci(row['steps_ratio_to_target'])} | "
+      f"| {row['measure_every']} | {_steps_per_update(row)} | "
+      f"{_ci(row['steps_ratio_to_target'])} | "
       f"{_ci(row['tokens_ratio_to_target'])} | {_ci(row['steps_ratio_to_margin'])} | "
       f"{diff:+.4f} ({lo:+.4f} to {hi:+.4f}) | "
       f"{read}, seeds {', '.join(map(str, goal['seeds_read']))} | "
@@ -504,11 +567,19 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     default=None,
     help="the finished runs (default: --out's folder, NAME_runs.jsonl; '' keeps none)",
   )
+  p.add_argument(
+    "--readings",
+    type=lambda text: tuple(text.split(",")),
+    default=READINGS[:1],
+    help=f"how the controller reads a measurement when k > 1, some of {','.join(READINGS)}",
+  )
   p.add_argument("--markdown", default=None, help="print the docs tables of this JSON, and stop")
   p.add_argument("--workdir", default=None, help="keep every run's workdir under this folder")
   args = p.parse_args(argv)
   if not args.every or args.every[0] != 1 or any(k < 1 for k in args.every):
     p.error(f"--every must start with 1 (the reference) and hold integers >= 1, got {args.every}")
+  if not args.readings or not set(args.readings) <= set(READINGS):
+    p.error(f"--readings must name some of {', '.join(READINGS)}, got {','.join(args.readings)}")
   if len(set(args.every)) != len(args.every) or len(set(args.seeds)) != len(args.seeds):
     p.error(f"--every and --seeds must not repeat a value, got {args.every} and {args.seeds}")
   args.out = common.out_path(args.out, NAME)
@@ -530,6 +601,7 @@ def train(
   records = simigrad_jax.read_metrics(workdir / "metrics.jsonl")
   steps = [r for r in records if "batch_size" in r]
   run["measure_every"] = every
+  run["reading"] = reading_of(run)
   run["measurements"] = sum(r["similarity"] is not None for r in steps)
   run["seconds_per_step"] = seconds_per_step(steps, every)
   if not keep:
@@ -577,9 +649,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
       text_file=experiment["text_file"],
     )
     print(f"{jax.device_count()} devices; {exp.description}; {label}", flush=True)
+    variants = [(k, r) for k in args.every for r in (args.readings if k > 1 else READINGS[:1])]
     for seed in args.seeds:
-      for every in args.every:
-        seeded = dataclasses.replace(spec, seed=seed)
+      for every, reading in variants:
+        seeded = read_as(dataclasses.replace(spec, seed=seed), every, reading)
         key = json.dumps([every, run_key(seeded, share)])
         run = store.runs.get(key)
         trained = run is None
@@ -588,14 +661,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
           store.put(key, run)
         runs.append(run)
         print(
-          f"  {'' if trained else '(stored) '}k={every} seed {seed}: val loss "
+          f"  {'' if trained else '(stored) '}k={every} {reading} seed {seed}: val loss "
           f"{run['final_val_loss']:.4f}  steps {run['steps']}  avg batch "
           f"{run['avg_batch_size']:.1f}  measurements {run['measurements']}  "
           f"{run['wall_seconds']:.1f} s",
           flush=True,
         )
   results = {
-    **analyse(runs, args.every, target),
+    **analyse(runs, variants, target),
     "source": common.repository_path(args.source),
     "experiment": experiment,
     "setting": setting,

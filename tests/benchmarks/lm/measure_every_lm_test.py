@@ -231,7 +231,59 @@ def test_the_runs_go_seed_by_seed_into_the_store_and_resume(tmp_path, capsys):
   capsys.readouterr()
   assert me.main(["--markdown", str(out)]) == {}
   rows = capsys.readouterr().out.splitlines()
-  assert rows[2].startswith("| 1 | 2/2 |") and rows[3].startswith("| 4 | 2/2 |")
+  assert rows[2].startswith("| 1 | 1 | 2/2 |") and rows[3].startswith("| 4 | 1 | 2/2 |")
   other = _toy_source(tmp_path, target=2.4)  # another target: the stored runs are refused
   with pytest.raises(ValueError, match="another experiment"):
     me.main([*argv[:-2], "--store", str(store), "--source", str(other)])
+
+
+def test_the_readings_are_run_side_by_side_and_k1_once(tmp_path, capsys):
+  source = _toy_source(tmp_path)
+  trained = []
+
+  def fake_train(exp, spec, label, share, every, keep):
+    per_step = dict(spec.options).get("steps_per_update", 1)
+    trained.append((spec.seed, every, per_step))
+    final = 2.4 + 0.01 * every - 0.02 * (per_step > 1)
+    return {
+      "seed": spec.seed,
+      "measure_every": every,
+      "reading": me.reading_of({"options": dict(spec.options)}),
+      "options": dict(spec.options),
+      "curve": [[0, 0, 3.0], [50, 3200, 2.6], [100 + 10 * every, 6400, final]],
+      "final_val_loss": final,
+      "avg_batch_size": 8.0,
+      "measurements": -(-100 // every),
+      "steps": 100,
+      "tokens": 6400,
+      "wall_seconds": 10.0,
+      "compile_seconds": 0.0,
+      "seconds_per_step": {"1": [0.1, 40]},
+    }
+
+  out, store = tmp_path / "out.json", tmp_path / "runs.jsonl"
+  argv = ["--source", str(source), "--seeds", "1,2", "--every", "1,4", "--out", str(out)]
+  argv += ["--store", str(store), "--readings", "per_measurement,per_step"]
+  with mock.patch.object(me, "train", fake_train):
+    results = me.main(argv)
+  assert trained == [(1, 1, 1), (1, 4, 1), (1, 4, 4), (2, 1, 1), (2, 4, 1), (2, 4, 4)]
+  assert results["variants"] == [[1, "per_measurement"], [4, "per_measurement"], [4, "per_step"]]
+  k1, held, rate = results["per_k"]
+  assert (held["reading"], rate["reading"]) == ("per_measurement", "per_step")
+  assert rate["final_val_loss"] == pytest.approx(2.42) and held["final_val_loss"] == 2.44
+  assert [row["reading"] for row in results["goal"]] == ["per_measurement", "per_step"]
+  capsys.readouterr()
+  me.main(["--markdown", str(out)])
+  rows = capsys.readouterr().out.splitlines()
+  assert [row[:13] for row in rows[2:5]] == ["| 1 | 1 | 2/2", "| 4 | 1 | 2/2", "| 4 | 4 | 2/2"]
+  with pytest.raises(SystemExit):
+    me.main([*argv[:-1], "per_rate"])
+  assert "--readings must name some of per_measurement, per_step" in capsys.readouterr().err
+
+
+def test_a_reading_adds_the_controller_setting_for_k_over_1_only():
+  spec = me.RunSpec("simigrad", (("similarity_target", 0.1),), 3e-3, 1.0, 1)
+  assert dict(me.read_as(spec, 4, "per_step").options)["steps_per_update"] == 4
+  assert me.read_as(spec, 1, "per_step") == spec == me.read_as(spec, 2, "per_measurement")
+  assert me.reading_of({"options": {"steps_per_update": 2}}) == "per_step"
+  assert me.reading_of({"options": {}}) == me.reading_of({}) == "per_measurement"
