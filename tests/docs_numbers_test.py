@@ -222,6 +222,33 @@ def _lm_phrases() -> list[str]:
   ]
 
 
+def _measure_every_lm_phrases() -> list[str]:
+  """The LM comparison's two readings of a spaced measurement, in its prose."""
+  r = _result("lm_measure_every")
+  rows = {(row["measure_every"], row["reading"]): row for row in r["per_k"]}
+  paired = {(row["measure_every"], row["reading"]): row for row in r["paired"]}
+  k1, held, rate = rows[(1, "per_measurement")], rows[(4, "per_measurement")], rows[(4, "per_step")]
+  rate2 = rows[(2, "per_step")]
+  [seed_2] = [
+    run
+    for run in r["runs"]
+    if (run["measure_every"], run.get("reading"), run["seed"]) == (4, "per_step", 2)
+  ]
+  diff4, lo4, hi4 = paired[(4, "per_step")]["final_val_loss_difference"]
+  diff2, lo2, hi2 = paired[(2, "per_step")]["final_val_loss_difference"]
+  return [
+    f"an average batch of {held['avg_batch_size']:.1f} against {k1['avg_batch_size']:.1f}, "
+    f"so {held['steps']:,.0f} steps against {k1['steps']:,.0f}",
+    f"at k = 4 the average batch is {rate['avg_batch_size']:.1f} and the run takes "
+    f"{rate['steps']:,.0f} steps (k = 1: {k1['avg_batch_size']:.1f} and {k1['steps']:,.0f}), at "
+    f"k = 2 {rate2['avg_batch_size']:.1f} and {rate2['steps']:,.0f}",
+    f"({diff4:+.4f} at k = 4, interval {lo4:+.4f} to {hi4:+.4f}; {diff2:+.4f} at k = 2, "
+    f"interval {lo2:+.4f} to {hi2:+.4f})",
+    f"in seed 2 it ends at {seed_2['final_val_loss']:.4f}",
+    f"The JSON's `runs_wall_seconds` is {r['runs_wall_seconds']:,.0f}.",
+  ]
+
+
 def _controllers_phrases() -> list[str]:
   summary = _result("pareto_mnist")["summary"]
   late = summary["simigrad one_step_late=1"]["matches_best_fixed"]
@@ -383,6 +410,7 @@ def _lm_budget_phrases() -> list[str]:
     ("results.md", _mlm_phrases),
     ("results.md", _lm_phrases),
     ("results.md", _lm_budget_phrases),
+    ("results.md", _measure_every_lm_phrases),
     ("controllers.md", _controllers_phrases),
     ("own_step.md", _own_step_phrases),
     ("own_step.md", _gpu_phrases),
@@ -399,6 +427,7 @@ def _lm_budget_phrases() -> list[str]:
     "mlm",
     "causal_lm",
     "causal_lm_budgets",
+    "lm_measure_every",
     "controllers",
     "own_step_halves",
     "gpu_h200",
