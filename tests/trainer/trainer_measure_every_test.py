@@ -96,3 +96,21 @@ def test_steps_per_update_other_than_1_or_measure_every_is_refused(tmp_path):
   with pytest.raises(ValueError, match=r"steps_per_update'\] must be 1 .* \(2: .*got 4"):
     tiny_run.trainer_with(**objects, max_micro_batch_size=4, progress=False, measure_every=2)
   assert not list(tmp_path.iterdir())  # refused before anything was written
+
+
+def test_a_resume_with_another_steps_per_update_is_refused(tmp_path):
+  def run(steps_per_update):
+    controller = simigrad_jax.Controller(
+      20,
+      0.5,
+      batch_size_lower_bound=8,
+      batch_size_upper_bound=64,
+      steps_per_update=steps_per_update,
+    )
+    objects = {**tiny_run.trainer_objects(tmp_path), "controller": controller}
+    settings = dict(max_micro_batch_size=4, seed=3, progress=False, tensorboard=False)
+    return tiny_run.trainer_with(**objects, **settings, measure_every=2, checkpoints=EVERY_3)
+
+  run(2).train(num_steps=3)
+  with pytest.raises(CheckpointMismatchError, match="steps_per_update"):
+    run(1).train(num_steps=6)
