@@ -19,13 +19,16 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.sharding import PartitionSpec as P
 
 import simigrad_jax
 from simigrad_jax.compile.step_functions import Program
 from simigrad_jax.compile.step_functions import ProgramShape
 from simigrad_jax.ingraph import AxisNameError
 from simigrad_jax.ingraph import LossContractError
+from simigrad_jax.shapes import batch_plan
 from simigrad_jax.trainer import AdaptiveBatchError
+from simigrad_jax.trainer import adaptive_step
 
 PAGE = pathlib.Path(__file__).resolve().parents[1] / "docs" / "adaptive_loop.md"
 FEATURES, HIDDEN, MAX_BATCH = 6, 8, 64
@@ -230,6 +233,53 @@ def test_a_loss_or_transform_that_does_not_fit_is_named(params):
   step = simigrad_jax.AdaptiveStep(row_losses, optimizer("batch"), max_batch_size=16)
   with pytest.raises(ValueError, match="lr_factor"):
     step(*step.init(params), batch_of(16), lr_factor=0.0)
+
+
+@pytest.mark.parametrize("lr_factor", [0.0, -1.0, float("nan"), float("inf"), 1e39, "fast"])
+def test_a_learning_rate_factor_that_is_not_a_finite_positive_number_is_refused(params, lr_factor):
+  step = simigrad_jax.AdaptiveStep(row_losses, optimizer("batch"), max_batch_size=16)
+  with pytest.raises(ValueError, match=r"lr_factor must be a finite number > 0, got"):
+    step(*step.init(params), batch_of(16), lr_factor=lr_factor)  # 1e39: not a float32
+
+
+# The host's share of a step.
+
+
+def test_a_size_seen_before_places_nothing_on_the_devices(adaptive, params, monkeypatch):
+  """A step at a size it has run before reuses its row weights and scalars on the devices and
+  hands its rows to the program as host arrays: no jax.device_put of its own, whatever the
+  learning-rate factor."""
+  state = adaptive.init(params)
+  placed = []
+  device_put = jax.device_put
+  monkeypatch.setattr(jax, "device_put", lambda *a, **k: placed.append(a) or device_put(*a, **k))
+  sizes = [22, 21, 22, 21, 22]  # one shape; sizes the other tests do not run
+  assert len({adaptive.plan(size).micro_batch_size for size in sizes}) == 1
+  for n, size in enumerate(sizes):
+    before = len(placed)
+    *state, _ = adaptive(*state, batch_of(size, seed=n), lr_factor=1.0 + n / 4)
+    assert (len(placed) > before) == (size not in sizes[:n]), (n, size)  # a new size places
+  assert np.isfinite(simigrad_jax.similarity(state[1]))
+
+
+def test_the_rows_of_a_plan_of_several_shapes_are_laid_out_micro_step_by_micro_step():
+  """Micro-step ``j`` takes the first ``plan.shapes[j]`` rows of each slot, as the Trainer's
+  data loader lays them out, padding rows zero."""
+  plan = batch_plan.plan_on_shapes(21, 21, 2, (8, 3))  # 2 slots: 8 + 3 rows each, 1 padding
+  mesh = jax.make_mesh((1,), ("batch",), (jax.sharding.AxisType.Auto,))
+  sharded, replicated = (jax.NamedSharding(mesh, spec) for spec in (P("batch"), P()))
+  placed = adaptive_step._PlacedPlan.create(plan, sharded, replicated)
+  rows = {"x": np.arange(1.0, 22.0, dtype=np.float32)[:, None] * np.ones(2, np.float32)}
+  micro_batches = placed.laid_out(rows)
+  layout = plan.example_layout()
+  assert [len(m["x"]) for m in micro_batches] == [16, 6]
+  for j, size in enumerate(plan.shapes):
+    examples = layout[j, :, :size].reshape(-1)
+    want = np.where(examples[:, None] >= 0, rows["x"][np.maximum(examples, 0)], 0.0)
+    np.testing.assert_array_equal(micro_batches[j]["x"], want)
+    np.testing.assert_array_equal(np.asarray(placed.weights[j]), examples >= 0)
+  assert np.asarray(placed.scalars.total_weight) == 21
+  assert np.asarray(placed.scalars.first_half_weight) == 11
 
 
 # measure_every: the similarity measured on every k-th step, plain steps between.

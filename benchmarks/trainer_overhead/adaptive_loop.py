@@ -11,6 +11,10 @@ the same batch size (``jax.value_and_grad`` and the update in one
 * ``adaptive_step``: :class:`simigrad_jax.AdaptiveStep` (``max_batch_size``
   512, 4 shapes per octave) at 256, one of its compiled shapes
   (docs/adaptive_loop.md's loop);
+* ``adaptive_program``: the program that step runs (``step.program``), called
+  alone with its inputs already on the device (the rows laid out and placed
+  once): the step's cost without the host's share (laying out the rows,
+  handing them over, the plan);
 * ``adaptive_step_padded``: the same at 232, padded to the shape of 256 (the
   cost of a batch between two shapes, against the plain step at 232);
 * ``adaptive_step_moving``: the same over a batch that moves by about 10% a
@@ -64,6 +68,7 @@ MOVING = (1.0, 1.1, 0.99, 0.9, 0.99, 1.09)
 PADDED = 232 / 256
 WAYS = (
   "adaptive_step",
+  "adaptive_program",
   "adaptive_step_padded",
   "adaptive_step_moving",
   "two_pass",
@@ -74,6 +79,7 @@ WAYS = (
 GOAL = 1.3
 DESCRIPTIONS = {
   "adaptive_step": "`AdaptiveStep`, a batch of one compiled shape",
+  "adaptive_program": "its compiled program alone, the inputs on the device beforehand",
   "adaptive_step_padded": "`AdaptiveStep`, a batch padded to the next shape",
   "adaptive_step_moving": "`AdaptiveStep`, the batch moving by ~10% a step",
   "two_pass": "a `jax.jit` step of `value_and_half_grads` (no adaptive batch)",
@@ -87,6 +93,7 @@ def _sizes(batch: int) -> dict[str, list[int]]:
   even = lambda fraction: max(2, 2 * round(batch * fraction / 2))
   return {
     "adaptive_step": [batch],
+    "adaptive_program": [batch],
     "adaptive_step_padded": [even(PADDED)],
     "adaptive_step_moving": [even(f) for f in MOVING],
     "two_pass": [batch],
@@ -259,6 +266,8 @@ def _ways(args: argparse.Namespace) -> tuple[dict[str, Callable[[int], Any]], Ca
     adaptive_state[:] = params, opt_state
     simigrad_jax.similarity(opt_state)  # the controller reads it: the host waits for the step
 
+  adaptive_step(args.batch)  # compiles the program of the batch's shape
+  adaptive_program = _program_alone(adaptive, params0, rows(args.batch))
   local = with_lr(simigrad_jax.transform())
 
   @jax.jit
@@ -305,6 +314,7 @@ def _ways(args: argparse.Namespace) -> tuple[dict[str, Callable[[int], Any]], Ca
   tenth = max(2, 2 * round(args.batch / 16))  # 32 rows at 256: 8 micro-steps
   ways = {
     "adaptive_step": adaptive_step,
+    "adaptive_program": adaptive_program,
     "adaptive_step_padded": adaptive_step,
     "adaptive_step_moving": adaptive_step,
     "two_pass": two_pass,
@@ -312,6 +322,47 @@ def _ways(args: argparse.Namespace) -> tuple[dict[str, Callable[[int], Any]], Ca
     "recipe_256": recipe(args.batch),
   }
   return ways, plain, {"adaptive": adaptive, "tenth": tenth}
+
+
+def _program_alone(adaptive: Any, params: Any, batch: dict[str, Any]) -> Callable[[int], None]:
+  """``adaptive``'s compiled program of ``batch``'s size as ``run(batch_size)``, called with
+  inputs placed once beforehand (the rows in the step's order, every row of weight 1: a batch
+  of one of its shapes), reading the similarity as the step's way does."""
+  import jax  # pylint: disable=import-outside-toplevel
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  from jax.sharding import NamedSharding  # pylint: disable=import-outside-toplevel
+  from jax.sharding import PartitionSpec as P  # pylint: disable=import-outside-toplevel
+
+  import simigrad_jax  # pylint: disable=import-outside-toplevel
+  from simigrad_jax.compile.step_functions import Program  # pylint: disable=import-outside-toplevel
+  from simigrad_jax.ingraph import train_step  # pylint: disable=import-outside-toplevel
+  from simigrad_jax.shapes.layout import StepLayout  # pylint: disable=import-outside-toplevel
+
+  size = len(next(iter(batch.values())))
+  plan = adaptive.plan(size)
+  assert plan.padded_examples == 0 and plan.accumulation_steps == 1, plan
+  program = adaptive.program((Program.FUSED, plan.micro_batch_size))
+  mesh = jax.make_mesh((jax.device_count(),), ("batch",), (jax.sharding.AxisType.Auto,))
+  sharded, replicated = NamedSharding(mesh, P("batch")), NamedSharding(mesh, P())
+  take = plan.example_layout().reshape(-1)
+  rows = jax.device_put({name: np.take(a, take, axis=0) for name, a in batch.items()}, sharded)
+  weights = jax.device_put(np.ones(len(take), np.float32), sharded)
+  scalars = jax.device_put(
+    train_step.StepScalars(
+      np.float32(size), np.float32(1.0), np.float32(StepLayout.first_half_weight(size))
+    ),
+    replicated,
+  )
+  counters = jax.device_put(np.zeros(2, np.int32), replicated)
+  state = list(adaptive.init(params))
+
+  def run(batch_size: int) -> None:
+    assert batch_size == size, (batch_size, size)
+    params, opt_state, _, _ = program(*state, (), rows, weights, scalars, counters)
+    state[:] = params, opt_state
+    simigrad_jax.similarity(opt_state)
+
+  return run
 
 
 def _measure(args: argparse.Namespace) -> dict[str, Any]:

@@ -4,8 +4,8 @@
 parameters, the optimizer state and a batch of any size, plans the batch on a
 few compiled shapes (:class:`simigrad_jax.shapes.layout.StepLayout`: shapes
 a factor ``2^(1 / shapes_per_octave)`` apart, the spare rows padding of
-weight 0), lays the rows out on the devices, and runs the Trainer's own
-compiled programs (:mod:`simigrad_jax.compile.step_functions`): one program
+weight 0), lays the rows out in the order the devices take them, and runs the
+Trainer's own compiled programs (:mod:`simigrad_jax.compile.step_functions`): one program
 for a batch up to ``max_batch_size``, the micro-step and the update for a
 larger one. What it computes is the Trainer's step: the mean gradient over the
 batch's examples, and the similarity of its even- and odd-numbered examples'
@@ -28,6 +28,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from simigrad_jax import validation
+from simigrad_jax.compile.step_functions import APPLY
 from simigrad_jax.compile.step_functions import Program
 from simigrad_jax.compile.step_functions import ProgramShape
 from simigrad_jax.compile.step_functions import StepFunctions
@@ -72,6 +73,12 @@ class AdaptiveStep:
   rows in two blocks (:mod:`simigrad_jax.shapes.layout`). The parameters and
   the optimizer state are replicated on the devices (:meth:`init`); a step
   donates them and returns the new ones, placed for the next step.
+
+  The host's share of a step is small: the rows gathered into the devices'
+  order (one ``np.take`` per array, a copy: the batch may change once the
+  call returns) and handed to the program as NumPy arrays, which its call
+  places; a batch size seen before reuses its plan, its row weights and its
+  scalars already on the devices, and nothing waits for the devices.
 
   Args:
     loss_fn: ``loss_fn(params, batch) -> losses``, one loss per row of
@@ -166,7 +173,6 @@ class AdaptiveStep:
     self._element_spec: dict[str, tuple[tuple[int, ...], Any]] = {}
     self._programs: dict[ProgramShape, Any] = {}
     self._accumulator: Any = None
-    self._scalars: tuple[tuple[int, float], train_step.StepScalars] | None = None
     self._placed_plans: dict[int, _PlacedPlan] = {}
     self._counters: list[jax.Array] = []
     self._steps = 0
@@ -248,7 +254,8 @@ class AdaptiveStep:
       params: the parameters (from :meth:`init` or the last step; donated).
       opt_state: the optimizer state (likewise).
       batch: a dict of host arrays (NumPy) with a shared leading example axis
-        of any size of at least 2.
+        of any size of at least 2 (its rows are copied: it may change once the
+        call returns).
       lr_factor: the learning-rate factor of this step
         (:func:`simigrad_jax.lr_factor` of the batch size), given to
         ``scale_by_lr_factor`` in the program: no recompile when it changes.
@@ -263,30 +270,35 @@ class AdaptiveStep:
       AdaptiveBatchError: for a batch that is not a dict of arrays of one row
         count of at least 2, or whose names or per-example shapes differ
         from the first batch's.
+      ValueError: for an ``lr_factor`` that is not a finite number > 0.
     """
     rows = self._checked_batch(batch)
-    plan, weights, layout = self._placed_plan(len(next(iter(rows.values()))))
+    placed = self._placed_plan(len(next(iter(rows.values()))))
+    plan = placed.plan
     if self._functions is None:
       params, opt_state = self._place(params), self._place(opt_state)
       self._functions = self._build(params, opt_state, rows)
-    scalars = self._step_scalars(plan.global_batch_size, lr_factor)
-    micro_batches = [self._place_rows(rows, layout[j]) for j in range(len(layout))]
-    counters = self._micro_counters(len(layout))
+    scalars = placed.scalars._replace(lr_factor=_checked_lr_factor(lr_factor))
+    micro_batches = placed.laid_out(rows)
+    counters = self._micro_counters(plan.accumulation_steps)
     measure = self.measuring(self._steps)
     self._steps += 1
+    programs = self._programs_for(plan, measure)
     if plan.accumulation_steps == 1:
-      (fused,) = self._programs_for(plan, measure)
+      (fused,) = programs.values()
       params, opt_state, _, measured = fused(
-        params, opt_state, (), micro_batches[0], weights[0], scalars, counters[0]
+        params, opt_state, (), micro_batches[0], placed.weights[0], scalars, counters[0]
       )
       return params, opt_state, measured
-    micro, apply = self._programs_for(plan)
     acc = self._accumulator
     if acc is None:
       acc = train_step.zero_accumulator(params, self._mesh, self._axis_name, self.halves)
-    for rows_j, weights_j, counters_j in zip(micro_batches, weights, counters, strict=True):
+    for size, rows_j, weights_j, counters_j in zip(
+      plan.shapes, micro_batches, placed.weights, counters, strict=True
+    ):
+      micro = programs[ProgramShape(Program.MICRO, size)]
       acc, _ = micro(params, (), acc, rows_j, weights_j, scalars, counters_j)
-    params, opt_state, self._accumulator, _, measured = apply(
+    params, opt_state, self._accumulator, _, measured = programs[APPLY](
       params, opt_state, acc, (), (), scalars
     )
     return params, opt_state, measured
@@ -332,42 +344,27 @@ class AdaptiveStep:
       element_spec=self._element_spec,
     )
 
-  def _programs_for(self, plan: batch_plan.BatchPlan, measure: bool = True) -> list[Any]:
+  def _programs_for(
+    self, plan: batch_plan.BatchPlan, measure: bool = True
+  ) -> dict[ProgramShape, Any]:
     """The compiled programs of ``plan`` (:func:`programs_of`), each compiled once."""
     assert self._functions is not None
-    programs = []
+    programs = {}
     for key in programs_of(plan, measure):
       if key not in self._programs:
         with checks.transform_named_for(self._axis_name):
           if key.program is Program.FUSED:
             self._functions.trace(key.micro)  # names the data when the loss does not fit it
           self._programs[key] = self._functions.lower(key).compile()
-      programs.append(self._programs[key])
+      programs[key] = self._programs[key]
     return programs
 
-  def _step_scalars(self, batch_size: int, lr_factor: float) -> train_step.StepScalars:
-    """The step's scalars on the devices, placed again only when they change."""
-    key = (batch_size, float(lr_factor))
-    if self._scalars is None or self._scalars[0] != key:
-      if not math.isfinite(key[1]) or key[1] <= 0:
-        raise ValueError(f"lr_factor must be a finite number > 0, got {lr_factor!r}")
-      values = train_step.StepScalars(
-        total_weight=np.float32(batch_size),
-        lr_factor=np.float32(lr_factor),
-        first_half_weight=np.float32(StepLayout.first_half_weight(batch_size)),
-      )
-      self._scalars = (key, jax.device_put(values, self._replicated))
-    return self._scalars[1]
-
   def _placed_plan(self, batch_size: int) -> _PlacedPlan:
-    """The plan of a batch of ``batch_size`` (:meth:`plan`), its row weights (1 a real row, 0
-    padding) on the devices, one array a micro-step, and its example layout (the example in
-    each row), all kept for the next batch of that size."""
+    """The plan of a batch of ``batch_size`` (:meth:`plan`) and what its steps reuse (placed
+    once, kept for the next batch of that size)."""
     placed = self._placed_plans.get(batch_size)
     if placed is None:
-      plan = self.plan(batch_size)
-      weights = [jax.device_put(w.reshape(-1), self._sharded) for w in plan.example_weights()]
-      placed = _PlacedPlan(plan, weights, plan.example_layout())
+      placed = _PlacedPlan.create(self.plan(batch_size), self._sharded, self._replicated)
       if len(self._placed_plans) >= 64:  # a run's recent sizes; a moving batch visits a few
         self._placed_plans.clear()
       self._placed_plans[batch_size] = placed
@@ -385,24 +382,78 @@ class AdaptiveStep:
       self._counters.append(jax.device_put(counters, self._replicated))
     return self._counters[:micro_steps]
 
-  def _place_rows(self, rows: dict[str, np.ndarray], layout: np.ndarray) -> dict[str, jax.Array]:
-    """One micro-step's rows, slot by slot (``layout``: the example in each row, -1 padding)."""
-    take = layout.reshape(-1)
-    padding = take < 0
-    placed = {}
-    for name, array in rows.items():
-      gathered = np.take(array, np.maximum(take, 0), axis=0)
-      gathered[padding] = 0
-      placed[name] = gathered
-    return jax.device_put(placed, self._sharded)
-
 
 class _PlacedPlan(NamedTuple):
-  """A batch plan, its row weights on the devices and its example layout (host)."""
+  """A batch plan and what every step of its size reuses: its row weights and scalars on the
+  devices, and which example each of its rows holds.
+
+  A step lays its rows out on the host (:meth:`laid_out`) and hands them to
+  the program as NumPy arrays: the program's call places them as its inputs
+  are sharded, at less host time than a ``jax.device_put`` of its own.
+  """
 
   plan: batch_plan.BatchPlan
   weights: list[jax.Array]  # one float32 array a micro-step, sharded over the data axis.
-  layout: np.ndarray  # int [micro_steps, rows]: the example in each row, -1 a padding row.
+  # total_weight and first_half_weight placed (replicated); each step sets lr_factor.
+  scalars: train_step.StepScalars
+  take: np.ndarray  # int [rows of every micro-step, in turn]: the example in each row.
+  padding: np.ndarray | None  # the positions in ``take`` of the padding rows; None: none.
+  ends: list[int]  # where each micro-step's rows end in ``take``, the last one's excepted.
+
+  @classmethod
+  def create(
+    cls, plan: batch_plan.BatchPlan, sharded: NamedSharding, replicated: NamedSharding
+  ) -> _PlacedPlan:
+    """``plan``'s weights and scalars placed, and its rows' examples (micro-step ``j``: the
+    first ``plan.shapes[j]`` rows of each slot, slot by slot)."""
+    layout = plan.example_layout()
+    examples = np.concatenate(
+      [layout[j, :, :size].reshape(-1) for j, size in enumerate(plan.shapes)]
+    )
+    ends = np.cumsum([layout.shape[1] * size for size in plan.shapes])[:-1].tolist()
+    weights = np.split((examples >= 0).astype(np.float32), ends)
+    batch_size = plan.global_batch_size
+    scalars = train_step.StepScalars(
+      total_weight=jax.device_put(np.float32(batch_size), replicated),
+      lr_factor=np.float32(1.0),
+      first_half_weight=jax.device_put(
+        np.float32(StepLayout.first_half_weight(batch_size)), replicated
+      ),
+    )
+    padding = np.flatnonzero(examples < 0)
+    return cls(
+      plan=plan,
+      weights=[jax.device_put(w, sharded) for w in weights],
+      scalars=scalars,
+      take=np.maximum(examples, 0),
+      padding=padding if padding.size else None,
+      ends=ends,
+    )
+
+  def laid_out(self, rows: Mapping[str, np.ndarray]) -> list[dict[str, np.ndarray]]:
+    """The batch's rows in the plan's order, padding rows zero: one dict of NumPy arrays a
+    micro-step, each array gathered by one ``np.take``."""
+    micro_batches: list[dict[str, np.ndarray]] = [{} for _ in range(len(self.ends) + 1)]
+    for name, array in rows.items():
+      gathered = np.take(array, self.take, axis=0)
+      if self.padding is not None:
+        gathered[self.padding] = 0
+      parts = np.split(gathered, self.ends) if self.ends else [gathered]
+      for micro_batch, part in zip(micro_batches, parts, strict=True):
+        micro_batch[name] = part
+    return micro_batches
+
+
+def _checked_lr_factor(lr_factor: float) -> np.float32:
+  """``lr_factor`` as the program's float32 scalar; refused unless a finite number > 0."""
+  try:
+    with np.errstate(over="ignore"):  # a number beyond float32's range: refused just below
+      factor = np.float32(float(lr_factor))
+  except (TypeError, ValueError):
+    factor = np.float32(np.nan)
+  if not np.isfinite(factor) or factor <= 0:
+    raise ValueError(f"lr_factor must be a finite number > 0, got {lr_factor!r}")
+  return factor
 
 
 def _weighed_rows(loss_fn: RowLossFn) -> train_step.PerExampleLossFn:

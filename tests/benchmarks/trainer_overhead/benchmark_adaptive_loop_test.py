@@ -27,7 +27,7 @@ def test_every_way_has_a_row_at_its_sizes(quick_run):
   batch = adaptive_loop.QUICK["batch"]
   assert written["settings"]["batch"] == batch
   sizes = {name: row["batch_sizes"] for name, row in written["rows"].items()}
-  assert sizes["adaptive_step"] == sizes["two_pass"] == [batch]
+  assert sizes["adaptive_step"] == sizes["adaptive_program"] == sizes["two_pass"] == [batch]
   assert sizes["adaptive_step_padded"][0] < batch  # between two shapes
   assert len(set(sizes["adaptive_step_moving"])) > 3
   for name, row in written["rows"].items():
@@ -74,6 +74,13 @@ def test_the_docs_tables_are_the_committed_results():
   table = adaptive_loop.markdown_table(committed)
   for page in ("adaptive_loop.md", "results.md"):
     assert table in (ROOT / "docs" / page).read_text(), page
+  # The prose quotes the CPU-seconds ratios of the step, its program alone, the padded batch
+  # and the hand-written two-half step.
+  quoted = ("adaptive_step", "adaptive_program", "adaptive_step_padded", "two_pass")
+  for page in ("adaptive_loop.md", "results.md"):
+    prose = (ROOT / "docs" / page).read_text().replace(table, "")
+    for name in quoted:
+      assert f"{committed['rows'][name]['paired_cpu_ratio']:.2f}x" in prose, (page, name)
   assert committed["settings"] == {
     "batch": 256,
     "rounds": 15,
