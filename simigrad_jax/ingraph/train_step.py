@@ -325,20 +325,28 @@ def _keep_if_nonfinite(finite: jax.Array, new: Any, old: Any) -> Any:
   event. The transform alone would only zero the update, and momentum, weight
   decay or Adam's count would still move.
 
-  A select per leaf, not a ``lax.cond`` over the tree: the old state is
-  donated and its buffers are the step's outputs, so a ``cond`` whose branch
-  keeps the new values copies every new leaf into them, in every step. A
-  select instead fuses into the elementwise computation that makes the new
-  leaf (``p + u``, the optimizer's moments), which reads the old value anyway
-  and writes the output in place: it costs no pass of its own.
+  For the optimizer's and the model's state (the parameters are chosen by
+  :func:`_apply_if_finite`). One ``lax.cond`` chooses the whole tree, not a
+  ``where`` per leaf: the old state is donated and its buffers are the
+  step's outputs, so the branch that keeps the new values copies them there
+  (a read and a write of each leaf), where a select would read the new and
+  the old value and write the output (one read more: the new moments of an
+  optimizer are written out anyway, for its update).
   """
   is_similarity = lambda node: isinstance(node, SimilarityState)
   new_nodes, treedef = jax.tree.flatten(new, is_leaf=is_similarity)
   old_nodes = half_statistics.flatten_up_to(treedef, old)
-  nodes = [
-    node if is_similarity(node) else jnp.where(finite, node, old_node)
-    for node, old_node in zip(new_nodes, old_nodes, strict=True)
-  ]
+  chosen = [i for i, node in enumerate(new_nodes) if not is_similarity(node)]
+  if not chosen:
+    return new
+  kept = lax.cond(
+    finite,
+    lambda: [new_nodes[i] for i in chosen],
+    lambda: [old_nodes[i] for i in chosen],
+  )
+  nodes = list(new_nodes)
+  for i, node in zip(chosen, kept, strict=True):
+    nodes[i] = node
   return jax.tree.unflatten(treedef, nodes)
 
 
