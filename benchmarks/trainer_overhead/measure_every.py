@@ -20,7 +20,9 @@ costs, the same on any machine and under any load: the plain ``jax.jit``
 step, and ``AdaptiveStep``'s plain and measuring programs (the ``Trainer``'s
 own), each with its ``bytes_accessed`` (``cost_analysis()``, the memory
 traffic a memory-bound accelerator's time follows), ``flops`` and
-``temp_bytes`` (``memory_analysis()``).
+``temp_bytes`` (``memory_analysis()``); ``load_average`` the machine's
+one-minute load average (``os.getloadavg()``) as the device count's part
+began and as it ended.
 
 Usage::
 
@@ -68,6 +70,7 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
 
   import simigrad_jax  # pylint: disable=import-outside-toplevel
 
+  load_before = os.getloadavg()[0]
   mesh = jax.make_mesh((jax.device_count(),), ("batch",), (jax.sharding.AxisType.Auto,))
   params, row_losses, batch_of = adaptive_loop.mlp(args.features, args.widths, args.batch)
   plain = adaptive_loop.plain_step(params, row_losses, batch_of, mesh)
@@ -106,7 +109,12 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
   programs = {"plain_jit": program_cost(plain_jit.compile())}
   for key in step.compiled:  # the last k's: its measuring and its plain program
     programs[f"adaptive_step_{key.program}"] = program_cost(step.program(key))
-  return {"rows": rows, "programs": programs, "device": common.device_record()}
+  return {
+    "rows": rows,
+    "programs": programs,
+    "device": common.device_record(),
+    "load_average": [load_before, os.getloadavg()[0]],
+  }
 
 
 def program_cost(compiled: Any) -> dict[str, float]:
@@ -231,7 +239,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   Returns:
     ``{"devices": {"1" | "8": {"rows": {"1" | "2" | "4": {"paired_time_ratio",
     "step_seconds", "plain_step_seconds", ...}}, "programs": {name: {"bytes_accessed",
-    "flops", "temp_bytes"}}, "device": {...}}}, "settings"}``, or ``{}`` with
+    "flops", "temp_bytes"}}, "device": {...}, "load_average": [began, ended]}},
+    "settings"}``, or ``{}`` with
     ``--markdown`` or in a child process.
   """
   args = _parse_args(argv)

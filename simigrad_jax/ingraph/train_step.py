@@ -325,10 +325,13 @@ def _keep_if_nonfinite(finite: jax.Array, new: Any, old: Any) -> Any:
   event. The transform alone would only zero the update, and momentum, weight
   decay or Adam's count would still move.
 
-  One ``lax.cond`` chooses the whole tree, not a ``where`` per leaf: a select
-  reads the new and the old value of every entry and writes a third array,
-  where the branch that keeps the new values hands their buffers on as they
-  are (the common step pays for no copy of the parameters).
+  For the optimizer's and the model's state (the parameters are chosen by
+  :func:`_apply_if_finite`). One ``lax.cond`` chooses the whole tree, not a
+  ``where`` per leaf: the old state is donated and its buffers are the
+  step's outputs, so the branch that keeps the new values copies them there
+  (a read and a write of each leaf), where a select would read the new and
+  the old value and write the output (one read more: the new moments of an
+  optimizer are written out anyway, for its update).
   """
   is_similarity = lambda node: isinstance(node, SimilarityState)
   new_nodes, treedef = jax.tree.flatten(new, is_leaf=is_similarity)
@@ -347,16 +350,59 @@ def _keep_if_nonfinite(finite: jax.Array, new: Any, old: Any) -> Any:
   return jax.tree.unflatten(treedef, nodes)
 
 
-def _all_finite(tree: Any) -> jax.Array:
-  """Whether every entry of ``tree``'s floating leaves is finite (a bool scalar).
+def _apply_if_finite(finite: jax.Array, params: Any, updates: Any) -> Any:
+  """``optax.apply_updates(params, updates)`` where ``finite``, else ``params``, bit for bit.
 
-  One fused reduction per leaf (``isfinite`` feeds the ``all`` without an
-  intermediate array), then one over the leaves' answers.
+  The choice is made on the update, not on the new parameters: a skipped
+  step adds ``-0.0``, the one float that leaves every value as it is (``x +
+  -0.0 == x`` for every ``x``, ``-0.0`` and NaN included; ``+0.0`` would turn
+  ``-0.0`` into ``+0.0``). The select then fuses into the one elementwise pass
+  that reads the parameters and the gradient and writes the new parameters
+  in place of the donated old ones. Chosen afterwards, the new parameters
+  would be written out once for the finiteness check and the choice each,
+  and read back by both.
   """
-  leaves = [leaf for leaf in jax.tree.leaves(tree) if jnp.issubdtype(leaf.dtype, jnp.inexact)]
-  if not leaves:
-    return jnp.ones([], jnp.bool_)
-  return jnp.all(jnp.stack([jnp.all(jnp.isfinite(leaf)) for leaf in leaves]))
+
+  def kept(update):
+    if update is None:
+      return None
+    return jnp.where(finite, update, jnp.full_like(update, -0.0))
+
+  return optax.apply_updates(params, jax.tree.map(kept, updates, is_leaf=lambda x: x is None))
+
+
+def _finite_update_and_params(updates: Any, new_params: Any) -> tuple[jax.Array, jax.Array]:
+  """Whether every entry of the update is finite, and whether every new parameter is (bools).
+
+  Each leaf's two answers come from one variadic reduction over its last
+  axis, which reads the update and the new value where they are made: on
+  XLA:CPU a reduction of one operand to a scalar goes to a library kernel
+  (YNNPACK) that fuses nothing, so the ``isfinite`` it reduces would first
+  be written out as an array of its own, one for the update and one for the
+  parameters. A leaf of fewer than two axes (a bias) is reduced whole.
+  A leaf whose update is None (optax's frozen parameters) keeps its value
+  and counts as finite.
+  """
+  update_answers, param_answers = [], []
+
+  def check(update, new):
+    if update is None or not jnp.issubdtype(jnp.result_type(new), jnp.inexact):
+      return
+    not_finite = (~jnp.isfinite(update), ~jnp.isfinite(new))
+    if jnp.ndim(new) >= 2:
+      no = jnp.zeros((), jnp.bool_)
+      not_finite = lax.reduce(not_finite, (no, no), _either, (jnp.ndim(new) - 1,))
+    update_answers.append(jnp.any(not_finite[0]))
+    param_answers.append(jnp.any(not_finite[1]))
+
+  jax.tree.map(check, updates, new_params, is_leaf=lambda x: x is None)
+  if not update_answers:
+    return jnp.ones([], jnp.bool_), jnp.ones([], jnp.bool_)
+  return ~jnp.any(jnp.stack(update_answers)), ~jnp.any(jnp.stack(param_answers))
+
+
+def _either(x: tuple, y: tuple) -> tuple:
+  return tuple(p | q for p, q in zip(x, y, strict=True))
 
 
 def _nonfinite_cause(
@@ -367,15 +413,13 @@ def _nonfinite_cause(
   The parameters going in are finite (the Trainer checks the initial ones,
   and a step writes only finite ones), so new parameters that are not finite
   come from an update that is not (cause ``"update"``) or from an overflow of
-  their dtype (``"parameters"``). Both reductions run in every step, each
-  fused with the sum that makes its operand: the update's finiteness read
-  where the update is computed, so the update is never written out (a
-  ``lax.cond`` that looked at it only when the parameters were not finite
-  had to keep it in memory for that branch, in every step).
+  their dtype (``"parameters"``); :func:`_finite_update_and_params` answers
+  both in one reduction per leaf.
   """
   code = {name: jnp.int32(i + 1) for i, name in enumerate(NONFINITE_CAUSES)}
-  not_written = jnp.where(_all_finite(updates), code["parameters"], code["update"])
-  written = jnp.where(_all_finite(new_params), jnp.zeros([], jnp.int32), not_written)
+  update_finite, params_finite = _finite_update_and_params(updates, new_params)
+  not_written = jnp.where(update_finite, code["parameters"], code["update"])
+  written = jnp.where(params_finite, jnp.zeros([], jnp.int32), not_written)
   with_loss = jnp.where(jnp.isfinite(loss), written, code["loss"])
   return jnp.where(grads_finite, with_loss, code["gradient"]).astype(jnp.int32)
 
@@ -430,12 +474,13 @@ def _update(
     updates, new_opt_state = update_stacked(
       optimizer, grads, with_lr, params, stacked, param_specs, "the Trainer"
     )
-  new_params = optax.apply_updates(params, updates)
   similarity_state = optax.tree_utils.tree_get(new_opt_state, SimilarityState.__name__)
-  cause = _nonfinite_cause(similarity_state.grads_finite, mean_loss, updates, new_params)
+  cause = _nonfinite_cause(
+    similarity_state.grads_finite, mean_loss, updates, optax.apply_updates(params, updates)
+  )
   finite = cause == 0
   return (
-    _keep_if_nonfinite(finite, new_params, params),
+    _apply_if_finite(finite, params, updates),
     _keep_if_nonfinite(finite, new_opt_state, opt_state),
     finite,
     StepMeasurements(loss=mean_loss, similarity_state=similarity_state, nonfinite_cause=cause),

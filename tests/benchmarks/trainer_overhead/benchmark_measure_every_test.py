@@ -26,6 +26,7 @@ def test_every_k_has_a_row_on_each_device_count(quick_run):
   assert written["settings"]["steps_per_round"] % max(measure_every.EVERY) == 0
   for count, part in written["devices"].items():
     assert part["device"]["devices_visible"] == int(count)
+    assert len(part["load_average"]) == 2 and min(part["load_average"]) >= 0
     assert list(part["rows"]) == [str(k) for k in measure_every.EVERY]
     for every, row in part["rows"].items():
       assert row["halves"] == ("local" if count == "1" else "device")
