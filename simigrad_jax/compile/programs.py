@@ -160,7 +160,7 @@ class StepPrograms:
     compiler: StepProgramCompiler | None = None,
   ):
     if compiler is None:
-      functions = StepFunctions(
+      compiler = step_compiler(
         loss_fn=loss_fn,
         optimizer=optimizer,
         mesh=mesh,
@@ -170,9 +170,8 @@ class StepPrograms:
         state=state,
         element_spec=element_spec,
         passes=passes,
-      )
-      compiler = StepProgramCompiler(
-        functions, layout, background=background, threads=compile_threads
+        background=background,
+        threads=compile_threads,
       )
     self.functions, self.compiler = compiler.functions, compiler
     cache_dir = None if compilation_cache_dir is None else os.path.abspath(compilation_cache_dir)
@@ -187,6 +186,38 @@ class StepPrograms:
       cached_programs=cached_programs,
     )
     self.runner = StepRunner(self.compiler, mesh, axis_name, layout.halves)
+
+
+def step_compiler(
+  *,
+  loss_fn: train_step.PerExampleLossFn,
+  optimizer: optax.GradientTransformation,
+  mesh: Mesh,
+  axis_name: str,
+  layout: StepLayout,
+  seed: int,
+  state: Mapping[str, Any],
+  element_spec: Mapping[str, tuple[Any, Any]],
+  passes: str,
+  background: bool,
+  threads: int,
+) -> StepProgramCompiler:
+  """The step's jitted functions (:class:`~simigrad_jax.compile.step_functions.StepFunctions`,
+  made from ``state``'s shapes, dtypes and shardings: the state itself or its placeholders) and
+  their compiler, with ``threads`` compiles of a program at once; the other arguments are
+  :class:`StepPrograms`'."""
+  functions = StepFunctions(
+    loss_fn=loss_fn,
+    optimizer=optimizer,
+    mesh=mesh,
+    axis_name=axis_name,
+    layout=layout,
+    seed=seed,
+    state=state,
+    element_spec=element_spec,
+    passes=passes,
+  )
+  return StepProgramCompiler(functions, layout, background=background, threads=threads)
 
 
 def compile_policy(

@@ -52,6 +52,7 @@ from simigrad_jax.compile.first_program import FirstProgram
 from simigrad_jax.compile.persistent_cache import enable_persistent_cache
 from simigrad_jax.compile.program_compiler import StepProgramCompiler
 from simigrad_jax.compile.programs import StepPrograms
+from simigrad_jax.compile.programs import step_compiler
 from simigrad_jax.controllers import learning_rate
 from simigrad_jax.data.data_loader import StepDataLoader
 from simigrad_jax.data.data_loader import local_device_positions
@@ -162,7 +163,7 @@ def start_first_program(
   if config.compile.cache_dir is not None:
     enable_persistent_cache(config.compile.cache_dir, allow_shared=config.allow_shared_workdir)
   state = abstract_state(initial, optimizer, specs, mesh)
-  functions = step_functions.StepFunctions(
+  compiler = step_compiler(
     loss_fn=train_step.checked_loss_fn(loss_fn, initial["model_state"]),
     optimizer=optimizer,
     mesh=mesh,
@@ -172,10 +173,6 @@ def start_first_program(
     state=state,
     element_spec=element_spec,
     passes=config.halves_passes,
-  )
-  compiler = StepProgramCompiler(
-    functions,
-    layout,
     background=config.compile.background,
     threads=config.compile.threads_for_host(),
   )
