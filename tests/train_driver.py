@@ -197,8 +197,10 @@ def exit_if_lost(kind, error, tb):
 sys.excepthook = exit_if_lost
 
 
-# --- kill inside a background compile: slow the J-th background job down and kill 20 ms into it.
+# --- kill inside a background compile: slow the J-th background job down and kill 20 ms into it,
+# or, if it starts while the trainer is built (the first step's program does), 20 ms after it is.
 # (The jobs of a shape: the update's compile, queued when the trainer is built, is not counted.)
+trainer_built = threading.Event()
 if args.kill_in_compile is not None:
   original_run = compiler_module.StepCompiler._run
   background_jobs = []
@@ -216,9 +218,14 @@ if args.kill_in_compile is not None:
 
         self._lower = slow_lower
         trace({"event": "compile_started", "program": job.what, "job": len(background_jobs)})
-        threading.Timer(
-          0.02, die, args=("compile",), kwargs={"program": job.what, "job": len(background_jobs)}
-        ).start()
+        details = {"program": job.what, "job": len(background_jobs)}
+
+        def die_once_built():
+          trainer_built.wait()  # (the kill's trace follows the run's start in the trace)
+          time.sleep(0.02)
+          die("compile", **details)
+
+        threading.Thread(target=die_once_built, daemon=True).start()
     return original_run(self, job)
 
   compiler_module.StepCompiler._run = run_then_die
@@ -294,6 +301,7 @@ trainer = simigrad_jax.Trainer(
     ),
   ),
 )
+trainer_built.set()
 trace(
   {
     "event": "start",

@@ -21,9 +21,12 @@ machine's load falls on them alike, or with ``--parallel`` side by side.
 
 Measured per run, from the run's ``summary.json``: the programs compiled
 (compiles less those loaded from the cache) and loaded, the seconds spent
-compiling, the seconds steps waited for a compile, the runtime (the
-summary's ``seconds``: start to end of the run, evaluation included), the
-padding (padded rows over the rows computed), the steps that ran on a
+compiling, the seconds steps waited for a compile (their share of the
+runtime, and split: the first step's wait for its own program, read from its
+record in ``metrics.jsonl``, and the later steps'), the seconds before the
+first step (the summary's ``setup_seconds``: the data, the model, the
+Trainer's set-up), the runtime (the summary's ``seconds``: start to end of
+the run, evaluation included), the padding (padded rows over the rows computed), the steps that ran on a
 fallback shape, and the final evaluation's accuracy and loss. The JSON
 (``benchmarks/results/cold_start.json``, or ``--out``) is rewritten after
 every run, so a run cut short keeps what finished. ``--markdown JSON``
@@ -70,10 +73,19 @@ SUMMARY_FIELDS = (
   "compile_fallback_steps",
   "padding_fraction",
   "seconds",
+  "setup_seconds",
   "steps",
   "average_batch_size",
   "eval_accuracy",
   "eval_loss",
+)
+
+# What a run's record adds to its summary's (:func:`_read_run`).
+DERIVED_FIELDS = (
+  "programs_compiled",
+  "waited_fraction",
+  "first_step_wait_seconds",
+  "later_wait_seconds",
 )
 
 
@@ -153,7 +165,23 @@ def _read_run(
     summary = json.load(f)
   record.update({field: summary.get(field) for field in SUMMARY_FIELDS})
   record["programs_compiled"] = summary["compiles"] - summary.get("compile_cache_hits", 0)
+  record.update(_waits(workdir, summary))
   return record
+
+
+def _waits(workdir: str, summary: dict[str, Any]) -> dict[str, float]:
+  """The seconds waited as a share of the runtime, and split: the first step's wait (for its own
+  program, as every jit loop's first call waits for its program) and the later steps' (read from
+  the first step's record in ``metrics.jsonl``)."""
+  waited, seconds = summary["compile_wait_seconds"], summary["seconds"]
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    first = json.loads(f.readline())
+  first_wait = first["compile_wait_step_seconds"]
+  return {
+    "waited_fraction": waited / seconds,
+    "first_step_wait_seconds": first_wait,
+    "later_wait_seconds": max(0.0, waited - first_wait),
+  }
 
 
 def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -165,7 +193,7 @@ def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
   for recipe, variant, cache in keys:
     group = [r for r in done if (r["recipe"], r["variant"], r["cache"]) == (recipe, variant, cache)]
     row: dict[str, Any] = {"recipe": recipe, "variant": variant, "cache": cache, "runs": len(group)}
-    for field in (*SUMMARY_FIELDS, "programs_compiled"):
+    for field in (*SUMMARY_FIELDS, *DERIVED_FIELDS):
       values = [r[field] for r in group if r.get(field) is not None]
       if values:
         row[field] = {"mean": statistics.fmean(values), "min": min(values), "max": max(values)}
@@ -205,12 +233,18 @@ def _spread(row: dict[str, Any], field: str, fmt: str, scale: float = 1.0) -> st
   return f"{mean:{fmt}} ({low:{fmt}}-{high:{fmt}})"
 
 
+def _percent(row: dict[str, Any], field: str) -> str:
+  """A summarized fraction's ``mean (min-max)`` in percent, or ``-``."""
+  return "-" if row.get(field) is None else _spread(row, field, ".1f", 100.0) + "%"
+
+
 def markdown(result: dict[str, Any]) -> str:
   """docs/results.md's table of a result: one row per recipe, cache and variant."""
   lines = [
     "| recipe | cache | variant | programs compiled (loaded) | compile s | waited s | waited x fixed"
-    " | runtime s | padding | accuracy | loss |",
-    "|---|---|---|---|---|---|---|---|---|---|---|",
+    " | waited, share of runtime | of it step 1 s | after step 1 s | set-up s | runtime s | padding"
+    " | accuracy | loss |",
+    "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
   ]
   for row in result["summary"]:
     ratio = row.get("waited_over_fixed")
@@ -226,8 +260,12 @@ def markdown(result: dict[str, Any]) -> str:
           _spread(row, "compile_seconds", ".1f"),
           _spread(row, "compile_wait_seconds", ".1f"),
           "-" if ratio is None else f"{ratio:.2f}",
+          _percent(row, "waited_fraction"),
+          _spread(row, "first_step_wait_seconds", ".1f"),
+          _spread(row, "later_wait_seconds", ".1f"),
+          _spread(row, "setup_seconds", ".1f"),
           _spread(row, "seconds", ".1f"),
-          _spread(row, "padding_fraction", ".1f", 100.0) + "%",
+          _percent(row, "padding_fraction"),
           _spread(row, "eval_accuracy", ".4f"),
           _spread(row, "eval_loss", ".4f"),
         ]
@@ -243,7 +281,8 @@ def _status(record: dict[str, Any]) -> str:
     return "FAILED"
   return (
     f"{record['programs_compiled']} compiled, {record['compile_seconds']:.1f} s compiling, "
-    f"{record['compile_wait_seconds']:.1f} s waited, {record['seconds']:.1f} s"
+    f"{record['compile_wait_seconds']:.1f} s waited ({record['first_step_wait_seconds']:.1f} s "
+    f"at step 1), {record['seconds']:.1f} s"
   )
 
 

@@ -13,7 +13,8 @@ Documented API:
 Modules: ``programs`` (a training step's compiled programs, composing the
 others), ``step_functions`` (the step's jitted functions and its programs,
 ``Program``), ``compiler``, ``program_compiler`` (the one compiler of the
-step's programs, keyed by program and shape), ``policy`` (the compile
+step's programs, keyed by program and shape), ``first_program`` (the first
+step's program, started while a run is set up), ``policy`` (the compile
 policy, what a step runs while its programs compile: its protocol, and the
 policy without a fallback), ``prefetch``, ``fallback`` (the timed
 fallback), ``schedule`` (the fallback by the step count), ``agreement``,

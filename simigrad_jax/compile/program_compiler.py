@@ -78,7 +78,8 @@ class StepProgramCompiler(StepCompiler):
   background thread of their own, in the order each was queued.
 
   Args:
-    functions: the step's jitted functions (their lowerings are compiled).
+    functions: the step's jitted functions (their lowerings are compiled; kept as
+      :attr:`functions`).
     layout: the step layout (shapes are reported in rows per device).
     background: compile in background threads.
     threads: each program's compiles that run at once (``threads`` threads
@@ -96,6 +97,7 @@ class StepProgramCompiler(StepCompiler):
     super().__init__(
       functions.lower, background=background, name="step", keys=ProgramShapes(), threads=threads
     )
+    self.functions = functions
     self._layout = layout
 
   def view(self) -> dict[str, Any]:

@@ -110,6 +110,12 @@ class StepPrograms:
       schedule of the run's steps.
     passes: with the local split, how the steps take the two halves'
       gradients (:class:`~simigrad_jax.compile.step_functions.StepFunctions`).
+    compiler: the compiler of these functions, made before the run was
+      resumed (:class:`~simigrad_jax.compile.first_program.FirstProgram`
+      started the first step's program on it while the run was set up), or
+      None: made here. When given, its functions are the step's and the
+      arguments that would make them (``loss_fn`` to ``passes``) are not
+      read again.
 
   Attributes:
     functions: the step's jitted functions
@@ -151,21 +157,23 @@ class StepPrograms:
     compilation_cache_dir: str | os.PathLike | None = None,
     cached_programs: Mapping[str, Any] | None = None,
     passes: str = "sequential",
+    compiler: StepProgramCompiler | None = None,
   ):
-    self.functions = StepFunctions(
-      loss_fn=loss_fn,
-      optimizer=optimizer,
-      mesh=mesh,
-      axis_name=axis_name,
-      layout=layout,
-      seed=seed,
-      state=state,
-      element_spec=element_spec,
-      passes=passes,
-    )
-    self.compiler = StepProgramCompiler(
-      self.functions, layout, background=background, threads=compile_threads
-    )
+    if compiler is None:
+      compiler = step_compiler(
+        loss_fn=loss_fn,
+        optimizer=optimizer,
+        mesh=mesh,
+        axis_name=axis_name,
+        layout=layout,
+        seed=seed,
+        state=state,
+        element_spec=element_spec,
+        passes=passes,
+        background=background,
+        threads=compile_threads,
+      )
+    self.functions, self.compiler = compiler.functions, compiler
     cache_dir = None if compilation_cache_dir is None else os.path.abspath(compilation_cache_dir)
     self.policy = compile_policy(
       self.compiler,
@@ -178,6 +186,38 @@ class StepPrograms:
       cached_programs=cached_programs,
     )
     self.runner = StepRunner(self.compiler, mesh, axis_name, layout.halves)
+
+
+def step_compiler(
+  *,
+  loss_fn: train_step.PerExampleLossFn,
+  optimizer: optax.GradientTransformation,
+  mesh: Mesh,
+  axis_name: str,
+  layout: StepLayout,
+  seed: int,
+  state: Mapping[str, Any],
+  element_spec: Mapping[str, tuple[Any, Any]],
+  passes: str,
+  background: bool,
+  threads: int,
+) -> StepProgramCompiler:
+  """The step's jitted functions (:class:`~simigrad_jax.compile.step_functions.StepFunctions`,
+  made from ``state``'s shapes, dtypes and shardings: the state itself or its placeholders) and
+  their compiler, with ``threads`` compiles of a program at once; the other arguments are
+  :class:`StepPrograms`'."""
+  functions = StepFunctions(
+    loss_fn=loss_fn,
+    optimizer=optimizer,
+    mesh=mesh,
+    axis_name=axis_name,
+    layout=layout,
+    seed=seed,
+    state=state,
+    element_spec=element_spec,
+    passes=passes,
+  )
+  return StepProgramCompiler(functions, layout, background=background, threads=threads)
 
 
 def compile_policy(

@@ -19,6 +19,11 @@
 6. :func:`make_programs` and :func:`make_data_loader`: the step's compiled
    programs (:class:`~simigrad_jax.compile.programs.StepPrograms`) and its
    rows' loader (:class:`~simigrad_jax.data.data_loader.StepDataLoader`).
+
+Before 3, :func:`start_first_program` makes the step's functions and their
+compiler from the state's placeholders and starts the first step's program
+(its trace, then its load from the persistent cache or its compile) in the
+background, so that 3 to 5 overlap it; :func:`open_run` waits for its trace.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ import math
 import os
 import pathlib
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 import jax
 import optax
@@ -42,8 +47,12 @@ from simigrad_jax.checkpoint import run_record
 from simigrad_jax.checkpoint.run_checkpoints import Resumed
 from simigrad_jax.checkpoint.run_checkpoints import RunCheckpoints
 from simigrad_jax.checkpoint.run_checkpoints import check_checkpoints_kept
+from simigrad_jax.compile import step_functions
+from simigrad_jax.compile.first_program import FirstProgram
 from simigrad_jax.compile.persistent_cache import enable_persistent_cache
+from simigrad_jax.compile.program_compiler import StepProgramCompiler
 from simigrad_jax.compile.programs import StepPrograms
+from simigrad_jax.compile.programs import step_compiler
 from simigrad_jax.controllers import learning_rate
 from simigrad_jax.data.data_loader import StepDataLoader
 from simigrad_jax.data.data_loader import local_device_positions
@@ -92,6 +101,87 @@ def place_state(
   return jax.device_put(
     jax.tree.map(_own_copy, initial),
     mesh_sharding.state_shardings(optimizer, initial, specs, mesh),
+  )
+
+
+def abstract_state(
+  initial: Mapping[str, Any], optimizer: optax.GradientTransformation, specs: Any, mesh: Mesh
+) -> dict[str, Any]:
+  """The placeholders (shape, dtype, sharding) of the state :func:`place_state` places, made
+  without placing it: the dtypes JAX gives the leaves on the devices, the state's shardings."""
+  shapes = jax.eval_shape(lambda tree: tree, dict(initial))
+  shardings = mesh_sharding.state_shardings(optimizer, initial, specs, mesh)
+  return jax.tree.map(
+    lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
+    shapes,
+    shardings,
+  )
+
+
+def may_resume(workdir: pathlib.Path) -> bool:
+  """Whether ``workdir`` holds a checkpoint folder with anything in it (read before the workdir
+  is locked: a hint for what to start early, never what a step runs)."""
+  checkpoints = workdir / "checkpoints"
+  try:
+    return checkpoints.is_dir() and any(checkpoints.iterdir())
+  except OSError:
+    return True
+
+
+def start_first_program(
+  config: TrainerConfig,
+  workdir: pathlib.Path,
+  layout: StepLayout,
+  initial: Mapping[str, Any],
+  *,
+  loss_fn: train_step.PerExampleLossFn,
+  optimizer: optax.GradientTransformation,
+  specs: Any,
+  mesh: Mesh,
+  element_spec: Any,
+  batch_size: int,
+) -> FirstProgram:
+  """The step's functions and compiler, made from the state's placeholders, with the first step's
+  program started in the background (:class:`~simigrad_jax.compile.first_program.FirstProgram`).
+
+  The persistent compilation cache is turned on first (``config.compile.cache_dir``), so that the
+  program loads from it. In a workdir that may resume (:func:`may_resume`), only the trace starts:
+  the checkpoint decides the first step's shape.
+
+  Args:
+    config: the run's settings.
+    workdir: the absolute workdir.
+    layout: the run's split and shapes.
+    initial: the initial ``{"params", "opt_state", "model_state"}``.
+    loss_fn, optimizer, specs, mesh, element_spec: what the programs are made of.
+    batch_size: the controller's batch size before any resume.
+
+  Returns:
+    The first program under way; :meth:`~simigrad_jax.compile.first_program.FirstProgram.result`
+    raises the trace's error.
+  """
+  if config.compile.cache_dir is not None:
+    enable_persistent_cache(config.compile.cache_dir, allow_shared=config.allow_shared_workdir)
+  state = abstract_state(initial, optimizer, specs, mesh)
+  compiler = step_compiler(
+    loss_fn=train_step.checked_loss_fn(loss_fn, initial["model_state"]),
+    optimizer=optimizer,
+    mesh=mesh,
+    axis_name=config.axis_name,
+    layout=layout,
+    seed=config.seed,
+    state=state,
+    element_spec=element_spec,
+    passes=config.halves_passes,
+    background=config.compile.background,
+    threads=config.compile.threads_for_host(),
+  )
+  return FirstProgram(
+    compiler,
+    state,
+    layout.plan(batch_size).micro_batch_size,
+    lambda: checks.transform_named_for(config.axis_name),
+    queue=not may_resume(workdir),
   )
 
 
@@ -146,8 +236,10 @@ def make_programs(
   element_spec: Any,
   upper: int,
   cached_programs: dict[str, Any] | None,
+  compiler: StepProgramCompiler | None = None,
 ) -> StepPrograms:
-  """The step's compiled programs, compiling in the background (nothing is traced yet).
+  """The step's compiled programs, compiling in the background (nothing is traced yet, unless
+  ``compiler`` was made before: :func:`start_first_program`).
 
   The fallback follows the schedule of ``steps_per_compile``, the same on
   every process; with ``timed_fallback`` and several processes, it uses only
@@ -156,7 +248,7 @@ def make_programs(
   checkpoint says the persistent compilation cache holds and the schedule's
   state (None: a new run).
   """
-  if config.compile.cache_dir is not None:
+  if config.compile.cache_dir is not None and compiler is None:  # (else on since it was made)
     enable_persistent_cache(config.compile.cache_dir, allow_shared=config.allow_shared_workdir)
   return StepPrograms(
     loss_fn=train_step.checked_loss_fn(loss_fn, model_state),
@@ -176,6 +268,7 @@ def make_programs(
     compilation_cache_dir=config.compile.cache_dir,
     cached_programs=cached_programs,
     passes=config.halves_passes,
+    compiler=compiler,
   )
 
 
@@ -196,16 +289,20 @@ def open_run(
   mesh: Mesh,
   layout: StepLayout,
   upper: int,
+  first: FirstProgram,
 ) -> tuple[WorkdirLock | None, RunCheckpoints, StepPrograms, Resumed]:
-  """Takes the workdir, resumes from its newest checkpoint and traces the first step.
+  """Takes the workdir, resumes from its newest checkpoint and waits for the first step's trace.
 
   In order: the workdir locked (:func:`lock_workdir`); the watchdog that names
   a lost process started; the checkpoints opened and the newest one resumed
   when the run's record allows (``sampler`` and ``controller`` in place);
   every process agreeing on the resumed state; the programs made
-  (:func:`make_programs`) and the first step's traced, so that a model, loss,
-  optimizer and data that do not fit each other fail now. On an error, what
-  was opened is closed again (the agreement too).
+  (:func:`make_programs`, on ``first``'s compiler when its placeholders are
+  the resumed state's) and the first step's trace waited for, so that a
+  model, loss, optimizer and data that do not fit each other fail now; then
+  the programs the first step may run queued, so that they load or compile
+  while the set-up ends. On an error, what was opened is closed again (the
+  agreement and ``first``'s compiler too).
 
   Args:
     config: the run's settings.
@@ -216,6 +313,7 @@ def open_run(
     sampler, controller: the run's, resumed in place.
     loss_fn, model_state, optimizer, element_spec, mesh, layout, upper: what
       the programs are made of (:func:`make_programs`).
+    first: the first step's program, started before (:func:`start_first_program`).
 
   Returns:
     ``(the run's lock on the workdir or None, the checkpoints, the programs,
@@ -223,6 +321,7 @@ def open_run(
   """
   with contextlib.ExitStack() as undo:
     undo.callback(agreement.close)
+    undo.callback(first.compiler.close)
     workdir_lock = lock_workdir(given_workdir, workdir, config, agreement)
     if workdir_lock is not None:
       undo.callback(workdir_lock.close)
@@ -239,6 +338,10 @@ def open_run(
         "sampler": sampler.state_dict(),
       },
     )
+    first.result()  # misfits fail here, at the first trace
+    # The functions of placeholders other than the resumed state's are never used (there are
+    # none such: this only guards the programs against a stale executable).
+    same = _same_placeholders(resumed.state, first.state)
     programs = make_programs(
       config,
       loss_fn=loss_fn,
@@ -250,12 +353,23 @@ def open_run(
       element_spec=element_spec,
       upper=upper,
       cached_programs=resumed.compiled_programs,
+      compiler=first.compiler if same else None,
     )
     undo.callback(programs.compiler.close)
-    with checks.transform_named_for(config.axis_name):  # misfits fail here, at the first trace
-      programs.functions.trace(layout.plan(controller.batch_size).micro_batch_size)
+    if not same:
+      first.compiler.close()
+      with checks.transform_named_for(config.axis_name):
+        programs.functions.trace(layout.plan(controller.batch_size).micro_batch_size)
+    programs.policy.start(controller.batch_size, resumed.step)  # (train() asks again: a no-op)
     undo.pop_all()
   return workdir_lock, checkpoints, programs, resumed
+
+
+def _same_placeholders(state: Any, other: Any) -> bool:
+  """Whether two states' leaves have the same shapes, dtypes and shardings, in the same tree."""
+  leaves, tree = jax.tree.flatten(step_functions.abstract(dict(state)))
+  other_leaves, other_tree = jax.tree.flatten(step_functions.abstract(dict(other)))
+  return leaves == other_leaves and cast(object, tree) == other_tree  # (PyTreeDef's ==)
 
 
 def make_data_loader(

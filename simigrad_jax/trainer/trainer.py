@@ -447,28 +447,46 @@ class Trainer:
     self.shapes = self.layout.device_grid  # the compiled micro-batch shapes, rows per device
     self.sampler = EpochSampler(num_examples, config.seed)
     initial = {"params": params, "opt_state": opt_state, "model_state": model_state}
-    # What the run is, agreed between processes; the workdir locked, its checkpoints opened and
-    # resumed from, the first step traced.
-    record = run_setup.agree_on_run(
+    # The first step's program traces, then loads or compiles, while the rest is set up.
+    first = run_setup.start_first_program(
       config,
+      self.workdir,
       self.layout,
-      agreement,
       initial,
+      loss_fn=loss_fn,
       optimizer=optimizer,
-      controller=controller,
-      source=self.source,
-      devices=devices,
-      mesh=mesh,
       specs=specs,
-      run_settings=run_settings,
+      mesh=mesh,
+      element_spec=self.source.element_spec,
+      batch_size=controller.batch_size,
     )
+    try:
+      # What the run is, agreed between processes; the workdir locked, its checkpoints opened and
+      # resumed from, the first step's trace waited for.
+      record = run_setup.agree_on_run(
+        config,
+        self.layout,
+        agreement,
+        initial,
+        optimizer=optimizer,
+        controller=controller,
+        source=self.source,
+        devices=devices,
+        mesh=mesh,
+        specs=specs,
+        run_settings=run_settings,
+      )
+      state = run_setup.place_state(initial, optimizer, specs, mesh)
+    except BaseException:
+      first.compiler.close()
+      raise
     self._workdir_lock, self._checkpoints, self._programs, resumed = run_setup.open_run(
       config,
       workdir,
       self.workdir,
       agreement,
       record,
-      state=run_setup.place_state(initial, optimizer, specs, mesh),
+      state=state,
       sampler=self.sampler,
       controller=controller,
       loss_fn=loss_fn,
@@ -478,6 +496,7 @@ class Trainer:
       mesh=mesh,
       layout=self.layout,
       upper=upper,
+      first=first,
     )
     self._data = run_setup.make_data_loader(
       config, self.source, self.sampler, mesh, devices, self.layout

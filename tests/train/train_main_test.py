@@ -135,7 +135,7 @@ def test_a_resume_and_a_run_in_a_new_workdir_load_every_executable_from_the_shar
         "compiles": summary["compiles"],
         "loaded": summary["compile_cache_hits"],
         "loaded_seconds": summary["compile_cache_hit_seconds"],
-        "row": next(x for x in result.stdout.splitlines() if x.startswith("compiles ")),
+        "row": next(x for x in result.stdout.splitlines() if x.startswith("step programs ")),
       }
     )
   cold, warm, new = runs
@@ -150,8 +150,12 @@ def test_a_resume_and_a_run_in_a_new_workdir_load_every_executable_from_the_shar
     # The Trainer counts the step programs it loaded, and says so.
     assert again["loaded"] == again["compiles"] > 0
     assert 0 < again["loaded_seconds"] <= again["compile_seconds"]
-    assert f"{again['loaded']} loaded from the compilation cache" in again["row"]
+    # The summary says what happened: nothing compiled, every program loaded.
+    assert f"0 compiled, {again['loaded']} loaded from the compilation cache" in again["row"]
+    assert "tracing, lowering and loading" in again["row"]
   assert (cold["loaded"], cold["loaded_seconds"]) == (0, 0.0)
+  assert f"{cold['compiles']} compiled, 0 loaded from the compilation cache" in cold["row"]
+  assert "s compiling, in the background" in cold["row"]
   print(
     f"compilation cache: cold {cold['misses']} misses, {cold['compile_seconds']:.2f} s "
     f"compiling steps; warm {warm['misses']} misses, {warm['hits']} hits, "

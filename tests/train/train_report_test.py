@@ -61,6 +61,33 @@ def test_the_summary_counts_the_waits_once(capsys):
   assert report._runtime_row({"seconds": 14.0, "setup_seconds": None}) == "14.0 s"
 
 
+def test_the_step_programs_row_says_which_were_compiled_and_which_loaded():
+  def row(compiles, loaded, seconds, loaded_seconds):
+    return report._programs_row(
+      {
+        "compiles": compiles,
+        "compile_cache_hits": loaded,
+        "compile_seconds": seconds,
+        "compile_cache_hit_seconds": loaded_seconds,
+        "compiled_micro_batch_sizes": [4, 1, 2],
+        "compile_fallback_steps": 33,
+      }
+    )
+
+  assert row(5, 0, 90.5, 0.0) == (
+    "5 compiled, 0 loaded from the compilation cache (micro-batch sizes [1, 2, 4]; 90.5 s "
+    "compiling, in the background; 33 steps on a fallback shape)"
+  )
+  assert row(5, 5, 4.8, 4.8) == (
+    "0 compiled, 5 loaded from the compilation cache (micro-batch sizes [1, 2, 4]; 4.8 s in the "
+    "background, all of it tracing, lowering and loading; 33 steps on a fallback shape)"
+  )
+  assert row(6, 5, 15.5, 4.8) == (
+    "1 compiled, 5 loaded from the compilation cache (micro-batch sizes [1, 2, 4]; 15.5 s in the "
+    "background, 4.8 s of it tracing, lowering and loading; 33 steps on a fallback shape)"
+  )
+
+
 def test_the_evaluation_shows_its_progress_and_the_last_one_the_save(tmp_path, capsys):
   counted = []
 

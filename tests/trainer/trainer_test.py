@@ -15,6 +15,7 @@ import pytest
 
 import simigrad_jax
 from simigrad_jax.compile.step_functions import Program
+from simigrad_jax.compile.step_functions import StepFunctions
 from tiny_run import TinyMLP
 from tiny_run import dataset
 from tiny_run import mlp_loss
@@ -502,7 +503,7 @@ def test_the_first_step_waits_for_the_programs_the_fallback_needs(tmp_path):
   assert records[1]["compile_wait_step_seconds"] == 0
 
 
-def test_a_shape_that_fails_to_compile_is_raised_not_replaced(tmp_path):
+def test_a_shape_that_fails_to_compile_is_raised_not_replaced(tmp_path, monkeypatch):
   """The fallback covers a shape still compiling, never one whose compile failed."""
   controller = simigrad_jax.Controller(
     16,
@@ -512,18 +513,18 @@ def test_a_shape_that_fails_to_compile_is_raised_not_replaced(tmp_path):
     batch_size_upper_bound=44,
     batch_sizes_to_profile=(44,),
   )
+  lower = StepFunctions.lower
+
+  def failing_lower(self, key):  # (from the Trainer's construction on: it queues the first plan)
+    if key == (Program.FUSED, self._layout.plan(44).micro_batch_size):
+      raise RuntimeError("out of memory (injected)")
+    return lower(self, key)
+
+  monkeypatch.setattr(StepFunctions, "lower", failing_lower)
   trainer = make_trainer(tmp_path, dataset(), controller)
   first = trainer.layout.plan(16).micro_batch_size
   broken = trainer.layout.plan(44).micro_batch_size
   compiler = trainer._programs.compiler
-  lower = compiler._lower
-
-  def failing_lower(key):
-    if key == (Program.FUSED, broken):
-      raise RuntimeError("out of memory (injected)")
-    return lower(key)
-
-  compiler._lower = failing_lower
   compiler.prefetch([(Program.FUSED, first), (Program.FUSED, broken)])
   while broken not in compiler.view()["failed_fused"]:
     time.sleep(0.01)

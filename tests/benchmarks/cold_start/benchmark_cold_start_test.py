@@ -48,6 +48,12 @@ def test_the_summary_and_the_table_are_the_runs(reduced_run):
   cold_run, cold_row = result["runs"][0], rows[0]
   assert cold_row["compile_wait_seconds"]["mean"] == cold_run["compile_wait_seconds"]
   assert cold_row["waited_over_fixed"] is None  # no fixed run to pair with
+  for run in result["runs"]:  # the waits split at the first step, and their share of the runtime
+    waited = run["compile_wait_seconds"]
+    assert 0 <= run["first_step_wait_seconds"] <= waited
+    assert run["first_step_wait_seconds"] + run["later_wait_seconds"] == pytest.approx(waited)
+    assert run["waited_fraction"] == pytest.approx(waited / run["seconds"])
+    assert 0 < run["setup_seconds"] < run["seconds"]
   table = cold_start.markdown(result).splitlines()
   assert len(table) == 2 + 2
   assert table[2].startswith(f"| demo | cold | adaptive | {cold_run['programs_compiled']} (0) |")

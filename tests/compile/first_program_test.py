@@ -1,0 +1,144 @@
+"""The first step's program starts while the run is set up: traced in a thread of its own (errors
+raised in the Trainer's constructor as before), then queued first on its compiler; the Trainer
+uses the functions it made from the state's placeholders, once."""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+
+import jax
+import numpy as np
+import optax
+import pytest
+from jax.sharding import Mesh
+
+from simigrad_jax.compile.first_program import FirstProgram
+from simigrad_jax.compile.step_functions import Program
+from simigrad_jax.compile.step_functions import ProgramShape
+from simigrad_jax.compile.step_functions import StepFunctions
+from simigrad_jax.shapes import mesh_sharding
+from simigrad_jax.trainer import run_setup
+from tiny_run import make_trainer
+
+_CHECKED = contextvars.ContextVar("checked", default=False)
+
+
+@contextlib.contextmanager
+def checked():
+  token = _CHECKED.set(True)
+  try:
+    yield
+  finally:
+    _CHECKED.reset(token)
+
+
+class Functions:
+  """Stands in for StepFunctions: records each trace, and whether it ran in ``checked()``."""
+
+  def __init__(self, error=None):
+    self.traced, self.error = [], error
+
+  def trace(self, micro):
+    self.traced.append((micro, _CHECKED.get()))
+    if self.error is not None:
+      raise self.error
+
+
+class Compiler:
+  """Stands in for StepProgramCompiler: records the prefetches; ``closed`` refuses them as its
+  compiler does."""
+
+  def __init__(self, functions, closed=False):
+    self.functions, self.closed, self.prefetched = functions, closed, []
+
+  def prefetch(self, programs, *, first=False):
+    if self.closed:
+      raise RuntimeError("closed")
+    self.prefetched.append((list(programs), first))
+
+
+def test_the_first_program_is_traced_in_the_check_then_queued_first():
+  compiler = Compiler(Functions())
+  FirstProgram(compiler, "state", 4, checked, queue=True).result()
+  assert compiler.functions.traced == [(4, True)]
+  assert compiler.prefetched == [([ProgramShape(Program.FUSED, 4)], True)]
+
+
+def test_a_run_that_may_resume_only_traces_the_first_program():
+  compiler = Compiler(Functions())
+  FirstProgram(compiler, "state", 4, checked, queue=False).result()
+  assert compiler.functions.traced == [(4, True)]
+  assert compiler.prefetched == []
+
+
+def test_the_traces_error_is_raised_as_it_is_and_nothing_is_queued():
+  error = ValueError("loss_fn fails on one device's rows of this source")
+  compiler = Compiler(Functions(error))
+  first = FirstProgram(compiler, "state", 4, checked, queue=True)
+  with pytest.raises(ValueError) as raised:
+    first.result()
+  assert raised.value is error
+  assert compiler.prefetched == []
+
+
+def test_a_compiler_closed_while_the_first_program_traced_queues_nothing():
+  compiler = Compiler(Functions(), closed=True)  # (the set-up failed meanwhile)
+  FirstProgram(compiler, "state", 4, checked, queue=True).result()  # no error
+  assert compiler.functions.traced == [(4, True)]
+
+
+def test_a_workdir_may_resume_when_its_checkpoint_folder_holds_anything(tmp_path):
+  assert not run_setup.may_resume(tmp_path)
+  (tmp_path / "checkpoints").mkdir()
+  assert not run_setup.may_resume(tmp_path)
+  (tmp_path / "checkpoints" / "3").mkdir()
+  assert run_setup.may_resume(tmp_path)
+
+
+def test_a_new_run_traces_its_first_step_once_on_functions_made_before_placing_the_state(
+  tmp_path, monkeypatch
+):
+  made, traced, order = [], [], []
+  real_init, real_trace = StepFunctions.__init__, StepFunctions.trace
+  real_first, real_place = FirstProgram.__init__, run_setup.place_state
+
+  def init(self, **kwargs):
+    made.append(self)
+    real_init(self, **kwargs)
+
+  def trace(self, micro):
+    traced.append(micro)
+    real_trace(self, micro)
+
+  def first(self, *args, **kwargs):
+    order.append("first program")
+    real_first(self, *args, **kwargs)
+
+  def place(*args):
+    order.append("state placed")
+    return real_place(*args)
+
+  monkeypatch.setattr(StepFunctions, "__init__", init)
+  monkeypatch.setattr(StepFunctions, "trace", trace)
+  monkeypatch.setattr(FirstProgram, "__init__", first)
+  monkeypatch.setattr(run_setup, "place_state", place)
+  with make_trainer(tmp_path / "run") as trainer:
+    summary = trainer.train(num_steps=1)
+  assert summary["run_steps"] == 1
+  # One set of functions, made from the placeholders: the placed state's were the same.
+  assert len(made) == 1 and trainer._programs.functions is made[0]
+  assert len(traced) == 1
+  assert order == ["first program", "state placed"]
+
+
+def test_the_placeholders_made_before_placing_are_those_of_the_placed_state(devices):
+  mesh = Mesh(np.array(devices), ("data",))
+  params = {"w": np.ones((3, 2), np.float64), "b": np.zeros(2, np.float32), "s": 1.5}
+  optimizer = optax.sgd(0.1, momentum=0.9)
+  initial = {"params": params, "opt_state": optimizer.init(params), "model_state": None}
+  specs = mesh_sharding.param_specs(None, params, mesh)
+  placed = run_setup.place_state(initial, optimizer, specs, mesh)
+  abstract = run_setup.abstract_state(initial, optimizer, specs, mesh)
+  assert run_setup._same_placeholders(placed, abstract)
+  assert abstract["params"]["w"].dtype == jax.numpy.float32  # as JAX places a float64 leaf
