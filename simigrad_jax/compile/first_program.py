@@ -58,6 +58,8 @@ class FirstProgram:
     self._checked = checked
     self._queue = queue
     self._error: BaseException | None = None
+    # Marked before the thread starts: a lowering of this shape queued meanwhile waits for it.
+    self._trace_over = compiler.functions.trace_under_way(micro)
     self._thread = threading.Thread(target=self._trace, name="step-first-trace", daemon=True)
     self._thread.start()
 
@@ -68,6 +70,8 @@ class FirstProgram:
     except BaseException as error:  # raised again by result(), in the caller's thread
       self._error = error
       return
+    finally:
+      self._trace_over()
     if self._queue:
       with contextlib.suppress(RuntimeError):  # the compiler closed: the set-up failed meanwhile
         self.compiler.prefetch([ProgramShape(Program.FUSED, self.micro)], first=True)

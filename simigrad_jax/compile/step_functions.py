@@ -24,7 +24,8 @@ split one of the two blocks of a device's rows
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
+import threading
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -200,6 +201,7 @@ class StepFunctions:
       ),
     )
     self._traced: dict[int, jax.stages.Traced] = {}
+    self._traces_under_way: dict[int, threading.Event] = {}
 
   def trace(self, micro: int) -> None:
     """Traces (does not compile) the fused step of shape ``micro``.
@@ -228,6 +230,32 @@ class StepFunctions:
         f"{self._layout.device_rows(micro)} rows): {type(error).__name__}: {error}"
       ) from error
 
+  def trace_under_way(self, micro: int) -> Callable[[], None]:
+    """Marks the fused step of shape ``micro`` as traced by another thread, from now on.
+
+    Until the mark ends, :meth:`lower_fused` of that shape waits for the trace
+    and lowers it, rather than tracing the program a second time beside it
+    (the first step's program is traced while its compiler's threads start on
+    the other programs: :class:`~simigrad_jax.compile.first_program.FirstProgram`).
+
+    Args:
+      micro: the shape whose trace is under way, in rows per slot.
+
+    Returns:
+      What ends the mark: call it once when the trace is over, whether it
+      succeeded or failed (a failed trace leaves nothing to lower from, so
+      :meth:`lower_fused` traces again and meets the same error).
+    """
+    over = threading.Event()
+    self._traces_under_way[micro] = over
+
+    def end() -> None:
+      if self._traces_under_way.get(micro) is over:
+        del self._traces_under_way[micro]
+      over.set()
+
+    return end
+
   def lower(self, key: ProgramShape) -> jax.stages.Lowered:
     """The program ``key`` names, lowered (:meth:`lower_fused`, :meth:`lower_plain`,
     :meth:`lower_micro` or :meth:`lower_apply`)."""
@@ -240,7 +268,11 @@ class StepFunctions:
     return self.lower_apply()
 
   def lower_fused(self, micro: int) -> jax.stages.Lowered:
-    """The fused step of shape ``micro``, lowered (from its :meth:`trace`, if any)."""
+    """The fused step of shape ``micro``, lowered (from its :meth:`trace`, if any; a trace
+    under way in another thread is waited for: :meth:`trace_under_way`)."""
+    under_way = self._traces_under_way.get(micro)
+    if under_way is not None:
+      under_way.wait()
     traced = self._traced.pop(micro, None)
     return traced.lower() if traced is not None else self._fused.lower(*self._fused_args(micro))
 

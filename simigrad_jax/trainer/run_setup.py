@@ -298,10 +298,10 @@ def open_run(
   when the run's record allows (``sampler`` and ``controller`` in place);
   every process agreeing on the resumed state; the programs made
   (:func:`make_programs`, on ``first``'s compiler when its placeholders are
-  the resumed state's) and the first step's trace waited for, so that a
-  model, loss, optimizer and data that do not fit each other fail now; then
-  the programs the first step may run queued, so that they load or compile
-  while the set-up ends. On an error, what was opened is closed again (the
+  the resumed state's); the programs the first step may run queued, so that
+  they load or compile beside the first step's trace and while the set-up
+  ends; and that trace waited for, so that a model, loss, optimizer and data
+  that do not fit each other fail now. On an error, what was opened is closed again (the
   agreement and ``first``'s compiler too).
 
   Args:
@@ -338,7 +338,6 @@ def open_run(
         "sampler": sampler.state_dict(),
       },
     )
-    first.result()  # misfits fail here, at the first trace
     # The functions of placeholders other than the resumed state's are never used (there are
     # none such: this only guards the programs against a stale executable).
     same = _same_placeholders(resumed.state, first.state)
@@ -356,11 +355,17 @@ def open_run(
       compiler=first.compiler if same else None,
     )
     undo.callback(programs.compiler.close)
+    if same:
+      # The programs the first step may run are queued while its own is still traced: the others
+      # (the fallback's micro-step and update) start beside it, and its lowering waits for that
+      # trace (StepFunctions.trace_under_way). train() asks again: a no-op.
+      programs.policy.start(controller.batch_size, resumed.step)
+    first.result()  # misfits fail here, at the first trace
     if not same:
       first.compiler.close()
       with checks.transform_named_for(config.axis_name):
         programs.functions.trace(layout.plan(controller.batch_size).micro_batch_size)
-    programs.policy.start(controller.batch_size, resumed.step)  # (train() asks again: a no-op)
+      programs.policy.start(controller.batch_size, resumed.step)
     undo.pop_all()
   return workdir_lock, checkpoints, programs, resumed
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import threading
 
 import jax
 import numpy as np
@@ -34,10 +35,15 @@ def checked():
 
 
 class Functions:
-  """Stands in for StepFunctions: records each trace, and whether it ran in ``checked()``."""
+  """Stands in for StepFunctions: records each trace, and whether it ran in ``checked()``, and
+  the marks of a trace under way (made, then ended)."""
 
   def __init__(self, error=None):
-    self.traced, self.error = [], error
+    self.traced, self.error, self.marks = [], error, []
+
+  def trace_under_way(self, micro):
+    self.marks.append(("marked", micro, len(self.traced)))
+    return lambda: self.marks.append(("ended", micro, len(self.traced)))
 
   def trace(self, micro):
     self.traced.append((micro, _CHECKED.get()))
@@ -63,6 +69,8 @@ def test_the_first_program_is_traced_in_the_check_then_queued_first():
   FirstProgram(compiler, "state", 4, checked, queue=True).result()
   assert compiler.functions.traced == [(4, True)]
   assert compiler.prefetched == [([ProgramShape(Program.FUSED, 4)], True)]
+  # Marked under way before the trace began, the mark ended once it was over.
+  assert compiler.functions.marks == [("marked", 4, 0), ("ended", 4, 1)]
 
 
 def test_a_run_that_may_resume_only_traces_the_first_program():
@@ -80,6 +88,7 @@ def test_the_traces_error_is_raised_as_it_is_and_nothing_is_queued():
     first.result()
   assert raised.value is error
   assert compiler.prefetched == []
+  assert compiler.functions.marks == [("marked", 4, 0), ("ended", 4, 1)]  # ended on failure too
 
 
 def test_a_compiler_closed_while_the_first_program_traced_queues_nothing():
@@ -142,3 +151,19 @@ def test_the_placeholders_made_before_placing_are_those_of_the_placed_state(devi
   abstract = run_setup.abstract_state(initial, optimizer, specs, mesh)
   assert run_setup._same_placeholders(placed, abstract)
   assert abstract["params"]["w"].dtype == jax.numpy.float32  # as JAX places a float64 leaf
+
+
+def test_a_lowering_of_a_shape_under_way_waits_for_its_trace_and_lowers_from_it(tmp_path):
+  with make_trainer(tmp_path / "run") as trainer:
+    functions = trainer._programs.functions
+    end = functions.trace_under_way(3)
+    lowered = []
+    lowering = threading.Thread(target=lambda: lowered.append(functions.lower_fused(3)))
+    lowering.start()
+    lowering.join(0.5)
+    assert lowering.is_alive() and not lowered  # waits while the trace is under way
+    functions.trace(3)
+    end()
+    lowering.join()
+    assert len(lowered) == 1 and isinstance(lowered[0], jax.stages.Lowered)
+    assert 3 not in functions._traced  # lowered from that trace, not traced again
