@@ -440,7 +440,7 @@ def meets_goal(row: Mapping[str, Any]) -> bool:
   """Steps at most STEPS_GOAL x, the interval's upper end below STEPS_GOAL_UPPER, tokens at most
   TOKENS_GOAL x the comparator's."""
   steps, hi, tokens = row["steps_ratio"], row["steps_ratio_ci"][1], row["tokens_ratio"]
-  return (
+  return bool(  # a Python bool: the ratios may be NumPy floats, whose comparisons JSON refuses
     steps is not None
     and hi is not None
     and tokens is not None

@@ -14,6 +14,8 @@ from typing import Any
 def _ratio(value: float | None, ci: Sequence[float | None] | None = None) -> str:
   if value is None:
     return "never"
+  if value == 0:  # a finite mean over an unbounded one: the comparator misses the target
+    return "its comparator never reaches it in a paired seed"
   text = f"{value:.2f}x"
   if ci is not None:
     lo, hi = ci

@@ -278,3 +278,21 @@ def test_the_docs_blocks_are_the_committed_json():
     stored = list(RunStore(store, r["experiment"]).runs.values())
     assert len(r["runs"]) == r["decays_stored"] <= len(stored)
     assert all(run in stored and run["curve"] for run in r["runs"])
+
+
+@pytest.mark.parametrize("steps, expected", [(0.4, True), (0.7, False)])
+def test_the_goal_is_a_json_bool_when_the_ratios_are_numpy_floats(steps, expected):
+  row = {
+    "steps_ratio": np.float64(steps),
+    "steps_ratio_ci": [np.float64(steps - 0.05), np.float64(steps + 0.05)],
+    "tokens_ratio": np.float64(1.0),
+  }
+  met = frontier.meets_goal(row)
+  assert met is expected  # a Python bool, which json.dumps writes
+  assert json.loads(json.dumps({"goal": met})) == {"goal": expected}
+
+
+def test_a_ratio_over_a_comparator_that_never_reaches_the_target_is_named_not_printed_as_zero():
+  steps = frontier.ratio_interval([100.0, 120.0], [math.inf, 200.0])
+  assert steps[0] == 0.0  # a finite mean over an unbounded one
+  assert "never reaches" in verdict_report._ratio(steps[0], [steps[1], steps[2]])
