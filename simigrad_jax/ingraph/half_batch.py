@@ -109,26 +109,22 @@ def _after(tree: Any, grads: Any) -> tuple[Any, bool]:
 
   XLA schedules independent work in any order, and on CPU it interleaves two
   independent passes layer by layer, which keeps both halves' activations
-  alive. A data dependency orders them: ``zero`` is read from one entry of
-  every gradient leaf (so it exists only when every leaf has been made; one
-  entry, not a sum over the leaf, which would read the whole gradient once
-  more), is exactly +0.0 even when that entry is not finite, and ``x -
-  (+0.0)`` is ``x`` bit for bit. XLA does not fold a floating-point ``y * 0``
-  (NaN semantics), so the dependency survives compilation. Only
-  floating-point leaves can carry it.
+  alive. A data dependency orders them: ``zero`` is read from every gradient
+  leaf (so it exists only when the whole first pass has finished), is exactly
+  +0.0 even when a gradient is not finite, and ``x - (+0.0)`` is ``x`` bit for
+  bit. XLA does not fold a floating-point ``y * 0`` (NaN semantics), so the
+  dependency survives compilation. Only floating-point leaves can carry it.
 
   Returns:
     ``(tree, carried)``: the ordered tree, and whether any leaf carried the
     dependency.
   """
-  entries = [
-    jnp.real(jnp.ravel(g)[0]).astype(jnp.float32)
-    for g in jax.tree.leaves(grads)
-    if _is_inexact(g) and jnp.size(g)
+  totals = [
+    jnp.sum(jnp.real(g), dtype=jnp.float32) for g in jax.tree.leaves(grads) if _is_inexact(g)
   ]
-  if not entries or not any(_is_inexact(x) for x in jax.tree.leaves(tree)):
+  if not totals or not any(_is_inexact(x) for x in jax.tree.leaves(tree)):
     return tree, False
-  total = sum(entries[1:], entries[0])
+  total = sum(totals[1:], totals[0])
   zero = jnp.abs(jnp.where(jnp.isfinite(total), total, 0.0) * 0.0)
   return jax.tree.map(lambda x: x - zero.astype(x.dtype) if _is_inexact(x) else x, tree), True
 
