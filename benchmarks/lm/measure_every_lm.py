@@ -9,7 +9,8 @@ its rule per measurement (``steps_per_update=1``, the default), or
 ``per_step``, the ``k`` moves the measurement stands for
 (``steps_per_update=k``: the rule's rate per optimizer step). This script
 asks what each costs the LM comparison of ``benchmarks/lm/pareto_lm.py`` in
-steps and tokens to its target, and what it saves per step.
+steps and tokens to losses every ``k = 1`` run reaches, and in final loss,
+paired by seed, and what it saves per step.
 
 The protocol:
 
@@ -40,15 +41,22 @@ The protocol:
    steps of a block's seconds per step (:func:`seconds_per_step`); those are
    not compared across ``k``, a median of ``k``-step means being no median
    of single steps where step times are skewed.
-4. Paired by seed, against ``k = 1``: the ratio of mean steps (tokens) to the
-   target and of seconds per step, and the difference of final validation
-   losses, each with the bootstrap's 95% interval over seeds
-   (:func:`benchmarks.lm.frontier.ratio_interval`, :func:`difference_interval`);
-   a ratio to a loss ``k = 1`` misses in a seed has none.
-5. The goal (:func:`goal_row`): ``k``'s mean steps to the target within
-   ``k = 1``'s spread over seeds (its least to its most), read on the target
-   plus the margin, and on the seeds where ``k = 1`` reaches it, where
-   ``k = 1`` misses the target itself in a seed.
+4. The loss levels (:func:`loss_levels`): the worst final validation loss
+   of the ``k = 1`` runs, the hardest loss every one of them reaches, and
+   two easier ones above it (:data:`LEVEL_OFFSETS`). The comparison's
+   target (and the target plus the margin) is no such level: the seeds'
+   final losses spread wider than the margin, so whether a seed reaches it
+   is decided by that noise, and a seed that misses it has no steps to pair.
+5. Paired by seed, against ``k = 1`` (:func:`compare`): at each level the
+   ratio of mean steps (tokens) to it, each seed's ratio, and the
+   bootstrap's 95% interval over seeds
+   (:func:`benchmarks.lm.frontier.ratio_interval`); the difference of final
+   validation losses with its interval (:func:`difference_interval`); the
+   seconds per step's ratio.
+6. The goal, "steps within ``k = 1``'s seed spread", as two tests at every
+   level (:func:`compare_at`): ``k``'s mean steps lies within ``k = 1``'s
+   seeds' least to most, and the paired ratio's interval holds 1.0; a
+   ``k`` whose interval lies below 1.0 (fewer steps) meets the goal too.
 
 Resume: each finished run is appended to ``--store``
 (``benchmarks/results/lm_measure_every_runs.jsonl`` by default) the moment it
@@ -73,11 +81,15 @@ JSON (machine-read)::
               "steps_to_margin", "tokens_to_margin", "final_val_loss", "avg_batch_size",
               "measurements", "steps", "wall_seconds", "seconds_per_step",
               "step_cost_vs_k1": [ratio, lo, hi], ...}],
-   "paired": [{"measure_every", "reading", "steps_ratio_to_target": [ratio, lo, hi],
-               "tokens_ratio_to_target", "steps_ratio_to_margin", "tokens_ratio_to_margin",
-               "final_val_loss_difference": [mean, lo, hi]}],
-   "goal": [{"reading", "measure_every", "read_on", "seeds_read", "k1_spread", "mean",
-             "within_k1_spread", "steps_ratio", "step_cost_vs_k1"}],
+   "levels": [float] (the losses read), "level_offsets": [float],
+   "paired": [{"measure_every", "reading",
+               "levels": [{"loss", "k1_steps", "k1_range": [least, most], "steps",
+                           "steps_by_seed", "reached", "steps_ratio": [ratio, lo, hi],
+                           "steps_ratio_by_seed", "tokens_ratio", "outcome" ("fewer steps",
+                           "ties" or "more steps"), "mean_within_k1_range",
+                           "ratio_interval_holds_1", "within", "met"}],
+               "within_at_every_level": bool, "met_at_every_level": bool,
+               "final_val_loss_difference": [mean, lo, hi], "final_loss_interval_holds_0"}],
    "runs": [{...as benchmarks/lm/experiment.py records a run, and "measure_every",
              "reading", "measurements", "seconds_per_step": {rows per device: [seconds, blocks]}}],
    "runs_wall_seconds": float, ...}
@@ -113,6 +125,7 @@ from benchmarks import common  # noqa: E402
 from benchmarks.lm import protocol as P  # noqa: E402
 from benchmarks.lm.experiment import LmExperiment  # noqa: E402
 from benchmarks.lm.experiment import crossing  # noqa: E402
+from benchmarks.lm.frontier import outcome  # noqa: E402
 from benchmarks.lm.frontier import ratio_interval  # noqa: E402
 from benchmarks.lm.report import LOSS_MARGIN  # noqa: E402
 from benchmarks.lm.run_store import RunStore  # noqa: E402
@@ -129,6 +142,9 @@ EVERY = (1, 2, 4)
 # "per_measurement", one move of the rule per measurement (steps_per_update=1, the default), or
 # "per_step", the rule's rate per optimizer step (steps_per_update=k). k = 1 has one reading.
 READINGS = ("per_measurement", "per_step")
+# The losses the paired comparison reads steps at, above the k = 1 runs' worst final validation
+# loss: that loss itself (the hardest one every k = 1 run reaches) and two easier ones.
+LEVEL_OFFSETS = (0.0, 0.05, 0.1)
 
 
 def read_as(spec: RunSpec, every: int, reading: str) -> RunSpec:
@@ -343,83 +359,106 @@ def _interval(values: tuple[float, float, float]) -> list[float | None]:
   return [_json_number(v) for v in values]
 
 
-def compare(runs: Sequence[Mapping[str, Any]], reference: Sequence[Mapping[str, Any]]) -> dict:
-  """One ``k``'s runs against ``k = 1``'s, paired by seed (both in seed order)."""
-  pair: dict[str, Any] = {}
-  for key in ("steps_to_target", "tokens_to_target", "steps_to_margin", "tokens_to_margin"):
-    baseline = _reached(reference, key)
-    # A ratio to k = 1 needs k = 1 to reach the loss in every seed (else its mean is unbounded).
-    pair[key.replace("_to_", "_ratio_to_")] = (
-      _interval(ratio_interval(_reached(runs, key), baseline))
-      if all(math.isfinite(b) for b in baseline)
-      else [None, None, None]
-    )
-  pair["final_val_loss_difference"] = difference_interval(
-    [r["final_val_loss"] for r in runs], [r["final_val_loss"] for r in reference]
-  )
-  return pair
+def loss_levels(reference: Sequence[Mapping[str, Any]]) -> list[float]:
+  """The losses the comparison reads steps at: ``k = 1``'s worst final loss, and easier ones.
 
-
-def _mean_all(values: Sequence[float | None]) -> float | None:
-  """The mean over every seed; None where a seed never reached the loss."""
-  reached = [v for v in values if v is not None]
-  if len(reached) < len(values):
-    return None
-  return round(float(np.mean(reached)), 1)
-
-
-def _spread(values: Sequence[float | None]) -> list[float]:
-  """The least and the most of the seeds' values (every one reached)."""
-  reached = [v for v in values if v is not None]
-  return [min(reached), max(reached)]
-
-
-def within_spread(value: float | None, spread: Sequence[float | None]) -> bool:
-  """Whether ``value`` (a mean over seeds) lies within the seeds' least to most (None: never)."""
-  bounds = [s for s in spread if s is not None]
-  if value is None or not spread or len(bounds) < len(spread):
-    return False
-  return min(bounds) <= value <= max(bounds)
-
-
-def goal_row(
-  row: Mapping[str, Any], reference: Mapping[str, Any], seeds: Sequence[int]
-) -> dict[str, Any]:
-  """Whether one ``k``'s steps to the target lie within ``k = 1``'s spread over seeds.
-
-  Read on the target where ``k = 1`` reaches it in every seed, else on the
-  target plus the margin, on the seeds where ``k = 1`` reaches that (a seed
-  where it never does gives its spread no upper end, so it is left out and
-  the row names the seeds read). ``k``'s mean over those seeds (None where it
-  misses in one) must lie within ``k = 1``'s least to most; the ratio of the
-  means has the bootstrap's interval over the same seeds.
+  Every ``k = 1`` run reaches each of them (its final evaluation is at or
+  below the worst), so each has a mean over every seed and a paired ratio;
+  the easier ones sit :data:`LEVEL_OFFSETS` above it, where the curves fall
+  faster and a loss's noise moves its crossing by fewer steps.
 
   Args:
-    row: the ``k``'s summary (:func:`summarize`).
-    reference: ``k = 1``'s summary.
-    seeds: the seeds of both, in the order of their ``*_by_seed`` lists.
+    reference: the ``k = 1`` runs.
+
+  Example:
+    >>> loss_levels([{"final_val_loss": 1.93}, {"final_val_loss": 1.95}])
+    [1.95, 2.0, 2.05]
   """
-  column = (
-    "steps_to_target" if None not in reference["steps_to_target_by_seed"] else ("steps_to_margin")
-  )
-  base = reference[f"{column}_by_seed"]
-  read = [i for i, b in enumerate(base) if b is not None]
-  mine = [row[f"{column}_by_seed"][i] for i in read]
-  mean = _mean_all(mine) if read else None
-  ratio = (
-    ratio_interval([math.inf if m is None else m for m in mine], [base[i] for i in read])
-    if read
-    else (math.inf, 0.0, math.inf)
+  worst = max(float(r["final_val_loss"]) for r in reference)
+  return [round(worst + offset, 6) for offset in LEVEL_OFFSETS]
+
+
+def steps_to_level(run: Mapping[str, Any], loss: float) -> tuple[float, float]:
+  """``(steps, tokens)`` where a run's validation curve first reaches ``loss``; inf, inf if never."""
+  steps, tokens = crossing([(s, t, v) for s, t, v in run["curve"]], loss)
+  return (math.inf, math.inf) if steps is None else (steps, tokens)
+
+
+def compare_at(
+  runs: Sequence[Mapping[str, Any]], reference: Sequence[Mapping[str, Any]], loss: float
+) -> dict[str, Any]:
+  """One ``k``'s steps to ``loss`` against ``k = 1``'s, paired by seed, and the goal's tests.
+
+  "Within ``k = 1``'s seed spread" is read as two tests, each of which can
+  fail: ``k``'s mean steps over the seeds lies within ``k = 1``'s least to
+  most (``mean_within_k1_range``), and the bootstrap interval of the paired
+  ratio of mean steps holds 1.0 (``ratio_interval_holds_1``: the seeds show
+  no difference; how large a one they could miss is the interval's width).
+  ``within`` is both. The goal bounds a cost, so a ``k`` that takes fewer
+  steps than ``k = 1`` (the interval below 1.0) meets it too: ``met`` is
+  the mean at most ``k = 1``'s most and the interval not above 1.0. A seed
+  where ``k`` never reaches the loss counts as unbounded steps: no mean,
+  and a ratio without an upper end.
+
+  Args:
+    runs: the ``k``'s runs, in seed order.
+    reference: the ``k = 1`` runs of the same seeds, every one reaching ``loss``.
+    loss: the validation loss.
+
+  Raises:
+    ValueError: a ``k = 1`` run never reaches ``loss``.
+  """
+  mine = [steps_to_level(r, loss) for r in runs]
+  theirs = [steps_to_level(r, loss) for r in reference]
+  steps, base = [m[0] for m in mine], [t[0] for t in theirs]
+  if not all(math.isfinite(b) for b in base):
+    raise ValueError(f"a k = 1 run never reaches the loss {loss}; read levels every one reaches")
+  ratio = ratio_interval(steps, base)
+  tokens_ratio = ratio_interval([m[1] for m in mine], [t[1] for t in theirs])
+  mean = float(np.mean(steps))
+  least, most = min(base), max(base)
+  paired = outcome(ratio[1], ratio[2])
+  within_range = bool(least <= mean <= most)
+  return {
+    "loss": loss,
+    "k1_steps": round(float(np.mean(base)), 1),
+    "k1_range": [round(least, 1), round(most, 1)],
+    "steps": _json_number(mean),
+    "steps_by_seed": [_json_number(s) for s in steps],
+    "reached": sum(math.isfinite(s) for s in steps),
+    "steps_ratio": _interval(ratio),
+    "steps_ratio_by_seed": [_json_number(s / b) for s, b in zip(steps, base, strict=True)],
+    "tokens_ratio": _interval(tokens_ratio),
+    "outcome": paired,
+    "mean_within_k1_range": within_range,
+    "ratio_interval_holds_1": paired == "ties",
+    "within": within_range and paired == "ties",
+    "met": bool(mean <= most) and paired != "more steps",
+  }
+
+
+def compare(
+  runs: Sequence[Mapping[str, Any]], reference: Sequence[Mapping[str, Any]], levels: Sequence[float]
+) -> dict[str, Any]:
+  """One ``k``'s runs against ``k = 1``'s, paired by seed (both in seed order).
+
+  Returns:
+    ``levels``: :func:`compare_at` at each loss; ``within_at_every_level``
+    and ``met_at_every_level``: its ``within`` and ``met`` at every level;
+    ``final_val_loss_difference``:
+    the paired difference of final losses ``[mean, lo, hi]`` and
+    ``final_loss_interval_holds_0``.
+  """
+  rows = [compare_at(runs, reference, loss) for loss in levels]
+  diff = difference_interval(
+    [r["final_val_loss"] for r in runs], [r["final_val_loss"] for r in reference]
   )
   return {
-    "measure_every": row["measure_every"],
-    "read_on": column,
-    "seeds_read": [seeds[i] for i in read],
-    "k1_spread": _spread([base[i] for i in read]) if read else None,
-    "mean": mean,
-    "within_k1_spread": within_spread(mean, [base[i] for i in read]) if read else None,
-    "steps_ratio": _interval(ratio),
-    "step_cost_vs_k1": row["step_cost_vs_k1"],
+    "levels": rows,
+    "within_at_every_level": all(row["within"] for row in rows),
+    "met_at_every_level": all(row["met"] for row in rows),
+    "final_val_loss_difference": diff,
+    "final_loss_interval_holds_0": bool(diff[1] <= 0.0 <= diff[2]),
   }
 
 
@@ -445,9 +484,11 @@ def analyse(
   target: float,
   margin: float = LOSS_MARGIN,
 ) -> dict[str, Any]:
-  """The runs' targets, the summary per variant, the paired comparisons with ``k = 1`` and the goal.
+  """The summary per variant and the paired comparisons with ``k = 1`` at the loss levels.
 
-  Only seeds that finished every variant count, so every comparison is paired.
+  Only seeds that finished every variant count, so every comparison is
+  paired; the levels (:func:`loss_levels`) are read off those seeds' ``k = 1``
+  runs.
 
   Args:
     runs: the run records (with ``measure_every``, ``seed``, ``options``,
@@ -468,23 +509,24 @@ def analyse(
     raise ValueError(f"no seed finished every variant (measure_every, reading) of {order}")
   groups = {v: [by_variant[v][s] for s in seeds] for v in order}
   base = groups[order[0]]
+  levels = loss_levels(base)
   per_k = [
     {"measure_every": k, "reading": r, **summarize(groups[(k, r)], base, k)} for k, r in order
   ]
-  reference = per_k[0]
   paired = [
-    {"measure_every": k, "reading": r, **compare(groups[(k, r)], base)} for k, r in order[1:]
+    {"measure_every": k, "reading": r, **compare(groups[(k, r)], base, levels)}
+    for k, r in order[1:]
   ]
-  goal = [{"reading": row["reading"], **goal_row(row, reference, seeds)} for row in per_k[1:]]
   return {
     "target_val_loss": target,
     "loss_margin": margin,
+    "levels": levels,
+    "level_offsets": list(LEVEL_OFFSETS),
     "seeds": seeds,
     "every": list(dict.fromkeys(k for k, _ in order)),
     "variants": [list(v) for v in order],
     "per_k": per_k,
     "paired": paired,
-    "goal": goal,
   }
 
 
@@ -506,49 +548,51 @@ def _ci(values: Sequence[float | None], pattern: str = "{:.2f}") -> str:
   return f"{'inf' if value is None else _fmt(value, pattern)}x ({bounds})"
 
 
+def _yes(value: bool) -> str:
+  return "yes" if value else "no"
+
+
 def markdown(results: Mapping[str, Any]) -> str:
-  """The docs' tables: per ``k``, and each ``k``'s paired comparison with ``k = 1``."""
+  """The docs' tables: per variant, and each variant's steps to the levels paired with ``k = 1``."""
   n = len(results["seeds"])
+  paired = {(row["measure_every"], row["reading"]): row for row in results["paired"]}
   lines = [
-    f"| `measure_every` | `steps_per_update` | reached the target | steps to target | "
-    f"tokens to target | steps to target + {results['loss_margin']:g} | final val loss | "
-    "avg batch | measurements | steps | wall s (compiles excluded) | ms a step | "
-    "step cost vs k = 1 |",
-    "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    f"| `measure_every` | `steps_per_update` | reached the target | reached target + "
+    f"{results['loss_margin']:g} | final val loss | vs k = 1, paired | avg batch | "
+    "measurements | steps | wall s (compiles excluded) | ms a step | step cost vs k = 1 |",
+    "|---|---|---|---|---|---|---|---|---|---|---|---|",
   ]
   for row in results["per_k"]:
+    pair = paired.get((row["measure_every"], row["reading"]))
+    difference = "-"
+    if pair is not None:
+      diff, lo, hi = pair["final_val_loss_difference"]
+      difference = f"{diff:+.4f} ({lo:+.4f} to {hi:+.4f})"
     lines.append(
-      f"| {row['measure_every']} | {_steps_per_update(row)} | {row['reached']}/{n} | {_fmt(row['steps_to_target'])} | "
-      f"{_fmt(row['tokens_to_target'])} | {_fmt(row['steps_to_margin'])} "
-      f"({row['reached_margin']}/{n}) | {row['final_val_loss']:.4f} "
-      f"± {row['final_val_loss_std']:.4f} | {row['avg_batch_size']:.1f} | "
+      f"| {row['measure_every']} | {_steps_per_update(row)} | {row['reached']}/{n} | "
+      f"{row['reached_margin']}/{n} | {row['final_val_loss']:.4f} "
+      f"± {row['final_val_loss_std']:.4f} | {difference} | {row['avg_batch_size']:.1f} | "
       f"{row['measurements']:,.0f} | {row['steps']:,.0f} | "
       f"{row['wall_seconds']:.0f} ({row['wall_seconds_without_compiles']:.0f}) | "
       f"{1e3 * row['seconds_per_step']:.1f} | {_ci(row['step_cost_vs_k1'])} |"
     )
   lines += [
     "",
-    "| `measure_every` vs 1, paired | `steps_per_update` | steps to target | tokens to target | "
-    f"steps to target + {results['loss_margin']:g} | final val loss difference | "
-    "the goal's reading | steps (vs 1) | k = 1's spread | within |",
-    "|---|---|---|---|---|---|---|---|---|---|",
+    "| `measure_every` vs 1, paired | `steps_per_update` | val loss | k = 1's steps (least-most) "
+    "| steps (reached) | steps ratio | tokens ratio | mean within k = 1's range | "
+    "steps, paired | within | goal met |",
+    "|---|---|---|---|---|---|---|---|---|---|---|",
   ]
-  for row, goal in zip(results["paired"], results["goal"], strict=True):
-    diff, lo, hi = row["final_val_loss_difference"]
-    margin = f"target + {results['loss_margin']:g}"
-    read = "target" if goal["read_on"] == "steps_to_target" else margin
-    within = {None: "-", True: "yes", False: "no"}[goal["within_k1_spread"]]
-    spread = goal["k1_spread"]
-    lines.append(
-      f"| {row['measure_every']} | {_steps_per_update(row)} | "
-      f"{_ci(row['steps_ratio_to_target'])} | "
-      f"{_ci(row['tokens_ratio_to_target'])} | {_ci(row['steps_ratio_to_margin'])} | "
-      f"{diff:+.4f} ({lo:+.4f} to {hi:+.4f}) | "
-      f"{read}, seeds {', '.join(map(str, goal['seeds_read']))} | "
-      f"{_fmt(goal['mean'])} ({_ci(goal['steps_ratio'])}) | "
-      f"{'-' if spread is None else f'{spread[0]:,.0f}-{spread[1]:,.0f}'} | "
-      f"{within} |"
-    )
+  for row in results["paired"]:
+    for level in row["levels"]:
+      least, most = level["k1_range"]
+      lines.append(
+        f"| {row['measure_every']} | {_steps_per_update(row)} | {level['loss']:.4f} | "
+        f"{level['k1_steps']:,.0f} ({least:,.0f}-{most:,.0f}) | "
+        f"{_fmt(level['steps'])} ({level['reached']}/{n}) | {_ci(level['steps_ratio'])} | "
+        f"{_ci(level['tokens_ratio'])} | {_yes(level['mean_within_k1_range'])} | "
+        f"{level['outcome']} | {_yes(level['within'])} | {_yes(level['met'])} |"
+      )
   return "\n".join(lines)
 
 

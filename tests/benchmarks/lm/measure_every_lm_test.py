@@ -69,14 +69,16 @@ def _run(k, seed, losses, steps, measurements, wall):
 
 def test_the_analysis_pairs_the_seeds_finished_for_every_k():
   runs = [
-    _run(1, 1, [4.0, 3.0, 2.0], 100, 100, 12.0),  # the target 2.5 at step 75; 0.1 s a step
-    _run(4, 1, [4.0, 3.0, 2.0], 120, 30, 14.0),  # at 90; 0.1 s a step
-    _run(1, 2, [4.0, 3.0, 2.4], 100, 100, 22.0),  # 2.5 at 50 + 50 * 0.5 / 0.6 = 91.7; 0.2 s
-    _run(4, 2, [4.0, 3.0, 2.6], 120, 30, 14.0),  # never; 2.6 (target + margin 0.1) at 120; 0.1 s
-    _run(1, 3, [4.0, 2.0, 2.0], 100, 100, 12.0),  # seed 3 never ran k = 4: left out
+    _run(1, 1, [4.0, 3.0, 2.0], 100, 100, 12.0),  # 0.1 s a step
+    _run(4, 1, [4.0, 3.0, 2.0], 120, 30, 14.0),  # 0.1 s a step
+    _run(1, 2, [4.0, 3.0, 2.4], 100, 100, 22.0),  # k = 1's worst final loss; 0.2 s a step
+    _run(4, 2, [4.0, 3.0, 2.6], 120, 30, 14.0),  # never reaches 2.4, 2.45 or 2.5; 0.1 s
+    _run(1, 3, [4.0, 2.0, 1.0], 100, 100, 12.0),  # seed 3 never ran k = 4: left out
   ]
   results = me.analyse(runs, (1, 4), 2.5, margin=0.1)
   assert results["seeds"] == [1, 2]
+  # Read off the k = 1 runs of the paired seeds (seed 3's 1.0 is not one of them).
+  assert results["levels"] == [2.4, 2.45, 2.5]
   k1, k4 = results["per_k"]
   assert (k1["reached"], k1["steps_to_target"]) == (2, pytest.approx(83.3, abs=0.1))
   assert (k4["reached"], k4["steps_to_target_by_seed"]) == (1, [90.0, None])
@@ -87,27 +89,56 @@ def test_the_analysis_pairs_the_seeds_finished_for_every_k():
   assert k4["step_cost_vs_k1"][1:] == [pytest.approx(0.5), pytest.approx(1.0)]
   assert k1["step_cost_vs_k1"] == [1.0, 1.0, 1.0]
   [paired] = results["paired"]
-  assert paired["steps_ratio_to_target"][0] is None  # a seed that never reached: unbounded
+  hardest = paired["levels"][0]
+  # 2.4: k = 1 at 50 + 50 * 0.6 / 1.0 = 80 and at its last evaluation, 100; k = 4 at 96, never.
+  assert hardest["k1_range"] == [80.0, 100.0] and hardest["steps_by_seed"] == [96.0, None]
+  assert (hardest["reached"], hardest["steps"]) == (1, None)
+  assert hardest["steps_ratio_by_seed"] == [1.2, None]
+  assert hardest["steps_ratio"][0] is None and hardest["steps_ratio"][2] is None  # unbounded
+  assert hardest["outcome"] == "more steps" and not hardest["met"] and not hardest["within"]
+  assert not paired["within_at_every_level"] and not paired["met_at_every_level"]
   assert paired["final_val_loss_difference"][0] == pytest.approx(0.1)
-  [goal] = results["goal"]
-  assert goal["read_on"] == "steps_to_target" and goal["k1_spread"] == [75.0, pytest.approx(91.7)]
-  assert not goal["within_k1_spread"]  # k = 4 missed the target in seed 2
-  # k = 1 short of the target in a seed: the goal reads the target plus the margin.
-  runs[2] = _run(1, 2, [4.0, 3.0, 2.55], 100, 100, 22.0)  # 2.6 at 50 + 50 * 0.4 / 0.45
-  goal = me.analyse(runs, (1, 4), 2.5, margin=0.1)["goal"][0]
-  assert goal["read_on"] == "steps_to_margin" and goal["seeds_read"] == [1, 2]
-  assert goal["k1_spread"] == [pytest.approx(70.0), pytest.approx(94.4, abs=0.1)]
-  assert goal["mean"] == pytest.approx(102.0) and not goal["within_k1_spread"]
-  # ... and short of both in a seed: the seeds where k = 1 reaches the margin are read.
-  runs[2] = _run(1, 2, [4.0, 3.0, 2.7], 100, 100, 22.0)
-  results = me.analyse(runs, (1, 4), 2.5, margin=0.1)
-  goal = results["goal"][0]
-  assert goal["seeds_read"] == [1] and goal["k1_spread"] == [pytest.approx(70.0)] * 2
-  assert goal["mean"] == pytest.approx(84.0) and not goal["within_k1_spread"]
-  assert goal["steps_ratio"][0] == pytest.approx(84.0 / 70.0, abs=1e-4)
-  assert results["paired"][0]["steps_ratio_to_margin"] == [None, None, None]  # over every seed
+  # Differences 0.0 and +0.2: seed 1 resampled alone gives 0.0, the interval's lower end.
+  assert paired["final_val_loss_difference"][1:] == [0.0, pytest.approx(0.2)]
+  assert paired["final_loss_interval_holds_0"]
   with pytest.raises(ValueError, match="no seed finished every"):
     me.analyse(runs[:1], (1, 4), 2.5)
+
+
+def _reaching(k, seed, steps_to_two):
+  """A run whose curve falls linearly from 3.0 to 1.0, crossing 2.0 at ``steps_to_two``."""
+  return {"measure_every": k, "seed": seed, "final_val_loss": 1.0,
+          "curve": [[0, 0, 3.0], [2 * steps_to_two, 200 * steps_to_two, 1.0]]}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+  "steps, outcome, within, met",
+  [
+    ((105.0, 115.0, 112.0), "ties", True, True),  # seed ratios 1.05, 0.96, 1.02
+    ((90.0, 108.0, 99.0), "fewer steps", False, True),  # 0.9 in every seed: below the range
+    ((108.0, 124.0, 116.0), "more steps", False, False),  # within the range, more in every seed
+    ((125.0, 150.0, 137.5), "more steps", False, False),
+  ],
+)
+def test_the_goal_reads_the_mean_against_the_range_and_the_paired_interval(
+  steps, outcome, within, met
+):
+  reference = [_reaching(1, s, b) for s, b in zip((1, 2, 3), (100.0, 120.0, 110.0))]
+  runs = [_reaching(4, s, v) for s, v in zip((1, 2, 3), steps)]
+  row = me.compare_at(runs, reference, 2.0)
+  assert row["k1_range"] == [100.0, 120.0] and row["k1_steps"] == pytest.approx(110.0)
+  assert row["steps"] == pytest.approx(np.mean(steps), abs=1e-4)
+  assert row["tokens_ratio"][0] == pytest.approx(row["steps_ratio"][0], abs=1e-4)
+  assert row["outcome"] == outcome and row["ratio_interval_holds_1"] == (outcome == "ties")
+  assert row["mean_within_k1_range"] == (100.0 <= np.mean(steps) <= 120.0)
+  assert (row["within"], row["met"]) == (within, met)
+
+
+def test_a_level_a_k1_run_misses_is_refused():
+  reference = [_reaching(1, 1, 100.0), {**_reaching(1, 2, 100.0), "curve": [[0, 0, 3.0]]}]
+  with pytest.raises(ValueError, match="a k = 1 run never reaches the loss 2.0"):
+    me.compare_at(reference, reference, 2.0)
+  assert me.loss_levels(reference) == [1.0, 1.05, 1.1]
 
 
 def _toy_source(tmp_path, target=2.5):
@@ -271,7 +302,15 @@ def test_the_readings_are_run_side_by_side_and_k1_once(tmp_path, capsys):
   k1, held, rate = results["per_k"]
   assert (held["reading"], rate["reading"]) == ("per_measurement", "per_step")
   assert rate["final_val_loss"] == pytest.approx(2.42) and held["final_val_loss"] == 2.44
-  assert [row["reading"] for row in results["goal"]] == ["per_measurement", "per_step"]
+  assert [row["reading"] for row in results["paired"]] == ["per_measurement", "per_step"]
+  # k = 1 ends at 2.41 (its last evaluation at step 110): the levels 2.41, 2.46, 2.51. One move
+  # per measurement crosses 2.46 at 50 + 90 * 0.14 / 0.16 = 128.75, k = 1 at 50 + 60 * 0.14 / 0.19.
+  assert results["levels"] == [2.41, 2.46, 2.51]
+  held_levels = results["paired"][0]["levels"]
+  assert held_levels[1]["steps_by_seed"] == [pytest.approx(128.75)] * 2
+  assert held_levels[1]["k1_range"] == [pytest.approx(50 + 60 * 0.14 / 0.19, abs=0.1)] * 2
+  assert held_levels[1]["outcome"] == "more steps" and not held_levels[1]["met"]
+  assert held_levels[0]["reached"] == 0  # k = 4 ends at 2.44, above k = 1's 2.41
   capsys.readouterr()
   me.main(["--markdown", str(out)])
   rows = capsys.readouterr().out.splitlines()
