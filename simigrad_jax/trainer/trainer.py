@@ -100,6 +100,10 @@ class StepLoop:
     config: the run's settings (when to checkpoint).
     resumed: what the run resumed from: its state on the mesh, steps done and
       steps whose gradient was not finite.
+    steps_per_update: the optimizer steps each controller update stands for
+      (checked by :func:`simigrad_jax.controllers.interface.steps_per_update`):
+      1 updates it on every measuring step, ``config.measure_every`` on the
+      scheduled measurements only.
 
   Example::
 
@@ -119,6 +123,7 @@ class StepLoop:
     agreement: ProcessAgreement,
     config: TrainerConfig,
     resumed: Resumed,
+    steps_per_update: int,
   ):
     self.controller, self.layout, self.sampler = controller, layout, sampler
     self._programs, self._data, self._inputs = programs, data, inputs
@@ -137,7 +142,7 @@ class StepLoop:
     # A setting, read once: a schedule's config lists all its thresholds (a replay's, one a step).
     self._similarity_target = controller_interface.similarity_target(controller)
     self._measure_every = config.measure_every
-    self._steps_per_update = controller_interface.steps_per_update(controller, config.measure_every)
+    self._steps_per_update = steps_per_update
     self._bounds = controller_interface.batch_size_bounds(controller)
 
   def run(self, hooks: Sequence[StepHook], total_examples: float, max_steps: float) -> None:
@@ -439,7 +444,7 @@ class Trainer:
       devices=devices,
       mesh=mesh,
     )
-    controller_interface.steps_per_update(controller, config.measure_every)  # checked before use
+    steps_per_update = controller_interface.steps_per_update(controller, config.measure_every)
     self.mesh = mesh = Mesh(np.array(devices), (config.axis_name,)) if mesh is None else mesh
     specs = mesh_sharding.param_specs(param_sharding, params, mesh)
     self.layout = run_setup.make_layout(config, mesh.shape[config.axis_name], lower, upper)
@@ -512,6 +517,7 @@ class Trainer:
       agreement=agreement,
       config=config,
       resumed=resumed,
+      steps_per_update=steps_per_update,
     )
     on_main = jax.process_index() == 0
     self._metrics = MetricsHook(

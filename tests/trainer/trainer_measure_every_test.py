@@ -7,12 +7,15 @@ between them; the checkpoints record ``k``, and a resume with another is
 refused.
 """
 
+from unittest import mock
+
 import jax
 import numpy as np
 import pytest
 
 import simigrad_jax
 from simigrad_jax.checkpoint import CheckpointMismatchError
+from simigrad_jax.controllers import interface as controller_interface
 from tests import tiny_run
 
 EVERY_3 = simigrad_jax.CheckpointConfig(every_steps=3)
@@ -73,7 +76,12 @@ def test_a_controller_of_k_steps_per_update_moves_at_its_rate_per_step(tmp_path)
   )
   objects = {**tiny_run.trainer_objects(tmp_path), "controller": spaced}
   settings = dict(max_micro_batch_size=4, seed=3, progress=False, tensorboard=False)
-  tiny_run.trainer_with(**objects, **settings, measure_every=4).train(num_steps=12)
+  check = mock.patch.object(
+    controller_interface, "steps_per_update", wraps=controller_interface.steps_per_update
+  )
+  with check as checked:
+    tiny_run.trainer_with(**objects, **settings, measure_every=4).train(num_steps=12)
+  checked.assert_called_once_with(spaced, 4)  # read once, before anything is created
   steps = records(tmp_path)
   assert len(steps) == 12 and spaced.step == 3  # updated on steps 0, 4 and 8 only
   single = simigrad_jax.Controller(20, 0.5, batch_size_lower_bound=8, batch_size_upper_bound=64)
