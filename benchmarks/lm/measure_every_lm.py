@@ -21,9 +21,9 @@ The protocol:
    and its tuned SimiGrad setting (the SimiGrad setting with the least mean
    final validation loss: its options, learning rate, coupling and token
    allowance).
-2. That setting with ``measure_every`` of ``--every`` (1, 2, 4), each
-   ``k > 1`` read each way of ``--readings`` (a variant: ``k`` and its
-   reading; ``k = 1`` has one), and every seed of ``--seeds`` (1-5),
+2. That setting with ``measure_every`` of ``--every`` (1, 4), each
+   ``k > 1`` read each way of ``--readings`` (both; a variant: ``k`` and its
+   reading; ``k = 1`` has one), and every seed of ``--seeds`` (1-10),
    paired: seed s sees the same data order and initial parameters in every
    variant. The runs go seed by seed (every variant of seed 1, then of
    seed 2, ...), so that the seeds finished when the run stops are paired.
@@ -66,9 +66,10 @@ runs); one written for another experiment or setting is refused.
 
 Usage::
 
-  python benchmarks/lm/measure_every_lm.py                        # 15 runs: lm_measure_every.json
-  python benchmarks/lm/measure_every_lm.py --seeds 1,2 --every 1,4
-  python benchmarks/lm/measure_every_lm.py --readings per_measurement,per_step  # 25 runs
+  python benchmarks/lm/measure_every_lm.py    # k = 1 and 4, both readings, seeds 1-10: 30 runs
+  python benchmarks/lm/measure_every_lm.py --every 1,2 --seeds 1,2,3,4,5,6,7,8,9,10 \
+    --out benchmarks/results/lm_measure_every_k2.json   # k = 2's, the k = 1 runs read back
+  python benchmarks/lm/measure_every_lm.py --seeds 1,2 --every 1,4 --readings per_step
   python benchmarks/lm/measure_every_lm.py --markdown benchmarks/results/lm_measure_every.json
 
 JSON (machine-read)::
@@ -136,8 +137,8 @@ from benchmarks.pareto.protocol import comparison_folder  # noqa: E402
 
 NAME = "lm_measure_every"
 SOURCE = os.path.join(common.RESULTS_DIR, "pareto_lm.json")
-SEEDS = (1, 2, 3, 4, 5)
-EVERY = (1, 2, 4)
+SEEDS = tuple(range(1, 11))
+EVERY = (1, 4)
 # How the controller reads a measurement that stands for k steps (docs/controllers.md):
 # "per_measurement", one move of the rule per measurement (steps_per_update=1, the default), or
 # "per_step", the rule's rate per optimizer step (steps_per_update=k). k = 1 has one reading.
@@ -614,7 +615,7 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   p.add_argument(
     "--readings",
     type=lambda text: tuple(text.split(",")),
-    default=READINGS[:1],
+    default=READINGS,
     help=f"how the controller reads a measurement when k > 1, some of {','.join(READINGS)}",
   )
   p.add_argument("--markdown", default=None, help="print the docs tables of this JSON, and stop")

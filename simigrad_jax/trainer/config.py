@@ -396,9 +396,9 @@ class TrainerConfig:
       a step of several micro-batches measures, and is read by a controller
       of one move per measurement). 1 (the default): every step. A
       controller's ``steps_per_update`` must be 1 (one move per measurement)
-      or ``k`` (the rule's rate per step; docs/controllers.md, "Measuring
-      every k-th step"). Recorded in the checkpoints: a resume with another
-      ``k`` is refused.
+      or ``k`` (the rule's rate per step, the reading to use with ``k > 1``;
+      docs/controllers.md, "Measuring every k-th step"). Recorded in the
+      checkpoints: a resume with another ``k`` is refused.
     halves_passes: with the local split, how each device takes its two
       halves' gradients (:data:`simigrad_jax.ingraph.half_batch.PASSES`):
       ``"sequential"`` (the default: one pass of each half's rows after the

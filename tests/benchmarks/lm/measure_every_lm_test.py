@@ -233,7 +233,7 @@ def test_the_runs_go_seed_by_seed_into_the_store_and_resume(tmp_path, capsys):
 
   out, store = tmp_path / "out.json", tmp_path / "runs.jsonl"
   argv = ["--source", str(source), "--seeds", "2,1", "--every", "1,4", "--out", str(out)]
-  argv += ["--store", str(store)]
+  argv += ["--readings", "per_measurement", "--store", str(store)]
   put = me.RunStore.put
 
   def put_then_kill(self, key, run):  # killed once the third run is stored
