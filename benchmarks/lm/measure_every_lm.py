@@ -286,13 +286,18 @@ def _reached(runs: Sequence[Mapping[str, Any]], key: str) -> list[float]:
   return [math.inf if r[key] is None else float(r[key]) for r in runs]
 
 
+def steps_to_level(run: Mapping[str, Any], loss: float) -> tuple[float, float]:
+  """``(steps, tokens)`` where a run's validation curve first reaches ``loss``; inf, inf if never."""
+  steps, tokens = crossing([(s, t, v) for s, t, v in run["curve"]], loss)
+  return (math.inf, math.inf) if steps is None or tokens is None else (steps, tokens)
+
+
 def fill_targets(run: dict[str, Any], target: float, margin: float) -> None:
   """Sets a run's steps and tokens to ``target`` and to ``target + margin``, read on its curve."""
-  points = [(s, t, v) for s, t, v in run["curve"]]
   for suffix, loss in (("target", target), ("margin", target + margin)):
-    steps, tokens = crossing(points, loss)
-    run[f"steps_to_{suffix}"] = None if steps is None else round(steps, 1)
-    run[f"tokens_to_{suffix}"] = None if tokens is None else round(tokens)
+    steps, tokens = steps_to_level(run, loss)
+    run[f"steps_to_{suffix}"] = round(steps, 1) if math.isfinite(steps) else None
+    run[f"tokens_to_{suffix}"] = round(tokens) if math.isfinite(tokens) else None
 
 
 def _mean_reached(values: Sequence[float]) -> float | None:
@@ -377,12 +382,6 @@ def loss_levels(reference: Sequence[Mapping[str, Any]]) -> list[float]:
   """
   worst = max(float(r["final_val_loss"]) for r in reference)
   return [round(worst + offset, 6) for offset in LEVEL_OFFSETS]
-
-
-def steps_to_level(run: Mapping[str, Any], loss: float) -> tuple[float, float]:
-  """``(steps, tokens)`` where a run's validation curve first reaches ``loss``; inf, inf if never."""
-  steps, tokens = crossing([(s, t, v) for s, t, v in run["curve"]], loss)
-  return (math.inf, math.inf) if steps is None else (steps, tokens)
 
 
 def compare_at(
