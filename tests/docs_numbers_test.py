@@ -261,6 +261,20 @@ def _measure_every_lm_phrases() -> list[str]:
     f"Its final loss is lower by {-held_diff:.4f}, but the interval "
     f"({held_lo:+.4f} to {held_hi:+.4f}) holds 0",
     f"The main table's JSON has `runs_wall_seconds` {r['runs_wall_seconds']:,.0f}.",
+    *_measure_every_k2_phrases(),
+  ]
+
+
+def _measure_every_k2_phrases() -> list[str]:
+  """k = 2's paired final losses, in the LM comparison's prose."""
+  paired = {row["reading"]: row for row in _result("lm_measure_every_k2")["paired"]}
+  held, held_lo, held_hi = paired["per_measurement"]["final_val_loss_difference"]
+  rate, rate_lo, rate_hi = paired["per_step"]["final_val_loss_difference"]
+  hardest = paired["per_measurement"]["levels"][0]["tokens_ratio"]
+  return [
+    f"({rate:+.4f}, interval {rate_lo:+.4f} to {rate_hi:+.4f})",
+    f"lower, by {-held:.4f} (interval {-held_hi:.4f} to {-held_lo:.4f})",
+    f"({hardest[0]:.2f}x, interval {hardest[1]:.2f}-{hardest[2]:.2f})",
   ]
 
 

@@ -50,10 +50,10 @@ that similarity (:func:`compounded`: a grow to ``move^k(B)``, the model
 rule's step towards ``B*`` capped at ``k`` of the reference's), so the rule
 keeps its rate per optimizer step and rests each ``k``-fold move on one
 similarity. ``k`` is the reading to use with ``measure_every=k``: it keeps
-the steps to a loss at ``k = 1``'s, where one move per measurement grows the
-batch more slowly and takes more steps; 1 stays the default, the one value
-valid at every ``measure_every``. docs/controllers.md, "Measuring every k-th
-step".
+the run's steps and loss at ``k = 1``'s, where one move per measurement
+grows the batch more slowly and, at larger ``k``, takes more steps; 1 stays
+the default, the one value valid at every ``measure_every``.
+docs/controllers.md, "Measuring every k-th step".
 """
 
 from __future__ import annotations
@@ -241,9 +241,10 @@ class Controller(ProfileMethods, BaseController):
       controller is updated on every ``k``-th step only (``measure_every=k``)
       and each update decides what ``k`` updates with its similarity would
       (:func:`compounded`), so the batch moves at the rule's rate per
-      optimizer step: the value to use with ``measure_every=k``, whose
-      savings in step time it keeps (one move per measurement grows the batch
-      more slowly, so it takes more steps). ``warmup_steps`` and the profile
+      optimizer step: the value to use with ``measure_every=k``, which then
+      changes what a step costs and not how many steps a run takes (one move
+      per measurement grows the batch more slowly, and at larger ``k``
+      takes more steps). ``warmup_steps`` and the profile
       still count updates. Saved in the config; :class:`simigrad_jax.Trainer`
       refuses a value other than 1 or its ``measure_every``.
     verbose: log each decision (logger ``"simigrad_jax"``, level INFO).
