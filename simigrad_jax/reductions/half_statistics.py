@@ -231,7 +231,7 @@ def _leaf_statistics(a: jax.Array, b: jax.Array) -> jax.Array:
   apart: XLA:CPU then adds a whole lane of a row at once in vector
   registers, where a sum along the row is one sequential loop paced by the
   latency of its float additions. The totals are the same sums, added in
-  another order (docs/results.md, "An own loop's step", says what it
+  another order (docs/results.md, "Measuring every k-th step", says what it
   saves). A leaf that may be sharded is reduced as it lies: a reshape of a
   sharded axis can gather it.
   """
