@@ -223,13 +223,38 @@ def _leaf_statistics(a: jax.Array, b: jax.Array) -> jax.Array:
   On a sharded leaf every device reduces its own shard and the partial sums
   meet in a small all-reduce (or, when the reduced axis is sharded, an
   all-gather of the rows' partial sums).
+
+  Where no mesh axis can shard the leaf (:func:`_unsharded_here`: one
+  device, or the step's own device inside a ``shard_map``), the reduced last
+  axis is cut into lanes of :data:`STATISTICS_LANES` entries and the
+  reduction runs over the lanes' blocks, each lane's partial sums kept
+  apart: XLA:CPU then adds a whole lane of a row at once in vector
+  registers, where a sum along the row is one sequential loop paced by the
+  latency of its float additions. The totals are the same sums, added in
+  another order (docs/results.md, "Measuring every k-th step", says what it
+  saves). A leaf that may be sharded is reduced as it lies: a reshape of a
+  sharded axis can gather it.
   """
-  products = (a * b, a * a, b * b)
+  products: tuple[jax.Array, ...] = (a * b, a * a, b * b)
   if a.ndim < 2:
     return jnp.stack([jnp.sum(product) for product in products])
   zero = jnp.zeros((), jnp.float32)
-  rows = lax.reduce(products, (zero,) * 3, _add_each, (_reduced_axis(a),))
+  axis = _reduced_axis(a)
+  length = a.shape[axis]
+  if (
+    axis == a.ndim - 1
+    and length > STATISTICS_LANES
+    and length % STATISTICS_LANES == 0
+    and _unsharded_here()
+  ):
+    lanes = a.shape[:-1] + (length // STATISTICS_LANES, STATISTICS_LANES)
+    products = tuple(product.reshape(lanes) for product in products)
+  rows = lax.reduce(products, (zero,) * 3, _add_each, (axis,))
   return jnp.stack([jnp.sum(row) for row in rows])
+
+
+# The lanes a last axis is cut into for the statistics' reduction (see _leaf_statistics).
+STATISTICS_LANES = 32
 
 
 def _add_each(x: tuple, y: tuple) -> tuple:
@@ -246,10 +271,26 @@ def _reduced_axis(leaf: jax.Array) -> int:
   Under Auto axes only XLA knows the sharding: the last axis, since FSDP
   shards the first.
   """
-  sharding = jax.typeof(leaf).sharding
-  explicit = jax.sharding.AxisType.Explicit in getattr(sharding.mesh, "axis_types", ())
-  if not explicit:
+  if not _explicit(leaf):
     return leaf.ndim - 1
-  spec = tuple(sharding.spec) + (None,) * leaf.ndim
+  spec = tuple(jax.typeof(leaf).sharding.spec) + (None,) * leaf.ndim
   free = [axis for axis in range(leaf.ndim) if spec[axis] is None]
   return free[0] if free else leaf.ndim - 1
+
+
+def _unsharded_here() -> bool:
+  """Whether no mesh axis can shard an array here: the context's mesh is known and each of its
+  axes is manual (a ``shard_map``'s) or of size 1."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return False
+  return all(
+    size == 1 or kind == jax.sharding.AxisType.Manual
+    for size, kind in zip(mesh.axis_sizes, mesh.axis_types, strict=True)
+  )
+
+
+def _explicit(leaf: jax.Array) -> bool:
+  """Whether ``leaf`` lies on a mesh with ``Explicit`` axes (its type then says its sharding)."""
+  mesh = jax.typeof(leaf).sharding.mesh
+  return jax.sharding.AxisType.Explicit in getattr(mesh, "axis_types", ())
