@@ -26,8 +26,10 @@ runtime, and split: the first step's wait for its own program, read from its
 record in ``metrics.jsonl``, and the later steps'), the seconds before the
 first step (the summary's ``setup_seconds``: the data, the model, the
 Trainer's set-up), the runtime (the summary's ``seconds``: start to end of
-the run, evaluation included), the padding (padded rows over the rows computed), the steps that ran on a
-fallback shape, and the final evaluation's accuracy and loss. The JSON
+the run, evaluation included), the padding (padded rows over the rows
+computed), the steps that ran on a fallback shape, the final evaluation's
+accuracy and loss, and the machine's load average (1 minute) before and
+after the run's group. The JSON
 (``benchmarks/results/cold_start.json``, or ``--out``) is rewritten after
 every run, so a run cut short keeps what finished. ``--markdown JSON``
 prints docs/results.md's table of a result.
@@ -113,8 +115,10 @@ def run_group(
 ) -> list[dict[str, Any]]:
   """The runs of ``variants`` for one seed and cache, each in a new process and a new workdir:
   one after the other, or with ``--parallel`` side by side (a machine loaded by others then
-  loads them alike); their records (``failed`` when a run did not finish)."""
+  loads them alike); their records (``failed`` when a run did not finish), each with the
+  machine's load average (1 minute) before and after the group."""
   running = []
+  load_before = os.getloadavg()[0]
   for variant in variants:
     workdir = os.path.join(root, f"{recipe}-{variant}-{seed}-{cache}")
     cache_dir = os.path.join(root, f"cache-{recipe}-{variant}-{seed}")  # shared by cold and warm
@@ -130,10 +134,12 @@ def run_group(
     running.append((record, workdir, process, _Output(process, args.timeout)))
     if not args.parallel:
       running[-1][3].wait()
-  return [
+  records = [
     _read_run(record, workdir, process, output.wait())
     for record, workdir, process, output in running
   ]
+  load = [round(load_before, 1), round(os.getloadavg()[0], 1)]
+  return [{**record, "load_average": load} for record in records]
 
 
 class _Output:

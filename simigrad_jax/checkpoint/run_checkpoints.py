@@ -165,7 +165,6 @@ class RunCheckpoints:
         differences, and nothing is changed.
     """
     checkpointer = self.checkpointer
-    checkpointer.prepare(like)  # (the first save, or the restore's check, then waits for less)
     if self._agreement.num_processes == 1:  # (only one process saves one)
       if emergency.adopt(checkpointer.directory, checkpointer.latest_step()) is not None:
         checkpointer.reload()
@@ -173,6 +172,7 @@ class RunCheckpoints:
     if checkpointer.latest_step() is None:
       return None
     directory = checkpointer.directory
+    checkpointer.prepare(like)  # (the restore's check, and the first save, then wait for less)
     try:
       state, host, step = checkpointer.restore(like)
     except CheckpointMismatchError as error:
@@ -226,6 +226,19 @@ class RunCheckpoints:
       int(host.get("nonfinite_steps", 0)),
       host.get("compiled_programs"),
     )
+
+  def prepare_saves(self, like: Any) -> None:
+    """Starts compiling, in the background, what a save of a state like ``like`` needs (its
+    checksum program: :meth:`~simigrad_jax.checkpoint.checkpointer.Checkpointer.prepare`).
+
+    A resume prepares it before its restore; a new run calls this after its
+    first step, so that the program's trace does not compete with the first
+    step's own (tracing holds the GIL). A no-op once prepared.
+
+    Args:
+      like: the state to be saved (arrays, or ``jax.ShapeDtypeStruct`` with shardings).
+    """
+    self.checkpointer.prepare(like)
 
   def _refuse_foreign_ahead(self) -> None:
     """Refuses an entry named like a step the run will save, that the run did not make.

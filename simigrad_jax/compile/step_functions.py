@@ -201,6 +201,7 @@ class StepFunctions:
       ),
     )
     self._traced: dict[int, jax.stages.Traced] = {}
+    self._lowered: dict[int, jax.stages.Lowered] = {}  # lowered ahead (lower_ahead), by shape
     self._traces_under_way: dict[int, threading.Event] = {}
 
   def trace(self, micro: int) -> None:
@@ -231,12 +232,16 @@ class StepFunctions:
       ) from error
 
   def trace_under_way(self, micro: int) -> Callable[[], None]:
-    """Marks the fused step of shape ``micro`` as traced by another thread, from now on.
+    """Marks the fused step of shape ``micro`` as traced (and lowered) by another thread, from
+    now on.
 
     Until the mark ends, :meth:`lower_fused` of that shape waits for the trace
-    and lowers it, rather than tracing the program a second time beside it
-    (the first step's program is traced while its compiler's threads start on
-    the other programs: :class:`~simigrad_jax.compile.first_program.FirstProgram`).
+    and lowers it, rather than tracing the program a second time beside it,
+    and every other lowering (:meth:`lower`) waits too: tracing and lowering
+    hold the GIL, and the first step needs that program before the others
+    (the first step's program is traced and lowered while the run is set up
+    and its compiler's threads hold the other programs:
+    :class:`~simigrad_jax.compile.first_program.FirstProgram`).
 
     Args:
       micro: the shape whose trace is under way, in rows per slot.
@@ -258,7 +263,10 @@ class StepFunctions:
 
   def lower(self, key: ProgramShape) -> jax.stages.Lowered:
     """The program ``key`` names, lowered (:meth:`lower_fused`, :meth:`lower_plain`,
-    :meth:`lower_micro` or :meth:`lower_apply`)."""
+    :meth:`lower_micro` or :meth:`lower_apply`), once no trace is under way
+    (:meth:`trace_under_way`)."""
+    for under_way in list(self._traces_under_way.values()):
+      under_way.wait()
     if key.program is Program.FUSED:
       return self.lower_fused(key.micro)
     if key.program is Program.PLAIN:
@@ -273,8 +281,29 @@ class StepFunctions:
     under_way = self._traces_under_way.get(micro)
     if under_way is not None:
       under_way.wait()
+    lowered = self._lowered.pop(micro, None)
+    if lowered is not None:
+      return lowered
     traced = self._traced.pop(micro, None)
     return traced.lower() if traced is not None else self._fused.lower(*self._fused_args(micro))
+
+  def lower_ahead(self, micro: int) -> None:
+    """Lowers the fused step of shape ``micro`` from its :meth:`trace` now, in the calling
+    thread, and keeps it for :meth:`lower_fused`.
+
+    Nothing without a trace of that shape. A lowering that fails keeps the
+    trace: :meth:`lower_fused` lowers it again in the compiler's thread, and
+    meets the error there, where a compile's errors are reported.
+    """
+    traced = self._traced.get(micro)
+    if traced is None:
+      return
+    try:
+      lowered = traced.lower()
+    except Exception:  # (met again, and reported, by lower_fused)
+      return
+    self._lowered[micro] = lowered
+    del self._traced[micro]
 
   def lower_plain(self, micro: int) -> jax.stages.Lowered:
     """The plain step (a step that does not measure) of shape ``micro``, lowered."""

@@ -357,8 +357,9 @@ def open_run(
     undo.callback(programs.compiler.close)
     if same:
       # The programs the first step may run are queued while its own is still traced: the others
-      # (the fallback's micro-step and update) start beside it, and its lowering waits for that
-      # trace (StepFunctions.trace_under_way). train() asks again: a no-op.
+      # (the fallback's micro-step and update) are traced and lowered once its own is lowered,
+      # and load or compile beside it (StepFunctions.trace_under_way). train() asks again: a
+      # no-op.
       programs.policy.start(controller.batch_size, resumed.step)
     first.result()  # misfits fail here, at the first trace
     if not same:

@@ -138,6 +138,7 @@ class StepLoop:
       agreement, programs.policy, checkpoints, self.checkpoint, self.stop
     )
     self._programs_run: set[ProgramShape] = set()  # the programs a step of this loop ran
+    self._saves_prepared = False  # whether the checkpoints' save program was started
     self._taken_at = -1  # the step whose rows the sampler last gave (the state is whole after it)
     # A setting, read once: a schedule's config lists all its thresholds (a replay's, one a step).
     self._similarity_target = controller_interface.similarity_target(controller)
@@ -229,6 +230,9 @@ class StepLoop:
         first_run = not set(programs_of(plan, measure)) <= self._programs_run
         self._programs_run |= set(programs_of(plan, measure))
         self.state, measurements = self._programs.runner.run(self.state, rows, scalars, measure)
+        if not self._saves_prepared:  # after the first step, whose program went first
+          self._checkpoints.prepare_saves(self.state)
+          self._saves_prepared = True
         self._programs.policy.await_fallback(plan.micro_batch_size)  # (the first step's wait)
         dispatched = DispatchedStep(
           plan=plan,

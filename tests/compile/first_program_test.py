@@ -1,6 +1,7 @@
 """The first step's program starts while the run is set up: traced in a thread of its own (errors
-raised in the Trainer's constructor as before), then queued first on its compiler; the Trainer
-uses the functions it made from the state's placeholders, once."""
+raised in the Trainer's constructor as before), lowered there while the run's other lowerings
+wait, then queued first on its compiler; the Trainer uses the functions it made from the state's
+placeholders, once; a new run's checkpoint program starts after its first step."""
 
 from __future__ import annotations
 
@@ -14,10 +15,13 @@ import optax
 import pytest
 from jax.sharding import Mesh
 
+from simigrad_jax.checkpoint.checkpointer import Checkpointer
 from simigrad_jax.compile.first_program import FirstProgram
+from simigrad_jax.compile.step_functions import APPLY
 from simigrad_jax.compile.step_functions import Program
 from simigrad_jax.compile.step_functions import ProgramShape
 from simigrad_jax.compile.step_functions import StepFunctions
+from simigrad_jax.compile.step_runner import StepRunner
 from simigrad_jax.shapes import mesh_sharding
 from simigrad_jax.trainer import run_setup
 from tiny_run import make_trainer
@@ -39,16 +43,19 @@ class Functions:
   the marks of a trace under way (made, then ended)."""
 
   def __init__(self, error=None):
-    self.traced, self.error, self.marks = [], error, []
+    self.traced, self.error, self.marks, self.lowered = [], error, [], []
 
   def trace_under_way(self, micro):
-    self.marks.append(("marked", micro, len(self.traced)))
-    return lambda: self.marks.append(("ended", micro, len(self.traced)))
+    self.marks.append(("marked", micro, len(self.traced), len(self.lowered)))
+    return lambda: self.marks.append(("ended", micro, len(self.traced), len(self.lowered)))
 
   def trace(self, micro):
     self.traced.append((micro, _CHECKED.get()))
     if self.error is not None:
       raise self.error
+
+  def lower_ahead(self, micro):
+    self.lowered.append(micro)
 
 
 class Compiler:
@@ -61,23 +68,31 @@ class Compiler:
   def prefetch(self, programs, *, first=False):
     if self.closed:
       raise RuntimeError("closed")
-    self.prefetched.append((list(programs), first))
+    self.prefetched.append((list(programs), first, list(self.functions.lowered)))
 
 
-def test_the_first_program_is_traced_in_the_check_then_queued_first():
+def test_the_first_program_is_traced_in_the_check_lowered_then_queued_first():
   compiler = Compiler(Functions())
-  FirstProgram(compiler, "state", 4, checked, queue=True).result()
+  first = FirstProgram(compiler, "state", 4, checked, queue=True)
+  first.result()
+  first._thread.join()  # (the lowering goes on after result())
   assert compiler.functions.traced == [(4, True)]
-  assert compiler.prefetched == [([ProgramShape(Program.FUSED, 4)], True)]
-  # Marked under way before the trace began, the mark ended once it was over.
-  assert compiler.functions.marks == [("marked", 4, 0), ("ended", 4, 1)]
+  assert compiler.functions.lowered == [4]
+  # Queued once lowered.
+  assert compiler.prefetched == [([ProgramShape(Program.FUSED, 4)], True, [4])]
+  # Marked under way before the trace began, the mark ended once it was traced and lowered.
+  assert compiler.functions.marks == [("marked", 4, 0, 0), ("ended", 4, 1, 1)]
 
 
 def test_a_run_that_may_resume_only_traces_the_first_program():
   compiler = Compiler(Functions())
-  FirstProgram(compiler, "state", 4, checked, queue=False).result()
+  first = FirstProgram(compiler, "state", 4, checked, queue=False)
+  first.result()
+  first._thread.join()
   assert compiler.functions.traced == [(4, True)]
+  assert compiler.functions.lowered == []
   assert compiler.prefetched == []
+  assert compiler.functions.marks == [("marked", 4, 0, 0), ("ended", 4, 1, 0)]
 
 
 def test_the_traces_error_is_raised_as_it_is_and_nothing_is_queued():
@@ -87,14 +102,18 @@ def test_the_traces_error_is_raised_as_it_is_and_nothing_is_queued():
   with pytest.raises(ValueError) as raised:
     first.result()
   assert raised.value is error
-  assert compiler.prefetched == []
-  assert compiler.functions.marks == [("marked", 4, 0), ("ended", 4, 1)]  # ended on failure too
+  first._thread.join()
+  assert compiler.prefetched == [] and compiler.functions.lowered == []
+  assert compiler.functions.marks == [("marked", 4, 0, 0), ("ended", 4, 1, 0)]  # ended on failure
 
 
 def test_a_compiler_closed_while_the_first_program_traced_queues_nothing():
   compiler = Compiler(Functions(), closed=True)  # (the set-up failed meanwhile)
-  FirstProgram(compiler, "state", 4, checked, queue=True).result()  # no error
+  first = FirstProgram(compiler, "state", 4, checked, queue=True)
+  first.result()  # no error
+  first._thread.join()
   assert compiler.functions.traced == [(4, True)]
+  assert compiler.functions.marks[-1][0] == "ended"
 
 
 def test_a_workdir_may_resume_when_its_checkpoint_folder_holds_anything(tmp_path):
@@ -167,3 +186,53 @@ def test_a_lowering_of_a_shape_under_way_waits_for_its_trace_and_lowers_from_it(
     lowering.join()
     assert len(lowered) == 1 and isinstance(lowered[0], jax.stages.Lowered)
     assert 3 not in functions._traced  # lowered from that trace, not traced again
+
+
+def test_every_lowering_waits_for_the_first_programs_and_its_own_lowers_ahead(tmp_path):
+  with make_trainer(tmp_path / "run") as trainer:
+    functions = trainer._programs.functions
+    # A shape of the grid no compile of the run asks for yet (its first step's is compiling).
+    first = trainer.layout.plan(trainer.controller.batch_size).micro_batch_size
+    micro = next(size for size in trainer.layout.grid if size != first)
+    end = functions.trace_under_way(micro)
+    lowered = []
+    update = threading.Thread(target=lambda: lowered.append(functions.lower(APPLY)))
+    update.start()
+    update.join(0.5)
+    assert update.is_alive() and not lowered  # the update's lowering waits while it is under way
+    functions.trace(micro)
+    functions.lower_ahead(micro)
+    assert micro not in functions._traced  # lowered from the trace, in this thread
+    ahead = functions._lowered[micro]
+    end()
+    update.join()
+    assert len(lowered) == 1 and isinstance(lowered[0], jax.stages.Lowered)
+    assert functions.lower(ProgramShape(Program.FUSED, micro)) is ahead  # not lowered again
+    assert micro not in functions._lowered
+
+
+def test_a_new_runs_checkpoint_program_starts_after_its_first_step_a_resumes_before(
+  tmp_path, monkeypatch
+):
+  events = []
+  real_prepare, real_run = Checkpointer.prepare, StepRunner.run
+
+  def prepare(self, like):
+    events.append("checkpoint program")
+    real_prepare(self, like)
+
+  def run(self, *args, **kwargs):
+    events.append("step")
+    return real_run(self, *args, **kwargs)
+
+  monkeypatch.setattr(Checkpointer, "prepare", prepare)
+  monkeypatch.setattr(StepRunner, "run", run)
+  with make_trainer(tmp_path / "run") as trainer:
+    trainer.train(num_steps=2)
+  assert events == ["step", "checkpoint program", "step"]
+  events.clear()
+  with make_trainer(tmp_path / "run") as trainer:  # resumed at step 2: prepared for the restore
+    assert trainer.step == 2
+    assert events == ["checkpoint program"]
+    trainer.train(num_steps=3)
+  assert events[:2] == ["checkpoint program", "step"]

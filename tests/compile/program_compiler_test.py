@@ -36,6 +36,7 @@ class TinyFunctions:
     self.fail, self.fail_apply, self.gate = set(fail), fail_apply, gate
     self.double = jax.jit(lambda x: 2 * x)
     self.threads = []  # the threads each lowering ran in
+    self._traces_under_way = {}  # (none: StepFunctions.lower waits for no trace)
 
   lower = StepFunctions.lower  # (dispatches on the program, as the step's own)
 

@@ -54,6 +54,8 @@ def test_the_summary_and_the_table_are_the_runs(reduced_run):
     assert run["first_step_wait_seconds"] + run["later_wait_seconds"] == pytest.approx(waited)
     assert run["waited_fraction"] == pytest.approx(waited / run["seconds"])
     assert 0 < run["setup_seconds"] < run["seconds"]
+    before, after = run["load_average"]  # the machine's, around the run
+    assert before >= 0 and after >= 0
   table = cold_start.markdown(result).splitlines()
   assert len(table) == 2 + 2
   assert table[2].startswith(f"| demo | cold | adaptive | {cold_run['programs_compiled']} (0) |")
