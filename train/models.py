@@ -181,7 +181,33 @@ class TransformerLayer(nn.Module):
     return nn.LayerNorm(epsilon=1e-12, dtype=self.dtype)(x + drop(y))
 
 
-def _encode(module: Any, tokens: Any, attention_mask: Any, train: bool) -> tuple[Any, nn.Embed]:
+class _Transformer(nn.Module):
+  """The settings BERT's encoder and the causal LM share (the causal LM's defaults: a small model).
+
+  Attributes:
+    vocab_size: the tokens' vocabulary.
+    max_length: the longest window (the learned position embeddings).
+    hidden: the width.
+    layers: the :class:`TransformerLayer` s.
+    heads: the attention heads of each layer.
+    mlp: the width of each layer's MLP.
+    dropout: the dropout rate (embeddings, attention, MLP).
+    dtype: the compute dtype (parameters stay float32).
+  """
+
+  vocab_size: int
+  max_length: int
+  hidden: int = 128
+  layers: int = 2
+  heads: int = 4
+  mlp: int = 512
+  dropout: float = 0.0
+  dtype: Any = jnp.float32
+
+
+def _encode(
+  module: _Transformer, tokens: Any, attention_mask: Any, train: bool
+) -> tuple[Any, nn.Embed]:
   """The transformers' body, called inside ``module``'s compact call: token and position
   embeddings, a LayerNorm and dropout, then ``module.layers`` :class:`TransformerLayer` s under
   ``attention_mask``. Returns the hidden states and the token embedding (for a tied head)."""
@@ -200,26 +226,23 @@ def _encode(module: Any, tokens: Any, attention_mask: Any, train: bool) -> tuple
   return x, embed
 
 
-class BertMLM(nn.Module):
+class BertMLM(_Transformer):
   """A BERT encoder with its masked-language-model head (no next-sentence head).
 
   Token and learned position embeddings, ``layers`` post-LayerNorm transformer
   layers, then the MLM head (dense + GELU + LayerNorm) whose output layer is
   tied to the token embedding. Positions holding ``pad_id`` are masked out of
-  attention.
+  attention. Its defaults are BERT-base's.
 
   Returns logits of shape ``[batch, length, vocab_size]``.
   """
 
-  vocab_size: int
-  max_length: int
   hidden: int = 768
   layers: int = 12
   heads: int = 12
   mlp: int = 3072
   dropout: float = 0.1
   pad_id: int = 0
-  dtype: Any = jnp.float32
 
   @nn.compact
   def __call__(self, tokens, train: bool = True):
@@ -233,7 +256,7 @@ class BertMLM(nn.Module):
     return embed.attend(x).astype(jnp.float32) + bias
 
 
-class CausalLM(nn.Module):
+class CausalLM(_Transformer):
   """A decoder-only transformer language model: the next token's logits at every position.
 
   Token and learned position embeddings and a LayerNorm, then ``layers`` of
@@ -243,15 +266,6 @@ class CausalLM(nn.Module):
 
   Returns logits of shape ``[batch, length, vocab_size]`` (float32).
   """
-
-  vocab_size: int
-  max_length: int
-  hidden: int = 128
-  layers: int = 2
-  heads: int = 4
-  mlp: int = 512
-  dropout: float = 0.0
-  dtype: Any = jnp.float32
 
   @nn.compact
   def __call__(self, tokens, train: bool = True):

@@ -29,8 +29,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 
@@ -38,6 +36,7 @@ import simigrad_jax
 from benchmarks.pareto.protocol import RunSpec
 from benchmarks.pareto.protocol import benchmark_trainer
 from benchmarks.pareto.protocol import lr_schedule_fn
+from benchmarks.pareto.protocol import token_model_params
 from simigrad_jax import StepRecord
 from simigrad_jax.trainer.hooks import host_copy
 from train import input_pipeline
@@ -169,14 +168,11 @@ class LmExperiment:
     self.evaluate = tasks.make_evaluate(config, datasets, eval_step, text=False)
     self.evals, self.root, self.keep_workdirs = evals, root, keep_workdirs
     self.cache_dir = root / "compilation_cache"
+    self._params = token_model_params(self.model, seq_length)
     self.description = (
       f"{datasets.description}; a budget of {budget_windows} windows of {seq_length} tokens "
       f"({budget_windows * seq_length:,} tokens) from {len(self.train)} training windows; "
       f"{self.num_val} validation windows spread over the {num_val} held-out ones"
-    )
-    model = self.model
-    self._init = jax.jit(
-      lambda key: model.init(key, jnp.zeros((1, seq_length), jnp.int32), train=False)["params"]
     )
 
   @property
@@ -238,7 +234,7 @@ class LmExperiment:
       workdir,
       self.cache_dir,
       loss_fn=self.loss_fn,
-      params=jax.tree.map(np.asarray, self._init(jax.random.key(spec.seed, impl="rbg"))),
+      params=self._params(spec.seed),
       optimizer=optimizer,
       source=self.train,
       lr_schedule=lr_schedule,

@@ -18,15 +18,12 @@ import pathlib
 from collections.abc import Callable
 from typing import Any
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-
 import simigrad_jax
 from benchmarks import common
 from benchmarks.pareto.protocol import RunSpec
 from benchmarks.pareto.protocol import benchmark_trainer
 from benchmarks.pareto.protocol import lr_schedule_fn
+from benchmarks.pareto.protocol import token_model_params
 from benchmarks.pareto.protocol import train_run
 from train import input_pipeline
 from train import models
@@ -159,10 +156,7 @@ class MlmExperiment:
     self.epochs, self.root, self.keep_workdirs = epochs, root, keep_workdirs
     self.lr_schedule: Callable[[float], float] = lr_schedule_fn(lr_schedule, epochs)
     self.cache_dir = root / "compilation_cache"
-    model = self.model
-    self._init = jax.jit(
-      lambda key: model.init(key, jnp.zeros((1, seq_length), jnp.int32), train=False)["params"]
-    )
+    self._params = token_model_params(self.model, seq_length)
 
   @property
   def num_train(self) -> int:
@@ -185,7 +179,7 @@ class MlmExperiment:
     }
 
   def init_params(self, seed: int) -> Any:
-    return jax.tree.map(np.asarray, self._init(jax.random.key(seed, impl="rbg")))
+    return self._params(seed)
 
   def make_trainer(
     self,

@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 import simigrad_jax
@@ -155,6 +156,23 @@ def benchmark_trainer(
     measure_every=measure_every,
   )
   return simigrad_jax.Trainer(controller=controller, workdir=workdir, config=config, **trainer_args)
+
+
+def token_model_params(model: Any, seq_length: int) -> Callable[[int], Any]:
+  """A token model's initial parameters by seed, as NumPy arrays.
+
+  Args:
+    model: a Flax module taking ``[batch, seq_length]`` int32 tokens and ``train``.
+    seq_length: the tokens of a window.
+
+  Returns:
+    ``params(seed)``: ``model.init`` on one window of zeros (jitted once, for
+    every seed), keyed by ``jax.random.key(seed, impl="rbg")``.
+  """
+  init = jax.jit(
+    lambda key: model.init(key, jnp.zeros((1, seq_length), jnp.int32), train=False)["params"]
+  )
+  return lambda seed: jax.tree.map(np.asarray, init(jax.random.key(seed, impl="rbg")))
 
 
 def run_controller(spec: RunSpec) -> simigrad_jax.controllers.BatchSizeController:

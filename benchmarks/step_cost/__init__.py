@@ -24,6 +24,8 @@ Scripts (``python benchmarks/step_cost/NAME.py``):
 * ``trainer_mesh.py``: the Trainer's memory per device by parameter layout.
 
 Their helpers: ``hlo_collectives.py`` (the collectives and their bytes, read
-from compiled HLO text) and ``sharded_models.py`` (the models, layouts and
-steps of ``sharded.py`` and ``sharded_memory.py``).
+from compiled HLO text), ``sharded_models.py`` (the models, layouts and
+steps of ``sharded.py`` and ``sharded_memory.py``) and ``timing.py`` (a
+compiled step's time and temporary memory, against a plain step in paired
+rounds).
 """

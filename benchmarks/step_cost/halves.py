@@ -69,6 +69,7 @@ import optax  # noqa: E402
 
 import simigrad_jax  # noqa: E402
 from benchmarks import common  # noqa: E402
+from benchmarks.step_cost import timing  # noqa: E402
 from train import models  # noqa: E402
 
 VARIANTS = ("plain", "halves")
@@ -173,11 +174,6 @@ def make_batch(batch_size: int, image_size: int, seed: int = 0) -> dict[str, jax
   }
 
 
-def _temp_bytes(compiled: Any) -> int | None:
-  analysis = compiled.memory_analysis()
-  return None if analysis is None else int(analysis.temp_size_in_bytes)
-
-
 def measure(
   steps: dict[str, Step],
   args: tuple[Any, ...],
@@ -206,7 +202,7 @@ def measure(
     compiled[name] = jax.jit(step).lower(*args).compile()
     results[name] = {
       "compile_seconds": time.perf_counter() - start,
-      "temp_bytes": _temp_bytes(compiled[name]),
+      "temp_bytes": timing.temp_bytes(compiled[name]),
       "seconds": [],
     }
   for name in steps:
@@ -215,9 +211,7 @@ def measure(
   names = list(steps)
   for r in range(repeats):
     for name in names if r % 2 == 0 else names[::-1]:
-      start = time.perf_counter()
-      jax.block_until_ready(compiled[name](*args))
-      results[name]["seconds"].append(time.perf_counter() - start)
+      results[name]["seconds"].append(timing.run_seconds(compiled[name], args))
   for result in results.values():
     result["step_seconds"] = statistics.median(result["seconds"])
     result["min_seconds"] = min(result["seconds"])

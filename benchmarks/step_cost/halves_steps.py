@@ -55,10 +55,8 @@ if __name__ == "__main__":
 import argparse  # noqa: E402
 import functools  # noqa: E402
 import json  # noqa: E402
-import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import tempfile  # noqa: E402
-import time  # noqa: E402
 from collections.abc import (
   Callable,  # noqa: E402
   Sequence,  # noqa: E402
@@ -69,6 +67,7 @@ from typing import (
 )
 
 from benchmarks import common  # noqa: E402
+from benchmarks.step_cost import timing  # noqa: E402
 
 FULL = {
   "batch": 256,
@@ -291,32 +290,6 @@ def _steps(
   return out
 
 
-def paired_rounds(
-  run_step: Callable[[], float], run_plain: Callable[[], float], rounds: int
-) -> tuple[list[float], list[float], list[float]]:
-  """Times a step and its plain step back to back, ``rounds`` times, the order alternating.
-
-  Args:
-    run_step: runs the step once and returns its seconds.
-    run_plain: the same for the plain step.
-    rounds: the number of pairs; in even rounds the plain step runs first.
-
-  Returns:
-    ``(ratios, step_seconds, plain_seconds)``, one entry per round: the
-    step's time over the plain step's of the same round, and both times.
-  """
-  ratios, own, plain = [], [], []
-  for r in range(rounds):
-    if r % 2 == 0:
-      b, s = run_plain(), run_step()
-    else:
-      s, b = run_step(), run_plain()
-    ratios.append(s / b)
-    own.append(s)
-    plain.append(b)
-  return ratios, own, plain
-
-
 def _measure(steps: dict[str, _Step], rounds: int) -> dict[str, dict[str, Any]]:
   """Times every SimiGrad step paired with its plain step, in alternating order."""
   import jax  # pylint: disable=import-outside-toplevel
@@ -329,27 +302,21 @@ def _measure(steps: dict[str, _Step], rounds: int) -> dict[str, dict[str, Any]]:
 
   def run(name: str) -> float:
     compiled, args, _ = steps[name]
-    start = time.perf_counter()
-    jax.block_until_ready(compiled(*args))
-    return time.perf_counter() - start
+    return timing.run_seconds(compiled, args)
 
   rows: dict[str, dict[str, Any]] = {}
   for name, base in BASELINES.items():
     if name not in steps:
       continue
-    ratios, own, plain = paired_rounds(
-      functools.partial(run, name), functools.partial(run, base), rounds
-    )
-    temp = steps[name].compiled.memory_analysis().temp_size_in_bytes
-    base_temp = steps[base].compiled.memory_analysis().temp_size_in_bytes
     rows[name] = {
       "baseline": base,
-      "paired_time_ratio": statistics.median(ratios),
-      "step_seconds": statistics.median(own),
-      "plain_step_seconds": statistics.median(plain),
-      "temp_bytes": int(temp),
-      "plain_temp_bytes": int(base_temp),
-      "temp_ratio": temp / base_temp if base_temp else None,
+      **timing.against_plain(
+        functools.partial(run, name),
+        functools.partial(run, base),
+        rounds,
+        temp=int(steps[name].compiled.memory_analysis().temp_size_in_bytes),
+        plain_temp=int(steps[base].compiled.memory_analysis().temp_size_in_bytes),
+      ),
       "similarity": similarity[name],
     }
   return rows

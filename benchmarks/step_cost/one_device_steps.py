@@ -65,7 +65,6 @@ if __name__ == "__main__":
 # pylint: disable=g-import-not-at-top,wrong-import-position
 import argparse  # noqa: E402
 import json  # noqa: E402
-import statistics  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Callable, Sequence  # noqa: E402
 from typing import Any, NamedTuple  # noqa: E402
@@ -78,7 +77,7 @@ import optax  # noqa: E402
 
 import simigrad_jax  # noqa: E402
 from benchmarks import common  # noqa: E402
-from benchmarks.step_cost import halves_steps  # noqa: E402
+from benchmarks.step_cost import timing  # noqa: E402
 from simigrad_jax.ingraph import half_batch  # noqa: E402
 from simigrad_jax.ingraph import train_step  # noqa: E402
 from train import models  # noqa: E402
@@ -309,33 +308,21 @@ def make_step(name: str, workload: Workload) -> _Step:
   return _compile(step, args, lambda out: simigrad_jax.similarity(out[3].similarity_state))
 
 
-def _temp_bytes(compiled: Any) -> int:
-  analysis = compiled.memory_analysis()
-  return 0 if analysis is None else int(analysis.temp_size_in_bytes)
-
-
-def _run_seconds(step: _Step) -> float:
-  start = time.perf_counter()
-  jax.block_until_ready(step.compiled(*step.args))
-  return time.perf_counter() - start
-
-
 def measure_pair(step: _Step, plain: _Step, rounds: int, gradient_bytes: int) -> dict[str, Any]:
   """One step against the plain step: paired times, temporary memory, and its similarity."""
   outputs = jax.block_until_ready(step.compiled(*step.args))
   similarity = None if step.similarity is None else float(step.similarity(outputs))
-  _run_seconds(plain)
-  ratios, own, base = halves_steps.paired_rounds(
-    lambda: _run_seconds(step), lambda: _run_seconds(plain), rounds
-  )
-  temp, plain_temp = _temp_bytes(step.compiled), _temp_bytes(plain.compiled)
+  timing.run_seconds(plain.compiled, plain.args)
+  # (0 where XLA gives no memory analysis.)
+  temp, plain_temp = timing.temp_bytes(step.compiled) or 0, timing.temp_bytes(plain.compiled) or 0
   return {
-    "paired_time_ratio": statistics.median(ratios),
-    "step_seconds": statistics.median(own),
-    "plain_step_seconds": statistics.median(base),
-    "temp_bytes": temp,
-    "plain_temp_bytes": plain_temp,
-    "temp_ratio": temp / plain_temp if plain_temp else None,
+    **timing.against_plain(
+      lambda: timing.run_seconds(step.compiled, step.args),
+      lambda: timing.run_seconds(plain.compiled, plain.args),
+      rounds,
+      temp=temp,
+      plain_temp=plain_temp,
+    ),
     "extra_temp_gradients": (temp - plain_temp) / gradient_bytes,
     "compile_seconds": step.compile_seconds,
     "similarity": similarity,

@@ -23,12 +23,12 @@ with ``timed_fallback``, on a shape compiled by now
 (:class:`~simigrad_jax.compile.fallback.TimedFallback`: never a wait after
 the first step, but the trajectory then depends on the machine's load).
 
-:class:`StepPrograms` is what the Trainer holds: it builds the pieces of
-this room once, each one thing, and holds the four a step uses: the jitted
-functions and their tracing (:mod:`~simigrad_jax.compile.step_functions`),
-their compiler (:mod:`~simigrad_jax.compile.program_compiler`), the compile
-policy and the runner of a step's plan
-(:mod:`~simigrad_jax.compile.step_runner`). The policy's pieces are the
+:class:`StepPrograms` is what the Trainer holds: the four pieces of this
+room a step uses, each one thing: the jitted functions and their tracing
+(:mod:`~simigrad_jax.compile.step_functions`) and their compiler
+(:mod:`~simigrad_jax.compile.program_compiler`), which it is given
+(:func:`step_compiler`), and the compile policy and the runner of a step's
+plan (:mod:`~simigrad_jax.compile.step_runner`), which it builds once. The policy's pieces are the
 order of the compiles (:mod:`~simigrad_jax.compile.prefetch`), the
 agreement across processes (:mod:`~simigrad_jax.compile.agreement`) and the
 record of the persistent cache
@@ -45,9 +45,6 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-import optax
-from jax.sharding import Mesh
-
 from simigrad_jax.compile.agreement import CompileAgreement
 from simigrad_jax.compile.fallback import TimedFallback
 from simigrad_jax.compile.persistent_cache import cached_view
@@ -59,7 +56,6 @@ from simigrad_jax.compile.schedule import CompileSchedule
 from simigrad_jax.compile.schedule import ScheduledFallback
 from simigrad_jax.compile.step_functions import StepFunctions
 from simigrad_jax.compile.step_runner import StepRunner
-from simigrad_jax.ingraph import train_step
 from simigrad_jax.shapes.layout import StepLayout
 
 
@@ -68,27 +64,14 @@ class StepPrograms:
   compiler, compile policy and runner.
 
   Args:
-    loss_fn: the per-example loss (see :class:`simigrad_jax.Trainer`), already
-      checked.
-    optimizer: the optax optimizer, with :func:`simigrad_jax.transform` over
-      ``axis_name`` and :func:`simigrad_jax.scale_by_lr_factor`.
-    mesh: the mesh; its axis ``axis_name`` holds the data-parallel devices
-      (the slots), its other axes, if any, the model's shards.
-    axis_name: the data axis.
-    layout: the step layout (halves, slots); shapes (``micro``) are in
-      rows per slot.
-    seed: the run's seed (per-step random keys derive from it).
-    state: the ``{"params", "opt_state", "model_state"}`` on the mesh (its
-      shapes, dtypes and shardings make the placeholders and the shardings
-      the steps keep; nothing else is kept).
-    element_spec: the source's ``{name: (shape, dtype)}`` per example.
+    compiler: the step's compiler (:func:`step_compiler`); its functions are
+      the step's, and their mesh, data axis and layout are the runner's and
+      the policy's. It may have started on the first step's program while the
+      run was set up (:class:`~simigrad_jax.compile.first_program.FirstProgram`).
     accumulation_shapes: the shapes (rows per slot) a planned step of several
       micro-batches can use (their micro-steps and the update are then
       compiled in the background from the start; the others only when the
       fallback or a plan first needs them).
-    background: compile in background threads.
-    compile_threads: the compiles of one program (the fused steps, or the
-      micro-steps) that run at once.
     compile_fallback: let the policy replace a plan whose program is not
       ready.
     steps_per_compile: the steps the schedule gives each program it admits
@@ -108,14 +91,6 @@ class StepPrograms:
       yet (the first) runs on one of them rather than wait for a compile.
       Ignored when it names another cache. Its ``"schedule"`` restores the
       schedule of the run's steps.
-    passes: with the local split, how the steps take the two halves'
-      gradients (:class:`~simigrad_jax.compile.step_functions.StepFunctions`).
-    compiler: the compiler of these functions, made before the run was
-      resumed (:class:`~simigrad_jax.compile.first_program.FirstProgram`
-      started the first step's program on it while the run was set up), or
-      None: made here. When given, its functions are the step's and the
-      arguments that would make them (``loss_fn`` to ``passes``) are not
-      read again.
 
   Attributes:
     functions: the step's jitted functions
@@ -139,41 +114,17 @@ class StepPrograms:
 
   def __init__(
     self,
+    compiler: StepProgramCompiler,
     *,
-    loss_fn: train_step.PerExampleLossFn,
-    optimizer: optax.GradientTransformation,
-    mesh: Mesh,
-    axis_name: str,
-    layout: StepLayout,
-    seed: int,
-    state: Mapping[str, Any],
-    element_spec: Mapping[str, tuple[Any, Any]],
     accumulation_shapes: list[int],
-    background: bool,
     compile_fallback: bool,
-    compile_threads: int = 1,
     steps_per_compile: float | None = None,
     shared_compiles: bool = False,
     compilation_cache_dir: str | os.PathLike | None = None,
     cached_programs: Mapping[str, Any] | None = None,
-    passes: str = "sequential",
-    compiler: StepProgramCompiler | None = None,
   ):
-    if compiler is None:
-      compiler = step_compiler(
-        loss_fn=loss_fn,
-        optimizer=optimizer,
-        mesh=mesh,
-        axis_name=axis_name,
-        layout=layout,
-        seed=seed,
-        state=state,
-        element_spec=element_spec,
-        passes=passes,
-        background=background,
-        threads=compile_threads,
-      )
     self.functions, self.compiler = compiler.functions, compiler
+    layout = self.functions.layout
     cache_dir = None if compilation_cache_dir is None else os.path.abspath(compilation_cache_dir)
     self.policy = compile_policy(
       self.compiler,
@@ -185,39 +136,29 @@ class StepPrograms:
       cache_dir=cache_dir,
       cached_programs=cached_programs,
     )
-    self.runner = StepRunner(self.compiler, mesh, axis_name, layout.halves)
+    self.runner = StepRunner(
+      self.compiler, self.functions.mesh, self.functions.axis_name, layout.halves
+    )
 
 
 def step_compiler(
-  *,
-  loss_fn: train_step.PerExampleLossFn,
-  optimizer: optax.GradientTransformation,
-  mesh: Mesh,
-  axis_name: str,
-  layout: StepLayout,
-  seed: int,
-  state: Mapping[str, Any],
-  element_spec: Mapping[str, tuple[Any, Any]],
-  passes: str,
-  background: bool,
-  threads: int,
+  functions: StepFunctions, *, background: bool, threads: int
 ) -> StepProgramCompiler:
-  """The step's jitted functions (:class:`~simigrad_jax.compile.step_functions.StepFunctions`,
-  made from ``state``'s shapes, dtypes and shardings: the state itself or its placeholders) and
-  their compiler, with ``threads`` compiles of a program at once; the other arguments are
-  :class:`StepPrograms`'."""
-  functions = StepFunctions(
-    loss_fn=loss_fn,
-    optimizer=optimizer,
-    mesh=mesh,
-    axis_name=axis_name,
-    layout=layout,
-    seed=seed,
-    state=state,
-    element_spec=element_spec,
-    passes=passes,
-  )
-  return StepProgramCompiler(functions, layout, background=background, threads=threads)
+  """The compiler of the step's jitted functions, on their layout.
+
+  Args:
+    functions: the step's functions
+      (:class:`~simigrad_jax.compile.step_functions.StepFunctions`, made from
+      the state's shapes, dtypes and shardings: the state itself or its
+      placeholders).
+    background: compile in background threads.
+    threads: the compiles of one program (the fused steps, or the
+      micro-steps) that run at once.
+
+  Returns:
+    The compiler :class:`StepPrograms` takes.
+  """
+  return StepProgramCompiler(functions, functions.layout, background=background, threads=threads)
 
 
 def compile_policy(

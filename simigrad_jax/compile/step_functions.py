@@ -140,6 +140,11 @@ class StepFunctions:
       :data:`simigrad_jax.ingraph.half_batch.PASSES`); the device split and
       the plain step read none.
 
+  Attributes:
+    mesh: the mesh the functions run on.
+    axis_name: its data axis.
+    layout: the step layout the functions were made for.
+
   Example:
     A step's programs come from :meth:`lower`, e.g.
     ``StepCompiler(functions.lower_fused)`` for the fused steps alone, or
@@ -160,7 +165,7 @@ class StepFunctions:
     element_spec: Mapping[str, tuple[Any, Any]],
     passes: str = "sequential",
   ):
-    self._axis_name, self._layout = axis_name, layout
+    self.mesh, self.axis_name, self.layout = mesh, axis_name, layout
     self._replicated = NamedSharding(mesh, P())
     self._sharded = NamedSharding(mesh, P(axis_name))
     self._element_spec = element_spec
@@ -223,12 +228,12 @@ class StepFunctions:
       if isinstance(error, NameError) or isinstance(error.__cause__, NameError):
         raise ValueError(
           f"the optimizer's simigrad_jax.transform must use the Trainer's "
-          f"axis_name={self._axis_name!r}: {error}"
+          f"axis_name={self.axis_name!r}: {error}"
         ) from error
       spec = {k: (tuple(s), str(d)) for k, (s, d) in self._element_spec.items()}
       raise ValueError(
         f"loss_fn fails on one device's rows of this source (features {spec}, "
-        f"{self._layout.device_rows(micro)} rows): {type(error).__name__}: {error}"
+        f"{self.layout.device_rows(micro)} rows): {type(error).__name__}: {error}"
       ) from error
 
   def trace_under_way(self, micro: int) -> Callable[[], None]:
@@ -329,7 +334,7 @@ class StepFunctions:
     )
 
   def _step_args(self, micro: int) -> tuple:
-    rows = self._layout.num_slots * micro
+    rows = self.layout.num_slots * micro
     batch = {
       name: jax.ShapeDtypeStruct((rows,) + tuple(shape), dtype, sharding=self._sharded)
       for name, (shape, dtype) in self._element_spec.items()

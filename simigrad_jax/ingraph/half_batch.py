@@ -28,9 +28,10 @@ Which one is fastest depends on the device and the layers
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any, ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -176,7 +177,46 @@ def _unstack(tree: Any) -> tuple[Any, Any]:
   return jax.tree.map(lambda x: x[0], tree), jax.tree.map(lambda x: x[1], tree)
 
 
-class HalvesPasses(Protocol):
+class HalvesCall(NamedTuple):
+  """One call of a :class:`HalvesPasses`: the loss, the two halves' arguments and what finishes
+  each half's gradient.
+
+  Attributes:
+    loss_fn: ``loss_fn(params, *half_args, *shared_args)``, the half's loss
+      (or ``(loss, aux)`` with ``has_aux``).
+    has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
+    params: the parameters, the same for both halves.
+    first_args: the first half's own arguments.
+    second_args: the second half's (the same structure and shapes).
+    shared_args: the arguments both halves take whole, after their own.
+    finish: applied to each half's gradient as soon as it is taken.
+  """
+
+  loss_fn: Callable[..., Any]
+  has_aux: bool
+  params: Any
+  first_args: tuple[Any, ...]
+  second_args: tuple[Any, ...]
+  shared_args: tuple[Any, ...]
+  finish: Callable[[Any], Any]
+
+  def half_loss(self, params: Any, half_args: tuple[Any, ...]) -> Any:
+    """``loss_fn`` of one half's own arguments, given as one tuple, and the shared ones."""
+    return self.loss_fn(params, *half_args, *self.shared_args)
+
+  def stacked_halves(self) -> tuple[Any, ...]:
+    """The two halves' own arguments as one, each leaf with a leading axis of 2."""
+    return _stack(self.first_args, self.second_args)
+
+  def finished(
+    self, values: tuple[Any, Any], grads: tuple[Any, Any]
+  ) -> tuple[tuple[Any, Any], tuple[Any, Any]]:
+    """``((value_a, finish(grads_a)), (value_b, finish(grads_b)))``."""
+    (value_a, value_b), (grads_a, grads_b) = values, grads
+    return (value_a, self.finish(grads_a)), (value_b, self.finish(grads_b))
+
+
+class HalvesPasses(abc.ABC):
   """How the two halves' values and gradients are taken (one policy per name in :data:`PASSES`).
 
   Called as ``passes(loss_fn, has_aux, params, first_args, second_args,
@@ -187,26 +227,11 @@ class HalvesPasses(Protocol):
   ``finish`` is applied to each half's gradient as soon as it is taken.
   Returns ``((value_a, grads_a), (value_b, grads_b))``, as
   ``jax.value_and_grad(loss_fn, has_aux=has_aux)`` on each half would.
+  A policy takes the call's arguments as one :class:`HalvesCall`
+  (:meth:`take`).
   """
 
-  name: str
-
-  def __call__(
-    self,
-    loss_fn: Callable[..., Any],
-    has_aux: bool,
-    params: Any,
-    first_args: tuple[Any, ...],
-    second_args: tuple[Any, ...],
-    shared_args: tuple[Any, ...] = (),
-    finish: Callable[[Any], Any] = _identity,
-  ) -> tuple[tuple[Any, Any], tuple[Any, Any]]: ...
-
-
-class SequentialPasses:
-  """Two passes of half the batch, the second after the first (:func:`value_and_grads_in_turn`)."""
-
-  name = "sequential"
+  name: ClassVar[str]
 
   def __call__(
     self,
@@ -218,18 +243,36 @@ class SequentialPasses:
     shared_args: tuple[Any, ...] = (),
     finish: Callable[[Any], Any] = _identity,
   ) -> tuple[tuple[Any, Any], tuple[Any, Any]]:
-    value_and_grad = jax.value_and_grad(loss_fn, has_aux=has_aux)
+    return self.take(
+      HalvesCall(loss_fn, has_aux, params, first_args, second_args, shared_args, finish)
+    )
+
+  @abc.abstractmethod
+  def take(self, call: HalvesCall) -> tuple[tuple[Any, Any], tuple[Any, Any]]:
+    """``((value_a, grads_a), (value_b, grads_b))`` of ``call``, each gradient finished."""
+
+
+class SequentialPasses(HalvesPasses):
+  """Two passes of half the batch, the second after the first (:func:`value_and_grads_in_turn`)."""
+
+  name = "sequential"
+
+  def take(self, call: HalvesCall) -> tuple[tuple[Any, Any], tuple[Any, Any]]:
+    value_and_grad = jax.value_and_grad(call.loss_fn, has_aux=call.has_aux)
 
     def one_pass(params: Any, *args: Any) -> tuple[Any, Any]:
       value, grads = value_and_grad(params, *args)
-      return value, finish(grads)
+      return value, call.finish(grads)
 
     return value_and_grads_in_turn(
-      one_pass, params, (*first_args, *shared_args), (*second_args, *shared_args)
+      one_pass,
+      call.params,
+      (*call.first_args, *call.shared_args),
+      (*call.second_args, *call.shared_args),
     )
 
 
-class StackedPasses:
+class StackedPasses(HalvesPasses):
   """One pass: ``jax.vmap`` of ``value_and_grad`` over the halves stacked on a leading axis of 2.
 
   The parameters are not mapped, so the forward pass and the backward pass
@@ -239,27 +282,13 @@ class StackedPasses:
 
   name = "stacked"
 
-  def __call__(
-    self,
-    loss_fn: Callable[..., Any],
-    has_aux: bool,
-    params: Any,
-    first_args: tuple[Any, ...],
-    second_args: tuple[Any, ...],
-    shared_args: tuple[Any, ...] = (),
-    finish: Callable[[Any], Any] = _identity,
-  ) -> tuple[tuple[Any, Any], tuple[Any, Any]]:
-    value_and_grad = jax.value_and_grad(
-      lambda p, half: loss_fn(p, *half, *shared_args), has_aux=has_aux
-    )
-    values, grads = jax.vmap(value_and_grad, in_axes=(None, 0))(
-      params, _stack(first_args, second_args)
-    )
-    (value_a, value_b), (grads_a, grads_b) = _unstack(values), _unstack(grads)
-    return (value_a, finish(grads_a)), (value_b, finish(grads_b))
+  def take(self, call: HalvesCall) -> tuple[tuple[Any, Any], tuple[Any, Any]]:
+    value_and_grad = jax.value_and_grad(call.half_loss, has_aux=call.has_aux)
+    values, grads = jax.vmap(value_and_grad, in_axes=(None, 0))(call.params, call.stacked_halves())
+    return call.finished(_unstack(values), _unstack(grads))
 
 
-class SignedPasses:
+class SignedPasses(HalvesPasses):
   """One forward pass of both halves, and one backward pass of their sum and their difference.
 
   ``jax.vjp`` of the two halves' losses (``jax.vmap`` over the stacked
@@ -273,29 +302,19 @@ class SignedPasses:
 
   name = "signed"
 
-  def __call__(
-    self,
-    loss_fn: Callable[..., Any],
-    has_aux: bool,
-    params: Any,
-    first_args: tuple[Any, ...],
-    second_args: tuple[Any, ...],
-    shared_args: tuple[Any, ...] = (),
-    finish: Callable[[Any], Any] = _identity,
-  ) -> tuple[tuple[Any, Any], tuple[Any, Any]]:
-    halves = _stack(first_args, second_args)
-    both = jax.vmap(lambda p, half: loss_fn(p, *half, *shared_args), in_axes=(None, 0))
-    if has_aux:
-      losses, pullback, aux = jax.vjp(lambda p: both(p, halves), params, has_aux=True)
+  def take(self, call: HalvesCall) -> tuple[tuple[Any, Any], tuple[Any, Any]]:
+    halves = call.stacked_halves()
+    both = jax.vmap(call.half_loss, in_axes=(None, 0))
+    if call.has_aux:
+      losses, pullback, aux = jax.vjp(lambda p: both(p, halves), call.params, has_aux=True)
     else:
-      losses, pullback = jax.vjp(lambda p: both(p, halves), params)
+      losses, pullback = jax.vjp(lambda p: both(p, halves), call.params)
     signs = jnp.array([[1.0, 1.0], [1.0, -1.0]], losses.dtype)
     (sum_and_difference,) = jax.vmap(pullback)(signs)
     total, difference = _unstack(sum_and_difference)
     grads_a = jax.tree.map(average_in_float32, total, difference)
     grads_b = jax.tree.map(lambda t, d: average_in_float32(t, -d), total, difference)
-    value_a, value_b = _unstack((losses, aux) if has_aux else losses)
-    return (value_a, finish(grads_a)), (value_b, finish(grads_b))
+    return call.finished(_unstack((losses, aux) if call.has_aux else losses), (grads_a, grads_b))
 
 
 PASSES: dict[str, HalvesPasses] = {

@@ -163,8 +163,51 @@ def start_first_program(
   if config.compile.cache_dir is not None:
     enable_persistent_cache(config.compile.cache_dir, allow_shared=config.allow_shared_workdir)
   state = abstract_state(initial, optimizer, specs, mesh)
-  compiler = step_compiler(
-    loss_fn=train_step.checked_loss_fn(loss_fn, initial["model_state"]),
+  compiler = make_compiler(
+    config,
+    layout,
+    state,
+    loss_fn=loss_fn,
+    model_state=initial["model_state"],
+    optimizer=optimizer,
+    mesh=mesh,
+    element_spec=element_spec,
+  )
+  return FirstProgram(
+    compiler,
+    state,
+    layout.plan(batch_size).micro_batch_size,
+    lambda: checks.transform_named_for(config.axis_name),
+    queue=not may_resume(workdir),
+  )
+
+
+def make_compiler(
+  config: TrainerConfig,
+  layout: StepLayout,
+  state: Mapping[str, Any],
+  *,
+  loss_fn: train_step.PerExampleLossFn,
+  model_state: Any,
+  optimizer: optax.GradientTransformation,
+  mesh: Mesh,
+  element_spec: Any,
+) -> StepProgramCompiler:
+  """The step's jitted functions, made from ``state``'s shapes, dtypes and shardings (the state
+  or its placeholders), and their compiler (:func:`~simigrad_jax.compile.programs.step_compiler`).
+
+  Args:
+    config: the run's settings (the data axis, the seed, the halves' passes, how to compile).
+    layout: the run's split and shapes.
+    state: the ``{"params", "opt_state", "model_state"}`` the steps run on, or its placeholders.
+    loss_fn: the per-example loss, checked here against ``model_state``'s structure.
+    model_state, optimizer, mesh, element_spec: what the functions are made of.
+
+  Returns:
+    The compiler :func:`make_programs` takes, nothing traced or compiled yet.
+  """
+  functions = step_functions.StepFunctions(
+    loss_fn=train_step.checked_loss_fn(loss_fn, model_state),
     optimizer=optimizer,
     mesh=mesh,
     axis_name=config.axis_name,
@@ -173,15 +216,9 @@ def start_first_program(
     state=state,
     element_spec=element_spec,
     passes=config.halves_passes,
-    background=config.compile.background,
-    threads=config.compile.threads_for_host(),
   )
-  return FirstProgram(
-    compiler,
-    state,
-    layout.plan(batch_size).micro_batch_size,
-    lambda: checks.transform_named_for(config.axis_name),
-    queue=not may_resume(workdir),
+  return step_compiler(
+    functions, background=config.compile.background, threads=config.compile.threads_for_host()
   )
 
 
@@ -226,49 +263,30 @@ def open_checkpoints(
 
 def make_programs(
   config: TrainerConfig,
+  compiler: StepProgramCompiler,
   *,
-  loss_fn: train_step.PerExampleLossFn,
-  model_state: Any,
-  optimizer: optax.GradientTransformation,
-  mesh: Mesh,
-  layout: StepLayout,
-  state: dict[str, Any],
-  element_spec: Any,
   upper: int,
   cached_programs: dict[str, Any] | None,
-  compiler: StepProgramCompiler | None = None,
 ) -> StepPrograms:
-  """The step's compiled programs, compiling in the background (nothing is traced yet, unless
-  ``compiler`` was made before: :func:`start_first_program`).
+  """The step's compiled programs on ``compiler`` (:func:`make_compiler`), compiling in the
+  background.
 
   The fallback follows the schedule of ``steps_per_compile``, the same on
   every process; with ``timed_fallback`` and several processes, it uses only
   shapes that every process reported compiled at the last step's agreement,
   so all of them pick the same shape. ``cached_programs``: what a resumed
   checkpoint says the persistent compilation cache holds and the schedule's
-  state (None: a new run).
+  state (None: a new run). The persistent cache is on since the compiler was
+  made (:func:`start_first_program`).
   """
-  if config.compile.cache_dir is not None and compiler is None:  # (else on since it was made)
-    enable_persistent_cache(config.compile.cache_dir, allow_shared=config.allow_shared_workdir)
   return StepPrograms(
-    loss_fn=train_step.checked_loss_fn(loss_fn, model_state),
-    optimizer=optimizer,
-    mesh=mesh,
-    axis_name=config.axis_name,
-    layout=layout,
-    seed=config.seed,
-    state=state,
-    element_spec=element_spec,
-    accumulation_shapes=layout.accumulation_shapes(upper),
-    background=config.compile.background,
-    compile_threads=config.compile.threads_for_host(),
+    compiler,
+    accumulation_shapes=compiler.functions.layout.accumulation_shapes(upper),
     compile_fallback=config.compile.uses_fallback,
     steps_per_compile=None if config.compile.timed_fallback else config.compile.steps_per_compile,
     shared_compiles=jax.process_count() > 1,
     compilation_cache_dir=config.compile.cache_dir,
     cached_programs=cached_programs,
-    passes=config.halves_passes,
-    compiler=compiler,
   )
 
 
@@ -312,7 +330,8 @@ def open_run(
     state: the initial state on the mesh (:func:`place_state`).
     sampler, controller: the run's, resumed in place.
     loss_fn, model_state, optimizer, element_spec, mesh, layout, upper: what
-      the programs are made of (:func:`make_programs`).
+      the programs are made of (:func:`make_compiler` when ``first``'s
+      placeholders are not the resumed state's, :func:`make_programs`).
     first: the first step's program, started before (:func:`start_first_program`).
 
   Returns:
@@ -341,18 +360,20 @@ def open_run(
     # The functions of placeholders other than the resumed state's are never used (there are
     # none such: this only guards the programs against a stale executable).
     same = _same_placeholders(resumed.state, first.state)
+    compiler = first.compiler
+    if not same:
+      compiler = make_compiler(
+        config,
+        layout,
+        resumed.state,
+        loss_fn=loss_fn,
+        model_state=model_state,
+        optimizer=optimizer,
+        mesh=mesh,
+        element_spec=element_spec,
+      )
     programs = make_programs(
-      config,
-      loss_fn=loss_fn,
-      model_state=model_state,
-      optimizer=optimizer,
-      mesh=mesh,
-      layout=layout,
-      state=resumed.state,
-      element_spec=element_spec,
-      upper=upper,
-      cached_programs=resumed.compiled_programs,
-      compiler=first.compiler if same else None,
+      config, compiler, upper=upper, cached_programs=resumed.compiled_programs
     )
     undo.callback(programs.compiler.close)
     if same:

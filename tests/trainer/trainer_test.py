@@ -516,7 +516,7 @@ def test_a_shape_that_fails_to_compile_is_raised_not_replaced(tmp_path, monkeypa
   lower = StepFunctions.lower
 
   def failing_lower(self, key):  # (from the Trainer's construction on: it queues the first plan)
-    if key == (Program.FUSED, self._layout.plan(44).micro_batch_size):
+    if key == (Program.FUSED, self.layout.plan(44).micro_batch_size):
       raise RuntimeError("out of memory (injected)")
     return lower(self, key)
 
