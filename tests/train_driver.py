@@ -23,8 +23,10 @@ Fault injection (the process SIGKILLs itself: no clean-up, no final checkpoint):
 * ``--kill-at K``: right after step K's metrics line is written;
 * ``--kill-in-save K``: right after the checkpoint of step K was handed to
   orbax and its temporary folder exists, while its asynchronous save is still
-  writing (the save of step K is held before orbax renames that folder, so it
-  cannot finish first);
+  writing (this process's save of step K is held before it reaches orbax's
+  barrier that all processes' writes are complete, and before orbax renames
+  that folder, so neither this process nor the primary one can finish it
+  first, however fast the write is);
 * ``--kill-in-compile J``: 20 ms into the J-th micro-step compile of the
   background compile thread (that compile is slowed down so the kill lands
   inside it);
@@ -412,6 +414,20 @@ if args.kill_in_save is not None:
     await original_finalize(self)
 
   atomicity.AtomicRenameTemporaryPath.finalize = finalize_unless_held
+
+  # With several processes the primary one renames the folder once every process's
+  # write has reached orbax's barrier: hold this process's background save of step K
+  # before that barrier, so that the primary cannot commit step K before the kill.
+  from orbax.checkpoint._src.checkpointers import async_checkpointer as orbax_async
+
+  original_background_wait = orbax_async._background_wait_for_commit_futures
+
+  def background_wait_unless_held(directory, *positional, **keywords):
+    if str(args.kill_in_save) in str(directory).split(os.sep):
+      time.sleep(600.0)  # the process is killed long before
+    return original_background_wait(directory, *positional, **keywords)
+
+  orbax_async._background_wait_for_commit_futures = background_wait_unless_held
 
   def save_then_die(step, state, host):
     original_save(step, state, host)
