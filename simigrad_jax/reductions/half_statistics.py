@@ -210,6 +210,10 @@ def _present_halves(
   return jnp.where(share > 0, a, 0.0), jnp.where(share < 1, b, 0.0)
 
 
+# The lanes a last axis is cut into for the statistics' reduction (see _leaf_statistics).
+STATISTICS_LANES = 32
+
+
 def _leaf_statistics(a: jax.Array, b: jax.Array) -> jax.Array:
   """Float32 ``[<a, b>, |a|^2, |b|^2]`` of one leaf, each a sum over all its entries.
 
@@ -251,10 +255,6 @@ def _leaf_statistics(a: jax.Array, b: jax.Array) -> jax.Array:
     products = tuple(product.reshape(lanes) for product in products)
   rows = lax.reduce(products, (zero,) * 3, _add_each, (axis,))
   return jnp.stack([jnp.sum(row) for row in rows])
-
-
-# The lanes a last axis is cut into for the statistics' reduction (see _leaf_statistics).
-STATISTICS_LANES = 32
 
 
 def _add_each(x: tuple, y: tuple) -> tuple:
