@@ -230,12 +230,14 @@ class SharedCache(jax_compilation_cache.CacheInterface):
     self.max_bytes = max_bytes
 
   def get(self, key: str) -> bytes | None:
-    """The entry of ``key``, or None; marks it as used now."""
+    """The entry of ``key``, or None; marks it as used now (if no eviction took it meanwhile)."""
     try:
       value = (self._path / f"{key}{_ENTRY_SUFFIX}").read_bytes()
     except FileNotFoundError:
       return None
-    self._mark_used(key)
+    with self._locked():  # no eviction between the check and the mark
+      if (self._path / f"{key}{_ENTRY_SUFFIX}").exists():
+        self._mark_used(key)
     return value
 
   def put(self, key: str, value: bytes) -> None:
@@ -264,6 +266,8 @@ class SharedCache(jax_compilation_cache.CacheInterface):
       self._mark_used(key)
 
   def _mark_used(self, key: str) -> None:
+    """Writes the entry's time of use (the lock held: an eviction in between would leave a time
+    without its entry)."""
     (self._path / f"{key}{_USED_SUFFIX}").write_bytes(time.time_ns().to_bytes(8, "little"))
 
   @contextlib.contextmanager

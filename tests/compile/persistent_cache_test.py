@@ -3,6 +3,7 @@
 import doctest
 import json
 import os
+import pathlib
 import subprocess
 import sys
 import textwrap
@@ -207,6 +208,23 @@ def test_the_cap_evicts_the_least_recently_used_entries(tmp_path):
   assert [cache.get(key) for key in ("old", "new", "newest")] == [b"1234", b"ab", b"cdef"]
   cache.put("last", b"ghijklmn")  # 18 bytes: "old", "new" and "newest" (in that order) go too
   assert sorted(os.listdir(tmp_path)) == [".lockfile", "last-atime", "last-cache"]
+
+
+def test_an_entry_evicted_while_it_is_read_leaves_no_time_of_use_behind(tmp_path, monkeypatch):
+  reader = persistent_cache.SharedCache(tmp_path, max_bytes=10)
+  other_process = persistent_cache.SharedCache(tmp_path, max_bytes=10)
+  reader.put("read", b"1234")
+  read_bytes = pathlib.Path.read_bytes
+
+  def read_then_evicted(path):
+    value = read_bytes(path)
+    if path.name == "read-cache":  # the other process evicts it before the reader marks it used
+      other_process.put("big", b"123456789")
+    return value
+
+  monkeypatch.setattr(pathlib.Path, "read_bytes", read_then_evicted)
+  assert reader.get("read") == b"1234"  # what was read is returned whole
+  assert sorted(os.listdir(tmp_path)) == [".lockfile", "big-atime", "big-cache"]
 
 
 def test_an_entry_larger_than_the_cap_is_not_written(tmp_path, caplog):
