@@ -10,4 +10,8 @@ Scripts (``python benchmarks/cold_start/NAME.py``):
 
 * ``cold_start.py``: programs compiled, compile seconds, seconds waited,
   runtime, padding and the final accuracy or loss of each, paired seeds.
+
+``run_gpu.sh`` runs ``cold_start.py`` on one GPU within 8 minutes (the
+adaptive and the fixed variant of both recipes, seed 0, cold and warm), each
+run saved as it ends; ``DEVICE=cpu STEPS=5`` tries it on a CPU.
 """
