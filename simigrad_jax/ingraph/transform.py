@@ -461,7 +461,8 @@ def transform(
       bool: each value is its own compiled program.
     param_specs: (update) None, or the parameters' ``PartitionSpec``s on the
       mesh (a pytree like ``updates``, one spec per leaf) for the device
-      split, where the leaves' types do not carry them (``Auto`` mesh axes):
+      split and for a step that does not measure inside the mapped step,
+      where the leaves' types do not carry them (``Auto`` mesh axes):
       each device then reduces its own shard of a tensor-parallel leaf
       instead of the leaf gathered whole, and with ``stacked_grads`` a leaf
       in blocks over the data axis alone (FSDP) gets its mean in the same

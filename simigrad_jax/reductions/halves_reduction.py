@@ -19,7 +19,11 @@ The two halves are formed in one of two ways:
   ``g_A = M + 2 (1 - s) D`` and ``g_B = M - 2 s D``.
 
 Both return what ``lax.pmean`` would (the mean gradient, in each leaf's own
-dtype) plus float32 :class:`HalfStatistics`, identical on every device.
+dtype) plus float32 :class:`HalfStatistics`, identical on every device. A
+step that does not measure (``measure_every``) has no halves:
+:func:`reduce_mean` returns the mean and its squared norm, reduced as the
+device split's hierarchical reduction reduces (reduce-scatter, the norm on
+each device's piece, all-gather).
 
 Reductions, with the bytes each device sends relative to one plain ring
 all-reduce of the gradient:
