@@ -323,6 +323,37 @@ def test_every_kth_step_measures_and_the_others_are_plain_steps(adaptive, params
     step.program(ProgramShape(Program.MICRO, 4))
 
 
+def test_on_8_devices_the_plain_program_is_no_heavier_than_the_measuring_one(devices):
+  """By the compiler's counts (no timing): the plain step reduces its gradient as the measuring
+  step does (reduce-scatter, the norm on each device's piece, all-gather), so it accesses no
+  more bytes and holds no more temporaries, and all-reduces nothing but scalars."""
+  rng = np.random.default_rng(2)
+  features = 128  # a kernel of 65536 entries: a bucket of its own, as a real model's
+  wide = {
+    "w1": jnp.asarray(rng.normal(size=(features, 512)) / features, jnp.float32),
+    "w2": jnp.asarray(rng.normal(size=512), jnp.float32),
+  }
+  x = rng.normal(size=(MAX_BATCH, features)).astype(np.float32)
+  batch = {"x": x, "y": x.sum(1)}
+  mesh = jax.make_mesh((8,), ("batch",), (jax.sharding.AxisType.Auto,), devices=devices)
+  step = simigrad_jax.AdaptiveStep(
+    row_losses, optimizer("batch"), max_batch_size=MAX_BATCH, measure_every=2, mesh=mesh
+  )
+  state = step.init(wide)
+  for _ in range(2):
+    *state, _ = step(*state, batch)
+  programs = {key.program: step.program(key) for key in step.compiled}
+  fused, plain = programs[Program.FUSED], programs[Program.PLAIN]
+  cost = lambda program: program.cost_analysis()["bytes accessed"]
+  temp = lambda program: program.memory_analysis().temp_size_in_bytes
+  assert cost(plain) <= cost(fused)
+  assert temp(plain) <= temp(fused)
+  all_reduced = re.findall(r"= \(?([^=]*?)\)? all-reduce\(", plain.as_text())
+  assert all_reduced and all(re.fullmatch(r"(f32\[\], )*f32\[\]", s) for s in all_reduced), (
+    all_reduced
+  )
+
+
 def test_the_controller_reads_every_kth_step_and_holds_the_batch_between(devices, params):
   """The controller updates on the measuring steps only: its rule's 10% then moves the batch
   every k steps, and it counts the measurements, not the steps."""

@@ -461,7 +461,8 @@ def transform(
       bool: each value is its own compiled program.
     param_specs: (update) None, or the parameters' ``PartitionSpec``s on the
       mesh (a pytree like ``updates``, one spec per leaf) for the device
-      split, where the leaves' types do not carry them (``Auto`` mesh axes):
+      split and for a step that does not measure inside the mapped step,
+      where the leaves' types do not carry them (``Auto`` mesh axes):
       each device then reduces its own shard of a tensor-parallel leaf
       instead of the leaf gathered whole, and with ``stacked_grads`` a leaf
       in blocks over the data axis alone (FSDP) gets its mean in the same
@@ -585,7 +586,11 @@ def transform(
     )
 
   def plain_update(
-    updates: optax.Updates, state: SimilarityState, half_grads: Any, stacked_grads: Any
+    updates: optax.Updates,
+    state: SimilarityState,
+    half_grads: Any,
+    stacked_grads: Any,
+    param_specs: Any,
   ) -> tuple[optax.Updates, SimilarityState]:
     """A step that does not measure: the mean gradient, the last measurement kept in the state."""
     if half_grads is not None or stacked_grads is not None:
@@ -598,15 +603,20 @@ def transform(
     if axis_name is not None:
       _check_axis_is_bound(axis_name)
       _check_not_already_reduced(jax.tree.leaves(updates), axis_name)
-      if not _one_untracked_device(axis_name):  # a mean over one device would only copy it
-        updates = lax.pmean(updates, axis_name)
-    sq_norm = sum(
-      (jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(updates)),
-      jnp.zeros([], jnp.float32),
-    )
-    finite = jnp.isfinite(sq_norm)
-    if nonfinite == "zero":
-      updates = jax.tree.map(lambda g: jnp.where(finite, g, jnp.zeros_like(g)), updates)
+    if axis_name is None or _one_untracked_device(axis_name):  # a mean over one would copy it
+      sq_norm = sum(
+        (jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(updates)),
+        jnp.zeros([], jnp.float32),
+      )
+      finite = jnp.isfinite(sq_norm)
+      if nonfinite == "zero":
+        updates = jax.tree.map(lambda g: jnp.where(finite, g, jnp.zeros_like(g)), updates)
+    else:
+      group_reduction.given_specs(updates, param_specs, "param_specs")
+      updates, sq_norm = halves_reduction.reduce_mean(
+        updates, axis_name, zero_nonfinite=nonfinite == "zero", specs=param_specs
+      )
+      finite = jnp.isfinite(sq_norm)
     return updates, state._replace(
       norm_mean=jnp.where(finite, jnp.sqrt(jnp.where(finite, sq_norm, 0.0)), 0.0),
       measured=jnp.zeros([], jnp.bool_),
@@ -634,7 +644,7 @@ def transform(
       )
     if not measure:
       _check_step_axis(axis_name)
-      return plain_update(updates, state, half_grads, stacked_grads)
+      return plain_update(updates, state, half_grads, stacked_grads, param_specs)
     if half_grads is None and _EXPECTING_HALF_GRADS.get():
       raise HalvesContractError(
         "the optimizer's update was given half_grads=..., but simigrad_jax.transform did not "

@@ -98,6 +98,15 @@ def pair_statistics(
   return jnp.stack([dot, sq_a, sq_b, sq_norm_of_mean(dot, sq_a, sq_b, share)])
 
 
+def squared_norm_of_piece(piece: jax.Array) -> jax.Array:
+  """Float32 ``|piece|^2`` of a 1-D piece of a gradient, summed as :func:`pair_statistics` sums.
+
+  The piece is both halves of :func:`pair_statistics`, whose three products
+  are then one (XLA reads the piece once).
+  """
+  return pair_statistics(piece, piece)[1]
+
+
 # Pieces of at least LONG_PIECE entries are summed as rows of STATISTICS_ROW entries.
 LONG_PIECE = 1 << 19
 STATISTICS_ROW = 2048

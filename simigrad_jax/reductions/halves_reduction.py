@@ -19,7 +19,11 @@ The two halves are formed in one of two ways:
   ``g_A = M + 2 (1 - s) D`` and ``g_B = M - 2 s D``.
 
 Both return what ``lax.pmean`` would (the mean gradient, in each leaf's own
-dtype) plus float32 :class:`HalfStatistics`, identical on every device.
+dtype) plus float32 :class:`HalfStatistics`, identical on every device. A
+step that does not measure (``measure_every``) has no halves:
+:func:`reduce_mean` returns the mean and its squared norm, reduced as the
+device split's hierarchical reduction reduces (reduce-scatter, the norm on
+each device's piece, all-gather).
 
 Reductions, with the bytes each device sends relative to one plain ring
 all-reduce of the gradient:
@@ -59,6 +63,7 @@ from simigrad_jax.reductions.half_statistics import finish_statistics
 from simigrad_jax.reductions.half_statistics import flatten_up_to
 from simigrad_jax.reductions.half_statistics import halves_of
 from simigrad_jax.reductions.half_statistics import pair_statistics
+from simigrad_jax.reductions.half_statistics import squared_norm_of_piece
 
 Reduction = Literal["hierarchical", "scatter", "stacked"]
 REDUCTIONS: tuple[str, ...] = ("hierarchical", "scatter", "stacked")
@@ -333,7 +338,9 @@ def reduce_hierarchical(
   # The groups' sums are half times their means.
   sums = lax.psum(partial, (axis_name, *other_axes)) / float(half * half)
   stats = finish_statistics(*sums)
-  mean = _gather_mean(pieces, buckets, dims, leaves, treedef, axis_name, stats, zero_nonfinite)
+  mean = _gather_mean(
+    pieces, buckets, dims, leaves, treedef, axis_name, stats.finite, zero_nonfinite
+  )
   return mean, stats
 
 
@@ -344,19 +351,20 @@ def _gather_mean(
   leaves: list[jax.Array],
   treedef: jax.tree_util.PyTreeDef,
   axis_name: str,
-  stats: HalfStatistics,
+  finite: jax.Array,
   zero_nonfinite: bool,
 ) -> Any:
   """All-gathers each bucket's piece of the mean into the gradient's structure.
 
   A leaf with a dimension in ``dims`` keeps its block, ungathered. With
-  ``zero_nonfinite``, the pieces are zeroed first when a statistic is not
-  finite: a ``1 / n`` piece is cheaper to mask than the gathered gradient.
+  ``zero_nonfinite``, the pieces are zeroed first where ``finite`` (a bool
+  scalar: the statistics are finite) is False: a ``1 / n`` piece is cheaper
+  to mask than the gathered gradient.
   """
   out: list = [None] * len(leaves)
   for piece, indices in zip(pieces, buckets, strict=True):
     if zero_nonfinite:
-      piece = jnp.where(stats.finite, piece, jnp.zeros_like(piece))
+      piece = jnp.where(finite, piece, jnp.zeros_like(piece))
     if dims[indices[0]] is not None:
       out[indices[0]] = piece
       continue
@@ -418,8 +426,68 @@ def reduce_local_halves(
   stats = finish_statistics(*lax.psum(partial, axis_name))
   dims: list[int | None] = [None] * len(leaves)
   return _gather_mean(
-    pieces, buckets, dims, leaves, treedef, axis_name, stats, zero_nonfinite
+    pieces, buckets, dims, leaves, treedef, axis_name, stats.finite, zero_nonfinite
   ), stats
+
+
+# ------------------------------------------------------------------ a step that does not measure
+
+
+def reduce_mean(
+  grads: Any, axis_name: str, *, zero_nonfinite: bool = False, specs: Any = None
+) -> tuple[Any, jax.Array]:
+  """Reduces each device's own gradient to the mean and the mean's squared norm (no halves).
+
+  The reduction of a step that does not measure (``measure_every``): what
+  ``lax.pmean(grads, axis_name)`` returns, and ``|mean|^2`` in float32, at
+  the bytes of one all-reduce. Per bucket of leaves (as the hierarchical
+  reduction's), one reduce-scatter, then the piece's mean and its squared
+  norm on the ``1 / n`` piece each device holds, and one all-gather of the
+  mean; one scalar ``psum`` adds the partial norms. An all-reduce followed by
+  the norm would have every device write the whole mean (the sum divided by
+  ``n``) and read it back for the norm. The mean's numbers are the
+  all-reduce's; the norm's partial sums are added in another order than a
+  norm of the gathered mean.
+
+  Inside a ``jax.shard_map`` that is manual over ``axis_name`` only, each
+  device reduces its own shard of a leaf that other mesh axes shard
+  (:func:`simigrad_jax.reductions.group_reduction.on_local_shards`; ``specs``
+  as for :func:`reduce_device_halves`).
+
+  Args:
+    grads: this device's gradient (a pytree).
+    axis_name: the mapped axis to reduce over (any size).
+    zero_nonfinite: return a zero mean when the squared norm is not finite.
+    specs: None, or a ``PartitionSpec`` per leaf (see :func:`reduce_device_halves`).
+
+  Returns:
+    ``(mean, sq_norm)``: ``mean`` as ``lax.pmean(grads, axis_name)`` returns
+    it, and its float32 squared norm (identical on every device; not finite
+    when the gradient is not).
+  """
+  num_devices = lax.axis_size(axis_name)
+
+  def reduce(
+    local: Any, weights: list[float] | None, other_axes: tuple[str, ...]
+  ) -> tuple[Any, jax.Array]:
+    leaves, treedef = jax.tree.flatten(local)
+    buckets = _buckets(leaves, weights)
+    pieces = []
+    partial = jnp.zeros([], jnp.float32)
+    for indices in buckets:
+      flat = _flat_bucket(leaves, indices, num_devices)
+      piece = lax.psum_scatter(flat, axis_name, tiled=True) / jnp.asarray(num_devices, flat.dtype)
+      weight = 1.0 if weights is None else weights[indices[0]]
+      partial = partial + weight * squared_norm_of_piece(piece)
+      pieces.append(piece)
+    sq_norm = lax.psum(partial, (axis_name, *other_axes))
+    dims: list[int | None] = [None] * len(leaves)
+    mean = _gather_mean(
+      pieces, buckets, dims, leaves, treedef, axis_name, jnp.isfinite(sq_norm), zero_nonfinite
+    )
+    return mean, sq_norm
+
+  return group_reduction.on_local_shards(reduce, grads, axis_name, specs)
 
 
 # ------------------------------------------------------------------ concatenated variants

@@ -11,8 +11,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax import lax
+from jax.sharding import AxisType
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import simigrad_jax
+from benchmarks.step_cost import hlo_collectives
 
 AXIS = "batch"
 
@@ -87,3 +92,52 @@ def test_half_grads_or_a_non_bool_are_refused_on_a_plain_step():
     transform.update(grads, transform.init(grads), half_grads=halves, measure=False)
   with pytest.raises(ValueError, match="measure must be True"):
     transform.update(grads, transform.init(grads), half_grads=halves, measure="no")
+
+
+@pytest.mark.parametrize("kind", [AxisType.Auto, AxisType.Explicit], ids=["auto", "explicit"])
+def test_a_plain_step_reduces_a_tensor_parallel_gradient_to_the_pmean(devices, kind):
+  """In the step mapped over the data axis, the model axis left to XLA (given by the specs
+  under Auto axes, by the leaves' types under Explicit ones): the mean is lax.pmean's, bit for
+  bit, the norm is the mean's, and each device reduces its own shard of the kernel."""
+  mesh = jax.make_mesh((4, 2), (AXIS, "model"), axis_types=(kind, kind), devices=devices)
+  rng = np.random.default_rng(7)
+  host = {
+    "kernel": rng.normal(size=(4, 64, 64)).astype(np.float32),
+    "bias": rng.normal(size=(4, 64)).astype(np.float32),
+  }
+  specs = {"kernel": P(None, "model"), "bias": P("model")}
+  stacked = {
+    name: jax.device_put(value, NamedSharding(mesh, P(AXIS, *specs[name])))
+    for name, value in host.items()
+  }
+  tx = simigrad_jax.transform(AXIS)
+  given = specs if kind == AxisType.Auto else None
+
+  def per_device(local):
+    grads = jax.tree.map(lambda g: g[0], local)
+    mean, state = tx.update(grads, tx.init(grads), param_specs=given, measure=False)
+    return mean, state.norm_mean, lax.pmean(grads, AXIS)
+
+  compiled = (
+    jax.jit(
+      jax.shard_map(
+        per_device,
+        mesh=mesh,
+        in_specs=P(AXIS),
+        out_specs=(P(), P(), P()),
+        axis_names={AXIS},
+        check_vma=False,
+      )
+    )
+    .lower(stacked)
+    .compile()
+  )
+  mean, norm, pmean = compiled(stacked)
+  # Each device reduce-scatters its own half of the kernel, not the kernel gathered whole.
+  found = hlo_collectives.parse_collectives(compiled.as_text(), jax.device_count())
+  scattered = [c.payload_bytes for c in found if c.kind == "reduce-scatter"]
+  assert scattered and max(scattered) < 64 * 64 * 4, found
+  for name in host:
+    np.testing.assert_array_equal(np.asarray(mean[name]), np.asarray(pmean[name]))
+  expected = np.sqrt(sum(np.sum(g.astype(np.float64).mean(0) ** 2) for g in host.values()))
+  assert float(norm) == pytest.approx(expected, rel=1e-6)
