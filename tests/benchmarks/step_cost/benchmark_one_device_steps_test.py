@@ -7,7 +7,7 @@ import pytest
 
 from benchmarks.step_cost import one_device_steps
 
-STEPS = ("plain", "halves_signed", "trainer_stacked")
+STEPS = ("plain", "halves_signed", "trainer_stacked", "trainer_every_4")
 
 
 @pytest.fixture(scope="module")
@@ -34,13 +34,21 @@ def test_every_step_has_a_row_against_the_plain_step(tiny_run):
     assert row["extra_temp_gradients"] == pytest.approx(expected)
   assert part["steps"]["plain"]["similarity"] is None
   assert part["steps"]["plain"]["extra_temp_gradients"] == 0
+  # measure_every=4's cycle: four calls (three plain programs, one measuring) against four plain
+  # steps; its seconds are per step, its memory and similarity the measuring program's.
+  assert {name: row["calls"] for name, row in part["steps"].items()} == {
+    "plain": 1,
+    "halves_signed": 1,
+    "trainer_stacked": 1,
+    "trainer_every_4": 4,
+  }
 
 
 def test_the_steps_that_measure_record_a_similarity(tiny_run):
   # That the passes agree with each other is tests/ingraph/half_passes_test.py's.
   written, _ = tiny_run
   rows = written["workloads"]["mlp"]["steps"]
-  for name in ("halves_signed", "trainer_stacked"):
+  for name in ("halves_signed", "trainer_stacked", "trainer_every_4"):
     similarity = rows[name]["similarity"]
     assert -1.0 <= similarity <= 1.0 and similarity != 0.0, name
 
@@ -52,6 +60,10 @@ def test_the_docs_table_has_a_row_per_workload(tiny_run):
   ratio = written["workloads"]["mlp"]["steps"]["halves_signed"]["paired_time_ratio"]
   assert f"{ratio:.2f}x" in lines[2]
   assert lines[2].count(" - ") == 4  # the steps that did not run
+  every = one_device_steps.every_markdown_table(written).splitlines()
+  ratio = written["workloads"]["mlp"]["steps"]["trainer_every_4"]["paired_time_ratio"]
+  assert len(every) == 3 and every[2].startswith("| mlp | ") and f"{ratio:.2f}x" in every[2]
+  assert "| - |" in every[2]  # the plain program's own row did not run
 
 
 @pytest.mark.parametrize(
