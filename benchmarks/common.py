@@ -11,6 +11,30 @@ RESULTS_DIR = os.path.join(REPOSITORY_ROOT, "benchmarks", "results")  # the benc
 PLOTS_DIR = os.path.join(REPOSITORY_ROOT, "docs")  # their plots, beside the pages that show them
 
 
+def child_environment(*, own_device_count: bool = False) -> dict[str, str]:
+  """This process's environment for a benchmark's child process.
+
+  The repository goes first on ``PYTHONPATH``, before what was there (a
+  machine whose packages come from ``PYTHONPATH`` keeps them).
+
+  Args:
+    own_device_count: the child sets its own simulated device count, so none
+      is inherited (``XLA_FLAGS``' device count and ``PJRT_NPROC``, sized for
+      this process's count, are left out).
+
+  Returns:
+    The child's environment, a new dict.
+  """
+  env = dict(os.environ)
+  env["PYTHONPATH"] = os.pathsep.join(filter(None, [REPOSITORY_ROOT, env.get("PYTHONPATH")]))
+  if own_device_count:
+    flags = env.get("XLA_FLAGS", "").split()
+    device_count = "--xla_force_host_platform_device_count"
+    env["XLA_FLAGS"] = " ".join(flag for flag in flags if not flag.startswith(device_count))
+    env.pop("PJRT_NPROC", None)
+  return env
+
+
 def configure_host_devices(count: int = 8) -> None:
   """Asks XLA for ``count`` CPU devices unless the user already chose a count.
 

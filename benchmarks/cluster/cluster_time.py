@@ -47,7 +47,6 @@ if __name__ == "__main__":
 # pylint: disable=g-import-not-at-top,wrong-import-position
 import argparse  # noqa: E402
 import json  # noqa: E402
-import re  # noqa: E402
 import shutil  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
@@ -237,12 +236,9 @@ def _worker_env(devices: int) -> dict[str, str]:
   """This process's environment with ``devices`` simulated CPU devices (any count set dropped)."""
   import simigrad_jax  # pylint: disable=import-outside-toplevel
 
-  env = dict(os.environ, JAX_PLATFORMS="cpu")
-  flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", env.get("XLA_FLAGS", ""))
-  env["XLA_FLAGS"] = flags.strip()
-  env.pop("PJRT_NPROC", None)
+  env = common.child_environment(own_device_count=True)
+  env["JAX_PLATFORMS"] = "cpu"
   env.update(simigrad_jax.simulated_cpu_devices_env(devices, env))
-  env["PYTHONPATH"] = common.REPOSITORY_ROOT + os.pathsep + env.get("PYTHONPATH", "")
   return env
 
 

@@ -125,7 +125,7 @@ def run_group(
     process = subprocess.Popen(
       run_command(recipe, variant, seed, workdir, cache_dir, args),
       cwd=common.REPOSITORY_ROOT,
-      env=dict(os.environ, PYTHONPATH=common.REPOSITORY_ROOT),
+      env=common.child_environment(),
       stdout=subprocess.PIPE,
       stderr=subprocess.STDOUT,
       text=True,

@@ -464,16 +464,6 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   return args
 
 
-def _child_env() -> dict[str, str]:
-  """This environment for a child that simulates its own device count (none inherited)."""
-  env = {**os.environ, "PYTHONPATH": common.REPOSITORY_ROOT}
-  flags = env.get("XLA_FLAGS", "").split()
-  kept = [flag for flag in flags if not flag.startswith("--xla_force_host_platform_device_count")]
-  env["XLA_FLAGS"] = " ".join(kept)
-  env.pop("PJRT_NPROC", None)  # sized for the inherited count
-  return env
-
-
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   """Runs each device count in its own process; prints the table and writes the JSON.
 
@@ -516,7 +506,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
       command += ["--image", str(args.image), "--models", ",".join(args.models)]
       command += ["--widths", ",".join(map(str, args.widths))]
       command += ["--channels", ",".join(map(str, args.channels))]
-      subprocess.run(command, check=True, env=_child_env())
+      subprocess.run(command, check=True, env=common.child_environment(own_device_count=True))
     with open(out, encoding="utf-8") as f:
       results = json.load(f)
   return common.report(results, _format_table(results), args.out)

@@ -500,20 +500,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     command = [sys.executable, os.path.abspath(__file__), "--child", f"--out={part}"]
     for name, value in settings.items():
       command += [f"--{name}", ",".join(map(str, value)) if isinstance(value, list) else str(value)]
-    subprocess.run(command, check=True, env=child_env())
+    subprocess.run(command, check=True, env=common.child_environment(own_device_count=True))
     with open(part) as f:
       results = {**json.load(f), "settings": settings}
   return common.report(results, _format_table(results), args.out)
-
-
-def child_env() -> dict[str, str]:
-  """This environment for a child that sets its own device count (none inherited)."""
-  env = {**os.environ, "PYTHONPATH": common.REPOSITORY_ROOT}
-  flags = env.get("XLA_FLAGS", "").split()
-  kept = [flag for flag in flags if not flag.startswith("--xla_force_host_platform_device_count")]
-  env["XLA_FLAGS"] = " ".join(kept)
-  env.pop("PJRT_NPROC", None)
-  return env
 
 
 if __name__ == "__main__":

@@ -268,7 +268,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
       command = [sys.executable, os.path.abspath(__file__), "--child", str(count), f"--out={part}"]
       command += ["--rounds", str(args.rounds), "--batch", str(args.batch)]
       command += ["--widths", ",".join(map(str, args.widths)), "--features", str(args.features)]
-      subprocess.run(command, check=True, env=adaptive_loop.child_env())
+      subprocess.run(command, check=True, env=common.child_environment(own_device_count=True))
       with open(part) as f:
         results["devices"][str(count)] = json.load(f)
   return common.report(results, _format_table(results), args.out)
