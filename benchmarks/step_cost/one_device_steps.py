@@ -440,7 +440,21 @@ def format_table(results: dict[str, Any]) -> str:
 
 
 def markdown_table(results: dict[str, Any]) -> str:
-  """docs/results.md's table: per workload, each step's time / plain and extra temporaries.
+  """docs/results.md's tables of a run: :func:`passes_markdown_table` where a step of
+  :data:`PASSES_STEPS` ran, :func:`every_markdown_table` where one of :data:`EVERY_STEPS` ran,
+  a blank line between them."""
+  ran = {name for part in results["workloads"].values() for name in part["steps"]}
+  tables = [
+    table(results)
+    for steps, table in ((PASSES_STEPS, passes_markdown_table), (EVERY_STEPS, every_markdown_table))
+    if ran & set(steps)
+  ]
+  return "\n\n".join(tables)
+
+
+def passes_markdown_table(results: dict[str, Any]) -> str:
+  """docs/results.md's passes table: per workload, each step's time / plain and extra
+  temporaries.
 
   Each cell is ``time / plain, temporaries beyond the plain step's in
   gradients`` (``-`` where a step did not run).

@@ -55,12 +55,15 @@ def test_the_steps_that_measure_record_a_similarity(tiny_run):
 
 def test_the_docs_table_has_a_row_per_workload(tiny_run):
   written, _ = tiny_run
-  lines = one_device_steps.markdown_table(written).splitlines()
+  passes, every = one_device_steps.markdown_table(written).split("\n\n")
+  assert passes == one_device_steps.passes_markdown_table(written)
+  assert every == one_device_steps.every_markdown_table(written)
+  lines = passes.splitlines()
   assert len(lines) == 3 and lines[2].startswith("| mlp | ")
   ratio = written["workloads"]["mlp"]["steps"]["halves_signed"]["paired_time_ratio"]
   assert f"{ratio:.2f}x" in lines[2]
   assert lines[2].count(" - ") == 4  # the steps that did not run
-  every = one_device_steps.every_markdown_table(written).splitlines()
+  every = every.splitlines()
   ratio = written["workloads"]["mlp"]["steps"]["trainer_every_4"]["paired_time_ratio"]
   assert len(every) == 3 and every[2].startswith("| mlp | ") and f"{ratio:.2f}x" in every[2]
   assert "| - |" in every[2]  # the plain program's own row did not run
