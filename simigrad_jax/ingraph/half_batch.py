@@ -7,7 +7,9 @@ rounding):
 * ``"sequential"`` (the default): two ``value_and_grad`` passes of half the
   batch, the second ordered after the first, so only one half's activations
   are alive at a time: about one full-batch gradient in time, at most one
-  half's activations plus one extra gradient in temporary memory.
+  half's activations plus one extra gradient in temporary memory. The pass
+  is one function called twice (:func:`traced_once`), so a program traces
+  and lowers the loss once, as the other two do.
 * ``"stacked"``: ONE pass, ``jax.vmap`` of ``value_and_grad`` over the two
   halves stacked on a leading axis of 2, the parameters shared: the forward
   pass and the backward pass through the activations run as one full-batch
@@ -35,6 +37,7 @@ from typing import Any, ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from simigrad_jax.errors import SimiGradError
 from simigrad_jax.ingraph import half_layout
@@ -128,6 +131,74 @@ def _after(tree: Any, grads: Any) -> tuple[Any, bool]:
   total = sum(totals[1:], totals[0])
   zero = jnp.abs(jnp.where(jnp.isfinite(total), total, 0.0) * 0.0)
   return jax.tree.map(lambda x: x - zero.astype(x.dtype) if _is_inexact(x) else x, tree), True
+
+
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True, eq=False)
+class _SameObject:
+  """A call's argument that is not an array, kept out of the jitted function's arguments.
+
+  Static in the pytree (part of the call's structure, not an argument of the
+  program), and equal only to the wrapper of the same object, so that two
+  calls share one trace only when they were given that very object.
+  """
+
+  value: Any
+
+  def __eq__(self, other: object) -> bool:
+    return isinstance(other, _SameObject) and other.value is self.value
+
+  def __hash__(self) -> int:
+    return id(self.value)
+
+
+def _is_array(x: Any) -> bool:
+  return isinstance(x, (jax.Array, np.ndarray, np.generic))
+
+
+def traced_once(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
+  """``fn`` as one function that a program traces and lowers once, however often it calls it.
+
+  ``jax.jit`` of ``fn``, called inside a traced program: JAX keeps the
+  jaxpr of a jitted function by the function and its arguments' types, and
+  lowers it once per program, as one private function (named ``name``) that
+  each call calls. XLA inlines the calls before it optimises, so the
+  compiled program, its speed and its numbers are those of calling ``fn`` in
+  place; only its trace and its lowering are done once rather than per call.
+
+  The leaves of the arguments that are arrays become the jitted function's
+  arguments; any other leaf (a Python number, a string, an object) reaches
+  ``fn`` as it is, as in a call without ``jax.jit``, and two calls share the
+  trace only when they pass the same objects there. Python code in ``fn``
+  runs once for the calls that share a trace: ``fn`` must be a function of
+  its arguments (as anything under ``jax.jit`` is).
+
+  Args:
+    fn: the function, called as ``fn(*args)``.
+    name: the name of the function in the lowered program.
+
+  Returns:
+    A function ``(*args) -> fn(*args)``.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> square = traced_once(lambda x: x * x, "square")
+    >>> jaxpr = jax.make_jaxpr(lambda x, y: square(x) + square(y))(1.0, 2.0)
+    >>> [e.params["jaxpr"] is jaxpr.eqns[0].params["jaxpr"] for e in jaxpr.eqns[:2]]
+    [True, True]
+  """
+  is_kept = lambda x: isinstance(x, _SameObject)
+
+  def on_arrays(*args: Any) -> Any:
+    return fn(*jax.tree.map(lambda x: x.value if is_kept(x) else x, args, is_leaf=is_kept))
+
+  on_arrays.__name__ = on_arrays.__qualname__ = name
+  jitted = jax.jit(on_arrays)
+
+  def call(*args: Any) -> Any:
+    return jitted(*jax.tree.map(lambda x: x if _is_array(x) else _SameObject(x), args))
+
+  return call
 
 
 def value_and_grads_in_turn(
@@ -253,19 +324,24 @@ class HalvesPasses(abc.ABC):
 
 
 class SequentialPasses(HalvesPasses):
-  """Two passes of half the batch, the second after the first (:func:`value_and_grads_in_turn`)."""
+  """Two passes of half the batch, the second after the first (:func:`value_and_grads_in_turn`).
+
+  The pass is one function called twice (:func:`traced_once`): a program
+  traces and lowers the loss's forward and backward pass once, not once per
+  half.
+  """
 
   name = "sequential"
 
   def take(self, call: HalvesCall) -> tuple[tuple[Any, Any], tuple[Any, Any]]:
     value_and_grad = jax.value_and_grad(call.loss_fn, has_aux=call.has_aux)
 
-    def one_pass(params: Any, *args: Any) -> tuple[Any, Any]:
+    def half_pass(params: Any, *args: Any) -> tuple[Any, Any]:
       value, grads = value_and_grad(params, *args)
       return value, call.finish(grads)
 
     return value_and_grads_in_turn(
-      one_pass,
+      traced_once(half_pass, "half_pass"),
       call.params,
       (*call.first_args, *call.shared_args),
       (*call.second_args, *call.shared_args),
@@ -511,8 +587,10 @@ def value_and_half_grads(
   turn: the second pass is ordered after the first (by a zero-valued data
   dependency of the second half's floating-point inputs, or of the
   parameters when the batch has none), so only one half's activations are
-  alive at a time; the cost is about that of one full-batch gradient, and
-  the program holds the model twice, so it compiles in about twice the
+  alive at a time; the cost is about that of one full-batch gradient. The
+  pass is one function called twice (:func:`traced_once`): the program
+  traces and lowers the model once, but XLA inlines both calls, so the
+  compiled program holds the model twice and compiles in about twice the
   time. ``"stacked"`` and ``"signed"`` take both halves in one pass
   (:data:`PASSES`; docs/own_step.md says which is fastest where). The full
   gradient is the average of the two half gradients, computed in at least
@@ -590,6 +668,9 @@ def value_and_half_grads(
     0.9962
 
   Note:
+    Every ``passes`` traces ``loss_fn`` once for both halves: Python code in
+    it (a print, a counter) runs once per traced program, not once per half.
+
     With BatchNorm in training mode each half is normalised with its own
     statistics, which is what makes the two halves independent; the average of
     the half gradients is then the gradient of the average of the two

@@ -92,6 +92,26 @@ def test_a_trace_is_lowered_once(devices):
   assert from_trace.as_text() == steps.lower_fused(2).as_text()
 
 
+@pytest.mark.parametrize("halves", ["device", "local"])
+def test_each_program_traces_the_loss_once(devices, halves):
+  """The local split's two passes call one traced pass (half_batch.traced_once): a program
+  traces the model's forward and backward pass once, counted as the loss's Python calls."""
+  calls = []
+
+  def counting_loss(*args):
+    calls.append(len(args))
+    return tiny_run.mlp_loss(*args)
+
+  steps = functions(devices, halves, loss_fn=counting_loss)
+  for lower in (steps.lower_fused, steps.lower_micro, steps.lower_plain):
+    calls.clear()
+    lower(2)
+    assert len(calls) == 1, lower.__name__
+  calls.clear()
+  steps.lower_apply()
+  assert calls == []
+
+
 def test_a_loss_that_does_not_fit_the_data_names_the_features_and_rows(devices):
   def wrong_feature(params, model_state, batch, weights, rng):
     return tiny_run.mlp_loss(params, model_state, {"x": batch["image"], **batch}, weights, rng)

@@ -46,6 +46,50 @@ def test_the_mean_is_the_plain_gradient_and_the_similarity_is_todays_in_float32(
   assert abs(float(today)) < 0.99  # the halves saw different rows
 
 
+@pytest.mark.parametrize("passes", PASSES)
+def test_a_program_traces_the_loss_once_whatever_the_passes(passes):
+  """The sequential passes call one traced function twice: the loss's Python runs once in a
+  program's trace (as in the stacked and signed passes), with its other arguments as given."""
+  calls = []
+
+  def loss(p, x, power):
+    calls.append(power)
+    return jnp.mean(jnp.tanh(x @ p) ** power)
+
+  grad_fn = simigrad_jax.value_and_half_grads(loss, passes=passes)
+  jaxpr = jax.make_jaxpr(lambda p, x: grad_fn(p, x, 2))(jnp.ones(3), jnp.ones((8, 3)))
+
+  assert calls == [2]  # once, and the Python int reached it as it is
+  if passes == "sequential":
+    calls_of_one_pass = [e for e in jaxpr.eqns if e.params.get("name") == "half_pass"]
+    assert len(calls_of_one_pass) == 2
+    assert calls_of_one_pass[0].params["jaxpr"] is calls_of_one_pass[1].params["jaxpr"]
+
+
+def test_traced_once_shares_a_trace_only_between_calls_of_the_same_types_and_objects():
+  seen = []
+
+  def scaled(x, factor):
+    seen.append(factor)
+    return x * factor
+
+  once = half_batch.traced_once(scaled, "scaled")
+  three, another_three = float("3"), float("3")  # equal, but two objects
+  jax.make_jaxpr(lambda x, y: (once(x, three), once(y, three)))(jnp.ones(2), jnp.ones(2))
+  assert seen == [3.0] and seen[0] is three
+  jax.make_jaxpr(lambda x: (once(x, another_three), once(x.astype(jnp.int32), another_three)))(
+    jnp.ones(2)
+  )
+  assert seen == [3.0] * 3 and seen[1] is another_three  # another object, another type
+  np.testing.assert_array_equal(jax.jit(lambda x: once(x, 2))(jnp.arange(3.0)), [0.0, 2.0, 4.0])
+
+
+def test_the_examples_in_the_docstrings_run():
+  import doctest
+
+  assert doctest.testmod(half_batch).failed == 0
+
+
 def test_labels_left_whole_are_refused_naming_the_argument_and_the_setting():
   loss = lambda w, x, y: jnp.mean((x @ w - y) ** 2)
   w, x, y = jnp.zeros(3), jnp.ones((6, 3)), jnp.arange(6.0)
