@@ -509,6 +509,13 @@ def test_the_one_step_late_table_is_the_json():
       "table",
     ),
     (
+      "results.md",
+      "one_device_every_cpu",
+      one_device_steps.markdown_table,
+      "step_cost/one_device_steps.py",
+      "table",
+    ),
+    (
       "own_step.md",
       "halves_h200",
       halves_steps.markdown_table,
