@@ -23,21 +23,13 @@ STEPS="${STEPS:-}"
 mkdir -p "$RESULTS"
 python -c "import jax; print('devices:', jax.devices())"
 
-left() { echo $((BUDGET - SECONDS)); }
+# shellcheck source=../run_parts.sh
+source benchmarks/run_parts.sh
 
 run_recipe() {  # run_recipe RECIPE SECONDS_AT_MOST
-  local recipe="$1" most="$2" limit
-  limit=$(left)
-  if [ "$limit" -gt "$most" ]; then limit="$most"; fi
-  if [ "$limit" -lt 30 ]; then
-    echo "== $recipe: skipped, ${limit}s left"
-    return
-  fi
-  echo "== $recipe (at most ${limit}s)"
-  timeout "$limit" python benchmarks/cold_start/cold_start.py --device "$DEVICE" \
-    --recipes "$recipe" --variants adaptive,fixed --seeds 1 ${STEPS:+--steps "$STEPS"} \
-    --out "$RESULTS/cold_start_gpu_$recipe.json" \
-    || echo "== $recipe: exit status $? (its JSON keeps the runs that finished)"
+  run_part "$1" "$2" python benchmarks/cold_start/cold_start.py --device "$DEVICE" \
+    --recipes "$1" --variants adaptive,fixed --seeds 1 ${STEPS:+--steps "$STEPS"} \
+    --out "$RESULTS/cold_start_gpu_$1.json"
 }
 
 run_recipe demo $((BUDGET - 200))

@@ -25,21 +25,8 @@ BUDGET="${BUDGET:-460}"
 mkdir -p "$RESULTS"
 python -c "import jax; print('devices:', jax.devices())"
 
-left() { echo $((BUDGET - SECONDS)); }
-
-run_part() {  # run_part NAME SECONDS_AT_MOST COMMAND...
-  local name="$1" most="$2"
-  shift 2
-  local limit
-  limit=$(left)
-  if [ "$limit" -gt "$most" ]; then limit="$most"; fi
-  if [ "$limit" -lt 20 ]; then
-    echo "== $name: skipped, ${limit}s left"
-    return
-  fi
-  echo "== $name (at most ${limit}s)"
-  timeout "$limit" "$@" || echo "== $name: exit status $? (its JSON keeps what finished)"
-}
+# shellcheck source=../run_parts.sh
+source benchmarks/run_parts.sh
 
 run_part "one_device_steps" $((BUDGET - 60)) python benchmarks/step_cost/one_device_steps.py \
   --size "$SIZE" --out "$RESULTS/one_device_steps_gpu.json"
