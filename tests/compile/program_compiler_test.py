@@ -171,6 +171,10 @@ def test_the_update_compiles_once_and_a_get_before_it_is_done_counts_as_wait():
   compiler = StepProgramCompiler(functions, layout("device"), background=True)
   compiler.prefetch([APPLY])
   compiler.prefetch([APPLY])  # once only
+  deadline = time.monotonic() + TIMEOUT
+  while not functions.threads:  # the compile thread has taken it (on a busy machine, later)
+    assert time.monotonic() < deadline, "the update's compile did not start"
+    time.sleep(0.005)
   threading.Timer(0.1, gate.set).start()
   np.testing.assert_allclose(compiler.get(APPLY)(jnp.ones(7)), np.full(7, 2.0))
   assert compiler.get(APPLY) is compiler.get(APPLY)
