@@ -10,7 +10,6 @@ the result file. Import it after the devices are set up (it imports JAX).
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 import socket
 import subprocess
@@ -54,9 +53,8 @@ def run_local_processes(
   with socket.socket() as probe:
     probe.bind(("127.0.0.1", 0))
     coordinator = f"127.0.0.1:{probe.getsockname()[1]}"
-  env = {key: value for key, value in os.environ.items() if key not in ("XLA_FLAGS", "PJRT_NPROC")}
+  env = common.child_environment(own_device_count=True)
   env.update(simulated_cpu_devices_env(devices_per_process, environ=env))
-  env["PYTHONPATH"] = os.pathsep.join(filter(None, [common.REPOSITORY_ROOT, env.get("PYTHONPATH")]))
   command = [
     sys.executable,
     *map(str, script_args),
