@@ -63,8 +63,3 @@ def test_whole_rows_is_refused_where_it_cannot_round(tmp_path):
   )
   with pytest.raises(ValueError, match=r"multiples of the 8 data-parallel .* \[9, 15\] hold none"):
     tiny_run.trainer_with(**objects, max_micro_batch_size=4, progress=False, compile=WHOLE_ROWS)
-
-
-def test_whole_rows_must_be_a_bool():
-  with pytest.raises(ValueError, match=r"compile.whole_rows must be True or False, got 1 \(int\)"):
-    simigrad_jax.CompileConfig(whole_rows=1)
