@@ -186,6 +186,7 @@ def create_trainer_config(config: ml_collections.ConfigDict) -> TrainerConfig:
         min_micro_batch_size=config.min_micro_batch_size,
         fallback=config.compile_fallback,
         shapes_per_octave=config.shapes_per_octave,
+        whole_rows=config.whole_rows,
         threads=config.compile_threads,
         **_given(
           steps_per_compile=config.steps_per_compile, shapes_per_step=config.shapes_per_step

@@ -208,6 +208,7 @@ class StepFunctions:
     self._traced: dict[int, jax.stages.Traced] = {}
     self._lowered: dict[int, jax.stages.Lowered] = {}  # lowered ahead (lower_ahead), by shape
     self._traces_under_way: dict[int, threading.Event] = {}
+    self._marks_lock = threading.Lock()  # a mark's end replaces nothing marked since (below)
 
   def trace(self, micro: int) -> None:
     """Traces (does not compile) the fused step of shape ``micro``.
@@ -257,11 +258,15 @@ class StepFunctions:
       :meth:`lower_fused` traces again and meets the same error).
     """
     over = threading.Event()
-    self._traces_under_way[micro] = over
+    with self._marks_lock:
+      self._traces_under_way[micro] = over
 
     def end() -> None:
-      if self._traces_under_way.get(micro) is over:
-        del self._traces_under_way[micro]
+      # Under the lock: a mark of the same shape made between the check and the removal would
+      # be removed with it, and its lowerings would not wait.
+      with self._marks_lock:
+        if self._traces_under_way.get(micro) is over:
+          del self._traces_under_way[micro]
       over.set()
 
     return end

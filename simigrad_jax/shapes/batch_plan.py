@@ -61,6 +61,7 @@ __all__ = [
   "bucket_shapes",
   "plan_batch",
   "representable_batch_sizes",
+  "round_to_whole_rows",
 ]
 
 # The most shapes per factor of two a grid may have (the compiles grow with it).
@@ -624,3 +625,67 @@ def representable_batch_sizes(
     for g in grid
     if k * (top - g) < top and lo <= n * k * g <= hi
   ]
+
+
+def round_to_whole_rows(
+  batch_size: int,
+  previous_batch_size: int,
+  num_devices: int,
+  lower: int | None,
+  upper: int | None,
+) -> int:
+  """Rounds a requested batch size to whole rows per device, in the direction of the change.
+
+  Every device computes the same number of rows, so a size that is not a
+  multiple of ``num_devices`` pads the rest of a row on each device short of
+  one. The reference implementation realises its sizes as workers x
+  micro-batch x accumulation and rounds in the direction of the change; this
+  rounds only to a multiple of ``num_devices`` (the grid's shapes still pad
+  the rest, as :func:`plan_batch` plans it): a grow from ``previous_batch_size``
+  to the next multiple at or above the request, a shrink to the one at or
+  below it, within ``[lower, upper]``. A grow never rounds back to the
+  previous size and a shrink never above it, unless the bounds hold no
+  multiple beyond it in that direction: then the multiple in bounds nearest
+  the request. An unchanged size is kept as it is (a first size that is no
+  multiple stays until the size moves).
+
+  Args:
+    batch_size: the requested size, an int ``>= 1`` within the bounds.
+    previous_batch_size: the size of the step before (the direction of the change).
+    num_devices: the data-parallel devices (slots), an int ``>= 1``.
+    lower: the smallest allowed size (None: 1).
+    upper: the largest allowed size (None: unbounded); ``[lower, upper]``
+      must hold a multiple of ``num_devices`` (:func:`check_whole_rows_bounds`).
+
+  Returns:
+    A multiple of ``num_devices`` in ``[lower, upper]``, or ``batch_size``
+    when it equals ``previous_batch_size``.
+
+  Example:
+    >>> round_to_whole_rows(17, 16, 8, 16, 256), round_to_whole_rows(21, 24, 8, 16, 256)
+    (24, 16)
+    >>> round_to_whole_rows(250, 240, 8, 16, 252)  # no multiple above 248 is in bounds
+    248
+  """
+  if batch_size == previous_batch_size:
+    return batch_size
+  n = num_devices
+  low = -(-(lower or 1) // n) * n  # the smallest multiple in bounds
+  rounded = -(-batch_size // n) * n if batch_size > previous_batch_size else batch_size // n * n
+  rounded = max(rounded, low)
+  return rounded if upper is None else min(rounded, upper // n * n)
+
+
+def check_whole_rows_bounds(num_devices: int, lower: int, upper: int | None) -> None:
+  """Raises ValueError unless ``[lower, upper]`` holds a multiple of ``num_devices`` (what
+  :func:`round_to_whole_rows` rounds to).
+
+  Example:
+    >>> check_whole_rows_bounds(8, 16, 256)
+  """
+  if upper is not None and -(-lower // num_devices) * num_devices > upper:
+    raise ValueError(
+      f"whole_rows=True rounds batch sizes to multiples of the {num_devices} data-parallel "
+      f"devices (slots), but the bounds [{lower}, {upper}] hold none; widen the bounds or "
+      "use whole_rows=False"
+    )

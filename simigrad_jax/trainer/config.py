@@ -151,6 +151,18 @@ class CompileConfig(_Settings):
       in place of one fused step. Default 1: every micro-step of a step on
       one shape; the training scripts' default is 3 (docs/compiling.md
       tabulates both).
+    whole_rows: round each batch size the controller decides to whole rows
+      per device (a multiple of the data-parallel devices, or slots), in the
+      direction of the change and within its bounds, as the reference
+      implementation realises its sizes as workers x micro-batch x
+      accumulation (:func:`simigrad_jax.shapes.batch_plan.round_to_whole_rows`);
+      the controller adopts the rounded size, so that its next decision starts
+      from the size that ran. A batch of a few rows per device otherwise pads
+      the rest of a row on every device; the grid's shapes still pad as
+      planned. It changes the batch sizes, hence the trajectory: recorded in
+      the checkpoints (a resume with another value is refused unless allowed).
+      Default False (every size as decided); the controller must not decide a
+      step late or visit a profile (their sizes are their own).
     background: compile the other shapes in background threads.
     threads: the compiles of one program (the fused steps' shapes, or the
       micro-steps') that run at once, each in a thread of its own, an int
@@ -215,6 +227,7 @@ class CompileConfig(_Settings):
   min_micro_batch_size: int | None = None
   shapes_per_octave: int | None = None
   shapes_per_step: int = 1
+  whole_rows: bool = False
   background: bool = True
   threads: int | None = None
   fallback: bool = True
@@ -251,7 +264,7 @@ class CompileConfig(_Settings):
     checked["shapes_per_step"] = batch_plan.check_shapes_per_step(self.shapes_per_step)
     if self.threads is not None:
       checked["threads"] = validation.check_int("threads", self.threads)
-    for name in ("background", "fallback", "timed_fallback"):
+    for name in ("whole_rows", "background", "fallback", "timed_fallback"):
       checked[name] = validation.check_bool(name, getattr(self, name))
     checked["steps_per_compile"] = validation.check_interval(
       "steps_per_compile", self.steps_per_compile, 0, low_open=True

@@ -53,6 +53,7 @@ from simigrad_jax.compile.persistent_cache import enable_persistent_cache
 from simigrad_jax.compile.program_compiler import StepProgramCompiler
 from simigrad_jax.compile.programs import StepPrograms
 from simigrad_jax.compile.programs import step_compiler
+from simigrad_jax.controllers import interface as controller_interface
 from simigrad_jax.controllers import learning_rate
 from simigrad_jax.data.data_loader import StepDataLoader
 from simigrad_jax.data.data_loader import local_device_positions
@@ -62,6 +63,7 @@ from simigrad_jax.ingraph import train_step
 from simigrad_jax.multihost.process_agreement import ProcessAgreement
 from simigrad_jax.multihost.workdir import WorkdirLock
 from simigrad_jax.multihost.workdir import open_workdir
+from simigrad_jax.shapes import batch_plan
 from simigrad_jax.shapes import mesh_sharding
 from simigrad_jax.shapes.layout import StepLayout
 from simigrad_jax.trainer import checks
@@ -239,6 +241,31 @@ def make_layout(config: TrainerConfig, num_data: int, lower: int, upper: int) ->
     lower=lower,
     upper=upper,
   )
+
+
+def check_whole_rows(
+  config: TrainerConfig, controller: Any, layout: StepLayout, lower: int, upper: int | None
+) -> None:
+  """Refuses ``compile.whole_rows`` where it cannot round the controller's decisions: bounds
+  that hold no multiple of the slots, a controller that decides a step late or visits a profile
+  (the size it returns, or visits, is not the one it decided last).
+
+  Raises:
+    ValueError: naming the setting and why.
+  """
+  if not config.compile.whole_rows:
+    return
+  batch_plan.check_whole_rows_bounds(layout.num_slots, lower, upper)
+  late = bool(controller.config.get("one_step_late", False))
+  profile = isinstance(controller, controller_interface.ProfilesBatchSizes) and bool(
+    tuple(controller.profile_batch_sizes)
+  )
+  if late or profile:
+    what = "decides a step late" if late else "visits a profile of batch sizes"
+    raise ValueError(
+      f"compile.whole_rows=True rounds the size the controller decided last, but this "
+      f"controller ({type(controller).__name__}) {what}; use compile.whole_rows=False"
+    )
 
 
 def open_checkpoints(
@@ -651,6 +678,7 @@ def settings_to_agree(
     "num_devices": layout.num_devices,
     "halves": layout.halves,
     "measure_every": config.measure_every,
+    "whole_rows": config.compile.whole_rows,
     "halves_passes": config.halves_passes,
     "checkpoint_every_steps": config.checkpoints.every_steps,
     "checkpoint_every_seconds": config.checkpoints.every_seconds,
@@ -707,6 +735,7 @@ def run_record_of(
     trainer={"lr_rule": config.lr.rule, "lr_adjust_factor": config.lr.adjust_factor}
     | ({} if config.lr.coupling == "full" else {"lr_coupling": config.lr.coupling})
     | ({} if config.measure_every == 1 else {"measure_every": config.measure_every})
+    | ({"whole_rows": True} if config.compile.whole_rows else {})
     | _passes_record(config, layout),
     layout={
       "halves": layout.halves,

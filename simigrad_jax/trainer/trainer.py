@@ -62,6 +62,7 @@ from simigrad_jax.data.sampler import EpochSampler
 from simigrad_jax.ingraph import train_step
 from simigrad_jax.multihost import preemption
 from simigrad_jax.multihost.process_agreement import ProcessAgreement
+from simigrad_jax.shapes import batch_plan
 from simigrad_jax.shapes import mesh_sharding
 from simigrad_jax.shapes.layout import StepLayout
 from simigrad_jax.trainer import run_setup
@@ -145,6 +146,7 @@ class StepLoop:
     self._measure_every = config.measure_every
     self._steps_per_update = steps_per_update
     self._bounds = controller_interface.batch_size_bounds(controller)
+    self._whole_rows = config.compile.whole_rows
 
   def run(self, hooks: Sequence[StepHook], total_examples: float, max_steps: float) -> None:
     """A ``train()`` call's steps, then its checkpoint, until its end or a stop on a signal.
@@ -278,6 +280,10 @@ class StepLoop:
           decision = self.controller.last_decision
         else:
           next_batch_size, decision = self.controller.batch_size, None
+        rounded = self._rounded(next_batch_size, batch_size)
+        if rounded != next_batch_size:  # adopted: the next decision starts from what runs
+          self.controller.set_batch_size(rounded)
+          next_batch_size = rounded
         self.step += 1
         self._inputs.set_lr_factor(self._inputs.lr_factors(next_batch_size, epochs))
         # 6. Agree: every process holds the same decision before any of them uses it.
@@ -329,6 +335,7 @@ class StepLoop:
       return
     epochs = start / self.sampler.num_examples
     sizes = controller_interface.likely_batch_sizes(self.controller, start, epochs, self._bounds)
+    sizes = tuple(dict.fromkeys(self._rounded(s, self.controller.batch_size) for s in sizes))
     plans = [
       self._programs.policy.ready_plan(self.layout.plan(int(min(s, remaining))), self.step + 1)
       for s in sizes
@@ -336,6 +343,16 @@ class StepLoop:
     count = int(min(max(self.controller.batch_size, *sizes), remaining))
     place_inputs = functools.partial(self._inputs.place_ahead, sizes, epochs, remaining)
     self._data.submit(start, count, self.step + 1, plans, then=place_inputs)  # the next step
+
+  def _rounded(self, batch_size: int, previous: int) -> int:
+    """``batch_size`` as the run realises a decision from ``previous``: with
+    ``compile.whole_rows``, whole rows per device in the direction of the change
+    (:func:`~simigrad_jax.shapes.batch_plan.round_to_whole_rows`); else as it is."""
+    if not self._whole_rows:
+      return batch_size
+    return batch_plan.round_to_whole_rows(
+      batch_size, previous, self.layout.num_slots, *self._bounds
+    )
 
   def _run_hooks(self, hooks: Sequence[StepHook], record: StepRecord) -> None:
     """Hands ``record``, with the compile counters as they are now, to each of ``hooks``."""
@@ -452,6 +469,7 @@ class Trainer:
     self.mesh = mesh = Mesh(np.array(devices), (config.axis_name,)) if mesh is None else mesh
     specs = mesh_sharding.param_specs(param_sharding, params, mesh)
     self.layout = run_setup.make_layout(config, mesh.shape[config.axis_name], lower, upper)
+    run_setup.check_whole_rows(config, controller, self.layout, lower, upper)
     self.halves, self.num_devices = self.layout.halves, self.layout.num_devices
     self.shapes = self.layout.device_grid  # the compiled micro-batch shapes, rows per device
     self.sampler = EpochSampler(num_examples, config.seed)

@@ -175,25 +175,28 @@ def test_the_placeholders_made_before_placing_are_those_of_the_placed_state(devi
 def test_a_lowering_of_a_shape_under_way_waits_for_its_trace_and_lowers_from_it(tmp_path):
   with make_trainer(tmp_path / "run") as trainer:
     functions = trainer._programs.functions
-    end = functions.trace_under_way(3)
+    # A shape no program of the run compiles: the run's first program (its own mark, its
+    # lowering ahead, its compile) may still be under way in the background, on its shape.
+    micro = max(trainer.layout.grid) + 1
+    end = functions.trace_under_way(micro)
     lowered = []
-    lowering = threading.Thread(target=lambda: lowered.append(functions.lower_fused(3)))
+    lowering = threading.Thread(target=lambda: lowered.append(functions.lower_fused(micro)))
     lowering.start()
     lowering.join(0.5)
     assert lowering.is_alive() and not lowered  # waits while the trace is under way
-    functions.trace(3)
+    functions.trace(micro)
     end()
     lowering.join()
     assert len(lowered) == 1 and isinstance(lowered[0], jax.stages.Lowered)
-    assert 3 not in functions._traced  # lowered from that trace, not traced again
+    assert micro not in functions._traced  # lowered from that trace, not traced again
 
 
 def test_every_lowering_waits_for_the_first_programs_and_its_own_lowers_ahead(tmp_path):
   with make_trainer(tmp_path / "run") as trainer:
     functions = trainer._programs.functions
-    # A shape of the grid no compile of the run asks for yet (its first step's is compiling).
-    first = trainer.layout.plan(trainer.controller.batch_size).micro_batch_size
-    micro = next(size for size in trainer.layout.grid if size != first)
+    # A shape no compile of the run asks for (its first step's may still be lowering, and its
+    # compile threads take the others': either would take this shape's lowering ahead).
+    micro = max(trainer.layout.grid) + 1
     end = functions.trace_under_way(micro)
     lowered = []
     update = threading.Thread(target=lambda: lowered.append(functions.lower(APPLY)))

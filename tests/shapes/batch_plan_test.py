@@ -511,3 +511,37 @@ def test_bucket_shapes_of_steps_of_several_shapes_are_those_the_plans_use():
       grid = dataclasses.replace(policy, min_micro_batch_size=1)
       used = {g for size in range(lower, upper + 1) for g in plan_batch(size, n, grid).shapes}
       assert set(bucket_shapes(grid, n, lower, upper)) == used
+
+
+@pytest.mark.parametrize(
+  "request_, previous, lower, upper, rounded",
+  [
+    (17, 16, 16, 256, 24),  # a grow: the next multiple up, never back to 16
+    (21, 24, 16, 256, 16),  # a shrink: the multiple below
+    (24, 16, 16, 256, 24),  # a multiple stays
+    (20, 20, 16, 256, 20),  # unchanged: kept as it is, a multiple or not
+    (250, 240, 16, 252, 248),  # no multiple above in bounds: the largest in them
+    (12, 16, 10, 20, 16),  # no multiple below in bounds: the smallest in them
+    (300, 200, None, None, 304),  # unbounded
+  ],
+)
+def test_round_to_whole_rows_rounds_in_the_direction_of_the_change(
+  request_, previous, lower, upper, rounded
+):
+  assert batch_plan.round_to_whole_rows(request_, previous, 8, lower, upper) == rounded
+
+
+def test_round_to_whole_rows_keeps_every_size_in_bounds_and_the_direction():
+  for previous in range(16, 257, 8):
+    for request_ in range(16, 257):
+      rounded = batch_plan.round_to_whole_rows(request_, previous, 8, 16, 256)
+      assert 16 <= rounded <= 256
+      if request_ != previous:
+        assert rounded % 8 == 0 and abs(rounded - request_) < 8
+        assert (rounded > previous) == (request_ > previous)  # a move stays a move, its way
+
+
+def test_whole_rows_bounds_without_a_multiple_are_refused():
+  batch_plan.check_whole_rows_bounds(8, 9, 16)
+  with pytest.raises(ValueError, match=r"the bounds \[9, 15\] hold none"):
+    batch_plan.check_whole_rows_bounds(8, 9, 15)

@@ -76,6 +76,7 @@ BAD_SETTINGS = [
     "yes",
     r"checkpoints.allow_changed_settings must be True or False, got 'yes'",
   ),
+  ("compile.whole_rows", 1, r"compile.whole_rows must be True or False, got 1 \(int\)"),
   ("compile.background", 1, r"compile.background must be True or False, got 1 \(int\)"),
   ("compile.threads", 0, r"compile.threads must be an integer >= 1, got 0"),
   ("compile.fallback", "yes", r"compile.fallback must be True or False, got 'yes'"),

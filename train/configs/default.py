@@ -158,6 +158,8 @@ def get_config() -> ml_collections.ConfigDict:
   config.shapes_per_octave = config_dict.placeholder(int)
   config.shapes_per_step = 3  # steps of up to 3 shapes: few programs on a coarse grid
   config.steps_per_compile = 64.0  # steps of milliseconds: a compile takes seconds
+  # Round each decided batch size to whole rows per device, in the direction of the change.
+  config.whole_rows = False
   config.compile_threads = config_dict.placeholder(int)
   config.checkpoint_every_steps = config_dict.placeholder(int)  # None: at epoch ends only.
   # Also save 15 minutes after the last checkpoint: the most work a SIGKILL can cost (None: off).
