@@ -78,12 +78,14 @@ def test_every_process_takes_the_same_decision_at_every_step(tmp_path, caches):
   assert len({e["batch_size"] for e in trace}) >= 4  # the decisions really moved
 
   # Resume both processes after damaging the newest checkpoint: both fall back to the same one.
-  data = max(
-    (tmp_path / "checkpoints" / str(STEPS) / "state").rglob("d/*"), key=lambda p: p.stat().st_size
-  )
-  damaged = bytearray(data.read_bytes())
-  damaged[len(damaged) // 2] ^= 0x10
-  data.write_bytes(bytes(damaged))
+  # A two-process checkpoint holds its largest data file twice, under state/d/ and under
+  # state/ocdbt.process_0/d/, and a restore reads one copy only: damage every copy.
+  files = list((tmp_path / "checkpoints" / str(STEPS) / "state").rglob("d/*"))
+  largest = max(p.stat().st_size for p in files)
+  for data in [p for p in files if p.stat().st_size == largest]:
+    damaged = bytearray(data.read_bytes())
+    damaged[len(damaged) // 2] ^= 0x10
+    data.write_bytes(bytes(damaged))
   results = run_processes(
     tmp_path, [["--steps", STEPS + 4, *caches[i]] for i in range(2)], timeout=TIMEOUT_SECONDS
   )
