@@ -428,6 +428,56 @@ def _lm_budget_phrases() -> list[str]:
   ]
 
 
+def _lm_verdict_phrases() -> list[str]:
+  """The shakespeare task's decision, as the prose above the generated blocks states it."""
+  results = _result("lm_shakespeare")
+  verdicts = {(v["method"], v["against"], v["target_budget_share"]): v for v in results["verdicts"]}
+
+  def ratio(method: str, against: str, budget: float, interval: bool = True) -> str:
+    v = verdicts[(method, against, budget)]
+    lo, hi = v["steps_ratio_ci"]
+    return f"{v['steps_ratio']:.2f}x" + (f" [{lo:.2f}, {hi:.2f}]" if interval else "")
+
+  def tokens(method: str, against: str, budget: float) -> str:
+    return f"{verdicts[(method, against, budget)]['tokens_ratio']:.2f}x"
+
+  c, r = "best_constant", "best_ramp"
+  gns_vs_ramp = [verdicts[("gns@full", r, b)] for b in (0.125, 0.25, 0.5)]
+  reached_at_full = [v["reached"] for v in results["verdicts"] if v["target_budget_share"] == 1.0]
+  needed = results["runs_needed"]
+  adaptive_runs = sorted(
+    {needed[m]["total_runs"] for m in needed if m.split("@")[0] in ("allowance", "simigrad", "gns")}
+  )
+  return [
+    f"{results['frontiers_finished']} frontiers, 10 paired evaluation seeds for every method, "
+    f"{results['train_seconds'] / 3600:.1f} h of training",
+    f"in {ratio('simigrad@full', c, 0.125, False)} its steps "
+    f"{ratio('simigrad@full', c, 0.125).split(' ', 1)[1]} with {tokens('simigrad@full', c, 0.125)} "
+    "its tokens",
+    f"`simigrad@peak` in {ratio('simigrad@peak', c, 0.125)} with "
+    f"{tokens('simigrad@peak', c, 0.125)}",
+    f"in {ratio('allowance@peak', c, 0.125)} with {tokens('allowance@peak', c, 0.125)}",
+    f"at {ratio('gns@full', c, 0.125, False)} the steps but {tokens('gns@full', c, 0.125)} the "
+    "tokens",
+    f"{ratio('simigrad@full', c, 0.25)} with {tokens('simigrad@full', c, 0.25)}, then "
+    f"{ratio('simigrad@full', c, 0.5)} with {tokens('simigrad@full', c, 0.5)}",
+    f"takes {ratio('doubling_warmup@peak', c, 0.25, False)} with "
+    f"{tokens('doubling_warmup@peak', c, 0.25)}, then {ratio('doubling_warmup@peak', c, 0.5, False)}"
+    f" with {tokens('doubling_warmup@peak', c, 0.5)}",
+    f"at most {max(reached_at_full)} of the 10 seeds do",
+    f"takes {ratio('simigrad@full', r, 0.125)} the doubling warmup's steps at 0.125 and "
+    f"{ratio('simigrad@full', r, 0.25)} at 0.25, and {ratio('simigrad@full', r, 0.5)} at 0.5 "
+    f"({verdicts[('simigrad@full', r, 0.5)]['outcome']})",
+    f"({min(v['steps_ratio'] for v in gns_vs_ramp):.2f}x-{max(v['steps_ratio'] for v in gns_vs_ramp):.2f}x)"
+    f" at {min(v['tokens_ratio'] for v in gns_vs_ramp):.2f}x-"
+    f"{max(v['tokens_ratio'] for v in gns_vs_ramp):.2f}x its tokens",
+    f"`allowance@full` {ratio('allowance@full', r, 0.125)} at 0.125",
+    f"{adaptive_runs[0]} or {adaptive_runs[-1]} for an adaptive rule, "
+    f"{needed['doubling_warmup@peak']['with_the_choice_of_ramp']} for the best ramp",
+    f"the constant sizes took {needed['constant sizes']['total_runs']}",
+  ]
+
+
 @pytest.mark.parametrize(
   "page, phrases",
   [
@@ -440,6 +490,7 @@ def _lm_budget_phrases() -> list[str]:
     ("results.md", _lm_phrases),
     ("results.md", _lm_budget_phrases),
     ("results.md", _measure_every_lm_phrases),
+    ("results.md", _lm_verdict_phrases),
     ("controllers.md", _controllers_phrases),
     ("own_step.md", _own_step_phrases),
     ("own_step.md", _gpu_phrases),
@@ -457,6 +508,7 @@ def _lm_budget_phrases() -> list[str]:
     "causal_lm",
     "causal_lm_budgets",
     "lm_measure_every",
+    "lm_verdict",
     "controllers",
     "own_step_halves",
     "gpu_h200",

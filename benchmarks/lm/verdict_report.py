@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from benchmarks.lm import frontier
+
 
 def _ratio(value: float | None, ci: Sequence[float | None] | None = None) -> str:
   if value is None:
@@ -103,6 +105,35 @@ def verdict_table(results: Mapping[str, Any]) -> str:
   return "\n".join(lines)
 
 
+def methods_table(results: Mapping[str, Any], against: str) -> str:
+  """Every method's verdicts against one comparator, a row per method and a column per target.
+
+  A cell gives the steps ratio with its 95% interval and the tokens ratio; against the best
+  constant batch, "goal" marks a cell that meets the goal (``frontier.meets_goal``). A method
+  that misses the target on some paired seed reads "never" with the seeds that reached it.
+  """
+  budgets = [t["budget_share"] for t in results["targets"]]
+  cells: dict[str, dict[float, str]] = {}
+  for v in results["verdicts"]:
+    if v["against"] != against:
+      continue
+    if v["steps_ratio"] is None:
+      cell = f"never ({v['reached']} of {v['seeds']} seeds reached it)"
+    else:
+      cell = f"{_ratio(v['steps_ratio'], v['steps_ratio_ci'])}, tokens {_ratio(v['tokens_ratio'])}"
+      if against == "best_constant" and frontier.meets_goal(v):
+        cell += " (goal)"
+    cells.setdefault(v["method"], {})[v["target_budget_share"]] = cell
+  comparators = {t["budget_share"]: t["best_constant"] for t in results["targets"]}
+  if against == "best_ramp":
+    comparators = {d["target_budget_share"]: d["best_ramp"] for d in results["decisions"]}
+  header = " | ".join(f"{b:g}: vs {comparators.get(b) or '-'}" for b in budgets)
+  lines = [f"| method | {header} |", "|---|" + "---|" * len(budgets)]
+  for method, row in cells.items():
+    lines.append(f"| {method} | " + " | ".join(row.get(b, "-") for b in budgets) + " |")
+  return "\n".join(lines)
+
+
 def runs_table(results: Mapping[str, Any]) -> str:
   """The runs each method took: tuning, evaluation, and for a ramp the choice among ramps."""
   lines = [
@@ -122,6 +153,17 @@ def markdown(results: Mapping[str, Any]) -> str:
   parts = [f"#### Task `{results['task']}`", "", status(results), ""]
   if results["decisions"]:
     parts += [decision_table(results), ""]
+    parts += [
+      "Every ramp and adaptive rule against the best constant batch at each target: steps "
+      "[95%], tokens:",
+      "",
+      methods_table(results, "best_constant"),
+      "",
+      "Every adaptive rule against the best ramp at each target:",
+      "",
+      methods_table(results, "best_ramp"),
+      "",
+    ]
   else:
     parts += ["No targets yet: the constant sizes have no paired evaluation seeds.", ""]
   parts += [tuning_table(results), "", runs_table(results)]

@@ -2,6 +2,7 @@
 
 import json
 import math
+import re
 from unittest import mock
 
 import numpy as np
@@ -137,6 +138,24 @@ def test_the_verdicts_from_synthetic_runs():
   assert (constants["tuning_runs"], constants["evaluation_runs"]) == (4 * 3, 4 * 10)
   text = verdict_report.markdown({**results, **_status()})
   assert "| 0.5: " in text and "allowance@full" in text and "[" in text
+  # Every method's row, a column per target: the goal marked, a missed target named.
+  rows = {
+    line.split(" | ")[0][2:]: line.split(" | ")[1:]
+    for line in verdict_report.methods_table(results, "best_constant").splitlines()[2:]
+  }
+  assert set(rows) == {v["method"] for v in results["verdicts"]}
+  half = [t["budget_share"] for t in results["targets"]].index(0.5)
+  assert (
+    re.match(r"0\.\d\dx \[0\.\d\d, 0\.\d\d\], tokens", rows["allowance@full"][half])
+    and "(goal)" in rows["allowance@full"][half]
+  )
+  assert "(goal)" not in rows["doubling_warmup@peak"][half]  # a ramp at 0.8x
+  ramp_rows = {
+    line.split(" | ")[0][2:]: line.split(" | ")[1:]
+    for line in verdict_report.methods_table(results, "best_ramp").splitlines()[2:]
+  }
+  assert "doubling_warmup@peak" not in ramp_rows  # only adaptive rules meet the best ramp
+  assert [c.startswith("never (") for c in ramp_rows["gns@full"]] == [False, False, True, True]
 
 
 def _status():
