@@ -10,7 +10,8 @@ as it ends; the result JSON ``benchmarks/results/lm_<task>.json`` (every run
 with its curve, the tuning, the targets, ``verdicts``, ``decisions`` and
 ``runs_needed``: ``benchmarks/lm/frontier.py``) is written from the store
 when the task's runs end, or by ``--analyse`` (with ``--update-docs``, and
-docs/results.md's blocks from it: what a commit of a partial store takes).
+docs/results.md's blocks from it, and each task's frontiers plotted in
+``docs/lm_<task>.png``: what a commit of a partial store takes).
 Killed and started again, it goes on from the store; the stable runs'
 checkpoints live under ``--state-dir``.
 
@@ -52,6 +53,7 @@ from typing import Any  # noqa: E402
 from benchmarks import common  # noqa: E402
 from benchmarks.lm import frontier  # noqa: E402
 from benchmarks.lm import protocol as P  # noqa: E402
+from benchmarks.lm import verdict_plot  # noqa: E402
 from benchmarks.lm import verdict_report  # noqa: E402
 from benchmarks.lm.run_store import RunStore  # noqa: E402
 from benchmarks.pareto.protocol import RunSpec  # noqa: E402
@@ -306,7 +308,8 @@ def _parse_args(argv: Sequence[str] | None, tasks: Mapping[str, P.Task]) -> argp
   p.add_argument(
     "--update-docs",
     action="store_true",
-    help="after the runs (or --analyse), rewrite docs/results.md's blocks from the JSON",
+    help="after the runs (or --analyse), rewrite docs/results.md's blocks and plot "
+    "docs/lm_<task>.png from the JSON",
   )
   p.add_argument("--max-frontiers", type=int, default=None, help="stop after this many frontiers")
   p.add_argument("--results", default=str(RESULTS), help="where lm_<task>.json and stores go")
@@ -383,6 +386,10 @@ def main(argv: Sequence[str] | None = None, tasks: Mapping[str, P.Task] = P.TASK
   if args.update_docs:
     update_docs(_markdown(results_dir, names), DOCS)
     print(f"wrote {DOCS}'s LM verdict", flush=True)
+    for name in names:
+      results = json.loads((results_dir / f"lm_{name}.json").read_text("utf-8"))
+      if verdict_plot.mean_frontiers(results):  # (none before a method's first evaluation seed)
+        print(f"wrote {verdict_plot.plot(results, DOCS.parent / f'lm_{name}.png')}", flush=True)
   return trained
 
 

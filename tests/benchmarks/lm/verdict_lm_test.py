@@ -11,6 +11,7 @@ import pytest
 from benchmarks.lm import frontier
 from benchmarks.lm import protocol as P
 from benchmarks.lm import verdict_lm
+from benchmarks.lm import verdict_plot
 from benchmarks.lm import verdict_report
 from benchmarks.lm.run_store import RunStore
 
@@ -156,6 +157,39 @@ def test_the_verdicts_from_synthetic_runs():
   }
   assert "doubling_warmup@peak" not in ramp_rows  # only adaptive rules meet the best ramp
   assert [c.startswith("never (") for c in ramp_rows["gns@full"]] == [False, False, True, True]
+
+
+def test_the_plot_draws_each_methods_mean_frontier_over_its_whole_frontiers(tmp_path):
+  store = synthetic_store()
+  # Seed 10 of the allowance rule stopped after its first two budgets.
+  store = [
+    r
+    for r in store
+    if not (r["method"] == "allowance@full" and r["seed"] == 10 and r["budget_index"] >= 2)
+  ]
+  results = {**frontier.analyse(store, "toy"), **_status(), "runs": store}  # as TaskRunner writes
+  frontiers = verdict_plot.mean_frontiers(results)
+  assert set(frontiers) == set(results["evaluation_seeds"])  # every method with a seed
+  seeds = results["evaluation_seeds"]["B=16"]
+  runs = [
+    r
+    for r in results["runs"]
+    if r["method"] == "B=16" and r["role"] == "evaluation" and r["budget_index"] == 3
+  ]
+  assert len(runs) == len(seeds) == 10
+  want = [np.mean([r[k] for r in runs]) for k in ("steps", "tokens", "final_val_loss")]
+  np.testing.assert_allclose(frontiers["B=16"][3], want)
+  assert frontiers["B=16"].shape == (len(SHARES), 3)
+  # A seed whose frontier stopped part way counts for no budget: every point is over seeds 1-9.
+  assert results["evaluation_seeds"]["allowance@full"] == list(range(1, 10))
+  last = [
+    r["final_val_loss"]
+    for r in store
+    if r["method"] == "allowance@full" and r["role"] == "evaluation" and r["budget_index"] == 4
+  ]
+  assert len(last) == 9 and frontiers["allowance@full"][4][2] == pytest.approx(np.mean(last))
+  png = verdict_plot.plot(results, tmp_path / "lm_toy.png")
+  assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
 
 
 def _status():
