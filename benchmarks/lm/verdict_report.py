@@ -88,23 +88,6 @@ def decision_table(results: Mapping[str, Any]) -> str:
   return "\n".join(lines)
 
 
-def verdict_table(results: Mapping[str, Any]) -> str:
-  """Every verdict: each method against the best constant batch (and the best ramp)."""
-  lines = [
-    "| target budget | method | against | steps ratio [95%] | tokens ratio [95%] | seeds "
-    "(reached) | outcome |",
-    "|---|---|---|---|---|---|---|",
-  ]
-  for v in results["verdicts"]:
-    lines.append(
-      f"| {v['target_budget_share']:g} | {v['method']} | {v['against']} ({v['comparator']}) | "
-      f"{_ratio(v['steps_ratio'], v['steps_ratio_ci'])} | "
-      f"{_ratio(v['tokens_ratio'], v['tokens_ratio_ci'])} | {v['seeds']} ({v['reached']}) | "
-      f"{v['outcome']} |"
-    )
-  return "\n".join(lines)
-
-
 def methods_table(results: Mapping[str, Any], against: str) -> str:
   """Every method's verdicts against one comparator, a row per method and a column per target.
 
