@@ -136,9 +136,7 @@ class StepPrograms:
       cache_dir=cache_dir,
       cached_programs=cached_programs,
     )
-    self.runner = StepRunner(
-      self.compiler, self.functions.mesh, self.functions.axis_name, layout.halves
-    )
+    self.runner = StepRunner(self.compiler)
 
 
 def step_compiler(

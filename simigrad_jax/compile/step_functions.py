@@ -205,6 +205,11 @@ class StepFunctions:
         self._replicated,
       ),
     )
+    # The first accumulated step's zero accumulator (later steps reuse the update's cleared one):
+    # compiled beside the update (lower_apply), not in the step that first accumulates.
+    self._zeros = train_step.zeros_program(self._acc)
+    self._zeros_compiled: jax.stages.Compiled | None = None
+    self._zeros_lock = threading.Lock()
     self._traced: dict[int, jax.stages.Traced] = {}
     self._lowered: dict[int, jax.stages.Lowered] = {}  # lowered ahead (lower_ahead), by shape
     self._traces_under_way: dict[int, threading.Event] = {}
@@ -327,7 +332,15 @@ class StepFunctions:
     )
 
   def lower_apply(self) -> jax.stages.Lowered:
-    """The update of accumulated micro-steps (one program for every shape), lowered."""
+    """The update of accumulated micro-steps (one program for every shape), lowered.
+
+    The zero accumulator's program (:meth:`zero_accumulator`) is compiled
+    first, in the calling thread: the compiler's thread of the update, so
+    that a step that waits for the update's compile finds both ready, rather
+    than compiling the accumulator's program itself when it first
+    accumulates.
+    """
+    self._compiled_zeros()
     state = self._state
     return self._apply.lower(
       state["params"],
@@ -337,6 +350,18 @@ class StepFunctions:
       state["model_state"],
       self._scalars(),
     )
+
+  def zero_accumulator(self) -> train_step.Accumulator:
+    """A zero accumulator, for the first step that accumulates (the update returns it cleared for
+    the next): its program compiled by :meth:`lower_apply`, or now when no update was lowered."""
+    return self._compiled_zeros()()
+
+  def _compiled_zeros(self) -> jax.stages.Compiled:
+    """The zero accumulator's program, compiled once (whichever thread asks first)."""
+    with self._zeros_lock:
+      if self._zeros_compiled is None:
+        self._zeros_compiled = self._zeros.lower().compile()
+      return self._zeros_compiled
 
   def _step_args(self, micro: int) -> tuple:
     rows = self.layout.num_slots * micro

@@ -15,8 +15,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from jax.sharding import Mesh
-
 from simigrad_jax.compile.program_compiler import StepProgramCompiler
 from simigrad_jax.compile.step_functions import APPLY
 from simigrad_jax.compile.step_functions import Program
@@ -33,21 +31,16 @@ class StepRunner:
 
   Args:
     compiler: the step's compiler (a program not compiled yet is waited
-      for, or compiled at once).
-    mesh: the mesh.
-    axis_name: the data axis.
-    halves: the step layout's split of the rows into halves (``"device"``
-      or ``"local"``).
+      for, or compiled at once; its functions make the first zero
+      accumulator).
 
   Example:
-    ``state, measurements = StepRunner(compiler, mesh, "batch",
-    "device").run(state, data, scalars)`` dispatches one step (see
-    :meth:`run`).
+    ``state, measurements = StepRunner(compiler).run(state, data, scalars)``
+    dispatches one step (see :meth:`run`).
   """
 
-  def __init__(self, compiler: StepProgramCompiler, mesh: Mesh, axis_name: str, halves: str):
+  def __init__(self, compiler: StepProgramCompiler):
     self._compiler = compiler
-    self._mesh, self._axis_name, self._halves = mesh, axis_name, halves
     self._acc: Any = None  # allocated when a step first accumulates
 
   def run(
@@ -91,7 +84,7 @@ class StepRunner:
       apply = self._compiler.get(APPLY)
       acc = self._acc
       if acc is None:
-        acc = train_step.zero_accumulator(params, self._mesh, self._axis_name, self._halves)
+        acc = self._compiler.functions.zero_accumulator()
       accumulated_state = model_state
       for size, (batch, weights), counters in zip(
         plan.shapes, data.micro_batches, data.counters, strict=True

@@ -233,15 +233,28 @@ def manual_over(mesh: Mesh, axis_name: str, fn: Callable, in_specs: tuple, out_s
   )
 
 
-def zero_accumulator(
-  params: Any, mesh: Mesh, axis_name: str, halves: str = "device"
-) -> Accumulator:
-  """Returns a zero :class:`Accumulator` laid out one row per device of ``mesh``."""
-  abstract = abstract_accumulator(params, mesh, axis_name, halves)
+def zeros_program(abstract: Accumulator) -> jax.stages.Wrapped:
+  """A jitted function of no arguments returning a zero :class:`Accumulator` laid out as ``abstract``.
+
+  Args:
+    abstract: the accumulator's placeholders (:func:`abstract_accumulator`).
+
+  Returns:
+    The jitted function; each call allocates a zero accumulator on the
+    placeholders' shardings.
+
+  Example:
+    >>> import numpy as np
+    >>> from jax.sharding import Mesh
+    >>> mesh = Mesh(np.array(jax.devices()[:1]), ("batch",))
+    >>> abstract = abstract_accumulator({"w": jnp.ones(3)}, mesh, "batch")
+    >>> zeros_program(abstract)().grads["w"].shape  # a row per device
+    (1, 3)
+  """
   return jax.jit(
     lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), abstract),
     out_shardings=jax.tree.map(lambda a: a.sharding, abstract),
-  )()
+  )
 
 
 def _device_gradient(

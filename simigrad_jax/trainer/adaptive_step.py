@@ -292,7 +292,8 @@ class AdaptiveStep:
       return params, opt_state, measured
     acc = self._accumulator
     if acc is None:
-      acc = train_step.zero_accumulator(params, self._mesh, self._axis_name, self.halves)
+      assert self._functions is not None
+      acc = self._functions.zero_accumulator()
     for size, rows_j, weights_j, counters_j in zip(
       plan.shapes, micro_batches, placed.weights, counters, strict=True
     ):

@@ -8,7 +8,6 @@ on arrays sharded over the 8 simulated devices.
 
 import os
 import pathlib
-import threading
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +18,7 @@ from jax.sharding import Mesh
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+import compiles
 from simigrad_jax.checkpoint import CheckpointMismatchError
 from simigrad_jax.checkpoint import checkpointer
 from simigrad_jax.checkpoint.checkpointer import Checkpointer
@@ -138,19 +138,8 @@ def test_a_prepared_save_compiles_nothing_in_the_calling_thread(devices, tmp_pat
   state = _replicated_state(devices)
   ckpt = Checkpointer(tmp_path / "checkpoints", async_save=False)
   ckpt.prepare(state)
-  caller, compiled_here = threading.current_thread(), []
-
-  def count(name, seconds, **kwargs):
-    if (
-      name == "/jax/core/compile/backend_compile_duration" and threading.current_thread() is caller
-    ):
-      compiled_here.append(seconds)
-
-  jax.monitoring.register_event_duration_secs_listener(count)
-  try:
+  with compiles.compiled_in_this_thread() as compiled_here:
     ckpt.save(1, state, {"step": 1})
-  finally:
-    jax.monitoring.unregister_event_duration_listener(count)
   assert compiled_here == []
   restored, _, step = ckpt.restore(_replicated_state(devices))
   assert step == 1

@@ -11,6 +11,7 @@ from jax.sharding import Mesh
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+import compiles
 import simigrad_jax
 import tiny_run
 from simigrad_jax.compile import step_functions
@@ -65,6 +66,26 @@ def test_each_shape_lowers_on_placeholders_of_its_rows(devices, halves, slots):
   assert batch_rows(steps.lower_fused(2)) == 2 * slots
   assert batch_rows(steps.lower_micro(4)) == 4 * slots
   assert isinstance(steps.lower_apply(), jax.stages.Lowered)
+
+
+@pytest.mark.parametrize("halves", ["device", "local"])
+def test_the_first_zero_accumulator_compiles_with_the_update_not_in_the_step(devices, halves):
+  """The step that first accumulates compiles nothing of its own: the update's lowering (in the
+  compiler's thread) compiles the zero accumulator's program too. Without it, the accumulator's
+  first call compiles."""
+  steps = functions(devices, halves)
+  with compiles.compiled_in_this_thread() as unprepared:
+    steps.zero_accumulator()
+  assert len(unprepared) == 1
+
+  steps = functions(devices, halves)
+  (_, _, update_takes, *_), _ = steps.lower_apply().in_avals
+  with compiles.compiled_in_this_thread() as compiled_in_step:
+    acc = steps.zero_accumulator()
+  assert compiled_in_step == []
+  layout = lambda tree: jax.tree.map(lambda a: (a.shape, a.dtype), tree)
+  assert layout(acc) == layout(update_takes)  # the update's accumulator, zeros
+  assert all(not np.any(np.asarray(leaf)) for leaf in jax.tree.leaves(acc))
 
 
 def test_the_passes_reach_the_local_split_s_programs_only(devices):

@@ -60,7 +60,7 @@ class Runner:
       element_spec=ELEMENT_SPEC,
     )
     self.compiler = StepProgramCompiler(functions, self.layout, background=False)
-    self.runner = StepRunner(self.compiler, self.mesh, AXIS, halves)
+    self.runner = StepRunner(self.compiler)
 
   def state(self, params=None):
     """A fresh state on the devices (a step donates the one it runs on)."""
