@@ -11,9 +11,8 @@ BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
 
 @contextlib.contextmanager
 def compiled_in_this_thread() -> Iterator[list[float]]:
-  """Yields a list that gathers the seconds of each backend compile run in this thread (a load
-  from the persistent cache counts too) until the block ends; compiles of other threads are left
-  out."""
+  """Yields a list that gathers the seconds of each XLA backend compile run in this thread until
+  the block ends; compiles of other threads are left out."""
   caller, seconds = threading.current_thread(), []
 
   def count(name, duration, **kwargs):
