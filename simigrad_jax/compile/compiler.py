@@ -414,6 +414,11 @@ class StepCompiler:
     """The label given at construction."""
     return self._name
 
+  @property
+  def threads(self) -> int:
+    """The compiles of one lane (one kind of program) that run at once."""
+    return self._threads
+
   def __repr__(self) -> str:
     stats = self.stats()
     return (

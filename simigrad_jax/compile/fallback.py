@@ -49,6 +49,20 @@ def _holds(program: ProgramShape, view: Mapping[str, Any], key: str = "") -> boo
   return size in view[key + ("fused" if kind is Program.FUSED else "micro")]
 
 
+def settled(program: ProgramShape, view: Mapping[str, Any]) -> bool:
+  """Whether ``program``'s compile has ended in ``view``: compiled, or failed.
+
+  Example:
+    >>> view = {"fused": {4}, "micro": set(), "apply": False,
+    ...         "failed_fused": set(), "failed_micro": {1}}
+    >>> settled(ProgramShape(Program.FUSED, 4), view), settled(ProgramShape(Program.MICRO, 1), view)
+    (True, True)
+    >>> settled(APPLY, view)
+    False
+  """
+  return _holds(program, view) or _holds(program, view, "failed_")
+
+
 def plan_ready(plan: batch_plan.BatchPlan, view: Mapping[str, Any]) -> bool:
   """Whether ``view`` holds every program a step of ``plan`` runs: its shape's one-micro-batch
   program, or the micro-step of each of its shapes and the update."""

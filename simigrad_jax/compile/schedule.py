@@ -24,6 +24,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from simigrad_jax.compile.fallback import choose_plan
+from simigrad_jax.compile.fallback import fallback_plan
+from simigrad_jax.compile.fallback import settled
 from simigrad_jax.compile.persistent_cache import cache_record
 from simigrad_jax.compile.program_compiler import StepProgramCompiler
 from simigrad_jax.compile.step_functions import APPLY
@@ -33,6 +35,51 @@ from simigrad_jax.compile.step_functions import programs_of
 from simigrad_jax.shapes import batch_plan
 from simigrad_jax.shapes.layout import COMPILE_WINDOW_OCTAVES
 from simigrad_jax.shapes.layout import StepLayout
+
+
+def starts_accumulating(layout: StepLayout) -> bool:
+  """Whether a new run's first step accumulates (micro-steps of the grid's smallest shape and the
+  update) rather than running its shape's fused step: with steps of several shapes on a grid of
+  several shapes.
+
+  Such a run needs that micro-step and the update from its first steps
+  whatever the first step runs: the fallback accumulates any batch on the
+  smallest shape, and a batch between two shapes accumulates. Starting on
+  them, the first steps wait for those two programs, compiled side by side
+  (each smaller than a fused step), rather than for the fused step with both
+  compiling beside it; the first step's fused program is requested like any
+  other, ``steps_per_compile`` steps later. A run on one shape (a batch held
+  fixed) or with steps on one shape starts on its fused step, as many
+  programs as it needs.
+
+  Example:
+    >>> from simigrad_jax.shapes.layout import StepLayout
+    >>> layout = StepLayout.create("device", 8, mode="recompile", max_micro=8, min_micro=None,
+    ...                            shapes_per_step=3, lower=8, upper=64)
+    >>> starts_accumulating(layout)
+    True
+  """
+  return layout.policy.shapes_per_step > 1 and len(layout.grid) > 1
+
+
+def first_step_programs(layout: StepLayout, plan: batch_plan.BatchPlan) -> list[ProgramShape]:
+  """The programs a new run's first step runs, for its first ``plan``: its own
+  (:func:`~simigrad_jax.compile.step_functions.programs_of`), or when the run
+  :func:`starts_accumulating` and ``plan`` is one micro-batch, the fallback's plan of the same
+  batch on the grid's smallest shape's micro-step and the update (a batch of one micro-batch of
+  the smallest shape has no such plan: its fused step).
+
+  Example:
+    >>> from simigrad_jax.shapes.layout import StepLayout
+    >>> layout = StepLayout.create("device", 8, mode="recompile", max_micro=8, min_micro=None,
+    ...                            shapes_per_step=3, lower=8, upper=64)
+    >>> [(p.program.value, p.micro) for p in first_step_programs(layout, layout.plan(32))]
+    [('micro', 1), ('apply', 0)]
+  """
+  if not starts_accumulating(layout) or plan.accumulation_steps > 1:
+    return programs_of(plan)
+  smallest = {"fused": set(), "micro": {min(layout.grid)}, "apply": True}
+  return programs_of(fallback_plan(plan, smallest))
 
 
 class CompileSchedule:
@@ -68,11 +115,12 @@ class CompileSchedule:
     self._free_at = 0.0  # when the schedule's one compiler is free (in steps)
 
   def start(self, plan: batch_plan.BatchPlan, step: int) -> list[ProgramShape]:
-    """Admits ``plan``'s programs, and the fallback's (its shape's fused step, a micro-step and
-    the update), at ``step`` when nothing is admitted yet (a new run): as many programs as a
-    run whose batch stays put compiles. With steps of several shapes the micro-step is the
-    grid's smallest shape's, so that any batch accumulates on it with less than that shape of
-    padding per device; else the first step's shape's.
+    """Admits, at ``step`` when nothing is admitted yet (a new run), the programs the first step
+    runs (:func:`first_step_programs`) and the fallback's: a micro-step and the update, and
+    unless the first step accumulates (:func:`starts_accumulating`), its shape's fused step. With
+    steps of several shapes the micro-step is the grid's smallest shape's, so that any batch
+    accumulates on it with less than that shape of padding per device; else the first step's
+    shape's.
 
     Changes nothing otherwise (a resumed run, a later ``train()`` call), so
     that the schedule is the same whether a run was interrupted or not.
@@ -86,15 +134,21 @@ class CompileSchedule:
       # first step's.
       mixed = self._layout.policy.shapes_per_step > 1
       accumulate_on = min(self._layout.grid) if mixed else plan.micro_batch_size
-      fallback = [
-        ProgramShape(Program.FUSED, plan.micro_batch_size),
-        ProgramShape(Program.MICRO, accumulate_on),
-        APPLY,
-      ]
-      for program in [*programs_of(plan), *fallback]:
+      first = first_step_programs(self._layout, plan)
+      fallback = [ProgramShape(Program.MICRO, accumulate_on), APPLY]
+      if first == programs_of(plan):  # (not accumulating from the start: its fused step too)
+        fallback.insert(0, ProgramShape(Program.FUSED, plan.micro_batch_size))
+      for program in [*first, *fallback]:
         self._admitted.setdefault(program, step)
       self._free_at = float(step)
     return sorted(self._admitted, key=lambda program: (self._admitted[program], program))
+
+  def usable(self, step: int) -> list[ProgramShape]:
+    """The programs a step may run at ``step`` (admitted at or before it), in the order admitted."""
+    return sorted(
+      (program for program, at in self._admitted.items() if at <= step),
+      key=lambda program: (self._admitted[program], program),
+    )
 
   def admitted(self, step: int) -> dict[str, Any]:
     """The view (:mod:`~simigrad_jax.compile.fallback`) of the programs admitted at ``step``."""
@@ -185,6 +239,14 @@ class ScheduledFallback:
   interrupted: the trajectory does not depend on the compiles' timing, nor
   on the processes (the schedule is the same on every one).
 
+  Where the compiler runs one compile of each kind of program at a time
+  (``threads=1``: a host of two cores or fewer), the programs the steps
+  request are queued only once the programs admitted at this process's
+  first step have compiled (or failed): the first steps wait for those, and
+  a third compile beside the two that already share the cores would delay
+  them. With more threads, requests are queued at once. Only when a compile
+  starts changes, never which program a step runs.
+
   Args:
     compiler: the step's compiler.
     schedule: the schedule of the run's steps (restored, on a resume, from
@@ -210,6 +272,11 @@ class ScheduledFallback:
     self._schedule = schedule
     self._layout = layout
     self._cache_dir = cache_dir
+    self._started = False
+    # With one compile thread a kind: the programs the first step may run, until they compiled,
+    # and the programs requested meanwhile, queued then.
+    self._first: list[ProgramShape] = []
+    self._held: list[ProgramShape] = []
     compiler.prefetch([APPLY])  # at once: the fallback may accumulate from the first step
 
   def start(self, batch_size: int, step: int) -> None:
@@ -218,6 +285,9 @@ class ScheduledFallback:
     plan = self._layout.plan(batch_size)
     admitted = self._schedule.start(plan, step)
     self._compiler.prefetch([p for p in self._schedule.near(plan) if p in admitted] + admitted)
+    if not self._started and self._compiler.threads == 1:
+      self._first = self._schedule.usable(step)
+    self._started = True
 
   def choose(self, exact: batch_plan.BatchPlan, step: int, last: bool) -> batch_plan.BatchPlan:
     """``exact``, or the same batch on admitted programs
@@ -227,8 +297,19 @@ class ScheduledFallback:
     plan = self._schedule.choose(exact, step)
     requested = self._schedule.advance(exact, step)
     if not last:  # (the next step's likely plans go ahead)
-      self._compiler.prefetch(requested)
+      self._queue(requested)
     return plan
+
+  def _queue(self, requested: list[ProgramShape]) -> None:
+    """Queues ``requested``, or holds it while the first step's programs compile (see the class
+    docstring); queues what was held once they have."""
+    if self._first:
+      view = self._compiler.view()
+      if not all(settled(program, view) for program in self._first):
+        self._held.extend(requested)
+        return
+      requested, self._first, self._held = self._held + requested, [], []
+    self._compiler.prefetch(requested)
 
   def ready_plan(
     self, plan: batch_plan.BatchPlan, step: int, prefetch: bool = True

@@ -85,6 +85,12 @@ class ProgramShape(NamedTuple):
 APPLY = ProgramShape(Program.APPLY, 0)
 
 
+def _key(program: Program, micro: int) -> ProgramShape:
+  """The :class:`ProgramShape` of ``program`` at shape ``micro`` (:data:`APPLY` whatever the
+  shape)."""
+  return APPLY if program is Program.APPLY else ProgramShape(program, micro)
+
+
 def programs_of(plan: batch_plan.BatchPlan, measure: bool = True) -> list[ProgramShape]:
   """The programs a step of ``plan`` runs: its shape's fused step, or the micro-step of each of
   its shapes (largest first) and the update.
@@ -210,23 +216,37 @@ class StepFunctions:
     self._zeros = train_step.zeros_program(self._acc)
     self._zeros_compiled: jax.stages.Compiled | None = None
     self._zeros_lock = threading.Lock()
-    self._traced: dict[int, jax.stages.Traced] = {}
-    self._lowered: dict[int, jax.stages.Lowered] = {}  # lowered ahead (lower_ahead), by shape
-    self._traces_under_way: dict[int, threading.Event] = {}
+    self._traced: dict[ProgramShape, jax.stages.Traced] = {}
+    self._lowered: dict[ProgramShape, jax.stages.Lowered] = {}  # lowered ahead (lower_ahead)
+    self._traces_under_way: dict[ProgramShape, threading.Event] = {}
     self._marks_lock = threading.Lock()  # a mark's end replaces nothing marked since (below)
 
-  def trace(self, micro: int) -> None:
-    """Traces (does not compile) the fused step of shape ``micro``.
+  def trace(self, micro: int, program: Program = Program.FUSED) -> None:
+    """Traces (does not compile) the ``program`` (by default the fused step) of shape ``micro``.
 
     A model, loss, optimizer or data set that do not fit each other fail here
-    in seconds; the trace is reused when :meth:`lower_fused` lowers that shape.
+    in seconds (the loss and the data in a fused step or a micro-step, the
+    optimizer in a fused step or the update); the trace is reused when
+    :meth:`lower` lowers that program.
+
+    Args:
+      micro: the shape, in rows per slot (any, for :attr:`Program.APPLY`).
+      program: :attr:`Program.FUSED`, :attr:`Program.MICRO` or
+        :attr:`Program.APPLY` (KeyError for :attr:`Program.PLAIN`).
 
     Raises:
-      ValueError: naming the features, the rows and the error; or the
-        ``loss_fn`` contract error as it is.
+      ValueError: naming the features, the rows and the error (for the
+        update, the optimizer's error); or the ``loss_fn`` contract error as
+        it is.
     """
+    key = _key(program, micro)
+    jitted, args = {
+      Program.FUSED: lambda: (self._fused, self._fused_args(micro)),
+      Program.MICRO: lambda: (self._micro, self._micro_args(micro)),
+      Program.APPLY: lambda: (self._apply, self._apply_args()),
+    }[program]()
     try:
-      self._traced[micro] = self._fused.trace(*self._fused_args(micro))
+      self._traced[key] = jitted.trace(*args)
     except (train_step.LossContractError, train_step.HalvesContractError):
       raise
     except Exception as error:
@@ -236,52 +256,60 @@ class StepFunctions:
           f"the optimizer's simigrad_jax.transform must use the Trainer's "
           f"axis_name={self.axis_name!r}: {error}"
         ) from error
+      if program is Program.APPLY:
+        raise ValueError(
+          f"the optimizer fails on the parameters' gradients: {type(error).__name__}: {error}"
+        ) from error
       spec = {k: (tuple(s), str(d)) for k, (s, d) in self._element_spec.items()}
       raise ValueError(
         f"loss_fn fails on one device's rows of this source (features {spec}, "
         f"{self.layout.device_rows(micro)} rows): {type(error).__name__}: {error}"
       ) from error
 
-  def trace_under_way(self, micro: int) -> Callable[[], None]:
-    """Marks the fused step of shape ``micro`` as traced (and lowered) by another thread, from
-    now on.
+  def trace_under_way(self, micro: int, program: Program = Program.FUSED) -> Callable[[], None]:
+    """Marks the ``program`` (by default the fused step) of shape ``micro`` as traced (and
+    lowered) by another thread, from now on.
 
-    Until the mark ends, :meth:`lower_fused` of that shape waits for the trace
-    and lowers it, rather than tracing the program a second time beside it,
-    and every other lowering (:meth:`lower`) waits too: tracing and lowering
-    hold the GIL, and the first step needs that program before the others
-    (the first step's program is traced and lowered while the run is set up
-    and its compiler's threads hold the other programs:
+    Until the mark ends, lowering that program waits for the trace and lowers
+    it, rather than tracing the program a second time beside it, and every
+    other lowering (:meth:`lower`) waits too: tracing and lowering hold the
+    GIL, and the first step needs its programs before the others (the first
+    step's programs are traced and lowered while the run is set up and its
+    compiler's threads hold the other programs:
     :class:`~simigrad_jax.compile.first_program.FirstProgram`).
 
     Args:
-      micro: the shape whose trace is under way, in rows per slot.
+      micro: the shape whose trace is under way, in rows per slot (any, for
+        :attr:`Program.APPLY`).
+      program: the program whose trace is under way.
 
     Returns:
       What ends the mark: call it once when the trace is over, whether it
       succeeded or failed (a failed trace leaves nothing to lower from, so
-      :meth:`lower_fused` traces again and meets the same error).
+      the lowering traces again and meets the same error).
     """
+    key = _key(program, micro)
     over = threading.Event()
     with self._marks_lock:
-      self._traces_under_way[micro] = over
+      self._traces_under_way[key] = over
 
     def end() -> None:
-      # Under the lock: a mark of the same shape made between the check and the removal would
+      # Under the lock: a mark of the same program made between the check and the removal would
       # be removed with it, and its lowerings would not wait.
       with self._marks_lock:
-        if self._traces_under_way.get(micro) is over:
-          del self._traces_under_way[micro]
+        if self._traces_under_way.get(key) is over:
+          del self._traces_under_way[key]
       over.set()
 
     return end
 
   def lower(self, key: ProgramShape) -> jax.stages.Lowered:
     """The program ``key`` names, lowered (:meth:`lower_fused`, :meth:`lower_plain`,
-    :meth:`lower_micro` or :meth:`lower_apply`), once no trace is under way
-    (:meth:`trace_under_way`)."""
-    for under_way in list(self._traces_under_way.values()):
-      under_way.wait()
+    :meth:`lower_micro` or :meth:`lower_apply`): at once when it was lowered ahead
+    (:meth:`lower_ahead`), else once no trace is under way (:meth:`trace_under_way`)."""
+    if key not in self._lowered:
+      for under_way in list(self._traces_under_way.values()):
+        under_way.wait()
     if key.program is Program.FUSED:
       return self.lower_fused(key.micro)
     if key.program is Program.PLAIN:
@@ -293,46 +321,38 @@ class StepFunctions:
   def lower_fused(self, micro: int) -> jax.stages.Lowered:
     """The fused step of shape ``micro``, lowered (from its :meth:`trace`, if any; a trace
     under way in another thread is waited for: :meth:`trace_under_way`)."""
-    under_way = self._traces_under_way.get(micro)
-    if under_way is not None:
-      under_way.wait()
-    lowered = self._lowered.pop(micro, None)
-    if lowered is not None:
-      return lowered
-    traced = self._traced.pop(micro, None)
-    return traced.lower() if traced is not None else self._fused.lower(*self._fused_args(micro))
+    return self._lower_traced(_key(Program.FUSED, micro), self._fused, self._fused_args(micro))
 
-  def lower_ahead(self, micro: int) -> None:
-    """Lowers the fused step of shape ``micro`` from its :meth:`trace` now, in the calling
-    thread, and keeps it for :meth:`lower_fused`.
+  def lower_ahead(self, micro: int, program: Program = Program.FUSED) -> None:
+    """Lowers the ``program`` (by default the fused step) of shape ``micro`` from its
+    :meth:`trace` now, in the calling thread, and keeps it for :meth:`lower`.
 
-    Nothing without a trace of that shape. A lowering that fails keeps the
-    trace: :meth:`lower_fused` lowers it again in the compiler's thread, and
-    meets the error there, where a compile's errors are reported.
+    Nothing without a trace of that program. A lowering that fails keeps the
+    trace: :meth:`lower` lowers it again in the compiler's thread, and meets
+    the error there, where a compile's errors are reported.
     """
-    traced = self._traced.get(micro)
+    key = _key(program, micro)
+    traced = self._traced.get(key)
     if traced is None:
       return
     try:
       lowered = traced.lower()
-    except Exception:  # (met again, and reported, by lower_fused)
+    except Exception:  # (met again, and reported, by lower)
       return
-    self._lowered[micro] = lowered
-    del self._traced[micro]
+    self._lowered[key] = lowered
+    del self._traced[key]
 
   def lower_plain(self, micro: int) -> jax.stages.Lowered:
     """The plain step (a step that does not measure) of shape ``micro``, lowered."""
     return self._plain.lower(*self._fused_args(micro))
 
   def lower_micro(self, micro: int) -> jax.stages.Lowered:
-    """The micro-step of shape ``micro``, lowered."""
-    state = self._state
-    return self._micro.lower(
-      state["params"], state["model_state"], self._acc, *self._step_args(micro)
-    )
+    """The micro-step of shape ``micro``, lowered (from its :meth:`trace`, if any)."""
+    return self._lower_traced(_key(Program.MICRO, micro), self._micro, self._micro_args(micro))
 
   def lower_apply(self) -> jax.stages.Lowered:
-    """The update of accumulated micro-steps (one program for every shape), lowered.
+    """The update of accumulated micro-steps (one program for every shape), lowered (from its
+    :meth:`trace`, if any).
 
     The zero accumulator's program (:meth:`zero_accumulator`) is compiled
     first, in the calling thread: the compiler's thread of the update, so
@@ -341,15 +361,21 @@ class StepFunctions:
     accumulates.
     """
     self._compiled_zeros()
-    state = self._state
-    return self._apply.lower(
-      state["params"],
-      state["opt_state"],
-      self._acc,
-      state["model_state"],
-      state["model_state"],
-      self._scalars(),
-    )
+    return self._lower_traced(APPLY, self._apply, self._apply_args())
+
+  def _lower_traced(
+    self, key: ProgramShape, jitted: jax.stages.Wrapped, args: tuple
+  ) -> jax.stages.Lowered:
+    """``key``'s program lowered ahead, or lowered from its trace, or traced and lowered now; a
+    trace of it under way in another thread is waited for first."""
+    under_way = self._traces_under_way.get(key)
+    if under_way is not None:
+      under_way.wait()
+    lowered = self._lowered.pop(key, None)
+    if lowered is not None:
+      return lowered
+    traced = self._traced.pop(key, None)
+    return traced.lower() if traced is not None else jitted.lower(*args)
 
   def zero_accumulator(self) -> train_step.Accumulator:
     """A zero accumulator, for the first step that accumulates (the update returns it cleared for
@@ -362,6 +388,22 @@ class StepFunctions:
       if self._zeros_compiled is None:
         self._zeros_compiled = self._zeros.lower().compile()
       return self._zeros_compiled
+
+  def _micro_args(self, micro: int) -> tuple:
+    state = self._state
+    return (state["params"], state["model_state"], self._acc, *self._step_args(micro))
+
+  def _apply_args(self) -> tuple:
+    state = self._state
+    model_state = state["model_state"]
+    return (
+      state["params"],
+      state["opt_state"],
+      self._acc,
+      model_state,
+      model_state,
+      self._scalars(),
+    )
 
   def _step_args(self, micro: int) -> tuple:
     rows = self.layout.num_slots * micro

@@ -47,12 +47,14 @@ from simigrad_jax.checkpoint import run_record
 from simigrad_jax.checkpoint.run_checkpoints import Resumed
 from simigrad_jax.checkpoint.run_checkpoints import RunCheckpoints
 from simigrad_jax.checkpoint.run_checkpoints import check_checkpoints_kept
+from simigrad_jax.compile import schedule
 from simigrad_jax.compile import step_functions
 from simigrad_jax.compile.first_program import FirstProgram
 from simigrad_jax.compile.persistent_cache import enable_persistent_cache
 from simigrad_jax.compile.program_compiler import StepProgramCompiler
 from simigrad_jax.compile.programs import StepPrograms
 from simigrad_jax.compile.programs import step_compiler
+from simigrad_jax.compile.step_functions import programs_of
 from simigrad_jax.controllers import interface as controller_interface
 from simigrad_jax.controllers import learning_rate
 from simigrad_jax.data.data_loader import StepDataLoader
@@ -147,8 +149,11 @@ def start_first_program(
   program started in the background (:class:`~simigrad_jax.compile.first_program.FirstProgram`).
 
   The persistent compilation cache is turned on first (``config.compile.cache_dir``), so that the
-  program loads from it. In a workdir that may resume (:func:`may_resume`), only the trace starts:
-  the checkpoint decides the first step's shape.
+  program loads from it. The first step's programs are those the compile schedule admits for it
+  (:func:`~simigrad_jax.compile.schedule.first_step_programs`: the smallest shape's micro-step
+  and the update where the run starts by accumulating), else its plan's own. In a workdir that may
+  resume (:func:`may_resume`), only the traces start: the checkpoint decides the first step's
+  shape.
 
   Args:
     config: the run's settings.
@@ -175,10 +180,13 @@ def start_first_program(
     mesh=mesh,
     element_spec=element_spec,
   )
+  plan = layout.plan(batch_size)
+  scheduled = config.compile.uses_fallback and not config.compile.timed_fallback
+  programs = schedule.first_step_programs(layout, plan) if scheduled else programs_of(plan)
   return FirstProgram(
     compiler,
     state,
-    layout.plan(batch_size).micro_batch_size,
+    programs,
     lambda: checks.transform_named_for(config.axis_name),
     queue=not may_resume(workdir),
   )

@@ -39,23 +39,24 @@ def checked():
 
 
 class Functions:
-  """Stands in for StepFunctions: records each trace, and whether it ran in ``checked()``, and
-  the marks of a trace under way (made, then ended)."""
+  """Stands in for StepFunctions: records each trace, and whether it ran in ``checked()``, each
+  lowering ahead, and the marks of a trace under way (made, then ended), by program."""
 
   def __init__(self, error=None):
     self.traced, self.error, self.marks, self.lowered = [], error, [], []
 
-  def trace_under_way(self, micro):
-    self.marks.append(("marked", micro, len(self.traced), len(self.lowered)))
-    return lambda: self.marks.append(("ended", micro, len(self.traced), len(self.lowered)))
+  def trace_under_way(self, micro, program=Program.FUSED):
+    key = (program, micro)
+    self.marks.append(("marked", key, len(self.traced), len(self.lowered)))
+    return lambda: self.marks.append(("ended", key, len(self.traced), len(self.lowered)))
 
-  def trace(self, micro):
-    self.traced.append((micro, _CHECKED.get()))
+  def trace(self, micro, program=Program.FUSED):
+    self.traced.append(((program, micro), _CHECKED.get()))
     if self.error is not None:
       raise self.error
 
-  def lower_ahead(self, micro):
-    self.lowered.append(micro)
+  def lower_ahead(self, micro, program=Program.FUSED):
+    self.lowered.append((program, micro))
 
 
 class Compiler:
@@ -71,48 +72,76 @@ class Compiler:
     self.prefetched.append((list(programs), first, list(self.functions.lowered)))
 
 
+FUSED_4 = ProgramShape(Program.FUSED, 4)
+MICRO_4 = ProgramShape(Program.MICRO, 4)
+
+
 def test_the_first_program_is_traced_in_the_check_lowered_then_queued_first():
   compiler = Compiler(Functions())
-  first = FirstProgram(compiler, "state", 4, checked, queue=True)
+  first = FirstProgram(compiler, "state", [FUSED_4], checked, queue=True)
   first.result()
   first._thread.join()  # (the lowering goes on after result())
-  assert compiler.functions.traced == [(4, True)]
-  assert compiler.functions.lowered == [4]
+  assert compiler.functions.traced == [(FUSED_4, True)]
+  assert compiler.functions.lowered == [FUSED_4]
   # Queued once lowered.
-  assert compiler.prefetched == [([ProgramShape(Program.FUSED, 4)], True, [4])]
+  assert compiler.prefetched == [([FUSED_4], True, [FUSED_4])]
   # Marked under way before the trace began, the mark ended once it was traced and lowered.
-  assert compiler.functions.marks == [("marked", 4, 0, 0), ("ended", 4, 1, 1)]
+  assert compiler.functions.marks == [("marked", FUSED_4, 0, 0), ("ended", FUSED_4, 1, 1)]
+
+
+def test_a_first_step_that_accumulates_traces_both_programs_then_queues_each_once_lowered():
+  compiler = Compiler(Functions())
+  first = FirstProgram(compiler, "state", [MICRO_4, APPLY], checked, queue=True)
+  first.result()
+  first._thread.join()
+  # Both traced in the check (the loss and data in the one, the optimizer in the other).
+  assert compiler.functions.traced == [(MICRO_4, True), (APPLY, True)]
+  assert compiler.functions.lowered == [MICRO_4, APPLY]
+  # Each queued as soon as it was lowered: the micro-step compiles while the update lowers.
+  assert compiler.prefetched == [([MICRO_4], True, [MICRO_4]), ([APPLY], True, [MICRO_4, APPLY])]
+  marks = compiler.functions.marks
+  assert marks[:2] == [("marked", MICRO_4, 0, 0), ("marked", APPLY, 0, 0)]  # before any trace
+  # The micro-step's mark ended once it was lowered, before the update's lowering.
+  assert marks[2] == ("ended", MICRO_4, 2, 1)
+  assert ("ended", APPLY, 2, 2) in marks[3:]
+
+
+def test_the_first_program_needs_a_program():
+  with pytest.raises(ValueError, match="needs the first step's programs, got none"):
+    FirstProgram(Compiler(Functions()), "state", [], checked, queue=True)
 
 
 def test_a_run_that_may_resume_only_traces_the_first_program():
   compiler = Compiler(Functions())
-  first = FirstProgram(compiler, "state", 4, checked, queue=False)
+  first = FirstProgram(compiler, "state", [FUSED_4], checked, queue=False)
   first.result()
   first._thread.join()
-  assert compiler.functions.traced == [(4, True)]
+  assert compiler.functions.traced == [(FUSED_4, True)]
   assert compiler.functions.lowered == []
   assert compiler.prefetched == []
-  assert compiler.functions.marks == [("marked", 4, 0, 0), ("ended", 4, 1, 0)]
+  assert compiler.functions.marks == [("marked", FUSED_4, 0, 0), ("ended", FUSED_4, 1, 0)]
 
 
 def test_the_traces_error_is_raised_as_it_is_and_nothing_is_queued():
   error = ValueError("loss_fn fails on one device's rows of this source")
   compiler = Compiler(Functions(error))
-  first = FirstProgram(compiler, "state", 4, checked, queue=True)
+  first = FirstProgram(compiler, "state", [MICRO_4, APPLY], checked, queue=True)
   with pytest.raises(ValueError) as raised:
     first.result()
   assert raised.value is error
   first._thread.join()
+  assert compiler.functions.traced == [(MICRO_4, True)]  # the first error stops the traces
   assert compiler.prefetched == [] and compiler.functions.lowered == []
-  assert compiler.functions.marks == [("marked", 4, 0, 0), ("ended", 4, 1, 0)]  # ended on failure
+  ended = [mark[1] for mark in compiler.functions.marks if mark[0] == "ended"]
+  assert sorted(ended) == sorted([MICRO_4, APPLY])  # every mark ended on failure
 
 
 def test_a_compiler_closed_while_the_first_program_traced_queues_nothing():
   compiler = Compiler(Functions(), closed=True)  # (the set-up failed meanwhile)
-  first = FirstProgram(compiler, "state", 4, checked, queue=True)
+  first = FirstProgram(compiler, "state", [FUSED_4], checked, queue=True)
   first.result()  # no error
   first._thread.join()
-  assert compiler.functions.traced == [(4, True)]
+  assert compiler.functions.traced == [(FUSED_4, True)]
   assert compiler.functions.marks[-1][0] == "ended"
 
 
@@ -135,9 +164,9 @@ def test_a_new_run_traces_its_first_step_once_on_functions_made_before_placing_t
     made.append(self)
     real_init(self, **kwargs)
 
-  def trace(self, micro):
-    traced.append(micro)
-    real_trace(self, micro)
+  def trace(self, micro, program=Program.FUSED):
+    traced.append((program, micro))
+    real_trace(self, micro, program)
 
   def first(self, *args, **kwargs):
     order.append("first program")
@@ -188,7 +217,7 @@ def test_a_lowering_of_a_shape_under_way_waits_for_its_trace_and_lowers_from_it(
     end()
     lowering.join()
     assert len(lowered) == 1 and isinstance(lowered[0], jax.stages.Lowered)
-    assert micro not in functions._traced  # lowered from that trace, not traced again
+    assert (Program.FUSED, micro) not in functions._traced  # lowered from it, not traced again
 
 
 def test_every_lowering_waits_for_the_first_programs_and_its_own_lowers_ahead(tmp_path):
@@ -203,15 +232,16 @@ def test_every_lowering_waits_for_the_first_programs_and_its_own_lowers_ahead(tm
     update.start()
     update.join(0.5)
     assert update.is_alive() and not lowered  # the update's lowering waits while it is under way
+    key = ProgramShape(Program.FUSED, micro)
     functions.trace(micro)
     functions.lower_ahead(micro)
-    assert micro not in functions._traced  # lowered from the trace, in this thread
-    ahead = functions._lowered[micro]
+    assert key not in functions._traced  # lowered from the trace, in this thread
+    ahead = functions._lowered[key]
     end()
     update.join()
     assert len(lowered) == 1 and isinstance(lowered[0], jax.stages.Lowered)
-    assert functions.lower(ProgramShape(Program.FUSED, micro)) is ahead  # not lowered again
-    assert micro not in functions._lowered
+    assert functions.lower(key) is ahead  # not lowered again
+    assert key not in functions._lowered
 
 
 def test_a_new_runs_checkpoint_program_starts_after_its_first_step_a_resumes_before(

@@ -37,6 +37,7 @@ class TinyFunctions:
     self.double = jax.jit(lambda x: 2 * x)
     self.threads = []  # the threads each lowering ran in
     self._traces_under_way = {}  # (none: StepFunctions.lower waits for no trace)
+    self._lowered = {}  # (none lowered ahead)
 
   lower = StepFunctions.lower  # (dispatches on the program, as the step's own)
 

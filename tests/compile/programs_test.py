@@ -16,10 +16,13 @@ from simigrad_jax.compile.program_compiler import StepProgramCompiler
 from simigrad_jax.compile.programs import compile_policy
 from simigrad_jax.compile.schedule import CompileSchedule
 from simigrad_jax.compile.schedule import ScheduledFallback
+from simigrad_jax.compile.schedule import first_step_programs
+from simigrad_jax.compile.schedule import starts_accumulating
 from simigrad_jax.compile.step_functions import APPLY
 from simigrad_jax.compile.step_functions import Program
 from simigrad_jax.compile.step_functions import ProgramShape
 from simigrad_jax.compile.step_functions import StepFunctions
+from simigrad_jax.compile.step_functions import programs_of
 from simigrad_jax.compile.step_runner import StepRunner
 from simigrad_jax.shapes.layout import COMPILE_WINDOW_OCTAVES
 from simigrad_jax.trainer.config import CompileConfig
@@ -302,3 +305,102 @@ def test_a_resumed_schedule_queues_what_it_admitted_those_near_the_batch_first()
   saved = CompileSchedule(LAYOUT, 0.5, [])
   assert saved.load_state_dict(first.compiled_programs()["schedule"])
   assert set(queued) == set(saved.start(LAYOUT.plan(40), 1))  # every program admitted so far
+
+
+# ------------------------------------------------ a run of several shapes a step starts accumulating
+
+
+def mixed_layout(lower=8, upper=128, max_micro=16):
+  """8 devices, 1 to ``max_micro`` rows a device, steps of up to 3 shapes (the training scripts'
+  default)."""
+  return schedule_test.layout_of(3, lower, upper, max_micro)
+
+
+def test_a_run_of_several_shapes_a_step_starts_on_the_smallest_micro_step_and_the_update():
+  layout = mixed_layout()
+  plans = CompileSchedule(layout, 0.5, [])
+  admitted = plans.start(layout.plan(32), 0)  # 4 rows a device
+  # The smallest shape's micro-step and the update: no fused step until the schedule admits it
+  # like any other.
+  assert admitted == [APPLY, micro_step(1)]
+  first = plans.choose(layout.plan(32), 0)
+  assert first.micro_batch_sizes == (1, 1, 1, 1)  # the same 32 examples, in 4 micro-steps
+  assert programs_of(first) == first_step_programs(layout, layout.plan(32))
+  plans.advance(layout.plan(32), 0)
+  assert plans.choose(layout.plan(32), 1) == layout.plan(32)  # its fused step, admitted next
+
+
+def test_a_first_batch_of_the_smallest_shape_starts_on_its_fused_step():
+  layout = mixed_layout()
+  plan = layout.plan(8)  # 1 row a device: no micro-steps of a smaller shape hold it
+  assert first_step_programs(layout, plan) == [fused(1)]
+  plans = CompileSchedule(layout, 0.5, [])
+  assert plans.start(plan, 0) == sorted([fused(1), micro_step(1), APPLY])
+  assert plans.choose(plan, 0) == plan
+
+
+@pytest.mark.parametrize("size", [8, 32, 40, 100, 128])
+def test_the_first_step_runs_the_programs_its_first_program_prepares(size):
+  layout = mixed_layout()
+  plans = CompileSchedule(layout, 0.5, [])
+  plans.start(layout.plan(size), 0)
+  assert programs_of(plans.choose(layout.plan(size), 0)) == first_step_programs(
+    layout, layout.plan(size)
+  )
+
+
+def test_a_run_on_one_shape_or_with_steps_on_one_shape_starts_on_its_fused_step():
+  held = mixed_layout(lower=32, upper=32, max_micro=4)  # the batch held at 32: one shape
+  assert not starts_accumulating(held) and len(held.grid) == 1
+  assert first_step_programs(held, held.plan(32)) == [fused(4)]
+  assert starts_accumulating(mixed_layout())
+  one_shape = schedule_test.layout()  # steps on one shape
+  assert not starts_accumulating(one_shape)
+  plans = CompileSchedule(one_shape, 0.5, [])
+  assert fused(4) in plans.start(one_shape.plan(32), 0)
+
+
+def scheduled_on(layout, threads):
+  compiler = RecordingCompiler(nothing_compiled(), threads=threads)
+  return ScheduledFallback(compiler, CompileSchedule(layout, 0.5, []), layout, None), compiler
+
+
+def test_with_one_compile_thread_a_kind_requests_wait_for_the_first_steps_programs():
+  layout = mixed_layout()
+  scheduled, compiler = scheduled_on(layout, threads=1)
+  scheduled.start(32, 0)
+  queued = len(compiler.calls)
+  scheduled.choose(layout.plan(32), 0, last=False)  # requests its fused step and those near
+  assert compiler.calls[queued:] == []  # held: the first step's programs still compile
+  compiler.compiled = {**nothing_compiled(), "apply": True}
+  scheduled.choose(layout.plan(40), 1, last=False)
+  assert compiler.calls[queued:] == []  # the smallest shape's micro-step is still compiling
+  compiler.compiled = {**nothing_compiled(), "micro": {1}, "apply": True}
+  scheduled.choose(layout.plan(40), 2, last=False)
+  ((released, first),) = compiler.calls[queued:]
+  assert not first and released[0] == fused(4)  # what was held first, in the schedule's order
+  assert micro_step(4) in released  # with the later steps' (40: 5 rows, on 4 and 1)
+  scheduled.choose(layout.plan(48), 3, last=False)
+  assert len(compiler.calls) == queued + 2  # from now on queued at once
+
+
+def test_with_more_compile_threads_requests_are_queued_at_once():
+  layout = mixed_layout()
+  scheduled, compiler = scheduled_on(layout, threads=2)
+  scheduled.start(32, 0)
+  queued = len(compiler.calls)
+  scheduled.choose(layout.plan(32), 0, last=False)
+  ((requested, first),) = compiler.calls[queued:]
+  assert requested[0] == fused(4) and not first
+
+
+def test_a_failed_first_program_releases_the_held_requests():
+  layout = mixed_layout()
+  scheduled, compiler = scheduled_on(layout, threads=1)
+  scheduled.start(32, 0)
+  scheduled.choose(layout.plan(32), 0, last=False)
+  queued = len(compiler.calls)
+  compiler.compiled = {**nothing_compiled(), "failed_micro": {1}, "apply": True}
+  scheduled.choose(layout.plan(32), 1, last=False)
+  ((released, _),) = compiler.calls[queued:]
+  assert released[0] == fused(4)

@@ -18,10 +18,10 @@ class ProgramRecord:
 class RecordingCompiler:
   """Stands in for StepProgramCompiler: ``calls`` are the ``(programs, first)`` prefetched, in
   order; ``fused``, ``micro`` and ``update`` what each program was asked for; ``compiled`` is its
-  view."""
+  view; ``threads``, the compiles of each kind of program that run at once."""
 
-  def __init__(self, compiled=None):
-    self.compiled = compiled
+  def __init__(self, compiled=None, threads=2):
+    self.compiled, self.threads = compiled, threads
     self.calls = []
     self.fused, self.micro, self.update = ProgramRecord(), ProgramRecord(), ProgramRecord()
 

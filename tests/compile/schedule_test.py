@@ -11,15 +11,22 @@ from simigrad_jax.shapes.layout import StepLayout
 
 def layout():
   # 8 devices, 1 to 16 rows a device, 8 shapes an octave (rows 1, 2, ..., 16).
+  return layout_of()
+
+
+def layout_of(shapes_per_step=1, lower=8, upper=128, max_micro=16):
+  """8 devices, 1 to ``max_micro`` rows a device (every count a shape), steps of up to
+  ``shapes_per_step`` shapes, batches in ``[lower, upper]``."""
   return StepLayout.create(
     "device",
     8,
     mode="recompile",
-    max_micro=16,
+    max_micro=max_micro,
     min_micro=None,
     shapes_per_octave=None,
-    lower=8,
-    upper=128,
+    shapes_per_step=shapes_per_step,
+    lower=lower,
+    upper=upper,
   )
 
 

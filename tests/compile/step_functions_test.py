@@ -15,19 +15,27 @@ import compiles
 import simigrad_jax
 import tiny_run
 from simigrad_jax.compile import step_functions
+from simigrad_jax.compile.step_functions import APPLY
+from simigrad_jax.compile.step_functions import Program
 from simigrad_jax.compile.step_functions import StepFunctions
 from simigrad_jax.ingraph import train_step
 from simigrad_jax.shapes.layout import StepLayout
 
+NOTHING_MORE = optax.identity()
 ELEMENT_SPEC = {"x": ((5,), np.dtype("float32")), "y": ((), np.dtype("int32"))}
 
 
 def functions(
-  devices, halves="device", loss_fn=tiny_run.mlp_loss, axis_name="batch", passes="sequential"
+  devices,
+  halves="device",
+  loss_fn=tiny_run.mlp_loss,
+  axis_name="batch",
+  passes="sequential",
+  extra=NOTHING_MORE,
 ):
   mesh = Mesh(np.array(devices), ("batch",))
   optimizer = optax.chain(
-    simigrad_jax.transform(axis_name), optax.sgd(0.1), simigrad_jax.scale_by_lr_factor()
+    simigrad_jax.transform(axis_name), optax.sgd(0.1), extra, simigrad_jax.scale_by_lr_factor()
   )
   params = tiny_run.TinyMLP().init(jax.random.key(0), np.zeros((1, 5), np.float32))["params"]
   params = jax.device_put(params, NamedSharding(mesh, P()))
@@ -107,10 +115,23 @@ def test_the_passes_reach_the_local_split_s_programs_only(devices):
 def test_a_trace_is_lowered_once(devices):
   steps = functions(devices)
   steps.trace(2)
-  assert list(steps._traced) == [2]
+  assert list(steps._traced) == [(Program.FUSED, 2)]
   from_trace = steps.lower_fused(2)
   assert steps._traced == {}  # kept no longer than its lowering
   assert from_trace.as_text() == steps.lower_fused(2).as_text()
+
+
+def test_the_micro_step_and_the_update_trace_ahead_and_lower_from_their_traces(devices):
+  steps = functions(devices)
+  steps.trace(2, Program.MICRO)
+  steps.trace(7, Program.APPLY)  # (one update for every shape)
+  assert list(steps._traced) == [(Program.MICRO, 2), APPLY]
+  micro, update = steps.lower_micro(2), steps.lower_apply()
+  assert steps._traced == {}
+  assert micro.as_text() == steps.lower_micro(2).as_text()
+  assert update.as_text() == steps.lower_apply().as_text()
+  with pytest.raises(KeyError):
+    steps.trace(2, Program.PLAIN)  # only the programs a first step runs trace ahead
 
 
 @pytest.mark.parametrize("halves", ["device", "local"])
@@ -153,6 +174,18 @@ def test_the_loss_contract_error_is_raised_as_it_is(devices):
     functions(devices, loss_fn=mean_loss).trace(2)
 
 
-def test_an_optimizer_over_another_axis_is_named(devices):
+@pytest.mark.parametrize("program", [Program.FUSED, Program.APPLY])
+def test_an_optimizer_over_another_axis_is_named(devices, program):
   with pytest.raises(ValueError, match="must use the Trainer's axis_name='batch'"):
-    functions(devices, axis_name="data").trace(2)
+    functions(devices, axis_name="data").trace(2, program)
+
+
+def test_an_optimizer_that_fails_on_the_gradients_is_named_by_the_updates_trace(devices):
+  def failing(updates, state, params=None):
+    raise TypeError("no update for these leaves")
+
+  steps = functions(devices, extra=optax.GradientTransformation(optax.init_empty_state, failing))
+  with pytest.raises(
+    ValueError, match="the optimizer fails on the parameters' gradients: TypeError"
+  ):
+    steps.trace(2, Program.APPLY)
