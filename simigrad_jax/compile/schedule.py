@@ -20,7 +20,7 @@ it. Nothing here runs under ``jit``.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from simigrad_jax.compile.fallback import choose_plan
@@ -141,18 +141,19 @@ class CompileSchedule:
       for program in [*first, *fallback]:
         self._admitted.setdefault(program, step)
       self._free_at = float(step)
-    return sorted(self._admitted, key=lambda program: (self._admitted[program], program))
+    return self._in_order(self._admitted)
 
   def usable(self, step: int) -> list[ProgramShape]:
     """The programs a step may run at ``step`` (admitted at or before it), in the order admitted."""
-    return sorted(
-      (program for program, at in self._admitted.items() if at <= step),
-      key=lambda program: (self._admitted[program], program),
-    )
+    return self._in_order(program for program, at in self._admitted.items() if at <= step)
+
+  def _in_order(self, programs: Iterable[ProgramShape]) -> list[ProgramShape]:
+    """``programs`` (admitted or requested) in the order the schedule admits them."""
+    return sorted(programs, key=lambda program: (self._admitted[program], program))
 
   def admitted(self, step: int) -> dict[str, Any]:
     """The view (:mod:`~simigrad_jax.compile.fallback`) of the programs admitted at ``step``."""
-    ready = [program for program, at in self._admitted.items() if at <= step]
+    ready = self.usable(step)
     return {
       "fused": {size for program, size in ready if program is Program.FUSED},
       "micro": {size for program, size in ready if program is Program.MICRO},
