@@ -35,6 +35,12 @@ Each workload's steps, all from the same parameters and rows:
   against four plain steps (its time ratio is the cycle's; its temporary
   memory and similarity are the measuring program's).
 
+Every step runs as a training loop runs it: its parameters, optimizer state
+and model state (the first three arguments) donated, and its new ones the
+next call's, as the Trainer runs its programs and as a plain ``jax.jit`` loop
+with ``donate_argnums`` does. Each step starts from its own copy of the
+workload's state; a cycle's programs hand one state from call to call.
+
 Per step: ``paired_time_ratio`` (the median over rounds of its time over
 the plain step's, timed back to back in alternating order),
 ``step_seconds`` and ``plain_step_seconds`` (medians), ``temp_bytes`` and
@@ -253,26 +259,46 @@ def _adamw() -> optax.GradientTransformation:
   return optax.adamw(1e-3, weight_decay=1e-4)
 
 
+# Every step's first three arguments are its state (parameters, optimizer state, model state, in
+# the step's order), donated; its first three outputs are the same state, the next call's.
+STATE_ARGNUMS = (0, 1, 2)
+
+
+def call_with_state(compiled: Any, args: list) -> Any:
+  """Calls ``compiled`` on ``args`` and waits for its outputs; the new state (the first three
+  outputs) replaces the donated state in ``args``, for the next call. Returns the outputs."""
+  outputs = jax.block_until_ready(compiled(*args))
+  args[: len(STATE_ARGNUMS)] = outputs[: len(STATE_ARGNUMS)]
+  return outputs
+
+
 class _Step(NamedTuple):
-  """A compiled step, its arguments, and how to read its similarity from its outputs."""
+  """A compiled step, its arguments (a list: each call's new state replaces the donated one),
+  and how to read its similarity from its outputs."""
 
   compiled: Any
-  args: tuple
+  args: list
   similarity: Callable[[Any], float] | None  # None: a step that measures none.
   compile_seconds: float
-  # The (compiled, args) calls a cycle runs before this step's own (measure_every's plain steps);
-  # the cycle is timed against as many plain steps as it makes calls.
-  before: tuple[tuple[Any, tuple], ...] = ()
+  # The programs a cycle runs before this step's own, on the same arguments (measure_every's plain
+  # steps); the cycle is timed against as many plain steps as it makes calls.
+  before: tuple[Any, ...] = ()
 
   def run_seconds(self) -> float:
     """The seconds of one cycle: the calls before, then the step's own, each waited for."""
-    calls = (*self.before, (self.compiled, self.args))
-    return sum(timing.run_seconds(compiled, args) for compiled, args in calls)
+    start = time.perf_counter()
+    for compiled in (*self.before, self.compiled):
+      call_with_state(compiled, self.args)
+    return time.perf_counter() - start
 
 
 def _compile(fn: Callable[..., Any], args: tuple, similarity: Any) -> _Step:
+  """``fn`` compiled with its state donated, on a copy of ``args``'s state (the workload's
+  arrays stay whole for the other steps)."""
+  state = len(STATE_ARGNUMS)
+  args = [*jax.tree.map(jnp.copy, args[:state]), *args[state:]]
   start = time.perf_counter()
-  compiled = jax.jit(fn).lower(*args).compile()
+  compiled = jax.jit(fn, donate_argnums=STATE_ARGNUMS).lower(*args).compile()
   return _Step(compiled, args, similarity, time.perf_counter() - start)
 
 
@@ -317,7 +343,7 @@ def make_step(name: str, workload: Workload) -> _Step:
   if name.startswith("trainer_every_"):
     plain_program = make_step("trainer_plain", workload)
     measuring = make_step("trainer_sequential", workload)
-    cycle = ((plain_program.compiled, plain_program.args),) * (MEASURE_EVERY - 1)
+    cycle = (plain_program.compiled,) * (MEASURE_EVERY - 1)  # on the measuring step's state
     seconds = plain_program.compile_seconds + measuring.compile_seconds
     return measuring._replace(compile_seconds=seconds, before=cycle)
 
@@ -343,16 +369,16 @@ def make_step(name: str, workload: Workload) -> _Step:
 
 def measure_pair(step: _Step, plain: _Step, rounds: int, gradient_bytes: int) -> dict[str, Any]:
   """One step against the plain step: paired times, temporary memory, and its similarity."""
-  outputs = jax.block_until_ready(step.compiled(*step.args))
+  outputs = call_with_state(step.compiled, step.args)
   similarity = None if step.similarity is None else float(step.similarity(outputs))
   step.run_seconds()  # every program of a cycle run once before the timed rounds
-  timing.run_seconds(plain.compiled, plain.args)
+  plain.run_seconds()
   # (0 where XLA gives no memory analysis.)
   temp, plain_temp = timing.temp_bytes(step.compiled) or 0, timing.temp_bytes(plain.compiled) or 0
   calls = 1 + len(step.before)
   paired = timing.against_plain(
     step.run_seconds,
-    lambda: sum(timing.run_seconds(plain.compiled, plain.args) for _ in range(calls)),
+    lambda: sum(plain.run_seconds() for _ in range(calls)),
     rounds,
     temp=temp,
     plain_temp=plain_temp,
