@@ -91,6 +91,9 @@ class StepPrograms:
       yet (the first) runs on one of them rather than wait for a compile.
       Ignored when it names another cache. Its ``"schedule"`` restores the
       schedule of the run's steps.
+    fixed_batch: the run's batch size cannot move (its bounds are one size):
+      the schedule compiles its plan's programs alone
+      (:class:`~simigrad_jax.compile.schedule.CompileSchedule`).
 
   Attributes:
     functions: the step's jitted functions
@@ -122,6 +125,7 @@ class StepPrograms:
     shared_compiles: bool = False,
     compilation_cache_dir: str | os.PathLike | None = None,
     cached_programs: Mapping[str, Any] | None = None,
+    fixed_batch: bool = False,
   ):
     self.functions, self.compiler = compiler.functions, compiler
     layout = self.functions.layout
@@ -135,6 +139,7 @@ class StepPrograms:
       shared_compiles=shared_compiles,
       cache_dir=cache_dir,
       cached_programs=cached_programs,
+      fixed_batch=fixed_batch,
     )
     self.runner = StepRunner(self.compiler)
 
@@ -169,6 +174,7 @@ def compile_policy(
   shared_compiles: bool,
   cache_dir: str | None,
   cached_programs: Mapping[str, Any] | None,
+  fixed_batch: bool = False,
 ) -> CompilePolicy:
   """The run's compile policy: without ``compile_fallback``, :class:`ExactPrograms`; with it,
   the schedule of ``steps_per_compile`` (:class:`ScheduledFallback`, its state restored from
@@ -183,12 +189,14 @@ def compile_policy(
     shared_compiles: several processes run the steps together.
     cache_dir: JAX's persistent compilation cache (absolute), or None.
     cached_programs: the record a resumed checkpoint holds, or None.
+    fixed_batch: the run's batch size cannot move: the schedule admits its
+      plan's programs alone.
 
   Returns:
     The policy the Trainer asks at each step.
   """
   if compile_fallback and steps_per_compile is not None:
-    schedule = CompileSchedule(layout, steps_per_compile, accumulation_shapes)
+    schedule = CompileSchedule(layout, steps_per_compile, accumulation_shapes, fixed_batch)
     schedule.load_state_dict((cached_programs or {}).get("schedule"))
     return ScheduledFallback(compiler, schedule, layout, cache_dir)
   # What the cache holds from an earlier process of the run: loads, not compiles.

@@ -62,12 +62,15 @@ def starts_accumulating(layout: StepLayout) -> bool:
   return layout.policy.shapes_per_step > 1 and len(layout.grid) > 1
 
 
-def first_step_programs(layout: StepLayout, plan: batch_plan.BatchPlan) -> list[ProgramShape]:
+def first_step_programs(
+  layout: StepLayout, plan: batch_plan.BatchPlan, fixed_batch: bool = False
+) -> list[ProgramShape]:
   """The programs a new run's first step runs, for its first ``plan``: its own
   (:func:`~simigrad_jax.compile.step_functions.programs_of`), or when the run
   :func:`starts_accumulating` and ``plan`` is one micro-batch, the fallback's plan of the same
   batch on the grid's smallest shape's micro-step and the update (a batch of one micro-batch of
-  the smallest shape has no such plan: its fused step).
+  the smallest shape has no such plan: its fused step). A ``fixed_batch`` (one the run cannot
+  move) runs its own: no later step needs another program.
 
   Example:
     >>> from simigrad_jax.shapes.layout import StepLayout
@@ -76,7 +79,7 @@ def first_step_programs(layout: StepLayout, plan: batch_plan.BatchPlan) -> list[
     >>> [(p.program.value, p.micro) for p in first_step_programs(layout, layout.plan(32))]
     [('micro', 1), ('apply', 0)]
   """
-  if not starts_accumulating(layout) or plan.accumulation_steps > 1:
+  if fixed_batch or not starts_accumulating(layout) or plan.accumulation_steps > 1:
     return programs_of(plan)
   smallest = {"fused": set(), "micro": {min(layout.grid)}, "apply": True}
   return programs_of(fallback_plan(plan, smallest))
@@ -92,6 +95,10 @@ class CompileSchedule:
       step).
     accumulation_shapes: the shapes a planned step of several micro-batches
       can use (their micro-steps are requested with their fused steps).
+    fixed_batch: the run's batch size cannot move (its bounds are one size):
+      only the programs of its plan are admitted and requested, no fallback
+      and no shape near it, since no step would run them (a step cut short
+      at the run's end runs on those programs, padded or accumulated).
 
   Example:
     >>> from simigrad_jax.shapes.layout import StepLayout
@@ -104,11 +111,16 @@ class CompileSchedule:
   """
 
   def __init__(
-    self, layout: StepLayout, steps_per_compile: float, accumulation_shapes: list[int]
+    self,
+    layout: StepLayout,
+    steps_per_compile: float,
+    accumulation_shapes: list[int],
+    fixed_batch: bool = False,
   ) -> None:
     if not (isinstance(steps_per_compile, (int, float)) and 0 < steps_per_compile < math.inf):
       raise ValueError(f"steps_per_compile must be a finite number > 0, got {steps_per_compile!r}")
     self._layout = layout
+    self.fixed_batch = fixed_batch
     self._pace = float(steps_per_compile)
     self._accumulation = set(accumulation_shapes)
     self._admitted: dict[ProgramShape, int] = {}  # program -> the step from which it may run
@@ -120,7 +132,7 @@ class CompileSchedule:
     unless the first step accumulates (:func:`starts_accumulating`), its shape's fused step. With
     steps of several shapes the micro-step is the grid's smallest shape's, so that any batch
     accumulates on it with less than that shape of padding per device; else the first step's
-    shape's.
+    shape's. A fixed batch (``fixed_batch``) admits its plan's programs alone.
 
     Changes nothing otherwise (a resumed run, a later ``train()`` call), so
     that the schedule is the same whether a run was interrupted or not.
@@ -130,18 +142,25 @@ class CompileSchedule:
       admits them: the order to compile them in.
     """
     if not self._admitted:
-      # Steps of several shapes accumulate on the smallest shape; steps on one shape, on the
-      # first step's.
-      mixed = self._layout.policy.shapes_per_step > 1
-      accumulate_on = min(self._layout.grid) if mixed else plan.micro_batch_size
-      first = first_step_programs(self._layout, plan)
-      fallback = [ProgramShape(Program.MICRO, accumulate_on), APPLY]
-      if first == programs_of(plan):  # (not accumulating from the start: its fused step too)
-        fallback.insert(0, ProgramShape(Program.FUSED, plan.micro_batch_size))
+      first = first_step_programs(self._layout, plan, self.fixed_batch)
+      fallback = [] if self.fixed_batch else self._fallback_programs(plan, first)
       for program in [*first, *fallback]:
         self._admitted.setdefault(program, step)
       self._free_at = float(step)
     return self._in_order(self._admitted)
+
+  def _fallback_programs(
+    self, plan: batch_plan.BatchPlan, first: list[ProgramShape]
+  ) -> list[ProgramShape]:
+    """The programs a new run admits beside its ``first`` step's (see :meth:`start`)."""
+    # Steps of several shapes accumulate on the smallest shape; steps on one shape, on the first
+    # step's.
+    mixed = self._layout.policy.shapes_per_step > 1
+    accumulate_on = min(self._layout.grid) if mixed else plan.micro_batch_size
+    fallback = [ProgramShape(Program.MICRO, accumulate_on), APPLY]
+    if first == programs_of(plan):  # (not accumulating from the start: its fused step too)
+      fallback.insert(0, ProgramShape(Program.FUSED, plan.micro_batch_size))
+    return fallback
 
   def usable(self, step: int) -> list[ProgramShape]:
     """The programs a step may run at ``step`` (admitted at or before it), in the order admitted."""
@@ -170,7 +189,8 @@ class CompileSchedule:
   def advance(self, plan: batch_plan.BatchPlan, step: int) -> list[ProgramShape]:
     """Requests, at ``step``, ``plan``'s programs and the fused steps near its
     shape (within :data:`~simigrad_jax.shapes.layout.COMPILE_WINDOW_OCTAVES`, nearest first;
-    with the micro-step of a shape a planned step may accumulate on).
+    with the micro-step of a shape a planned step may accumulate on); with a fixed batch,
+    ``plan``'s programs alone.
 
     Call it once a step, with the step's own plan; what it admits depends
     only on the requests and their steps.
@@ -178,7 +198,8 @@ class CompileSchedule:
     Returns:
       The programs newly requested, in the order the schedule admits them.
     """
-    new = [program for program in self.near(plan) if program not in self._admitted]
+    wanted = programs_of(plan) if self.fixed_batch else self.near(plan)
+    new = [program for program in wanted if program not in self._admitted]
     for program in new:
       self._free_at = max(self._free_at, float(step)) + self._pace
       self._admitted[program] = math.ceil(self._free_at)
@@ -234,11 +255,12 @@ class ScheduledFallback:
   on admitted ones; it waits for an admitted program whose real compile has
   not finished. The compiles are queued in the order the schedule admits
   the programs, those the run is likely to need next first (the update's
-  from the start: every run admits it with its first plan). The schedule's
-  state is in the checkpoint's record (:meth:`compiled_programs`), so that a
-  resumed run admits the same programs at the same steps as one never
-  interrupted: the trajectory does not depend on the compiles' timing, nor
-  on the processes (the schedule is the same on every one).
+  from the start: every run whose batch may move admits it with its first
+  plan). The schedule's state is in the checkpoint's record
+  (:meth:`compiled_programs`), so that a resumed run admits the same
+  programs at the same steps as one never interrupted: the trajectory does
+  not depend on the compiles' timing, nor on the processes (the schedule is
+  the same on every one).
 
   Where the compiler runs one compile of each kind of program at a time
   (``threads=1``: a host of two cores or fewer), the programs the steps
@@ -278,7 +300,8 @@ class ScheduledFallback:
     # and the programs requested meanwhile, queued then.
     self._first: list[ProgramShape] = []
     self._held: list[ProgramShape] = []
-    compiler.prefetch([APPLY])  # at once: the fallback may accumulate from the first step
+    if not schedule.fixed_batch:
+      compiler.prefetch([APPLY])  # at once: the fallback may accumulate from the first step
 
   def start(self, batch_size: int, step: int) -> None:
     """Queues the programs the schedule admits (a new run's first plan and its fallback, a

@@ -144,6 +144,7 @@ def start_first_program(
   mesh: Mesh,
   element_spec: Any,
   batch_size: int,
+  fixed_batch: bool,
 ) -> FirstProgram:
   """The step's functions and compiler, made from the state's placeholders, with the first step's
   program started in the background (:class:`~simigrad_jax.compile.first_program.FirstProgram`).
@@ -162,6 +163,8 @@ def start_first_program(
     initial: the initial ``{"params", "opt_state", "model_state"}``.
     loss_fn, optimizer, specs, mesh, element_spec: what the programs are made of.
     batch_size: the controller's batch size before any resume.
+    fixed_batch: the run's bounds are one batch size: its first plan's programs are all the run
+      compiles (:class:`~simigrad_jax.compile.schedule.CompileSchedule`).
 
   Returns:
     The first program under way; :meth:`~simigrad_jax.compile.first_program.FirstProgram.result`
@@ -182,7 +185,9 @@ def start_first_program(
   )
   plan = layout.plan(batch_size)
   scheduled = config.compile.uses_fallback and not config.compile.timed_fallback
-  programs = schedule.first_step_programs(layout, plan) if scheduled else programs_of(plan)
+  programs = (
+    schedule.first_step_programs(layout, plan, fixed_batch) if scheduled else programs_of(plan)
+  )
   return FirstProgram(
     compiler,
     state,
@@ -302,6 +307,7 @@ def make_programs(
   *,
   upper: int,
   cached_programs: dict[str, Any] | None,
+  fixed_batch: bool = False,
 ) -> StepPrograms:
   """The step's compiled programs on ``compiler`` (:func:`make_compiler`), compiling in the
   background.
@@ -312,7 +318,8 @@ def make_programs(
   so all of them pick the same shape. ``cached_programs``: what a resumed
   checkpoint says the persistent compilation cache holds and the schedule's
   state (None: a new run). The persistent cache is on since the compiler was
-  made (:func:`start_first_program`).
+  made (:func:`start_first_program`). ``fixed_batch``: the run's bounds are one batch size, and
+  the schedule compiles only its plan's programs.
   """
   return StepPrograms(
     compiler,
@@ -322,6 +329,7 @@ def make_programs(
     shared_compiles=jax.process_count() > 1,
     compilation_cache_dir=config.compile.cache_dir,
     cached_programs=cached_programs,
+    fixed_batch=fixed_batch,
   )
 
 
@@ -342,6 +350,7 @@ def open_run(
   mesh: Mesh,
   layout: StepLayout,
   upper: int,
+  fixed_batch: bool,
   first: FirstProgram,
 ) -> tuple[WorkdirLock | None, RunCheckpoints, StepPrograms, Resumed]:
   """Takes the workdir, resumes from its newest checkpoint and waits for the first step's trace.
@@ -364,7 +373,7 @@ def open_run(
     record: the run's record (:func:`run_record_of`).
     state: the initial state on the mesh (:func:`place_state`).
     sampler, controller: the run's, resumed in place.
-    loss_fn, model_state, optimizer, element_spec, mesh, layout, upper: what
+    loss_fn, model_state, optimizer, element_spec, mesh, layout, upper, fixed_batch: what
       the programs are made of (:func:`make_compiler` when ``first``'s
       placeholders are not the resumed state's, :func:`make_programs`).
     first: the first step's program, started before (:func:`start_first_program`).
@@ -408,7 +417,11 @@ def open_run(
         element_spec=element_spec,
       )
     programs = make_programs(
-      config, compiler, upper=upper, cached_programs=resumed.compiled_programs
+      config,
+      compiler,
+      upper=upper,
+      cached_programs=resumed.compiled_programs,
+      fixed_batch=fixed_batch,
     )
     undo.callback(programs.compiler.close)
     if same:

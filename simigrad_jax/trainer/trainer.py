@@ -486,6 +486,7 @@ class Trainer:
       mesh=mesh,
       element_spec=self.source.element_spec,
       batch_size=controller.batch_size,
+      fixed_batch=lower == upper,
     )
     try:
       # What the run is, agreed between processes; the workdir locked, its checkpoints opened and
@@ -523,6 +524,7 @@ class Trainer:
       mesh=mesh,
       layout=self.layout,
       upper=upper,
+      fixed_batch=lower == upper,
       first=first,
     )
     self._data = run_setup.make_data_loader(

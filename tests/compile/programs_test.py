@@ -9,6 +9,7 @@ import pytest
 import schedule_test
 from recording_compilers import RecordingCompiler
 
+import simigrad_jax
 from simigrad_jax.compile.fallback import TimedFallback
 from simigrad_jax.compile.policy import CompilePolicy
 from simigrad_jax.compile.policy import ExactPrograms
@@ -27,6 +28,8 @@ from simigrad_jax.compile.step_runner import StepRunner
 from simigrad_jax.shapes.layout import COMPILE_WINDOW_OCTAVES
 from simigrad_jax.trainer.config import CompileConfig
 from tiny_run import make_trainer
+from tiny_run import trainer_objects
+from tiny_run import trainer_with
 
 # 8 devices, 1 to 16 rows a device, 8 shapes an octave (rows 1, 2, ..., 16).
 LAYOUT = schedule_test.layout()
@@ -358,6 +361,69 @@ def test_a_run_on_one_shape_or_with_steps_on_one_shape_starts_on_its_fused_step(
   assert not starts_accumulating(one_shape)
   plans = CompileSchedule(one_shape, 0.5, [])
   assert fused(4) in plans.start(one_shape.plan(32), 0)
+
+
+# ------------------------------------------------------ a fixed batch compiles its own programs alone
+
+
+@pytest.mark.parametrize("shapes_per_step", [1, 3])
+def test_a_fixed_batch_admits_and_requests_its_plans_programs_alone(shapes_per_step):
+  held = schedule_test.layout_of(shapes_per_step, lower=32, upper=32)  # 4 rows a device
+  plans = CompileSchedule(held, 0.5, [], fixed_batch=True)
+  assert plans.start(held.plan(32), 0) == [fused(4)]  # no fallback: no step would run one
+  assert first_step_programs(held, held.plan(32), fixed_batch=True) == [fused(4)]
+  assert plans.choose(held.plan(32), 0) == held.plan(32)
+  assert plans.advance(held.plan(32), 0) == []  # no shape near it requested
+  partial = held.plan(20)  # an epoch's last batch: 3 rows a device, padded to the same shape
+  assert programs_of(partial) == [fused(4)] and plans.choose(partial, 1) == partial
+  assert plans.advance(partial, 1) == []
+  # The same batch in a run that may move it admits the fallback too.
+  assert len(CompileSchedule(held, 0.5, []).start(held.plan(32), 0)) == 3
+
+
+def test_a_fixed_batch_of_several_micro_steps_admits_those_and_the_update_alone():
+  held = schedule_test.layout_of(3, lower=200, upper=200)  # 25 rows a device: 16 + 8 + 1
+  plan = held.plan(200)
+  assert plan.micro_batch_sizes == (16, 8, 1)
+  plans = CompileSchedule(held, 0.5, [], fixed_batch=True)
+  assert sorted(plans.start(plan, 0)) == sorted(programs_of(plan))
+  assert plans.choose(plan, 0) == plan
+  # A run that may move the batch admits the largest shape's fused step beside them.
+  assert fused(16) in CompileSchedule(held, 0.5, []).start(plan, 0)
+
+
+def test_a_fixed_batch_queues_no_update_it_would_not_run():
+  held = schedule_test.layout_of(3, lower=32, upper=32)
+  compiler = RecordingCompiler(nothing_compiled(), threads=1)
+  scheduled = ScheduledFallback(
+    compiler, CompileSchedule(held, 0.5, [], fixed_batch=True), held, None
+  )
+  scheduled.start(32, 0)
+  for step in range(3):
+    scheduled.choose(held.plan(32), step, last=False)
+  queued = [program for programs, _ in compiler.calls for program in programs]
+  assert set(queued) == {fused(4)}
+  moving, compiler = scheduled_on(held, threads=1)
+  assert compiler.update.prefetches == 1  # queued at once where the batch may move
+
+
+def test_a_trainer_with_a_fixed_controller_compiles_one_program(tmp_path):
+  controller = simigrad_jax.make_controller("fixed", initial_batch_size=16)
+  for shapes_per_step in (1, 3):
+    workdir = tmp_path / str(shapes_per_step)
+    compile_config = CompileConfig(shapes_per_step=shapes_per_step)
+    objects = {**trainer_objects(workdir), "controller": controller}
+    settings = {"max_micro_batch_size": 4, "progress": False, "tensorboard": False}
+    with trainer_with(**objects, **settings, compile=compile_config) as trainer:
+      trainer.train(num_steps=8)
+      admitted = trainer._programs.policy.compiled_programs()["schedule"]["admitted"]
+      assert admitted == [["fused", 2, 0]]  # 2 rows a device on 8 devices
+      assert trainer.compile_stats()["compiles"] == 1
+    records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "micro_batch_size" in r]
+    assert len(steps) == 8 and {(r["batch_size"], r["micro_batch_size"]) for r in steps} == {
+      (16, 2)
+    }
 
 
 def scheduled_on(layout, threads):
