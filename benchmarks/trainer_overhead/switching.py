@@ -98,8 +98,12 @@ The recompile modes run on the Trainer's compile schedule (``steps_per_compile``
 steps per program, 4 by default, whatever the compiles' timing: see
 docs/compiling.md); ``--steps-per-compile N`` gives it another pace, so that a
 run can show how the waits after the first step fall as the schedule admits
-programs no sooner than they compile (or load). The JSON records the pace and
-the host's load average (1 minute) before and after the modes ran.
+programs no sooner than they compile (or load). ``--shapes-per-step N`` plans
+steps of up to N shapes on the grid the Trainer chooses for them (with
+``--steps-per-compile 64 --shapes-per-step 3``, the training scripts'
+settings) instead of one shape a step on the grid of halvings. The JSON
+records both and the host's load average (1 minute) before and after the
+modes ran.
 
 Usage::
 
@@ -207,6 +211,14 @@ def rule_sweep(lower: int, upper: int, steps: int) -> list[int]:
   return sizes
 
 
+def ran_grid(results_by_mode: dict[str, Any]) -> list[int] | None:
+  """The grid (rows per device) the first recompile mode ran on, or None when none ran."""
+  for mode, result in results_by_mode.items():
+    if mode != "pad":
+      return list(result["grid_micro_batch_sizes"])
+  return None
+
+
 def _run_as_process(args: argparse.Namespace) -> None:
   """One process of a multi-process mode: joins the others and runs ``args.modes`` (one mode)."""
   jax.distributed.initialize(
@@ -230,6 +242,7 @@ def _run_as_process(args: argparse.Namespace) -> None:
     workdir=root / "run",
     persistent_cache=args.persistent_cache,
     steps_per_compile=args.steps_per_compile,
+    shapes_per_step=args.shapes_per_step,
   )
   if result is not None:
     pathlib.Path(args.result_file).write_text(json.dumps(result))
@@ -286,6 +299,14 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     "(CompileConfig.steps_per_compile; default: the Trainer's)",
   )
   parser.add_argument(
+    "--shapes-per-step",
+    type=int,
+    default=None,
+    help="steps of up to N shapes on the grid the Trainer chooses for them "
+    "(CompileConfig.shapes_per_step, shapes_per_octave=None; default: one shape a step on the "
+    "grid of halvings)",
+  )
+  parser.add_argument(
     "--markdown",
     nargs="+",
     default=None,
@@ -298,6 +319,8 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
       flag, default=None, type=int if "process" in flag else str, help=argparse.SUPPRESS
     )
   args = parser.parse_args(argv)
+  if args.shapes_per_step is not None and not 1 <= args.shapes_per_step <= 4:
+    parser.error(f"--shapes-per-step {args.shapes_per_step}: expected 1 to 4 shapes a step")
   args.out = common.out_path(args.out, "switching", args.quick)
   common.apply_preset(
     args,
@@ -346,11 +369,16 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   shapes = bucket_shapes(
     BucketPolicy(args.max_micro_batch_size, 1), len(devices), args.lower, args.upper
   )
+  recompile_grid = (
+    f"grid {list(shapes)}"
+    if args.shapes_per_step is None
+    else f"steps of up to {args.shapes_per_step} shapes, on the Trainer's grid for them"
+  )
   print(
     f"{len(devices)} x {devices[0].platform} devices; {args.model} on digits "
     f"({len(data['label'])} examples); batch sizes {args.lower}..{args.upper} "
     f"(rule-paced sweep, {args.steps} steps per mode); max micro-batch "
-    f"{args.max_micro_batch_size}: recompile grid {list(shapes)}, pad shape "
+    f"{args.max_micro_batch_size}: recompile {recompile_grid}, pad shape "
     f"[{args.max_micro_batch_size}]",
     flush=True,
   )
@@ -383,6 +411,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
           workdir=workdir,
           persistent_cache=args.persistent_cache,
           steps_per_compile=args.steps_per_compile,
+          shapes_per_step=args.shapes_per_step,
         )
       result["workdir"] = None if cleanup else str(workdir)
       results_by_mode[mode] = result
@@ -405,11 +434,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     "lower": args.lower,
     "upper": args.upper,
     "max_micro_batch_size": args.max_micro_batch_size,
-    "micro_batch_grid": list(grid),
+    # The grid of halvings; with --shapes-per-step, the grid the recompile modes ran.
+    "micro_batch_grid": list(grid) if args.shapes_per_step is None else ran_grid(results_by_mode),
     "schedule": schedule,
     "quick": bool(args.quick),
     "persistent_cache": args.persistent_cache,
     "steps_per_compile": args.steps_per_compile or simigrad_jax.CompileConfig().steps_per_compile,
+    "shapes_per_step": args.shapes_per_step or 1,
     "load_average": [load_before, os.getloadavg()[0]],
     "primer_seconds": primer_seconds,
     "same_batch_sizes": len({tuple(r["batch_sizes"]) for r in results_by_mode.values()}) == 1,

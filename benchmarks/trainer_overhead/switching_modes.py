@@ -86,10 +86,14 @@ def run_mode(
   persistent_cache: str | None,
   steps_per_compile: float | None = None,
   seed: int = 0,
+  shapes_per_step: int | None = None,
 ) -> dict[str, Any] | None:
   """Trains ``len(schedule)`` steps in one mode; returns its numbers (None on process > 0).
 
   ``steps_per_compile``: the compile schedule's steps per program (None: the Trainer's default).
+  ``shapes_per_step``: steps of up to this many shapes, on the grid the Trainer chooses for them
+  (``shapes_per_octave=None``, as the training scripts run); None: one shape a step, on the grid
+  of halvings.
   """
   model = MODELS[model_name]()
   # Flax's first init of a model runs many small eager ops that compile once
@@ -120,7 +124,10 @@ def run_mode(
       compile=simigrad_jax.CompileConfig(
         mode="pad" if mode == "pad" else "recompile",
         min_micro_batch_size=1,
-        shapes_per_octave=1,  # the grid of halvings, its shapes listed in switching.py
+        # The grid of halvings, its shapes listed in switching.py; or the Trainer's choice for
+        # steps of several shapes.
+        shapes_per_octave=1 if shapes_per_step is None else None,
+        shapes_per_step=shapes_per_step or 1,
         fallback=mode != "recompile_wait",
         cache_dir=persistent_cache,
         **({} if steps_per_compile is None else {"steps_per_compile": steps_per_compile}),
@@ -191,6 +198,8 @@ def run_processes_mode(
     command += ["--persistent-cache", args.persistent_cache]
   if args.steps_per_compile is not None:
     command += ["--steps-per-compile", args.steps_per_compile]
+  if args.shapes_per_step is not None:
+    command += ["--shapes-per-step", args.shapes_per_step]
   result = local_processes.run_local_processes(
     command,
     num_processes=num_processes,

@@ -181,16 +181,18 @@ def format_table(results: dict[str, Any]) -> str:
 
 
 MARKDOWN_HEADER = (
-  "| pace | mode | compiled | loaded | compile s | waited s | wait share after step 1 "
-  "| steps that waited | fallback steps | padding | median step s | examples/s | load average |\n"
-  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+  "| pace | shapes a step | mode | compiled | loaded | compile s | waited s "
+  "| wait share after step 1 | steps that waited | fallback steps | padding | median step s "
+  "| examples/s | load average |\n"
+  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
 )
 
 
 def markdown_table(runs: Sequence[dict[str, Any]]) -> str:
   """A Markdown table of one row per mode of each run's JSON, in the order given.
 
-  The compile schedule's pace (steps per program), the programs compiled and
+  The compile schedule's pace (steps per program), the most shapes a step holds (1 for the runs
+  before the JSON recorded it: the grid of halvings), the programs compiled and
   those loaded from the persistent cache, the compile seconds, the seconds
   steps waited, the wait share after the first step, the steps that waited
   and those on a fallback shape, the padding, the median step, examples per
@@ -202,7 +204,8 @@ def markdown_table(runs: Sequence[dict[str, Any]]) -> str:
     for mode, result in run["modes"].items():
       loaded = result["compile_cache_hits"]
       lines.append(
-        f"| {run['steps_per_compile']:g} | `{mode}` | {result['compiles'] - loaded} | {loaded} "
+        f"| {run['steps_per_compile']:g} | {run.get('shapes_per_step', 1)} | `{mode}` "
+        f"| {result['compiles'] - loaded} | {loaded} "
         f"| {result['compile_seconds']:.1f} | {result['compile_wait_seconds']:.1f} "
         f"| {result['compile_wait_share_after_first_step']:.1%} "
         f"| {result['steps_that_waited']} | {result['compile_fallback_steps']} "

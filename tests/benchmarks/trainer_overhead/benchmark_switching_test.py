@@ -10,8 +10,15 @@ import pytest
 import simigrad_jax
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]
-# The runs docs/results.md's switching table shows: cold, warm, warm at 24 steps a program.
-DOCS_RUNS = ("switching", "switching_warm", "switching_warm_pace24")
+# The runs docs/results.md's switching table shows: cold, warm, warm at 24 steps a program, and
+# cold and warm at the training scripts' settings (64 steps a program, steps of up to 3 shapes).
+DOCS_RUNS = (
+  "switching",
+  "switching_warm",
+  "switching_warm_pace24",
+  "switching_scripts",
+  "switching_scripts_warm",
+)
 
 
 @pytest.fixture(scope="module")
@@ -78,12 +85,28 @@ def test_quick_run_schema(quick_run, devices):
   assert written["modes"]["recompile"]["examples"] == written["modes"]["pad"]["examples"]
   # How it ran: the schedule's pace (the Trainer's default here) and the host's load around it.
   assert written["steps_per_compile"] == simigrad_jax.CompileConfig().steps_per_compile
+  assert written["shapes_per_step"] == 1  # one shape a step, on the grid of halvings
+  assert written["micro_batch_grid"] == written["modes"]["recompile"]["grid_micro_batch_sizes"]
   assert len(written["load_average"]) == 2 and min(written["load_average"]) >= 0
 
 
 def test_steps_per_compile_is_read_from_the_command_line(switching):
   assert switching._parse_args(["--quick"]).steps_per_compile is None  # the Trainer's default
   assert switching._parse_args(["--quick", "--steps-per-compile", "12.5"]).steps_per_compile == 12.5
+
+
+def test_shapes_per_step_is_read_from_the_command_line_and_checked(switching, capsys):
+  assert switching._parse_args(["--quick"]).shapes_per_step is None  # one shape a step
+  assert switching._parse_args(["--quick", "--shapes-per-step", "3"]).shapes_per_step == 3
+  with pytest.raises(SystemExit):
+    switching._parse_args(["--quick", "--shapes-per-step", "5"])
+  assert "--shapes-per-step 5: expected 1 to 4" in capsys.readouterr().err
+
+
+def test_the_grid_recorded_with_shapes_per_step_is_the_one_the_recompile_modes_ran(switching):
+  ran = {"pad": {"grid_micro_batch_sizes": [300]}, "recompile": {"grid_micro_batch_sizes": [1, 3]}}
+  assert switching.ran_grid(ran) == [1, 3]
+  assert switching.ran_grid({"pad": ran["pad"]}) is None
 
 
 @pytest.mark.parametrize("mode", ["recompile", "recompile_wait", "recompile_2proc"])
