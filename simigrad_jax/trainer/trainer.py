@@ -469,6 +469,7 @@ class Trainer:
     self.mesh = mesh = Mesh(np.array(devices), (config.axis_name,)) if mesh is None else mesh
     specs = mesh_sharding.param_specs(param_sharding, params, mesh)
     self.layout = run_setup.make_layout(config, mesh.shape[config.axis_name], lower, upper)
+    fixed_batch = lower == upper  # the first step's programs and the schedule's must agree
     run_setup.check_whole_rows(config, controller, self.layout, lower, upper)
     self.halves, self.num_devices = self.layout.halves, self.layout.num_devices
     self.shapes = self.layout.device_grid  # the compiled micro-batch shapes, rows per device
@@ -486,7 +487,7 @@ class Trainer:
       mesh=mesh,
       element_spec=self.source.element_spec,
       batch_size=controller.batch_size,
-      fixed_batch=lower == upper,
+      fixed_batch=fixed_batch,
     )
     try:
       # What the run is, agreed between processes; the workdir locked, its checkpoints opened and
@@ -524,7 +525,7 @@ class Trainer:
       mesh=mesh,
       layout=self.layout,
       upper=upper,
-      fixed_batch=lower == upper,
+      fixed_batch=fixed_batch,
       first=first,
     )
     self._data = run_setup.make_data_loader(
