@@ -390,7 +390,13 @@ def _compare_at(
     _row(task, m.name, "best_constant", target["best_constant"], target, reached) for m in others
   ]
   vs_constant = {r["method"]: r for r in found if r is not None}
-  ramps = [m.name for m in others if m.kind == "ramp" and m.name in vs_constant]
+  # The best ramp and the best adaptive rule have the fewest mean steps to the target; one that
+  # misses it on some seed has an unbounded mean, and when every one does there is no best.
+  ramps = [
+    m.name
+    for m in others
+    if m.kind == "ramp" and m.name in vs_constant and math.isfinite(_mean_steps(reached[m.name]))
+  ]
   best_ramp = min(ramps, key=lambda n: _mean_steps(reached[n]), default=None)
   if best_ramp is not None:
     found += [
@@ -399,12 +405,14 @@ def _compare_at(
       if m.kind == "adaptive"
     ]
   rows = [r for r in found if r is not None]
-  adaptive = [r for r in rows if r["against"] == "best_constant" and r["method"] in _adaptive()]
-  best = min(
-    adaptive,
-    key=lambda r: math.inf if r["steps_ratio"] is None else r["steps_ratio"],
-    default=None,
-  )
+  adaptive = [
+    r
+    for r in rows
+    if r["against"] == "best_constant"
+    and r["method"] in _adaptive()
+    and r["steps_ratio"] is not None
+  ]
+  best = min(adaptive, key=lambda r: r["steps_ratio"], default=None)
   versus_ramp = next(
     (r for r in rows if best and r["method"] == best["method"] and r["against"] == "best_ramp"),
     None,

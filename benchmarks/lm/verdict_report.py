@@ -11,6 +11,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from benchmarks.lm import frontier
+from benchmarks.lm import protocol as P
 
 
 def _ratio(value: float | None, ci: Sequence[float | None] | None = None) -> str:
@@ -75,7 +76,7 @@ def decision_table(results: Mapping[str, Any]) -> str:
     vc, vr = d["adaptive_vs_constant"], d["adaptive_vs_ramp"]
     lines.append(
       f"| {d['target_budget_share']:g}: {d['target_loss']:.4f} | {d['best_constant']} | "
-      f"{d['best_ramp'] or '-'} | {d['best_adaptive'] or '-'} | "
+      f"{_best(results, d, 'best_ramp')} | {_best(results, d, 'best_adaptive')} | "
       + ("-" if vc is None else f"{_ratio(vc['steps_ratio'], vc['steps_ratio_ci'])} "
          f"({vc['outcome']})")
       + f" | {'-' if vc is None else _ratio(vc['tokens_ratio'])} | "
@@ -86,6 +87,23 @@ def decision_table(results: Mapping[str, Any]) -> str:
       + f" | {d['seeds']} |"
     )  # fmt: skip
   return "\n".join(lines)
+
+
+def _best(results: Mapping[str, Any], decision: Mapping[str, Any], key: str) -> str:
+  """The decision's best ramp or best adaptive rule (``key``); when there is none, why: every one
+  misses the target on some seed ("none on every seed"), or none has paired seeds yet ("-")."""
+  if decision[key] is not None:
+    return decision[key]
+  kind = "ramp" if key == "best_ramp" else "adaptive"
+  names = {m.name for m in P.ramp_and_adaptive_methods() if m.kind == kind}
+  compared = [
+    v
+    for v in results["verdicts"]
+    if v["against"] == "best_constant"
+    and v["target_budget_share"] == decision["target_budget_share"]
+    and v["method"] in names
+  ]
+  return "none on every seed" if compared else "-"
 
 
 def methods_table(results: Mapping[str, Any], against: str) -> str:

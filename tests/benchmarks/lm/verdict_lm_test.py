@@ -206,6 +206,33 @@ def test_a_partial_store_gives_wide_verdicts_and_none_before_evaluation():
   assert d["seeds"] == 2 and d["adaptive_vs_constant"]["seeds"] == 2
 
 
+def test_a_target_that_no_ramp_or_rule_reaches_on_every_seed_names_no_best_one():
+  """Every ramp and adaptive rule misses the full budget's target on some seed: neither the best
+  ramp nor the best rule is the first in the protocol's order (whose mean is as unbounded as the
+  others'): there is none, and the decision row says why."""
+  records = synthetic_store()
+  constants = {f"B={size}" for size in (8, 16, 32, 64)}
+  for r in records:  # 0.1 nats worse from the budget 1.0 on, on the odd seeds
+    if r["method"] not in constants and r["seed"] % 2 and r["budget_index"] >= 3:
+      r["final_val_loss"] += 0.1
+  results = frontier.analyse(records, "toy")
+  [full] = [d for d in results["decisions"] if d["target_budget_share"] == 1.0]
+  assert full["best_ramp"] is None and full["best_adaptive"] is None
+  assert full["adaptive_vs_constant"] is None and full["goal_vs_constant"] is None
+  at_full = [v for v in results["verdicts"] if v["target_budget_share"] == 1.0]
+  assert at_full and all(v["steps_ratio"] is None for v in at_full)
+  assert {v["reached"] for v in at_full} == {0, 5}  # the others are 0.3 nats worse everywhere
+  assert {v["against"] for v in at_full} == {"best_constant"}  # no ramp to compare with
+  [row] = [
+    line
+    for line in verdict_report.decision_table({**results, **_status()}).splitlines()
+    if line.startswith("| 1: ")
+  ]
+  assert row.split(" | ")[2:4] == ["none on every seed", "none on every seed"]
+  [half] = [d for d in results["decisions"] if d["target_budget_share"] == 0.5]
+  assert (half["best_ramp"], half["best_adaptive"]) == ("doubling_warmup@peak", "allowance@full")
+
+
 def test_the_order_tunes_the_constants_then_every_method_then_interleaves_the_seeds():
   records = []
   runs = frontier.Runs(records)
