@@ -8,10 +8,15 @@ settings); a store opened for another experiment is refused, naming what
 differs, so that runs of two comparisons never mix. A last line cut short
 by a kill is dropped. :meth:`RunStore.read_back` takes the runs of a
 finished comparison's JSON, so that one given a new setting trains only it.
+Several processes may append to one store at once (the LM verdict's
+workers): each line is written whole under an exclusive lock on the file,
+and the experiment's line only by the first; :meth:`RunStore.reload` reads
+back what the others appended.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import pathlib
@@ -58,20 +63,31 @@ class RunStore:
     self.resumed = 0
     if self.path is None:
       return
-    if self.path.exists():
-      lines = self.path.read_text(encoding="utf-8").splitlines()
-      header = json.loads(lines[0]) if lines else {}
-      self._check_experiment(header.get("experiment"), str(self.path))
-      for line in lines[1:]:
-        try:
-          entry = json.loads(line)
-        except json.JSONDecodeError:  # the last line, cut short by a kill
-          continue
-        self.runs[entry["key"]] = entry["run"]
-      self.resumed = len(self.runs)
-    else:
-      self.path.parent.mkdir(parents=True, exist_ok=True)
-      self._append({"experiment": self.experiment})
+    self.path.parent.mkdir(parents=True, exist_ok=True)
+    self._append({"experiment": self.experiment}, first_only=True)
+    self.reload()
+    self.resumed = len(self.runs)
+
+  def reload(self) -> int:
+    """Reads back the runs the file holds that this store lacks (another process's appends).
+
+    Returns:
+      How many were new.
+    """
+    if self.path is None:
+      return 0
+    lines = self.path.read_text(encoding="utf-8").splitlines()
+    header = json.loads(lines[0]) if lines else {}
+    self._check_experiment(header.get("experiment"), str(self.path))
+    new = 0
+    for line in lines[1:]:
+      try:
+        entry = json.loads(line)
+      except json.JSONDecodeError:  # the last line, cut short by a kill
+        continue
+      new += entry["key"] not in self.runs
+      self.runs[entry["key"]] = entry["run"]
+    return new
 
   def read_back(self, result: dict[str, Any], source: str) -> int:
     """Takes the runs of a finished comparison's JSON as if they had been trained here.
@@ -124,12 +140,20 @@ class RunStore:
       "delete it or write to another --out"
     )
 
-  def _append(self, entry: dict[str, Any]) -> None:
+  def _append(self, entry: dict[str, Any], first_only: bool = False) -> None:
+    """Appends ``entry`` as one line, whole, under an exclusive lock on the file (other
+    processes may append to it too); ``first_only``: only to an empty file (the header)."""
     assert self.path is not None
     with open(self.path, "a", encoding="utf-8") as f:
-      f.write(json.dumps(entry) + "\n")
-      f.flush()
-      os.fsync(f.fileno())
+      fcntl.flock(f, fcntl.LOCK_EX)
+      try:
+        if first_only and f.seek(0, os.SEEK_END) > 0:
+          return
+        f.write(json.dumps(entry) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+      finally:
+        fcntl.flock(f, fcntl.LOCK_UN)
 
   def get_or_run(
     self, spec: RunSpec, share: float, train: Callable[[], dict[str, Any]]

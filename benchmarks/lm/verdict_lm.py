@@ -19,6 +19,7 @@ Usage::
 
   python benchmarks/lm/verdict_lm.py --task shakespeare           # what the store lacks, in order
   python benchmarks/lm/verdict_lm.py --task all --max-frontiers 3  # stop after three frontiers
+  python benchmarks/lm/verdict_lm.py --task all --worker 1/2       # the second of two processes
   python benchmarks/lm/verdict_lm.py --task shakespeare --only method=allowance@full,seed=3
   python benchmarks/lm/verdict_lm.py --task shakespeare --only method=B=16,seed=0,lr=4
   python benchmarks/lm/verdict_lm.py --task shakespeare --analyse  # the JSON from the store
@@ -26,8 +27,11 @@ Usage::
   python benchmarks/lm/verdict_lm.py --task all --markdown         # docs/results.md's blocks
 
 ``--only`` runs one frontier: ``lr`` is the learning-rate multiplier, by
-default the method's tuned one. ``benchmarks/lm/run_lm_verdict.sh`` runs
-both tasks in the background at low priority.
+default the method's tuned one. ``--worker I/N`` shares the evaluation
+frontiers among N processes on the same stores (a frontier's numbers do not
+depend on which process ran it, nor on the machine's load).
+``benchmarks/lm/run_lm_verdict.sh`` runs both tasks in the background at low
+priority, in ``LM_WORKERS`` such processes (2 by default).
 """
 
 from __future__ import annotations
@@ -74,7 +78,7 @@ def branch_key(method: str, multiplier: float, seed: int, budget_index: int) -> 
   return json.dumps([method, f"{multiplier:g}", seed, budget_index])
 
 
-def pending(runs: frontier.Runs) -> list[Frontier]:
+def pending(runs: frontier.Runs, worker: tuple[int, int] = (0, 1)) -> list[Frontier]:
   """The frontiers still to run, in the protocol's order.
 
   First the constant sizes' tuning (``B_0`` comes from it), then every
@@ -82,25 +86,35 @@ def pending(runs: frontier.Runs) -> list[Frontier]:
   seed 2, and so on. Tuning comes out a step at a time (which learning rate
   or size is next depends on the losses so far), so the list is recomputed
   after each frontier.
+
+  Args:
+    runs: the task's runs so far.
+    worker: ``(i, n)``: worker ``i`` of ``n`` processes that share the store
+      takes every ``n``-th evaluation frontier from its ``i``-th (counted in
+      the whole list, done or not, so the workers' shares never meet); the
+      tuning, which follows the losses one frontier at a time, is worker 0's
+      alone (the others have none pending until it ends).
   """
+  index, count = worker
   constants = runs.constant_tuning()
   if constants["to_tune"]:
-    return [
+    tuning = [
       (f"B={b}", m, P.TUNING_SEED)
       for b in constants["to_tune"]
       for m in runs.tune(f"B={b}")["to_run"]
     ]
+    return tuning if index == 0 else []
   methods = [m.name for m in P.ramp_and_adaptive_methods()]
   tuning = [(n, m, P.TUNING_SEED) for n in methods for m in runs.tune(n)["to_run"]]
   if tuning:
-    return tuning
+    return tuning if index == 0 else []
   tuned = {f"B={b}": constants["per_size"][str(b)]["best"] for b in constants["sizes"]}
   tuned |= {n: runs.tune(n)["best"] for n in methods}
+  evaluation = [
+    (name, multiplier, seed) for seed in P.EVALUATION_SEEDS for name, multiplier in tuned.items()
+  ]
   return [
-    (name, multiplier, seed)
-    for seed in P.EVALUATION_SEEDS
-    for name, multiplier in tuned.items()
-    if runs.frontier(name, multiplier, seed) is None
+    one for i, one in enumerate(evaluation) if i % count == index and runs.frontier(*one) is None
   ]
 
 
@@ -295,6 +309,24 @@ def parse_only(text: str) -> tuple[str, int, float | None]:
   return fields["method"], seed, lr
 
 
+def parse_worker(text: str) -> tuple[int, int]:
+  """``I/N`` (worker ``I`` of ``N``, 0 <= I < N) as ``(I, N)``.
+
+  Example:
+    >>> parse_worker("1/2")
+    (1, 2)
+  """
+  try:
+    index, count = (int(part) for part in text.split("/"))
+  except ValueError:
+    index, count = -1, 0
+  if not 0 <= index < count:
+    raise argparse.ArgumentTypeError(
+      f"--worker {text!r}: give I/N, worker I of N processes, with 0 <= I < N (e.g. 1/2)"
+    )
+  return index, count
+
+
 def _parse_args(argv: Sequence[str] | None, tasks: Mapping[str, P.Task]) -> argparse.Namespace:
   p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
   p.add_argument(
@@ -312,6 +344,13 @@ def _parse_args(argv: Sequence[str] | None, tasks: Mapping[str, P.Task]) -> argp
     "docs/lm_<task>.png from the JSON",
   )
   p.add_argument("--max-frontiers", type=int, default=None, help="stop after this many frontiers")
+  p.add_argument(
+    "--worker",
+    type=parse_worker,
+    default=(0, 1),
+    help="I/N: one of N processes sharing the stores, running every N-th evaluation frontier "
+    "from the I-th (the tuning is worker 0's); default 0/1",
+  )
   p.add_argument("--results", default=str(RESULTS), help="where lm_<task>.json and stores go")
   p.add_argument(
     "--state-dir",
@@ -342,11 +381,12 @@ def _run_task(
     trained += 1
   elif not args.analyse:
     while args.max_frontiers is None or trained_before + trained < args.max_frontiers:
-      todo = pending(frontier.Runs(runner.records))
+      todo = pending(frontier.Runs(runner.records), args.worker)
       if not todo:
         break
       runner.run(*todo[0])
       trained += 1
+  runner.store.reload()  # (other workers' runs too)
   write_json(runner.results(), out)
   print(f"wrote {out}", flush=True)
   return trained

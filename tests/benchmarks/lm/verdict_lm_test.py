@@ -233,6 +233,62 @@ def test_a_target_that_no_ramp_or_rule_reaches_on_every_seed_names_no_best_one()
   assert (half["best_ramp"], half["best_adaptive"]) == ("doubling_warmup@peak", "allowance@full")
 
 
+def test_workers_share_the_evaluation_frontiers_and_leave_the_tuning_to_the_first():
+  runs = frontier.Runs(synthetic_store(seeds=(1,)))  # tuned, seed 1 done: seeds 2 to 10 left
+  whole = verdict_lm.pending(runs)
+  shares = [verdict_lm.pending(runs, (i, 3)) for i in range(3)]
+  assert sorted(sum(shares, [])) == sorted(whole) and len(whole) == 9 * 16
+  assert all(not set(a) & set(b) for a in shares for b in shares if a is not b)
+  assert [len(share) for share in shares] == [48, 48, 48]
+  # A worker's share does not move as frontiers finish: counted in the whole list.
+  done = frontier.Runs(synthetic_store(seeds=(1, 2)))
+  assert verdict_lm.pending(done, (1, 3)) == [f for f in shares[1] if f[2] != 2]
+  tuning = frontier.Runs([r for r in synthetic_store(seeds=()) if r["method"] != "gns@full"])
+  assert verdict_lm.pending(tuning, (0, 2)) == verdict_lm.pending(tuning)
+  assert verdict_lm.pending(tuning)[0][0] == "gns@full" and verdict_lm.pending(tuning, (1, 2)) == []
+
+
+@pytest.mark.parametrize("text", ["2/2", "1", "a/b", "-1/2", "0/0"])
+def test_a_worker_out_of_range_is_refused_naming_what_is_valid(text):
+  with pytest.raises(Exception, match=r"give I/N, worker I of N processes, with 0 <= I < N"):
+    verdict_lm.parse_worker(text)
+
+
+def test_processes_appending_to_one_store_at_once_write_whole_lines(tmp_path):
+  """Two processes append long lines (curves of thousands of points) to one store at once: every
+  line reads back whole, each store sees the other's after a reload, and the header is written
+  once."""
+  import subprocess  # pylint: disable=import-outside-toplevel
+  import sys  # pylint: disable=import-outside-toplevel
+
+  path = tmp_path / "runs.jsonl"
+  code = (
+    "import sys\n"
+    "from benchmarks.lm.run_store import RunStore\n"
+    f"store = RunStore({str(path)!r}, {{'task': 'toy'}})\n"
+    "for i in range(40):\n"
+    "  store.put(f'{sys.argv[1]}-{i}', {'curve': [[i, i, 0.5]] * 3000})\n"
+  )
+  root = str(pathlib_root())
+  writers = [
+    subprocess.Popen([sys.executable, "-c", code, name], cwd=root) for name in ("a", "b", "c")
+  ]
+  assert [w.wait(timeout=120) for w in writers] == [0, 0, 0]
+  lines = path.read_text().splitlines()
+  assert len(lines) == 1 + 3 * 40 and json.loads(lines[0]) == {"experiment": {"task": "toy"}}
+  store = RunStore(path, {"task": "toy"})
+  assert len(store.runs) == 120 and store.runs["b-39"]["curve"][-1] == [39, 39, 0.5]
+  other = RunStore(path, {"task": "toy"})
+  other.put("d-0", {"curve": []})
+  assert store.reload() == 1 and "d-0" in store.runs and store.reload() == 0
+
+
+def pathlib_root():
+  import pathlib  # pylint: disable=import-outside-toplevel
+
+  return pathlib.Path(verdict_lm.__file__).resolve().parents[2]
+
+
 def test_the_order_tunes_the_constants_then_every_method_then_interleaves_the_seeds():
   records = []
   runs = frontier.Runs(records)
@@ -321,18 +377,22 @@ def test_the_launcher_runs_at_low_priority_and_goes_on_after_a_stop(tmp_path):
   import pathlib  # pylint: disable=import-outside-toplevel
   import subprocess  # pylint: disable=import-outside-toplevel
 
-  fake = tmp_path / "python"  # fails its first call, as a killed run would
+  fake = tmp_path / "python"  # each worker's first call fails, as a killed run would
   fake.write_text(
     f'#!/bin/sh\necho "$@ nice=$(nice)" >> {tmp_path}/calls\n'
-    f"[ -e {tmp_path}/once ] || {{ touch {tmp_path}/once; exit 9; }}\n"
+    f"w=$(echo \"$@\" | sed 's/.*--worker \\([0-9]*\\).*/\\1/')\n"
+    f"[ -e {tmp_path}/once$w ] || {{ touch {tmp_path}/once$w; exit 9; }}\n"
   )
   fake.chmod(0o755)
   script = pathlib.Path(verdict_lm.__file__).with_name("run_lm_verdict.sh")
   env = {"PATH": "/usr/bin:/bin", "PYTHON": str(fake), "LM_LOGS": str(tmp_path / "logs")}
   assert subprocess.run([str(script), "--foreground"], env=env, check=False).returncode == 0
-  calls = (tmp_path / "calls").read_text().splitlines()
-  assert calls == ["benchmarks/lm/verdict_lm.py --task all nice=19"] * 2
-  assert "stopped (exit 9); resuming" in (tmp_path / "logs/lm_verdict.log").read_text()
+  calls = sorted((tmp_path / "calls").read_text().splitlines())
+  assert calls == [
+    f"benchmarks/lm/verdict_lm.py --task all --worker {w}/2 nice=19" for w in (0, 0, 1, 1)
+  ]  # two workers by default, each called again after its stop
+  for log in ("lm_verdict.log", "lm_verdict.1.log"):
+    assert "stopped (exit 9); resuming" in (tmp_path / "logs" / log).read_text()
   assert int((tmp_path / "logs/run_lm_verdict.pgid").read_text()) > 0
 
 
