@@ -83,13 +83,12 @@ def test_unknown_names_are_refused():
     cold_start.parse_args(["--recipes", "mnist"])
 
 
-def test_the_docs_table_is_the_committed_json():
-  result_path = ROOT / "benchmarks" / "results" / "cold_start.json"
+@pytest.mark.parametrize("name", ["cold_start", "cold_start_lm_seeds"])
+def test_the_docs_table_is_the_committed_json(name):
+  result_path = ROOT / "benchmarks" / "results" / f"{name}.json"
   page = (ROOT / "docs" / "results.md").read_text()
-  command = (
-    "python benchmarks/cold_start/cold_start.py --markdown benchmarks/results/cold_start.json"
-  )
-  start, end = f"<!-- cold_start table: {command} -->\n", "\n<!-- end cold_start table -->"
+  command = f"python benchmarks/cold_start/cold_start.py --markdown benchmarks/results/{name}.json"
+  start, end = f"<!-- {name} table: {command} -->\n", f"\n<!-- end {name} table -->"
   assert start in page and end in page, "docs/results.md lost the markers of the cold-start table"
   block = page[page.index(start) + len(start) : page.index(end)]
   assert block == cold_start.markdown(json.loads(result_path.read_text())), (
