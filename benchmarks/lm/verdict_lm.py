@@ -262,9 +262,10 @@ class TaskRunner:
 
 
 def write_json(results: Mapping[str, Any], path: pathlib.Path) -> None:
-  """Writes ``results`` to ``path`` at once (a kill leaves the previous file whole)."""
+  """Writes ``results`` to ``path`` at once (a kill leaves the previous file whole; of workers
+  writing it together, each writes a file of its own and the last replaces it whole)."""
   path.parent.mkdir(parents=True, exist_ok=True)
-  partial = path.with_name(path.name + ".partial")
+  partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
   partial.write_text(json.dumps(results, indent=1, allow_nan=False) + "\n", "utf-8")
   os.replace(partial, path)
 

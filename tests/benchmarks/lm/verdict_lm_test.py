@@ -283,6 +283,28 @@ def test_processes_appending_to_one_store_at_once_write_whole_lines(tmp_path):
   assert store.reload() == 1 and "d-0" in store.runs and store.reload() == 0
 
 
+def test_workers_writing_a_tasks_json_at_once_leave_it_whole(tmp_path):
+  """Each worker writes the task's JSON when its share ends, maybe as another does: every write
+  goes through a file of its own, so none fails and the JSON reads whole."""
+  import subprocess  # pylint: disable=import-outside-toplevel
+  import sys  # pylint: disable=import-outside-toplevel
+
+  out = tmp_path / "lm_toy.json"
+  code = (
+    "import pathlib\n"
+    "from benchmarks.lm import verdict_lm\n"
+    "for i in range(60):\n"
+    f"  verdict_lm.write_json({{'runs': [[i] * 20000]}}, pathlib.Path({str(out)!r}))\n"
+  )
+  writers = [
+    subprocess.Popen([sys.executable, "-c", code], cwd=pathlib_root(), stderr=subprocess.PIPE)
+    for _ in range(3)
+  ]
+  assert [w.wait(timeout=120) for w in writers] == [0, 0, 0], writers[0].stderr.read()
+  assert len(json.loads(out.read_text())["runs"][0]) == 20000
+  assert [p.name for p in tmp_path.iterdir()] == ["lm_toy.json"]  # no partial file left
+
+
 def pathlib_root():
   import pathlib  # pylint: disable=import-outside-toplevel
 
