@@ -10,14 +10,16 @@ import pytest
 import simigrad_jax
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]
-# The runs docs/results.md's switching table shows: cold, warm, warm at 24 steps a program, and
-# cold and warm at the training scripts' settings (64 steps a program, steps of up to 3 shapes).
+# The runs docs/results.md's switching table shows: cold, warm, warm at 24 steps a program,
+# cold and warm at the training scripts' settings (64 steps a program, steps of up to 3 shapes),
+# and one process cold at those settings again.
 DOCS_RUNS = (
   "switching",
   "switching_warm",
   "switching_warm_pace24",
   "switching_scripts",
   "switching_scripts_warm",
+  "switching_scripts_rerun",
 )
 
 
