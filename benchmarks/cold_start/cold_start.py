@@ -36,7 +36,9 @@ prints docs/results.md's table of a result.
 
 The same script runs on a GPU host (``--device gpu``, or ``auto``: the
 accelerators when there are any); ``--steps`` and ``--seeds 1`` make a
-reduced run.
+reduced run. ``--set NAME=VALUE`` (repeatable) gives every run one more
+training-script setting after its variant's, e.g. ``--set
+steps_per_compile=256`` to weigh the compile schedule's pace.
 """
 
 from __future__ import annotations
@@ -103,6 +105,7 @@ def run_command(
     "tensorboard": False,
     "compilation_cache_dir": cache_dir,
     **VARIANTS[variant],
+    **args.set,
   }
   if args.steps is not None:
     options["num_steps"] = args.steps
@@ -331,10 +334,25 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     "--workdir", default=None, help="where the runs go (default: a temporary dir)"
   )
   parser.add_argument(
+    "--set",
+    metavar="NAME=VALUE",
+    action="append",
+    default=[],
+    help="one more training-script setting for every run, after its variant's (repeatable), "
+    "e.g. steps_per_compile=256",
+  )
+  parser.add_argument(
     "--markdown", metavar="JSON", default=None, help="print the docs table of a result and exit"
   )
   common.add_out_flag(parser, "cold_start", quick=False)
   args = parser.parse_args(argv)
+  settings = {}
+  for text in args.set:
+    name, equals, value = text.partition("=")
+    if not (name and equals and value):
+      parser.error(f"--set {text!r}: give NAME=VALUE, a training-script setting and its value")
+    settings[name] = value
+  args.set = settings
   args.recipes = _names(args.recipes, RECIPES, "--recipes")
   args.variants = _names(args.variants, VARIANTS, "--variants")
   args.caches = _names(args.caches, CACHES, "--caches")
@@ -363,6 +381,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     "settings": {
       "recipes": {name: RECIPES[name] for name in args.recipes},
       "variants": {name: VARIANTS[name] for name in args.variants},
+      "set": args.set,
       "seeds": args.seeds,
       "steps": args.steps,
       "device": args.device,

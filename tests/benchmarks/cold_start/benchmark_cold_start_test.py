@@ -78,6 +78,17 @@ def test_paired_ratios_and_spreads_come_from_the_same_seed():
   assert list(rows) == ["adaptive", "fixed"]  # the order of VARIANTS
 
 
+def test_a_setting_given_with_set_reaches_every_runs_command_after_its_variants():
+  args = cold_start.parse_args(["--set", "steps_per_compile=256", "--set", "whole_rows=True"])
+  assert args.set == {"steps_per_compile": "256", "whole_rows": "True"}
+  before = cold_start.run_command("lm", "before", 0, "w", "c", args)
+  assert before.index("--config.steps_per_compile=256") > before.index("--config.shapes_per_step=1")
+  assert "--config.steps_per_compile=4.0" not in before  # the variant's own, replaced
+  assert "--config.whole_rows=True" in cold_start.run_command("demo", "fixed", 1, "w", "c", args)
+  with pytest.raises(SystemExit):
+    cold_start.parse_args(["--set", "steps_per_compile"])
+
+
 def test_unknown_names_are_refused():
   with pytest.raises(SystemExit, match="--recipes='mnist': choose from"):
     cold_start.parse_args(["--recipes", "mnist"])
