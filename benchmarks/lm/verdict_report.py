@@ -42,7 +42,8 @@ def status(results: Mapping[str, Any]) -> str:
     f"{results['task']}: {results['frontiers_finished']} frontiers finished, "
     f"{results['frontiers_pending']} pending at least (tuning still widens the list); "
     f"evaluation seeds per method so far: {seen} of {len(results['evaluation_seeds_planned'])}; "
-    f"{results['train_seconds'] / 3600:.1f} h of training."
+    f"{results['train_seconds'] / 3600:.1f} h of training (each run's seconds, summed: runs "
+    "side by side count each)."
   )
 
 
