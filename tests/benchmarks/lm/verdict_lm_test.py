@@ -2,6 +2,7 @@
 
 import json
 import math
+import pathlib
 import re
 from unittest import mock
 
@@ -15,6 +16,7 @@ from benchmarks.lm import verdict_plot
 from benchmarks.lm import verdict_report
 from benchmarks.lm.run_store import RunStore
 
+ROOT = pathlib.Path(__file__).resolve().parents[3]
 SHARES = P.BUDGET_SHARES
 
 
@@ -269,7 +271,7 @@ def test_processes_appending_to_one_store_at_once_write_whole_lines(tmp_path):
     "for i in range(40):\n"
     "  store.put(f'{sys.argv[1]}-{i}', {'curve': [[i, i, 0.5]] * 3000})\n"
   )
-  root = str(pathlib_root())
+  root = str(ROOT)
   writers = [
     subprocess.Popen([sys.executable, "-c", code, name], cwd=root) for name in ("a", "b", "c")
   ]
@@ -297,18 +299,12 @@ def test_workers_writing_a_tasks_json_at_once_leave_it_whole(tmp_path):
     f"  verdict_lm.write_json({{'runs': [[i] * 20000]}}, pathlib.Path({str(out)!r}))\n"
   )
   writers = [
-    subprocess.Popen([sys.executable, "-c", code], cwd=pathlib_root(), stderr=subprocess.PIPE)
+    subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stderr=subprocess.PIPE)
     for _ in range(3)
   ]
   assert [w.wait(timeout=120) for w in writers] == [0, 0, 0], writers[0].stderr.read()
   assert len(json.loads(out.read_text())["runs"][0]) == 20000
   assert [p.name for p in tmp_path.iterdir()] == ["lm_toy.json"]  # no partial file left
-
-
-def pathlib_root():
-  import pathlib  # pylint: disable=import-outside-toplevel
-
-  return pathlib.Path(verdict_lm.__file__).resolve().parents[2]
 
 
 def test_the_order_tunes_the_constants_then_every_method_then_interleaves_the_seeds():
@@ -396,7 +392,6 @@ def test_a_frontier_runs_resumes_after_a_kill_and_repeats_exactly(tiny):
 
 
 def test_the_launcher_runs_at_low_priority_and_goes_on_after_a_stop(tmp_path):
-  import pathlib  # pylint: disable=import-outside-toplevel
   import subprocess  # pylint: disable=import-outside-toplevel
 
   fake = tmp_path / "python"  # each worker's first call fails, as a killed run would
@@ -419,9 +414,7 @@ def test_the_launcher_runs_at_low_priority_and_goes_on_after_a_stop(tmp_path):
 
 
 def test_the_docs_blocks_are_the_committed_json():
-  import pathlib  # pylint: disable=import-outside-toplevel
-
-  root = pathlib.Path(verdict_lm.__file__).resolve().parents[2]
+  root = ROOT
   text = (root / "docs" / "results.md").read_text("utf-8")
   command = "python benchmarks/lm/verdict_lm.py --task all --analyse --update-docs"
   start, end = verdict_lm.DOCS_MARKERS
