@@ -444,6 +444,12 @@ def _lm_verdict_phrases() -> list[str]:
   c, r = "best_constant", "best_ramp"
   gns_vs_ramp = [verdicts[("gns@full", r, b)] for b in (0.125, 0.25, 0.5)]
   reached_at_full = [v["reached"] for v in results["verdicts"] if v["target_budget_share"] == 1.0]
+  [comparator_at_full] = {
+    v["comparator_reached"] for v in results["verdicts"] if v["target_budget_share"] == 1.0
+  }
+  assert {v["outcome"] for v in results["verdicts"] if v["target_budget_share"] == 1.0} == {
+    "neither reaches"
+  }
   needed = results["runs_needed"]
   adaptive_runs = sorted(
     {needed[m]["total_runs"] for m in needed if m.split("@")[0] in ("allowance", "simigrad", "gns")}
@@ -465,6 +471,8 @@ def _lm_verdict_phrases() -> list[str]:
     f"{tokens('doubling_warmup@peak', c, 0.25)}, then {ratio('doubling_warmup@peak', c, 0.5, False)}"
     f" with {tokens('doubling_warmup@peak', c, 0.5)}",
     f"at most {max(reached_at_full)} of the 10 seeds do",
+    f"B=4 itself reaches it on {comparator_at_full}",
+    f"ties at 0.5 ({ratio('allowance@peak', c, 0.5)}, with {tokens('allowance@peak', c, 0.5)})",
     f"takes {ratio('simigrad@full', r, 0.125)} the doubling warmup's steps at 0.125 and "
     f"{ratio('simigrad@full', r, 0.25)} at 0.25, and {ratio('simigrad@full', r, 0.5)} at 0.5 "
     f"({verdicts[('simigrad@full', r, 0.5)]['outcome']})",

@@ -154,14 +154,25 @@ def ratio_interval(
   The seeds are resampled with replacement
   (:data:`~benchmarks.lm.protocol.BOOTSTRAP_RESAMPLES` times, from a fixed
   seed); the interval holds the middle
-  :data:`~benchmarks.lm.protocol.CONFIDENCE` of the resampled ratios (a
-  resample where both never reach counts as unbounded). With one seed the
-  interval is unbounded.
+  :data:`~benchmarks.lm.protocol.CONFIDENCE` of the resampled ratios. With
+  one seed the interval is unbounded.
+
+  A mean is unbounded where a seed never reaches the target. A finite mean
+  over an unbounded one is 0, an unbounded one over a finite one inf; where
+  both are unbounded (the comparator too misses the target on some seed)
+  there is no ratio, and ratio and interval are NaN (:func:`outcome`:
+  ``"neither reaches"``). Only then can a resample hold both unbounded.
 
   Returns:
-    ``(ratio, lo, hi)``; inf where a mean is.
+    ``(ratio, lo, hi)``.
+
+  Example:
+    >>> ratio_interval([1.0, math.inf], [2.0, math.inf])
+    (nan, nan, nan)
   """
   a, c = np.asarray(values, np.float64), np.asarray(reference, np.float64)
+  if math.isinf(a.mean()) and math.isinf(c.mean()):
+    return math.nan, math.nan, math.nan
   ratio = _ratio(a.mean(), c.mean())
   if a.size < 2:
     return ratio, 0.0, math.inf
@@ -169,7 +180,6 @@ def ratio_interval(
   picks = rng.integers(0, a.size, (P.BOOTSTRAP_RESAMPLES, a.size))
   with np.errstate(invalid="ignore", divide="ignore"):
     ratios = a[picks].mean(1) / c[picks].mean(1)
-  ratios = np.where(np.isnan(ratios), np.inf, ratios)
   tail = (1.0 - P.CONFIDENCE) / 2
   lo = float(np.quantile(ratios, tail, method="lower"))
   hi = float(np.quantile(ratios, 1.0 - tail, method="higher"))
@@ -300,7 +310,7 @@ def analyse(records: Sequence[Mapping[str, Any]], task: str) -> dict[str, Any]:
     "b0": constants["b0"],
     "tuned_multipliers": dict(tuned),
     "evaluation_seeds": {k: sorted(v) for k, v in frontiers.items()},
-    "targets": [{k: v for k, v in t.items() if k != "seeds"} for t in targets],
+    "targets": [{k: v for k, v in t.items() if k not in ("seeds", "mean_loss")} for t in targets],
     "verdicts": verdicts,
     "decisions": decisions,
     "runs_needed": runs_needed(tuning, frontiers, verdicts),
@@ -329,6 +339,7 @@ def _targets(
         "budget_index": k,
         "budget_share": P.BUDGET_SHARES[k],
         "loss": round(means[best], 6),
+        "mean_loss": means[best],  # the target itself, unrounded: what the steps are read at
         "best_constant": best,
         "constant_losses": {n: round(v, 6) for n, v in means.items()},
         "seeds": seeds,
@@ -365,12 +376,19 @@ def _row(
     "tokens_ratio_ci": [_finite(tokens[1]), _finite(tokens[2])],
     "seeds": len(seeds),
     "reached": sum(math.isfinite(mine[s][0]) for s in seeds),
+    "comparator_reached": sum(math.isfinite(theirs[s][0]) for s in seeds),
     "outcome": outcome(steps[1], steps[2]),
   }
 
 
+NEITHER_REACHES = "neither reaches"
+
+
 def outcome(lo: float, hi: float) -> str:
-  """``"fewer steps"`` when the interval lies below 1, ``"more steps"`` above, else ``"ties"``."""
+  """``"fewer steps"`` when the interval lies below 1, ``"more steps"`` above, else ``"ties"``;
+  :data:`NEITHER_REACHES` for the NaN interval of two unbounded means (:func:`ratio_interval`)."""
+  if math.isnan(lo) or math.isnan(hi):
+    return NEITHER_REACHES
   if hi < 1.0:
     return "fewer steps"
   if lo > 1.0:
@@ -383,7 +401,7 @@ def _compare_at(
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
   """Every ramp and adaptive rule against the best constant batch, and the adaptive rules against
   the best ramp, at one target; and the decision there."""
-  loss = target["loss"]
+  loss = target["mean_loss"]
   reached = {name: _to_target(frontiers, name, loss) for name in frontiers}
   others = [m for m in P.ramp_and_adaptive_methods() if m.name in frontiers and reached[m.name]]
   found = [
@@ -490,7 +508,9 @@ def runs_needed(
       "total_runs": own + evaluation,
       "with_the_choice_of_ramp": ramp_tuning + evaluation if is_ramp else None,
       "settled_targets": sum(
-        v["method"] == name and v["against"] == "best_constant" and v["outcome"] != "ties"
+        v["method"] == name
+        and v["against"] == "best_constant"
+        and v["outcome"] in ("fewer steps", "more steps")
         for v in verdicts
       ),
     }

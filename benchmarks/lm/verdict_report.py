@@ -112,14 +112,20 @@ def methods_table(results: Mapping[str, Any], against: str) -> str:
 
   A cell gives the steps ratio with its 95% interval and the tokens ratio; against the best
   constant batch, "goal" marks a cell that meets the goal (``frontier.meets_goal``). A method
-  that misses the target on some paired seed reads "never" with the seeds that reached it.
+  that misses the target on some paired seed reads "never" with the seeds that reached it, or
+  "neither on every seed" where its comparator misses it on some seed too (no ratio).
   """
   budgets = [t["budget_share"] for t in results["targets"]]
   cells: dict[str, dict[float, str]] = {}
   for v in results["verdicts"]:
     if v["against"] != against:
       continue
-    if v["steps_ratio"] is None:
+    if v["outcome"] == frontier.NEITHER_REACHES:
+      cell = (
+        f"neither on every seed ({v['reached']} of {v['seeds']} seeds reached it, "
+        f"{v['comparator']} {v['comparator_reached']})"
+      )
+    elif v["steps_ratio"] is None:
       cell = f"never ({v['reached']} of {v['seeds']} seeds reached it)"
     else:
       cell = f"{_ratio(v['steps_ratio'], v['steps_ratio_ci'])}, tokens {_ratio(v['tokens_ratio'])}"

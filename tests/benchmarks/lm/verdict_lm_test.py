@@ -73,6 +73,10 @@ def test_the_bootstrap_interval_holds_the_ratio_and_widens_with_the_spread():
   assert ratio == pytest.approx(0.5) and lo < 0.5 < hi and lo >= 0.3 and hi <= 0.7
   assert frontier.ratio_interval([4, math.inf], [10, 10])[2] == math.inf  # a seed never reached
   assert frontier.ratio_interval([4], [10])[1:] == (0.0, math.inf)  # one seed: no interval
+  # Both means unbounded: no ratio and no interval, not an unbounded one ("more steps").
+  assert all(math.isnan(x) for x in frontier.ratio_interval([4, math.inf], [math.inf, 10]))
+  assert frontier.outcome(math.nan, math.nan) == frontier.NEITHER_REACHES
+  assert frontier.outcome(1.2, math.inf) == "more steps"
 
 
 def synthetic_store(seeds=range(1, 11)):
@@ -233,6 +237,40 @@ def test_a_target_that_no_ramp_or_rule_reaches_on_every_seed_names_no_best_one()
   assert row.split(" | ")[2:4] == ["none on every seed", "none on every seed"]
   [half] = [d for d in results["decisions"] if d["target_budget_share"] == 0.5]
   assert (half["best_ramp"], half["best_adaptive"]) == ("doubling_warmup@peak", "allowance@full")
+
+
+def test_a_best_constant_that_misses_its_own_target_on_some_seed_settles_nothing_there():
+  """The target is the best constant batch's mean loss, so some of its seeds may end above it. A
+  method that misses the target on some seed too has no ratio to it: neither reaches it on every
+  seed, which is neither "fewer" nor "more steps"."""
+  records = synthetic_store()
+  for r in records:  # B=16's seeds 9 and 10 end 0.05 nats worse from the budget 1.0 on
+    if r["method"] == "B=16" and r["seed"] in (9, 10) and r["budget_index"] >= 3:
+      r["final_val_loss"] += 0.05
+  results = frontier.analyse(records, "toy")
+  [full] = [t for t in results["targets"] if t["budget_share"] == 1.0]
+  assert full["best_constant"] == "B=16" and "mean_loss" not in full
+  at_full = {
+    v["method"]: v
+    for v in results["verdicts"]
+    if v["target_budget_share"] == 1.0 and v["against"] == "best_constant"
+  }
+  neither = at_full["gns@full"]  # 0.3 nats worse: never reaches it
+  assert (neither["reached"], neither["comparator_reached"], neither["seeds"]) == (0, 8, 10)
+  assert neither["steps_ratio"] is None and neither["steps_ratio_ci"] == [None, None]
+  assert neither["outcome"] == frontier.NEITHER_REACHES
+  reaches = at_full["allowance@full"]  # reaches it on every seed, so its mean is below
+  assert reaches["steps_ratio"] == 0.0 and reaches["outcome"] == "fewer steps"
+  # gns@full's earlier targets (never reached, B=16 reaching them) each settle "more steps".
+  assert results["runs_needed"]["gns@full"]["settled_targets"] == 3
+  rows = {
+    line.split(" | ")[0][2:]: line.split(" | ")[1:]
+    for line in verdict_report.methods_table(results, "best_constant").splitlines()[2:]
+  }
+  last = [t["budget_share"] for t in results["targets"]].index(1.0)
+  assert rows["gns@full"][last].startswith(
+    "neither on every seed (0 of 10 seeds reached it, B=16 8)"
+  )
 
 
 def test_workers_share_the_evaluation_frontiers_and_leave_the_tuning_to_the_first():
