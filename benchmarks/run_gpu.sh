@@ -21,7 +21,18 @@
 #      (RESULTS/cold_start_gpu_warm.json).
 # The two benchmarks' own scripts (benchmarks/step_cost/run_gpu.sh,
 # benchmarks/cold_start/run_gpu.sh) take each one's whole set in a call of its own. The training
-# scripts need ml_collections: where the machine lacks it, install it first.
+# scripts need ml_collections (and tensorboardX, for TensorBoard): where the machine lacks them
+# and cannot reach a package index, bring their wheels. Prepared where an index is reachable,
+# in a folder that git ignores and the call carries:
+#
+#   pip download --no-deps -d .gpu_wheels ml_collections tensorboardX
+#   echo /.gpu_wheels/ >> .git/info/exclude
+#
+# and run on the GPU machine, from the repository's root:
+#
+#   pip install -q --no-deps .gpu_wheels/*.whl && RESULTS=$OUT bash benchmarks/run_gpu.sh
+#
+# (a machine that sends back only what a folder such as $OUT holds: its four JSON files).
 set -u
 cd "$(dirname "$0")/.."
 DEVICE="${DEVICE:-gpu}"
