@@ -261,6 +261,8 @@ def _measure_every_lm_phrases() -> list[str]:
     f"Its final loss is lower by {-held_diff:.4f}, but the interval "
     f"({held_lo:+.4f} to {held_hi:+.4f}) holds 0",
     f"The main table's JSON has `runs_wall_seconds` {r['runs_wall_seconds']:,.0f}.",
+    f"{sum(run['wall_seconds'] for run in r['runs'] if run['seed'] > 5):,.0f} s of training "
+    "summed over the 15 runs, their `wall_seconds`",
     *_measure_every_k2_phrases(),
   ]
 
