@@ -13,7 +13,9 @@ Resumable: the stable run's workdir and its validation points live in
 newest checkpoint, decays already recorded (``done``) are skipped, and a
 decay cut short starts again from its checkpoint. Without ``state_dir``'s
 files (another machine), the stable run trains again from the start, the
-same run.
+same run: its segments end at every decay's start, the recorded decays'
+too, since a segment's last step is cut short to end there exactly and so
+decides where the later steps fall.
 """
 
 from __future__ import annotations
@@ -75,8 +77,14 @@ def run_frontier(
     return
   starts = [round(P.decay_start(b)) for b in budgets]
   stable = _StableRun(exp, spec, state_dir, longest, stable_points, starts[-1])
-  for k in todo:
+  for k in range(max(todo) + 1):
     began = time.perf_counter()
+    if k in done:
+      # A resumed stable run is past this decay's start already; one trained again from the start
+      # ends a segment there as the run that recorded the decay did.
+      if not stable.resumed:
+        stable.train_to(starts[k])
+      continue
     stable.train_to(starts[k])
     branch = state_dir / f"decay-{k}"
     shutil.rmtree(branch, ignore_errors=True)
@@ -105,7 +113,8 @@ class _StableRun:
     self._points_file = state_dir / "stable_points.json"
     self._thresholds = [end * i / points for i in range(1, points)]
     self.points: list[tuple[int, int, float]] = []
-    if self._points_file.exists() and self.workdir.exists():
+    self.resumed = self._points_file.exists() and self.workdir.exists()
+    if self.resumed:
       self.points = [tuple(p) for p in json.loads(self._points_file.read_text("utf-8"))]
     else:
       shutil.rmtree(state_dir, ignore_errors=True)

@@ -368,7 +368,9 @@ def test_only_parses_a_method_a_seed_and_a_multiplier():
     verdict_lm.parse_only("method=cubic@full,seed=1")
 
 
-TINY = P.Task("toy", None, seq_length=8, hidden=16, layers=1, budget_windows=160, eval_windows=8,
+# 150 windows: the budgets' 75 and 150 examples decay from 60 and 120, which a batch of 8 reaches
+# only by cutting a step short.
+TINY = P.Task("toy", None, seq_length=8, hidden=16, layers=1, budget_windows=150, eval_windows=8,
               stable_points=3, decay_points=2)  # fmt: skip
 
 
@@ -410,7 +412,7 @@ def test_a_frontier_runs_resumes_after_a_kill_and_repeats_exactly(tiny):
   result = json.loads((tmp_path / "results" / "lm_toy.json").read_text())
   runs = sorted(result["runs"], key=lambda r: r["budget_index"])
   assert [r["budget_index"] for r in runs] == [0, 1]
-  assert [r["tokens"] for r in runs] == [80 * 8, 160 * 8]
+  assert [r["tokens"] for r in runs] == [75 * 8, 150 * 8]
   for r in runs:
     assert r["curve"][0][:2] == [0, 0] and r["curve"][-1][1] == r["tokens"]
     assert r["curve"][-1][2] == r["final_val_loss"] and r["steps"] == r["curve"][-1][0]
@@ -423,6 +425,14 @@ def test_a_frontier_runs_resumes_after_a_kill_and_repeats_exactly(tiny):
   assert sorted((r["budget_index"], r["curve"], r["steps"]) for r in rerun) == [
     (r["budget_index"], r["curve"], r["steps"]) for r in runs
   ]
+  # The stable run's files lost (another machine) with the first decay recorded: it trains again
+  # from the start, its segment ending at the first decay's start as before, the same run.
+  lines = store.read_text().splitlines()
+  store.write_text("\n".join(lines[:-1]) + "\n")
+  assert verdict_lm.main(argv, tasks) == 1
+  again = json.loads((tmp_path / "results" / "lm_toy.json").read_text())["runs"]
+  [last] = [r for r in again if r["budget_index"] == 1]
+  assert (last["curve"], last["steps"]) == (runs[1]["curve"], runs[1]["steps"])
   assert result["experiment"]["text"]["sha256_16"] and result["verdicts"] == []
   assert result["tuning"]["constants"]["per_size"]["8"]["losses"] == {
     "4": runs[1]["final_val_loss"]
