@@ -488,6 +488,46 @@ def _lm_verdict_phrases() -> list[str]:
   ]
 
 
+def _cold_start_phrases() -> list[str]:
+  """The cold start's prose in results.md: the goals' ratios, the paired seeds, the padding."""
+  table, seeds = _result("cold_start"), _result("cold_start_lm_seeds")
+
+  def summary(result: dict, recipe: str, variant: str) -> dict:
+    [row] = [
+      r
+      for r in result["summary"]
+      if (r["recipe"], r["variant"], r["cache"]) == (recipe, variant, "cold")
+    ]
+    return row
+
+  def waited(result: dict, recipe: str, variant: str, seed: int) -> float:
+    [run] = [
+      r
+      for r in result["runs"]
+      if (r["recipe"], r["variant"], r["cache"], r["seed"]) == (recipe, variant, "cold", seed)
+    ]
+    return run["compile_wait_seconds"]
+
+  def paired(result: dict, recipe: str, seed: int, fixed_from: dict | None = None) -> str:
+    fixed = waited(fixed_from or result, recipe, "fixed", seed)
+    return f"{waited(result, recipe, 'adaptive', seed) / fixed:.2f}x"
+
+  demo, lm = summary(table, "demo", "adaptive"), summary(table, "lm", "adaptive")
+  pace = _result("cold_start_lm_pace256")
+  by_seed = ", ".join(paired(seeds, "lm", s) for s in range(4))
+  return [
+    f"waited {demo['waited_over_fixed']:.2f}x (the demo) and {lm['waited_over_fixed']:.2f}x (the LM)",
+    f"({paired(table, 'lm', 0)} and {paired(table, 'lm', 1)}\n  paired)",
+    f"{summary(seeds, 'lm', 'adaptive')['waited_over_fixed']:.2f}x on average",
+    f"({by_seed} by seed)",
+    f"{paired(pace, 'lm', 0, seeds)} and {paired(pace, 'lm', 1, seeds)} at\n  256, the goal met",
+    f"Padding: {demo['padding_fraction']['mean']:.1%} of the rows the demo computed",
+    f"and\n  {lm['padding_fraction']['mean']:.1%} of the LM's (missed)",
+    f"(an average of {lm['average_batch_size']['mean']:.1f})",
+    f"averages about {demo['average_batch_size']['mean']:.0f}, where the floor is small",
+  ]
+
+
 @pytest.mark.parametrize(
   "page, phrases",
   [
@@ -501,6 +541,7 @@ def _lm_verdict_phrases() -> list[str]:
     ("results.md", _lm_budget_phrases),
     ("results.md", _measure_every_lm_phrases),
     ("results.md", _lm_verdict_phrases),
+    ("results.md", _cold_start_phrases),
     ("controllers.md", _controllers_phrases),
     ("own_step.md", _own_step_phrases),
     ("own_step.md", _gpu_phrases),
@@ -519,6 +560,7 @@ def _lm_verdict_phrases() -> list[str]:
     "causal_lm_budgets",
     "lm_measure_every",
     "lm_verdict",
+    "cold_start",
     "controllers",
     "own_step_halves",
     "gpu_h200",
