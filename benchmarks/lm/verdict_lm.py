@@ -139,7 +139,11 @@ class TaskRunner:
     self.store = RunStore(store_path, self.experiment())
 
   def experiment(self) -> dict[str, Any]:
-    """The task's settings, its text's hash and the analysis's: what its stored runs share."""
+    """The task's training settings and its text's hash: what its stored runs share.
+
+    The analysis's settings (targets, bootstrap, grids) are not in it: the
+    analysis is computed again from the runs, by the code at hand.
+    """
     return {**self.task.experiment(), "text": self.text_identity()}
 
   def text_identity(self) -> dict[str, Any]:
