@@ -52,6 +52,8 @@ def test_the_pages_step_and_loop_are_at_most_15_lines():
   end = block.index("print(")
   lines = [line for line in block[start:end].splitlines() if line.strip()]
   assert len(lines) <= 15, lines
+  prose = " ".join(PAGE.read_text().split())
+  assert f"the {len(lines)} lines from `AdaptiveStep` to the `print`" in prose
 
 
 def test_the_batch_moves_by_the_rules_ten_percent(page):
