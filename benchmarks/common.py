@@ -98,6 +98,36 @@ def device_record() -> dict:
   }
 
 
+def code_version() -> dict | None:
+  """The repository's commit that holds the running code, and whether its code differs from it.
+
+  ``{"commit": <40 hex digits>, "changed": bool}``: ``changed`` is True where a
+  tracked file outside ``benchmarks/results/`` (where the results themselves
+  change as runs append) differs from the commit. None where git or the
+  repository is not at hand (an installed copy, a machine without git).
+
+  Example:
+    >>> version = code_version()
+    >>> version is None or len(version["commit"]) == 40
+    True
+  """
+  import subprocess  # pylint: disable=import-outside-toplevel
+
+  def git(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+      ["git", *args], cwd=REPOSITORY_ROOT, capture_output=True, text=True, timeout=30, check=False
+    )
+
+  try:
+    head = git("rev-parse", "HEAD")
+    if head.returncode != 0:
+      return None
+    diff = git("diff", "--quiet", "HEAD", "--", ".", ":(exclude)benchmarks/results")
+  except (OSError, subprocess.SubprocessError):
+    return None
+  return {"commit": head.stdout.strip(), "changed": diff.returncode != 0}
+
+
 def add_out_flag(parser: argparse.ArgumentParser, name: str, *, quick: bool = True) -> None:
   """Adds ``--out``, the results' JSON: by default ``benchmarks/results/NAME.json``.
 

@@ -209,6 +209,8 @@ class TaskRunner:
     role = "tuning" if seed == P.TUNING_SEED else "evaluation"
     print(f"{self.task.name}: {method_name} lr x{multiplier:g} seed {seed} ({role})", flush=True)
 
+    code = common.code_version()  # which code trained it: the protocol is fixed, its code too
+
     def on_branch(k: int, record: dict[str, Any]) -> None:
       record = {
         "task": self.task.name,
@@ -217,6 +219,7 @@ class TaskRunner:
         "budget_index": k,
         "budget_share": P.BUDGET_SHARES[k],
         **record,
+        "code": code,
       }
       self.store.put(keys[k], record)
       print(

@@ -4,6 +4,7 @@ import importlib
 import os
 import pathlib
 import re
+import subprocess
 
 import pytest
 
@@ -101,3 +102,28 @@ def test_every_script_takes_its_out_flag_and_path_from_common(name):
   assert "common.add_out_flag(" in flags or '"--out"' in flags, name
   assert "common.out_path(" in source, f"{name}.py does not resolve --out with common.out_path"
   assert "benchmarks/results/" in source, f"{name}.py's docstring does not say where its JSON goes"
+
+
+def test_the_code_version_names_the_commit_and_whether_the_code_differs(tmp_path, monkeypatch):
+  def git(*args):
+    subprocess.run(["git", *args], cwd=tmp_path, check=True, capture_output=True)
+
+  git("init", "-q")
+  (tmp_path / "benchmarks" / "results").mkdir(parents=True)
+  (tmp_path / "code.py").write_text("x = 1\n")
+  (tmp_path / "benchmarks" / "results" / "runs.jsonl").write_text("{}\n")
+  git("add", "-A")
+  git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "first")
+  monkeypatch.setattr(common, "REPOSITORY_ROOT", str(tmp_path))
+  head = subprocess.run(
+    ["git", "rev-parse", "HEAD"], cwd=tmp_path, capture_output=True, text=True, check=True
+  ).stdout.strip()
+  assert common.code_version() == {"commit": head, "changed": False}
+  (tmp_path / "benchmarks" / "results" / "runs.jsonl").write_text("{}\n{}\n")  # results grow
+  assert common.code_version() == {"commit": head, "changed": False}
+  (tmp_path / "code.py").write_text("x = 2\n")  # the code does not
+  assert common.code_version() == {"commit": head, "changed": True}
+  monkeypatch.setattr(common, "REPOSITORY_ROOT", str(tmp_path / "benchmarks"))  # still inside
+  assert common.code_version()["commit"] == head
+  monkeypatch.setattr(common, "REPOSITORY_ROOT", "/")  # no repository
+  assert common.code_version() is None

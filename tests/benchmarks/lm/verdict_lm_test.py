@@ -9,6 +9,7 @@ from unittest import mock
 import numpy as np
 import pytest
 
+from benchmarks import common
 from benchmarks.lm import frontier
 from benchmarks.lm import protocol as P
 from benchmarks.lm import verdict_lm
@@ -413,6 +414,7 @@ def test_a_frontier_runs_resumes_after_a_kill_and_repeats_exactly(tiny):
   runs = sorted(result["runs"], key=lambda r: r["budget_index"])
   assert [r["budget_index"] for r in runs] == [0, 1]
   assert [r["tokens"] for r in runs] == [75 * 8, 150 * 8]
+  assert all(r["code"] == common.code_version() and r["code"]["commit"] for r in runs)
   for r in runs:
     assert r["curve"][0][:2] == [0, 0] and r["curve"][-1][1] == r["tokens"]
     assert r["curve"][-1][2] == r["final_val_loss"] and r["steps"] == r["curve"][-1][0]
