@@ -57,8 +57,8 @@ def allowance_batch_size(
     The batch size (a float; inf when ``B_noise`` is and ``a > 1``).
 
   Example:
-    >>> allowance_batch_size(100.0, 1.1, 16)  # 1.1 * 16 + 0.1 * 100
-    27.6
+    >>> allowance_batch_size(100.0, 1.5, 16)  # 1.5 * 16 + 0.5 * 100
+    74.0
   """
   if allowance == 1.0:
     return float(reference_batch_size)

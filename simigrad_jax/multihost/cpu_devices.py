@@ -94,7 +94,7 @@ def simulated_cpu_devices_env(
     >>> env = simulated_cpu_devices_env(8, environ={"XLA_FLAGS": "--xla_dump_to=/tmp/hlo"})
     >>> env["XLA_FLAGS"].split()[:2]
     ['--xla_dump_to=/tmp/hlo', '--xla_force_host_platform_device_count=8']
-    >>> os.environ.update(env)  # then import jax and use its 8 CPU devices
+    >>> os.environ.update(env)  # then import jax: its 8 CPU devices  # doctest: +SKIP
   """
   environ = os.environ if environ is None else environ
   num_devices = validation.check_int("num_devices", num_devices)
