@@ -240,7 +240,9 @@ def test_padding_rows_change_nothing(runner, micro_steps):
   micro = per_slot // micro_steps
   state, measurements = runner.run(rows, micro)
   other_state, other = runner.run(with_other_padding(rows, seed=5), micro)
-  for a, b in zip(jax.tree.leaves((state, measurements)), jax.tree.leaves((other_state, other))):
+  for a, b in zip(
+    jax.tree.leaves((state, measurements)), jax.tree.leaves((other_state, other)), strict=True
+  ):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))  # bit for bit
   new_params, expected = reference(runner.params, rows)
   assert_trees_close(state["params"], new_params)

@@ -337,7 +337,9 @@ def test_states_saved_before_the_shared_base_still_load():
   g = simigrad_jax.make_controller(
     "gns", initial_batch_size=16, multiple=0.5, ema_decay=0.5, batch_size_upper_bound=64
   )
+  fresh = g.state_dict()
   g.load_state_dict(GNS_STATE_V1)
+  assert g.state_dict() == GNS_STATE_V1 != fresh  # its averages and size, not a fresh start's
   assert [g.update(0.1, stats=GNS_STATS) for _ in range(3)] == [8, 8, 8]
   with pytest.raises(ValueError, match=r"smooth_factor \(saved None, here 0.5\)"):
     simigrad_jax.Controller(

@@ -30,7 +30,7 @@ def _halves_of(batch):
 
 def _assert_trees_close(actual, expected, **tolerance):
   assert jax.tree.structure(actual) == jax.tree.structure(expected)
-  for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected)):
+  for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
     assert a.shape == e.shape and a.dtype == e.dtype, (a.shape, a.dtype, e.shape, e.dtype)
     np.testing.assert_allclose(np.asarray(a), np.asarray(e), **tolerance)
 

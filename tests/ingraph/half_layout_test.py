@@ -60,10 +60,10 @@ def test_values_and_similarity_are_those_of_the_even_and_odd_examples(devices, a
   odd = jax.tree.map(lambda x: x[1::2], host_batch)
   first, second = jax.grad(_loss)(host_params, even), jax.grad(_loss)(host_params, odd)
   for got, want in ((halves.first, first), (halves.second, second)):
-    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
       np.testing.assert_allclose(np.asarray(g), w, rtol=2e-5, atol=1e-6)
   plain = jax.grad(_loss)(host_params, host_batch)
-  for g, w in zip(jax.tree.leaves(grads), jax.tree.leaves(plain)):
+  for g, w in zip(jax.tree.leaves(grads), jax.tree.leaves(plain), strict=True):
     np.testing.assert_allclose(np.asarray(g), w, rtol=2e-5, atol=1e-6)
   np.testing.assert_allclose(float(loss), _loss(host_params, host_batch), rtol=1e-5)
   assert simigrad_jax.similarity(opt_state) == pytest.approx(_cosine(first, second), abs=1e-5)

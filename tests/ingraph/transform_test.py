@@ -117,7 +117,7 @@ def test_device_halves_match_numpy(num_devices, mapper, reduction, mixed_dtypes,
   mean, state = compiled_device_split(num_devices, mapper, reduction, small_leaf_size)(grads)
   ref_mean, ref_cos, ref_na, ref_nb, ref_nm = reference(grads, EVEN, ODD)
   tol = tolerance(mixed_dtypes)
-  for got, want, leaf in zip(jax.tree.leaves(mean), ref_mean, jax.tree.leaves(grads)):
+  for got, want, leaf in zip(jax.tree.leaves(mean), ref_mean, jax.tree.leaves(grads), strict=True):
     assert got.dtype == leaf.dtype  # the mean keeps each leaf's dtype, like lax.pmean
     for device_copy in np.asarray(got, np.float64):
       np.testing.assert_allclose(device_copy, want, **tol)
@@ -156,7 +156,7 @@ def test_local_halves_match_numpy(num_devices, mapper, reduction, mixed_dtypes, 
     both, slice(0, num_devices), slice(num_devices, None)
   )
   tol = tolerance(mixed_dtypes)
-  for got, want, leaf in zip(jax.tree.leaves(mean), ref_mean, jax.tree.leaves(first)):
+  for got, want, leaf in zip(jax.tree.leaves(mean), ref_mean, jax.tree.leaves(first), strict=True):
     assert got.dtype == leaf.dtype
     np.testing.assert_allclose(np.asarray(got, np.float64)[0], want, **tol)
   np.testing.assert_allclose(state.similarity, ref_cos, **tol)
@@ -220,7 +220,7 @@ def test_local_halves_of_unequal_size_match_numpy(reduction, small_leaf_size, sh
   )
   as64 = lambda t: [np.asarray(x, np.float64).mean(axis=0) for x in jax.tree.leaves(t)]
   g_a, g_b = as64(first), as64(second)
-  for got, a, b in zip(jax.tree.leaves(mean), g_a, g_b):
+  for got, a, b in zip(jax.tree.leaves(mean), g_a, g_b, strict=True):
     np.testing.assert_allclose(
       np.asarray(got)[0], share * a + (1 - share) * b, rtol=2e-5, atol=2e-5
     )

@@ -2,6 +2,7 @@
 
 import json
 import os
+import pathlib
 import stat
 import subprocess
 import sys
@@ -78,6 +79,34 @@ def test_a_workdir_without_permission_says_workdir(tmp_path):
   locked = tmp_path / "locked"
   locked.mkdir(mode=0o500)
   with pytest.raises(files.WorkdirAccessError, match="workdir"):
+    workdir_module.open_workdir(locked / "run")
+  with pytest.raises(files.WorkdirAccessError, match="workdir .* is not writable"):
+    workdir_module.open_workdir(locked)
+
+
+def test_a_workdir_the_os_refuses_says_workdir_as_root_too(tmp_path, monkeypatch):
+  """The refusals of the test above, made by hand, so that they run as root (CI) too: each is
+  reported as a WorkdirAccessError that names the workdir."""
+  locked = tmp_path / "locked"
+  locked.mkdir(mode=0o700)
+  real_mkdir, real_open = pathlib.Path.mkdir, files.open_nofollow
+
+  def refused(path):
+    return PermissionError(13, "Permission denied", str(path))
+
+  def mkdir(self, *args, **kwargs):
+    if locked in self.parents:
+      raise refused(self)
+    return real_mkdir(self, *args, **kwargs)
+
+  def open_nofollow(path, *args, **kwargs):
+    if pathlib.Path(path).parent == locked:
+      raise refused(path)
+    return real_open(path, *args, **kwargs)
+
+  monkeypatch.setattr(pathlib.Path, "mkdir", mkdir)
+  monkeypatch.setattr(files, "open_nofollow", open_nofollow)
+  with pytest.raises(files.WorkdirAccessError, match="workdir .* cannot be created: permission"):
     workdir_module.open_workdir(locked / "run")
   with pytest.raises(files.WorkdirAccessError, match="workdir .* is not writable"):
     workdir_module.open_workdir(locked)

@@ -134,7 +134,7 @@ def _numbers(x):
 
 
 def assert_state_equal(got, want):
-  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
     np.testing.assert_array_equal(_numbers(a), _numbers(b))
 
 

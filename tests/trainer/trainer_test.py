@@ -109,7 +109,7 @@ def test_one_step_is_the_exact_mean_gradient_step(tmp_path, case):
     expected = jax.tree.map(lambda p, g: np.asarray(p - 0.1 * g), params64, grads)
     jac = jax.jacobian(per_example)(params64)
   got = jax.tree.map(lambda a: np.asarray(a.addressable_data(0)), trainer.state["params"])
-  for want, have in zip(jax.tree.leaves(expected), jax.tree.leaves(got)):
+  for want, have in zip(jax.tree.leaves(expected), jax.tree.leaves(got), strict=True):
     np.testing.assert_allclose(have, want, rtol=1e-5, atol=1e-6)
   np.testing.assert_allclose(summary["loss"], loss, rtol=1e-5)
   # The halves: the step's even-numbered examples (23) against its odd-numbered ones (22).
@@ -454,7 +454,7 @@ def test_a_step_whose_shape_is_compiling_runs_on_a_compiled_shape(tmp_path, num_
     np.testing.assert_allclose(record["similarity"], exact["similarity"], rtol=1e-4, atol=1e-5)
   assert summary["compile_fallback_steps"] == sum(r["compile_fallback"] for r in records) >= 2
   assert all(r["compile_wait_step_seconds"] == 0 for r in records[1:])
-  for want, have in zip(jax.tree.leaves(exact_params), jax.tree.leaves(params)):
+  for want, have in zip(jax.tree.leaves(exact_params), jax.tree.leaves(params), strict=True):
     np.testing.assert_allclose(have, want, rtol=1e-5, atol=1e-6)
 
 
@@ -596,5 +596,5 @@ def test_the_grid_changes_the_shapes_not_the_run(tmp_path):
   for a, b in zip(finer, halving, strict=True):
     np.testing.assert_allclose(a["loss"], b["loss"], rtol=1e-5)
     np.testing.assert_allclose(a["similarity"], b["similarity"], rtol=1e-4, atol=1e-5)
-  for a, b in zip(jax.tree.leaves(finer_params), jax.tree.leaves(halving_params)):
+  for a, b in zip(jax.tree.leaves(finer_params), jax.tree.leaves(halving_params), strict=True):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

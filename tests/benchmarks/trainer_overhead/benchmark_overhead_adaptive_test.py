@@ -142,6 +142,13 @@ def test_step_curve_sizes_must_divide_over_the_devices(adaptive_benchmark):
 
 
 def test_goals_follow_the_adaptive_numbers(quick_run, adaptive_benchmark):
+  assert set(quick_run["goals"]) == set(adaptive_benchmark.GOALS)  # every goal, each judged
+  # A ratio to the fixed run is a floor, the others are ceilings: just past each bound misses.
+  at_bound = {k: v for k, v in adaptive_benchmark.GOALS.items() if k != "warm_start_fallback_steps"}
+  past = {k: v - 0.01 if k.startswith("ratio") else v + 0.01 for k, v in at_bound.items()}
+  for numbers, passed in ((at_bound, True), (past, False)):
+    goals = adaptive_benchmark._goals(numbers, {"fallback_steps": 5 if passed else 6})
+    assert {k: g["pass"] for k, g in goals.items()} == dict.fromkeys(goals, passed)
   adaptive = quick_run["variants"]["adaptive"]
   numbers = {**adaptive, "warm_start_fallback_steps": quick_run["warm_start"]["fallback_steps"]}
   for key, goal in quick_run["goals"].items():
