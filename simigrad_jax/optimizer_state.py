@@ -166,9 +166,7 @@ def set_lr_factor(opt_state: Any, factor: float) -> Any:
   Returns:
     The new optimizer state (the input is not modified).
   """
-  factor = float(factor)
-  if not math.isfinite(factor) or factor <= 0:
-    raise ValueError(f"the learning-rate factor must be finite and > 0, got {factor}")
+  factor = validation.check_lr_factor(factor, "the learning-rate factor")
   old = _find(opt_state, LrFactorState, "simigrad_jax.scale_by_lr_factor()").lr_factor
   return _with_scalar(opt_state, old, "lr_factor", factor)
 

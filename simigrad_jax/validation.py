@@ -53,6 +53,28 @@ def check_real(name: str, value: Any, valid: str, ok: Callable[[float], bool]) -
   return float(value)
 
 
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
+def check_lr_factor(value: Any, name: str = "lr_factor") -> float:
+  """Returns a learning-rate factor as a float: a real number (or 0-d array) > 0, finite in float32.
+
+  Refuses bools, strings and arrays of other shapes (``float()`` would take
+  ``True`` and ``"2"``), NaN, 0, negative numbers (an ascent) and numbers
+  beyond float32's range (the factor lives in a float32 scalar).
+  """
+  array = np.asarray(value) if not isinstance(value, (str, bytes)) else None
+  if array is None or array.ndim != 0 or array.dtype.kind not in "iuf":
+    raise ValueError(
+      f"{name} must be a finite number > 0 (a Python or NumPy number or a 0-d array), got "
+      f"{value!r} ({type(value).__name__})"
+    )
+  factor = float(array)
+  if not 0.0 < factor <= FLOAT32_MAX:  # NaN fails too
+    raise ValueError(f"{name} must be a finite number > 0 (within float32's range), got {value!r}")
+  return factor
+
+
 def check_interval(
   name: str,
   value: Any,

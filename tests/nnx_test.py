@@ -169,7 +169,7 @@ def test_the_learning_rate_factor_reaches_the_update(digits):
     moves.append(np.asarray(model.linear2.kernel[...]) - before)
   np.testing.assert_allclose(moves[1], 2.5 * moves[0], rtol=1e-4, atol=1e-7)
   assert np.abs(moves[0]).max() > 0
-  with pytest.raises(ValueError, match="finite and > 0"):
+  with pytest.raises(ValueError, match="must be a finite number > 0"):
     simigrad_jax.set_nnx_lr_factor(optimizer, 0.0)
   with pytest.raises(ValueError, match="set_nnx_lr_factor takes an nnx.Optimizer"):
     simigrad_jax.set_nnx_lr_factor(optimizer.opt_state, 2.0)

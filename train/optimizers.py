@@ -157,8 +157,9 @@ def create_lr_schedule(
     ``schedule(epochs) -> float``.
 
   Raises:
-    ValueError: for an unknown schedule, negative epochs, or a decay given
-      twice (``"seesaw"`` with a ``"step"`` or ``"cosine"`` schedule).
+    ValueError: for an unknown schedule, negative epochs, a warm-up as long
+      as the run or longer, or a decay given twice (``"seesaw"`` with a
+      ``"step"`` or ``"cosine"`` schedule).
   """
   kind, warmup = config.lr_schedule, float(config.warmup_epochs)
   if kind not in SCHEDULES:
@@ -167,6 +168,13 @@ def create_lr_schedule(
     raise ValueError(f"warmup_epochs must be >= 0, got {warmup}")
   boundaries = sorted(float(e) for e in config.lr_decay_epochs)
   factor, total = float(config.lr_decay_factor), float(config.num_epochs)
+  if warmup > 0 and warmup >= total:
+    raise ValueError(
+      f"config.warmup_epochs={warmup:g} is not below config.num_epochs={total:g}: the learning "
+      f"rate would never reach its peak"
+      + (" and the cosine would never start" if kind == "cosine" else "")
+      + "; give a warm-up shorter than the run"
+    )
 
   def schedule(epochs: float) -> float:
     value = 1.0

@@ -340,13 +340,14 @@ class Controller(ProfileMethods, BaseController):
   # ------------------------------------------------------------------ the rule
 
   def observe(self, similarity: float, stats: Mapping[str, Any] | None, finite: bool) -> bool:
-    """Feeds the model (with ``ema_decay``); a step counts when its similarity is finite.
+    """Feeds the model (with ``ema_decay``); a step counts when it is finite.
 
     SimiGrad's rule reads the similarity alone; the other ``stats`` are
-    ignored (a step with non-finite gradients reaches it as a NaN).
+    ignored. A step is finite when its similarity is and its ``stats`` do
+    not say ``grads_finite`` is False (``finite``, as :meth:`update` found).
     """
-    del stats, finite
-    if not math.isfinite(similarity):
+    del stats
+    if not finite:
       return False
     if self._model is not None:
       self._model.observe(similarity, self._batch_size)  # Every finite step, at the size that ran.

@@ -7,6 +7,7 @@ refuses an initialised chain that has them in another order.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
@@ -62,6 +63,15 @@ def scale_by_lr_factor(initial_lr_factor: float = 1.0) -> optax.GradientTransfor
     >>> print(updates)
     [-0.2 -0.2]
   """
+
+  is_number = isinstance(initial_lr_factor, numbers.Real) and not isinstance(
+    initial_lr_factor, bool
+  )
+  if not is_number or not 0.0 < float(initial_lr_factor) < float("inf"):  # NaN fails too
+    raise ValueError(
+      f"initial_lr_factor must be a finite number > 0 (a negative one is an ascent), got "
+      f"{initial_lr_factor!r}"
+    )
 
   def init_fn(params: optax.Params) -> LrFactorState:
     del params

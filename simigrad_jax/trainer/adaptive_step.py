@@ -446,15 +446,8 @@ class _PlacedPlan(NamedTuple):
 
 
 def _checked_lr_factor(lr_factor: float) -> np.float32:
-  """``lr_factor`` as the program's float32 scalar; refused unless a finite number > 0."""
-  try:
-    with np.errstate(over="ignore"):  # a number beyond float32's range: refused just below
-      factor = np.float32(float(lr_factor))
-  except (TypeError, ValueError):
-    factor = np.float32(np.nan)
-  if not np.isfinite(factor) or factor <= 0:
-    raise ValueError(f"lr_factor must be a finite number > 0, got {lr_factor!r}")
-  return factor
+  """``lr_factor`` as the program's float32 scalar; refused unless a number > 0, finite in float32."""
+  return np.float32(validation.check_lr_factor(lr_factor))
 
 
 def _weighed_rows(loss_fn: RowLossFn) -> train_step.PerExampleLossFn:

@@ -113,11 +113,25 @@ def test_set_lr_factor_keeps_pmap_and_shard_map_layouts():
   assert len(traces) == traces_before  # the new factor needed no new trace
 
 
-@pytest.mark.parametrize("bad", [0.0, -1.0, float("inf"), float("nan")])
+@pytest.mark.parametrize(
+  "bad", [0.0, -1.0, float("inf"), float("nan"), 1e39, True, "2", None, [2.0], np.ones(1)]
+)
 def test_set_lr_factor_refuses_bad_values(bad):
   state = make_optimizer().init(jnp.zeros(2))
-  with pytest.raises(ValueError, match="finite and > 0"):
+  with pytest.raises(ValueError, match="learning-rate factor must be a finite number > 0"):
     simigrad_jax.set_lr_factor(state, bad)
+
+
+@pytest.mark.parametrize("good", [2, np.float32(0.5), jnp.asarray(3.0)])
+def test_set_lr_factor_takes_any_real_scalar(good):
+  state = simigrad_jax.set_lr_factor(make_optimizer().init(jnp.zeros(2)), good)
+  assert float(simigrad_jax.lr_factor_of(state)) == float(good)
+
+
+@pytest.mark.parametrize("bad", [0.0, -1.0, float("nan"), float("inf"), True, "2", None])
+def test_scale_by_lr_factor_refuses_a_bad_initial_factor(bad):
+  with pytest.raises(ValueError, match=r"initial_lr_factor must be a finite number > 0.*got"):
+    simigrad_jax.scale_by_lr_factor(bad)
 
 
 def test_set_lr_factor_needs_the_transformation():

@@ -188,6 +188,15 @@ def test_nonfinite_similarity_holds_and_counts(value):
   assert c.update(0.0) == 110  # adapts normally afterwards
 
 
+def test_a_step_whose_stats_say_its_gradients_were_not_finite_holds_and_counts():
+  """As update() documents, whatever the similarity (a kept, finite one too)."""
+  c = Controller(100, 0.5, ema_decay=0.9)
+  assert c.update(0.3, {"grads_finite": False}) == 100
+  assert (c.last_decision, c.nonfinite_count, c.noise_scale) == ("nonfinite", 1, None)
+  assert c.update(0.3, {"grads_finite": True}) == 110  # a finite step decides: 0.3 < 0.5 grows
+  assert c.nonfinite_count == 1 and c.last_decision != "nonfinite"
+
+
 def test_verbose_logs_each_decision(caplog):
   with caplog.at_level(logging.INFO, logger="simigrad_jax"):
     Controller(100, 0.5).update(0.0)

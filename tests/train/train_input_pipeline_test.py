@@ -188,6 +188,10 @@ def test_learning_rate_schedules():
   assert cosine(0) == optimizers.MIN_SCHEDULE_FACTOR and cosine(2.5) == pytest.approx(0.5)
   assert cosine(5) == pytest.approx(1.0) and cosine(47.5) == pytest.approx(0.5)
   assert cosine(90) == optimizers.MIN_SCHEDULE_FACTOR  # the Trainer needs a positive factor
+  config.update(warmup_epochs=100.0, num_epochs=15.0)  # the peak never reached: refused
+  with pytest.raises(ValueError, match=r"warmup_epochs=100 is not below config.num_epochs=15"):
+    optimizers.create_lr_schedule(config)
+  config.update(warmup_epochs=5.0, num_epochs=90.0)
   config.lr_schedule = "linear"
   with pytest.raises(ValueError, match="unknown lr_schedule 'linear'"):
     optimizers.create_lr_schedule(config)
