@@ -124,9 +124,9 @@ def scheduled_lr_factor(
   if coupling == "peak" and math.isfinite(schedule):
     batch_factor = (batch_factor - 1.0) * min(max(schedule, 0.0), 1.0) + 1.0
   factor = batch_factor * schedule
-  if not math.isfinite(factor) or factor <= 0:
+  if not 0.0 < factor <= validation.FLOAT32_MAX:  # the step's float32 scalar holds it; NaN fails
     raise ValueError(
       f"the learning-rate factor at epoch {epochs:.3f} would be {factor} "
-      f"(lr_schedule returned {schedule}); it must be finite and > 0"
+      f"(lr_schedule returned {schedule}); it must be finite and > 0, within float32's range"
     )
   return factor, schedule

@@ -182,3 +182,10 @@ def test_a_bad_coupling_names_the_valid_ones():
     learning_rate.scheduled_lr_factor(64, 16, "sqrt", None, None, 0.3, "cap")  # type: ignore[arg-type]
   with pytest.raises(ValueError, match=r"lr\.coupling='cap' is not valid"):
     simigrad_jax.LearningRateConfig(coupling="cap")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("schedule", [0.0, math.nan, 1e39])
+def test_a_scheduled_factor_the_steps_float32_cannot_hold_is_refused(schedule):
+  """1e39 is finite in Python but inf in the step's float32 scalar."""
+  with pytest.raises(ValueError, match=r"it must be finite and > 0, within float32's range"):
+    learning_rate.scheduled_lr_factor(16, 16, "sqrt", None, lambda epochs: schedule, 0.0)
