@@ -131,11 +131,22 @@ def register_controller(name: str, factory: ControllerFactory) -> None:
     factory: a controller class or a function returning a controller; the
       options :func:`make_controller` accepts are read from its signature.
 
+  Raises:
+    ValueError: for a name that is not a non-empty string or is taken, or a
+      factory that cannot be called.
+
   Example (a whole controller written and registered: docs/controllers.md)::
 
     simigrad_jax.register_controller("proportional", ProportionalController)
     controller = simigrad_jax.make_controller("proportional", initial_batch_size=128)
   """
+  if not isinstance(name, str) or not name.strip():
+    raise ValueError(f"register_controller: the name must be a non-empty string, got {name!r}")
+  if not callable(factory):
+    raise ValueError(
+      f"register_controller({name!r}, factory): the factory must be a controller class or a "
+      f"function returning a controller, got {factory!r} ({type(factory).__name__})"
+    )
   if name in _FACTORIES:
     raise ValueError(f"a controller named {name!r} is already registered")
   _FACTORIES[name] = factory

@@ -36,6 +36,36 @@ def check_int(name: str, value: Any, minimum: int = 1) -> int:
   return int(value)
 
 
+SEED_MAX = 2**32 - 1
+
+
+def check_seed(value: Any, name: str = "seed") -> int:
+  """Returns a random seed as an int: an integer in ``[0, SEED_MAX]`` (``2**32 - 1``).
+
+  ``jax.random.key`` keeps a seed's low 32 bits unless ``jax_enable_x64`` is
+  on, so a larger seed would silently train as a smaller one does
+  (``2**32`` as ``0``); and beyond int64 it fails with an ``OverflowError``.
+
+  Example:
+    >>> check_seed(3)
+    3
+    >>> try:
+    ...   check_seed(2**32)
+    ... except ValueError as error:
+    ...   print(error)  # doctest: +ELLIPSIS
+    seed must be an integer in [0, 4294967295], got 4294967296: ... the key of seed 0
+  """
+  seed = check_int(name, value, 0)
+  if seed > SEED_MAX:
+    why = (
+      f"jax.random.key keeps a seed's low 32 bits, so it would give the key of seed {seed % 2**32}"
+      if seed < 2**63
+      else "jax.random.key takes no seed beyond int64"
+    )
+    raise ValueError(f"{name} must be an integer in [0, {SEED_MAX}], got {seed}: {why}")
+  return seed
+
+
 def check_bool(name: str, value: Any) -> bool:
   """Returns ``value`` as a bool; refuses anything but True and False."""
   if not is_bool(value):

@@ -216,6 +216,8 @@ def test_bad_settings_are_refused(params):
     simigrad_jax.AdaptiveStep(row_losses, optimizer("batch"), max_batch_size=0)
   with pytest.raises(ValueError, match="shapes_per_octave"):
     simigrad_jax.AdaptiveStep(row_losses, optimizer("batch"), max_batch_size=8, shapes_per_octave=0)
+  with pytest.raises(ValueError, match=r"seed must be an integer in \[0, 4294967295\]"):
+    simigrad_jax.AdaptiveStep(row_losses, optimizer("batch"), max_batch_size=8, seed=2**32)
   with pytest.raises(ValueError, match="data axis 'batch'"):
     mesh = jax.make_mesh((8,), ("data",), (jax.sharding.AxisType.Auto,))
     simigrad_jax.AdaptiveStep(row_losses, optimizer("batch"), max_batch_size=8, mesh=mesh)

@@ -29,6 +29,14 @@ def test_unknown_name_and_duplicate_registration_are_refused():
     simigrad_jax.make_controller("adaptive", initial_batch_size=8)
   with pytest.raises(ValueError, match="'fixed' is already registered"):
     simigrad_jax.register_controller("fixed", simigrad_jax.Controller)
+  # Refused when registered, not at the first make_controller, and nothing is registered.
+  before = simigrad_jax.controller_names()
+  for name in ("", "  ", None, 3):
+    with pytest.raises(ValueError, match=rf"the name must be a non-empty string, got {name!r}"):
+      simigrad_jax.register_controller(name, simigrad_jax.Controller)  # type: ignore[arg-type]
+  with pytest.raises(ValueError, match=r"the factory must be a controller class .*got 'simigrad'"):
+    simigrad_jax.register_controller("mine", "simigrad")  # type: ignore[arg-type]
+  assert simigrad_jax.controller_names() == before
 
 
 def test_the_built_in_names_are_one_table_and_importing_a_module_registers_nothing():

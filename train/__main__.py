@@ -37,8 +37,9 @@ unsafe or not writable, changed settings, a full disk, a file-size limit, no
 readable checkpoint, ...) ends with one line on stderr that names the cause,
 the file and the fix, and exit status 1 (2 for a bad command line); the
 traceback only with ``--verbose`` or ``SIMIGRAD_VERBOSE=1``, and in
-``<workdir>/failure.log`` (:mod:`train.failures`). Every file and folder the
-run makes is private (``0600``/``0700``) whatever the umask.
+``<workdir>/failure.log`` (:mod:`train.failures`). Any other error is a bug:
+its whole traceback is printed, then a line saying so, exit status 1. Every
+file and folder the run makes is private (``0600``/``0700``) whatever the umask.
 """
 
 from __future__ import annotations
@@ -236,7 +237,7 @@ def main(argv: list[str]) -> None:
   try:  # before JAX starts its devices: a bad value fails in seconds
     config_checks.check_config(config)
     config_checks.check_given(config, config_flags.get_override_values(FLAGS["config"]))
-  except ValueError as error:
+  except Exception as error:  # pylint: disable=broad-except  (a bug: its traceback, below)
     _exit_with_one_line(error, None)
   import jax  # pylint: disable=import-outside-toplevel
 
@@ -286,12 +287,15 @@ def _exit_with_one_line(error: Exception, workdir: pathlib.Path | None) -> None:
   """Ends the run with the failure's one line (and its traceback when asked for); exit status 1.
 
   The line names the config's options and the settings it suggests as they
-  are typed on the command line (:func:`command_line_spelling`).
+  are typed on the command line (:func:`command_line_spelling`). An error
+  that is not an expected failure (:func:`train.failures.is_expected`: a bug,
+  here or in a library) prints its whole traceback, past the filter that
+  hides background threads' tracebacks, and a line saying so.
   """
   from train import failures  # pylint: disable=import-outside-toplevel
 
   if not failures.is_expected(error):
-    raise error
+    _exit_on_a_bug(error)
   verbose = failures.verbose_requested(FLAGS.verbose)
   if verbose:
     traceback.print_exception(error)
@@ -305,6 +309,22 @@ def _exit_with_one_line(error: Exception, workdir: pathlib.Path | None) -> None:
   # Past the traceback filter: a background thread's traceback cut off mid-way must not take it.
   print(line, file=sys.__stderr__, flush=True)
   os._exit(1)  # pylint: disable=protected-access  (no background thread's error after the line)
+
+
+def _exit_on_a_bug(error: Exception) -> None:
+  """Ends the run with ``error``'s traceback and one line that calls it a bug; exit status 1."""
+  logged = getattr(error, "failure_log", None)
+  sys.stdout.flush()
+  sys.stderr.flush()
+  traceback.print_exception(error, file=sys.__stderr__)
+  where = f" (also in {logged})" if logged else ""
+  print(
+    f"simigrad: the run stopped on an unexpected {type(error).__name__}: {error}; this is a bug, "
+    f"not a bad setting: please report it with the traceback above{where}",
+    file=sys.__stderr__,
+    flush=True,
+  )
+  os._exit(1)  # pylint: disable=protected-access  (as a failure's line: nothing after it)
 
 
 def _quiet_threads() -> None:

@@ -255,6 +255,8 @@ def check_config(config: ml_collections.ConfigDict) -> None:
   for name, minimum in INTEGERS.items():
     for value in _values(config, name):
       validation.check_int(f"config.{name}", value, minimum)
+  if "seed" in config:  # the random keys' seed (data_seed shuffles with NumPy, which takes any)
+    validation.check_seed(config.seed, "config.seed")
   for name, interval in NUMBERS.items():
     for value in _values(config, name):
       validation.check_interval(

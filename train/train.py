@@ -218,7 +218,8 @@ def create_controller(
   model rule's ``ema_decay`` (``config.similarity_ema_decay``); any other
   registered controller (``simigrad_jax.controller_names()``) gets the initial
   size and the bounds. All get ``config.controller_options`` (a JSON object)
-  on top. A missing lower bound becomes the number of devices (with the local
+  on top, for the options the config has none of (an option the config sets,
+  such as ``initial_batch_size``, is refused there). A missing lower bound becomes the number of devices (with the local
   split, twice that: one per half of a device), so that no device (half)
   ever holds only padding. ``"fixed"`` without a profile keeps its bounds at
   the initial size, so only the shapes it uses are compiled. A controller
@@ -267,6 +268,7 @@ def create_controller(
       raise ValueError(
         f"config.controller_options must be a JSON object, got {config.controller_options!r}"
       )
+    _refuse_options_the_config_sets(extra, options)
     options.update(extra)
   accepted = controller_options(config.controller) or ()
   if tokens_per_example is not None and "tokens_per_example" in accepted:
@@ -278,6 +280,28 @@ def create_controller(
       f"controller {config.controller!r} refused its options {sorted(options)}: {e}"
     ) from e
   return OneStepLateController(controller) if config.one_step_late else controller
+
+
+# The controller's options that config options of their own set (the others have the same name).
+_CONFIG_NAMES = {
+  "warmup_steps": "controller_warmup_steps",
+  "ema_decay": "similarity_ema_decay",
+}
+
+
+def _refuse_options_the_config_sets(extra: dict[str, Any], options: dict[str, Any]) -> None:
+  """Refuses ``config.controller_options`` keys that an option of the config sets.
+
+  The config's value is read elsewhere too (``initial_batch_size`` is the
+  base of Adam's batch coupling and the start banner's), so a second value
+  in ``controller_options`` would train with two different settings.
+  """
+  for key in sorted(set(extra) & set(options)):
+    name = _CONFIG_NAMES.get(key, key)
+    raise ValueError(
+      f"config.controller_options sets {key!r} ({extra[key]!r}), which config.{name} sets "
+      f"({options[key]!r}): set it there instead (--config.{name}=...)"
+    )
 
 
 # ------------------------------------------------------------------ assembly

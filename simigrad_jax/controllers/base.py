@@ -116,14 +116,31 @@ def check_similarity(similarity: Any) -> float:
   return min(max(value, -1.0), 1.0) if math.isfinite(value) else value
 
 
+# The measurements of ``stats`` that are norms: never negative.
+NORM_STATS = ("norm_a", "norm_b", "norm_mean")
+
+
 def check_stats(stats: Any) -> Mapping[str, Any] | None:
-  """``stats`` if it is None or a mapping (the step's measurements by name), else a ValueError."""
+  """``stats`` if it is None or a mapping (the step's measurements by name), else a ValueError.
+
+  A negative norm (:data:`NORM_STATS`), which no measurement gives, is
+  refused too: the stats were made wrong. A NaN or infinite one is a step
+  without a measurement, which the controller holds on.
+  """
   if stats is not None and not isinstance(stats, Mapping):
     raise ValueError(
       "update(similarity, stats=...) takes the step's measurements as a mapping of names to "
       f"values (e.g. simigrad_jax.similarity_stats(opt_state)) or None, got "
       f"{type(stats).__name__}"
     )
+  if stats is None:
+    return None
+  for key in NORM_STATS:
+    value = validation.as_float(stats.get(key))
+    if value is not None and value < 0 and not math.isinf(value):
+      raise ValueError(
+        f"update(similarity, stats=...): stats[{key!r}] must be a norm (>= 0), got {stats[key]!r}"
+      )
   return stats
 
 

@@ -136,7 +136,8 @@ class GnsController(BaseController):
     below 2 leaves the averages alone, keeps the size and is counted in
     ``nonfinite_count``. The noise scale an unbounded controller chases can be
     infinite: with no ``batch_size_upper_bound`` and no ``max_change``, an
-    infinite estimate holds the size.
+    infinite estimate holds the size. A negative norm, which no measurement
+    gives, is refused (``ValueError``, :func:`simigrad_jax.controllers.base.check_stats`).
   """
 
   KIND = "gns"

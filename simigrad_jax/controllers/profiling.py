@@ -32,8 +32,10 @@ from simigrad_jax.controllers.base import unmeasured_but_finite
 from simigrad_jax.controllers.interface import BatchSizeController
 from simigrad_jax.controllers.interface import ProfilesBatchSizes
 from simigrad_jax.controllers.state import STATE_VERSION
+from simigrad_jax.controllers.state import check_finite_float
 from simigrad_jax.controllers.state import check_state_header
 from simigrad_jax.controllers.state import parse_last_decision
+from simigrad_jax.controllers.state import saved_section
 from simigrad_jax.controllers.wrapper import ControllerWrapper
 
 SizeCheck = Callable[[str, Any], int]  # (name, value) -> the size, or raises ValueError
@@ -177,7 +179,7 @@ class SimilarityProfile:
   @classmethod
   def from_state(cls, state: Mapping[str, Any], check_size: SizeCheck) -> SimilarityProfile:
     """A profile from :meth:`state_dict`'s entries in ``state``, checked (raises ValueError, KeyError)."""
-    plan = state["profile_plan"]
+    plan = saved_section(state, "profile_plan", dict, optional=True)
     if plan is not None:
       plan = {
         "sizes": [check_size("profile size", b) for b in plan["sizes"]],
@@ -190,14 +192,19 @@ class SimilarityProfile:
       }
       if plan["position"] >= len(plan["sizes"]):
         raise ValueError(f"profile position {plan['position']} is past the end")
-    samples = [
-      {
-        "batch_size": validation.check_int("sample batch_size", s["batch_size"], 1),
-        "similarity": float(s["similarity"]),
-        "step": validation.check_int("sample step", s["step"], 1),
-      }
-      for s in state["profile"]
-    ]
+    samples = []
+    for i, sample in enumerate(saved_section(state, "profile", list)):
+      if not isinstance(sample, Mapping):
+        raise ValueError(
+          f"malformed controller state: profile[{i}] must be a dict, got {sample!r:.200}"
+        )
+      samples.append(
+        {
+          "batch_size": validation.check_int("sample batch_size", sample["batch_size"], 1),
+          "similarity": check_finite_float("sample similarity", sample["similarity"]),
+          "step": validation.check_int("sample step", sample["step"], 1),
+        }
+      )
     return cls(plan, samples)
 
 

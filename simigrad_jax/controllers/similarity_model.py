@@ -107,6 +107,10 @@ class SimilarityModel:
   @staticmethod
   def parse_state(state: Mapping[str, Any]) -> dict[str, Any]:
     """Checks a :meth:`state_dict`; returns it with plain types (raises ValueError, KeyError)."""
+    if not isinstance(state, Mapping):
+      raise ValueError(
+        f"malformed controller state: similarity_model must be a dict, got {state!r:.200}"
+      )
     out: dict[str, Any] = {
       "count": validation.check_int("similarity model count", state["count"], 0)
     }

@@ -56,6 +56,31 @@ def parse_last_decision(value: Any) -> str | None:
   return value
 
 
+def saved_section(state: Mapping[str, Any], key: str, kind: type, *, optional: bool = False) -> Any:
+  """``state[key]``, a dict (``kind=dict``: any mapping) or a list (``kind=list``), or None if ``optional``.
+
+  Raises a ValueError naming the key for any other value (a KeyError where
+  it is missing, which :meth:`SavedState.load_state_dict` names).
+
+  Example:
+    >>> saved_section({"profile": []}, "profile", list)
+    []
+    >>> try:
+    ...   saved_section({"profile": 3}, "profile", list)
+    ... except ValueError as error:
+    ...   print(error)
+    malformed controller state: profile must be a list, got 3
+  """
+  value = state[key]
+  if value is None and optional:
+    return None
+  ok = isinstance(value, Mapping) if kind is dict else isinstance(value, kind)
+  if not ok:
+    allowed = f"a {kind.__name__}" + (" or None" if optional else "")
+    raise ValueError(f"malformed controller state: {key} must be {allowed}, got {value!r:.200}")
+  return value
+
+
 def check_finite_float(name: str, value: Any) -> float:
   """Returns ``float(value)`` for a finite real number, or raises ValueError naming it."""
   if not validation.is_real(value) or not math.isfinite(float(value)):
@@ -146,7 +171,7 @@ class SavedState:
       state = self._complete_old_state(state)
     check_state_header(state, self.KIND)
     if state.get("config") is not None:
-      self._check_saved_config(state["config"])
+      self._check_saved_config(saved_section(state, "config", dict))
     try:
       batch_size = self._check_size("batch_size", state["batch_size"])
       step = validation.check_int("step", state["step"], 0)

@@ -11,6 +11,7 @@ batch size is a new value, never a new program.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -96,11 +97,20 @@ def couple_to_batch_size(
     raise ValueError(f"lr_rule={lr_rule!r} is not valid; choose one of {COUPLING_LR_RULES}")
   coupled = {"b2": couple_beta2, "weight_decay": couple_weight_decay}
   for name, on in coupled.items():
-    if on and not isinstance(hyperparams.get(name), (int, float)):
+    value = hyperparams.get(name)
+    if on and (not isinstance(value, (int, float)) or isinstance(value, bool)):
       raise ValueError(
         f"coupling {name} needs {name}=<a number> among the optimizer's hyperparameters, "
-        f"got {hyperparams.get(name)!r} (or pass couple_{'beta2' if name == 'b2' else name}=False)"
+        f"got {value!r} (or pass couple_{'beta2' if name == 'b2' else name}=False)"
       )
+  # The coupled values are powers and multiples of these: a NaN would train on NaN, a b2 of 1
+  # or more would never forget (b2^r >= 1), a negative decay would grow the weights.
+  if couple_beta2 and not 0 <= hyperparams["b2"] < 1:
+    raise ValueError(f"coupling b2 needs b2 in [0, 1), got {hyperparams['b2']!r}")
+  if couple_weight_decay and not 0 <= hyperparams["weight_decay"] < math.inf:
+    raise ValueError(
+      f"coupling weight_decay needs a finite weight_decay >= 0, got {hyperparams['weight_decay']!r}"
+    )
   # Numbers go into the state; anything else (a mask function, a flag) stays a static argument.
   static = tuple(
     name

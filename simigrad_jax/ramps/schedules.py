@@ -13,6 +13,7 @@ from typing import Any
 from simigrad_jax import validation
 from simigrad_jax.controllers.base import BaseController
 from simigrad_jax.controllers.state import check_finite_float
+from simigrad_jax.controllers.state import saved_section
 
 # ----------------------------------------------------------------------------
 # Schedules: the batch size as a function of the epochs trained.
@@ -420,7 +421,9 @@ class LossPlateauController(BaseController):
       "_best": None if best is None else check_finite_float("best_loss", best),
       "_bad_epochs": validation.check_int("bad_epochs", state["bad_epochs"], 0),
       "_cooldown_left": validation.check_int("cooldown_left", state["cooldown_left"], 0),
-      "_epoch_losses": [check_finite_float("epoch_losses[]", x) for x in state["epoch_losses"]],
+      "_epoch_losses": [
+        check_finite_float("epoch_losses[]", x) for x in saved_section(state, "epoch_losses", list)
+      ],
       "_grow_pending": validation.check_bool("grow_pending", state["grow_pending"]),
     }
 

@@ -118,11 +118,10 @@ def _long_pair_statistics(
   """:func:`pair_statistics` of long float32 pieces: per-row sums, then a sum of the rows.
 
   A sequential float32 sum over millions of entries rounds off a norm's
-  leading digits (blocks of 2.1M entries: 1.6e-3 of the norm, a similarity
-  off by 3e-4, where 233k entries lose 9e-6); rows of
+  leading digits, and the similarity with them; rows of
   :data:`STATISTICS_ROW` entries, then a sum of the rows' partial sums, keep
-  each running sum short (2e-7 at 8.4M entries), at about twice the time of
-  the blocked sums on XLA:CPU.
+  each running sum short, at about twice the time of the blocked sums on
+  XLA:CPU (the errors measured: docs/design.md, "Long pieces").
   """
   length = half_a.shape[0]
   rows = length // STATISTICS_ROW

@@ -103,7 +103,7 @@ class AdaptiveStep:
     mesh: a mesh with the data axis ``axis_name``; None: every device on it.
     axis_name: the data axis, the name the optimizer's transform is given.
     seed: the seed of the programs' random keys, which the loss does not see
-      (nothing it computes depends on it).
+      (nothing it computes depends on it); an integer in ``[0, 2**32 - 1]``.
 
   Example:
     >>> import jax.numpy as jnp, numpy as np, optax, simigrad_jax
@@ -164,7 +164,7 @@ class AdaptiveStep:
       shapes_per_octave=batch_plan.check_shapes_per_octave(shapes_per_octave),
     )
     self._loss_fn, self._optimizer = loss_fn, optimizer
-    self._seed = validation.check_int("seed", seed, 0)
+    self._seed = validation.check_seed(seed)
     self._measure_every = validation.check_int("measure_every", measure_every, 1)
     self._mesh, self._axis_name = mesh, axis_name
     self._replicated = NamedSharding(mesh, P())

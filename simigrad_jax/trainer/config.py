@@ -396,7 +396,8 @@ class TrainerConfig:
   Attributes:
     max_micro_batch_size: the most rows per device per micro-step (rounded up
       to even with the local split, whose two passes hold half each).
-    seed: seeds the data order and the per-step random keys.
+    seed: seeds the data order and the per-step random keys (an integer in
+      ``[0, 2**32 - 1]``: :func:`simigrad_jax.validation.check_seed`).
     halves: the split into the two halves the similarity compares
       (:mod:`simigrad_jax.shapes.layout`): ``"device"`` (even devices
       against odd ones), ``"local"`` (two blocks of rows per device), or
@@ -538,7 +539,7 @@ def _checked_fields(config: TrainerConfig) -> dict[str, Any]:
       f"compile.min_micro_batch_size must be None or an integer in [1, max_micro_batch_size="
       f"{max_micro}], got {min_micro!r}"
     )
-  checked["seed"] = validation.check_int("seed", config.seed, 0)
+  checked["seed"] = validation.check_seed(config.seed)
   checked["measure_every"] = validation.check_int("measure_every", config.measure_every, 1)
   for name in _FLAGS:
     checked[name] = validation.check_bool(name, getattr(config, name))

@@ -287,6 +287,48 @@ def test_a_refused_state_changes_nothing():
     c.update(0.1)
 
 
+STATS = {
+  "norm_a": 1.0,
+  "norm_b": 1.1,
+  "norm_mean": 0.8,
+  "batch_size": 16,
+  "examples_seen": 100,
+  "epochs": 0.1,
+  "loss": 2.0,
+  "epoch_end": True,
+  "grads_finite": True,
+}
+
+
+@pytest.mark.parametrize(
+  "name, options, section",
+  [
+    ("simigrad", {"similarity_target": 0.3}, "config"),
+    ("simigrad", {"similarity_target": 0.3, "batch_sizes_to_profile": (16, 32)}, "profile_plan"),
+    ("fixed", {"batch_sizes_to_profile": (16, 32)}, "profile"),
+    ("loss_plateau", {}, "epoch_losses"),
+    ("allowance", {}, "similarity_model"),
+    ("gns", {}, "config"),
+  ],
+)
+@pytest.mark.parametrize("bad", ["x", 3, [1]])
+def test_a_malformed_section_of_a_saved_state_is_named_and_changes_nothing(
+  name, options, section, bad
+):
+  # These once raised an AttributeError ('config') or a TypeError that named no key.
+  controller = simigrad_jax.make_controller(name, initial_batch_size=16, **options)
+  for similarity in (0.2, 0.4, 0.3):
+    controller.update(similarity, stats=STATS)
+  state = json.loads(json.dumps(controller.state_dict()))
+  if bad == [1] and section in ("profile", "epoch_losses"):  # a list, of the wrong entries
+    bad = ["x"]
+  fresh = simigrad_jax.make_controller(name, initial_batch_size=16, **options)
+  before = fresh.state_dict()
+  with pytest.raises(ValueError, match=rf"{section}(\[\d*\])? must be "):
+    fresh.load_state_dict({**state, section: bad})
+  assert fresh.state_dict() == before
+
+
 def test_a_new_controller_registers_by_name(monkeypatch):
   monkeypatch.setattr(registry, "_FACTORIES", dict(registry._FACTORIES))
   simigrad_jax.register_controller("halving", Halving)

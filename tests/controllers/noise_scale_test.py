@@ -308,6 +308,17 @@ def test_nonfinite_steps_hold_count_and_leave_the_averages(similarity, stats):
     assert after[key] == before[key]
 
 
+@pytest.mark.parametrize("key", ["norm_a", "norm_b", "norm_mean"])
+def test_a_negative_norm_is_refused_and_changes_nothing(key):
+  good = {"norm_a": 1.0, "norm_b": 1.1, "norm_mean": 0.8, "batch_size": 64}
+  c = GnsController(64, 0.5, ema_decay=0.5)
+  c.update(0.2, stats=good)
+  before = c.state_dict()
+  with pytest.raises(ValueError, match=rf"stats\['{key}'\] must be a norm \(>= 0\), got -0.5"):
+    c.update(0.2, stats={**good, key: -0.5})
+  assert c.state_dict() == before
+
+
 def test_warmup_learns_but_holds():
   stats = {"norm_a": 1.0, "norm_b": 1.1, "norm_mean": 0.8, "batch_size": 64}
   c = GnsController(64, 0.5, ema_decay=0.0, max_change=None, warmup_steps=2)

@@ -89,6 +89,17 @@ def test_what_can_be_coupled_is_checked():
     simigrad_jax.couple_to_batch_size(optax.adamw, 8, lr_rule="cubic", learning_rate=LR, b2=0.9)
   with pytest.raises(ValueError, match=r"coupling weight_decay needs weight_decay=<a number>"):
     simigrad_jax.couple_to_batch_size(optax.adam, 8, learning_rate=LR, b2=BETA2)
+  # Values the coupling would turn into NaN, a second moment that never forgets, or weights that
+  # grow: refused, naming the value (b2=nan was once taken, and every update was NaN).
+  for b2 in (math.nan, 1.0, 1.5, -0.1, True):
+    with pytest.raises(ValueError, match=rf"coupling b2 needs b2.*got {b2!r}"):
+      simigrad_jax.couple_to_batch_size(optax.adamw, 8, learning_rate=LR, b2=b2, weight_decay=WD)
+  for decay in (math.nan, math.inf, -0.1):
+    with pytest.raises(ValueError, match=rf"coupling weight_decay needs .*got {decay!r}"):
+      simigrad_jax.couple_to_batch_size(
+        optax.adamw, 8, learning_rate=LR, b2=BETA2, weight_decay=decay
+      )
+  simigrad_jax.couple_to_batch_size(optax.adamw, 8, learning_rate=LR, b2=0.0, weight_decay=0)
   only_beta2 = simigrad_jax.couple_to_batch_size(
     optax.adam, 8, couple_weight_decay=False, learning_rate=LR, b2=BETA2
   )

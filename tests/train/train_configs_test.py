@@ -16,6 +16,7 @@ import pytest
 import tensorflow_datasets as tfds
 
 import simigrad_jax
+from train import config_checks
 from train import train
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -157,6 +158,40 @@ def test_unknown_controller_and_bad_values_are_refused(devices):
     train.create_controller(tiny_config("digits_demo", controller_options="{multiple: 1}"), 8)
   with pytest.raises(ValueError, match="refused its options"):
     train.create_controller(tiny_config("digits_demo", controller_options='{"colour": 1}'), 8)
+
+
+@pytest.mark.parametrize(
+  "controller, given, option",
+  [
+    ("simigrad", '{"initial_batch_size": 64}', "initial_batch_size"),
+    ("gns", '{"batch_size_upper_bound": 512}', "batch_size_upper_bound"),
+    ("simigrad", '{"warmup_steps": 3}', "controller_warmup_steps"),
+    ("fixed", '{"ema_decay": 0.5}', "similarity_ema_decay"),
+  ],
+)
+def test_controller_options_refuse_what_a_config_option_sets(controller, given, option):
+  # The Adam coupling's base and the banner read config.initial_batch_size: a second value in
+  # controller_options would train the controller from one size and the optimizer from another.
+  config = tiny_config("digits_demo", controller=controller, controller_options=given)
+  with pytest.raises(ValueError, match=rf"which config\.{option} sets .*--config\.{option}="):
+    train.create_controller(config, 8)
+  # An option the config has none of is taken (gns's ema_decay is the controller's own).
+  config = tiny_config("digits_demo", controller="gns", controller_options='{"ema_decay": 0.5}')
+  assert train.create_controller(config, 8).config["ema_decay"] == 0.5
+
+
+@pytest.mark.parametrize(
+  "seed, message",
+  [
+    (2**32, "would give the key of seed 0"),
+    (10**20, "no seed beyond int64"),
+    (-1, r"must be an integer >= 0, got -1"),
+  ],
+)
+def test_a_seed_jax_would_wrap_or_refuse_is_refused(seed, message):
+  with pytest.raises(ValueError, match=rf"config\.seed .*{message}"):
+    config_checks.check_config(tiny_config("digits_demo", seed=seed))
+  config_checks.check_config(tiny_config("digits_demo", seed=2**32 - 1))  # the largest
 
 
 def test_token_ramps_count_the_data_sets_tokens_unless_told_otherwise():

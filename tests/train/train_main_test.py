@@ -177,6 +177,49 @@ def test_a_bad_controller_name_fails_before_training(tmp_path):
   assert not (tmp_path / "metrics.jsonl").exists()
 
 
+def test_a_seed_beyond_int64_is_one_line_before_jax_starts(tmp_path):
+  result = run_train(tmp_path, "--config.seed=99999999999999999999")
+  assert result.returncode == 1
+  assert result.stderr.strip() == (
+    "simigrad: --config.seed must be an integer in [0, 4294967295], got 99999999999999999999: "
+    "jax.random.key takes no seed beyond int64"
+  )
+
+
+BUG = """
+import runpy, sys
+import train.train
+def train_and_evaluate(*args, **kwargs):
+  raise RuntimeError("an injected bug")
+train.train.train_and_evaluate = train_and_evaluate
+sys.argv = ["train", "--config", "train/configs/digits_demo.py", "--workdir", sys.argv[1]]
+runpy.run_module("train", run_name="__main__", alter_sys=True)
+"""
+
+
+def test_a_bug_prints_its_traceback_past_the_filter(tmp_path):
+  # The filter that hides background threads' tracebacks once hid the run's own unexpected error
+  # too: exit status 1 and nothing on stderr.
+  env = dict(os.environ, PYTHONPATH=str(ROOT))
+  env.pop("XLA_FLAGS", None)
+  env.pop("SIMIGRAD_VERBOSE", None)
+  result = subprocess.run(
+    [sys.executable, "-c", BUG, str(tmp_path)],
+    cwd=ROOT,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
+  assert result.returncode == 1
+  lines = result.stderr.strip().splitlines()
+  assert lines[0] == "Traceback (most recent call last):"
+  assert "RuntimeError: an injected bug" in lines
+  assert lines[-1].startswith(
+    "simigrad: the run stopped on an unexpected RuntimeError: an injected bug; this is a bug"
+  )
+
+
 @pytest.mark.parametrize("command", DOCS_COMMANDS)
 def test_docs_train_commands_name_real_configs_options_and_flags(command):
   """The ``python -m train`` lines of README and docs/ (GPU ones included) parse: config, overrides, flags."""

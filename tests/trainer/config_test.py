@@ -64,6 +64,7 @@ BAD_SETTINGS = [
   ("lr.coupling", "cap", r"lr.coupling='cap' is not valid; choose one of \('full', 'peak'\)"),
   ("lr.adjust_factor", -1.0, r"lr.adjust_factor must be a number in \[0, inf\), got -1.0"),
   ("seed", -1, r"seed must be an integer >= 0, got -1"),
+  ("seed", 2**32 + 7, r"seed must be an integer in \[0, 4294967295\], got 4294967303: .* seed 7"),
   ("checkpoints.every_steps", 0, r"checkpoints.every_steps must be an integer >= 1, got 0"),
   (
     "checkpoints.every_seconds",

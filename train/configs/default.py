@@ -141,7 +141,7 @@ def get_config() -> ml_collections.ConfigDict:
   # while the step before it runs, so its rows are placed once (docs/controllers.md).
   config.one_step_late = False
   # More keyword arguments for the controller, as a JSON object, e.g. for "gns":
-  # --config.controller_options='{"multiple": 0.5}'.
+  # --config.controller_options='{"multiple": 0.5}' (not those the options above set).
   config.controller_options = ""
   config.lr_rule = "sqrt"  # lr factor sqrt(B / B_0) | "linear" B / B_0 | "none".
   config.lr_adjust_factor = config_dict.placeholder(float)  # factor r -> (r - 1) * f + 1.
