@@ -239,10 +239,11 @@ def refuse_special(path: pathlib.Path) -> UnsafePathError:
     kind = _KINDS.get(stat.S_IFMT(os.lstat(path).st_mode), "not a plain file")
   except OSError:
     kind = "not a plain file"
+  remove = f"rm -r {path}" if kind == _KINDS.get(stat.S_IFDIR) else f"rm {path}"
   return UnsafePathError(
     f"{path} is {kind}, where the run keeps a plain file; a run never reads or writes its "
     f"files through one (it could block the run, or be another program's): remove it "
-    f"(rm {path}), or use another workdir"
+    f"({remove}), or use another workdir"
   )
 
 

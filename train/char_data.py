@@ -28,7 +28,9 @@ import numpy as np
 from simigrad_jax.data.sources import check_indices
 from train.datasets import Datasets
 from train.datasets import resolve_local_dir
+from train.text_data import read_text_file
 from train.text_data import read_text_files
+from train.text_data import text_sha256
 
 TINY_SHAKESPEARE_FILE = "tinyshakespeare.txt"
 TINY_SHAKESPEARE_TFDS = "tiny_shakespeare"
@@ -159,7 +161,7 @@ def read_text(config: ml_collections.ConfigDict) -> tuple[str, str]:
     )
   path = local_text_path(config.local_data_dir)
   if config.text_source != "tfds" and path.is_file():
-    return path.read_text(encoding="utf-8"), str(path)
+    return read_text_file(path, "config.local_data_dir"), str(path)
   local_hint = (
     f"{TINY_SHAKESPEARE_FILE} is not in {str(path.parent)!r}: set --config.local_data_dir "
     "to the folder that holds it"
@@ -226,6 +228,7 @@ def load_chars(config: ml_collections.ConfigDict) -> Datasets:
     tokens_per_example=config.seq_length,
     unigram_entropy=entropy,
     vocabulary=vocabulary,
+    text_sha256=text_sha256(text),
   )
 
 

@@ -33,6 +33,11 @@ class Datasets:
     unigram_entropy: the entropy of the training tokens' frequencies, nats
       per token: the loss of a model that ignores the context.
     vocabulary: what turns tokens back into text, for ``"chars"``.
+    text_sha256: for data read from text files (``"chars"``, ``"text"``), the
+      first 16 hex digits of the text's SHA-256: the run records it
+      (:func:`train.run_settings.run_settings`), so that a resume on another
+      text, or on the same file changed, is refused rather than trained on
+      other characters.
   """
 
   train: Any
@@ -46,6 +51,7 @@ class Datasets:
   tokens_per_example: int | None = None
   unigram_entropy: float | None = None
   vocabulary: Any = None
+  text_sha256: str | None = None
 
 
 def resolve_local_dir(path: str) -> pathlib.Path:

@@ -12,8 +12,10 @@
 from __future__ import annotations
 
 import gzip
+import math
 import os
 import pathlib
+import zlib
 
 import numpy as np
 
@@ -123,13 +125,36 @@ def load_digits(
 
 
 def _read_idx(path: pathlib.Path) -> np.ndarray:
-  """An IDX file (gzipped or not) as a uint8 array."""
+  """An IDX file (gzipped or not) as a uint8 array.
+
+  Raises:
+    ValueError: naming the file, for a damaged or cut-short gzip stream, a
+      header that is not an IDX file of unsigned bytes, or data of another
+      length than the header's shape needs.
+  """
   opener = gzip.open if path.suffix == ".gz" else open
-  with opener(path, "rb") as f:
-    data = f.read()
+  try:
+    with opener(path, "rb") as f:
+      data = f.read()
+  except (EOFError, gzip.BadGzipFile, zlib.error) as error:
+    raise ValueError(
+      f"{str(path)!r} is not a whole gzip file ({type(error).__name__}: {error}): a download "
+      "cut short or a damaged copy; fetch it again"
+    ) from error
+  if len(data) < 4 or data[:3] != b"\x00\x00\x08" or not 1 <= data[3] <= 4:
+    raise ValueError(
+      f"{str(path)!r} is not an IDX file of unsigned bytes (its first bytes are "
+      f"{data[:4].hex(' ')}, expected 00 00 08 and 1-4 dimensions)"
+    )
   ndim = data[3]
+  header = 4 + 4 * ndim
   shape = tuple(int.from_bytes(data[4 + 4 * i : 8 + 4 * i], "big") for i in range(ndim))
-  return np.frombuffer(data, np.uint8, offset=4 + 4 * ndim).reshape(shape)
+  if len(data) != header + math.prod(shape):
+    raise ValueError(
+      f"{str(path)!r} holds {len(data) - header:,} bytes of data where its header's shape "
+      f"{shape} needs {math.prod(shape):,}: a file cut short or damaged; fetch it again"
+    )
+  return np.frombuffer(data, np.uint8, offset=header).reshape(shape)
 
 
 def _find(directory: pathlib.Path, stem: str) -> pathlib.Path | None:
@@ -180,7 +205,18 @@ def load_local_mnist(
 ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
   """MNIST from the files :func:`local_mnist_files` found: uint8 ``[28, 28, 1]`` images, int32 labels."""
   if "train_csv" in files:
-    rows = np.loadtxt(files["train_csv"], delimiter=",", dtype=np.int64)
+    try:
+      rows = np.loadtxt(files["train_csv"], delimiter=",", dtype=np.int64, ndmin=2)
+    except (ValueError, EOFError, OSError, zlib.error) as error:
+      raise ValueError(
+        f"{str(files['train_csv'])!r} is not a whole CSV of MNIST rows ({type(error).__name__}: "
+        f"{error}): a download cut short or a damaged copy; fetch it again"
+      ) from error
+    if rows.shape[1] != 785:
+      raise ValueError(
+        f"{str(files['train_csv'])!r} has {rows.shape[1]} columns, expected 785 (784 pixels "
+        "and the label)"
+      )
     train = {
       "image": rows[:, :784].astype(np.uint8).reshape(-1, 28, 28, 1),
       "label": rows[:, 784].astype(np.int32),
@@ -194,4 +230,12 @@ def load_local_mnist(
     "image": _read_idx(files["test_images"]).reshape(-1, 28, 28, 1),
     "label": _read_idx(files["test_labels"]).astype(np.int32),
   }
+  for name, split in (("train", train), ("test", test)):
+    if len(split["image"]) != len(split["label"]):
+      where = files.get(f"{name}_images", files.get("train_csv"))
+      raise ValueError(
+        f"the MNIST {name} images ({len(split['image']):,}, {str(where)!r}) and labels "
+        f"({len(split['label']):,}, {str(files.get(f'{name}_labels'))!r}) differ in count: "
+        "one file is from another set or damaged"
+      )
   return train, test

@@ -65,6 +65,7 @@ from train.text_data import TfdsTextSource
 from train.text_data import default_text
 from train.text_data import encode_bytes
 from train.text_data import read_text_files
+from train.text_data import text_sha256
 
 
 def limit_examples(source: Any, count: int | None) -> Any:
@@ -180,6 +181,7 @@ def create_datasets(config: ml_collections.ConfigDict) -> Datasets:
       vocab_size=BYTE_VOCAB_SIZE,
       eval_name="held-out",
       description=f"{len(tokens):,} bytes of text from {where}",
+      text_sha256=text_sha256(text),
     )
   elif kind == "tfds_text":
     make = lambda split: TfdsTextSource(

@@ -65,15 +65,22 @@ NOT_DECIDING: frozenset[str] = frozenset(
 )
 
 
-def run_settings(config: ml_collections.ConfigDict) -> dict[str, Any]:
+def run_settings(
+  config: ml_collections.ConfigDict, text_sha256: str | None = None
+) -> dict[str, Any]:
   """The options of ``config`` that decide the run, as JSON data (the Trainer's ``run_settings``).
 
   Args:
     config: the experiment config.
+    text_sha256: the digest of the text trained on, for data read from text
+      files (:attr:`train.datasets.Datasets.text_sha256`): where the text
+      comes from (``text_files``, ``local_data_dir``) may change between a
+      run and its resume, the text may not.
 
   Returns:
     Every option but those in :data:`NOT_DECIDING`; ``num_epochs`` too with
-    the ``"cosine"`` schedule, which it stretches.
+    the ``"cosine"`` schedule, which it stretches; ``text_sha256`` where
+    given.
 
   Example:
     >>> from train.configs import default
@@ -85,6 +92,8 @@ def run_settings(config: ml_collections.ConfigDict) -> dict[str, Any]:
   kept = {name: value for name, value in options.items() if name not in NOT_DECIDING}
   if options.get("lr_schedule") == "cosine":
     kept["num_epochs"] = options["num_epochs"]
+  if text_sha256 is not None:
+    kept["text_sha256"] = text_sha256
   return kept
 
 

@@ -8,6 +8,7 @@ any text, and makes sequences about 4x longer than WordPiece for English.
 from __future__ import annotations
 
 import glob
+import hashlib
 import os
 import pathlib
 
@@ -145,11 +146,72 @@ class TfdsTextSource:
     return {"tokens": rows.reshape(shape + (self.seq_length,))}
 
 
+def read_text_file(path: str | os.PathLike, option: str) -> str:
+  """The text of ``path``, a file of UTF-8 text, or a ValueError naming the file and ``option``.
+
+  A folder, a pipe or a device, bytes that are not UTF-8 (a Latin-1 file, a
+  binary) and NUL bytes are refused: read leniently, each would train on
+  other characters than the file's without a word.
+
+  Args:
+    path: the file.
+    option: the config option that named it (``"config.text_files"``), for
+      the message.
+
+  Returns:
+    The decoded text.
+
+  Example:
+    >>> import pathlib, tempfile
+    >>> path = pathlib.Path(tempfile.mkdtemp()) / "latin1.txt"
+    >>> _ = path.write_bytes("caf\u00e9".encode("latin-1"))
+    >>> try:
+    ...   read_text_file(path, "config.text_files")
+    ... except ValueError as error:
+    ...   print(error)  # doctest: +ELLIPSIS
+    config.text_files: '.../latin1.txt' is not UTF-8 text: byte 0xe9 at offset 3 (line 1); ...
+  """
+  path = pathlib.Path(path)
+  if not path.is_file():
+    what = (
+      "a folder; name the files in it (e.g. 'folder/*.txt')"
+      if path.is_dir()
+      else "not a regular file (a pipe, a socket or a device); give a text file"
+    )
+    raise ValueError(f"{option}: {str(path)!r} is {what}")
+  data = path.read_bytes()
+  try:
+    text = data.decode("utf-8")
+  except UnicodeDecodeError as error:
+    line = data.count(b"\n", 0, error.start) + 1
+    raise ValueError(
+      f"{option}: {str(path)!r} is not UTF-8 text: byte 0x{data[error.start]:02x} at offset "
+      f"{error.start} (line {line}); convert it to UTF-8 (e.g. iconv -f latin1 -t utf-8) or "
+      "give another file"
+    ) from error
+  nul = text.find("\x00")
+  if nul >= 0:
+    raise ValueError(
+      f"{option}: {str(path)!r} holds a NUL byte (character {nul}): a binary file, not text"
+    )
+  return text
+
+
+def text_sha256(text: str) -> str:
+  """The first 16 hex digits of the SHA-256 of ``text``'s UTF-8 bytes (:attr:`Datasets.text_sha256`).
+
+  Example:
+    >>> text_sha256("abc")
+    'ba7816bf8f01cfea'
+  """
+  return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
+
+
 def default_text(local_data_dir: str | os.PathLike) -> tuple[str, str]:
   """``(text, source)``: tinyshakespeare from ``local_data_dir``, else ``pydoc_data.topics``."""
   path = pathlib.Path(local_data_dir) / "tinyshakespeare.txt"
   if path.is_file():
-    return path.read_text(encoding="utf-8"), str(path)
+    return read_text_file(path, "config.local_data_dir"), str(path)
   from pydoc_data import topics  # pylint: disable=import-outside-toplevel
 
   return "\n\n".join(topics.topics[k] for k in sorted(topics.topics)), "pydoc_data.topics"
@@ -157,7 +219,7 @@ def default_text(local_data_dir: str | os.PathLike) -> tuple[str, str]:
 
 def read_text_files(spec: str) -> tuple[str, str]:
   """``(text, where)``: the files of ``spec`` (comma-separated paths or glob patterns, ``~``
-  expanded), in order, joined by blank lines."""
+  expanded), in order, joined by blank lines; each a UTF-8 text file (:func:`read_text_file`)."""
   paths = []
   for part in (p.strip() for p in spec.split(",")):
     if not part:
@@ -166,5 +228,5 @@ def read_text_files(spec: str) -> tuple[str, str]:
     if not matches:
       raise FileNotFoundError(f"config.text_files: no file matches {part!r}")
     paths.extend(pathlib.Path(m) for m in matches)
-  text = "\n\n".join(p.read_text(encoding="utf-8", errors="replace") for p in paths)
+  text = "\n\n".join(read_text_file(p, "config.text_files") for p in paths)
   return text, f"{len(paths)} text file(s)"

@@ -460,7 +460,7 @@ def create_trainer(
     lr_schedule=experiment.lr_schedule,
     mesh=experiment.mesh,
     param_sharding=experiment.param_sharding,
-    run_settings=run_settings.run_settings(experiment.config),
+    run_settings=run_settings.run_settings(experiment.config, experiment.datasets.text_sha256),
     config=settings.replace(
       max_micro_batch_size=max_micro_batch_size(
         settings.max_micro_batch_size, upper, experiment.mesh.shape[mesh_setup.DATA_AXIS]

@@ -293,7 +293,7 @@ class Checkpointer:
         f"made by this run (it is left alone); move it out of {self.directory} and resume"
       )
     host = {**host, WRITTEN_STEPS: self._kept_after(step)}
-    record = integrity.host_record(state, host)
+    record = integrity.host_record(state, host, step)
     self._saving = step
     self._manager.save(
       step,
@@ -385,7 +385,9 @@ class Checkpointer:
         of the checkpoint's contents; the message names the checkpoint. No
         older checkpoint is tried and nothing is moved.
       ValueError: no checkpoint could be read; the message names each step
-        and its error.
+        and its error. :class:`~simigrad_jax.checkpoint.integrity.OtherFormatError`
+        (a ValueError): the newest checkpoint is in the format of another
+        version of simigrad_jax; nothing is moved.
     """
     abstract = jax.tree.map(
       lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)), like
@@ -402,7 +404,7 @@ class Checkpointer:
           functools.partial(self._restore_one, candidate, abstract, want_layout),
           step=candidate,
           directory=self.directory,
-          not_damage=(CheckpointMismatchError,),
+          not_damage=(CheckpointMismatchError, integrity.OtherFormatError),
         )
       except read_retry.Damaged as damage:
         error = damage.__cause__ or damage
@@ -461,7 +463,10 @@ class Checkpointer:
       Exception: the checkpoint is damaged, or the file system failed the read.
     """
     record = self._host_record(step)
-    payload = integrity.verified_payload(record, step)
+    try:
+      payload = integrity.verified_payload(record, step)
+    except integrity.OtherFormatError as error:
+      raise integrity.OtherFormatError(f"{error} (in {self.directory})") from None
     if payload is None:  # an older simigrad_jax's checkpoint: restore it as before, unverified
       logger.warning(
         "checkpoint at step %d in %s has no checksums (written by an older "

@@ -36,17 +36,26 @@ class _Unreadable(SimiGradError, ValueError):
   """A checkpoint whose files are damaged or incomplete."""
 
 
-def host_record(state: Any, host: dict[str, Any]) -> dict[str, Any]:
+class OtherFormatError(SimiGradError, ValueError):
+  """A checkpoint written by another version of simigrad_jax, in a format this one does not read.
+
+  Not damage: it is neither skipped nor moved aside.
+  """
+
+
+def host_record(state: Any, host: dict[str, Any], step: int) -> dict[str, Any]:
   """The ``host`` item saved with ``state``: ``host``, the state's layout and checksums, a CRC-32.
 
   Args:
     state: the arrays saved (a pytree; every process calls it in a multi-host run).
     host: the host's JSON data.
+    step: the step it is saved as (its folder's name): a folder copied or
+      renamed to another step's name is then told apart on restore.
 
   Returns:
-    ``{"format", "crc32", "payload": {"host", "layout", "checksums"}}``.
+    ``{"format", "crc32", "payload": {"host", "layout", "checksums", "step"}}``.
   """
-  payload = {"host": host, "layout": layout(state), "checksums": _checksums(state)}
+  payload = {"host": host, "layout": layout(state), "checksums": _checksums(state), "step": step}
   return {"format": FORMAT, "crc32": _crc32(payload), "payload": payload}
 
 
@@ -75,6 +84,13 @@ def verified_payload(record: Any, step: int) -> dict[str, Any] | None:
     return None  # written before checksums existed: the host dict itself
   if not isinstance(record, dict) or record.get("format") != FORMAT:
     got = record.get("format") if isinstance(record, dict) else type(record).__name__
+    family = FORMAT.rsplit("/", 1)[0] + "/"
+    if isinstance(got, str) and got.startswith(family) and got != FORMAT:
+      raise OtherFormatError(
+        f"the checkpoint of step {step} was written by another version of simigrad_jax (format "
+        f"{got!r}; this one reads {FORMAT!r}): resume with the version that wrote it, or use a "
+        "new workdir"
+      )
     raise _Unreadable(f"the host record of step {step} has format {got!r}, expected {FORMAT!r}")
   payload = record.get("payload")
   if not isinstance(payload, dict) or _crc32(payload) != record.get("crc32"):
@@ -82,6 +98,12 @@ def verified_payload(record: Any, step: int) -> dict[str, Any] | None:
   for key in ("host", "layout", "checksums"):
     if key not in payload:
       raise _Unreadable(f"the host record of step {step} has no {key!r}")
+  saved_as = payload.get("step", step)  # (records written before the step was recorded lack it)
+  if saved_as != step:
+    raise _Unreadable(
+      f"the checkpoint in the folder of step {step} was saved as step {saved_as!r}: a checkpoint "
+      "folder copied or renamed to another step's name"
+    )
   return payload
 
 

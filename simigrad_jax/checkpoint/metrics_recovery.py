@@ -138,11 +138,14 @@ def _events(path: pathlib.Path) -> Iterator[Any]:
   from tensorboardX.proto import event_pb2  # pylint: disable=import-outside-toplevel
 
   with open(files.open_nofollow(path, os.O_RDONLY), "rb") as f:
+    size = os.fstat(f.fileno()).st_size
     while True:
       header = f.read(12)  # the length (8 bytes) and its CRC (4)
       if len(header) < 12:
         return
       (length,) = struct.unpack("<Q", header[:8])
+      if length > size - f.tell():  # damage (or not an event file): more than the file holds
+        return
       data = f.read(length)
       if len(data) < length or len(f.read(4)) < 4:
         return
@@ -194,6 +197,30 @@ def records_from_events(folder: pathlib.Path, up_to: int) -> list[dict[str, Any]
   return [latest[key] for key in sorted(latest)]
 
 
+def _in_step_order(
+  entries: list[tuple[bytes, dict[str, Any]]],
+) -> tuple[list[tuple[bytes, dict[str, Any]]], list[int]]:
+  """The entries as a run writes them, and the steps of the others (in file order).
+
+  A run appends its records in step order, each step's record (the one with
+  :data:`STEP_KEY`) once, and its evaluations after it: a step record of a
+  step already recorded, or any record of a step before the latest, is
+  another file's line or one copied in (it would be counted twice in the
+  epoch's averages, or read as the final evaluation).
+  """
+  kept, dropped, seen, latest = [], [], set(), 0
+  for line, record in entries:
+    step = record["step"]
+    if (STEP_KEY in record and step in seen) or step < latest:
+      dropped.append(step)
+      continue
+    if STEP_KEY in record:
+      seen.add(step)
+    latest = step
+    kept.append((line, record))
+  return kept, dropped
+
+
 def prepare_for_append(
   path: pathlib.Path, resume_step: int | None, events: pathlib.Path | None = None
 ) -> list[list[int]]:
@@ -236,6 +263,7 @@ def prepare_for_append(
     return []
   entries, damaged, torn = parse_records(data)
   kept = [(line, record) for line, record in entries if record["step"] <= resume_step]
+  kept, out_of_order = _in_step_order(kept)
   have = {(r["step"], EVAL_KEY in r) for _, r in kept}
   # A Trainer's file has a record of every step; another writer's may skip steps by design.
   every_step = not entries or any(STEP_KEY in r for _, r in entries)
@@ -256,6 +284,12 @@ def prepare_for_append(
     notes.append(f"dropped {len(damaged)} damaged line(s) (line {shown})")
   if torn is not None:
     notes.append(f"dropped a torn last line ({len(torn)} bytes)")
+  if out_of_order:
+    notes.append(
+      f"dropped {len(out_of_order)} record(s) out of step order (of step(s) "
+      f"{_describe(step_ranges(out_of_order))}: a step written twice, or after a later one; "
+      "lines of another run's file, or copied in)"
+    )
   if restored:
     notes.append(
       f"restored {len(restored)} record(s) of step(s) "

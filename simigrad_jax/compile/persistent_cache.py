@@ -159,7 +159,10 @@ def enable_persistent_cache(
     raise ValueError(f"max_bytes must be None or an integer >= 0, got {max_bytes!r}")
   path = os.path.abspath(raw)
   if os.path.exists(path) and not os.path.isdir(path):
-    raise ValueError(f"cache_dir must be a directory, got the file {path!r}")
+    raise ValueError(
+      f"the compilation cache must be a folder, and {path!r} is a file: move it away, or give "
+      f"another folder (${CACHE_DIR_VARIABLE}, or the training scripts' --config.compilation_cache_dir)"
+    )
   files.make_private_dir(path, what="compilation cache", allow_shared=allow_shared, tighten=True)
   jax.config.update("jax_enable_compilation_cache", True)
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)

@@ -95,6 +95,58 @@ def test_a_damaged_newest_checkpoint_is_skipped_for_the_one_before_it(devices, t
   ckpt.close()
 
 
+@pytest.mark.parametrize("how", ["copied", "renamed"])
+def test_a_checkpoint_folder_under_another_steps_name_is_skipped_not_resumed_from(
+  devices, tmp_path, how
+):
+  # A copy of step 1 named 30 was resumed from as step 1 (the run went back 29 steps without a
+  # word); a step renamed 99 was taken for the newest.
+  import shutil  # pylint: disable=import-outside-toplevel
+
+  root = tmp_path / "checkpoints"
+  ckpt = Checkpointer(root, max_to_keep=5, async_save=False)
+  for step in (1, 2):
+    ckpt.save(step, _state(devices, float(step)), {"step": step})
+  ckpt.close()
+  if how == "copied":
+    shutil.copytree(root / "1", root / "30")
+    want, want_all = 2, [1, 2]
+  else:
+    (root / "2").rename(root / "99")
+    want, want_all = 1, [1]
+  ckpt = Checkpointer(root)
+  restored, host, step = ckpt.restore(_state(devices, 0.0))
+  assert step == want and host == {"step": want}
+  _assert_same(restored, _state(devices, float(want)))
+  (skipped, why), *_ = ckpt.skipped
+  assert skipped in (30, 99) and "saved as step" in why and "copied or renamed" in why
+  assert ckpt.all_steps() == want_all and len(ckpt.quarantined) == 1
+  ckpt.close()
+
+
+def test_a_checkpoint_of_another_format_is_refused_not_set_aside(devices, tmp_path):
+  # It was taken for damage: moved to checkpoints.unreadable/ and an older step resumed, or,
+  # with every step so, "every checkpoint is damaged".
+  import json  # pylint: disable=import-outside-toplevel
+
+  root = tmp_path / "checkpoints"
+  ckpt = Checkpointer(root, max_to_keep=3, async_save=False)
+  for step in (1, 2):
+    ckpt.save(step, _state(devices, float(step)), {"step": step})
+  ckpt.close()
+  (metadata,) = (root / "2" / "host").glob("metadata")
+  record = json.loads(metadata.read_text())
+  record["format"] = "simigrad_jax.checkpoint/2"
+  metadata.write_text(json.dumps(record))
+  ckpt = Checkpointer(root)
+  with pytest.raises(
+    ValueError, match=r"step 2 was written by another version of simigrad_jax .*checkpoint/2'"
+  ):
+    ckpt.restore(_state(devices, 0.0))
+  assert ckpt.all_steps() == [1, 2] and not (tmp_path / "checkpoints.unreadable").exists()
+  ckpt.close()
+
+
 def test_a_checkpoint_of_another_model_is_refused_naming_the_difference(devices, tmp_path):
   ckpt = Checkpointer(tmp_path / "checkpoints", async_save=False)
   ckpt.save(1, _state(devices, 1.0), {"step": 1})

@@ -413,6 +413,24 @@ def test_a_special_file_where_a_run_file_should_be_is_refused_at_once(tmp_path, 
     files.open_for_append(path)
 
 
+def test_the_fix_for_a_folder_where_a_file_is_kept_removes_a_folder(tmp_path):
+  # It said "rm <path>", which refuses a folder.
+  (tmp_path / "metrics.jsonl").mkdir()
+  error = files.refuse_special(tmp_path / "metrics.jsonl")
+  assert "is a folder, where the run keeps a plain file" in str(error)
+  assert f"(rm -r {tmp_path / 'metrics.jsonl'})" in str(error)
+  os.mkfifo(tmp_path / "pipe")
+  assert f"(rm {tmp_path / 'pipe'})" in str(files.refuse_special(tmp_path / "pipe"))
+
+
+def test_a_compilation_cache_path_that_is_a_file_names_the_settings_that_move_it(tmp_path):
+  (tmp_path / "cache").write_text("")
+  with pytest.raises(
+    ValueError, match=r"is a file: move it away.*SIMIGRAD_JAX_CACHE_DIR.*compilation_cache_dir"
+  ):
+    persistent_cache.enable_persistent_cache(tmp_path / "cache")
+
+
 def test_a_trainer_refuses_a_fifo_as_its_metrics_file_instead_of_hanging(tmp_path):
   os.mkfifo(tmp_path / "metrics.jsonl")
   with pytest.raises(files.UnsafePathError, match=r"metrics.jsonl is a FIFO \(named pipe\)"):

@@ -15,6 +15,7 @@ from train import char_data
 from train import input_pipeline
 from train import models
 from train import tasks
+from train import text_data
 from train import train
 from train.configs import shakespeare_lm
 
@@ -157,6 +158,21 @@ def test_trains_below_the_unigram_entropy_and_resumes_exactly_mid_ramp(
   assert [r["loss"] for r in a] == [r["loss"] for r in b]
   assert [r["similarity"] for r in a] == [r["similarity"] for r in b]
   assert summary["loss"] < math.log(char_data.load_chars(config).vocab_size)
+
+
+def test_a_resume_on_a_changed_text_is_refused_naming_its_digest(tmp_path, text_file, devices):
+  """The same file name, characters and length, the words in another order: once resumed
+  silently, on other windows (and, with other characters, on other token ids)."""
+  words = text_file.read_text().split()
+  mine = tmp_path / "mine.txt"
+  mine.write_text(" ".join(words) + "\n")
+  config = tiny_config(mine, checkpoint_every_steps=1)
+  with train.create_trainer(train.create_experiment(config, devices=devices), tmp_path / "w") as t:
+    t.train(num_steps=1)
+  recorded = text_data.text_sha256(mine.read_text())
+  mine.write_text(" ".join(reversed(words)) + "\n")
+  with pytest.raises(ValueError, match=rf"text_sha256: '{recorded}' there, '[0-9a-f]{{16}}' here"):
+    train.create_trainer(train.create_experiment(config, devices=devices), tmp_path / "w")
 
 
 def test_python_m_train_summary_reports_tokens_and_the_validation_loss(

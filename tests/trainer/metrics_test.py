@@ -258,6 +258,48 @@ def test_torn_last_line_dropped_on_reopen(tmp_path, resume_step):
   ]
 
 
+def test_resume_drops_records_out_of_step_order_and_names_them(tmp_path, caplog):
+  # Lines of steps 1-2 copied in again, another run's line and a stray evaluation of step 1: each
+  # was kept, counted twice in the epoch's averages, and the stray one read as the final
+  # evaluation.
+  path = tmp_path / "metrics.jsonl"
+  own = [
+    {"step": 1, "batch_size": 8, "loss": 1.0},
+    {"step": 2, "batch_size": 8, "loss": 0.9},
+    {"step": 2, "eval_loss": 0.8},
+    {"step": 2, "eval_loss": 0.7},  # a second evaluation of the same step: kept
+    {"step": 3, "batch_size": 16, "loss": 0.6},
+  ]
+  foreign = [
+    own[0],
+    own[1],
+    {"step": 3, "batch_size": 99, "loss": 5.0},
+    {"step": 1, "eval_loss": 0},
+  ]
+  path.write_text("".join(json.dumps(r) + "\n" for r in own + foreign))
+  with caplog.at_level("WARNING", logger="simigrad_jax"):
+    MetricsWriter(tmp_path, tensorboard=False, resume_step=3).close()
+  assert read_metrics(path) == own
+  assert "dropped 4 record(s) out of step order (of step(s) 1-3" in caplog.text
+
+
+def test_an_event_file_of_random_bytes_restores_nothing_and_raises_nothing(tmp_path):
+  # Its first "length" was read as about 2**63 bytes, and the read raised an OverflowError that
+  # ended the resume as a bug.
+  from simigrad_jax.checkpoint import metrics_recovery  # pylint: disable=import-outside-toplevel
+
+  folder = tmp_path / "tensorboard"
+  with MetricsWriter(tmp_path, tensorboard=True) as writer:
+    for step in (1, 2, 3):
+      writer.write({"step": step, "loss": float(step)})
+  rng = np.random.default_rng(0)
+  (folder / "events.out.tfevents.0.random").write_bytes(
+    b"\xff" * 8 + rng.bytes(4) + rng.bytes(4000)
+  )
+  records = metrics_recovery.records_from_events(folder, up_to=3)
+  assert [(r["step"], r["loss"]) for r in records] == [(1, 1), (2, 2), (3, 3)]
+
+
 def test_last_line_missing_only_its_newline_is_kept(tmp_path):
   path = tmp_path / "metrics.jsonl"
   path.write_text('{"step": 1}\n{"step": 2}')
