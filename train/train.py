@@ -540,6 +540,22 @@ def train_and_evaluate(
         folder.rmdir()
 
 
+# The files a run writes once it has trained (the summary, the profile, the plot).
+WRITTEN_AFTER_TRAINING = ("summary.json", "similarity_profile.json", "metrics.png")
+
+
+def _refuse_what_would_fail_the_last_writes(workdir: pathlib.Path) -> None:
+  """Refuses, before training, a folder or other non-file where a file written after it will go.
+
+  Found only when the training is over, it failed the run's last writes: no
+  summary, and exit status 1 after every step had trained.
+  """
+  for name in WRITTEN_AFTER_TRAINING:
+    path = workdir / name
+    if os.path.lexists(path) and not path.is_symlink() and not path.is_file():
+      raise files.refuse_special(path)
+
+
 def _missing_folders(workdir: str | os.PathLike) -> list[pathlib.Path]:
   """The workdir and its parents that do not exist yet, the workdir first."""
   path = pathlib.Path(workdir).absolute()
@@ -563,6 +579,7 @@ def _train_and_evaluate_in(
   is_main = jax.process_index() == 0
   if is_main:  # refused now, not after training, if it is not a history this run can extend
     config_history.read_starts(workdir)
+    _refuse_what_would_fail_the_last_writes(workdir)
   cache_dir = compilation_cache_dir(config)
   if cache_dir is not None:  # before the model's first compile, so that it is cached too
     enable_persistent_cache(cache_dir, allow_shared=config.allow_shared_workdir)

@@ -186,6 +186,17 @@ def test_a_seed_beyond_int64_is_one_line_before_jax_starts(tmp_path):
   )
 
 
+@pytest.mark.parametrize("name", ["summary.json", "similarity_profile.json"])
+def test_a_folder_where_a_last_file_goes_is_refused_before_training(tmp_path, name):
+  # Found after every step had trained, it ended the run with exit status 1 and no summary.
+  (tmp_path / name).mkdir()
+  result = run_train(tmp_path, *SMALL, "--config.num_steps=1")
+  assert result.returncode == 1
+  assert f"{tmp_path / name} is a folder, where the run keeps a plain file" in result.stderr
+  assert f"(rm -r {tmp_path / name})" in result.stderr
+  assert not (tmp_path / "checkpoints").exists()
+
+
 BUG = """
 import runpy, sys
 import train.train
