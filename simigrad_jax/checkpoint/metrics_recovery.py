@@ -27,10 +27,11 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import pathlib
 import struct
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from simigrad_jax import files
@@ -161,12 +162,35 @@ def _number(value: float) -> float | int:
   return int(value) if value.is_integer() and abs(value) < 2**24 else value
 
 
-def records_from_events(folder: pathlib.Path, up_to: int) -> list[dict[str, Any]]:
+def _disagreement(records: list[dict[str, Any]], known: Mapping[int, dict[str, Any]]) -> str | None:
+  """Where an event file's step records contradict the metrics file's (None: nowhere)."""
+  for record in records:
+    mine = known.get(record["step"])
+    if mine is None or STEP_KEY not in record:
+      continue
+    for key in (STEP_KEY, "loss"):
+      theirs, ours = record.get(key), mine.get(key)
+      if not (validation.is_real(theirs) and validation.is_real(ours)):
+        continue
+      both_nan = math.isnan(theirs) and math.isnan(ours)  # (a non-finite step's loss)
+      if not (both_nan or math.isclose(theirs, ours, rel_tol=1e-5)):
+        return (
+          f"step {record['step']}: {key} {record[key]!r} there, {mine[key]!r} in the metrics file"
+        )
+  return None
+
+
+def records_from_events(
+  folder: pathlib.Path, up_to: int, known: Mapping[int, dict[str, Any]] | None = None
+) -> list[dict[str, Any]]:
   """The records of steps up to ``up_to`` that the event files in ``folder`` hold, newest write last.
 
   One event is one record (:class:`~simigrad_jax.trainer.MetricsWriter`
   writes a record's numbers as one summary); a step written again by a later
-  run (after a resume) replaces the earlier one.
+  run (after a resume) replaces the earlier one. An event file whose step
+  records contradict ``known`` (the metrics file's step records by step: a
+  batch size or loss of another value) is another run's, copied in: it is
+  left out, with a warning.
   """
   if folder.is_symlink() or not folder.is_dir():
     return []
@@ -188,6 +212,12 @@ def records_from_events(folder: pathlib.Path, up_to: int) -> list[dict[str, Any]
           record.update((v.tag, _number(float(v.simple_value))) for v in values)
           records.append(record)
     except OSError:
+      continue
+    contradiction = _disagreement(records, known or {})
+    if contradiction is not None:
+      logger.warning(
+        "%s: not restoring from %s, another run's events (%s)", folder, path.name, contradiction
+      )
       continue
     found.append((first_time or 0.0, records))
   latest: dict[tuple[int, bool], dict[str, Any]] = {}
@@ -270,7 +300,8 @@ def prepare_for_append(
   lost = missing_steps([r for _, r in kept], resume_step) if every_step else []
   restored = []
   if (lost or damaged or torn is not None) and events is not None:
-    for record in records_from_events(events, resume_step):
+    known = {r["step"]: r for _, r in kept if STEP_KEY in r}
+    for record in records_from_events(events, resume_step, known):
       if (record["step"], EVAL_KEY in record) not in have:
         record[RESTORED_FROM] = "tensorboard"
         restored.append(record)

@@ -258,6 +258,33 @@ def test_torn_last_line_dropped_on_reopen(tmp_path, resume_step):
   ]
 
 
+def test_another_runs_event_file_is_not_restored_from(tmp_path, caplog):
+  # Copied into the run's tensorboard/ beside a torn metrics file, its steps were restored as the
+  # run's own (other batch sizes and losses).
+  with MetricsWriter(tmp_path, tensorboard=True) as writer:
+    for step in (1, 2, 3, 4):
+      writer.write({"step": step, "batch_size": 8 * step, "loss": 1.0 / step})
+  other = tmp_path / "other"
+  with MetricsWriter(other, tensorboard=True) as writer:
+    for step in (1, 2, 3, 4):
+      writer.write({"step": step, "batch_size": 99, "loss": 5.0, "loss_nan": math.nan})
+  (foreign,) = (other / "tensorboard").glob("events.out.tfevents.*")
+  copied = tmp_path / "tensorboard" / (foreign.name + ".copied")
+  copied.write_bytes(foreign.read_bytes())
+  os.utime(copied, None)
+  path = tmp_path / "metrics.jsonl"
+  lines = path.read_text().splitlines()
+  path.write_text("\n".join(lines[:2]) + "\n" + lines[2][:10])  # steps 3 and 4 lost
+  with caplog.at_level("WARNING", logger="simigrad_jax"):
+    MetricsWriter(tmp_path, tensorboard=False, resume_step=4).close()
+  assert [(r["step"], r["batch_size"]) for r in read_metrics(path)] == [
+    (s, 8 * s) for s in range(1, 5)
+  ]
+  assert (
+    "not restoring from" in caplog.text and "batch_size 99 there, 8 in the metrics" in caplog.text
+  )
+
+
 def test_resume_drops_records_out_of_step_order_and_names_them(tmp_path, caplog):
   # Lines of steps 1-2 copied in again, another run's line and a stray evaluation of step 1: each
   # was kept, counted twice in the epoch's averages, and the stray one read as the final
