@@ -352,6 +352,11 @@ def adopt(checkpoints_dir: str | os.PathLike, latest: int | None) -> int | None:
     adopted = newest
   for old in steps[:-1] if adopted is not None else steps:  # older than a checkpoint kept
     shutil.rmtree(folder / str(old), ignore_errors=True)
+    logger.warning(
+      "removed the emergency checkpoint of step %d in %s: the run holds a newer checkpoint",
+      old,
+      folder,
+    )
   with contextlib.suppress(OSError):  # (what else is there, the run did not make: it stays)
     folder.rmdir()
   return adopted

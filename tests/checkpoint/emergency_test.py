@@ -79,11 +79,14 @@ def test_no_place_taking_it_is_said_and_other_errors_save_nothing(tmp_path, monk
   assert not hasattr(other, "emergency_checkpoint")
 
 
-def test_an_emergency_checkpoint_older_than_the_newest_is_dropped_not_adopted(tmp_path):
+def test_an_emergency_checkpoint_older_than_the_newest_is_dropped_not_adopted(tmp_path, caplog):
   (tmp_path / "checkpoints").mkdir()
   emergency.save_after(_disk_error(), tmp_path / "checkpoints", 4, STATE, {"step": 4})
-  assert emergency.adopt(tmp_path / "checkpoints", 5) is None
+  with caplog.at_level("WARNING", logger="simigrad_jax"):
+    assert emergency.adopt(tmp_path / "checkpoints", 5) is None
   assert not (tmp_path / "emergency").exists()
+  # Said, not silent: a folder someone put there goes too.
+  assert "removed the emergency checkpoint of step 4" in caplog.text
 
 
 def _metrics(workdir):
