@@ -198,7 +198,7 @@ def read_text_file(path: str | os.PathLike, option: str) -> str:
 
 
 def text_sha256(text: str) -> str:
-  """The first 16 hex digits of the SHA-256 of ``text``'s UTF-8 bytes (:attr:`Datasets.text_sha256`).
+  """The first 16 hex digits of the SHA-256 of ``text`` in UTF-8 (``Datasets.text_sha256``).
 
   Example:
     >>> text_sha256("abc")

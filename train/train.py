@@ -219,9 +219,9 @@ def create_controller(
   registered controller (``simigrad_jax.controller_names()``) gets the initial
   size and the bounds. All get ``config.controller_options`` (a JSON object)
   on top, for the options the config has none of (an option the config sets,
-  such as ``initial_batch_size``, is refused there). A missing lower bound becomes the number of devices (with the local
-  split, twice that: one per half of a device), so that no device (half)
-  ever holds only padding. ``"fixed"`` without a profile keeps its bounds at
+  such as ``initial_batch_size``, is refused there). A missing lower bound
+  becomes the number of devices (with the local split, twice that: one per
+  half of a device), so that no device (half) ever holds only padding. ``"fixed"`` without a profile keeps its bounds at
   the initial size, so only the shapes it uses are compiled. A controller
   that counts tokens (the ramps of :mod:`simigrad_jax.ramps.token_schedules`,
   Seesaw) gets the data set's ``tokens_per_example`` (a language model's

@@ -161,7 +161,8 @@ def enable_persistent_cache(
   if os.path.exists(path) and not os.path.isdir(path):
     raise ValueError(
       f"the compilation cache must be a folder, and {path!r} is a file: move it away, or give "
-      f"another folder (${CACHE_DIR_VARIABLE}, or the training scripts' --config.compilation_cache_dir)"
+      f"another folder (${CACHE_DIR_VARIABLE}, or the training scripts' "
+      "--config.compilation_cache_dir)"
     )
   files.make_private_dir(path, what="compilation cache", allow_shared=allow_shared, tighten=True)
   jax.config.update("jax_enable_compilation_cache", True)

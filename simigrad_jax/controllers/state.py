@@ -57,7 +57,7 @@ def parse_last_decision(value: Any) -> str | None:
 
 
 def saved_section(state: Mapping[str, Any], key: str, kind: type, *, optional: bool = False) -> Any:
-  """``state[key]``, a dict (``kind=dict``: any mapping) or a list (``kind=list``), or None if ``optional``.
+  """``state[key]`` if it is a ``kind``: a dict (any mapping) or a list; or None if ``optional``.
 
   Raises a ValueError naming the key for any other value (a KeyError where
   it is missing, which :meth:`SavedState.load_state_dict` names).
