@@ -31,7 +31,9 @@ Each error is imported from the room that raises it (the room's
   ``simigrad_jax.checkpoint.CheckpointsMissingError`` (``ValueError``): a
   workdir whose metrics record steps but whose checkpoints folder is gone;
   ``simigrad_jax.checkpoint.CheckpointFolderGoneError`` (``OSError``): the
-  checkpoints folder removed, or replaced by a file, while the run trains.
+  checkpoints folder removed, or replaced by a file, while the run trains;
+  ``simigrad_jax.checkpoint.OtherFormatError`` (``ValueError``): a checkpoint
+  in the format of another version of simigrad_jax.
 * ``simigrad_jax.trainer.NonFiniteRunError`` (``RuntimeError``): a streak of
   steps skipped as not finite (the run trained nothing).
 * ``simigrad_jax.compile.StepCompileError`` (``RuntimeError``): a step's

@@ -10,7 +10,8 @@ Documented API:
     background save failed, so every process stops), CheckpointsMissingError
     (a workdir whose metrics record steps but whose checkpoints folder is gone),
     CheckpointFolderGoneError (the checkpoints folder removed or replaced by a
-    file while the run trains).
+    file while the run trains), OtherFormatError (a checkpoint in the format
+    of another version of simigrad_jax: refused, not taken for damage).
 
 Modules: ``checkpointer``, ``integrity`` (what a checkpoint carries to be
 verified), ``run_record`` (what a run is, recorded in every checkpoint) and
@@ -27,6 +28,7 @@ Example:
 from simigrad_jax.checkpoint.checkpointer import Checkpointer
 from simigrad_jax.checkpoint.checkpointer import CheckpointFolderGoneError
 from simigrad_jax.checkpoint.checkpointer import CheckpointMismatchError
+from simigrad_jax.checkpoint.integrity import OtherFormatError
 from simigrad_jax.checkpoint.metrics_recovery import missing_steps
 from simigrad_jax.checkpoint.run_checkpoints import CheckpointSaveError
 from simigrad_jax.checkpoint.run_checkpoints import CheckpointsMissingError
@@ -37,5 +39,6 @@ __all__ = [
   "CheckpointSaveError",
   "Checkpointer",
   "CheckpointsMissingError",
+  "OtherFormatError",
   "missing_steps",
 ]
