@@ -205,6 +205,20 @@ def create_trainer_config(config: ml_collections.ConfigDict) -> TrainerConfig:
 # ------------------------------------------------------------------ controller
 
 
+# The reference's options of "simigrad" and "fixed", each with the config option that sets it
+# (two have names of their own in the config; the initial size and the bounds keep theirs).
+_REFERENCE_OPTIONS = {
+  "similarity_target": "similarity_target",
+  "smooth_factor": "smooth_factor",
+  "dead_band": "dead_band",
+  "warmup_steps": "controller_warmup_steps",
+  "ema_decay": "similarity_ema_decay",
+  "batch_sizes_to_profile": "batch_sizes_to_profile",
+  "profile_steps_per_size": "profile_steps_per_size",
+  "verbose": "verbose",
+}
+
+
 def create_controller(
   config: ml_collections.ConfigDict,
   num_devices: int,
@@ -241,16 +255,8 @@ def create_controller(
   }
   profile = tuple(config.batch_sizes_to_profile) or None
   if config.controller in ("simigrad", "fixed"):
-    options.update(
-      similarity_target=config.similarity_target,
-      smooth_factor=config.smooth_factor,
-      dead_band=config.dead_band,
-      warmup_steps=config.controller_warmup_steps,
-      ema_decay=config.similarity_ema_decay,
-      batch_sizes_to_profile=profile,
-      profile_steps_per_size=config.profile_steps_per_size,
-      verbose=config.verbose,
-    )
+    options.update({option: config[name] for option, name in _REFERENCE_OPTIONS.items()})
+    options["batch_sizes_to_profile"] = profile
     if config.controller == "simigrad":
       options["enable_adjust"] = config.enable_adjust
     elif profile is None:
@@ -282,13 +288,6 @@ def create_controller(
   return OneStepLateController(controller) if config.one_step_late else controller
 
 
-# The controller's options that config options of their own set (the others have the same name).
-_CONFIG_NAMES = {
-  "warmup_steps": "controller_warmup_steps",
-  "ema_decay": "similarity_ema_decay",
-}
-
-
 def _refuse_options_the_config_sets(extra: dict[str, Any], options: dict[str, Any]) -> None:
   """Refuses ``config.controller_options`` keys that an option of the config sets.
 
@@ -297,7 +296,7 @@ def _refuse_options_the_config_sets(extra: dict[str, Any], options: dict[str, An
   in ``controller_options`` would train with two different settings.
   """
   for key in sorted(set(extra) & set(options)):
-    name = _CONFIG_NAMES.get(key, key)
+    name = _REFERENCE_OPTIONS.get(key, key)
     raise ValueError(
       f"config.controller_options sets {key!r} ({extra[key]!r}), which config.{name} sets "
       f"({options[key]!r}): set it there instead (--config.{name}=...)"
