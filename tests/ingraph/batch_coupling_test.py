@@ -100,6 +100,17 @@ def test_what_can_be_coupled_is_checked():
         optax.adamw, 8, learning_rate=LR, b2=BETA2, weight_decay=decay
       )
   simigrad_jax.couple_to_batch_size(optax.adamw, 8, learning_rate=LR, b2=0.0, weight_decay=0)
+  # NumPy's numbers are numbers (np.float32(0.99) was refused as "not a number"), coupled as
+  # Python's are: the same beta2 and decay at every batch size.
+  for base, b2, decay in ((8, BETA2, WD), (np.int64(8), np.float32(BETA2), np.float64(WD))):
+    coupled = simigrad_jax.couple_to_batch_size(
+      optax.adamw, base, learning_rate=LR, b2=b2, weight_decay=decay
+    )
+    state = simigrad_jax.set_coupled_batch_size(coupled.init(tree(0)), 32)
+    _, state = coupled.update(tree(1), state, tree(0))
+    hyperparams = state.inner_state.hyperparams
+    assert float(hyperparams["b2"]) == pytest.approx(float(b2) ** 4, rel=1e-6)
+    assert float(hyperparams["weight_decay"]) == pytest.approx(float(decay) * 2, rel=1e-6)
   only_beta2 = simigrad_jax.couple_to_batch_size(
     optax.adam, 8, couple_weight_decay=False, learning_rate=LR, b2=BETA2
   )
