@@ -325,6 +325,17 @@ def _check_matches_params(updates: Any, params: Any) -> None:
   )
 
 
+def _concrete_value(scalar: Any) -> float | None:
+  """A scalar's value where it is known when the step is traced (a number, a NumPy or a
+  concrete JAX scalar), else None (a traced value is checked by no one but its maker)."""
+  if scalar is None:
+    return None
+  try:
+    return float(scalar)
+  except (jax.errors.ConcretizationTypeError, TypeError):
+    return None
+
+
 def _check_half_grads(updates: Any, half_grads: Any) -> None:
   """Refuses half gradients whose structure or shapes differ from the gradient's."""
   if not isinstance(half_grads, HalfGrads):
@@ -337,7 +348,8 @@ def _check_half_grads(updates: Any, half_grads: Any) -> None:
       f"half_grads.share must be a scalar (the first half's fraction of the "
       f"examples), got shape {jnp.shape(share)}"
     )
-  if isinstance(share, (int, float)) and not 0 <= share <= 1:
+  value = _concrete_value(share)
+  if value is not None and not 0 <= value <= 1:  # NaN fails too
     raise ValueError(
       f"half_grads.share must lie in [0, 1] (the first half's fraction of the "
       f"examples), got {share!r}"

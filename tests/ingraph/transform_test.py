@@ -441,8 +441,12 @@ def test_half_grads_that_do_not_match_the_gradient_are_refused():
     )
   with pytest.raises(ValueError, match="must be a simigrad_jax.HalfGrads"):
     tx.update(grads, state, half_grads=(grads, grads))
-  with pytest.raises(ValueError, match=r"half_grads.share must lie in \[0, 1\].*got 1.5"):
-    tx.update(grads, state, half_grads=simigrad_jax.HalfGrads(grads, grads, 1.5))
+  # A share known before the step runs is checked whatever its type (NumPy's and JAX's scalars
+  # were taken, and the halves rebuilt from a share of 1.5 or NaN).
+  for share in (1.5, -0.5, np.float32(1.5), np.float64(np.nan), jnp.float32(1.5)):
+    with pytest.raises(ValueError, match=r"half_grads.share must lie in \[0, 1\].*got"):
+      tx.update(grads, state, half_grads=simigrad_jax.HalfGrads(grads, grads, share))
+  tx.update(grads, state, half_grads=simigrad_jax.HalfGrads(grads, grads, np.float32(0.25)))
   with pytest.raises(ValueError, match=r"half_grads.share must be a scalar.*shape \(2,\)"):
     tx.update(grads, state, half_grads=simigrad_jax.HalfGrads(grads, grads, jnp.ones(2)))
 
