@@ -60,6 +60,7 @@ import orbax.checkpoint as ocp
 from orbax.checkpoint._src.metadata import array_metadata_store  # (its default, not exported)
 
 from simigrad_jax import files
+from simigrad_jax import validation
 from simigrad_jax.checkpoint import integrity
 from simigrad_jax.checkpoint import read_retry
 from simigrad_jax.checkpoint.background_save import BackgroundSave
@@ -192,10 +193,8 @@ class Checkpointer:
       raise ValueError(f"the checkpoint directory's parent {parent!r} does not exist")
     if os.path.exists(directory) and not os.path.isdir(directory):
       raise ValueError(f"the checkpoint directory {directory!r} exists and is not a directory")
-    if isinstance(max_to_keep, bool) or not isinstance(max_to_keep, int) or max_to_keep < 1:
-      raise ValueError(f"max_to_keep must be an integer >= 1, got {max_to_keep!r}")
     self.directory = directory
-    self.max_to_keep = max_to_keep
+    self.max_to_keep = validation.check_int("max_to_keep", max_to_keep, 1)
     self.skipped: list[tuple[int, str]] = []
     self.quarantined: list[str] = []
     # orbax keeps every checkpoint: it would delete any folder named like a step.

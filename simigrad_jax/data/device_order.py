@@ -18,6 +18,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from simigrad_jax import validation
+
 
 def deal_to_devices(batch: Any, num_devices: int) -> Any:
   """Orders a global batch so that, cut into ``num_devices`` blocks, example ``e`` is in block ``e % num_devices``.
@@ -37,8 +39,9 @@ def deal_to_devices(batch: Any, num_devices: int) -> Any:
     >>> simigrad_jax.data.deal_to_devices({"x": np.arange(8)}, 4)["x"].tolist()
     [0, 4, 1, 5, 2, 6, 3, 7]
   """
-  if isinstance(num_devices, bool) or not isinstance(num_devices, int) or num_devices < 1:
+  if not validation.is_int(num_devices) or num_devices < 1:
     raise ValueError(f"num_devices={num_devices!r} is not valid: give the data axis's size (>= 1)")
+  num_devices = int(num_devices)
   leaves = [np.asarray(leaf) for leaf in jax.tree.leaves(batch)]
   sizes = sorted({leaf.shape[0] if leaf.ndim else -1 for leaf in leaves})
   if len(sizes) != 1 or sizes[0] < 0:

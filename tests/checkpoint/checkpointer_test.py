@@ -170,6 +170,12 @@ def test_no_checkpoint_and_bad_arguments_are_refused(tmp_path):
     Checkpointer(tmp_path / "file")
   with pytest.raises(ValueError, match="max_to_keep must be an integer >= 1, got 0"):
     Checkpointer(tmp_path / "checkpoints", max_to_keep=0)
+  for bad in (True, 2.0):
+    with pytest.raises(ValueError, match=rf"max_to_keep must be an integer >= 1, got {bad!r}"):
+      Checkpointer(tmp_path / "checkpoints", max_to_keep=bad)
+  numpy_count = Checkpointer(tmp_path / "checkpoints", max_to_keep=np.int64(2))  # was refused
+  assert numpy_count.max_to_keep == 2 and type(numpy_count.max_to_keep) is int
+  numpy_count.close()
   assert not os.path.exists(tmp_path / "missing")
 
 

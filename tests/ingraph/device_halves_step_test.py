@@ -107,6 +107,11 @@ def test_deal_to_devices_puts_example_e_on_data_position_e_mod_n():
     simigrad_jax.data.deal_to_devices(batch, 5)
   with pytest.raises(ValueError, match="num_devices=0"):
     simigrad_jax.data.deal_to_devices(batch, 0)
+  with pytest.raises(ValueError, match="num_devices=4.0 is not valid"):
+    simigrad_jax.data.deal_to_devices(batch, 4.0)
+  np.testing.assert_array_equal(  # a NumPy count (was refused) deals as Python's does
+    simigrad_jax.data.deal_to_devices(batch, np.int64(4))["x"], dealt["x"]
+  )
 
 
 def test_a_step_without_the_data_axis_or_with_an_unnamed_transform_names_the_fix(devices):
