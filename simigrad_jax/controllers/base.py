@@ -19,6 +19,8 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
+
 from simigrad_jax import validation
 from simigrad_jax.controllers.state import SavedState
 
@@ -118,14 +120,37 @@ def check_similarity(similarity: Any) -> float:
 
 # The measurements of ``stats`` that are norms: never negative.
 NORM_STATS = ("norm_a", "norm_b", "norm_mean")
+# Those that count where the run stands or what a step held: never negative either.
+COUNT_STATS = ("batch_size", "examples_seen", "epochs", "nonfinite_count")
+# Those that are numbers (NaN or infinite for a step that measured nothing finite).
+NUMBER_STATS = ("loss", *NORM_STATS, *COUNT_STATS)
+# Those that are flags.
+FLAG_STATS = ("grads_finite", "measured", "epoch_end")
 
 
-def check_stats(stats: Any) -> Mapping[str, Any] | None:
-  """``stats`` if it is None or a mapping (the step's measurements by name), else a ValueError.
+def check_stats(stats: Any) -> dict[str, Any] | None:
+  """``stats`` (the step's measurements by name) with its known values as Python's, or a ValueError.
 
-  A negative norm (:data:`NORM_STATS`), which no measurement gives, is
-  refused too: the stats were made wrong. A NaN or infinite one is a step
-  without a measurement, which the controller holds on.
+  The measurements a controller reads (:data:`NUMBER_STATS`,
+  :data:`FLAG_STATS`) may be Python's, NumPy's or 0-d JAX values; each is
+  returned as a Python ``int``, ``float`` or ``bool``, so that every rule
+  reads ``jnp.bool_(False)`` as it reads ``False``. A flag that is not a
+  bool, a number that is a bool or not a number, and a negative norm or
+  count (which no step gives: the stats were made wrong) are refused. A NaN
+  or infinite number is a step without that measurement, which the
+  controller holds on. Other keys are passed on as they are.
+
+  Args:
+    stats: None, or a mapping of names to values (e.g.
+      ``simigrad_jax.similarity_stats(opt_state)``).
+
+  Returns:
+    None, or a new dict of ``stats``'s items, the known ones converted.
+
+  Example:
+    >>> import numpy as np
+    >>> check_stats({"grads_finite": np.bool_(False), "epochs": np.float32(0.5)})
+    {'grads_finite': False, 'epochs': 0.5}
   """
   if stats is not None and not isinstance(stats, Mapping):
     raise ValueError(
@@ -135,13 +160,49 @@ def check_stats(stats: Any) -> Mapping[str, Any] | None:
     )
   if stats is None:
     return None
-  for key in NORM_STATS:
-    value = validation.as_float(stats.get(key))
-    if value is not None and value < 0 and not math.isinf(value):
+  checked = dict(stats)
+  for key in FLAG_STATS:
+    if key in checked:
+      checked[key] = _stat_flag(key, checked[key])
+  for key in NUMBER_STATS:
+    if key not in checked:
+      continue
+    value = checked[key] = _stat_number(key, checked[key])
+    if value < 0 and not math.isinf(value) and key in NORM_STATS + COUNT_STATS:
+      what = "a norm" if key in NORM_STATS else "a count"
       raise ValueError(
-        f"update(similarity, stats=...): stats[{key!r}] must be a norm (>= 0), got {stats[key]!r}"
+        f"update(similarity, stats=...): stats[{key!r}] must be {what} (>= 0), got {stats[key]!r}"
       )
-  return stats
+  return checked
+
+
+def _scalar_kind(value: Any) -> str | None:
+  """The NumPy kind of a scalar (``"b"``, ``"i"``, ``"u"``, ``"f"``, ...), else None."""
+  if isinstance(value, (bool, int, float)):
+    return "b" if isinstance(value, bool) else "i" if isinstance(value, int) else "f"
+  if hasattr(value, "__array__") or hasattr(value, "dtype"):
+    array = np.asarray(value)
+    return array.dtype.kind if array.ndim == 0 else None
+  return None
+
+
+def _stat_flag(key: str, value: Any) -> bool:
+  if _scalar_kind(value) != "b":
+    raise ValueError(
+      f"update(similarity, stats=...): stats[{key!r}] must be a bool (True or False; NumPy's "
+      f"or a 0-d JAX bool too), got {value!r}"
+    )
+  return bool(value)
+
+
+def _stat_number(key: str, value: Any) -> int | float:
+  kind = _scalar_kind(value)
+  if kind not in ("i", "u", "f"):
+    raise ValueError(
+      f"update(similarity, stats=...): stats[{key!r}] must be a real number (Python's, NumPy's "
+      f"or a 0-d JAX one; not a bool), got {value!r}"
+    )
+  return int(value) if kind in ("i", "u") else float(value)
 
 
 def unmeasured_but_finite(similarity: float, stats: Mapping[str, Any] | None) -> bool:

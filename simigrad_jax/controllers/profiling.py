@@ -27,6 +27,7 @@ from simigrad_jax import files
 from simigrad_jax import validation
 from simigrad_jax.controllers import interface
 from simigrad_jax.controllers.base import check_similarity
+from simigrad_jax.controllers.base import check_stats
 from simigrad_jax.controllers.base import step_is_finite
 from simigrad_jax.controllers.base import unmeasured_but_finite
 from simigrad_jax.controllers.interface import BatchSizeController
@@ -384,7 +385,7 @@ class ProfilingController(ControllerWrapper, ProfileMethods):
     self._inner.set_batch_size(ran)
     self._inner.update(similarity, stats=stats)
     self._step += 1
-    s = check_similarity(similarity)
+    s, stats = check_similarity(similarity), check_stats(stats)
     if step_is_finite(s, stats):
       self._current = self._profile.record(ran, s, self._step)
       if not self._profile.active:

@@ -4,6 +4,8 @@ import json
 import logging
 import math
 
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import simigrad_jax
@@ -298,6 +300,66 @@ STATS = {
   "epoch_end": True,
   "grads_finite": True,
 }
+
+
+def _step_stats(step: int) -> dict:
+  """A run's stats at ``step``: the position moves, the loss and norms vary, one step is bad (the
+  numbers exact in float32, which JAX's arrays hold)."""
+  return {
+    **STATS,
+    "examples_seen": 100 * step,
+    "epochs": 0.125 * step,
+    "loss": 2.0 - 0.0625 * step,
+    "norm_b": 1.125,
+    "norm_mean": 0.75 + 0.03125 * (step % 3),
+    "epoch_end": step % 4 == 3,
+    "grads_finite": step != 5,
+  }
+
+
+def _as_numpy_and_jax(stats: dict) -> dict:
+  """The same stats as NumPy scalars, 0-d NumPy arrays and 0-d JAX arrays, by turns."""
+  kinds = (np.asarray, jnp.asarray, lambda v: np.asarray(v)[()])
+  return {k: kinds[i % 3](v) for i, (k, v) in enumerate(sorted(stats.items()))}
+
+
+@pytest.mark.parametrize("name", sorted(registry.controller_names()))
+def test_stats_of_numpy_and_jax_values_decide_as_pythons_do(name):
+  # A jnp.bool_(False) "grads_finite" moved the batch on a non-finite step, and a 0-d "epochs"
+  # counted a good step as non-finite: every rule now reads them as Python's values.
+  python, arrays = (
+    simigrad_jax.make_controller(name, initial_batch_size=16, **_options(name)) for _ in range(2)
+  )
+  for step in range(8):
+    stats = _step_stats(step)
+    similarity = 0.05 if step % 2 else 0.4
+    assert python.update(similarity, stats) == arrays.update(similarity, _as_numpy_and_jax(stats))
+    assert python.last_decision == arrays.last_decision
+  assert python.state_dict() == arrays.state_dict()
+  assert python.nonfinite_count == arrays.nonfinite_count >= 1  # step 5's
+
+
+@pytest.mark.parametrize(
+  "key, bad, match",
+  [
+    ("grads_finite", 0, r"stats\['grads_finite'\] must be a bool .*got 0"),
+    ("grads_finite", np.float32(1.0), r"stats\['grads_finite'\] must be a bool"),
+    ("epoch_end", "yes", r"stats\['epoch_end'\] must be a bool"),
+    ("epochs", True, r"stats\['epochs'\] must be a real number .*got True"),
+    ("loss", jnp.ones(2), r"stats\['loss'\] must be a real number"),
+    ("examples_seen", "100", r"stats\['examples_seen'\] must be a real number"),
+    ("batch_size", -8, r"stats\['batch_size'\] must be a count \(>= 0\), got -8"),
+    ("epochs", np.float32(-1.0), r"stats\['epochs'\] must be a count \(>= 0\)"),
+  ],
+)
+def test_stats_no_step_gives_are_refused_and_change_nothing(key, bad, match):
+  for name in sorted(registry.controller_names()):
+    c = simigrad_jax.make_controller(name, initial_batch_size=16, **_options(name))
+    c.update(0.2, _step_stats(1))
+    before = c.state_dict()
+    with pytest.raises(ValueError, match=match):
+      c.update(0.2, {**_step_stats(2), key: bad})
+    assert c.state_dict() == before, name
 
 
 @pytest.mark.parametrize(
