@@ -383,6 +383,30 @@ def test_the_controller_reads_every_kth_step_and_holds_the_batch_between(devices
   assert sizes[0] != sizes[1] != sizes[4]  # each measurement moved it
 
 
+@pytest.mark.parametrize("step_number", [True, -3, 2.5, float("nan"), jnp.int32(4)])
+def test_measuring_refuses_a_step_number_that_is_no_step(step_number):
+  step = simigrad_jax.AdaptiveStep(
+    row_losses, optimizer("batch"), max_batch_size=8, measure_every=2
+  )
+  with pytest.raises(ValueError, match=r"step must be an integer >= 0, got"):
+    step.measuring(step_number)
+
+
+def test_measuring_answers_a_python_bool_for_a_numpy_step():
+  step = simigrad_jax.AdaptiveStep(
+    row_losses, optimizer("batch"), max_batch_size=8, measure_every=2
+  )
+  assert step.measuring(np.int64(4)) is True and step.measuring(np.int32(3)) is False
+
+
+@pytest.mark.parametrize("batch_size", [20.0, np.array(20), True])
+def test_plan_refuses_a_batch_size_that_is_not_an_integer(batch_size):
+  step = simigrad_jax.AdaptiveStep(row_losses, optimizer("batch"), max_batch_size=8)
+  with pytest.raises(AdaptiveBatchError, match=r"batch_size must be an integer >= 2, got"):
+    step.plan(batch_size)
+  assert step.plan(np.int64(20)) == step.plan(20)
+
+
 def test_measure_every_must_be_a_positive_int():
   with pytest.raises(ValueError, match="measure_every"):
     simigrad_jax.AdaptiveStep(row_losses, optimizer("batch"), max_batch_size=8, measure_every=0)

@@ -312,6 +312,10 @@ def test_batch_argnums_splits_the_labels_with_the_inputs_or_one_line_refuses():
     simigrad_jax.nnx_value_and_half_grads(_squared_error)(model, x, y)
   with pytest.raises(HalfBatchArgumentError, match=r"batch_argnums=0 is not valid.*0 is the model"):
     simigrad_jax.nnx_value_and_half_grads(_squared_error, batch_argnums=0)
+  for bad in (True, 2.0):
+    with pytest.raises(HalfBatchArgumentError, match=rf"batch_argnums={bad} is not valid"):
+      simigrad_jax.nnx_value_and_half_grads(_squared_error, batch_argnums=bad)
+  simigrad_jax.nnx_value_and_half_grads(_squared_error, batch_argnums=(np.int64(1), np.int64(2)))
   grad_fn = simigrad_jax.nnx_value_and_half_grads(_squared_error, batch_argnums=(1, 2))
   # An nnx.Rngs after the split arguments goes whole to both halves, lent to the model.
   loss, grads, halves = nnx.jit(grad_fn)(model, x, y, nnx.Rngs(1))

@@ -119,11 +119,17 @@ def missing_steps(records: list[dict[str, Any]], last: int | None = None) -> lis
 
   Args:
     records: a metrics file's records (:func:`simigrad_jax.read_metrics`).
-    last: the last step the run did.
+    last: the last step the run did: an integer >= 0 (0: none yet; NumPy's
+      integers are taken as Python's).
 
   Returns:
     ``[first, last]`` ranges; empty when every step has its record.
+
+  Raises:
+    ValueError: ``last`` is not an integer >= 0 (a bool, a float, a negative step).
   """
+  if last is not None:
+    last = validation.check_int("last", last, 0)
   steps = {r["step"] for r in records if EVAL_KEY not in r and validation.is_int(r.get("step"))}
   if last is None:
     last = max(steps, default=0)

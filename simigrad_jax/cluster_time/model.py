@@ -54,6 +54,8 @@ from typing import Any
 import numpy as np
 import scipy.optimize
 
+from simigrad_jax import validation
+
 __all__ = [
   "CpuStepModel",
   "DEVICES",
@@ -67,19 +69,38 @@ __all__ = [
 ]
 
 
+def _check_figures(figures: Any, names: Sequence[str], above_zero: bool = False) -> None:
+  """Sets each of ``names`` on the frozen dataclass ``figures`` to its value as a float, if it is
+  a finite number >= 0 (> 0 with ``above_zero``); else a ValueError naming it (``Link.bandwidth``).
+  """
+  for name in names:
+    value = validation.check_interval(
+      f"{type(figures).__name__}.{name}", getattr(figures, name), 0, low_open=above_zero
+    )
+    object.__setattr__(figures, name, value)
+
+
 @dataclasses.dataclass(frozen=True)
 class Link:
   """The slowest link on the all-reduce's ring.
 
   Attributes:
-    bandwidth: bytes per second one way.
-    latency: seconds per ring step (a message's fixed cost).
+    bandwidth: bytes per second one way, a finite number > 0.
+    latency: seconds per ring step (a message's fixed cost), a finite number >= 0.
     source: where the figures come from.
+
+  Raises:
+    ValueError: naming the figure, for one out of its range (NumPy's numbers
+      are taken as Python's floats).
   """
 
   bandwidth: float
   latency: float
   source: str = "given"
+
+  def __post_init__(self) -> None:
+    _check_figures(self, ("bandwidth",), above_zero=True)
+    _check_figures(self, ("latency",))
 
   def as_dict(self) -> dict[str, float | str]:
     return dataclasses.asdict(self)
@@ -121,12 +142,19 @@ class DeviceCurve:
     seconds_per_example: what each more example costs.
     source: where the figures come from (a measured sweep, a preset).
     seconds_per_example_squared: the growth of an example's cost with the rows.
+
+  Raises:
+    ValueError: naming the figure, for one that is not a finite number >= 0
+      (NumPy's numbers are taken as Python's floats).
   """
 
   overhead_s: float
   seconds_per_example: float
   source: str = "given"
   seconds_per_example_squared: float = 0.0
+
+  def __post_init__(self) -> None:
+    _check_figures(self, ("overhead_s", "seconds_per_example", "seconds_per_example_squared"))
 
   def seconds(self, rows: float) -> float:
     """The device's time for ``rows`` examples."""
@@ -186,14 +214,16 @@ def ring_allreduce_seconds(nbytes: float, devices: int, link: Link) -> float:
   Returns:
     Seconds; 0 on one device.
 
+  Raises:
+    ValueError: for ``devices`` that is not an integer >= 1.
+
   Example:
     >>> ring_allreduce_seconds(1e6, 4, Link(1e9, 1e-5))  # 1.5 ms + 60 us
     0.00156
   """
-  if devices < 1:
-    raise ValueError(f"devices must be >= 1, got {devices}")
+  devices = validation.check_int("devices", devices, 1)
   steps = 2 * (devices - 1)
-  return round(steps / devices * nbytes / link.bandwidth + steps * link.latency, 15)
+  return round(float(steps / devices * nbytes / link.bandwidth + steps * link.latency), 15)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -204,22 +234,34 @@ class StepTimeModel:
     device: one device's compute curve.
     gradient_bytes: the bytes of the gradient every step all-reduces.
     host_s: the host's critical path a step.
+
+  Raises:
+    ValueError: naming the figure, for a ``gradient_bytes`` or ``host_s``
+      that is not a finite number >= 0 (NumPy's numbers are taken as
+      Python's floats).
   """
 
   device: DeviceCurve
   gradient_bytes: float
   host_s: float = 0.0
 
+  def __post_init__(self) -> None:
+    _check_figures(self, ("gradient_bytes", "host_s"))
+
   def seconds(self, batch_size: float, devices: int, link: Link) -> float:
     """A step of ``batch_size`` examples on ``devices`` over ``link``.
+
+    Raises:
+      ValueError: for ``devices`` that is not an integer >= 1.
 
     Example:
       >>> model = StepTimeModel(DeviceCurve(1e-3, 1e-4), 1e6, host_s=2e-4)
       >>> round(model.seconds(64, 4, Link(1e9, 1e-5)), 6)  # 0.2 + 1 + 1.6 + 1.56 ms
       0.00436
     """
+    devices = validation.check_int("devices", devices, 1)
     rows = math.ceil(batch_size / devices - 1e-9)
-    return (
+    return float(
       self.host_s
       + self.device.seconds(rows)
       + ring_allreduce_seconds(self.gradient_bytes, devices, link)

@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from simigrad_jax import validation
 from simigrad_jax.cluster_time.model import Link
 from simigrad_jax.cluster_time.model import StepTimeModel
 from simigrad_jax.cluster_time.runs import Setting
@@ -48,16 +49,21 @@ def trajectory_seconds(
 def time_to_target(setting: Setting, model: StepTimeModel, devices: int, link: Link) -> float:
   """A setting's wall-clock to its target, the mean over its runs that reached it (nan: none did).
 
+  Raises:
+    ValueError: for ``devices`` that is not an integer >= 1 (NumPy's integers
+      are taken as Python's).
+
   Example:
     >>> from simigrad_jax.cluster_time.model import DeviceCurve
     >>> model = StepTimeModel(DeviceCurve(1e-3, 0.0), 0.0)
     >>> time_to_target(Setting("B=16", "constant", [[(100, 16)]], 1), model, 8, Link(1e9, 0.0))
     0.1
   """
+  devices = validation.check_int("devices", devices, 1)
   if not setting.trajectories:
     return math.nan
   times = [trajectory_seconds(t, model, devices, link) for t in setting.trajectories]
-  return sum(times) / len(times)
+  return float(sum(times) / len(times))
 
 
 def _best(settings: Sequence[Setting], model: StepTimeModel, devices: int, link: Link) -> dict:
@@ -123,7 +129,8 @@ def answer(
     settings: the comparison's settings (:mod:`simigrad_jax.cluster_time.runs`).
     model: the step-time model of the comparison's model on the cluster's devices.
     links: the links to answer for, by name.
-    devices: the device counts.
+    devices: the device counts, a non-empty sequence of integers >= 1 (NumPy's
+      integers are taken as Python's).
 
   Returns:
     ``{"devices", "links", "settings": [{label, kind, reached, seconds: {link: [...]}}],
@@ -131,7 +138,12 @@ def answer(
     ...}, "fewest_seconds": {link: {kind: {"devices", "seconds"}}}}`` (the device count at which
     each family's fastest time is least);
     JSON's ``Infinity`` for a crossover at every bandwidth.
+
+  Raises:
+    ValueError: for ``devices`` that is empty or holds a count that is not an
+      integer >= 1, naming it.
   """
+  devices = _checked_device_counts(devices)
   rows = []
   for s in settings:
     if not s.trajectories:
@@ -181,6 +193,14 @@ def answer(
       for name, families in best.items()
     },
   }
+
+
+def _checked_device_counts(devices: Any) -> list[int]:
+  """``devices`` as a list of ints, each >= 1; a ValueError naming the first that is not."""
+  is_sequence = isinstance(devices, (Sequence, np.ndarray)) and not isinstance(devices, str)
+  if not is_sequence or len(devices) == 0:
+    raise ValueError(f"devices must be a non-empty sequence of integers >= 1, got {devices!r:.200}")
+  return [validation.check_int(f"devices[{i}]", n, 1) for i, n in enumerate(devices)]
 
 
 def _bandwidth(value: float | None) -> str:

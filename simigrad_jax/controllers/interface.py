@@ -178,9 +178,11 @@ def likely_batch_sizes(
     (:func:`batch_size_bounds`), the likeliest first.
 
   Raises:
-    ValueError: the controller named no size, a size that is not an int
-      >= 1, or one outside its bounds; the message names the controller's
-      class and what it returned.
+    ValueError: ``bounds`` is not a pair of None or ints >= 1 (NumPy's
+      integers taken as Python's) with the lower at most the upper; or the
+      controller named no size, a size that is not an int >= 1, or one
+      outside its bounds, the message naming the controller's class and what
+      it returned.
 
   Example:
     >>> import simigrad_jax
@@ -189,6 +191,8 @@ def likely_batch_sizes(
     >>> interface.likely_batch_sizes(c, 6400, 0.1)  # a grow (clamped) or a shrink
     (105, 90)
   """
+  if bounds is not None:
+    bounds = _checked_bounds(bounds)
   own = getattr(controller, "likely_batch_sizes", None)
   said = own(examples_seen, epochs) if callable(own) else None
   if said is None:
@@ -206,6 +210,19 @@ def likely_batch_sizes(
       f"controller's bounds [{lower or 1}, {'inf' if upper is None else upper}]"
     )
   return tuple(dict.fromkeys(int(size) for size in sizes))
+
+
+def _checked_bounds(bounds: Any) -> tuple[int | None, int | None]:
+  """``bounds`` as ``(lower, upper)`` ints or None, each >= 1, the lower at most the upper."""
+  pair = tuple(bounds) if isinstance(bounds, (tuple, list)) else ()
+  ints = all(b is None or (validation.is_int(b) and b >= 1) for b in pair)
+  if len(pair) != 2 or not ints or (None not in pair and pair[0] > pair[1]):
+    raise ValueError(
+      f"bounds must be a pair (lower, upper) of None (unbounded) or integers >= 1 with "
+      f"lower <= upper, got {bounds!r:.200}"
+    )
+  lower, upper = pair
+  return (None if lower is None else int(lower)), (None if upper is None else int(upper))
 
 
 def batch_size_bounds(controller: BatchSizeController) -> tuple[int | None, int | None]:

@@ -36,7 +36,15 @@ def noise_scale_estimates(
 
   Returns:
     ``(g2, trace)``: the estimates of |G|^2 and tr(Sigma). Either can be
-    negative on a single step; average them over steps before dividing.
+    negative on a single step; average them over steps before dividing. A
+    NaN or infinite norm (a step without a finite gradient) gives non-finite
+    estimates, which :class:`GnsController` never averages.
+
+  Raises:
+    ValueError: naming the argument, for a norm that is not a number >= 0
+      (NaN and the infinities taken) or a batch size that is not a finite
+      number > 1 (a bool is neither; NumPy's numbers and 0-d arrays are taken
+      as Python's).
 
   Note:
     When the halves' row counts differ (B not a multiple of the device count),
@@ -44,13 +52,34 @@ def noise_scale_estimates(
     stays unbiased and the |G|^2 estimate is biased up by ``(2d / B)^2`` of
     |G|^2 for a difference of 2d rows, e.g. 4% for 12 and 8 rows.
   """
-  big = float(batch_size)
+  big = _as_number(batch_size)
+  if big is None or not 1.0 < big < math.inf:  # NaN fails too
+    raise ValueError(
+      f"batch_size must be a finite number > 1 (the global batch B, whose halves hold B / 2 "
+      f"examples each), got {batch_size!r}"
+    )
+  norms = {"norm_a": norm_a, "norm_b": norm_b, "norm_mean": norm_mean}
+  for name, norm in norms.items():
+    number = _as_number(norm)
+    # NaN and the infinities pass, as in the controller's stats: a step without a measurement.
+    if number is None or (number < 0 and not math.isinf(number)):
+      raise ValueError(
+        f"{name} must be a norm, a number >= 0 (NaN or inf: a step without a finite gradient), "
+        f"got {norm!r}"
+      )
   small = big / 2.0
   g_small = (float(norm_a) ** 2 + float(norm_b) ** 2) / 2.0
   g_big = float(norm_mean) ** 2
   g2 = (big * g_big - small * g_small) / (big - small)
   trace = (g_small - g_big) / (1.0 / small - 1.0 / big)
   return g2, trace
+
+
+def _as_number(value: Any) -> float | None:
+  """A real number (a 0-d array of one included) as a float; None for a bool or anything else."""
+  if validation.is_bool(value) or getattr(getattr(value, "dtype", None), "kind", None) == "b":
+    return None
+  return validation.as_float(value)
 
 
 def paced(size: int, new: float, max_change: float | None) -> int:

@@ -258,10 +258,11 @@ class EpochSampler:
 
   def _check_batch_size(self, batch_size: Any) -> int:
     n = self._num_examples
-    if not validation.is_int(batch_size) or not 1 <= int(batch_size) <= n:
+    size = validation.check_int("batch_size", batch_size, 1)  # its own message: no batch at all
+    if size > n:
       raise ValueError(
         f"batch_size must be an int in [1, num_examples={n}], got "
         f"{batch_size!r}: a batch larger than the data set would repeat "
         "examples within one step"
       )
-    return int(batch_size)
+    return size

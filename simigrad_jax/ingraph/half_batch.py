@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import numbers
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, NamedTuple
 
@@ -714,28 +715,40 @@ def checked_batch_argnums(
 ) -> tuple[int, ...] | None:
   """``batch_argnums`` as a sorted tuple of positions (None kept: the default), each >= 1.
 
+  A position is an integer (NumPy's integers are taken as Python's); a bool
+  is not one (``True`` would be taken as position 1).
+
   Args:
     batch_argnums: the setting as the user gave it.
     caller: the function that takes it, for the message.
     first: what ``loss_fn``'s argument 0 is (``"params"``, ``"model"``), for the message.
 
   Raises:
-    HalfBatchArgumentError: an empty or repeated position, or one below 1.
+    HalfBatchArgumentError: an empty or repeated position, one below 1, or
+      one that is not an integer (a bool, a float, an array).
   """
   if batch_argnums is None:
     return None
-  chosen = (batch_argnums,) if isinstance(batch_argnums, int) else tuple(batch_argnums)
+
+  def position(i: Any) -> bool:  # NumPy's integers count as Python's; a bool is no position
+    return isinstance(i, numbers.Integral) and not isinstance(i, bool) and int(i) >= 1
+
+  if position(batch_argnums):
+    chosen: tuple[Any, ...] = (batch_argnums,)
+  elif isinstance(batch_argnums, Sequence) and not isinstance(batch_argnums, str):
+    chosen = tuple(batch_argnums)
+  else:
+    chosen = ()
   if (
-    not chosen
-    or len(set(chosen)) != len(chosen)
-    or not all(isinstance(i, int) and i >= 1 for i in chosen)
+    not chosen or not all(position(i) for i in chosen) or len(set(map(int, chosen))) != len(chosen)
   ):
     raise HalfBatchArgumentError(
-      f"{caller}: batch_argnums={batch_argnums!r} is not valid: give the distinct positions "
-      f"(1 or more; 0 is the {first}) of loss_fn's arguments that hold one entry per example, "
-      f"e.g. batch_argnums=(1, 2) for loss_fn({first}, x, y)"
+      f"{caller}: batch_argnums={batch_argnums!r} is not valid: "
+      f"give an integer or a tuple of distinct integers, the positions (1 or more; 0 is the "
+      f"{first}) of loss_fn's arguments that hold one entry per example, e.g. batch_argnums=(1, 2) "
+      f"for loss_fn({first}, x, y)"
     )
-  return tuple(sorted(chosen))
+  return tuple(sorted(int(i) for i in chosen))
 
 
 def _leading_sizes(tree: Any) -> set[int | None]:

@@ -203,8 +203,12 @@ class AdaptiveStep:
       ...                                  measure_every=4)
       >>> [n for n in range(10) if step.measuring(n)]
       [0, 4, 8]
+
+    Raises:
+      ValueError: for a ``step`` that is not an integer >= 0 (NumPy's integers
+        are taken as Python's).
     """
-    return step % self._measure_every == 0
+    return validation.check_int("step", step, 0) % self._measure_every == 0
 
   @property
   def compiled(self) -> tuple[ProgramShape, ...]:
@@ -226,9 +230,14 @@ class AdaptiveStep:
     """How a batch of ``batch_size`` examples runs: its shape, micro-steps and padding.
 
     Raises:
-      AdaptiveBatchError: for a batch size below 2.
+      AdaptiveBatchError: for a batch size that is not an integer (NumPy's
+        integers are taken as Python's), or one below 2.
     """
-    if not validation.is_int(batch_size) or batch_size < 2:
+    if not validation.is_int(batch_size):
+      raise AdaptiveBatchError(
+        f"batch_size must be an integer >= 2, got {batch_size!r} ({type(batch_size).__name__})"
+      )
+    if batch_size < 2:
       raise AdaptiveBatchError(
         f"a batch of {batch_size!r} examples leaves its second half (the odd-numbered "
         "examples) without an example, so the similarity cannot be measured: give at least 2"

@@ -537,9 +537,14 @@ def check_objects(
 def check_lr_multiplier(name: str, value: Any) -> float:
   """Returns the learning-rate multiplier ``value`` as a float if it is finite and >= 0.
 
+  A bool (Python's, NumPy's or a 0-d array of bools) is refused: ``float(True)``
+  is 1.0, so a schedule that answers a bool would train at full rate.
+
   Raises:
     ValueError: naming ``name`` (``"lr_schedule(0.0)"``) and the value.
   """
+  if validation.is_bool(value) or getattr(getattr(value, "dtype", None), "kind", None) == "b":
+    raise ValueError(f"{name} must be a number in [0, inf) (finite), not a bool, got {value!r}")
   return validation.check_interval(name, validation.as_float(value), 0)
 
 

@@ -2,6 +2,7 @@
 
 import math
 
+import numpy as np
 import pytest
 
 from simigrad_jax.cluster_time import DeviceCurve
@@ -22,9 +23,41 @@ def test_a_ring_all_reduce_moves_2_n_minus_1_over_n_of_the_bytes_in_2_n_minus_1_
   assert ring_allreduce_seconds(4e6, 1024, Link(1e9, 0.0)) == pytest.approx(2 * 1023 / 1024 * 4e-3)
 
 
-def test_a_ring_of_no_devices_is_refused():
-  with pytest.raises(ValueError, match="devices must be >= 1, got 0"):
-    ring_allreduce_seconds(1.0, 0, Link(1e9, 0.0))
+@pytest.mark.parametrize("devices", [0, -1, True, 16.5, math.inf])
+def test_a_ring_or_step_of_no_whole_device_count_is_refused(devices):
+  model = StepTimeModel(DeviceCurve(1e-3, 1e-5), 1e6)
+  with pytest.raises(ValueError, match=r"devices must be an integer >= 1, got "):
+    ring_allreduce_seconds(1.0, devices, Link(1e9, 0.0))
+  with pytest.raises(ValueError, match=r"devices must be an integer >= 1, got "):
+    model.seconds(64, devices, Link(1e9, 0.0))
+
+
+@pytest.mark.parametrize(
+  "make, match",
+  [
+    (lambda: Link(0, 0.0), r"Link.bandwidth must be a number in \(0, inf\) \(finite\), got 0"),
+    (lambda: Link(-1e9, 0.0), r"Link.bandwidth must be .*, got -1000000000.0"),
+    (lambda: Link(math.inf, 0.0), r"Link.bandwidth must be .*, got inf"),
+    (lambda: Link(1e9, -1e-5), r"Link.latency must be a number in \[0, inf\) \(finite\)"),
+    (lambda: DeviceCurve(-1e-3, 1e-5), r"DeviceCurve.overhead_s must be .*, got -0.001"),
+    (lambda: DeviceCurve(1e-3, math.nan), r"DeviceCurve.seconds_per_example must be .*, got nan"),
+    (lambda: DeviceCurve(0, 0, "x", -1.0), r"DeviceCurve.seconds_per_example_squared must be"),
+    (lambda: StepTimeModel(DeviceCurve(0, 0), -1e6), r"StepTimeModel.gradient_bytes must be"),
+    (lambda: StepTimeModel(DeviceCurve(0, 0), 1e6, True), r"StepTimeModel.host_s must be"),
+  ],
+)
+def test_a_figure_out_of_its_range_is_refused_naming_it(make, match):
+  with pytest.raises(ValueError, match=match):
+    make()
+
+
+def test_numpy_figures_give_python_floats():
+  model = StepTimeModel(DeviceCurve(np.float64(2e-3), np.float32(1e-4)), np.int64(10**6))
+  link = Link(np.float64(1e9), np.float64(1e-5))
+  assert type(model.host_s) is float and type(link.bandwidth) is float
+  seconds = model.seconds(256, np.int64(8), link)
+  assert type(seconds) is float
+  assert seconds == pytest.approx(StepTimeModel(DeviceCurve(2e-3, 1e-4), 1e6).seconds(256, 8, link))
 
 
 def test_a_step_is_host_plus_one_devices_rows_plus_the_all_reduce():

@@ -3,6 +3,7 @@
 import json
 import math
 
+import numpy as np
 import pytest
 
 from simigrad_jax.cluster_time import DeviceCurve
@@ -78,6 +79,27 @@ def test_time_to_target_sums_each_segments_steps_times_its_step_time():
   second = 10 * (1.02e-3 + 1.75e-3)
   assert time_to_target(setting, model, 8, link) == pytest.approx((first + second) / 2)
   assert math.isnan(time_to_target(Setting("x", "ramp", [], 1), model, 8, link))
+
+
+@pytest.mark.parametrize("devices", [True, 16.5, math.inf, 0])
+def test_a_device_count_that_is_no_whole_count_is_refused(devices):
+  model = StepTimeModel(DeviceCurve(1e-3, 1e-5), 1e6)
+  setting = Setting("s", "constant", [[(100, 16)]], 1)
+  with pytest.raises(ValueError, match=r"^devices must be an integer >= 1, got "):
+    time_to_target(setting, model, devices, Link(1e9, 0.0))
+  with pytest.raises(ValueError, match=r"^devices\[1\] must be an integer >= 1, got "):
+    answer([setting], model, {"l": Link(1e9, 0.0)}, devices=[8, devices])
+
+
+def test_numpy_device_counts_are_taken_as_pythons():
+  model = StepTimeModel(DeviceCurve(1e-3, 1e-5), 1e6)
+  setting = Setting("s", "constant", [[(np.int64(100), np.int64(16))]], 1)
+  seconds = time_to_target(setting, model, np.int64(8), Link(1e9, 0.0))
+  assert type(seconds) is float and seconds == time_to_target(setting, model, 8, Link(1e9, 0.0))
+  result = answer([setting], model, {"l": Link(1e9, 0.0)}, devices=np.array([1, 8]))
+  assert result["devices"] == [1, 8] and all(type(n) is int for n in result["devices"])
+  with pytest.raises(ValueError, match=r"devices must be a non-empty sequence of integers >= 1"):
+    answer([setting], model, {"l": Link(1e9, 0.0)}, devices=[])
 
 
 def test_fewer_steps_pay_more_where_the_all_reduce_dominates(files):

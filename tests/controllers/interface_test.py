@@ -589,6 +589,19 @@ def test_a_bad_likely_batch_sizes_is_refused_naming_the_class_and_value(said, ma
     )
 
 
+@pytest.mark.parametrize("bounds", [(8, True), (8, -3), (8, math.nan), (64, 8), (8,), 8])
+def test_bad_bounds_are_refused_before_the_controller_is_asked(bounds):
+  controller = simigrad_jax.Controller(16, 0.3)
+  with pytest.raises(ValueError, match=r"^bounds must be a pair \(lower, upper\) of None"):
+    interface.likely_batch_sizes(controller, 100, 0.5, bounds=bounds)
+
+
+def test_numpy_integer_bounds_are_taken_as_pythons():
+  controller = simigrad_jax.Controller(16, 0.3)
+  got = interface.likely_batch_sizes(controller, 6400, 0.1, bounds=(np.int64(8), np.int64(17)))
+  assert got == interface.likely_batch_sizes(controller, 6400, 0.1, bounds=(8, 17))
+
+
 @pytest.mark.parametrize(
   "config, accessor, match",
   [

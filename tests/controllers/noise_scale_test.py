@@ -146,6 +146,26 @@ def test_estimates_match_the_general_two_batch_formula(batch_size):
   np.testing.assert_allclose(got, (g2, trace), rtol=1e-9, atol=1e-12)
 
 
+@pytest.mark.parametrize("batch_size", [True, 1, -8, math.nan, 0, math.inf, "64", None])
+def test_estimates_refuse_a_batch_size_that_is_not_a_finite_number_above_1(batch_size):
+  with pytest.raises(ValueError, match=r"batch_size must be a finite number > 1 .*, got "):
+    noise_scale_estimates(1.0, 1.5, 1.0, batch_size)
+
+
+@pytest.mark.parametrize("name", ["norm_a", "norm_b", "norm_mean"])
+@pytest.mark.parametrize("norm", [-1.0, True, "1.0", None])
+def test_estimates_refuse_a_norm_that_no_measurement_gives(name, norm):
+  norms = {"norm_a": 1.0, "norm_b": 1.5, "norm_mean": 1.0, name: norm}
+  with pytest.raises(ValueError, match=rf"{name} must be a norm, a number >= 0 .*, got "):
+    noise_scale_estimates(**norms, batch_size=64)
+
+
+def test_estimates_take_numpy_numbers_and_an_unmeasured_steps_norms():
+  want = noise_scale_estimates(1.0, 1.5, 1.0, 64)
+  assert noise_scale_estimates(np.float32(1.0), 1.5, np.float64(1.0), np.int64(64)) == want
+  assert all(math.isnan(x) for x in noise_scale_estimates(math.nan, 1.5, 1.0, 64))
+
+
 def test_estimates_are_unbiased_on_gaussian_gradients():
   """Averaged over many steps, the per-step estimates converge to |G|^2 and tr(Sigma)."""
   source = Gaussian(dim=40, signal=1.0, noise_scale=100.0, seed=1)

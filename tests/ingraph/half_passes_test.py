@@ -118,11 +118,27 @@ def test_an_argument_named_whole_goes_whole_to_both_halves():
     ({"batch_argnums": 0}, "batch_argnums=0 is not valid"),
     ({"batch_argnums": (1, 1)}, r"batch_argnums=\(1, 1\) is not valid"),
     ({"batch_argnums": ()}, r"batch_argnums=\(\) is not valid"),
+    # A bool is not position 1; a float or a JAX scalar is no position.
+    ({"batch_argnums": True}, r"batch_argnums=True is not valid: give an integer"),
+    ({"batch_argnums": (True, 2)}, r"batch_argnums=\(True, 2\) is not valid"),
+    ({"batch_argnums": 1.0}, r"batch_argnums=1.0 is not valid"),
+    ({"batch_argnums": jnp.int32(1)}, r"batch_argnums=Array\(1.* is not valid"),
   ],
 )
 def test_bad_settings_are_refused_where_the_step_is_written(settings, message):
   with pytest.raises(HalfBatchArgumentError, match=message):
     simigrad_jax.value_and_half_grads(lambda w, x: jnp.sum(x @ w), **settings)
+
+
+@pytest.mark.parametrize(
+  ("given", "python"), [(np.int64(1), 1), ((np.int64(1), np.int64(2)), (1, 2))]
+)
+def test_numpy_integer_positions_are_taken_as_pythons(given, python):
+  loss = lambda w, x, y: jnp.mean((x @ w) ** 2) * jnp.mean(y)  # y whole or split
+  w, x, y = jnp.ones(4), jnp.arange(16.0).reshape(4, 4), jnp.arange(1.0, 5.0)
+  got = simigrad_jax.value_and_half_grads(loss, batch_argnums=given)(w, x, y)
+  want = simigrad_jax.value_and_half_grads(loss, batch_argnums=python)(w, x, y)
+  _assert_trees_close(got, want, rtol=0)
 
 
 def test_a_position_past_the_arguments_is_refused():

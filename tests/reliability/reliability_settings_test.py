@@ -134,6 +134,11 @@ TRAINER_CASES = {
     ValueError,
     r"lr_schedule\(0\.0\) must be a number in \[0, inf\) \(finite\), got -1\.0",
   ),
+  "bool schedule": (  # float(True) is 1.0: a schedule that answers a bool is a mistake
+    dict(lr_schedule=lambda epochs: True),
+    ValueError,
+    r"lr_schedule\(0\.0\) must be a number in \[0, inf\) \(finite\), not a bool, got True",
+  ),
   "factor first": (
     dict(optimizer=_factor_first()),
     lr_scaling.ChainOrderError,

@@ -13,6 +13,7 @@ import pytest
 from tensorboardX.proto import event_pb2
 from tensorboardX.record_writer import masked_crc32c
 
+from simigrad_jax.checkpoint import missing_steps
 from simigrad_jax.trainer import metrics
 from simigrad_jax.trainer.metrics import MetricsWriter
 from simigrad_jax.trainer.metrics import read_metrics
@@ -404,6 +405,17 @@ def test_bad_record_refused(tmp_path, record, error, match):
 def test_bad_settings_refused(tmp_path, kwargs, match):
   with pytest.raises(ValueError, match=match):
     MetricsWriter(tmp_path, **kwargs)
+
+
+@pytest.mark.parametrize("last", [True, -3, 8.0, np.float32(8), math.nan])
+def test_missing_steps_refuses_a_last_step_that_is_no_step(last):
+  with pytest.raises(ValueError, match=r"last must be an integer >= 0, got"):
+    missing_steps([{"step": 1}], last)
+
+
+def test_missing_steps_takes_numpy_integers_and_zero():
+  assert missing_steps([{"step": 1}], np.int64(3)) == [[2, 3]]
+  assert missing_steps([{"step": 1}], 0) == []
 
 
 def test_doctests(tmp_path):
