@@ -119,7 +119,12 @@ def scheduled_lr_factor(
   """
   if coupling not in LR_COUPLINGS:
     raise ValueError(f"lr_coupling={coupling!r} is not valid; choose one of {LR_COUPLINGS}")
-  schedule = 1.0 if lr_schedule is None else float(lr_schedule(epochs))
+  answer = 1.0 if lr_schedule is None else lr_schedule(epochs)
+  if validation.is_bool(answer) or getattr(getattr(answer, "dtype", None), "kind", None) == "b":
+    raise ValueError(  # float(True) is 1.0: the run would train at the full rate
+      f"lr_schedule({epochs:.3f}) must return a number, not a bool, got {answer!r}"
+    )
+  schedule = float(answer)
   batch_factor = lr_factor(batch_size, base_batch_size, rule, lr_adjust_factor)
   if coupling == "peak" and math.isfinite(schedule):
     batch_factor = (batch_factor - 1.0) * min(max(schedule, 0.0), 1.0) + 1.0

@@ -189,3 +189,10 @@ def test_a_scheduled_factor_the_steps_float32_cannot_hold_is_refused(schedule):
   """1e39 is finite in Python but inf in the step's float32 scalar."""
   with pytest.raises(ValueError, match=r"it must be finite and > 0, within float32's range"):
     learning_rate.scheduled_lr_factor(16, 16, "sqrt", None, lambda epochs: schedule, 0.0)
+
+
+@pytest.mark.parametrize("answer", [True, np.bool_(False), np.array(True)])
+def test_a_schedule_that_answers_a_bool_is_refused_at_any_epoch(answer):
+  """float(True) is 1.0: a schedule answering a bool after the run's start trained at full rate."""
+  with pytest.raises(ValueError, match=r"lr_schedule\(2\.500\) must return a number, not a bool"):
+    learning_rate.scheduled_lr_factor(64, 16, "sqrt", None, lambda e: answer, 2.5)
