@@ -11,6 +11,7 @@ faults.json. A figure that changes in the JSON fails here until the page says it
 
 import json
 import pathlib
+from collections.abc import Callable, Iterable
 
 import pytest
 
@@ -430,9 +431,10 @@ def _lm_budget_phrases() -> list[str]:
   ]
 
 
-def _lm_verdict_phrases() -> list[str]:
-  """The shakespeare task's decision, as the prose above the generated blocks states it."""
-  results = _result("lm_shakespeare")
+def _lm_verdict_ratios(task: str) -> tuple[dict, Callable[..., str], Callable[..., str]]:
+  """A task's LM verdict JSON, and its steps ratio (with the interval) and tokens ratio as the
+  prose writes them, by (method, against, target budget)."""
+  results = _result(f"lm_{task}")
   verdicts = {(v["method"], v["against"], v["target_budget_share"]): v for v in results["verdicts"]}
 
   def ratio(method: str, against: str, budget: float, interval: bool = True) -> str:
@@ -443,6 +445,19 @@ def _lm_verdict_phrases() -> list[str]:
   def tokens(method: str, against: str, budget: float) -> str:
     return f"{verdicts[(method, against, budget)]['tokens_ratio']:.2f}x"
 
+  return results, ratio, tokens
+
+
+def _span(values: Iterable[float]) -> str:
+  """The least and the greatest of some ratios, as ``0.59x-0.73x``."""
+  ordered = sorted(values)
+  return f"{ordered[0]:.2f}x-{ordered[-1]:.2f}x"
+
+
+def _lm_verdict_phrases() -> list[str]:
+  """The shakespeare task's decision, as the prose above the generated blocks states it."""
+  results, ratio, tokens = _lm_verdict_ratios("shakespeare")
+  verdicts = {(v["method"], v["against"], v["target_budget_share"]): v for v in results["verdicts"]}
   c, r = "best_constant", "best_ramp"
   gns_vs_ramp = [verdicts[("gns@full", r, b)] for b in (0.125, 0.25, 0.5)]
   reached_at_full = [v["reached"] for v in results["verdicts"] if v["target_budget_share"] == 1.0]
@@ -484,6 +499,58 @@ def _lm_verdict_phrases() -> list[str]:
     f"`allowance@full` {ratio('allowance@full', r, 0.125)} at 0.125",
     f"{adaptive_runs[0]} or {adaptive_runs[-1]} for an adaptive rule, "
     f"{needed['doubling_warmup@peak']['with_the_choice_of_ramp']} for the best ramp",
+    f"the constant sizes took {needed['constant sizes']['total_runs']}",
+  ]
+
+
+def _lm_stdlib_phrases() -> list[str]:
+  """The python_stdlib task's decision, as the prose above the generated blocks states it."""
+  results, ratio, tokens = _lm_verdict_ratios("python_stdlib")
+  verdicts = {(v["method"], v["against"], v["target_budget_share"]): v for v in results["verdicts"]}
+  c, r, short = "best_constant", "best_ramp", (0.125, 0.25, 0.5)
+  [constant] = {d["best_constant"] for d in results["decisions"]}
+  at_full = [v for v in results["verdicts"] if v["target_budget_share"] == 1.0]
+  [comparator_at_full] = {v["comparator_reached"] for v in at_full}
+  needed = results["runs_needed"]
+  adaptive_runs = sorted(
+    {needed[m]["total_runs"] for m in needed if m.split("@")[0] in ("allowance", "simigrad", "gns")}
+  )
+  ramp_runs = sorted({n["with_the_choice_of_ramp"] for n in needed.values()} - {None})
+
+  def three(method: str) -> str:
+    return (
+      f"{ratio(method, c, 0.125)} with {tokens(method, c, 0.125)}, {ratio(method, c, 0.25)} with "
+      f"{tokens(method, c, 0.25)}, then {ratio(method, c, 0.5)} with {tokens(method, c, 0.5)}"
+    )
+
+  def against_ramp(method: str, what: str) -> str:
+    return _span(verdicts[(method, r, b)][what] for b in short)
+
+  return [
+    f"{results['frontiers_finished']} frontiers, 10 paired evaluation seeds for every method, "
+    f"{results['train_seconds'] / 3600:.1f} h of training",
+    f"the grid's smallest, {constant}, at every target",
+    f"(`gns@full`): {ratio('gns@full', c, 0.125)} {constant}'s steps at 0.125, "
+    f"{ratio('gns@full', c, 0.25)} at 0.25 and {ratio('gns@full', c, 0.5)} at 0.5, at "
+    f"{tokens('gns@full', c, 0.125)}, {tokens('gns@full', c, 0.25)} and "
+    f"{tokens('gns@full', c, 0.5)} the tokens",
+    f"(`simigrad@full`) takes {three('simigrad@full')}",
+    f"(`allowance@full`) {three('allowance@full')}",
+    f"`simigrad@full` takes {ratio('simigrad@full', r, 0.125)} the best ramp's steps at 0.125, "
+    f"{ratio('simigrad@full', r, 0.25)} at 0.25 and {ratio('simigrad@full', r, 0.5)} at 0.5, at "
+    f"{against_ramp('simigrad@full', 'tokens_ratio')} its tokens",
+    f"`allowance@full` {against_ramp('allowance@full', 'steps_ratio')}",
+    f"`gns@full` {against_ramp('gns@full', 'steps_ratio')} at "
+    f"{against_ramp('gns@full', 'tokens_ratio')} its tokens",
+    f"at most {max(v['reached'] for v in at_full)} of the 10 seeds",
+    f"`simigrad@peak` {against_ramp('simigrad@peak', 'steps_ratio')}",
+    f"{constant} itself reaches it on {comparator_at_full} of 10",
+    (
+      f"{adaptive_runs[0]} for every adaptive rule"
+      if len(adaptive_runs) == 1
+      else f"{adaptive_runs[0]} or {adaptive_runs[-1]} for an adaptive rule"
+    )
+    + f", {ramp_runs[-1]} for the best ramp",
     f"the constant sizes took {needed['constant sizes']['total_runs']}",
   ]
 
@@ -541,6 +608,7 @@ def _cold_start_phrases() -> list[str]:
     ("results.md", _lm_budget_phrases),
     ("results.md", _measure_every_lm_phrases),
     ("results.md", _lm_verdict_phrases),
+    ("results.md", _lm_stdlib_phrases),
     ("results.md", _cold_start_phrases),
     ("controllers.md", _controllers_phrases),
     ("own_step.md", _own_step_phrases),
@@ -560,6 +628,7 @@ def _cold_start_phrases() -> list[str]:
     "causal_lm_budgets",
     "lm_measure_every",
     "lm_verdict",
+    "lm_stdlib",
     "cold_start",
     "controllers",
     "own_step_halves",
