@@ -172,6 +172,38 @@ def check_path(name: str, value: Any) -> str | os.PathLike:
   return value
 
 
+def scalar_kind(value: Any) -> str | None:
+  """The NumPy kind of a scalar: Python's, NumPy's or a 0-d NumPy or JAX array; else None.
+
+  ``"b"`` for a bool, ``"i"`` or ``"u"`` for an integer, ``"f"`` for a float.
+
+  Example:
+    >>> scalar_kind(True), scalar_kind(np.int64(3)), scalar_kind(np.asarray(0.5)), scalar_kind([1])
+    ('b', 'i', 'f', None)
+  """
+  if isinstance(value, (bool, int, float)):
+    return "b" if isinstance(value, bool) else "i" if isinstance(value, int) else "f"
+  if hasattr(value, "__array__") or hasattr(value, "dtype"):
+    array = np.asarray(value)
+    return array.dtype.kind if array.ndim == 0 else None
+  return None
+
+
+def is_flag(value: Any) -> bool:
+  """A bool: Python's, NumPy's or a 0-d array of one (``float(True)`` would read it as 1.0)."""
+  return scalar_kind(value) == "b"
+
+
+def as_real(value: Any) -> float | None:
+  """A real scalar that is not a bool (Python's, NumPy's or 0-d) as a float, else None.
+
+  Example:
+    >>> as_real(np.float32(0.5)), as_real(True), as_real("0.5")
+    (0.5, None, None)
+  """
+  return float(value) if scalar_kind(value) in ("i", "u", "f") else None
+
+
 def as_float(value: Any) -> float | None:
   """A numeric scalar (bool, int, float, or a 0-d NumPy or JAX array) as a float, else None.
 

@@ -19,8 +19,6 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import numpy as np
-
 from simigrad_jax import validation
 from simigrad_jax.controllers.state import SavedState
 
@@ -176,18 +174,8 @@ def check_stats(stats: Any) -> dict[str, Any] | None:
   return checked
 
 
-def _scalar_kind(value: Any) -> str | None:
-  """The NumPy kind of a scalar (``"b"``, ``"i"``, ``"u"``, ``"f"``, ...), else None."""
-  if isinstance(value, (bool, int, float)):
-    return "b" if isinstance(value, bool) else "i" if isinstance(value, int) else "f"
-  if hasattr(value, "__array__") or hasattr(value, "dtype"):
-    array = np.asarray(value)
-    return array.dtype.kind if array.ndim == 0 else None
-  return None
-
-
 def _stat_flag(key: str, value: Any) -> bool:
-  if _scalar_kind(value) != "b":
+  if not validation.is_flag(value):
     raise ValueError(
       f"update(similarity, stats=...): stats[{key!r}] must be a bool (True or False; NumPy's "
       f"or a 0-d JAX bool too), got {value!r}"
@@ -196,7 +184,7 @@ def _stat_flag(key: str, value: Any) -> bool:
 
 
 def _stat_number(key: str, value: Any) -> int | float:
-  kind = _scalar_kind(value)
+  kind = validation.scalar_kind(value)
   if kind not in ("i", "u", "f"):
     raise ValueError(
       f"update(similarity, stats=...): stats[{key!r}] must be a real number (Python's, NumPy's "

@@ -120,7 +120,7 @@ def scheduled_lr_factor(
   if coupling not in LR_COUPLINGS:
     raise ValueError(f"lr_coupling={coupling!r} is not valid; choose one of {LR_COUPLINGS}")
   answer = 1.0 if lr_schedule is None else lr_schedule(epochs)
-  if validation.is_bool(answer) or getattr(getattr(answer, "dtype", None), "kind", None) == "b":
+  if validation.is_flag(answer):
     raise ValueError(  # float(True) is 1.0: the run would train at the full rate
       f"lr_schedule({epochs:.3f}) must return a number, not a bool, got {answer!r}"
     )

@@ -52,7 +52,7 @@ def noise_scale_estimates(
     stays unbiased and the |G|^2 estimate is biased up by ``(2d / B)^2`` of
     |G|^2 for a difference of 2d rows, e.g. 4% for 12 and 8 rows.
   """
-  big = _as_number(batch_size)
+  big = validation.as_real(batch_size)
   if big is None or not 1.0 < big < math.inf:  # NaN fails too
     raise ValueError(
       f"batch_size must be a finite number > 1 (the global batch B, whose halves hold B / 2 "
@@ -60,7 +60,7 @@ def noise_scale_estimates(
     )
   norms = {"norm_a": norm_a, "norm_b": norm_b, "norm_mean": norm_mean}
   for name, norm in norms.items():
-    number = _as_number(norm)
+    number = validation.as_real(norm)
     # NaN and the infinities pass, as in the controller's stats: a step without a measurement.
     if number is None or (number < 0 and not math.isinf(number)):
       raise ValueError(
@@ -73,13 +73,6 @@ def noise_scale_estimates(
   g2 = (big * g_big - small * g_small) / (big - small)
   trace = (g_small - g_big) / (1.0 / small - 1.0 / big)
   return g2, trace
-
-
-def _as_number(value: Any) -> float | None:
-  """A real number (a 0-d array of one included) as a float; None for a bool or anything else."""
-  if validation.is_bool(value) or getattr(getattr(value, "dtype", None), "kind", None) == "b":
-    return None
-  return validation.as_float(value)
 
 
 def paced(size: int, new: float, max_change: float | None) -> int:

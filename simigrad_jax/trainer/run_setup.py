@@ -543,7 +543,7 @@ def check_lr_multiplier(name: str, value: Any) -> float:
   Raises:
     ValueError: naming ``name`` (``"lr_schedule(0.0)"``) and the value.
   """
-  if validation.is_bool(value) or getattr(getattr(value, "dtype", None), "kind", None) == "b":
+  if validation.is_flag(value):
     raise ValueError(f"{name} must be a number in [0, inf) (finite), not a bool, got {value!r}")
   return validation.check_interval(name, validation.as_float(value), 0)
 
