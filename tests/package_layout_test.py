@@ -4,7 +4,7 @@ Imports go down the floors only, never between two rooms of a floor, with no
 import cycle anywhere in the library, the training scripts or the benchmarks
 (an import inside a function or under ``if TYPE_CHECKING:`` counts as much as
 one at the top), and the core install is light. Floors (docs/layout.md): the
-ground floor (``ingraph/`` on ``reductions/``: pure code that runs under jit;
+ground floor (``ingraph/`` on ``reductions/`` and ``validation``: pure code that runs under jit;
 ``errors``, ``validation``, ``files``: the base error, the checks and the safe
 file writes everything shares); the host rooms that need only it
 (``controllers/``, ``shapes/``, ``multihost/``, ``optimizer_state``); the rooms
@@ -63,8 +63,8 @@ FLOORS = {
   "__init__": 6,
 }
 # The ground floor's rooms import none of each other but in the directions docs/layout.md draws:
-# ingraph/ stands on reductions/.
-GROUND_FLOOR_DIRECTIONS = {("ingraph", "reductions")}
+# ingraph/ stands on reductions/ and on validation (the argument checks every room shares).
+GROUND_FLOOR_DIRECTIONS = {("ingraph", "reductions"), ("ingraph", "validation")}
 # errors.py holds SimiGradError, the base class of every room's errors: every room imports it.
 BASE_OF_EVERY_ERROR = "errors"
 # The project's folders of Python code, each standing on those before it.

@@ -12,13 +12,14 @@ batch size is a new value, never a new program.
 from __future__ import annotations
 
 import math
-import numbers
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
+
+from simigrad_jax import validation
 
 # The learning-rate rules whose batch-size part the weight decay divides out (as lr_factor's).
 COUPLING_LR_RULES: tuple[str, ...] = ("sqrt", "linear", "none")
@@ -31,21 +32,11 @@ class BatchCouplingState(NamedTuple):
   inner_state: Any  # the wrapped optimizer's InjectHyperparamsState.
 
 
-def _is_number(value: Any) -> bool:
-  """A real number that is not a bool: Python's or NumPy's (``np.float32(0.99)`` is one)."""
-  return isinstance(value, numbers.Real) and not isinstance(value, bool)
-
-
-def _is_integer(value: Any) -> bool:
-  """An integer that is not a bool: Python's or NumPy's."""
-  return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
 def _as_python_number(value: Any) -> Any:
   """``value`` as Python's int or float where it is a number, else as it is."""
-  if not _is_number(value):
+  if not validation.is_real(value):
     return value
-  return int(value) if isinstance(value, numbers.Integral) else float(value)
+  return int(value) if validation.is_int(value) else float(value)
 
 
 def couple_to_batch_size(
@@ -109,14 +100,14 @@ def couple_to_batch_size(
     >>> print(f"{float(hp['b2']):.6f} {float(hp['weight_decay']):.3f}")  # 0.99^4, 0.1 * sqrt(4)
     0.960596 0.200
   """
-  if not (_is_integer(base_batch_size) and base_batch_size >= 1):
+  if not (validation.is_int(base_batch_size) and base_batch_size >= 1):
     raise ValueError(f"base_batch_size must be an integer >= 1, got {base_batch_size!r}")
   if lr_rule not in COUPLING_LR_RULES:
     raise ValueError(f"lr_rule={lr_rule!r} is not valid; choose one of {COUPLING_LR_RULES}")
   coupled = {"b2": couple_beta2, "weight_decay": couple_weight_decay}
   for name, on in coupled.items():
     value = hyperparams.get(name)
-    if on and not _is_number(value):
+    if on and not validation.is_real(value):
       raise ValueError(
         f"coupling {name} needs {name}=<a number> among the optimizer's hyperparameters, "
         f"got {value!r} (or pass couple_{'beta2' if name == 'b2' else name}=False)"
@@ -132,7 +123,7 @@ def couple_to_batch_size(
   # Numbers go into the state as Python's (optax takes NumPy's scalars for static arguments);
   # anything else (a mask function, a flag) stays a static argument.
   hyperparams = {name: _as_python_number(value) for name, value in hyperparams.items()}
-  static = tuple(name for name, value in hyperparams.items() if not _is_number(value))
+  static = tuple(name for name, value in hyperparams.items() if not validation.is_real(value))
   inner = optax.inject_hyperparams(optimizer, static_args=static)(**hyperparams)
   base = {name: float(hyperparams[name]) for name, on in coupled.items() if on}
   base_batch_size = int(base_batch_size)

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-import numbers
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, NamedTuple
 
@@ -40,6 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from simigrad_jax import validation
 from simigrad_jax.errors import SimiGradError
 from simigrad_jax.ingraph import half_layout
 from simigrad_jax.ingraph.transform import HalfGrads
@@ -731,7 +731,7 @@ def checked_batch_argnums(
     return None
 
   def position(i: Any) -> bool:  # NumPy's integers count as Python's; a bool is no position
-    return isinstance(i, numbers.Integral) and not isinstance(i, bool) and int(i) >= 1
+    return validation.is_int(i) and int(i) >= 1
 
   if position(batch_argnums):
     chosen: tuple[Any, ...] = (batch_argnums,)

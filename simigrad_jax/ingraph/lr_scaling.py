@@ -7,7 +7,6 @@ refuses an initialised chain that has them in another order.
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
@@ -15,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from simigrad_jax import validation
 from simigrad_jax.errors import SimiGradError
 from simigrad_jax.ingraph.transform import SimilarityState
 
@@ -64,10 +64,9 @@ def scale_by_lr_factor(initial_lr_factor: float = 1.0) -> optax.GradientTransfor
     [-0.2 -0.2]
   """
 
-  is_number = isinstance(initial_lr_factor, numbers.Real) and not isinstance(
-    initial_lr_factor, bool
-  )
-  if not is_number or not 0.0 < float(initial_lr_factor) < float("inf"):  # NaN fails too
+  if not validation.is_real(initial_lr_factor) or not 0.0 < float(initial_lr_factor) < float(
+    "inf"
+  ):  # NaN fails too
     raise ValueError(
       f"initial_lr_factor must be a finite number > 0 (a negative one is an ascent), got "
       f"{initial_lr_factor!r}"
