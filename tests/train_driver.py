@@ -27,9 +27,11 @@ Fault injection (the process SIGKILLs itself: no clean-up, no final checkpoint):
   barrier that all processes' writes are complete, and before orbax renames
   that folder, so neither this process nor the primary one can finish it
   first, however fast the write is);
-* ``--kill-in-compile J``: 20 ms into the J-th micro-step compile of the
-  background compile thread (that compile is slowed down so the kill lands
-  inside it);
+* ``--kill-in-compile J``: 20 ms into the J-th micro-step compile run off
+  the main thread (by a worker of the StepCompiler, or in the thread a step
+  waiting for its program compiles it in); that compile is slowed down so the
+  kill lands inside it, and the run's last step waits for it to start (the end
+  of the run would otherwise cancel a compile still queued);
 * ``--freeze-at K``: SIGSTOP right after step K (every thread stops, the
   sockets stay open, so a peer waits in its next collective as for a process
   that died in the middle of it); SIGKILL after twice the agreement timeout
@@ -199,18 +201,22 @@ def exit_if_lost(kind, error, tb):
 sys.excepthook = exit_if_lost
 
 
-# --- kill inside a background compile: slow the J-th background job down and kill 20 ms into it,
-# or, if it starts while the trainer is built (the first step's program does), 20 ms after it is.
-# (The jobs of a shape: the update's compile, queued when the trainer is built, is not counted.)
+# --- kill inside a background compile: slow the J-th micro-step job run off the main thread down
+# and kill 20 ms into it, or, if it starts while the trainer is built (the first step's program
+# does), 20 ms after it is. (The update's compile, queued when the trainer is built, is not
+# counted.) Under load a queued job may start in either thread: the lane's worker, or the thread
+# that a step waiting for it compiles it in (train() runs with the compiler's interrupt set).
 trainer_built = threading.Event()
+kill_compile_started = threading.Event()
 if args.kill_in_compile is not None:
   original_run = compiler_module.StepCompiler._run
   background_jobs = []
 
   def run_then_die(self, job):
-    if threading.current_thread().name.endswith("-compiler") and job.key != APPLY:
+    if threading.current_thread() is not threading.main_thread() and job.key != APPLY:
       background_jobs.append(job.key)
       if len(background_jobs) == args.kill_in_compile:
+        kill_compile_started.set()
         lower = self._lower
 
         def slow_lower(key):
@@ -394,6 +400,9 @@ def trace_then_maybe_die(record):
     die("between_steps", step=record.step)
   if record.step == args.freeze_at:
     freeze(step=record.step)
+  if record.step == args.steps and args.kill_in_compile is not None:
+    # A compile still queued when the run ends is cancelled: the J-th must start first.
+    kill_compile_started.wait(timeout=120)  # (then the run ends unkilled: the test fails)
 
 
 trainer.add_hook(DecidedSteps())

@@ -62,7 +62,9 @@ def _scenarios() -> dict[str, tuple[int, list[list[str]]]]:
   saves = list(range(3, STEPS, 3))
   between = rng.randrange(1, STEPS)
   in_save = rng.choice(saves)
-  job = rng.choice([1, 2])  # the first two background compiles always run in the worker thread
+  job = rng.choice(
+    [1, 2]
+  )  # a run compiles two micro-step programs (fused, micro) off the main thread
   chain_kill = rng.randrange(2, 8)
   chain_save = rng.choice([s for s in saves if s > chain_kill])
   chain_last = rng.randrange(chain_save + 1, STEPS)
