@@ -199,20 +199,20 @@ def unmeasured_but_finite(similarity: float, stats: Mapping[str, Any] | None) ->
   A half whose mean gradient is exactly zero has no direction, so the
   transform measures no similarity; the gradients themselves were finite.
   Without ``stats`` a NaN similarity cannot be told apart from a non-finite
-  gradient, and counts as non-finite.
+  gradient, and counts as non-finite. ``stats`` are as :func:`check_stats`
+  returns them (a ``grads_finite`` flag, if any, is Python's bool).
   """
-  said_finite = stats is not None and validation.is_bool(stats.get("grads_finite"))
-  return math.isnan(similarity) and said_finite and bool(stats["grads_finite"])  # type: ignore[index]
+  said_finite = stats is not None and stats.get("grads_finite") is True
+  return math.isnan(similarity) and said_finite
 
 
 def step_is_finite(similarity: float, stats: Mapping[str, Any] | None) -> bool:
-  """False for a non-finite similarity or a step whose ``stats`` say ``grads_finite`` is False."""
-  bad_step = (
-    stats is not None
-    and validation.is_bool(stats.get("grads_finite"))
-    and not stats["grads_finite"]
-  )
-  return math.isfinite(similarity) and not bad_step
+  """False for a non-finite similarity or a step whose ``stats`` say ``grads_finite`` is False.
+
+  ``stats`` are as :func:`check_stats` returns them.
+  """
+  said_not_finite = stats is not None and stats.get("grads_finite") is False
+  return math.isfinite(similarity) and not said_not_finite
 
 
 class Rule:
