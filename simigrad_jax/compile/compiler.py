@@ -572,9 +572,9 @@ class StepCompiler:
       raise
     finally:
       elapsed = time.perf_counter() - start
-      with self._lock:
+      with self._lock:  # (one snapshot: stats() never counts a compile not yet in its sizes)
         self._tally.count(elapsed, compiled=job.error is None, cache_hit=job.cache_hit)
-      job.done.set()
+        job.done.set()
 
 
 def _check_sizes(micro_batch_sizes: Any, keys: MicroBatchSizes) -> list[Hashable]:
