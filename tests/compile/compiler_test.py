@@ -202,11 +202,16 @@ def test_prefetch_skips_compiled_and_duplicate_sizes(mesh):
 def test_get_waits_for_a_size_compiling_in_the_background(mesh):
   lower = Lowerer(mesh, gated=[2])
   results = []
+  waiting = threading.Event()
   with StepCompiler(lower) as compiler:
+    # A get() blocked on a compile asks its interrupt every 50 ms: the first ask says the getter
+    # waits (a sleep alone would not: on a loaded machine the getter may reach get() late).
+    compiler.interrupt = lambda: (waiting.set(), False)[1]
     compiler.prefetch([2])
     assert lower.started[2].wait(TIMEOUT)
     getter = threading.Thread(target=lambda: results.append(compiler.get(2)))
     getter.start()
+    assert waiting.wait(TIMEOUT)
     time.sleep(0.2)
     assert getter.is_alive()  # blocked on the background compile
     lower.gates[2].set()
