@@ -348,8 +348,9 @@ def test_close_abandons_the_running_compile_and_cancels_the_rest(mesh):
   start = time.perf_counter()
   compiler.close()  # returns at once: the compile of 1 is not awaited
   assert time.perf_counter() - start < 1.0
-  worker = next(t for t in threading.enumerate() if t.name == "step-compiler")
-  assert worker.daemon  # a process exits without waiting for it
+  # The thread lowering 1 (another compiler's worker of the same name may not have ended yet).
+  worker = lower.threads[0]
+  assert worker.name == "step-compiler" and worker.daemon  # a process exits without waiting for it
   lower.gates[1].set()
   worker.join(TIMEOUT)
   assert lower.calls == [1]  # 2 and 4 were cancelled
