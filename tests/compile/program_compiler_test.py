@@ -183,7 +183,11 @@ def test_the_update_compiles_once_and_a_get_before_it_is_done_counts_as_wait():
   while not functions.threads:  # the compile thread has taken it (on a busy machine, later)
     assert time.monotonic() < deadline, "the update's compile did not start"
     time.sleep(0.005)
-  threading.Timer(0.1, gate.set).start()
+  # The gate opens once the get() below waits (its first ask of the interrupt, 50 ms in): a timer
+  # could open it, on a loaded machine, before the get() is reached and the compile be done.
+  waiting = threading.Event()
+  compiler.set_interrupt(lambda: (waiting.set(), False)[1])
+  threading.Thread(target=lambda: (waiting.wait(TIMEOUT), gate.set())).start()
   np.testing.assert_allclose(compiler.get(APPLY)(jnp.ones(7)), np.full(7, 2.0))
   assert compiler.get(APPLY) is compiler.get(APPLY)
   compiler.close()
