@@ -247,7 +247,15 @@ def test_the_exit_says_nothing_when_the_compiles_end_within_the_quiet_time(
   step = StepCompiler(lower)
   step.prefetch([1])
   assert lower.started[1].wait(TIMEOUT)
-  threading.Timer(0.05, lower.gates[1].set).start()
+
+  # The gate opens once the exit has counted the compile in progress: a timer could open it, on
+  # a loaded machine, before the exit began, and the exit would find no compile to wait for.
+  def open_once_the_exit_began():
+    wait_until(lambda: in_flight._exiting)
+    time.sleep(0.05)
+    lower.gates[1].set()
+
+  threading.Thread(target=open_once_the_exit_began).start()
   stream = io.StringIO()
   assert in_flight.at_exit(stream, quiet_seconds=TIMEOUT) == 1
   assert stream.getvalue() == ""
