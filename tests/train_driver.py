@@ -41,7 +41,10 @@ Signals (sent by the test): a SIGTERM or SIGINT makes ``train`` raise
 ``simigrad_jax.Preempted``; the driver traces a ``preempted`` line and exits
 with its ``exit_code``. ``--slow-save SECONDS`` traces a ``saving`` line and
 sleeps that long before each checkpoint save (a window for a second
-signal). ``--checkpoint-every 0``: no checkpoint every so many steps.
+signal). ``--hold-for-signal K``: step K waits (in its trace) until the
+process has received a stop signal, so that a signal sent after an earlier
+step lands before the run ends, however late the test sends it.
+``--checkpoint-every 0``: no checkpoint every so many steps.
 
 Test-only trace: every process appends to ``<workdir>/trace.<process>.jsonl``
 a ``start`` line (the step it resumed from), a ``step`` line per completed
@@ -103,6 +106,7 @@ parser.add_argument("--timed-fallback", action="store_true")
 parser.add_argument("--grain-workers", type=int, default=None)
 parser.add_argument("--checkpoint-every-seconds", type=float, default=None)
 parser.add_argument("--slow-save", type=float, default=None)
+parser.add_argument("--hold-for-signal", type=int, default=None)
 parser.add_argument("--mesh-model", type=int, default=None)
 parser.add_argument("--fsdp", action="store_true")
 args = parser.parse_args()
@@ -400,6 +404,11 @@ def trace_then_maybe_die(record):
     die("between_steps", step=record.step)
   if record.step == args.freeze_at:
     freeze(step=record.step)
+  if record.step == args.hold_for_signal:
+    # A signal sent late (the test's process is not run for a while) would find the run ended.
+    deadline = time.monotonic() + 120  # (then the run ends unsignalled: the test fails)
+    while not trainer._loop.stop.signalled and time.monotonic() < deadline:
+      time.sleep(0.01)
   if record.step == args.steps and args.kill_in_compile is not None:
     # A compile still queued when the run ends is cancelled: the J-th must start first.
     kill_compile_started.wait(timeout=120)  # (then the run ends unkilled: the test fails)

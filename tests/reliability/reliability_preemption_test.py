@@ -136,7 +136,9 @@ def test_sigterm_saves_the_step_under_way_and_the_resume_redoes_no_step(
   straight_records, straight_params = straight
   at = random.Random(SEED).randrange(2, STEPS - 4)
   workdir = tmp_path / "run"
-  driver = Driver(workdir, *RUN, "--compile-cache", compile_cache)
+  # The steps after `at` take well under a second: the run waits at step STEPS - 2 for the signal,
+  # so that one sent late (a loaded machine) stops it before its end all the same.
+  driver = Driver(workdir, *RUN, "--compile-cache", compile_cache, "--hold-for-signal", STEPS - 2)
   driver.wait_for_step(at)
   driver.signal(signal.SIGTERM)
   assert driver.returncode() == 0, driver.stderr()[-3000:]  # a clean stop, as schedulers expect
