@@ -39,6 +39,27 @@ def default_signals() -> None:
     signal.signal(number, signal.SIG_DFL)
 
 
+def wait_until_caught(pid: int, signum: int, timeout: float = DRIVER_TIMEOUT_SECONDS) -> None:
+  """Waits until process ``pid`` catches ``signum`` (its handler is installed; Linux's
+  ``/proc/<pid>/status``), or it has ended.
+
+  A signal sent before the handler exists takes its default action: the
+  interpreter's start, on a loaded machine, can outlast a test's "soon after
+  the start".
+  """
+  status = pathlib.Path(f"/proc/{pid}/status")
+  deadline = time.monotonic() + timeout
+  while time.monotonic() < deadline:
+    try:
+      caught = next(line for line in status.read_text().splitlines() if line.startswith("SigCgt:"))
+    except (OSError, StopIteration):
+      return  # ended (or no /proc: nothing to wait for)
+    if int(caught.split()[1], 16) >> (signum - 1) & 1:
+      return
+    time.sleep(0.002)
+  raise AssertionError(f"process {pid} did not install a handler of signal {signum} in {timeout} s")
+
+
 def run_driver(
   workdir: os.PathLike, *args: Any, timeout: float = DRIVER_TIMEOUT_SECONDS
 ) -> subprocess.CompletedProcess:

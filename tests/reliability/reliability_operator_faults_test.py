@@ -56,6 +56,7 @@ import pytest
 from reliability_helpers import SEED
 from reliability_helpers import driver_env
 from reliability_helpers import finished_checkpoints
+from reliability_helpers import wait_until_caught
 from simigrad_jax.checkpoint import metrics_recovery
 from simigrad_jax.multihost import cpu_devices
 from simigrad_jax.multihost import workdir as workdir_module
@@ -774,6 +775,8 @@ def _saving(workdir: pathlib.Path, step: int) -> bool:
 
 def _signal_at(kill: Kill, workdir: pathlib.Path, proc: subprocess.Popen) -> str:
   """Waits for ``kill``'s moment, sends its signal; returns where the run was."""
+  if kill.signal != signal.SIGKILL:  # "while starting" counts from the run's handler on
+    wait_until_caught(proc.pid, kill.signal)
   started = time.monotonic()
   deadline = started + TIMEOUT
   while proc.poll() is None and time.monotonic() < deadline:
