@@ -201,6 +201,10 @@ def test_a_signal_to_one_process_stops_every_process_after_the_same_step(compile
       coordinator,
       "--compile-cache",
       compile_cache,
+      # Process 1 waits at step STEPS - 2 for the signal, so that one sent late (a loaded
+      # machine) stops the run before its end all the same; process 0 waits in the next step's
+      # collective meanwhile.
+      *(("--hold-for-signal", STEPS - 2) if p == 1 else ()),
       process=p,
     )
     for p in (0, 1)
