@@ -226,13 +226,15 @@ def test_a_signal_to_one_process_stops_every_process_after_the_same_step(compile
   assert finished_checkpoints(workdir)[-1] == stops[0][0]["step"]
 
 
-# The digits demo at a size that compiles once and trains in seconds (as tests/train_main_test.py).
+# The digits demo at a size that compiles once and trains an epoch in about a second (as
+# tests/train_main_test.py); stopped by the signal after its second step, it is given 30 epochs so
+# that a signal sent late (a loaded machine) still finds it training.
 SMALL = [
   "--config.mode=pad",
   "--config.cnn_features=(4, 8)",
   "--config.cnn_dense=16",
   "--config.tensorboard=False",
-  "--config.num_epochs=3",
+  "--config.num_epochs=30",
   "--config.plot=False",
 ]
 
