@@ -15,6 +15,8 @@ import sys
 import time
 from typing import Any
 
+from waiting import wait_until
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DRIVER = ROOT / "tests" / "train_driver.py"
 DRIVER_TIMEOUT_SECONDS = 180
@@ -48,16 +50,15 @@ def wait_until_caught(pid: int, signum: int, timeout: float = DRIVER_TIMEOUT_SEC
   the start".
   """
   status = pathlib.Path(f"/proc/{pid}/status")
-  deadline = time.monotonic() + timeout
-  while time.monotonic() < deadline:
+
+  def caught_or_gone() -> bool:
     try:
       caught = next(line for line in status.read_text().splitlines() if line.startswith("SigCgt:"))
     except (OSError, StopIteration):
-      return  # ended (or no /proc: nothing to wait for)
-    if int(caught.split()[1], 16) >> (signum - 1) & 1:
-      return
-    time.sleep(0.002)
-  raise AssertionError(f"process {pid} did not install a handler of signal {signum} in {timeout} s")
+      return True  # ended (or no /proc: nothing to wait for)
+    return bool(int(caught.split()[1], 16) >> (signum - 1) & 1)
+
+  wait_until(caught_or_gone, timeout, f"process {pid} to install its handler of signal {signum}")
 
 
 def run_driver(

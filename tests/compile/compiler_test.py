@@ -17,6 +17,7 @@ from simigrad_jax.compile import compiler
 from simigrad_jax.compile.compiler import CompileAbandoned
 from simigrad_jax.compile.compiler import StepCompileError
 from simigrad_jax.compile.compiler import StepCompiler
+from waiting import wait_until
 
 N = 8  # devices, from conftest
 FEATURES, OUT = 4, 3
@@ -79,13 +80,6 @@ def check_runs(compiled, micro, seed=0):
   np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
 
 
-def wait_until(predicate, timeout=TIMEOUT):
-  deadline = time.monotonic() + timeout
-  while not predicate():
-    assert time.monotonic() < deadline, "timed out"
-    time.sleep(0.005)
-
-
 # ------------------------------------------------------------------- threads
 
 
@@ -101,7 +95,7 @@ def test_threads_compile_that_many_at_once_in_the_order_queued(mesh):
     lower.gates[1].set()
     lower.gates[3].set()
     # A get() of a size still queued would compile it in this thread: let the workers finish.
-    wait_until(lambda: compiler.stats()["compiled_sizes"] == [1, 2, 3, 4])
+    wait_until(lambda: compiler.stats()["compiled_sizes"] == [1, 2, 3, 4], TIMEOUT)
     for micro in [1, 2, 3, 4]:
       check_runs(compiler.get(micro), micro)
     stats = compiler.stats()
@@ -146,7 +140,7 @@ def test_prefetch_compiles_in_one_background_thread_in_order(mesh):
   lower = Lowerer(mesh)
   with StepCompiler(lower, name="toy") as compiler:
     compiler.prefetch([4, 1, 2])
-    wait_until(lambda: compiler.stats()["compiled_sizes"] == [1, 2, 4])
+    wait_until(lambda: compiler.stats()["compiled_sizes"] == [1, 2, 4], TIMEOUT)
     assert lower.calls == [4, 1, 2]
     main = threading.current_thread()
     assert all(t is not main and t.name == "toy-compiler" for t in lower.threads)
@@ -165,11 +159,11 @@ def test_prefetch_first_moves_queued_sizes_ahead_in_the_order_given(mesh):
   gated = lambda size: (gate.wait(timeout=30), lower(size))[1]
   with StepCompiler(gated, name="toy") as compiler:
     compiler.prefetch([1, 2, 3])  # 1 starts (and waits at the gate); 2 and 3 queued
-    wait_until(lambda: list(compiler._queue.waiting[""]) == [2, 3])  # (its one lane)
+    wait_until(lambda: list(compiler._queue.waiting[""]) == [2, 3], TIMEOUT)  # (its one lane)
     compiler.prefetch([4, 3], first=True)  # 4 new, 3 moved ahead of 2
     compiler.prefetch([2, 5])  # 2 stays where it is; 5 last
     gate.set()
-    wait_until(lambda: compiler.stats()["compiled_sizes"] == [1, 2, 3, 4, 5])
+    wait_until(lambda: compiler.stats()["compiled_sizes"] == [1, 2, 3, 4, 5], TIMEOUT)
   assert lower.calls == [1, 4, 3, 2, 5]
 
 
@@ -192,7 +186,7 @@ def test_prefetch_skips_compiled_and_duplicate_sizes(mesh):
     compiler.get(2)
     compiler.prefetch([2])
     compiler.prefetch([2, 5, 5, 2])
-    wait_until(lambda: compiler.stats()["compiled_sizes"] == [2, 5])
+    wait_until(lambda: compiler.stats()["compiled_sizes"] == [2, 5], TIMEOUT)
     compiler.prefetch([5, 2])
     time.sleep(0.05)
     assert lower.calls == [2, 5]
@@ -269,7 +263,7 @@ def test_background_failure_surfaces_in_get_for_that_size_only(mesh):
   lower = Lowerer(mesh, fail=[3])
   with StepCompiler(lower) as compiler:
     compiler.prefetch([2, 3, 4])
-    wait_until(lambda: compiler.stats()["compiled_sizes"] == [2, 4])
+    wait_until(lambda: compiler.stats()["compiled_sizes"] == [2, 4], TIMEOUT)
     for _ in range(2):  # raised every time, not retried
       with pytest.raises(StepCompileError, match="micro_batch_size=3") as err:
         compiler.get(3)

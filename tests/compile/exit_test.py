@@ -25,7 +25,6 @@ import pytest
 from compiler_test import TIMEOUT
 from compiler_test import Lowerer
 from compiler_test import mesh  # noqa: F401  (a fixture)
-from compiler_test import wait_until
 
 from reliability_helpers import default_signals
 from reliability_helpers import driver_env
@@ -36,6 +35,7 @@ from simigrad_jax.compile.compiler import StepCompileError
 from simigrad_jax.compile.compiler import StepCompiler
 from simigrad_jax.compile.program_compiler import StepProgramCompiler
 from simigrad_jax.compile.step_functions import Program
+from waiting import wait_until
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 TRIES = 5
@@ -228,14 +228,14 @@ def test_the_exit_cancels_queued_compiles_and_waits_for_the_one_in_progress(
     target=lambda: (in_flight.at_exit(stream, quiet_seconds=0.1), returned.set())
   )
   exiting.start()
-  wait_until(lambda: stream.getvalue())
+  wait_until(lambda: stream.getvalue(), TIMEOUT)
   assert stream.getvalue() == "simigrad: waiting for 1 compile in progress before exit\n"
   assert not returned.is_set()  # waits while the compile is in progress
   lower.gates[1].set()
   exiting.join(TIMEOUT)
   assert returned.is_set() and in_flight.in_progress == 0
   # The exit waits for XLA's compile; its thread marks the size done just after.
-  wait_until(lambda: step.stats()["compiled_sizes"] == [1])
+  wait_until(lambda: step.stats()["compiled_sizes"] == [1], TIMEOUT)
   assert lower.calls == [1]  # the queued ones never started
 
 
@@ -251,7 +251,7 @@ def test_the_exit_says_nothing_when_the_compiles_end_within_the_quiet_time(
   # The gate opens once the exit has counted the compile in progress: a timer could open it, on
   # a loaded machine, before the exit began, and the exit would find no compile to wait for.
   def open_once_the_exit_began():
-    wait_until(lambda: in_flight._exiting)
+    wait_until(lambda: in_flight._exiting, TIMEOUT)
     time.sleep(0.05)
     lower.gates[1].set()
 
@@ -260,7 +260,7 @@ def test_the_exit_says_nothing_when_the_compiles_end_within_the_quiet_time(
   assert in_flight.at_exit(stream, quiet_seconds=TIMEOUT) == 1
   assert stream.getvalue() == ""
   # The exit waits for XLA's compile; its thread marks the size done just after.
-  wait_until(lambda: step.stats()["compiled_sizes"] == [1])
+  wait_until(lambda: step.stats()["compiled_sizes"] == [1], TIMEOUT)
 
 
 def test_after_a_stop_on_a_signal_the_exit_waits_for_no_compile(mesh, in_flight):  # noqa: F811
@@ -278,4 +278,4 @@ def test_after_a_stop_on_a_signal_the_exit_waits_for_no_compile(mesh, in_flight)
   assert in_flight.at_exit(stream, quiet_seconds=0.1) == 1  # returns with it in progress
   assert stream.getvalue() == "" and in_flight.in_progress == 1
   lower.gates[1].set()
-  wait_until(lambda: in_flight.in_progress == 0)
+  wait_until(lambda: in_flight.in_progress == 0, TIMEOUT)

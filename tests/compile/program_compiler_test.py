@@ -2,7 +2,6 @@
 threads, its totals, a program's memory."""
 
 import threading
-import time
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +16,7 @@ from simigrad_jax.compile.step_functions import Program
 from simigrad_jax.compile.step_functions import ProgramShape
 from simigrad_jax.compile.step_functions import StepFunctions
 from simigrad_jax.shapes.layout import StepLayout
+from waiting import wait_until
 
 TIMEOUT = 20.0  # seconds; generous upper bound for anything we wait on
 
@@ -152,17 +152,18 @@ def test_each_program_compiles_in_a_background_thread_of_its_own():
   functions = TinyFunctions(gate=gate)
   compiler = StepProgramCompiler(functions, layout("device"), background=True)
   compiler.prefetch([APPLY, fused(2), micro_step(4)])  # the update's compile waits for the gate
-  deadline = time.monotonic() + TIMEOUT
   # The update's compile must have started in its own thread before the get() below: on a loaded
   # machine that thread may start after the others are done, and a get() of a program still
   # queued compiles it in the calling thread.
-  while (
-    "step-apply-compiler" not in functions.threads
-    or compiler.view()["fused"] != {2}
-    or compiler.view()["micro"] != {4}
-  ):
-    assert time.monotonic() < deadline, "the others did not compile beside the update"
-    time.sleep(0.005)
+  wait_until(
+    lambda: (
+      "step-apply-compiler" in functions.threads
+      and compiler.view()["fused"] == {2}
+      and compiler.view()["micro"] == {4}
+    ),
+    TIMEOUT,
+    "the others to compile beside the update",
+  )
   gate.set()
   compiler.get(APPLY)
   compiler.close()
@@ -179,10 +180,8 @@ def test_the_update_compiles_once_and_a_get_before_it_is_done_counts_as_wait():
   compiler = StepProgramCompiler(functions, layout("device"), background=True)
   compiler.prefetch([APPLY])
   compiler.prefetch([APPLY])  # once only
-  deadline = time.monotonic() + TIMEOUT
-  while not functions.threads:  # the compile thread has taken it (on a busy machine, later)
-    assert time.monotonic() < deadline, "the update's compile did not start"
-    time.sleep(0.005)
+  # The compile thread takes it (on a busy machine, later).
+  wait_until(lambda: functions.threads, TIMEOUT, "the update's compile to start")
   # The gate opens once the get() below waits (its first ask of the interrupt, 50 ms in): a timer
   # could open it, on a loaded machine, before the get() is reached and the compile be done.
   waiting = threading.Event()

@@ -37,6 +37,7 @@ from tiny_run import trainer_objects
 from train import config_history
 from train import train
 from train.configs import digits_demo
+from waiting import wait_until
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 OTHER_UID = 4242  # a user this test makes the owner of folders (as root), or pretends to be
@@ -44,13 +45,6 @@ OTHER_UID = 4242  # a user this test makes the owner of folders (as root), or pr
 
 def mode_of(path) -> int:
   return stat.S_IMODE(os.stat(path).st_mode)
-
-
-def wait_for(condition, seconds: float, what: str) -> None:
-  deadline = time.monotonic() + seconds
-  while not condition():
-    assert time.monotonic() < deadline, f"timed out waiting for {what}"
-    time.sleep(0.05)
 
 
 def tiny_demo_config(**changes):
@@ -90,7 +84,7 @@ def test_a_second_run_fails_at_once_naming_the_first_and_a_dead_runs_lock_does_n
   )
   try:
     trace = workdir / "trace.0.jsonl"
-    wait_for(lambda: trace.exists() and '"freeze"' in trace.read_text(), 120, "run A's step 1")
+    wait_until(lambda: trace.exists() and '"freeze"' in trace.read_text(), 120, "run A's step 1")
     objects = trainer_objects(workdir)
     # "At once" is the lock's attempt: it fails without waiting for run A. It is timed alone: the
     # Trainer's set-up before it (the first step's trace, the state placed on the devices) takes
