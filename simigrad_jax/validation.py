@@ -211,13 +211,7 @@ def as_float(value: Any) -> float | None:
     >>> as_float(np.float32(0.5)), as_float("0.5")
     (0.5, None)
   """
-  if is_bool(value) or is_real(value):
-    return float(value)
-  if hasattr(value, "__array__"):
-    array = np.asarray(value)
-    if array.ndim == 0 and array.dtype.kind in "biuf":
-      return float(array)
-  return None
+  return float(value) if scalar_kind(value) in ("b", "i", "u", "f") else None
 
 
 def unknown_names(unknown: Iterable[str], valid: Sequence[str]) -> str:

@@ -7,6 +7,7 @@ refuses an initialised chain that has them in another order.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
@@ -64,9 +65,10 @@ def scale_by_lr_factor(initial_lr_factor: float = 1.0) -> optax.GradientTransfor
     [-0.2 -0.2]
   """
 
-  if not validation.is_real(initial_lr_factor) or not 0.0 < float(initial_lr_factor) < float(
-    "inf"
-  ):  # NaN fails too
+  finite_and_positive = (
+    validation.is_real(initial_lr_factor) and 0.0 < float(initial_lr_factor) < math.inf
+  )  # NaN fails too
+  if not finite_and_positive:
     raise ValueError(
       f"initial_lr_factor must be a finite number > 0 (a negative one is an ascent), got "
       f"{initial_lr_factor!r}"
