@@ -19,6 +19,7 @@ it. Nothing here runs under ``jit``.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -35,6 +36,8 @@ from simigrad_jax.compile.step_functions import programs_of
 from simigrad_jax.shapes import batch_plan
 from simigrad_jax.shapes.layout import COMPILE_WINDOW_OCTAVES
 from simigrad_jax.shapes.layout import StepLayout
+
+logger = logging.getLogger("simigrad_jax")
 
 
 def starts_accumulating(layout: StepLayout) -> bool:
@@ -223,20 +226,34 @@ class CompileSchedule:
     return {"steps_per_compile": self._pace, "free_at": self._free_at, "admitted": admitted}
 
   def load_state_dict(self, state: Mapping[str, Any] | None) -> bool:
-    """Restores a checkpoint's schedule; False (nothing restored) when ``state`` is missing,
-    malformed, of another ``steps_per_compile`` or names shapes off this grid."""
+    """Restores a checkpoint's schedule; False (nothing restored) when ``state`` is None (a new
+    run), or, with a warning that says why, malformed, of another ``steps_per_compile`` or
+    naming shapes off this grid: the schedule then starts again at the resumed step."""
+    if state is None:
+      return False
     try:
       admitted, free_at = self._read_state(state)
-    except (KeyError, TypeError, ValueError):
+    except (KeyError, TypeError, ValueError) as error:
+      why = error.args[0] if isinstance(error, ValueError) else f"malformed: {error!r}"
+      logger.warning(
+        "The checkpoint's compile schedule is not restored (%s): it starts again at the resumed "
+        "step, so the steps may run other programs than they would have (the same training: a "
+        "step on the fallback computes the same batch).",
+        why,
+      )
       return False
     self._admitted, self._free_at = admitted, free_at
     return True
 
   def _read_state(self, state: Any) -> tuple[dict[ProgramShape, int], float]:
     """The admitted programs and the compiler's free step of a saved ``state``; ValueError
-    when it is not one of this schedule's."""
-    if not isinstance(state, Mapping) or state["steps_per_compile"] != self._pace:
-      raise ValueError("another schedule")
+    saying why when it is not one of this schedule's."""
+    if not isinstance(state, Mapping):
+      raise ValueError(f"not a schedule's record: {type(state).__name__}")
+    if state["steps_per_compile"] != self._pace:
+      raise ValueError(
+        f"saved with steps_per_compile={state['steps_per_compile']!r}, this run has {self._pace!r}"
+      )
     admitted = {}
     for kind, size, at in state["admitted"]:
       program = ProgramShape(Program(kind), size)  # (ValueError: no such program)

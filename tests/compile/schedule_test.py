@@ -82,14 +82,22 @@ def test_a_restored_schedule_chooses_as_the_one_never_interrupted():
   assert resumed == straight[4:]
 
 
-def test_a_saved_state_of_another_schedule_is_not_restored():
+def test_a_saved_state_of_another_schedule_is_not_restored_and_the_resume_is_told_why(caplog):
   _, plans = replay([8, 24, 24])
   state = plans.state_dict()
   grid = layout()
-  assert not CompileSchedule(grid, 1.0, []).load_state_dict(state)  # another pace
-  assert not CompileSchedule(grid, 0.5, []).load_state_dict(None)
-  bad = {**state, "admitted": [["fused", 99, 0]]}  # a shape off the grid
-  assert not CompileSchedule(grid, 0.5, []).load_state_dict(bad)
+  with caplog.at_level("WARNING", logger="simigrad_jax"):
+    assert not CompileSchedule(grid, 0.5, []).load_state_dict(None)  # a new run: nothing to say
+    assert not caplog.records
+    assert not CompileSchedule(grid, 1.0, []).load_state_dict(state)  # another pace
+    bad = {**state, "admitted": [["fused", 99, 0]]}  # a shape off the grid
+    assert not CompileSchedule(grid, 0.5, []).load_state_dict(bad)
+    assert not CompileSchedule(grid, 0.5, []).load_state_dict({"admitted": []})
+  said = [record.getMessage() for record in caplog.records]
+  assert len(said) == 3 and all("compile schedule is not restored" in line for line in said)
+  assert "saved with steps_per_compile=0.5, this run has 1.0" in said[0]
+  assert "not a program of this grid: ['fused', 99, 0]" in said[1]
+  assert "malformed: KeyError('steps_per_compile')" in said[2]
   assert CompileSchedule(grid, 0.5, []).load_state_dict(state)
 
 
