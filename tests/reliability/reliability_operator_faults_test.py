@@ -785,7 +785,11 @@ def _signal_at(kill: Kill, workdir: pathlib.Path, proc: subprocess.Popen) -> str
     ):  # while starting: at its moment, or as the first step is recorded if that comes first
       break
     if kill.when == "step" and kill.at in step_records(workdir):
-      time.sleep(kill.value)
+      # ``value`` seconds on, or as the last step is recorded if sooner: on a fast or a loaded
+      # machine the signal still finds the run under way (its last evaluation and save to go)
+      moment = time.monotonic() + kill.value
+      while time.monotonic() < moment and STEPS not in step_records(workdir):
+        time.sleep(0.005)
       break
     if kill.when == "save" and _saving(workdir, kill.at):
       break
