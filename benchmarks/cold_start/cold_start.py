@@ -6,7 +6,7 @@ each run a new process in a new workdir, in three variants:
 
 * ``adaptive``: the recipe as written, on the training scripts' compile
   defaults (steps of up to three shapes on the grid chosen for them, 64 steps
-  per compile in the schedule);
+  per compile in the schedule; the LM recipe's own pace, 256);
 * ``before``: the same with the compile settings before them spelled out
   (every micro-step of a step on one shape, ``shapes_per_step=1``, on the
   grid chosen for that; 4 steps per compile);

@@ -59,5 +59,9 @@ def get_config():
   config.batch_size_lower_bound = 16
   config.batch_size_upper_bound = 256
   config.max_micro_batch_size = 32
+  # A fused step of this transformer takes hundreds of its steps' time to compile, on a CPU
+  # as on a GPU: the schedule gives each program 256 steps, run on the fallback (the same
+  # batch, in micro-steps), where 64 left most of the compile to wait out (docs/compiling.md).
+  config.steps_per_compile = 256.0
   config.eval_batch_size = 256
   return config
