@@ -47,10 +47,13 @@ class CompilePolicy(Protocol):
     """Queues what a run at ``batch_size`` from ``step`` needs first."""
     ...
 
-  def choose(self, exact: batch_plan.BatchPlan, step: int, last: bool) -> batch_plan.BatchPlan:
+  def choose(
+    self, exact: batch_plan.BatchPlan, step: int, last_step: float
+  ) -> batch_plan.BatchPlan:
     """The plan step ``step`` runs for ``exact``: ``exact``, or the same batch on other
-    programs; and the compiles that follow the batch queued, unless the step is the run's
-    ``last``."""
+    programs; and the compiles that follow the batch queued, those a step up to ``last_step``
+    (the last step the run may reach: ``step`` when no step follows, ``math.inf`` when
+    unknown) may run."""
     ...
 
   def ready_plan(
@@ -91,7 +94,7 @@ class ExactPrograms:
     cache_dir: JAX's persistent compilation cache (absolute), or None.
 
   Example:
-    ``ExactPrograms(compiler, prefetcher, None).choose(plan, step, last=False)``
+    ``ExactPrograms(compiler, prefetcher, None).choose(plan, step, math.inf)``
     is ``plan``, its programs queued first.
   """
 
@@ -109,9 +112,12 @@ class ExactPrograms:
     del step
     self._prefetcher.prefetch_for(batch_size)
 
-  def choose(self, exact: batch_plan.BatchPlan, step: int, last: bool) -> batch_plan.BatchPlan:
-    """:meth:`ready_plan`'s plan for ``exact``; then, unless ``last``, the shapes near
-    ``exact``'s move ahead (the compiles follow the batch)."""
+  def choose(
+    self, exact: batch_plan.BatchPlan, step: int, last_step: float
+  ) -> batch_plan.BatchPlan:
+    """:meth:`ready_plan`'s plan for ``exact``; then, unless ``step`` is the ``last_step``, the
+    shapes near ``exact``'s move ahead (the compiles follow the batch)."""
+    last = last_step <= step
     plan = self.ready_plan(exact, step, prefetch=not last)
     if not last:
       self._prefetcher.prefetch_near(exact.micro_batch_size)

@@ -208,6 +208,10 @@ class CompileSchedule:
       self._admitted[program] = math.ceil(self._free_at)
     return new
 
+  def admitted_at(self, program: ProgramShape) -> int:
+    """The step from which ``program`` may run (KeyError: never requested)."""
+    return self._admitted[program]
+
   def near(self, plan: batch_plan.BatchPlan) -> list[ProgramShape]:
     """``plan``'s programs and the fused steps near its shape (within
     :data:`~simigrad_jax.shapes.layout.COMPILE_WINDOW_OCTAVES`, nearest first; with the
@@ -330,15 +334,19 @@ class ScheduledFallback:
       self._first = self._schedule.usable(step)
     self._started = True
 
-  def choose(self, exact: batch_plan.BatchPlan, step: int, last: bool) -> batch_plan.BatchPlan:
+  def choose(
+    self, exact: batch_plan.BatchPlan, step: int, last_step: float
+  ) -> batch_plan.BatchPlan:
     """``exact``, or the same batch on admitted programs
     (:meth:`CompileSchedule.choose`); then the programs near ``exact`` requested
-    (:meth:`CompileSchedule.advance`: call it once a step, in step order) and, unless the step
-    is the run's ``last``, queued in the order they become usable."""
+    (:meth:`CompileSchedule.advance`: call it once a step, in step order), and those admitted
+    by ``last_step`` (the last step the run may reach) queued in the order they become usable:
+    a program admitted after it would compile for no step of the run (on a resume that goes
+    on further, :meth:`start` queues it)."""
     plan = self._schedule.choose(exact, step)
     requested = self._schedule.advance(exact, step)
-    if not last:  # (the next step's likely plans go ahead)
-      self._queue(requested)
+    if step < last_step:  # (the next step's likely plans go ahead)
+      self._queue([p for p in requested if self._schedule.admitted_at(p) <= last_step])
     return plan
 
   def _queue(self, requested: list[ProgramShape]) -> None:

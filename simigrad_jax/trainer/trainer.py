@@ -209,8 +209,8 @@ class StepLoop:
         batch_size = self.controller.batch_size
         remaining = total_examples - self.sampler.examples_seen
         exact = self.layout.plan(int(min(batch_size, remaining)))
-        last = remaining <= batch_size  # no step follows: a compile asked for now is never used
-        plan = self._programs.policy.choose(exact, self.step, last)  # decided by the step count
+        last_step = self._last_step(remaining, batch_size, max_steps)
+        plan = self._programs.policy.choose(exact, self.step, last_step)  # by the step count
         # Whether the step measures the similarity: decided by the step number alone.
         scheduled = self.step % self._measure_every == 0
         measure = scheduled or plan.accumulation_steps > 1
@@ -371,6 +371,18 @@ class StepLoop:
     if total_examples > start:  # (a resumed run may have no step left)
       first = self.layout.plan(int(min(batch_size, total_examples - start)))
       self._data.submit(start, first.global_batch_size, self.step, [first])
+
+  def _last_step(self, remaining: float, batch_size: int, max_steps: float) -> float:
+    """The last step the run may reach from this one, ``remaining`` examples and ``max_steps``
+    before its end: every step but the last takes at least the lower bound's examples. A compile
+    that no step up to it would run is not queued (the policy's ``choose``)."""
+    if remaining <= batch_size:
+      steps_left = 1.0  # this step ends the run
+    elif math.isinf(remaining):
+      steps_left = math.inf
+    else:
+      steps_left = math.ceil(remaining / (self._bounds[0] or 1))
+    return min(self.step + steps_left, max_steps) - 1
 
   def more_steps(self, total_examples: float, max_steps: float) -> bool:
     """Whether the run has steps left before ``total_examples`` or ``max_steps``."""

@@ -4,6 +4,7 @@ the protocol every policy keeps, the plans each one chooses, and what each queue
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import schedule_test
@@ -119,15 +120,15 @@ def test_the_schedule_is_restored_from_the_checkpoints_record():
   straight, _ = policy("scheduled")
   straight.start(8, 0)
   sizes = [8, 24, 40, 24, 64, 16]
-  plans = [straight.choose(LAYOUT.plan(size), step, last=False) for step, size in enumerate(sizes)]
+  plans = [straight.choose(LAYOUT.plan(size), step, math.inf) for step, size in enumerate(sizes)]
   first, _ = policy("scheduled")
   first.start(8, 0)
   for step, size in enumerate(sizes[:3]):
-    first.choose(LAYOUT.plan(size), step, last=False)
+    first.choose(LAYOUT.plan(size), step, math.inf)
   saved = json.loads(json.dumps(first.compiled_programs()))  # as a checkpoint keeps it
   resumed, _ = policy("scheduled", cached_programs=saved)
   resumed.start(sizes[3], 3)
-  again = [resumed.choose(LAYOUT.plan(sizes[step]), step, last=False) for step in range(3, 6)]
+  again = [resumed.choose(LAYOUT.plan(sizes[step]), step, math.inf) for step in range(3, 6)]
   assert again == plans[3:]
 
 
@@ -143,8 +144,8 @@ def test_a_schedule_saved_with_the_names_a_checkpoint_records_is_read():
   }
   resumed, _ = policy("scheduled", cached_programs=saved)
   assert resumed.compiled_programs() == saved  # read whole, written back the same
-  assert resumed.choose(LAYOUT.plan(24), 1, last=True).micro_batch_size == 1  # 3 not yet
-  assert resumed.choose(LAYOUT.plan(24), 2, last=True).micro_batch_size == 3  # admitted at 2
+  assert resumed.choose(LAYOUT.plan(24), 1, 1).micro_batch_size == 1  # 3 not yet
+  assert resumed.choose(LAYOUT.plan(24), 2, 2).micro_batch_size == 3  # admitted at 2
 
 
 # ------------------------------------------------------------------------------- the protocol
@@ -158,7 +159,7 @@ def test_every_policy_keeps_the_protocol(kind):
   assert compiler.calls  # something to compile before the first step
   for step, size in enumerate([8, 24, 40]):
     exact = LAYOUT.plan(size)
-    plan = keeps.choose(exact, step, last=False)
+    plan = keeps.choose(exact, step, math.inf)
     # The same examples, on whatever shape: the batch and its devices never change.
     assert plan.global_batch_size == exact.global_batch_size
     assert plan.num_devices == exact.num_devices
@@ -177,9 +178,9 @@ def test_every_policy_keeps_the_protocol(kind):
 def test_the_runs_last_step_and_a_look_ahead_without_prefetch_queue_nothing(kind):
   chosen, compiler = policy(kind)
   chosen.start(8, 0)
-  chosen.choose(LAYOUT.plan(8), 0, last=False)
+  chosen.choose(LAYOUT.plan(8), 0, math.inf)
   queued = len(compiler.calls)
-  chosen.choose(LAYOUT.plan(64), 1, last=True)
+  chosen.choose(LAYOUT.plan(64), 1, 1)
   chosen.ready_plan(LAYOUT.plan(128), 2, prefetch=False)
   assert len(compiler.calls) == queued
 
@@ -217,13 +218,13 @@ def test_without_the_fallback_a_step_runs_its_own_plan_whatever_is_compiled():
   exact, _ = policy("exact")
   exact.start(8, 0)
   for step, size in enumerate([8, 24, 128, 40]):
-    assert exact.choose(LAYOUT.plan(size), step, last=False) == LAYOUT.plan(size)
+    assert exact.choose(LAYOUT.plan(size), step, math.inf) == LAYOUT.plan(size)
 
 
 def test_on_the_schedule_a_step_runs_on_admitted_programs_until_its_own_are():
   scheduled, compiler = policy("scheduled")
   scheduled.start(8, 0)  # 1 row a device: admitted at once
-  plans = [scheduled.choose(LAYOUT.plan(24), step, last=False) for step in range(4)]
+  plans = [scheduled.choose(LAYOUT.plan(24), step, math.inf) for step in range(4)]
   # 3 rows a device, requested at step 0, admitted at step 1 (half a step each), whatever is
   # compiled: until then, 3 micro-steps of 1 row.
   assert [(p.micro_batch_size, p.accumulation_steps) for p in plans] == [
@@ -239,10 +240,10 @@ def test_the_timed_fallback_runs_on_what_is_compiled_now():
   first = {**nothing_compiled(), "fused": {1}, "micro": {1}, "apply": True}
   timed, compiler = policy("timed", compiled=first)
   timed.start(8, 0)
-  plan = timed.choose(LAYOUT.plan(24), 0, last=False)  # 3 rows compiling: on 1 row
+  plan = timed.choose(LAYOUT.plan(24), 0, math.inf)  # 3 rows compiling: on 1 row
   assert (plan.micro_batch_size, plan.accumulation_steps) == (1, 3)
   compiler.compiled = {**first, "fused": {1, 3}}
-  assert timed.choose(LAYOUT.plan(24), 1, last=False) == LAYOUT.plan(24)  # compiled: its own
+  assert timed.choose(LAYOUT.plan(24), 1, math.inf) == LAYOUT.plan(24)  # compiled: its own
 
 
 def test_the_timed_fallback_waits_once_for_what_it_holds_a_batch_on():
@@ -264,7 +265,7 @@ def test_without_the_fallback_the_whole_grid_queues_and_a_steps_own_programs_go_
   exact.start(8, 0)
   assert compiler.fused.queued == [LAYOUT.shapes_by_distance(8, None)]  # the grid, 1 row first
   assert compiler.update.prefetches == 0  # no step accumulates
-  exact.choose(LAYOUT.plan(24), 0, last=False)
+  exact.choose(LAYOUT.plan(24), 0, math.inf)
   assert compiler.calls[-2] == ([fused(3)], True)  # the step's own, ahead
   near = LAYOUT.shapes_near(3, COMPILE_WINDOW_OCTAVES)
   assert compiler.calls[-1] == ([fused(shape) for shape in near], True)  # following the batch
@@ -276,7 +277,7 @@ def test_the_timed_fallback_queues_the_window_and_the_first_shapes_micro_step_an
   timed.start(8, 0)
   assert compiler.fused.queued == [LAYOUT.shapes_by_distance(8, COMPILE_WINDOW_OCTAVES)]
   assert compiler.micro.queued == [[1]]
-  timed.choose(LAYOUT.plan(24), 0, last=False)
+  timed.choose(LAYOUT.plan(24), 0, math.inf)
   assert compiler.fused.queued[-1] == [3]  # its own shape, still compiling
   assert compiler.fused.first[-1] == LAYOUT.shapes_near(3, COMPILE_WINDOW_OCTAVES)  # following
 
@@ -287,20 +288,37 @@ def test_on_the_schedule_the_admitted_programs_queue_in_the_order_they_become_us
   scheduled.start(8, 0)
   # Admitted at once: the first plan's (near its batch, first), and the fallback's.
   assert compiler.calls[1:] == [([fused(1), APPLY, fused(1), micro_step(1)], False)]
-  scheduled.choose(LAYOUT.plan(24), 0, last=False)
+  scheduled.choose(LAYOUT.plan(24), 0, math.inf)
   same = CompileSchedule(LAYOUT, 0.5, [])  # the same requests, on a schedule of its own
   same.start(LAYOUT.plan(8), 0)
   requested = same.advance(LAYOUT.plan(24), 0)
   assert requested[0] == fused(3) and fused(4) in requested  # the batch's, then those near it
   assert compiler.calls[-1] == (requested, False)  # newly requested, in the schedule's order
-  scheduled.choose(LAYOUT.plan(24), 1, last=False)
+  scheduled.choose(LAYOUT.plan(24), 1, math.inf)
   assert compiler.calls[-1] == ([], False)  # requested before: nothing new
+
+
+def test_on_the_schedule_a_program_admitted_after_the_runs_last_step_is_not_queued():
+  """Requested all the same (the schedule, hence which program a step runs, is the one of a longer
+  run), but compiled for no step: a run near its end leaves the cores to its steps."""
+  scheduled, compiler = policy("scheduled")
+  scheduled.start(8, 0)
+  same = CompileSchedule(LAYOUT, 0.5, [])
+  same.start(LAYOUT.plan(8), 0)
+  requested = same.advance(LAYOUT.plan(40), 0)  # 5 rows a device, and the shapes near it
+  admitted = [same.admitted_at(program) for program in requested]
+  assert admitted == [1, 1, 2, 2]  # two a step (0.5 steps a compile)
+  scheduled.choose(LAYOUT.plan(40), 0, 1)  # the run may reach step 1, not step 2
+  assert compiler.calls[-1] == (requested[:2], False)
+  resumed, compiler = policy("scheduled", cached_programs=scheduled.compiled_programs())
+  resumed.start(40, 1)  # a resume that goes on further: every program admitted queued
+  assert set(requested) <= set(compiler.calls[-1][0])
 
 
 def test_a_resumed_schedule_queues_what_it_admitted_those_near_the_batch_first():
   first, _ = policy("scheduled")
   first.start(8, 0)
-  first.choose(LAYOUT.plan(40), 0, last=False)  # 5 rows: the shapes near it requested
+  first.choose(LAYOUT.plan(40), 0, math.inf)  # 5 rows: the shapes near it requested
   resumed, compiler = policy("scheduled", cached_programs=first.compiled_programs())
   resumed.start(40, 1)
   (queued, ahead) = compiler.calls[-1]
@@ -400,7 +418,7 @@ def test_a_fixed_batch_queues_no_update_it_would_not_run():
   )
   scheduled.start(32, 0)
   for step in range(3):
-    scheduled.choose(held.plan(32), step, last=False)
+    scheduled.choose(held.plan(32), step, math.inf)
   queued = [program for programs, _ in compiler.calls for program in programs]
   assert set(queued) == {fused(4)}
   moving, compiler = scheduled_on(held, threads=1)
@@ -426,6 +444,33 @@ def test_a_trainer_with_a_fixed_controller_compiles_one_program(tmp_path):
     }
 
 
+def test_a_trainer_queues_no_compile_that_no_step_up_to_its_end_would_run(tmp_path, monkeypatch):
+  """An epoch of 120 examples in steps of at least 8 (the lower bound) ends by step 14: the
+  programs the schedule admits after it are requested, never compiled."""
+  # Two compile threads a kind: requests are queued at once, not held for the first programs.
+  compile_config = CompileConfig(steps_per_compile=30.0, threads=2)
+  with make_trainer(tmp_path, compile=compile_config) as trainer:
+    compiler, queued = trainer._programs.compiler, []
+    prefetch = compiler.prefetch
+
+    def recording(programs, *, first=False):
+      queued.extend(programs)
+      return prefetch(programs, first=first)
+
+    monkeypatch.setattr(compiler, "prefetch", recording)
+    trainer.train(num_epochs=1)
+    steps = trainer.step
+    admitted = {
+      ProgramShape(Program(kind), size): at
+      for kind, size, at in trainer._programs.policy.compiled_programs()["schedule"]["admitted"]
+    }
+  assert steps <= 15
+  after_the_end = {program for program, at in admitted.items() if at > 14}
+  assert after_the_end  # requested (the schedule of a longer run), admitted too late to run
+  assert not after_the_end & set(queued)
+  assert set(admitted) - after_the_end <= set(queued)  # the start's programs, compiled
+
+
 def scheduled_on(layout, threads):
   compiler = RecordingCompiler(nothing_compiled(), threads=threads)
   return ScheduledFallback(compiler, CompileSchedule(layout, 0.5, []), layout, None), compiler
@@ -436,17 +481,17 @@ def test_with_one_compile_thread_a_kind_requests_wait_for_the_first_steps_progra
   scheduled, compiler = scheduled_on(layout, threads=1)
   scheduled.start(32, 0)
   queued = len(compiler.calls)
-  scheduled.choose(layout.plan(32), 0, last=False)  # requests its fused step and those near
+  scheduled.choose(layout.plan(32), 0, math.inf)  # requests its fused step and those near
   assert compiler.calls[queued:] == []  # held: the first step's programs still compile
   compiler.compiled = {**nothing_compiled(), "apply": True}
-  scheduled.choose(layout.plan(40), 1, last=False)
+  scheduled.choose(layout.plan(40), 1, math.inf)
   assert compiler.calls[queued:] == []  # the smallest shape's micro-step is still compiling
   compiler.compiled = {**nothing_compiled(), "micro": {1}, "apply": True}
-  scheduled.choose(layout.plan(40), 2, last=False)
+  scheduled.choose(layout.plan(40), 2, math.inf)
   ((released, first),) = compiler.calls[queued:]
   assert not first and released[0] == fused(4)  # what was held first, in the schedule's order
   assert micro_step(4) in released  # with the later steps' (40: 5 rows, on 4 and 1)
-  scheduled.choose(layout.plan(48), 3, last=False)
+  scheduled.choose(layout.plan(48), 3, math.inf)
   assert len(compiler.calls) == queued + 2  # from now on queued at once
 
 
@@ -455,7 +500,7 @@ def test_with_more_compile_threads_requests_are_queued_at_once():
   scheduled, compiler = scheduled_on(layout, threads=2)
   scheduled.start(32, 0)
   queued = len(compiler.calls)
-  scheduled.choose(layout.plan(32), 0, last=False)
+  scheduled.choose(layout.plan(32), 0, math.inf)
   ((requested, first),) = compiler.calls[queued:]
   assert requested[0] == fused(4) and not first
 
@@ -464,9 +509,9 @@ def test_a_failed_first_program_releases_the_held_requests():
   layout = mixed_layout()
   scheduled, compiler = scheduled_on(layout, threads=1)
   scheduled.start(32, 0)
-  scheduled.choose(layout.plan(32), 0, last=False)
+  scheduled.choose(layout.plan(32), 0, math.inf)
   queued = len(compiler.calls)
   compiler.compiled = {**nothing_compiled(), "failed_micro": {1}, "apply": True}
-  scheduled.choose(layout.plan(32), 1, last=False)
+  scheduled.choose(layout.plan(32), 1, math.inf)
   ((released, _),) = compiler.calls[queued:]
   assert released[0] == fused(4)
