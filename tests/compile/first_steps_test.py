@@ -5,7 +5,6 @@ plans the next step is likely to run compile ahead of the others."""
 from __future__ import annotations
 
 import threading
-import time
 
 import schedule_test
 from recording_compilers import RecordingCompiler
@@ -16,6 +15,7 @@ from simigrad_jax.compile.schedule import CompileSchedule
 from simigrad_jax.compile.schedule import ScheduledFallback
 from simigrad_jax.compile.step_functions import StepFunctions
 from tiny_run import make_trainer
+from waiting import wait_until
 
 # A deadlock breaker, not a timing: the gated compiles wait at most this long for the first step.
 GATE_SECONDS = 300
@@ -53,9 +53,8 @@ def test_the_first_step_does_not_wait_for_the_fallbacks_micro_step_and_update(
   one_shape = simigrad_jax.CompileConfig(shapes_per_step=1)
   with make_trainer(tmp_path / "run", hooks=[FirstStepSeen(gate)], compile=one_shape) as trainer:
     summary = trainer.train(num_steps=3)
-    deadline = time.monotonic() + GATE_SECONDS
-    while not trainer.compile_stats()["update_compiled"] and time.monotonic() < deadline:
-      time.sleep(0.05)  # (it compiles in the background, after the first step)
+    # (it compiles in the background, after the first step)
+    wait_until(lambda: trainer.compile_stats()["update_compiled"], GATE_SECONDS, "the update")
   assert summary["run_steps"] == 3
   assert opened_by_the_step and all(opened_by_the_step)  # (the update's among them)
 
