@@ -62,9 +62,8 @@ def _scenarios() -> dict[str, tuple[int, list[list[str]]]]:
   saves = list(range(3, STEPS, 3))
   between = rng.randrange(1, STEPS)
   in_save = rng.choice(saves)
-  job = rng.choice(
-    [1, 2]
-  )  # a run compiles two micro-step programs (fused, micro) off the main thread
+  # A run compiles two micro-step programs (fused, micro) off the main thread: kill in either.
+  job = rng.choice([1, 2])
   chain_kill = rng.randrange(2, 8)
   chain_save = rng.choice([s for s in saves if s > chain_kill])
   chain_last = rng.randrange(chain_save + 1, STEPS)
