@@ -575,17 +575,19 @@ def _cold_start_phrases() -> list[str]:
     ]
     return run["compile_wait_seconds"]
 
-  def paired(result: dict, recipe: str, seed: int, fixed_from: dict | None = None) -> str:
-    fixed = waited(fixed_from or result, recipe, "fixed", seed)
-    return f"{waited(result, recipe, 'adaptive', seed) / fixed:.2f}x"
+  def ratio(result: dict, recipe: str, seed: int) -> float:
+    return waited(result, recipe, "adaptive", seed) / waited(result, recipe, "fixed", seed)
+
+  def paired(result: dict, recipe: str, seed: int) -> str:
+    return f"{ratio(result, recipe, seed):.2f}x"
 
   demo, lm = summary(table, "demo", "adaptive"), summary(table, "lm", "adaptive")
   pace64 = _result("cold_start_lm_pace64")  # the same four seeds at the scripts' pace of 64
 
   def by_seed(result: dict) -> str:
-    ratios = [paired(result, "lm", s) for s in range(4)]
-    low, high = sorted(ratios, key=lambda r: float(r[:-1]))[:: len(ratios) - 1]
-    return f"{low} to {high} paired ({', '.join(ratios)} by seed)"
+    ratios = [ratio(result, "lm", s) for s in range(4)]
+    by_seed = ", ".join(f"{r:.2f}x" for r in ratios)
+    return f"{min(ratios):.2f}x to {max(ratios):.2f}x paired ({by_seed} by seed)"
 
   def average(result: dict) -> str:
     return f"{summary(result, 'lm', 'adaptive')['waited_over_fixed']:.2f}x on average"
