@@ -6,6 +6,8 @@ Documented API:
     similarity of the two halves' gradients) and a step's own halves handed
     to it. StackedGrads: the update's argument that says its gradients are
     every device's, stacked along a leading dimension over a mesh axis.
+    RecordedOutputs: the transforms' outputs of one trace of an optimizer's
+    update, handed back to a second trace of it in the same program.
   value_and_half_grads: the gradients of a batch's even- and odd-numbered
     examples, one pass after the other (the local split).
   scale_by_lr_factor: the updates scaled by a learning-rate factor the host
@@ -51,6 +53,7 @@ from simigrad_jax.ingraph.train_step import LossContractError
 from simigrad_jax.ingraph.transform import AxisNameError
 from simigrad_jax.ingraph.transform import HalfGrads
 from simigrad_jax.ingraph.transform import HalvesContractError
+from simigrad_jax.ingraph.transform import RecordedOutputs
 from simigrad_jax.ingraph.transform import SimilarityState
 from simigrad_jax.ingraph.transform import StackedGrads
 
@@ -63,6 +66,7 @@ __all__ = [
   "HalvesContractError",
   "LossContractError",
   "LrFactorState",
+  "RecordedOutputs",
   "SimilarityState",
   "StackedGrads",
   "couple_to_batch_size",

@@ -69,6 +69,7 @@ def update_stacked(
   stacked_grads: StackedGrads,
   param_specs: Any,
   who: str,
+  **outputs: Any,
 ) -> tuple[Any, Any]:
   """``optimizer.update`` on the devices' stacked gradients, told so in the call.
 
@@ -87,6 +88,9 @@ def update_stacked(
       that describes ``stacked``.
     param_specs: the parameters' ``PartitionSpec``s, or None.
     who: the step, for the errors.
+    **outputs: ``record_outputs=`` or ``replay_outputs=`` (a
+      :class:`~simigrad_jax.ingraph.transform.RecordedOutputs`), passed on to
+      the update.
 
   Returns:
     ``(updates, new_opt_state)``.
@@ -99,7 +103,7 @@ def update_stacked(
       f"optax.chain(simigrad_jax.transform({axis_name!r}), ...)"
     )
   updates, new_opt_state = optimizer.update(
-    stacked, opt_state, params, stacked_grads=stacked_grads, param_specs=param_specs
+    stacked, opt_state, params, stacked_grads=stacked_grads, param_specs=param_specs, **outputs
   )
   data_blocks.check_reduced(updates, params, axis_name, who)
   return updates, new_opt_state

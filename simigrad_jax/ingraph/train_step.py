@@ -335,16 +335,10 @@ def _keep_if_nonfinite(finite: jax.Array, new: Any, old: Any) -> Any:
   """``new`` where the step wrote only finite numbers, else ``old`` (like ``optax.apply_if_finite``).
 
   The :class:`SimilarityState` always takes the new value: it records the
-  event. The transform alone would only zero the update, and momentum, weight
-  decay or Adam's count would still move.
-
-  For the optimizer's and the model's state (the parameters are chosen by
-  :func:`_apply_if_finite`). One ``lax.cond`` chooses the whole tree, not a
-  ``where`` per leaf: the old state is donated and its buffers are the
-  step's outputs, so the branch that keeps the new values copies them there
-  (a read and a write of each leaf), where a select would read the new and
-  the old value and write the output (one read more: the new moments of an
-  optimizer are written out anyway, for its update).
+  event. Used for the model's state (BatchNorm's statistics), which the
+  gradient pass has made by the time the guard decides; the parameters and
+  the optimizer's state are written by :func:`_write_if_finite`. One
+  ``lax.cond`` chooses the whole tree, not a ``where`` per leaf.
   """
   is_similarity = lambda node: isinstance(node, SimilarityState)
   new_nodes, treedef = jax.tree.flatten(new, is_leaf=is_similarity)
@@ -363,25 +357,64 @@ def _keep_if_nonfinite(finite: jax.Array, new: Any, old: Any) -> Any:
   return jax.tree.unflatten(treedef, nodes)
 
 
-def _apply_if_finite(finite: jax.Array, params: Any, updates: Any) -> Any:
-  """``optax.apply_updates(params, updates)`` where ``finite``, else ``params``, bit for bit.
+def _with_new_similarity(old: Any, new: Any) -> Any:
+  """``old`` with the :class:`SimilarityState` of ``new`` (a skipped step records its event)."""
+  is_similarity = lambda node: isinstance(node, SimilarityState)
+  return jax.tree.map(lambda o, n: n if is_similarity(n) else o, old, new, is_leaf=is_similarity)
 
-  The choice is made on the update, not on the new parameters: a skipped
-  step adds ``-0.0``, the one float that leaves every value as it is (``x +
-  -0.0 == x`` for every ``x``, ``-0.0`` and NaN included; ``+0.0`` would turn
-  ``-0.0`` into ``+0.0``). The select then fuses into the one elementwise pass
-  that reads the parameters and the gradient and writes the new parameters
-  in place of the donated old ones. Chosen afterwards, the new parameters
-  would be written out once for the finiteness check and the choice each,
-  and read back by both.
+
+def _write_if_finite(
+  finite: jax.Array,
+  params: Any,
+  opt_state: Any,
+  given_state: Any,
+  new_similarity: Any,
+  optimizer_update: Callable[[Any, Any], tuple[Any, Any]],
+) -> tuple[Any, Any]:
+  """The new parameters and optimizer state where ``finite``, else the old ones, bit for bit.
+
+  The guard's second pass. The first traced ``optimizer_update(params,
+  opt_state)`` only to decide ``finite`` from the update and the new
+  parameters (reductions that XLA fuses with the update's arithmetic, so
+  nothing of it is written out); here the update is traced again inside a
+  ``lax.cond`` whose kept branch returns the old values. The old state is
+  donated and its buffers are the step's outputs, so the written branch
+  computes the new moments and parameters in place, as a plain step does:
+  neither the new state nor the update is held beside the old one, and
+  nothing is copied. The two traces compute the same numbers from the same
+  inputs (an ``optimization_barrier`` keeps XLA from sharing them: the first
+  trace would then be written out for the second); the transforms in the
+  update return their first outputs (``replay_outputs``, a
+  :class:`~simigrad_jax.ingraph.transform.RecordedOutputs`), so the
+  reduction over the devices and the measurement run once.
+
+  Args:
+    finite: whether the step writes (a bool scalar).
+    params: the parameters.
+    opt_state: the optimizer's state before the step (kept on a skipped step).
+    given_state: ``opt_state`` as the update is given it (the step's
+      learning-rate factor and batch size written in).
+    new_similarity: the optimizer's new state of the first trace; its
+      :class:`SimilarityState` is kept on a skipped step too.
+    optimizer_update: ``(params, opt_state) -> (updates, new_opt_state)``,
+      traced once already, its transforms' outputs recorded.
+
+  Returns:
+    ``(params, opt_state)``: the new ones, or the old ones with the new
+    :class:`SimilarityState`.
   """
+  params, opt_state, given_state, finite = lax.optimization_barrier(
+    (params, opt_state, given_state, finite)
+  )
 
-  def kept(update):
-    if update is None:
-      return None
-    return jnp.where(finite, update, jnp.full_like(update, -0.0))
+  def write():
+    updates, new_opt_state = optimizer_update(params, given_state)
+    return optax.apply_updates(params, updates), new_opt_state
 
-  return optax.apply_updates(params, jax.tree.map(kept, updates, is_leaf=lambda x: x is None))
+  def keep():
+    return params, _with_new_similarity(opt_state, new_similarity)
+
+  return lax.cond(finite, write, keep)
 
 
 def _finite_update_and_params(updates: Any, new_params: Any) -> tuple[jax.Array, jax.Array]:
@@ -437,14 +470,21 @@ def _nonfinite_cause(
   return jnp.where(grads_finite, with_loss, code["gradient"]).astype(jnp.int32)
 
 
-def _update_in_step(optimizer, local, params, opt_state, grads, scalars, param_specs, measure=True):
+def _update_in_step(
+  optimizer, local, params, opt_state, grads, scalars, param_specs, measure=True, **outputs
+):
   """``optimizer.update`` inside the step mapped over the data axis: ``(updates, new_state)``.
 
   ``measure=False``: a plain step's gradient, handed to the transform with ``measure=False``.
+  ``outputs``: ``record_outputs=`` or ``replay_outputs=`` (a
+  :class:`~simigrad_jax.ingraph.transform.RecordedOutputs`), passed on to an
+  update that takes extra keyword arguments.
   """
   grads, extra = _optimizer_inputs(optimizer, local, grads, scalars, param_specs)
   if not measure:
     extra = {**extra, "measure": False}
+  if isinstance(optimizer, optax.GradientTransformationExtraArgs):
+    extra = {**extra, **outputs}
   expecting = "half_grads" in extra
   try:
     with transform.expecting_half_grads() if expecting else contextlib.nullcontext():
@@ -458,6 +498,22 @@ def _update_in_step(optimizer, local, params, opt_state, grads, scalars, param_s
     ) from error
 
 
+def _remakes_the_mean(local: bool, measure: bool, passes: str) -> bool:
+  """Whether the guard's second trace makes a mean that involves no reduction again (from the
+  gradients it is given) rather than hold the first trace's.
+
+  Made again where the gradients are one array per leaf or the two halves
+  of separate passes: they are held for the statistics anyway, and the mean,
+  made inside the update's pass, is never written out (the MLP of
+  ``benchmarks/step_cost/one_device_steps.py``: 1.04 gradients of
+  temporaries over the plain step instead of 1.87). Held where the halves
+  come from one pass over both (``"stacked"``, ``"signed"``): holding them
+  for the second trace costs more than the mean (2.91 gradients instead of
+  2.42 on the same MLP; the 4-stage CNN's 1.12 instead of 0.09).
+  """
+  return not (local and measure) or passes == "sequential"
+
+
 def _update(
   optimizer,
   local,
@@ -469,32 +525,51 @@ def _update(
   param_specs,
   stacked=None,
   measure=True,
+  passes="sequential",
 ):
   """The optimizer step from per-device gradients: new params and state, and the measurements.
 
   ``mean_loss`` is the step's loss, averaged over the devices. ``stacked``:
   None inside the step mapped over the data axis; else the
   :class:`StackedGrads` that says ``grads`` are every device's gradient,
-  stacked, for the update on global arrays.
+  stacked, for the update on global arrays. ``passes``: how a local split's
+  halves were taken, which decides how the guard's second trace gets the
+  mean (:func:`_remakes_the_mean`).
   """
   with_lr = optax.tree_utils.tree_set(opt_state, lr_factor=scalars.lr_factor)
   with_lr = batch_coupling.with_batch_size(with_lr, scalars.total_weight)  # Adam's b2, weight decay
   if stacked is None:
-    updates, new_opt_state = _update_in_step(
-      optimizer, local, params, with_lr, grads, scalars, param_specs, measure
-    )
+
+    def optimizer_update(params, state, **outputs):
+      return _update_in_step(
+        optimizer, local, params, state, grads, scalars, param_specs, measure, **outputs
+      )
   else:
-    updates, new_opt_state = update_stacked(
-      optimizer, grads, with_lr, params, stacked, param_specs, "the Trainer"
-    )
+
+    def optimizer_update(params, state, **outputs):
+      return update_stacked(
+        optimizer, grads, state, params, stacked, param_specs, "the Trainer", **outputs
+      )
+
+  recorded = transform.RecordedOutputs(_remakes_the_mean(local, measure, passes))
+  updates, new_opt_state = optimizer_update(params, with_lr, record_outputs=recorded)
   similarity_state = optax.tree_utils.tree_get(new_opt_state, SimilarityState.__name__)
   cause = _nonfinite_cause(
     similarity_state.grads_finite, mean_loss, updates, optax.apply_updates(params, updates)
   )
   finite = cause == 0
+
+  def update_again(params, state):
+    written = optimizer_update(params, state, replay_outputs=recorded)
+    recorded.check_all_replayed()
+    return written
+
+  new_params, written_state = _write_if_finite(
+    finite, params, opt_state, with_lr, new_opt_state, update_again
+  )
   return (
-    _apply_if_finite(finite, params, updates),
-    _keep_if_nonfinite(finite, new_opt_state, opt_state),
+    new_params,
+    written_state,
     finite,
     StepMeasurements(loss=mean_loss, similarity_state=similarity_state, nonfinite_cause=cause),
   )
@@ -571,6 +646,7 @@ def make_fused_step(
       scalars,
       param_specs,
       measure=measure,
+      passes=passes,
     )
     model_state = _keep_if_nonfinite(finite, new_model_state, model_state)
     return params, opt_state, model_state, measurements

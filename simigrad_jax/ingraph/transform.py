@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Iterator
+import functools
+from collections.abc import Callable, Iterator
 from typing import Any, Literal, NamedTuple
 
 import jax
@@ -105,6 +106,88 @@ def expecting_half_grads() -> Iterator[None]:
     yield
   finally:
     _EXPECTING_HALF_GRADS.reset(token)
+
+
+class RecordedOutputs:
+  """What every :func:`transform` in one optimizer update returned, in call order (trace time).
+
+  For a caller that traces the same optimizer update twice in one program:
+  first to decide (the Trainer's non-finite guard checks the update before
+  anything is written), then inside a ``lax.cond`` that writes the new state
+  in place of the donated old one. The first trace's update is given
+  ``record_outputs=recorded``, and each transform it reaches records its
+  output; the second is given ``replay_outputs=recorded``, and each transform
+  returns what it recorded instead of reducing over the devices and
+  measuring the halves a second time. ``optax.chain`` passes both keywords
+  on; an update that drops them leaves the transforms to compute their
+  outputs again, the same numbers.
+
+  Args:
+    remake_unreduced_means: whether a mean that involves no reduction (one
+      device, or a plain ``jax.jit`` step) is made again from what the second
+      trace gives (True), so that nothing of the first trace's mean is held
+      for the second, or handed back as recorded (False: where what the
+      second trace would make it from costs more to hold, such as two halves
+      sliced from one array).
+
+  Example:
+
+    >>> import jax.numpy as jnp, optax, simigrad_jax
+    >>> from simigrad_jax.ingraph import transform
+    >>> opt = optax.chain(simigrad_jax.transform(), optax.sgd(0.1))
+    >>> params = {"w": jnp.ones(3)}
+    >>> half = simigrad_jax.HalfGrads({"w": jnp.ones(3)}, {"w": jnp.ones(3)})
+    >>> recorded = transform.RecordedOutputs()
+    >>> first = opt.update(params, opt.init(params), params, half_grads=half,
+    ...                    record_outputs=recorded)
+    >>> again = opt.update(params, opt.init(params), params, half_grads=half,
+    ...                    replay_outputs=recorded)
+    >>> recorded.check_all_replayed()
+    >>> bool(jnp.all(first[0]["w"] == again[0]["w"]))
+    True
+  """
+
+  def __init__(self, remake_unreduced_means: bool = True) -> None:
+    self._remake = remake_unreduced_means
+    self._calls: list[tuple[optax.Updates, SimilarityState, Callable | None]] = []
+    self._replayed = 0
+
+  def record(
+    self,
+    mean: optax.Updates,
+    state: SimilarityState,
+    remake: Callable[[optax.Updates], optax.Updates] | None,
+  ) -> None:
+    """One transform's output; ``remake(given)`` makes its mean again from what a second trace
+    gives it, where the mean involves no reduction (None: the recorded mean is the one)."""
+    self._calls.append((mean, state, remake))
+
+  def replay(self, given: optax.Updates) -> tuple[optax.Updates, SimilarityState]:
+    """The next recorded output, for a transform given ``given`` this time.
+
+    A mean that involves no reduction over the devices (one device, or a
+    plain ``jax.jit`` step) is made again from ``given`` unless told
+    otherwise, so that the second trace computes it where it uses it rather
+    than holding the first's; any other mean, and the state, is the recorded
+    one.
+    """
+    if self._replayed >= len(self._calls):
+      self._refuse(self._replayed + 1)
+    mean, state, remake = self._calls[self._replayed]
+    self._replayed += 1
+    return (mean if remake is None or not self._remake else remake(given)), state
+
+  def check_all_replayed(self) -> None:
+    """Raises where the second trace reached fewer transforms than the first."""
+    if self._replayed != len(self._calls):
+      self._refuse(self._replayed)
+
+  def _refuse(self, reached: int) -> None:
+    raise RuntimeError(
+      f"the optimizer's second update reached simigrad_jax.transform {reached} time(s), its "
+      f"first {len(self._calls)}: an update must reach the same transforms each time it is "
+      "traced"
+    )
 
 
 class AxisNameError(SimiGradError, ValueError):
@@ -484,11 +567,19 @@ def transform(
       (``P()`` where they say nothing), and with ``stacked_grads`` every
       leaf's mean comes back whole over the data axis. The local split does
       not use them.
+    record_outputs: (update) a :class:`RecordedOutputs` to which the update
+      adds what it returns, for a second trace of the same optimizer update
+      in the same program (the Trainer's non-finite guard: one trace to
+      decide, one to write in place).
+    replay_outputs: (update) the :class:`RecordedOutputs` of the first trace:
+      the update returns what it recorded there, and reduces and measures
+      nothing again (a mean that involves no reduction, over one device or
+      in a plain ``jax.jit`` step, is made again from ``updates``).
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``. Its ``update(updates, state,
     params=None, *, half_grads=None, stacked_grads=None, param_specs=None,
-    measure=True)``
+    measure=True, record_outputs=None, replay_outputs=None)``
     returns ``(mean_updates, new_state)``, ``mean_updates`` the mean of the
     devices' gradients; ``optax.chain`` passes the keyword arguments of its
     own update on to it. What the update computes depends on these arguments
@@ -545,8 +636,9 @@ def transform(
 
   def reduce_in_step(
     updates: optax.Updates, half_grads: HalfGrads | None, param_specs: Any
-  ) -> tuple[optax.Updates, half_statistics.HalfStatistics]:
-    """The mean and the statistics, in a mapped step or a plain ``jax.jit`` one."""
+  ) -> tuple[optax.Updates, half_statistics.HalfStatistics, bool]:
+    """The mean and the statistics, in a mapped step or a plain ``jax.jit`` one, and whether the
+    mean is ``updates`` as given (zeroed where not finite, as the policy says): no reduction."""
     if axis_name is not None:
       _check_axis_is_bound(axis_name)
       _check_not_already_reduced(jax.tree.leaves(updates), axis_name)
@@ -558,24 +650,27 @@ def transform(
           "there are no device halves to compare: pass half_grads=... from "
           "simigrad_jax.value_and_half_grads, or give the mapped axis name"
         )
-      return halves_reduction.reduce_device_halves(
+      mean, stats = halves_reduction.reduce_device_halves(
         updates, axis_name, reduction, zero_nonfinite=zero_nonfinite, specs=param_specs
       )
+      return mean, stats, False
     _check_half_grads(updates, half_grads)
     share = 0.5 if half_grads.share is None else half_grads.share
     if axis_name is None or _one_untracked_device(axis_name):
-      return half_statistics.global_halves(
+      mean, stats = half_statistics.global_halves(
         updates, half_grads.first, half_grads.second, zero_nonfinite=zero_nonfinite, share=share
       )
+      return mean, stats, True
     diff_shares = jax.tree.map(
       lambda g, a, b: ((a.astype(jnp.float32) - b.astype(jnp.float32)) / 2).astype(g.dtype),
       updates,
       half_grads.first,
       half_grads.second,
     )
-    return halves_reduction.reduce_local_halves(
+    mean, stats = halves_reduction.reduce_local_halves(
       updates, diff_shares, axis_name, reduction, zero_nonfinite=zero_nonfinite, share=share
     )
+    return mean, stats, False
 
   def reduce_stacked(
     updates: optax.Updates, stacked_grads: StackedGrads, half_grads: Any, param_specs: Any
@@ -603,8 +698,9 @@ def transform(
     half_grads: Any,
     stacked_grads: Any,
     param_specs: Any,
-  ) -> tuple[optax.Updates, SimilarityState]:
-    """A step that does not measure: the mean gradient, the last measurement kept in the state."""
+  ) -> tuple[optax.Updates, SimilarityState, bool]:
+    """A step that does not measure: the mean gradient, the last measurement kept in the state,
+    and whether the mean is ``updates`` as given (one device: nothing to reduce)."""
     if half_grads is not None or stacked_grads is not None:
       given = "half_grads" if half_grads is not None else "stacked_grads"
       raise ValueError(
@@ -621,20 +717,22 @@ def transform(
         jnp.zeros([], jnp.float32),
       )
       finite = jnp.isfinite(sq_norm)
-      if nonfinite == "zero":
-        updates = jax.tree.map(lambda g: jnp.where(finite, g, jnp.zeros_like(g)), updates)
+      updates = as_policy_says(finite, updates)
+      unreduced = True
     else:
       group_reduction.given_specs(updates, param_specs, "param_specs")
       updates, sq_norm = halves_reduction.reduce_mean(
         updates, axis_name, zero_nonfinite=nonfinite == "zero", specs=param_specs
       )
       finite = jnp.isfinite(sq_norm)
-    return updates, state._replace(
+      unreduced = False
+    new_state = state._replace(
       norm_mean=jnp.where(finite, jnp.sqrt(jnp.where(finite, sq_norm, 0.0)), 0.0),
       measured=jnp.zeros([], jnp.bool_),
       grads_finite=finite,
       nonfinite_count=state.nonfinite_count + (~finite).astype(jnp.int32),
     )
+    return updates, new_state, unreduced
 
   def update_fn(
     updates: optax.Updates,
@@ -645,9 +743,38 @@ def transform(
     stacked_grads: StackedGrads | None = None,
     param_specs: Any = None,
     measure: bool = True,
+    record_outputs: RecordedOutputs | None = None,
+    replay_outputs: RecordedOutputs | None = None,
     **extra: Any,
   ) -> tuple[optax.Updates, SimilarityState]:
     del extra
+    if replay_outputs is not None:
+      return replay_outputs.replay(updates)
+    mean, new_state, unreduced = mean_and_measurement(
+      updates, state, params, half_grads, stacked_grads, param_specs, measure
+    )
+    if record_outputs is not None:
+      remake = functools.partial(as_policy_says, new_state.grads_finite) if unreduced else None
+      record_outputs.record(mean, new_state, remake)
+    return mean, new_state
+
+  def as_policy_says(finite: jax.Array, updates: optax.Updates) -> optax.Updates:
+    """``updates``, zeroed where ``finite`` is False with ``nonfinite="zero"``."""
+    if nonfinite != "zero":
+      return updates
+    return jax.tree.map(lambda g: jnp.where(finite, g, jnp.zeros_like(g)), updates)
+
+  def mean_and_measurement(
+    updates: optax.Updates,
+    state: SimilarityState,
+    params: optax.Params | None,
+    half_grads: HalfGrads | None,
+    stacked_grads: StackedGrads | None,
+    param_specs: Any,
+    measure: bool,
+  ) -> tuple[optax.Updates, SimilarityState, bool]:
+    """The update's ``(mean, new_state)`` and ``unreduced``: whether the mean is ``updates`` as
+    given, zeroed as the policy says (no reduction over the devices: one device, or none)."""
     _check_matches_params(updates, params)
     if not isinstance(measure, bool):
       raise ValueError(
@@ -666,9 +793,10 @@ def transform(
     _check_step_axis(axis_name)
     group_reduction.given_specs(updates, param_specs, "param_specs")
     if stacked_grads is None:
-      mean, stats = reduce_in_step(updates, half_grads, param_specs)
+      mean, stats, unreduced = reduce_in_step(updates, half_grads, param_specs)
     else:
       mean, stats = reduce_stacked(updates, stacked_grads, half_grads, param_specs)
+      unreduced = False
 
     grads_finite = stats.finite
     positive = (stats.sq_norm_a > 0) & (stats.sq_norm_b > 0)
@@ -690,6 +818,6 @@ def transform(
       grads_finite=grads_finite,
       nonfinite_count=state.nonfinite_count + (~grads_finite).astype(jnp.int32),
     )
-    return mean, new_state
+    return mean, new_state, unreduced
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -61,16 +61,29 @@ def test_a_frozen_leaf_s_none_update_counts_as_finite():
   assert int(code) == 0
 
 
-def test_a_skipped_step_keeps_the_parameters_bit_for_bit():
-  upd = updates(w_entry=np.nan, b_entry=np.inf)
-  kept = jax.jit(train_step._apply_if_finite)(jnp.asarray(False), params(), upd)
+def write_if_finite(finite, upd):
+  """The guard's write on params() and an optimizer state that counts its updates."""
+  state = {"count": jnp.int32(3)}
+
+  def optimizer_update(p, s):
+    return upd, {"count": s["count"] + 1}
+
+  return jax.jit(lambda f, p, s: train_step._write_if_finite(f, p, s, s, s, optimizer_update))(
+    jnp.asarray(finite), params(), state
+  )
+
+
+def test_a_skipped_step_keeps_the_parameters_and_the_state_bit_for_bit():
+  kept, state = write_if_finite(False, updates(w_entry=np.nan, b_entry=np.inf))
   for got, want in zip(jax.tree.leaves(kept), jax.tree.leaves(params()), strict=True):
     np.testing.assert_array_equal(np.asarray(got).view(np.int32), np.asarray(want).view(np.int32))
+  assert int(state["count"]) == 3
 
 
-def test_a_written_step_adds_the_update():
+def test_a_written_step_adds_the_update_and_writes_the_new_state():
   upd = updates()
-  written = jax.jit(train_step._apply_if_finite)(jnp.asarray(True), params(), upd)
+  written, state = write_if_finite(True, upd)
   want = optax.apply_updates(params(), upd)
   for got, expected in zip(jax.tree.leaves(written), jax.tree.leaves(want), strict=True):
     np.testing.assert_array_equal(got, expected)
+  assert int(state["count"]) == 4
