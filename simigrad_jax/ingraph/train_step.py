@@ -78,7 +78,6 @@ from simigrad_jax.ingraph.transform import HalvesContractError
 from simigrad_jax.ingraph.transform import SimilarityState
 from simigrad_jax.ingraph.transform import StackedGrads
 from simigrad_jax.reductions import data_blocks
-from simigrad_jax.reductions import half_statistics
 
 # loss_fn(params, model_state, batch, weights, rng) -> (per_example_losses, new_model_state)
 PerExampleLossFn = Callable[[Any, Any, Any, jax.Array, jax.Array], tuple[jax.Array, Any]]
@@ -332,29 +331,15 @@ def _optimizer_inputs(optimizer, local, grads, scalars, param_specs):
 
 
 def _keep_if_nonfinite(finite: jax.Array, new: Any, old: Any) -> Any:
-  """``new`` where the step wrote only finite numbers, else ``old`` (like ``optax.apply_if_finite``).
+  """``new`` where the step wrote only finite numbers, else ``old``: the model's state
+  (BatchNorm's statistics), which the gradient pass has made by the time the guard decides.
 
-  The :class:`SimilarityState` always takes the new value: it records the
-  event. Used for the model's state (BatchNorm's statistics), which the
-  gradient pass has made by the time the guard decides; the parameters and
-  the optimizer's state are written by :func:`_write_if_finite`. One
-  ``lax.cond`` chooses the whole tree, not a ``where`` per leaf.
+  One ``lax.cond`` chooses the whole tree, not a ``where`` per leaf. The
+  parameters and the optimizer's state are written by :func:`_write_if_finite`.
   """
-  is_similarity = lambda node: isinstance(node, SimilarityState)
-  new_nodes, treedef = jax.tree.flatten(new, is_leaf=is_similarity)
-  old_nodes = half_statistics.flatten_up_to(treedef, old)
-  chosen = [i for i, node in enumerate(new_nodes) if not is_similarity(node)]
-  if not chosen:
+  if not jax.tree.leaves(new):
     return new
-  kept = lax.cond(
-    finite,
-    lambda: [new_nodes[i] for i in chosen],
-    lambda: [old_nodes[i] for i in chosen],
-  )
-  nodes = list(new_nodes)
-  for i, node in zip(chosen, kept, strict=True):
-    nodes[i] = node
-  return jax.tree.unflatten(treedef, nodes)
+  return lax.cond(finite, lambda: new, lambda: old)
 
 
 def _with_new_similarity(old: Any, new: Any) -> Any:
@@ -373,10 +358,10 @@ def _write_if_finite(
 ) -> tuple[Any, Any]:
   """The new parameters and optimizer state where ``finite``, else the old ones, bit for bit.
 
-  The guard's second pass. The first traced ``optimizer_update(params,
-  opt_state)`` only to decide ``finite`` from the update and the new
-  parameters (reductions that XLA fuses with the update's arithmetic, so
-  nothing of it is written out); here the update is traced again inside a
+  The guard's second pass. The first trace of ``optimizer_update`` only
+  decided ``finite`` from the update and the new parameters (reductions
+  that XLA fuses with the update's arithmetic, so nothing of it is written
+  out); here the update is traced again inside a
   ``lax.cond`` whose kept branch returns the old values. The old state is
   donated and its buffers are the step's outputs, so the written branch
   computes the new moments and parameters in place, as a plain step does:
@@ -504,12 +489,10 @@ def _remakes_the_mean(local: bool, measure: bool, passes: str) -> bool:
 
   Made again where the gradients are one array per leaf or the two halves
   of separate passes: they are held for the statistics anyway, and the mean,
-  made inside the update's pass, is never written out (the MLP of
-  ``benchmarks/step_cost/one_device_steps.py``: 1.04 gradients of
-  temporaries over the plain step instead of 1.87). Held where the halves
+  made inside the update's pass, is never written out. Held where the halves
   come from one pass over both (``"stacked"``, ``"signed"``): holding them
-  for the second trace costs more than the mean (2.91 gradients instead of
-  2.42 on the same MLP; the 4-stage CNN's 1.12 instead of 0.09).
+  for the second trace costs more temporary memory than the mean does
+  (docs/results.md, "Measuring every k-th step", has the counts).
   """
   return not (local and measure) or passes == "sequential"
 
