@@ -304,21 +304,26 @@ def _device_gradient(
   return loss_a + loss_b, (grads_a, grads_b), lax.pmean(new_state, axis_name)
 
 
-def _optimizer_inputs(optimizer, local, grads, scalars, param_specs):
+def _optimizer_inputs(optimizer, local, grads, scalars, param_specs, outputs):
   """The gradient and keyword arguments the optimizer's update takes.
 
+  ``outputs``: ``record_outputs=`` or ``replay_outputs=`` (a
+  :class:`~simigrad_jax.ingraph.transform.RecordedOutputs`), passed on with
+  the others.
+
   Device split: the parameters' specs, for the transform's reduction to
-  reduce each device's own shards over the model axes (given where the
+  reduce each device's own shards over the model axes (both given where the
   optimizer's update takes extra keyword arguments to pass them on; else
-  the leaves' types say, and the numbers are the same).
+  the leaves' types say, and the transform computes its outputs again).
 
   Local split: the mean is the sum of the two halves' shares, and each half
   is normalised by its own share of the step's real examples (a half with
   none gets a zero gradient, which the transform reports as not measured).
   """
   if not local:
-    takes_extra = isinstance(optimizer, optax.GradientTransformationExtraArgs)
-    return grads, ({"param_specs": param_specs} if takes_extra and param_specs is not None else {})
+    if not isinstance(optimizer, optax.GradientTransformationExtraArgs):
+      return grads, {}
+    return grads, ({} if param_specs is None else {"param_specs": param_specs}) | outputs
   first, second = grads
   share = scalars.first_half_weight / scalars.total_weight
 
@@ -327,7 +332,8 @@ def _optimizer_inputs(optimizer, local, grads, scalars, param_specs):
     return jax.tree.map(lambda g: (g.astype(jnp.float32) * factor).astype(g.dtype), tree)
 
   mean = jax.tree.map(lambda a, b: a + b, first, second)
-  return mean, {"half_grads": HalfGrads(rescale(first, share), rescale(second, 1 - share), share)}
+  halves = HalfGrads(rescale(first, share), rescale(second, 1 - share), share)
+  return mean, {"half_grads": halves, **outputs}
 
 
 def _keep_if_nonfinite(finite: jax.Array, new: Any, old: Any) -> Any:
@@ -461,15 +467,11 @@ def _update_in_step(
   """``optimizer.update`` inside the step mapped over the data axis: ``(updates, new_state)``.
 
   ``measure=False``: a plain step's gradient, handed to the transform with ``measure=False``.
-  ``outputs``: ``record_outputs=`` or ``replay_outputs=`` (a
-  :class:`~simigrad_jax.ingraph.transform.RecordedOutputs`), passed on to an
-  update that takes extra keyword arguments.
+  ``outputs``: as :func:`_optimizer_inputs` takes them.
   """
-  grads, extra = _optimizer_inputs(optimizer, local, grads, scalars, param_specs)
+  grads, extra = _optimizer_inputs(optimizer, local, grads, scalars, param_specs, outputs)
   if not measure:
     extra = {**extra, "measure": False}
-  if isinstance(optimizer, optax.GradientTransformationExtraArgs):
-    extra = {**extra, **outputs}
   expecting = "half_grads" in extra
   try:
     with transform.expecting_half_grads() if expecting else contextlib.nullcontext():
