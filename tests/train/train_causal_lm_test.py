@@ -1,7 +1,6 @@
 """The causal LM recipe: character data and its split, the causal model and loss, exact resume."""
 
 import math
-import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -19,9 +18,9 @@ from train import text_data
 from train import train
 from train.configs import shakespeare_lm
 
-SHARED_TEXT = (
-  pathlib.Path(__file__).resolve().parents[3] / "shared" / "data" / "tinyshakespeare.txt"
-)
+# Where the recipe reads tinyshakespeare: its local_data_dir (../shared/data) from the
+# repository root, resolved as the recipe resolves it (a symlinked ../shared included).
+SHARED_TEXT = char_data.local_text_path(shakespeare_lm.get_config().local_data_dir)
 WORDS = ("the", "king", "and", "queen", "of", "rome", "shall", "speak", "now", "my", "lord")
 
 
