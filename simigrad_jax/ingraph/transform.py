@@ -762,7 +762,7 @@ def transform(
     """``updates``, zeroed where ``finite`` is False with ``nonfinite="zero"``."""
     if nonfinite != "zero":
       return updates
-    return jax.tree.map(lambda g: jnp.where(finite, g, jnp.zeros_like(g)), updates)
+    return half_statistics.zeros_unless(finite, updates)
 
   def mean_and_measurement(
     updates: optax.Updates,

@@ -162,6 +162,28 @@ def halves_of(
   return first, jnp.where(share < 1, mean32 - (2 * share) * diff32, 0.0)
 
 
+def zeros_unless(finite: jax.Array, tree: Any) -> Any:
+  """``tree`` where ``finite`` (a bool scalar) is True, else zeros of its leaves' shapes and dtypes.
+
+  How a mean whose statistics are not finite is zeroed (``nonfinite="zero"``),
+  by every reduction and by the transform: a ``where`` per leaf, which XLA
+  fuses into whatever reads the mean.
+
+  Args:
+    finite: whether to keep ``tree`` (a bool scalar, may be traced).
+    tree: arrays, or a single array.
+
+  Returns:
+    ``tree``, or its zeros.
+
+  Example::
+
+    >>> zeros_unless(jnp.array(False), {"w": jnp.ones(2)})["w"].tolist()
+    [0.0, 0.0]
+  """
+  return jax.tree.map(lambda x: jnp.where(finite, x, jnp.zeros_like(x)), tree)
+
+
 def flatten_up_to(treedef: jax.tree_util.PyTreeDef, tree: Any) -> list[Any]:
   """The subtrees of ``tree`` at the leaves of ``treedef``, a prefix of its structure."""
   return treedef.flatten_up_to(tree)
@@ -203,7 +225,7 @@ def global_halves(
   dot, sq_a, sq_b = totals[0], totals[1], totals[2]
   stats = finish_statistics(dot, sq_a, sq_b, sq_norm_of_mean(dot, sq_a, sq_b, share))
   if zero_nonfinite:
-    mean = jax.tree.map(lambda x: jnp.where(stats.finite, x, jnp.zeros_like(x)), mean)
+    mean = zeros_unless(stats.finite, mean)
   return mean, stats
 
 

@@ -64,6 +64,7 @@ from simigrad_jax.reductions.half_statistics import flatten_up_to
 from simigrad_jax.reductions.half_statistics import halves_of
 from simigrad_jax.reductions.half_statistics import pair_statistics
 from simigrad_jax.reductions.half_statistics import squared_norm_of_piece
+from simigrad_jax.reductions.half_statistics import zeros_unless
 
 Reduction = Literal["hierarchical", "scatter", "stacked"]
 REDUCTIONS: tuple[str, ...] = ("hierarchical", "scatter", "stacked")
@@ -364,7 +365,7 @@ def _gather_mean(
   out: list = [None] * len(leaves)
   for piece, indices in zip(pieces, buckets, strict=True):
     if zero_nonfinite:
-      piece = jnp.where(finite, piece, jnp.zeros_like(piece))
+      piece = zeros_unless(finite, piece)
     if dims[indices[0]] is not None:
       out[indices[0]] = piece
       continue
@@ -552,5 +553,5 @@ def _reduce_concatenated(
     partial = lax.psum(partial, axis_name)
   stats = finish_statistics(*partial)
   if zero_nonfinite:
-    out_leaves = [jnp.where(stats.finite, m, jnp.zeros_like(m)) for m in out_leaves]
+    out_leaves = zeros_unless(stats.finite, out_leaves)
   return jax.tree.unflatten(treedef, out_leaves), stats
