@@ -350,35 +350,44 @@ def test_every_process_reads_the_same_outcome_from_the_step_reports():
   assert simigrad_jax.Preempted("SIGTERM", 7, "/run/checkpoints/7", {}).exit_code == 0
 
 
+# Its standard output and error are the terminal that hangs up, so an error is written to the
+# file named by its second argument instead.
 HANG_UP = """
-import os, pty, signal, sys
+import os, pty, signal, sys, threading, traceback
 from simigrad_jax.multihost import preemption
-master, slave = pty.openpty()
-for fd in (1, 2):
-  os.dup2(slave, fd)
-with preemption.StopSignals() as signals:
-  os.close(master)  # the terminal hangs up: writes to it fail from now on
-  os.kill(os.getpid(), signal.SIGHUP)
-  print("a progress bar after the hang-up " * 100, flush=True)
-  print("and a warning", file=sys.stderr, flush=True)
-with open(sys.argv[1], "w") as done:
-  done.write(signals.received.name)
+try:
+  master, slave = pty.openpty()
+  for fd in (1, 2):
+    os.dup2(slave, fd)
+  with preemption.StopSignals() as signals:
+    os.close(master)  # the terminal hangs up: writes to it fail from now on
+    # To this thread, whose handler then runs before the call returns (os.kill may hand the
+    # signal to another of the process's threads, and the handler would run some time later).
+    signal.pthread_kill(threading.get_ident(), signal.SIGHUP)
+    print("a progress bar after the hang-up " * 100, flush=True)
+    print("and a warning", file=sys.stderr, flush=True)
+  with open(sys.argv[1], "w") as done:
+    done.write(signals.received.name)
+except BaseException:
+  with open(sys.argv[2], "w") as error:
+    traceback.print_exc(file=error)
+  raise
 """
 
 
 def test_a_hang_up_is_a_stop_and_the_terminal_it_closed_takes_no_more_output(tmp_path):
   """SIGHUP (a closed terminal, a dropped SSH session) stops as SIGTERM does; the writes after
   it, to the terminal that is gone, fail without it, so the stop could not finish and save."""
-  done = tmp_path / "done"
+  done, error = tmp_path / "done", tmp_path / "error"
   result = subprocess.run(
-    [sys.executable, "-c", HANG_UP, str(done)],
+    [sys.executable, "-c", HANG_UP, str(done), str(error)],
     env=driver_env(),
     capture_output=True,
     text=True,
     timeout=DRIVER_TIMEOUT_SECONDS,
     check=False,
   )
-  assert result.returncode == 0, result.stderr[-3000:]
+  assert result.returncode == 0, error.read_text() if error.exists() else result.stderr[-3000:]
   assert done.read_text() == "SIGHUP"
   assert signal.SIGHUP in preemption.SIGNALS
   assert simigrad_jax.Preempted("SIGHUP", 7, "/run/checkpoints/7", {}).exit_code == 129
