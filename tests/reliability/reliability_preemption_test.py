@@ -356,6 +356,9 @@ HANG_UP = """
 import os, pty, signal, sys, threading, traceback
 from simigrad_jax.multihost import preemption
 try:
+  # As in a terminal's session: a test run under nohup hands SIGHUP down ignored, and
+  # StopSignals leaves an ignored signal ignored.
+  signal.signal(signal.SIGHUP, signal.SIG_DFL)
   master, slave = pty.openpty()
   for fd in (1, 2):
     os.dup2(slave, fd)
